@@ -1,0 +1,242 @@
+"""Typed, frozen launch configuration, loaded from YAML with dotted `key=value` overrides.
+
+pydantic does the validation (`extra="forbid"`: unknown keys are errors); `ConfigError`
+turns its report into one line naming the key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from maestro_jax.plan import Plan, SectionPlan
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line naming the key."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MeshConfig(_Frozen):
+    """Sizes of the section mesh axes; their product must equal the section's device count."""
+
+    data: PositiveInt = 1
+    fsdp: PositiveInt = 1
+    tensor: PositiveInt = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+
+def _devices(value):
+    """Accept `[0, 1, 2]` or a half-open range string `"2:8"`."""
+    if isinstance(value, str):
+        try:
+            lo, hi = (int(v) for v in value.split(":"))
+        except ValueError as err:
+            raise ValueError(f"device range must look like 'start:stop', got {value!r}") from err
+        return list(range(lo, hi))
+    return value
+
+
+class SectionConfig(_Frozen):
+    devices: Annotated[list[int], pydantic.BeforeValidator(_devices)]
+    mesh: MeshConfig = MeshConfig()
+    micro_batch: PositiveInt = 1
+    residuals: Literal["vjp", "remat"] = "vjp"
+    rules: str = "default"
+
+
+class EdgeConfig(_Frozen):
+    fanout: PositiveInt = 1
+
+
+class ViTModelConfig(_Frozen):
+    kind: Literal["vit"]
+    patch: PositiveInt
+    channels: PositiveInt = 3
+    width: PositiveInt
+    depth: PositiveInt
+    heads: PositiveInt
+    mlp: PositiveInt
+    out_width: PositiveInt
+    merge: PositiveInt = 2
+    max_grid: PositiveInt = 64
+
+
+class LLMModelConfig(_Frozen):
+    kind: Literal["llm"]
+    vocab: PositiveInt
+    width: PositiveInt
+    depth: PositiveInt
+    heads: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    mlp: PositiveInt
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+
+
+ModelConfig = Annotated[Union[ViTModelConfig, LLMModelConfig], Field(discriminator="kind")]
+
+
+class DistillConfig(_Frozen):
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    temperature: float = Field(2.0, gt=0.0)
+
+
+class OptimizerConfig(_Frozen):
+    name: Literal["adamw", "sgd"] = "adamw"
+    learning_rate: float = Field(1e-3, gt=0.0)
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class DataConfig(_Frozen):
+    kind: Literal["synthetic"] = "synthetic"
+    num_samples: PositiveInt = 4096
+    text_len: tuple[PositiveInt, PositiveInt] = (8, 48)
+    image_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    max_images: PositiveInt = 2
+    image_sizes: list[tuple[PositiveInt, PositiveInt]] = []
+    shuffle: bool = True
+
+
+class MonolithicConfig(_Frozen):
+    """The baseline: the whole graph as one program over `devices` with one layout."""
+
+    devices: Annotated[list[int], pydantic.BeforeValidator(_devices)] = list(range(8))
+    mesh: MeshConfig = MeshConfig(data=8)
+    micro_batch: PositiveInt = 1
+
+
+class ScheduleConfig(_Frozen):
+    scheduler: Literal["naive", "wavefront"] = "naive"
+    max_in_flight: PositiveInt = 4
+
+
+class Config(_Frozen):
+    workload: Literal["vlm", "kd"]
+    seed: int = 0
+    steps: PositiveInt = 10
+    global_batch: PositiveInt
+    host_devices: PositiveInt = 8
+    device_memory_gb: float | None = Field(None, gt=0.0)
+    output_dir: str | None = None
+    models: dict[str, ModelConfig]
+    distill: DistillConfig = DistillConfig()
+    sections: dict[str, SectionConfig]
+    edges: dict[str, EdgeConfig] = {}
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    monolithic: MonolithicConfig = MonolithicConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    verify_rtol: float = Field(1e-5, gt=0.0)
+
+    def plan(self) -> Plan:
+        return Plan(
+            sections={n: SectionPlan(tuple(s.devices), s.mesh.shape, s.micro_batch, s.residuals, s.rules)
+                      for n, s in self.sections.items()},
+            fanout={n: e.fanout for n, e in self.edges.items()},
+            global_batch=self.global_batch,
+        )
+
+    def monolithic_plan(self) -> SectionPlan:
+        m = self.monolithic
+        return SectionPlan(tuple(m.devices), m.mesh.shape, m.micro_batch)
+
+
+def _set_dotted(tree: dict, key: str, value) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"error: {key}: {p!r} is {nxt!r}, not a mapping, so it has no field {parts[-1]!r}")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _format_error(err: pydantic.ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    for tag in (".vit.", ".llm."):
+        loc = loc.replace(tag, ".")
+    if e["type"] == "extra_forbidden":
+        parent_model = _model_at(Config, [str(p) for p in e["loc"][:-1]])
+        field = str(e["loc"][-1])
+        options = sorted(parent_model.model_fields) if parent_model else []
+        close = difflib.get_close_matches(field, options, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"error: {loc}: unknown key{hint} valid keys: {', '.join(options)}"
+    value = e.get("input")
+    return f"error: {loc}={value!r}: {e['msg']}"
+
+
+def _model_at(model, path):
+    for p in path:
+        if model is None:
+            return None
+        field = model.model_fields.get(p)
+        if field is None:
+            continue  # dict key (section name) or union tag
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else _dict_value_model(ann)
+    return model
+
+
+def _dict_value_model(ann):
+    args = getattr(ann, "__args__", ())
+    for a in args:
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, object]:
+    out = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"error: override {item!r} must look like key=value (e.g. steps=4)")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw else ""
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                base: dict | None = None) -> Config:
+    """Read YAML, apply dotted overrides, validate. Raises ConfigError with a one-line message."""
+    raw: dict = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"error: --config={str(path)!r}: no such file")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"error: --config={str(path)!r}: invalid YAML ({err})".replace("\n", " ")) from err
+    items = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
+    for key, value in items.items():
+        _set_dotted(raw, key, value)
+    try:
+        return Config.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,192 @@
+"""Plans and their constraints (DESIGN.md section 3), checked before any compute.
+
+Plain Python, no JAX: the runtime hands in parameter shapes from `jax.eval_shape`, so every
+check runs before a single program is compiled. Each violation raises its own `PlanError`
+subclass whose message names the config key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from meshes import BATCH_AXES, MESH_AXES, RULES, mesh_axes_for
+
+
+class PlanError(ValueError):
+    """A plan that breaks a constraint; `key` is the dotted config key at fault."""
+
+    def __init__(self, key: str, value, problem: str):
+        self.key, self.value, self.problem = key, value, problem
+        super().__init__(f"{key}={value!r}: {problem}")
+
+
+class ResourceError(PlanError):
+    pass
+
+
+class MeshShapeError(PlanError):
+    pass
+
+
+class FanoutError(PlanError):
+    pass
+
+
+class DivisibilityError(PlanError):
+    pass
+
+
+class MemoryBudgetError(PlanError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionPlan:
+    """Where and how one section runs: its devices, mesh, micro-batch and residual policy."""
+
+    devices: tuple[int, ...]
+    mesh: tuple[int, int, int]  # sizes of MESH_AXES
+    micro_batch: int  # rows per data-parallel shard per micro-step
+    residuals: str = "vjp"  # "vjp": keep vjp residuals until backward; "remat": recompute
+    rules: str = "default"
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(zip(MESH_AXES, self.mesh))
+
+    @property
+    def dp(self) -> int:
+        return math.prod(self.axis_sizes[a] for a in BATCH_AXES)
+
+    @property
+    def rows(self) -> int:
+        return self.dp * self.micro_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    sections: Mapping[str, SectionPlan]
+    fanout: Mapping[str, int]  # edge name -> fanout
+    global_batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One parameter leaf as the constraint checks see it."""
+
+    path: str
+    shape: tuple[int, ...]
+    logical: tuple[str | None, ...] | None
+    itemsize: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeInfo:
+    name: str
+    src: str
+    dst: str
+
+
+def check_resources(plan: Plan, num_devices: int) -> None:
+    owner: dict[int, str] = {}
+    for name, sp in plan.sections.items():
+        key = f"sections.{name}.devices"
+        if not sp.devices:
+            raise ResourceError(key, list(sp.devices), "a section needs at least one device")
+        for d in sp.devices:
+            if not 0 <= d < num_devices:
+                raise ResourceError(key, list(sp.devices),
+                                    f"device {d} does not exist; valid device ids are 0..{num_devices - 1}")
+            if d in owner:
+                raise ResourceError(key, list(sp.devices),
+                                    f"device {d} is also used by section {owner[d]!r}; device sets must be disjoint")
+            owner[d] = name
+    if len(owner) > num_devices:
+        raise ResourceError("sections", len(owner), f"plan uses {len(owner)} devices but only {num_devices} exist")
+
+
+def check_meshes(plan: Plan) -> None:
+    for name, sp in plan.sections.items():
+        size = math.prod(sp.mesh)
+        if size != len(sp.devices):
+            shape = " * ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sp.mesh))
+            raise MeshShapeError(f"sections.{name}.mesh", sp.axis_sizes,
+                                 f"{shape} = {size} but the section has {len(sp.devices)} devices; "
+                                 f"the mesh axes must multiply to the device count")
+        if sp.rules not in RULES:
+            raise MeshShapeError(f"sections.{name}.rules", sp.rules, f"valid rule sets are {sorted(RULES)}")
+        if sp.residuals not in ("vjp", "remat"):
+            raise MeshShapeError(f"sections.{name}.residuals", sp.residuals, "valid values are 'vjp' and 'remat'")
+
+
+def check_fanout(plan: Plan, edges: Sequence[EdgeInfo]) -> None:
+    for e in edges:
+        key = f"edges.{e.name}.fanout"
+        f = plan.fanout.get(e.name, 1)
+        p, c = plan.sections[e.src], plan.sections[e.dst]
+        if f < 1 or p.dp * f != c.dp:
+            valid = (f"fanout {c.dp // p.dp}" if c.dp % p.dp == 0
+                     else f"a consumer data-parallel degree that is a multiple of {p.dp}")
+            raise FanoutError(key, f, f"DP({e.src})={p.dp} * fanout must equal DP({e.dst})={c.dp}; valid: {valid}")
+        if p.micro_batch % f:
+            raise FanoutError(f"sections.{e.src}.micro_batch", p.micro_batch,
+                              f"each producer shard feeds {f} consumer shards (fanout), so its micro-batch "
+                              f"must be a multiple of {f}")
+
+
+def check_divisibility(plan: Plan, sink: str, params: Mapping[str, Sequence[ParamInfo]]) -> None:
+    sp = plan.sections[sink]
+    if plan.global_batch % sp.rows:
+        raise DivisibilityError("global_batch", plan.global_batch,
+                                f"must be a multiple of the {sink!r} rows per micro-step "
+                                f"(data*fsdp*micro_batch = {sp.rows})")
+    for name, infos in params.items():
+        sp = plan.sections[name]
+        rules, sizes = RULES[sp.rules], sp.axis_sizes
+        for info in infos:
+            for dim, logical in zip(info.shape, info.logical or ()):
+                axes = mesh_axes_for(logical, rules)
+                n = math.prod(sizes[a] for a in axes)
+                if dim % n:
+                    raise DivisibilityError(f"sections.{name}.mesh", sizes,
+                                            f"parameter {info.path} dimension {logical!r} of size {dim} is sharded "
+                                            f"over {'*'.join(axes)}={n}, which does not divide it; use mesh sizes "
+                                            f"that divide {dim}")
+
+
+def sharded_bytes(info: ParamInfo, sp: SectionPlan) -> float:
+    rules, sizes = RULES[sp.rules], sp.axis_sizes
+    shards = math.prod(math.prod(sizes[a] for a in mesh_axes_for(lg, rules)) for lg in (info.logical or ()))
+    return math.prod(info.shape) * info.itemsize / shards
+
+
+def state_bytes_per_device(infos: Sequence[ParamInfo], sp: SectionPlan, trained: bool) -> float:
+    """Params, plus grads and two Adam moments when trained, per device."""
+    base = sum(sharded_bytes(i, sp) for i in infos)
+    return base * (4 if trained else 1)
+
+
+def check_memory(plan: Plan, budget_bytes: float | None, state: Mapping[str, float],
+                 activations: Mapping[str, float]) -> None:
+    """`state`/`activations`: per-device bytes of persistent state and of in-flight activations."""
+    if budget_bytes is None:
+        return
+    for name in plan.sections:
+        need = state[name] + activations.get(name, 0.0)
+        if need > budget_bytes:
+            raise MemoryBudgetError(f"sections.{name}", f"{need / 2**30:.3f} GiB/device",
+                                    f"exceeds device_memory_gb={budget_bytes / 2**30:g}; give the section more "
+                                    f"devices, more fsdp/tensor sharding or a smaller micro_batch")
+
+
+def check_plan(plan: Plan, *, num_devices: int, edges: Sequence[EdgeInfo], sink: str,
+               params: Mapping[str, Sequence[ParamInfo]], budget_bytes: float | None = None,
+               state: Mapping[str, float] | None = None, activations: Mapping[str, float] | None = None) -> None:
+    """All of DESIGN.md section 3, cheapest first; raises the first violation."""
+    check_resources(plan, num_devices)
+    check_meshes(plan)
+    check_fanout(plan, edges)
+    check_divisibility(plan, sink, params)
+    check_memory(plan, budget_bytes, state or {}, activations or {})

@@ -1,0 +1,171 @@
+"""From a config to running sections: graph, checked plan, meshes, programs, initial state."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+
+from maestro_jax import plan as plan_lib
+from maestro_jax.config import Config, ConfigError
+from maestro_jax.data import SyntheticSource, global_batches
+from maestro_jax.executor import Executor, sample_metas
+from maestro_jax.graph import SectionGraph
+from maestro_jax.monolithic import Monolithic
+from maestro_jax.programs import SectionPrograms, SectionState, make_optimizer
+from maestro_jax.scheduler import Problem, Schedule, naive
+from maestro_jax.sharding import param_infos, section_mesh, variable_shardings
+from models import LLMConfig, ViTConfig
+from models import kd as kd_graph
+from models import vlm as vlm_graph
+
+WORKLOAD_SECTIONS = {"vlm": ("vision", "llm"), "kd": ("teacher", "student")}
+
+
+def _model(cfg: Config, name: str, kind: str):
+    m = cfg.models.get(name)
+    if m is None:
+        raise ConfigError(f"error: models.{name}: missing; workload {cfg.workload!r} needs models "
+                          f"{', '.join(WORKLOAD_SECTIONS[cfg.workload])}")
+    if m.kind != kind:
+        raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
+    fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
+    return (ViTConfig if kind == "vit" else LLMConfig)(**fields)
+
+
+def build_graph(cfg: Config) -> SectionGraph:
+    if cfg.workload == "vlm":
+        graph = vlm_graph.build(_model(cfg, "vision", "vit"), _model(cfg, "llm", "llm"))
+    else:
+        graph = kd_graph.build(_model(cfg, "teacher", "llm"), _model(cfg, "student", "llm"),
+                               cfg.distill.alpha, cfg.distill.temperature)
+    want = set(graph.names)
+    if set(cfg.sections) != want:
+        raise ConfigError(f"error: sections={sorted(cfg.sections)}: workload {cfg.workload!r} has sections "
+                          f"{sorted(want)}; give each exactly one entry")
+    for e in cfg.edges:
+        if e not in {x.name for x in graph.edges}:
+            raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
+    return graph
+
+
+def data_source(cfg: Config) -> SyntheticSource:
+    sink_model = cfg.models["llm" if cfg.workload == "vlm" else "student"]
+    vision = cfg.models.get("vision") if cfg.workload == "vlm" else None
+    return SyntheticSource(
+        num_samples=cfg.data.num_samples, vocab=sink_model.vocab, text_len=tuple(cfg.data.text_len),
+        image_fraction=cfg.data.image_fraction if vision else 0.0, max_images=cfg.data.max_images,
+        image_sizes=tuple(tuple(s) for s in cfg.data.image_sizes) if vision else (),
+        channels=vision.channels if vision else 3, patch=vision.patch if vision else 1,
+        merge=vision.merge if vision else 1, seed=cfg.seed)
+
+
+@dataclasses.dataclass
+class Runtime:
+    cfg: Config
+    graph: SectionGraph
+    plan: plan_lib.Plan
+    problem: Problem
+    meshes: dict
+    shardings: dict
+    programs: dict[str, SectionPrograms]
+    executor: Executor
+    abstract: dict
+
+    def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
+        """Each section initialises straight into its own sharding (never a full copy on one device)."""
+        key = jax.random.key(self.cfg.seed if seed is None else seed)
+        return {s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
+                for s in self.graph.names}
+
+    def schedule(self, samples) -> Schedule:
+        metas = sample_metas(self.graph, samples)
+        if self.cfg.schedule.scheduler == "wavefront":
+            from maestro_jax.scheduler import wavefront  # noqa: PLC0415 (optional scheduler)
+            return wavefront(metas, self.problem)
+        return naive(metas, self.problem)
+
+    def batches(self):
+        return global_batches(data_source(self.cfg), self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle)
+
+    @functools.cached_property
+    def monolithic(self) -> "MonolithicRuntime":
+        return build_monolithic(self)
+
+
+def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
+    init = jax.jit(lambda k: nn.meta.unbox(graph.init(k)[name]), out_shardings=shardings)
+    with jax.set_mesh(mesh):
+        v = init(key)
+    opt = programs.init_optimizer(v["params"]) if graph.section(name).trained else None
+    return SectionState(v["params"], v["consts"], opt)
+
+
+def build_runtime(cfg: Config) -> Runtime:
+    """Check the whole plan (DESIGN.md section 3) before building or compiling anything."""
+    graph = build_graph(cfg)
+    plan = cfg.plan()
+    abstract = jax.eval_shape(graph.init, jax.random.key(cfg.seed))
+    infos = {s: param_infos(abstract[s]) for s in graph.names}
+    edges = tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)
+    state = {s: plan_lib.state_bytes_per_device(infos[s], plan.sections[s], graph.section(s).trained)
+             for s in graph.names if s in plan.sections}
+    budget = cfg.device_memory_gb * 2**30 if cfg.device_memory_gb else None
+    plan_lib.check_plan(plan, num_devices=len(jax.devices()), edges=edges, sink=graph.sink, params=infos,
+                        budget_bytes=budget, state=state)
+    meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
+    shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
+    trained = frozenset(s.name for s in graph.sections if s.trained)
+    programs = {}
+    for s in graph.names:
+        sp = plan.sections[s]
+        programs[s] = SectionPrograms(
+            graph.section(s), meshes[s], shardings[s], make_optimizer(cfg.optimizer), sp.residuals,
+            out_edges=tuple(e.name for e in graph.consumers_of(s)),
+            diff_inputs=tuple(e.name for e in graph.producers_of(s) if e.src in trained),
+            is_sink=s == graph.sink)
+    problem = Problem(order=graph.topological_order(), sink=graph.sink, trained=trained, edges=edges,
+                      rows={s: plan.sections[s].rows for s in graph.names},
+                      dp={s: plan.sections[s].dp for s in graph.names},
+                      fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight)
+    return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
+                   abstract)
+
+
+@dataclasses.dataclass
+class MonolithicRuntime:
+    model: Monolithic
+    mesh: object
+    shardings: dict
+
+    def init_states(self, graph, cfg, seed=None) -> dict[str, SectionState]:
+        key = jax.random.key(cfg.seed if seed is None else seed)
+        out = {}
+        for s in graph.names:
+            init = jax.jit(lambda k, s=s: nn.meta.unbox(graph.init(k)[s]), out_shardings=self.shardings[s])
+            with jax.set_mesh(self.mesh):
+                v = init(key)
+                opt = jax.jit(self.model.optimizers[s].init)(v["params"]) if graph.section(s).trained else None
+            out[s] = SectionState(v["params"], v["consts"], opt)
+        return out
+
+
+def build_monolithic(rt: Runtime) -> MonolithicRuntime:
+    cfg, graph = rt.cfg, rt.graph
+    sp = cfg.monolithic_plan()
+    mono_plan = plan_lib.Plan({s: sp for s in graph.names}, {}, cfg.global_batch)
+    infos = {s: param_infos(rt.abstract[s]) for s in graph.names}
+    try:
+        plan_lib.check_resources(plan_lib.Plan({"all": sp}, {}, cfg.global_batch), len(jax.devices()))
+        plan_lib.check_meshes(mono_plan)
+        plan_lib.check_divisibility(mono_plan, graph.sink, infos)
+    except plan_lib.PlanError as err:
+        parts = err.key.split(".", 2)
+        key = f"monolithic.{parts[2]}" if parts[0] == "sections" and len(parts) == 3 else err.key
+        raise type(err)(key, err.value, err.problem) from None
+    mesh = section_mesh(sp)
+    shardings = {s: variable_shardings(rt.abstract[s], mesh, sp.rules) for s in graph.names}
+    optimizers = {s: make_optimizer(cfg.optimizer) for s in graph.names if graph.section(s).trained}
+    return MonolithicRuntime(Monolithic(graph, sp, mesh, shardings, optimizers), mesh, shardings)

@@ -1,0 +1,264 @@
+"""Schedules: which samples form each section's micro-steps, and one total order of operations.
+
+Plain Python, no JAX. Operations:
+  F(s, k)   forward of micro-step k of section s (the sink's F is its loss-and-grad);
+  X(e, k)   transfer of producer micro-step k's output along edge e to the consumer's mesh;
+  XB(e, k)  transfer of the summed cotangent of that output back to the producer's mesh;
+  B(s, k)   backward of a trained producer's micro-step k;
+  U(s)      optimizer update of a trained section.
+Rows of a micro-step are laid out shard-major: row r sits on data shard r // micro_batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from maestro_jax.plan import EdgeInfo
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleMeta:
+    """What the scheduler knows of a sample: the sections it activates and its work in each."""
+
+    sections: frozenset[str]
+    work: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The graph and plan as the scheduler sees them."""
+
+    order: tuple[str, ...]  # topological
+    sink: str
+    trained: frozenset[str]
+    edges: tuple[EdgeInfo, ...]
+    rows: Mapping[str, int]
+    dp: Mapping[str, int]
+    fanout: Mapping[str, int]
+    max_in_flight: int = 4
+
+    def micro_batch(self, s: str) -> int:
+        return self.rows[s] // self.dp[s]
+
+    def in_edges(self, s: str) -> tuple[EdgeInfo, ...]:
+        return tuple(e for e in self.edges if e.dst == s)
+
+    def out_edges(self, s: str) -> tuple[EdgeInfo, ...]:
+        return tuple(e for e in self.edges if e.src == s)
+
+    def needs_backward(self, s: str) -> bool:
+        return s in self.trained and s != self.sink
+
+    def sends_cotangent(self, e: EdgeInfo) -> bool:
+        return e.src in self.trained
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStep:
+    section: str
+    index: int
+    rows: tuple[int, ...]  # sample positions in the global batch; -1 is padding
+    deps: Mapping[str, tuple[int, ...]]  # in-edge -> producer micro-step indices, in route order
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        return tuple(r for r in self.rows if r >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # F, X, XB, B, U
+    section: str
+    step: int = -1
+    edge: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind in ("X", "XB"):
+            return f"{self.kind}({self.edge},{self.step})"
+        return f"{self.kind}({self.section})" if self.kind == "U" else f"{self.kind}({self.section},{self.step})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    steps: Mapping[str, tuple[MicroStep, ...]]
+    ops: tuple[Op, ...]
+    num_samples: int
+    name: str = "naive"
+
+    def routes(self, problem: Problem, section: str, index: int) -> dict[str, list[int]]:
+        """Per in-edge, each row's index into the concatenated producer outputs (-1: none)."""
+        step = self.steps[section][index]
+        out = {}
+        for e in problem.in_edges(section):
+            where = {}
+            for pos, k in enumerate(step.deps.get(e.name, ())):
+                for q, sample in enumerate(self.steps[e.src][k].rows):
+                    if sample >= 0:
+                        where[sample] = pos * problem.rows[e.src] + q
+            out[e.name] = [where.get(s, -1) if s >= 0 else -1 for s in step.rows]
+        return out
+
+
+def _chunk(samples: Sequence[int], rows: int) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(0, len(samples), rows):
+        part = tuple(samples[i:i + rows])
+        out.append(part + (-1,) * (rows - len(part)))
+    return out
+
+
+def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
+    """Micro-steps with their producer dependencies derived from which samples they hold."""
+    home: dict[tuple[str, int], int] = {}
+    for s, chunks in rows_by_section.items():
+        for k, rows in enumerate(chunks):
+            for sample in rows:
+                if sample >= 0:
+                    home[(s, sample)] = k
+    steps = {}
+    for s, chunks in rows_by_section.items():
+        built = []
+        for k, rows in enumerate(chunks):
+            deps = {}
+            for e in problem.in_edges(s):
+                ks = sorted({home[(e.src, x)] for x in rows if x >= 0 and (e.src, x) in home})
+                if ks:
+                    deps[e.name] = tuple(ks)
+            built.append(MicroStep(s, k, rows, deps))
+        steps[s] = tuple(built)
+    return steps
+
+
+def backward_ops(problem: Problem, steps: Mapping[str, Sequence[MicroStep]]) -> list[Op]:
+    """Cotangent transfers and backwards in reverse topological order, then the updates."""
+    ops = []
+    for s in reversed(problem.order):
+        if problem.needs_backward(s):
+            for k in range(len(steps[s])):
+                ops += [Op("XB", s, k, e.name) for e in problem.out_edges(s) if _consumed(steps, e, k)]
+                ops.append(Op("B", s, k))
+    ops += [Op("U", s) for s in problem.order if s in problem.trained]
+    return ops
+
+
+def _consumed(steps, e: EdgeInfo, k: int) -> bool:
+    return any(k in st.deps.get(e.name, ()) for st in steps[e.dst])
+
+
+def naive(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
+    """Samples in arrival order; each section runs all its micro-steps after its producers finish."""
+    rows = {s: _chunk([i for i, m in enumerate(metas) if s in m.sections], problem.rows[s]) for s in problem.order}
+    steps = link(problem, rows)
+    ops: list[Op] = []
+    for s in problem.order:
+        for k in range(len(steps[s])):
+            ops.append(Op("F", s, k))
+        for e in problem.out_edges(s):
+            ops += [Op("X", s, k, e.name) for k in range(len(steps[s])) if _consumed(steps, e, k)]
+    ops += backward_ops(problem, steps)
+    return Schedule(steps, tuple(ops), len(metas), "naive")
+
+
+def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, *, in_flight: bool = False,
+             block_map: bool = False) -> None:
+    """Raise ScheduleError unless every sample and dependency rule holds."""
+    steps = schedule.steps
+    for s in problem.order:
+        seen: dict[int, int] = {}
+        for st in steps.get(s, ()):
+            if len(st.rows) != problem.rows[s]:
+                raise ScheduleError(f"{s} micro-step {st.index} has {len(st.rows)} rows, plan says {problem.rows[s]}")
+            for x in st.samples:
+                if s not in metas[x].sections:
+                    raise ScheduleError(f"sample {x} does not activate {s} but is in its micro-step {st.index}")
+                seen[x] = seen.get(x, 0) + 1
+        for i, m in enumerate(metas):
+            if (s in m.sections) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
+                raise ScheduleError(f"sample {i} passes {seen.get(i, 0)} times through {s}; "
+                                    f"expected {int(s in m.sections)}")
+    for s in problem.order:
+        for st in steps[s]:
+            for e in problem.in_edges(s):
+                held = {x for k in st.deps.get(e.name, ()) for x in steps[e.src][k].samples}
+                need = {x for x in st.samples if e.src in metas[x].sections}
+                if not need <= held:
+                    raise ScheduleError(f"{s} micro-step {st.index} needs samples {sorted(need - held)} from "
+                                        f"{e.src} but does not depend on the micro-steps holding them")
+                for k in st.deps.get(e.name, ()):
+                    if not set(steps[e.src][k].samples) & need:
+                        raise ScheduleError(f"{s} micro-step {st.index} depends on {e.src} micro-step {k} "
+                                            f"without using any of its samples")
+                if block_map:
+                    _check_block_map(problem, schedule, e, st)
+    _check_ops(schedule, problem, in_flight)
+
+
+def _check_block_map(problem: Problem, schedule: Schedule, e: EdgeInfo, st: MicroStep) -> None:
+    mb_p, mb_c, f = problem.micro_batch(e.src), problem.micro_batch(e.dst), problem.fanout.get(e.name, 1)
+    shard_of = {x: q // mb_p for k in st.deps.get(e.name, ()) for q, x in enumerate(schedule.steps[e.src][k].rows)
+                if x >= 0}
+    for r, x in enumerate(st.rows):
+        if x in shard_of and not shard_of[x] * f <= r // mb_c < (shard_of[x] + 1) * f:
+            raise ScheduleError(f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "
+                                f"{shard_of[x] * f}..{(shard_of[x] + 1) * f - 1} (fanout {f}), but it sits on "
+                                f"{e.dst} shard {r // mb_c}")
+
+
+def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
+    """Every op the schedule must contain, mapped to the ops it depends on."""
+    steps, req = schedule.steps, {}
+    for s in problem.order:
+        for st in steps[s]:
+            req[Op("F", s, st.index)] = [Op("X", e.src, k, e.name) for e in problem.in_edges(s)
+                                         for k in st.deps.get(e.name, ())]
+        for e in problem.out_edges(s):
+            for k in range(len(steps[s])):
+                if not _consumed(steps, e, k):
+                    continue
+                req[Op("X", s, k, e.name)] = [Op("F", s, k)]
+                if problem.sends_cotangent(e):
+                    done = "F" if e.dst == problem.sink else "B"
+                    req[Op("XB", s, k, e.name)] = [Op(done, e.dst, st.index) for st in steps[e.dst]
+                                                   if k in st.deps.get(e.name, ())]
+    for s in problem.order:
+        if problem.needs_backward(s):
+            for k in range(len(steps[s])):
+                req[Op("B", s, k)] = [Op("F", s, k)] + [Op("XB", s, k, e.name) for e in problem.out_edges(s)
+                                                        if _consumed(steps, e, k)]
+        if s in problem.trained:
+            last = "B" if problem.needs_backward(s) else "F"
+            req[Op("U", s)] = [Op(last, s, k) for k in range(len(steps[s]))]
+    return req
+
+
+def _check_ops(schedule: Schedule, problem: Problem, in_flight: bool) -> None:
+    req = required_ops(schedule, problem)
+    position = {}
+    for i, op in enumerate(schedule.ops):
+        if op in position:
+            raise ScheduleError(f"operation {op} appears twice")
+        position[op] = i
+    missing = [str(op) for op in req if op not in position]
+    extra = [str(op) for op in position if op not in req]
+    if missing or extra:
+        raise ScheduleError(f"operations missing: {missing}; unexpected: {extra}")
+    for op, deps in req.items():
+        for d in deps:
+            if position[d] > position[op]:
+                raise ScheduleError(f"{op} runs before {d}, which it depends on")
+    if in_flight:
+        for s in problem.order:
+            if not problem.needs_backward(s):
+                continue
+            stash = peak = 0
+            for op in schedule.ops:
+                if op.section == s and op.kind in ("F", "B"):
+                    stash += 1 if op.kind == "F" else -1
+                    peak = max(peak, stash)
+            if peak > problem.max_in_flight:
+                raise ScheduleError(f"section {s} stashes {peak} micro-steps, bound is {problem.max_in_flight}")

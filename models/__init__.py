@@ -1,0 +1,16 @@
+"""Flax models for maestro_jax workloads.
+
+Models speak logical axes only; `meshes/` maps them onto mesh axes.
+
+Shape-suffix glossary used across `models/` and `maestro_jax/`:
+  B  batch rows of one micro-step       L  text length (tokens)
+  P  image patches (packed per row)     T  merged image tokens (P / merge**2)
+  D  model width                        V  vocabulary
+  H  query heads   G  key/value heads   K  head dimension
+  F  MLP hidden width                   C  patch feature size (patch*patch*channels)
+"""
+
+from models.llm import DecoderLM, LLMConfig
+from models.vit import ViTConfig, VisionEncoder
+
+__all__ = ["DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder"]

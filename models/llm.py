@@ -1,0 +1,89 @@
+"""Decoder-only LLM in the Llama/Qwen family: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models.layers import RMSNorm, attention, partitioned, rotary
+
+_init = nn.initializers.normal(0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMConfig:
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+
+
+class DecoderBlock(nn.Module):
+    cfg: LLMConfig
+
+    @nn.compact
+    def __call__(self, x_BLD, positions_BL, mask_BLL):
+        c = self.cfg
+        h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
+        q = nn.DenseGeneral((c.heads, c.head_dim), use_bias=False, name="q",
+                            kernel_init=partitioned(_init, "embed", "heads", "head_dim"))(h)
+        k = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=False, name="k",
+                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"))(h)
+        v = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=False, name="v",
+                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"))(h)
+        q = rotary(q, positions_BL, c.rope_theta)
+        k = rotary(k, positions_BL, c.rope_theta)
+        o = attention(q, k, v, mask_BLL)
+        x_BLD = x_BLD + nn.DenseGeneral(c.width, axis=(-2, -1), use_bias=False, name="o",
+                                        kernel_init=partitioned(_init, "heads", "head_dim", "embed"))(o)
+        h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
+        gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
+        up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
+        down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
+        return x_BLD + down(nn.silu(gate) * up)
+
+
+class DecoderLM(nn.Module):
+    """A causal LM whose pieces can be called apart (`embed`, `hidden`, `logits`).
+
+    The split matters for compound workloads: a VLM replaces some token embeddings with image
+    embeddings between `embed` and `hidden`; a KD teacher section sends `hidden` and the
+    student section applies the teacher's output layer.
+    """
+
+    cfg: LLMConfig
+    with_head: bool = True  # False: a body whose output layer lives elsewhere (KD teacher section)
+
+    def setup(self):
+        c = self.cfg
+        self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
+        self.blocks = [DecoderBlock(c, name=f"block_{i}") for i in range(c.depth)]
+        self.final_norm = RMSNorm(c.norm_eps)
+        if self.with_head and not c.tie_embeddings:
+            self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))
+
+    def embed(self, ids_BL):
+        return jnp.take(self.embedding, ids_BL, axis=0)
+
+    def hidden(self, x_BLD, positions_BL, valid_BL):
+        """Final-normed hidden states from input embeddings (causal, padding masked)."""
+        causal = positions_BL[:, :, None] >= positions_BL[:, None, :]
+        mask_BLL = causal & valid_BL[:, None, :]
+        for block in self.blocks:
+            x_BLD = block(x_BLD, positions_BL, mask_BLL)
+        return self.final_norm(x_BLD)
+
+    def output_weights(self):
+        return self.embedding.T if self.cfg.tie_embeddings else self.lm_head
+
+    def logits(self, h_BLD):
+        return h_BLD @ self.output_weights()
+
+    def __call__(self, ids_BL, positions_BL, valid_BL):
+        return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL))

@@ -1,0 +1,84 @@
+"""ViT encoder over variable-size images, packed per row, with a 2x2 patch merger.
+
+Images of any size (multiples of `patch * merge`) are cut into patches ordered so each
+`merge x merge` window is contiguous; all patches of a sample's images are packed into one
+row with a segment id per image, and attention is block-diagonal over segments. The merger
+concatenates each window and projects it to the LLM width (Qwen2-VL style).
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models.layers import attention, partitioned
+
+_init = nn.initializers.normal(0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    patch: int
+    channels: int
+    width: int
+    depth: int
+    heads: int
+    mlp: int
+    out_width: int
+    merge: int = 2
+    max_grid: int = 64
+
+    @property
+    def patch_features(self) -> int:
+        return self.patch * self.patch * self.channels
+
+
+class ViTBlock(nn.Module):
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, x_BPD, mask_BPP):
+        c = self.cfg
+        hd = c.width // c.heads
+        h = nn.LayerNorm(name="attn_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
+                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
+        qkv = [nn.DenseGeneral((c.heads, hd), name=n, kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
+                               bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"))(h)
+               for n in ("q", "k", "v")]
+        o = attention(*qkv, mask_BPP)
+        x_BPD = x_BPD + nn.DenseGeneral(c.width, axis=(-2, -1), name="o",
+                                        kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
+                                        bias_init=partitioned(nn.initializers.zeros, "embed"))(o)
+        h = nn.LayerNorm(name="mlp_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
+                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
+        h = nn.Dense(c.mlp, name="fc1", kernel_init=partitioned(_init, "embed", "mlp"),
+                     bias_init=partitioned(nn.initializers.zeros, "mlp"))(h)
+        h = nn.Dense(c.width, name="fc2", kernel_init=partitioned(_init, "mlp", "embed"),
+                     bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(h))
+        return x_BPD + h
+
+
+class VisionEncoder(nn.Module):
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, patches_BPC, segments_BP, grid_BP2):
+        """patches -> merged image tokens `B x P/merge**2 x out_width`."""
+        c = self.cfg
+        x = nn.Dense(c.width, name="patch_embed", kernel_init=partitioned(_init, "patch", "embed"),
+                     bias_init=partitioned(nn.initializers.zeros, "embed"))(patches_BPC)
+        row = self.param("pos_row", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
+        col = self.param("pos_col", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
+        x = x + jnp.take(row, grid_BP2[..., 0], axis=0) + jnp.take(col, grid_BP2[..., 1], axis=0)
+        mask_BPP = (segments_BP[:, :, None] == segments_BP[:, None, :]) & (segments_BP[:, None, :] > 0)
+        for i in range(c.depth):
+            x = ViTBlock(c, name=f"block_{i}")(x, mask_BPP)
+        x = nn.LayerNorm(name="merge_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
+                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x)
+        b, p, d = x.shape
+        window = c.merge * c.merge
+        x = x.reshape(b, p // window, window * d)
+        x = nn.Dense(c.out_width * 2, name="merger_fc1", kernel_init=partitioned(_init, "embed", "mlp"),
+                     bias_init=partitioned(nn.initializers.zeros, "mlp"))(x)
+        return nn.Dense(c.out_width, name="merger_fc2", kernel_init=partitioned(_init, "mlp", "embed"),
+                        bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(x))
