@@ -7,6 +7,7 @@ turns its report into one line naming the key, the value and what would be valid
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -173,9 +174,10 @@ def _set_dotted(tree: dict, key: str, value) -> None:
 
 def _format_error(err: pydantic.ValidationError) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
-    for tag in (".vit.", ".llm."):
-        loc = loc.replace(tag, ".")
+    parts = [str(p) for p in e["loc"]]
+    if len(parts) > 2 and parts[0] == "models" and parts[2] in ("vit", "llm"):
+        del parts[2]  # pydantic's union tag, not a config key
+    loc = ".".join(parts)
     if e["type"] == "extra_forbidden":
         parent_model = _model_at(Config, [str(p) for p in e["loc"][:-1]])
         field = str(e["loc"][-1])
@@ -213,7 +215,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, object]:
         if "=" not in item:
             raise ConfigError(f"error: override {item!r} must look like key=value (e.g. steps=4)")
         key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw) if raw else ""
+        # "2:8" is a device range; YAML 1.1 would read it as the base-60 integer 128
+        out[key.strip()] = raw if re.fullmatch(r"\d+:\d+", raw) else (yaml.safe_load(raw) if raw else "")
     return out
 
 

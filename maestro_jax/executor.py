@@ -93,6 +93,8 @@ class Executor:
     def _collect_cotangents(self, step, d_inputs, cotangents) -> None:
         """Sum each input cotangent into its producer micro-step's slot (still on this mesh)."""
         for edge, parts in d_inputs.items():
+            if parts is None:  # no row of this micro-step used the edge
+                continue
             for k, ct in zip(step.deps.get(edge, ()), parts):
                 key = (edge, k)
                 cotangents[key] = ct if key not in cotangents else cotangents[key] + ct

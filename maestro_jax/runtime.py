@@ -107,7 +107,7 @@ def build_runtime(cfg: Config) -> Runtime:
     """Check the whole plan (DESIGN.md section 3) before building or compiling anything."""
     graph = build_graph(cfg)
     plan = cfg.plan()
-    abstract = jax.eval_shape(graph.init, jax.random.key(cfg.seed))
+    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
     infos = {s: param_infos(abstract[s]) for s in graph.names}
     edges = tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)
     state = {s: plan_lib.state_bytes_per_device(infos[s], plan.sections[s], graph.section(s).trained)

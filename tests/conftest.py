@@ -1,0 +1,31 @@
+"""Every test runs on 8 virtual CPU devices; the flag must be set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD performance notes are noise in tests
+
+import pathlib  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Tests build many runtimes with identical programs; XLA's persistent cache compiles each once.
+jax.config.update("jax_compilation_cache_dir", os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Shrinks the shipped configs so that tests compile fast; the plans under test stay as given.
+TINY_VLM = ["global_batch=8", "models.vision.depth=1", "models.llm.depth=1", "data.text_len=[6,14]",
+            "data.image_sizes=[[8,8],[16,8]]", "data.max_images=2"]
+TINY_KD = ["global_batch=8", "models.teacher.depth=1", "models.student.depth=1", "data.text_len=[6,14]",
+           "sections.teacher.micro_batch=2", "sections.student.micro_batch=1"]
+
+
+@pytest.fixture
+def config_path():
+    return lambda name: ROOT / "configs" / name

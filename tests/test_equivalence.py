@@ -1,0 +1,89 @@
+"""Every plan gives the monolithic step's loss, gradients and updated parameters (fp32 rounding)."""
+
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+
+from maestro_jax.config import load_config
+from maestro_jax.runtime import build_runtime
+from maestro_jax.verify import verify
+
+RTOL = 1e-5
+
+VLM_PLANS = {
+    # 2 + 6 devices, tensor parallel LLM, fanout 1 (the shipped plan)
+    "shipped": [],
+    # 1 + 4 devices, fanout 4, fsdp LLM, vision recomputes in backward, 3 devices idle
+    "fanout4_fsdp_remat": ["sections.vision.devices=[0]", "sections.vision.mesh={data: 1}",
+                           "sections.vision.micro_batch=4", "sections.vision.residuals=remat",
+                           "sections.llm.devices=1:5", "sections.llm.mesh={data: 2, fsdp: 2}",
+                           "sections.llm.micro_batch=1", "edges.image_embeds.fanout=4"],
+    # tensor-parallel vision, fanout 2
+    "fanout2_tensor_vision": ["sections.vision.devices=0:4", "sections.vision.mesh={data: 2, tensor: 2}",
+                              "sections.vision.micro_batch=2", "sections.llm.devices=4:8",
+                              "sections.llm.mesh={data: 2, fsdp: 2}", "sections.llm.micro_batch=1",
+                              "edges.image_embeds.fanout=2"],
+    # fsdp everywhere, LLM fsdp x tensor
+    "fsdp_tensor": ["sections.vision.mesh={fsdp: 2}", "sections.llm.mesh={fsdp: 2, tensor: 3}",
+                    "sections.llm.micro_batch=1", "sections.vision.micro_batch=1"],
+}
+KD_PLANS = {
+    "shipped_fanout2": [],
+    "fanout1_tensor_student": ["sections.student.mesh={data: 2, tensor: 2}", "edges.teacher_hidden.fanout=1",
+                               "sections.student.micro_batch=2"],
+    "fanout4": ["sections.teacher.devices=[0]", "sections.teacher.mesh={data: 1}", "sections.teacher.micro_batch=4",
+                "sections.student.devices=1:5", "edges.teacher_hidden.fanout=4"],
+    "fsdp_student_6dev": ["sections.teacher.devices=0:2", "sections.teacher.mesh={data: 1, tensor: 2}",
+                          "sections.teacher.micro_batch=4", "sections.student.devices=2:8",
+                          "sections.student.mesh={data: 2, fsdp: 1, tensor: 3}", "edges.teacher_hidden.fanout=2",
+                          "models.student.heads=6", "models.student.kv_heads=3", "models.student.mlp=48",
+                          "models.student.vocab=258", "models.teacher.vocab=258", "monolithic.mesh={data: 4, fsdp: 2}"],
+}
+
+
+def check(cfg):
+    diffs = verify(cfg)
+    for d in diffs:
+        assert d.max_rel <= RTOL, f"{d.name}: relative difference {d.max_rel:.3e} > {RTOL}"
+    assert {d.name for d in diffs} >= {"loss"} | {f"{s}/grads" for s in ("llm", "vision", "student") if
+                                                   any(d.name.startswith(s) for d in diffs)}
+    return diffs
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_vlm_image_fractions(fraction):
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + [f"data.image_fraction={fraction}"])
+    rt = build_runtime(cfg)
+    with_images = sum(s.has_image for s in rt.batches()[0])
+    assert with_images == {0.0: 0, 1.0: 8}.get(fraction, with_images)
+    if fraction == 0.5:
+        assert 0 < with_images < 8, "the mixed batch must hold both kinds of samples"
+    diffs = check(cfg)
+    names = {d.name for d in diffs}
+    assert {"vision/grads", "llm/grads", "vision/params_after_update"} <= names
+
+
+@pytest.mark.parametrize("plan", [p for p in VLM_PLANS if p != "shipped"])
+def test_vlm_plans(plan):
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + VLM_PLANS[plan])
+    check(cfg)
+
+
+@pytest.mark.parametrize("plan", list(KD_PLANS))
+def test_kd_plans(plan):
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + KD_PLANS[plan])
+    diffs = check(cfg)
+    assert [d.name for d in diffs] == ["loss", "student/grads", "student/params_after_update"]
+
+
+def test_vision_skips_text_only_samples():
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.image_fraction=0.5"])
+    rt = build_runtime(cfg)
+    samples = rt.batches()[0]
+    schedule = rt.schedule(samples)
+    in_vision = {x for st in schedule.steps["vision"] for x in st.samples}
+    assert in_vision == {i for i, s in enumerate(samples) if s.has_image}
+    host = rt.executor.host_batches(samples, schedule)
+    for st in schedule.steps["vision"]:
+        segs = host[("vision", st.index)]["segments"]
+        for r, x in enumerate(st.rows):
+            assert (segs[r].max() > 0) == (x >= 0), "only image samples may occupy vision rows"

@@ -1,0 +1,81 @@
+"""Each plan constraint raises its own error, naming key, value and what is valid, before compiling."""
+
+import jax
+import pytest
+from conftest import ROOT, TINY_VLM
+
+from maestro_jax import plan as plan_lib
+from maestro_jax.config import ConfigError, load_config
+from maestro_jax.runtime import build_runtime
+
+VLM = ROOT / "configs/vlm_tiny.yaml"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations through jax.monitoring (a real event, not a mock)."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **kwargs):
+        if "backend_compile" in event:
+            self.count += 1
+
+
+COUNTER = CompileCounter()
+
+CASES = [
+    (["sections.llm.devices=1:7"], plan_lib.ResourceError, "sections.llm.devices", "also used by section 'vision'"),
+    (["sections.llm.devices=4:10", "sections.vision.devices=0:2"], plan_lib.ResourceError, "sections.llm.devices",
+     "valid device ids are 0..7"),
+    (["sections.llm.mesh={data: 2, tensor: 2}"], plan_lib.MeshShapeError, "sections.llm.mesh",
+     "must multiply to the device count"),
+    (["edges.image_embeds.fanout=2"], plan_lib.FanoutError, "edges.image_embeds.fanout", "valid: fanout 1"),
+    (["sections.vision.micro_batch=4", "sections.llm.mesh={data: 6}", "edges.image_embeds.fanout=3",
+      "sections.llm.micro_batch=1", "global_batch=12"],
+     plan_lib.FanoutError, "sections.vision.micro_batch", "multiple of 3"),
+    (["global_batch=10"], plan_lib.DivisibilityError, "global_batch", "multiple of the 'llm' rows"),
+    (["sections.llm.mesh={data: 1, tensor: 6}", "edges.image_embeds.fanout=1", "sections.vision.mesh={tensor: 2}"],
+     plan_lib.DivisibilityError, "sections.llm.mesh", "does not divide"),
+    (["device_memory_gb=0.0001"], plan_lib.MemoryBudgetError, "sections.", "exceeds device_memory_gb"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,key,text", CASES, ids=[c[1].__name__ + str(i) for i, c in enumerate(CASES)])
+def test_constraint_violation_raises_before_compiling(overrides, error, key, text):
+    cfg = load_config(VLM, TINY_VLM + overrides)
+    before = COUNTER.count
+    with pytest.raises(error) as info:
+        build_runtime(cfg)
+    assert COUNTER.count == before, "the plan must be rejected before any compilation"
+    assert info.value.key.startswith(key)
+    assert text in str(info.value)
+    assert repr(info.value.value) in str(info.value) or str(info.value.value) in str(info.value)
+
+
+def test_compile_counter_sees_compiles():
+    before = COUNTER.count
+    jax.jit(lambda x: x * 3 + 1)(jax.numpy.ones(7)).block_until_ready()
+    assert COUNTER.count > before
+
+
+def test_monolithic_layout_checked():
+    cfg = load_config(VLM, TINY_VLM + ["monolithic.mesh={data: 4, tensor: 2}"])
+    rt = build_runtime(cfg)
+    with pytest.raises(plan_lib.DivisibilityError, match="monolithic.mesh"):
+        rt.monolithic  # noqa: B018
+
+
+@pytest.mark.parametrize("overrides,text", [
+    (["sections.llm.micro_bach=2"], "did you mean 'micro_batch'"),
+    (["steps=many"], "steps='many'"),
+    (["sections.llm.mesh.tensor=0"], "sections.llm.mesh.tensor=0"),
+    (["models.llm.kind=cnn"], "models.llm"),
+])
+def test_bad_config_one_line_error(overrides, text):
+    with pytest.raises(ConfigError) as info:
+        load_config(VLM, overrides)
+    msg = str(info.value)
+    assert msg.startswith("error: ") and "\n" not in msg
+    assert text in msg

@@ -1,0 +1,28 @@
+"""The CLI trains the shipped VLM config and the loss falls."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_train_cli_loss_falls(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
+           "steps=6", "models.vision.depth=1", "models.llm.depth=1", f"output_dir={out}", "optimizer.learning_rate=0.01"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
+
+
+def test_cli_bad_config_exits_2_with_one_line():
+    cmd = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
+           "sections.llm.devices=1:7"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: sections.llm.devices")
+    assert "Traceback" not in proc.stderr

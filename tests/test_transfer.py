@@ -1,0 +1,69 @@
+"""Cross-mesh transfers are exact and never take the host path.
+
+jax caches a host copy in `Array._npy_value` when `device_put` falls back to its slow path
+(`shard_sharded_device_array_slow_path` reads `x._value`); a transfer that stays
+device-to-device leaves it unset. The first test shows the detector fires on plain device_put.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maestro_jax.plan import SectionPlan
+from maestro_jax.sharding import row_sharding, section_mesh
+from maestro_jax.transfer import plan_transfer, transfer
+
+
+def mesh(devices, shape):
+    return section_mesh(SectionPlan(tuple(devices), shape, 1))
+
+
+def source(sharding, shape=(8, 6, 4)):
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    # a fresh device result, so no host copy exists yet
+    arr = jax.jit(lambda v: v + 0, out_shardings=sharding)(x)
+    assert arr._npy_value is None
+    return x, arr
+
+
+def test_plain_device_put_fan_out_goes_through_host():
+    _, arr = source(row_sharding(mesh([0, 1], (2, 1, 1))))
+    jax.device_put(arr, row_sharding(mesh([4, 5, 6, 7], (4, 1, 1)))).block_until_ready()
+    assert arr._npy_value is not None, "detector: jax's slow path should have cached a host copy"
+
+
+CASES = {
+    "fan_out_2_to_4": ([0, 1], (2, 1, 1), P(("data", "fsdp")), [4, 5, 6, 7], (4, 1, 1), P(("data", "fsdp"))),
+    "fan_in_4_to_2": ([0, 1, 2, 3], (2, 2, 1), P(("data", "fsdp")), [6, 7], (2, 1, 1), P(("data", "fsdp"))),
+    "to_replicated_tensor_axis": ([0, 1], (2, 1, 1), P(("data", "fsdp")), [2, 3, 4, 5, 6, 7], (2, 1, 3),
+                                  P(("data", "fsdp"))),
+    "tensor_sharded_to_data_sharded": ([0, 1, 2, 3], (1, 1, 4), P(None, None, "tensor"), [4, 5], (2, 1, 1),
+                                       P(("data", "fsdp"))),
+    "data_to_last_dim": ([0, 1], (2, 1, 1), P("data"), [2, 3, 4, 5], (1, 2, 2), P(None, "fsdp", "tensor")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_transfer_is_device_to_device_and_exact(case):
+    sd, ss, sspec, dd, ds, dspec = CASES[case]
+    x, arr = source(NamedSharding(mesh(sd, ss), sspec))
+    dst = NamedSharding(mesh(dd, ds), dspec)
+    out = transfer(arr, dst)
+    assert out.sharding == dst
+    np.testing.assert_array_equal(np.asarray(out), x)
+    assert arr._npy_value is None, "transfer must not copy the source through host memory"
+    for shard in out.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
+
+
+def test_fan_out_tile_map_reads_each_destination_from_one_source_block():
+    src = row_sharding(mesh([0, 1], (2, 1, 1)))
+    dst = row_sharding(mesh([4, 5, 6, 7], (4, 1, 1)))
+    tiles = plan_transfer(src, dst, (8, 3))
+    assert len(tiles.tiles) == 4
+    for dev, pieces in tiles.tiles:
+        assert len(pieces) == 1
+    # destination shards 0,1 read source device 0; shards 2,3 read source device 1 (block map)
+    assert [p[0].src_device.id for _, p in tiles.tiles] == [0, 0, 1, 1]
