@@ -23,10 +23,16 @@ def _ensure_host_devices(n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="maestro-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch")):
-        p = sub.add_parser(name, help=help_)
+    parsers = {}
+    for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
+                        ("bench", "monolithic vs naive vs wavefront throughput, side by side")):
+        p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=4")
+    parsers["bench"].add_argument("--reps", type=int, default=5)
+    parsers["bench"].add_argument("--batches", type=int, default=3, help="global batches per repetition")
+    parsers["bench"].add_argument("--json", help="write the report as JSON here")
+    parsers["bench"].add_argument("--trace", help="write measured and simulated traces and Gantt PNGs here")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -44,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             history = train(cfg)
             print(f"trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
             return 0
+        if args.command == "bench":
+            return _bench(cfg, args)
         from maestro_jax.verify import report, verify  # noqa: PLC0415
 
         text, ok = report(verify(cfg), cfg.verify_rtol)
@@ -53,6 +61,31 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(err)
         print(msg if msg.startswith("error:") else f"error: {msg}", file=sys.stderr)
         return 2
+
+
+def _bench(cfg, args) -> int:
+    import json  # noqa: PLC0415
+
+    from maestro_jax.bench import MODES, bench  # noqa: PLC0415
+
+    r = bench(cfg, reps=args.reps, num_batches=args.batches, trace_dir=args.trace)
+    print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
+    for m in MODES:
+        t = r["step_time_s"][m]
+        print(f"{m:12s} {r['samples_per_s'][m]:10.2f} {r['tokens_per_s'][m]:10.1f} {t['median']:14.4f} "
+              f"{t['min']:8.4f} {t['max']:8.4f}")
+    for k, v in r["ratios"].items():
+        print(f"{k}: {v:.3f}")
+    for m, v in r["host_overhead_fraction"].items():
+        print(f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})")
+    for m in ("naive", "wavefront"):
+        p = r["simulator"][m]
+        print(f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "
+              f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ class CostModel:
     transfer_s_per_unit: Mapping[str, float] = dataclasses.field(default_factory=dict)  # edge -> s / unit / row
     transfer_overhead_s: float = 0.0
     source: str = "analytic"
+    host_s_per_sample: float = 0.0  # host-side batch packing before dispatch
+    update_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # optimizer update per section
 
     def step_time(self, section: str, kind: str, units: Sequence[int], micro_batch: int) -> float:
         c = self.sections[section]

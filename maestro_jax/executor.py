@@ -8,6 +8,7 @@ the end of the step, to read the loss.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -46,8 +47,13 @@ class Executor:
         return out
 
     def run(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
-            host: dict | None = None) -> StepResult:
-        """Forward and backward of one global batch: loss and accumulated grads, no update."""
+            host: dict | None = None, record: list | None = None) -> StepResult:
+        """Forward and backward of one global batch: loss and accumulated grads, no update.
+
+        With `record` (a list), every operation is waited for and appended as
+        `(op, start_s, end_s)`: a measured timeline for calibration and traces. This serialises
+        the step; never use it for throughput.
+        """
         p, g = self.problem, self.graph
         host = host if host is not None else self.host_batches(samples, schedule)
         norm = np.float32(max(g.loss_count(samples), 1))
@@ -55,7 +61,9 @@ class Executor:
         acc = {s: self.programs[s].zeros_like_params(states[s]) for s in p.trained}
         outputs, handles, moved, cotangents, moved_back = {}, {}, {}, {}, {}
         losses, metrics = [], []
+        t_origin = time.perf_counter()
         for op in schedule.ops:
+            t_op = time.perf_counter()
             prog = self.programs[op.section]
             if op.kind == "F":
                 step = schedule.steps[op.section][op.step]
@@ -87,6 +95,10 @@ class Executor:
                 acc[op.section], d_inputs = prog.backward(states[op.section], handles.pop((op.section, op.step)),
                                                           ct, acc[op.section])
                 self._collect_cotangents(schedule.steps[op.section][op.step], d_inputs, cotangents)
+            if record is not None:
+                # timed mode: wait for everything this op produced
+                jax.block_until_ready((acc, outputs, moved, moved_back, cotangents, losses))
+                record.append((op, t_op - t_origin, time.perf_counter() - t_origin))
         summed = {k: sum(m[k] for m in metrics) for k in (metrics[0] if metrics else {})}
         return StepResult(loss=sum(losses), grads=acc, metrics=summed)
 

@@ -15,7 +15,7 @@ from maestro_jax.executor import Executor, sample_metas
 from maestro_jax.graph import SectionGraph
 from maestro_jax.monolithic import Monolithic
 from maestro_jax.programs import SectionPrograms, SectionState, make_optimizer
-from maestro_jax.scheduler import Problem, Schedule, naive
+from maestro_jax.scheduler import Problem, Schedule, naive, wavefront
 from maestro_jax.sharding import param_infos, section_mesh, variable_shardings
 from models import LLMConfig, ViTConfig
 from models import kd as kd_graph
@@ -73,6 +73,7 @@ class Runtime:
     programs: dict[str, SectionPrograms]
     executor: Executor
     abstract: dict
+    cost: object = None  # CostModel the wavefront scheduler plans with (None: work units)
 
     def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
         """Each section initialises straight into its own sharding (never a full copy on one device)."""
@@ -83,8 +84,7 @@ class Runtime:
     def schedule(self, samples) -> Schedule:
         metas = sample_metas(self.graph, samples)
         if self.cfg.schedule.scheduler == "wavefront":
-            from maestro_jax.scheduler import wavefront  # noqa: PLC0415 (optional scheduler)
-            return wavefront(metas, self.problem)
+            return wavefront(metas, self.problem, self.cost)
         return naive(metas, self.problem)
 
     def batches(self):

@@ -12,6 +12,7 @@ Rows of a micro-step are laid out shard-major: row r sits on data shard r // mic
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Mapping, Sequence
 
 from maestro_jax.plan import EdgeInfo
@@ -311,12 +312,12 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     if len(feeds) > 1 or any(problem.in_edges(e.src) for e in feeds):
         raise ScheduleError("the wavefront scheduler handles graphs whose producers feed the sink directly "
                             f"through one edge; got edges {[e.name for e in problem.edges]}")
-    candidates = []
+    candidates, seen = [], {}
     for longest_first in (True, False):
-        candidates += _variants(metas, problem, cost, feeds[0] if feeds else None, longest_first)
+        candidates += _variants(metas, problem, cost, feeds[0] if feeds else None, longest_first, seen)
     if feeds:
         for arrival in (False, True):
-            candidates += _sink_driven(metas, problem, cost, feeds[0], arrival)
+            candidates += _sink_driven(metas, problem, cost, feeds[0], arrival, seen)
     steps_seen = []
     for sched, _ in list(candidates) + [(naive(metas, problem), 0.0)]:
         if any(sched.steps == s for s in steps_seen):
@@ -351,7 +352,7 @@ def _makespan(schedule: Schedule, problem: Problem, metas, cost) -> float:
     return max(finish.values(), default=0.0)
 
 
-def _variants(metas, problem, cost, e, longest_first) -> list[tuple[Schedule, float]]:
+def _variants(metas, problem, cost, e, longest_first, seen) -> list[tuple[Schedule, float]]:
     sink = problem.sink
     mb_c, dp_c = problem.micro_batch(sink), problem.dp[sink]
     w_c = (lambda i: metas[i].work.get(sink, 0)) if longest_first else (lambda i: 0)  # noqa: E731
@@ -359,7 +360,7 @@ def _variants(metas, problem, cost, e, longest_first) -> list[tuple[Schedule, fl
     rows: dict[str, list[tuple[int, ...]]] = {}
     if e is None:
         rows[sink] = [_flatten(sh, mb_c) for sh in _pack(active, problem.rows[sink], dp_c, w_c)]
-        return [_finish(metas, problem, rows, cost)]
+        return [_finish(metas, problem, rows, cost, seen)]
     src, f = e.src, problem.fanout.get(e.name, 1)
     mb_p, dp_p = problem.micro_batch(src), problem.dp[src]
     w_p = (lambda i: metas[i].work.get(src, 0)) if longest_first else (lambda i: 0)  # noqa: E731
@@ -385,11 +386,11 @@ def _variants(metas, problem, cost, e, longest_first) -> list[tuple[Schedule, fl
     out = []
     for slack in (0.0, 0.5, 1.0, float("inf")):
         rows[sink] = _interleave(problem, metas, cost, rows[src], image_rows, text_steps, e, slack)
-        out.append(_finish(metas, problem, dict(rows), cost))
+        out.append(_finish(metas, problem, dict(rows), cost, seen))
     return out
 
 
-def _sink_driven(metas, problem, cost, e, arrival: bool) -> list[tuple[Schedule, float]]:
+def _sink_driven(metas, problem, cost, e, arrival: bool, seen) -> list[tuple[Schedule, float]]:
     """Pack the sink first (its padding dominates when it is the bottleneck), then give each
     producer shard the image samples of the sink shards it feeds, in consumption order.
     `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped)."""
@@ -409,7 +410,7 @@ def _sink_driven(metas, problem, cost, e, arrival: bool) -> list[tuple[Schedule,
         n = max((-(-len(st) // mb_p) for st in streams), default=0)
         rows = {src: [_flatten([st[k * mb_p:(k + 1) * mb_p] for st in streams], mb_p) for k in range(n)],
                 sink: [_flatten(packed[j], mb_c) for j in order]}
-        out.append(_finish(metas, problem, rows, cost))
+        out.append(_finish(metas, problem, rows, cost, seen))
     return out
 
 
@@ -443,12 +444,18 @@ def _interleave(problem, metas, cost, produced, image_rows, text_rows, edge, sla
     return order
 
 
-def _finish(metas, problem, rows, cost) -> tuple[Schedule, float]:
+def _finish(metas, problem, rows, cost, seen: dict | None = None) -> tuple[Schedule, float]:
     for s in problem.order:
         rows.setdefault(s, [])
+    key = tuple(tuple(rows[s]) for s in problem.order)
+    if seen is not None and key in seen:
+        return seen[key]
     steps = link(problem, rows)
     ops, makespan = list_schedule(problem, steps, metas, cost)
-    return Schedule(steps, ops, len(metas), "wavefront"), makespan
+    result = Schedule(steps, ops, len(metas), "wavefront"), makespan
+    if seen is not None:
+        seen[key] = result
+    return result
 
 
 def unit_cost(problem: Problem):
@@ -472,7 +479,7 @@ def op_duration(cost, problem: Problem):
 
     def duration(op: Op, steps, metas) -> float:
         if op.kind == "U":
-            return 0.0
+            return cost.update_s.get(op.section, 0.0)
         st = steps[op.section][op.step]
         if op.kind in ("X", "XB"):
             units = [metas[x].work.get(op.section, 0) for x in st.samples]
@@ -494,46 +501,72 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     Per section the candidates are: the sink's next forward; a trained producer's oldest ready
     backward and its next forward while fewer than `max_in_flight` are stashed (the earlier
     start wins, forward on ties so the consumer is fed early; the bound caps the stash); a frozen
-    producer's next forward (it stashes nothing).
+    producer's next forward (it stashes nothing). Transfers and updates start when ready.
+    Returns the ops ordered by planned start time, and the planned makespan.
     """
     req = required_ops(Schedule(steps, (), len(metas)), problem)
     duration = op_duration(cost, problem)
-    done: dict[Op, float] = {}
+    ops = list(req)
+    index = {op: i for i, op in enumerate(ops)}
+    dependents: list[list[int]] = [[] for _ in ops]
+    pending = [len(req[op]) for op in ops]
+    for i, op in enumerate(ops):
+        for d in req[op]:
+            dependents[index[d]].append(i)
+    finish = [0.0] * len(ops)
+    dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
+    scheduled = [False] * len(ops)
     free: dict[str, float] = {}
-    order: list[tuple[float, int, Op]] = []
     next_f = {s: 0 for s in problem.order}
+    stashed = {s: 0 for s in problem.order}
+    ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of (step) for ready backwards
+    ready_other: set[int] = {i for i, op in enumerate(ops) if op.kind in ("X", "XB", "U") and pending[i] == 0}
+    for i, op in enumerate(ops):
+        if op.kind == "B" and pending[i] == 0:
+            heapq.heappush(ready_b[op.section], op.step)
+    f_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "F"}
+    b_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "B"}
+    order: list[tuple[float, int, Op]] = []
 
-    def ready(op):
-        return op in req and op not in done and all(d in done for d in req[op])
+    def start_of(i):
+        return max(free.get(resource_of(ops[i]), 0.0), dep_done[i])
 
-    def start_of(op):
-        return max([free.get(resource_of(op), 0.0)] + [done[d] for d in req[op]])
-
-    def in_flight(s):
-        return sum(1 for k in range(next_f[s]) if Op("B", s, k) not in done)
-
-    def candidates(relax: bool):
-        out = []
+    def candidates(relax: bool) -> list[int]:
+        out = list(ready_other)
         for s in problem.order:
-            if problem.needs_backward(s):
-                out += [Op("B", s, k) for k in range(next_f[s]) if ready(Op("B", s, k))][:1]
-            k = next_f[s]
-            if k < len(steps[s]) and ready(Op("F", s, k)):
-                if not problem.needs_backward(s) or relax or in_flight(s) < problem.max_in_flight:
-                    out.append(Op("F", s, k))
-        out += [op for op in req if op.kind in ("X", "XB", "U") and ready(op)]
+            if ready_b[s]:
+                out.append(b_index[(s, ready_b[s][0])])
+            i = f_index.get((s, next_f[s]))
+            if i is not None and pending[i] == 0:
+                if not problem.needs_backward(s) or relax or stashed[s] < problem.max_in_flight:
+                    out.append(i)
         return out
 
-    while len(done) < len(req):
+    while len(order) < len(ops):
         cands = candidates(relax=False) or candidates(relax=True)
         if not cands:
             raise ScheduleError("list scheduling found no runnable operation (dependency cycle)")
-        op = min(cands, key=lambda o: (start_of(o), o.section != problem.sink, o.kind == "B"))
-        t0 = start_of(op)
-        t1 = t0 + duration(op, steps, metas)
-        done[op] = t1
-        free[resource_of(op)] = t1
+        i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
+        op = ops[i]
+        t0 = start_of(i)
+        finish[i] = t0 + duration(op, steps, metas)
+        free[resource_of(op)] = finish[i]
+        scheduled[i] = True
         if op.kind == "F":
             next_f[op.section] += 1
+            stashed[op.section] += problem.needs_backward(op.section)
+        elif op.kind == "B":
+            heapq.heappop(ready_b[op.section])
+            stashed[op.section] -= 1
+        else:
+            ready_other.discard(i)
+        for j in dependents[i]:
+            pending[j] -= 1
+            dep_done[j] = max(dep_done[j], finish[i])
+            if pending[j] == 0:
+                if ops[j].kind == "B":
+                    heapq.heappush(ready_b[ops[j].section], ops[j].step)
+                elif ops[j].kind in ("X", "XB", "U"):
+                    ready_other.add(j)
         order.append((t0, len(order), op))
-    return tuple(op for _, _, op in sorted(order)), max(done.values(), default=0.0)
+    return tuple(op for _, _, op in sorted(order)), max(finish, default=0.0)

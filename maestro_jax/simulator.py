@@ -52,17 +52,20 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], cost=None,
-             devices: Mapping[str, int] | None = None) -> Timeline:
+             devices: Mapping[str, int] | None = None, serial: bool = False) -> Timeline:
+    """`serial`: every operation shares one executor, as on XLA's CPU client, which runs one
+    multi-device program at a time per process; device groups overlap only when False."""
     req = required_ops(schedule, problem)
     duration = op_duration(cost, problem)
     finish: dict[Op, float] = {}
-    free: dict[str, float] = {}
+    origin = getattr(cost, "host_s_per_sample", 0.0) * len(metas)  # batches are packed before dispatch
+    free: dict[str, float] = {"host": origin} if serial else {r: origin for r in map(resource_of, schedule.ops)}
     out = []
     for op in schedule.ops:
         res = resource_of(op)
-        start = max([free.get(res, 0.0)] + [finish[d] for d in req.get(op, ())])
+        start = max([free.get("host" if serial else res, 0.0)] + [finish[d] for d in req.get(op, ())])
         end = start + duration(op, schedule.steps, metas)
-        finish[op] = free[res] = end
+        finish[op] = free["host" if serial else res] = end
         out.append(Interval(op, res, start, end))
     devices = devices or {s: problem.dp[s] for s in problem.order}
     return Timeline(tuple(out), dict(devices))

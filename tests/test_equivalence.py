@@ -87,3 +87,18 @@ def test_vision_skips_text_only_samples():
         segs = host[("vision", st.index)]["segments"]
         for r, x in enumerate(st.rows):
             assert (segs[r].max() > 0) == (x >= 0), "only image samples may occupy vision rows"
+
+
+@pytest.mark.parametrize("workload,plan", [("vlm", "shipped"), ("vlm", "fanout4_fsdp_remat"), ("kd", "fanout4")])
+def test_wavefront_schedule_is_equivalent(workload, plan):
+    """Reordering samples (wavefront) never changes the step: same loss, grads, params."""
+    path, tiny, plans = (("vlm_tiny.yaml", TINY_VLM, VLM_PLANS) if workload == "vlm" else
+                         ("kd_tiny.yaml", TINY_KD, KD_PLANS))
+    cfg = load_config(ROOT / "configs" / path, tiny + plans[plan] + ["schedule.scheduler=wavefront"])
+    rt = build_runtime(cfg)
+    samples = rt.batches()[0]
+    schedule = rt.schedule(samples)
+    assert schedule.name == "wavefront"
+    arrival = [x for st in schedule.steps[rt.graph.sink] for x in st.samples]
+    assert sorted(arrival) == list(range(len(samples)))
+    check(cfg)
