@@ -1,9 +1,15 @@
-"""Shape buckets: pad dynamic sizes to a few static ones so each section compiles a few programs."""
+"""Shape buckets: pad dynamic sizes to a few static ones so each section compiles a few programs.
+
+Buckets are geometric with eight steps per octave: at most 12.5% padding, and a number of
+distinct shapes (compiled programs) that grows only logarithmically with the largest size.
+"""
+
+import math
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
+    """Smallest bucket >= n: `minimum`, then multiples of max(minimum, 2**(ceil(log2 n) - 3))."""
+    if n <= minimum:
+        return minimum
+    step = max(minimum, 2 ** (math.ceil(math.log2(n)) - 3))
+    return -(-n // step) * step

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {}
     for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
-                        ("bench", "monolithic vs naive vs wavefront throughput, side by side")):
+                        ("bench", "monolithic vs naive vs wavefront throughput, side by side"),
+                        ("simulate", "predicted maestro vs monolithic throughput on a cluster (no JAX)")):
         p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=4")
@@ -33,12 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parsers["bench"].add_argument("--batches", type=int, default=3, help="global batches per repetition")
     parsers["bench"].add_argument("--json", help="write the report as JSON here")
     parsers["bench"].add_argument("--trace", help="write measured and simulated traces and Gantt PNGs here")
+    parsers["simulate"].add_argument("--json", help="write the report as JSON here")
+    parsers["simulate"].add_argument("--gantt", help="write the simulated Gantt chart PNG here")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if args.command == "simulate":
+        return _simulate(cfg, args)
     _ensure_host_devices(cfg.host_devices)
 
     from maestro_jax.plan import PlanError  # noqa: PLC0415 (JAX must start after the flags are set)
@@ -61,6 +66,31 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(err)
         print(msg if msg.startswith("error:") else f"error: {msg}", file=sys.stderr)
         return 2
+
+
+def _simulate(cfg, args) -> int:
+    import json  # noqa: PLC0415
+
+    from maestro_jax.plan import PlanError  # noqa: PLC0415
+    from maestro_jax.simulate import simulate_config  # noqa: PLC0415
+
+    try:
+        r = simulate_config(cfg, gantt=args.gantt)
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{'mode':12s} {'samples/s':>10s} {'per device':>11s} {'step s':>9s}")
+    for m in ("monolithic", "naive", "wavefront"):
+        print(f"{m:12s} {r['samples_per_s'][m]:10.3f} {r['samples_per_s_per_device'][m]:11.5f} "
+              f"{r['step_time_s'][m]:9.2f}")
+    print(f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}")
+    print(f"end-to-end speedup: {r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}")
+    print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
+          f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
 
 
 def _bench(cfg, args) -> int:

@@ -86,6 +86,10 @@ class LLMModelConfig(_Frozen):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    # Mixture of experts, for the analytic cost model (`simulate`); the Flax model is dense.
+    experts: int = Field(0, ge=0)
+    experts_per_token: int = Field(0, ge=0)
+    expert_mlp: int = Field(0, ge=0)
 
 
 ModelConfig = Annotated[Union[ViTModelConfig, LLMModelConfig], Field(discriminator="kind")]
@@ -123,6 +127,14 @@ class MonolithicConfig(_Frozen):
     micro_batch: PositiveInt = 1
 
 
+class SimulateConfig(_Frozen):
+    """Cluster the analytic cost model describes (`maestro-jax simulate`)."""
+
+    device: Literal["h100", "h200"] = "h100"
+    batches: PositiveInt = 4  # global batches simulated
+    link_gbps: float = Field(50.0, gt=0.0)  # per-device cross-section bandwidth, GB/s (inter-node IB)
+
+
 class ScheduleConfig(_Frozen):
     scheduler: Literal["naive", "wavefront"] = "naive"
     max_in_flight: PositiveInt = 4
@@ -144,6 +156,7 @@ class Config(_Frozen):
     data: DataConfig = DataConfig()
     monolithic: MonolithicConfig = MonolithicConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    simulate: SimulateConfig = SimulateConfig()
     verify_rtol: float = Field(1e-5, gt=0.0)
 
     def plan(self) -> Plan:

@@ -52,14 +52,17 @@ class CostModel:
         return self.transfer_overhead_s + self.transfer_s_per_unit.get(edge, 0.0) * sum(units)
 
 
-def efficiency(tokens_per_device: float, peak: float = 0.55, half: float = 2048.0) -> float:
-    """Fraction of peak reached: saturates with the work one device gets per micro-step."""
-    return peak * tokens_per_device / (tokens_per_device + half)
+def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 0.55, half_tokens: float = 2048.0,
+               half_width: float = 128.0) -> float:
+    """Fraction of peak reached. It saturates with the tokens one device gets per micro-step and
+    with the width of its weight slices (narrow GEMMs from heavy tensor parallelism run slowly)."""
+    return (peak * tokens_per_device / (tokens_per_device + half_tokens)
+            * width_per_device / (width_per_device + half_width))
 
 
 def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_batch: int, tensor: int,
                      typical_units: int, device: str = "h100", trained_sink: bool = False,
-                     peak_eff: float = 0.55, half: float = 2048.0, overhead_s: float = 2e-4) -> SectionCost:
+                     width_per_device: float = 4096.0, overhead_s: float = 2e-4) -> SectionCost:
     """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices.
 
     Efficiency is evaluated at the section's typical work per device per micro-step, so a
@@ -67,7 +70,7 @@ def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_b
     shows up as a lower rate, as measured in practice (paper, Fig. 9).
     """
     peak = DEVICES[device]["flops"]
-    eff = efficiency(micro_batch * typical_units / tensor, peak_eff, half)
+    eff = efficiency(micro_batch * typical_units / tensor, width_per_device)
     rate = peak * eff * tensor
     return SectionCost(per_unit_s=flops_per_unit / rate, per_unit2_s=attn_flops_per_unit2 / rate,
                        overhead_s=overhead_s, backward_factor=2.0, sink_factor=3.0 if trained_sink else 1.0)

@@ -53,6 +53,18 @@ class SyntheticSource:
     def __len__(self) -> int:
         return self.num_samples
 
+    def sizes(self, index: int) -> tuple[int, list[tuple[int, int]]]:
+        """(text length, image sizes) of sample `index`, without building it (for simulation)."""
+        rng = np.random.default_rng([self.seed, int(index)])
+        length = int(rng.integers(*self.text_len, endpoint=True))
+        return length, self._image_sizes(np.random.default_rng([self.seed, int(index), 1]))
+
+    def _image_sizes(self, rng) -> list[tuple[int, int]]:
+        if self.image_sizes and rng.random() < self.image_fraction:
+            n = int(rng.integers(1, self.max_images, endpoint=True))
+            return [self.image_sizes[int(rng.integers(len(self.image_sizes)))] for _ in range(n)]
+        return []
+
     def __getitem__(self, index: int) -> Sample:
         index = int(index)
         rng = np.random.default_rng([self.seed, index])
@@ -66,9 +78,8 @@ class SyntheticSource:
             text[i] = (7 * text[i - 1] + 3) % span if follow[i] else noise[i]
         text += FIRST_TEXT_TOKEN
         images = ()
-        if self.image_sizes and rng.random() < self.image_fraction:
-            n = int(rng.integers(1, self.max_images, endpoint=True))
-            sizes = [self.image_sizes[int(rng.integers(len(self.image_sizes)))] for _ in range(n)]
+        sizes = self._image_sizes(np.random.default_rng([self.seed, index, 1]))
+        if sizes:
             images = tuple(rng.standard_normal((h, w, self.channels)).astype(np.float32) for h, w in sizes)
             placeholders = np.full(sum(image_tokens(im.shape[:2], self.patch, self.merge) for im in images),
                                    IMAGE_TOKEN)

@@ -32,6 +32,11 @@ def _model(cfg: Config, name: str, kind: str):
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
     fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
+    if kind == "llm":
+        moe = [fields.pop(k) for k in ("experts", "experts_per_token", "expert_mlp")]
+        if any(moe):
+            raise ConfigError(f"error: models.{name}.experts={m.experts}: mixture-of-experts models are described "
+                              f"for `maestro-jax simulate` only; the Flax LLM is dense (experts: 0)")
     return (ViTConfig if kind == "vit" else LLMConfig)(**fields)
 
 
