@@ -8,8 +8,8 @@ import math
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest bucket >= n: `minimum`, then multiples of max(minimum, 2**(ceil(log2 n) - 3))."""
+    """Smallest bucket >= n: `minimum`, then multiples of max(minimum, 2**(floor(log2 n) - 3))."""
     if n <= minimum:
         return minimum
-    step = max(minimum, 2 ** (math.ceil(math.log2(n)) - 3))
+    step = max(minimum, 2 ** (math.floor(math.log2(n)) - 3))
     return -(-n // step) * step

@@ -1,0 +1,48 @@
+"""Cluster-scale predictions from the paper-scale configs (analytic cost model, no JAX)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from maestro_jax.config import load_config
+from maestro_jax.simulate import simulate_config
+
+# The paper reports 1.24x (VLM) and 1.40x (KD) per GPU. The analytic model reaches 1.40x+ for
+# KD and about 1.2x for the VLM (see benchmarks/RESULTS.md for why); these floors guard it.
+TARGETS = {"vlm_paper_scale.yaml": 1.10, "kd_paper_scale.yaml": 1.40}
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_paper_scale_predictions(name, tmp_path):
+    cfg = load_config(ROOT / "configs" / name, [])
+    r = simulate_config(cfg, gantt=str(tmp_path / "g.png"))
+    assert r["per_device_speedup"] >= TARGETS[name]
+    assert r["makespan_over_lower_bound"] <= 1.10
+    assert r["wavefront_vs_naive"] >= 1.0
+    assert r["step_time_s"]["wavefront"] >= r["lower_bound_s"] * (1 - 1e-9)
+    assert r["lower_bound_s"] >= r["critical_section_alone_s"] * (1 - 1e-9)
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_cli_json(tmp_path):
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "simulate", "--config",
+                           str(ROOT / "configs/kd_paper_scale.yaml"), "--json", str(out), "simulate.batches=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    for key in ("per_device_speedup", "end_to_end_speedup", "makespan_over_lower_bound", "wavefront_vs_naive"):
+        assert isinstance(r[key], float) and r[key] > 0
+    assert "per-device speedup" in proc.stdout
+
+
+def test_moe_model_is_simulate_only():
+    from maestro_jax.config import ConfigError
+    from maestro_jax.runtime import build_graph
+
+    cfg = load_config(ROOT / "configs/vlm_paper_scale.yaml", [])
+    with pytest.raises(ConfigError, match="models.llm.experts=128"):
+        build_graph(cfg)
