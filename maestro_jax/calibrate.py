@@ -43,8 +43,10 @@ def measure(rt, states, batches, repeats: int = 2) -> list[tuple]:
             if i == 0:
                 continue  # compiles
             best[("host", len(samples))] = min(best.get(("host", len(samples)), np.inf), t_host)
-            for op, t0, t1 in record:
-                best[op] = min(best.get(op, np.inf), t1 - t0)
+            for op, t0, t1, issue in record:
+                # device time = waited time - host time to issue; both are fitted separately
+                prev = best.get(op, (np.inf, np.inf))
+                best[op] = (min(prev[0], t1 - t0 - issue), min(prev[1], issue))
         out += [(op, schedule, metas, t) for op, t in best.items()]
     return out
 
@@ -65,8 +67,11 @@ def fit(rt, measurements) -> CostModel:
     p = rt.problem
     points = defaultdict(list)
     transfers = defaultdict(list)
-    host, updates = [], defaultdict(list)
+    host, updates, dispatch = [], defaultdict(list), defaultdict(list)
     for op, schedule, metas, t in measurements:
+        if not isinstance(op, tuple):
+            t, issue = t
+            dispatch[op.kind].append(issue)
         if isinstance(op, tuple):
             if op[0] == "host":
                 host.append(t / op[1])
@@ -107,4 +112,5 @@ def fit(rt, measurements) -> CostModel:
         per_unit[edge] = float(c[1])
     return CostModel(sections, per_unit, float(np.mean(overhead)) if overhead else 0.0, source="calibrated",
                      host_s_per_sample=float(np.median(host)) if host else 0.0,
-                     update_s={s: float(np.median(v)) for s, v in updates.items()})
+                     update_s={s: float(np.median(v)) for s, v in updates.items()},
+                     dispatch_s={k: float(np.median(v)) for k, v in dispatch.items()})

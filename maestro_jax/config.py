@@ -147,7 +147,11 @@ class Config(_Frozen):
     global_batch: PositiveInt
     host_devices: PositiveInt = 8
     device_memory_gb: float | None = Field(None, gt=0.0)
-    output_dir: str | None = None
+    output_dir: str | None = None  # metrics.jsonl, TensorBoard events, checkpoints/; re-running resumes
+    checkpoint_every: PositiveInt | None = None  # save every K steps (and always at the end)
+    keep_checkpoints: PositiveInt = 3
+    async_checkpoint: bool = True
+    log_every: PositiveInt = 1
     models: dict[str, ModelConfig]
     distill: DistillConfig = DistillConfig()
     sections: dict[str, SectionConfig]

@@ -2,7 +2,8 @@
 
 A micro-step runs all data shards in lockstep, every row padded to the micro-step's bucket, so
     t(F) = overhead + micro_batch * (per_unit * B + per_unit2 * B**2),   B = bucket(max row work)
-(the quadratic term is attention). Backward costs `backward_factor` forwards; the sink's
+(the quadratic term is attention), plus the host time to issue it (`dispatch_s`), which
+overlaps the device work of earlier ops. Backward costs `backward_factor` forwards; the sink's
 loss-and-grad costs `sink_factor` forwards. Two sources fill the coefficients:
   * calibrated: fitted to the compiled programs timed on the machine at hand (`calibrate.py`);
   * analytic: FLOPs against a device's peak rate and an efficiency that grows with the work per
@@ -41,6 +42,10 @@ class CostModel:
     source: str = "analytic"
     host_s_per_sample: float = 0.0  # host-side batch packing before dispatch
     update_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # optimizer update per section
+    dispatch_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # host time to issue an op, by kind
+
+    def dispatch_time(self, kind: str) -> float:
+        return self.dispatch_s.get(kind, 0.0)
 
     def step_time(self, section: str, kind: str, units: Sequence[int], micro_batch: int) -> float:
         c = self.sections[section]

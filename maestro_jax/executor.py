@@ -51,8 +51,8 @@ class Executor:
         """Forward and backward of one global batch: loss and accumulated grads, no update.
 
         With `record` (a list), every operation is waited for and appended as
-        `(op, start_s, end_s)`: a measured timeline for calibration and traces. This serialises
-        the step; never use it for throughput.
+        `(op, start_s, end_s, dispatch_s)`: a measured timeline for calibration and traces, with
+        the host time spent issuing the op. This serialises the step; never use it for throughput.
         """
         p, g = self.problem, self.graph
         host = host if host is not None else self.host_batches(samples, schedule)
@@ -97,8 +97,9 @@ class Executor:
                 self._collect_cotangents(schedule.steps[op.section][op.step], d_inputs, cotangents)
             if record is not None:
                 # timed mode: wait for everything this op produced
+                t_dispatched = time.perf_counter()
                 jax.block_until_ready((acc, outputs, moved, moved_back, cotangents, losses))
-                record.append((op, t_op - t_origin, time.perf_counter() - t_origin))
+                record.append((op, t_op - t_origin, time.perf_counter() - t_origin, t_dispatched - t_op))
         summed = {k: sum(m[k] for m in metrics) for k in (metrics[0] if metrics else {})}
         return StepResult(loss=sum(losses), grads=acc, metrics=summed)
 

@@ -1,8 +1,9 @@
 """Simulator: schedule + cost model -> timeline, makespan, busy time, bubbles and bounds. No JAX.
 
 Each section's device group runs its operations in schedule order (as a device queue does);
-an operation starts when its group is free and everything it depends on has finished.
-Transfers run on their own link, one per edge and direction.
+an operation starts when its group is free, everything it depends on has finished, and the
+host has issued it (the host packs the batch, then issues ops one by one, each taking the
+cost model's dispatch time). Transfers run on their own link, one per edge and direction.
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def simulate(schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], 
     duration = op_duration(cost, problem)
     finish: dict[Op, float] = {}
     origin = getattr(cost, "host_s_per_sample", 0.0) * len(metas)  # batches are packed before dispatch
-    free: dict[str, float] = {"host": origin} if serial else {r: origin for r in map(resource_of, schedule.ops)}
+    free: dict[str, float] = {}
     out = []
+    issued = origin  # the host issues ops one after another; devices run them as they arrive
+    dispatch = getattr(cost, "dispatch_time", lambda kind: 0.0)
     for op in schedule.ops:
         res = resource_of(op)
-        start = max([free.get("host" if serial else res, 0.0)] + [finish[d] for d in req.get(op, ())])
+        issued += dispatch(op.kind)
+        start = max([issued, free.get("device" if serial else res, 0.0)] + [finish[d] for d in req.get(op, ())])
         end = start + duration(op, schedule.steps, metas)
-        finish[op] = free["host" if serial else res] = end
+        finish[op] = free["device" if serial else res] = end
         out.append(Interval(op, res, start, end))
     devices = devices or {s: problem.dp[s] for s in problem.order}
     return Timeline(tuple(out), dict(devices))

@@ -13,7 +13,7 @@ def rows_of(intervals: Iterable) -> list[tuple[str, str, str, float, float]]:
     """(row, kind, label, start_s, end_s) from simulator Intervals or recorded (op, start, end)."""
     out = []
     for item in intervals:
-        op, start, end = (item.op, item.start, item.end) if hasattr(item, "op") else item
+        op, start, end = (item.op, item.start, item.end) if hasattr(item, "op") else item[:3]
         row = f"{op.section}" if op.kind in ("F", "B", "U") else f"transfer {op.edge}"
         out.append((row, op.kind, str(op), float(start), float(end)))
     return out
