@@ -110,7 +110,8 @@ class OptimizerConfig(_Frozen):
 
 
 class DataConfig(_Frozen):
-    kind: Literal["synthetic"] = "synthetic"
+    kind: Literal["synthetic", "array_record"] = "synthetic"
+    paths: list[str] = []  # array_record: files written by scripts/convert_images.py
     num_samples: PositiveInt = 4096
     text_len: tuple[PositiveInt, PositiveInt] = (8, 48)
     image_fraction: float = Field(0.5, ge=0.0, le=1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import grain
 import numpy as np
@@ -94,3 +95,87 @@ def global_batches(source, global_batch: int, seed: int, shuffle: bool = True) -
     if shuffle:
         ds = ds.shuffle(seed=seed)
     return ds.repeat(None).batch(global_batch, drop_remainder=True, batch_fn=list)
+
+
+class DataError(ValueError):
+    """A malformed sample; the message names its id and what is wrong."""
+
+
+def validate_sample(s: Sample, patch: int, merge: int, max_tokens: int | None = None) -> Sample:
+    """Reject what must never be trained on silently (wrong dtypes or shapes, mismatched
+    placeholders, empty text, non-finite pixels, sequences longer than the largest bucket)."""
+    where = f"sample id={s.id}"
+    if s.tokens.ndim != 1 or not np.issubdtype(s.tokens.dtype, np.integer):
+        raise DataError(f"{where}: tokens must be a 1-D integer array, got {s.tokens.dtype}{list(s.tokens.shape)}")
+    if np.count_nonzero(s.tokens != IMAGE_TOKEN) < 2:
+        raise DataError(f"{where}: needs at least 2 text tokens, got {np.count_nonzero(s.tokens != IMAGE_TOKEN)}")
+    if max_tokens is not None and len(s.tokens) > max_tokens:
+        raise DataError(f"{where}: {len(s.tokens)} tokens exceed the largest bucket ({max_tokens})")
+    expected = 0
+    for i, im in enumerate(s.images):
+        if im.ndim != 3 or im.dtype != np.float32:
+            raise DataError(f"{where}: image {i} must be float32 H x W x C, got {im.dtype}{list(im.shape)}")
+        if im.shape[0] % (patch * merge) or im.shape[1] % (patch * merge):
+            raise DataError(f"{where}: image {i} is {im.shape[0]}x{im.shape[1]}; sides must be multiples of "
+                            f"patch*merge = {patch * merge}")
+        if not np.isfinite(im).all():
+            raise DataError(f"{where}: image {i} has NaN or inf pixels")
+        expected += image_tokens(im.shape[:2], patch, merge)
+    found = int(np.count_nonzero(s.tokens == IMAGE_TOKEN))
+    if found != expected:
+        raise DataError(f"{where}: {found} image-placeholder tokens but its images need {expected}")
+    return s
+
+
+def encode_sample(s: Sample) -> bytes:
+    """Portable record: npz (no pickle) of tokens and uint8 images."""
+    buf = io.BytesIO()
+    arrays = {"id": np.asarray(s.id, np.int64), "tokens": s.tokens.astype(np.int32)}
+    for i, im in enumerate(s.images):
+        arrays[f"image_{i}"] = np.clip(np.round((im + 1.0) * 127.5), 0, 255).astype(np.uint8)
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def decode_sample(record: bytes) -> Sample:
+    with np.load(io.BytesIO(record), allow_pickle=False) as z:
+        n = sum(1 for k in z.files if k.startswith("image_"))
+        images = tuple(z[f"image_{i}"].astype(np.float32) / 127.5 - 1.0 for i in range(n))
+        return Sample(id=int(z["id"]), tokens=z["tokens"].astype(np.int32), images=images)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRecordSource:
+    """Samples stored as ArrayRecord files (`scripts/convert_images.py` writes them); each
+    record is decoded and validated on read, so a bad record fails with its id."""
+
+    paths: tuple[str, ...]
+    patch: int = 1
+    merge: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "_source", grain.sources.ArrayRecordDataSource(list(self.paths)))
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Sample:
+        return validate_sample(decode_sample(self._source[int(index)]), self.patch, self.merge)
+
+    def sizes(self, index: int) -> tuple[int, list[tuple[int, int]]]:
+        s = self[index]
+        return int(np.count_nonzero(s.tokens != IMAGE_TOKEN)), [im.shape[:2] for im in s.images]
+
+
+def source_from_config(cfg):
+    """The configured sample source (`data.kind`)."""
+    vision = cfg.models.get("vision") if cfg.workload == "vlm" else None
+    patch, merge = (vision.patch, vision.merge) if vision else (1, 1)
+    if cfg.data.kind == "array_record":
+        return ArrayRecordSource(tuple(cfg.data.paths), patch, merge)
+    sink_model = cfg.models["llm" if cfg.workload == "vlm" else "student"]
+    return SyntheticSource(
+        num_samples=cfg.data.num_samples, vocab=sink_model.vocab, text_len=tuple(cfg.data.text_len),
+        image_fraction=cfg.data.image_fraction if vision else 0.0, max_images=cfg.data.max_images,
+        image_sizes=tuple(tuple(s) for s in cfg.data.image_sizes) if vision else (),
+        channels=vision.channels if vision else 3, patch=patch, merge=merge, seed=cfg.seed)

@@ -10,7 +10,7 @@ import jax
 
 from maestro_jax import plan as plan_lib
 from maestro_jax.config import Config, ConfigError
-from maestro_jax.data import SyntheticSource, global_batches
+from maestro_jax.data import global_batches, source_from_config
 from maestro_jax.executor import Executor, sample_metas
 from maestro_jax.graph import SectionGraph
 from maestro_jax.monolithic import Monolithic
@@ -56,17 +56,6 @@ def build_graph(cfg: Config) -> SectionGraph:
     return graph
 
 
-def data_source(cfg: Config) -> SyntheticSource:
-    sink_model = cfg.models["llm" if cfg.workload == "vlm" else "student"]
-    vision = cfg.models.get("vision") if cfg.workload == "vlm" else None
-    return SyntheticSource(
-        num_samples=cfg.data.num_samples, vocab=sink_model.vocab, text_len=tuple(cfg.data.text_len),
-        image_fraction=cfg.data.image_fraction if vision else 0.0, max_images=cfg.data.max_images,
-        image_sizes=tuple(tuple(s) for s in cfg.data.image_sizes) if vision else (),
-        channels=vision.channels if vision else 3, patch=vision.patch if vision else 1,
-        merge=vision.merge if vision else 1, seed=cfg.seed)
-
-
 @dataclasses.dataclass
 class Runtime:
     cfg: Config
@@ -93,7 +82,8 @@ class Runtime:
         return naive(metas, self.problem)
 
     def batches(self):
-        return global_batches(data_source(self.cfg), self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle)
+        return global_batches(source_from_config(self.cfg), self.cfg.global_batch, self.cfg.seed,
+                              self.cfg.data.shuffle)
 
     @functools.cached_property
     def monolithic(self) -> "MonolithicRuntime":

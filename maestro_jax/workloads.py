@@ -10,7 +10,7 @@ import dataclasses
 
 from maestro_jax.config import Config
 from maestro_jax.cost import transformer_flops
-from maestro_jax.data import SyntheticSource, image_tokens
+from maestro_jax.data import image_tokens, source_from_config
 from maestro_jax.plan import EdgeInfo
 from maestro_jax.scheduler import Problem, SampleMeta
 
@@ -38,20 +38,9 @@ def problem(cfg: Config, plan=None) -> Problem:
                    max_in_flight=cfg.schedule.max_in_flight)
 
 
-def source(cfg: Config) -> SyntheticSource:
-    sink_model = cfg.models["llm" if cfg.workload == "vlm" else "student"]
-    vision = cfg.models.get("vision") if cfg.workload == "vlm" else None
-    return SyntheticSource(
-        num_samples=cfg.data.num_samples, vocab=sink_model.vocab, text_len=tuple(cfg.data.text_len),
-        image_fraction=cfg.data.image_fraction if vision else 0.0, max_images=cfg.data.max_images,
-        image_sizes=tuple(tuple(s) for s in cfg.data.image_sizes) if vision else (),
-        channels=vision.channels if vision else 3, patch=vision.patch if vision else 1,
-        merge=vision.merge if vision else 1, seed=cfg.seed)
-
-
 def metas(cfg: Config, batch_index: int) -> list[SampleMeta]:
     """Sample metadata of one global batch, from sizes alone (no pixels, no tokens)."""
-    src = source(cfg)
+    src = source_from_config(cfg)
     order = _order(cfg, src)
     out = []
     for i in order[batch_index * cfg.global_batch:(batch_index + 1) * cfg.global_batch]:
