@@ -92,8 +92,8 @@ class Monolithic:
             for batches in host:
                 dev = {k: None if v is None else {n: jax.device_put(a, self.rows) for n, a in v.items()}
                        for k, v in batches.items()}
-                l, _, acc = self._micro(params, consts, dev, norm, acc)
-                loss = loss + l
+                micro_loss, _, acc = self._micro(params, consts, dev, norm, acc)
+                loss = loss + micro_loss
         return loss, acc
 
     def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 
 from maestro_jax import workloads
-from maestro_jax.buckets import bucket
 from maestro_jax.config import Config
 from maestro_jax.cost import DEVICES, CostModel, SectionCost, analytic_section
 from maestro_jax.plan import SectionPlan

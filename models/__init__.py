@@ -11,6 +11,6 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
 """
 
 from models.llm import DecoderLM, LLMConfig
-from models.vit import ViTConfig, VisionEncoder
+from models.vit import VisionEncoder, ViTConfig
 
 __all__ = ["DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder"]

@@ -36,11 +36,11 @@ def rotary(x_BLHK, positions_BL, theta: float):
 
 def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
     """Grouped-query attention: each of G key/value heads serves H/G query heads."""
-    b, l, h, k = q_BLHK.shape
+    b, length, h, k = q_BLHK.shape
     g = k_BLGK.shape[2]
-    q = q_BLHK.reshape(b, l, g, h // g, k)
+    q = q_BLHK.reshape(b, length, g, h // g, k)
     scores = jnp.einsum("bqgrk,blgk->bgrql", q, k_BLGK) / jnp.sqrt(k).astype(q.dtype)
     scores = jnp.where(mask_BQL[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrql,blgk->bqgrk", probs, v_BLGK)
-    return out.reshape(b, l, h, k)
+    return out.reshape(b, length, h, k)

@@ -13,7 +13,7 @@ from maestro_jax.buckets import bucket
 from maestro_jax.graph import Edge, Section, SectionGraph
 from models.llm import DecoderLM, LLMConfig
 from models.text import loss_tokens, route, text_rows
-from models.vit import ViTConfig, VisionEncoder
+from models.vit import VisionEncoder, ViTConfig
 
 EDGE = "image_embeds"
 

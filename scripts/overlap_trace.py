@@ -46,7 +46,7 @@ def main():
     runs = {"sequential": lambda: rt.executor.run(states, samples, schedule),
             "threaded": lambda: rt.executor.run_threaded(states, samples, schedule)}
     times = {k: [] for k in runs}
-    for k, f in runs.items():  # warm-up
+    for f in runs.values():  # warm-up
         jax.block_until_ready(f().loss)
     for _ in range(args.reps):
         for k, f in runs.items():

@@ -9,8 +9,17 @@ from conftest import ROOT, TINY_VLM
 from PIL import Image
 
 from maestro_jax.config import load_config
-from maestro_jax.data import (IMAGE_TOKEN, ArrayRecordSource, DataError, Sample, SyntheticSource, decode_sample,
-                              encode_sample, global_batches, validate_sample)
+from maestro_jax.data import (
+    IMAGE_TOKEN,
+    ArrayRecordSource,
+    DataError,
+    Sample,
+    SyntheticSource,
+    decode_sample,
+    encode_sample,
+    global_batches,
+    validate_sample,
+)
 from maestro_jax.train import train
 
 

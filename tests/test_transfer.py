@@ -63,7 +63,7 @@ def test_fan_out_tile_map_reads_each_destination_from_one_source_block():
     dst = row_sharding(mesh([4, 5, 6, 7], (4, 1, 1)))
     tiles = plan_transfer(src, dst, (8, 3))
     assert len(tiles.tiles) == 4
-    for dev, pieces in tiles.tiles:
+    for _dev, pieces in tiles.tiles:
         assert len(pieces) == 1
     # destination shards 0,1 read source device 0; shards 2,3 read source device 1 (block map)
     assert [p[0].src_device.id for _, p in tiles.tiles] == [0, 0, 1, 1]
