@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             from maestro_jax.train import train  # noqa: PLC0415
 
             history = train(cfg)
-            print(f"trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+            if history:
+                print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
+                      f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+            else:
+                print(f"nothing to do: {cfg.output_dir} already holds a checkpoint at step {cfg.steps}")
             return 0
         if args.command == "bench":
             return _bench(cfg, args)

@@ -9,6 +9,8 @@ included, and gives the same per-step losses as an uninterrupted run.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -45,8 +47,31 @@ class MetricsWriter:
             self.tb.close()
 
 
+class Preemption:
+    """SIGTERM (a scheduler's preemption notice) ends training at the next step boundary, after a
+    checkpoint; the process then exits with status 0 and a re-run resumes from that step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def train(cfg: Config, progress: bool = True) -> list[dict]:
-    """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint)."""
+    """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
+
+    On SIGTERM, saves a checkpoint after the current step and returns early."""
     rt = build_runtime(cfg)
     states = rt.init_states()
     dataset = rt.batches().to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
@@ -67,6 +92,11 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress, desc="train", unit="step", initial=start,
                total=cfg.steps)
+    with Preemption() as preemption:
+        return _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption)
+
+
+def _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption) -> list[dict]:
     try:
         for step in bar:
             samples = next(data)
@@ -83,8 +113,12 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
             bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
             writer.write(rec)
             done = step + 1
-            if ckpt and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+            due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+            if ckpt and (due or preemption.requested):
                 ckpt.save(done, states, data.get_state(), {"seed": cfg.seed, "workload": cfg.workload})
+            if preemption.requested:
+                bar.write(f"SIGTERM: checkpoint saved at step {done}; stopping (re-run to resume)")
+                break
     finally:
         writer.close()
         if ckpt:

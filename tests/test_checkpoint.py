@@ -68,3 +68,30 @@ def test_uncommitted_save_is_ignored(tmp_path):
     ck = Checkpointer(ck_dir)
     assert ck.latest_step() == 1
     ck.close()
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    """A real SIGTERM mid-run: checkpoint at the next step boundary, exit 0, resume from it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/kd_tiny.yaml"),
+            *TINY_KD, f"output_dir={out}", "steps=200"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-2000:]
+    steps = [r["step"] for r in read_metrics(out)]
+    last = steps[-1]
+    assert 2 <= last < 200
+    ck = Checkpointer(out / "checkpoints")
+    assert ck.latest_step() == last, "the checkpoint is taken at the step boundary after the signal"
+    ck.close()
+    assert "SIGTERM" in stderr + stdout
