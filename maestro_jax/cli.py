@@ -50,9 +50,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "train":
-            from maestro_jax.train import train  # noqa: PLC0415
+            from maestro_jax.train import NonFiniteError, train  # noqa: PLC0415
 
-            history = train(cfg)
+            try:
+                history = train(cfg)
+            except NonFiniteError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 3
             if history:
                 print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
                       f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
@@ -73,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _simulate(cfg, args) -> int:
-    import json  # noqa: PLC0415
-
     from maestro_jax.plan import PlanError  # noqa: PLC0415
     from maestro_jax.simulate import simulate_config  # noqa: PLC0415
 
@@ -91,15 +93,19 @@ def _simulate(cfg, args) -> int:
     print(f"end-to-end speedup: {r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}")
     print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
           f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    _write_json(args.json, r)
     return 0
 
 
-def _bench(cfg, args) -> int:
-    import json  # noqa: PLC0415
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        import json  # noqa: PLC0415
 
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _bench(cfg, args) -> int:
     from maestro_jax.bench import MODES, bench  # noqa: PLC0415
 
     r = bench(cfg, reps=args.reps, num_batches=args.batches, trace_dir=args.trace)
@@ -116,9 +122,7 @@ def _bench(cfg, args) -> int:
         p = r["simulator"][m]
         print(f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "
               f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    _write_json(args.json, r)
     return 0
 
 

@@ -152,7 +152,7 @@ class Config(_Frozen):
     checkpoint_every: PositiveInt | None = None  # save every K steps (and always at the end)
     keep_checkpoints: PositiveInt = 3
     async_checkpoint: bool = True
-    log_every: PositiveInt = 1
+    on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/inf loss or grads: skip the step, or stop the run
     models: dict[str, ModelConfig]
     distill: DistillConfig = DistillConfig()
     sections: dict[str, SectionConfig]

@@ -109,6 +109,7 @@ class SectionPrograms:
                                       donate_argnums=(4,) if donate else ())
         self._update = jax.jit(update, donate_argnums=(0, 1) if donate else ())
         self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=p_sh)
+        self._all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])))
         self._init_opt = jax.jit(optimizer.init)
 
     # Each wrapper enters the section mesh: constants traced inside land on its devices.
@@ -133,6 +134,11 @@ class SectionPrograms:
     def loss_and_grad(self, state: SectionState, inputs, batch, norm, acc):
         with jax.set_mesh(self.mesh):
             return self._loss_and_grad(state.variables, inputs, batch, norm, acc)
+
+    def all_finite(self, tree):
+        """A device scalar: every element of `tree` (e.g. this section's grads) is finite."""
+        with jax.set_mesh(self.mesh):
+            return self._all_finite(tree)
 
     def zeros_like_params(self, state: SectionState):
         with jax.set_mesh(self.mesh):

@@ -9,6 +9,7 @@ included, and gives the same per-step losses as an uninterrupted run.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -45,6 +46,32 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
+
+
+def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop"):
+    """One optimizer step; NaN/inf loss or grads are detected per section before any update.
+
+    Returns the new states and a metrics record. With `on_nonfinite="skip"` a bad step leaves
+    every section's params and optimizer state untouched (`skipped_nonfinite` names them).
+    """
+    result = rt.executor.run(states, samples, rt.schedule(samples))
+    finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
+    loss = float(result.loss)  # end of step: the host waits for the devices here
+    bad = sorted(s for s, ok in finite.items() if not bool(ok))
+    if not math.isfinite(loss):
+        bad = [f"{rt.graph.sink} (loss)"] + [b for b in bad if b != rt.graph.sink]
+    rec = {"step": step, "loss": loss}
+    if bad:
+        msg = f"step {step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
+        if on_nonfinite == "stop":
+            raise NonFiniteError(msg + " (on_nonfinite=stop; set on_nonfinite=skip to skip such steps)")
+        rec["skipped_nonfinite"] = bad
+        return states, rec
+    return rt.executor.update(states, result.grads), rec
 
 
 class Preemption:
@@ -101,14 +128,12 @@ def _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption) -> list
         for step in bar:
             samples = next(data)
             t0 = time.perf_counter()
-            schedule = rt.schedule(samples)
-            result = rt.executor.run(states, samples, schedule)
-            states = rt.executor.update(states, result.grads)
-            loss = float(result.loss)  # end of step: the one place the host waits for the devices
+            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite)
             dt = time.perf_counter() - t0
             tokens = sum(len(s.tokens) - 1 for s in samples)
-            rec = {"step": step + 1, "loss": loss, "samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt,
-                   "step_time_s": dt, "sample_ids": [int(s.id) for s in samples]}
+            rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                        "sample_ids": [int(s.id) for s in samples]})
+            loss = rec["loss"]
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
             writer.write(rec)
