@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=4")
+        if name != "simulate":
+            g = p.add_argument_group("multi-process (default: auto-detect SLURM, else one process)")
+            g.add_argument("--coordinator", help="host:port of process 0's coordination service")
+            g.add_argument("--num-processes", type=int)
+            g.add_argument("--process-id", type=int)
     parsers["bench"].add_argument("--reps", type=int, default=5)
     parsers["bench"].add_argument("--batches", type=int, default=3, help="global batches per repetition")
     parsers["bench"].add_argument("--json", help="write the report as JSON here")
@@ -45,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         return _simulate(cfg, args)
     _ensure_host_devices(cfg.host_devices)
+    if args.coordinator and (args.num_processes is None or args.process_id is None):
+        print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
+        return 2
+    from maestro_jax.distributed import maybe_initialize_distributed  # noqa: PLC0415
+
+    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
 
     from maestro_jax.plan import PlanError  # noqa: PLC0415 (JAX must start after the flags are set)
 

@@ -70,7 +70,8 @@ class Executor:
         return _StepState(
             states=states, schedule=schedule, norm=np.float32(max(self.graph.loss_count(samples), 1)),
             batches={key: self.programs[key[0]].put_batch(b) for key, b in host.items()},
-            acc={s: self.programs[s].zeros_like_params(states[s]) for s in self.problem.trained})
+            acc={s: self.programs[s].zeros_like_params(states[s]) for s in self.problem.order
+                 if s in self.problem.trained})  # graph order: identical on every process
 
     @staticmethod
     def _finish(ctx: "_StepState") -> StepResult:

@@ -154,5 +154,11 @@ class SectionPrograms:
         return SectionState(params, state.consts, opt_state)
 
     def put_batch(self, batch: dict):
-        """Host arrays of one micro-step onto the section's devices, rows over data shards."""
-        return {k: jax.device_put(v, self.rows) for k, v in batch.items()}
+        """Host arrays of one micro-step onto the section's devices, rows over data shards.
+
+        Every process holds the whole micro-step on the host (the schedule is the same
+        everywhere); across processes each one places only its own devices' rows."""
+        if self.rows.is_fully_addressable:
+            return {k: jax.device_put(v, self.rows) for k, v in batch.items()}
+        return {k: jax.make_array_from_callback(v.shape, self.rows, lambda idx, v=v: v[idx], dtype=v.dtype)
+                for k, v in batch.items()}

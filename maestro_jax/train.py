@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 import grain
+import jax
 from tqdm import tqdm
 
 from maestro_jax.checkpoint import Checkpointer
-from maestro_jax.config import Config, dump_config
+from maestro_jax.config import Config, ConfigError, dump_config
+from maestro_jax.distributed import fetch
 from maestro_jax.runtime import build_runtime
 
 
@@ -60,8 +62,8 @@ def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop"):
     """
     result = rt.executor.run(states, samples, rt.schedule(samples))
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
-    loss = float(result.loss)  # end of step: the host waits for the devices here
-    bad = sorted(s for s, ok in finite.items() if not bool(ok))
+    loss = float(fetch(result.loss))  # end of step: the host waits for the devices here
+    bad = sorted(s for s, ok in finite.items() if not bool(fetch(ok)))
     if not math.isfinite(loss):
         bad = [f"{rt.graph.sink} (loss)"] + [b for b in bad if b != rt.graph.sink]
     rec = {"step": step, "loss": loss}
@@ -106,7 +108,14 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     ckpt = None
     start = 0
-    if out_dir:
+    multi = jax.process_count() > 1
+    if multi and cfg.checkpoint_every:
+        raise ConfigError(f"error: checkpoint_every={cfg.checkpoint_every}: checkpoints of multi-process runs are not "
+                          f"supported yet (Orbax 0.12 refuses process-local section arrays); leave it unset")
+    if out_dir and multi:
+        out_dir.mkdir(parents=True, exist_ok=True)  # metrics only, written by process 0
+        out_dir = out_dir if jax.process_index() == 0 else None
+    elif out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_config(cfg))
         ckpt = Checkpointer(out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
@@ -117,7 +126,7 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
             start = latest
     writer = MetricsWriter(out_dir)
     history = []
-    bar = tqdm(range(start, cfg.steps), disable=not progress, desc="train", unit="step", initial=start,
+    bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
                total=cfg.steps)
     with Preemption() as preemption:
         return _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption)
