@@ -20,7 +20,7 @@ import jax
 from tqdm import tqdm
 
 from maestro_jax.checkpoint import Checkpointer
-from maestro_jax.config import Config, ConfigError, dump_config
+from maestro_jax.config import Config, dump_config
 from maestro_jax.distributed import fetch
 from maestro_jax.runtime import build_runtime
 
@@ -108,23 +108,17 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     ckpt = None
     start = 0
-    multi = jax.process_count() > 1
-    if multi and cfg.checkpoint_every:
-        raise ConfigError(f"error: checkpoint_every={cfg.checkpoint_every}: checkpoints of multi-process runs are not "
-                          f"supported yet (Orbax 0.12 refuses process-local section arrays); leave it unset")
-    if out_dir and multi:
-        out_dir.mkdir(parents=True, exist_ok=True)  # metrics only, written by process 0
-        out_dir = out_dir if jax.process_index() == 0 else None
-    elif out_dir:
+    if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(dump_config(cfg))
+        if jax.process_index() == 0:
+            (out_dir / "config.yaml").write_text(dump_config(cfg))
         ckpt = Checkpointer(out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
         latest = ckpt.latest_step()
         if latest is not None:
             states, data_state, _ = ckpt.restore(latest, states)
             data.set_state(data_state)
             start = latest
-    writer = MetricsWriter(out_dir)
+    writer = MetricsWriter(out_dir if jax.process_index() == 0 else None)  # process 0 writes metrics
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
                total=cfg.steps)
