@@ -177,7 +177,7 @@ class Executor:
             ct = {e.name: ctx.moved_back.pop((e.name, op.step)) for e in p.out_edges(op.section)
                   if (e.name, op.step) in ctx.moved_back}
             out = ctx.outputs.pop((op.section, op.step))
-            ct = {k: ct.get(k, jax.numpy.zeros_like(v)) for k, v in out.items()}
+            ct = {k: ct[k] if k in ct else jax.numpy.zeros_like(v) for k, v in out.items()}  # zeros only if unused
             ctx.acc[op.section], d_inputs = prog.backward(states[op.section], ctx.handles.pop((op.section, op.step)),
                                                           ct, ctx.acc[op.section])
             self._collect_cotangents(schedule.steps[op.section][op.step], d_inputs, ctx.cotangents)
