@@ -1,7 +1,9 @@
 """`maestro-jax train|verify --config FILE [key=value ...]`.
 
 Thin entry point: parse, validate the config (before JAX starts: it sets the CPU device count),
-then call the library. Invalid input exits with status 2 and one `error:` line.
+then call the library. Each fault ends with one `error:` line on stderr and its own status:
+2 bad input (config, plan, data), 3 non-finite loss or gradients, 4 checkpoint storage,
+5 a dead or stuck peer process. SIGTERM saves a checkpoint and exits 0.
 """
 
 from __future__ import annotations
@@ -55,19 +57,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from maestro_jax.distributed import maybe_initialize_distributed  # noqa: PLC0415
 
-    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                 heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
+    status = _run(cfg, args)
+    import jax  # noqa: PLC0415
 
-    from maestro_jax.plan import PlanError  # noqa: PLC0415 (JAX must start after the flags are set)
+    if status != 0 and jax.process_count() > 1:
+        # jax.distributed's exit-time shutdown waits for every peer, and a failed peer may never
+        # come: leave now, with the error already printed, rather than hang.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
+
+def _run(cfg, args) -> int:
+    from maestro_jax.checkpoint import CheckpointError  # noqa: PLC0415 (JAX must start after the flags are set)
+    from maestro_jax.data import DataError  # noqa: PLC0415
+    from maestro_jax.distributed import PeerError  # noqa: PLC0415
+    from maestro_jax.plan import PlanError  # noqa: PLC0415
+    from maestro_jax.train import NonFiniteError  # noqa: PLC0415
+
+    faults = ((NonFiniteError, 3), (CheckpointError, 4), (PeerError, 5), (DataError, 2))
     try:
         if args.command == "train":
-            from maestro_jax.train import NonFiniteError, train  # noqa: PLC0415
+            from maestro_jax.train import train  # noqa: PLC0415
 
             try:
                 history = train(cfg)
-            except NonFiniteError as err:
+            except tuple(f for f, _ in faults) as err:
                 print(f"error: {err}", file=sys.stderr)
-                return 3
+                return next(code for f, code in faults if isinstance(err, f))
             if history:
                 print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
                       f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")

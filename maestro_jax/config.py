@@ -118,6 +118,8 @@ class DataConfig(_Frozen):
     max_images: PositiveInt = 2
     image_sizes: list[tuple[PositiveInt, PositiveInt]] = []
     shuffle: bool = True
+    max_tokens: PositiveInt | None = None  # the largest sequence bucket; longer samples are bad samples
+    on_bad_sample: Literal["error", "skip"] = "error"  # skip: drop, count and report bad samples (never train on them)
 
 
 class MonolithicConfig(_Frozen):
@@ -141,6 +143,13 @@ class ScheduleConfig(_Frozen):
     max_in_flight: PositiveInt = 4
 
 
+class DistributedConfig(_Frozen):
+    """Bounded waits in multi-process runs: a dead or stuck peer becomes an error naming it."""
+
+    timeout_s: float = Field(300.0, gt=0.0)  # longest wait for a peer at a step boundary or for a shared value
+    heartbeat_timeout_s: PositiveInt = 100  # the coordination service declares a silent process dead
+
+
 class Config(_Frozen):
     workload: Literal["vlm", "kd"]
     seed: int = 0
@@ -162,6 +171,7 @@ class Config(_Frozen):
     monolithic: MonolithicConfig = MonolithicConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     simulate: SimulateConfig = SimulateConfig()
+    distributed: DistributedConfig = DistributedConfig()
     verify_rtol: float = Field(1e-5, gt=0.0)
 
     def plan(self) -> Plan:

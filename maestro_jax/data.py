@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import logging
 
 import grain
 import numpy as np
 
 IMAGE_TOKEN = 1  # placeholder id; one per merged image token
 FIRST_TEXT_TOKEN = 2
+log = logging.getLogger("maestro_jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,19 +92,66 @@ class SyntheticSource:
         return Sample(id=index, tokens=text.astype(np.int32), images=images)
 
 
-def global_batches(source, global_batch: int, seed: int, shuffle: bool = True) -> grain.MapDataset:
-    """Global batches (lists of samples), shuffled with a seed, repeating over epochs."""
-    ds = grain.MapDataset.source(source)
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    return ds.repeat(None).batch(global_batch, drop_remainder=True, batch_fn=list)
+def _read(source, check, keep_errors: bool, index: int):
+    """Sample `index`, validated; under the `skip` policy a bad one comes back as its DataError."""
+    try:
+        return check(source[int(index)]) if check else source[int(index)]
+    except DataError as err:
+        if keep_errors:
+            return err
+        raise
+
+
+def _ordered(source, seed: int, shuffle: bool) -> grain.MapDataset:
+    ds = grain.MapDataset.range(len(source))
+    return (ds.shuffle(seed=seed) if shuffle else ds).repeat(None)
+
+
+def global_batches(source, global_batch: int, seed: int, shuffle: bool = True, check=None) -> grain.MapDataset:
+    """Global batches (lists of samples), shuffled with a seed, repeating over epochs; random
+    access (verify, bench). A bad sample raises `DataError` with its id."""
+    return (_ordered(source, seed, shuffle).map(functools.partial(_read, source, check, False))
+            .batch(global_batch, drop_remainder=True, batch_fn=list))
+
+
+class BadSamples:
+    """Under `data.on_bad_sample: skip`: counts the bad samples dropped and keeps their reasons
+    until the training loop reports them with the step that would have used them."""
+
+    def __init__(self):
+        self.total = 0
+        self._pending: list[str] = []
+
+    def keep(self, item) -> bool:
+        if isinstance(item, DataError):
+            self.total += 1
+            self._pending.append(str(item))
+            log.warning("skipping bad sample (data.on_bad_sample=skip): %s", item)
+            return False
+        return True
+
+    def drain(self) -> list[str]:
+        out, self._pending = self._pending, []
+        return out
+
+
+def training_batches(source, global_batch: int, seed: int, shuffle: bool, check, bad: BadSamples | None
+                     ) -> grain.IterDataset:
+    """The training stream: the same order as `global_batches`. With `bad` (skip policy) bad
+    samples are dropped and the batch is filled from the next ones; without, they raise.
+    Its iterator state (`get_state`/`set_state`) resumes the stream exactly."""
+    ds = (_ordered(source, seed, shuffle).map(functools.partial(_read, source, check, bad is not None))
+          .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+    if bad is not None:
+        ds = ds.filter(bad.keep)
+    return ds.batch(global_batch, drop_remainder=True, batch_fn=list)
 
 
 class DataError(ValueError):
     """A malformed sample; the message names its id and what is wrong."""
 
 
-def validate_sample(s: Sample, patch: int, merge: int, max_tokens: int | None = None) -> Sample:
+def validate_sample(s: Sample, patch: int = 1, merge: int = 1, max_tokens: int | None = None) -> Sample:
     """Reject what must never be trained on silently (wrong dtypes or shapes, mismatched
     placeholders, empty text, non-finite pixels, sequences longer than the largest bucket)."""
     where = f"sample id={s.id}"
@@ -146,8 +196,8 @@ def decode_sample(record: bytes) -> Sample:
 
 @dataclasses.dataclass(frozen=True)
 class ArrayRecordSource:
-    """Samples stored as ArrayRecord files (`scripts/convert_images.py` writes them); each
-    record is decoded and validated on read, so a bad record fails with its id."""
+    """Samples stored as ArrayRecord files (`scripts/convert_images.py` writes them); a record
+    that does not decode fails with its index (the pipeline validates what decodes)."""
 
     paths: tuple[str, ...]
     patch: int = 1
@@ -160,11 +210,22 @@ class ArrayRecordSource:
         return len(self._source)
 
     def __getitem__(self, index: int) -> Sample:
-        return validate_sample(decode_sample(self._source[int(index)]), self.patch, self.merge)
+        try:
+            return decode_sample(self._source[int(index)])
+        except (ValueError, KeyError, OSError) as err:  # numpy's npz reader: bad zip, missing array
+            raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be decoded ({err})") from err
 
     def sizes(self, index: int) -> tuple[int, list[tuple[int, int]]]:
         s = self[index]
         return int(np.count_nonzero(s.tokens != IMAGE_TOKEN)), [im.shape[:2] for im in s.images]
+
+
+def sample_check(cfg):
+    """The validation every sample passes before training (`validate_sample` with the config's
+    patch, merge and `data.max_tokens`)."""
+    vision = cfg.models.get("vision") if cfg.workload == "vlm" else None
+    patch, merge = (vision.patch, vision.merge) if vision else (1, 1)
+    return functools.partial(validate_sample, patch=patch, merge=merge, max_tokens=cfg.data.max_tokens)
 
 
 def source_from_config(cfg):

@@ -6,11 +6,12 @@ import dataclasses
 import functools
 
 import flax.linen as nn
+import grain
 import jax
 
 from maestro_jax import plan as plan_lib
 from maestro_jax.config import Config, ConfigError
-from maestro_jax.data import global_batches, source_from_config
+from maestro_jax.data import BadSamples, global_batches, sample_check, source_from_config, training_batches
 from maestro_jax.executor import Executor, sample_metas
 from maestro_jax.graph import SectionGraph
 from maestro_jax.monolithic import Monolithic
@@ -83,7 +84,12 @@ class Runtime:
 
     def batches(self):
         return global_batches(source_from_config(self.cfg), self.cfg.global_batch, self.cfg.seed,
-                              self.cfg.data.shuffle)
+                              self.cfg.data.shuffle, sample_check(self.cfg))
+
+    def training_batches(self, bad: BadSamples | None = None) -> grain.IterDataset:
+        """The training stream; pass `bad` to skip (and count) bad samples instead of failing."""
+        return training_batches(source_from_config(self.cfg), self.cfg.global_batch, self.cfg.seed,
+                                self.cfg.data.shuffle, sample_check(self.cfg), bad)
 
     @functools.cached_property
     def monolithic(self) -> "MonolithicRuntime":

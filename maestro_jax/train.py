@@ -4,25 +4,32 @@ With `output_dir`, the run writes `metrics.jsonl` (one JSON object per step), Te
 events (`tb/`), the resolved `config.yaml` and Orbax checkpoints (`checkpoints/`); running
 again with the same `output_dir` resumes from the latest complete checkpoint, data order
 included, and gives the same per-step losses as an uninterrupted run.
+
+Faults end the run with an exception the CLI maps to an exit status (README, "Faults"):
+`DataError` (a bad sample under `data.on_bad_sample: error`), `NonFiniteError`,
+`CheckpointError` (storage), `PeerError` (a dead or stuck process).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import threading
 import time
 from pathlib import Path
 
-import grain
 import jax
 from tqdm import tqdm
 
-from maestro_jax.checkpoint import Checkpointer
+from maestro_jax.checkpoint import CheckpointError, Checkpointer
 from maestro_jax.config import Config, dump_config
-from maestro_jax.distributed import fetch
+from maestro_jax.data import BadSamples
+from maestro_jax.distributed import PeerError, fetch, set_peer_timeout, step_barrier
 from maestro_jax.runtime import build_runtime
+
+log = logging.getLogger("maestro_jax")
 
 
 class MetricsWriter:
@@ -101,10 +108,11 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
     """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
 
     On SIGTERM, saves a checkpoint after the current step and returns early."""
+    set_peer_timeout(cfg.distributed.timeout_s)
     rt = build_runtime(cfg)
     states = rt.init_states()
-    dataset = rt.batches().to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    data = iter(dataset)
+    bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
+    data = iter(rt.training_batches(bad))
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     ckpt = None
     start = 0
@@ -113,22 +121,25 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
         if jax.process_index() == 0:
             (out_dir / "config.yaml").write_text(dump_config(cfg))
         ckpt = Checkpointer(out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
-        latest = ckpt.latest_step()
-        if latest is not None:
-            states, data_state, _ = ckpt.restore(latest, states)
+        restored = ckpt.restore_latest(states)
+        if restored is not None:
+            start, states, data_state, _ = restored
             data.set_state(data_state)
-            start = latest
     writer = MetricsWriter(out_dir if jax.process_index() == 0 else None)  # process 0 writes metrics
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
                total=cfg.steps)
     with Preemption() as preemption:
-        return _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption)
+        history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
+    if bad is not None and bad.total:
+        bar.write(f"skipped {bad.total} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
+    return history
 
 
-def _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption) -> list[dict]:
+def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) -> list[dict]:
     try:
         for step in bar:
+            step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
             samples = next(data)
             t0 = time.perf_counter()
             states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite)
@@ -136,6 +147,8 @@ def _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption) -> list
             tokens = sum(len(s.tokens) - 1 for s in samples)
             rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
                         "sample_ids": [int(s.id) for s in samples]})
+            if bad is not None:
+                rec["skipped_samples"] = bad.drain()
             loss = rec["loss"]
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
@@ -147,8 +160,18 @@ def _loop(cfg, rt, states, data, ckpt, writer, bar, history, preemption) -> list
             if preemption.requested:
                 bar.write(f"SIGTERM: checkpoint saved at step {done}; stopping (re-run to resume)")
                 break
-    finally:
+    except PeerError:
+        writer.close()  # no checkpoint work: committing needs the lost peer (its save is never committed)
+        raise
+    except BaseException:
         writer.close()
         if ckpt:
-            ckpt.close()
+            try:
+                ckpt.close()  # the last complete save is still committed
+            except CheckpointError as err:
+                log.error("%s", err)
+        raise
+    writer.close()
+    if ckpt:
+        ckpt.close()  # commits the final save; a storage fault raises CheckpointError here
     return history

@@ -52,7 +52,7 @@ def test_restore_onto_a_different_plan(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     leaf = jax.tree.leaves(moved["student"].params)[0]
     assert {d.id for d in leaf.sharding.device_set} == {0, 1, 2, 3}, "restored onto the new plan's devices"
-    assert data_state["next_index"] == 1
+    assert data_state["next_index"] == cfg.global_batch, "the data stream resumes after the first batch"
     # and training continues on the new plan
     result = rt_b.executor.run(moved, rt_b.batches()[1], rt_b.schedule(rt_b.batches()[1]))
     assert np.isfinite(float(result.loss))
