@@ -201,8 +201,14 @@ class Checkpointer:
                     m.unlink()
 
     def close(self) -> None:
-        self._commit_pending()
-        self.manager.close()
+        """Commit the pending save (raising `CheckpointError` if it failed) and stop Orbax."""
+        try:
+            self._commit_pending()
+        finally:
+            try:
+                self.manager.close()
+            except Exception as err:  # a failed save's leftovers; the error that matters is raised above
+                log.warning("closing the checkpoint manager: %s: %s", type(err).__name__, err)
 
     # -- restoring --------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:

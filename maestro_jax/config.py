@@ -158,6 +158,7 @@ class Config(_Frozen):
     host_devices: PositiveInt = 8
     device_memory_gb: float | None = Field(None, gt=0.0)
     output_dir: str | None = None  # metrics.jsonl, TensorBoard events, checkpoints/; re-running resumes
+    checkpoint_dir: str | None = None  # default <output_dir>/checkpoints; may be other storage
     checkpoint_every: PositiveInt | None = None  # save every K steps (and always at the end)
     keep_checkpoints: PositiveInt = 3
     async_checkpoint: bool = True

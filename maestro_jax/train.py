@@ -120,7 +120,7 @@ def train(cfg: Config, progress: bool = True) -> list[dict]:
         out_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
             (out_dir / "config.yaml").write_text(dump_config(cfg))
-        ckpt = Checkpointer(out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
+        ckpt = Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
         restored = ckpt.restore_latest(states)
         if restored is not None:
             start, states, data_state, _ = restored
@@ -168,7 +168,7 @@ def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) ->
         if ckpt:
             try:
                 ckpt.close()  # the last complete save is still committed
-            except CheckpointError as err:
+            except Exception as err:  # the fault being raised matters more than this one
                 log.error("%s", err)
         raise
     writer.close()

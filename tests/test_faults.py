@@ -1,0 +1,294 @@
+"""Faults really happen here (kill -9, SIGSTOP, a full or read-only filesystem, flipped bits,
+bad records, bad configs) and each test checks the outcome: files, losses, statuses, messages."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+
+from maestro_jax import cli
+from maestro_jax.checkpoint import MANIFEST, CheckpointError, Checkpointer, verify_step
+from maestro_jax.config import load_config
+from maestro_jax.data import IMAGE_TOKEN, DataError, Sample, encode_sample
+from maestro_jax.train import train
+
+KD = ROOT / "configs/kd_tiny.yaml"
+VLM = ROOT / "configs/vlm_tiny.yaml"
+
+
+def cli_args(config, overrides):
+    return [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(config), *overrides]
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_losses(out):
+    """The last record of each step (a resumed run repeats the steps after its checkpoint)."""
+    return {r["step"]: r["loss"] for r in metrics(out)}
+
+
+def uncommitted(ck):
+    """What an unfinished save leaves: Orbax temporaries and step directories without a manifest."""
+    if not ck.is_dir():
+        return []
+    return sorted(p.name for p in ck.iterdir()
+                  if ".orbax-checkpoint-tmp" in p.name
+                  or (p.name.isdigit() and not (ck / MANIFEST.format(step=p.name)).exists()))
+
+
+def kd(out, *extra):
+    return load_config(KD, TINY_KD + [f"output_dir={out}", *extra])
+
+
+# -- 1. kill -9 while a checkpoint is being written ----------------------------------------------
+def test_kill_9_during_save_resumes_from_last_complete(tmp_path):
+    steps = 8
+    out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", "checkpoint_every=1"])
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen, deadline = [], time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if len(list(ck.glob("manifest-*.json"))) >= 2 and (seen := uncommitted(ck)):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    assert seen, "killed while a save was unfinished"
+    committed = Checkpointer(ck).committed_steps()
+    assert committed and all(str(s) not in seen for s in committed)
+    before = len(metrics(out))
+
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert metrics(out)[before]["step"] == committed[-1] + 1, "resumed from the last complete checkpoint"
+    assert not uncommitted(ck), "the partial save was cleaned up, then every later save committed"
+    straight = train(kd(tmp_path / "straight", f"steps={steps}"), progress=False)
+    assert final_losses(out) == {r["step"]: r["loss"] for r in straight}
+
+
+# -- 3. bad configs: status 2, one line, before any compilation -----------------------------------
+@pytest.mark.parametrize("overrides,text", [
+    (["sections.student.micro_bach=2"], "sections.student.micro_bach: unknown key; did you mean 'micro_batch'?"),
+    (["steps=many"], "steps='many'"),
+    (["sections.student.mesh={data: 2, tensor: 3}"], "sections.student.mesh"),
+    (["sections.student.devices=2:6"], "also used by section 'teacher'"),
+    (["sections.student.devices=4:12"], "valid device ids are 0..7"),
+    (["edges.teacher_hidden.fanout=3"], "edges.teacher_hidden.fanout"),
+    (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
+    (["global_batch=7"], "global_batch"),
+])
+def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, capsys):
+    from test_plan import COUNTER
+
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, *overrides])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert text in err, err
+    assert COUNTER.count == before, "rejected before any compilation"
+
+
+# -- 4. bad data: rejected with the sample id, or skipped, counted and reported -------------------
+def _write_records(path):
+    """24 records in order; ids 3, 7, 11, 15, 19 are bad in five different ways."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+    import io
+
+    rng = np.random.default_rng(0)
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for i in range(24):
+        image = rng.uniform(-1, 1, (8, 8, 3)).astype(np.float32)
+        tokens = np.array([IMAGE_TOKEN] + list(rng.integers(2, 200, 9)), np.int32)
+        if i == 3:  # NaN pixels (a float image stored as is)
+            buf = io.BytesIO()
+            np.savez(buf, id=np.int64(i), tokens=tokens, image_0=np.full((8, 8, 3), np.nan, np.float32))
+            writer.write(buf.getvalue())
+            continue
+        if i == 7:
+            tokens = np.array([IMAGE_TOKEN, IMAGE_TOKEN] + list(tokens[1:]), np.int32)  # 2 placeholders, 1 image
+        if i == 11:
+            tokens = np.array([IMAGE_TOKEN], np.int32)  # no text
+        if i == 15:
+            writer.write(b"not an npz record")
+            continue
+        if i == 19:
+            tokens = np.concatenate([tokens, rng.integers(2, 200, 60).astype(np.int32)])  # past data.max_tokens
+        writer.write(encode_sample(Sample(id=i, tokens=tokens, images=(image,))))
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def bad_records(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "mixed.array_record"
+    _write_records(path)
+    return TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false", "data.max_tokens=40",
+                       "steps=2", "models.llm.vocab=258"]
+
+
+def test_bad_sample_stops_with_its_id(bad_records, capsys):
+    with pytest.raises(DataError, match=r"sample id=3: image 0 has NaN or inf pixels"):
+        train(load_config(VLM, bad_records), progress=False)
+    assert cli.main(["train", "--config", str(VLM), *bad_records]) == 2
+    assert "error: sample id=3: image 0 has NaN or inf pixels" in capsys.readouterr().err
+
+
+def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
+    history = train(load_config(VLM, bad_records + ["data.on_bad_sample=skip"]), progress=False)
+    assert [r["sample_ids"] for r in history] == [[0, 1, 2, 4, 5, 6, 8, 9], [10, 12, 13, 14, 16, 17, 18, 20]]
+    skipped = [r["skipped_samples"] for r in history]
+    assert [len(s) for s in skipped] == [2, 3]
+    assert "sample id=3: image 0 has NaN" in skipped[0][0]
+    assert "sample id=7: 2 image-placeholder tokens but its images need 1" in skipped[0][1]
+    assert "sample id=11: needs at least 2 text tokens" in skipped[1][0]
+    assert "record 15" in skipped[1][1] and "cannot be decoded" in skipped[1][1]
+    assert "sample id=19: 70 tokens exceed the largest bucket (40)" in skipped[1][2]
+    assert all(np.isfinite(r["loss"]) for r in history)
+    assert "skipped 5 bad sample(s)" in capsys.readouterr().out
+
+
+# -- 7. storage faults: a full, then a read-only checkpoint filesystem ----------------------------
+@pytest.fixture
+def small_filesystem(tmp_path):
+    mount = tmp_path / "ck"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(mount):
+    try:
+        with open(mount / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError:
+        pass
+
+
+def test_full_then_read_only_checkpoint_storage(tmp_path, small_filesystem):
+    ck = small_filesystem
+    cfg = lambda steps: kd(tmp_path / "out", f"checkpoint_dir={ck}", "checkpoint_every=1", f"steps={steps}")  # noqa: E731
+    train(cfg(2), progress=False)
+    _fill(ck)
+    with pytest.raises(CheckpointError, match=r"save of step 3 .* No space left on device.*\(step 2\) is intact"):
+        train(cfg(4), progress=False)  # the write fails in Orbax's background thread or at its start
+    manifests = {s: json.loads((ck / MANIFEST.format(step=s)).read_text()) for s in (1, 2)}
+    assert all(verify_step(ck / str(s), m) is None for s, m in manifests.items()), "earlier checkpoints intact"
+    (ck / "filler").unlink()
+
+    subprocess.run(["mount", "-o", "remount,ro", str(ck)], check=True)
+    proc = subprocess.run(cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=4"]),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "Read-only file system" in proc.stderr.strip().splitlines()[-1]
+    subprocess.run(["mount", "-o", "remount,rw", str(ck)], check=True)
+
+    resumed = train(cfg(4), progress=False)
+    assert [r["step"] for r in resumed] == [3, 4], "a later run with space resumes from step 2"
+    straight = train(kd(tmp_path / "straight", "steps=4"), progress=False)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
+
+
+# -- 8. corruption: a flipped bit or a truncated file is detected; the run falls back -------------
+def _largest_file(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys):
+    straight = {r["step"]: r["loss"] for r in train(kd(tmp_path / "a", "steps=4"), progress=False)}
+    out = tmp_path / "b"
+    ck = out / "checkpoints"
+    train(kd(out, "steps=3", "checkpoint_every=1"), progress=False)
+    victim = _largest_file(ck / "3")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    resumed = train(kd(out, "steps=4", "checkpoint_every=1"), progress=False)
+    said = capsys.readouterr().out
+    assert "checkpoint step 3 is corrupt" in said and "fails its checksum" in said and "falling back to step 2" in said
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [straight[3], straight[4]]
+    assert (ck / "corrupt" / "3" / "3").is_dir(), "the bad checkpoint is kept aside, not deleted"
+
+    for step in (4, 3):  # truncate a file in the two newest: the run goes back two checkpoints
+        victim = _largest_file(ck / str(step))
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    again = train(kd(out, "steps=4", "checkpoint_every=1"), progress=False)
+    said = capsys.readouterr().out
+    assert "checkpoint step 4 is corrupt" in said and "truncated" in said and "falling back to step 3" in said
+    assert "checkpoint step 3 is corrupt" in said and "falling back to step 2" in said
+    assert [r["loss"] for r in again] == [straight[3], straight[4]]
+
+
+# -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------
+def _start_two(tmp_path, overrides):
+    from test_multiprocess import free_port
+
+    port, procs = free_port(), []
+    for pid in range(2):
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        args = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(KD), "--coordinator",
+                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid), "host_devices=4",
+                *TINY_KD, *overrides, f"output_dir={tmp_path / 'run'}"]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    metrics_file = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2:
+            return procs
+        time.sleep(0.1)
+    for p in procs:
+        p.kill()
+    pytest.fail("the 2-process run did not start: " + procs[0].communicate()[1][-2000:])
+
+
+def _survivor_outcome(procs, victim, sig, bound_s):
+    procs[victim].send_signal(sig)
+    t0 = time.time()
+    survivor = procs[1 - victim]
+    try:
+        _, err = survivor.communicate(timeout=bound_s)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return survivor.returncode, err, time.time() - t0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("victim", [1, 0])
+def test_dead_peer_ends_the_survivor(tmp_path, victim):
+    procs = _start_two(tmp_path, ["steps=100000", "distributed.timeout_s=15", "distributed.heartbeat_timeout_s=15"])
+    status, err, waited = _survivor_outcome(procs, victim, signal.SIGKILL, bound_s=90)
+    assert status != 0 and waited < 60, (status, waited)
+    named = (f"process {victim} did not" in err  # our bounded wait
+             or f"unhealthy (stopped sending heartbeats):\n{victim}" in err  # the coordination service, on process 0
+             or "leader task was preempted/died" in err)  # process 1 losing process 0's coordination service
+    assert named, err[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_stuck_peer_is_named_within_the_timeout(tmp_path):
+    """SIGSTOP: the peer is alive but makes no progress. The step-boundary and fetch waits are
+    bounded by distributed.timeout_s (10 s), well before the 120 s heartbeat would notice."""
+    procs = _start_two(tmp_path, ["steps=100000", "distributed.timeout_s=10", "distributed.heartbeat_timeout_s=120"])
+    status, err, waited = _survivor_outcome(procs, 1, signal.SIGSTOP, bound_s=100)
+    assert status == 5, err[-3000:]
+    assert waited < 60
+    assert "error: process 1 did not reach step" in err or "error: process 1 did not publish" in err, err[-3000:]
+    assert "within 10s (distributed.timeout_s): it is dead or stuck" in err
