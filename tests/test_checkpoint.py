@@ -95,3 +95,6 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     assert ck.latest_step() == last, "the checkpoint is taken at the step boundary after the signal"
     ck.close()
     assert "SIGTERM" in stderr + stdout
+    resumed = train(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", f"steps={last + 1}"]),
+                    progress=False)
+    assert [r["step"] for r in resumed] == [last + 1], "the restart resumes from the SIGTERM checkpoint"
