@@ -28,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parsers = {}
     for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
                         ("bench", "monolithic vs naive vs wavefront throughput, side by side"),
-                        ("simulate", "predicted maestro vs monolithic throughput on a cluster (no JAX)")):
+                        ("simulate", "predicted maestro vs monolithic throughput on a cluster (no JAX)"),
+                        ("plan", "search devices, meshes, micro-batches and fanout for the best plan (no JAX)")):
         p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=4")
-        if name != "simulate":
+        if name not in ("simulate", "plan"):
             g = p.add_argument_group("multi-process (default: auto-detect SLURM, else one process)")
             g.add_argument("--coordinator", help="host:port of process 0's coordination service")
             g.add_argument("--num-processes", type=int)
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parsers["bench"].add_argument("--json", help="write the report as JSON here")
     parsers["bench"].add_argument("--trace", help="write measured and simulated traces and Gantt PNGs here")
     parsers["simulate"].add_argument("--json", help="write the report as JSON here")
+    parsers["plan"].add_argument("--devices", type=int, required=True, help="devices the plan may use")
+    parsers["plan"].add_argument("--memory-gb", type=float, required=True, help="memory per device, GB")
+    parsers["plan"].add_argument("--top", type=int, default=10, help="candidates to list")
+    parsers["plan"].add_argument("--write", help="write the config with the chosen plan here (train/bench accept it)")
+    parsers["plan"].add_argument("--json", help="write the report as JSON here")
     parsers["simulate"].add_argument("--gantt", help="write the simulated Gantt chart PNG here")
     args = parser.parse_args(argv)
     try:
@@ -51,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "simulate":
         return _simulate(cfg, args)
+    if args.command == "plan":
+        return _plan(cfg, args)
     _ensure_host_devices(cfg.host_devices)
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
@@ -125,6 +133,38 @@ def _simulate(cfg, args) -> int:
     print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
           f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
     _write_json(args.json, r)
+    return 0
+
+
+def _plan(cfg, args) -> int:
+    from maestro_jax.planner import InfeasibleError, Planner, format_table, write_plan  # noqa: PLC0415
+
+    if args.devices < 1 or args.memory_gb <= 0:
+        print(f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive", file=sys.stderr)
+        return 2
+    try:
+        report = Planner(cfg, args.devices, args.memory_gb).search(top=args.top)
+    except InfeasibleError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{report.considered} plans pass every constraint; {report.simulated} simulated "
+          f"(the rest are ruled out by their lower bound); cost model: {cfg.simulate.device}")
+    print(format_table(report))
+    mono, best = report.monolithic, report.best
+    if mono:
+        print(f"monolithic best layout: mesh {mono['mesh']} micro_batch {mono['micro_batch']}: predicted "
+              f"{mono['step_time_s']:.4g} s/step; planned maestro: {best.step_time_s:.4g} s/step "
+              f"({mono['step_time_s'] / best.step_time_s:.3f}x)")
+    else:
+        print("monolithic: no layout fits in memory on these devices")
+    if args.write:
+        write_plan(args.config, args.overrides, best, args.memory_gb, args.write)
+        print(f"wrote {args.write}: maestro-jax bench --config {args.write}")
+    _write_json(args.json, {"best": best.describe(), "step_time_s": best.step_time_s,
+                            "samples_per_s_per_device": best.samples_per_s_per_device,
+                            "top": [dict(plan=c.describe(), step_time_s=c.step_time_s, memory_gb=c.memory_gb)
+                                    for c in report.top],
+                            "monolithic": mono, "considered": report.considered, "simulated": report.simulated})
     return 0
 
 

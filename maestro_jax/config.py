@@ -133,7 +133,7 @@ class MonolithicConfig(_Frozen):
 class SimulateConfig(_Frozen):
     """Cluster the analytic cost model describes (`maestro-jax simulate`)."""
 
-    device: Literal["h100", "h200"] = "h100"
+    device: Literal["h100", "h200", "cpu"] = "h100"
     batches: PositiveInt = 4  # global batches simulated
     link_gbps: float = Field(50.0, gt=0.0)  # per-device cross-section bandwidth, GB/s (inter-node IB)
 

@@ -21,6 +21,8 @@ DEVICES = {
     # peak dense bf16 FLOP/s and HBM bandwidth of one device; interconnect bytes/s per device
     "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9},
     "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9},
+    # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially)
+    "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},
 }
 
 
@@ -75,6 +77,7 @@ def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_b
     shows up as a lower rate, as measured in practice (paper, Fig. 9).
     """
     peak = DEVICES[device]["flops"]
+    overhead_s = DEVICES[device].get("overhead_s", overhead_s)
     eff = efficiency(micro_batch * typical_units / tensor, width_per_device)
     rate = peak * eff * tensor
     return SectionCost(per_unit_s=flops_per_unit / rate, per_unit2_s=attn_flops_per_unit2 / rate,

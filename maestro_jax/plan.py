@@ -143,17 +143,21 @@ def check_divisibility(plan: Plan, sink: str, params: Mapping[str, Sequence[Para
                                 f"must be a multiple of the {sink!r} rows per micro-step "
                                 f"(data*fsdp*micro_batch = {sp.rows})")
     for name, infos in params.items():
-        sp = plan.sections[name]
-        rules, sizes = RULES[sp.rules], sp.axis_sizes
-        for info in infos:
-            for dim, logical in zip(info.shape, info.logical or ()):
-                axes = mesh_axes_for(logical, rules)
-                n = math.prod(sizes[a] for a in axes)
-                if dim % n:
-                    raise DivisibilityError(f"sections.{name}.mesh", sizes,
-                                            f"parameter {info.path} dimension {logical!r} of size {dim} is sharded "
-                                            f"over {'*'.join(axes)}={n}, which does not divide it; use mesh sizes "
-                                            f"that divide {dim}")
+        check_param_divisibility(name, plan.sections[name], infos)
+
+
+def check_param_divisibility(name: str, sp: SectionPlan, infos: Sequence[ParamInfo]) -> None:
+    """Every sharded parameter dimension divides by the mesh axes it is sharded over."""
+    rules, sizes = RULES[sp.rules], sp.axis_sizes
+    for info in infos:
+        for dim, logical in zip(info.shape, info.logical or ()):
+            axes = mesh_axes_for(logical, rules)
+            n = math.prod(sizes[a] for a in axes)
+            if dim % n:
+                raise DivisibilityError(f"sections.{name}.mesh", sizes,
+                                        f"parameter {info.path} dimension {logical!r} of size {dim} is sharded "
+                                        f"over {'*'.join(axes)}={n}, which does not divide it; use mesh sizes "
+                                        f"that divide {dim}")
 
 
 def sharded_bytes(info: ParamInfo, sp: SectionPlan) -> float:

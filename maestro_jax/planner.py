@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from maestro_jax import workloads
 from maestro_jax.buckets import bucket
 from maestro_jax.config import Config
-from maestro_jax.plan import ParamInfo, Plan, PlanError, SectionPlan, check_plan, state_bytes_per_device
+from maestro_jax.cost import DEVICES
+from maestro_jax.plan import (ParamInfo, Plan, PlanError, SectionPlan, check_param_divisibility, check_plan,
+                              state_bytes_per_device)
 from maestro_jax.scheduler import wavefront
 from maestro_jax.simulate import cost_model, monolithic_time
 from maestro_jax.simulator import simulate
@@ -113,136 +115,170 @@ class Candidate:
 class PlanReport:
     best: Candidate
     top: list[Candidate]
-    considered: int  # candidates enumerated
-    feasible: int  # that pass every constraint
+    considered: int  # candidate plans that pass every constraint
+    feasible: int  # the same (kept for the report)
     simulated: int  # that the bound did not rule out
     monolithic: dict  # the baseline's best layout on the same devices
 
 
-def _factorizations(n: int) -> list[tuple[int, int, int]]:
-    return [(d, f, n // (d * f)) for d in range(1, n + 1) if n % d == 0
-            for f in range(1, n // d + 1) if (n // d) % f == 0]
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _powers(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-class Planner:
-    """Search over plans of `cfg`'s workload on `devices` devices with `memory_gb` each."""
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One section's layout on `n` devices, with its memory and its share of the step-time bound."""
 
-    def __init__(self, cfg: Config, devices: int, memory_gb: float, batches: int = 2, residuals=("vjp", "remat")):
+    plan: SectionPlan
+    memory: dict
+    bound: float
+
+
+class Planner:
+    """Search over plans of `cfg`'s workload on `devices` devices with `memory_gb` each.
+
+    Each section's options are enumerated on their own (device count, tensor degree,
+    data-parallel degree, micro-batch, residual policy); the fsdp degree is the smallest that
+    fits the memory budget, since fsdp costs communication the cost model does not price.
+    A plan is a pair of options on disjoint devices whose data-parallel degrees give a whole
+    fanout. Candidates are scored with the wavefront scheduler and the simulator.
+    """
+
+    def __init__(self, cfg: Config, devices: int, memory_gb: float, batches: int = 2, residuals=("vjp", "remat"),
+                 metas=None):
         self.cfg, self.devices, self.budget = cfg, devices, memory_gb * 2**30
         self.shape = workloads.SHAPES[cfg.workload]
-        self.metas = [workloads.metas(cfg, b) for b in range(batches)]
+        self.metas = metas or [workloads.metas(cfg, b) for b in range(batches)]
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1)
                           for s in self.shape.sections}
         self.params = {s: model_params(cfg, s) for s in self.shape.sections}
         self.residuals = residuals
+        self.serial = DEVICES[cfg.simulate.device].get("serial", False)
+        self._options: dict[tuple[str, int], list[_Option]] = {}
 
     # -- enumeration --------------------------------------------------------------------------
-    def candidates(self):
-        src, dst = self.shape.edge.src, self.shape.edge.dst
+    def options(self, section: str, n: int, budget: float | None = None) -> list[_Option]:
+        """Every layout of `section` on `n` devices that passes its own constraints and fits."""
+        budget = self.budget if budget is None else budget
+        key = (section, n, budget)
+        if key in self._options:
+            return self._options[key]
+        trained, sink = self.shape.sections[section], section == self.shape.sink
         gb = self.cfg.global_batch
+        out = []
+        for tensor in _divisors(n):
+            dp = n // tensor
+            for mb in _powers(gb // dp):
+                if sink and gb % (dp * mb):
+                    continue  # the sink's rows per micro-step must divide the global batch
+                for res in (self.residuals if trained and not sink else ("vjp",)):
+                    for fsdp in _divisors(dp):
+                        sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res)
+                        try:
+                            check_param_divisibility(section, sp, self.params[section])
+                        except PlanError:
+                            continue
+                        mem = section_memory(self.cfg, section, sp, trained, sink, self.max_units[section])
+                        if mem["total"] <= budget:
+                            out.append(_Option(sp, mem, self._section_bound(section, sp)))
+                            break
+        self._options[key] = out
+        return out
+
+    def candidates(self, budget: float | None = None):
+        """(plan, memory by section, lower bound) for every plan that passes every constraint."""
+        src, dst = self.shape.edge.src, self.shape.edge.dst
         for n_src in range(1, self.devices):
             n_dst = self.devices - n_src
-            for m_src, m_dst in itertools.product(_factorizations(n_src), _factorizations(n_dst)):
-                dp_src, dp_dst = m_src[0] * m_src[1], m_dst[0] * m_dst[1]
-                if dp_dst % dp_src:
-                    continue  # DP_producer * fanout == DP_consumer has no whole fanout
-                fanout = dp_dst // dp_src
-                for mb_dst in _powers(gb // dp_dst):
-                    for mb_src in _powers(gb // dp_src):
-                        for res in (self.residuals if self.shape.sections[src] else ("vjp",)):
-                            yield Plan(
-                                sections={src: SectionPlan(tuple(range(n_src)), m_src, mb_src, res),
-                                          dst: SectionPlan(tuple(range(n_src, self.devices)), m_dst, mb_dst)},
-                                fanout={self.shape.edge.name: fanout}, global_batch=gb)
+            for a, b in itertools.product(self.options(src, n_src, budget), self.options(dst, n_dst, budget)):
+                if b.plan.dp % a.plan.dp or a.plan.micro_batch % (b.plan.dp // a.plan.dp):
+                    continue  # no whole fanout, or a producer micro-batch the block map cannot split
+                plan = Plan(sections={src: a.plan, dst: dataclasses.replace(b.plan, devices=tuple(range(n_src, self.devices)))},
+                            fanout={self.shape.edge.name: b.plan.dp // a.plan.dp}, global_batch=self.cfg.global_batch)
+                bound = a.bound + b.bound if self.serial else max(a.bound, b.bound)
+                yield plan, {src: a.memory, dst: b.memory}, bound
 
-    def memory(self, plan: Plan) -> dict[str, dict[str, float]]:
-        return {s: section_memory(self.cfg, s, sp, self.shape.sections[s], s == self.shape.sink, self.max_units[s])
-                for s, sp in plan.sections.items()}
-
-    def check(self, plan: Plan, budget: float | None = None) -> dict[str, dict[str, float]]:
-        """The runtime's constraint checks; raises PlanError. Returns the memory estimate."""
-        mem = self.memory(plan)
+    def check(self, plan: Plan) -> dict[str, dict[str, float]]:
+        """The runtime's constraint checks on a whole plan; raises PlanError. Returns the memory."""
+        mem = {s: section_memory(self.cfg, s, sp, self.shape.sections[s], s == self.shape.sink, self.max_units[s])
+               for s, sp in plan.sections.items()}
         check_plan(plan, num_devices=self.devices, edges=(self.shape.edge,), sink=self.shape.sink,
-                   params=self.params, budget_bytes=self.budget if budget is None else budget,
+                   params=self.params, budget_bytes=self.budget,
                    state={s: m["state"] for s, m in mem.items()},
                    activations={s: m["activations"] for s, m in mem.items()})
         return mem
 
     # -- scoring ------------------------------------------------------------------------------
-    def _cost(self, plan: Plan):
-        return cost_model(self.cfg, dict(plan.sections), self.metas)
-
-    def lower_bound(self, plan: Plan) -> float:
+    def _section_bound(self, section: str, sp: SectionPlan) -> float:
         """No section finishes before its own work: per micro-step overhead plus its rows' work
-        spread over its data shards, unpadded (padding and waiting only add)."""
-        cost, problem = self._cost(plan), workloads.problem(self.cfg, plan)
+        spread over its data shards, unpadded (padding, transfers and waiting only add)."""
+        cost = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas).sections[section]
+        trained, sink = self.shape.sections[section], section == self.shape.sink
+        factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if trained else 0.0)
         bounds = []
         for metas in self.metas:
-            per_section = []
-            for s, sp in plan.sections.items():
-                c = cost.sections[s]
-                units = [m.work[s] for m in metas if s in m.work]
-                if not units:
-                    continue
-                steps = math.ceil(len(units) / sp.rows)
-                kinds = ["L"] if s == problem.sink else ["F"] + (["B"] if problem.needs_backward(s) else [])
-                factor = sum({"F": 1.0, "B": c.backward_factor, "L": c.sink_factor}[k] for k in kinds)
-                work = sum(c.per_unit_s * u + c.per_unit2_s * u * u for u in units) / sp.dp
-                per_section.append(factor * (steps * c.overhead_s + work))
-            bounds.append(max(per_section))
+            units = [m.work[section] for m in metas if section in m.work]
+            work = sum(cost.per_unit_s * u + cost.per_unit2_s * u * u for u in units) / sp.dp
+            bounds.append(factor * (math.ceil(len(units) / sp.rows) * cost.overhead_s + work))
         return statistics.mean(bounds)
 
     def step_time(self, plan: Plan) -> float:
-        cost, problem = self._cost(plan), workloads.problem(self.cfg, plan)
+        cost, problem = cost_model(self.cfg, dict(plan.sections), self.metas), workloads.problem(self.cfg, plan)
         devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
-        return statistics.mean(simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices).makespan
-                               for m in self.metas)
-
-    def _candidate(self, plan: Plan, mem, t: float) -> Candidate:
-        used = sum(len(sp.devices) for sp in plan.sections.values())
-        return Candidate(plan, t, self.cfg.global_batch / t / used, {s: m["total"] / 2**30 for s, m in mem.items()})
+        return statistics.mean(simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices,
+                                        serial=self.serial).makespan for m in self.metas)
 
     # -- search -------------------------------------------------------------------------------
-    def feasible(self) -> tuple[int, list[tuple[Plan, dict]]]:
-        considered, ok = 0, []
-        for plan in self.candidates():
-            considered += 1
-            try:
-                ok.append((plan, self.check(plan)))
-            except PlanError:
-                continue
-        return considered, ok
-
     def search(self, top: int = 10, exhaustive: bool = False) -> PlanReport:
-        considered, ok = self.feasible()
-        if not ok:
-            raise InfeasibleError(self._infeasible_message())
-        bounded = sorted(((self.lower_bound(p), i) for i, (p, _) in enumerate(ok)))
-        scored: list[Candidate] = []
-        for bound, i in bounded:
-            if not exhaustive and len(scored) >= top and bound > scored[top - 1].step_time_s:
-                break  # every remaining candidate is slower than the top ones already found
-            plan, mem = ok[i]
-            scored.append(self._candidate(plan, mem, self.step_time(plan)))
-            scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
-        return PlanReport(scored[0], scored[:top], considered, len(ok), len(scored), self.monolithic_best())
+        """The best plan and the `top` runners-up by simulated step time.
 
-    def monolithic_best(self) -> dict:
-        """The monolithic baseline's best layout and micro-batch on the same devices."""
-        best = None
-        for mesh in _factorizations(self.devices):
-            for mb in _powers(self.cfg.global_batch // (mesh[0] * mesh[1])):
-                sp = SectionPlan(tuple(range(self.devices)), mesh, mb)
-                if self.cfg.global_batch % sp.rows:
+        Candidates are simulated in order of their lower bound; once `top` are scored and the
+        next bound exceeds the slowest of them, no remaining candidate can enter the top list."""
+        found = list(self.candidates())
+        if not found:
+            raise InfeasibleError(self._infeasible_message())
+        found.sort(key=lambda c: c[2])
+        scored: list[Candidate] = []
+        for plan, mem, bound in found:
+            if not exhaustive and len(scored) >= top and bound > scored[top - 1].step_time_s:
+                break
+            t = self.step_time(plan)
+            used = sum(len(sp.devices) for sp in plan.sections.values())
+            scored.append(Candidate(plan, t, self.cfg.global_batch / t / used,
+                                    {s: m["total"] / 2**30 for s, m in mem.items()}))
+            scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
+        return PlanReport(scored[0], scored[:top], len(found), len(found), len(scored), self.monolithic_best())
+
+    def monolithic_best(self) -> dict | None:
+        """The monolithic baseline's best layout and micro-batch on the same devices (every
+        section's state on every device, the smallest fsdp that fits)."""
+        best, gb = None, self.cfg.global_batch
+        for tensor in _divisors(self.devices):
+            dp = self.devices // tensor
+            for mb in _powers(gb // dp):
+                if gb % (dp * mb):
                     continue
-                cost = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas)
-                t = statistics.mean(monolithic_time(self.cfg, m, cost, mb, sp.rows) for m in self.metas)
-                if best is None or t < best["step_time_s"]:
-                    best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "step_time_s": t}
+                for fsdp in _divisors(dp):
+                    sp = SectionPlan(tuple(range(self.devices)), (dp // fsdp, fsdp, tensor), mb)
+                    try:
+                        for s in self.shape.sections:
+                            check_param_divisibility(s, sp, self.params[s])
+                    except PlanError:
+                        continue
+                    mems = [section_memory(self.cfg, s, sp, t, s == self.shape.sink, self.max_units[s])
+                            for s, t in self.shape.sections.items()]
+                    if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
+                        continue
+                    cost = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas)
+                    t = statistics.mean(monolithic_time(self.cfg, m, cost, mb, sp.rows) for m in self.metas)
+                    if best is None or t < best["step_time_s"]:
+                        best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "step_time_s": t,
+                                "samples_per_s_per_device": gb / t / self.devices}
+                    break
         return best
 
     def _infeasible_message(self) -> str:
@@ -250,22 +286,18 @@ class Planner:
         if self.devices < sections:
             return (f"--devices {self.devices}: the {self.cfg.workload} workload has {sections} sections and each "
                     f"needs its own devices; the smallest request is --devices {sections}")
-        need = None
-        for plan in self.candidates():
-            try:
-                mem = self.check(plan, budget=float("inf"))
-            except PlanError:
-                continue
-            peak = max(m["total"] for m in mem.values()) / 2**30
-            need = peak if need is None else min(need, peak)
-        if need is None:
+        peaks = [max(m["total"] for m in mem.values()) for _, mem, _ in self.candidates(budget=float("inf"))]
+        if not peaks:
             return (f"--devices {self.devices}: no device split satisfies the mesh, fanout and divisibility "
                     f"constraints for global_batch={self.cfg.global_batch}; try another device count")
-        more = next((n for n in range(self.devices + 1, 8 * self.devices + 1)
-                     if Planner(self.cfg, n, self.budget / 2**30, len(self.metas), self.residuals).feasible()[1]), None)
-        alt = f", or --devices {more} at {self.budget / 2**30:g} GB" if more else ""
-        return (f"--memory-gb {self.budget / 2**30:g}: no plan on {self.devices} devices fits; the smallest "
-                f"feasible request is --memory-gb {math.ceil(need * 100) / 100:g} at --devices {self.devices}{alt}")
+        gb = self.budget / 2**30
+        more = next((n for n in (2 * self.devices, 4 * self.devices)
+                     if next(Planner(self.cfg, n, gb, residuals=self.residuals, metas=self.metas).candidates(), None)),
+                    None)
+        alt = f", or --devices {more} at --memory-gb {gb:g}" if more else ""
+        return (f"--memory-gb {gb:g}: no plan on {self.devices} devices fits in memory; the smallest feasible "
+                f"request is --memory-gb {math.ceil(min(peaks) / 2**30 * 100) / 100:g} at --devices "
+                f"{self.devices}{alt}")
 
 
 def _tiebreak(plan: Plan):
@@ -296,3 +328,21 @@ def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) ->
         lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
                      f"{' | '.join(parts)}; fanout {fan}  {mem}")
     return "\n".join(lines)
+
+
+def write_plan(config_path: str, overrides: list[str], best: Candidate, memory_gb: float, out_path: str) -> None:
+    """The config at `config_path` (with `overrides`) with `best`'s plan, as YAML that `train`,
+    `verify` and `bench` accept; checked by loading it back."""
+    import yaml  # noqa: PLC0415
+
+    from maestro_jax.config import _set_dotted, load_config, parse_overrides  # noqa: PLC0415
+
+    with open(config_path) as f:
+        raw = yaml.safe_load(f) or {}
+    for key, value in {**parse_overrides(overrides), **plan_overrides(best), "device_memory_gb": memory_gb}.items():
+        _set_dotted(raw, key, value)
+    header = (f"# Written by `maestro-jax plan` from {config_path}: predicted {best.step_time_s:.4g} s/step.\n"
+              f"#   maestro-jax bench --config {out_path}\n")
+    with open(out_path, "w") as f:
+        f.write(header + yaml.safe_dump(raw, sort_keys=False))
+    load_config(out_path)

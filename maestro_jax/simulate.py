@@ -22,6 +22,7 @@ from maestro_jax.simulator import simulate
 
 def _section_cost(cfg: Config, section: str, sp: SectionPlan, metas_all, trained_sink: bool) -> SectionCost:
     linear, attn, width = workloads.flops(cfg, section)
+    params = linear / 2  # a weight costs 2 FLOPs (multiply, add) per unit of work
     units = [m.work[section] for batch in metas_all for m in batch if section in m.work]
     typical = statistics.mean(units) if units else 1.0
     attn2 = attn
@@ -32,8 +33,21 @@ def _section_cost(cfg: Config, section: str, sp: SectionPlan, metas_all, trained
     tensor = sp.axis_sizes["tensor"]
     c = analytic_section(linear, attn2, sp.micro_batch, tensor, int(typical), device=cfg.simulate.device,
                          trained_sink=trained_sink, width_per_device=width / tensor)
-    return SectionCost(c.per_unit_s, c.per_unit2_s, c.overhead_s, c.backward_factor, c.sink_factor,
-                       bucket_min=256)
+    return SectionCost(c.per_unit_s, c.per_unit2_s, c.overhead_s + fsdp_gather_s(cfg, sp, params),
+                       c.backward_factor, c.sink_factor, bucket_min=256)
+
+
+def fsdp_gather_s(cfg: Config, sp: SectionPlan, params: float) -> float:
+    """Time of one all-gather of a section's fsdp-sharded bf16 weights, paid per micro-step (the
+    backward pays it again plus a reduce-scatter: `backward_factor` scales it with the compute).
+    Inside a node (<= 8 devices in the fsdp x tensor group) it runs at NVLink speed, across nodes
+    at `simulate.link_gbps`. Counted in full, not overlapped with compute: a pessimistic price,
+    but the price that keeps a planner from sharding everything with fsdp for free."""
+    fsdp, tensor = sp.axis_sizes["fsdp"], sp.axis_sizes["tensor"]
+    if fsdp == 1:
+        return 0.0
+    link = DEVICES[cfg.simulate.device]["link"] if fsdp * tensor <= 8 else cfg.simulate.link_gbps * 1e9
+    return 2 * params / tensor * (fsdp - 1) / fsdp / link
 
 
 def cost_model(cfg: Config, plans: dict[str, SectionPlan], metas_all) -> CostModel:
