@@ -7,7 +7,6 @@ import functools
 import io
 import logging
 
-import grain
 import numpy as np
 
 IMAGE_TOKEN = 1  # placeholder id; one per merged image token
@@ -103,6 +102,8 @@ def _read(source, check, keep_errors: bool, index: int):
 
 
 def _ordered(source, seed: int, shuffle: bool) -> grain.MapDataset:
+    import grain  # noqa: PLC0415 (grain imports jax; the planner and simulator read sources without it)
+
     ds = grain.MapDataset.range(len(source))
     return (ds.shuffle(seed=seed) if shuffle else ds).repeat(None)
 
@@ -140,6 +141,8 @@ def training_batches(source, global_batch: int, seed: int, shuffle: bool, check,
     """The training stream: the same order as `global_batches`. With `bad` (skip policy) bad
     samples are dropped and the batch is filled from the next ones; without, they raise.
     Its iterator state (`get_state`/`set_state`) resumes the stream exactly."""
+    import grain  # noqa: PLC0415
+
     ds = (_ordered(source, seed, shuffle).map(functools.partial(_read, source, check, bad is not None))
           .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
     if bad is not None:
@@ -204,6 +207,8 @@ class ArrayRecordSource:
     merge: int = 1
 
     def __post_init__(self):
+        import grain  # noqa: PLC0415
+
         object.__setattr__(self, "_source", grain.sources.ArrayRecordDataSource(list(self.paths)))
 
     def __len__(self) -> int:

@@ -161,10 +161,11 @@ class Planner:
         self._options: dict[tuple[str, int], list[_Option]] = {}
 
     # -- enumeration --------------------------------------------------------------------------
-    def options(self, section: str, n: int, budget: float | None = None) -> list[_Option]:
-        """Every layout of `section` on `n` devices that passes its own constraints and fits."""
+    def options(self, section: str, n: int, budget: float | None = None, lightest: bool = False) -> list[_Option]:
+        """Every layout of `section` on `n` devices that passes its own constraints and fits;
+        `lightest`: with the fsdp degree that needs the least memory instead of the smallest that fits."""
         budget = self.budget if budget is None else budget
-        key = (section, n, budget)
+        key = (section, n, budget, lightest)
         if key in self._options:
             return self._options[key]
         trained, sink = self.shape.sections[section], section == self.shape.sink
@@ -176,6 +177,7 @@ class Planner:
                 if sink and gb % (dp * mb):
                     continue  # the sink's rows per micro-step must divide the global batch
                 for res in (self.residuals if trained and not sink else ("vjp",)):
+                    fits = []
                     for fsdp in _divisors(dp):
                         sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res)
                         try:
@@ -184,17 +186,22 @@ class Planner:
                             continue
                         mem = section_memory(self.cfg, section, sp, trained, sink, self.max_units[section])
                         if mem["total"] <= budget:
-                            out.append(_Option(sp, mem, self._section_bound(section, sp)))
-                            break
+                            fits.append((sp, mem))
+                            if not lightest:
+                                break
+                    if fits:
+                        sp, mem = min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0]
+                        out.append(_Option(sp, mem, self._section_bound(section, sp)))
         self._options[key] = out
         return out
 
-    def candidates(self, budget: float | None = None):
+    def candidates(self, budget: float | None = None, lightest: bool = False):
         """(plan, memory by section, lower bound) for every plan that passes every constraint."""
         src, dst = self.shape.edge.src, self.shape.edge.dst
         for n_src in range(1, self.devices):
             n_dst = self.devices - n_src
-            for a, b in itertools.product(self.options(src, n_src, budget), self.options(dst, n_dst, budget)):
+            for a, b in itertools.product(self.options(src, n_src, budget, lightest),
+                                            self.options(dst, n_dst, budget, lightest)):
                 if b.plan.dp % a.plan.dp or a.plan.micro_batch % (b.plan.dp // a.plan.dp):
                     continue  # no whole fanout, or a producer micro-batch the block map cannot split
                 plan = Plan(sections={src: a.plan, dst: dataclasses.replace(b.plan, devices=tuple(range(n_src, self.devices)))},
@@ -214,16 +221,22 @@ class Planner:
 
     # -- scoring ------------------------------------------------------------------------------
     def _section_bound(self, section: str, sp: SectionPlan) -> float:
-        """No section finishes before its own work: per micro-step overhead plus its rows' work
-        spread over its data shards, unpadded (padding, transfers and waiting only add)."""
-        cost = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas).sections[section]
+        """No section finishes before its own micro-steps are done, however its samples are
+        packed. Two valid floors, the larger is kept: (a) the rows' unpadded work spread over the
+        data shards, plus each micro-step's overhead; (b) padding: a micro-step costs at least its
+        largest row's bucket, and over any packing into micro-steps of `rows` samples the sum of
+        those largest rows is at least that of the sorted packing (every `rows`-th largest)."""
+        cm = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas)
+        cost = cm.sections[section]
         trained, sink = self.shape.sections[section], section == self.shape.sink
         factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if trained else 0.0)
         bounds = []
         for metas in self.metas:
-            units = [m.work[section] for m in metas if section in m.work]
-            work = sum(cost.per_unit_s * u + cost.per_unit2_s * u * u for u in units) / sp.dp
-            bounds.append(factor * (math.ceil(len(units) / sp.rows) * cost.overhead_s + work))
+            units = sorted((m.work[section] for m in metas if section in m.work), reverse=True)
+            steps = math.ceil(len(units) / sp.rows)
+            work = steps * cost.overhead_s + sum(cost.per_unit_s * u + cost.per_unit2_s * u * u for u in units) / sp.dp
+            padded = sum(cm.step_time(section, "F", [units[j * sp.rows]], sp.micro_batch) for j in range(steps))
+            bounds.append(factor * max(work, padded))
         return statistics.mean(bounds)
 
     def step_time(self, plan: Plan) -> float:
@@ -286,7 +299,7 @@ class Planner:
         if self.devices < sections:
             return (f"--devices {self.devices}: the {self.cfg.workload} workload has {sections} sections and each "
                     f"needs its own devices; the smallest request is --devices {sections}")
-        peaks = [max(m["total"] for m in mem.values()) for _, mem, _ in self.candidates(budget=float("inf"))]
+        peaks = [max(m["total"] for m in mem.values()) for _, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
         if not peaks:
             return (f"--devices {self.devices}: no device split satisfies the mesh, fanout and divisibility "
                     f"constraints for global_batch={self.cfg.global_batch}; try another device count")
@@ -296,8 +309,14 @@ class Planner:
                     None)
         alt = f", or --devices {more} at --memory-gb {gb:g}" if more else ""
         return (f"--memory-gb {gb:g}: no plan on {self.devices} devices fits in memory; the smallest feasible "
-                f"request is --memory-gb {math.ceil(min(peaks) / 2**30 * 100) / 100:g} at --devices "
+                f"request is --memory-gb {_ceil_significant(min(peaks) / 2**30):g} at --devices "
                 f"{self.devices}{alt}")
+
+
+def _ceil_significant(x: float, digits: int = 3) -> float:
+    """`x` rounded up to `digits` significant digits (a request that surely fits)."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
+    return math.ceil(x * scale) / scale
 
 
 def _tiebreak(plan: Plan):

@@ -1,0 +1,137 @@
+"""Planner: the bound-pruned search finds the exhaustive optimum, every constraint is avoided
+where it binds, infeasible requests name the smallest feasible one, and the written plan runs."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+
+from maestro_jax import cli
+from maestro_jax.config import load_config
+from maestro_jax.plan import check_plan
+from maestro_jax.planner import InfeasibleError, Planner
+
+KD = ROOT / "configs/kd_tiny.yaml"
+VLM = ROOT / "configs/vlm_tiny.yaml"
+CPU = ["simulate.device=cpu"]
+
+
+def planner(config, overrides, devices=8, memory_gb=1.0):
+    return Planner(load_config(config, overrides + CPU), devices, memory_gb)
+
+
+def assert_valid(p: Planner, plan):
+    """The runtime's own constraint checks accept the plan (resources, mesh, fanout, divisibility, memory)."""
+    mem = p.check(plan)
+    assert all(m["total"] <= p.budget for m in mem.values())
+    used = [d for sp in plan.sections.values() for d in sp.devices]
+    assert len(used) == len(set(used)) <= p.devices
+
+
+@pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 6), (VLM, TINY_VLM, 8)], ids=["kd6", "vlm8"])
+def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices):
+    p = planner(config, overrides, devices)
+    everything = list(p.candidates())
+    brute = sorted(p.step_time(plan) for plan, _, _ in everything)
+    fast = p.search(top=3)
+    assert fast.best.step_time_s == pytest.approx(brute[0], rel=1e-12)
+    assert [c.step_time_s for c in fast.top] == pytest.approx(brute[:3], rel=1e-12)
+    assert fast.simulated < len(everything), "the bound pruned some candidates (else the test shows nothing)"
+    for plan, _, bound in everything:  # what makes pruning exact
+        assert bound <= p.step_time(plan) * (1 + 1e-9)
+
+
+def test_every_candidate_passes_the_runtime_checks():
+    p = planner(VLM, TINY_VLM, 8)
+    found = list(p.candidates())
+    assert len(found) > 20
+    for plan, _, _ in found:
+        assert_valid(p, plan)
+        fan = plan.fanout["image_embeds"]
+        assert plan.sections["vision"].dp * fan == plan.sections["llm"].dp
+        assert plan.sections["vision"].micro_batch % fan == 0
+
+
+def test_memory_budget_is_avoided():
+    free = planner(KD, TINY_KD, 8, memory_gb=1.0).search()
+    heaviest = max(free.best.memory_gb.values())
+    tight = planner(KD, TINY_KD, 8, memory_gb=heaviest * 0.9)
+    best = tight.search().best
+    assert max(best.memory_gb.values()) <= heaviest * 0.9
+    assert best.plan != free.best.plan, "the unconstrained optimum no longer fits and is avoided"
+    assert_valid(tight, best.plan)
+
+
+def test_parameter_divisibility_is_avoided():
+    """3 heads: tensor parallelism over 2 devices would split a head; no candidate does."""
+    p = planner(KD, TINY_KD + ["models.student.heads=3", "models.student.kv_heads=3"], 8)
+    tensors = {plan.sections["student"].axis_sizes["tensor"] for plan, _, _ in p.candidates()}
+    assert tensors and tensors <= {1, 3}
+    unconstrained = {plan.sections["student"].axis_sizes["tensor"] for plan, _, _ in planner(KD, TINY_KD, 8).candidates()}
+    assert 2 in unconstrained
+
+
+def test_batch_divisibility_and_fanout_are_avoided():
+    p = planner(KD, TINY_KD + ["global_batch=12"], 8)
+    found = list(p.candidates())
+    assert found
+    for plan, _, _ in found:
+        assert 12 % plan.sections["student"].rows == 0
+        assert plan.sections["teacher"].dp * plan.fanout["teacher_hidden"] == plan.sections["student"].dp
+    assert 8 not in {plan.sections["student"].rows for plan, _, _ in found}
+    assert 8 in {plan.sections["student"].rows for plan, _, _ in planner(KD, TINY_KD + ["global_batch=16"], 8).candidates()}
+
+
+def test_infeasible_requests_name_the_smallest_feasible_one():
+    with pytest.raises(InfeasibleError, match="--devices 1: .* the smallest request is --devices 2"):
+        planner(KD, TINY_KD, 1).search()
+    with pytest.raises(InfeasibleError, match=r"the smallest feasible request is --memory-gb ([0-9.]+)") as info:
+        planner(KD, TINY_KD, 8, memory_gb=1e-4).search()
+    smallest = float(str(info.value).split("--memory-gb ")[2].split()[0])
+    assert planner(KD, TINY_KD, 8, memory_gb=smallest).search().best.step_time_s > 0
+    with pytest.raises(InfeasibleError):
+        planner(KD, TINY_KD, 8, memory_gb=smallest * 0.95).search()
+
+
+def test_paper_scale_plans_in_under_a_minute():
+    t0 = time.perf_counter()
+    report = Planner(load_config(ROOT / "configs/kd_paper_scale.yaml"), 64, 80.0).search()
+    assert time.perf_counter() - t0 < 60
+    assert report.monolithic is not None and report.best.step_time_s > 0
+    assert max(report.best.memory_gb.values()) <= 80
+
+
+def test_plan_cli_writes_a_config_that_verifies(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    assert cli.main(["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "1", "--write", str(out),
+                     *TINY_KD, *CPU]) == 0
+    said = capsys.readouterr().out
+    assert "monolithic best layout" in said and f"wrote {out}" in said
+    cfg = load_config(out)
+    assert cfg.device_memory_gb == 1
+    assert cli.main(["verify", "--config", str(out)]) == 0, "the planned plan is equivalent to the monolithic step"
+
+
+def test_plan_cli_infeasible_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "plan", "--config", str(KD), "--devices", "8",
+                           "--memory-gb", "0.00001", *TINY_KD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --memory-gb 1e-05: no plan on 8 devices fits") and "Traceback" not in proc.stderr
+
+
+def test_planner_imports_no_jax():
+    code = "import sys, maestro_jax.planner; print('jax' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_check_plan_is_what_the_planner_uses():
+    """A plan the planner returns passes check_plan with the planner's own memory numbers."""
+    p = planner(KD, TINY_KD, 8)
+    best = p.search().best
+    mem = p.check(best.plan)
+    check_plan(best.plan, num_devices=8, edges=(p.shape.edge,), sink=p.shape.sink, params=p.params,
+               budget_bytes=p.budget, state={s: m["state"] for s, m in mem.items()},
+               activations={s: m["activations"] for s, m in mem.items()})
