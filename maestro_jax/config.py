@@ -49,7 +49,14 @@ def _devices(value):
     return value
 
 
+class InitConfig(_Frozen):
+    """Where a section's weights start from (default: random)."""
+
+    hf_path: str  # a local Hugging Face folder (config.json + safetensors) of a Llama/Qwen2/Qwen3 decoder
+
+
 class SectionConfig(_Frozen):
+    init: InitConfig | None = None
     devices: Annotated[list[int], pydantic.BeforeValidator(_devices)]
     mesh: MeshConfig = MeshConfig()
     micro_batch: PositiveInt = 1
@@ -86,6 +93,8 @@ class LLMModelConfig(_Frozen):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
     # Mixture of experts, for the analytic cost model (`simulate`); the Flax model is dense.
     experts: int = Field(0, ge=0)
     experts_per_token: int = Field(0, ge=0)

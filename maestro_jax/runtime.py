@@ -71,10 +71,12 @@ class Runtime:
     cost: object = None  # CostModel the wavefront scheduler plans with (None: work units)
 
     def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
-        """Each section initialises straight into its own sharding (never a full copy on one device)."""
+        """Each section initialises straight into its own sharding (never a full copy on one
+        device); sections with `init.hf_path` then take their weights from that checkpoint."""
         key = jax.random.key(self.cfg.seed if seed is None else seed)
-        return {s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
-                for s in self.graph.names}
+        states = {s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
+                  for s in self.graph.names}
+        return load_pretrained(self, states)
 
     def schedule(self, samples) -> Schedule:
         metas = sample_metas(self.graph, samples)
@@ -96,6 +98,55 @@ class Runtime:
         return build_monolithic(self)
 
 
+HF_MODELS = {("kd", "teacher"): "teacher", ("kd", "student"): "student", ("vlm", "llm"): "llm"}
+
+
+def check_pretrained(cfg: Config) -> None:
+    """Each `sections.<s>.init.hf_path` exists and matches `models.<s>` field by field (before compiling)."""
+    from maestro_jax import hf  # noqa: PLC0415
+
+    for s, sc in cfg.sections.items():
+        if sc.init is None:
+            continue
+        model = HF_MODELS.get((cfg.workload, s))
+        if model is None:
+            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: section {s!r} has no Hugging "
+                              f"Face importer; supported: {sorted(k[1] for k in HF_MODELS if k[0] == cfg.workload)}")
+        try:
+            fields = hf.llm_fields(sc.init.hf_path)
+        except (hf.HFError, KeyError) as err:
+            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: {err}") from None
+        mine = cfg.models[model].model_dump()
+        for k, v in fields.items():
+            if mine.get(k) != v:
+                raise ConfigError(f"error: models.{model}.{k}={mine.get(k)!r}: the checkpoint {sc.init.hf_path} has "
+                                  f"{k}={v!r}; set models.{model} to the checkpoint's shape ({fields})")
+
+
+def load_pretrained(rt: "Runtime", states: dict[str, SectionState]) -> dict[str, SectionState]:
+    """Replace the random weights of sections with `init.hf_path` (KD teacher: its body and,
+    in the student section, its output layer; KD student and VLM llm: the whole LLM)."""
+    from maestro_jax import hf  # noqa: PLC0415
+
+    states = dict(states)
+    for s, sc in rt.cfg.sections.items():
+        if sc.init is None:
+            continue
+        path, fields = sc.init.hf_path, hf.llm_fields(sc.init.hf_path)
+        st = states[s]
+        if (rt.cfg.workload, s) == ("kd", "teacher"):
+            body = hf.load_llm(path, st.consts["llm"], fields, with_head=False)
+            states[s] = SectionState(st.params, {**st.consts, "llm": body}, st.opt_state)
+            student = states["student"]
+            head = hf.output_layer(path, fields, student.consts["teacher_head"])
+            states["student"] = SectionState(student.params, {**student.consts, "teacher_head": head},
+                                             student.opt_state)
+        else:
+            params = hf.load_llm(path, st.params, fields)
+            states[s] = SectionState(params, st.consts, rt.programs[s].init_optimizer(params))
+    return states
+
+
 def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
     init = jax.jit(lambda k: nn.meta.unbox(graph.init(k)[name]), out_shardings=shardings)
     with jax.set_mesh(mesh):
@@ -107,6 +158,7 @@ def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
 def build_runtime(cfg: Config) -> Runtime:
     """Check the whole plan (DESIGN.md section 3) before building or compiling anything."""
     graph = build_graph(cfg)
+    check_pretrained(cfg)
     plan = cfg.plan()
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
     infos = {s: param_infos(abstract[s]) for s in graph.names}

@@ -22,6 +22,8 @@ class LLMConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
 
 
 class DecoderBlock(nn.Module):
@@ -31,12 +33,18 @@ class DecoderBlock(nn.Module):
     def __call__(self, x_BLD, positions_BL, mask_BLL):
         c = self.cfg
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
-        q = nn.DenseGeneral((c.heads, c.head_dim), use_bias=False, name="q",
-                            kernel_init=partitioned(_init, "embed", "heads", "head_dim"))(h)
-        k = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=False, name="k",
-                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"))(h)
-        v = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=False, name="v",
-                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"))(h)
+        q = nn.DenseGeneral((c.heads, c.head_dim), use_bias=c.qkv_bias, name="q",
+                            kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
+                            bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"))(h)
+        k = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=c.qkv_bias, name="k",
+                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
+                            bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"))(h)
+        v = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=c.qkv_bias, name="v",
+                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
+                            bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"))(h)
+        if c.qk_norm:
+            q = RMSNorm(c.norm_eps, name="q_norm")(q)
+            k = RMSNorm(c.norm_eps, name="k_norm")(k)
         q = rotary(q, positions_BL, c.rope_theta)
         k = rotary(k, positions_BL, c.rope_theta)
         o = attention(q, k, v, mask_BLL)

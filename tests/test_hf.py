@@ -1,0 +1,137 @@
+"""Hugging Face import/export against transformers' own PyTorch forward (no downloads: tiny random
+models are built from a config, saved, imported, and compared on the same tokens in fp32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maestro_jax import hf
+from maestro_jax.config import ConfigError, load_config
+from maestro_jax.runtime import build_runtime
+from maestro_jax.sharding import section_mesh, variable_shardings
+from maestro_jax.plan import SectionPlan
+from models import DecoderLM, LLMConfig
+
+torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
+transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the dev extra)")
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+            torch_dtype="float32")
+CASES = {
+    "llama_untied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=8)),
+}
+TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
+
+
+def make_hf(tmp_path, case):
+    config_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**BASE, **extra)).eval()
+    with torch.no_grad():  # random biases, so a wrong bias mapping cannot hide behind zeros
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    out = tmp_path / case
+    model.save_pretrained(out, safe_serialization=True)
+    return model, out
+
+
+def torch_logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def flax_logits(path, mesh_shape=(1, 1, 1), devices=(0,)):
+    fields = hf.llm_fields(path)
+    cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"})
+    model = DecoderLM(cfg)
+    ids = jnp.asarray(TOKENS, jnp.int32)
+    pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, pos, valid)["params"])
+    mesh = section_mesh(SectionPlan(tuple(devices), mesh_shape, 1))
+    shardings = variable_shardings({"params": abstract}, mesh, "default")["params"]
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.tree.map(
+        lambda a: a.value if hasattr(a, "value") else a, abstract, is_leaf=lambda x: hasattr(x, "value")), shardings)
+    params = hf.load_llm(path, target, fields)
+    host = jax.tree.map(np.asarray, params)
+    return np.asarray(model.apply({"params": host}, ids, pos, valid)), params, fields
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_matches_transformers(tmp_path, case):
+    model, path = make_hf(tmp_path, case)
+    ours, _, fields = flax_logits(path)
+    assert fields["tie_embeddings"] == CASES[case][2]["tie_word_embeddings"]
+    assert fields["kv_heads"] < fields["heads"], "grouped-query attention is exercised"
+    np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
+
+
+def test_import_places_each_shard_only(tmp_path):
+    """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still match."""
+    model, path = make_hf(tmp_path, "qwen2_untied")
+    ours, params, _ = flax_logits(path, mesh_shape=(1, 2, 2), devices=(4, 5, 6, 7))
+    np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
+    gate = params["block_0"]["gate"]["kernel"]  # [D, F] over (fsdp, tensor)
+    assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}
+    assert all(s.data.shape == (16, 32) for s in gate.addressable_shards)
+
+
+@pytest.mark.parametrize("case,model_type", [("llama_untied", "llama"), ("qwen2_tied", "qwen2"), ("qwen3", "qwen3")])
+def test_export_round_trip_in_transformers(tmp_path, case, model_type):
+    model, path = make_hf(tmp_path, case)
+    ours, params, fields = flax_logits(path)
+    out = tmp_path / "exported"
+    hf.save_llm(out, params, fields, model_type=model_type, max_shard_bytes=20_000)  # several shards + index
+    assert (out / "model.safetensors.index.json").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(torch_logits(back), torch_logits(model), atol=1e-4, rtol=0)
+
+
+def _teacher_cfg(path, **extra):
+    """kd_tiny with the checkpoint as teacher: models.teacher copied from its config.json."""
+    f = hf.llm_fields(path)
+    overrides = [o for o in TINY_KD if not o.startswith("models.teacher")]
+    overrides += [f"models.teacher.{k}={v}" for k, v in f.items() if k != "kind"]
+    overrides += [f"models.student.vocab={f['vocab']}", f"sections.teacher.init.hf_path={path}"]
+    overrides += [f"{k}={v}" for k, v in extra.items()]
+    return load_config(ROOT / "configs/kd_tiny.yaml", overrides)
+
+
+def test_kd_teacher_from_hf_folder(tmp_path):
+    """The KD teacher section starts from the folder: its hidden states and output layer give
+    transformers' logits, sharded over the teacher's 2x2 mesh, and a training step runs."""
+    model, path = make_hf(tmp_path, "llama_untied")
+    cfg = _teacher_cfg(path)
+    rt = build_runtime(cfg)
+    states = rt.init_states()
+    body, head = states["teacher"].consts["llm"], states["student"].consts["teacher_head"]
+    assert {d.id for d in head.sharding.device_set} == set(cfg.sections["student"].devices)
+    f = hf.llm_fields(path)
+    lm = DecoderLM(LLMConfig(**{k: v for k, v in f.items() if k != "kind"}), with_head=False)
+    ids = jnp.asarray(TOKENS, jnp.int32)
+    pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
+    v = {"params": jax.tree.map(np.asarray, body)}
+    hidden = lm.apply(v, lm.apply(v, ids, method=DecoderLM.embed), pos, valid, method=DecoderLM.hidden)
+    np.testing.assert_allclose(np.asarray(hidden) @ np.asarray(head), torch_logits(model), atol=1e-4, rtol=0)
+    batch = rt.batches()[0]
+    result = rt.executor.run(states, batch, rt.schedule(batch))
+    assert np.isfinite(float(result.loss))
+
+
+def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
+    _, path = make_hf(tmp_path, "llama_untied")
+    cfg = _teacher_cfg(path, **{"models.teacher.width": 64})
+    with pytest.raises(ConfigError, match=r"models.teacher.width=64: the checkpoint .* has width=32"):
+        build_runtime(cfg)
+    with pytest.raises(ConfigError, match=r"sections.teacher.init.hf_path=.*no config.json"):
+        build_runtime(_teacher_cfg(path, **{"sections.teacher.init.hf_path": str(tmp_path / "nowhere")}))
