@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
                         ("bench", "monolithic vs naive vs wavefront throughput, side by side"),
                         ("simulate", "predicted maestro vs monolithic throughput on a cluster (no JAX)"),
-                        ("plan", "search devices, meshes, micro-batches and fanout for the best plan (no JAX)")):
+                        ("plan", "search devices, meshes, micro-batches and fanout for the best plan (no JAX)"),
+                        ("export", "write a trained LLM section as a Hugging Face folder")):
         p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=4")
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parsers["bench"].add_argument("--json", help="write the report as JSON here")
     parsers["bench"].add_argument("--trace", help="write measured and simulated traces and Gantt PNGs here")
     parsers["simulate"].add_argument("--json", help="write the report as JSON here")
+    parsers["export"].add_argument("--section", required=True, help="an LLM section, e.g. student or llm")
+    parsers["export"].add_argument("--out", required=True, help="the Hugging Face folder to write")
+    parsers["export"].add_argument("--model-type", default="llama", choices=("llama", "qwen2", "qwen3"))
     parsers["plan"].add_argument("--devices", type=int, required=True, help="devices the plan may use")
     parsers["plan"].add_argument("--memory-gb", type=float, required=True, help="memory per device, GB")
     parsers["plan"].add_argument("--top", type=int, default=10, help="candidates to list")
@@ -104,6 +108,8 @@ def _run(cfg, args) -> int:
             return 0
         if args.command == "bench":
             return _bench(cfg, args)
+        if args.command == "export":
+            return _export(cfg, args)
         from maestro_jax.verify import report, verify  # noqa: PLC0415
 
         text, ok = report(verify(cfg), cfg.verify_rtol)
@@ -133,6 +139,36 @@ def _simulate(cfg, args) -> int:
     print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
           f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
     _write_json(args.json, r)
+    return 0
+
+
+def _export(cfg, args) -> int:
+    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from maestro_jax import hf  # noqa: PLC0415
+    from maestro_jax.checkpoint import Checkpointer  # noqa: PLC0415
+    from maestro_jax.runtime import build_runtime  # noqa: PLC0415
+
+    model = cfg.models.get(args.section)
+    if args.section not in cfg.sections or model is None or model.kind != "llm":
+        llms = sorted(s for s in cfg.sections if s in cfg.models and cfg.models[s].kind == "llm")
+        print(f"error: --section={args.section!r}: not an LLM section of this config; valid: {llms}", file=sys.stderr)
+        return 2
+    rt = build_runtime(cfg)
+    states, step = rt.init_states(), 0
+    if cfg.output_dir:
+        ckpt = Checkpointer(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+        restored = ckpt.restore_latest(states)
+        ckpt.close()
+        if restored is not None:
+            step, states = restored[0], restored[1]
+    try:
+        hf.save_llm(args.out, states[args.section].params, model.model_dump(), model_type=args.model_type)
+    except hf.HFError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: section {args.section!r} at step {step} ({args.model_type})")
     return 0
 
 

@@ -97,14 +97,17 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type):
     np.testing.assert_allclose(torch_logits(back), torch_logits(model), atol=1e-4, rtol=0)
 
 
-def _teacher_cfg(path, **extra):
+def _overrides(path, **extra):
     """kd_tiny with the checkpoint as teacher: models.teacher copied from its config.json."""
     f = hf.llm_fields(path)
-    overrides = [o for o in TINY_KD if not o.startswith("models.teacher")]
-    overrides += [f"models.teacher.{k}={v}" for k, v in f.items() if k != "kind"]
-    overrides += [f"models.student.vocab={f['vocab']}", f"sections.teacher.init.hf_path={path}"]
-    overrides += [f"{k}={v}" for k, v in extra.items()]
-    return load_config(ROOT / "configs/kd_tiny.yaml", overrides)
+    out = dict(o.split("=", 1) for o in TINY_KD if not o.startswith("models.teacher"))
+    out.update({f"models.teacher.{k}": v for k, v in f.items() if k != "kind"})
+    out.update({"models.student.vocab": f["vocab"], "sections.teacher.init.hf_path": path, **extra})
+    return out.items()
+
+
+def _teacher_cfg(path, **extra):
+    return load_config(ROOT / "configs/kd_tiny.yaml", [f"{k}={v}" for k, v in _overrides(path, **extra)])
 
 
 def test_kd_teacher_from_hf_folder(tmp_path):
@@ -135,3 +138,31 @@ def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
         build_runtime(cfg)
     with pytest.raises(ConfigError, match=r"sections.teacher.init.hf_path=.*no config.json"):
         build_runtime(_teacher_cfg(path, **{"sections.teacher.init.hf_path": str(tmp_path / "nowhere")}))
+
+
+def test_distilled_student_exports_to_transformers(tmp_path):
+    """Distil one step from a Hugging Face teacher, then `maestro-jax export` the student:
+    transformers loads it and gives the logits of the checkpointed student params."""
+    from maestro_jax import cli
+    from maestro_jax.checkpoint import Checkpointer
+    from maestro_jax.train import train
+
+    _, path = make_hf(tmp_path, "qwen2_tied")
+    out = tmp_path / "run"
+    cfg = _teacher_cfg(path, output_dir=out, steps=1)
+    train(cfg, progress=False)
+    assert cli.main(["export", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--section", "student",
+                     "--out", str(tmp_path / "student"), *[f"{k}={v}" for k, v in _overrides(path, output_dir=out)]]) == 0
+    rt = build_runtime(cfg)
+    ckpt = Checkpointer(out / "checkpoints")
+    step, states, _, _ = ckpt.restore_latest(rt.init_states())
+    ckpt.close()
+    assert step == 1
+    s = cfg.models["student"]
+    model = DecoderLM(LLMConfig(**{k: v for k, v in s.model_dump().items()
+                                   if k not in ("kind", "experts", "experts_per_token", "expert_mlp")}))
+    ids = jnp.asarray(TOKENS, jnp.int32)
+    ours = model.apply({"params": jax.tree.map(np.asarray, states["student"].params)}, ids,
+                       jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student", torch_dtype=torch.float32).eval()
+    np.testing.assert_allclose(torch_logits(back), np.asarray(ours), atol=1e-4, rtol=0)
