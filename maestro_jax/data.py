@@ -7,7 +7,12 @@ import functools
 import io
 import logging
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import grain
 
 IMAGE_TOKEN = 1  # placeholder id; one per merged image token
 FIRST_TEXT_TOKEN = 2

@@ -26,8 +26,15 @@ from maestro_jax import workloads
 from maestro_jax.buckets import bucket
 from maestro_jax.config import Config
 from maestro_jax.cost import DEVICES
-from maestro_jax.plan import (ParamInfo, Plan, PlanError, SectionPlan, check_param_divisibility, check_plan,
-                              state_bytes_per_device)
+from maestro_jax.plan import (
+    ParamInfo,
+    Plan,
+    PlanError,
+    SectionPlan,
+    check_param_divisibility,
+    check_plan,
+    state_bytes_per_device,
+)
 from maestro_jax.scheduler import wavefront
 from maestro_jax.simulate import cost_model, monolithic_time
 from maestro_jax.simulator import simulate

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from maestro_jax.checkpoint import CheckpointError, Checkpointer
+from maestro_jax.checkpoint import Checkpointer
 from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
 from maestro_jax.distributed import PeerError, fetch, set_peer_timeout, step_barrier

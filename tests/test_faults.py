@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax import cli
-from maestro_jax.checkpoint import MANIFEST, CheckpointError, Checkpointer, verify_step
+from maestro_jax.checkpoint import MANIFEST, Checkpointer, CheckpointError, verify_step
 from maestro_jax.config import load_config
 from maestro_jax.data import IMAGE_TOKEN, DataError, Sample, encode_sample
 from maestro_jax.train import train
@@ -101,8 +101,9 @@ def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, caps
 # -- 4. bad data: rejected with the sample id, or skipped, counted and reported -------------------
 def _write_records(path):
     """24 records in order; ids 3, 7, 11, 15, 19 are bad in five different ways."""
-    from array_record.python.array_record_module import ArrayRecordWriter
     import io
+
+    from array_record.python.array_record_module import ArrayRecordWriter
 
     rng = np.random.default_rng(0)
     writer = ArrayRecordWriter(str(path), "group_size:1")

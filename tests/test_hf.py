@@ -6,14 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from maestro_jax import hf
 from maestro_jax.config import ConfigError, load_config
+from maestro_jax.plan import SectionPlan
 from maestro_jax.runtime import build_runtime
 from maestro_jax.sharding import section_mesh, variable_shardings
-from maestro_jax.plan import SectionPlan
 from models import DecoderLM, LLMConfig
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
