@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parsers["plan"].add_argument("--top", type=int, default=10, help="candidates to list")
     parsers["plan"].add_argument("--write", help="write the config with the chosen plan here (train/bench accept it)")
     parsers["plan"].add_argument("--json", help="write the report as JSON here")
+    parsers["plan"].add_argument("--measure", action="store_true",
+                                 help="compile the chosen plan here and print XLA's memory analysis beside the model")
     parsers["simulate"].add_argument("--gantt", help="write the simulated Gantt chart PNG here")
     args = parser.parse_args(argv)
     try:
@@ -196,12 +198,31 @@ def _plan(cfg, args) -> int:
     if args.write:
         write_plan(args.config, args.overrides, best, args.memory_gb, args.write)
         print(f"wrote {args.write}: maestro-jax bench --config {args.write}")
+    if args.measure:
+        _measure_plan(cfg, args, best)
     _write_json(args.json, {"best": best.describe(), "step_time_s": best.step_time_s,
                             "samples_per_s_per_device": best.samples_per_s_per_device,
                             "top": [dict(plan=c.describe(), step_time_s=c.step_time_s, memory_gb=c.memory_gb)
                                     for c in report.top],
                             "monolithic": mono, "considered": report.considered, "simulated": report.simulated})
     return 0
+
+
+def _measure_plan(cfg, args, best) -> None:
+    """Compile the chosen plan on this machine's devices and compare its memory with the model."""
+    from maestro_jax.config import load_config  # noqa: PLC0415
+    from maestro_jax.planner import plan_overrides  # noqa: PLC0415
+
+    _ensure_host_devices(args.devices)
+    from maestro_jax.memory import compiled_memory  # noqa: PLC0415
+    from maestro_jax.runtime import build_runtime  # noqa: PLC0415
+
+    planned = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in plan_overrides(best).items())])
+    rt = build_runtime(planned)
+    measured = compiled_memory(rt, rt.init_states(), rt.batches()[0])
+    for s, m in measured.items():
+        print(f"memory {s}: model {best.memory_gb[s]:.4g} GB/device, compiled {m['total'] / 2**30:.4g} GB/device "
+              f"(largest program {max(m['programs'], key=m['programs'].get)}, optimizer state included)")
 
 
 def _write_json(path: str | None, report: dict) -> None:

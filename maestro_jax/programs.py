@@ -113,27 +113,39 @@ class SectionPrograms:
         self._init_opt = jax.jit(optimizer.init)
 
     # Each wrapper enters the section mesh: constants traced inside land on its devices.
+    memory: dict[str, int] | None = None  # when a dict: each program's compiled per-device peak bytes
+
+    def _run(self, name: str, program, *args):
+        """Call `program`; while `memory` is a dict, also record its compiled memory analysis
+        (arguments + outputs + temporaries - aliased, per device) under `name`."""
+        if self.memory is not None:
+            m = program.lower(*args).compile().memory_analysis()
+            if m is not None:
+                peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+                self.memory[name] = max(self.memory.get(name, 0), int(peak))
+        return program(*args)
+
     def forward(self, state: SectionState, inputs, batch):
         with jax.set_mesh(self.mesh):
-            return self._forward(state.variables, inputs, batch)
+            return self._run("forward", self._forward, state.variables, inputs, batch)
 
     def forward_vjp(self, state: SectionState, inputs, batch):
         """Outputs and the handle `backward` needs: vjp residuals, or the inputs to recompute from."""
         with jax.set_mesh(self.mesh):
             if self.residuals == "remat":
-                return self._forward(state.variables, inputs, batch), (inputs, batch)
-            return self._forward_vjp(state.variables, inputs, batch)
+                return self._run("forward", self._forward, state.variables, inputs, batch), (inputs, batch)
+            return self._run("forward_vjp", self._forward_vjp, state.variables, inputs, batch)
 
     def backward(self, state: SectionState, handle, cotangent, acc):
         with jax.set_mesh(self.mesh):
             if self.residuals == "remat":
                 inputs, batch = handle
-                return self._backward_remat(state.variables, inputs, batch, cotangent, acc)
-            return self._backward(handle, cotangent, acc)
+                return self._run("backward", self._backward_remat, state.variables, inputs, batch, cotangent, acc)
+            return self._run("backward", self._backward, handle, cotangent, acc)
 
     def loss_and_grad(self, state: SectionState, inputs, batch, norm, acc):
         with jax.set_mesh(self.mesh):
-            return self._loss_and_grad(state.variables, inputs, batch, norm, acc)
+            return self._run("loss_and_grad", self._loss_and_grad, state.variables, inputs, batch, norm, acc)
 
     def all_finite(self, tree):
         """A device scalar: every element of `tree` (e.g. this section's grads) is finite."""
@@ -150,7 +162,7 @@ class SectionPrograms:
 
     def update(self, state: SectionState, grads) -> SectionState:
         with jax.set_mesh(self.mesh):
-            params, opt_state = self._update(state.params, state.opt_state, grads)
+            params, opt_state = self._run("update", self._update, state.params, state.opt_state, grads)
         return SectionState(params, state.consts, opt_state)
 
     def put_batch(self, batch: dict):
