@@ -54,7 +54,8 @@ def model_params(cfg: Config, section: str) -> list[ParamInfo]:
     if m.kind == "vit":
         hd = m.width // m.heads
         out += [p("patch_embed", (m.patch * m.patch * m.channels, m.width), ("patch", "embed")),
-                p("pos_row", (m.max_grid, m.width), ("grid", "embed")), p("pos_col", (m.max_grid, m.width), ("grid", "embed")),
+                p("pos_row", (m.max_grid, m.width), ("grid", "embed")),
+                p("pos_col", (m.max_grid, m.width), ("grid", "embed")),
                 p("merger_fc1", (m.merge**2 * m.width, 2 * m.out_width), ("embed", "mlp")),
                 p("merger_fc2", (2 * m.out_width, m.out_width), ("mlp", "embed"))]
         for i in range(m.depth):
@@ -72,7 +73,8 @@ def model_params(cfg: Config, section: str) -> list[ParamInfo]:
                 p(f"block_{i}.k", (m.width, m.kv_heads, m.head_dim), ("embed", "kv_heads", "head_dim")),
                 p(f"block_{i}.v", (m.width, m.kv_heads, m.head_dim), ("embed", "kv_heads", "head_dim")),
                 p(f"block_{i}.o", (m.heads, m.head_dim, m.width), ("heads", "head_dim", "embed")),
-                p(f"block_{i}.gate", (m.width, mlp), ("embed", "mlp")), p(f"block_{i}.up", (m.width, mlp), ("embed", "mlp")),
+                p(f"block_{i}.gate", (m.width, mlp), ("embed", "mlp")),
+                p(f"block_{i}.up", (m.width, mlp), ("embed", "mlp")),
                 p(f"block_{i}.down", (mlp, m.width), ("mlp", "embed"))]
     return out
 
@@ -211,7 +213,8 @@ class Planner:
                                             self.options(dst, n_dst, budget, lightest)):
                 if b.plan.dp % a.plan.dp or a.plan.micro_batch % (b.plan.dp // a.plan.dp):
                     continue  # no whole fanout, or a producer micro-batch the block map cannot split
-                plan = Plan(sections={src: a.plan, dst: dataclasses.replace(b.plan, devices=tuple(range(n_src, self.devices)))},
+                dst_plan = dataclasses.replace(b.plan, devices=tuple(range(n_src, self.devices)))
+                plan = Plan(sections={src: a.plan, dst: dst_plan},
                             fanout={self.shape.edge.name: b.plan.dp // a.plan.dp}, global_batch=self.cfg.global_batch)
                 bound = a.bound + b.bound if self.serial else max(a.bound, b.bound)
                 yield plan, {src: a.memory, dst: b.memory}, bound
@@ -306,7 +309,8 @@ class Planner:
         if self.devices < sections:
             return (f"--devices {self.devices}: the {self.cfg.workload} workload has {sections} sections and each "
                     f"needs its own devices; the smallest request is --devices {sections}")
-        peaks = [max(m["total"] for m in mem.values()) for _, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
+        peaks = [max(m["total"] for m in mem.values())
+                 for _, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
         if not peaks:
             return (f"--devices {self.devices}: no device split satisfies the mesh, fanout and divisibility "
                     f"constraints for global_batch={self.cfg.global_batch}; try another device count")
@@ -348,7 +352,8 @@ def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) ->
              f"residuals; fanout)  peak GB/device"]
     for i, c in enumerate(rows or report.top):
         parts = [f"{s} {d['devices']} [{d['mesh']['data']},{d['mesh']['fsdp']},{d['mesh']['tensor']}] "
-                 f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}" for s, d in c.describe().items()]
+                 f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
+                 for s, d in c.describe().items()]
         fan = ",".join(f"{f}" for f in c.plan.fanout.values())
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
         lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "

@@ -162,7 +162,8 @@ def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
 def small_filesystem(tmp_path):
     mount = tmp_path / "ck"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {proc.stderr.strip()}")
     yield mount

@@ -150,7 +150,8 @@ def test_distilled_student_exports_to_transformers(tmp_path):
     cfg = _teacher_cfg(path, output_dir=out, steps=1)
     train(cfg, progress=False)
     assert cli.main(["export", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--section", "student",
-                     "--out", str(tmp_path / "student"), *[f"{k}={v}" for k, v in _overrides(path, output_dir=out)]]) == 0
+                     "--out", str(tmp_path / "student"),
+                     *[f"{k}={v}" for k, v in _overrides(path, output_dir=out)]]) == 0
     rt = build_runtime(cfg)
     ckpt = Checkpointer(out / "checkpoints")
     step, states, _, _ = ckpt.restore_latest(rt.init_states())

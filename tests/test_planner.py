@@ -69,7 +69,8 @@ def test_parameter_divisibility_is_avoided():
     p = planner(KD, TINY_KD + ["models.student.heads=3", "models.student.kv_heads=3"], 8)
     tensors = {plan.sections["student"].axis_sizes["tensor"] for plan, _, _ in p.candidates()}
     assert tensors and tensors <= {1, 3}
-    unconstrained = {plan.sections["student"].axis_sizes["tensor"] for plan, _, _ in planner(KD, TINY_KD, 8).candidates()}
+    unconstrained = {plan.sections["student"].axis_sizes["tensor"]
+                     for plan, _, _ in planner(KD, TINY_KD, 8).candidates()}
     assert 2 in unconstrained
 
 
@@ -81,7 +82,8 @@ def test_batch_divisibility_and_fanout_are_avoided():
         assert 12 % plan.sections["student"].rows == 0
         assert plan.sections["teacher"].dp * plan.fanout["teacher_hidden"] == plan.sections["student"].dp
     assert 8 not in {plan.sections["student"].rows for plan, _, _ in found}
-    assert 8 in {plan.sections["student"].rows for plan, _, _ in planner(KD, TINY_KD + ["global_batch=16"], 8).candidates()}
+    wider = planner(KD, TINY_KD + ["global_batch=16"], 8)
+    assert 8 in {plan.sections["student"].rows for plan, _, _ in wider.candidates()}
 
 
 def test_infeasible_requests_name_the_smallest_feasible_one():
@@ -118,7 +120,8 @@ def test_plan_cli_infeasible_exits_2():
     proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "plan", "--config", str(KD), "--devices", "8",
                            "--memory-gb", "0.00001", *TINY_KD], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: --memory-gb 1e-05: no plan on 8 devices fits") and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: --memory-gb 1e-05: no plan on 8 devices fits")
+    assert "Traceback" not in proc.stderr
 
 
 def test_planner_imports_no_jax():
