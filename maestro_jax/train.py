@@ -5,7 +5,7 @@ events (`tb/`), the resolved `config.yaml` and Orbax checkpoints (`checkpoints/`
 again with the same `output_dir` resumes from the latest complete checkpoint, data order
 included, and gives the same per-step losses as an uninterrupted run.
 
-Faults end the run with an exception the CLI maps to an exit status (README, "Faults"):
+Faults end the run with an exception the CLI maps to an exit status (README, "Fault behaviour"):
 `DataError` (a bad sample under `data.on_bad_sample: error`), `NonFiniteError`,
 `CheckpointError` (storage), `PeerError` (a dead or stuck process).
 """
