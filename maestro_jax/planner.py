@@ -125,7 +125,6 @@ class PlanReport:
     best: Candidate
     top: list[Candidate]
     considered: int  # candidate plans that pass every constraint
-    feasible: int  # the same (kept for the report)
     simulated: int  # that the bound did not rule out
     monolithic: dict  # the baseline's best layout on the same devices
 
@@ -256,7 +255,7 @@ class Planner:
                                         serial=self.serial).makespan for m in self.metas)
 
     # -- search -------------------------------------------------------------------------------
-    def search(self, top: int = 10, exhaustive: bool = False) -> PlanReport:
+    def search(self, top: int = 10) -> PlanReport:
         """The best plan and the `top` runners-up by simulated step time.
 
         Candidates are simulated in order of their lower bound; once `top` are scored and the
@@ -267,14 +266,14 @@ class Planner:
         found.sort(key=lambda c: c[2])
         scored: list[Candidate] = []
         for plan, mem, bound in found:
-            if not exhaustive and len(scored) >= top and bound > scored[top - 1].step_time_s:
+            if len(scored) >= top and bound > scored[top - 1].step_time_s:
                 break
             t = self.step_time(plan)
             used = sum(len(sp.devices) for sp in plan.sections.values())
             scored.append(Candidate(plan, t, self.cfg.global_batch / t / used,
                                     {s: m["total"] / 2**30 for s, m in mem.items()}))
             scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
-        return PlanReport(scored[0], scored[:top], len(found), len(found), len(scored), self.monolithic_best())
+        return PlanReport(scored[0], scored[:top], len(found), len(scored), self.monolithic_best())
 
     def monolithic_best(self) -> dict | None:
         """The monolithic baseline's best layout and micro-batch on the same devices (every
