@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
         return 2
-    from maestro_jax.distributed import maybe_initialize_distributed  # noqa: PLC0415
+    from maestro_jax.runtime.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                  heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
     status = _run(cfg, args)
-    import jax  # noqa: PLC0415
+    import jax
 
     if status != 0 and jax.process_count() > 1:
         # jax.distributed's exit-time shutdown waits for every peer, and a failed peer may never
@@ -86,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg, args) -> int:
-    from maestro_jax.checkpoint import CheckpointError  # noqa: PLC0415 (JAX must start after the flags are set)
-    from maestro_jax.data import DataError  # noqa: PLC0415
-    from maestro_jax.distributed import PeerError  # noqa: PLC0415
-    from maestro_jax.plan import PlanError  # noqa: PLC0415
-    from maestro_jax.train import NonFiniteError  # noqa: PLC0415
+    from maestro_jax.core.plan import PlanError
+    from maestro_jax.data import DataError
+    from maestro_jax.runtime.distributed import PeerError
+    from maestro_jax.training.checkpoint import CheckpointError
+    from maestro_jax.training.loop import NonFiniteError
 
     faults = ((NonFiniteError, 3), (CheckpointError, 4), (PeerError, 5), (DataError, 2))
     try:
         if args.command == "train":
-            from maestro_jax.train import train  # noqa: PLC0415
+            from maestro_jax.training.loop import train
 
             try:
                 history = train(cfg)
@@ -112,7 +112,7 @@ def _run(cfg, args) -> int:
             return _bench(cfg, args)
         if args.command == "export":
             return _export(cfg, args)
-        from maestro_jax.verify import report, verify  # noqa: PLC0415
+        from maestro_jax.tools.verify import report, verify
 
         text, ok = report(verify(cfg), cfg.verify_rtol)
         print(text)
@@ -124,8 +124,8 @@ def _run(cfg, args) -> int:
 
 
 def _simulate(cfg, args) -> int:
-    from maestro_jax.plan import PlanError  # noqa: PLC0415
-    from maestro_jax.simulate import simulate_config  # noqa: PLC0415
+    from maestro_jax.core.plan import PlanError
+    from maestro_jax.planning.cluster import simulate_config
 
     try:
         r = simulate_config(cfg, gantt=args.gantt)
@@ -146,11 +146,11 @@ def _simulate(cfg, args) -> int:
 
 def _export(cfg, args) -> int:
     """The section's weights from the latest checkpoint in `output_dir` (else its initial ones)."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
-    from maestro_jax import hf  # noqa: PLC0415
-    from maestro_jax.checkpoint import Checkpointer  # noqa: PLC0415
-    from maestro_jax.runtime import build_runtime  # noqa: PLC0415
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools import hf
+    from maestro_jax.training.checkpoint import Checkpointer
 
     model = cfg.models.get(args.section)
     if args.section not in cfg.sections or model is None or model.kind != "llm":
@@ -175,7 +175,7 @@ def _export(cfg, args) -> int:
 
 
 def _plan(cfg, args) -> int:
-    from maestro_jax.planner import InfeasibleError, Planner, format_table, write_plan  # noqa: PLC0415
+    from maestro_jax.planning.planner import InfeasibleError, Planner, format_table, write_plan
 
     if args.devices < 1 or args.memory_gb <= 0:
         print(f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive", file=sys.stderr)
@@ -210,12 +210,12 @@ def _plan(cfg, args) -> int:
 
 def _measure_plan(cfg, args, best) -> None:
     """Compile the chosen plan on this machine's devices and compare its memory with the model."""
-    from maestro_jax.config import load_config  # noqa: PLC0415
-    from maestro_jax.planner import plan_overrides  # noqa: PLC0415
+    from maestro_jax.config import load_config
+    from maestro_jax.planning.planner import plan_overrides
 
     _ensure_host_devices(args.devices)
-    from maestro_jax.memory import compiled_memory  # noqa: PLC0415
-    from maestro_jax.runtime import build_runtime  # noqa: PLC0415
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools.compiled_memory import compiled_memory
 
     planned = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in plan_overrides(best).items())])
     rt = build_runtime(planned)
@@ -227,14 +227,14 @@ def _measure_plan(cfg, args, best) -> None:
 
 def _write_json(path: str | None, report: dict) -> None:
     if path:
-        import json  # noqa: PLC0415
+        import json
 
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
 
 
 def _bench(cfg, args) -> int:
-    from maestro_jax.bench import MODES, bench  # noqa: PLC0415
+    from maestro_jax.tools.bench import MODES, bench
 
     r = bench(cfg, reps=args.reps, num_batches=args.batches, trace_dir=args.trace)
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from maestro_jax.plan import Plan, SectionPlan
+from maestro_jax.core.plan import Plan, SectionPlan
 
 
 class ConfigError(ValueError):
@@ -101,7 +101,7 @@ class LLMModelConfig(_Frozen):
     expert_mlp: int = Field(0, ge=0)
 
 
-ModelConfig = Annotated[Union[ViTModelConfig, LLMModelConfig], Field(discriminator="kind")]
+ModelConfig = Annotated[ViTModelConfig | LLMModelConfig, Field(discriminator="kind")]
 
 
 class DistillConfig(_Frozen):

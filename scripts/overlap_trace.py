@@ -16,11 +16,11 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
+import jax
 
-from maestro_jax.config import load_config  # noqa: E402
-from maestro_jax.runtime import build_runtime  # noqa: E402
-from maestro_jax.trace import write_chrome_trace, write_gantt  # noqa: E402
+from maestro_jax.config import load_config
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.tools.trace import write_chrome_trace, write_gantt
 
 ONE_DEVICE = {"kd": ["sections.teacher.devices=[0]", "sections.teacher.mesh={data: 1}", "sections.student.devices=[1]",
                      "sections.student.mesh={data: 1}", "edges.teacher_hidden.fanout=1",

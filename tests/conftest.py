@@ -6,11 +6,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD performance notes are noise in tests
 
-import pathlib  # noqa: E402
-import tempfile  # noqa: E402
+import pathlib
+import tempfile
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 # Tests build many runtimes with identical programs; XLA's persistent cache compiles each once.
 jax.config.update("jax_compilation_cache_dir", os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla")))

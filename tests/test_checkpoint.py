@@ -6,10 +6,10 @@ import jax
 import numpy as np
 from conftest import ROOT, TINY_KD, TINY_VLM
 
-from maestro_jax.checkpoint import Checkpointer
 from maestro_jax.config import load_config
-from maestro_jax.runtime import build_runtime
-from maestro_jax.train import train
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.training.checkpoint import Checkpointer
+from maestro_jax.training.loop import train
 
 
 def read_metrics(out):
@@ -18,7 +18,7 @@ def read_metrics(out):
 
 def test_resume_is_exact(tmp_path):
     base = TINY_VLM + ["checkpoint_every=2", "schedule.scheduler=wavefront"]
-    cfg = lambda out, steps: load_config(ROOT / "configs/vlm_tiny.yaml", base + [f"output_dir={out}", f"steps={steps}"])  # noqa: E731
+    cfg = lambda out, steps: load_config(ROOT / "configs/vlm_tiny.yaml", base + [f"output_dir={out}", f"steps={steps}"])
     straight = train(cfg(tmp_path / "a", 4), progress=False)
     first = train(cfg(tmp_path / "b", 2), progress=False)
     assert [r["step"] for r in first] == [1, 2]

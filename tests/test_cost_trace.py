@@ -4,13 +4,13 @@ import json
 
 import numpy as np
 
-from maestro_jax.buckets import bucket
-from maestro_jax.calibrate import _nnls
-from maestro_jax.cost import CostModel, SectionCost, efficiency
-from maestro_jax.plan import EdgeInfo
-from maestro_jax.scheduler import Problem, SampleMeta, wavefront
-from maestro_jax.simulator import simulate
-from maestro_jax.trace import write_chrome_trace, write_gantt
+from maestro_jax.core.buckets import bucket
+from maestro_jax.core.plan import EdgeInfo
+from maestro_jax.planning.cost import CostModel, SectionCost, efficiency
+from maestro_jax.planning.simulator import simulate
+from maestro_jax.schedule import Problem, SampleMeta, wavefront
+from maestro_jax.tools.calibrate import _nnls
+from maestro_jax.tools.trace import write_chrome_trace, write_gantt
 
 
 def test_buckets_bound_padding():

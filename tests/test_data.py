@@ -20,7 +20,7 @@ from maestro_jax.data import (
     global_batches,
     validate_sample,
 )
-from maestro_jax.train import train
+from maestro_jax.training.loop import train
 
 
 def good(**kw):

@@ -4,8 +4,8 @@ import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import load_config
-from maestro_jax.runtime import build_runtime
-from maestro_jax.verify import verify
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.tools.verify import verify
 
 RTOL = 1e-5
 

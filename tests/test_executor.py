@@ -6,7 +6,7 @@ import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import load_config
-from maestro_jax.runtime import build_runtime
+from maestro_jax.runtime.build import build_runtime
 
 
 @pytest.mark.parametrize("path,tiny", [("kd_tiny.yaml", TINY_KD), ("vlm_tiny.yaml", TINY_VLM)])

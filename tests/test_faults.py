@@ -13,10 +13,10 @@ import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax import cli
-from maestro_jax.checkpoint import MANIFEST, Checkpointer, CheckpointError, verify_step
 from maestro_jax.config import load_config
 from maestro_jax.data import IMAGE_TOKEN, DataError, Sample, encode_sample
-from maestro_jax.train import train
+from maestro_jax.training.checkpoint import MANIFEST, Checkpointer, CheckpointError, verify_step
+from maestro_jax.training.loop import train
 
 KD = ROOT / "configs/kd_tiny.yaml"
 VLM = ROOT / "configs/vlm_tiny.yaml"
@@ -182,7 +182,7 @@ def _fill(mount):
 
 def test_full_then_read_only_checkpoint_storage(tmp_path, small_filesystem):
     ck = small_filesystem
-    cfg = lambda steps: kd(tmp_path / "out", f"checkpoint_dir={ck}", "checkpoint_every=1", f"steps={steps}")  # noqa: E731
+    cfg = lambda steps: kd(tmp_path / "out", f"checkpoint_dir={ck}", "checkpoint_every=1", f"steps={steps}")
     train(cfg(2), progress=False)
     _fill(ck)
     with pytest.raises(CheckpointError, match=r"save of step 3 .* No space left on device.*\(step 2\) is intact"):

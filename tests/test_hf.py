@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD
 
-from maestro_jax import hf
 from maestro_jax.config import ConfigError, load_config
-from maestro_jax.plan import SectionPlan
-from maestro_jax.runtime import build_runtime
-from maestro_jax.sharding import section_mesh, variable_shardings
+from maestro_jax.core.plan import SectionPlan
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.sharding import section_mesh, variable_shardings
+from maestro_jax.tools import hf
 from models import DecoderLM, LLMConfig
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
@@ -142,8 +142,8 @@ def test_distilled_student_exports_to_transformers(tmp_path):
     """Distil one step from a Hugging Face teacher, then `maestro-jax export` the student:
     transformers loads it and gives the logits of the checkpointed student params."""
     from maestro_jax import cli
-    from maestro_jax.checkpoint import Checkpointer
-    from maestro_jax.train import train
+    from maestro_jax.training.checkpoint import Checkpointer
+    from maestro_jax.training.loop import train
 
     _, path = make_hf(tmp_path, "qwen2_tied")
     out = tmp_path / "run"

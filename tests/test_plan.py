@@ -4,9 +4,9 @@ import jax
 import pytest
 from conftest import ROOT, TINY_VLM
 
-from maestro_jax import plan as plan_lib
 from maestro_jax.config import ConfigError, load_config
-from maestro_jax.runtime import build_runtime
+from maestro_jax.core import plan as plan_lib
+from maestro_jax.runtime.build import build_runtime
 
 VLM = ROOT / "configs/vlm_tiny.yaml"
 

@@ -10,8 +10,8 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
-from maestro_jax.plan import check_plan
-from maestro_jax.planner import InfeasibleError, Planner
+from maestro_jax.core.plan import check_plan
+from maestro_jax.planning.planner import InfeasibleError, Planner
 
 KD = ROOT / "configs/kd_tiny.yaml"
 VLM = ROOT / "configs/vlm_tiny.yaml"
@@ -125,7 +125,7 @@ def test_plan_cli_infeasible_exits_2():
 
 
 def test_planner_imports_no_jax():
-    code = "import sys, maestro_jax.planner; print('jax' in sys.modules)"
+    code = "import sys, maestro_jax.planning.planner; print('jax' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr
 
@@ -144,8 +144,8 @@ def test_check_plan_is_what_the_planner_uses():
 def test_memory_model_tracks_the_compiled_programs(config, overrides):
     """The analytic model against XLA's memory analysis of the same plan, per section: within 4x
     either way on these tiny models (it counts stashed residuals the programs do not hold at once)."""
-    from maestro_jax.memory import compiled_memory
-    from maestro_jax.runtime import build_runtime
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools.compiled_memory import compiled_memory
 
     cfg = load_config(config, overrides)
     rt = build_runtime(cfg)

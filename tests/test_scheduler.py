@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from maestro_jax.plan import EdgeInfo
-from maestro_jax.scheduler import MicroStep, Problem, SampleMeta, Schedule, ScheduleError, naive, validate
+from maestro_jax.core.plan import EdgeInfo
+from maestro_jax.schedule import MicroStep, Problem, SampleMeta, Schedule, ScheduleError, naive, validate
 
 VLM = Problem(order=("vision", "llm"), sink="llm", trained=frozenset({"vision", "llm"}),
               edges=(EdgeInfo("img", "vision", "llm"),), rows={"vision": 4, "llm": 4}, dp={"vision": 2, "llm": 2},

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maestro_jax.plan import SectionPlan
-from maestro_jax.sharding import row_sharding, section_mesh
-from maestro_jax.transfer import plan_transfer, transfer
+from maestro_jax.core.plan import SectionPlan
+from maestro_jax.runtime.sharding import row_sharding, section_mesh
+from maestro_jax.runtime.transfer import plan_transfer, transfer
 
 
 def mesh(devices, shape):

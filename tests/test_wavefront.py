@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from maestro_jax.cost import CostModel, SectionCost
-from maestro_jax.plan import EdgeInfo
-from maestro_jax.scheduler import Problem, SampleMeta, ScheduleError, naive, validate, wavefront
-from maestro_jax.simulator import simulate
+from maestro_jax.core.plan import EdgeInfo
+from maestro_jax.planning.cost import CostModel, SectionCost
+from maestro_jax.planning.simulator import simulate
+from maestro_jax.schedule import Problem, SampleMeta, ScheduleError, naive, validate, wavefront
 
 
 def vlm_problem(dp_v, fanout, mb_v, mb_l, bound=4):

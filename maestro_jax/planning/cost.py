@@ -1,0 +1,96 @@
+"""Cost model: how long a section's micro-step, or a transfer, takes. Plain Python, no JAX.
+
+A micro-step runs all data shards in lockstep, every row padded to the micro-step's bucket, so
+    t(F) = overhead + micro_batch * (per_unit * B + per_unit2 * B**2),   B = bucket(max row work)
+(the quadratic term is attention), plus the host time to issue it (`dispatch_s`), which
+overlaps the device work of earlier ops. Backward costs `backward_factor` forwards; the sink's
+loss-and-grad costs `sink_factor` forwards. Two sources fill the coefficients:
+  * calibrated: fitted to the compiled programs timed on the machine at hand (`calibrate.py`);
+  * analytic: FLOPs against a device's peak rate and an efficiency that grows with the work per
+    device per micro-step (small micro-batches and thin tensor-parallel shards run far below peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from maestro_jax.core.buckets import bucket
+
+DEVICES = {
+    # peak dense bf16 FLOP/s and HBM bandwidth of one device; interconnect bytes/s per device
+    "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9},
+    "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9},
+    # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially)
+    "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionCost:
+    per_unit_s: float
+    per_unit2_s: float = 0.0
+    overhead_s: float = 0.0
+    backward_factor: float = 2.0
+    sink_factor: float = 3.0
+    bucket_min: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    sections: Mapping[str, SectionCost]
+    transfer_s_per_unit: Mapping[str, float] = dataclasses.field(default_factory=dict)  # edge -> s / unit / row
+    transfer_overhead_s: float = 0.0
+    source: str = "analytic"
+    host_s_per_sample: float = 0.0  # host-side batch packing before dispatch
+    update_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # optimizer update per section
+    dispatch_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # host time to issue an op, by kind
+
+    def dispatch_time(self, kind: str) -> float:
+        return self.dispatch_s.get(kind, 0.0)
+
+    def step_time(self, section: str, kind: str, units: Sequence[int], micro_batch: int) -> float:
+        c = self.sections[section]
+        b = bucket(max(units, default=0), c.bucket_min) if any(units) else 0
+        t = c.overhead_s + micro_batch * (c.per_unit_s * b + c.per_unit2_s * b * b)
+        return t * {"F": 1.0, "B": c.backward_factor, "L": c.sink_factor}[kind]
+
+    def transfer_time(self, edge: str, units: Sequence[int]) -> float:
+        return self.transfer_overhead_s + self.transfer_s_per_unit.get(edge, 0.0) * sum(units)
+
+
+def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 0.55, half_tokens: float = 2048.0,
+               half_width: float = 128.0) -> float:
+    """Fraction of peak reached. It saturates with the tokens one device gets per micro-step and
+    with the width of its weight slices (narrow GEMMs from heavy tensor parallelism run slowly)."""
+    return (peak * tokens_per_device / (tokens_per_device + half_tokens)
+            * width_per_device / (width_per_device + half_width))
+
+
+def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_batch: int, tensor: int,
+                     typical_units: int, device: str = "h100", trained_sink: bool = False,
+                     width_per_device: float = 4096.0, overhead_s: float = 2e-4) -> SectionCost:
+    """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices.
+
+    Efficiency is evaluated at the section's typical work per device per micro-step, so a
+    micro-batch too small for the layout (or a model sliced too thin by tensor parallelism)
+    shows up as a lower rate, as measured in practice (paper, Fig. 9).
+    """
+    peak = DEVICES[device]["flops"]
+    overhead_s = DEVICES[device].get("overhead_s", overhead_s)
+    eff = efficiency(micro_batch * typical_units / tensor, width_per_device)
+    rate = peak * eff * tensor
+    return SectionCost(per_unit_s=flops_per_unit / rate, per_unit2_s=attn_flops_per_unit2 / rate,
+                       overhead_s=overhead_s, backward_factor=2.0, sink_factor=3.0 if trained_sink else 1.0)
+
+
+def transformer_flops(width: int, depth: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
+                      vocab: int = 0, active_mlp_multiplier: float = 1.0) -> tuple[float, float]:
+    """Forward FLOPs of a token: (linear part, attention coefficient per token of context)."""
+    proj = 2 * width * (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim * width
+    ffn = 3 * 2 * width * mlp * active_mlp_multiplier
+    linear = depth * (proj + ffn) + 2 * width * vocab
+    attn = depth * 2 * 2 * heads * head_dim  # QK^T and PV per pair of positions
+    return float(linear), float(attn)
+
+

@@ -1,0 +1,75 @@
+"""Simulator: schedule + cost model -> timeline, makespan, busy time, bubbles and bounds. No JAX.
+
+Each section's device group runs its operations in schedule order (as a device queue does);
+an operation starts when its group is free, everything it depends on has finished, and the
+host has issued it (the host packs the batch, then issues ops one by one, each taking the
+cost model's dispatch time). Transfers run on their own link, one per edge and direction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from maestro_jax.schedule import Op, Problem, SampleMeta, Schedule, op_duration, required_ops, resource_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    op: Op
+    resource: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    intervals: tuple[Interval, ...]
+    devices: Mapping[str, int]
+
+    @property
+    def makespan(self) -> float:
+        return max((i.end for i in self.intervals), default=0.0)
+
+    @property
+    def busy(self) -> dict[str, float]:
+        out = {s: 0.0 for s in self.devices}
+        for i in self.intervals:
+            if i.resource in out:
+                out[i.resource] += i.end - i.start
+        return out
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Share of device-time idle within the makespan."""
+        total = self.makespan * sum(self.devices.values())
+        used = sum(self.busy[s] * n for s, n in self.devices.items())
+        return 1.0 - used / total if total else 0.0
+
+    @property
+    def lower_bound(self) -> float:
+        """No schedule of this plan beats its busiest section: max_s(work_s / devices_s)."""
+        return max(self.busy.values(), default=0.0)
+
+
+def simulate(schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], cost=None,
+             devices: Mapping[str, int] | None = None, serial: bool = False) -> Timeline:
+    """`serial`: every operation shares one executor, as on XLA's CPU client, which runs one
+    multi-device program at a time per process; device groups overlap only when False."""
+    req = required_ops(schedule, problem)
+    duration = op_duration(cost, problem)
+    finish: dict[Op, float] = {}
+    origin = getattr(cost, "host_s_per_sample", 0.0) * len(metas)  # batches are packed before dispatch
+    free: dict[str, float] = {}
+    out = []
+    issued = origin  # the host issues ops one after another; devices run them as they arrive
+    dispatch = getattr(cost, "dispatch_time", lambda kind: 0.0)
+    for op in schedule.ops:
+        res = resource_of(op)
+        issued += dispatch(op.kind)
+        start = max([issued, free.get("device" if serial else res, 0.0)] + [finish[d] for d in req.get(op, ())])
+        end = start + duration(op, schedule.steps, metas)
+        finish[op] = free["device" if serial else res] = end
+        out.append(Interval(op, res, start, end))
+    devices = devices or {s: problem.dp[s] for s in problem.order}
+    return Timeline(tuple(out), dict(devices))

@@ -1,0 +1,121 @@
+"""Multi-controller set-up and the few host-side exchanges a multi-process run needs.
+
+Every process runs the same driver and the same deterministic schedule, and calls every
+section program (a no-op on processes without devices in that section's mesh). Host-side
+values a process may not hold (the loss lives on the sink's devices) are shared through the
+coordination service's key-value store, never through a device collective: a gloo barrier
+after cross-process transfers can stall (notes/jax-0.10-probe.md, 3b).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+
+log = logging.getLogger("maestro_jax")
+_keys = itertools.count()
+# The longest a process waits for a peer (a fetched value, a step barrier, an agreement); past
+# it the wait fails naming the peer instead of hanging. Set from `distributed.timeout_s`.
+PEER_TIMEOUT_S = 300.0
+
+
+class PeerError(RuntimeError):
+    """Another process did not answer within the bounded wait: it is dead or stuck."""
+
+
+def set_peer_timeout(seconds: float) -> None:
+    global PEER_TIMEOUT_S
+    PEER_TIMEOUT_S = float(seconds)
+
+
+def _client():
+    return jax._src.distributed.global_state.client
+
+
+def _get(key: str, owner: int, what: str, timeout_s: float | None = None) -> str:
+    """A bounded read of a key another process publishes; a timeout names that process."""
+    timeout_s = PEER_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return _client().blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as err:  # jaxlib raises XlaRuntimeError (DEADLINE_EXCEEDED, or UNAVAILABLE if the service died)
+        raise PeerError(f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is dead "
+                        f"or stuck; stopping this process ({jax.process_index()}) too. "
+                        f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]") from err
+
+
+def agree(name: str, value):
+    """Process 0's `value` (JSON-able) on every process; a no-op with one process."""
+    if jax.process_count() == 1:
+        return value
+    key = f"maestro/agree/{name}/{next(_keys)}"
+    if jax.process_index() == 0:
+        _client().key_value_set(key, json.dumps(value))
+        return value
+    return json.loads(_get(key, 0, f"share {name!r}"))
+
+
+def step_barrier(step: int) -> None:
+    """Every process checks in before step `step`; a peer that does not within the timeout is
+    named in the error. Bounds the wait on a stuck or dead peer at every step boundary (a peer
+    lost mid-step is caught by the coordination service's heartbeat, `distributed.heartbeat_timeout_s`)."""
+    if jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    _client().key_value_set(f"maestro/step/{step}/{me}", "1")
+    for q in range(jax.process_count()):
+        if q != me:
+            _get(f"maestro/step/{step}/{q}", q, f"reach step {step}")
+
+
+def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                                 process_id: int | None = None, transfer_port: int | None = None,
+                                 timeout_s: int = 120, heartbeat_timeout_s: int = 100) -> None:
+    """Explicit settings, else auto-detect (SLURM and other launchers jax knows), else one process.
+
+    Cross-process `device_put` needs a fixed socket address per process (port 0 hangs in jax
+    0.10); it defaults to the coordinator's port + 1 + process id.
+    """
+    if coordinator is None and int(os.environ.get("SLURM_NTASKS", "1")) <= 1 and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return
+    if coordinator is not None:
+        host, port = coordinator.rsplit(":", 1)
+        address = "127.0.0.1" if host in ("localhost", "127.0.0.1") else _own_address()
+        base = transfer_port or int(port) + 1
+        jax.config.update("jax_cross_host_transfer_socket_address", f"{address}:{base + int(process_id)}")
+        jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{address}:0"] * 4))
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+    else:
+        jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+    log.info("process %d/%d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def _own_address() -> str:
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The value of a small (replicated) array on every process.
+
+    Single process: a plain read. Multi-process: the lowest process holding a shard publishes
+    it in the key-value store and the others read it; every process must call this in the same
+    order (the driver is the same everywhere, so it does).
+    """
+    if jax.process_count() == 1 or x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count():
+        return np.asarray(x)
+    key = f"maestro/fetch/{next(_keys)}"
+    owner = min(d.process_index for d in x.sharding.device_set)
+    if jax.process_index() == owner:
+        value = np.asarray(x.addressable_shards[0].data)
+        _client().key_value_set(key, f"{value.dtype.str};{value.tobytes().hex()}")
+        return value
+    dtype, data = _get(key, owner, "publish a step result").split(";")
+    return np.frombuffer(bytes.fromhex(data), np.dtype(dtype)).reshape(np.shape(x))

@@ -1,0 +1,206 @@
+"""Executor: walks a schedule's operations, dispatching each section program asynchronously.
+
+The host only enqueues work. It blocks in exactly two places: when a trained producer has
+more micro-steps stashed than the in-flight bound allows (to cap activation memory), and at
+the end of the step, to read the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from maestro_jax.core.graph import SectionGraph
+from maestro_jax.runtime.programs import SectionPrograms, SectionState
+from maestro_jax.runtime.transfer import transfer
+from maestro_jax.schedule import Op, Problem, SampleMeta, Schedule, required_ops
+
+
+@dataclasses.dataclass
+class _StepState:
+    """Everything one step's operations read and write (device arrays keyed by op)."""
+
+    states: Mapping[str, SectionState]
+    schedule: Schedule
+    norm: np.float32
+    batches: dict
+    acc: dict
+    outputs: dict = dataclasses.field(default_factory=dict)
+    handles: dict = dataclasses.field(default_factory=dict)
+    moved: dict = dataclasses.field(default_factory=dict)
+    cotangents: dict = dataclasses.field(default_factory=dict)
+    moved_back: dict = dataclasses.field(default_factory=dict)
+    losses: list = dataclasses.field(default_factory=list)
+    metrics: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: jax.Array  # device scalar, summed over the sink's micro-steps
+    grads: dict[str, object]  # trained section -> accumulated grads (on its mesh)
+    metrics: dict[str, jax.Array]
+
+
+def sample_metas(graph: SectionGraph, samples: Sequence) -> list[SampleMeta]:
+    return [SampleMeta(frozenset(s.name for s in graph.sections if s.activates(x)),
+                       {s.name: s.work(x) for s in graph.sections if s.activates(x)}) for x in samples]
+
+
+class Executor:
+    def __init__(self, graph: SectionGraph, problem: Problem, programs: Mapping[str, SectionPrograms]):
+        self.graph, self.problem, self.programs = graph, problem, programs
+
+    def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
+        """Numpy inputs of every micro-step (host work, done before any dispatch)."""
+        out = {}
+        for s, steps in schedule.steps.items():
+            section = self.graph.section(s)
+            for st in steps:
+                rows = [samples[i] if i >= 0 else None for i in st.rows]
+                out[(s, st.index)] = section.host_batch(rows, schedule.routes(self.problem, s, st.index))
+        return out
+
+    def _start(self, states, samples, schedule, host) -> _StepState:
+        host = host if host is not None else self.host_batches(samples, schedule)
+        return _StepState(
+            states=states, schedule=schedule, norm=np.float32(max(self.graph.loss_count(samples), 1)),
+            batches={key: self.programs[key[0]].put_batch(b) for key, b in host.items()},
+            acc={s: self.programs[s].zeros_like_params(states[s]) for s in self.problem.order
+                 if s in self.problem.trained})  # graph order: identical on every process
+
+    @staticmethod
+    def _finish(ctx: _StepState) -> StepResult:
+        summed = {k: sum(m[k] for m in ctx.metrics) for k in (ctx.metrics[0] if ctx.metrics else {})}
+        return StepResult(loss=sum(ctx.losses), grads=ctx.acc, metrics=summed)
+
+    def run(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
+            host: dict | None = None, record: list | None = None) -> StepResult:
+        """Forward and backward of one global batch: loss and accumulated grads, no update.
+
+        With `record` (a list), every operation is waited for and appended as
+        `(op, start_s, end_s, dispatch_s)`: a measured timeline for calibration and traces, with
+        the host time spent issuing the op. This serialises the step; never use it for throughput.
+        """
+        ctx = self._start(states, samples, schedule, host)
+        t_origin = time.perf_counter()
+        for op in schedule.ops:
+            t_op = time.perf_counter()
+            produced = self._execute(op, ctx)
+            if record is not None:
+                # timed mode: wait for everything this op produced
+                t_dispatched = time.perf_counter()
+                jax.block_until_ready(produced)
+                record.append((op, t_op - t_origin, time.perf_counter() - t_origin, t_dispatched - t_op))
+        return self._finish(ctx)
+
+    def run_threaded(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
+                     record: list | None = None) -> StepResult:
+        """Same step, each section dispatched from its own thread.
+
+        XLA's CPU client runs one multi-device program at a time per process but runs
+        single-device programs from different threads side by side, so this is how sections
+        overlap on CPU. A thread waits for an op's dependencies (events set by other threads)
+        and for its own op to finish before the next. Transfers run on the thread that owns
+        their data: X on the producer's, XB on the consumer's.
+        """
+        ctx = self._start(states, samples, schedule, None)
+        req = required_ops(schedule, self.problem)
+        done = {op: threading.Event() for op in schedule.ops}
+        owner = {op: self.graph.edge(op.edge).dst if op.kind == "XB" else op.section for op in schedule.ops}
+        errors: list[BaseException] = []
+        t_origin = time.perf_counter()
+
+        def worker(section: str) -> None:
+            try:
+                for op in schedule.ops:
+                    if owner[op] != section or op.kind == "U":
+                        continue
+                    for d in req.get(op, ()):
+                        while not done[d].wait(timeout=1.0):
+                            if errors:
+                                return
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(self._execute(op, ctx))
+                    if record is not None:
+                        record.append((op, t0 - t_origin, time.perf_counter() - t_origin, 0.0))
+                    done[op].set()
+            except BaseException as err:  # surfaced in the calling thread below
+                errors.append(err)
+
+        threads = [threading.Thread(target=worker, args=(s,), name=f"dispatch-{s}") for s in self.problem.order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return self._finish(ctx)
+
+    def _execute(self, op: Op, ctx: _StepState):
+        """Dispatch one operation; returns what it produced (for callers that wait on it)."""
+        p, g, prog = self.problem, self.graph, self.programs[op.section]
+        states, schedule = ctx.states, ctx.schedule
+        if op.kind == "F":
+            step = schedule.steps[op.section][op.step]
+            inputs = {e.name: tuple(ctx.moved[(e.name, k)] for k in step.deps[e.name]) if e.name in step.deps
+                      else None for e in p.in_edges(op.section)}
+            batch = ctx.batches.pop((op.section, op.step))
+            if op.section == p.sink:
+                loss, m, ctx.acc[op.section], d_inputs = prog.loss_and_grad(
+                    states[op.section], inputs, batch, ctx.norm, ctx.acc[op.section])
+                ctx.losses.append(loss)
+                ctx.metrics.append(m)
+                self._collect_cotangents(step, d_inputs, ctx.cotangents)
+                return loss, ctx.acc[op.section], d_inputs
+            if p.needs_backward(op.section):
+                key = (op.section, op.step)
+                ctx.outputs[key], ctx.handles[key] = prog.forward_vjp(states[op.section], inputs, batch)
+                self._bound_in_flight(op.section, ctx.handles)
+                return ctx.outputs[key], ctx.handles[key]
+            ctx.outputs[(op.section, op.step)] = prog.forward(states[op.section], inputs, batch)
+            return ctx.outputs[(op.section, op.step)]
+        if op.kind == "X":
+            e = g.edge(op.edge)
+            ctx.moved[(e.name, op.step)] = transfer(ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].rows)
+            return ctx.moved[(e.name, op.step)]
+        if op.kind == "XB":
+            e = g.edge(op.edge)
+            ctx.moved_back[(op.edge, op.step)] = transfer(ctx.cotangents.pop((op.edge, op.step)),
+                                                          self.programs[e.src].rows)
+            return ctx.moved_back[(op.edge, op.step)]
+        if op.kind == "B":
+            ct = {e.name: ctx.moved_back.pop((e.name, op.step)) for e in p.out_edges(op.section)
+                  if (e.name, op.step) in ctx.moved_back}
+            out = ctx.outputs.pop((op.section, op.step))
+            ct = {k: ct[k] if k in ct else jax.numpy.zeros_like(v) for k, v in out.items()}  # zeros only if unused
+            ctx.acc[op.section], d_inputs = prog.backward(states[op.section], ctx.handles.pop((op.section, op.step)),
+                                                          ct, ctx.acc[op.section])
+            self._collect_cotangents(schedule.steps[op.section][op.step], d_inputs, ctx.cotangents)
+            return ctx.acc[op.section], d_inputs
+        return None  # U: applied by `update` after the step
+
+    def _collect_cotangents(self, step, d_inputs, cotangents) -> None:
+        """Sum each input cotangent into its producer micro-step's slot (still on this mesh)."""
+        for edge, parts in d_inputs.items():
+            if parts is None:  # no row of this micro-step used the edge
+                continue
+            for k, ct in zip(step.deps.get(edge, ()), parts):
+                key = (edge, k)
+                cotangents[key] = ct if key not in cotangents else cotangents[key] + ct
+
+    def _bound_in_flight(self, section: str, handles) -> None:
+        stashed = [h for (s, _), h in handles.items() if s == section]
+        if len(stashed) > self.problem.max_in_flight:
+            # Bounded stash memory: wait for the oldest stashed forward before queuing more.
+            jax.block_until_ready(stashed[0])
+
+    def update(self, states: Mapping[str, SectionState], grads: Mapping[str, object]) -> dict[str, SectionState]:
+        new = dict(states)
+        for s, gr in grads.items():
+            new[s] = self.programs[s].update(states[s], gr)
+        return new

@@ -1,0 +1,105 @@
+"""Monolithic baseline: the whole section graph as one jit over one mesh, one layout.
+
+This is how a Megatron-style trainer runs a compound model: every component shares the same
+devices, layout and micro-batch size, micro-batches go in arrival order and components run one
+after the other inside each micro-batch. It is the reference for equivalence and the baseline
+for benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from maestro_jax.core.graph import SectionGraph
+from maestro_jax.core.plan import SectionPlan
+from maestro_jax.runtime.programs import SectionState, tree_add
+from maestro_jax.runtime.sharding import row_sharding
+
+
+class Monolithic:
+    def __init__(self, graph: SectionGraph, plan: SectionPlan, mesh, var_shardings: Mapping[str, dict],
+                 optimizers: Mapping[str, object]):
+        self.graph, self.plan, self.mesh = graph, plan, mesh
+        self.rows = row_sharding(mesh)
+        self.trained = tuple(s.name for s in graph.sections if s.trained)
+        self.optimizers = optimizers
+        order, sink = graph.topological_order(), graph.sink
+
+        def composed(params, consts, batches, norm):
+            outs = {}
+            for name in order:
+                if batches.get(name) is None:
+                    continue
+                section = graph.section(name)
+                inputs = {e.name: (outs[e.name],) if e.name in outs else None for e in graph.producers_of(name)}
+                variables = {"params": params.get(name, {}), "consts": consts[name]}
+                if name == sink:
+                    loss_sum, metrics = section.forward(variables, inputs, batches[name])
+                    return loss_sum / norm, metrics
+                outs.update(section.forward(variables, inputs, batches[name]))
+            raise ValueError("the sink section received no rows")
+
+        def micro(params, consts, batches, norm, acc):
+            (loss, metrics), grads = jax.value_and_grad(composed, has_aux=True)(params, consts, batches, norm)
+            return loss, metrics, tree_add(acc, grads)
+
+        p_sh = {s: var_shardings[s]["params"] for s in self.trained}
+        self._micro = jax.jit(micro, out_shardings=(None, None, p_sh))
+        self._zeros = jax.jit(lambda p: jax.tree.map(jax.numpy.zeros_like, p), out_shardings=p_sh)
+        self._updates = {s: jax.jit(self._update_fn(optimizers[s])) for s in self.trained}
+
+    @staticmethod
+    def _update_fn(opt):
+        import optax
+
+        def update(params, opt_state, grads):
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return update
+
+    def host_batches(self, samples: Sequence) -> list[dict]:
+        """Arrival-order micro-batches; every section sees the same rows (None: section idle)."""
+        rows = self.plan.rows
+        out = []
+        for i in range(0, len(samples), rows):
+            chunk = list(samples[i:i + rows]) + [None] * (rows - len(samples[i:i + rows]))
+            batches = {}
+            for section in self.graph.sections:
+                active = [x if x is not None and section.activates(x) else None for x in chunk]
+                if all(x is None for x in active):
+                    batches[section.name] = None
+                    continue
+                routes = {e.name: [r if a is not None else -1 for r, a in
+                                   enumerate(x if x is not None and self.graph.section(e.src).activates(x) else None
+                                             for x in chunk)]
+                          for e in self.graph.producers_of(section.name)}
+                batches[section.name] = section.host_batch(active, routes)
+            out.append(batches)
+        return out
+
+    def run(self, states: Mapping[str, SectionState], samples: Sequence, host: list | None = None):
+        host = host if host is not None else self.host_batches(samples)
+        norm = np.float32(max(self.graph.loss_count(samples), 1))
+        params = {s: states[s].params for s in self.trained}
+        consts = {s: st.consts for s, st in states.items()}
+        with jax.set_mesh(self.mesh):
+            acc = self._zeros(params)
+            loss = 0.0
+            for batches in host:
+                dev = {k: None if v is None else {n: jax.device_put(a, self.rows) for n, a in v.items()}
+                       for k, v in batches.items()}
+                micro_loss, _, acc = self._micro(params, consts, dev, norm, acc)
+                loss = loss + micro_loss
+        return loss, acc
+
+    def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:
+        new = dict(states)
+        with jax.set_mesh(self.mesh):
+            for s in self.trained:
+                params, opt = self._updates[s](states[s].params, states[s].opt_state, grads[s])
+                new[s] = SectionState(params, states[s].consts, opt)
+        return new

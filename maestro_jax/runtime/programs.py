@@ -1,0 +1,176 @@
+"""Per-section jitted programs, each compiled for the section's own mesh.
+
+A section's program family (DESIGN.md section 4):
+  forward        frozen producers: outputs only;
+  forward_vjp    trained producers: outputs plus what backward needs (vjp residuals or, with
+                 `residuals: remat`, nothing: backward recomputes the forward);
+  backward       takes the summed output cotangent, adds parameter grads into the accumulator;
+  loss_and_grad  the sink: loss, parameter grads (accumulated) and cotangents of its inputs;
+  update         optax on the section's params and optimizer state.
+jax.jit caches one executable per input shape, i.e. per shape bucket. Every call runs under
+`jax.set_mesh(section mesh)` so constants created inside land on the section's devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from maestro_jax.core.graph import Section
+from maestro_jax.runtime.sharding import row_sharding
+
+
+@dataclasses.dataclass
+class SectionState:
+    """A section's persistent state on its mesh."""
+
+    params: Any
+    consts: Any
+    opt_state: Any = None
+
+    @property
+    def variables(self) -> dict:
+        return {"params": self.params, "consts": self.consts}
+
+
+def tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    if cfg.name == "sgd":
+        return optax.sgd(cfg.learning_rate)
+    return optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class SectionPrograms:
+    def __init__(self, section: Section, mesh, var_shardings, optimizer: optax.GradientTransformation,
+                 residuals: str, out_edges: tuple[str, ...], diff_inputs: tuple[str, ...], is_sink: bool):
+        self.section, self.mesh, self.optimizer = section, mesh, optimizer
+        self.rows = row_sharding(mesh)
+        self.var_shardings = var_shardings
+        self.residuals = residuals
+        self.diff_inputs = diff_inputs  # in-edges whose producer is trained: we return their cotangents
+        fwd = section.forward
+        donate = mesh.devices.flat[0].platform != "cpu"  # the CPU client cannot reuse donated buffers
+
+        def split_inputs(inputs):
+            diff = {k: v for k, v in inputs.items() if k in diff_inputs}
+            rest = {k: v for k, v in inputs.items() if k not in diff_inputs}
+            return diff, rest
+
+        def forward(variables, inputs, batch):
+            return fwd(variables, inputs, batch)
+
+        def vjp_of(variables, inputs, batch):
+            diff, rest = split_inputs(inputs)
+            return jax.vjp(lambda p, d: fwd({**variables, "params": p}, {**rest, **d}, batch),
+                           variables["params"], diff)
+
+        def forward_vjp(variables, inputs, batch):
+            out, vjp = vjp_of(variables, inputs, batch)
+            return out, vjp
+
+        def backward(vjp, cotangent, acc):
+            grads, d_inputs = vjp(cotangent)
+            return tree_add(acc, grads), d_inputs
+
+        def backward_remat(variables, inputs, batch, cotangent, acc):
+            grads, d_inputs = vjp_of(variables, inputs, batch)[1](cotangent)
+            return tree_add(acc, grads), d_inputs
+
+        def loss_and_grad(variables, inputs, batch, norm, acc):
+            diff, rest = split_inputs(inputs)
+
+            def loss_fn(p, d):
+                loss_sum, metrics = fwd({**variables, "params": p}, {**rest, **d}, batch)
+                return loss_sum / norm, metrics
+
+            (loss, metrics), (grads, d_inputs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+                variables["params"], diff)
+            return loss, metrics, tree_add(acc, grads), d_inputs
+
+        def update(params, opt_state, grads):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        outs = {e: self.rows for e in out_edges}
+        p_sh = var_shardings["params"]
+        self._forward = jax.jit(forward, out_shardings=outs)
+        self._forward_vjp = jax.jit(forward_vjp, out_shardings=(outs, None))
+        self._backward = jax.jit(backward, out_shardings=(p_sh, None), donate_argnums=(2,) if donate else ())
+        self._backward_remat = jax.jit(backward_remat, out_shardings=(p_sh, None),
+                                       donate_argnums=(4,) if donate else ())
+        self._loss_and_grad = jax.jit(loss_and_grad, out_shardings=(None, None, p_sh, None),
+                                      donate_argnums=(4,) if donate else ())
+        self._update = jax.jit(update, donate_argnums=(0, 1) if donate else ())
+        self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=p_sh)
+        self._all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])))
+        self._init_opt = jax.jit(optimizer.init)
+
+    # Each wrapper enters the section mesh: constants traced inside land on its devices.
+    memory: dict[str, int] | None = None  # when a dict: each program's compiled per-device peak bytes
+
+    def _run(self, name: str, program, *args):
+        """Call `program`; while `memory` is a dict, also record its compiled memory analysis
+        (arguments + outputs + temporaries - aliased, per device) under `name`."""
+        if self.memory is not None:
+            m = program.lower(*args).compile().memory_analysis()
+            if m is not None:
+                peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+                self.memory[name] = max(self.memory.get(name, 0), int(peak))
+        return program(*args)
+
+    def forward(self, state: SectionState, inputs, batch):
+        with jax.set_mesh(self.mesh):
+            return self._run("forward", self._forward, state.variables, inputs, batch)
+
+    def forward_vjp(self, state: SectionState, inputs, batch):
+        """Outputs and the handle `backward` needs: vjp residuals, or the inputs to recompute from."""
+        with jax.set_mesh(self.mesh):
+            if self.residuals == "remat":
+                return self._run("forward", self._forward, state.variables, inputs, batch), (inputs, batch)
+            return self._run("forward_vjp", self._forward_vjp, state.variables, inputs, batch)
+
+    def backward(self, state: SectionState, handle, cotangent, acc):
+        with jax.set_mesh(self.mesh):
+            if self.residuals == "remat":
+                inputs, batch = handle
+                return self._run("backward", self._backward_remat, state.variables, inputs, batch, cotangent, acc)
+            return self._run("backward", self._backward, handle, cotangent, acc)
+
+    def loss_and_grad(self, state: SectionState, inputs, batch, norm, acc):
+        with jax.set_mesh(self.mesh):
+            return self._run("loss_and_grad", self._loss_and_grad, state.variables, inputs, batch, norm, acc)
+
+    def all_finite(self, tree):
+        """A device scalar: every element of `tree` (e.g. this section's grads) is finite."""
+        with jax.set_mesh(self.mesh):
+            return self._all_finite(tree)
+
+    def zeros_like_params(self, state: SectionState):
+        with jax.set_mesh(self.mesh):
+            return self._zeros(state.params)
+
+    def init_optimizer(self, params):
+        with jax.set_mesh(self.mesh):
+            return self._init_opt(params)
+
+    def update(self, state: SectionState, grads) -> SectionState:
+        with jax.set_mesh(self.mesh):
+            params, opt_state = self._run("update", self._update, state.params, state.opt_state, grads)
+        return SectionState(params, state.consts, opt_state)
+
+    def put_batch(self, batch: dict):
+        """Host arrays of one micro-step onto the section's devices, rows over data shards.
+
+        Every process holds the whole micro-step on the host (the schedule is the same
+        everywhere); across processes each one places only its own devices' rows."""
+        if self.rows.is_fully_addressable:
+            return {k: jax.device_put(v, self.rows) for k, v in batch.items()}
+        return {k: jax.make_array_from_callback(v.shape, self.rows, lambda idx, v=v: v[idx], dtype=v.dtype)
+                for k, v in batch.items()}

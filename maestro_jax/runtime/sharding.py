@@ -1,0 +1,41 @@
+"""Section meshes and shardings from plans and logical-axis rules."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maestro_jax.core.plan import ParamInfo, SectionPlan
+from meshes import BATCH_AXES, MESH_AXES, RULES
+
+
+def section_mesh(sp: SectionPlan, devices=None) -> Mesh:
+    """The section's own mesh over exactly its devices, in config order (Auto axes)."""
+    devices = devices if devices is not None else jax.devices()
+    grid = np.array([devices[i] for i in sp.devices], dtype=object).reshape(sp.mesh)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def row_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch rows over the data-parallel axes, everything else replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def variable_shardings(abstract_boxed, mesh: Mesh, rules_name: str):
+    """Shardings of an (unboxed) variable tree from its logical annotations."""
+    specs = nn.get_partition_spec(abstract_boxed)
+    return nn.logical_to_mesh_sharding(specs, mesh, RULES[rules_name])
+
+
+def param_infos(abstract_boxed) -> list[ParamInfo]:
+    """Flatten a boxed abstract tree into the plain records the plan checks use."""
+    out = []
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    for path, leaf in leaves:
+        names = tuple(leaf.names) if isinstance(leaf, nn.Partitioned) else None
+        value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf
+        out.append(ParamInfo(jax.tree_util.keystr(path), tuple(value.shape), names, value.dtype.itemsize))
+    return out

@@ -1,0 +1,177 @@
+"""What a schedule is: micro-steps of samples per section, and one total order of operations.
+
+Plain Python, no JAX. Operations:
+  F(s, k)   forward of micro-step k of section s (the sink's F is its loss-and-grad);
+  X(e, k)   transfer of producer micro-step k's output along edge e to the consumer's mesh;
+  XB(e, k)  transfer of the summed cotangent of that output back to the producer's mesh;
+  B(s, k)   backward of a trained producer's micro-step k;
+  U(s)      optimizer update of a trained section.
+Rows of a micro-step are laid out shard-major: row r sits on data shard r // micro_batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from maestro_jax.core.plan import EdgeInfo
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleMeta:
+    """What the scheduler knows of a sample: the sections it activates and its work in each."""
+
+    sections: frozenset[str]
+    work: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The graph and plan as the scheduler sees them."""
+
+    order: tuple[str, ...]  # topological
+    sink: str
+    trained: frozenset[str]
+    edges: tuple[EdgeInfo, ...]
+    rows: Mapping[str, int]
+    dp: Mapping[str, int]
+    fanout: Mapping[str, int]
+    max_in_flight: int = 4
+
+    def micro_batch(self, s: str) -> int:
+        return self.rows[s] // self.dp[s]
+
+    def in_edges(self, s: str) -> tuple[EdgeInfo, ...]:
+        return tuple(e for e in self.edges if e.dst == s)
+
+    def out_edges(self, s: str) -> tuple[EdgeInfo, ...]:
+        return tuple(e for e in self.edges if e.src == s)
+
+    def needs_backward(self, s: str) -> bool:
+        return s in self.trained and s != self.sink
+
+    def sends_cotangent(self, e: EdgeInfo) -> bool:
+        return e.src in self.trained
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStep:
+    section: str
+    index: int
+    rows: tuple[int, ...]  # sample positions in the global batch; -1 is padding
+    deps: Mapping[str, tuple[int, ...]]  # in-edge -> producer micro-step indices, in route order
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        return tuple(r for r in self.rows if r >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # F, X, XB, B, U
+    section: str
+    step: int = -1
+    edge: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind in ("X", "XB"):
+            return f"{self.kind}({self.edge},{self.step})"
+        return f"{self.kind}({self.section})" if self.kind == "U" else f"{self.kind}({self.section},{self.step})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    steps: Mapping[str, tuple[MicroStep, ...]]
+    ops: tuple[Op, ...]
+    num_samples: int
+    name: str = "naive"
+
+    def routes(self, problem: Problem, section: str, index: int) -> dict[str, list[int]]:
+        """Per in-edge, each row's index into the concatenated producer outputs (-1: none)."""
+        step = self.steps[section][index]
+        out = {}
+        for e in problem.in_edges(section):
+            where = {}
+            for pos, k in enumerate(step.deps.get(e.name, ())):
+                for q, sample in enumerate(self.steps[e.src][k].rows):
+                    if sample >= 0:
+                        where[sample] = pos * problem.rows[e.src] + q
+            out[e.name] = [where.get(s, -1) if s >= 0 else -1 for s in step.rows]
+        return out
+
+
+def chunk(samples: Sequence[int], rows: int) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(0, len(samples), rows):
+        part = tuple(samples[i:i + rows])
+        out.append(part + (-1,) * (rows - len(part)))
+    return out
+
+
+def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
+    """Micro-steps with their producer dependencies derived from which samples they hold."""
+    home: dict[tuple[str, int], int] = {}
+    for s, chunks in rows_by_section.items():
+        for k, rows in enumerate(chunks):
+            for sample in rows:
+                if sample >= 0:
+                    home[(s, sample)] = k
+    steps = {}
+    for s, chunks in rows_by_section.items():
+        built = []
+        for k, rows in enumerate(chunks):
+            deps = {}
+            for e in problem.in_edges(s):
+                ks = sorted({home[(e.src, x)] for x in rows if x >= 0 and (e.src, x) in home})
+                if ks:
+                    deps[e.name] = tuple(ks)
+            built.append(MicroStep(s, k, rows, deps))
+        steps[s] = tuple(built)
+    return steps
+
+
+def backward_ops(problem: Problem, steps: Mapping[str, Sequence[MicroStep]]) -> list[Op]:
+    """Cotangent transfers and backwards in reverse topological order, then the updates."""
+    ops = []
+    for s in reversed(problem.order):
+        if problem.needs_backward(s):
+            for k in range(len(steps[s])):
+                ops += [Op("XB", s, k, e.name) for e in problem.out_edges(s) if consumed(steps, e, k)]
+                ops.append(Op("B", s, k))
+    ops += [Op("U", s) for s in problem.order if s in problem.trained]
+    return ops
+
+
+def consumed(steps, e: EdgeInfo, k: int) -> bool:
+    return any(k in st.deps.get(e.name, ()) for st in steps[e.dst])
+
+
+def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
+    """Every op the schedule must contain, mapped to the ops it depends on."""
+    steps, req = schedule.steps, {}
+    for s in problem.order:
+        for st in steps[s]:
+            req[Op("F", s, st.index)] = [Op("X", e.src, k, e.name) for e in problem.in_edges(s)
+                                         for k in st.deps.get(e.name, ())]
+        for e in problem.out_edges(s):
+            for k in range(len(steps[s])):
+                if not consumed(steps, e, k):
+                    continue
+                req[Op("X", s, k, e.name)] = [Op("F", s, k)]
+                if problem.sends_cotangent(e):
+                    done = "F" if e.dst == problem.sink else "B"
+                    req[Op("XB", s, k, e.name)] = [Op(done, e.dst, st.index) for st in steps[e.dst]
+                                                   if k in st.deps.get(e.name, ())]
+    for s in problem.order:
+        if problem.needs_backward(s):
+            for k in range(len(steps[s])):
+                req[Op("B", s, k)] = [Op("F", s, k)] + [Op("XB", s, k, e.name) for e in problem.out_edges(s)
+                                                        if consumed(steps, e, k)]
+        if s in problem.trained:
+            last = "B" if problem.needs_backward(s) else "F"
+            req[Op("U", s)] = [Op(last, s, k) for k in range(len(steps[s]))]
+    return req

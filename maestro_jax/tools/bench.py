@@ -1,0 +1,137 @@
+"""Side-by-side throughput: monolithic, naive and wavefront on the same devices and batches.
+
+After a warm-up that compiles every shape bucket, repetitions are interleaved (mono, naive,
+wavefront, mono, ...) so that drift on a shared machine hits all three alike. Each timed step
+includes scheduling (host work), dispatch, the optimizer update and the final wait.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+from maestro_jax.config import Config
+from maestro_jax.planning.simulator import simulate
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.executor import sample_metas
+from maestro_jax.schedule import naive, wavefront
+from maestro_jax.tools import calibrate
+
+MODES = ("monolithic", "naive", "wavefront")
+
+
+def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | None = None) -> dict:
+    rt = build_runtime(cfg)
+    batches = [rt.batches()[i] for i in range(num_batches)]
+    samples_per_rep = sum(len(b) for b in batches)
+    tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
+    states = {m: rt.init_states() for m in ("naive", "wavefront")}
+    mono = rt.monolithic
+    mono_states = mono.init_states(rt.graph, cfg)
+
+    # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
+    measured = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
+    rt.cost = calibrate.fit(rt, measured)
+    schedulers = {"naive": lambda metas: naive(metas, rt.problem),
+                  "wavefront": lambda metas: wavefront(metas, rt.problem, rt.cost)}
+
+    def maestro_step(mode, samples, stats):
+        t0 = time.perf_counter()
+        schedule = schedulers[mode](sample_metas(rt.graph, samples))
+        t1 = time.perf_counter()
+        result = rt.executor.run(states[mode], samples, schedule)
+        states[mode] = rt.executor.update(states[mode], result.grads)
+        t2 = time.perf_counter()
+        jax.block_until_ready((result.loss, states[mode]))  # end of step
+        t3 = time.perf_counter()
+        stats["schedule_s"].append(t1 - t0)
+        stats["dispatch_s"].append(t2 - t1)
+        stats["step_s"].append(t3 - t0)
+
+    def mono_step(samples, stats):
+        nonlocal mono_states
+        t0 = time.perf_counter()
+        loss, grads = mono.model.run(mono_states, samples)
+        mono_states = mono.model.update(mono_states, grads)
+        jax.block_until_ready((loss, mono_states))
+        stats["step_s"].append(time.perf_counter() - t0)
+
+    stats = {m: {"schedule_s": [], "dispatch_s": [], "step_s": []} for m in MODES}
+    for samples in batches:  # warm-up: compile every bucket of every mode
+        mono_step(samples, {"step_s": []})
+        for mode in ("naive", "wavefront"):
+            maestro_step(mode, samples, {"schedule_s": [], "dispatch_s": [], "step_s": []})
+    per_rep = {m: [] for m in MODES}
+    for _ in range(reps):
+        for mode in MODES:
+            start = len(stats[mode]["step_s"])
+            for samples in batches:
+                if mode == "monolithic":
+                    mono_step(samples, stats[mode])
+                else:
+                    maestro_step(mode, samples, stats[mode])
+            per_rep[mode].append(sum(stats[mode]["step_s"][start:]))
+
+    def summary(values):
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
+    report = {
+        "config": {"workload": cfg.workload, "global_batch": cfg.global_batch, "batches": num_batches, "reps": reps,
+                   "devices": len(jax.devices()), "platform": jax.devices()[0].platform},
+        "samples_per_s": sps,
+        "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},
+        "step_time_s": {m: summary([t / num_batches for t in per_rep[m]]) for m in MODES},
+        "ratios": {"wavefront_vs_monolithic": sps["wavefront"] / sps["monolithic"],
+                   "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
+                   "naive_vs_monolithic": sps["naive"] / sps["monolithic"]},
+        "host_overhead_fraction": {m: statistics.median(
+            [(a + b) / c for a, b, c in zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"])])
+            for m in ("naive", "wavefront")},
+        "schedule_fraction": {m: statistics.median(
+            [a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])]) for m in ("naive", "wavefront")},
+    }
+    report["simulator"] = _prediction(rt, batches, per_rep, num_batches)
+    if trace_dir:
+        report["traces"] = _traces(rt, states["wavefront"], batches[0], trace_dir)
+    return report
+
+
+def _prediction(rt, batches, per_rep, num_batches) -> dict:
+    """Calibrated simulator vs measured step time (serial: XLA's CPU client runs one program at a time)."""
+    serial = jax.devices()[0].platform == "cpu"
+    out = {"cost_source": rt.cost.source, "serial": serial}
+    for mode in ("naive", "wavefront"):
+        predicted = 0.0
+        for samples in batches:
+            metas = sample_metas(rt.graph, samples)
+            sched = naive(metas, rt.problem) if mode == "naive" else wavefront(metas, rt.problem, rt.cost)
+            predicted += simulate(sched, rt.problem, metas, rt.cost, serial=serial).makespan
+        measured = statistics.median(per_rep[mode])
+        out[mode] = {"predicted_step_s": predicted / num_batches, "measured_step_s": measured / num_batches,
+                     "relative_error": (predicted - measured) / measured}
+    return out
+
+
+def _traces(rt, states, samples, trace_dir) -> dict:
+    from pathlib import Path
+
+    from maestro_jax.tools.trace import write_chrome_trace, write_gantt
+
+    out = Path(trace_dir)
+    metas = sample_metas(rt.graph, samples)
+    sched = wavefront(metas, rt.problem, rt.cost)
+    record: list = []
+    rt.executor.run(states, samples, sched, record=record)
+    sim = simulate(sched, rt.problem, metas, rt.cost)
+    files = {"measured_trace": write_chrome_trace(record, out / "measured_trace.json"),
+             "measured_gantt": write_gantt(record, out / "measured_gantt.png", "measured (timed, serialised)"),
+             "simulated_trace": write_chrome_trace(sim.intervals, out / "simulated_trace.json"),
+             "simulated_gantt": write_gantt(sim.intervals, out / "simulated_gantt.png",
+                                            "simulated, sections on their own devices")}
+    return {k: str(v) for k, v in files.items()}
+
+
+__all__ = ["MODES", "bench"]

@@ -1,0 +1,116 @@
+"""Calibrated cost model: time each section's compiled programs on the machine at hand.
+
+Runs a few global batches in timed mode (every operation waited for), then fits, per section
+and kind of program, t = overhead + per_unit * (micro_batch * B) + per_unit2 * (micro_batch * B**2)
+over the shape buckets B that occurred, by non-negative least squares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from maestro_jax.core.buckets import bucket
+from maestro_jax.planning.cost import CostModel, SectionCost
+from maestro_jax.runtime.executor import sample_metas
+
+
+def measure(rt, states, batches, repeats: int = 2) -> list[tuple]:
+    """(op, schedule, metas, seconds) for every op of `batches`, best of `repeats` (after a warm-up).
+
+    Host work is measured too: ("host", n_samples, seconds) for packing a batch's micro-steps,
+    and ("update", section, seconds) for each optimizer update.
+    """
+    out = []
+    for samples in batches:
+        metas = sample_metas(rt.graph, samples)
+        schedule = rt.schedule(samples)
+        best: dict = {}
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            host = rt.executor.host_batches(samples, schedule)
+            t_host = time.perf_counter() - t0
+            record: list = []
+            result = rt.executor.run(states, samples, schedule, host=host, record=record)
+            for s, grads in result.grads.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(rt.programs[s].update(states[s], grads).params)
+                if i:
+                    best[("update", s)] = min(best.get(("update", s), np.inf), time.perf_counter() - t0)
+            if i == 0:
+                continue  # compiles
+            best[("host", len(samples))] = min(best.get(("host", len(samples)), np.inf), t_host)
+            for op, t0, t1, issue in record:
+                # device time = waited time - host time to issue; both are fitted separately
+                prev = best.get(op, (np.inf, np.inf))
+                best[op] = (min(prev[0], t1 - t0 - issue), min(prev[1], issue))
+        out += [(op, schedule, metas, t) for op, t in best.items()]
+    return out
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (tiny active-set loop over 3 columns)."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        coef[active] = sol
+        if (sol >= 0).all() or len(active) == 1:
+            return np.maximum(coef, 0)
+        active.pop(int(np.argmin(sol)))
+
+
+def fit(rt, measurements) -> CostModel:
+    p = rt.problem
+    points = defaultdict(list)
+    transfers = defaultdict(list)
+    host, updates, dispatch = [], defaultdict(list), defaultdict(list)
+    for op, schedule, metas, t in measurements:
+        if not isinstance(op, tuple):
+            t, issue = t
+            dispatch[op.kind].append(issue)
+        if isinstance(op, tuple):
+            if op[0] == "host":
+                host.append(t / op[1])
+            else:
+                updates[op[1]].append(t)
+            continue
+        if op.kind == "U":
+            continue
+        st = schedule.steps[op.section][op.step]
+        units = [metas[x].work.get(op.section, 0) for x in st.samples]
+        if op.kind in ("X", "XB"):
+            transfers[op.edge].append((sum(units), t))
+            continue
+        kind = "L" if op.section == p.sink else op.kind
+        mb = p.micro_batch(op.section)
+        b = bucket(max(units, default=0), 16)
+        points[(op.section, kind)].append((1.0, mb * b, mb * b * b, t))
+    coefs = {}
+    for key, rows in points.items():
+        a = np.asarray(rows)
+        coefs[key] = _nnls(a[:, :3], a[:, 3])
+    sections = {}
+    for s in p.order:
+        base_kind = "L" if s == p.sink else "F"
+        o, u, u2 = coefs.get((s, base_kind), (0.0, 0.0, 0.0))
+        back = coefs.get((s, "B"))
+        # backward cost relative to forward, from the fitted totals at a typical bucket
+        typical = np.mean([r[1] for r in points.get((s, base_kind), [(0, 1, 1, 0)])])
+        fwd_t = o + u * typical
+        factor = float((back[0] + back[1] * typical) / fwd_t) if back is not None and fwd_t > 0 else 2.0
+        sections[s] = SectionCost(per_unit_s=float(u), per_unit2_s=float(u2), overhead_s=float(o),
+                                  backward_factor=factor, sink_factor=1.0)
+    per_unit, overhead = {}, []
+    for edge, rows in transfers.items():
+        a = np.asarray(rows, dtype=float)
+        c = _nnls(np.stack([np.ones(len(a)), a[:, 0]], 1), a[:, 1])
+        overhead.append(c[0])
+        per_unit[edge] = float(c[1])
+    return CostModel(sections, per_unit, float(np.mean(overhead)) if overhead else 0.0, source="calibrated",
+                     host_s_per_sample=float(np.median(host)) if host else 0.0,
+                     update_s={s: float(np.median(v)) for s, v in updates.items()},
+                     dispatch_s={k: float(np.median(v)) for k, v in dispatch.items()})

@@ -1,0 +1,218 @@
+"""Hugging Face checkpoints: Llama and Qwen2/Qwen3 decoders in and out of the project's Flax LLM.
+
+Import reads a local folder (`config.json` and safetensors shards, with or without
+`model.safetensors.index.json`) one tensor at a time, memory-mapped, and places each weight
+straight into its target sharding with `jax.make_array_from_callback`: every device receives
+only its own slice, so a large model never sits whole on one device. Export writes a folder
+that `transformers` loads (`AutoModelForCausalLM.from_pretrained`).
+
+The layout maps 1:1 (HF `Linear` weights are `out x in`, Flax kernels `in x out`):
+  model.embed_tokens.weight [V, D]               -> embedding [V, D]
+  layers.i.self_attn.{q,k,v}_proj.weight [H*K, D] -> block_i.{q,k,v}.kernel [D, H, K] (+ bias [H, K])
+  layers.i.self_attn.o_proj.weight [D, H*K]       -> block_i.o.kernel [H, K, D]
+  layers.i.self_attn.{q,k}_norm.weight [K]        -> block_i.{q,k}_norm.scale (Qwen3)
+  layers.i.mlp.{gate,up}_proj.weight [F, D]       -> block_i.{gate,up}.kernel [D, F]
+  layers.i.mlp.down_proj.weight [D, F]            -> block_i.down.kernel [F, D]
+  layers.i.{input,post_attention}_layernorm       -> block_i.{attn,mlp}_norm.scale
+  model.norm.weight                               -> final_norm.scale
+  lm_head.weight [V, D]                           -> lm_head [D, V] (absent when tied)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class HFError(ValueError):
+    """A checkpoint folder this importer cannot read; the message names the file and field."""
+
+
+def read_config(path: str | Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise HFError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
+    return json.loads(f.read_text())
+
+
+def llm_fields(path: str | Path) -> dict:
+    """The `models.<name>` fields (kind llm) that describe the checkpoint at `path`."""
+    hf = read_config(path)
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted(ARCHITECTURES)}")
+    rope = hf.get("rope_scaling") or {}
+    params = hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type") or "default"
+    if rope_type != "default":
+        raise HFError(f"{path}/config.json: rope_type={rope_type!r}; only plain RoPE ('default') is supported")
+    if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
+                      f"the LLM is SwiGLU (silu) without MLP biases")
+    if hf.get("use_sliding_window"):
+        raise HFError(f"{path}/config.json: use_sliding_window=true is not supported")
+    heads = hf["num_attention_heads"]
+    return {
+        "kind": "llm", "vocab": hf["vocab_size"], "width": hf["hidden_size"], "depth": hf["num_hidden_layers"],
+        "heads": heads, "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp": hf["intermediate_size"],
+        "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)), "qk_norm": kind == "qwen3",
+    }
+
+
+class _Tensors:
+    """Lazy, memory-mapped access to every tensor of the folder's safetensors files."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else sorted(p.name for p in path.glob("*.safetensors")))
+        if not files:
+            raise HFError(f"{path}: no *.safetensors files")
+        self._where = {}
+        self._handles = [safe_open(str(path / f), framework="numpy") for f in files]
+        for h in self._handles:
+            for k in h.keys():
+                self._where[k] = h
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self._where:
+            raise HFError(f"tensor {key!r} is missing from the checkpoint")
+        return self._where[key].get_tensor(key)
+
+
+def _mapping(c: dict, with_head: bool) -> dict[tuple[str, ...], tuple[str, Callable]]:
+    """Flax path -> (HF tensor name, HF array -> Flax array)."""
+    h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
+    proj = lambda n: lambda w: w.T.reshape(d, n, k)
+    same = lambda w: w
+    out = {("embedding",): ("model.embed_tokens.weight", same), ("final_norm", "scale"): ("model.norm.weight", same)}
+    for i in range(c["depth"]):
+        b, hf = f"block_{i}", f"model.layers.{i}"
+        out.update({
+            (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
+            (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
+            (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
+            (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
+            (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
+            (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
+            (b, "gate", "kernel"): (f"{hf}.mlp.gate_proj.weight", np.transpose),
+            (b, "up", "kernel"): (f"{hf}.mlp.up_proj.weight", np.transpose),
+            (b, "down", "kernel"): (f"{hf}.mlp.down_proj.weight", np.transpose),
+        })
+        if c["qkv_bias"]:
+            for name, n in (("q", h), ("k", g), ("v", g)):
+                out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
+        if c["qk_norm"]:
+            out[(b, "q_norm", "scale")] = (f"{hf}.self_attn.q_norm.weight", same)
+            out[(b, "k_norm", "scale")] = (f"{hf}.self_attn.k_norm.weight", same)
+    if with_head and not c["tie_embeddings"]:
+        out[("lm_head",)] = ("lm_head.weight", np.transpose)
+    return out
+
+
+def _put(value: np.ndarray, like) -> jax.Array:
+    """`value` in `like`'s sharding, each device filled with its own slice only."""
+    if tuple(value.shape) != tuple(like.shape):
+        raise HFError(f"shape {tuple(value.shape)} does not match the model's {tuple(like.shape)}")
+    value = value.astype(like.dtype)
+    return jax.make_array_from_callback(value.shape, like.sharding, lambda idx: value[idx])
+
+
+def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = True) -> dict:
+    """The checkpoint's weights as a Flax param tree shaped and sharded like `target`."""
+    path = Path(path)
+    tensors = _Tensors(path)
+    out: dict = {}
+    for flax_path, (name, convert) in _mapping(fields, with_head).items():
+        like = target
+        for p in flax_path:
+            like = like[p]
+        try:
+            value = _put(convert(tensors.get(name)), like)
+        except HFError as err:
+            raise HFError(f"{path}: {name} -> {'.'.join(flax_path)}: {err}") from None
+        node = out
+        for p in flax_path[:-1]:
+            node = node.setdefault(p, {})
+        node[flax_path[-1]] = value
+    return out
+
+
+def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
+    """The checkpoint's output layer as a [D, V] matrix (the embedding's transpose when tied)."""
+    tensors = _Tensors(Path(path))
+    w = tensors.get("model.embed_tokens.weight" if fields["tie_embeddings"] else "lm_head.weight")
+    return _put(np.ascontiguousarray(w.T), like)
+
+
+def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "llama",
+             max_shard_bytes: int = 4 << 30) -> None:
+    """Write `params` (a Flax LLM param tree) as a Hugging Face folder `transformers` loads."""
+    from safetensors.numpy import save_file
+
+    if model_type not in ARCHITECTURES:
+        raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
+    unproj = {"q": h, "k": g, "v": g}
+    tensors = {}
+    for flax_path, (name, _) in _mapping(fields, with_head=True).items():
+        leaf = params
+        for p in flax_path:
+            leaf = leaf[p]
+        w = np.asarray(jax.device_get(leaf), np.float32)
+        kind = flax_path[1] if len(flax_path) == 3 else flax_path[0]
+        if flax_path[-1] == "kernel" and kind in unproj:
+            w = w.reshape(d, unproj[kind] * k).T
+        elif flax_path[-1] == "kernel" and kind == "o":
+            w = w.reshape(h * k, d).T
+        elif flax_path[-1] == "kernel" or flax_path == ("lm_head",):
+            w = w.T
+        elif flax_path[-1] == "bias":
+            w = w.reshape(-1)
+        tensors[name] = np.ascontiguousarray(w)
+    shards, current, size = [], {}, 0
+    for name, w in tensors.items():
+        if current and size + w.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = w
+        size += w.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}, indent=2))
+    config = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": fields["vocab"],
+        "hidden_size": d, "num_hidden_layers": fields["depth"], "num_attention_heads": h, "num_key_value_heads": g,
+        "head_dim": k, "intermediate_size": fields["mlp"], "rope_theta": fields["rope_theta"],
+        "rms_norm_eps": fields["norm_eps"], "tie_word_embeddings": fields["tie_embeddings"], "hidden_act": "silu",
+        "max_position_embeddings": 32768, "torch_dtype": "float32",
+    }
+    if model_type == "llama":
+        config["attention_bias"] = fields["qkv_bias"]
+    elif not fields["qkv_bias"] and model_type == "qwen2":
+        raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
+    (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,1 @@
+"""Training: the loop (one optimizer step per global batch), checkpoints, metrics."""

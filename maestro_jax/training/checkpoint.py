@@ -1,0 +1,272 @@
+"""Checkpoints: every trained section's params and optimizer state, the data iterator, the step.
+
+Layout (`<output_dir>/checkpoints/`):
+  <step>/section_<name>/   Orbax StandardSave of {"params", "opt_state"}, one item per section
+  <step>/data/             Grain iterator state (Orbax JsonSave)
+  <step>/meta/             step, seed, plan summary
+  manifest-<step>.json     written last, atomically (write to a temp file, then rename)
+
+Saves are asynchronous: `save` starts writing and returns; the manifest of a save is written
+only once Orbax reports that save finished (at the next save, or at `close`). "The latest
+checkpoint" is the newest step that has a manifest, so a save interrupted at any point (a
+`kill -9`, a full disk) is never restored from, and is deleted when the directory is opened
+again. Errors of an asynchronous save surface as `CheckpointError` at the next save or at
+`close`, never swallowed.
+
+The manifest holds a CRC32 and size of every file of the step, leaves included: Orbax itself
+does not notice a flipped bit in an array file. `restore_latest` checks them and falls back
+to the previous good checkpoint when they do not match (moving the bad one to
+`<dir>/corrupt/`), saying so. Restore targets carry the *current* plan's shardings, so a
+checkpoint restores onto a different device split or mesh layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from maestro_jax.runtime.distributed import agree
+from maestro_jax.runtime.programs import SectionState
+
+MANIFEST = "manifest-{step}.json"
+log = logging.getLogger("maestro_jax")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the step, the path and why."""
+
+
+def _file_checksums(root: Path) -> dict[str, list[int]]:
+    """{relative path: [size, crc32]} of every file under a step directory."""
+    out = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        crc = 0
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                crc = zlib.crc32(chunk, crc)
+        out[str(f.relative_to(root))] = [f.stat().st_size, crc]
+    return out
+
+
+def verify_step(step_dir: Path, manifest: dict) -> str | None:
+    """None when every file matches the manifest's sizes and checksums, else what is wrong."""
+    expected = manifest.get("files")
+    if expected is None:
+        return "manifest has no checksums"
+    found = _file_checksums(step_dir) if step_dir.is_dir() else {}
+    for name, (size, crc) in expected.items():
+        if name not in found:
+            return f"file {name} is missing"
+        if found[name][0] != size:
+            return f"file {name} is truncated or grown ({found[name][0]} bytes, expected {size})"
+        if found[name][1] != crc:
+            return f"file {name} fails its checksum (crc32 {found[name][1]:08x}, expected {crc:08x})"
+    return None
+
+
+def _view_sharding(sharding: NamedSharding) -> NamedSharding | None:
+    """For a section mesh inside one process of a multi-process run: a sharding over a union
+    mesh `("owner_rep", *section axes)` that holds the same shards, replicated once per
+    process, the owner first. None when no view is needed (one process, or a spanning mesh).
+
+    Orbax 0.12 (like jax's array serialization) refuses fully addressable arrays in a
+    multi-process save (`Cannot serialize host local jax.Array`); a per-section manager with
+    `active_processes` did not help (notes/jax-0.10-probe.md, 4). The view makes the array
+    global without copying: the owner passes its shards, the others zero buffers that Orbax
+    never writes (replica 0, the owner, writes; replica-parallel saving is disabled)."""
+    if jax.process_count() == 1:
+        return None
+    mesh = sharding.mesh
+    owners = {d.process_index for d in mesh.devices.flat}
+    if len(owners) > 1:
+        return None
+    owner = owners.pop()
+    rows = [np.asarray(mesh.devices)]
+    for q in range(jax.process_count()):
+        if q != owner:
+            local = [d for d in jax.devices() if d.process_index == q][: mesh.devices.size]
+            if len(local) < mesh.devices.size:
+                raise NotImplementedError(f"process {q} has fewer devices ({len(local)}) than the section mesh "
+                                          f"({mesh.devices.size}); cannot build a checkpoint view")
+            rows.append(np.array(local, dtype=object).reshape(mesh.devices.shape))
+    union = Mesh(np.stack(rows), ("owner_rep",) + tuple(mesh.axis_names),
+                 axis_types=(AxisType.Auto,) * (1 + len(mesh.axis_names)))
+    return NamedSharding(union, sharding.spec)
+
+
+def _to_view(x: jax.Array) -> jax.Array:
+    view = _view_sharding(x.sharding)
+    if view is None:
+        return x
+    own = {s.device: s.data for s in x.addressable_shards}
+    shard_shape = x.sharding.shard_shape(x.shape)
+    bufs = [own[d] if d in own else jax.device_put(np.zeros(shard_shape, x.dtype), d)
+            for d in view.addressable_devices_indices_map(x.shape)]
+    return jax.make_array_from_single_device_arrays(x.shape, view, bufs)
+
+
+def _from_view(v: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if v.sharding == sharding:
+        return v
+    own = {s.device: s.data for s in v.addressable_shards}
+    bufs = [own[d] for d in sharding.addressable_devices_indices_map(v.shape)]
+    return jax.make_array_from_single_device_arrays(v.shape, sharding, bufs, dtype=v.dtype)
+
+
+def _view_target(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_view_sharding(x.sharding) or x.sharding)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True):
+        if jax.process_count() > 1:
+            # dummy replicas of the checkpoint view must never write (see _view_sharding)
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        self.directory = Path(directory).absolute()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                self._discard_uncommitted()
+        except OSError as err:
+            raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
+        agree("checkpoint-dir-ready", True)  # nobody opens the manager before the clean-up is done
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                 enable_async_checkpointing=asynchronous))
+        self._pending: dict | None = None
+
+    def _discard_uncommitted(self) -> None:
+        """Delete what an interrupted save left: step directories without a manifest and Orbax
+        temporaries. Otherwise a resumed run could not save that step again."""
+        committed = {int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json")}
+        for p in self.directory.iterdir():
+            unfinished = ".orbax-checkpoint-tmp" in p.name or p.name.startswith(".manifest-")
+            if unfinished or (p.is_dir() and p.name.isdigit() and int(p.name) not in committed):
+                log.warning("removing uncommitted checkpoint data %s (an interrupted save)", p)
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(self, step: int, states: dict[str, SectionState], data_state: dict, meta: dict) -> None:
+        """Start an asynchronous save of `step`; commits the previous save's manifest first."""
+        self._commit_pending()
+        items = {f"section_{s}": ocp.args.StandardSave(jax.tree.map(_to_view, {"params": st.params,
+                                                                                "opt_state": st.opt_state}))
+                 for s, st in states.items() if st.opt_state is not None}
+        items["data"] = ocp.args.JsonSave(data_state)
+        items["meta"] = ocp.args.JsonSave({**meta, "step": step})
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as err:  # Orbax raises OSError, ValueError or its own types for storage faults
+            raise self._save_error(step, err) from err
+        self._pending = {"step": step, "parts": sorted(items)}
+
+    def _save_error(self, step: int, err: BaseException) -> CheckpointError:
+        return CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: "
+                               f"{type(err).__name__}: {err}".replace("\n", " ")[:600]
+                               + f"; the last complete checkpoint (step {self.latest_step()}) is intact")
+
+    def _commit_pending(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        step = pending["step"]
+        try:
+            self.manager.wait_until_finished()  # raises here if the asynchronous write failed
+            self.manager.check_for_errors()
+            if jax.process_index() == 0:  # one writer on the shared filesystem
+                pending["files"] = _file_checksums(self.directory / str(step))
+                tmp = self.directory / f".{MANIFEST.format(step=step)}.tmp"
+                try:
+                    tmp.write_text(json.dumps(pending))
+                    os.replace(tmp, self.directory / MANIFEST.format(step=step))  # atomic on POSIX
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except Exception as err:
+            raise self._save_error(step, err) from err
+        if jax.process_index() == 0:
+            kept = set(self.manager.all_steps())
+            for m in self.directory.glob("manifest-*.json"):
+                if int(m.stem.split("-")[1]) not in kept:
+                    m.unlink()
+
+    def close(self) -> None:
+        """Commit the pending save (raising `CheckpointError` if it failed) and stop Orbax."""
+        try:
+            self._commit_pending()
+        finally:
+            try:
+                self.manager.close()
+            except Exception as err:  # a failed save's leftovers; the error that matters is raised above
+                log.warning("closing the checkpoint manager: %s: %s", type(err).__name__, err)
+
+    # -- restoring --------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        on_disk = set(self.manager.all_steps())
+        steps = [int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json")]
+        return sorted(s for s in steps if s in on_disk)
+
+    def latest_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def restore_latest(self, targets: dict[str, SectionState]):
+        """Restore the newest committed checkpoint whose files match their checksums.
+
+        A corrupt or unreadable one is moved to `<dir>/corrupt/<step>` with a warning and the
+        previous one is tried. Returns `(step, states, data_state, meta)`, or None when there is
+        no usable checkpoint. Every process reaches the same decision (process 0's)."""
+        for step in reversed(self.committed_steps()):
+            problem = None
+            if jax.process_index() == 0:
+                manifest = json.loads((self.directory / MANIFEST.format(step=step)).read_text())
+                problem = verify_step(self.directory / str(step), manifest)
+            problem = agree(f"checkpoint-verify-{step}", problem)
+            if problem is None:
+                try:
+                    return (step, *self.restore(step, targets))
+                except Exception as err:  # a file that passed (or predates) checksums but cannot be read
+                    problem = f"restore failed: {type(err).__name__}: {err}".replace("\n", " ")[:400]
+            self._quarantine(step, problem)
+        return None
+
+    def _quarantine(self, step: int, problem: str) -> None:
+        earlier = [s for s in self.committed_steps() if s < step]
+        where = f"falling back to step {earlier[-1]}" if earlier else "no earlier checkpoint: starting from scratch"
+        log.warning("checkpoint step %d in %s is corrupt (%s); %s", step, self.directory, problem, where)
+        print(f"warning: checkpoint step {step} is corrupt ({problem}); {where}", flush=True)
+        if jax.process_index() == 0:
+            bad = self.directory / "corrupt" / str(step)
+            shutil.rmtree(bad, ignore_errors=True)
+            bad.mkdir(parents=True)
+            (self.directory / MANIFEST.format(step=step)).rename(bad / MANIFEST.format(step=step))
+            if (self.directory / str(step)).exists():
+                (self.directory / str(step)).rename(bad / str(step))
+        agree(f"checkpoint-quarantined-{step}", True)
+        self.manager.reload()
+
+    def restore(self, step: int, targets: dict[str, SectionState]) -> tuple[dict[str, SectionState], dict, dict]:
+        """Restore into `targets`' shardings (the current plan). Missing or extra leaves fail loudly."""
+        items = {f"section_{s}": ocp.args.StandardRestore(jax.tree.map(_view_target, {"params": st.params,
+                                                                                     "opt_state": st.opt_state}))
+                 for s, st in targets.items() if st.opt_state is not None}
+        items["data"] = ocp.args.JsonRestore()
+        items["meta"] = ocp.args.JsonRestore()
+        got = self.manager.restore(step, args=ocp.args.Composite(**items))
+        states = dict(targets)
+        for s, st in targets.items():
+            if st.opt_state is not None:
+                target = {"params": st.params, "opt_state": st.opt_state}
+                part = jax.tree.map(lambda v, t: _from_view(v, t.sharding), got[f"section_{s}"], target)
+                states[s] = SectionState(part["params"], st.consts, part["opt_state"])
+        return states, got["data"], got["meta"]

@@ -1,0 +1,177 @@
+"""The training loop: `train(config)` is what the CLI, tests and notebooks call.
+
+With `output_dir`, the run writes `metrics.jsonl` (one JSON object per step), TensorBoard
+events (`tb/`), the resolved `config.yaml` and Orbax checkpoints (`checkpoints/`); running
+again with the same `output_dir` resumes from the latest complete checkpoint, data order
+included, and gives the same per-step losses as an uninterrupted run.
+
+Faults end the run with an exception the CLI maps to an exit status (README, "Fault behaviour"):
+`DataError` (a bad sample under `data.on_bad_sample: error`), `NonFiniteError`,
+`CheckpointError` (storage), `PeerError` (a dead or stuck process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+
+import jax
+from tqdm import tqdm
+
+from maestro_jax.config import Config, dump_config
+from maestro_jax.data import BadSamples
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
+from maestro_jax.training.checkpoint import Checkpointer
+
+log = logging.getLogger("maestro_jax")
+
+
+class MetricsWriter:
+    """Process 0 writes metrics: JSONL always, TensorBoard when tensorboardX is importable."""
+
+    def __init__(self, out_dir: Path | None):
+        self.path = out_dir / "metrics.jsonl" if out_dir else None
+        self.tb = None
+        if out_dir:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tb"))
+
+    def write(self, rec: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self.tb:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.close()
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
+
+
+def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop"):
+    """One optimizer step; NaN/inf loss or grads are detected per section before any update.
+
+    Returns the new states and a metrics record. With `on_nonfinite="skip"` a bad step leaves
+    every section's params and optimizer state untouched (`skipped_nonfinite` names them).
+    """
+    result = rt.executor.run(states, samples, rt.schedule(samples))
+    finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
+    loss = float(fetch(result.loss))  # end of step: the host waits for the devices here
+    bad = sorted(s for s, ok in finite.items() if not bool(fetch(ok)))
+    if not math.isfinite(loss):
+        bad = [f"{rt.graph.sink} (loss)"] + [b for b in bad if b != rt.graph.sink]
+    rec = {"step": step, "loss": loss}
+    if bad:
+        msg = f"step {step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
+        if on_nonfinite == "stop":
+            raise NonFiniteError(msg + " (on_nonfinite=stop; set on_nonfinite=skip to skip such steps)")
+        rec["skipped_nonfinite"] = bad
+        return states, rec
+    return rt.executor.update(states, result.grads), rec
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption notice) ends training at the next step boundary, after a
+    checkpoint; the process then exits with status 0 and a re-run resumes from that step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def train(cfg: Config, progress: bool = True) -> list[dict]:
+    """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
+
+    On SIGTERM, saves a checkpoint after the current step and returns early."""
+    set_peer_timeout(cfg.distributed.timeout_s)
+    rt = build_runtime(cfg)
+    states = rt.init_states()
+    bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
+    data = iter(rt.training_batches(bad))
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else None
+    ckpt = None
+    start = 0
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            (out_dir / "config.yaml").write_text(dump_config(cfg))
+        ckpt = Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
+        restored = ckpt.restore_latest(states)
+        if restored is not None:
+            start, states, data_state, _ = restored
+            data.set_state(data_state)
+    writer = MetricsWriter(out_dir if jax.process_index() == 0 else None)  # process 0 writes metrics
+    history = []
+    bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
+               total=cfg.steps)
+    with Preemption() as preemption:
+        history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
+    if bad is not None and bad.total:
+        bar.write(f"skipped {bad.total} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
+    return history
+
+
+def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) -> list[dict]:
+    try:
+        for step in bar:
+            step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
+            samples = next(data)
+            t0 = time.perf_counter()
+            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite)
+            dt = time.perf_counter() - t0
+            tokens = sum(len(s.tokens) - 1 for s in samples)
+            rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                        "sample_ids": [int(s.id) for s in samples]})
+            if bad is not None:
+                rec["skipped_samples"] = bad.drain()
+            loss = rec["loss"]
+            history.append(rec)
+            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
+            writer.write(rec)
+            done = step + 1
+            due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+            if ckpt and (due or preemption.requested):
+                ckpt.save(done, states, data.get_state(), {"seed": cfg.seed, "workload": cfg.workload})
+            if preemption.requested:
+                bar.write(f"SIGTERM: checkpoint saved at step {done}; stopping (re-run to resume)")
+                break
+    except PeerError:
+        writer.close()  # no checkpoint work: committing needs the lost peer (its save is never committed)
+        raise
+    except BaseException:
+        writer.close()
+        if ckpt:
+            try:
+                ckpt.close()  # the last complete save is still committed
+            except Exception as err:  # the fault being raised matters more than this one
+                log.error("%s", err)
+        raise
+    writer.close()
+    if ckpt:
+        ckpt.close()  # commits the final save; a storage fault raises CheckpointError here
+    return history

@@ -1,0 +1,1 @@
+"""Built-in workloads, each described once: its section graph, cost, sample schema."""
