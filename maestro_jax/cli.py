@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parsers = {}
     for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
                         ("bench", "monolithic vs naive vs wavefront throughput, side by side"),
-                        ("simulate", "predicted maestro vs monolithic throughput on a cluster (no JAX)"),
-                        ("plan", "search devices, meshes, micro-batches and fanout for the best plan (no JAX)"),
+                        ("simulate", "predicted maestro vs monolithic throughput on a cluster (nothing compiled)"),
+                        ("plan", "search devices, meshes, micro-batches and fanouts for the best plan (nothing compiled)"),
                         ("export", "write a trained LLM section as a Hugging Face folder")):
         p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)
@@ -61,10 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    if args.command == "simulate":
-        return _simulate(cfg, args)
-    if args.command == "plan":
-        return _plan(cfg, args)
+    if args.command in ("simulate", "plan"):
+        from maestro_jax.core.plan import PlanError
+
+        if args.command == "plan" and args.measure:
+            _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
+        try:
+            return _simulate(cfg, args) if args.command == "simulate" else _plan(cfg, args)
+        except (ConfigError, PlanError) as err:
+            msg = str(err)
+            print(msg if msg.startswith("error:") else f"error: {msg}", file=sys.stderr)
+            return 2
     _ensure_host_devices(cfg.host_devices)
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
@@ -124,14 +131,10 @@ def _run(cfg, args) -> int:
 
 
 def _simulate(cfg, args) -> int:
-    from maestro_jax.core.plan import PlanError
-    from maestro_jax.planning.cluster import simulate_config
+    from maestro_jax.tools.simulate import simulate_config
 
-    try:
-        r = simulate_config(cfg, gantt=args.gantt)
-    except PlanError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    r = simulate_config(cfg, gantt=args.gantt)
+    print(f"workload {r['workload']}: sections {', '.join(r['sections'])} on {r['devices']['maestro']} devices")
     print(f"{'mode':12s} {'samples/s':>10s} {'per device':>11s} {'step s':>9s}")
     for m in ("monolithic", "naive", "wavefront"):
         print(f"{m:12s} {r['samples_per_s'][m]:10.3f} {r['samples_per_s_per_device'][m]:11.5f} "
@@ -175,18 +178,20 @@ def _export(cfg, args) -> int:
 
 
 def _plan(cfg, args) -> int:
-    from maestro_jax.planning.planner import InfeasibleError, Planner, format_table, write_plan
+    from maestro_jax.planning.planner import InfeasibleError, format_table
+    from maestro_jax.tools.plan import planner_for, write_plan
 
     if args.devices < 1 or args.memory_gb <= 0:
         print(f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive", file=sys.stderr)
         return 2
     try:
-        report = Planner(cfg, args.devices, args.memory_gb).search(top=args.top)
+        report = planner_for(cfg, args.devices, args.memory_gb).search(top=args.top)
     except InfeasibleError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{report.considered} plans pass every constraint; {report.simulated} simulated "
-          f"(the rest are ruled out by their lower bound); cost model: {cfg.simulate.device}")
+    print(f"workload {cfg.workload}: sections {', '.join(best_sections(report))}; {report.considered} plans within "
+          f"the bound threshold pass every constraint; {report.simulated} simulated (the rest are ruled out by their "
+          f"lower bound); cost model: {cfg.simulate.device}")
     print(format_table(report))
     mono, best = report.monolithic, report.best
     if mono:
@@ -208,14 +213,16 @@ def _plan(cfg, args) -> int:
     return 0
 
 
+def best_sections(report) -> list[str]:
+    return list(report.best.plan.sections)
+
+
 def _measure_plan(cfg, args, best) -> None:
     """Compile the chosen plan on this machine's devices and compare its memory with the model."""
     from maestro_jax.config import load_config
-    from maestro_jax.planning.planner import plan_overrides
-
-    _ensure_host_devices(args.devices)
     from maestro_jax.runtime.build import build_runtime
     from maestro_jax.tools.compiled_memory import compiled_memory
+    from maestro_jax.tools.plan import plan_overrides
 
     planned = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in plan_overrides(best).items())])
     rt = build_runtime(planned)

@@ -81,6 +81,18 @@ class ViTModelConfig(_Frozen):
     max_grid: PositiveInt = 64
 
 
+class AudioModelConfig(_Frozen):
+    kind: Literal["audio"]
+    mel: PositiveInt = 16  # features per frame
+    frames_per_token: PositiveInt = 4  # frames grouped into one audio token
+    width: PositiveInt
+    depth: PositiveInt
+    heads: PositiveInt
+    mlp: PositiveInt
+    out_width: PositiveInt
+    max_tokens: PositiveInt = 1500  # the longest clip, in tokens
+
+
 class LLMModelConfig(_Frozen):
     kind: Literal["llm"]
     vocab: PositiveInt
@@ -101,7 +113,7 @@ class LLMModelConfig(_Frozen):
     expert_mlp: int = Field(0, ge=0)
 
 
-ModelConfig = Annotated[ViTModelConfig | LLMModelConfig, Field(discriminator="kind")]
+ModelConfig = Annotated[ViTModelConfig | AudioModelConfig | LLMModelConfig, Field(discriminator="kind")]
 
 
 class DistillConfig(_Frozen):
@@ -118,14 +130,20 @@ class OptimizerConfig(_Frozen):
     weight_decay: float = 0.0
 
 
+class ModalityDataConfig(_Frozen):
+    """Synthetic items of one modality: `fraction` of samples carry 1..`max_items` of them."""
+
+    fraction: float = Field(0.5, ge=0.0, le=1.0)
+    max_items: PositiveInt = 2
+    sizes: list[list[PositiveInt]] = []  # spatial sizes: (height, width) of images, (frames,) of audio clips
+
+
 class DataConfig(_Frozen):
     kind: Literal["synthetic", "array_record"] = "synthetic"
     paths: list[str] = []  # array_record: files written by scripts/convert_images.py
     num_samples: PositiveInt = 4096
     text_len: tuple[PositiveInt, PositiveInt] = (8, 48)
-    image_fraction: float = Field(0.5, ge=0.0, le=1.0)
-    max_images: PositiveInt = 2
-    image_sizes: list[tuple[PositiveInt, PositiveInt]] = []
+    modalities: dict[str, ModalityDataConfig] = {}  # synthetic items by modality name (image, audio, ...)
     shuffle: bool = True
     max_tokens: PositiveInt | None = None  # the largest sequence bucket; longer samples are bad samples
     on_bad_sample: Literal["error", "skip"] = "error"  # skip: drop, count and report bad samples (never train on them)
@@ -160,7 +178,8 @@ class DistributedConfig(_Frozen):
 
 
 class Config(_Frozen):
-    workload: Literal["vlm", "kd"]
+    workload: str | None = None  # built-in (vlm, kd, omni, vlm_kd), a plug-in "package.module:NAME", or None
+    # when a Python caller hands its own graph to `Trainer`
     seed: int = 0
     steps: PositiveInt = 10
     global_batch: PositiveInt
@@ -172,7 +191,7 @@ class Config(_Frozen):
     keep_checkpoints: PositiveInt = 3
     async_checkpoint: bool = True
     on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/inf loss or grads: skip the step, or stop the run
-    models: dict[str, ModelConfig]
+    models: dict[str, ModelConfig] = {}
     distill: DistillConfig = DistillConfig()
     sections: dict[str, SectionConfig]
     edges: dict[str, EdgeConfig] = {}
@@ -197,7 +216,7 @@ class Config(_Frozen):
         return SectionPlan(tuple(m.devices), m.mesh.shape, m.micro_batch)
 
 
-def _set_dotted(tree: dict, key: str, value) -> None:
+def set_dotted(tree: dict, key: str, value) -> None:
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -213,7 +232,7 @@ def _set_dotted(tree: dict, key: str, value) -> None:
 def _format_error(err: pydantic.ValidationError) -> str:
     e = err.errors()[0]
     parts = [str(p) for p in e["loc"]]
-    if len(parts) > 2 and parts[0] == "models" and parts[2] in ("vit", "llm"):
+    if len(parts) > 2 and parts[0] == "models" and parts[2] in ("vit", "audio", "llm"):
         del parts[2]  # pydantic's union tag, not a config key
     loc = ".".join(parts)
     if e["type"] == "extra_forbidden":
@@ -272,7 +291,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ConfigError(f"error: --config={str(path)!r}: invalid YAML ({err})".replace("\n", " ")) from err
     items = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
     for key, value in items.items():
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     try:
         return Config.model_validate(raw)
     except pydantic.ValidationError as err:

@@ -8,9 +8,11 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
   D  model width                        V  vocabulary
   H  query heads   G  key/value heads   K  head dimension
   F  MLP hidden width                   C  patch feature size (patch*patch*channels)
+  N  audio tokens (frame groups, packed per row)   F  features of a frame group
 """
 
+from models.audio import AudioConfig, AudioEncoder
 from models.llm import DecoderLM, LLMConfig
 from models.vit import VisionEncoder, ViTConfig
 
-__all__ = ["DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder"]
+__all__ = ["AudioConfig", "AudioEncoder", "DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder"]

@@ -44,3 +44,39 @@ def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrql,blgk->bqgrk", probs, v_BLGK)
     return out.reshape(b, length, h, k)
+
+
+_init = nn.initializers.normal(0.02)
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LayerNorm bidirectional transformer block (GELU MLP), used by the ViT and audio encoders."""
+
+    width: int
+    heads: int
+    mlp: int
+
+    @nn.compact
+    def __call__(self, x_BPD, mask_BPP):
+        hd = self.width // self.heads
+        h = nn.LayerNorm(name="attn_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
+                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
+        qkv = [nn.DenseGeneral((self.heads, hd), name=n, kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
+                               bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"))(h)
+               for n in ("q", "k", "v")]
+        o = attention(*qkv, mask_BPP)
+        x_BPD = x_BPD + nn.DenseGeneral(self.width, axis=(-2, -1), name="o",
+                                        kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
+                                        bias_init=partitioned(nn.initializers.zeros, "embed"))(o)
+        h = nn.LayerNorm(name="mlp_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
+                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
+        h = nn.Dense(self.mlp, name="fc1", kernel_init=partitioned(_init, "embed", "mlp"),
+                     bias_init=partitioned(nn.initializers.zeros, "mlp"))(h)
+        h = nn.Dense(self.width, name="fc2", kernel_init=partitioned(_init, "mlp", "embed"),
+                     bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(h))
+        return x_BPD + h
+
+
+def segment_mask(segments_BP):
+    """Attention within each packed item (segment ids > 0); padding attends to nothing."""
+    return (segments_BP[:, :, None] == segments_BP[:, None, :]) & (segments_BP[:, None, :] > 0)

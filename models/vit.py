@@ -11,7 +11,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.layers import attention, partitioned
+from models.layers import EncoderBlock, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -33,31 +33,6 @@ class ViTConfig:
         return self.patch * self.patch * self.channels
 
 
-class ViTBlock(nn.Module):
-    cfg: ViTConfig
-
-    @nn.compact
-    def __call__(self, x_BPD, mask_BPP):
-        c = self.cfg
-        hd = c.width // c.heads
-        h = nn.LayerNorm(name="attn_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
-                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
-        qkv = [nn.DenseGeneral((c.heads, hd), name=n, kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
-                               bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"))(h)
-               for n in ("q", "k", "v")]
-        o = attention(*qkv, mask_BPP)
-        x_BPD = x_BPD + nn.DenseGeneral(c.width, axis=(-2, -1), name="o",
-                                        kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
-                                        bias_init=partitioned(nn.initializers.zeros, "embed"))(o)
-        h = nn.LayerNorm(name="mlp_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
-                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
-        h = nn.Dense(c.mlp, name="fc1", kernel_init=partitioned(_init, "embed", "mlp"),
-                     bias_init=partitioned(nn.initializers.zeros, "mlp"))(h)
-        h = nn.Dense(c.width, name="fc2", kernel_init=partitioned(_init, "mlp", "embed"),
-                     bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(h))
-        return x_BPD + h
-
-
 class VisionEncoder(nn.Module):
     cfg: ViTConfig
 
@@ -70,9 +45,9 @@ class VisionEncoder(nn.Module):
         row = self.param("pos_row", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
         col = self.param("pos_col", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
         x = x + jnp.take(row, grid_BP2[..., 0], axis=0) + jnp.take(col, grid_BP2[..., 1], axis=0)
-        mask_BPP = (segments_BP[:, :, None] == segments_BP[:, None, :]) & (segments_BP[:, None, :] > 0)
+        mask_BPP = segment_mask(segments_BP)
         for i in range(c.depth):
-            x = ViTBlock(c, name=f"block_{i}")(x, mask_BPP)
+            x = EncoderBlock(c.width, c.heads, c.mlp, name=f"block_{i}")(x, mask_BPP)
         x = nn.LayerNorm(name="merge_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
                          bias_init=partitioned(nn.initializers.zeros, "norm"))(x)
         b, p, d = x.shape

@@ -3,7 +3,7 @@
 Input: FOLDER/<name>.<png|jpg|jpeg> with an optional FOLDER/<name>.txt caption, and
 optionally FOLDER/*.txt files with no image (text-only samples). Each image is resized
 down to a multiple of patch*merge pixels (at most --max-side). Captions are tokenised
-byte-level (token = byte + 2, so the vocabulary needs 258+ entries); bring your own tokenizer
+byte-level (token = byte + 3, so the vocabulary needs 259+ entries); bring your own tokenizer
 by replacing `tokenize`. The image's placeholder tokens come before its caption.
 
     python scripts/convert_images.py FOLDER OUT.array_record --patch 4 --merge 2
@@ -17,7 +17,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
-from maestro_jax.data import FIRST_TEXT_TOKEN, IMAGE_TOKEN, Sample, encode_sample, image_tokens, validate_sample
+from maestro_jax.data import FIRST_TEXT_TOKEN, IMAGE_TOKEN, Modality, Sample, encode_sample, image_tokens, validate_sample
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 
@@ -47,8 +47,8 @@ def convert(folder: Path, out: Path, patch: int, merge: int, max_side: int) -> i
         caption = caption_path.read_text().strip() if caption_path.exists() else stem
         images = (load_image(image_path, unit, max_side),) if image_path else ()
         placeholders = np.full(sum(image_tokens(im.shape[:2], patch, merge) for im in images), IMAGE_TOKEN, np.int32)
-        sample = Sample(id=i, tokens=np.concatenate([placeholders, tokenize(caption)]), images=images)
-        writer.write(encode_sample(validate_sample(sample, patch, merge)))
+        sample = Sample(id=i, tokens=np.concatenate([placeholders, tokenize(caption)]), items={"image": images})
+        writer.write(encode_sample(validate_sample(sample, (Modality("image", IMAGE_TOKEN, (unit, unit), 3),))))
         count += 1
     writer.close()
     return count

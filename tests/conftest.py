@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_VLM = ["global_batch=8", "models.vision.depth=1", "models.llm.depth=1", "data.text_len=[6,14]",
             "models.vision.width=32", "models.vision.mlp=64", "models.vision.out_width=48", "models.llm.width=48",
             "models.llm.head_dim=8", "models.llm.mlp=96",
-            "data.image_sizes=[[8,8],[16,8]]", "data.max_images=2"]
+            "data.modalities.image.sizes=[[8,8],[16,8]]", "data.modalities.image.max_items=2"]
 TINY_KD = ["global_batch=8", "models.teacher.depth=1", "models.student.depth=1", "data.text_len=[6,14]",
            "models.teacher.width=64", "models.teacher.heads=4", "models.teacher.kv_heads=2", "models.teacher.mlp=128",
            "models.student.width=32", "models.student.head_dim=8", "models.student.mlp=64",

@@ -10,10 +10,13 @@ from PIL import Image
 
 from maestro_jax.config import load_config
 from maestro_jax.data import (
+    AUDIO_TOKEN,
     IMAGE_TOKEN,
     ArrayRecordSource,
     DataError,
+    Modality,
     Sample,
+    SyntheticItems,
     SyntheticSource,
     decode_sample,
     encode_sample,
@@ -22,39 +25,61 @@ from maestro_jax.data import (
 )
 from maestro_jax.training.loop import train
 
+IMAGE = Modality("image", IMAGE_TOKEN, (8, 8), 3, max_shape=(32, 32))
+AUDIO = Modality("audio", AUDIO_TOKEN, (4,), 16)
 
-def good(**kw):
-    base = dict(id=7, tokens=np.array([IMAGE_TOKEN] * 1 + [5, 6, 7], np.int32),
-                images=(np.zeros((8, 8, 3), np.float32),))
+
+def good(images=(np.zeros((8, 8, 3), np.float32),), **kw):
+    base = dict(id=7, tokens=np.array([IMAGE_TOKEN] * 1 + [5, 6, 7], np.int32), items={"image": images})
     base.update(kw)
     return Sample(**base)
 
 
 @pytest.mark.parametrize("sample,text", [
     (good(tokens=np.array([1.0, 5.0, 6.0], np.float32)), "1-D integer"),
-    (good(tokens=np.array([IMAGE_TOKEN, IMAGE_TOKEN, 5, 6], np.int32)), "2 image-placeholder tokens but its images need 1"),
+    (good(tokens=np.array([IMAGE_TOKEN, IMAGE_TOKEN, 5, 6], np.int32)), "2 image-placeholder tokens but its image items need 1"),
     (good(tokens=np.array([IMAGE_TOKEN, 5], np.int32)), "at least 2 text tokens"),
     (good(images=(np.full((8, 8, 3), np.nan, np.float32),)), "NaN or inf"),
-    (good(images=(np.zeros((8, 6, 3), np.float32),)), "multiples of patch*merge = 8"),
-    (good(images=(np.zeros((8, 8), np.float32),)), "float32 H x W x C"),
+    (good(images=(np.zeros((8, 6, 3), np.float32),)), "positive multiple of 8x8"),
+    (good(images=(np.zeros((0, 8, 3), np.float32),)), "positive multiple of 8x8"),
+    (good(images=(np.zeros((8, 8), np.float32),)), "float32 with 2 spatial dims and 3 channels"),
+    (good(images=(np.zeros((8, 8, 4), np.float32),)), "float32 with 2 spatial dims and 3 channels"),
+    (good(images=(np.zeros((40, 8, 3), np.float32),)), "larger than the model takes (32x32)"),
+    (good(tokens=np.array([IMAGE_TOKEN, 5, -6, 7], np.int32)), "token id -6 is outside the vocabulary"),
+    (good(tokens=np.array([IMAGE_TOKEN, 5, 600, 7], np.int32)), "token id 600 is outside the vocabulary"),
+    (good(items={"image": (np.zeros((8, 8, 3), np.float32),), "video": (np.zeros((8, 8, 3), np.float32),)}),
+     "has video items, but this workload takes ['audio', 'image']"),
+    (good(tokens=np.array([IMAGE_TOKEN, AUDIO_TOKEN, 5, 6], np.int32)), "1 audio-placeholder tokens but its audio"),
 ])
 def test_bad_samples_rejected_with_id(sample, text):
     with pytest.raises(DataError, match="sample id=7") as info:
-        validate_sample(sample, patch=4, merge=2)
+        validate_sample(sample, (IMAGE, AUDIO), vocab=300)
     assert text in str(info.value)
+
+
+def test_good_sample_with_two_modalities_passes():
+    s = good(tokens=np.array([IMAGE_TOKEN, 5, AUDIO_TOKEN, AUDIO_TOKEN, 6], np.int32),
+             items={"image": (np.zeros((8, 8, 3), np.float32),), "audio": (np.zeros((8, 16), np.float32),)})
+    assert validate_sample(s, (IMAGE, AUDIO), vocab=300) is s
 
 
 def test_too_long_rejected():
     with pytest.raises(DataError, match="exceed the largest bucket"):
-        validate_sample(good(), 4, 2, max_tokens=3)
+        validate_sample(good(), (IMAGE,), max_tokens=3)
 
 
-def test_record_round_trip():
-    s = SyntheticSource(num_samples=8, vocab=300, text_len=(5, 9), image_fraction=1.0, max_images=2,
-                        image_sizes=((8, 8), (16, 8)), patch=4, merge=2)[3]
+def test_record_round_trip_and_info_without_payload():
+    src = SyntheticSource(num_samples=8, vocab=300, text_len=(5, 9),
+                          items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8), (16, 8))), SyntheticItems(AUDIO, 1.0, 2, ((8,),))))
+    s = src[3]
     r = decode_sample(encode_sample(s))
     assert r.id == s.id and (r.tokens == s.tokens).all()
-    assert len(r.images) == len(s.images) and all(a.shape == b.shape for a, b in zip(r.images, s.images))
+    for m in ("image", "audio"):
+        assert r.shapes(m) == s.shapes(m) and len(s.of(m)) >= 1
+    assert np.allclose(r.of("audio")[0], s.of("audio")[0])
+    info = src.info(3)
+    assert info.length == s.length and info.item_shapes == {m: s.shapes(m) for m in ("image", "audio")}
+    assert validate_sample(s, (IMAGE, AUDIO), vocab=300) is s
 
 
 def test_shuffle_is_seeded_and_batches_deterministic():
@@ -78,9 +103,9 @@ def test_convert_folder_and_train(tmp_path):
                            "--patch", "4", "--merge", "2", "--max-side", "16"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "wrote 12 samples" in proc.stdout
-    src = ArrayRecordSource((str(out),), patch=4, merge=2)
-    assert len(src) == 12 and sum(s.has_image for s in (src[i] for i in range(12))) == 8
+    src = ArrayRecordSource((str(out),))
+    assert len(src) == 12 and sum(s.has("image") for s in (src[i] for i in range(12))) == 8
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + [
-        "data.kind=array_record", f"data.paths=[{out}]", "steps=2", "models.llm.vocab=258"])
+        "data.kind=array_record", f"data.paths=[{out}]", "steps=2", "models.llm.vocab=261"])
     history = train(cfg, progress=False)
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)

@@ -51,9 +51,9 @@ def check(cfg):
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_vlm_image_fractions(fraction):
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + [f"data.image_fraction={fraction}"])
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + [f"data.modalities.image.fraction={fraction}"])
     rt = build_runtime(cfg)
-    with_images = sum(s.has_image for s in rt.batches()[0])
+    with_images = sum(s.has("image") for s in rt.batches()[0])
     assert with_images == {0.0: 0, 1.0: 8}.get(fraction, with_images)
     if fraction == 0.5:
         assert 0 < with_images < 8, "the mixed batch must hold both kinds of samples"
@@ -76,12 +76,12 @@ def test_kd_plans(plan):
 
 
 def test_vision_skips_text_only_samples():
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.image_fraction=0.5"])
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.modalities.image.fraction=0.5"])
     rt = build_runtime(cfg)
     samples = rt.batches()[0]
     schedule = rt.schedule(samples)
     in_vision = {x for st in schedule.steps["vision"] for x in st.samples}
-    assert in_vision == {i for i, s in enumerate(samples) if s.has_image}
+    assert in_vision == {i for i, s in enumerate(samples) if s.has("image")}
     host = rt.executor.host_batches(samples, schedule)
     for st in schedule.steps["vision"]:
         segs = host[("vision", st.index)]["segments"]

@@ -124,7 +124,7 @@ def _write_records(path):
             continue
         if i == 19:
             tokens = np.concatenate([tokens, rng.integers(2, 200, 60).astype(np.int32)])  # past data.max_tokens
-        writer.write(encode_sample(Sample(id=i, tokens=tokens, images=(image,))))
+        writer.write(encode_sample(Sample(id=i, tokens=tokens, items={"image": (image,)})))
     writer.close()
 
 
@@ -133,7 +133,7 @@ def bad_records(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "mixed.array_record"
     _write_records(path)
     return TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false", "data.max_tokens=40",
-                       "steps=2", "models.llm.vocab=258"]
+                       "steps=2", "models.llm.vocab=261"]
 
 
 def test_bad_sample_stops_with_its_id(bad_records, capsys):

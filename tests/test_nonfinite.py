@@ -14,7 +14,7 @@ from maestro_jax.training.loop import NonFiniteError, train_step
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.image_fraction=1.0"])
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.modalities.image.fraction=1.0"])
     rt = build_runtime(cfg)
     states = rt.init_states()
     # a real fault: one vision weight becomes NaN (as after an overflow); vision and llm grads go NaN

@@ -1,4 +1,4 @@
-"""Cluster-scale predictions from the paper-scale configs (analytic cost model, no JAX)."""
+"""Cluster-scale predictions from the paper-scale configs (analytic cost model, nothing compiled)."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 
 from maestro_jax.config import load_config
-from maestro_jax.planning.cluster import simulate_config
+from maestro_jax.tools.simulate import simulate_config
 
 # The paper reports 1.24x (VLM) and 1.40x (KD) per GPU. The analytic model reaches 1.40x+ for
 # KD and about 1.2x for the VLM (see benchmarks/RESULTS.md for why); these floors guard it.
@@ -41,8 +41,8 @@ def test_simulate_cli_json(tmp_path):
 
 def test_moe_model_is_simulate_only():
     from maestro_jax.config import ConfigError
-    from maestro_jax.runtime.build import build_graph
+    from maestro_jax.runtime.build import build_runtime
 
     cfg = load_config(ROOT / "configs/vlm_paper_scale.yaml", [])
     with pytest.raises(ConfigError, match="models.llm.experts=128"):
-        build_graph(cfg)
+        build_runtime(cfg)

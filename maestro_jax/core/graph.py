@@ -1,7 +1,9 @@
 """Section graph: the workload cut into coarse sections joined by edges.
 
 Plain Python (no JAX import): a `Section` holds callables that the section programs jit,
-plus host-side functions that the scheduler and batcher call on sample metadata.
+host-side functions that the scheduler and batcher call on samples (or their `SampleInfo`),
+and its declared cost per work unit, which the simulator, cost and memory models read. The
+graph is the one description of a workload: runtime, planner and simulator all read it.
 
 Row contract. A micro-step of a section processes `rows` (a fixed count per section plan),
 each row one sample or padding. A consumer row that needs a producer's output names it by a
@@ -21,11 +23,40 @@ SampleLike = Any  # maestro_jax.data.Sample; kept abstract so the graph stays im
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
-    """A named tensor `src` produces for `dst`, laid out `rows x ...` (row-major on batch)."""
+    """A named tensor `src` produces for `dst`, laid out `rows x ...` (row-major on batch).
+
+    `bytes_per_unit`: bytes it carries per work unit of the producer (prices the transfer)."""
 
     name: str
     src: str
     dst: str
+    bytes_per_unit: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """What one work unit (token, patch, frame) of a section costs, declared by whoever writes
+    the section, so that planning needs no second description of the model.
+
+    flops: forward FLOPs per unit outside attention (a weight costs 2 per unit).
+    attention_flops: forward FLOPs per unit per unit of attention context; the context is the
+      sample's whole work in the section, or `attention_span` units when attention runs within
+      fixed windows (a ViT within each image). Causal attention declares half.
+    width: the model width; narrow matmuls (heavily tensor-sharded) run below peak.
+    layer_bytes, layer_bytes_sharded, layers: activation bytes one layer keeps per unit for its
+      backward (the part replicated across tensor shards, the part split by them) and the
+      number of layers: the memory model's working set and stashed residuals.
+    logits: the vocabulary width of the loss (the sink's logits and their gradient).
+    """
+
+    flops: float
+    attention_flops: float = 0.0
+    attention_span: float | None = None
+    width: int = 1024
+    layer_bytes: float = 0.0
+    layer_bytes_sharded: float = 0.0
+    layers: int = 0
+    logits: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +71,8 @@ class Section:
     host_batch(rows, routes): numpy arrays for one micro-step; `rows[i]` is a sample or None.
     activates(sample): whether the sample needs this section at all.
     work(sample): the section's work units for the sample (tokens, patches): cost and buckets.
+    activates and work receive a `Sample` or its `SampleInfo` (length and item shapes only).
+    cost: what a work unit costs (`UnitCost`), for the simulator, planner and memory model.
     """
 
     name: str
@@ -48,7 +81,7 @@ class Section:
     host_batch: Callable[[Sequence[SampleLike | None], Mapping[str, Any]], dict[str, Any]]
     activates: Callable[[SampleLike], bool]
     work: Callable[[SampleLike], int]
-    flops_per_unit: float = 0.0  # forward FLOPs per work unit, for the analytic cost model
+    cost: UnitCost = UnitCost(flops=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +110,14 @@ class SectionGraph:
         if len(sinks) != 1:
             raise ValueError(f"a section graph needs exactly one sink (section without consumers), got {sinks}")
         self.topological_order()  # raises on cycles
+        trained = {s.name for s in self.sections if s.trained}
+        for s in self.sections:
+            if s.name not in trained and any(e.src in trained for e in self.producers_of(s.name)):
+                raise ValueError(f"section {s.name!r} is frozen but consumes the trained section(s) "
+                                 f"{sorted(e.src for e in self.producers_of(s.name) if e.src in trained)}: gradients "
+                                 f"cannot reach them through it; make {s.name!r} trained or merge it into its consumer")
+        if self.sink not in trained:
+            raise ValueError(f"the sink {self.sink!r} holds the loss and must be trained")
 
     def section(self, name: str) -> Section:
         for s in self.sections:

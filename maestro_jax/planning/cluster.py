@@ -1,126 +1,120 @@
-"""`maestro-jax simulate`: predicted throughput of a config on a cluster, maestro vs monolithic.
+"""Cluster-scale prediction (`maestro-jax simulate`): maestro vs monolithic throughput. No JAX.
 
-No JAX and no model weights: sample sizes come from the data config, costs from the analytic
-model (FLOPs at the device's peak, efficiency from the work per device; see cost.py), and the
-same scheduler and simulator the runtime uses. The monolithic baseline runs every section's
-work for each micro-batch, in arrival order, on all its devices with one layout and one
-micro-batch size; vision runs over every row of a micro-batch that holds an image (static
+Sample sizes come from the data, costs from the analytic model (each section's declared FLOPs
+per unit at the device's peak, efficiency from the work per device; see cost.py), and the same
+scheduler and simulator the runtime uses. The monolithic baseline runs every section's work
+for each micro-batch, in arrival order, on all its devices with one layout and one micro-batch
+size; a section runs over every row of a micro-batch that holds one of its samples (static
 shapes in one program), and nothing overlaps.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 
-from maestro_jax.config import Config
-from maestro_jax.core.plan import SectionPlan
+from maestro_jax.core.plan import Plan, SectionPlan
 from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost, analytic_section
 from maestro_jax.planning.simulator import simulate
+from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
-from maestro_jax.workloads import shapes as workloads
 
 
-def _section_cost(cfg: Config, section: str, sp: SectionPlan, metas_all, trained_sink: bool) -> SectionCost:
-    linear, attn, width = workloads.flops(cfg, section)
-    params = linear / 2  # a weight costs 2 FLOPs (multiply, add) per unit of work
-    units = [m.work[section] for batch in metas_all for m in batch if section in m.work]
+def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, link_gbps: float,
+                 is_sink: bool) -> SectionCost:
+    """Analytic coefficients of one section under its plan, from the FLOPs it declares."""
+    c = spec.cost
+    linear, attn = c.flops, c.attention_flops
+    if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
+        linear, attn = linear + attn * c.attention_span, 0.0
+    units = [m.work[spec.name] for batch in metas_all for m in batch if spec.name in m.work]
     typical = statistics.mean(units) if units else 1.0
-    attn2 = attn
-    if section == "vision":
-        v = cfg.models["vision"]
-        per_image = statistics.mean([(h // v.patch) * (w // v.patch) for h, w in cfg.data.image_sizes] or [1])
-        linear, attn2 = linear + attn * per_image, 0.0  # block-diagonal: context is one image
     tensor = sp.axis_sizes["tensor"]
-    c = analytic_section(linear, attn2, sp.micro_batch, tensor, int(typical), device=cfg.simulate.device,
-                         trained_sink=trained_sink, width_per_device=width / tensor)
-    return SectionCost(c.per_unit_s, c.per_unit2_s, c.overhead_s + fsdp_gather_s(cfg, sp, params),
-                       c.backward_factor, c.sink_factor, bucket_min=256)
+    a = analytic_section(linear, attn, sp.micro_batch, tensor, int(typical), device=device,
+                         trained_sink=is_sink and spec.trained, width_per_device=c.width / tensor)
+    return SectionCost(a.per_unit_s, a.per_unit2_s, a.overhead_s + fsdp_gather_s(spec, sp, device, link_gbps),
+                       a.backward_factor, a.sink_factor, bucket_min=256)
 
 
-def fsdp_gather_s(cfg: Config, sp: SectionPlan, params: float) -> float:
+def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float) -> float:
     """Time of one all-gather of a section's fsdp-sharded bf16 weights, paid per micro-step (the
     backward pays it again plus a reduce-scatter: `backward_factor` scales it with the compute).
     Inside a node (<= 8 devices in the fsdp x tensor group) it runs at NVLink speed, across nodes
-    at `simulate.link_gbps`. Counted in full, not overlapped with compute: a pessimistic price,
-    but the price that keeps a planner from sharding everything with fsdp for free."""
+    at `link_gbps`. Counted in full, not overlapped with compute: a pessimistic price, but the
+    price that keeps a planner from sharding everything with fsdp for free."""
     fsdp, tensor = sp.axis_sizes["fsdp"], sp.axis_sizes["tensor"]
     if fsdp == 1:
         return 0.0
-    link = DEVICES[cfg.simulate.device]["link"] if fsdp * tensor <= 8 else cfg.simulate.link_gbps * 1e9
-    return 2 * params / tensor * (fsdp - 1) / fsdp / link
+    link = DEVICES[device]["link"] if fsdp * tensor <= 8 else link_gbps * 1e9
+    return 2 * spec.param_count / tensor * (fsdp - 1) / fsdp / link
 
 
-def cost_model(cfg: Config, plans: dict[str, SectionPlan], metas_all) -> CostModel:
-    shape = workloads.SHAPES[cfg.workload]
-    sections = {s: _section_cost(cfg, s, plans[s], metas_all, s == shape.sink) for s in shape.sections}
-    e = shape.edge
-    src_model = cfg.models[e.src]
-    bytes_per_unit = (2 * src_model.out_width / src_model.merge**2) if src_model.kind == "vit" else 2 * src_model.width
-    dp = min(plans[e.src].dp, plans[e.dst].dp)
-    link = cfg.simulate.link_gbps * 1e9 * dp
-    return CostModel(sections, {e.name: bytes_per_unit / link}, 20e-6, source=f"analytic:{cfg.simulate.device}")
+def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, device: str,
+               link_gbps: float) -> CostModel:
+    sections = {s: section_cost(sec, plans[s], metas_all, device, link_gbps, s == spec.sink)
+                for s, sec in spec.sections.items()}
+    transfer = {}
+    for e in spec.edges:
+        link = link_gbps * 1e9 * min(plans[e.src].dp, plans[e.dst].dp)  # shards send in parallel
+        transfer[e.name] = spec.edge_bytes[e.name] / link
+    return CostModel(sections, transfer, 20e-6, source=f"analytic:{device}")
 
 
-def monolithic_time(cfg: Config, metas, cost: CostModel, mb: int, rows: int) -> float:
-    shape = workloads.SHAPES[cfg.workload]
+def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int) -> float:
+    """Arrival-order micro-batches, every section one after the other on all devices."""
     total = 0.0
     for i in range(0, len(metas), rows):
         chunk = metas[i:i + rows]
-        for s, trained in shape.sections.items():
+        for s, sec in spec.sections.items():
             units = [m.work.get(s, 0) for m in chunk]
             if not any(units):
                 continue
-            if s == shape.sink:
+            if s == spec.sink:
                 total += cost.step_time(s, "L", units, mb)
             else:
-                total += cost.step_time(s, "F", units, mb) * (1 + (cost.sections[s].backward_factor if trained else 0))
+                total += cost.step_time(s, "F", units, mb) * (1 + (cost.sections[s].backward_factor
+                                                                   if sec.trained else 0))
     return total
 
 
-def simulate_config(cfg: Config, gantt: str | None = None) -> dict:
-    shape = workloads.SHAPES[cfg.workload]
-    plan, problem = cfg.plan(), workloads.problem(cfg)
-    metas_all = [workloads.metas(cfg, b) for b in range(cfg.simulate.batches)]
-    cost = cost_model(cfg, dict(plan.sections), metas_all)
-    mono_sp = cfg.monolithic_plan()
-    mono_cost = cost_model(cfg, {s: mono_sp for s in shape.sections}, metas_all)
-    devices = {s: len(plan.sections[s].devices) for s in shape.sections}
+def simulate_plan(spec: WorkloadSpec, plan: Plan, mono_sp: SectionPlan, metas_all, *, device: str, link_gbps: float,
+                  max_in_flight: int):
+    """Naive, wavefront and monolithic step times of `plan` on `metas_all`, and what they imply;
+    returns the report and the first batch's simulated wavefront timeline."""
+    problem = spec.problem(plan, max_in_flight)
+    cost = cost_model(spec, dict(plan.sections), metas_all, device, link_gbps)
+    mono_cost = cost_model(spec, {s: mono_sp for s in spec.sections}, metas_all, device, link_gbps)
+    devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}
-    bounds, busy_sink, timelines = [], [], []
+    timelines = []
     for metas in metas_all:
         for name, sched in (("naive", naive(metas, problem)), ("wavefront", wavefront(metas, problem, cost))):
             t = simulate(sched, problem, metas, cost, devices=devices)
             runs[name].append(t.makespan)
             if name == "wavefront":
-                bounds.append(t.lower_bound)
-                busy_sink.append(t.busy[shape.sink])
                 timelines.append(t)
-        runs["monolithic"].append(monolithic_time(cfg, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows))
-    n = cfg.global_batch
+        runs["monolithic"].append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows))
+    n = plan.global_batch
     sps = {k: n / statistics.mean(v) for k, v in runs.items()}
     maestro_devices, mono_devices = sum(devices.values()), len(mono_sp.devices)
     per_device = {"monolithic": sps["monolithic"] / mono_devices, "naive": sps["naive"] / maestro_devices,
                   "wavefront": sps["wavefront"] / maestro_devices}
+    bound = statistics.mean(t.lower_bound for t in timelines)
     report = {
-        "device": cfg.simulate.device, "cost_source": cost.source,
+        "workload": spec.name, "sections": list(spec.sections), "device": device, "cost_source": cost.source,
         "devices": {"maestro": devices, "monolithic": mono_devices},
         "samples_per_s": sps, "samples_per_s_per_device": per_device,
         "step_time_s": {k: statistics.mean(v) for k, v in runs.items()},
         "end_to_end_speedup": sps["wavefront"] / sps["monolithic"],
         "per_device_speedup": per_device["wavefront"] / per_device["monolithic"],
         "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
-        "lower_bound_s": statistics.mean(bounds),
-        "makespan_over_lower_bound": statistics.mean(runs["wavefront"]) / statistics.mean(bounds),
-        "critical_section_alone_s": statistics.mean(busy_sink),
+        "lower_bound_s": bound,
+        "makespan_over_lower_bound": statistics.mean(runs["wavefront"]) / bound,
+        "critical_section_alone_s": statistics.mean(t.busy[spec.sink] for t in timelines),
         "bubble_ratio": statistics.mean(t.bubble_ratio for t in timelines),
-        "busy_s": {s: statistics.mean(t.busy[s] for t in timelines) for s in shape.sections},
+        "busy_s": {s: statistics.mean(t.busy[s] for t in timelines) for s in spec.sections},
     }
-    if gantt:
-        from maestro_jax.tools.trace import write_gantt
-
-        write_gantt(timelines[0].intervals, gantt, f"{cfg.workload} wavefront, simulated on {cfg.simulate.device}")
-        report["gantt"] = gantt
-    return report
+    return report, timelines[0]
 
 
-__all__ = ["DEVICES", "simulate_config"]
+__all__ = ["DEVICES", "cost_model", "monolithic_time", "simulate_plan"]

@@ -1,31 +1,32 @@
-"""Planner: choose each section's devices, mesh, micro-batch, residual policy and the fanout.
+"""Planner: choose each section's devices, mesh, micro-batch, residual policy and the fanouts.
 
-Plain Python, no JAX. It enumerates candidate plans, drops those that break DESIGN.md
-section 3 (through the same `plan.check_plan` the runtime runs, with the memory model below),
-and scores the rest with the simulator on sample global batches under the analytic cost
-model. Search is exact with respect to that score: candidates are simulated in order of a
-lower bound on their step time (no section can finish before its own work is done), and the
-search stops once the bound passes the best simulated time, so skipping the rest never
-misses the optimum (`tests/test_planner.py` checks it against exhaustive search).
+Plain Python, no JAX. It reads a workload's `WorkloadSpec` (its graph's parameter shapes and
+declared costs, any DAG of sections) and sample metadata, enumerates candidate plans, drops
+those that break a constraint (through the same `plan.check_plan` the runtime runs, with the
+memory model below), and scores the rest with the wavefront scheduler and the simulator under
+the analytic cost model. Search is exact with respect to that score: candidates are
+simulated in order of a lower bound on their step time (no section can finish before its own
+work is done), and the search stops once the bound passes the K-th best simulated time, so
+skipping the rest never misses the optimum (`tests/test_planner.py` checks it against
+exhaustive search). Candidates are generated under a bound threshold that grows until it
+passes that time, so large clusters and many sections do not enumerate every split.
 
 Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
-sections, all float32 and sharded by the mesh rules; activations of one micro-step; and, for
-a trained producer, the residuals stashed for up to `schedule.max_in_flight` micro-steps
-waiting for their backward (only the inputs under `residuals: remat`).
+sections, all float32 and sharded by the mesh rules; frozen weights once; activations of one
+micro-step; and, for a trained producer, the residuals stashed for up to
+`schedule.max_in_flight` micro-steps waiting for their backward (only the inputs under
+`residuals: remat`); the sink's logits and their gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from maestro_jax.config import Config
 from maestro_jax.core.buckets import bucket
 from maestro_jax.core.plan import (
-    ParamInfo,
     Plan,
     PlanError,
     SectionPlan,
@@ -33,11 +34,11 @@ from maestro_jax.core.plan import (
     check_plan,
     state_bytes_per_device,
 )
-from maestro_jax.planning.cluster import cost_model, monolithic_time
-from maestro_jax.planning.cost import DEVICES
+from maestro_jax.planning.cluster import cost_model, monolithic_time, section_cost
+from maestro_jax.planning.cost import DEVICES, CostModel
 from maestro_jax.planning.simulator import simulate
+from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import wavefront
-from maestro_jax.workloads import shapes as workloads
 
 F32 = 4
 
@@ -46,64 +47,24 @@ class InfeasibleError(ValueError):
     """No plan fits the request; the message says the smallest request that would."""
 
 
-def model_params(cfg: Config, section: str) -> list[ParamInfo]:
-    """The section's parameter leaves with the logical axes `models/` gives them (shapes only)."""
-    m = cfg.models[section]
-    p = lambda path, shape, logical: ParamInfo(path, tuple(shape), tuple(logical), F32)
-    out = []
-    if m.kind == "vit":
-        hd = m.width // m.heads
-        out += [p("patch_embed", (m.patch * m.patch * m.channels, m.width), ("patch", "embed")),
-                p("pos_row", (m.max_grid, m.width), ("grid", "embed")),
-                p("pos_col", (m.max_grid, m.width), ("grid", "embed")),
-                p("merger_fc1", (m.merge**2 * m.width, 2 * m.out_width), ("embed", "mlp")),
-                p("merger_fc2", (2 * m.out_width, m.out_width), ("mlp", "embed"))]
-        for i in range(m.depth):
-            out += [p(f"block_{i}.{n}", (m.width, m.heads, hd), ("embed", "heads", "head_dim")) for n in "qkv"]
-            out += [p(f"block_{i}.o", (m.heads, hd, m.width), ("heads", "head_dim", "embed")),
-                    p(f"block_{i}.fc1", (m.width, m.mlp), ("embed", "mlp")),
-                    p(f"block_{i}.fc2", (m.mlp, m.width), ("mlp", "embed"))]
-        return out
-    out.append(p("embedding", (m.vocab, m.width), ("vocab", "embed")))
-    if not m.tie_embeddings:
-        out.append(p("lm_head", (m.width, m.vocab), ("embed", "vocab")))
-    mlp = m.expert_mlp * m.experts if m.experts else m.mlp
-    for i in range(m.depth):
-        out += [p(f"block_{i}.q", (m.width, m.heads, m.head_dim), ("embed", "heads", "head_dim")),
-                p(f"block_{i}.k", (m.width, m.kv_heads, m.head_dim), ("embed", "kv_heads", "head_dim")),
-                p(f"block_{i}.v", (m.width, m.kv_heads, m.head_dim), ("embed", "kv_heads", "head_dim")),
-                p(f"block_{i}.o", (m.heads, m.head_dim, m.width), ("heads", "head_dim", "embed")),
-                p(f"block_{i}.gate", (m.width, mlp), ("embed", "mlp")),
-                p(f"block_{i}.up", (m.width, mlp), ("embed", "mlp")),
-                p(f"block_{i}.down", (mlp, m.width), ("mlp", "embed"))]
-    return out
-
-
-def _activation_bytes_per_unit(cfg: Config, section: str, sp: SectionPlan, stash: bool) -> float:
-    """Bytes one work unit (token or patch) keeps per device: a layer's working set, plus every
-    layer's residuals when they are stashed for a backward pass."""
-    m = cfg.models[section]
-    tensor = sp.axis_sizes["tensor"]
-    mlp = m.mlp if m.kind == "vit" or not m.experts else m.experts_per_token * m.expert_mlp
-    per_layer = (6 * m.width + 3 * mlp / tensor) * F32  # activations saved by one block for its vjp
-    working = per_layer * 2
-    return working + (per_layer * m.depth if stash else 0.0)
-
-
-def section_memory(cfg: Config, section: str, sp: SectionPlan, trained: bool, is_sink: bool,
-                   max_units: int) -> dict[str, float]:
+def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: int,
+                   max_in_flight: int) -> dict[str, float]:
     """Per-device bytes of a section under a plan (see the module docstring)."""
-    state = state_bytes_per_device(model_params(cfg, section), sp, trained)
+    state = state_bytes_per_device(sec.params, sp, sec.trained) + state_bytes_per_device(sec.consts, sp, False)
+    c, tensor = sec.cost, sp.axis_sizes["tensor"]
+    per_layer = c.layer_bytes + c.layer_bytes_sharded / tensor  # what one block keeps per unit for its vjp
+    working = 2 * per_layer
+
+    def per_unit(stash: bool) -> float:
+        return working + (per_layer * c.layers if stash else 0.0)
+
     rows_units = sp.micro_batch * bucket(max_units, 16)
-    stash = trained and (is_sink or sp.residuals == "vjp")
-    act = rows_units * _activation_bytes_per_unit(cfg, section, sp, stash)
-    if trained and not is_sink:
-        held = cfg.schedule.max_in_flight
-        act = act + (held - 1) * rows_units * (_activation_bytes_per_unit(cfg, section, sp, sp.residuals == "vjp")
-                                               if sp.residuals == "vjp" else cfg.models[section].width * F32)
+    act = rows_units * per_unit(sec.trained and (is_sink or sp.residuals == "vjp"))
+    if sec.trained and not is_sink:
+        held = rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32)
+        act += (max_in_flight - 1) * held
     if is_sink:
-        vocab = cfg.models[section].vocab
-        act += rows_units * vocab / sp.axis_sizes["tensor"] * F32 * 2  # logits and their gradient
+        act += rows_units * c.logits / tensor * F32 * 2  # logits and their gradient
     return {"state": state, "activations": act, "total": state + act}
 
 
@@ -146,27 +107,32 @@ class _Option:
     bound: float
 
 
+
 class Planner:
-    """Search over plans of `cfg`'s workload on `devices` devices with `memory_gb` each.
+    """Search over plans of a workload (any section DAG) on `devices` devices with `memory_gb` each.
 
     Each section's options are enumerated on their own (device count, tensor degree,
     data-parallel degree, micro-batch, residual policy); the fsdp degree is the smallest that
-    fits the memory budget, since fsdp costs communication the cost model does not price.
-    A plan is a pair of options on disjoint devices whose data-parallel degrees give a whole
-    fanout. Candidates are scored with the wavefront scheduler and the simulator.
+    fits the memory budget, since fsdp costs communication (priced per micro-step). A plan
+    gives every section an option on disjoint devices (contiguous, in graph order, all devices
+    used) such that every edge has a whole fanout and the producer's micro-batch divides by it.
+    Candidates are scored with the wavefront scheduler and the simulator.
     """
 
-    def __init__(self, cfg: Config, devices: int, memory_gb: float, batches: int = 2, residuals=("vjp", "remat"),
-                 metas=None):
-        self.cfg, self.devices, self.budget = cfg, devices, memory_gb * 2**30
-        self.shape = workloads.SHAPES[cfg.workload]
-        self.metas = metas or [workloads.metas(cfg, b) for b in range(batches)]
-        self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1)
-                          for s in self.shape.sections}
-        self.params = {s: model_params(cfg, s) for s in self.shape.sections}
-        self.residuals = residuals
-        self.serial = DEVICES[cfg.simulate.device].get("serial", False)
-        self._options: dict[tuple[str, int], list[_Option]] = {}
+    def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
+                 device: str = "h100", link_gbps: float = 50.0, max_in_flight: int = 4,
+                 residuals: Sequence[str] = ("vjp", "remat")):
+        self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
+        self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
+        self.max_in_flight, self.residuals = max_in_flight, tuple(residuals)
+        self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
+        self.serial = DEVICES[device].get("serial", False)
+        self._options: dict[tuple, list[_Option]] = {}
+        self._times: dict[tuple, float] = {}
+
+    def _memory(self, section: str, sp: SectionPlan) -> dict[str, float]:
+        return section_memory(self.spec.sections[section], sp, section == self.spec.sink, self.max_units[section],
+                              self.max_in_flight)
 
     # -- enumeration --------------------------------------------------------------------------
     def options(self, section: str, n: int, budget: float | None = None, lightest: bool = False) -> list[_Option]:
@@ -176,23 +142,23 @@ class Planner:
         key = (section, n, budget, lightest)
         if key in self._options:
             return self._options[key]
-        trained, sink = self.shape.sections[section], section == self.shape.sink
-        gb = self.cfg.global_batch
+        sec, sink = self.spec.sections[section], section == self.spec.sink
+        gb = self.global_batch
         out = []
         for tensor in _divisors(n):
             dp = n // tensor
             for mb in _powers(gb // dp):
                 if sink and gb % (dp * mb):
                     continue  # the sink's rows per micro-step must divide the global batch
-                for res in (self.residuals if trained and not sink else ("vjp",)):
+                for res in (self.residuals if sec.trained and not sink else ("vjp",)):
                     fits = []
                     for fsdp in _divisors(dp):
                         sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res)
                         try:
-                            check_param_divisibility(section, sp, self.params[section])
+                            check_param_divisibility(section, sp, sec.leaves)
                         except PlanError:
                             continue
-                        mem = section_memory(self.cfg, section, sp, trained, sink, self.max_units[section])
+                        mem = self._memory(section, sp)
                         if mem["total"] <= budget:
                             fits.append((sp, mem))
                             if not lightest:
@@ -203,27 +169,62 @@ class Planner:
         self._options[key] = out
         return out
 
-    def candidates(self, budget: float | None = None, lightest: bool = False):
-        """(plan, memory by section, lower bound) for every plan that passes every constraint."""
-        src, dst = self.shape.edge.src, self.shape.edge.dst
-        for n_src in range(1, self.devices):
-            n_dst = self.devices - n_src
-            for a, b in itertools.product(self.options(src, n_src, budget, lightest),
-                                            self.options(dst, n_dst, budget, lightest)):
-                if b.plan.dp % a.plan.dp or a.plan.micro_batch % (b.plan.dp // a.plan.dp):
-                    continue  # no whole fanout, or a producer micro-batch the block map cannot split
-                dst_plan = dataclasses.replace(b.plan, devices=tuple(range(n_src, self.devices)))
-                plan = Plan(sections={src: a.plan, dst: dst_plan},
-                            fanout={self.shape.edge.name: b.plan.dp // a.plan.dp}, global_batch=self.cfg.global_batch)
-                bound = a.bound + b.bound if self.serial else max(a.bound, b.bound)
-                yield plan, {src: a.memory, dst: b.memory}, bound
+    def _combine(self, bounds) -> float:
+        """A plan's bound from its sections': their sum on a serial client, else the largest."""
+        return sum(bounds) if self.serial else max(bounds, default=0.0)
+
+    def candidates(self, budget: float | None = None, lightest: bool = False,
+                   threshold: float = math.inf) -> Iterator[tuple[Plan, dict, float]]:
+        """(plan, memory by section, lower bound) for every plan that passes every constraint and
+        whose bound is at most `threshold`. Sections are chosen sink first, so a producer is
+        chosen knowing its consumers' data-parallel degrees (fanout and block-map divisibility)."""
+        order = tuple(reversed(self.spec.order))
+        floors = {}  # (section, most devices) -> the smallest bound any of its options reaches
+
+        def floor(s: str, most: int) -> float:
+            if (s, most) not in floors:
+                floors[(s, most)] = min((o.bound for n in range(1, most + 1)
+                                         for o in self.options(s, n, budget, lightest)), default=math.inf)
+            return floors[(s, most)]
+
+        def extend(i: int, left: int, chosen: dict, bounds: list) -> Iterator:
+            if i == len(order):
+                yield self._assemble(chosen), {s: o.memory for s, o in chosen.items()}, self._combine(bounds)
+                return
+            s, after = order[i], len(order) - i - 1
+            sizes = [left] if after == 0 else range(1, left - after + 1)
+            for n in sizes:
+                rest = [floor(r, left - n - (after - 1)) for r in order[i + 1:]] if after else []
+                for opt in self.options(s, n, budget, lightest):
+                    if not self._feeds(s, opt.plan, chosen) or self._combine(bounds + [opt.bound] + rest) > threshold:
+                        continue
+                    yield from extend(i + 1, left - n, {**chosen, s: opt}, bounds + [opt.bound])
+
+        yield from extend(0, self.devices, {}, [])
+
+    def _feeds(self, section: str, sp: SectionPlan, chosen: dict) -> bool:
+        """Whole fanouts to every chosen consumer, and a micro-batch the block map can split."""
+        for e in self.spec.consumers_of(section):
+            c = chosen[e.dst].plan
+            if c.dp % sp.dp or sp.micro_batch % (c.dp // sp.dp):
+                return False
+        return True
+
+    def _assemble(self, chosen: dict) -> Plan:
+        """Contiguous device ranges in graph order; fanouts from the data-parallel degrees."""
+        sections, start = {}, 0
+        for s in self.spec.order:
+            sp = chosen[s].plan
+            sections[s] = dataclasses.replace(sp, devices=tuple(range(start, start + len(sp.devices))))
+            start += len(sp.devices)
+        fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in self.spec.edges}
+        return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
 
     def check(self, plan: Plan) -> dict[str, dict[str, float]]:
         """The runtime's constraint checks on a whole plan; raises PlanError. Returns the memory."""
-        mem = {s: section_memory(self.cfg, s, sp, self.shape.sections[s], s == self.shape.sink, self.max_units[s])
-               for s, sp in plan.sections.items()}
-        check_plan(plan, num_devices=self.devices, edges=(self.shape.edge,), sink=self.shape.sink,
-                   params=self.params, budget_bytes=self.budget,
+        mem = {s: self._memory(s, sp) for s, sp in plan.sections.items()}
+        check_plan(plan, num_devices=self.devices, edges=self.spec.edges, sink=self.spec.sink,
+                   params={s: sec.leaves for s, sec in self.spec.sections.items()}, budget_bytes=self.budget,
                    state={s: m["state"] for s, m in mem.items()},
                    activations={s: m["activations"] for s, m in mem.items()})
         return mem
@@ -235,10 +236,10 @@ class Planner:
         data shards, plus each micro-step's overhead; (b) padding: a micro-step costs at least its
         largest row's bucket, and over any packing into micro-steps of `rows` samples the sum of
         those largest rows is at least that of the sorted packing (every `rows`-th largest)."""
-        cm = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas)
-        cost = cm.sections[section]
-        trained, sink = self.shape.sections[section], section == self.shape.sink
-        factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if trained else 0.0)
+        sec, sink = self.spec.sections[section], section == self.spec.sink
+        cost = section_cost(sec, sp, self.metas, self.device, self.link_gbps, sink)
+        cm = CostModel({section: cost})
+        factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if sec.trained else 0.0)
         bounds = []
         for metas in self.metas:
             units = sorted((m.work[section] for m in metas if section in m.work), reverse=True)
@@ -249,36 +250,55 @@ class Planner:
         return statistics.mean(bounds)
 
     def step_time(self, plan: Plan) -> float:
-        cost, problem = cost_model(self.cfg, dict(plan.sections), self.metas), workloads.problem(self.cfg, plan)
-        devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
-        return statistics.mean(simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices,
-                                        serial=self.serial).makespan for m in self.metas)
+        key = tuple((s, sp) for s, sp in plan.sections.items())
+        if key not in self._times:
+            cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps)
+            problem = self.spec.problem(plan, self.max_in_flight)
+            devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
+            self._times[key] = statistics.mean(
+                simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices, serial=self.serial).makespan
+                for m in self.metas)
+        return self._times[key]
 
     # -- search -------------------------------------------------------------------------------
     def search(self, top: int = 10) -> PlanReport:
         """The best plan and the `top` runners-up by simulated step time.
 
-        Candidates are simulated in order of their lower bound; once `top` are scored and the
-        next bound exceeds the slowest of them, no remaining candidate can enter the top list."""
-        found = list(self.candidates())
-        if not found:
-            raise InfeasibleError(self._infeasible_message())
-        found.sort(key=lambda c: c[2])
-        scored: list[Candidate] = []
-        for plan, mem, bound in found:
-            if len(scored) >= top and bound > scored[top - 1].step_time_s:
-                break
-            t = self.step_time(plan)
-            used = sum(len(sp.devices) for sp in plan.sections.values())
-            scored.append(Candidate(plan, t, self.cfg.global_batch / t / used,
-                                    {s: m["total"] / 2**30 for s, m in mem.items()}))
-            scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
-        return PlanReport(scored[0], scored[:top], len(found), len(scored), self.monolithic_best())
+        Candidates under a bound threshold are simulated in order of their bound; once `top` are
+        scored and the next bound exceeds the slowest of them, no remaining candidate can enter
+        the top list. If the threshold fell short of that time, it grows and the search goes on
+        (already simulated plans are not simulated again)."""
+        first = 2 * self._combine([self._floor_all(s) for s in self.spec.order])
+        threshold = first
+        while True:
+            found = sorted(self.candidates(threshold=threshold), key=lambda c: c[2])
+            scored: list[Candidate] = []
+            for plan, mem, bound in found:
+                if len(scored) >= top and bound > scored[top - 1].step_time_s:
+                    break
+                t = self.step_time(plan)
+                used = sum(len(sp.devices) for sp in plan.sections.values())
+                scored.append(Candidate(plan, t, self.global_batch / t / used,
+                                        {s: m["total"] / 2**30 for s, m in mem.items()}))
+                scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
+            if len(scored) >= top and scored[top - 1].step_time_s <= threshold or threshold == math.inf:
+                if not scored:
+                    raise InfeasibleError(self._infeasible_message())
+                return PlanReport(scored[0], scored[:top], len(found), len(scored), self.monolithic_best())
+            if len(scored) >= top:
+                threshold = scored[top - 1].step_time_s  # every plan that could still enter the top list
+            else:
+                threshold = 4 * threshold if threshold < 1e6 * first else math.inf
+
+    def _floor_all(self, section: str) -> float:
+        """The smallest bound `section` reaches on any device count a plan could give it."""
+        most = self.devices - (len(self.spec.order) - 1)
+        return min((o.bound for n in range(1, most + 1) for o in self.options(section, n)), default=math.inf)
 
     def monolithic_best(self) -> dict | None:
         """The monolithic baseline's best layout and micro-batch on the same devices (every
         section's state on every device, the smallest fsdp that fits)."""
-        best, gb = None, self.cfg.global_batch
+        best, gb = None, self.global_batch
         for tensor in _divisors(self.devices):
             dp = self.devices // tensor
             for mb in _powers(gb // dp):
@@ -287,36 +307,39 @@ class Planner:
                 for fsdp in _divisors(dp):
                     sp = SectionPlan(tuple(range(self.devices)), (dp // fsdp, fsdp, tensor), mb)
                     try:
-                        for s in self.shape.sections:
-                            check_param_divisibility(s, sp, self.params[s])
+                        for s, sec in self.spec.sections.items():
+                            check_param_divisibility(s, sp, sec.leaves)
                     except PlanError:
                         continue
-                    mems = [section_memory(self.cfg, s, sp, t, s == self.shape.sink, self.max_units[s])
-                            for s, t in self.shape.sections.items()]
+                    mems = [self._memory(s, sp) for s in self.spec.order]
                     if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
                         continue
-                    cost = cost_model(self.cfg, {s: sp for s in self.shape.sections}, self.metas)
-                    t = statistics.mean(monolithic_time(self.cfg, m, cost, mb, sp.rows) for m in self.metas)
+                    cost = cost_model(self.spec, {s: sp for s in self.spec.order}, self.metas, self.device,
+                                      self.link_gbps)
+                    t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
                     if best is None or t < best["step_time_s"]:
                         best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "step_time_s": t,
                                 "samples_per_s_per_device": gb / t / self.devices}
                     break
         return best
 
+    def _with(self, devices: int) -> Planner:
+        return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
+                       device=self.device, link_gbps=self.link_gbps, max_in_flight=self.max_in_flight,
+                       residuals=self.residuals)
+
     def _infeasible_message(self) -> str:
-        sections = len(self.shape.sections)
+        sections = len(self.spec.order)
         if self.devices < sections:
-            return (f"--devices {self.devices}: the {self.cfg.workload} workload has {sections} sections and each "
+            return (f"--devices {self.devices}: the {self.spec.name} workload has {sections} sections and each "
                     f"needs its own devices; the smallest request is --devices {sections}")
         peaks = [max(m["total"] for m in mem.values())
                  for _, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
         if not peaks:
             return (f"--devices {self.devices}: no device split satisfies the mesh, fanout and divisibility "
-                    f"constraints for global_batch={self.cfg.global_batch}; try another device count")
+                    f"constraints for global_batch={self.global_batch}; try another device count")
         gb = self.budget / 2**30
-        more = next((n for n in (2 * self.devices, 4 * self.devices)
-                     if next(Planner(self.cfg, n, gb, residuals=self.residuals, metas=self.metas).candidates(), None)),
-                    None)
+        more = next((n for n in (2 * self.devices, 4 * self.devices) if next(self._with(n).candidates(), None)), None)
         alt = f", or --devices {more} at --memory-gb {gb:g}" if more else ""
         return (f"--memory-gb {gb:g}: no plan on {self.devices} devices fits in memory; the smallest feasible "
                 f"request is --memory-gb {_ceil_significant(min(peaks) / 2**30):g} at --devices "
@@ -334,45 +357,15 @@ def _tiebreak(plan: Plan):
     return tuple((sp.axis_sizes["tensor"], sp.micro_batch, sp.residuals) for sp in plan.sections.values())
 
 
-def plan_overrides(c: Candidate) -> dict[str, object]:
-    """Config keys that set a candidate's plan (for `--write` and `key=value` overrides)."""
-    out: dict[str, object] = {}
-    for s, d in c.describe().items():
-        out[f"sections.{s}.devices"] = d["devices"]
-        out[f"sections.{s}.mesh"] = d["mesh"]
-        out[f"sections.{s}.micro_batch"] = d["micro_batch"]
-        out[f"sections.{s}.residuals"] = d["residuals"]
-    out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})
-    return out
-
-
 def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:
     lines = [f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,tensor] micro-batch "
-             f"residuals; fanout)  peak GB/device"]
+             f"residuals; fanouts)  peak GB/device"]
     for i, c in enumerate(rows or report.top):
         parts = [f"{s} {d['devices']} [{d['mesh']['data']},{d['mesh']['fsdp']},{d['mesh']['tensor']}] "
                  f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
                  for s, d in c.describe().items()]
-        fan = ",".join(f"{f}" for f in c.plan.fanout.values())
+        fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items())
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
         lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
-                     f"{' | '.join(parts)}; fanout {fan}  {mem}")
+                     f"{' | '.join(parts)}; fanouts {fan}  {mem}")
     return "\n".join(lines)
-
-
-def write_plan(config_path: str, overrides: list[str], best: Candidate, memory_gb: float, out_path: str) -> None:
-    """The config at `config_path` (with `overrides`) with `best`'s plan, as YAML that `train`,
-    `verify` and `bench` accept; checked by loading it back."""
-    import yaml
-
-    from maestro_jax.config import _set_dotted, load_config, parse_overrides
-
-    with open(config_path) as f:
-        raw = yaml.safe_load(f) or {}
-    for key, value in {**parse_overrides(overrides), **plan_overrides(best), "device_memory_gb": memory_gb}.items():
-        _set_dotted(raw, key, value)
-    header = (f"# Written by `maestro-jax plan` from {config_path}: predicted {best.step_time_s:.4g} s/step.\n"
-              f"#   maestro-jax bench --config {out_path}\n")
-    with open(out_path, "w") as f:
-        f.write(header + yaml.safe_dump(raw, sort_keys=False))
-    load_config(out_path)

@@ -12,49 +12,12 @@ import jax
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core import plan as plan_lib
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.data import BadSamples, global_batches, sample_check, source_from_config, training_batches
-from maestro_jax.runtime.executor import Executor, sample_metas
+from maestro_jax.data import BadSamples, global_batches, training_batches
+from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.programs import SectionPrograms, SectionState, make_optimizer
 from maestro_jax.runtime.sharding import param_infos, section_mesh, variable_shardings
-from maestro_jax.schedule import Problem, Schedule, naive, wavefront
-from maestro_jax.workloads import kd as kd_graph
-from maestro_jax.workloads import vlm as vlm_graph
-from models import LLMConfig, ViTConfig
-
-WORKLOAD_SECTIONS = {"vlm": ("vision", "llm"), "kd": ("teacher", "student")}
-
-
-def _model(cfg: Config, name: str, kind: str):
-    m = cfg.models.get(name)
-    if m is None:
-        raise ConfigError(f"error: models.{name}: missing; workload {cfg.workload!r} needs models "
-                          f"{', '.join(WORKLOAD_SECTIONS[cfg.workload])}")
-    if m.kind != kind:
-        raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
-    fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
-    if kind == "llm":
-        moe = [fields.pop(k) for k in ("experts", "experts_per_token", "expert_mlp")]
-        if any(moe):
-            raise ConfigError(f"error: models.{name}.experts={m.experts}: mixture-of-experts models are described "
-                              f"for `maestro-jax simulate` only; the Flax LLM is dense (experts: 0)")
-    return (ViTConfig if kind == "vit" else LLMConfig)(**fields)
-
-
-def build_graph(cfg: Config) -> SectionGraph:
-    if cfg.workload == "vlm":
-        graph = vlm_graph.build(_model(cfg, "vision", "vit"), _model(cfg, "llm", "llm"))
-    else:
-        graph = kd_graph.build(_model(cfg, "teacher", "llm"), _model(cfg, "student", "llm"),
-                               cfg.distill.alpha, cfg.distill.temperature)
-    want = set(graph.names)
-    if set(cfg.sections) != want:
-        raise ConfigError(f"error: sections={sorted(cfg.sections)}: workload {cfg.workload!r} has sections "
-                          f"{sorted(want)}; give each exactly one entry")
-    for e in cfg.edges:
-        if e not in {x.name for x in graph.edges}:
-            raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
-    return graph
+from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 
 
 @dataclasses.dataclass
@@ -68,6 +31,9 @@ class Runtime:
     programs: dict[str, SectionPrograms]
     executor: Executor
     abstract: dict
+    source: object  # random-access source of samples (Grain protocol)
+    check: object = None  # sample validation (raises DataError), or None
+    pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
     cost: object = None  # CostModel the wavefront scheduler plans with (None: work units)
 
     def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
@@ -76,7 +42,10 @@ class Runtime:
         key = jax.random.key(self.cfg.seed if seed is None else seed)
         states = {s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
                   for s in self.graph.names}
-        return load_pretrained(self, states)
+        for s, sc in self.cfg.sections.items():
+            if sc.init is not None:
+                states = self.pretrained[s](s, sc.init.hf_path, states, self.programs)
+        return states
 
     def schedule(self, samples) -> Schedule:
         metas = sample_metas(self.graph, samples)
@@ -85,66 +54,16 @@ class Runtime:
         return naive(metas, self.problem)
 
     def batches(self):
-        return global_batches(source_from_config(self.cfg), self.cfg.global_batch, self.cfg.seed,
-                              self.cfg.data.shuffle, sample_check(self.cfg))
+        return global_batches(self.source, self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle, self.check)
 
     def training_batches(self, bad: BadSamples | None = None) -> grain.IterDataset:
         """The training stream; pass `bad` to skip (and count) bad samples instead of failing."""
-        return training_batches(source_from_config(self.cfg), self.cfg.global_batch, self.cfg.seed,
-                                self.cfg.data.shuffle, sample_check(self.cfg), bad)
+        return training_batches(self.source, self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle,
+                                self.check, bad)
 
     @functools.cached_property
     def monolithic(self) -> MonolithicRuntime:
         return build_monolithic(self)
-
-
-HF_MODELS = {("kd", "teacher"): "teacher", ("kd", "student"): "student", ("vlm", "llm"): "llm"}
-
-
-def check_pretrained(cfg: Config) -> None:
-    """Each `sections.<s>.init.hf_path` exists and matches `models.<s>` field by field (before compiling)."""
-    from maestro_jax.tools import hf
-
-    for s, sc in cfg.sections.items():
-        if sc.init is None:
-            continue
-        model = HF_MODELS.get((cfg.workload, s))
-        if model is None:
-            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: section {s!r} has no Hugging "
-                              f"Face importer; supported: {sorted(k[1] for k in HF_MODELS if k[0] == cfg.workload)}")
-        try:
-            fields = hf.llm_fields(sc.init.hf_path)
-        except (hf.HFError, KeyError) as err:
-            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: {err}") from None
-        mine = cfg.models[model].model_dump()
-        for k, v in fields.items():
-            if mine.get(k) != v:
-                raise ConfigError(f"error: models.{model}.{k}={mine.get(k)!r}: the checkpoint {sc.init.hf_path} has "
-                                  f"{k}={v!r}; set models.{model} to the checkpoint's shape ({fields})")
-
-
-def load_pretrained(rt: Runtime, states: dict[str, SectionState]) -> dict[str, SectionState]:
-    """Replace the random weights of sections with `init.hf_path` (KD teacher: its body and,
-    in the student section, its output layer; KD student and VLM llm: the whole LLM)."""
-    from maestro_jax.tools import hf
-
-    states = dict(states)
-    for s, sc in rt.cfg.sections.items():
-        if sc.init is None:
-            continue
-        path, fields = sc.init.hf_path, hf.llm_fields(sc.init.hf_path)
-        st = states[s]
-        if (rt.cfg.workload, s) == ("kd", "teacher"):
-            body = hf.load_llm(path, st.consts["llm"], fields, with_head=False)
-            states[s] = SectionState(st.params, {**st.consts, "llm": body}, st.opt_state)
-            student = states["student"]
-            head = hf.output_layer(path, fields, student.consts["teacher_head"])
-            states["student"] = SectionState(student.params, {**student.consts, "teacher_head": head},
-                                             student.opt_state)
-        else:
-            params = hf.load_llm(path, st.params, fields)
-            states[s] = SectionState(params, st.consts, rt.programs[s].init_optimizer(params))
-    return states
 
 
 def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
@@ -155,10 +74,27 @@ def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
     return SectionState(v["params"], v["consts"], opt)
 
 
-def build_runtime(cfg: Config) -> Runtime:
-    """Check the whole plan (DESIGN.md section 3) before building or compiling anything."""
-    graph = build_graph(cfg)
-    check_pretrained(cfg)
+def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, check=None) -> Runtime:
+    """Check the whole plan (README, "Configs") before building or compiling anything.
+
+    Without `graph`, the config's workload builds it and supplies the source and sample checks;
+    a user's own graph comes with its own `source` (and optionally a `check`)."""
+    pretrained = {}
+    if graph is None:
+        from maestro_jax import workloads  # noqa: PLC0415
+        from maestro_jax.workloads.pretrained import check_pretrained  # noqa: PLC0415
+
+        _refuse_moe(cfg)
+        graph = workloads.build_graph(cfg)
+        pretrained = workloads.resolve(cfg.workload).pretrained
+        check_pretrained(cfg, pretrained)
+        source = source if source is not None else workloads.source_from_config(cfg)
+        check = check if check is not None else workloads.sample_check(cfg)
+    else:
+        _check_sections(cfg, graph)
+        if source is None:
+            raise ConfigError("error: source: a user graph needs a sample source (any random-access source of "
+                              "maestro_jax.data.Sample)")
     plan = cfg.plan()
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
     infos = {s: param_infos(abstract[s]) for s in graph.names}
@@ -184,7 +120,24 @@ def build_runtime(cfg: Config) -> Runtime:
                       dp={s: plan.sections[s].dp for s in graph.names},
                       fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight)
     return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
-                   abstract)
+                   abstract, source, check, dict(pretrained))
+
+
+def _refuse_moe(cfg: Config) -> None:
+    for name, m in cfg.models.items():
+        if getattr(m, "experts", 0):
+            raise ConfigError(f"error: models.{name}.experts={m.experts}: mixture-of-experts models are described for "
+                              f"`maestro-jax simulate` and `plan` only; the Flax LLM is dense (experts: 0)")
+
+
+def _check_sections(cfg: Config, graph: SectionGraph) -> None:
+    """A user graph and its plan name the same sections and edges."""
+    if set(cfg.sections) != set(graph.names):
+        raise ConfigError(f"error: sections={sorted(cfg.sections)}: the graph has sections {sorted(graph.names)}; "
+                          f"give each exactly one entry")
+    for e in cfg.edges:
+        if e not in {x.name for x in graph.edges}:
+            raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import numpy as np
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.runtime.programs import SectionPrograms, SectionState
 from maestro_jax.runtime.transfer import transfer
-from maestro_jax.schedule import Op, Problem, SampleMeta, Schedule, required_ops
+from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 
 
 @dataclasses.dataclass
@@ -44,11 +44,6 @@ class StepResult:
     loss: jax.Array  # device scalar, summed over the sink's micro-steps
     grads: dict[str, object]  # trained section -> accumulated grads (on its mesh)
     metrics: dict[str, jax.Array]
-
-
-def sample_metas(graph: SectionGraph, samples: Sequence) -> list[SampleMeta]:
-    return [SampleMeta(frozenset(s.name for s in graph.sections if s.activates(x)),
-                       {s.name: s.work(x) for s in graph.sections if s.activates(x)}) for x in samples]
 
 
 class Executor:

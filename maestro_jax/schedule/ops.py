@@ -29,6 +29,13 @@ class SampleMeta:
     work: Mapping[str, int]
 
 
+def sample_metas(graph, samples: Sequence) -> list[SampleMeta]:
+    """What the scheduler needs of each sample (a `Sample` or its `SampleInfo`), asked of the
+    graph's sections in graph order."""
+    return [SampleMeta(frozenset(s.name for s in graph.sections if s.activates(x)),
+                       {s.name: s.work(x) for s in graph.sections if s.activates(x)}) for x in samples]
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """The graph and plan as the scheduler sees them."""

@@ -15,15 +15,15 @@ import jax
 from maestro_jax.config import Config
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.runtime.executor import sample_metas
-from maestro_jax.schedule import naive, wavefront
+from maestro_jax.schedule import naive, sample_metas, wavefront
 from maestro_jax.tools import calibrate
 
 MODES = ("monolithic", "naive", "wavefront")
 
 
-def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | None = None) -> dict:
-    rt = build_runtime(cfg)
+def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | None = None, rt=None) -> dict:
+    """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph)."""
+    rt = rt or build_runtime(cfg)
     batches = [rt.batches()[i] for i in range(num_batches)]
     samples_per_rep = sum(len(b) for b in batches)
     tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
@@ -79,7 +79,7 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
 
     sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
     report = {
-        "config": {"workload": cfg.workload, "global_batch": cfg.global_batch, "batches": num_batches, "reps": reps,
+        "config": {"workload": cfg.workload, "sections": list(rt.graph.names), "global_batch": cfg.global_batch, "batches": num_batches, "reps": reps,
                    "devices": len(jax.devices()), "platform": jax.devices()[0].platform},
         "samples_per_s": sps,
         "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},

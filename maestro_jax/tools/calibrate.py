@@ -15,7 +15,7 @@ import numpy as np
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.planning.cost import CostModel, SectionCost
-from maestro_jax.runtime.executor import sample_metas
+from maestro_jax.schedule import sample_metas
 
 
 def measure(rt, states, batches, repeats: int = 2) -> list[tuple]:

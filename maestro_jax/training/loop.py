@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
-from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
 from maestro_jax.training.checkpoint import Checkpointer
 
@@ -104,12 +104,13 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def train(cfg: Config, progress: bool = True) -> list[dict]:
+def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list[dict]:
     """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
 
-    On SIGTERM, saves a checkpoint after the current step and returns early."""
+    `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
+    workload. On SIGTERM, saves a checkpoint after the current step and returns early."""
     set_peer_timeout(cfg.distributed.timeout_s)
-    rt = build_runtime(cfg)
+    rt = rt or build_runtime(cfg)
     states = rt.init_states()
     bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
     data = iter(rt.training_batches(bad))

@@ -1,1 +1,177 @@
-"""Built-in workloads, each described once: its section graph, cost, sample schema."""
+"""Workloads as plug-ins: each is described once, by a `Workload`, and found by name.
+
+`workload: vlm | kd | omni | vlm_kd` names a built-in module of this package; any other value
+is an import path `package.module:NAME` to a user's `Workload`. The workload builds the section
+graph from the config (its sections, edges, models, declared costs); the same graph serves the
+runtime, the planner, the simulator, the data checks and `verify`/`bench`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+
+from maestro_jax.config import Config, ConfigError
+from maestro_jax.core.graph import SectionGraph
+from maestro_jax.data.samples import Modality
+
+BUILTIN = ("vlm", "kd", "omni", "vlm_kd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A workload plug-in.
+
+    build(cfg): the section graph (models from `cfg.models`, costs declared on each section).
+    modalities(cfg): the modalities its samples carry besides text (validated, synthesised).
+    vocab(cfg): the token vocabulary samples must stay inside.
+    pretrained: section -> loader(cfg, section, path, states, programs) -> states, for sections
+      that can start from a Hugging Face folder (`sections.<s>.init.hf_path`).
+    """
+
+    name: str
+    build: Callable[[Config], SectionGraph]
+    vocab: Callable[[Config], int]
+    modalities: Callable[[Config], tuple[Modality, ...]] = lambda cfg: ()
+    pretrained: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+
+
+def resolve(name: str | None) -> Workload:
+    """The workload a config names; ConfigError naming the valid choices otherwise."""
+    if name is None:
+        raise ConfigError(f"error: workload: missing; valid: {', '.join(BUILTIN)}, or a plug-in "
+                          f"'package.module:NAME' (a Python caller may instead pass its own graph to Trainer)")
+    if name in BUILTIN:
+        return importlib.import_module(f"maestro_jax.workloads.{name}").WORKLOAD
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ConfigError(f"error: workload={name!r}: unknown; valid: {', '.join(BUILTIN)}, or a plug-in "
+                          f"'package.module:NAME' naming a maestro_jax.workloads.Workload")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"error: workload={name!r}: cannot import it ({err}); valid: {', '.join(BUILTIN)}, or "
+                          f"'package.module:NAME'") from None
+    if not isinstance(found, Workload):
+        raise ConfigError(f"error: workload={name!r}: is a {type(found).__name__}, not a "
+                          f"maestro_jax.workloads.Workload")
+    return found
+
+
+def model(cfg: Config, name: str, kind: str):
+    """`models.<name>` as the Flax model's own config dataclass; ConfigError when missing or of another kind."""
+    from models import AudioConfig, LLMConfig, ViTConfig  # noqa: PLC0415
+
+    m = cfg.models.get(name)
+    if m is None:
+        raise ConfigError(f"error: models.{name}: missing; workload {cfg.workload!r} needs a model of kind {kind!r} "
+                          f"named {name!r}")
+    if m.kind != kind:
+        raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
+    drop = ("kind", "experts", "experts_per_token", "expert_mlp")  # MoE: priced by `llm_cost`, not in the Flax LLM
+    fields = {k: v for k, v in m.model_dump().items() if k not in drop}
+    return {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}[kind](**fields)
+
+
+def build_graph(cfg: Config) -> SectionGraph:
+    """The workload's graph, checked against the config's sections and edges."""
+    workload = resolve(cfg.workload)
+    try:
+        graph = workload.build(cfg)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"error: workload={cfg.workload!r}: {err}") from None
+    want = set(graph.names)
+    if set(cfg.sections) != want:
+        raise ConfigError(f"error: sections={sorted(cfg.sections)}: workload {cfg.workload!r} has sections "
+                          f"{sorted(want)}; give each exactly one entry")
+    for e in cfg.edges:
+        if e not in {x.name for x in graph.edges}:
+            raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
+    return graph
+
+
+def source_from_config(cfg: Config):
+    """The configured sample source (`data.kind`), with the workload's modalities."""
+    from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource  # noqa: PLC0415
+
+    if cfg.data.kind == "array_record":
+        return ArrayRecordSource(tuple(cfg.data.paths))
+    workload = resolve(cfg.workload)
+    known = {m.name: m for m in workload.modalities(cfg)}
+    for name in cfg.data.modalities:
+        if name not in known:
+            raise ConfigError(f"error: data.modalities.{name}: workload {cfg.workload!r} takes "
+                              f"{sorted(known) or 'text only'}")
+    items = []
+    for name, m in known.items():
+        d = cfg.data.modalities.get(name)
+        if d is None or not d.sizes:
+            continue
+        for size in d.sizes:
+            if len(size) != len(m.unit):
+                raise ConfigError(f"error: data.modalities.{name}.sizes={d.sizes}: each size has {len(m.unit)} "
+                                  f"spatial dims for {name}")
+        items.append(SyntheticItems(m, d.fraction, d.max_items, tuple(tuple(s) for s in d.sizes)))
+    return SyntheticSource(num_samples=cfg.data.num_samples, vocab=workload.vocab(cfg),
+                           text_len=tuple(cfg.data.text_len), items=tuple(items), seed=cfg.seed)
+
+
+def sample_check(cfg: Config):
+    """The validation every sample passes before training: the workload's modalities, its
+    vocabulary and `data.max_tokens`."""
+    import functools  # noqa: PLC0415
+
+    from maestro_jax.data.samples import validate_sample  # noqa: PLC0415
+
+    workload = resolve(cfg.workload)
+    return functools.partial(validate_sample, modalities=workload.modalities(cfg), max_tokens=cfg.data.max_tokens,
+                             vocab=workload.vocab(cfg))
+
+
+def mean_item_units(cfg: Config, modality: str, per_item: Callable[[tuple[int, ...]], float],
+                    default: float) -> float:
+    """The mean work units of one item of `modality` in the configured data (attention context)."""
+    d = cfg.data.modalities.get(modality)
+    sizes = [tuple(s) for s in d.sizes] if d else []
+    return sum(per_item(s) for s in sizes) / len(sizes) if sizes else default
+
+
+def describe(cfg: Config, graph: SectionGraph | None = None):
+    """The planning view of a workload (`planning.spec.WorkloadSpec`), read off its graph: the
+    parameter leaves from `jax.eval_shape` of the graph's own `init` (traced, never compiled
+    nor allocated), the costs each section declares, the edges' bytes per unit."""
+    import jax  # noqa: PLC0415
+
+    from maestro_jax.core.plan import EdgeInfo  # noqa: PLC0415
+    from maestro_jax.planning.spec import SectionSpec, WorkloadSpec  # noqa: PLC0415
+    from maestro_jax.runtime.sharding import param_infos  # noqa: PLC0415
+
+    graph = graph or build_graph(cfg)
+    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
+    sections = {}
+    for s in graph.topological_order():
+        sec = graph.section(s)
+        sections[s] = SectionSpec(s, sec.trained, tuple(param_infos(abstract[s]["params"])), sec.cost,
+                                  tuple(param_infos(abstract[s]["consts"])))
+    return WorkloadSpec(cfg.workload or "+".join(graph.names), sections, tuple(EdgeInfo(e.name, e.src, e.dst) for e in graph.edges),
+                        {e.name: e.bytes_per_unit for e in graph.edges}, graph.sink)
+
+
+def planning_batches(cfg: Config, graph: SectionGraph, count: int, source=None):
+    """`count` global batches of sample metadata (sections activated, work units), from the
+    source's `info` (sizes only, no payload), in a seeded shuffled order."""
+    import numpy as np  # noqa: PLC0415
+
+    from maestro_jax.data.sources import sample_info  # noqa: PLC0415
+    from maestro_jax.schedule import sample_metas  # noqa: PLC0415
+
+    source = source if source is not None else source_from_config(cfg)
+    idx = np.arange(len(source))
+    if cfg.data.shuffle:
+        np.random.default_rng(cfg.seed).shuffle(idx)
+    idx = np.tile(idx, 1 + (count * cfg.global_batch) // len(source))
+    gb = cfg.global_batch
+    return [sample_metas(graph, [sample_info(source, int(i)) for i in idx[b * gb:(b + 1) * gb]]) for b in range(count)]

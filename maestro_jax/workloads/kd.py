@@ -1,78 +1,103 @@
-"""Knowledge-distillation section graph: frozen `teacher` -> trained `student` (holds the loss).
+"""Knowledge distillation: frozen `teacher` -> trained `student` (holds the loss).
 
 As in production KD the teacher section sends its final hidden states (hidden << vocabulary)
 and the teacher's output layer runs inside the student section, as a frozen constant there.
 loss = alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE, summed over target tokens.
 """
 
+from __future__ import annotations
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
+from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
-from maestro_jax.workloads.text import loss_tokens, route, text_rows
-from maestro_jax.workloads.vlm import concat_rows
-from models.llm import DecoderLM, LLMConfig
+from maestro_jax.workloads import Workload, model
+from maestro_jax.workloads import rows as R
+from maestro_jax.workloads.costs import llm_cost
+from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
+from models import DecoderLM, LLMConfig
 
 EDGE = "teacher_hidden"
 
 
-def build(teacher: LLMConfig, student: LLMConfig, alpha: float, temperature: float) -> SectionGraph:
+def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Section:
+    """A frozen LLM body: token rows in, final-normed hidden states out (its head runs downstream)."""
+    body = DecoderLM(teacher, with_head=False)
+
+    def forward(variables, inputs, batch):
+        v = {"params": variables["consts"]["llm"]}
+        x = body.apply(v, batch["input_ids"], method=DecoderLM.embed)
+        return {edge: body.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)}
+
+    return Section("teacher", trained=False, forward=forward,
+                   host_batch=lambda rows, routes: R.text_rows(rows, modalities), activates=lambda s: True,
+                   work=R.next_token_units, cost=llm_cost(teacher, head=False))
+
+
+def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: float):
+    """Summed per-token KD loss over loss-carrying targets, with KL and CE as metrics."""
+    t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32) / temperature)
+    s_logp = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature)
+    kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
+    ce = optax.softmax_cross_entropy_with_integer_labels(s_logits.astype(jnp.float32), targets)
+    per_token = alpha * temperature**2 * kl + (1.0 - alpha) * ce
+    return jnp.sum(per_token * mask), {"tokens": jnp.sum(mask), "kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
+
+
+def init_teacher_and_student(teacher: LLMConfig, student: LLMConfig, key):
+    """Teacher body params (frozen) and the student's params plus the teacher's output layer."""
+    kt, ks = jax.random.split(key)
+    ids, pos, valid = jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool)
+    t = dict(DecoderLM(teacher).init(kt, ids, pos, valid)["params"])
+    if teacher.tie_embeddings:
+        head = nn.LogicallyPartitioned(t["embedding"].value.T, names=("embed", "vocab"))
+    else:
+        head = t.pop("lm_head")
+    s = DecoderLM(student).init(ks, ids, pos, valid)["params"]
+    return t, s, head
+
+
+def check_vocab(teacher: LLMConfig, student: LLMConfig) -> None:
     if teacher.vocab != student.vocab:
         raise ValueError(f"models.teacher.vocab ({teacher.vocab}) must equal models.student.vocab ({student.vocab})")
-    t_model, s_model = DecoderLM(teacher), DecoderLM(student)
-    t_body = DecoderLM(teacher, with_head=False)
 
-    def teacher_forward(variables, inputs, batch):
-        v = {"params": variables["consts"]["llm"]}
-        x = t_body.apply(v, batch["input_ids"], method=DecoderLM.embed)
-        return {EDGE: t_body.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)}
+
+def build(cfg: Config) -> SectionGraph:
+    teacher, student = model(cfg, "teacher", "llm"), model(cfg, "student", "llm")
+    check_vocab(teacher, student)
+    alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
+    s_model = DecoderLM(student)
 
     def student_batch(rows, routes):
-        return {**text_rows(rows), "teacher_row": route(routes, EDGE, rows)}
+        return {**R.text_rows(rows), "teacher_row": R.route(routes, EDGE, rows)}
 
     def student_forward(variables, inputs, batch):
-        v = {"params": variables["params"]}
-        s_logits = s_model.apply(v, batch["input_ids"], batch["positions"], batch["valid"]).astype(jnp.float32)
-        hidden = concat_rows(inputs[EDGE], length=batch["input_ids"].shape[1])
-        t_hidden = jnp.take(hidden, jnp.maximum(batch["teacher_row"], 0), axis=0)
-        t_logits = (t_hidden @ variables["consts"]["teacher_head"]).astype(jnp.float32)
-        t_logp = jax.nn.log_softmax(t_logits / temperature)
-        s_logp = jax.nn.log_softmax(s_logits / temperature)
-        kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
-        ce = optax.softmax_cross_entropy_with_integer_labels(s_logits, batch["targets"])
-        per_token = alpha * temperature**2 * kl + (1.0 - alpha) * ce
-        mask = batch["loss_mask"]
-        return jnp.sum(per_token * mask), {"tokens": jnp.sum(mask), "kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
+        s_logits = s_model.apply({"params": variables["params"]}, batch["input_ids"], batch["positions"],
+                                 batch["valid"])
+        t_hidden = R.gather(inputs, EDGE, batch["teacher_row"], length=batch["input_ids"].shape[1])
+        t_logits = t_hidden @ variables["consts"]["teacher_head"]
+        return distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
 
     def init(key):
-        kt, ks = jax.random.split(key)
-        ids, pos, valid = jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool)
-        t = dict(t_model.init(kt, ids, pos, valid)["params"])
-        if teacher.tie_embeddings:
-            emb = t["embedding"]
-            head = nn.LogicallyPartitioned(emb.value.T, names=("embed", "vocab"))
-        else:
-            head = t.pop("lm_head")
-        s = s_model.init(ks, ids, pos, valid)["params"]
+        t, s, head = init_teacher_and_student(teacher, student, key)
         return {"teacher": {"params": {}, "consts": {"llm": t}},
                 "student": {"params": s, "consts": {"teacher_head": head}}}
 
-    def lm_flops(c: LLMConfig, head: bool) -> float:
-        layer = 2 * c.width * c.heads * c.head_dim + 2 * c.width * c.kv_heads * c.head_dim + 3 * c.width * c.mlp
-        return 2 * (c.depth * layer + (c.width * c.vocab if head else 0))
-
-    tokens = lambda s: len(s.tokens) - 1
     return SectionGraph(
         sections=(
-            Section("teacher", trained=False, forward=teacher_forward, host_batch=lambda rows, routes: text_rows(rows),
-                    activates=lambda s: True, work=tokens, flops_per_unit=lm_flops(teacher, head=False)),
+            teacher_section(teacher),
             Section("student", trained=True, forward=student_forward, host_batch=student_batch,
-                    activates=lambda s: True, work=tokens,
-                    flops_per_unit=lm_flops(student, head=True) + 2 * teacher.width * teacher.vocab),
+                    activates=lambda s: True, work=R.next_token_units,
+                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab)),
         ),
-        edges=(Edge(EDGE, "teacher", "student"),),
+        edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
         init=init,
-        loss_count=loss_tokens,
+        loss_count=R.loss_tokens(),
     )
+
+
+WORKLOAD = Workload("kd", build, vocab=lambda cfg: cfg.models["student"].vocab,
+                    pretrained={"teacher": load_teacher_section, "student": load_llm_section})

@@ -1,21 +1,31 @@
-"""VLM section graph: `vision` (ViT + merger) -> `llm` (decoder, holds the loss).
+"""VLM: `vision` (ViT + merger) -> `llm` (decoder, holds the loss).
 
 Image embeddings replace the image-placeholder token embeddings of the LLM input. Samples
-without images never enter the vision section.
+without images never enter the vision section. The LLM can start from a Hugging Face folder.
 """
+
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maestro_jax.core.buckets import bucket
+from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
-from maestro_jax.workloads.text import loss_tokens, route, text_rows
-from models.llm import DecoderLM, LLMConfig
-from models.vit import VisionEncoder, ViTConfig
+from maestro_jax.data.samples import IMAGE_TOKEN, Modality
+from maestro_jax.workloads import Workload, mean_item_units, model
+from maestro_jax.workloads import rows as R
+from maestro_jax.workloads.costs import llm_cost, vit_cost
+from maestro_jax.workloads.pretrained import load_llm_section
+from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig
 
 EDGE = "image_embeds"
+
+
+def image_modality(vit: ViTConfig) -> Modality:
+    unit = vit.patch * vit.merge
+    return Modality("image", IMAGE_TOKEN, (unit, unit), vit.channels, (vit.max_grid * vit.patch,) * 2)
 
 
 def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -32,55 +42,54 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
     return patches, grid.transpose(order).reshape(-1, 2)
 
 
-def concat_rows(parts, length: int | None = None):
-    """Concatenate producer outputs along rows, padding or cutting dim 1 to a common size."""
-    length = length or max(p.shape[1] for p in parts)
-    fixed = []
-    for p in parts:
-        if p.shape[1] < length:
-            p = jnp.pad(p, [(0, 0), (0, length - p.shape[1])] + [(0, 0)] * (p.ndim - 2))
-        fixed.append(p[:, :length])
-    return jnp.concatenate(fixed, axis=0)
-
-
-def build(vit: ViTConfig, llm: LLMConfig) -> SectionGraph:
-    if vit.out_width != llm.width:
-        raise ValueError(f"models.vision.out_width ({vit.out_width}) must equal models.llm.width ({llm.width})")
-    encoder, decoder = VisionEncoder(vit), DecoderLM(llm)
+def vision_section(vit: ViTConfig, llm_width: int, mean_patches: float, name: str = "vision",
+                   edges: tuple[str, ...] = (EDGE,)) -> Section:
+    """The ViT section: packed patches of a sample's images in, merged image tokens out on `edges`."""
+    if vit.out_width != llm_width:
+        raise ValueError(f"models.{name}.out_width ({vit.out_width}) must equal the LLM width ({llm_width})")
+    encoder = VisionEncoder(vit)
     window = vit.merge * vit.merge
 
-    def vision_batch(rows, routes):
-        counts = [sum(len(patchify(im, vit.patch, vit.merge)[0]) for im in s.images) if s else 0 for s in rows]
-        p = bucket(max(counts, default=0), minimum=4 * window)
-        out = {"patches": np.zeros((len(rows), p, vit.patch_features), np.float32),
-               "segments": np.zeros((len(rows), p), np.int32), "grid": np.zeros((len(rows), p, 2), np.int32)}
-        for r, s in enumerate(rows):
-            off = 0
-            for i, im in enumerate(s.images if s else ()):
-                pt, gr = patchify(im, vit.patch, vit.merge)
-                out["patches"][r, off:off + len(pt)] = pt
-                out["segments"][r, off:off + len(pt)] = i + 1
-                out["grid"][r, off:off + len(pt)] = gr
-                off += len(pt)
-        return out
+    def host_batch(rows, routes):
+        b = R.pack_items(rows, "image", lambda im: patchify(im, vit.patch, vit.merge), vit.patch_features,
+                         minimum=4 * window)
+        return {"patches": b["pieces"], "segments": b["segments"], "grid": b["positions"]}
 
-    def vision_forward(variables, inputs, batch):
-        return {EDGE: encoder.apply({"params": variables["params"]}, batch["patches"], batch["segments"],
-                                    batch["grid"])}
+    def forward(variables, inputs, batch):
+        out = encoder.apply({"params": variables["params"]}, batch["patches"], batch["segments"], batch["grid"])
+        return {e: out for e in edges}
+
+    return Section(name, trained=True, forward=forward, host_batch=host_batch, activates=lambda s: s.has("image"),
+                   work=lambda s: sum((h // vit.patch) * (w // vit.patch) for h, w, _ in s.shapes("image")),
+                   cost=vit_cost(vit, mean_patches))
+
+
+def init_vision(vit: ViTConfig, key):
+    window = vit.merge * vit.merge
+    return VisionEncoder(vit).init(key, jnp.zeros((1, 4 * window, vit.patch_features)),
+                                   jnp.ones((1, 4 * window), jnp.int32), jnp.zeros((1, 4 * window, 2), jnp.int32))
+
+
+def init_llm(llm: LLMConfig, key):
+    return DecoderLM(llm).init(key, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool))
+
+
+def mean_patches(cfg: Config, vit: ViTConfig) -> float:
+    return mean_item_units(cfg, "image", lambda hw: (hw[0] // vit.patch) * (hw[1] // vit.patch), vit.max_grid**2 / 4)
+
+
+def build(cfg: Config) -> SectionGraph:
+    vit, llm = model(cfg, "vision", "vit"), model(cfg, "llm", "llm")
+    image = image_modality(vit)
+    decoder = DecoderLM(llm)
 
     def llm_batch(rows, routes):
-        return {**text_rows(rows), "image_row": route(routes, EDGE, rows)}
+        return {**R.text_rows(rows, (image,)), "image_row": R.route(routes, EDGE, rows)}
 
     def llm_forward(variables, inputs, batch):
         v = {"params": variables["params"]}
         x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
-        if inputs.get(EDGE) is not None:
-            images_RTD = concat_rows(inputs[EDGE])
-            rows_BTD = jnp.take(images_RTD, jnp.maximum(batch["image_row"], 0), axis=0)
-            tok = batch["image_tok"]
-            picked = jnp.take_along_axis(rows_BTD, jnp.maximum(tok, 0)[..., None], axis=1)
-            use = (tok >= 0) & (batch["image_row"] >= 0)[:, None]
-            x = jnp.where(use[..., None], picked.astype(x.dtype), x)
+        x = R.splice(x, inputs, EDGE, batch["image_row"], batch["image_tok"])
         h = decoder.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
         logits = decoder.apply(v, h, method=DecoderLM.logits)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
@@ -89,28 +98,23 @@ def build(vit: ViTConfig, llm: LLMConfig) -> SectionGraph:
 
     def init(key):
         kv, kl = jax.random.split(key)
-        p = vit.patch_features
-        vis = encoder.init(kv, jnp.zeros((1, 4 * window, p)), jnp.ones((1, 4 * window), jnp.int32),
-                           jnp.zeros((1, 4 * window, 2), jnp.int32))
-        lm = decoder.init(kl, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool))
-        return {"vision": {"params": vis["params"], "consts": {}}, "llm": {"params": lm["params"], "consts": {}}}
+        return {"vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
+                "llm": {"params": init_llm(llm, kl)["params"], "consts": {}}}
 
-    vision_flops = 2 * (vit.depth * 12 * vit.width**2 + 4 * vit.width * 2 * llm.width / window)
-    llm_flops = 2 * (llm.depth * (2 * llm.width * llm.heads * llm.head_dim
-                                  + 2 * llm.width * llm.kv_heads * llm.head_dim + 3 * llm.width * llm.mlp)
-                     + llm.width * llm.vocab)
-    patches_of = lambda s: sum(len(patchify(im, vit.patch, vit.merge)[0]) for im in s.images)
+    m = cfg.models["llm"]
     return SectionGraph(
         sections=(
-            Section("vision", trained=True, forward=vision_forward, host_batch=vision_batch,
-                    activates=lambda s: s.has_image, work=patches_of, flops_per_unit=vision_flops),
-            Section("llm", trained=True, forward=llm_forward, host_batch=llm_batch,
-                    activates=lambda s: True, work=lambda s: len(s.tokens) - 1, flops_per_unit=llm_flops),
+            vision_section(vit, llm.width, mean_patches(cfg, vit)),
+            Section("llm", trained=True, forward=llm_forward, host_batch=llm_batch, activates=lambda s: True,
+                    work=R.next_token_units, cost=llm_cost(llm, head=True, experts_per_token=m.experts_per_token,
+                                                           expert_mlp=m.expert_mlp)),
         ),
-        edges=(Edge(EDGE, "vision", "llm"),),
+        edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
         init=init,
-        loss_count=loss_tokens,
+        loss_count=R.loss_tokens((image,)),
     )
 
 
-__all__ = ["build", "concat_rows", "patchify"]
+WORKLOAD = Workload("vlm", build, vocab=lambda cfg: cfg.models["llm"].vocab,
+                    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
+                    pretrained={"llm": load_llm_section})

@@ -1,0 +1,66 @@
+"""A workload as planning sees it: plain data taken from the section graph itself.
+
+`WorkloadSpec` holds, per section, whether it is trained, its parameter leaves (shapes and
+logical axes, from `jax.eval_shape` of the graph's own `init`) and its declared `UnitCost`;
+the edges with their bytes per unit; and the sink. `workloads.describe` makes it from a
+graph, so the planner, the cost and memory models and the simulator never keep a second,
+hand-written copy of a workload. No JAX here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from maestro_jax.core.graph import UnitCost
+from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan
+from maestro_jax.schedule import Problem
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionSpec:
+    name: str
+    trained: bool
+    params: tuple[ParamInfo, ...]  # trained (or, in a frozen section, empty)
+    cost: UnitCost
+    consts: tuple[ParamInfo, ...] = ()  # frozen weights (a KD teacher, a teacher's head in the student)
+
+    @property
+    def leaves(self) -> tuple[ParamInfo, ...]:
+        return self.params + self.consts
+
+    @property
+    def param_count(self) -> int:
+        total = 0
+        for p in self.leaves:
+            n = 1
+            for d in p.shape:
+                n *= d
+            total += n
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    sections: Mapping[str, SectionSpec]  # in topological order
+    edges: tuple[EdgeInfo, ...]
+    edge_bytes: Mapping[str, float]  # bytes per producer work unit
+    sink: str
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(self.sections)
+
+    def producers_of(self, name: str) -> tuple[EdgeInfo, ...]:
+        return tuple(e for e in self.edges if e.dst == name)
+
+    def consumers_of(self, name: str) -> tuple[EdgeInfo, ...]:
+        return tuple(e for e in self.edges if e.src == name)
+
+    def problem(self, plan: Plan, max_in_flight: int) -> Problem:
+        return Problem(order=self.order, sink=self.sink,
+                       trained=frozenset(s for s, spec in self.sections.items() if spec.trained), edges=self.edges,
+                       rows={s: plan.sections[s].rows for s in self.order},
+                       dp={s: plan.sections[s].dp for s in self.order}, fanout=dict(plan.fanout),
+                       max_in_flight=max_in_flight)

@@ -1,0 +1,51 @@
+"""`maestro-jax plan`: the JAX-free planner fed from a config's workload, and planned configs.
+
+The workload's graph is described once (`workloads.describe`: parameter shapes from
+`jax.eval_shape`, costs declared by its sections), so the planner plans what the runtime runs.
+"""
+
+from __future__ import annotations
+
+from maestro_jax import workloads
+from maestro_jax.config import Config
+from maestro_jax.planning.planner import Candidate, Planner
+
+
+def planner_for(cfg: Config, devices: int, memory_gb: float, batches: int = 2, graph=None, source=None,
+                **kwargs) -> Planner:
+    """A planner for `cfg`'s workload, or for a user's `graph` and `source`."""
+    graph = graph or workloads.build_graph(cfg)
+    spec = workloads.describe(cfg, graph)
+    metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
+    return Planner(spec, metas, devices, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
+                   link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight, **kwargs)
+
+
+def plan_overrides(c: Candidate) -> dict[str, object]:
+    """Config keys that set a candidate's plan (for `--write` and `key=value` overrides)."""
+    out: dict[str, object] = {}
+    for s, d in c.describe().items():
+        out[f"sections.{s}.devices"] = d["devices"]
+        out[f"sections.{s}.mesh"] = d["mesh"]
+        out[f"sections.{s}.micro_batch"] = d["micro_batch"]
+        out[f"sections.{s}.residuals"] = d["residuals"]
+    out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})
+    return out
+
+
+def write_plan(config_path: str, overrides: list[str], best: Candidate, memory_gb: float, out_path: str) -> None:
+    """The config at `config_path` (with `overrides`) with `best`'s plan, as YAML that `train`,
+    `verify` and `bench` accept; checked by loading it back."""
+    import yaml  # noqa: PLC0415
+
+    from maestro_jax.config import load_config, parse_overrides, set_dotted  # noqa: PLC0415
+
+    with open(config_path) as f:
+        raw = yaml.safe_load(f) or {}
+    for key, value in {**parse_overrides(overrides), **plan_overrides(best), "device_memory_gb": memory_gb}.items():
+        set_dotted(raw, key, value)
+    header = (f"# Written by `maestro-jax plan` from {config_path}: predicted {best.step_time_s:.4g} s/step.\n"
+              f"#   maestro-jax bench --config {out_path}\n")
+    with open(out_path, "w") as f:
+        f.write(header + yaml.safe_dump(raw, sort_keys=False))
+    load_config(out_path)

@@ -1,0 +1,59 @@
+"""`Trainer`: the Python face of maestro_jax, for a built-in workload or a user's own graph.
+
+    trainer = Trainer(config, graph=my_graph, source=my_source)
+    trainer.verify()   # maestro vs the monolithic step on one batch: loss, grads, updated params
+    trainer.train()    # `config.steps` optimizer steps; checkpoints, metrics and resume as in the CLI
+    trainer.bench()    # monolithic vs naive vs wavefront, side by side
+    trainer.plan(devices=64, memory_gb=80)   # the planner over this very graph
+    trainer.simulate()                       # the config's plan predicted on a cluster
+
+The config gives the plan (`sections`, `edges`), the batch, the optimizer, the schedule and the
+run settings; the graph (built-in from `config.workload`, or yours) is checked against it and
+every constraint is checked before anything compiles.
+"""
+
+from __future__ import annotations
+
+from maestro_jax.config import Config
+from maestro_jax.core.graph import SectionGraph
+from maestro_jax.runtime.build import build_runtime
+
+
+class Trainer:
+    def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None):
+        """`source`: any random-access source of `maestro_jax.data.Sample` (`__len__`,
+        `__getitem__`; `info(i)` optional); `check(sample)` validates a sample (raise DataError)."""
+        self.config = config
+        self.runtime = build_runtime(config, graph, source, check)
+
+    @property
+    def graph(self) -> SectionGraph:
+        return self.runtime.graph
+
+    def train(self, progress: bool = True) -> list[dict]:
+        from maestro_jax.training.loop import train  # noqa: PLC0415
+
+        return train(self.config, progress, rt=self.runtime)
+
+    def verify(self, step: int = 0) -> list:
+        """Differences (`tools.verify.Diff`) of loss, every trained section's grads and updated
+        params, maestro vs monolithic, on global batch `step`."""
+        from maestro_jax.tools.verify import verify  # noqa: PLC0415
+
+        return verify(self.config, self.runtime, step)
+
+    def bench(self, reps: int = 5, batches: int = 3, trace_dir: str | None = None) -> dict:
+        from maestro_jax.tools.bench import bench  # noqa: PLC0415
+
+        return bench(self.config, reps, batches, trace_dir, rt=self.runtime)
+
+    def plan(self, devices: int, memory_gb: float, top: int = 10):
+        """The planner's best plans for this graph (`planning.planner.PlanReport`)."""
+        from maestro_jax.tools.plan import planner_for  # noqa: PLC0415
+
+        return planner_for(self.config, devices, memory_gb, graph=self.graph, source=self.runtime.source).search(top)
+
+    def simulate(self) -> dict:
+        from maestro_jax.tools.simulate import simulate_config  # noqa: PLC0415
+
+        return simulate_config(self.config, graph=self.graph, source=self.runtime.source)

@@ -1,0 +1,48 @@
+"""What a work unit of the built-in models costs (`UnitCost`), from their configs.
+
+Counted as the models compute: every matmul costs 2 FLOPs per weight per unit; attention
+costs 2 x 2 x heads x head_dim per pair of positions (scores and the weighted sum), halved
+for causal attention. Activation bytes follow what each block keeps for its backward in
+float32 (`tests/test_workloads.py` checks the FLOPs against XLA's cost analysis).
+"""
+
+from __future__ import annotations
+
+from maestro_jax.core.graph import UnitCost
+from models import AudioConfig, LLMConfig, ViTConfig
+
+F32 = 4
+
+
+def _encoder_layer(width: int, mlp: int) -> float:
+    return 2 * 4 * width * width + 2 * 2 * width * mlp  # q, k, v, o; a two-matmul GELU MLP
+
+
+def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0, experts_per_token: int = 0,
+             expert_mlp: int = 0) -> UnitCost:
+    """A decoder token; `head`: the output layer runs here (the sink); MoE counts active experts."""
+    mlp = experts_per_token * expert_mlp if experts_per_token else c.mlp
+    proj = 2 * c.width * (c.heads + 2 * c.kv_heads) * c.head_dim + 2 * c.heads * c.head_dim * c.width
+    linear = c.depth * (proj + 3 * 2 * c.width * mlp) + (2 * c.width * c.vocab if head else 0)
+    return UnitCost(flops=float(linear + extra_flops), attention_flops=float(c.depth * 2 * 2 * c.heads * c.head_dim) / 2,
+                    width=c.width, layer_bytes=6 * c.width * F32, layer_bytes_sharded=3 * mlp * F32,
+                    layers=c.depth, logits=c.vocab if head else 0)
+
+
+def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
+    """A patch: the patch embedding, the blocks and its share of the merger; attention runs
+    within each image, so its context is the mean image's patch count."""
+    window = c.merge * c.merge
+    merger = (2 * window * c.width * 2 * c.out_width + 2 * 2 * c.out_width * c.out_width) / window
+    linear = 2 * c.patch_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + merger
+    return UnitCost(flops=float(linear), attention_flops=float(c.depth * 2 * 2 * c.width),
+                    attention_span=mean_patches_per_image, width=c.width, layer_bytes=6 * c.width * F32,
+                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth)
+
+
+def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
+    """An audio token (a group of frames); attention runs within each clip."""
+    linear = 2 * c.token_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
+    return UnitCost(flops=float(linear), attention_flops=float(c.depth * 2 * 2 * c.width),
+                    attention_span=mean_tokens_per_clip, width=c.width, layer_bytes=6 * c.width * F32,
+                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth)

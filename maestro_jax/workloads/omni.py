@@ -1,0 +1,105 @@
+"""Omni: `vision` (ViT) and `audio` (audio encoder) -> `llm` (decoder, holds the loss).
+
+Each encoder runs only for the samples that carry its modality (a sample may carry images,
+audio clips, both or neither); their tokens replace the matching placeholders of the LLM
+input. Two producers into one section: the shape of Qwen2.5-Omni-style training.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from maestro_jax.config import Config
+from maestro_jax.core.graph import Edge, Section, SectionGraph
+from maestro_jax.data.samples import AUDIO_TOKEN, Modality
+from maestro_jax.workloads import Workload, mean_item_units, model
+from maestro_jax.workloads import rows as R
+from maestro_jax.workloads.costs import audio_cost, llm_cost
+from maestro_jax.workloads.pretrained import load_llm_section
+from maestro_jax.workloads.vlm import image_modality, init_llm, init_vision, mean_patches, vision_section
+from models import AudioConfig, AudioEncoder, DecoderLM
+
+IMAGES, AUDIO = "image_embeds", "audio_embeds"
+
+
+def audio_modality(a: AudioConfig) -> Modality:
+    return Modality("audio", AUDIO_TOKEN, (a.frames_per_token,), a.mel, (a.max_tokens * a.frames_per_token,))
+
+
+def frame_groups(clip: np.ndarray, frames_per_token: int) -> tuple[np.ndarray, np.ndarray]:
+    """A clip T x mel -> (tokens N x frames_per_token*mel, positions N x 1)."""
+    n = clip.shape[0] // frames_per_token
+    return clip[:n * frames_per_token].reshape(n, -1), np.arange(n)[:, None]
+
+
+def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float) -> Section:
+    if a.out_width != llm_width:
+        raise ValueError(f"models.audio.out_width ({a.out_width}) must equal the LLM width ({llm_width})")
+    encoder = AudioEncoder(a)
+
+    def host_batch(rows, routes):
+        b = R.pack_items(rows, "audio", lambda clip: frame_groups(clip, a.frames_per_token), a.token_features)
+        return {"frames": b["pieces"], "segments": b["segments"], "positions": b["positions"]}
+
+    def forward(variables, inputs, batch):
+        return {AUDIO: encoder.apply({"params": variables["params"]}, batch["frames"], batch["segments"],
+                                     batch["positions"])}
+
+    return Section("audio", trained=True, forward=forward, host_batch=host_batch, activates=lambda s: s.has("audio"),
+                   work=lambda s: sum(t // a.frames_per_token for t, _ in s.shapes("audio")),
+                   cost=audio_cost(a, mean_tokens))
+
+
+def init_audio(a: AudioConfig, key):
+    return AudioEncoder(a).init(key, jnp.zeros((1, 16, a.token_features)), jnp.ones((1, 16), jnp.int32),
+                                jnp.zeros((1, 16, 1), jnp.int32))
+
+
+def build(cfg: Config) -> SectionGraph:
+    vit, aud, llm = model(cfg, "vision", "vit"), model(cfg, "audio", "audio"), model(cfg, "llm", "llm")
+    modalities = (image_modality(vit), audio_modality(aud))
+    decoder = DecoderLM(llm)
+
+    def llm_batch(rows, routes):
+        return {**R.text_rows(rows, modalities), "image_row": R.route(routes, IMAGES, rows),
+                "audio_row": R.route(routes, AUDIO, rows)}
+
+    def llm_forward(variables, inputs, batch):
+        v = {"params": variables["params"]}
+        x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
+        x = R.splice(x, inputs, IMAGES, batch["image_row"], batch["image_tok"])
+        x = R.splice(x, inputs, AUDIO, batch["audio_row"], batch["audio_tok"])
+        h = decoder.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
+        logits = decoder.apply(v, h, method=DecoderLM.logits)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+        mask = batch["loss_mask"]
+        return jnp.sum(ce * mask), {"tokens": jnp.sum(mask)}
+
+    def init(key):
+        kv, ka, kl = jax.random.split(key, 3)
+        return {"vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
+                "audio": {"params": init_audio(aud, ka)["params"], "consts": {}},
+                "llm": {"params": init_llm(llm, kl)["params"], "consts": {}}}
+
+    mean_tokens = mean_item_units(cfg, "audio", lambda t: t[0] // aud.frames_per_token, aud.max_tokens / 4)
+    return SectionGraph(
+        sections=(
+            vision_section(vit, llm.width, mean_patches(cfg, vit), edges=(IMAGES,)),
+            audio_section(aud, llm.width, mean_tokens),
+            Section("llm", trained=True, forward=llm_forward, host_batch=llm_batch, activates=lambda s: True,
+                    work=R.next_token_units, cost=llm_cost(llm, head=True)),
+        ),
+        edges=(Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),
+               Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width)),
+        init=init,
+        loss_count=R.loss_tokens(modalities),
+    )
+
+
+WORKLOAD = Workload("omni", build, vocab=lambda cfg: cfg.models["llm"].vocab,
+                    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),
+                                            audio_modality(model(cfg, "audio", "audio"))),
+                    pretrained={"llm": load_llm_section})

@@ -1,0 +1,50 @@
+"""Starting sections from Hugging Face folders (`sections.<s>.init.hf_path`), for the LLM-backed
+sections of the built-in workloads; the model named like the section describes the checkpoint."""
+
+from __future__ import annotations
+
+from maestro_jax.config import Config, ConfigError
+
+
+def check_pretrained(cfg: Config, pretrained) -> None:
+    """Each `init.hf_path` has a loader and matches `models.<s>` field by field (before compiling)."""
+    from maestro_jax.tools import hf  # noqa: PLC0415
+
+    for s, sc in cfg.sections.items():
+        if sc.init is None:
+            continue
+        if s not in pretrained:
+            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: section {s!r} has no Hugging "
+                              f"Face importer; supported: {sorted(pretrained)}")
+        try:
+            fields = hf.llm_fields(sc.init.hf_path)
+        except (hf.HFError, KeyError) as err:
+            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: {err}") from None
+        mine = cfg.models[s].model_dump()
+        for k, v in fields.items():
+            if mine.get(k) != v:
+                raise ConfigError(f"error: models.{s}.{k}={mine.get(k)!r}: the checkpoint {sc.init.hf_path} has "
+                                  f"{k}={v!r}; set models.{s} to the checkpoint's shape ({fields})")
+
+
+def load_llm_section(section: str, path: str, states: dict, programs) -> dict:
+    """A trained LLM section (VLM llm, KD student) takes the whole model; its optimizer restarts."""
+    from maestro_jax.runtime.programs import SectionState  # noqa: PLC0415
+    from maestro_jax.tools import hf  # noqa: PLC0415
+
+    st = states[section]
+    params = hf.load_llm(path, st.params, hf.llm_fields(path))
+    return {**states, section: SectionState(params, st.consts, programs[section].init_optimizer(params))}
+
+
+def load_teacher_section(section: str, path: str, states: dict, programs, head_in: str = "student") -> dict:
+    """A KD teacher: its body in the teacher section, its output layer in the student section."""
+    from maestro_jax.runtime.programs import SectionState  # noqa: PLC0415
+    from maestro_jax.tools import hf  # noqa: PLC0415
+
+    fields = hf.llm_fields(path)
+    st, student = states[section], states[head_in]
+    body = hf.load_llm(path, st.consts["llm"], fields, with_head=False)
+    head = hf.output_layer(path, fields, student.consts["teacher_head"])
+    return {**states, section: SectionState(st.params, {**st.consts, "llm": body}, st.opt_state),
+            head_in: SectionState(student.params, {**student.consts, "teacher_head": head}, student.opt_state)}

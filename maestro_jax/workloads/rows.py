@@ -1,0 +1,119 @@
+"""Building blocks for a section's `host_batch` and `forward`: the row and route plumbing.
+
+A consumer micro-step's rows name producer outputs by *route* (an index into the producer
+micro-steps it depends on, joined along rows; -1: none). These helpers hide that contract:
+  host side (numpy)   `text_rows` (next-token rows, placeholders masked out of the loss),
+                      `pack_items` (variable-size items packed per row, with segment ids),
+                      `route` (a row's index into its producer's joined outputs);
+  device side (jax)   `join` (producer outputs along rows), `gather` (the rows a consumer
+                      needs), `splice` (embeddings into placeholder positions).
+Every size is padded to a shape bucket (`core.buckets.bucket`), so a section compiles a few
+programs, not one per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from maestro_jax.core.buckets import bucket
+from maestro_jax.data.samples import Modality
+
+
+def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
+    """Next-token rows: inputs tokens[:-1], targets tokens[1:]; placeholder targets carry no loss.
+
+    For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
+    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings."""
+    length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1))
+    r = len(rows)
+    out = {
+        "input_ids": np.zeros((r, length), np.int32),
+        "targets": np.zeros((r, length), np.int32),
+        "loss_mask": np.zeros((r, length), np.float32),
+        "positions": np.zeros((r, length), np.int32),
+        "valid": np.zeros((r, length), bool),
+        **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
+    }
+    placeholders = [m.placeholder for m in modalities]
+    for i, s in enumerate(rows):
+        if s is None:
+            continue
+        t = s.tokens
+        n = len(t) - 1
+        out["input_ids"][i, :n] = t[:-1]
+        out["targets"][i, :n] = t[1:]
+        out["loss_mask"][i, :n] = ~np.isin(t[1:], placeholders)
+        out["positions"][i, :n] = np.arange(n)
+        out["valid"][i, :n] = True
+        for m in modalities:
+            hit = t[:-1] == m.placeholder
+            out[f"{m.name}_tok"][i, :n] = np.where(hit, np.cumsum(hit) - 1, -1)
+    return out
+
+
+def loss_tokens(modalities: Sequence[Modality] = ()) -> Callable[[Sequence], int]:
+    """The sink's normaliser: the global count of target tokens that carry loss."""
+    placeholders = [m.placeholder for m in modalities]
+    return lambda samples: int(sum(np.count_nonzero(~np.isin(s.tokens[1:], placeholders)) for s in samples))
+
+
+def next_token_units(sample) -> int:
+    """Work units of a text section: the positions that predict a next token."""
+    return sample.length - 1
+
+
+def route(routes: Mapping[str, Sequence[int]], edge: str, rows) -> np.ndarray:
+    """Each row's index into the joined outputs of edge `edge`'s producer micro-steps (-1: none)."""
+    return np.asarray(routes.get(edge, np.full(len(rows), -1)), np.int32)
+
+
+def pack_items(rows, modality: str, cut: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], features: int,
+               minimum: int = 16) -> dict[str, np.ndarray]:
+    """All items of `modality` of a row packed into that row: `cut(item)` gives its pieces
+    (N x features) and each piece's position (N x k); `segments` numbers the items from 1 (0:
+    padding), so attention can stay within each item. The piece count is bucketed."""
+    cuts = [[cut(x) for x in s.of(modality)] if s is not None else [] for s in rows]
+    n = bucket(max((sum(len(p) for p, _ in c) for c in cuts), default=0), minimum=minimum)
+    k = max((pos.shape[1] for c in cuts for _, pos in c), default=1)
+    out = {"pieces": np.zeros((len(rows), n, features), np.float32), "segments": np.zeros((len(rows), n), np.int32),
+           "positions": np.zeros((len(rows), n, k), np.int32)}
+    for r, c in enumerate(cuts):
+        off = 0
+        for i, (pieces, pos) in enumerate(c):
+            out["pieces"][r, off:off + len(pieces)] = pieces
+            out["segments"][r, off:off + len(pieces)] = i + 1
+            out["positions"][r, off:off + len(pieces)] = pos
+            off += len(pieces)
+    return out
+
+
+def join(parts, length: int | None = None):
+    """Producer outputs joined along rows, dim 1 padded or cut to a common size."""
+    length = length or max(p.shape[1] for p in parts)
+    fixed = []
+    for p in parts:
+        if p.shape[1] < length:
+            p = jnp.pad(p, [(0, 0), (0, length - p.shape[1])] + [(0, 0)] * (p.ndim - 2))
+        fixed.append(p[:, :length])
+    return jnp.concatenate(fixed, axis=0)
+
+
+def gather(inputs: Mapping, edge: str, route_B, length: int | None = None):
+    """The producer output each consumer row needs (rows with route -1 get row 0: mask them)."""
+    return jnp.take(join(inputs[edge], length), jnp.maximum(route_B, 0), axis=0)
+
+
+def splice(x_BLD, inputs: Mapping, edge: str, route_B, tok_BL):
+    """`x` with each placeholder position replaced by the matching producer embedding.
+
+    `tok_BL` (from `text_rows`, `<modality>_tok`) indexes the row's embeddings; rows without a
+    route and positions without a placeholder keep `x`. No-op when no row used the edge."""
+    if inputs.get(edge) is None:
+        return x_BLD
+    rows_BTD = gather(inputs, edge, route_B)
+    picked = jnp.take_along_axis(rows_BTD, jnp.maximum(tok_BL, 0)[..., None], axis=1)
+    use = (tok_BL >= 0) & (route_B >= 0)[:, None]
+    return jnp.where(use[..., None], picked.astype(x_BLD.dtype), x_BLD)

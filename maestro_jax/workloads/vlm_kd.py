@@ -1,0 +1,76 @@
+"""VLM distillation: a frozen `teacher` LLM and a trained `vision` encoder both feed a trained
+`student` VLM (holds the loss).
+
+The teacher reads the same token sequence (image placeholders as ordinary ids: a text-only
+teacher distilling language ability) and sends its final hidden states; its output layer runs
+in the student section. The student splices the image embeddings into its input, and learns
+from alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE over text targets. A sink
+with a frozen and a trained producer: only the vision edge carries gradients back.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from maestro_jax.config import Config
+from maestro_jax.core.graph import Edge, Section, SectionGraph
+from maestro_jax.workloads import Workload, model
+from maestro_jax.workloads import rows as R
+from maestro_jax.workloads.costs import llm_cost
+from maestro_jax.workloads.kd import check_vocab, distill_loss, init_teacher_and_student, teacher_section
+from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
+from maestro_jax.workloads.vlm import image_modality, init_vision, mean_patches, vision_section
+from models import DecoderLM
+
+TEACHER, IMAGES = "teacher_hidden", "image_embeds"
+
+
+def build(cfg: Config) -> SectionGraph:
+    teacher, vit, student = model(cfg, "teacher", "llm"), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
+    check_vocab(teacher, student)
+    image = image_modality(vit)
+    alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
+    s_model = DecoderLM(student)
+
+    def student_batch(rows, routes):
+        return {**R.text_rows(rows, (image,)), "teacher_row": R.route(routes, TEACHER, rows),
+                "image_row": R.route(routes, IMAGES, rows)}
+
+    def student_forward(variables, inputs, batch):
+        v = {"params": variables["params"]}
+        x = s_model.apply(v, batch["input_ids"], method=DecoderLM.embed)
+        x = R.splice(x, inputs, IMAGES, batch["image_row"], batch["image_tok"])
+        h = s_model.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
+        s_logits = s_model.apply(v, h, method=DecoderLM.logits)
+        t_hidden = R.gather(inputs, TEACHER, batch["teacher_row"], length=batch["input_ids"].shape[1])
+        t_logits = t_hidden @ variables["consts"]["teacher_head"]
+        return distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+
+    def init(key):
+        kt, kv = jax.random.split(key)
+        t, s, head = init_teacher_and_student(teacher, student, kt)
+        return {"teacher": {"params": {}, "consts": {"llm": t}},
+                "vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
+                "student": {"params": s, "consts": {"teacher_head": head}}}
+
+    return SectionGraph(
+        sections=(
+            teacher_section(teacher, (image,), edge=TEACHER),
+            vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,)),
+            Section("student", trained=True, forward=student_forward, host_batch=student_batch,
+                    activates=lambda s: True, work=R.next_token_units,
+                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab)),
+        ),
+        edges=(Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
+               Edge(IMAGES, "vision", "student", bytes_per_unit=2 * student.width / (vit.merge * vit.merge))),
+        init=init,
+        loss_count=R.loss_tokens((image,)),
+    )
+
+
+WORKLOAD = Workload("vlm_kd", build, vocab=lambda cfg: cfg.models["student"].vocab,
+                    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
+                    pretrained={"teacher": load_teacher_section, "student": load_llm_section})
+
+
+__all__ = ["WORKLOAD", "build"]
