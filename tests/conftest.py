@@ -29,6 +29,17 @@ TINY_KD = ["global_batch=8", "models.teacher.depth=1", "models.student.depth=1",
            "models.student.width=32", "models.student.head_dim=8", "models.student.mlp=64",
            "sections.teacher.micro_batch=2", "sections.student.micro_batch=1"]
 
+TINY_OMNI = ["global_batch=8", "models.vision.depth=1", "models.audio.depth=1", "models.llm.depth=1",
+             "data.text_len=[6,14]", "models.vision.width=32", "models.vision.mlp=64", "models.vision.out_width=48",
+             "models.audio.width=32", "models.audio.mlp=64", "models.audio.out_width=48", "models.llm.width=48",
+             "models.llm.head_dim=6", "models.llm.mlp=96", "data.modalities.image.sizes=[[8,8],[16,8]]",
+             "data.modalities.audio.sizes=[[8],[16]]"]
+TINY_VLM_KD = ["global_batch=8", "models.teacher.depth=1", "models.vision.depth=1", "models.student.depth=1",
+               "data.text_len=[6,14]", "models.teacher.width=64", "models.teacher.heads=4", "models.teacher.kv_heads=2",
+               "models.teacher.mlp=128", "models.vision.width=32", "models.vision.mlp=64", "models.vision.out_width=32",
+               "models.student.width=32", "models.student.head_dim=8", "models.student.mlp=64",
+               "sections.teacher.micro_batch=2", "data.modalities.image.sizes=[[8,8],[16,8]]"]
+
 
 @pytest.fixture
 def config_path():

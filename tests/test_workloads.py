@@ -1,0 +1,148 @@
+"""Built-in workloads and the plug-in registry: each is described once (its graph gives the
+runtime, the planner and the simulator their shapes and costs), and the new omni and vlm_kd
+workloads verify, train, plan and simulate like vlm and kd."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD, TINY_OMNI, TINY_VLM, TINY_VLM_KD
+
+from maestro_jax import workloads
+from maestro_jax.config import ConfigError, load_config
+from maestro_jax.tools.verify import verify
+from maestro_jax.training.loop import train
+from maestro_jax.workloads.costs import audio_cost, llm_cost, vit_cost
+from models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, ViTConfig, VisionEncoder
+
+CONFIGS = {"vlm": ("vlm_tiny.yaml", TINY_VLM), "kd": ("kd_tiny.yaml", TINY_KD),
+           "omni": ("omni_tiny.yaml", TINY_OMNI), "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD)}
+
+
+def cfg_of(name, *extra):
+    file, tiny = CONFIGS[name]
+    return load_config(ROOT / "configs" / file, [*tiny, *extra])
+
+
+def xla_flops(fn, *args) -> float:
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("length", [32, 128])
+def test_llm_declared_flops_match_xla(length):
+    """Within 15%: XLA also counts norms, softmax and the masked half of causal attention
+    (computed here, skipped by fused kernels, which is what the declaration prices)."""
+    c = LLMConfig(vocab=512, width=128, depth=2, heads=4, kv_heads=2, head_dim=32, mlp=512)
+    m, ids, pos, valid = DecoderLM(c), jnp.zeros((1, length), jnp.int32), jnp.arange(length)[None], jnp.ones(
+        (1, length), bool)
+    params = m.init(jax.random.key(0), ids, pos, valid)
+    u = llm_cost(c, head=True)
+    ratio = xla_flops(lambda p: m.apply(p, ids, pos, valid), params) / (u.flops * length + u.attention_flops * length**2)
+    assert 1.0 <= ratio <= 1.15
+
+
+def test_encoder_declared_flops_match_xla():
+    vit = ViTConfig(patch=4, channels=3, width=64, depth=2, heads=2, mlp=256, out_width=96)
+    n = 64
+    args = (jnp.zeros((1, n, 48)), jnp.ones((1, n), jnp.int32), jnp.zeros((1, n, 2), jnp.int32))
+    params = VisionEncoder(vit).init(jax.random.key(0), *args)
+    u = vit_cost(vit, n)
+    got = xla_flops(lambda p: VisionEncoder(vit).apply(p, *args), params)
+    assert 1.0 <= got / ((u.flops + u.attention_flops * u.attention_span) * n) <= 1.1
+    aud = AudioConfig(mel=16, frames_per_token=4, width=64, depth=2, heads=2, mlp=256, out_width=96)
+    args = (jnp.zeros((1, n, 64)), jnp.ones((1, n), jnp.int32), jnp.zeros((1, n, 1), jnp.int32))
+    params = AudioEncoder(aud).init(jax.random.key(0), *args)
+    u = audio_cost(aud, n)
+    got = xla_flops(lambda p: AudioEncoder(aud).apply(p, *args), params)
+    assert 1.0 <= got / ((u.flops + u.attention_flops * u.attention_span) * n) <= 1.1
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_planning_reads_the_graph_the_runtime_runs(name):
+    """The planner's parameter leaves are the runtime's, leaf for leaf (one description)."""
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.runtime.sharding import param_infos
+
+    cfg = cfg_of(name)
+    spec = workloads.describe(cfg)
+    rt = build_runtime(cfg)
+    assert spec.order == rt.graph.topological_order() and spec.sink == rt.graph.sink
+    for s, sec in spec.sections.items():
+        assert list(sec.leaves) == param_infos(rt.abstract[s]["params"]) + param_infos(rt.abstract[s]["consts"])
+        assert sec.cost == rt.graph.section(s).cost and sec.cost.flops > 0
+        assert sec.trained == rt.graph.section(s).trained
+
+
+@pytest.mark.parametrize("name", ["omni", "vlm_kd"])
+@pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
+def test_new_workloads_match_the_monolithic_step(name, scheduler):
+    diffs = verify(cfg_of(name, f"schedule.scheduler={scheduler}"))
+    sections = {"omni": ("vision", "audio", "llm"), "vlm_kd": ("vision", "student")}[name]
+    assert {d.name.split("/")[0] for d in diffs} == {"loss", *sections}
+    for d in diffs:
+        assert d.max_rel < 1e-5, d
+
+
+def test_omni_batches_mix_every_modality_combination():
+    from maestro_jax.runtime.build import build_runtime
+
+    rt = build_runtime(cfg_of("omni", "global_batch=32"))
+    samples = rt.batches()[0]
+    kinds = {(s.has("image"), s.has("audio")) for s in samples}
+    assert kinds == {(False, False), (True, False), (False, True), (True, True)}
+    schedule = rt.schedule(samples)
+    for section, modality in (("vision", "image"), ("audio", "audio")):
+        held = {x for st in schedule.steps[section] for x in st.samples}
+        assert held == {i for i, s in enumerate(samples) if s.has(modality)}, "an encoder runs only for its samples"
+
+
+@pytest.mark.parametrize("name", ["omni", "vlm_kd"])
+def test_new_workloads_train(name):
+    history = train(cfg_of(name, "steps=6"), progress=False)
+    losses = [h["loss"] for h in history]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", ["omni", "vlm_kd"])
+def test_plan_and_simulate_report_every_section(name):
+    for command in (["simulate", "simulate.batches=1"], ["plan", "--devices", "8", "--memory-gb", "1", "--top", "2",
+                                                         "simulate.device=cpu", "simulate.batches=1"]):
+        file, tiny = CONFIGS[name]
+        proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", command[0], "--config",
+                               str(ROOT / "configs" / file), *command[1:], *tiny], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        for s in load_config(ROOT / "configs" / file).sections:
+            assert s in proc.stdout, (command[0], s, proc.stdout)
+
+
+def test_plugin_by_import_path_is_the_same_workload():
+    a = verify(cfg_of("kd"))
+    b = verify(cfg_of("kd", "workload=maestro_jax.workloads.kd:WORKLOAD"))
+    assert [(d.name, d.max_abs) for d in a] == [(d.name, d.max_abs) for d in b]
+
+
+@pytest.mark.parametrize("value,text", [
+    ("nope", "workload='nope': unknown; valid: vlm, kd, omni, vlm_kd"),
+    ("no_such_pkg.mod:W", "workload='no_such_pkg.mod:W': cannot import it"),
+    ("maestro_jax.workloads:BUILTIN", "is a tuple, not a maestro_jax.workloads.Workload"),
+])
+def test_unknown_workloads_exit_2_with_one_line(value, text):
+    for command in ("verify", "simulate"):
+        proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", command, "--config",
+                               str(ROOT / "configs/kd_tiny.yaml"), f"workload={value}"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], proc.stderr
+
+
+def test_config_sections_must_match_the_workload():
+    with pytest.raises(ConfigError, match=r"workload 'omni' has sections \['audio', 'llm', 'vision'\]"):
+        workloads.build_graph(load_config(ROOT / "configs/vlm_tiny.yaml", ["workload=omni", "models.audio.kind=audio",
+                                                                          "models.audio.width=8", "models.audio.depth=1",
+                                                                          "models.audio.heads=1", "models.audio.mlp=8",
+                                                                          "models.audio.out_width=96"]))
