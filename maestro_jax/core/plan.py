@@ -1,4 +1,4 @@
-"""Plans and their constraints (DESIGN.md section 3), checked before any compute.
+"""Plans and their constraints (docs/ARCHITECTURE.md, "Constraints"), checked before any compute.
 
 Plain Python, no JAX: the runtime hands in parameter shapes from `jax.eval_shape`, so every
 check runs before a single program is compiled. Each violation raises its own `PlanError`
@@ -188,7 +188,7 @@ def check_memory(plan: Plan, budget_bytes: float | None, state: Mapping[str, flo
 def check_plan(plan: Plan, *, num_devices: int, edges: Sequence[EdgeInfo], sink: str,
                params: Mapping[str, Sequence[ParamInfo]], budget_bytes: float | None = None,
                state: Mapping[str, float] | None = None, activations: Mapping[str, float] | None = None) -> None:
-    """All of DESIGN.md section 3, cheapest first; raises the first violation."""
+    """Every constraint of a plan, cheapest first; raises the first violation."""
     check_resources(plan, num_devices)
     check_meshes(plan)
     check_fanout(plan, edges)

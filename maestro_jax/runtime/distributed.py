@@ -4,7 +4,7 @@ Every process runs the same driver and the same deterministic schedule, and call
 section program (a no-op on processes without devices in that section's mesh). Host-side
 values a process may not hold (the loss lives on the sink's devices) are shared through the
 coordination service's key-value store, never through a device collective: a gloo barrier
-after cross-process transfers can stall (notes/jax-0.10-probe.md, 3b).
+after cross-process transfers was seen to stall on jax 0.10 (docs/ARCHITECTURE.md, "Multi-process").
 """
 
 from __future__ import annotations

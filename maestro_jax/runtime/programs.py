@@ -1,6 +1,6 @@
 """Per-section jitted programs, each compiled for the section's own mesh.
 
-A section's program family (DESIGN.md section 4):
+A section's program family (docs/ARCHITECTURE.md, "Runtime"):
   forward        frozen producers: outputs only;
   forward_vjp    trained producers: outputs plus what backward needs (vjp residuals or, with
                  `residuals: remat`, nothing: backward recomputes the forward);
