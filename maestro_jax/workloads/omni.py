@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
@@ -19,8 +18,8 @@ from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import audio_cost, llm_cost
 from maestro_jax.workloads.pretrained import load_llm_section
-from maestro_jax.workloads.vlm import image_modality, init_llm, init_vision, mean_patches, vision_section
-from models import AudioConfig, AudioEncoder, DecoderLM
+from maestro_jax.workloads.vlm import image_modality, init_llm, init_vision, llm_section, mean_patches, vision_section
+from models import AudioConfig, AudioEncoder
 
 IMAGES, AUDIO = "image_embeds", "audio_embeds"
 
@@ -61,22 +60,6 @@ def init_audio(a: AudioConfig, key):
 def build(cfg: Config) -> SectionGraph:
     vit, aud, llm = model(cfg, "vision", "vit"), model(cfg, "audio", "audio"), model(cfg, "llm", "llm")
     modalities = (image_modality(vit), audio_modality(aud))
-    decoder = DecoderLM(llm)
-
-    def llm_batch(rows, routes):
-        return {**R.text_rows(rows, modalities), "image_row": R.route(routes, IMAGES, rows),
-                "audio_row": R.route(routes, AUDIO, rows)}
-
-    def llm_forward(variables, inputs, batch):
-        v = {"params": variables["params"]}
-        x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
-        x = R.splice(x, inputs, IMAGES, batch["image_row"], batch["image_tok"])
-        x = R.splice(x, inputs, AUDIO, batch["audio_row"], batch["audio_tok"])
-        h = decoder.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
-        logits = decoder.apply(v, h, method=DecoderLM.logits)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-        mask = batch["loss_mask"]
-        return jnp.sum(ce * mask), {"tokens": jnp.sum(mask)}
 
     def init(key):
         kv, ka, kl = jax.random.split(key, 3)
@@ -89,8 +72,7 @@ def build(cfg: Config) -> SectionGraph:
         sections=(
             vision_section(vit, llm.width, mean_patches(cfg, vit), edges=(IMAGES,)),
             audio_section(aud, llm.width, mean_tokens),
-            Section("llm", trained=True, forward=llm_forward, host_batch=llm_batch, activates=lambda s: True,
-                    work=R.next_token_units, cost=llm_cost(llm, head=True)),
+            llm_section(llm, dict(zip((IMAGES, AUDIO), modalities)), llm_cost(llm, head=True)),
         ),
         edges=(Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),
                Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width)),

@@ -6,6 +6,8 @@ without images never enter the vision section. The LLM can start from a Hugging 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,23 +80,39 @@ def mean_patches(cfg: Config, vit: ViTConfig) -> float:
     return mean_item_units(cfg, "image", lambda hw: (hw[0] // vit.patch) * (hw[1] // vit.patch), vit.max_grid**2 / 4)
 
 
-def build(cfg: Config) -> SectionGraph:
-    vit, llm = model(cfg, "vision", "vit"), model(cfg, "llm", "llm")
-    image = image_modality(vit)
+def multimodal_rows(rows, routes, spliced: Mapping[str, Modality]) -> dict:
+    """Text rows with placeholder indices per modality, and a route per spliced edge."""
+    return {**R.text_rows(rows, tuple(spliced.values())), **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
+
+
+def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mapping[str, Modality]):
+    """The LLM's logits with each edge's embeddings in its modality's placeholder positions."""
+    v = {"params": variables["params"]}
+    x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
+    for edge, m in spliced.items():
+        x = R.splice(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
+    h = decoder.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
+    return decoder.apply(v, h, method=DecoderLM.logits)
+
+
+def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Section:
+    """The `llm` sink of a multimodal LLM: encoder outputs spliced in, next-token cross-entropy."""
     decoder = DecoderLM(llm)
 
-    def llm_batch(rows, routes):
-        return {**R.text_rows(rows, (image,)), "image_row": R.route(routes, EDGE, rows)}
-
-    def llm_forward(variables, inputs, batch):
-        v = {"params": variables["params"]}
-        x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
-        x = R.splice(x, inputs, EDGE, batch["image_row"], batch["image_tok"])
-        h = decoder.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
-        logits = decoder.apply(v, h, method=DecoderLM.logits)
+    def forward(variables, inputs, batch):
+        logits = spliced_logits(decoder, variables, inputs, batch, spliced)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
         mask = batch["loss_mask"]
         return jnp.sum(ce * mask), {"tokens": jnp.sum(mask)}
+
+    return Section("llm", trained=True, forward=forward,
+                   host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced), activates=lambda s: True,
+                   work=R.next_token_units, cost=cost)
+
+
+def build(cfg: Config) -> SectionGraph:
+    vit, llm = model(cfg, "vision", "vit"), model(cfg, "llm", "llm")
+    image = image_modality(vit)
 
     def init(key):
         kv, kl = jax.random.split(key)
@@ -105,9 +123,8 @@ def build(cfg: Config) -> SectionGraph:
     return SectionGraph(
         sections=(
             vision_section(vit, llm.width, mean_patches(cfg, vit)),
-            Section("llm", trained=True, forward=llm_forward, host_batch=llm_batch, activates=lambda s: True,
-                    work=R.next_token_units, cost=llm_cost(llm, head=True, experts_per_token=m.experts_per_token,
-                                                           expert_mlp=m.expert_mlp)),
+            llm_section(llm, {EDGE: image}, llm_cost(llm, head=True, experts_per_token=m.experts_per_token,
+                                                     expert_mlp=m.expert_mlp)),
         ),
         edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
         init=init,

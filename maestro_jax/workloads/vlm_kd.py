@@ -19,7 +19,14 @@ from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.kd import check_vocab, distill_loss, init_teacher_and_student, teacher_section
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
-from maestro_jax.workloads.vlm import image_modality, init_vision, mean_patches, vision_section
+from maestro_jax.workloads.vlm import (
+    image_modality,
+    init_vision,
+    mean_patches,
+    multimodal_rows,
+    spliced_logits,
+    vision_section,
+)
 from models import DecoderLM
 
 TEACHER, IMAGES = "teacher_hidden", "image_embeds"
@@ -33,15 +40,10 @@ def build(cfg: Config) -> SectionGraph:
     s_model = DecoderLM(student)
 
     def student_batch(rows, routes):
-        return {**R.text_rows(rows, (image,)), "teacher_row": R.route(routes, TEACHER, rows),
-                "image_row": R.route(routes, IMAGES, rows)}
+        return {**multimodal_rows(rows, routes, {IMAGES: image}), "teacher_row": R.route(routes, TEACHER, rows)}
 
     def student_forward(variables, inputs, batch):
-        v = {"params": variables["params"]}
-        x = s_model.apply(v, batch["input_ids"], method=DecoderLM.embed)
-        x = R.splice(x, inputs, IMAGES, batch["image_row"], batch["image_tok"])
-        h = s_model.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
-        s_logits = s_model.apply(v, h, method=DecoderLM.logits)
+        s_logits = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
         t_hidden = R.gather(inputs, TEACHER, batch["teacher_row"], length=batch["input_ids"].shape[1])
         t_logits = t_hidden @ variables["consts"]["teacher_head"]
         return distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
