@@ -107,7 +107,7 @@ class LLMModelConfig(_Frozen):
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
-    # Mixture of experts, for the analytic cost model (`simulate`); the Flax model is dense.
+    # Mixture of experts: `experts` > 0 replaces every block's FFN by top-k routed experts.
     experts: int = Field(0, ge=0)
     experts_per_token: int = Field(0, ge=0)
     expert_mlp: int = Field(0, ge=0)

@@ -17,6 +17,7 @@ RULES: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {
         ("mlp", "tensor"),
         ("heads", "tensor"),
         ("kv_heads", "tensor"),
+        ("expert", None),  # experts replicated over the section mesh (no expert axis yet)
         ("head_dim", None),
         ("norm", None),
         ("patch", None),

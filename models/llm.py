@@ -3,6 +3,7 @@
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from models.layers import RMSNorm, attention, partitioned, rotary
@@ -24,6 +25,34 @@ class LLMConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
+    experts_per_token: int = 0
+    expert_mlp: int = 0
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (Qwen3-MoE style: softmax router, top-k weights renormalised).
+
+    Dispatch is dense and exact: every expert sees every token and the router's combine weights
+    (zero outside a token's top k) select the result, so the output and gradients equal those of
+    a dropless sparse dispatch. It costs `experts` times the compute of a sparse kernel: right
+    for tests and small runs; parameter shapes (what the planner reads) are the real ones."""
+
+    cfg: LLMConfig
+
+    @nn.compact
+    def __call__(self, h_BLD):
+        c = self.cfg
+        router = self.param("router", partitioned(_init, "embed", "expert"), (c.width, c.experts))
+        gate = self.param("gate", partitioned(_init, "expert", "embed", "mlp"), (c.experts, c.width, c.expert_mlp))
+        up = self.param("up", partitioned(_init, "expert", "embed", "mlp"), (c.experts, c.width, c.expert_mlp))
+        down = self.param("down", partitioned(_init, "expert", "mlp", "embed"), (c.experts, c.expert_mlp, c.width))
+        probs_BLE = jax.nn.softmax((h_BLD @ router).astype(jnp.float32), axis=-1)
+        top, index = jax.lax.top_k(probs_BLE, c.experts_per_token)
+        weights = top / jnp.sum(top, axis=-1, keepdims=True)
+        combine_BLE = jnp.sum(jax.nn.one_hot(index, c.experts) * weights[..., None], axis=-2).astype(h_BLD.dtype)
+        act = nn.silu(jnp.einsum("bld,edf->blef", h_BLD, gate)) * jnp.einsum("bld,edf->blef", h_BLD, up)
+        return jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE)
 
 
 class DecoderBlock(nn.Module):
@@ -51,6 +80,8 @@ class DecoderBlock(nn.Module):
         x_BLD = x_BLD + nn.DenseGeneral(c.width, axis=(-2, -1), use_bias=False, name="o",
                                         kernel_init=partitioned(_init, "heads", "head_dim", "embed"))(o)
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
+        if c.experts:
+            return x_BLD + MoE(c, name="moe")(h)
         gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
         up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
         down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))

@@ -13,7 +13,12 @@ import jax
 import pytest
 
 # Tests build many runtimes with identical programs; XLA's persistent cache compiles each once.
-jax.config.update("jax_compilation_cache_dir", os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla")))
+# Set through the environment too, so CLI and multi-process subprocesses share it.
+_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                               os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla")))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -2,15 +2,18 @@
 
 import json
 
-from conftest import ROOT, TINY_VLM
+import pytest
+from conftest import ROOT, TINY_OMNI, TINY_VLM
 
 from maestro_jax.cli import main
 
 
-def test_bench_json_contract(tmp_path):
+@pytest.mark.parametrize("config,overrides", [("vlm_tiny.yaml", TINY_VLM), ("omni_tiny.yaml", TINY_OMNI)],
+                         ids=["vlm", "omni"])
+def test_bench_json_contract(tmp_path, config, overrides):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--config", str(ROOT / "configs/vlm_tiny.yaml"), "--reps", "1", "--batches", "1",
-               "--json", str(out), "--trace", str(tmp_path / "trace"), *TINY_VLM])
+    rc = main(["bench", "--config", str(ROOT / "configs" / config), "--reps", "1", "--batches", "1",
+               "--json", str(out), "--trace", str(tmp_path / "trace"), *overrides])
     assert rc == 0
     r = json.loads(out.read_text())
     assert set(r["samples_per_s"]) == {"monolithic", "naive", "wavefront"}
@@ -21,3 +24,6 @@ def test_bench_json_contract(tmp_path):
     assert r["simulator"]["cost_source"] == "calibrated"
     for f in ("measured_trace", "measured_gantt", "simulated_trace", "simulated_gantt"):
         assert (tmp_path / "trace").joinpath(r["traces"][f].split("/")[-1]).exists()
+    trace = json.loads((tmp_path / "trace" / "measured_trace.json").read_text())
+    rows = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert set(r["config"]["sections"]) <= rows, "every section has its row in the trace"

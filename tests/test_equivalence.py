@@ -28,6 +28,9 @@ VLM_PLANS = {
 }
 KD_PLANS = {
     "shipped_fanout2": [],
+    # mixture-of-experts teacher and student (top-2 of 4 experts), tensor-parallel experts' FFN
+    "moe": ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
+            "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16"],
     "fanout1_tensor_student": ["sections.student.mesh={data: 2, tensor: 2}", "edges.teacher_hidden.fanout=1",
                                "sections.student.micro_batch=2"],
     "fanout4": ["sections.teacher.devices=[0]", "sections.teacher.mesh={data: 1}", "sections.teacher.micro_batch=4",

@@ -137,10 +137,10 @@ def bad_records(tmp_path_factory):
 
 
 def test_bad_sample_stops_with_its_id(bad_records, capsys):
-    with pytest.raises(DataError, match=r"sample id=3: image 0 has NaN or inf pixels"):
+    with pytest.raises(DataError, match=r"sample id=3: image 0 has NaN or inf values"):
         train(load_config(VLM, bad_records), progress=False)
     assert cli.main(["train", "--config", str(VLM), *bad_records]) == 2
-    assert "error: sample id=3: image 0 has NaN or inf pixels" in capsys.readouterr().err
+    assert "error: sample id=3: image 0 has NaN or inf values" in capsys.readouterr().err
 
 
 def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
@@ -149,7 +149,7 @@ def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
     skipped = [r["skipped_samples"] for r in history]
     assert [len(s) for s in skipped] == [2, 3]
     assert "sample id=3: image 0 has NaN" in skipped[0][0]
-    assert "sample id=7: 2 image-placeholder tokens but its images need 1" in skipped[0][1]
+    assert "sample id=7: 2 image-placeholder tokens but its image items need 1" in skipped[0][1]
     assert "sample id=11: needs at least 2 text tokens" in skipped[1][0]
     assert "record 15" in skipped[1][1] and "cannot be decoded" in skipped[1][1]
     assert "sample id=19: 70 tokens exceed the largest bucket (40)" in skipped[1][2]

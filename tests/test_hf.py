@@ -136,6 +136,9 @@ def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
         build_runtime(cfg)
     with pytest.raises(ConfigError, match=r"sections.teacher.init.hf_path=.*no config.json"):
         build_runtime(_teacher_cfg(path, **{"sections.teacher.init.hf_path": str(tmp_path / "nowhere")}))
+    moe = {"models.teacher.experts": 4, "models.teacher.experts_per_token": 2, "models.teacher.expert_mlp": 16}
+    with pytest.raises(ConfigError, match=r"models.teacher.experts=4: importing mixture-of-experts"):
+        build_runtime(_teacher_cfg(path, **moe))
 
 
 def test_distilled_student_exports_to_transformers(tmp_path):

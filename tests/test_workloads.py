@@ -16,7 +16,7 @@ from maestro_jax.config import ConfigError, load_config
 from maestro_jax.tools.verify import verify
 from maestro_jax.training.loop import train
 from maestro_jax.workloads.costs import audio_cost, llm_cost, vit_cost
-from models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, ViTConfig, VisionEncoder
+from models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, VisionEncoder, ViTConfig
 
 CONFIGS = {"vlm": ("vlm_tiny.yaml", TINY_VLM), "kd": ("kd_tiny.yaml", TINY_KD),
            "omni": ("omni_tiny.yaml", TINY_OMNI), "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD)}

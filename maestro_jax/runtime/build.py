@@ -84,7 +84,6 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
         from maestro_jax import workloads  # noqa: PLC0415
         from maestro_jax.workloads.pretrained import check_pretrained  # noqa: PLC0415
 
-        _refuse_moe(cfg)
         graph = workloads.build_graph(cfg)
         pretrained = workloads.resolve(cfg.workload).pretrained
         check_pretrained(cfg, pretrained)
@@ -121,13 +120,6 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
                       fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight)
     return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
                    abstract, source, check, dict(pretrained))
-
-
-def _refuse_moe(cfg: Config) -> None:
-    for name, m in cfg.models.items():
-        if getattr(m, "experts", 0):
-            raise ConfigError(f"error: models.{name}.experts={m.experts}: mixture-of-experts models are described for "
-                              f"`maestro-jax simulate` and `plan` only; the Flax LLM is dense (experts: 0)")
 
 
 def _check_sections(cfg: Config, graph: SectionGraph) -> None:

@@ -1,8 +1,17 @@
-"""The wavefront scheduler: reorder a global batch so sections run concurrently. Plain Python."""
+"""The wavefront scheduler: reorder a global batch so sections run concurrently. Plain Python.
+
+Any section DAG with one sink. A sample sits on one data shard per section; putting it on shard
+c // (DP(sink) // DP(s)) of every section s, where c is its sink shard, satisfies the plan's block
+map on every edge at once (fanouts multiply along paths, so DP(s) divides DP(sink), and floor
+divisions compose). A schedule is therefore built from *columns*: the sink's micro-steps in the
+order the sink runs them (then columns of samples that never reach the sink, if any). Every other
+section takes, per shard, the samples of the sink shards it feeds, in column order (`_derive`).
+"""
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 from maestro_jax.schedule.naive import naive
@@ -21,6 +30,8 @@ from maestro_jax.schedule.ops import (
 from maestro_jax.schedule.timing import op_duration, resource_of
 from maestro_jax.schedule.validate import validate
 
+Rows = list[tuple[int, ...]]
+
 
 def _lpt(items: Sequence[int], bins: int, capacity: int, weight) -> list[list[int]]:
     """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards)."""
@@ -38,39 +49,99 @@ def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> list[list[list[
     return [_lpt(ordered[i:i + rows], dp, rows // dp, weight) for i in range(0, len(ordered), rows)]
 
 
+def _caps(problem: Problem) -> dict[str, tuple[int, int]]:
+    """Sections one sink micro-step can overfill (it has more rows per shard of theirs than their
+    micro-batch): section -> (micro-batch, sink shards per shard of the section)."""
+    sink = problem.sink
+    return {s: (problem.micro_batch(s), problem.dp[sink] // problem.dp[s]) for s in problem.order
+            if s != sink and problem.rows[sink] // problem.dp[s] > problem.micro_batch(s)}
+
+
+class _Column:
+    """One sink micro-step being filled: each sample on the least loaded sink shard with a free row
+    whose shard in every section the sample activates still has room in that section's micro-batch."""
+
+    def __init__(self, problem: Problem, metas: Sequence[SampleMeta], weight, caps: dict[str, tuple[int, int]]):
+        self.metas, self.weight, self.caps, self.mb = metas, weight, caps, problem.micro_batch(problem.sink)
+        dp = problem.dp[problem.sink]
+        self.shards, self.loads, self.used, self.free = [[] for _ in range(dp)], [0.0] * dp, {}, dp * self.mb
+
+    def place(self, x: int) -> bool:
+        caps = [(s, cap, ratio) for s, (cap, ratio) in self.caps.items() if s in self.metas[x].sections]
+        room = [c for c, sh in enumerate(self.shards) if len(sh) < self.mb
+                and all(self.used.get((s, c // ratio), 0) < cap for s, cap, ratio in caps)]
+        if not room:
+            return False
+        c = min(room, key=lambda c: (self.loads[c], c))
+        self.shards[c].append(x)
+        self.loads[c] += self.weight(x)
+        self.free -= 1
+        for s, _, ratio in caps:
+            self.used[(s, c // ratio)] = self.used.get((s, c // ratio), 0) + 1
+        return True
+
+
+def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta],
+                  weight) -> list[list[list[int]]]:
+    """`_pack` for the sink, except that a sample that would overfill some section's shard waits
+    for a later micro-step: every column then fits every section's micro-batch (what `_derive`
+    needs to keep the in-flight bound). Same result as `_pack` when nothing overfills."""
+    ordered, caps, out, waiting, i = sorted(samples, key=lambda x: (-weight(x), x)), _caps(problem), [], [], 0
+    while waiting or i < len(ordered):
+        col = _Column(problem, metas, weight, caps)
+        waiting = [x for x in waiting if not col.place(x)]
+        while i < len(ordered) and col.free:
+            if not col.place(ordered[i]):
+                waiting.append(ordered[i])
+            i += 1
+        out.append(col.shards)
+    return out
+
+
 def _flatten(shards: Sequence[Sequence[int]], micro_batch: int) -> tuple[int, ...]:
     return tuple(x for sh in shards for x in list(sh) + [-1] * (micro_batch - len(sh)))
+
+
+def _weight(metas: Sequence[SampleMeta], section: str, by_work: bool):
+    return (lambda i: metas[i].work.get(section, 0)) if by_work else (lambda i: 0)
+
+
+def _fed(meta: SampleMeta, sink: str) -> bool:
+    """Whether the sample needs a section besides the sink."""
+    return any(s != sink for s in meta.sections)
+
+
+def _orphans(metas: Sequence[SampleMeta], problem: Problem) -> list[int]:
+    """Samples that activate sections but not the sink: placed in columns the sink does not run."""
+    return [i for i, m in enumerate(metas) if m.sections and problem.sink not in m.sections]
 
 
 def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Schedule:
     """Keep the sink (the critical section) busy from the first moment.
 
-    * Samples that skip the producer fill the sink's micro-steps while the producer works;
-      image micro-steps enter the sink's order as soon as their inputs are estimated ready
-      (or slightly before: waiting beats a backward tail when the producer is the bottleneck).
-    * Samples that need the producer are packed into producer micro-steps, longest first so
-      similar sizes share a bucket, LPT across its lockstep shards, and the sink consumes them
-      in production order. Producer shard i feeds sink shards i*f .. i*f+f-1 (fanout f): the
-      block map of the plan.
-    * Padding rows left in those sink micro-steps are filled with the shortest text-only samples.
-    * The operation order comes from list scheduling against the cost model (`list_schedule`):
-      sections start work as early as dependencies allow; stashed forwards stay within the
-      in-flight bound.
-    A handful of such variants (packing order, slack) is scored with the same list schedule,
-    together with the arrival-order schedule when it already respects the block map; the
-    fastest is returned. Deterministic: same batch and plan, same schedule, on every host.
+    Two families of variants, each list-scheduled against the cost model (`list_schedule`):
+    * producer first (`_producer_first`), for every section d besides the sink: d's samples are
+      packed into d's micro-steps and the sink consumes them in production order; samples that
+      skip d fill the sink's micro-steps while d works;
+    * sink first (`_sink_first`): the sink's micro-steps are packed first (its padding dominates
+      when it is the bottleneck), in several orders.
+    List scheduling starts every section's work as early as dependencies allow and keeps stashed
+    forwards within the in-flight bound; a variant whose dependencies cannot keep the bound is
+    dropped (the sink-first variant with nested micro-steps always keeps it: see `_derive`).
+    The naive operation order over each variant's micro-steps, and the arrival-order schedule,
+    compete too when they respect the bound and the block map; the fastest by simulated makespan
+    is returned. Deterministic: same batch and plan, same schedule, on every host.
     """
-    sink = problem.sink
-    feeds = problem.in_edges(sink)
-    if len(feeds) > 1 or any(problem.in_edges(e.src) for e in feeds):
-        raise ScheduleError("the wavefront scheduler handles graphs whose producers feed the sink directly "
-                            f"through one edge; got edges {[e.name for e in problem.edges]}")
-    candidates, seen = [], {}
-    for longest_first in (True, False):
-        candidates += _variants(metas, problem, cost, feeds[0] if feeds else None, longest_first, seen)
-    if feeds:
-        for arrival in (False, True):
-            candidates += _sink_driven(metas, problem, cost, feeds[0], arrival, seen)
+    seen: dict = {}
+    candidates = []
+    if not _orphans(metas, problem):  # producer first places samples through the sink's micro-steps only
+        for longest_first in (True, False):
+            for d in problem.order:
+                if d != problem.sink:
+                    candidates += _producer_first(metas, problem, cost, d, longest_first, seen)
+    for arrival in (False, True):
+        candidates += _sink_first(metas, problem, cost, arrival, seen)
+    candidates = [c for c in candidates if c is not None]
     steps_seen = []
     for sched, _ in list(candidates) + [(naive(metas, problem), 0.0)]:
         if any(sched.steps == s for s in steps_seen):
@@ -105,110 +176,235 @@ def _makespan(schedule: Schedule, problem: Problem, metas, cost) -> float:
     return max(finish.values(), default=0.0)
 
 
-def _variants(metas, problem, cost, e, longest_first, seen) -> list[tuple[Schedule, float]]:
+def _producer_first(metas, problem: Problem, cost, d: str, longest_first: bool, seen) -> list:
+    """d's samples packed into d's micro-steps (longest first so similar sizes share a bucket, LPT
+    across its lockstep shards); the sink consumes them in production order, d's shard i feeding
+    sink shards i*r .. i*r+r-1 (r = DP(sink) / DP(d)). The samples that skip d fill the padding of
+    those sink micro-steps, and the rest of them form sink micro-steps of their own, interleaved
+    while d works (`_interleave`, at several slacks). Other sections follow the sink's order,
+    in micro-steps nested in d's where d's split cleanly (`_derive`)."""
     sink = problem.sink
-    mb_c, dp_c = problem.micro_batch(sink), problem.dp[sink]
-    w_c = (lambda i: metas[i].work.get(sink, 0)) if longest_first else (lambda i: 0)
+    mb_c, mb_d, dp_d = problem.micro_batch(sink), problem.micro_batch(d), problem.dp[d]
+    w_c, w_d = _weight(metas, sink, longest_first), _weight(metas, d, longest_first)
     active = [i for i, m in enumerate(metas) if sink in m.sections]
-    rows: dict[str, list[tuple[int, ...]]] = {}
-    if e is None:
-        rows[sink] = [_flatten(sh, mb_c) for sh in _pack(active, problem.rows[sink], dp_c, w_c)]
-        return [_finish(metas, problem, rows, cost, seen)]
-    src, f = e.src, problem.fanout.get(e.name, 1)
-    mb_p, dp_p = problem.micro_batch(src), problem.dp[src]
-    w_p = (lambda i: metas[i].work.get(src, 0)) if longest_first else (lambda i: 0)
-    need = [i for i in active if src in metas[i].sections]
-    skip = sorted((i for i in active if src not in metas[i].sections), key=lambda i: (-w_c(i), i))
-    produced = _pack(need, problem.rows[src], dp_p, w_p)
-    rows[src] = [_flatten(sh, mb_p) for sh in produced]
-    streams = [[x for step in produced for x in step[i]] for i in range(dp_p)]
-    block = f * mb_c
-    image_steps = []
+    skip = sorted((i for i in active if d not in metas[i].sections), key=lambda i: (-w_c(i), i))
+    produced = _pack([i for i in active if d in metas[i].sections], problem.rows[d], dp_d, w_d)
+    fixed = {d: [_flatten(sh, mb_d) for sh in produced]}
+    consuming = _consuming_columns(produced, dp_d, problem.dp[sink] // dp_d, mb_c, w_c, skip)
+    skipping = [_flatten(sh, mb_c) for sh in _pack_columns(skip, problem, metas, w_c)]
+    out = []
+    for slack in (0.0, 0.5, 1.0, float("inf")):
+        columns = _interleave(problem, metas, cost, d, fixed[d], consuming, skipping, slack)
+        out.append(_finish(metas, problem, _derive(problem, metas, columns, fixed, grouped=True), cost, seen))
+    return out
+
+
+def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[int]) -> Rows:
+    """Sink micro-steps in production order: each producer shard's samples in blocks of r*mb_c,
+    LPT over the r sink shards it feeds; their padding is filled with the shortest of `skip`
+    (taken from its end)."""
+    streams = [[x for step in produced for x in step[i]] for i in range(dp_d)]
+    block, steps = r * mb_c, []
     for j in range(max((-(-len(s) // block) for s in streams), default=0)):
-        shards = []
-        for i in range(dp_p):
-            shards += _lpt(streams[i][j * block:(j + 1) * block], f, mb_c, w_c)
-        image_steps.append(shards)
-    # fill the padding of image micro-steps with the shortest text-only samples
-    for shards in image_steps:
+        steps.append([sh for st in streams for sh in _lpt(st[j * block:(j + 1) * block], r, mb_c, w_c)])
+    for shards in steps:
         for sh in sorted(shards, key=lambda s: sum(map(w_c, s))):
             while skip and len(sh) < mb_c:
                 sh.append(skip.pop())
-    text_steps = [_flatten(sh, mb_c) for sh in _pack(skip, problem.rows[sink], dp_c, w_c)]
-    image_rows = [_flatten(sh, mb_c) for sh in image_steps]
-    out = []
-    for slack in (0.0, 0.5, 1.0, float("inf")):
-        rows[sink] = _interleave(problem, metas, cost, rows[src], image_rows, text_steps, e, slack)
-        out.append(_finish(metas, problem, dict(rows), cost, seen))
-    return out
+    return [_flatten(sh, mb_c) for sh in steps]
 
 
-def _sink_driven(metas, problem, cost, e, arrival: bool, seen) -> list[tuple[Schedule, float]]:
-    """Pack the sink first (its padding dominates when it is the bottleneck), then give each
-    producer shard the image samples of the sink shards it feeds, in consumption order.
-    `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped)."""
-    sink, src, f = problem.sink, e.src, problem.fanout.get(e.name, 1)
-    mb_c, dp_c, mb_p, dp_p = problem.micro_batch(sink), problem.dp[sink], problem.micro_batch(src), problem.dp[src]
-    w_c = (lambda i: 0) if arrival else (lambda i: metas[i].work.get(sink, 0))
+def _sink_first(metas, problem: Problem, cost, arrival: bool, seen) -> list:
+    """Pack the sink first, then give each other section's shard the samples of the sink shards it
+    feeds, in consumption order. Sink steps that need no other section run first, last, or in
+    packing order. `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped)."""
+    sink = problem.sink
+    mb_c, w_c = problem.micro_batch(sink), _weight(metas, sink, not arrival)
     active = [i for i, m in enumerate(metas) if sink in m.sections]
-    packed = _pack(active, problem.rows[sink], dp_c, w_c)
-    uses = [any(src in metas[x].sections for sh in st for x in sh) for st in packed]
+    packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
+    if (capped := _pack_columns(active, problem, metas, w_c)) != packings[0]:
+        packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
+    tail = [_flatten(sh, mb_c) for sh in _pack_columns(_orphans(metas, problem), problem, metas, w_c)]
     out = []
-    for image_first in (False, True, None):
-        order = sorted(range(len(packed)), key=lambda j: (image_first is not None and uses[j] != image_first, j))
-        streams = [[] for _ in range(dp_p)]
-        for j in order:
-            for c, sh in enumerate(packed[j]):
-                streams[c // f] += [x for x in sh if src in metas[x].sections]
-        n = max((-(-len(st) // mb_p) for st in streams), default=0)
-        rows = {src: [_flatten([st[k * mb_p:(k + 1) * mb_p] for st in streams], mb_p) for k in range(n)],
-                sink: [_flatten(packed[j], mb_c) for j in order]}
-        out.append(_finish(metas, problem, rows, cost, seen))
+    for packed in packings:
+        uses = [any(_fed(metas[x], sink) for sh in st for x in sh) for st in packed]
+        for fed_first in (False, True, None):
+            order = sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j))
+            columns = [_flatten(packed[j], mb_c) for j in order] + tail
+            for grouped in (False, True):
+                out.append(_finish(metas, problem, _derive(problem, metas, columns, {}, grouped), cost, seen))
     return out
 
 
-def _interleave(problem, metas, cost, produced, image_rows, text_rows, edge, slack) -> list[tuple[int, ...]]:
-    """Sink order: a text-only micro-step while the next image micro-step's inputs are not yet
-    produced (estimated with the cost model), the image micro-step as soon as they are, or
-    earlier when they are due within `slack` text-step times (waiting beats delaying the
-    producer's backward when the producer is the bottleneck). Text-only steps left over run
-    last, where they hide the producer's backward."""
-    duration = op_duration(cost, problem)
-    src, sink = edge.src, problem.sink
-    tmp = {src: tuple(MicroStep(src, k, r, {}) for k, r in enumerate(produced)),
-           sink: tuple(MicroStep(sink, k, r, {}) for k, r in enumerate(image_rows + text_rows))}
-    ready, t = [], 0.0
-    for k in range(len(produced)):
-        t += duration(Op("F", src, k), tmp, metas)
-        ready.append(t + duration(Op("X", src, k, edge.name), tmp, metas))
-    home = {x: k for k, r in enumerate(produced) for x in r if x >= 0}
-    need = [max((ready[home[x]] for x in r if x in home), default=0.0) for r in image_rows]
-    order, clock, i, j = [], 0.0, 0, 0
-    while i < len(image_rows) or j < len(text_rows):
-        text_time = duration(Op("F", sink, len(image_rows) + j), tmp, metas) if j < len(text_rows) else 0.0
-        if i < len(image_rows) and (j == len(text_rows) or need[i] <= clock + slack * text_time):
-            clock = max(clock, need[i]) + duration(Op("F", sink, i), tmp, metas)
-            order.append(image_rows[i])
-            i += 1
+def _derive(problem: Problem, metas, columns: Rows, fixed: dict[str, Rows], grouped: bool) -> dict[str, Rows]:
+    """Every section's micro-steps: the sink runs the columns (but those of samples that never reach
+    it); sections in `fixed` keep theirs; every other section takes, per shard, the samples of the sink shards it feeds in column order, cut
+    into micro-steps either every micro_batch samples per shard (fullest steps) or, when
+    `grouped`, at column boundaries: a micro-step holds whole columns, and a section cuts wherever
+    one of its producers cuts. Then each micro-step lies inside one micro-step of every producer
+    and spans one or more whole sink steps, so the backward a stashed forward waits on never
+    depends on a forward its section is held back from by the in-flight bound: list scheduling
+    always finishes (take the unfinished op whose span starts, for a forward, or ends, for a
+    backward, earliest; everything it waits on is done or runnable)."""
+    sink = problem.sink
+    rows = {sink: [c for c in columns if any(x >= 0 and sink in metas[x].sections for x in c)], **fixed}
+    cuts = {s: _clean_cuts(columns, r) for s, r in fixed.items()}
+    for s in problem.order:
+        if s in rows:
+            continue
+        placed = _placed(problem, metas, columns, s)
+        mb, dp = problem.micro_batch(s), problem.dp[s]
+        if grouped:
+            must = set().union(*(cuts[e.src] for e in problem.in_edges(s)))
+            rows[s], cuts[s] = _grouped(placed, mb, dp, must)
         else:
-            clock += duration(Op("F", sink, len(image_rows) + j), tmp, metas)
-            order.append(text_rows[j])
-            j += 1
+            streams = [[x for col in placed for x in col[i]] for i in range(dp)]
+            n = max((-(-len(st) // mb) for st in streams), default=0)
+            rows[s] = [_flatten([st[k * mb:(k + 1) * mb] for st in streams], mb) for k in range(n)]
+    return rows
+
+
+def _placed(problem: Problem, metas, columns: Rows, s: str) -> list[list[list[int]]]:
+    """Per column, per shard of s: the samples activating s, on shard (sink shard) // (DP(sink) / DP(s))."""
+    mb_c, ratio = problem.micro_batch(problem.sink), problem.dp[problem.sink] // problem.dp[s]
+    out = []
+    for col in columns:
+        shards = [[] for _ in range(problem.dp[s])]
+        for r, x in enumerate(col):
+            if x >= 0 and s in metas[x].sections:
+                shards[r // mb_c // ratio].append(x)
+        out.append(shards)
+    return out
+
+
+def _grouped(placed, mb: int, dp: int, must: set[int]) -> tuple[Rows, set[int]]:
+    """Micro-steps of whole consecutive columns: a new one starts at every column in `must` and
+    before a column that would overfill a shard. Returns them and the columns they start at
+    (`must` included, for the sections downstream). A column that alone overfills a shard, which
+    only producer-first columns can do, is split."""
+    steps, cuts, cur = [], set(must), [[] for _ in range(dp)]
+    for j, add in enumerate(placed):
+        if any(cur) and (j in must or any(len(c) + len(a) > mb for c, a in zip(cur, add))):
+            steps.append(_flatten(cur, mb))
+            cur = [[] for _ in range(dp)]
+            cuts.add(j)
+        for c, a in zip(cur, add):
+            c += a
+        while any(len(c) > mb for c in cur):
+            steps.append(_flatten([c[:mb] for c in cur], mb))
+            cur = [c[mb:] for c in cur]
+    if any(cur):
+        steps.append(_flatten(cur, mb))
+    return steps, cuts
+
+
+def _clean_cuts(columns: Rows, steps: Rows) -> set[int]:
+    """Columns before which fixed micro-steps split cleanly: none holds samples on both sides."""
+    home = {x: k for k, r in enumerate(steps) for x in r if x >= 0}
+    used = [[home[x] for x in col if x in home] for col in columns]
+    later = [math.inf] * (len(columns) + 1)
+    for j in reversed(range(len(columns))):
+        later[j] = min([later[j + 1]] + used[j])
+    cuts, before = set(), -1
+    for j, u in enumerate(used):
+        if before < later[j]:
+            cuts.add(j)
+        before = max([before] + u)
+    return cuts
+
+
+def _interleave(problem, metas, cost, d: str, produced: Rows, consuming: Rows, skipping: Rows,
+                slack: float) -> Rows:
+    """Sink order, estimated with the cost model (`_Due`). The next column that consumes d runs as
+    soon as its inputs are due, or earlier when they are due within `slack` filler-step times
+    (waiting beats delaying d's backward when d is the bottleneck). Until then a filler runs, a
+    column of samples that skip d: one whose other inputs are due already, else one that needs
+    the sink alone ("text"), else the next. Fillers left over run last, text last of all, where
+    they hide the producers' backwards."""
+    time, sink = _step_time(problem, metas, cost), problem.sink
+    due = _Due(problem, metas, time, d, produced)
+    needs = [any(_fed(metas[x], sink) for x in c if x >= 0) for c in skipping]
+    fillers = ([c for c, n in zip(skipping, needs) if n], [c for c, n in zip(skipping, needs) if not n])
+    order, clock, i, pos = [], 0.0, 0, [0, 0]
+    while i < len(consuming) or pos[0] < len(fillers[0]) or pos[1] < len(fillers[1]):
+        k = _next_filler(fillers, pos, due, clock)
+        need, at = due.of(consuming[i]) if i < len(consuming) else (0.0, {})
+        if i < len(consuming) and (k is None or need <= clock + slack * time("F", sink, fillers[k][pos[k]])):
+            col, i = consuming[i], i + 1
+        else:
+            col = fillers[k][pos[k]]
+            need, at = due.of(col)
+            pos[k] += 1
+        clock = max(clock, need) + time("F", sink, col)
+        due.commit(at)
+        order.append(col)
     return order
 
 
-def _finish(metas, problem, rows, cost, seen: dict | None = None) -> tuple[Schedule, float]:
-    for s in problem.order:
-        rows.setdefault(s, [])
+def _next_filler(fillers: tuple[Rows, Rows], pos: list[int], due: _Due, clock: float) -> int | None:
+    """Which filler goes next (0: of samples that need another section, 1: text): the first when its
+    inputs are due by `clock`, else text, else the first; None when none is left."""
+    fed, text = pos[0] < len(fillers[0]), pos[1] < len(fillers[1])
+    if fed and (not text or due.of(fillers[0][pos[0]])[0] <= clock):
+        return 0
+    return 1 if text else None
+
+
+def _step_time(problem: Problem, metas, cost):
+    """(kind, section, rows, edge) -> the cost model's time of that op on a micro-step of `rows`."""
+    duration = op_duration(cost, problem)
+
+    def time(kind: str, s: str, rows: Sequence[int], edge: str | None = None) -> float:
+        return duration(Op(kind, s, 0, edge), {s: (MicroStep(s, 0, tuple(rows), {}),)}, metas)
+
+    return time
+
+
+class _Due:
+    """When a column's inputs would be ready if the sink ran it next. d's come from d's micro-steps
+    run back to back; every other section works through the columns in the sink's order (a
+    column's share of one of its micro-steps costing that share of the step's rows), after the
+    section's producers in the column."""
+
+    def __init__(self, problem: Problem, metas, time, d: str, produced: Rows):
+        self.problem, self.metas, self.time, self.d = problem, metas, time, d
+        self.clock = {s: 0.0 for s in problem.order}
+        self.ready, t = [], 0.0
+        for r in produced:
+            t += time("F", d, r)
+            self.ready.append(t + max((time("X", d, r, e.name) for e in problem.out_edges(d)), default=0.0))
+        self.home = {x: k for k, r in enumerate(produced) for x in r if x >= 0}
+
+    def of(self, col: Sequence[int]) -> tuple[float, dict[str, float]]:
+        """(when the column's inputs are ready, when each of its sections finishes its samples)."""
+        at: dict[str, float] = {}
+        for s in self.problem.order:
+            xs = [x for x in col if x >= 0 and s in self.metas[x].sections]
+            if s == self.problem.sink or not xs:
+                continue
+            if s == self.d:
+                at[s] = max(self.ready[self.home[x]] for x in xs)
+            else:
+                start = max([self.clock[s]] + [at[e.src] for e in self.problem.in_edges(s) if e.src in at])
+                at[s] = start + self.time("F", s, xs) * len(xs) / self.problem.rows[s]
+        return max(at.values(), default=0.0), at
+
+    def commit(self, at: dict[str, float]) -> None:
+        """The column runs: its sections other than d are busy until then."""
+        self.clock.update({s: t for s, t in at.items() if s != self.d})
+
+
+def _finish(metas, problem: Problem, rows: dict[str, Rows], cost, seen: dict) -> tuple[Schedule, float] | None:
+    """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
     key = tuple(tuple(rows[s]) for s in problem.order)
-    if seen is not None and key in seen:
-        return seen[key]
-    steps = link(problem, rows)
-    ops, makespan = list_schedule(problem, steps, metas, cost)
-    result = Schedule(steps, ops, len(metas), "wavefront"), makespan
-    if seen is not None:
-        seen[key] = result
-    return result
+    if key not in seen:
+        steps = link(problem, {s: rows[s] for s in problem.order})
+        try:
+            ops, makespan = list_schedule(problem, steps, metas, cost)
+            seen[key] = Schedule(steps, ops, len(metas), "wavefront"), makespan
+        except ScheduleError:
+            seen[key] = None
+    return seen[key]
 
 
 def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, ...], float]:
@@ -216,8 +412,10 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
 
     Per section the candidates are: the sink's next forward; a trained producer's oldest ready
     backward and its next forward while fewer than `max_in_flight` are stashed (the earlier
-    start wins, forward on ties so the consumer is fed early; the bound caps the stash); a frozen
-    producer's next forward (it stashes nothing). Transfers and updates start when ready.
+    start wins, forward on ties so the consumer is fed early); a frozen producer's next forward
+    (it stashes nothing). Transfers and updates start when ready. The bound is never exceeded:
+    when the micro-steps' dependencies leave nothing runnable within it (a stashed forward's
+    backward waits on a forward held back by the bound), ScheduleError is raised.
     Returns the ops ordered by planned start time, and the planned makespan.
     """
     req = required_ops(Schedule(steps, (), len(metas)), problem)
@@ -231,7 +429,6 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
             dependents[index[d]].append(i)
     finish = [0.0] * len(ops)
     dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
-    scheduled = [False] * len(ops)
     free: dict[str, float] = {}
     next_f = {s: 0 for s in problem.order}
     stashed = {s: 0 for s in problem.order}
@@ -247,27 +444,27 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     def start_of(i):
         return max(free.get(resource_of(ops[i]), 0.0), dep_done[i])
 
-    def candidates(relax: bool) -> list[int]:
+    def candidates() -> list[int]:
         out = list(ready_other)
         for s in problem.order:
             if ready_b[s]:
                 out.append(b_index[(s, ready_b[s][0])])
             i = f_index.get((s, next_f[s]))
-            if i is not None and pending[i] == 0:
-                if not problem.needs_backward(s) or relax or stashed[s] < problem.max_in_flight:
-                    out.append(i)
+            if i is not None and pending[i] == 0 and (not problem.needs_backward(s)
+                                                      or stashed[s] < problem.max_in_flight):
+                out.append(i)
         return out
 
     while len(order) < len(ops):
-        cands = candidates(relax=False) or candidates(relax=True)
+        cands = candidates()
         if not cands:
-            raise ScheduleError("list scheduling found no runnable operation (dependency cycle)")
+            raise ScheduleError("list scheduling is stuck: stashed forwards wait on forwards the in-flight "
+                                f"bound {problem.max_in_flight} holds back (or a dependency cycle)")
         i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
         op = ops[i]
         t0 = start_of(i)
         finish[i] = t0 + duration(op, steps, metas)
         free[resource_of(op)] = finish[i]
-        scheduled[i] = True
         if op.kind == "F":
             next_f[op.section] += 1
             stashed[op.section] += problem.needs_backward(op.section)

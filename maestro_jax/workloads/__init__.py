@@ -69,8 +69,7 @@ def model(cfg: Config, name: str, kind: str):
                           f"named {name!r}")
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
-    drop = ("kind", "experts", "experts_per_token", "expert_mlp")  # MoE: priced by `llm_cost`, not in the Flax LLM
-    fields = {k: v for k, v in m.model_dump().items() if k not in drop}
+    fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
     return {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}[kind](**fields)
 
 
