@@ -17,7 +17,15 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
-from maestro_jax.data import FIRST_TEXT_TOKEN, IMAGE_TOKEN, Modality, Sample, encode_sample, image_tokens, validate_sample
+from maestro_jax.data import (
+    FIRST_TEXT_TOKEN,
+    IMAGE_TOKEN,
+    Modality,
+    Sample,
+    encode_sample,
+    image_tokens,
+    validate_sample,
+)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 
