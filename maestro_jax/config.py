@@ -188,7 +188,7 @@ class Config(_Frozen):
     output_dir: str | None = None  # metrics.jsonl, TensorBoard events, checkpoints/; re-running resumes
     checkpoint_dir: str | None = None  # default <output_dir>/checkpoints; may be other storage
     checkpoint_every: PositiveInt | None = None  # save every K steps (and always at the end)
-    keep_checkpoints: PositiveInt = 3
+    keep_checkpoints: int = Field(3, ge=0)  # 0: no checkpoints (metrics only)
     async_checkpoint: bool = True
     on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/inf loss or grads: skip the step, or stop the run
     models: dict[str, ModelConfig] = {}

@@ -1,5 +1,7 @@
-"""1 process x 8 devices and 2 processes x 4 devices (real jax.distributed on localhost, gloo,
-socket transfers) give the same per-step losses, also when a section spans both processes."""
+"""1 process x 8 devices, 2 processes x 4 and 4 x 2 (real jax.distributed on localhost, gloo,
+socket transfers) give the same per-step losses: the shipped plans unchanged (only the models
+shrunk), sections alone in one process feeding sections of other device counts, sections
+spanning processes, gradients crossing back, stop and resume."""
 
 import json
 import os
@@ -12,13 +14,8 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 
 pytestmark = pytest.mark.multiprocess
 
+KD_MODELS = [o for o in TINY_KD if not o.startswith("sections.")]  # the shipped plan, smaller models
 KD_PLANS = {"sections_span_both_processes": ["sections.teacher.devices=[2,3,4,5]", "sections.student.devices=[0,1,6,7]"]}
-VLM_ACROSS = ["sections.vision.devices=0:4", "sections.vision.mesh={data: 2, tensor: 2}", "sections.vision.micro_batch=2",
-              "sections.llm.devices=4:8", "sections.llm.mesh={data: 2, tensor: 2}", "sections.llm.micro_batch=2",
-              "edges.image_embeds.fanout=1", "models.llm.heads=4", "models.llm.kv_heads=2",
-              "schedule.scheduler=wavefront"]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,25 +34,35 @@ def run_single(config, overrides, out):
     return losses(out)
 
 
-def run_two(config, overrides, out):
+def launch(n, config, overrides, out):
     env = {**os.environ, "MAESTRO_PORT": str(free_port()), "MAESTRO_JAX": f"{sys.executable} -m maestro_jax.cli"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(["bash", str(ROOT / "scripts/launch_local.sh"), "2", str(config), *overrides,
+    return subprocess.run(["bash", str(ROOT / "scripts/launch_local.sh"), str(n), str(config), *overrides,
                            f"output_dir={out}"], env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_two(config, overrides, out, n=2):
+    proc = launch(n, config, overrides, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return losses(out)
+
+
+def same(one, other):
+    assert len(one) == len(other)
+    for a, b in zip(one, other):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, other)
 
 
 def test_kd_two_processes_match_one_with_checkpoint_resume(tmp_path):
     """Teacher on process 0, student on process 1. The 2-process run stops after 2 steps and
     resumes from its checkpoint (a process-local section saved through the global view)."""
     config = ROOT / "configs/kd_tiny.yaml"
-    one = run_single(config, TINY_KD + ["steps=4"], tmp_path / "one")
+    one = run_single(config, KD_MODELS + ["steps=4"], tmp_path / "one")
     two_dir = tmp_path / "two"
-    run_two(config, TINY_KD + ["steps=2", "checkpoint_every=1"], two_dir)
+    run_two(config, KD_MODELS + ["steps=2", "checkpoint_every=1"], two_dir)
     assert sorted(p.name for p in (two_dir / "checkpoints").glob("manifest-*.json")) == ["manifest-1.json",
                                                                                           "manifest-2.json"]
-    two = run_two(config, TINY_KD + ["steps=4", "checkpoint_every=1"], two_dir)
+    two = run_two(config, KD_MODELS + ["steps=4", "checkpoint_every=1"], two_dir)
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         assert abs(a - b) <= 1e-5 * abs(a), (one, two)
@@ -71,11 +78,47 @@ def test_kd_sections_spanning_both_processes(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), (one, two)
 
 
-def test_vlm_cotangents_cross_processes(tmp_path):
-    """Vision on process 0, LLM on process 1: embeddings go over and gradients come back."""
+def test_vlm_shipped_plan_on_two_and_four_processes_with_resume(tmp_path):
+    """configs/vlm_tiny.yaml's plan: vision on devices 0:2 (alone in process 0) feeds the LLM on
+    2:8 (6 devices: both processes, or processes 1-3), and image gradients cross back. On 2
+    processes the run stops after 2 steps and resumes; 4 processes run without checkpoints (a
+    section over processes 1-3 cannot be checkpointed yet: refused before compiling)."""
     config = ROOT / "configs/vlm_tiny.yaml"
-    overrides = TINY_VLM + VLM_ACROSS + ["steps=2"]
-    one = run_single(config, overrides, tmp_path / "one")
-    two = run_two(config, overrides, tmp_path / "two")
-    for a, b in zip(one, two):
-        assert abs(a - b) <= 1e-5 * abs(a), (one, two)
+    one = run_single(config, TINY_VLM + ["steps=4"], tmp_path / "one")
+    run_two(config, TINY_VLM + ["steps=2", "checkpoint_every=1"], tmp_path / "two")
+    same(one, run_two(config, TINY_VLM + ["steps=4", "checkpoint_every=1"], tmp_path / "two"))
+    same(one[:3], run_two(config, TINY_VLM + ["steps=3", "keep_checkpoints=0"], tmp_path / "four", n=4))
+    refused = launch(4, config, TINY_VLM + ["steps=1"], tmp_path / "refused")
+    assert refused.returncode != 0
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all(e.startswith("error: sections.llm.devices=[2, 3, 4, 5, 6, 7]: spans processes [1, 2, 3]")
+                          for e in errors)
+
+
+def test_kd_shipped_plan_on_four_processes(tmp_path):
+    config = ROOT / "configs/kd_tiny.yaml"
+    one = run_single(config, KD_MODELS + ["steps=3", "keep_checkpoints=0"], tmp_path / "one")
+    same(one, run_two(config, KD_MODELS + ["steps=3", "keep_checkpoints=0"], tmp_path / "four", n=4))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_transfers_between_processes_are_exact(n):
+    """Fan-out, fan-in, layout change and a mixed layout across 2 and 4 processes: every shard
+    exact; each distinct piece crosses once per destination process."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/transfer_worker.py"), str(i), str(n), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        reports.append(json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:]))
+    for name in reports[0]:
+        assert all(r[name]["exact"] for r in reports), name
+        sent, received = (sum(r[name]["bytes"][k] for r in reports) for k in ("sent", "received"))
+        assert sent == received
+    # 2->6 fan-out, 24x10 float32 rows split over 2 data shards, each replicated over 3 tensor devices:
+    # each half (480 bytes) crosses once into every other process holding one of its replicas
+    fan_out = sum(r["fan-out 2->6"]["bytes"]["received"] for r in reports)
+    assert fan_out == {2: 960, 4: 1920}[n]

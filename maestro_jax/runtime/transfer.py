@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,47 +83,84 @@ def _join(parts: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.A
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
     """Move `x` into `dst` (another section's mesh) without a host round trip.
 
-    Every process must call it (multi-controller). Each process fills its own destination tiles
-    from source shards it holds (so sections spanning processes in step need no network);
-    tiles whose data sits in another process go through `_across_processes`.
+    Every process must call it (multi-controller), with the same arguments. Each destination
+    tile is assembled on its own device from pieces of source shards (`plan_transfer`, which
+    reads within a process where a replica allows). Pieces that stay within a process are
+    copied device to device; pieces that cross processes go as single-device `device_put`s that
+    every process issues in the same order (the socket transport on CPU, XLA send/recv on GPU),
+    each distinct piece once per destination process: any device counts on either side,
+    fan-in, fan-out or a layout change, sections inside one process or spanning several.
     """
     if x.sharding == dst:
         return x
     tile_map = plan_transfer(x.sharding, dst, tuple(x.shape))
-    if tile_map.crosses_processes:  # decided from the plan alone, so every process agrees
-        return _across_processes(x, dst)
     local = {s.device: s.data for s in x.addressable_shards}
+    moved = _move_across_processes(tile_map, local, x.dtype)
     mine = set(dst.addressable_devices)
     arrays = []
     for dev, pieces in tile_map.tiles:
         if dev not in mine:
             continue
-        parts = []
-        for p in pieces:
-            shard = local[p.src_device]
-            whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(p.src_slices, shard.shape))
-            piece = shard if whole else shard[p.src_slices]
-            parts.append((p.offset, jax.device_put(piece, dev)))
+        parts = [(p.offset, moved[(dev, i)] if (dev, i) in moved else jax.device_put(_cut(local[p.src_device], p), dev))
+                 for i, p in enumerate(pieces)]
         arrays.append(_join(parts))
     return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
 
 
-def _across_processes(x: jax.Array, dst: NamedSharding) -> jax.Array:
-    """Cross-process move: reshard on the source devices into the destination's layout, then
-    `device_put`, which crosses processes only between equal shard shapes and device counts
-    (jax 0.10; XLA send/recv on GPU, the socket transport on CPU)."""
-    src_devices = list(x.sharding.mesh.devices.flat)
-    if len(src_devices) != dst.num_devices:
-        raise NotImplementedError(
-            f"a transfer between processes needs equal device counts on both sides in jax 0.10; got "
-            f"{len(src_devices)} source and {dst.num_devices} destination devices. Give the two sections the same "
-            f"device count, or place them in one process")
-    like = Mesh(np.array(src_devices, dtype=object).reshape(dst.mesh.devices.shape), dst.mesh.axis_names,
-                axis_types=dst.mesh.axis_types)
-    staged = _identity(NamedSharding(like, dst.spec))(x)
-    return jax.device_put(staged, dst)
+def _cut(shard: jax.Array, p: Piece) -> jax.Array:
+    whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(p.src_slices, shard.shape))
+    return shard if whole else shard[p.src_slices]
 
 
-@functools.lru_cache(maxsize=256)
-def _identity(sharding: NamedSharding):
-    return jax.jit(lambda v: v, out_shardings=sharding)
+def _move_across_processes(tile_map: TileMap, local: dict, dtype) -> dict:
+    """{(destination device, piece index): single-device array} for every piece whose source sits
+    in another process than its destination. Each distinct piece crosses once per destination
+    process (tensor-parallel replicas of a tile share it) and is copied on within that process.
+    The source's process cuts the piece; the others name it by an array without local data; every
+    process then issues one single-device `device_put` per piece, in the same order. (One
+    batched `device_put` over several process pairs delivered a piece to the wrong device with
+    4 processes on jax 0.10; per piece is exact, `tests/test_multiprocess.py`.)"""
+    crossing = [(dev, i, p) for dev, pieces in tile_map.tiles for i, p in enumerate(pieces)
+                if p.src_device.process_index != dev.process_index]
+    if not crossing:
+        return {}
+    first: dict[tuple, tuple] = {}  # distinct piece per destination process -> (piece, receiving device)
+    for dev, _, p in crossing:
+        first.setdefault(_piece_key(p, dev), (p, dev))
+    sources = []
+    for p, _ in first.values():
+        if p.src_device in local:
+            sources.append(_cut(local[p.src_device], p))
+        else:
+            shape = tuple(sl.stop - sl.start for sl in p.src_slices)
+            sources.append(jax.make_array_from_single_device_arrays(shape, SingleDeviceSharding(p.src_device), [],
+                                                                    dtype=dtype))
+    received = {key: jax.device_put(x, SingleDeviceSharding(d)) for key, x, (_, d) in zip(first, sources, first.values())}
+    out = {}
+    for dev, i, p in crossing:
+        key = _piece_key(p, dev)
+        if dev.process_index == jax.process_index():
+            out[(dev, i)] = received[key] if first[key][1] == dev else jax.device_put(received[key], dev)
+    return out
+
+
+def _piece_key(p: Piece, dev) -> tuple:
+    """A piece's identity per destination process: its source device and bounds."""
+    return p.src_device, tuple((sl.start, sl.stop) for sl in p.src_slices), dev.process_index
+
+
+def process_bytes(tile_map: TileMap, itemsize: int) -> dict[int, dict[str, int]]:
+    """Bytes each process sends to and receives from other processes for one transfer (each
+    distinct piece once per destination process, as `transfer` moves them)."""
+    out: dict[int, dict[str, int]] = {}
+    seen = set()
+    for dev, pieces in tile_map.tiles:
+        for p in pieces:
+            src, dst = p.src_device.process_index, dev.process_index
+            if src == dst or _piece_key(p, dev) in seen:
+                continue
+            seen.add(_piece_key(p, dev))
+            n = itemsize * math.prod(sl.stop - sl.start for sl in p.src_slices)
+            out.setdefault(src, {"sent": 0, "received": 0})["sent"] += n
+            out.setdefault(dst, {"sent": 0, "received": 0})["received"] += n
+    return out

@@ -126,6 +126,23 @@ def _view_target(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_view_sharding(x.sharding) or x.sharding)
 
 
+def check_checkpoint_layout(plan) -> None:
+    """Refuse, before anything compiles, a multi-process plan whose checkpoint could not be
+    written: a section spanning some processes but not all (Orbax needs every array on process 0
+    or in one process; the global view covers sections inside one process)."""
+    from maestro_jax.config import ConfigError  # noqa: PLC0415
+
+    if jax.process_count() == 1:
+        return
+    devices = jax.devices()
+    for name, sp in plan.sections.items():
+        owners = sorted({devices[i].process_index for i in sp.devices})
+        if 1 < len(owners) < jax.process_count():
+            raise ConfigError(f"error: sections.{name}.devices={list(sp.devices)}: spans processes {owners} of "
+                              f"{jax.process_count()}, and such a section cannot be checkpointed yet; place it inside "
+                              f"one process or across all of them, or set keep_checkpoints=0 (no checkpoints)")
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True):
         if jax.process_count() > 1:

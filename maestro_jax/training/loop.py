@@ -27,7 +27,7 @@ from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
-from maestro_jax.training.checkpoint import Checkpointer
+from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
 
 log = logging.getLogger("maestro_jax")
 
@@ -110,6 +110,8 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
     `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
     workload. On SIGTERM, saves a checkpoint after the current step and returns early."""
     set_peer_timeout(cfg.distributed.timeout_s)
+    if cfg.output_dir and cfg.keep_checkpoints:
+        check_checkpoint_layout(cfg.plan())  # before anything compiles
     rt = rt or build_runtime(cfg)
     states = rt.init_states()
     bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
@@ -121,11 +123,13 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
         out_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
             (out_dir / "config.yaml").write_text(dump_config(cfg))
-        ckpt = Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
-        restored = ckpt.restore_latest(states)
-        if restored is not None:
-            start, states, data_state, _ = restored
-            data.set_state(data_state)
+        if cfg.keep_checkpoints:
+            ckpt = Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints,
+                                cfg.async_checkpoint)
+            restored = ckpt.restore_latest(states)
+            if restored is not None:
+                start, states, data_state, _ = restored
+                data.set_state(data_state)
     writer = MetricsWriter(out_dir if jax.process_index() == 0 else None)  # process 0 writes metrics
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
