@@ -7,6 +7,7 @@ byte-level (token = byte + 3, so the vocabulary needs 259+ entries); bring your 
 by replacing `tokenize`. The image's placeholder tokens come before its caption.
 
     python scripts/convert_images.py FOLDER OUT.array_record --patch 4 --merge 2
+It also writes OUT.array_record.index.json (each record's length and image shapes).
 Then set `data: {kind: array_record, paths: [OUT.array_record]}` in the config.
 """
 
@@ -25,6 +26,7 @@ from maestro_jax.data import (
     encode_sample,
     image_tokens,
     validate_sample,
+    write_index,
 )
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
@@ -59,6 +61,7 @@ def convert(folder: Path, out: Path, patch: int, merge: int, max_side: int) -> i
         writer.write(encode_sample(validate_sample(sample, (Modality("image", IMAGE_TOKEN, (unit, unit), 3),))))
         count += 1
     writer.close()
+    write_index(str(out))  # every process reads metadata from the index, payload only where needed
     return count
 
 

@@ -22,7 +22,9 @@ from maestro_jax.data import (
     encode_sample,
     global_batches,
     validate_sample,
+    write_index,
 )
+from maestro_jax.data.samples import decoded_bytes, record_info
 from maestro_jax.training.loop import train
 
 IMAGE = Modality("image", IMAGE_TOKEN, (8, 8), 3, max_shape=(32, 32))
@@ -80,6 +82,52 @@ def test_record_round_trip_and_info_without_payload():
     info = src.info(3)
     assert info.length == s.length and info.item_shapes == {m: s.shapes(m) for m in ("image", "audio")}
     assert validate_sample(s, (IMAGE, AUDIO), vocab=300) is s
+
+
+def test_parts_decode_alone_and_the_rest_stays_hollow():
+    """Synthetic and encoded samples give each part (`tokens`, a modality) without the others;
+    the hollow parts have the right shapes and are zeros; metadata comes from npy headers."""
+    src = SyntheticSource(num_samples=8, vocab=300, text_len=(5, 9),
+                          items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8), (16, 8))), SyntheticItems(AUDIO, 1.0, 2, ((8,),))))
+    whole = src[5]
+    record = encode_sample(whole)
+    stored = decode_sample(record)  # images come back quantised to uint8 (and clipped to [-1, 1])
+    info = record_info(record)
+    assert (info.id, info.length, dict(info.item_shapes)) == (5, whole.length, {m: whole.shapes(m) for m in whole.items})
+    for part in ("tokens", "image", "audio"):
+        synthetic, read = src.read(5, frozenset({part}))
+        decoded = decode_sample(record, frozenset({part}))
+        assert read == 0
+        for got, ref in ((synthetic, whole), (decoded, stored)):
+            assert got.length == whole.length and all(got.shapes(m) == whole.shapes(m) for m in whole.items)
+            assert (got.tokens == whole.tokens).all() if part == "tokens" else not got.tokens.any()
+            for m in ("image", "audio"):
+                expected = ref.of(m) if m == part else [np.zeros_like(x) for x in ref.of(m)]
+                assert all(np.array_equal(g, e) for g, e in zip(got.of(m), expected))
+        assert decoded_bytes(synthetic, frozenset({part})) == decoded_bytes(whole, frozenset({part})) > 0
+    assert decoded_bytes(whole) == sum(decoded_bytes(whole, frozenset({p})) for p in ("tokens", "image", "audio"))
+
+
+def test_array_record_index_gives_metadata_without_reading_records(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    src = SyntheticSource(num_samples=6, vocab=300, text_len=(5, 9), items=(SyntheticItems(IMAGE, 0.5, 2, ((8, 8),)),))
+    path = tmp_path / "d.array_record"
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for i in range(6):
+        writer.write(encode_sample(src[i]))
+    writer.close()
+    headers = [ArrayRecordSource((str(path),)).info(i) for i in range(6)]  # no index: npy headers
+    write_index(str(path))
+    indexed = ArrayRecordSource((str(path),))
+    for i in range(6):
+        for info in (headers[i], indexed.info(i)):
+            assert (info.id, info.length, dict(info.item_shapes)) == (i, src[i].length, dict(src.info(i).item_shapes))
+    sample, read = indexed.read(2, frozenset({"tokens"}))
+    assert read > 0 and (sample.tokens == src[2].tokens).all()
+    (tmp_path / "d.array_record.index.json").write_text("[]")
+    with pytest.raises(DataError, match="index files list 0 records but the files hold 6"):
+        ArrayRecordSource((str(path),))
 
 
 def test_shuffle_is_seeded_and_batches_deterministic():

@@ -148,10 +148,12 @@ def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
     assert [r["sample_ids"] for r in history] == [[0, 1, 2, 4, 5, 6, 8, 9], [10, 12, 13, 14, 16, 17, 18, 20]]
     skipped = [r["skipped_samples"] for r in history]
     assert [len(s) for s in skipped] == [2, 3]
+    # in the order found: metadata faults (every process, before scheduling) as samples are taken,
+    # payload faults once the batch is decoded; the batch is then refilled (19 is taken then)
     assert "sample id=3: image 0 has NaN" in skipped[0][0]
     assert "sample id=7: 2 image-placeholder tokens but its image items need 1" in skipped[0][1]
-    assert "sample id=11: needs at least 2 text tokens" in skipped[1][0]
-    assert "record 15" in skipped[1][1] and "cannot be decoded" in skipped[1][1]
+    assert "record 15" in skipped[1][0] and "cannot be decoded" in skipped[1][0]
+    assert "sample id=11: needs at least 2 text tokens" in skipped[1][1]
     assert "sample id=19: 70 tokens exceed the largest bucket (40)" in skipped[1][2]
     assert all(np.isfinite(r["loss"]) for r in history)
     assert "skipped 5 bad sample(s)" in capsys.readouterr().out

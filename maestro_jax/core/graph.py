@@ -73,6 +73,9 @@ class Section:
     work(sample): the section's work units for the sample (tokens, patches): cost and buckets.
     activates and work receive a `Sample` or its `SampleInfo` (length and item shapes only).
     cost: what a work unit costs (`UnitCost`), for the simulator, planner and memory model.
+    reads: the sample parts `host_batch` reads (`"tokens"`, modality names; None: all). A
+      process decodes a part of a sample only where some section that reads it holds a row of
+      that sample on the process's devices.
     """
 
     name: str
@@ -82,6 +85,7 @@ class Section:
     activates: Callable[[SampleLike], bool]
     work: Callable[[SampleLike], int]
     cost: UnitCost = UnitCost(flops=0.0)
+    reads: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,8 @@ class SectionGraph:
 
     init(key) -> {section: {"params": ..., "consts": ...}} with logically partitioned leaves;
     the runtime evaluates it once per section, under that section's sharding.
-    loss_count(samples) -> the global-batch normaliser of the sink's `loss_sum`.
+    loss_count(samples) -> the global-batch normaliser of the sink's `loss_sum`: a sum over
+      samples (processes count disjoint subsets and add them up).
     """
 
     sections: tuple[Section, ...]

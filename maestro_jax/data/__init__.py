@@ -1,6 +1,6 @@
 """Data: the sample schema, sample sources and the Grain pipeline that makes global batches."""
 
-from maestro_jax.data.pipeline import BadSamples, global_batches, training_batches
+from maestro_jax.data.pipeline import BadSamples, BatchReader, LoadedBatch, ReadPlan, global_batches
 from maestro_jax.data.samples import (
     AUDIO_TOKEN,
     FIRST_TEXT_TOKEN,
@@ -12,10 +12,12 @@ from maestro_jax.data.samples import (
     decode_sample,
     encode_sample,
     image_tokens,
+    validate_info,
     validate_sample,
 )
-from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource, sample_info
+from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource, sample_info, write_index
 
-__all__ = ["AUDIO_TOKEN", "FIRST_TEXT_TOKEN", "IMAGE_TOKEN", "ArrayRecordSource", "BadSamples", "DataError",
-           "Modality", "Sample", "SampleInfo", "SyntheticItems", "SyntheticSource", "decode_sample", "encode_sample",
-           "global_batches", "image_tokens", "sample_info", "training_batches", "validate_sample"]
+__all__ = ["AUDIO_TOKEN", "FIRST_TEXT_TOKEN", "IMAGE_TOKEN", "ArrayRecordSource", "BadSamples", "BatchReader",
+           "DataError", "LoadedBatch", "Modality", "ReadPlan", "Sample", "SampleInfo", "SyntheticItems",
+           "SyntheticSource", "decode_sample", "encode_sample", "global_batches", "image_tokens", "sample_info",
+           "validate_info", "validate_sample", "write_index"]

@@ -1,12 +1,23 @@
-"""The Grain pipeline: shuffled global batches, validated samples, resumable iterator state."""
+"""The Grain pipeline: shuffled global batches, validated samples, resumable iterator state.
+
+Two readers share one order (`seed`, `shuffle`):
+  `global_batches`  random access to whole, decoded batches (verify, bench, calibration);
+  `BatchReader`     the training stream, read per process: every process reads every sample's
+                    metadata (`SampleInfo`: enough to schedule), then decodes only the parts
+                    its own devices' rows need; the others stay hollow (zeros of the right
+                    shape, never placed on a device).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from maestro_jax.data.samples import DataError
+from maestro_jax.data.samples import DataError, Sample, SampleInfo, decoded_bytes, hollow_sample
+from maestro_jax.data.sources import read_parts, sample_info
 
 if TYPE_CHECKING:
     import grain
@@ -17,7 +28,7 @@ log = logging.getLogger("maestro_jax")
 def _read(source, check, keep_errors: bool, index: int):
     """Sample `index`, validated; under the `skip` policy a bad one comes back as its DataError."""
     try:
-        return check(source[int(index)]) if check else source[int(index)]
+        return check(source[int(index)], parts=None) if check else source[int(index)]
     except DataError as err:
         if keep_errors:
             return err
@@ -59,15 +70,112 @@ class BadSamples:
         return out
 
 
-def training_batches(source, global_batch: int, seed: int, shuffle: bool, check, bad: BadSamples | None
-                     ) -> grain.IterDataset:
-    """The training stream: the same order as `global_batches`. With `bad` (skip policy) bad
-    samples are dropped and the batch is filled from the next ones; without, they raise.
-    Its iterator state (`get_state`/`set_state`) resumes the stream exactly."""
-    import grain
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """What one process reads of a global batch, decided from metadata alone.
 
-    ds = (_ordered(source, seed, shuffle).map(functools.partial(_read, source, check, bad is not None))
-          .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
-    if bad is not None:
-        ds = ds.filter(bad.keep)
-    return ds.batch(global_batch, drop_remainder=True, batch_fn=list)
+    parts[i]: the parts of sample i to decode here (`tokens`, modality names; None: all;
+      empty: none, the sample stays hollow);
+    counts[i]: this process adds sample i to the loss normaliser (exactly one process does,
+      one that decodes its tokens);
+    schedule: the batch's schedule (the same on every process)."""
+
+    parts: list[frozenset[str] | None]
+    counts: list[bool]
+    schedule: object
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedBatch:
+    """One global batch as this process holds it, plus what every process read for it."""
+
+    samples: list[Sample]  # hollow where this process's devices hold no row of the sample
+    schedule: object
+    loss_count: int  # the global normaliser (`SectionGraph.loss_count` summed over processes)
+    read_bytes: list[int | None]  # per process: bytes read from storage (None: the source does not say)
+    decoded_bytes: list[int]  # per process: bytes of payload arrays decoded
+
+
+class BatchReader:
+    """The training stream of global batches, in `global_batches`' order, read per process.
+
+    Per batch: take the next samples' `SampleInfo`s (metadata checks run here, identically on
+    every process), ask `plan(infos)` what this process must decode (`ReadPlan`), decode and
+    check only that, then share with the other processes (`gather`) the bad samples found,
+    the loss-normaliser counts and the bytes read. A bad sample found by any process is bad
+    everywhere: with `bad` (skip policy) it is dropped on every process and the batch filled
+    from the next samples; without, every process raises the same `DataError`. `get_state` /
+    `set_state` resume the stream exactly."""
+
+    def __init__(self, source, global_batch: int, seed: int, shuffle: bool, *, plan: Callable[[list], ReadPlan],
+                 loss_count: Callable[[list], int], info_check=None, check=None, bad: BadSamples | None = None,
+                 gather: Callable[[str, object], list] = lambda name, value: [value]):
+        import grain  # noqa: PLC0415
+
+        self.source, self.global_batch, self.bad = source, global_batch, bad
+        self._plan, self._loss_count, self._info_check, self._check = plan, loss_count, info_check, check
+        self._gather = gather
+        self._it = iter(_ordered(source, seed, shuffle).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+    def get_state(self) -> dict:
+        return self._it.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state)
+
+    def __iter__(self):
+        return self
+
+    def _next_info(self) -> tuple[int, SampleInfo]:
+        while True:
+            index = int(next(self._it))
+            try:
+                info = sample_info(self.source, index)
+                return index, self._info_check(info) if self._info_check else info
+            except DataError as err:
+                if self.bad is None:
+                    raise
+                self.bad.keep(err)
+
+    def _read(self, index: int, info: SampleInfo, parts) -> tuple[Sample, int | None, int]:
+        sample, read = read_parts(self.source, index, parts)
+        if sample.length != info.length or any(sample.shapes(m) != tuple(map(tuple, v))
+                                               for m, v in info.item_shapes.items()):
+            raise DataError(f"sample id={info.id}: its payload does not match its metadata (length {sample.length} "
+                            f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}); "
+                            f"rebuild the source's index")
+        if self._check:
+            self._check(sample, parts=parts)
+        return sample, read, decoded_bytes(sample, parts)
+
+    def __next__(self) -> LoadedBatch:
+        taken: list[tuple[int, SampleInfo]] = []
+        while True:
+            while len(taken) < self.global_batch:
+                taken.append(self._next_info())
+            plan = self._plan([info for _, info in taken])
+            samples, errors, read, decoded = [], {}, 0, 0
+            for pos, (index, info) in enumerate(taken):
+                parts = plan.parts[pos]
+                sample = hollow_sample(info)
+                if parts is None or parts:
+                    try:
+                        sample, nread, ndecoded = self._read(index, info, parts)
+                        read = None if read is None or nread is None else read + nread
+                        decoded += ndecoded
+                    except DataError as err:
+                        errors[pos] = str(err)
+                samples.append(sample)
+            owned = [s for s, mine in zip(samples, plan.counts) if mine]
+            count = self._loss_count(owned) if owned and not errors else 0
+            shared = self._gather("batch", {"bad": errors, "count": count, "read": read, "decoded": decoded})
+            bad = {int(pos): msg for peer in shared for pos, msg in peer["bad"].items()}
+            if not bad:
+                return LoadedBatch(samples, plan.schedule, sum(p["count"] for p in shared),
+                                   [p["read"] for p in shared], [p["decoded"] for p in shared])
+            if self.bad is None:
+                raise DataError(bad[min(bad)])
+            for pos in sorted(bad):
+                self.bad.keep(DataError(bad[pos]))
+            taken = [t for pos, t in enumerate(taken) if pos not in bad]

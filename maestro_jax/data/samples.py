@@ -93,51 +93,96 @@ class DataError(ValueError):
     """A malformed sample; the message names its id and what is wrong."""
 
 
-def validate_sample(s: Sample, modalities: tuple[Modality, ...] = (), max_tokens: int | None = None,
-                    vocab: int | None = None) -> Sample:
-    """Reject what must never be trained on silently: wrong dtypes or shapes, ids outside the
-    vocabulary, placeholders that do not match the items, items of a modality the workload
-    does not take, empty or oversized items, non-finite values, too long a sequence."""
-    where = f"sample id={s.id}"
-    if s.tokens.ndim != 1 or not np.issubdtype(s.tokens.dtype, np.integer):
-        raise DataError(f"{where}: tokens must be a 1-D integer array, got {s.tokens.dtype}{list(s.tokens.shape)}")
-    if s.tokens.size and (s.tokens.min() < 0 or (vocab is not None and s.tokens.max() >= vocab)):
-        bad = int(s.tokens.min()) if s.tokens.min() < 0 else int(s.tokens.max())
-        raise DataError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
-    placeholders = {m.placeholder for m in modalities}
-    text = int(np.count_nonzero(~np.isin(s.tokens, list(placeholders))))
-    if text < 2:
-        raise DataError(f"{where}: needs at least 2 text tokens, got {text}")
-    if max_tokens is not None and len(s.tokens) > max_tokens:
-        raise DataError(f"{where}: {len(s.tokens)} tokens exceed the largest bucket ({max_tokens})")
+TOKENS = "tokens"  # the part of a sample holding its token ids; other parts are named by modality
+
+
+def parts_of(s) -> frozenset[str]:
+    """The parts a sample (or its `SampleInfo`) has: `tokens` and each modality it carries."""
+    return frozenset({TOKENS, *(m for m, v in s.item_shapes.items() if v)} if isinstance(s, SampleInfo)
+                     else {TOKENS, *(m for m, v in s.items.items() if v)})
+
+
+def hollow_sample(info: SampleInfo, parts: dict[str, object] | None = None) -> Sample:
+    """A sample with `info`'s shapes whose parts not in `parts` are zeros: the rows a process
+    builds but never places (another process's devices hold them) cost no read nor decode."""
+    parts = parts or {}
+    tokens = parts.get(TOKENS)
+    return Sample(info.id, tokens if tokens is not None else np.zeros(info.length, np.int32),
+                  {m: parts[m] if m in parts else tuple(np.zeros(sh, np.float32) for sh in shapes)
+                   for m, shapes in info.item_shapes.items()})
+
+
+def validate_info(info: SampleInfo, modalities: tuple[Modality, ...] = (), max_tokens: int | None = None
+                  ) -> SampleInfo:
+    """The checks a sample's metadata answers (every process runs them before scheduling):
+    sequence length, modalities the workload takes, each item's shape."""
+    where = f"sample id={info.id}"
+    if max_tokens is not None and info.length > max_tokens:
+        raise DataError(f"{where}: {info.length} tokens exceed the largest bucket ({max_tokens})")
     known = {m.name: m for m in modalities}
-    for name in s.items:
-        if s.items[name] and name not in known:
+    for name, shapes in info.item_shapes.items():
+        if shapes and name not in known:
             raise DataError(f"{where}: has {name} items, but this workload takes {sorted(known) or 'text only'}")
     for m in modalities:
-        expected = sum(_check_item(where, m, i, x) for i, x in enumerate(s.of(m.name)))
-        found = int(np.count_nonzero(s.tokens == m.placeholder))
-        if found != expected:
-            raise DataError(f"{where}: {found} {m.name}-placeholder tokens but its {m.name} items need {expected}")
+        for i, shape in enumerate(info.shapes(m.name)):
+            _check_item_shape(where, m, i, tuple(shape))
+    return info
+
+
+def validate_sample(s: Sample, modalities: tuple[Modality, ...] = (), max_tokens: int | None = None,
+                    vocab: int | None = None, parts: frozenset[str] | None = None) -> Sample:
+    """Reject what must never be trained on silently: wrong dtypes or shapes, ids outside the
+    vocabulary, placeholders that do not match the items, items of a modality the workload
+    does not take, empty or oversized items, non-finite values, too long a sequence.
+
+    `parts`: the parts this process decoded (None: all); the others are hollow and unchecked
+    here (the process that decodes them checks them)."""
+    where = f"sample id={s.id}"
+    if not (isinstance(s.tokens, np.ndarray) and s.tokens.ndim == 1 and np.issubdtype(s.tokens.dtype, np.integer)):
+        tokens = np.asarray(s.tokens)
+        raise DataError(f"{where}: tokens must be a 1-D integer array, got {tokens.dtype}{list(tokens.shape)}")
+    for m in modalities:
+        for i, x in enumerate(s.of(m.name)):
+            if x.ndim != len(m.unit) + 1 or x.dtype != np.float32 or x.shape[-1] != m.channels:
+                raise DataError(f"{where}: {m.name} {i} must be float32 with {len(m.unit)} spatial dims and "
+                                f"{m.channels} channels last, got {x.dtype}{list(x.shape)}")
+    validate_info(s.info(), modalities, max_tokens)
+    if parts is None or TOKENS in parts:
+        _check_tokens(where, s, modalities, vocab)
+    for m in modalities:
+        if parts is None or m.name in parts:
+            for i, x in enumerate(s.of(m.name)):
+                if not np.isfinite(x).all():
+                    raise DataError(f"{where}: {m.name} {i} has NaN or inf values")
     return s
 
 
-def _check_item(where: str, m: Modality, i: int, x: np.ndarray) -> int:
-    """Placeholder tokens item `i` needs, or DataError naming what is wrong with it."""
+def _check_tokens(where: str, s: Sample, modalities: tuple[Modality, ...], vocab: int | None) -> None:
+    if s.tokens.size and (s.tokens.min() < 0 or (vocab is not None and s.tokens.max() >= vocab)):
+        bad = int(s.tokens.min()) if s.tokens.min() < 0 else int(s.tokens.max())
+        raise DataError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+    text = int(np.count_nonzero(~np.isin(s.tokens, [m.placeholder for m in modalities])))
+    if text < 2:
+        raise DataError(f"{where}: needs at least 2 text tokens, got {text}")
+    for m in modalities:
+        expected = sum(m.tokens(shape[:len(m.unit)]) for shape in s.shapes(m.name))
+        found = int(np.count_nonzero(s.tokens == m.placeholder))
+        if found != expected:
+            raise DataError(f"{where}: {found} {m.name}-placeholder tokens but its {m.name} items need {expected}")
+
+
+def _check_item_shape(where: str, m: Modality, i: int, shape: tuple[int, ...]) -> None:
     spatial = len(m.unit)
-    if x.ndim != spatial + 1 or x.dtype != np.float32 or x.shape[-1] != m.channels:
-        raise DataError(f"{where}: {m.name} {i} must be float32 with {spatial} spatial dims and {m.channels} "
-                        f"channels last, got {x.dtype}{list(x.shape)}")
-    dims = x.shape[:spatial]
+    if len(shape) != spatial + 1 or shape[-1] != m.channels:
+        raise DataError(f"{where}: {m.name} {i} must have {spatial} spatial dims and {m.channels} channels last, "
+                        f"got shape {list(shape)}")
+    dims = shape[:spatial]
     if any(d == 0 or d % u for d, u in zip(dims, m.unit)):
         raise DataError(f"{where}: {m.name} {i} is {'x'.join(map(str, dims))}; each side must be a positive "
                         f"multiple of {'x'.join(map(str, m.unit))}")
     if m.max_shape is not None and any(d > b for d, b in zip(dims, m.max_shape)):
         raise DataError(f"{where}: {m.name} {i} is {'x'.join(map(str, dims))}, larger than the model takes "
                         f"({'x'.join(map(str, m.max_shape))})")
-    if not np.isfinite(x).all():
-        raise DataError(f"{where}: {m.name} {i} has NaN or inf values")
-    return m.tokens(dims)
 
 
 def encode_sample(s: Sample) -> bytes:
@@ -152,12 +197,46 @@ def encode_sample(s: Sample) -> bytes:
     return buf.getvalue()
 
 
-def decode_sample(record: bytes) -> Sample:
+def _item_keys(files) -> list[str]:
+    return sorted((k for k in files if k not in ("id", "tokens")), key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
+def record_info(record: bytes) -> SampleInfo:
+    """A record's `SampleInfo` from the npy headers alone: no array is decoded."""
     with np.load(io.BytesIO(record), allow_pickle=False) as z:
-        items: dict[str, list[np.ndarray]] = {}
-        for key in sorted((k for k in z.files if k not in ("id", "tokens")), key=lambda k: int(k.rsplit("_", 1)[1])):
+        shapes: dict[str, list[tuple[int, ...]]] = {}
+        for key in ["tokens", *_item_keys(z.files)]:
+            with z.zip.open(f"{key}.npy") as f:
+                version = np.lib.format.read_magic(f)
+                header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                          else np.lib.format.read_array_header_2_0)
+                shape = tuple(int(d) for d in header(f)[0])
+            if key == "tokens":
+                length = shape[0] if shape else 0
+            else:
+                shapes.setdefault(key.rsplit("_", 1)[0], []).append(shape)
+        return SampleInfo(int(z["id"]), length, {k: tuple(v) for k, v in shapes.items()})
+
+
+def decode_sample(record: bytes, parts: frozenset[str] | None = None) -> Sample:
+    """The sample in `record`. With `parts`, only those parts (`tokens`, modality names) are
+    decoded; the others are hollow (`hollow_sample`)."""
+    with np.load(io.BytesIO(record), allow_pickle=False) as z:
+        decoded: dict[str, object] = {}
+        for key in _item_keys(z.files):
             name = key.rsplit("_", 1)[0]
-            x = z[key]
-            items.setdefault(name, []).append(x.astype(np.float32) / 127.5 - 1.0 if x.dtype == np.uint8 else x)
-        return Sample(id=int(z["id"]), tokens=z["tokens"].astype(np.int32),
-                      items={k: tuple(v) for k, v in items.items()})
+            if parts is None or name in parts:
+                x = z[key]
+                decoded.setdefault(name, []).append(x.astype(np.float32) / 127.5 - 1.0 if x.dtype == np.uint8 else x)
+        decoded = {k: tuple(v) for k, v in decoded.items()}
+        if parts is None:
+            return Sample(id=int(z["id"]), tokens=z["tokens"].astype(np.int32), items=decoded)
+        if TOKENS in parts:
+            decoded[TOKENS] = z["tokens"].astype(np.int32)
+    return hollow_sample(record_info(record), decoded)
+
+
+def decoded_bytes(s: Sample, parts: frozenset[str] | None = None) -> int:
+    """Bytes of the arrays of `s`'s `parts` (None: all): what decoding them materialised."""
+    total = s.tokens.nbytes if parts is None or TOKENS in parts else 0
+    return total + sum(x.nbytes for m, xs in s.items.items() if parts is None or m in parts for x in xs)

@@ -1,14 +1,31 @@
 """Random-access sample sources (Grain's `RandomAccessDataSource` protocol: `__len__`,
-`__getitem__`), plus `info(index)`: a sample's ids, length and item shapes without its payload,
-which is all the scheduler and the planner read."""
+`__getitem__`), plus two optional methods the multi-process data path uses:
+  `info(index)`: a sample's id, length and item shapes without its payload, which is all the
+      scheduler and the planner read (every process reads every sample's info);
+  `read(index, parts)`: the sample with only `parts` decoded (`tokens`, modality names) and
+      the others hollow, plus the bytes read from storage: a process decodes only the payload
+      its devices' rows need.
+`sample_info` and `read_parts` fall back to a full `__getitem__` for sources without them."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 
-from maestro_jax.data.samples import FIRST_TEXT_TOKEN, DataError, Modality, Sample, SampleInfo, decode_sample
+from maestro_jax.data.samples import (
+    FIRST_TEXT_TOKEN,
+    TOKENS,
+    DataError,
+    Modality,
+    Sample,
+    SampleInfo,
+    decode_sample,
+    hollow_sample,
+    record_info,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +78,30 @@ class SyntheticSource:
         return next(s.modality.channels for s in self.items if s.modality.name == name)
 
     def __getitem__(self, index: int) -> Sample:
+        return self.read(index, None)[0]
+
+    def read(self, index: int, parts: frozenset[str] | None) -> tuple[Sample, int]:
+        """Sample `index` with only `parts` generated (None: all); nothing is read from storage.
+        Text and each modality's items come from their own random streams, so one part is
+        produced without the others."""
         index = int(index)
         rng = np.random.default_rng([self.seed, index])
         length = int(rng.integers(*self.text_len, endpoint=True))
+        shapes = self._item_shapes(index)
+        out: dict[str, object] = {}
+        if parts is None or TOKENS in parts:
+            out[TOKENS] = self._tokens(rng, length, shapes)
+        for k, spec in enumerate(self.items):
+            m = spec.modality
+            if m.name in shapes and (parts is None or m.name in parts):
+                item_rng = np.random.default_rng([self.seed, index, 100 + k])
+                out[m.name] = tuple(item_rng.standard_normal((*sh, m.channels)).astype(np.float32)
+                                    for sh in shapes[m.name])
+        if parts is None:
+            return Sample(index, out.pop(TOKENS), out), 0
+        return hollow_sample(self.info(index), out), 0
+
+    def _tokens(self, rng, length: int, shapes) -> np.ndarray:
         span = self.vocab - FIRST_TEXT_TOKEN
         text = np.empty(length, np.int64)
         text[0] = rng.integers(span)
@@ -72,23 +110,23 @@ class SyntheticSource:
         for i in range(1, length):
             text[i] = (7 * text[i - 1] + 3) % span if follow[i] else noise[i]
         text += FIRST_TEXT_TOKEN
-        items = {}
-        shapes = self._item_shapes(index)
         for spec in self.items:
             m = spec.modality
-            if m.name not in shapes:
-                continue
-            items[m.name] = tuple(rng.standard_normal((*s, m.channels)).astype(np.float32) for s in shapes[m.name])
-            placeholders = np.full(sum(m.tokens(s) for s in shapes[m.name]), m.placeholder)
-            cut = int(rng.integers(0, len(text)))
-            text = np.concatenate([text[:cut], placeholders, text[cut:]])
-        return Sample(id=index, tokens=text.astype(np.int32), items=items)
+            if m.name in shapes:
+                placeholders = np.full(sum(m.tokens(sh) for sh in shapes[m.name]), m.placeholder)
+                cut = int(rng.integers(0, len(text)))
+                text = np.concatenate([text[:cut], placeholders, text[cut:]])
+        return text.astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrayRecordSource:
     """Samples stored as ArrayRecord files (`scripts/convert_images.py` writes them); a record
-    that does not decode fails with its index (the pipeline validates what decodes)."""
+    that does not decode fails with its index (the pipeline validates what decodes).
+
+    `info` reads `<file>.index.json` (`write_index`) when every file has one: metadata then
+    costs no record read. Without an index it reads the record and decodes its npy headers
+    only."""
 
     paths: tuple[str, ...]
 
@@ -96,21 +134,67 @@ class ArrayRecordSource:
         import grain  # noqa: PLC0415 (grain imports jax; planning reads sources without it)
 
         object.__setattr__(self, "_source", grain.sources.ArrayRecordDataSource(list(self.paths)))
+        indexes = [Path(f"{p}.index.json") for p in self.paths]
+        infos = None
+        if all(i.is_file() for i in indexes):
+            infos = [row for i in indexes for row in json.loads(i.read_text())]
+            if len(infos) != len(self._source):
+                raise DataError(f"data.paths={list(self.paths)}: the index files list {len(infos)} records but the "
+                                f"files hold {len(self._source)}; rewrite them with write_index")
+        object.__setattr__(self, "_index", infos)
 
     def __len__(self) -> int:
         return len(self._source)
 
-    def __getitem__(self, index: int) -> Sample:
+    def _record(self, index: int) -> bytes:
         try:
-            return decode_sample(self._source[int(index)])
+            return self._source[int(index)]
+        except (ValueError, KeyError, OSError, IndexError) as err:
+            raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be read ({err})") from err
+
+    def _decode(self, index: int, fn, *args):
+        try:
+            return fn(*args)
         except (ValueError, KeyError, OSError) as err:  # numpy's npz reader: bad zip, missing array
             raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be decoded ({err})") from err
 
+    def __getitem__(self, index: int) -> Sample:
+        return self._decode(index, decode_sample, self._record(index))
+
+    def read(self, index: int, parts: frozenset[str] | None) -> tuple[Sample, int]:
+        record = self._record(index)
+        return self._decode(index, decode_sample, record, parts), len(record)
+
     def info(self, index: int) -> SampleInfo:
-        return self[index].info()
+        if self._index is not None:
+            sample_id, length, shapes = self._index[int(index)]
+            return SampleInfo(sample_id, length, {m: tuple(tuple(s) for s in v) for m, v in shapes.items()})
+        return self._decode(index, record_info, self._record(index))
+
+
+def write_index(path: str) -> Path:
+    """Write `<path>.index.json`: each record's sample id, token count and item shapes, in record order,
+    so that every process reads all samples' metadata without reading their records."""
+    import grain  # noqa: PLC0415
+
+    source = grain.sources.ArrayRecordDataSource([path])
+    rows = []
+    for i in range(len(source)):
+        info = record_info(source[i])
+        rows.append([info.id, info.length, {m: [list(s) for s in v] for m, v in info.item_shapes.items()}])
+    out = Path(f"{path}.index.json")
+    out.write_text(json.dumps(rows))
+    return out
 
 
 def sample_info(source, index: int) -> SampleInfo:
     """`source.info(index)` where the source offers it, else decoded from the sample itself."""
     info = getattr(source, "info", None)
     return info(index) if info is not None else source[index].info()
+
+
+def read_parts(source, index: int, parts: frozenset[str] | None) -> tuple[Sample, int | None]:
+    """`source.read(index, parts)` where the source offers it, else the whole sample (bytes
+    read unknown: None)."""
+    read = getattr(source, "read", None)
+    return read(index, parts) if read is not None else (source[index], None)

@@ -6,17 +6,19 @@ import dataclasses
 import functools
 
 import flax.linen as nn
-import grain
 import jax
 
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core import plan as plan_lib
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.data import BadSamples, global_batches, training_batches
+from maestro_jax.data import BadSamples, global_batches
+from maestro_jax.data.pipeline import BatchReader, ReadPlan
+from maestro_jax.data.samples import TOKENS, parts_of
+from maestro_jax.runtime.distributed import gather
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.programs import SectionPrograms, SectionState, make_optimizer
-from maestro_jax.runtime.sharding import param_infos, section_mesh, variable_shardings
+from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 
 
@@ -32,7 +34,8 @@ class Runtime:
     executor: Executor
     abstract: dict
     source: object  # random-access source of samples (Grain protocol)
-    check: object = None  # sample validation (raises DataError), or None
+    check: object = None  # check(sample, parts=...): payload validation (raises DataError), or None
+    info_check: object = None  # info_check(SampleInfo): metadata validation (raises DataError), or None
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
     cost: object = None  # CostModel the wavefront scheduler plans with (None: work units)
 
@@ -56,10 +59,35 @@ class Runtime:
     def batches(self):
         return global_batches(self.source, self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle, self.check)
 
-    def training_batches(self, bad: BadSamples | None = None) -> grain.IterDataset:
-        """The training stream; pass `bad` to skip (and count) bad samples instead of failing."""
-        return training_batches(self.source, self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle,
-                                self.check, bad)
+    def reader(self, bad: BadSamples | None = None) -> BatchReader:
+        """The training stream, read per process; pass `bad` to skip (and count) bad samples
+        instead of failing."""
+        return BatchReader(self.source, self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle,
+                           plan=self.read_plan, loss_count=self.graph.loss_count, info_check=self.info_check,
+                           check=self.check, bad=bad, gather=gather)
+
+    def read_plan(self, infos) -> ReadPlan:
+        """What this process decodes of a batch, from metadata: for each sample, the parts read
+        by the sections that hold one of its rows on this process's devices (`put_batch` places
+        only those rows). The lowest process that decodes a sample's tokens counts it in the
+        loss normaliser; a sample whose tokens no section reads is counted by process 0."""
+        schedule = self.schedule(infos)
+        me = jax.process_index()
+        need = [[set() for _ in infos] for _ in range(jax.process_count())]
+        for s, steps in schedule.steps.items():
+            reads = self.graph.section(s).reads
+            for st in steps:
+                for q, held in rows_by_process(self.programs[s].rows, len(st.rows)).items():
+                    for r in held:
+                        pos = st.rows[r]
+                        if pos >= 0:
+                            need[q][pos] |= parts_of(infos[pos]) if reads is None else set(reads)
+        counts = []
+        for pos in range(len(infos)):
+            owner = next((q for q, n in enumerate(need) if TOKENS in n[pos]), 0)
+            need[owner][pos].add(TOKENS)
+            counts.append(owner == me)
+        return ReadPlan([frozenset(n) for n in need[me]], counts, schedule)
 
     @functools.cached_property
     def monolithic(self) -> MonolithicRuntime:
@@ -79,7 +107,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
     a user's own graph comes with its own `source` (and optionally a `check`)."""
-    pretrained = {}
+    pretrained, info_check = {}, None
     if graph is None:
         from maestro_jax import workloads  # noqa: PLC0415
         from maestro_jax.workloads.pretrained import check_pretrained  # noqa: PLC0415
@@ -89,6 +117,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
         check_pretrained(cfg, pretrained)
         source = source if source is not None else workloads.source_from_config(cfg)
         check = check if check is not None else workloads.sample_check(cfg)
+        info_check = workloads.info_check(cfg)
     else:
         _check_sections(cfg, graph)
         if source is None:
@@ -119,7 +148,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
                       dp={s: plan.sections[s].dp for s in graph.names},
                       fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight)
     return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
-                   abstract, source, check, dict(pretrained))
+                   abstract, source, check, info_check, dict(pretrained))
 
 
 def _check_sections(cfg: Config, graph: SectionGraph) -> None:

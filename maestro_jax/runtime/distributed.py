@@ -59,6 +59,18 @@ def agree(name: str, value):
     return json.loads(_get(key, 0, f"share {name!r}"))
 
 
+def gather(name: str, value) -> list:
+    """Every process's `value` (JSON-able), in process order, on every process: a bounded
+    all-gather through the key-value store. `[value]` with one process."""
+    if jax.process_count() == 1:
+        return [value]
+    me = jax.process_index()
+    prefix = f"maestro/gather/{name}/{next(_keys)}"
+    _client().key_value_set(f"{prefix}/{me}", json.dumps(value))
+    return [value if q == me else json.loads(_get(f"{prefix}/{q}", q, f"share {name!r}"))
+            for q in range(jax.process_count())]
+
+
 def step_barrier(step: int) -> None:
     """Every process checks in before step `step`; a peer that does not within the timeout is
     named in the error. Bounds the wait on a stuck or dead peer at every step boundary (a peer

@@ -60,10 +60,11 @@ class Executor:
                 out[(s, st.index)] = section.host_batch(rows, schedule.routes(self.problem, s, st.index))
         return out
 
-    def _start(self, states, samples, schedule, host) -> _StepState:
+    def _start(self, states, samples, schedule, host, norm) -> _StepState:
         host = host if host is not None else self.host_batches(samples, schedule)
+        norm = self.graph.loss_count(samples) if norm is None else norm
         return _StepState(
-            states=states, schedule=schedule, norm=np.float32(max(self.graph.loss_count(samples), 1)),
+            states=states, schedule=schedule, norm=np.float32(max(norm, 1)),
             batches={key: self.programs[key[0]].put_batch(b) for key, b in host.items()},
             acc={s: self.programs[s].zeros_like_params(states[s]) for s in self.problem.order
                  if s in self.problem.trained})  # graph order: identical on every process
@@ -74,14 +75,17 @@ class Executor:
         return StepResult(loss=sum(ctx.losses), grads=ctx.acc, metrics=summed)
 
     def run(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
-            host: dict | None = None, record: list | None = None) -> StepResult:
+            host: dict | None = None, record: list | None = None, norm: int | None = None) -> StepResult:
         """Forward and backward of one global batch: loss and accumulated grads, no update.
+
+        `norm`: the batch's loss normaliser when `samples` are partly hollow (a multi-process
+        `LoadedBatch`); by default `graph.loss_count(samples)`.
 
         With `record` (a list), every operation is waited for and appended as
         `(op, start_s, end_s, dispatch_s)`: a measured timeline for calibration and traces, with
         the host time spent issuing the op. This serialises the step; never use it for throughput.
         """
-        ctx = self._start(states, samples, schedule, host)
+        ctx = self._start(states, samples, schedule, host, norm)
         t_origin = time.perf_counter()
         for op in schedule.ops:
             t_op = time.perf_counter()
@@ -103,7 +107,7 @@ class Executor:
         and for its own op to finish before the next. Transfers run on the thread that owns
         their data: X on the producer's, XB on the consumer's.
         """
-        ctx = self._start(states, samples, schedule, None)
+        ctx = self._start(states, samples, schedule, None, None)
         req = required_ops(schedule, self.problem)
         done = {op: threading.Event() for op in schedule.ops}
         owner = {op: self.graph.edge(op.edge).dst if op.kind == "XB" else op.section for op in schedule.ops}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -22,6 +24,15 @@ def section_mesh(sp: SectionPlan, devices=None) -> Mesh:
 def row_sharding(mesh: Mesh) -> NamedSharding:
     """Batch rows over the data-parallel axes, everything else replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+@functools.lru_cache(maxsize=4096)
+def rows_by_process(sharding: NamedSharding, rows: int) -> dict[int, frozenset[int]]:
+    """{process: the row indices its devices hold} of a `rows`-row batch under `sharding`."""
+    out: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map((rows,)).items():
+        out.setdefault(device.process_index, set()).update(range(rows)[index[0]])
+    return {q: frozenset(r) for q, r in out.items()}
 
 
 def variable_shardings(abstract_boxed, mesh: Mesh, rules_name: str):

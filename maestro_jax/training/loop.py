@@ -61,13 +61,15 @@ class NonFiniteError(RuntimeError):
     """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
 
 
-def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop"):
+def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None):
     """One optimizer step; NaN/inf loss or grads are detected per section before any update.
 
     Returns the new states and a metrics record. With `on_nonfinite="skip"` a bad step leaves
     every section's params and optimizer state untouched (`skipped_nonfinite` names them).
+    `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow).
     """
-    result = rt.executor.run(states, samples, rt.schedule(samples))
+    schedule = schedule if schedule is not None else rt.schedule(samples)
+    result = rt.executor.run(states, samples, schedule, norm=norm)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
     loss = float(fetch(result.loss))  # end of step: the host waits for the devices here
     bad = sorted(s for s, ok in finite.items() if not bool(fetch(ok)))
@@ -115,7 +117,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
     rt = rt or build_runtime(cfg)
     states = rt.init_states()
     bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
-    data = iter(rt.training_batches(bad))
+    data = rt.reader(bad)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     ckpt = None
     start = 0
@@ -145,13 +147,15 @@ def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) ->
     try:
         for step in bar:
             step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
-            samples = next(data)
+            batch = next(data)
+            samples = batch.samples
             t0 = time.perf_counter()
-            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite)
+            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite, batch.schedule, batch.loss_count)
             dt = time.perf_counter() - t0
             tokens = sum(len(s.tokens) - 1 for s in samples)
             rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
-                        "sample_ids": [int(s.id) for s in samples]})
+                        "sample_ids": [int(s.id) for s in samples],
+                        "data_read_bytes": batch.read_bytes, "data_decoded_bytes": batch.decoded_bytes})
             if bad is not None:
                 rec["skipped_samples"] = bad.drain()
             loss = rec["loss"]

@@ -22,7 +22,8 @@ from maestro_jax.runtime.build import build_runtime
 class Trainer:
     def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None):
         """`source`: any random-access source of `maestro_jax.data.Sample` (`__len__`,
-        `__getitem__`; `info(i)` optional); `check(sample)` validates a sample (raise DataError)."""
+        `__getitem__`; `info(i)` optional); `check(sample, parts=None)` validates a sample (raise DataError); `parts`
+        names the parts this process decoded (None: all; the others are zeros)."""
         self.config = config
         self.runtime = build_runtime(config, graph, source, check)
 

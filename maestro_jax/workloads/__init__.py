@@ -130,6 +130,16 @@ def sample_check(cfg: Config):
                              vocab=workload.vocab(cfg))
 
 
+def info_check(cfg: Config):
+    """The metadata half of `sample_check`, run on every process before scheduling."""
+    import functools  # noqa: PLC0415
+
+    from maestro_jax.data.samples import validate_info  # noqa: PLC0415
+
+    return functools.partial(validate_info, modalities=resolve(cfg.workload).modalities(cfg),
+                             max_tokens=cfg.data.max_tokens)
+
+
 def mean_item_units(cfg: Config, modality: str, per_item: Callable[[tuple[int, ...]], float],
                     default: float) -> float:
     """The mean work units of one item of `modality` in the configured data (attention context)."""

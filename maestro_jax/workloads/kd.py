@@ -14,6 +14,7 @@ import optax
 
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
+from maestro_jax.data.samples import TOKENS
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
@@ -34,7 +35,7 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
 
     return Section("teacher", trained=False, forward=forward,
                    host_batch=lambda rows, routes: R.text_rows(rows, modalities), activates=lambda s: True,
-                   work=R.next_token_units, cost=llm_cost(teacher, head=False))
+                   work=R.next_token_units, cost=llm_cost(teacher, head=False), reads=(TOKENS,))
 
 
 def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: float):
@@ -91,7 +92,7 @@ def build(cfg: Config) -> SectionGraph:
             teacher_section(teacher),
             Section("student", trained=True, forward=student_forward, host_batch=student_batch,
                     activates=lambda s: True, work=R.next_token_units,
-                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab)),
+                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab), reads=(TOKENS,)),
         ),
         edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
         init=init,

@@ -49,7 +49,7 @@ def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float) -> Section
 
     return Section("audio", trained=True, forward=forward, host_batch=host_batch, activates=lambda s: s.has("audio"),
                    work=lambda s: sum(t // a.frames_per_token for t, _ in s.shapes("audio")),
-                   cost=audio_cost(a, mean_tokens))
+                   cost=audio_cost(a, mean_tokens), reads=("audio",))
 
 
 def init_audio(a: AudioConfig, key):

@@ -15,7 +15,7 @@ import optax
 
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
-from maestro_jax.data.samples import IMAGE_TOKEN, Modality
+from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
@@ -63,7 +63,7 @@ def vision_section(vit: ViTConfig, llm_width: int, mean_patches: float, name: st
 
     return Section(name, trained=True, forward=forward, host_batch=host_batch, activates=lambda s: s.has("image"),
                    work=lambda s: sum((h // vit.patch) * (w // vit.patch) for h, w, _ in s.shapes("image")),
-                   cost=vit_cost(vit, mean_patches))
+                   cost=vit_cost(vit, mean_patches), reads=("image",))
 
 
 def init_vision(vit: ViTConfig, key):
@@ -107,7 +107,7 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Sectio
 
     return Section("llm", trained=True, forward=forward,
                    host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced), activates=lambda s: True,
-                   work=R.next_token_units, cost=cost)
+                   work=R.next_token_units, cost=cost, reads=(TOKENS,))
 
 
 def build(cfg: Config) -> SectionGraph:

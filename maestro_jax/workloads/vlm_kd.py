@@ -14,6 +14,7 @@ import jax
 
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
+from maestro_jax.data.samples import TOKENS
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
@@ -61,7 +62,7 @@ def build(cfg: Config) -> SectionGraph:
             vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,)),
             Section("student", trained=True, forward=student_forward, host_batch=student_batch,
                     activates=lambda s: True, work=R.next_token_units,
-                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab)),
+                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab), reads=(TOKENS,)),
         ),
         edges=(Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
                Edge(IMAGES, "vision", "student", bytes_per_unit=2 * student.width / (vit.merge * vit.merge))),
