@@ -121,7 +121,7 @@ def _run(cfg, args) -> int:
             return _export(cfg, args)
         from maestro_jax.tools.verify import report, verify
 
-        text, ok = report(verify(cfg), cfg.verify_rtol)
+        text, ok = report(verify(cfg), cfg.verify_tolerance)
         print(text)
         return 0 if ok else 1
     except (ConfigError, PlanError) as err:

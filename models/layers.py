@@ -4,12 +4,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-MASK_VALUE = -1e9  # finite, so fully masked (padding) rows stay NaN-free
-
 
 def partitioned(init, *axes):
     """An initialiser annotated with logical axis names (mapped to a mesh by `meshes/`)."""
     return nn.with_logical_partitioning(init, axes)
+
+
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat_layer(cls, remat: str):
+    """`cls` with per-layer activation checkpointing: `none` keeps every intermediate for the
+    backward, `full` keeps only each layer's input and recomputes the rest, `dots` also keeps
+    the outputs of weight matmuls (recomputing norms, activations and attention). The parameter
+    tree is unchanged."""
+    return cls if remat == "none" else nn.remat(cls, policy=REMAT_POLICIES[remat])
 
 
 class RMSNorm(nn.Module):
@@ -28,22 +37,18 @@ def rotary(x_BLHK, positions_BL, theta: float):
     half = x_BLHK.shape[-1] // 2
     freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
     angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
+    sin = jnp.sin(angles)[:, :, None, :].astype(x_BLHK.dtype)
     x1, x2 = x_BLHK[..., :half], x_BLHK[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
-    """Grouped-query attention: each of G key/value heads serves H/G query heads."""
-    b, length, h, k = q_BLHK.shape
-    g = k_BLGK.shape[2]
-    q = q_BLHK.reshape(b, length, g, h // g, k)
-    scores = jnp.einsum("bqgrk,blgk->bgrql", q, k_BLGK) / jnp.sqrt(k).astype(q.dtype)
-    scores = jnp.where(mask_BQL[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    out = jnp.einsum("bgrql,blgk->bqgrk", probs, v_BLGK)
-    return out.reshape(b, length, h, k)
+    """Grouped-query attention (each of G key/value heads serves H/G query heads) through
+    `jax.nn.dot_product_attention`: XLA's implementation on CPU, and on GPUs the fused cuDNN
+    kernel where it applies. A query row with no key to attend (padding) gets the mean of the
+    values, not NaN, exactly as a softmax over a large negative mask would."""
+    return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None])
 
 
 _init = nn.initializers.normal(0.02)

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.layers import RMSNorm, attention, partitioned, rotary
+from models.layers import RMSNorm, attention, partitioned, remat_layer, rotary
 
 _init = nn.initializers.normal(0.02)
 
@@ -28,6 +28,7 @@ class LLMConfig:
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
     experts_per_token: int = 0
     expert_mlp: int = 0
+    remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
 
 
 class MoE(nn.Module):
@@ -102,7 +103,8 @@ class DecoderLM(nn.Module):
     def setup(self):
         c = self.cfg
         self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
-        self.blocks = [DecoderBlock(c, name=f"block_{i}") for i in range(c.depth)]
+        block = remat_layer(DecoderBlock, c.remat)
+        self.blocks = [block(c, name=f"block_{i}") for i in range(c.depth)]
         self.final_norm = RMSNorm(c.norm_eps)
         if self.with_head and not c.tie_embeddings:
             self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))

@@ -138,7 +138,12 @@ def test_check_plan_is_what_the_planner_uses():
                activations={s: m["activations"] for s, m in mem.items()})
 
 
-@pytest.mark.parametrize("config,overrides", [(KD, TINY_KD), (VLM, TINY_VLM)], ids=["kd", "vlm"])
+BF16_KD = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16",
+                     "sections.student.layer_remat=full"]
+
+
+@pytest.mark.parametrize("config,overrides", [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD)],
+                         ids=["kd", "vlm", "kd-bf16-remat"])
 def test_memory_model_tracks_the_compiled_programs(config, overrides):
     """The analytic model against XLA's memory analysis of the same plan, per section: within 4x
     either way on these tiny models (it counts stashed residuals the programs do not hold at once)."""

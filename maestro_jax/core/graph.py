@@ -44,7 +44,8 @@ class UnitCost:
       fixed windows (a ViT within each image). Causal attention declares half.
     width: the model width; narrow matmuls (heavily tensor-sharded) run below peak.
     layer_bytes, layer_bytes_sharded, layers: activation bytes one layer keeps per unit for its
-      backward (the part replicated across tensor shards, the part split by them) and the
+      backward at float32 (the part replicated across tensor shards, the part split by them; a
+      bfloat16 section keeps half) and the
       number of layers: the memory model's working set and stashed residuals.
     logits: the vocabulary width of the loss (the sink's logits and their gradient).
     """

@@ -44,13 +44,16 @@ class MemoryBudgetError(PlanError):
 
 @dataclasses.dataclass(frozen=True)
 class SectionPlan:
-    """Where and how one section runs: its devices, mesh, micro-batch and residual policy."""
+    """Where and how one section runs: its devices, mesh, micro-batch, residual policy and
+    precision."""
 
     devices: tuple[int, ...]
     mesh: tuple[int, int, int]  # sizes of MESH_AXES
     micro_batch: int  # rows per data-parallel shard per micro-step
     residuals: str = "vjp"  # "vjp": keep vjp residuals until backward; "remat": recompute
     rules: str = "default"
+    precision: str = "float32"  # "bfloat16": bf16 compute and activations (float32 master weights)
+    layer_remat: str = "none"  # per-layer activation checkpointing: "none" | "full" | "dots"
 
     @property
     def axis_sizes(self) -> dict[str, int]:

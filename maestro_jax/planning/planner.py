@@ -12,7 +12,8 @@ exhaustive search). Candidates are generated under a bound threshold that grows 
 passes that time, so large clusters and many sections do not enumerate every split.
 
 Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
-sections, all float32 and sharded by the mesh rules; frozen weights once; activations of one
+sections, all float32 and sharded by the mesh rules; frozen weights once (bfloat16 sections: frozen
+weights, activations and a compute copy of trained weights in bf16); activations of one
 micro-step; and, for a trained producer, the residuals stashed for up to
 `schedule.max_in_flight` micro-steps waiting for their backward (only the inputs under
 `residuals: remat`); the sink's logits and their gradient.
@@ -49,19 +50,30 @@ class InfeasibleError(ValueError):
 
 def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: int,
                    max_in_flight: int) -> dict[str, float]:
-    """Per-device bytes of a section under a plan (see the module docstring)."""
-    state = state_bytes_per_device(sec.params, sp, sec.trained) + state_bytes_per_device(sec.consts, sp, False)
+    """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
+    (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
+    trained section adds the bf16 copy of its weights its forward computes with. `layer_remat`
+    shrinks what each layer keeps for its backward."""
+    half = 0.5 if sp.precision == "bfloat16" else 1.0
+    params = state_bytes_per_device(sec.params, sp, False)
+    state = params * (4 if sec.trained else half) + state_bytes_per_device(sec.consts, sp, False) * half
+    if sec.trained and half < 1:
+        state += params * half
     c, tensor = sec.cost, sp.axis_sizes["tensor"]
-    per_layer = c.layer_bytes + c.layer_bytes_sharded / tensor  # what one block keeps per unit for its vjp
+    per_layer = half * (c.layer_bytes + c.layer_bytes_sharded / tensor)  # what one block keeps per unit for its vjp
     working = 2 * per_layer
+    # what each layer keeps for its backward under `layer_remat`: everything; only its input;
+    # or its input plus the weight-matmul outputs (about half the replicated activations)
+    kept = {"none": per_layer, "full": half * c.width * F32,
+            "dots": half * (c.layer_bytes / 2 + c.layer_bytes_sharded / tensor)}[sp.layer_remat]
 
     def per_unit(stash: bool) -> float:
-        return working + (per_layer * c.layers if stash else 0.0)
+        return working + (kept * c.layers if stash else 0.0)
 
     rows_units = sp.micro_batch * bucket(max_units, 16)
     act = rows_units * per_unit(sec.trained and (is_sink or sp.residuals == "vjp"))
     if sec.trained and not is_sink:
-        held = rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32)
+        held = rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32 * half)
         act += (max_in_flight - 1) * held
     if is_sink:
         act += rows_units * c.logits / tensor * F32 * 2  # logits and their gradient
@@ -153,7 +165,8 @@ class Planner:
                 for res in (self.residuals if sec.trained and not sink else ("vjp",)):
                     fits = []
                     for fsdp in _divisors(dp):
-                        sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res)
+                        sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res,
+                                         precision=sec.precision)
                         try:
                             check_param_divisibility(section, sp, sec.leaves)
                         except PlanError:
@@ -311,7 +324,8 @@ class Planner:
                             check_param_divisibility(s, sp, sec.leaves)
                     except PlanError:
                         continue
-                    mems = [self._memory(s, sp) for s in self.spec.order]
+                    mems = [self._memory(s, dataclasses.replace(sp, precision=self.spec.sections[s].precision))
+                            for s in self.spec.order]
                     if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
                         continue
                     cost = cost_model(self.spec, {s: sp for s in self.spec.order}, self.metas, self.device,

@@ -24,6 +24,7 @@ class SectionSpec:
     params: tuple[ParamInfo, ...]  # trained (or, in a frozen section, empty)
     cost: UnitCost
     consts: tuple[ParamInfo, ...] = ()  # frozen weights (a KD teacher, a teacher's head in the student)
+    precision: str = "float32"  # the config's `sections.<name>.precision` (kept by every candidate plan)
 
     @property
     def leaves(self) -> tuple[ParamInfo, ...]:

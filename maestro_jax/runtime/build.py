@@ -17,6 +17,7 @@ from maestro_jax.data.samples import TOKENS, parts_of
 from maestro_jax.runtime.distributed import gather
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
+from maestro_jax.runtime.precision import with_precision
 from maestro_jax.runtime.programs import SectionPrograms, SectionState, make_optimizer
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
@@ -124,6 +125,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
             raise ConfigError("error: source: a user graph needs a sample source (any random-access source of "
                               "maestro_jax.data.Sample)")
     plan = cfg.plan()
+    graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
     infos = {s: param_infos(abstract[s]) for s in graph.names}
     edges = tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)

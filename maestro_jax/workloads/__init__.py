@@ -70,6 +70,8 @@ def model(cfg: Config, name: str, kind: str):
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
     fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
+    if name in cfg.sections:  # the section that runs this model sets its activation checkpointing
+        fields["remat"] = cfg.sections[name].layer_remat
     return {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}[kind](**fields)
 
 
@@ -164,7 +166,8 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
     for s in graph.topological_order():
         sec = graph.section(s)
         sections[s] = SectionSpec(s, sec.trained, tuple(param_infos(abstract[s]["params"])), sec.cost,
-                                  tuple(param_infos(abstract[s]["consts"])))
+                                  tuple(param_infos(abstract[s]["consts"])),
+                                  cfg.sections[s].precision if s in cfg.sections else "float32")
     return WorkloadSpec(cfg.workload or "+".join(graph.names), sections, tuple(EdgeInfo(e.name, e.src, e.dst) for e in graph.edges),
                         {e.name: e.bytes_per_unit for e in graph.edges}, graph.sink)
 
