@@ -195,7 +195,8 @@ def _plan(cfg, args) -> int:
     print(format_table(report))
     mono, best = report.monolithic, report.best
     if mono:
-        print(f"monolithic best layout: mesh {mono['mesh']} micro_batch {mono['micro_batch']}: predicted "
+        print(f"monolithic best layout: mesh {mono['mesh']} micro_batch {mono['micro_batch']} layer_remat "
+              f"{mono['layer_remat']}: predicted "
               f"{mono['step_time_s']:.4g} s/step; planned maestro: {best.step_time_s:.4g} s/step "
               f"({mono['step_time_s'] / best.step_time_s:.3f}x)")
     else:

@@ -4,6 +4,7 @@ where it binds, infeasible requests name the smallest feasible one, and the writ
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
@@ -159,3 +160,25 @@ def test_memory_model_tracks_the_compiled_programs(config, overrides):
         ratio = model[s]["total"] / measured[s]["total"]
         assert 0.25 <= ratio <= 4, (s, model[s]["total"], measured[s])
     assert all(p.memory is None for p in rt.programs.values()), "measuring is switched off afterwards"
+
+
+def test_recomputation_is_priced():
+    """The backward pays for what it recomputes: a whole forward under `residuals: remat` or
+    `layer_remat: full`, the attention share under `dots`; the sink pays its layer recompute."""
+    from maestro_jax.core.graph import UnitCost
+    from maestro_jax.core.plan import SectionPlan
+    from maestro_jax.planning.cluster import section_cost
+    from maestro_jax.planning.spec import SectionSpec
+
+    spec = SectionSpec("s", True, (), UnitCost(flops=300.0, attention_flops=1.0, width=1024))
+    metas = [[SimpleNamespace(work={"s": 100})]]
+    cost = {(res, remat, sink): section_cost(spec, SectionPlan((0,), (1, 1, 1), 1, res, layer_remat=remat),
+                                             metas, "h100", 50.0, sink)
+            for res in ("vjp", "remat") for remat in ("none", "dots", "full") for sink in (False, True)}
+    base = cost[("vjp", "none", False)].backward_factor
+    assert cost[("remat", "none", False)].backward_factor == base + 1
+    assert cost[("vjp", "full", False)].backward_factor == base + 1
+    assert cost[("remat", "full", False)].backward_factor == base + 2
+    assert cost[("vjp", "dots", False)].backward_factor == pytest.approx(base + 100 / 400)  # attention share
+    assert cost[("vjp", "full", True)].sink_factor == cost[("vjp", "none", True)].sink_factor + 1
+    assert cost[("remat", "none", True)].sink_factor == cost[("vjp", "none", True)].sink_factor  # no stash at the sink

@@ -32,8 +32,24 @@ def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, lin
     tensor = sp.axis_sizes["tensor"]
     a = analytic_section(linear, attn, sp.micro_batch, tensor, int(typical), device=device,
                          trained_sink=is_sink and spec.trained, width_per_device=c.width / tensor)
+    layer = recompute_share(spec, sp, typical)
+    section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0
     return SectionCost(a.per_unit_s, a.per_unit2_s, a.overhead_s + fsdp_gather_s(spec, sp, device, link_gbps),
-                       a.backward_factor, a.sink_factor, bucket_min=256)
+                       a.backward_factor + section + layer, a.sink_factor + (layer if spec.trained else 0.0),
+                       bucket_min=256)
+
+
+def recompute_share(spec: SectionSpec, sp: SectionPlan, typical_units: float) -> float:
+    """The share of a forward that the backward recomputes under `layer_remat`: all of it
+    (`full`), or the attention (`dots` keeps the weight-matmul outputs, and attention's
+    batched matmuls are not among them). `residuals: remat` adds a whole forward on top."""
+    if sp.layer_remat == "full":
+        return 1.0
+    if sp.layer_remat == "dots":
+        c = spec.cost
+        attn = c.attention_flops * (c.attention_span if c.attention_span is not None else typical_units)
+        return attn / (c.flops + attn) if c.flops + attn else 0.0
+    return 0.0
 
 
 def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float) -> float:

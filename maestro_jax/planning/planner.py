@@ -22,6 +22,7 @@ micro-step; and, for a trained producer, the residuals stashed for up to
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Iterator, Sequence
@@ -89,7 +90,7 @@ class Candidate:
 
     def describe(self) -> dict:
         return {s: {"devices": f"{sp.devices[0]}:{sp.devices[-1] + 1}", "mesh": dict(sp.axis_sizes),
-                    "micro_batch": sp.micro_batch, "residuals": sp.residuals}
+                    "micro_batch": sp.micro_batch, "residuals": sp.residuals, "layer_remat": sp.layer_remat}
                 for s, sp in self.plan.sections.items()}
 
 
@@ -124,7 +125,8 @@ class Planner:
     """Search over plans of a workload (any section DAG) on `devices` devices with `memory_gb` each.
 
     Each section's options are enumerated on their own (device count, tensor degree,
-    data-parallel degree, micro-batch, residual policy); the fsdp degree is the smallest that
+    data-parallel degree, micro-batch, residual policy, per-layer activation checkpointing for
+    trained sections); the fsdp degree is the smallest that
     fits the memory budget, since fsdp costs communication (priced per micro-step). A plan
     gives every section an option on disjoint devices (contiguous, in graph order, all devices
     used) such that every edge has a whole fanout and the producer's micro-batch divides by it.
@@ -133,10 +135,10 @@ class Planner:
 
     def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
                  device: str = "h100", link_gbps: float = 50.0, max_in_flight: int = 4,
-                 residuals: Sequence[str] = ("vjp", "remat")):
+                 residuals: Sequence[str] = ("vjp", "remat"), layer_remat: Sequence[str] = ("none", "dots", "full")):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
         self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
-        self.max_in_flight, self.residuals = max_in_flight, tuple(residuals)
+        self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
         self.serial = DEVICES[device].get("serial", False)
         self._options: dict[tuple, list[_Option]] = {}
@@ -162,11 +164,12 @@ class Planner:
             for mb in _powers(gb // dp):
                 if sink and gb % (dp * mb):
                     continue  # the sink's rows per micro-step must divide the global batch
-                for res in (self.residuals if sec.trained and not sink else ("vjp",)):
+                for res, remat in itertools.product(self.residuals if sec.trained and not sink else ("vjp",),
+                                                    self.layer_remat if sec.trained else ("none",)):
                     fits = []
                     for fsdp in _divisors(dp):
                         sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res,
-                                         precision=sec.precision)
+                                         precision=sec.precision, layer_remat=remat)
                         try:
                             check_param_divisibility(section, sp, sec.leaves)
                         except PlanError:
@@ -309,38 +312,41 @@ class Planner:
         return min((o.bound for n in range(1, most + 1) for o in self.options(section, n)), default=math.inf)
 
     def monolithic_best(self) -> dict | None:
-        """The monolithic baseline's best layout and micro-batch on the same devices (every
-        section's state on every device, the smallest fsdp that fits)."""
+        """The monolithic baseline's best layout, micro-batch and per-layer activation
+        checkpointing on the same devices (every section's state on every device, the smallest
+        fsdp that fits), with each section's own precision."""
         best, gb = None, self.global_batch
         for tensor in _divisors(self.devices):
             dp = self.devices // tensor
             for mb in _powers(gb // dp):
                 if gb % (dp * mb):
                     continue
-                for fsdp in _divisors(dp):
-                    sp = SectionPlan(tuple(range(self.devices)), (dp // fsdp, fsdp, tensor), mb)
-                    try:
-                        for s, sec in self.spec.sections.items():
-                            check_param_divisibility(s, sp, sec.leaves)
-                    except PlanError:
-                        continue
-                    mems = [self._memory(s, dataclasses.replace(sp, precision=self.spec.sections[s].precision))
-                            for s in self.spec.order]
-                    if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
-                        continue
-                    cost = cost_model(self.spec, {s: sp for s in self.spec.order}, self.metas, self.device,
-                                      self.link_gbps)
-                    t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
-                    if best is None or t < best["step_time_s"]:
-                        best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "step_time_s": t,
-                                "samples_per_s_per_device": gb / t / self.devices}
-                    break
+                for remat in self.layer_remat:  # one activation-checkpointing choice for all, as Megatron's
+                    for fsdp in _divisors(dp):
+                        sp = SectionPlan(tuple(range(self.devices)), (dp // fsdp, fsdp, tensor), mb)
+                        try:
+                            for s, sec in self.spec.sections.items():
+                                check_param_divisibility(s, sp, sec.leaves)
+                        except PlanError:
+                            continue
+                        plans = {s: dataclasses.replace(sp, precision=sec.precision,
+                                                        layer_remat=remat if sec.trained else "none")
+                                 for s, sec in self.spec.sections.items()}
+                        mems = [self._memory(s, plans[s]) for s in self.spec.order]
+                        if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
+                            continue
+                        cost = cost_model(self.spec, plans, self.metas, self.device, self.link_gbps)
+                        t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
+                        if best is None or t < best["step_time_s"]:
+                            best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "layer_remat": remat,
+                                    "step_time_s": t, "samples_per_s_per_device": gb / t / self.devices}
+                        break
         return best
 
     def _with(self, devices: int) -> Planner:
         return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
                        device=self.device, link_gbps=self.link_gbps, max_in_flight=self.max_in_flight,
-                       residuals=self.residuals)
+                       residuals=self.residuals, layer_remat=self.layer_remat)
 
     def _infeasible_message(self) -> str:
         sections = len(self.spec.order)
@@ -367,16 +373,20 @@ def _ceil_significant(x: float, digits: int = 3) -> float:
 
 
 def _tiebreak(plan: Plan):
-    """Equal predicted times: prefer fewer tensor shards, then smaller micro-batches (less memory)."""
-    return tuple((sp.axis_sizes["tensor"], sp.micro_batch, sp.residuals) for sp in plan.sections.values())
+    """Equal predicted times: prefer fewer tensor shards, then smaller micro-batches (less memory),
+    then less recomputation."""
+    recompute = {"none": 0, "dots": 1, "full": 2}
+    return tuple((sp.axis_sizes["tensor"], sp.micro_batch, sp.residuals, recompute[sp.layer_remat])
+                 for sp in plan.sections.values())
 
 
 def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:
     lines = [f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,tensor] micro-batch "
-             f"residuals; fanouts)  peak GB/device"]
+             f"residuals layer-remat; fanouts)  peak GB/device"]
     for i, c in enumerate(rows or report.top):
         parts = [f"{s} {d['devices']} [{d['mesh']['data']},{d['mesh']['fsdp']},{d['mesh']['tensor']}] "
                  f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
+                 f"{'' if d['layer_remat'] == 'none' else ' layers:' + d['layer_remat']}"
                  for s, d in c.describe().items()]
         fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items())
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())

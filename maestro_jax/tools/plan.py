@@ -29,6 +29,7 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
         out[f"sections.{s}.mesh"] = d["mesh"]
         out[f"sections.{s}.micro_batch"] = d["micro_batch"]
         out[f"sections.{s}.residuals"] = d["residuals"]
+        out[f"sections.{s}.layer_remat"] = d["layer_remat"]
     out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})
     return out
 
