@@ -143,6 +143,9 @@ def _simulate(cfg, args) -> int:
     print(f"end-to-end speedup: {r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}")
     print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
           f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
+    eff = r["sink_efficiency_vs_alone"]
+    print(f"loss section's efficiency relative to running alone (a VLM's LLM: relative to text-only): "
+          f"maestro {eff['maestro']:.1%}, monolithic {eff['monolithic']:.1%}")
     _write_json(args.json, r)
     return 0
 
