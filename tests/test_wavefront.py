@@ -352,3 +352,61 @@ def test_deterministic_across_hash_seeds():
     outs = {subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout for seed in ("1", "2")}
     assert len(outs) == 1
+
+
+def test_lpt_heap_matches_the_linear_scan():
+    """The heap-based LPT packs exactly as the definition (least-loaded bin with room, lowest
+    index on ties), including ties among equal weights and full bins."""
+    from maestro_jax.schedule.wavefront import _lpt
+
+    def scan(items, bins, capacity, weight):
+        loads, slots = [0.0] * bins, [[] for _ in range(bins)]
+        for x in sorted(items, key=lambda i: (-weight(i), i)):
+            b = min((i for i in range(bins) if len(slots[i]) < capacity), key=lambda i: (loads[i], i))
+            slots[b].append(x)
+            loads[b] += weight(x)
+        return slots
+
+    rng = random.Random(0)
+    for _ in range(300):
+        bins, capacity = rng.randint(1, 9), rng.randint(1, 5)
+        items = rng.sample(range(1000), rng.randint(0, bins * capacity))
+        weights = {i: rng.choice([1, 2, 3, 0.5, rng.random() * 10]) for i in items}
+        assert _lpt(items, bins, capacity, weights.get) == scan(items, bins, capacity, weights.get)
+
+
+def test_column_heap_places_as_the_linear_scan(monkeypatch):
+    """`_Column.place` keeps its open shards in a heap; it must choose exactly what the
+    definition does (least loaded shard with a free row and room in every capped section,
+    lowest index on ties): the same schedules on every DAG case and the VLM problems."""
+    import sys
+
+    module = sys.modules["maestro_jax.schedule.wavefront"]
+
+    def scan(self, x):
+        caps = [(s, cap, ratio) for s, (cap, ratio) in self.caps.items() if s in self.metas[x].sections]
+        room = [c for c, sh in enumerate(self.shards) if len(sh) < self.mb
+                and all(self.used.get((s, c // ratio), 0) < cap for s, cap, ratio in caps)]
+        if not room:
+            return False
+        c = min(room, key=lambda c: (self.loads[c], c))
+        self.shards[c].append(x)
+        self.loads[c] += self.weight(x)
+        self.free -= 1
+        for s, _, ratio in caps:
+            self.used[(s, c // ratio)] = self.used.get((s, c // ratio), 0) + 1
+        return True
+
+    rng = random.Random(7)
+    cases = [(lambda r, p=p: random_batch(r, r.choice([8, 16, 24, 32]), r.random()), p) for p in PROBLEMS]
+    cases += [(lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()]
+    heap = module._Column.place
+    for make, problem in cases:
+        for _ in range(10):
+            metas = make(rng)
+            for cost in (None, DAG_COST):  # work units, then a cost model
+                monkeypatch.setattr(module._Column, "place", heap)
+                fast = wavefront(metas, problem, cost)
+                monkeypatch.setattr(module._Column, "place", scan)
+                slow = wavefront(metas, problem, cost)
+                assert (fast.ops, fast.steps) == (slow.ops, slow.steps)

@@ -34,12 +34,16 @@ Rows = list[tuple[int, ...]]
 
 
 def _lpt(items: Sequence[int], bins: int, capacity: int, weight) -> list[list[int]]:
-    """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards)."""
-    loads, slots = [0.0] * bins, [[] for _ in range(bins)]
+    """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards):
+    each item goes to the least-loaded bin with room (ties: the lowest index), kept in a heap
+    so a batch costs O(n log bins), not O(n * bins)."""
+    slots: list[list[int]] = [[] for _ in range(bins)]
+    open_bins = [(0.0, b) for b in range(bins)] if capacity > 0 else []  # (load, index): a valid heap
     for x in sorted(items, key=lambda i: (-weight(i), i)):
-        b = min((i for i in range(bins) if len(slots[i]) < capacity), key=lambda i: (loads[i], i))
+        load, b = heapq.heappop(open_bins)
         slots[b].append(x)
-        loads[b] += weight(x)
+        if len(slots[b]) < capacity:
+            heapq.heappush(open_bins, (load + weight(x), b))
     return slots
 
 
@@ -65,17 +69,30 @@ class _Column:
         self.metas, self.weight, self.caps, self.mb = metas, weight, caps, problem.micro_batch(problem.sink)
         dp = problem.dp[problem.sink]
         self.shards, self.loads, self.used, self.free = [[] for _ in range(dp)], [0.0] * dp, {}, dp * self.mb
+        self.open = [(0.0, c) for c in range(dp)] if self.mb > 0 else []  # shards with a free row, a heap
 
     def place(self, x: int) -> bool:
+        """Put sample `x` on the least loaded shard (lowest index on ties) that has a free row and
+        room in every capped section it activates. The heap pops shards in that order, so a
+        sample costs O(log dp) unless caps turn shards away (those go back untouched)."""
         caps = [(s, cap, ratio) for s, (cap, ratio) in self.caps.items() if s in self.metas[x].sections]
-        room = [c for c, sh in enumerate(self.shards) if len(sh) < self.mb
-                and all(self.used.get((s, c // ratio), 0) < cap for s, cap, ratio in caps)]
-        if not room:
+        turned_away, chosen = [], None
+        while self.open:
+            load, c = heapq.heappop(self.open)
+            if all(self.used.get((s, c // ratio), 0) < cap for s, cap, ratio in caps):
+                chosen = c
+                break
+            turned_away.append((load, c))
+        for entry in turned_away:
+            heapq.heappush(self.open, entry)
+        if chosen is None:
             return False
-        c = min(room, key=lambda c: (self.loads[c], c))
+        c = chosen
         self.shards[c].append(x)
         self.loads[c] += self.weight(x)
         self.free -= 1
+        if len(self.shards[c]) < self.mb:
+            heapq.heappush(self.open, (self.loads[c], c))
         for s, _, ratio in caps:
             self.used[(s, c // ratio)] = self.used.get((s, c // ratio), 0) + 1
         return True
