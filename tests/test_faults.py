@@ -296,3 +296,30 @@ def test_stuck_peer_is_named_within_the_timeout(tmp_path):
     assert waited < 60
     assert "error: process 1 did not reach step" in err or "error: process 1 did not publish" in err, err[-3000:]
     assert "within 10s (distributed.timeout_s): it is dead or stuck" in err
+
+
+def test_all_bad_samples_stop_instead_of_looping(tmp_path):
+    """Under `skip`, data where no sample passes its checks ends with a DataError after one
+    pass (not an endless loop); damaged or empty ArrayRecord files are DataErrors naming them."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from maestro_jax.data import ArrayRecordSource
+
+    path = tmp_path / "bad.array_record"
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for i in range(6):
+        tokens = np.array([5, 400 + i, 6], np.int32)  # ids beyond the vocabulary: every sample bad
+        writer.write(encode_sample(Sample(id=i, tokens=tokens)))
+    writer.close()
+    overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", "steps=1", "data.on_bad_sample=skip"]
+    with pytest.raises(DataError, match=r"bad samples in a row, more than the 6 the source holds"):
+        train(load_config(VLM, overrides), progress=False)
+    empty = tmp_path / "empty.array_record"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"data.paths: .*empty.array_record is empty"):
+        ArrayRecordSource((str(empty),))
+    damaged = tmp_path / "damaged.array_record"
+    damaged.write_bytes(path.read_bytes()[:40] + b"\xff" * 64)
+    with pytest.raises(DataError, match=r"damaged.array_record"):
+        source = ArrayRecordSource((str(damaged),))
+        [source[i] for i in range(len(source))]

@@ -115,6 +115,7 @@ class BatchReader:
         self.source, self.global_batch, self.bad = source, global_batch, bad
         self._plan, self._loss_count, self._info_check, self._check = plan, loss_count, info_check, check
         self._gather = gather
+        self._bad_in_a_row = 0
         self._it = iter(_ordered(source, seed, shuffle).to_iter_dataset(
             grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 
@@ -136,7 +137,17 @@ class BatchReader:
             except DataError as err:
                 if self.bad is None:
                     raise
-                self.bad.keep(err)
+                self._skip(err)
+
+    def _skip(self, err: DataError) -> None:
+        """Count a bad sample under the skip policy. More bad samples in a row (no sample passing
+        every check in between) than the source holds means a whole pass found nothing to train
+        on: stop with a DataError rather than loop forever."""
+        self.bad.keep(err)
+        self._bad_in_a_row += 1
+        if self._bad_in_a_row > len(self.source):
+            raise DataError(f"data: {self._bad_in_a_row} bad samples in a row, more than the {len(self.source)} the "
+                            f"source holds: no sample can be trained on (the last: {err})")
 
     def _read(self, index: int, info: SampleInfo, parts) -> tuple[Sample, int | None, int]:
         sample, read = read_parts(self.source, index, parts)
@@ -171,11 +182,13 @@ class BatchReader:
             count = self._loss_count(owned) if owned and not errors else 0
             shared = self._gather("batch", {"bad": errors, "count": count, "read": read, "decoded": decoded})
             bad = {int(pos): msg for peer in shared for pos, msg in peer["bad"].items()}
+            if len(bad) < len(taken):
+                self._bad_in_a_row = 0  # some sample passed every check
             if not bad:
                 return LoadedBatch(samples, plan.schedule, sum(p["count"] for p in shared),
                                    [p["read"] for p in shared], [p["decoded"] for p in shared])
             if self.bad is None:
                 raise DataError(bad[min(bad)])
             for pos in sorted(bad):
-                self.bad.keep(DataError(bad[pos]))
+                self._skip(DataError(bad[pos]))
             taken = [t for pos, t in enumerate(taken) if pos not in bad]

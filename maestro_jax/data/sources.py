@@ -133,7 +133,15 @@ class ArrayRecordSource:
     def __post_init__(self):
         import grain  # noqa: PLC0415 (grain imports jax; planning reads sources without it)
 
-        object.__setattr__(self, "_source", grain.sources.ArrayRecordDataSource(list(self.paths)))
+        for p in self.paths:
+            if not Path(p).is_file() or Path(p).stat().st_size == 0:
+                raise DataError(f"data.paths: {p} is {'empty' if Path(p).is_file() else 'missing'}; give ArrayRecord "
+                                f"files written by scripts/convert_images.py")
+        try:
+            object.__setattr__(self, "_source", grain.sources.ArrayRecordDataSource(list(self.paths)))
+        except (RuntimeError, ValueError, OSError) as err:  # Riegeli reports a damaged file as RuntimeError
+            raise DataError(f"data.paths={list(self.paths)}: cannot be opened as ArrayRecord "
+                            f"({str(err).splitlines()[0][:200]})") from err
         indexes = [Path(f"{p}.index.json") for p in self.paths]
         infos = None
         if all(i.is_file() for i in indexes):
@@ -149,8 +157,9 @@ class ArrayRecordSource:
     def _record(self, index: int) -> bytes:
         try:
             return self._source[int(index)]
-        except (ValueError, KeyError, OSError, IndexError) as err:
-            raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be read ({err})") from err
+        except (RuntimeError, ValueError, KeyError, OSError, IndexError) as err:  # Riegeli: RuntimeError
+            raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be read "
+                            f"({str(err).splitlines()[0][:200]})") from err
 
     def _decode(self, index: int, fn, *args):
         try:
