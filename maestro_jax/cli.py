@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from maestro_jax.config import ConfigError, load_config
 
@@ -80,12 +81,23 @@ def main(argv: list[str] | None = None) -> int:
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                  heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
-    status = _run(cfg, args)
     import jax
 
+    from maestro_jax.runtime.distributed import announce_failure
+
+    try:
+        status = _run(cfg, args)
+    except BaseException as err:
+        if jax.process_count() == 1:
+            raise
+        traceback.print_exc()
+        announce_failure(f"{type(err).__name__}: {err}")
+        status = 1
     if status != 0 and jax.process_count() > 1:
-        # jax.distributed's exit-time shutdown waits for every peer, and a failed peer may never
-        # come: leave now, with the error already printed, rather than hang.
+        # Peers waiting on this process learn of the failure now, and jax.distributed's
+        # exit-time shutdown (which waits for every peer, and a failed peer may never come) is
+        # skipped: leave with the error already printed rather than hang.
+        announce_failure(f"exit status {status}")  # a no-op when the error was announced already
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
@@ -108,6 +120,9 @@ def _run(cfg, args) -> int:
                 history = train(cfg)
             except tuple(f for f, _ in faults) as err:
                 print(f"error: {err}", file=sys.stderr)
+                from maestro_jax.runtime.distributed import announce_failure
+
+                announce_failure(f"{type(err).__name__}: {err}")
                 return next(code for f, code in faults if isinstance(err, f))
             if history:
                 print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
@@ -257,6 +272,10 @@ def _bench(cfg, args) -> int:
         print(f"{k}: {v:.3f}")
     for m, v in r["host_overhead_fraction"].items():
         print(f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})")
+    if "efficiency_vs_text_only" in r:
+        e = r["efficiency_vs_text_only"]
+        print(f"efficiency relative to text-only (same token rows, modality items removed): "
+              f"wavefront {e['wavefront']:.1%}, monolithic {e['monolithic']:.1%}")
     for m in ("naive", "wavefront"):
         p = r["simulator"][m]
         print(f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from maestro_jax.core.plan import Plan, SectionPlan
+from meshes import MESH_AXES
 
 
 class ConfigError(ValueError):
@@ -31,11 +32,14 @@ class MeshConfig(_Frozen):
 
     data: PositiveInt = 1
     fsdp: PositiveInt = 1
+    expert: PositiveInt = 1
+    context: PositiveInt = 1
     tensor: PositiveInt = 1
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def shape(self) -> tuple[int, ...]:
+        """Sizes in `meshes.MESH_AXES` order."""
+        return tuple(getattr(self, a) for a in MESH_AXES)
 
 
 def _devices(value):
@@ -113,6 +117,7 @@ class LLMModelConfig(_Frozen):
     experts: int = Field(0, ge=0)
     experts_per_token: int = Field(0, ge=0)
     expert_mlp: int = Field(0, ge=0)
+    router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
 
 
 ModelConfig = Annotated[ViTModelConfig | AudioModelConfig | LLMModelConfig, Field(discriminator="kind")]

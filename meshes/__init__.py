@@ -1,27 +1,41 @@
 """Mesh presets and logical-axis rules: data, not code.
 
-Every section mesh has the same three named axes, `data`, `fsdp` and `tensor` (size 1 when
-unused), so one rule set maps the models' logical axes onto any section's mesh. A section's
-data-parallel degree is `data * fsdp`: the batch is sharded over both.
+Every section mesh has the same five named axes (size 1 when unused), so one rule set maps
+the models' logical axes onto any section's mesh:
+
+  data     pure data parallelism (weights replicated);
+  fsdp     data parallelism with weights sharded over their embedding dimension (ZeRO-3);
+  expert   data parallelism for attention and dense layers, mixture-of-experts weights sharded
+           by expert: each device group holds `experts / expert` experts and tokens reach them
+           through collectives the compiler inserts;
+  context  the sequence of every activation sharded (context parallelism): attention gathers
+           keys and values across the axis, everything else runs on its slice of positions;
+  tensor   Megatron-style tensor parallelism over heads, MLP width and vocabulary.
+
+A section's data-parallel degree is `data * fsdp * expert`: the batch is sharded over all three.
+The order puts `tensor` innermost, where consecutive devices (one node's NVLink) sit.
 """
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 RULES: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {
     # Megatron-style tensor parallelism + ZeRO-3 style fsdp over the embedding dimension.
     "default": (
         ("batch", BATCH_AXES),
+        ("expert_batch", ("data", "fsdp")),  # tokens gathered over `expert` for the experts
         ("vocab", "tensor"),
         ("embed", "fsdp"),
         ("mlp", "tensor"),
         ("heads", "tensor"),
         ("kv_heads", "tensor"),
-        ("expert", None),  # experts replicated over the section mesh (no expert axis yet)
+        ("expert", "expert"),
+        ("length", "context"),  # activations' sequence (tokens, patches, frames)
         ("head_dim", None),
         ("norm", None),
         ("patch", None),
         ("grid", None),
+        ("act_embed", None),  # activations' feature dimension: whole on every device
     ),
     # Everything replicated: pure data parallelism whatever the mesh says.
     "replicated": (("batch", BATCH_AXES),),

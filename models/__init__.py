@@ -12,7 +12,8 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
 """
 
 from models.audio import AudioConfig, AudioEncoder
+from models.layers import apply_with_losses
 from models.llm import DecoderLM, LLMConfig
 from models.vit import VisionEncoder, ViTConfig
 
-__all__ = ["AudioConfig", "AudioEncoder", "DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder"]
+__all__ = ["AudioConfig", "AudioEncoder", "DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder", "apply_with_losses"]

@@ -1,4 +1,8 @@
-"""Shared building blocks: partitioned initialisers, norms, rotary embeddings, attention."""
+"""Shared building blocks: partitioned initialisers, activation layouts, norms, rotary
+embeddings, attention."""
+
+import contextlib
+import contextvars
 
 import flax.linen as nn
 import jax
@@ -8,6 +12,14 @@ import jax.numpy as jnp
 def partitioned(init, *axes):
     """An initialiser annotated with logical axis names (mapped to a mesh by `meshes/`)."""
     return nn.with_logical_partitioning(init, axes)
+
+
+def apply_with_losses(module: nn.Module, variables, *args, method=None):
+    """`module.apply` that also returns the sum of the terms its layers sow into the `losses`
+    collection (auxiliary losses such as MoE load balancing; 0 when there are none). Each
+    term is a sum over tokens, normalised with the main loss."""
+    out, state = module.apply(variables, *args, method=method, mutable=["losses"])
+    return out, sum((jnp.sum(x) for x in jax.tree.leaves(state)), jnp.zeros((), jnp.float32))
 
 
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -43,12 +55,47 @@ def rotary(x_BLHK, positions_BL, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+_ACTIVATION_RULES = contextvars.ContextVar("activation_rules", default=())
+
+
+@contextlib.contextmanager
+def activation_rules(rules):
+    """Logical-axis rules the activation layouts below resolve through while tracing. Kept apart
+    from `nn.logical_axis_rules`, which would also constrain parameters as Flax unboxes them
+    (and fails on DenseGeneral's flattened kernels)."""
+    token = _ACTIVATION_RULES.set(tuple(rules))
+    try:
+        yield
+    finally:
+        _ACTIVATION_RULES.reset(token)
+
+
+def constrain(x, names: tuple):
+    """`x` laid out by logical axis `names` on the current mesh; a no-op without rules or mesh."""
+    rules = _ACTIVATION_RULES.get()
+    return nn.with_logical_constraint(x, names, rules=rules) if rules else x
+
+
+def shard_sequence(x_BLD):
+    """An activation's layout: rows over the batch axes, positions over `context` (context
+    parallelism), features whole."""
+    return constrain(x_BLD, ("batch", "length", "act_embed"))
+
+
 def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
     """Grouped-query attention (each of G key/value heads serves H/G query heads) through
     `jax.nn.dot_product_attention`: XLA's implementation on CPU, and on GPUs the fused cuDNN
     kernel where it applies. A query row with no key to attend (padding) gets the mean of the
-    values, not NaN, exactly as a softmax over a large negative mask would."""
-    return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None])
+    values, not NaN, exactly as a softmax over a large negative mask would.
+
+    Context parallelism: queries (and the output) keep their positions sharded over `context`
+    while keys and values are gathered whole, so each device attends its slice of queries to
+    every key: one all-gather of K and V per layer, and the backward's reduce-scatter."""
+    q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
+    k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
+    mask_BQL = constrain(mask_BQL, ("batch", "length", None))
+    out = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None])
+    return constrain(out, ("batch", "length", "heads", None))
 
 
 _init = nn.initializers.normal(0.02)
@@ -64,6 +111,7 @@ class EncoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BPD, mask_BPP):
         hd = self.width // self.heads
+        x_BPD = shard_sequence(x_BPD)
         h = nn.LayerNorm(name="attn_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
                          bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
         qkv = [nn.DenseGeneral((self.heads, hd), name=n, kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
@@ -79,7 +127,7 @@ class EncoderBlock(nn.Module):
                      bias_init=partitioned(nn.initializers.zeros, "mlp"))(h)
         h = nn.Dense(self.width, name="fc2", kernel_init=partitioned(_init, "mlp", "embed"),
                      bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(h))
-        return x_BPD + h
+        return shard_sequence(x_BPD + h)
 
 
 def segment_mask(segments_BP):

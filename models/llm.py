@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.layers import RMSNorm, attention, partitioned, remat_layer, rotary
+from models.layers import RMSNorm, attention, constrain, partitioned, remat_layer, rotary, shard_sequence
 
 _init = nn.initializers.normal(0.02)
 
@@ -28,6 +28,7 @@ class LLMConfig:
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
     experts_per_token: int = 0
     expert_mlp: int = 0
+    router_aux_loss: float = 0.0  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE: 0.001)
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
 
 
@@ -37,12 +38,25 @@ class MoE(nn.Module):
     Dispatch is dense and exact: every expert sees every token and the router's combine weights
     (zero outside a token's top k) select the result, so the output and gradients equal those of
     a dropless sparse dispatch. It costs `experts` times the compute of a sparse kernel: right
-    for tests and small runs; parameter shapes (what the planner reads) are the real ones."""
+    for tests and small runs; parameter shapes (what the planner reads) are the real ones.
+
+    Expert parallelism: expert weights are sharded over the `expert` mesh axis, which also
+    shards the batch. Tokens are gathered over that axis (`expert_batch` keeps them sharded
+    over data and fsdp only), each device runs its own experts on the whole group's tokens, and
+    the combine's sum over experts is reduce-scattered back to the batch layout: the collective
+    form of the all-to-all dispatch, each token crossing the axis once each way.
+
+    Load balancing: with `router_aux_loss` > 0 each layer sows, into the `losses` collection,
+    the Switch-Transformer balance loss `experts * sum_e f_e * P_e` computed per sequence over
+    its valid tokens (f_e: the share of routed slots going to expert e, P_e: its mean router
+    probability) and weighted by the sequence's valid-token count. Per-sequence terms add up
+    over any split of the batch into micro-batches, so the step stays equal to the monolithic
+    one whatever the schedule; a batch-wide balance loss would not."""
 
     cfg: LLMConfig
 
     @nn.compact
-    def __call__(self, h_BLD):
+    def __call__(self, h_BLD, valid_BL):
         c = self.cfg
         router = self.param("router", partitioned(_init, "embed", "expert"), (c.width, c.experts))
         gate = self.param("gate", partitioned(_init, "expert", "embed", "mlp"), (c.experts, c.width, c.expert_mlp))
@@ -51,17 +65,36 @@ class MoE(nn.Module):
         probs_BLE = jax.nn.softmax((h_BLD @ router).astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs_BLE, c.experts_per_token)
         weights = top / jnp.sum(top, axis=-1, keepdims=True)
+        chosen_BLE = jnp.sum(jax.nn.one_hot(index, c.experts), axis=-2)
         combine_BLE = jnp.sum(jax.nn.one_hot(index, c.experts) * weights[..., None], axis=-2).astype(h_BLD.dtype)
+        if c.router_aux_loss:
+            self.sow("losses", "router_balance", c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL,
+                                                                                      c.experts_per_token))
+        group = ("expert_batch", "length", "act_embed")
+        h_BLD = constrain(h_BLD, group)
+        combine_BLE = constrain(combine_BLE, ("expert_batch", "length", "expert"))
         act = nn.silu(jnp.einsum("bld,edf->blef", h_BLD, gate)) * jnp.einsum("bld,edf->blef", h_BLD, up)
-        return jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE)
+        act = constrain(act, ("expert_batch", "length", "expert", "mlp"))
+        return shard_sequence(jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE))
+
+
+def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int):
+    """Sum over sequences of (valid tokens) x (experts * sum_e f_e * P_e), in float32."""
+    v = valid_BL.astype(jnp.float32)[..., None]
+    count_B = jnp.sum(v, axis=(1, 2))  # an empty (padding) row has f = P = 0 and adds nothing
+    n_B1 = jnp.maximum(count_B, 1.0)[:, None]
+    f_BE = jnp.sum(chosen_BLE * v, axis=1) / (k * n_B1)
+    p_BE = jnp.sum(probs_BLE * v, axis=1) / n_B1
+    return jnp.sum(count_B * probs_BLE.shape[-1] * jnp.sum(f_BE * p_BE, axis=-1))
 
 
 class DecoderBlock(nn.Module):
     cfg: LLMConfig
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, mask_BLL):
+    def __call__(self, x_BLD, positions_BL, mask_BLL, valid_BL):
         c = self.cfg
+        x_BLD = shard_sequence(x_BLD)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
         q = nn.DenseGeneral((c.heads, c.head_dim), use_bias=c.qkv_bias, name="q",
                             kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
@@ -82,11 +115,11 @@ class DecoderBlock(nn.Module):
                                         kernel_init=partitioned(_init, "heads", "head_dim", "embed"))(o)
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
         if c.experts:
-            return x_BLD + MoE(c, name="moe")(h)
+            return x_BLD + MoE(c, name="moe")(h, valid_BL)
         gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
         up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
         down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
-        return x_BLD + down(nn.silu(gate) * up)
+        return shard_sequence(x_BLD + down(nn.silu(gate) * up))
 
 
 class DecoderLM(nn.Module):
@@ -117,7 +150,7 @@ class DecoderLM(nn.Module):
         causal = positions_BL[:, :, None] >= positions_BL[:, None, :]
         mask_BLL = causal & valid_BL[:, None, :]
         for block in self.blocks:
-            x_BLD = block(x_BLD, positions_BL, mask_BLL)
+            x_BLD = block(x_BLD, positions_BL, mask_BLL, valid_BL)
         return self.final_norm(x_BLD)
 
     def output_weights(self):

@@ -20,6 +20,8 @@ def test_bench_json_contract(tmp_path, config="omni_tiny.yaml", overrides=TINY_O
     assert abs(r["ratios"]["wavefront_vs_naive"] - r["samples_per_s"]["wavefront"] / r["samples_per_s"]["naive"]) < 1e-9
     assert 0 < r["host_overhead_fraction"]["wavefront"] < 1
     assert r["simulator"]["cost_source"] == "calibrated"
+    assert set(r["efficiency_vs_text_only"]) == {"wavefront", "monolithic"}
+    assert all(0 < v < 2 for v in r["efficiency_vs_text_only"].values())  # ratios of timings, not constants
     for f in ("measured_trace", "measured_gantt", "simulated_trace", "simulated_gantt"):
         assert (tmp_path / "trace").joinpath(r["traces"][f].split("/")[-1]).exists()
     trace = json.loads((tmp_path / "trace" / "measured_trace.json").read_text())

@@ -25,12 +25,20 @@ VLM_PLANS = {
     # fsdp everywhere, LLM fsdp x tensor
     "fsdp_tensor": ["sections.vision.mesh={fsdp: 2}", "sections.llm.mesh={fsdp: 2, tensor: 3}",
                     "sections.llm.micro_batch=1", "sections.vision.micro_batch=1"],
+    # context parallelism: the ViT's patches over 2 devices, the LLM's tokens over 3; the
+    # monolithic baseline with the same feature (one layout for all)
+    "context": ["sections.vision.mesh={context: 2}", "sections.vision.micro_batch=2",
+                "sections.llm.mesh={data: 2, context: 3}", "sections.llm.micro_batch=2", "edges.image_embeds.fanout=2",
+                "monolithic.mesh={data: 2, context: 4}"],
 }
 KD_PLANS = {
     "shipped_fanout2": [],
-    # mixture-of-experts teacher and student (top-2 of 4 experts), tensor-parallel experts' FFN
+    # mixture-of-experts teacher and student (top-2 of 4 experts, load-balancing loss), experts
+    # sharded over an expert axis (x tensor-parallel FFNs in the teacher); the baseline likewise
     "moe": ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
-            "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16"],
+            "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16",
+            "models.student.router_aux_loss=0.01", "sections.teacher.mesh={expert: 2, tensor: 2}",
+            "sections.student.mesh={data: 2, expert: 2}", "monolithic.mesh={data: 2, expert: 2, tensor: 2}"],
     "fanout1_tensor_student": ["sections.student.mesh={data: 2, tensor: 2}", "edges.teacher_hidden.fanout=1",
                                "sections.student.micro_batch=2"],
     "fanout4": ["sections.teacher.devices=[0]", "sections.teacher.mesh={data: 1}", "sections.teacher.micro_batch=4",

@@ -4,6 +4,7 @@ bad records, bad configs) and each test checks the outcome: files, losses, statu
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -284,6 +285,23 @@ def test_dead_peer_ends_the_survivor(tmp_path, victim):
              or f"unhealthy (stopped sending heartbeats):\n{victim}" in err  # the coordination service, on process 0
              or "leader task was preempted/died" in err)  # process 1 losing process 0's coordination service
     assert named, err[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
+    """A process that stops on an error announces it; a peer waiting on it (timeout 120 s) ends
+    within seconds with that process's error, instead of waiting out the timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/peer_worker.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [5, 3], out
+    waited = float(next(line for line in out[0].splitlines() if line.startswith("WAITED "))[7:])
+    assert waited < 10, waited
+    assert "process 1 stopped on an error (DataError: sample 7: tokens out of range)" in out[0]
 
 
 @pytest.mark.multiprocess

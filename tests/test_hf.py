@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, TINY_KD
 
 from maestro_jax.config import ConfigError, load_config
-from maestro_jax.core.plan import SectionPlan
+from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
 from maestro_jax.tools import hf
@@ -48,14 +48,14 @@ def torch_logits(model, tokens=TOKENS):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def flax_logits(path, mesh_shape=(1, 1, 1), devices=(0,)):
+def flax_logits(path, mesh=mesh_shape(), devices=(0,)):
     fields = hf.llm_fields(path)
     cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"})
     model = DecoderLM(cfg)
     ids = jnp.asarray(TOKENS, jnp.int32)
     pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, pos, valid)["params"])
-    mesh = section_mesh(SectionPlan(tuple(devices), mesh_shape, 1))
+    mesh = section_mesh(SectionPlan(tuple(devices), mesh, 1))
     shardings = variable_shardings({"params": abstract}, mesh, "default")["params"]
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.tree.map(
         lambda a: a.value if hasattr(a, "value") else a, abstract, is_leaf=lambda x: hasattr(x, "value")), shardings)
@@ -76,7 +76,7 @@ def test_import_matches_transformers(tmp_path, case):
 def test_import_places_each_shard_only(tmp_path):
     """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still match."""
     model, path = make_hf(tmp_path, "qwen2_untied")
-    ours, params, _ = flax_logits(path, mesh_shape=(1, 2, 2), devices=(4, 5, 6, 7))
+    ours, params, _ = flax_logits(path, mesh=mesh_shape(fsdp=2, tensor=2), devices=(4, 5, 6, 7))
     np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
     gate = params["block_0"]["gate"]["kernel"]  # [D, F] over (fsdp, tensor)
     assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}

@@ -9,7 +9,7 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import load_config
 from maestro_jax.core.graph import UnitCost
-from maestro_jax.core.plan import ParamInfo, SectionPlan
+from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.planner import section_memory
 from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.runtime.build import build_runtime
@@ -62,8 +62,8 @@ def test_memory_model_halves_bf16_activations_and_frozen_weights(trained):
     weights = (ParamInfo("w", (1024, 1024), ("embed", "mlp"), 4),)
     spec = SectionSpec("s", trained, weights if trained else (), UnitCost(flops=1.0, width=1024, layer_bytes=4096,
                                                                           layers=4), () if trained else weights)
-    f32 = section_memory(spec, SectionPlan((0,), (1, 1, 1), 2), False, 64, 2)
-    b16 = section_memory(spec, SectionPlan((0,), (1, 1, 1), 2, precision="bfloat16"), False, 64, 2)
+    f32 = section_memory(spec, SectionPlan((0,), mesh_shape(), 2), False, 64, 2)
+    b16 = section_memory(spec, SectionPlan((0,), mesh_shape(), 2, precision="bfloat16"), False, 64, 2)
     assert b16["activations"] == pytest.approx(f32["activations"] / 2)
     w = 1024 * 1024 * 4
     # trained: float32 master, grads and two moments, plus a bf16 compute copy; frozen: bf16 only
@@ -88,6 +88,6 @@ def test_layer_remat_changes_nothing_in_the_results():
 def test_memory_model_layer_remat_keeps_less():
     spec = SectionSpec("s", True, (ParamInfo("w", (64, 64), ("embed", "mlp"), 4),),
                        UnitCost(flops=1.0, width=64, layer_bytes=6 * 64 * 4, layer_bytes_sharded=3 * 256 * 4, layers=8))
-    act = {r: section_memory(spec, SectionPlan((0,), (1, 1, 1), 2, layer_remat=r), False, 64, 3)["activations"]
+    act = {r: section_memory(spec, SectionPlan((0,), mesh_shape(), 2, layer_remat=r), False, 64, 3)["activations"]
            for r in ("none", "dots", "full")}
     assert act["none"] > act["dots"] > act["full"]

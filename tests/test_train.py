@@ -4,14 +4,13 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, TINY_VLM
 
 
 def test_train_cli_loss_falls(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
-           "steps=6", "models.vision.depth=1", "models.llm.depth=1", f"output_dir={out}", "optimizer.learning_rate=0.01",
-           "data.text_len=[8,32]"]
+           *TINY_VLM, "steps=6", f"output_dir={out}", "optimizer.learning_rate=0.01"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,13 +11,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maestro_jax.core.plan import SectionPlan
+from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.sharding import row_sharding, section_mesh
 from maestro_jax.runtime.transfer import plan_transfer, transfer
 
 
 def mesh(devices, shape):
-    return section_mesh(SectionPlan(tuple(devices), shape, 1))
+    """A section mesh from (data, fsdp, tensor) sizes."""
+    data, fsdp, tensor = shape
+    return section_mesh(SectionPlan(tuple(devices), mesh_shape(data=data, fsdp=fsdp, tensor=tensor), 1))
 
 
 def source(sharding, shape=(8, 6, 4)):

@@ -48,6 +48,10 @@ class UnitCost:
       bfloat16 section keeps half) and the
       number of layers: the memory model's working set and stashed residuals.
     logits: the vocabulary width of the loss (the sink's logits and their gradient).
+    kv_width: key and value features one unit adds per layer (2 x kv_heads x head_dim): what
+      context parallelism gathers per layer (0: no attention to split).
+    routed_width: features each unit sends to each of its experts per mixture-of-experts layer
+      (experts_per_token x width; 0 for dense layers): what expert parallelism exchanges.
     """
 
     flops: float
@@ -58,6 +62,8 @@ class UnitCost:
     layer_bytes_sharded: float = 0.0
     layers: int = 0
     logits: int = 0
+    kv_width: int = 0
+    routed_width: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

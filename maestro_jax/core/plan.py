@@ -42,13 +42,21 @@ class MemoryBudgetError(PlanError):
     pass
 
 
+def mesh_shape(**sizes: int) -> tuple[int, ...]:
+    """Mesh sizes in `MESH_AXES` order from sizes by axis name (the rest 1)."""
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; valid: {MESH_AXES}")
+    return tuple(sizes.get(a, 1) for a in MESH_AXES)
+
+
 @dataclasses.dataclass(frozen=True)
 class SectionPlan:
     """Where and how one section runs: its devices, mesh, micro-batch, residual policy and
     precision."""
 
     devices: tuple[int, ...]
-    mesh: tuple[int, int, int]  # sizes of MESH_AXES
+    mesh: tuple[int, ...]  # sizes of MESH_AXES
     micro_batch: int  # rows per data-parallel shard per micro-step
     residuals: str = "vjp"  # "vjp": keep vjp residuals until backward; "remat": recompute
     rules: str = "default"
@@ -112,6 +120,8 @@ def check_resources(plan: Plan, num_devices: int) -> None:
 
 def check_meshes(plan: Plan) -> None:
     for name, sp in plan.sections.items():
+        if len(sp.mesh) != len(MESH_AXES):
+            raise MeshShapeError(f"sections.{name}.mesh", sp.mesh, f"needs one size per mesh axis {MESH_AXES}")
         size = math.prod(sp.mesh)
         if size != len(sp.devices):
             shape = " * ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sp.mesh))
@@ -144,7 +154,7 @@ def check_divisibility(plan: Plan, sink: str, params: Mapping[str, Sequence[Para
     if plan.global_batch % sp.rows:
         raise DivisibilityError("global_batch", plan.global_batch,
                                 f"must be a multiple of the {sink!r} rows per micro-step "
-                                f"(data*fsdp*micro_batch = {sp.rows})")
+                                f"(data*fsdp*expert*micro_batch = {sp.rows})")
     for name, infos in params.items():
         check_param_divisibility(name, plan.sections[name], infos)
 

@@ -29,12 +29,13 @@ def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, lin
         linear, attn = linear + attn * c.attention_span, 0.0
     units = [m.work[spec.name] for batch in metas_all for m in batch if spec.name in m.work]
     typical = statistics.mean(units) if units else 1.0
-    tensor = sp.axis_sizes["tensor"]
+    tensor, context = sp.axis_sizes["tensor"], sp.axis_sizes["context"]
     a = analytic_section(linear, attn, sp.micro_batch, tensor, int(typical), device=device,
-                         trained_sink=is_sink and spec.trained, width_per_device=c.width / tensor)
+                         trained_sink=is_sink and spec.trained, width_per_device=c.width / tensor, context=context)
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0
-    return SectionCost(a.per_unit_s, a.per_unit2_s, a.overhead_s + fsdp_gather_s(spec, sp, device, link_gbps),
+    return SectionCost(a.per_unit_s + exchange_s_per_unit(spec, sp, device, link_gbps), a.per_unit2_s,
+                       a.overhead_s + fsdp_gather_s(spec, sp, device, link_gbps),
                        a.backward_factor + section + layer, a.sink_factor + (layer if spec.trained else 0.0),
                        bucket_min=256)
 
@@ -61,8 +62,34 @@ def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: fl
     fsdp, tensor = sp.axis_sizes["fsdp"], sp.axis_sizes["tensor"]
     if fsdp == 1:
         return 0.0
-    link = DEVICES[device]["link"] if fsdp * tensor <= 8 else link_gbps * 1e9
-    return 2 * spec.param_count / tensor * (fsdp - 1) / fsdp / link
+    return 2 * spec.param_count / tensor * (fsdp - 1) / fsdp / _link(device, link_gbps, fsdp * tensor)
+
+
+def _link(device: str, link_gbps: float, group: int) -> float:
+    """Bytes/s per device of a collective over `group` devices: NVLink inside a node (<= 8
+    devices), the inter-node link beyond."""
+    return DEVICES[device]["link"] if group <= 8 else link_gbps * 1e9
+
+
+def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float) -> float:
+    """Communication time per work unit of a row, in the forward (the backward's mirror image is
+    scaled in by `backward_factor`), counted in full rather than overlapped:
+      context parallelism: each layer all-gathers keys and values, so a device receives
+        (context - 1) / context of the row's `kv_width` features per unit (heads split by tensor);
+      expert parallelism: each layer sends every token to its experts_per_token experts and
+        back (dispatch and combine, the all-to-all pair), of which (expert - 1) / expert cross
+        devices, each device handling its 1 / context of the row.
+    Activations move at 2 bytes per value in bfloat16 sections, 4 in float32."""
+    c, sizes = spec.cost, sp.axis_sizes
+    tensor, context, expert = sizes["tensor"], sizes["context"], sizes["expert"]
+    value = 2 if sp.precision == "bfloat16" else 4
+    t = 0.0
+    if context > 1 and c.kv_width:
+        t += c.layers * c.kv_width / tensor * value * (context - 1) / context / _link(device, link_gbps, context * tensor)
+    if expert > 1 and c.routed_width:
+        group = expert * context * tensor
+        t += c.layers * 2 * c.routed_width * value * (expert - 1) / expert / context / _link(device, link_gbps, group)
+    return t
 
 
 def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, device: str,

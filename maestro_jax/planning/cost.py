@@ -69,8 +69,9 @@ def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 
 
 def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_batch: int, tensor: int,
                      typical_units: int, device: str = "h100", trained_sink: bool = False,
-                     width_per_device: float = 4096.0, overhead_s: float = 2e-4) -> SectionCost:
-    """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices.
+                     width_per_device: float = 4096.0, overhead_s: float = 2e-4, context: int = 1) -> SectionCost:
+    """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices,
+    context parallelism its positions over `context` devices (without thinning the weights).
 
     Efficiency is evaluated at the section's typical work per device per micro-step, so a
     micro-batch too small for the layout (or a model sliced too thin by tensor parallelism)
@@ -78,8 +79,8 @@ def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_b
     """
     peak = DEVICES[device]["flops"]
     overhead_s = DEVICES[device].get("overhead_s", overhead_s)
-    eff = efficiency(micro_batch * typical_units / tensor, width_per_device)
-    rate = peak * eff * tensor
+    eff = efficiency(micro_batch * typical_units / (tensor * context), width_per_device)
+    rate = peak * eff * tensor * context
     return SectionCost(per_unit_s=flops_per_unit / rate, per_unit2_s=attn_flops_per_unit2 / rate,
                        overhead_s=overhead_s, backward_factor=2.0, sink_factor=3.0 if trained_sink else 1.0)
 

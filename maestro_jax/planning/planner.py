@@ -28,12 +28,14 @@ import statistics
 from collections.abc import Iterator, Sequence
 
 from maestro_jax.core.buckets import bucket
+from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import (
     Plan,
     PlanError,
     SectionPlan,
     check_param_divisibility,
     check_plan,
+    mesh_shape,
     state_bytes_per_device,
 )
 from maestro_jax.planning.cluster import cost_model, monolithic_time, section_cost
@@ -54,7 +56,8 @@ def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: 
     """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
     (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
     trained section adds the bf16 copy of its weights its forward computes with. `layer_remat`
-    shrinks what each layer keeps for its backward."""
+    shrinks what each layer keeps for its backward; context parallelism splits every
+    activation's positions, expert parallelism the experts' weights (through the mesh rules)."""
     half = 0.5 if sp.precision == "bfloat16" else 1.0
     params = state_bytes_per_device(sec.params, sp, False)
     state = params * (4 if sec.trained else half) + state_bytes_per_device(sec.consts, sp, False) * half
@@ -71,7 +74,7 @@ def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: 
     def per_unit(stash: bool) -> float:
         return working + (kept * c.layers if stash else 0.0)
 
-    rows_units = sp.micro_batch * bucket(max_units, 16)
+    rows_units = sp.micro_batch * bucket(max_units, 16) / sp.axis_sizes["context"]  # positions split by context
     act = rows_units * per_unit(sec.trained and (is_sink or sp.residuals == "vjp"))
     if sec.trained and not is_sink:
         held = rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32 * half)
@@ -126,8 +129,8 @@ class Planner:
 
     Each section's options are enumerated on their own (device count, tensor degree,
     data-parallel degree, micro-batch, residual policy, per-layer activation checkpointing for
-    trained sections); the fsdp degree is the smallest that
-    fits the memory budget, since fsdp costs communication (priced per micro-step). A plan
+    trained sections, context and expert degrees where the section has attention or experts);
+    the fsdp degree is the smallest that fits the memory budget, since fsdp costs communication (priced per micro-step). A plan
     gives every section an option on disjoint devices (contiguous, in graph order, all devices
     used) such that every edge has a whole fanout and the producer's micro-batch divides by it.
     Candidates are scored with the wavefront scheduler and the simulator.
@@ -135,10 +138,12 @@ class Planner:
 
     def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
                  device: str = "h100", link_gbps: float = 50.0, max_in_flight: int = 4,
-                 residuals: Sequence[str] = ("vjp", "remat"), layer_remat: Sequence[str] = ("none", "dots", "full")):
+                 residuals: Sequence[str] = ("vjp", "remat"), layer_remat: Sequence[str] = ("none", "dots", "full"),
+                 contexts: Sequence[int] = (1, 2, 4, 8)):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
         self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
         self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
+        self.contexts = tuple(contexts)
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
         self.serial = DEVICES[device].get("serial", False)
         self._options: dict[tuple, list[_Option]] = {}
@@ -159,16 +164,17 @@ class Planner:
         sec, sink = self.spec.sections[section], section == self.spec.sink
         gb = self.global_batch
         out = []
-        for tensor in _divisors(n):
-            dp = n // tensor
+        for tensor, context, expert in self._axes(sec, n):
+            dp = n // (tensor * context)
             for mb in _powers(gb // dp):
                 if sink and gb % (dp * mb):
                     continue  # the sink's rows per micro-step must divide the global batch
                 for res, remat in itertools.product(self.residuals if sec.trained and not sink else ("vjp",),
                                                     self.layer_remat if sec.trained else ("none",)):
                     fits = []
-                    for fsdp in _divisors(dp):
-                        sp = SectionPlan(tuple(range(n)), (dp // fsdp, fsdp, tensor), mb, res,
+                    for fsdp in _divisors(dp // expert):
+                        sp = SectionPlan(tuple(range(n)), mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert,
+                                                                     context=context, tensor=tensor), mb, res,
                                          precision=sec.precision, layer_remat=remat)
                         try:
                             check_param_divisibility(section, sp, sec.leaves)
@@ -182,8 +188,43 @@ class Planner:
                     if fits:
                         sp, mem = min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0]
                         out.append(_Option(sp, mem, self._section_bound(section, sp)))
-        self._options[key] = out
-        return out
+        self._options[key] = out if lightest else self._undominated(section, out)
+        return self._options[key]
+
+    def _undominated(self, section: str, options: list[_Option]) -> list[_Option]:
+        """Drop an option when another with the same data-parallel degree and micro-batch (all
+        that fanouts and the schedule see of it) costs no more in every coefficient of the cost
+        model: it can only tie or lose. Keeps the search from simulating the many layouts
+        (tensor vs context, expert degrees, checkpointing) that differ in name only."""
+        sec, sink = self.spec.sections[section], section == self.spec.sink
+
+        def coefficients(o: _Option) -> tuple:
+            c = section_cost(sec, o.plan, self.metas, self.device, self.link_gbps, sink)
+            return (c.per_unit_s, c.per_unit2_s, c.overhead_s, c.backward_factor, c.sink_factor)
+
+        groups: dict[tuple, list[tuple[tuple, _Option]]] = {}
+        for o in options:
+            groups.setdefault((o.plan.dp, o.plan.micro_batch), []).append((coefficients(o), o))
+        kept = []
+        for group in groups.values():
+            group.sort(key=lambda g: (g[0], _tiebreak_section(g[1].plan)))
+            front: list[tuple] = []
+            for coef, o in group:
+                if not any(all(a <= b for a, b in zip(f, coef)) for f, _ in front):
+                    front.append((coef, o))
+            kept.extend(o for _, o in front)
+        return [o for o in options if o in kept]
+
+    def _axes(self, sec: SectionSpec, n: int) -> Iterator[tuple[int, int, int]]:
+        """(tensor, context, expert) degrees on `n` devices: context parallelism in the powers
+        of two `contexts` allows, for sections with attention; expert parallelism over any
+        divisor of the data-parallel devices, for sections with experts (elsewhere an expert
+        axis is plain data parallelism)."""
+        for tensor in _divisors(n):
+            for context in (c for c in self.contexts if (n // tensor) % c == 0 and (c == 1 or sec.cost.kv_width)):
+                dp = n // (tensor * context)
+                for expert in _divisors(dp) if sec.has_experts else (1,):
+                    yield tensor, context, expert
 
     def _combine(self, bounds) -> float:
         """A plan's bound from its sections': their sum on a serial client, else the largest."""
@@ -314,16 +355,20 @@ class Planner:
     def monolithic_best(self) -> dict | None:
         """The monolithic baseline's best layout, micro-batch and per-layer activation
         checkpointing on the same devices (every section's state on every device, the smallest
-        fsdp that fits), with each section's own precision."""
+        fsdp that fits), with each section's own precision, and the same context and expert
+        parallelism choices as the sections get, applied to all of it at once."""
         best, gb = None, self.global_batch
-        for tensor in _divisors(self.devices):
-            dp = self.devices // tensor
+        every = SectionSpec("all", True, tuple(p for sec in self.spec.sections.values() for p in sec.leaves),
+                            UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())))
+        for tensor, context, expert in self._axes(every, self.devices):
+            dp = self.devices // (tensor * context)
             for mb in _powers(gb // dp):
                 if gb % (dp * mb):
                     continue
                 for remat in self.layer_remat:  # one activation-checkpointing choice for all, as Megatron's
-                    for fsdp in _divisors(dp):
-                        sp = SectionPlan(tuple(range(self.devices)), (dp // fsdp, fsdp, tensor), mb)
+                    for fsdp in _divisors(dp // expert):
+                        sp = SectionPlan(tuple(range(self.devices)), mesh_shape(
+                            data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor), mb)
                         try:
                             for s, sec in self.spec.sections.items():
                                 check_param_divisibility(s, sp, sec.leaves)
@@ -346,7 +391,7 @@ class Planner:
     def _with(self, devices: int) -> Planner:
         return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
                        device=self.device, link_gbps=self.link_gbps, max_in_flight=self.max_in_flight,
-                       residuals=self.residuals, layer_remat=self.layer_remat)
+                       residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts)
 
     def _infeasible_message(self) -> str:
         sections = len(self.spec.order)
@@ -373,18 +418,22 @@ def _ceil_significant(x: float, digits: int = 3) -> float:
 
 
 def _tiebreak(plan: Plan):
-    """Equal predicted times: prefer fewer tensor shards, then smaller micro-batches (less memory),
-    then less recomputation."""
+    """Equal predicted times: prefer fewer tensor, context and expert shards, then smaller
+    micro-batches (less memory), then less recomputation."""
+    return tuple(_tiebreak_section(sp) for sp in plan.sections.values())
+
+
+def _tiebreak_section(sp: SectionPlan) -> tuple:
     recompute = {"none": 0, "dots": 1, "full": 2}
-    return tuple((sp.axis_sizes["tensor"], sp.micro_batch, sp.residuals, recompute[sp.layer_remat])
-                 for sp in plan.sections.values())
+    return (sp.axis_sizes["tensor"], sp.axis_sizes["context"], sp.axis_sizes["expert"], sp.micro_batch,
+            sp.residuals, recompute[sp.layer_remat])
 
 
 def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:
-    lines = [f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,tensor] micro-batch "
-             f"residuals layer-remat; fanouts)  peak GB/device"]
+    lines = [f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,expert,context,tensor] "
+             f"micro-batch residuals layer-remat; fanouts)  peak GB/device"]
     for i, c in enumerate(rows or report.top):
-        parts = [f"{s} {d['devices']} [{d['mesh']['data']},{d['mesh']['fsdp']},{d['mesh']['tensor']}] "
+        parts = [f"{s} {d['devices']} [{','.join(str(n) for n in d['mesh'].values())}] "
                  f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
                  f"{'' if d['layer_remat'] == 'none' else ' layers:' + d['layer_remat']}"
                  for s, d in c.describe().items()]

@@ -31,6 +31,11 @@ class SectionSpec:
         return self.params + self.consts
 
     @property
+    def has_experts(self) -> bool:
+        """Weights with an `expert` axis: the section can use expert parallelism."""
+        return any("expert" in (p.logical or ()) for p in self.leaves)
+
+    @property
     def param_count(self) -> int:
         total = 0
         for p in self.leaves:

@@ -144,7 +144,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
             graph.section(s), meshes[s], shardings[s], make_optimizer(cfg.optimizer), sp.residuals,
             out_edges=tuple(e.name for e in graph.consumers_of(s)),
             diff_inputs=tuple(e.name for e in graph.producers_of(s) if e.src in trained),
-            is_sink=s == graph.sink)
+            is_sink=s == graph.sink, rules=sp.rules)
     problem = Problem(order=graph.topological_order(), sink=graph.sink, trained=trained, edges=edges,
                       rows={s: plan.sections[s].rows for s in graph.names},
                       dp={s: plan.sections[s].dp for s in graph.names},

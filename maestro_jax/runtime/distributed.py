@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import time
 
 import jax
 import numpy as np
@@ -37,15 +38,54 @@ def _client():
     return jax._src.distributed.global_state.client
 
 
-def _get(key: str, owner: int, what: str, timeout_s: float | None = None) -> str:
-    """A bounded read of a key another process publishes; a timeout names that process."""
-    timeout_s = PEER_TIMEOUT_S if timeout_s is None else timeout_s
+_FAILED = "maestro/failed/"
+_POLL_S = 1.0  # how often a waiting process looks for a peer's failure notice
+_announced = False
+
+
+def announce_failure(message: str) -> None:
+    """Tell every peer that this process is stopping on an error, so that their waits for it
+    end at once with its message instead of running into the timeout. Best effort: the
+    coordination service may itself be gone."""
+    global _announced
+    if jax.process_count() == 1 or _announced:
+        return
+    _announced = True
     try:
-        return _client().blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as err:  # jaxlib raises XlaRuntimeError (DEADLINE_EXCEEDED, or UNAVAILABLE if the service died)
-        raise PeerError(f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is dead "
-                        f"or stuck; stopping this process ({jax.process_index()}) too. "
-                        f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]") from err
+        _client().key_value_set(f"{_FAILED}{jax.process_index()}", message.strip().splitlines()[-1][:500])
+    except Exception:  # noqa: BLE001 - nothing more can be told
+        log.debug("could not announce the failure", exc_info=True)
+
+
+def _failed_peer() -> tuple[int, str] | None:
+    try:
+        entries = _client().key_value_dir_get(_FAILED)
+    except Exception:  # noqa: BLE001 - the service is gone: the caller reports the wait itself
+        return None
+    notices = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in entries)
+    return notices[0] if notices else None
+
+
+def _get(key: str, owner: int, what: str, timeout_s: float | None = None) -> str:
+    """A bounded read of a key another process publishes. It ends early, naming the process
+    and its error, when any peer announces a failure (`announce_failure`); a timeout names
+    `owner`."""
+    timeout_s = PEER_TIMEOUT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait_ms = max(1, int(min(_POLL_S, deadline - time.monotonic()) * 1000))
+        try:
+            return _client().blocking_key_value_get(key, wait_ms)
+        except Exception as err:  # XlaRuntimeError: DEADLINE_EXCEEDED, or UNAVAILABLE if the service died
+            failed = _failed_peer()
+            if failed is not None:
+                raise PeerError(f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
+                                f"({jax.process_index()}) too") from err
+            if time.monotonic() < deadline and "DEADLINE_EXCEEDED" in str(err):
+                continue
+            raise PeerError(f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is "
+                            f"dead or stuck; stopping this process ({jax.process_index()}) too. "
+                            f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]") from err
 
 
 def agree(name: str, value):

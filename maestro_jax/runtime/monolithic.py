@@ -16,7 +16,7 @@ import numpy as np
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.core.plan import SectionPlan
 from maestro_jax.runtime.programs import SectionState, tree_add
-from maestro_jax.runtime.sharding import row_sharding
+from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
 
 class Monolithic:
@@ -86,7 +86,7 @@ class Monolithic:
         norm = np.float32(max(self.graph.loss_count(samples), 1))
         params = {s: states[s].params for s in self.trained}
         consts = {s: st.consts for s, st in states.items()}
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.plan.rules):
             acc = self._zeros(params)
             loss = 0.0
             for batches in host:
@@ -98,7 +98,7 @@ class Monolithic:
 
     def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:
         new = dict(states)
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.plan.rules):
             for s in self.trained:
                 params, opt = self._updates[s](states[s].params, states[s].opt_state, grads[s])
                 new[s] = SectionState(params, states[s].consts, opt)

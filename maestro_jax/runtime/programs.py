@@ -8,7 +8,8 @@ A section's program family (docs/ARCHITECTURE.md, "Runtime"):
   loss_and_grad  the sink: loss, parameter grads (accumulated) and cotangents of its inputs;
   update         optax on the section's params and optimizer state.
 jax.jit caches one executable per input shape, i.e. per shape bucket. Every call runs under
-`jax.set_mesh(section mesh)` so constants created inside land on the section's devices.
+`sharding.on_mesh(section mesh, its rules)` so constants created inside land on the section's
+devices and the models' activation constraints (sequence over `context`, ...) resolve.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from maestro_jax.core.graph import Section
-from maestro_jax.runtime.sharding import row_sharding
+from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
 
 @dataclasses.dataclass
@@ -49,8 +50,9 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
 
 class SectionPrograms:
     def __init__(self, section: Section, mesh, var_shardings, optimizer: optax.GradientTransformation,
-                 residuals: str, out_edges: tuple[str, ...], diff_inputs: tuple[str, ...], is_sink: bool):
-        self.section, self.mesh, self.optimizer = section, mesh, optimizer
+                 residuals: str, out_edges: tuple[str, ...], diff_inputs: tuple[str, ...], is_sink: bool,
+                 rules: str = "default"):
+        self.section, self.mesh, self.optimizer, self.rules = section, mesh, optimizer, rules
         self.rows = row_sharding(mesh)
         self.var_shardings = var_shardings
         self.residuals = residuals
@@ -126,42 +128,42 @@ class SectionPrograms:
         return program(*args)
 
     def forward(self, state: SectionState, inputs, batch):
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             return self._run("forward", self._forward, state.variables, inputs, batch)
 
     def forward_vjp(self, state: SectionState, inputs, batch):
         """Outputs and the handle `backward` needs: vjp residuals, or the inputs to recompute from."""
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             if self.residuals == "remat":
                 return self._run("forward", self._forward, state.variables, inputs, batch), (inputs, batch)
             return self._run("forward_vjp", self._forward_vjp, state.variables, inputs, batch)
 
     def backward(self, state: SectionState, handle, cotangent, acc):
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             if self.residuals == "remat":
                 inputs, batch = handle
                 return self._run("backward", self._backward_remat, state.variables, inputs, batch, cotangent, acc)
             return self._run("backward", self._backward, handle, cotangent, acc)
 
     def loss_and_grad(self, state: SectionState, inputs, batch, norm, acc):
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             return self._run("loss_and_grad", self._loss_and_grad, state.variables, inputs, batch, norm, acc)
 
     def all_finite(self, tree):
         """A device scalar: every element of `tree` (e.g. this section's grads) is finite."""
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             return self._all_finite(tree)
 
     def zeros_like_params(self, state: SectionState):
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             return self._zeros(state.params)
 
     def init_optimizer(self, params):
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             return self._init_opt(params)
 
     def update(self, state: SectionState, grads) -> SectionState:
-        with jax.set_mesh(self.mesh):
+        with on_mesh(self.mesh, self.rules):
             params, opt_state = self._run("update", self._update, state.params, state.opt_state, grads)
         return SectionState(params, state.consts, opt_state)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from maestro_jax.core.plan import ParamInfo, SectionPlan
 from meshes import BATCH_AXES, MESH_AXES, RULES
+from models.layers import activation_rules
 
 
 def section_mesh(sp: SectionPlan, devices=None) -> Mesh:
@@ -19,6 +21,14 @@ def section_mesh(sp: SectionPlan, devices=None) -> Mesh:
     devices = devices if devices is not None else jax.devices()
     grid = np.array([devices[i] for i in sp.devices], dtype=object).reshape(sp.mesh)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: Mesh, rules_name: str):
+    """Trace and run on a section's mesh: constants land on its devices, and the models'
+    activation layouts (`models.layers.constrain`) resolve through its rule set."""
+    with jax.set_mesh(mesh), activation_rules(RULES[rules_name]):
+        yield
 
 
 def row_sharding(mesh: Mesh) -> NamedSharding:

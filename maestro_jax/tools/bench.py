@@ -13,6 +13,7 @@ import time
 import jax
 
 from maestro_jax.config import Config
+from maestro_jax.data.samples import Sample
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.schedule import naive, sample_metas, wavefront
@@ -93,10 +94,32 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
         "schedule_fraction": {m: statistics.median(
             [a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])]) for m in ("naive", "wavefront")},
     }
+    if any(s.items for b in batches for s in b):
+        report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step)
     report["simulator"] = _prediction(rt, batches, per_rep, num_batches)
     if trace_dir:
         report["traces"] = _traces(rt, states["wavefront"], batches[0], trace_dir)
     return report
+
+
+def _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step) -> dict:
+    """The paper's "efficiency relative to text-only": the step on the same token rows with every
+    modality item removed (placeholders stay ordinary tokens, so the LLM does identical work and
+    only the encoders drop out), divided by the compound step, for the wavefront schedule and
+    for the monolithic baseline, each on its own devices. 100%: the encoders cost the LLM
+    nothing; below: the LLM waits for, or shares its devices with, them."""
+    text = [[Sample(s.id, s.tokens) for s in b] for b in batches]
+    for samples in text:  # warm-up: the text-only buckets
+        mono_step(samples, {"step_s": []})
+        maestro_step("wavefront", samples, {"schedule_s": [], "dispatch_s": [], "step_s": []})
+    alone = {"monolithic": [], "wavefront": []}
+    for _ in range(reps):
+        for mode, times in alone.items():
+            stats = {"schedule_s": [], "dispatch_s": [], "step_s": []}
+            for samples in text:
+                mono_step(samples, stats) if mode == "monolithic" else maestro_step(mode, samples, stats)
+            times.append(sum(stats["step_s"]))
+    return {m: statistics.median(alone[m]) / statistics.median(per_rep[m]) for m in alone}
 
 
 def _prediction(rt, batches, per_rep, num_batches) -> dict:

@@ -18,15 +18,19 @@ def _encoder_layer(width: int, mlp: int) -> float:
     return 2 * 4 * width * width + 2 * 2 * width * mlp  # q, k, v, o; a two-matmul GELU MLP
 
 
-def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0, experts_per_token: int = 0,
-             expert_mlp: int = 0) -> UnitCost:
-    """A decoder token; `head`: the output layer runs here (the sink); MoE counts active experts."""
-    mlp = experts_per_token * expert_mlp if experts_per_token else c.mlp
+def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0) -> UnitCost:
+    """A decoder token; `head`: the output layer runs here (the sink). A mixture-of-experts FFN
+    counts its active experts (a sparse dispatch's FLOPs: the dense exact dispatch the tiny
+    models run spends `experts / experts_per_token` times more) plus the router."""
+    moe = c.experts > 0
+    mlp = c.experts_per_token * c.expert_mlp if moe else c.mlp
     proj = 2 * c.width * (c.heads + 2 * c.kv_heads) * c.head_dim + 2 * c.heads * c.head_dim * c.width
-    linear = c.depth * (proj + 3 * 2 * c.width * mlp) + (2 * c.width * c.vocab if head else 0)
+    ffn = 3 * 2 * c.width * mlp + (2 * c.width * c.experts if moe else 0)
+    linear = c.depth * (proj + ffn) + (2 * c.width * c.vocab if head else 0)
     return UnitCost(flops=float(linear + extra_flops), attention_flops=float(c.depth * 2 * 2 * c.heads * c.head_dim) / 2,
                     width=c.width, layer_bytes=6 * c.width * F32, layer_bytes_sharded=3 * mlp * F32,
-                    layers=c.depth, logits=c.vocab if head else 0)
+                    layers=c.depth, logits=c.vocab if head else 0, kv_width=2 * c.kv_heads * c.head_dim,
+                    routed_width=c.experts_per_token * c.width if moe else 0)
 
 
 def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
@@ -37,7 +41,7 @@ def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
     linear = 2 * c.patch_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + merger
     return UnitCost(flops=float(linear), attention_flops=float(c.depth * 2 * 2 * c.width),
                     attention_span=mean_patches_per_image, width=c.width, layer_bytes=6 * c.width * F32,
-                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth)
+                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth, kv_width=2 * c.width)
 
 
 def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
@@ -45,4 +49,4 @@ def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
     linear = 2 * c.token_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
     return UnitCost(flops=float(linear), attention_flops=float(c.depth * 2 * 2 * c.width),
                     attention_span=mean_tokens_per_clip, width=c.width, layer_bytes=6 * c.width * F32,
-                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth)
+                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth, kv_width=2 * c.width)

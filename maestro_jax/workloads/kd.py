@@ -19,7 +19,7 @@ from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
-from models import DecoderLM, LLMConfig
+from models import DecoderLM, LLMConfig, apply_with_losses
 
 EDGE = "teacher_hidden"
 
@@ -76,11 +76,12 @@ def build(cfg: Config) -> SectionGraph:
         return {**R.text_rows(rows), "teacher_row": R.route(routes, EDGE, rows)}
 
     def student_forward(variables, inputs, batch):
-        s_logits = s_model.apply({"params": variables["params"]}, batch["input_ids"], batch["positions"],
-                                 batch["valid"])
+        s_logits, aux = apply_with_losses(s_model, {"params": variables["params"]}, batch["input_ids"],
+                                          batch["positions"], batch["valid"])
         t_hidden = R.gather(inputs, EDGE, batch["teacher_row"], length=batch["input_ids"].shape[1])
         t_logits = t_hidden @ variables["consts"]["teacher_head"]
-        return distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+        loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+        return loss + aux, metrics
 
     def init(key):
         t, s, head = init_teacher_and_student(teacher, student, key)

@@ -20,7 +20,7 @@ from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
 from maestro_jax.workloads.pretrained import load_llm_section
-from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig
+from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 
 EDGE = "image_embeds"
 
@@ -86,13 +86,14 @@ def multimodal_rows(rows, routes, spliced: Mapping[str, Modality]) -> dict:
 
 
 def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mapping[str, Modality]):
-    """The LLM's logits with each edge's embeddings in its modality's placeholder positions."""
+    """The LLM's logits with each edge's embeddings in its modality's placeholder positions, and
+    the sum of its auxiliary losses (MoE load balancing)."""
     v = {"params": variables["params"]}
     x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
     for edge, m in spliced.items():
         x = R.splice(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
-    h = decoder.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
-    return decoder.apply(v, h, method=DecoderLM.logits)
+    h, aux = apply_with_losses(decoder, v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
+    return decoder.apply(v, h, method=DecoderLM.logits), aux
 
 
 def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Section:
@@ -100,10 +101,10 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Sectio
     decoder = DecoderLM(llm)
 
     def forward(variables, inputs, batch):
-        logits = spliced_logits(decoder, variables, inputs, batch, spliced)
+        logits, aux = spliced_logits(decoder, variables, inputs, batch, spliced)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
         mask = batch["loss_mask"]
-        return jnp.sum(ce * mask), {"tokens": jnp.sum(mask)}
+        return jnp.sum(ce * mask) + aux, {"tokens": jnp.sum(mask)}
 
     return Section("llm", trained=True, forward=forward,
                    host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced), activates=lambda s: True,
@@ -119,12 +120,10 @@ def build(cfg: Config) -> SectionGraph:
         return {"vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
                 "llm": {"params": init_llm(llm, kl)["params"], "consts": {}}}
 
-    m = cfg.models["llm"]
     return SectionGraph(
         sections=(
             vision_section(vit, llm.width, mean_patches(cfg, vit)),
-            llm_section(llm, {EDGE: image}, llm_cost(llm, head=True, experts_per_token=m.experts_per_token,
-                                                     expert_mlp=m.expert_mlp)),
+            llm_section(llm, {EDGE: image}, llm_cost(llm, head=True)),
         ),
         edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
         init=init,

@@ -44,10 +44,11 @@ def build(cfg: Config) -> SectionGraph:
         return {**multimodal_rows(rows, routes, {IMAGES: image}), "teacher_row": R.route(routes, TEACHER, rows)}
 
     def student_forward(variables, inputs, batch):
-        s_logits = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
+        s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
         t_hidden = R.gather(inputs, TEACHER, batch["teacher_row"], length=batch["input_ids"].shape[1])
         t_logits = t_hidden @ variables["consts"]["teacher_head"]
-        return distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+        loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+        return loss + aux, metrics
 
     def init(key):
         kt, kv = jax.random.split(key)

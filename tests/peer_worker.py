@@ -1,0 +1,27 @@
+"""Worker for tests/test_faults.py: process 1 stops on an error and announces it; process 0,
+waiting for a value process 1 never publishes, must end at once naming it (not at the timeout)."""
+
+import os
+import sys
+import time
+
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+from maestro_jax.runtime import distributed  # noqa: E402
+
+distributed.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+distributed.set_peer_timeout(120)
+distributed.step_barrier(1)  # both are up
+if pid == 1:
+    distributed.announce_failure("DataError: sample 7: tokens out of range")
+    sys.stdout.flush()
+    os._exit(3)
+t0 = time.monotonic()
+try:
+    distributed._get("maestro/never", 1, "publish a value")
+except distributed.PeerError as err:
+    print(f"WAITED {time.monotonic() - t0:.1f}", flush=True)
+    print(f"ERROR {err}", flush=True)
+    os._exit(5)
+os._exit(0)
