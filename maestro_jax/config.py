@@ -76,6 +76,7 @@ class EdgeConfig(_Frozen):
 
 class ViTModelConfig(_Frozen):
     kind: Literal["vit"]
+    scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
     patch: PositiveInt
     channels: PositiveInt = 3
     width: PositiveInt
@@ -89,6 +90,7 @@ class ViTModelConfig(_Frozen):
 
 class AudioModelConfig(_Frozen):
     kind: Literal["audio"]
+    scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
     mel: PositiveInt = 16  # features per frame
     frames_per_token: PositiveInt = 4  # frames grouped into one audio token
     width: PositiveInt
@@ -101,6 +103,7 @@ class AudioModelConfig(_Frozen):
 
 class LLMModelConfig(_Frozen):
     kind: Literal["llm"]
+    scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
     vocab: PositiveInt
     width: PositiveInt
     depth: PositiveInt

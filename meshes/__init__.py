@@ -35,6 +35,7 @@ RULES: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {
         ("norm", None),
         ("patch", None),
         ("grid", None),
+        ("layers", None),  # the stacked-layer axis of scanned models (models.layers.layer_stack)
         ("act_embed", None),  # activations' feature dimension: whole on every device
     ),
     # Everything replicated: pure data parallelism whatever the mesh says.

@@ -11,7 +11,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.layers import EncoderBlock, partitioned, remat_layer, segment_mask
+from models.layers import EncoderBlock, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -27,6 +27,7 @@ class AudioConfig:
     out_width: int  # the consumer's width (audio tokens enter the LLM)
     max_tokens: int = 1500  # learned positions: the longest clip, in tokens
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
+    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
     @property
     def token_features(self) -> int:
@@ -45,9 +46,7 @@ class AudioEncoder(nn.Module):
         pos = self.param("pos", partitioned(_init, "grid", "embed"), (c.max_tokens, c.width))
         x = x + jnp.take(pos, positions_BN1[..., 0], axis=0)
         mask = segment_mask(segments_BN)
-        block = remat_layer(EncoderBlock, c.remat)
-        for i in range(c.depth):
-            x = block(c.width, c.heads, c.mlp, name=f"block_{i}")(x, mask)
+        x = layer_stack(EncoderBlock, (c.width, c.heads, c.mlp), c.depth, c.remat, c.scan_layers)(x, mask)
         x = nn.LayerNorm(name="out_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
                          bias_init=partitioned(nn.initializers.zeros, "norm"))(x)
         return nn.Dense(c.out_width, name="out_proj", kernel_init=partitioned(_init, "embed", "mlp"),

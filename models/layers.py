@@ -33,6 +33,42 @@ def remat_layer(cls, remat: str):
     return cls if remat == "none" else nn.remat(cls, policy=REMAT_POLICIES[remat])
 
 
+class _ScanBody(nn.Module):
+    """One layer in `nn.scan`'s shape: (carry, broadcast inputs) -> (carry, nothing)."""
+
+    layer: type
+    args: tuple
+    remat: str
+
+    @nn.compact
+    def __call__(self, x, *rest):
+        return remat_layer(self.layer, self.remat)(*self.args, name="layer")(x, *rest), None
+
+
+def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool):
+    """`depth` layers of `layer(*args)` applied in turn, as a callable `(x, *rest) -> x` built
+    inside a parent's `setup` or compact method.
+
+    Unrolled (`scan=False`): submodules `block_0 .. block_{depth-1}`, one traced copy each, so
+    compile time grows with depth. Scanned: one `nn.scan` submodule `blocks` whose parameters
+    (and sown `losses`) carry a leading `layers` axis; the layer is traced once whatever the
+    depth. Both compute the same function; the parameter trees differ, so a checkpoint belongs
+    to one form."""
+    if not scan:
+        blocks = [remat_layer(layer, remat)(*args, name=f"block_{i}") for i in range(depth)]
+
+        def unrolled(x, *rest):
+            for block in blocks:
+                x = block(x, *rest)
+            return x
+
+        return unrolled
+    stack = nn.scan(_ScanBody, variable_axes={"params": 0, "losses": 0}, split_rngs={"params": True},
+                    in_axes=nn.broadcast, length=depth, metadata_params={nn.PARTITION_NAME: "layers"})
+    blocks = stack(layer, args, remat, name="blocks")
+    return lambda x, *rest: blocks(x, *rest)[0]
+
+
 class RMSNorm(nn.Module):
     eps: float = 1e-6
 

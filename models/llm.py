@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.layers import RMSNorm, attention, constrain, partitioned, remat_layer, rotary, shard_sequence
+from models.layers import RMSNorm, attention, constrain, layer_stack, partitioned, rotary, shard_sequence
 
 _init = nn.initializers.normal(0.02)
 
@@ -30,6 +30,7 @@ class LLMConfig:
     expert_mlp: int = 0
     router_aux_loss: float = 0.0  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE: 0.001)
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
+    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
 
 class MoE(nn.Module):
@@ -136,8 +137,7 @@ class DecoderLM(nn.Module):
     def setup(self):
         c = self.cfg
         self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
-        block = remat_layer(DecoderBlock, c.remat)
-        self.blocks = [block(c, name=f"block_{i}") for i in range(c.depth)]
+        self.blocks = layer_stack(DecoderBlock, (c,), c.depth, c.remat, c.scan_layers)
         self.final_norm = RMSNorm(c.norm_eps)
         if self.with_head and not c.tie_embeddings:
             self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))
@@ -149,9 +149,7 @@ class DecoderLM(nn.Module):
         """Final-normed hidden states from input embeddings (causal, padding masked)."""
         causal = positions_BL[:, :, None] >= positions_BL[:, None, :]
         mask_BLL = causal & valid_BL[:, None, :]
-        for block in self.blocks:
-            x_BLD = block(x_BLD, positions_BL, mask_BLL, valid_BL)
-        return self.final_norm(x_BLD)
+        return self.final_norm(self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL))
 
     def output_weights(self):
         return self.embedding.T if self.cfg.tie_embeddings else self.lm_head

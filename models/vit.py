@@ -11,7 +11,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.layers import EncoderBlock, partitioned, remat_layer, segment_mask
+from models.layers import EncoderBlock, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -28,6 +28,7 @@ class ViTConfig:
     merge: int = 2
     max_grid: int = 64
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
+    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
     @property
     def patch_features(self) -> int:
@@ -47,9 +48,7 @@ class VisionEncoder(nn.Module):
         col = self.param("pos_col", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
         x = x + jnp.take(row, grid_BP2[..., 0], axis=0) + jnp.take(col, grid_BP2[..., 1], axis=0)
         mask_BPP = segment_mask(segments_BP)
-        block = remat_layer(EncoderBlock, c.remat)
-        for i in range(c.depth):
-            x = block(c.width, c.heads, c.mlp, name=f"block_{i}")(x, mask_BPP)
+        x = layer_stack(EncoderBlock, (c.width, c.heads, c.mlp), c.depth, c.remat, c.scan_layers)(x, mask_BPP)
         x = nn.LayerNorm(name="merge_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
                          bias_init=partitioned(nn.initializers.zeros, "norm"))(x)
         b, p, d = x.shape

@@ -48,9 +48,9 @@ def torch_logits(model, tokens=TOKENS):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def flax_logits(path, mesh=mesh_shape(), devices=(0,)):
+def flax_logits(path, mesh=mesh_shape(), devices=(0,), scan=False):
     fields = hf.llm_fields(path)
-    cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"})
+    cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"}, scan_layers=scan)
     model = DecoderLM(cfg)
     ids = jnp.asarray(TOKENS, jnp.int32)
     pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
@@ -73,20 +73,24 @@ def test_import_matches_transformers(tmp_path, case):
     np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
 
 
-def test_import_places_each_shard_only(tmp_path):
-    """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still match."""
+@pytest.mark.parametrize("scan", [False, True])
+def test_import_places_each_shard_only(tmp_path, scan):
+    """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still
+    match; into a scanned model (`scan_layers`), the layers stack on a leading axis."""
     model, path = make_hf(tmp_path, "qwen2_untied")
-    ours, params, _ = flax_logits(path, mesh=mesh_shape(fsdp=2, tensor=2), devices=(4, 5, 6, 7))
+    ours, params, fields = flax_logits(path, mesh=mesh_shape(fsdp=2, tensor=2), devices=(4, 5, 6, 7), scan=scan)
     np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
-    gate = params["block_0"]["gate"]["kernel"]  # [D, F] over (fsdp, tensor)
+    gate = params["blocks"]["layer"]["gate"]["kernel"] if scan else params["block_0"]["gate"]["kernel"]
     assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}
-    assert all(s.data.shape == (16, 32) for s in gate.addressable_shards)
+    shard = (fields["depth"], 16, 32) if scan else (16, 32)  # [(layers,) D, F] over (fsdp, tensor)
+    assert all(s.data.shape == shard for s in gate.addressable_shards)
 
 
-@pytest.mark.parametrize("case,model_type", [("llama_untied", "llama"), ("qwen2_tied", "qwen2"), ("qwen3", "qwen3")])
-def test_export_round_trip_in_transformers(tmp_path, case, model_type):
+@pytest.mark.parametrize("case,model_type,scan", [("llama_untied", "llama", False), ("qwen2_tied", "qwen2", False),
+                                                   ("qwen3", "qwen3", True)])
+def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     model, path = make_hf(tmp_path, case)
-    ours, params, fields = flax_logits(path)
+    ours, params, fields = flax_logits(path, scan=scan)
     out = tmp_path / "exported"
     hf.save_llm(out, params, fields, model_type=model_type, max_shard_bytes=20_000)  # several shards + index
     assert (out / "model.safetensors.index.json").is_file()

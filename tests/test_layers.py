@@ -24,3 +24,47 @@ def test_grouped_query_attention_with_packed_segments_and_padding():
     assert np.allclose(out, ref, atol=1e-5) and not np.isnan(out).any()  # padding rows: finite
     grad = jax.grad(lambda q: attention(q, k, v, mask)[:, :5].sum())(q)
     assert np.allclose(grad, jax.grad(lambda q: reference(q, k, v, mask)[:, :5].sum())(q), atol=1e-5)
+
+
+def _stacked(params: dict, depth: int) -> dict:
+    """An unrolled tree's `block_i` layers stacked into a scanned tree's `blocks/layer`."""
+    rest = {k: v for k, v in params.items() if not k.startswith("block_")}
+    layers = [params[f"block_{i}"] for i in range(depth)]
+    return {**rest, "blocks": {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}}
+
+
+def test_scanned_layers_compute_what_unrolled_layers_do_and_trace_once():
+    """`scan_layers`: the same outputs, sown losses and gradients as the unrolled stack (params
+    stacked), and a program whose size does not grow with depth."""
+    import dataclasses
+
+    import flax.linen as nn
+
+    from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
+
+    cfg = LLMConfig(vocab=64, width=32, depth=3, heads=4, kv_heads=2, head_dim=8, mlp=64, experts=4,
+                    experts_per_token=2, expert_mlp=16, router_aux_loss=0.01, remat="dots")
+    ids = jnp.arange(20, dtype=jnp.int32).reshape(2, 10) % 64
+    pos, valid = jnp.tile(jnp.arange(10), (2, 1)), jnp.arange(10)[None] < jnp.array([[10], [6]])
+    flat, scanned = DecoderLM(cfg), DecoderLM(dataclasses.replace(cfg, scan_layers=True))
+    params = nn.meta.unbox(flat.init(jax.random.key(0), ids, pos, valid)["params"])
+    stacked = _stacked(params, cfg.depth)
+    assert jax.tree.structure(stacked) == jax.tree.structure(
+        nn.meta.unbox(jax.eval_shape(lambda: scanned.init(jax.random.key(0), ids, pos, valid))["params"]))
+
+    def loss(model, p):
+        logits, aux = apply_with_losses(model, {"params": p}, ids, pos, valid)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 3] * valid) + aux
+
+    (l1, g1), (l2, g2) = (jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(m, p)
+                          for m, p in ((flat, params), (scanned, stacked)))
+    assert np.allclose(l1, l2, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(_stacked(g1, cfg.depth)), jax.tree.leaves(g2)):
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+    def size(depth, scan):
+        vit = ViTConfig(patch=2, channels=3, width=16, depth=depth, heads=2, mlp=32, out_width=16, scan_layers=scan)
+        x, seg, grid = jnp.zeros((1, 16, 12)), jnp.ones((1, 16), jnp.int32), jnp.zeros((1, 16, 2), jnp.int32)
+        return len(str(jax.make_jaxpr(lambda: VisionEncoder(vit).init(jax.random.key(0), x, seg, grid))()))
+
+    assert size(8, True) == size(2, True) and size(8, False) > 2 * size(2, False)

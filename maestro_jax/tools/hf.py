@@ -132,23 +132,45 @@ def _put(value: np.ndarray, like) -> jax.Array:
     return jax.make_array_from_callback(value.shape, like.sharding, lambda idx: value[idx])
 
 
+def _scanned_path(flax_path: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
+    """`block_i/...` -> (`blocks/layer/...`, i) in a scanned model's tree (`models.layers.layer_stack`)."""
+    if flax_path[0].startswith("block_"):
+        return ("blocks", "layer", *flax_path[1:]), int(flax_path[0][len("block_"):])
+    return flax_path, None
+
+
+def _at(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _set(tree: dict, path, value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
 def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = True) -> dict:
-    """The checkpoint's weights as a Flax param tree shaped and sharded like `target`."""
+    """The checkpoint's weights as a Flax param tree shaped and sharded like `target` (unrolled
+    `block_i` layers, or scanned `blocks` whose leaves stack the layers on a leading axis)."""
     path = Path(path)
     tensors = _Tensors(path)
+    scanned = "blocks" in target
     out: dict = {}
+    stacks: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
     for flax_path, (name, convert) in _mapping(fields, with_head).items():
-        like = target
-        for p in flax_path:
-            like = like[p]
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
         try:
-            value = _put(convert(tensors.get(name)), like)
+            value = convert(tensors.get(name))
+            if layer is None:
+                _set(out, where, _put(value, _at(target, where)))
+            else:
+                stacks.setdefault(where, {})[layer] = value
         except HFError as err:
             raise HFError(f"{path}: {name} -> {'.'.join(flax_path)}: {err}") from None
-        node = out
-        for p in flax_path[:-1]:
-            node = node.setdefault(p, {})
-        node[flax_path[-1]] = value
+    for where, layers in stacks.items():
+        _set(out, where, _put(np.stack([layers[i] for i in range(len(layers))]), _at(target, where)))
     return out
 
 
@@ -171,11 +193,11 @@ def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "ll
     h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
     unproj = {"q": h, "k": g, "v": g}
     tensors = {}
+    scanned = "blocks" in params
     for flax_path, (name, _) in _mapping(fields, with_head=True).items():
-        leaf = params
-        for p in flax_path:
-            leaf = leaf[p]
-        w = np.asarray(jax.device_get(leaf), np.float32)
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+        w = np.asarray(jax.device_get(_at(params, where)), np.float32)
+        w = w if layer is None else w[layer]
         kind = flax_path[1] if len(flax_path) == 3 else flax_path[0]
         if flax_path[-1] == "kernel" and kind in unproj:
             w = w.reshape(d, unproj[kind] * k).T
