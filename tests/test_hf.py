@@ -26,6 +26,9 @@ CASES = {
     "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=8)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=8, num_experts=4,
+                                                                num_experts_per_tok=2, moe_intermediate_size=16,
+                                                                norm_topk_prob=True)),
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -87,7 +90,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
 
 
 @pytest.mark.parametrize("case,model_type,scan", [("llama_untied", "llama", False), ("qwen2_tied", "qwen2", False),
-                                                   ("qwen3", "qwen3", True)])
+                                                   ("qwen3", "qwen3", True), ("qwen3_moe", "qwen3_moe", True)])
 def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     model, path = make_hf(tmp_path, case)
     ours, params, fields = flax_logits(path, scan=scan)
@@ -141,7 +144,7 @@ def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
     with pytest.raises(ConfigError, match=r"sections.teacher.init.hf_path=.*no config.json"):
         build_runtime(_teacher_cfg(path, **{"sections.teacher.init.hf_path": str(tmp_path / "nowhere")}))
     moe = {"models.teacher.experts": 4, "models.teacher.experts_per_token": 2, "models.teacher.expert_mlp": 16}
-    with pytest.raises(ConfigError, match=r"models.teacher.experts=4: importing mixture-of-experts"):
+    with pytest.raises(ConfigError, match=r"models.teacher.experts=4: the checkpoint .* has experts=0"):
         build_runtime(_teacher_cfg(path, **moe))
 
 

@@ -16,6 +16,12 @@ The layout maps 1:1 (HF `Linear` weights are `out x in`, Flax kernels `in x out`
   layers.i.{input,post_attention}_layernorm       -> block_i.{attn,mlp}_norm.scale
   model.norm.weight                               -> final_norm.scale
   lm_head.weight [V, D]                           -> lm_head [D, V] (absent when tied)
+Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on a leading axis:
+  layers.i.mlp.gate.weight [E, D]                 -> block_i.moe.router [D, E]
+  layers.i.mlp.experts.j.{gate,up}_proj.weight    -> block_i.moe.{gate,up}[j] [D, F]
+  layers.i.mlp.experts.j.down_proj.weight         -> block_i.moe.down[j] [F, D]
+A scanned model (`scan_layers`) stacks every `block_i` leaf on a leading layer axis under
+`blocks/layer`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class HFError(ValueError):
@@ -58,14 +65,24 @@ def llm_fields(path: str | Path) -> dict:
     if hf.get("use_sliding_window"):
         raise HFError(f"{path}/config.json: use_sliding_window=true is not supported")
     heads = hf["num_attention_heads"]
-    return {
+    fields = {
         "kind": "llm", "vocab": hf["vocab_size"], "width": hf["hidden_size"], "depth": hf["num_hidden_layers"],
         "heads": heads, "kv_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp": hf["intermediate_size"],
         "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)), "qk_norm": kind == "qwen3",
+        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)), "qk_norm": kind in ("qwen3", "qwen3_moe"),
+        "experts": 0, "experts_per_token": 0, "expert_mlp": 0,
     }
+    if kind == "qwen3_moe":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise HFError(f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+                          f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer")
+        if not hf.get("norm_topk_prob", False):
+            raise HFError(f"{path}/config.json: norm_topk_prob=false; the router renormalises its top-k weights")
+        fields.update(experts=hf.get("num_local_experts") or hf["num_experts"],
+                      experts_per_token=hf["num_experts_per_tok"], expert_mlp=hf["moe_intermediate_size"])
+    return fields
 
 
 class _Tensors:
@@ -109,10 +126,15 @@ def _mapping(c: dict, with_head: bool) -> dict[tuple[str, ...], tuple[str, Calla
             (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
             (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
             (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
-            (b, "gate", "kernel"): (f"{hf}.mlp.gate_proj.weight", np.transpose),
-            (b, "up", "kernel"): (f"{hf}.mlp.up_proj.weight", np.transpose),
-            (b, "down", "kernel"): (f"{hf}.mlp.down_proj.weight", np.transpose),
         })
+        if c.get("experts"):  # a trailing int: that expert's slice of the stacked leaf
+            out[(b, "moe", "router")] = (f"{hf}.mlp.gate.weight", np.transpose)
+            for j in range(c["experts"]):
+                for name in ("gate", "up", "down"):
+                    out[(b, "moe", name, j)] = (f"{hf}.mlp.experts.{j}.{name}_proj.weight", np.transpose)
+        else:
+            out.update({(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose)
+                        for name in ("gate", "up", "down")})
         if c["qkv_bias"]:
             for name, n in (("q", h), ("k", g), ("v", g)):
                 out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
@@ -157,21 +179,36 @@ def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = Tru
     path = Path(path)
     tensors = _Tensors(path)
     scanned = "blocks" in target
-    out: dict = {}
-    stacks: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
+    leaves: dict[tuple[str, ...], np.ndarray] = {}  # unrolled paths; experts stacked
+    experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
     for flax_path, (name, convert) in _mapping(fields, with_head).items():
-        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
         try:
             value = convert(tensors.get(name))
-            if layer is None:
-                _set(out, where, _put(value, _at(target, where)))
-            else:
-                stacks.setdefault(where, {})[layer] = value
         except HFError as err:
-            raise HFError(f"{path}: {name} -> {'.'.join(flax_path)}: {err}") from None
-    for where, layers in stacks.items():
-        _set(out, where, _put(np.stack([layers[i] for i in range(len(layers))]), _at(target, where)))
+            raise HFError(f"{path}: {name} -> {'.'.join(map(str, flax_path))}: {err}") from None
+        if isinstance(flax_path[-1], int):
+            experts.setdefault(flax_path[:-1], {})[flax_path[-1]] = value
+        else:
+            leaves[flax_path] = value
+    leaves.update({p: np.stack([e[j] for j in range(len(e))]) for p, e in experts.items()})
+    layers: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
+    out: dict = {}
+    for flax_path, value in leaves.items():
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+        if layer is None:
+            _set(out, where, _placed(value, target, where, path))
+        else:
+            layers.setdefault(where, {})[layer] = value
+    for where, stack in layers.items():
+        _set(out, where, _placed(np.stack([stack[i] for i in range(len(stack))]), target, where, path))
     return out
+
+
+def _placed(value: np.ndarray, target: dict, where: tuple[str, ...], path: Path) -> jax.Array:
+    try:
+        return _put(value, _at(target, where))
+    except HFError as err:
+        raise HFError(f"{path}: {'.'.join(where)}: {err}") from None
 
 
 def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
@@ -194,10 +231,17 @@ def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "ll
     unproj = {"q": h, "k": g, "v": g}
     tensors = {}
     scanned = "blocks" in params
+    if fields.get("experts") and model_type != "qwen3_moe":
+        raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe'")
     for flax_path, (name, _) in _mapping(fields, with_head=True).items():
+        expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
+        flax_path = flax_path[:-1] if expert is not None else flax_path
         where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
         w = np.asarray(jax.device_get(_at(params, where)), np.float32)
         w = w if layer is None else w[layer]
+        if expert is not None or flax_path[-1] == "router":
+            tensors[name] = np.ascontiguousarray((w if expert is None else w[expert]).T)
+            continue
         kind = flax_path[1] if len(flax_path) == 3 else flax_path[0]
         if flax_path[-1] == "kernel" and kind in unproj:
             w = w.reshape(d, unproj[kind] * k).T
@@ -233,6 +277,10 @@ def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "ll
         "rms_norm_eps": fields["norm_eps"], "tie_word_embeddings": fields["tie_embeddings"], "hidden_act": "silu",
         "max_position_embeddings": 32768, "torch_dtype": "float32",
     }
+    if model_type == "qwen3_moe":
+        config.update(num_experts=fields["experts"], num_experts_per_tok=fields["experts_per_token"],
+                      moe_intermediate_size=fields["expert_mlp"], norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], router_aux_loss_coef=fields.get("router_aux_loss", 0.001))
     if model_type == "llama":
         config["attention_bias"] = fields["qkv_bias"]
     elif not fields["qkv_bias"] and model_type == "qwen2":

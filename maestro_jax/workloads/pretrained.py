@@ -16,9 +16,6 @@ def check_pretrained(cfg: Config, pretrained) -> None:
         if s not in pretrained:
             raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: section {s!r} has no Hugging "
                               f"Face importer; supported: {sorted(pretrained)}")
-        if getattr(cfg.models[s], "experts", 0):
-            raise ConfigError(f"error: models.{s}.experts={cfg.models[s].experts}: importing mixture-of-experts "
-                              f"checkpoints is not supported; start {s!r} from a dense checkpoint or at random")
         try:
             fields = hf.llm_fields(sc.init.hf_path)
         except (hf.HFError, KeyError) as err:
