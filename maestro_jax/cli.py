@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parsers["simulate"].add_argument("--json", help="write the report as JSON here")
     parsers["export"].add_argument("--section", required=True, help="an LLM section, e.g. student or llm")
     parsers["export"].add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parsers["export"].add_argument("--model-type", default="llama", choices=("llama", "qwen2", "qwen3"))
+    parsers["export"].add_argument("--model-type", default="llama", choices=("llama", "qwen2", "qwen3", "qwen3_moe"))
     parsers["plan"].add_argument("--devices", type=int, required=True, help="devices the plan may use")
     parsers["plan"].add_argument("--memory-gb", type=float, required=True, help="memory per device, GB")
     parsers["plan"].add_argument("--top", type=int, default=10, help="candidates to list")
