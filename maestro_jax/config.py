@@ -121,6 +121,7 @@ class LLMModelConfig(_Frozen):
     experts_per_token: int = Field(0, ge=0)
     expert_mlp: int = Field(0, ge=0)
     router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
+    moe_dispatch: Literal["dense", "ragged"] = "dense"  # dense: exact, shards over `expert`; ragged: sparse FLOPs
 
 
 ModelConfig = Annotated[ViTModelConfig | AudioModelConfig | LLMModelConfig, Field(discriminator="kind")]

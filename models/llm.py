@@ -29,6 +29,7 @@ class LLMConfig:
     experts_per_token: int = 0
     expert_mlp: int = 0
     router_aux_loss: float = 0.0  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE: 0.001)
+    moe_dispatch: str = "dense"  # dense: every expert sees every token (shards over `expert`); ragged: sorted, grouped matmuls
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
@@ -71,12 +72,33 @@ class MoE(nn.Module):
         if c.router_aux_loss:
             self.sow("losses", "router_balance", c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL,
                                                                                       c.experts_per_token))
+        if c.moe_dispatch == "ragged":
+            return shard_sequence(ragged_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
         group = ("expert_batch", "length", "act_embed")
         h_BLD = constrain(h_BLD, group)
         combine_BLE = constrain(combine_BLE, ("expert_batch", "length", "expert"))
         act = nn.silu(jnp.einsum("bld,edf->blef", h_BLD, gate)) * jnp.einsum("bld,edf->blef", h_BLD, up)
         act = constrain(act, ("expert_batch", "length", "expert", "mlp"))
         return shard_sequence(jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE))
+
+
+def ragged_experts(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD):
+    """Dropless sparse dispatch: the (token, expert) pairs sorted by expert, each expert's run of
+    tokens through its weights with grouped matmuls (`jax.lax.ragged_dot`), and the results added
+    back weighted. Only the chosen experts' FLOPs (experts_per_token per token); the same result
+    as the dense dispatch up to summation order. Expert weights are used whole: under an
+    `expert` axis the compiler gathers them, so expert parallelism wants the dense dispatch."""
+    b, l, d = h_BLD.shape
+    k, experts = index_BLK.shape[-1], gate_EDF.shape[0]
+    h_TD = h_BLD.reshape(b * l, d)
+    expert_of = index_BLK.reshape(-1)  # one entry per (token, slot)
+    order = jnp.argsort(expert_of, stable=True)
+    token_of = order // k
+    x = h_TD[token_of]
+    sizes = jnp.bincount(expert_of, length=experts).astype(jnp.int32)
+    act = nn.silu(jax.lax.ragged_dot(x, gate_EDF, sizes)) * jax.lax.ragged_dot(x, up_EDF, sizes)
+    y = jax.lax.ragged_dot(act, down_EFD, sizes) * weights_BLK.reshape(-1)[order][:, None]
+    return jnp.zeros_like(h_TD).at[token_of].add(y).reshape(b, l, d)
 
 
 def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int):

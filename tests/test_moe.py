@@ -81,3 +81,25 @@ def test_expert_and_context_parallel_layers_equal_one_device_and_really_shard(ax
     assert "all-gather" in hlo or "all-to-all" in hlo
     gate = got_grads["block_0"]["moe"]["gate"]
     assert gate.addressable_shards[0].data.shape[0] == CFG.experts // axes.get("expert", 1)
+
+
+def test_ragged_dispatch_equals_the_dense_one():
+    """`moe_dispatch: ragged` (sorted tokens, grouped matmuls, only the chosen experts' FLOPs)
+    gives the dense dispatch's outputs, balance loss and gradients."""
+    import dataclasses
+
+    ids, positions, valid = inputs(seed=1)
+    dense, ragged = DecoderLM(CFG), DecoderLM(dataclasses.replace(CFG, moe_dispatch="ragged"))
+    params = nn.meta.unbox(dense.init(jax.random.key(1), ids, positions, valid)["params"])
+
+    def loss(model, p):
+        logits, aux = apply_with_losses(model, {"params": p}, ids, positions, valid)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * valid) + aux
+
+    (l1, g1), (l2, g2) = (jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(m, params)
+                          for m in (dense, ragged))
+    assert float(l1) == pytest.approx(float(l2), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+    program = str(jax.make_jaxpr(lambda p: loss(ragged, p))(params))
+    assert "ragged_dot" in program and "ragged_dot" not in str(jax.make_jaxpr(lambda p: loss(dense, p))(params))
