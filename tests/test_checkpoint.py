@@ -107,3 +107,24 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     resumed = train(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", f"steps={last + 1}"]),
                     progress=False)
     assert [r["step"] for r in resumed] == [last + 1], "the restart resumes from the SIGTERM checkpoint"
+
+
+@pytest.mark.parametrize("change,named", [
+    ("models.student.mlp=128", "['params']['block_0']['down']['kernel'] is [64, 32] float32 in the checkpoint, "
+                               "[128, 32] float32 in this config"),
+    ("optimizer.name=sgd", "exists only in the checkpoint"),
+])
+def test_a_checkpoint_of_another_config_is_refused_not_quarantined(tmp_path, change, named):
+    """Resuming with a changed model or optimizer: a ConfigError (status 2 in the CLI) naming the
+    first leaf that differs; the intact checkpoint stays where it is and still resumes."""
+    from maestro_jax.training.checkpoint import CheckpointMismatchError
+
+    out = tmp_path / "run"
+    cfg = lambda *more, steps=2: load_config(ROOT / "configs/kd_tiny.yaml",
+                                             TINY_KD + [f"output_dir={out}", f"steps={steps}", *more])
+    train(cfg(), progress=False)
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint step 2 .* does not match this config") as err:
+        train(cfg(change, steps=3), progress=False)
+    assert named in str(err.value) and str(err.value).startswith("error: ")
+    assert (out / "checkpoints" / "manifest-2.json").is_file() and not (out / "checkpoints" / "corrupt").exists()
+    assert [r["step"] for r in train(cfg(steps=3), progress=False)] == [3]

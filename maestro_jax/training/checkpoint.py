@@ -16,7 +16,10 @@ again. Errors of an asynchronous save surface as `CheckpointError` at the next s
 The manifest holds a CRC32 and size of every file of the step, leaves included: Orbax itself
 does not notice a flipped bit in an array file. `restore_latest` checks them and falls back
 to the previous good checkpoint when they do not match (moving the bad one to
-`<dir>/corrupt/`), saying so. Restore targets carry the *current* plan's shardings, so a
+`<dir>/corrupt/`), saying so. The manifest also records the layout of what was saved (each
+leaf's path, shape and dtype): a checkpoint that does not match the current config (another
+model size, optimizer or precision) is refused with a `ConfigError` naming the first leaf
+that differs, and left where it is; it is not corrupt. Restore targets carry the *current* plan's shardings, so a
 checkpoint restores onto a different device split or mesh layout.
 """
 
@@ -34,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from maestro_jax.config import ConfigError
 from maestro_jax.runtime.distributed import agree
 from maestro_jax.runtime.programs import SectionState
 
@@ -43,6 +47,37 @@ log = logging.getLogger("maestro_jax")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the step, the path and why."""
+
+
+class CheckpointMismatchError(ConfigError):
+    """An intact checkpoint that the current config cannot resume (a changed model, optimizer or
+    precision): refused before training, the checkpoint left in place."""
+
+
+def state_layout(states: dict[str, SectionState]) -> dict[str, dict[str, list]]:
+    """{section: {leaf path: [shape, dtype]}} of the params and optimizer state a checkpoint holds."""
+    out = {}
+    for s, st in states.items():
+        if st.opt_state is not None:
+            leaves = jax.tree_util.tree_flatten_with_path({"params": st.params, "opt_state": st.opt_state})[0]
+            out[s] = {jax.tree_util.keystr(p): [list(np.shape(v)), str(v.dtype)] for p, v in leaves}
+    return out
+
+
+def layout_difference(saved: dict, current: dict) -> str | None:
+    """The first difference between a saved and the current `state_layout`, in words."""
+    for s in sorted(set(saved) | set(current)):
+        if s not in current or s not in saved:
+            where = "the checkpoint" if s in saved else "this config"
+            return f"section {s!r} is trained only in {where}"
+        a, b = saved[s], current[s]
+        for path in sorted(set(a) | set(b), key=lambda p: (not p.startswith("['params']"), p)):  # params first
+            if path not in a or path not in b:
+                return f"section {s!r}: {path} exists only in {'the checkpoint' if path in a else 'this config'}"
+            if a[path] != b[path]:
+                return (f"section {s!r}: {path} is {a[path][0]} {a[path][1]} in the checkpoint, "
+                        f"{b[path][0]} {b[path][1]} in this config")
+    return None
 
 
 def _file_checksums(root: Path) -> dict[str, list[int]]:
@@ -186,7 +221,7 @@ class Checkpointer:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as err:  # Orbax raises OSError, ValueError or its own types for storage faults
             raise self._save_error(step, err) from err
-        self._pending = {"step": step, "parts": sorted(items)}
+        self._pending = {"step": step, "parts": sorted(items), "layout": state_layout(states)}
 
     def _save_error(self, step: int, err: BaseException) -> CheckpointError:
         return CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: "
@@ -244,11 +279,18 @@ class Checkpointer:
         previous one is tried. Returns `(step, states, data_state, meta)`, or None when there is
         no usable checkpoint. Every process reaches the same decision (process 0's)."""
         for step in reversed(self.committed_steps()):
-            problem = None
+            problem = mismatch = None
             if jax.process_index() == 0:
                 manifest = json.loads((self.directory / MANIFEST.format(step=step)).read_text())
                 problem = verify_step(self.directory / str(step), manifest)
-            problem = agree(f"checkpoint-verify-{step}", problem)
+                if problem is None and "layout" in manifest:
+                    mismatch = layout_difference(manifest["layout"], state_layout(targets))
+            problem, mismatch = agree(f"checkpoint-verify-{step}", [problem, mismatch])
+            if mismatch is not None:
+                raise CheckpointMismatchError(
+                    f"error: checkpoint step {step} in {self.directory} does not match this config ({mismatch}); "
+                    f"resume with the model, optimizer and precision it was saved with, or use a new output_dir "
+                    f"(the checkpoint is left in place)")
             if problem is None:
                 try:
                     return (step, *self.restore(step, targets))
