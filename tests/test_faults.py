@@ -239,6 +239,13 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
     assert "checkpoint step 3 is corrupt" in said and "falling back to step 2" in said
     assert [r["loss"] for r in again] == [straight[3], straight[4]]
 
+    manifest = ck / "manifest-4.json"  # a truncated manifest: that step is not trusted either
+    manifest.write_text(manifest.read_text()[:20])
+    last = train(kd(out, "steps=4", "checkpoint_every=1"), progress=False)
+    said = capsys.readouterr().out
+    assert "checkpoint step 4 is corrupt (its manifest is unreadable" in said and "falling back to step 3" in said
+    assert [r["loss"] for r in last] == [straight[4]]
+
 
 # -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------
 def _start_two(tmp_path, overrides):

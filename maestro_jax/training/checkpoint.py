@@ -281,8 +281,13 @@ class Checkpointer:
         for step in reversed(self.committed_steps()):
             problem = mismatch = None
             if jax.process_index() == 0:
-                manifest = json.loads((self.directory / MANIFEST.format(step=step)).read_text())
-                problem = verify_step(self.directory / str(step), manifest)
+                try:
+                    manifest = json.loads((self.directory / MANIFEST.format(step=step)).read_text())
+                except (OSError, ValueError) as err:  # truncated or damaged: the step cannot be trusted
+                    manifest = {}
+                    problem = f"its manifest is unreadable ({type(err).__name__}: {err})"[:300]
+                else:
+                    problem = verify_step(self.directory / str(step), manifest)
                 if problem is None and "layout" in manifest:
                     mismatch = layout_difference(manifest["layout"], state_layout(targets))
             problem, mismatch = agree(f"checkpoint-verify-{step}", [problem, mismatch])
