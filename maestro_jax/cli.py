@@ -128,7 +128,7 @@ def _run(cfg, args) -> int:
                 print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
                       f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
             else:
-                print(f"nothing to do: {cfg.output_dir} already holds a checkpoint at step {cfg.steps}")
+                print(f"nothing to do: {cfg.output_dir} already holds a checkpoint at or beyond step {cfg.steps}")
             return 0
         if args.command == "bench":
             return _bench(cfg, args)

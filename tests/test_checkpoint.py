@@ -127,4 +127,5 @@ def test_a_checkpoint_of_another_config_is_refused_not_quarantined(tmp_path, cha
         train(cfg(change, steps=3), progress=False)
     assert named in str(err.value) and str(err.value).startswith("error: ")
     assert (out / "checkpoints" / "manifest-2.json").is_file() and not (out / "checkpoints" / "corrupt").exists()
+    assert load_config(out / "config.yaml") == cfg(), "the run's config record is not overwritten by the refused one"
     assert [r["step"] for r in train(cfg(steps=3), progress=False)] == [3]

@@ -123,15 +123,19 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
     start = 0
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            (out_dir / "config.yaml").write_text(dump_config(cfg))
         if cfg.keep_checkpoints:
             ckpt = Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints,
                                 cfg.async_checkpoint)
-            restored = ckpt.restore_latest(states)
+            try:
+                restored = ckpt.restore_latest(states)  # a checkpoint of another config stops here
+            except BaseException:
+                ckpt.close()
+                raise
             if restored is not None:
                 start, states, data_state, _ = restored
                 data.set_state(data_state)
+        if jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit this config
+            (out_dir / "config.yaml").write_text(dump_config(cfg))
     writer = MetricsWriter(out_dir if jax.process_index() == 0 else None)  # process 0 writes metrics
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
