@@ -118,10 +118,33 @@ class LLMModelConfig(_Frozen):
     qk_norm: bool = False  # Qwen3
     # Mixture of experts: `experts` > 0 replaces every block's FFN by top-k routed experts.
     experts: int = Field(0, ge=0)
-    experts_per_token: int = Field(0, ge=0)
-    expert_mlp: int = Field(0, ge=0)
+    experts_per_token: int = Field(0, ge=0, validate_default=True)
+    expert_mlp: int = Field(0, ge=0, validate_default=True)
     router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
     moe_dispatch: Literal["dense", "ragged"] = "dense"  # dense: exact, shards over `expert`; ragged: sparse FLOPs
+
+    @pydantic.field_validator("kv_heads")
+    @classmethod
+    def _groups(cls, v, info):
+        heads = info.data.get("heads")
+        if heads is not None and heads % v:
+            raise ValueError(f"must divide heads={heads} (each key/value head serves heads/kv_heads query heads)")
+        return v
+
+    @pydantic.field_validator("experts_per_token")
+    @classmethod
+    def _top_k(cls, v, info):
+        experts = info.data.get("experts") or 0
+        if experts and not 1 <= v <= experts:
+            raise ValueError(f"with experts={experts} each token goes to 1..{experts} experts")
+        return v
+
+    @pydantic.field_validator("expert_mlp")
+    @classmethod
+    def _expert_width(cls, v, info):
+        if (info.data.get("experts") or 0) and v <= 0:
+            raise ValueError("a mixture-of-experts model needs its experts' hidden width (> 0)")
+        return v
 
 
 ModelConfig = Annotated[ViTModelConfig | AudioModelConfig | LLMModelConfig, Field(discriminator="kind")]
@@ -159,6 +182,13 @@ class DataConfig(_Frozen):
     max_tokens: PositiveInt | None = None  # the largest sequence bucket; longer samples are bad samples
     on_bad_sample: Literal["error", "skip"] = "error"  # skip: drop, count and report bad samples (never train on them)
 
+    @pydantic.field_validator("text_len")
+    @classmethod
+    def _ordered(cls, v):
+        if v[0] > v[1]:
+            raise ValueError(f"the shortest text ({v[0]}) is longer than the longest ({v[1]}); give [min, max]")
+        return v
+
 
 class MonolithicConfig(_Frozen):
     """The baseline: the whole graph as one program over `devices` with one layout."""
@@ -191,9 +221,9 @@ class DistributedConfig(_Frozen):
 class Config(_Frozen):
     workload: str | None = None  # built-in (vlm, kd, omni, vlm_kd), a plug-in "package.module:NAME", or None
     # when a Python caller hands its own graph to `Trainer`
-    seed: int = 0
-    steps: PositiveInt = 10
-    global_batch: PositiveInt
+    seed: int = Field(0, ge=0, lt=2**32)  # jax.random.key takes a uint32 seed
+    steps: Annotated[int, Field(strict=True, gt=0)] = 10  # strict: `steps=true` is not 1
+    global_batch: Annotated[int, Field(strict=True, gt=0)]
     host_devices: PositiveInt = 8
     device_memory_gb: float | None = Field(None, gt=0.0)
     output_dir: str | None = None  # metrics.jsonl, TensorBoard events, checkpoints/; re-running resumes
@@ -266,7 +296,7 @@ def _format_error(err: pydantic.ValidationError) -> str:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"error: {loc}: unknown key{hint} valid keys: {', '.join(options)}"
     value = e.get("input")
-    return f"error: {loc}={value!r}: {e['msg']}"
+    return f"error: {loc}={value!r}: {e['msg'].removeprefix('Value error, ')}"
 
 
 def _model_at(model, path):

@@ -72,6 +72,13 @@ def test_monolithic_layout_checked():
     (["steps=many"], "steps='many'"),
     (["sections.llm.mesh.tensor=0"], "sections.llm.mesh.tensor=0"),
     (["models.llm.kind=cnn"], "models.llm"),
+    (["steps=true"], "steps=True: Input should be a valid integer"),
+    (["seed=-1"], "seed=-1"),
+    (["seed=4294967296"], "seed=4294967296"),
+    (["data.text_len=[40,10]"], "data.text_len=[40, 10]: the shortest text (40) is longer than the longest (10)"),
+    (["models.llm.kv_heads=4"], "models.llm.kv_heads=4: must divide heads=6"),
+    (["models.llm.experts=4"], "models.llm.experts_per_token=0: with experts=4 each token goes to 1..4 experts"),
+    (["models.llm.experts=4", "models.llm.experts_per_token=2"], "models.llm.expert_mlp=0: a mixture-of-experts"),
 ])
 def test_bad_config_one_line_error(overrides, text):
     with pytest.raises(ConfigError) as info:
