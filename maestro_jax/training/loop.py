@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -33,15 +34,26 @@ log = logging.getLogger("maestro_jax")
 
 
 class MetricsWriter:
-    """Process 0 writes metrics: JSONL always, TensorBoard when tensorboardX is importable."""
+    """Process 0 writes metrics: JSONL always, TensorBoard when tensorboardX is importable.
 
-    def __init__(self, out_dir: Path | None):
+    A run that resumes from step `start` first cuts the log back to steps <= `start` (a crash
+    after the last checkpoint left later steps that the resumed run computes again) and tells
+    TensorBoard to purge its events after `start`, so each step appears once, with the values
+    of the run the checkpoints continue."""
+
+    def __init__(self, out_dir: Path | None, start: int = 0):
         self.path = out_dir / "metrics.jsonl" if out_dir else None
         self.tb = None
+        if self.path and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and _step_of(line) is not None and _step_of(line) <= start]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
         if out_dir:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tb"))
+            self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else None)
 
     def write(self, rec: dict) -> None:
         if self.path:
@@ -55,6 +67,14 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line a crash cut short."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class NonFiniteError(RuntimeError):
@@ -136,7 +156,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
                 data.set_state(data_state)
         if jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit this config
             (out_dir / "config.yaml").write_text(dump_config(cfg))
-    writer = MetricsWriter(out_dir if jax.process_index() == 0 else None)  # process 0 writes metrics
+    writer = MetricsWriter(out_dir if jax.process_index() == 0 else None, start)  # process 0 writes metrics
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
                total=cfg.steps)
