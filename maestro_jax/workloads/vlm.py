@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from maestro_jax.config import Config
+from maestro_jax.config import Config, ConfigError
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.workloads import Workload, mean_item_units, model
@@ -77,6 +77,14 @@ def init_llm(llm: LLMConfig, key):
 
 
 def mean_patches(cfg: Config, vit: ViTConfig) -> float:
+    """Patches per image over the configured synthetic image sizes, each checked against the ViT
+    first: a multiple of patch * merge and within its position grid."""
+    unit, m = vit.patch * vit.merge, cfg.data.modalities.get("image")
+    for h, w in (m.sizes if m else []):
+        if h % unit or w % unit or max(h, w) > vit.max_grid * vit.patch:
+            raise ConfigError(f"error: data.modalities.image.sizes={m.sizes}: {h}x{w} must be a multiple of "
+                              f"models.vision patch*merge={unit} and at most max_grid*patch="
+                              f"{vit.max_grid * vit.patch} on a side")
     return mean_item_units(cfg, "image", lambda hw: (hw[0] // vit.patch) * (hw[1] // vit.patch), vit.max_grid**2 / 4)
 
 
