@@ -86,3 +86,16 @@ def test_bad_config_one_line_error(overrides, text):
     msg = str(info.value)
     assert msg.startswith("error: ") and "\n" not in msg
     assert text in msg
+
+
+def test_image_sizes_are_checked_against_the_vit_at_their_key():
+    from maestro_jax.workloads import build_graph
+
+    for sizes, ok in (("[[16,12]]", False), ("[[512,256]]", False), ("[[16,8]]", True)):
+        cfg = load_config(VLM, TINY_VLM + [f"data.modalities.image.sizes={sizes}"])
+        if ok:
+            build_graph(cfg)
+            continue
+        with pytest.raises(ConfigError, match=r"^error: data\.modalities\.image\.sizes=.* must be a multiple of "
+                                              r"models\.vision patch\*merge=8 and at most max_grid\*patch=256"):
+            build_graph(cfg)
