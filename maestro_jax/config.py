@@ -282,14 +282,21 @@ def set_dotted(tree: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
+_MODEL_KINDS = {"vit": ViTModelConfig, "audio": AudioModelConfig, "llm": LLMModelConfig}
+
+
 def _format_error(err: pydantic.ValidationError) -> str:
-    e = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key shows up twice (unknown key, and the real one missing): name the misspelling
+    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     parts = [str(p) for p in e["loc"]]
-    if len(parts) > 2 and parts[0] == "models" and parts[2] in ("vit", "audio", "llm"):
+    tagged = len(parts) > 2 and parts[0] == "models" and parts[2] in _MODEL_KINDS
+    if tagged:
         del parts[2]  # pydantic's union tag, not a config key
     loc = ".".join(parts)
     if e["type"] == "extra_forbidden":
-        parent_model = _model_at(Config, [str(p) for p in e["loc"][:-1]])
+        parent_model = (_model_at(_MODEL_KINDS[str(e["loc"][2])], [str(p) for p in e["loc"][3:-1]]) if tagged
+                        else _model_at(Config, [str(p) for p in e["loc"][:-1]]))
         field = str(e["loc"][-1])
         options = sorted(parent_model.model_fields) if parent_model else []
         close = difflib.get_close_matches(field, options, n=1)

@@ -72,6 +72,8 @@ def test_monolithic_layout_checked():
     (["steps=many"], "steps='many'"),
     (["sections.llm.mesh.tensor=0"], "sections.llm.mesh.tensor=0"),
     (["models.llm.kind=cnn"], "models.llm"),
+    (["models.llm.widht=3"], "models.llm.widht: unknown key; did you mean 'width'?"),
+    (["sections.llm.init.hf_pth=x"], "sections.llm.init.hf_pth: unknown key; did you mean 'hf_path'?"),
     (["steps=true"], "steps=True: Input should be a valid integer"),
     (["seed=-1"], "seed=-1"),
     (["seed=4294967296"], "seed=4294967296"),

@@ -108,9 +108,10 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
     a user's own graph comes with its own `source` (and optionally a `check`)."""
+    from maestro_jax import workloads  # noqa: PLC0415 - workloads import the runtime's users
+
     pretrained, info_check = {}, None
     if graph is None:
-        from maestro_jax import workloads  # noqa: PLC0415
         from maestro_jax.workloads.pretrained import check_pretrained  # noqa: PLC0415
 
         graph = workloads.build_graph(cfg)
@@ -120,7 +121,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
         check = check if check is not None else workloads.sample_check(cfg)
         info_check = workloads.info_check(cfg)
     else:
-        _check_sections(cfg, graph)
+        workloads.check_sections(cfg, graph)
         if source is None:
             raise ConfigError("error: source: a user graph needs a sample source (any random-access source of "
                               "maestro_jax.data.Sample)")
@@ -151,16 +152,6 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
                       fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight)
     return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
                    abstract, source, check, info_check, dict(pretrained))
-
-
-def _check_sections(cfg: Config, graph: SectionGraph) -> None:
-    """A user graph and its plan name the same sections and edges."""
-    if set(cfg.sections) != set(graph.names):
-        raise ConfigError(f"error: sections={sorted(cfg.sections)}: the graph has sections {sorted(graph.names)}; "
-                          f"give each exactly one entry")
-    for e in cfg.edges:
-        if e not in {x.name for x in graph.edges}:
-            raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
 
 
 @dataclasses.dataclass

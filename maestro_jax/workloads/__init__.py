@@ -84,14 +84,18 @@ def build_graph(cfg: Config) -> SectionGraph:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"error: workload={cfg.workload!r}: {err}") from None
-    want = set(graph.names)
-    if set(cfg.sections) != want:
-        raise ConfigError(f"error: sections={sorted(cfg.sections)}: workload {cfg.workload!r} has sections "
-                          f"{sorted(want)}; give each exactly one entry")
+    check_sections(cfg, graph, f"workload {cfg.workload!r}")
+    return graph
+
+
+def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -> None:
+    """The config names exactly the graph's sections, and only edges the graph has."""
+    if set(cfg.sections) != set(graph.names):
+        raise ConfigError(f"error: sections={sorted(cfg.sections)}: {owner} has sections {sorted(graph.names)}; "
+                          f"give each exactly one entry")
     for e in cfg.edges:
         if e not in {x.name for x in graph.edges}:
             raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
-    return graph
 
 
 def source_from_config(cfg: Config):
