@@ -122,6 +122,9 @@ class LLMModelConfig(_Frozen):
     expert_mlp: int = Field(0, ge=0, validate_default=True)
     router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
     moe_dispatch: Literal["dense", "ragged"] = "dense"  # dense: exact, shards over `expert`; ragged: sparse FLOPs
+    # Attention over a `context` split: ring (keys and values pass round the devices, causal
+    # work balanced, empty blocks skipped) or gather (one all-gather of keys and values).
+    context_attention: Literal["ring", "gather"] = "ring"
 
     @pydantic.field_validator("kv_heads")
     @classmethod

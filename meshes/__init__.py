@@ -8,8 +8,9 @@ the models' logical axes onto any section's mesh:
   expert   data parallelism for attention and dense layers, mixture-of-experts weights sharded
            by expert: each device group holds `experts / expert` experts and tokens reach them
            through collectives the compiler inserts;
-  context  the sequence of every activation sharded (context parallelism): attention gathers
-           keys and values across the axis, everything else runs on its slice of positions;
+  context  the sequence of every activation sharded (context parallelism): attention passes
+           keys and values round the axis (or gathers them), everything else runs on its
+           slice of positions;
   tensor   Megatron-style tensor parallelism over heads, MLP width and vocabulary.
 
 A section's data-parallel degree is `data * fsdp * expert`: the batch is sharded over all three.

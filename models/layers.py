@@ -3,10 +3,12 @@ embeddings, attention."""
 
 import contextlib
 import contextvars
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def partitioned(init, *axes):
@@ -118,20 +120,116 @@ def shard_sequence(x_BLD):
     return constrain(x_BLD, ("batch", "length", "act_embed"))
 
 
-def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
-    """Grouped-query attention (each of G key/value heads serves H/G query heads) through
-    `jax.nn.dot_product_attention`: XLA's implementation on CPU, and on GPUs the fused cuDNN
-    kernel where it applies. A query row with no key to attend (padding) gets the mean of the
-    values, not NaN, exactly as a softmax over a large negative mask would.
+def context_split() -> int:
+    """How many devices the current mesh splits a sequence over (the axes `length` maps to); 1
+    outside a mesh or without activation rules."""
+    rules, mesh = _ACTIVATION_RULES.get(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return 1
+    axes = nn.logical_to_mesh_axes(("length",), rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes)
 
-    Context parallelism: queries (and the output) keep their positions sharded over `context`
-    while keys and values are gathered whole, so each device attends its slice of queries to
-    every key: one all-gather of K and V per layer, and the backward's reduce-scatter."""
+
+def balanced_order(length: int, split: int) -> np.ndarray | None:
+    """The zig-zag order that balances causal attention over `split` devices: the sequence cut
+    into 2 x split equal chunks, device i holding chunks i and 2 x split - 1 - i (an early one
+    with little to attend to and a late one with much). None where it does not apply (no split,
+    or a length that does not cut evenly)."""
+    if split <= 1 or length % (2 * split):
+        return None
+    chunks = np.arange(length).reshape(2 * split, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * split - 1 - i]]) for i in range(split)])
+
+
+def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
+    """Grouped-query attention (each of G key/value heads serves H/G query heads).
+
+    Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`:
+    XLA's implementation on CPU, and on GPUs the fused cuDNN kernel where it applies. A query
+    row with no key to attend (padding) gets the mean of the values, not NaN, exactly as a
+    softmax over a large negative mask would. Queries (and the output) keep their positions
+    sharded over `context` while keys and values are gathered whole: one all-gather of K and V
+    per layer, and every device computes its queries against every key.
+
+    With `ring` and a sequence split over `context`, `ring_attention` runs instead: it skips
+    blocks the mask leaves empty, which with a causal mask in `balanced_order` is nearly half of
+    the work, spread evenly over the devices."""
+    split = context_split()
+    if ring and split > 1 and q_BLHK.shape[1] % split == 0:
+        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL)
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
     mask_BQL = constrain(mask_BQL, ("batch", "length", None))
     out = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None])
     return constrain(out, ("batch", "length", "heads", None))
+
+
+_MASKED = -0.7 * float(np.finfo(np.float32).max)  # jax.nn.dot_product_attention's mask value
+
+
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
+    """Context-parallel attention as a ring: each device keeps its slice of queries, and the
+    slices of keys and values pass round the `context` devices (one `ppermute` per step, which
+    XLA can overlap with the step's compute), so no device holds the whole sequence's K and V.
+
+    Each step splits the local queries and the visiting keys in halves and computes only the
+    quarter blocks whose mask is not empty (`lax.cond`, decided per device). Softmax runs
+    online in float32 (flash-attention style): running max, running sum, rescaled output.
+    Rows with nothing to attend (padding) output zeros instead of the gather path's mean of
+    the values; no valid position reads them, so loss and gradients are the same."""
+    rules = _ACTIVATION_RULES.get()
+
+    def spec(*names):
+        return nn.logical_to_mesh_axes(names, rules)
+
+    ring_axes = spec("length")[0]
+    split = context_split()
+    q_spec, kv_spec = spec("batch", "length", "heads", None), spec("batch", "length", "kv_heads", None)
+
+    def local(q_BQHK, k_BSGK, v_BSGK, mask_BQL):
+        b, lq, h, d = q_BQHK.shape
+        g = k_BSGK.shape[2]
+        parts = 2 if lq % 2 == 0 else 1
+        qh = lq // parts
+        q_BQGRK = q_BQHK.reshape(b, lq, g, h // g, d).astype(jnp.float32) / math.sqrt(d)
+        me = jax.lax.axis_index(ring_axes)
+        varying = tuple(jax.sharding.get_abstract_mesh().axis_names)  # each device's own running state
+        acc = [jax.lax.pcast((jnp.full((b, g, h // g, qh), _MASKED, jnp.float32),
+                              jnp.zeros((b, g, h // g, qh), jnp.float32),
+                              jnp.zeros((b, qh, g, h // g, d), jnp.float32)), varying, to="varying")
+               for _ in range(parts)]
+
+        def block(state, qb, kb, vb, mb):
+            m, total, out = state
+            s = jnp.einsum("bqgrk,bsgk->bgrqs", qb, kb.astype(jnp.float32))
+            s = jnp.where(mb[:, None, None], s, _MASKED)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            scale = jnp.exp(m - m_new)
+            out = out * jnp.moveaxis(scale, -1, 1)[..., None] + jnp.einsum("bgrqs,bsgk->bqgrk", p, vb.astype(jnp.float32))
+            return m_new, total * scale + p.sum(-1), out
+
+        for step in range(split):
+            source = (me - step) % split  # whose keys and values this device holds now
+            for a in range(parts):
+                for c in range(parts):
+                    kb, vb = (t[:, c * qh:(c + 1) * qh] for t in (k_BSGK, v_BSGK))
+                    mb = jax.lax.dynamic_slice_in_dim(mask_BQL[:, a * qh:(a + 1) * qh], source * lq + c * qh, qh, 2)
+                    acc[a] = jax.lax.cond(jnp.any(mb), block, lambda st, *_: st, acc[a],
+                                          q_BQGRK[:, a * qh:(a + 1) * qh], kb, vb, mb)
+            if step < split - 1:
+                perm = [(i, (i + 1) % split) for i in range(split)]
+                k_BSGK, v_BSGK = (jax.lax.ppermute(t, ring_axes, perm) for t in (k_BSGK, v_BSGK))
+        outs = []
+        for _, total, out in acc:
+            total = jnp.moveaxis(total, -1, 1)[..., None]
+            outs.append(jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0))
+        return jnp.concatenate(outs, axis=1).reshape(b, lq, h, d).astype(q_BQHK.dtype)
+
+    run = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, spec("batch", "length", None)),
+                        out_specs=q_spec)
+    return run(q_BLHK, k_BLGK, v_BLGK, mask_BQL)
 
 
 _init = nn.initializers.normal(0.02)

@@ -5,8 +5,19 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from models.layers import RMSNorm, attention, constrain, layer_stack, partitioned, rotary, shard_sequence
+from models.layers import (
+    RMSNorm,
+    attention,
+    balanced_order,
+    constrain,
+    context_split,
+    layer_stack,
+    partitioned,
+    rotary,
+    shard_sequence,
+)
 
 _init = nn.initializers.normal(0.02)
 
@@ -32,6 +43,7 @@ class LLMConfig:
     moe_dispatch: str = "dense"  # dense: every expert sees every token (shards over `expert`); ragged: sorted, grouped matmuls
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
+    context_attention: str = "ring"  # over a `context` split: ring (balanced, skips masked blocks) | gather
 
 
 class MoE(nn.Module):
@@ -133,7 +145,7 @@ class DecoderBlock(nn.Module):
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
         q = rotary(q, positions_BL, c.rope_theta)
         k = rotary(k, positions_BL, c.rope_theta)
-        o = attention(q, k, v, mask_BLL)
+        o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring")
         x_BLD = x_BLD + nn.DenseGeneral(c.width, axis=(-2, -1), use_bias=False, name="o",
                                         kernel_init=partitioned(_init, "heads", "head_dim", "embed"))(o)
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
@@ -168,10 +180,20 @@ class DecoderLM(nn.Module):
         return jnp.take(self.embedding, ids_BL, axis=0)
 
     def hidden(self, x_BLD, positions_BL, valid_BL):
-        """Final-normed hidden states from input embeddings (causal, padding masked)."""
+        """Final-normed hidden states from input embeddings (causal, padding masked).
+
+        Under ring attention over a `context` split the positions are laid out in
+        `balanced_order` for the layers (each device gets an early and a late chunk, so the
+        causal work is even) and put back after: every other op is position-wise, and the mask
+        and rotary embeddings follow the positions wherever they sit."""
+        order = (balanced_order(x_BLD.shape[1], context_split())
+                 if self.cfg.context_attention == "ring" else None)
+        if order is not None:
+            x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
         causal = positions_BL[:, :, None] >= positions_BL[:, None, :]
         mask_BLL = causal & valid_BL[:, None, :]
-        return self.final_norm(self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL))
+        h_BLD = self.final_norm(self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL))
+        return h_BLD if order is None else h_BLD[:, np.argsort(order)]
 
     def output_weights(self):
         return self.embedding.T if self.cfg.tie_embeddings else self.lm_head

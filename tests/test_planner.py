@@ -145,7 +145,7 @@ def test_check_plan_is_what_the_planner_uses():
 
 
 BF16_KD = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16",
-                     "sections.student.layer_remat=full"]
+                     "sections.student.layer_remat=full", "models.student.scan_layers=true"]
 
 
 MOE_KD = TINY_KD + ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
@@ -157,10 +157,10 @@ CONTEXT_VLM = TINY_VLM + ["sections.vision.mesh={context: 2}", "sections.llm.mes
 
 @pytest.mark.parametrize("config,overrides", [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD), (KD, MOE_KD),
                                               (VLM, CONTEXT_VLM)],
-                         ids=["kd", "vlm", "kd-bf16-remat", "kd-moe-expert", "vlm-context"])
+                         ids=["kd", "vlm", "kd-bf16-remat-scan", "kd-moe-expert", "vlm-context"])
 def test_memory_model_tracks_the_compiled_programs(config, overrides):
-    """The analytic model against XLA's memory analysis of the same plan, per section: within 4x
-    either way on these tiny models (it counts stashed residuals the programs do not hold at once)."""
+    """The analytic model against XLA's memory analysis of the same plan, per section, within 2x
+    either way for every feature (bf16, per-layer remat under scan, expert and context axes)."""
     from maestro_jax.runtime.build import build_runtime
     from maestro_jax.tools.compiled_memory import compiled_memory
 
@@ -171,7 +171,7 @@ def test_memory_model_tracks_the_compiled_programs(config, overrides):
     for s in cfg.sections:
         assert measured[s]["programs"], f"{s}: no program was measured"
         ratio = model[s]["total"] / measured[s]["total"]
-        assert 0.25 <= ratio <= 4, (s, model[s]["total"], measured[s])
+        assert 0.5 <= ratio <= 2, (s, model[s]["total"], measured[s])
     assert all(p.memory is None for p in rt.programs.values()), "measuring is switched off afterwards"
 
 

@@ -74,8 +74,10 @@ def _link(device: str, link_gbps: float, group: int) -> float:
 def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float) -> float:
     """Communication time per work unit of a row, in the forward (the backward's mirror image is
     scaled in by `backward_factor`), counted in full rather than overlapped:
-      context parallelism: each layer all-gathers keys and values, so a device receives
-        (context - 1) / context of the row's `kv_width` features per unit (heads split by tensor);
+      context parallelism: each layer passes keys and values round the ring (or all-gathers
+        them: the same bytes), so a device receives (context - 1) / context of the row's
+        `kv_width` features per unit (heads split by tensor); attention FLOPs are the causal
+        half, which the ring's balanced order computes (`models.layers.ring_attention`);
       expert parallelism: each layer sends every token to its experts_per_token experts and
         back (dispatch and combine, the all-to-all pair), of which (expert - 1) / expert cross
         devices, each device handling its 1 / context of the row.

@@ -58,7 +58,9 @@ class SectionPrograms:
         self.residuals = residuals
         self.diff_inputs = diff_inputs  # in-edges whose producer is trained: we return their cotangents
         fwd = section.forward
-        donate = mesh.devices.flat[0].platform != "cpu"  # the CPU client cannot reuse donated buffers
+        # Buffers are donated on accelerators. On CPU they are not (callers there, tests and verify,
+        # reuse a state after a step), but memory is measured as if they were (`_run`).
+        donate = mesh.devices.flat[0].platform != "cpu"
 
         def split_inputs(inputs):
             diff = {k: v for k, v in inputs.items() if k in diff_inputs}
@@ -102,14 +104,18 @@ class SectionPrograms:
 
         outs = {e: self.rows for e in out_edges}
         p_sh = var_shardings["params"]
-        self._forward = jax.jit(forward, out_shardings=outs)
-        self._forward_vjp = jax.jit(forward_vjp, out_shardings=(outs, None))
-        self._backward = jax.jit(backward, out_shardings=(p_sh, None), donate_argnums=(2,) if donate else ())
-        self._backward_remat = jax.jit(backward_remat, out_shardings=(p_sh, None),
-                                       donate_argnums=(4,) if donate else ())
-        self._loss_and_grad = jax.jit(loss_and_grad, out_shardings=(None, None, p_sh, None),
-                                      donate_argnums=(4,) if donate else ())
-        self._update = jax.jit(update, donate_argnums=(0, 1) if donate else ())
+
+        def jit(fun, donated=(), **kw):
+            program = jax.jit(fun, donate_argnums=donated if donate else (), **kw)
+            program.donating = jax.jit(fun, donate_argnums=donated, **kw)  # what `_run` measures
+            return program
+
+        self._forward = jit(forward, out_shardings=outs)
+        self._forward_vjp = jit(forward_vjp, out_shardings=(outs, None))
+        self._backward = jit(backward, (2,), out_shardings=(p_sh, None))
+        self._backward_remat = jit(backward_remat, (4,), out_shardings=(p_sh, None))
+        self._loss_and_grad = jit(loss_and_grad, (4,), out_shardings=(None, None, p_sh, None))
+        self._update = jit(update, (0, 1))
         self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=p_sh)
         self._all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])))
         self._init_opt = jax.jit(optimizer.init)
@@ -119,9 +125,10 @@ class SectionPrograms:
 
     def _run(self, name: str, program, *args):
         """Call `program`; while `memory` is a dict, also record its compiled memory analysis
-        (arguments + outputs + temporaries - aliased, per device) under `name`."""
+        (arguments + outputs + temporaries - aliased, per device) under `name`, with the buffers an
+        accelerator would donate donated, so outputs that reuse them are not counted twice."""
         if self.memory is not None:
-            m = program.lower(*args).compile().memory_analysis()
+            m = program.donating.lower(*args).compile().memory_analysis()
             if m is not None:
                 peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
                 self.memory[name] = max(self.memory.get(name, 0), int(peak))

@@ -2,9 +2,11 @@
 
 The planner's memory model (`planner.section_memory`) is analytic, so it can score plans for
 clusters that are not at hand. Where the plan can be compiled, this measures it: one global
-batch runs with every section program's `memory_analysis()` recorded, and the section's
-figure is its largest program plus its optimizer state (held across the step, outside the
-forward and backward programs). `maestro-jax plan --measure` prints both side by side.
+batch runs with every section program's `memory_analysis()` recorded (as compiled with the
+buffers an accelerator donates donated), and the section's figure is its largest program,
+plus its optimizer state for the programs that do not take it as an argument (it stays
+resident through the forward and backward programs; the update program counts it already).
+`maestro-jax plan --measure` prints both side by side.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def compiled_memory(rt, states, samples) -> dict[str, dict]:
         out = {}
         for s, p in rt.programs.items():
             opt = _bytes_per_device(states[s].opt_state) if states[s].opt_state is not None else 0
-            out[s] = {"programs": dict(p.memory), "optimizer": opt, "total": max(p.memory.values(), default=0) + opt}
+            resident = {name: peak + (0 if name == "update" else opt) for name, peak in p.memory.items()}
+            out[s] = {"programs": dict(p.memory), "optimizer": opt, "total": max(resident.values(), default=0)}
         return out
     finally:
         for p in rt.programs.values():
