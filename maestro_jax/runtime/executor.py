@@ -1,8 +1,9 @@
 """Executor: walks a schedule's operations, dispatching each section program asynchronously.
 
 The host only enqueues work. It blocks in exactly two places: when a trained producer has
-more micro-steps stashed than the in-flight bound allows (to cap activation memory), and at
-the end of the step, to read the loss.
+more micro-steps stashed than the in-flight bound allows (to cap activation memory; counted
+in `StepResult.in_flight_waits`, and never taken under a wavefront schedule, which keeps the
+bound), and at the end of the step, to read the loss.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class _StepState:
     moved_back: dict = dataclasses.field(default_factory=dict)
     losses: list = dataclasses.field(default_factory=list)
     metrics: list = dataclasses.field(default_factory=list)
+    in_flight_waits: int = 0
+    in_flight_wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -44,6 +47,8 @@ class StepResult:
     loss: jax.Array  # device scalar, summed over the sink's micro-steps
     grads: dict[str, object]  # trained section -> accumulated grads (on its mesh)
     metrics: dict[str, jax.Array]
+    in_flight_waits: int = 0  # times the host waited for a stashed forward (the in-flight bound)
+    in_flight_wait_s: float = 0.0  # and for how long
 
 
 class Executor:
@@ -72,7 +77,8 @@ class Executor:
     @staticmethod
     def _finish(ctx: _StepState) -> StepResult:
         summed = {k: sum(m[k] for m in ctx.metrics) for k in (ctx.metrics[0] if ctx.metrics else {})}
-        return StepResult(loss=sum(ctx.losses), grads=ctx.acc, metrics=summed)
+        return StepResult(loss=sum(ctx.losses), grads=ctx.acc, metrics=summed, in_flight_waits=ctx.in_flight_waits,
+                          in_flight_wait_s=ctx.in_flight_wait_s)
 
     def run(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
             host: dict | None = None, record: list | None = None, norm: int | None = None) -> StepResult:
@@ -159,7 +165,7 @@ class Executor:
             if p.needs_backward(op.section):
                 key = (op.section, op.step)
                 ctx.outputs[key], ctx.handles[key] = prog.forward_vjp(states[op.section], inputs, batch)
-                self._bound_in_flight(op.section, ctx.handles)
+                self._bound_in_flight(op.section, ctx)
                 return ctx.outputs[key], ctx.handles[key]
             ctx.outputs[(op.section, op.step)] = prog.forward(states[op.section], inputs, batch)
             return ctx.outputs[(op.section, op.step)]
@@ -192,11 +198,16 @@ class Executor:
                 key = (edge, k)
                 cotangents[key] = ct if key not in cotangents else cotangents[key] + ct
 
-    def _bound_in_flight(self, section: str, handles) -> None:
-        stashed = [h for (s, _), h in handles.items() if s == section]
+    def _bound_in_flight(self, section: str, ctx: _StepState) -> None:
+        """Bounded stash memory: past the bound, wait for the oldest stashed forward before
+        queuing more. The wavefront scheduler keeps the bound by construction, so this wait is
+        a safety net; each one is counted in the step's result (`in_flight_waits`)."""
+        stashed = [h for (s, _), h in ctx.handles.items() if s == section]
         if len(stashed) > self.problem.max_in_flight:
-            # Bounded stash memory: wait for the oldest stashed forward before queuing more.
+            t0 = time.perf_counter()
             jax.block_until_ready(stashed[0])
+            ctx.in_flight_waits += 1
+            ctx.in_flight_wait_s += time.perf_counter() - t0
 
     def update(self, states: Mapping[str, SectionState], grads: Mapping[str, object]) -> dict[str, SectionState]:
         new = dict(states)

@@ -29,6 +29,7 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
+from maestro_jax.training.prefetch import Prefetcher
 
 log = logging.getLogger("maestro_jax")
 
@@ -81,21 +82,28 @@ class NonFiniteError(RuntimeError):
     """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
 
 
-def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None):
+def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
+               host: dict | None = None):
     """One optimizer step; NaN/inf loss or grads are detected per section before any update.
 
     Returns the new states and a metrics record. With `on_nonfinite="skip"` a bad step leaves
     every section's params and optimizer state untouched (`skipped_nonfinite` names them).
-    `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow).
+    `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow),
+    `host` with a `PreparedBatch` (the micro-steps' inputs, packed ahead).
+    The record's host timeline: `dispatch_s` (issuing the step's programs and transfers),
+    `device_wait_s` (then waiting for the loss), and the in-flight bound's waits inside dispatch.
     """
     schedule = schedule if schedule is not None else rt.schedule(samples)
-    result = rt.executor.run(states, samples, schedule, norm=norm)
+    t0 = time.perf_counter()
+    result = rt.executor.run(states, samples, schedule, host=host, norm=norm)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
+    t1 = time.perf_counter()
     loss = float(fetch(result.loss))  # end of step: the host waits for the devices here
     bad = sorted(s for s, ok in finite.items() if not bool(fetch(ok)))
     if not math.isfinite(loss):
         bad = [f"{rt.graph.sink} (loss)"] + [b for b in bad if b != rt.graph.sink]
-    rec = {"step": step, "loss": loss}
+    rec = {"step": step, "loss": loss, "dispatch_s": t1 - t0, "device_wait_s": time.perf_counter() - t1,
+           "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s}
     if bad:
         msg = f"step {step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
         if on_nonfinite == "stop":
@@ -137,7 +145,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
     rt = rt or build_runtime(cfg)
     states = rt.init_states()
     bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
-    data = rt.reader(bad)
+    data = Prefetcher(rt.reader(bad), rt.executor, bad)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     ckpt = None
     start = 0
@@ -161,9 +169,13 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
                total=cfg.steps)
     with Preemption() as preemption:
-        history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
-    if bad is not None and bad.total:
-        bar.write(f"skipped {bad.total} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
+        try:
+            history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
+        finally:
+            data.close()
+    skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
+    if skipped:
+        bar.write(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
     return history
 
 
@@ -171,17 +183,19 @@ def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) ->
     try:
         for step in bar:
             step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
-            batch = next(data)
-            samples = batch.samples
             t0 = time.perf_counter()
-            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite, batch.schedule, batch.loss_count)
+            prepared = next(data)  # read, scheduled and packed while the previous step ran
+            batch, samples = prepared.batch, prepared.batch.samples
+            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite, batch.schedule, batch.loss_count,
+                                     prepared.host)
             dt = time.perf_counter() - t0
             tokens = sum(len(s.tokens) - 1 for s in samples)
             rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                        "data_wait_s": data.data_wait_s, "prepare_ahead_s": prepared.prepare_s,
                         "sample_ids": [int(s.id) for s in samples],
                         "data_read_bytes": batch.read_bytes, "data_decoded_bytes": batch.decoded_bytes})
-            if bad is not None:
-                rec["skipped_samples"] = bad.drain()
+            if prepared.skipped is not None:
+                rec["skipped_samples"] = prepared.skipped
             loss = rec["loss"]
             history.append(rec)
             bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
