@@ -45,6 +45,7 @@ class _Batch:
         self.metas, self.problem = metas, problem
         self.sections = [m.sections for m in metas]
         self.work = {s: [m.work.get(s, 0) for m in metas] for s in problem.order}
+        self.no_work = [0] * len(metas)
         self.fed = [len(secs) > (problem.sink in secs) for secs in self.sections]
         self._time, self._durations, self._units = work_time(cost, problem), {}, {}
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
@@ -188,7 +189,8 @@ def _flatten(shards: Sequence[Sequence[int]], micro_batch: int) -> tuple[int, ..
 
 
 def _weight(batch: _Batch, section: str, by_work: bool):
-    return batch.work[section].__getitem__ if by_work else (lambda i: 0)
+    """Sample -> its work in the section, or 0 for all (arrival order); a list lookup either way."""
+    return (batch.work[section] if by_work else batch.no_work).__getitem__
 
 
 def _orphans(batch: _Batch) -> list[int]:
