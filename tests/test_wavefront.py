@@ -356,8 +356,9 @@ def test_deterministic_across_hash_seeds():
 
 def test_lpt_heap_matches_the_linear_scan():
     """The heap-based LPT packs exactly as the definition (least-loaded bin with room, lowest
-    index on ties), including ties among equal weights and full bins."""
-    from maestro_jax.schedule.wavefront import _lpt
+    index on ties), including ties among equal weights, full bins and one row per bin; the
+    two-sort `_longest_first` orders as the (-weight, index) key."""
+    from maestro_jax.schedule.wavefront import _longest_first, _lpt
 
     def scan(items, bins, capacity, weight):
         loads, slots = [0.0] * bins, [[] for _ in range(bins)]
@@ -372,7 +373,9 @@ def test_lpt_heap_matches_the_linear_scan():
         bins, capacity = rng.randint(1, 9), rng.randint(1, 5)
         items = rng.sample(range(1000), rng.randint(0, bins * capacity))
         weights = {i: rng.choice([1, 2, 3, 0.5, rng.random() * 10]) for i in items}
-        assert _lpt(items, bins, capacity, weights.get) == scan(items, bins, capacity, weights.get)
+        ordered = _longest_first(items, weights.get)
+        assert ordered == sorted(items, key=lambda i: (-weights[i], i))
+        assert _lpt(ordered, bins, capacity, weights.get) == scan(items, bins, capacity, weights.get)
 
 
 def test_column_heap_places_as_the_linear_scan(monkeypatch):
@@ -410,3 +413,112 @@ def test_column_heap_places_as_the_linear_scan(monkeypatch):
                 monkeypatch.setattr(module._Column, "place", scan)
                 slow = wavefront(metas, problem, cost)
                 assert (fast.ops, fast.steps) == (slow.ops, slow.steps)
+
+
+# --- the linear-time rewrite against the scheduler it replaced -----------------------------------
+
+def reference_cases():
+    """(batch maker, problem): the VLM problems, one shaped like configs/vlm_paper_scale.yaml
+    (vision data 8, LLM data 16, fanout 2, micro-batches 2 and 1: no section capped, one row per
+    sink shard), every DAG case (`chain_small_producer_b2` is capped) and random DAGs."""
+    cases = [(lambda r, p=p: random_batch(r, r.choice([8, 16, 24, 32]), r.random()), p) for p in PROBLEMS]
+    paper = vlm_problem(dp_v=8, fanout=2, mb_v=2, mb_l=1)
+    cases.append((lambda r: random_batch(r, r.choice([48, 144]), 0.5), paper))
+    cases += [(lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()]
+    rng = random.Random(11)
+    for _ in range(8):
+        problem = random_dag(rng)
+
+        def make(r, problem=problem):
+            odds = {s: r.random() for s in problem.order}
+            out = []
+            for _ in range(r.randint(1, 30)):
+                secs = {s for s in problem.order if r.random() < odds[s]} | ({problem.sink} if r.random() < 0.9 else set())
+                out.append(SampleMeta(frozenset(secs), {s: r.randint(1, 300) for s in secs}))
+            return out
+
+        cases.append((make, problem))
+    return cases
+
+
+def test_schedules_identical_to_the_reference():
+    """The scheduler made linear in the batch (memoised durations and placements, one-pass
+    validation, sort and packing fast paths) returns, op by op and row by row, the schedule of
+    the implementation it replaced (`wavefront_reference.py`), which stays within the bound."""
+    import wavefront_reference as ref
+
+    rng = random.Random(5)
+    for make, problem in reference_cases():
+        for _ in range(6):
+            metas = make(rng)
+            for cost in (None, DAG_COST) if set(problem.order) <= set(DAG_COST.sections) else (None,):
+                new, old = wavefront(metas, problem, cost), ref.wavefront(metas, problem, cost)
+                assert (new.ops, new.steps) == (old.ops, old.steps)
+                validate(new, metas, problem, in_flight=True, block_map=True)
+                assert ref.list_schedule(problem, new.steps, metas, cost) == list_schedule(problem, new.steps, metas, cost)
+
+
+def corrupted(schedule, problem, rng):
+    """A copy of the schedule broken in one random way: two rows of a step swapped (off its block
+    map), a sample duplicated or dropped, a dependency dropped or added, an op moved."""
+    from dataclasses import replace
+
+    steps = {s: list(v) for s, v in schedule.steps.items()}
+    ops = list(schedule.ops)
+    s = rng.choice([s for s in problem.order if steps[s]])
+    k = rng.randrange(len(steps[s]))
+    st = steps[s][k]
+    rows = list(st.rows)
+    how = rng.choice(["swap", "duplicate", "drop", "deps", "op"])
+    if how == "swap":
+        i, j = rng.randrange(len(rows)), rng.randrange(len(rows))
+        rows[i], rows[j] = rows[j], rows[i]
+    elif how == "duplicate" and any(x >= 0 for x in rows) and -1 in rows:
+        rows[rows.index(-1)] = rng.choice([x for x in rows if x >= 0])
+    elif how == "drop" and any(x >= 0 for x in rows):
+        rows[rng.choice([i for i, x in enumerate(rows) if x >= 0])] = -1
+    elif how == "deps" and problem.in_edges(s):
+        e = rng.choice(problem.in_edges(s))
+        deps = dict(st.deps)
+        if deps.get(e.name) and rng.random() < 0.5:
+            deps[e.name] = deps[e.name][1:]
+        elif steps[e.src]:  # a producer step that exists (the reference fails with IndexError on others)
+            deps[e.name] = tuple(sorted({*deps.get(e.name, ()), rng.randrange(len(steps[e.src]))}))
+        st = replace(st, deps=deps)
+    elif how == "op":
+        op = ops.pop(rng.randrange(len(ops)))
+        ops.insert(rng.randrange(len(ops) + 1), op)
+    steps[s][k] = replace(st, rows=tuple(rows))
+    return Schedule({s: tuple(v) for s, v in steps.items()}, tuple(ops), schedule.num_samples, schedule.name)
+
+
+def test_validate_and_required_ops_match_the_reference():
+    """One-pass validation raises exactly where (and with the message) the reference does, on
+    good schedules and on corrupted ones; `required_ops`, `naive` and `link` agree too."""
+    import wavefront_reference as ref
+
+    from maestro_jax.schedule import required_ops
+
+    rng = random.Random(9)
+    checked = 0
+    for make, problem in reference_cases():
+        for _ in range(4):
+            metas = make(rng)
+            good = wavefront(metas, problem)
+            assert required_ops(good, problem) == ref.required_ops(good, problem)
+            nv = naive(metas, problem)
+            assert (nv.ops, nv.steps) == (ref.naive(metas, problem).ops, ref.naive(metas, problem).steps)
+            rows = {s: [st.rows for st in good.steps[s]] for s in problem.order}
+            assert link(problem, rows) == ref.link(problem, rows)
+            for sched in [good, nv] + [corrupted(good, problem, rng) for _ in range(6)]:
+                for flags in ({}, {"in_flight": True, "block_map": True}):
+                    outcome = []
+                    for check in (validate, ref.validate):
+                        try:
+                            check(sched, metas, problem, **flags)
+                            outcome.append(None)
+                        except (ScheduleError, KeyError, IndexError) as err:
+                            outcome.append((type(err), str(err)))
+                    assert outcome[0] == outcome[1], (outcome, flags)
+                    checked += outcome[0] is not None
+    assert checked > 100  # the corruptions are caught, not just passed through

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from maestro_jax.schedule.ops import Op, Problem, SampleMeta, Schedule, backward_ops, chunk, consumed, link
+from maestro_jax.schedule.ops import Op, Problem, SampleMeta, Schedule, backward_ops, chunk, consumers, link
 
 
 def naive(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
@@ -16,6 +16,6 @@ def naive(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
         for k in range(len(steps[s])):
             ops.append(Op("F", s, k))
         for e in problem.out_edges(s):
-            ops += [Op("X", s, k, e.name) for k in range(len(steps[s])) if consumed(steps, e, k)]
+            ops += [Op("X", s, k, e.name) for k in sorted(consumers(steps, e))]
     ops += backward_ops(problem, steps)
     return Schedule(steps, tuple(ops), len(metas), "naive")

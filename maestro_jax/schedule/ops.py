@@ -74,7 +74,7 @@ class MicroStep:
 
     @property
     def samples(self) -> tuple[int, ...]:
-        return tuple(r for r in self.rows if r >= 0)
+        return tuple(filter((0).__le__, self.rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +121,15 @@ def chunk(samples: Sequence[int], rows: int) -> list[tuple[int, ...]]:
 
 def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
     """Micro-steps with their producer dependencies derived from which samples they hold."""
-    home: dict[tuple[str, int], int] = {}
-    for s, chunks in rows_by_section.items():
-        for k, rows in enumerate(chunks):
-            for sample in rows:
-                if sample >= 0:
-                    home[(s, sample)] = k
+    home = {s: {x: k for k, rows in enumerate(chunks) for x in rows if x >= 0} for s, chunks in rows_by_section.items()}
     steps = {}
     for s, chunks in rows_by_section.items():
         built = []
         for k, rows in enumerate(chunks):
             deps = {}
             for e in problem.in_edges(s):
-                ks = sorted({home[(e.src, x)] for x in rows if x >= 0 and (e.src, x) in home})
+                where = home.get(e.src, {})
+                ks = sorted({where[x] for x in rows if x in where})
                 if ks:
                     deps[e.name] = tuple(ks)
             built.append(MicroStep(s, k, rows, deps))
@@ -143,41 +139,49 @@ def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...
 
 def backward_ops(problem: Problem, steps: Mapping[str, Sequence[MicroStep]]) -> list[Op]:
     """Cotangent transfers and backwards in reverse topological order, then the updates."""
+    users = {e.name: consumers(steps, e) for e in problem.edges}
     ops = []
     for s in reversed(problem.order):
         if problem.needs_backward(s):
             for k in range(len(steps[s])):
-                ops += [Op("XB", s, k, e.name) for e in problem.out_edges(s) if consumed(steps, e, k)]
+                ops += [Op("XB", s, k, e.name) for e in problem.out_edges(s) if k in users[e.name]]
                 ops.append(Op("B", s, k))
     ops += [Op("U", s) for s in problem.order if s in problem.trained]
     return ops
 
 
-def consumed(steps, e: EdgeInfo, k: int) -> bool:
-    return any(k in st.deps.get(e.name, ()) for st in steps[e.dst])
+def consumers(steps, e: EdgeInfo) -> dict[int, list[int]]:
+    """Producer micro-step k of edge e -> the consumer micro-steps that depend on it, in order; the
+    producer steps nobody consumes are absent. One pass over the consumer's steps, so asking
+    for every k costs what the steps hold, not their number squared."""
+    out: dict[int, list[int]] = {}
+    for st in steps[e.dst]:
+        for k in st.deps.get(e.name, ()):
+            out.setdefault(k, []).append(st.index)
+    return out
 
 
 def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
     """Every op the schedule must contain, mapped to the ops it depends on."""
     steps, req = schedule.steps, {}
+    users = {e.name: consumers(steps, e) for e in problem.edges}
     for s in problem.order:
         for st in steps[s]:
             req[Op("F", s, st.index)] = [Op("X", e.src, k, e.name) for e in problem.in_edges(s)
                                          for k in st.deps.get(e.name, ())]
         for e in problem.out_edges(s):
             for k in range(len(steps[s])):
-                if not consumed(steps, e, k):
+                if k not in users[e.name]:
                     continue
                 req[Op("X", s, k, e.name)] = [Op("F", s, k)]
                 if problem.sends_cotangent(e):
                     done = "F" if e.dst == problem.sink else "B"
-                    req[Op("XB", s, k, e.name)] = [Op(done, e.dst, st.index) for st in steps[e.dst]
-                                                   if k in st.deps.get(e.name, ())]
+                    req[Op("XB", s, k, e.name)] = [Op(done, e.dst, j) for j in users[e.name][k]]
     for s in problem.order:
         if problem.needs_backward(s):
             for k in range(len(steps[s])):
                 req[Op("B", s, k)] = [Op("F", s, k)] + [Op("XB", s, k, e.name) for e in problem.out_edges(s)
-                                                        if consumed(steps, e, k)]
+                                                        if k in users[e.name]]
         if s in problem.trained:
             last = "B" if problem.needs_backward(s) else "F"
             req[Op("U", s)] = [Op(last, s, k) for k in range(len(steps[s]))]

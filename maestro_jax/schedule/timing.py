@@ -5,35 +5,50 @@ from __future__ import annotations
 from maestro_jax.schedule.ops import Op, Problem
 
 
+def work_time(cost, problem: Problem):
+    """(op, work units of the samples in its micro-step) -> seconds, from a CostModel (or unit
+    costs when None: work units, padded to the micro-step's largest row). Separate from reading
+    the units off the batch (`op_units`) so that a caller meeting the same micro-step again and
+    again (the wavefront's candidates) reads them once."""
+    if cost is None:
+
+        def unit_time(op: Op, units) -> float:
+            if op.kind in ("X", "XB", "U"):
+                return 0.0
+            base = problem.micro_batch(op.section) * max(units, default=0)
+            return base * (2.0 if op.kind == "B" else 3.0 if op.section == problem.sink else 1.0)
+
+        return unit_time
+
+    def time(op: Op, units) -> float:
+        if op.kind == "U":
+            return cost.update_s.get(op.section, 0.0)
+        if op.kind in ("X", "XB"):
+            return cost.transfer_time(op.edge, units)
+        kind = "L" if op.section == problem.sink else op.kind
+        return cost.step_time(op.section, kind, units, problem.micro_batch(op.section))
+
+    return time
+
+
+def op_units(op: Op, steps, metas) -> list[int]:
+    """The work units, in the op's section, of the samples in its micro-step (none for an update)."""
+    if op.kind == "U":
+        return []
+    return [metas[x].work.get(op.section, 0) for x in steps[op.section][op.step].samples]
+
+
 def unit_cost(problem: Problem):
     """Cost when none is given: work units, padded to the micro-step's largest row."""
-
-    def duration(op: Op, steps, metas) -> float:
-        if op.kind in ("X", "XB", "U"):
-            return 0.0
-        st = steps[op.section][op.step]
-        units = max((metas[x].work.get(op.section, 0) for x in st.samples), default=0)
-        base = problem.micro_batch(op.section) * units
-        return base * (2.0 if op.kind == "B" else 3.0 if op.section == problem.sink else 1.0)
-
-    return duration
+    return op_duration(None, problem)
 
 
 def op_duration(cost, problem: Problem):
     """(op, steps, metas) -> seconds, from a CostModel (or unit costs when None)."""
-    if cost is None:
-        return unit_cost(problem)
+    time = work_time(cost, problem)
 
     def duration(op: Op, steps, metas) -> float:
-        if op.kind == "U":
-            return cost.update_s.get(op.section, 0.0)
-        st = steps[op.section][op.step]
-        if op.kind in ("X", "XB"):
-            units = [metas[x].work.get(op.section, 0) for x in st.samples]
-            return cost.transfer_time(op.edge, units)
-        units = [metas[x].work.get(op.section, 0) for x in st.samples]
-        kind = "L" if op.section == problem.sink else op.kind
-        return cost.step_time(op.section, kind, units, problem.micro_batch(op.section))
+        return time(op, op_units(op, steps, metas))
 
     return duration
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from maestro_jax.core.plan import EdgeInfo
@@ -10,42 +11,59 @@ from maestro_jax.schedule.ops import MicroStep, Problem, SampleMeta, Schedule, S
 
 def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, *, in_flight: bool = False,
              block_map: bool = False) -> None:
-    """Raise ScheduleError unless every sample and dependency rule holds."""
-    steps = schedule.steps
+    """Raise ScheduleError unless every sample and dependency rule holds. Linear in the rows: a
+    consumer step's dependencies are checked through each sample's home producer step, never by
+    gathering the samples of every step it depends on."""
+    steps, sections = schedule.steps, [m.sections for m in metas]
     for s in problem.order:
-        seen: dict[int, int] = {}
+        seen: Counter[int] = Counter()
         for st in steps.get(s, ()):
             if len(st.rows) != problem.rows[s]:
                 raise ScheduleError(f"{s} micro-step {st.index} has {len(st.rows)} rows, plan says {problem.rows[s]}")
-            for x in st.samples:
-                if s not in metas[x].sections:
+            samples = st.samples
+            for x in samples:
+                if s not in sections[x]:
                     raise ScheduleError(f"sample {x} does not activate {s} but is in its micro-step {st.index}")
-                seen[x] = seen.get(x, 0) + 1
-        for i, m in enumerate(metas):
-            if (s in m.sections) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
-                raise ScheduleError(f"sample {i} passes {seen.get(i, 0)} times through {s}; "
-                                    f"expected {int(s in m.sections)}")
+            seen.update(samples)
+        expected = [i for i, secs in enumerate(sections) if s in secs]
+        if len(seen) != len(expected) or any(seen[i] != 1 for i in expected):
+            for i, secs in enumerate(sections):
+                if (s in secs) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
+                    raise ScheduleError(f"sample {i} passes {seen.get(i, 0)} times through {s}; "
+                                        f"expected {int(s in secs)}")
+    # every sample now sits in exactly one micro-step of each section it activates
+    producers = {e.src for e in problem.edges}
+    home = {s: {x: k for k, st in enumerate(steps[s]) for x in st.rows if x >= 0} for s in producers}
+    shard = {s: _shards(steps[s], problem.micro_batch(s)) for s in producers} if block_map else {}
     for s in problem.order:
         for st in steps[s]:
             for e in problem.in_edges(s):
-                held = {x for k in st.deps.get(e.name, ()) for x in steps[e.src][k].samples}
-                need = {x for x in st.samples if e.src in metas[x].sections}
-                if not need <= held:
-                    raise ScheduleError(f"{s} micro-step {st.index} needs samples {sorted(need - held)} from "
+                deps = st.deps.get(e.name, ())
+                where = home[e.src]
+                need = [x for x in st.samples if e.src in sections[x]]
+                missing = sorted(x for x in need if where[x] not in deps)
+                if missing:
+                    raise ScheduleError(f"{s} micro-step {st.index} needs samples {missing} from "
                                         f"{e.src} but does not depend on the micro-steps holding them")
-                for k in st.deps.get(e.name, ()):
-                    if not set(steps[e.src][k].samples) & need:
+                used = {where[x] for x in need}
+                for k in deps:
+                    if k not in used:
                         raise ScheduleError(f"{s} micro-step {st.index} depends on {e.src} micro-step {k} "
                                             f"without using any of its samples")
                 if block_map:
-                    _check_block_map(problem, schedule, e, st)
+                    _check_block_map(problem, e, st, shard[e.src])
     _check_ops(schedule, problem, in_flight)
 
 
-def _check_block_map(problem: Problem, schedule: Schedule, e: EdgeInfo, st: MicroStep) -> None:
-    mb_p, mb_c, f = problem.micro_batch(e.src), problem.micro_batch(e.dst), problem.fanout.get(e.name, 1)
-    shard_of = {x: q // mb_p for k in st.deps.get(e.name, ()) for q, x in enumerate(schedule.steps[e.src][k].rows)
-                if x >= 0}
+def _shards(steps: Sequence[MicroStep], micro_batch: int) -> dict[int, int]:
+    """Sample -> the data shard it sits on in its micro-step."""
+    return {x: q // micro_batch for st in steps for q, x in enumerate(st.rows) if x >= 0}
+
+
+def _check_block_map(problem: Problem, e: EdgeInfo, st: MicroStep, shard_of: dict[int, int]) -> None:
+    """Each row of `st` that the producer feeds sits on a consumer shard its producer shard feeds
+    (`shard_of`: sample -> producer shard)."""
+    mb_c, f = problem.micro_batch(e.dst), problem.fanout.get(e.name, 1)
     for r, x in enumerate(st.rows):
         if x in shard_of and not shard_of[x] * f <= r // mb_c < (shard_of[x] + 1) * f:
             raise ScheduleError(f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from maestro_jax.schedule.naive import naive
 from maestro_jax.schedule.ops import (
@@ -23,23 +23,81 @@ from maestro_jax.schedule.ops import (
     Schedule,
     ScheduleError,
     backward_ops,
-    consumed,
+    consumers,
     link,
     required_ops,
 )
-from maestro_jax.schedule.timing import op_duration, resource_of
+from maestro_jax.schedule.timing import resource_of, work_time
 from maestro_jax.schedule.validate import validate
 
 Rows = list[tuple[int, ...]]
 
 
-def _lpt(items: Sequence[int], bins: int, capacity: int, weight) -> list[list[int]]:
-    """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards):
-    each item goes to the least-loaded bin with room (ties: the lowest index), kept in a heap
-    so a batch costs O(n log bins), not O(n * bins)."""
+class _Batch:
+    """What the scheduler asks of the batch over and over, computed once per `wavefront` call:
+    each sample's sections, its work per section as plain lists, whether it needs a section
+    besides the sink, and the cost model's durations memoised on (kind, section, edge, rows)
+    (the candidate schedules share most of their micro-steps), as are the work units of each
+    micro-step (its forward, backward and transfers read the same ones). Keeps the host time
+    linear in the batch with a small constant."""
+
+    def __init__(self, metas: Sequence[SampleMeta], problem: Problem, cost):
+        self.metas, self.problem = metas, problem
+        self.sections = [m.sections for m in metas]
+        self.work = {s: [m.work.get(s, 0) for m in metas] for s in problem.order}
+        self.no_work = [0] * len(metas)
+        self.fed = [len(secs) > (problem.sink in secs) for secs in self.sections]
+        self._time, self._durations, self._units = work_time(cost, problem), {}, {}
+        self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
+
+    def duration(self, op: Op, steps) -> float:
+        rows = steps[op.section][op.step].rows if op.kind != "U" else ()
+        key = (op.kind, op.section, op.edge, rows)
+        if key not in self._durations:
+            if (op.section, rows) not in self._units:
+                work = self.work[op.section]
+                self._units[(op.section, rows)] = [work[x] for x in rows if x >= 0]
+            self._durations[key] = self._time(op, self._units[(op.section, rows)])
+        return self._durations[key]
+
+    def activating(self, rows: Sequence[int], s: str) -> list[int]:
+        """The samples among `rows` (padding -1 skipped) that activate section s, in order."""
+        sections = self.sections
+        return [x for x in rows if x >= 0 and s in sections[x]]
+
+    def placed(self, column: tuple[int, ...], s: str) -> list[list[int]]:
+        """Per shard of s: the column's samples activating s, on shard (sink shard) // (DP(sink) /
+        DP(s)), in row order. Memoised: the variants reorder the same columns. Read-only."""
+        key = (s, column)
+        if key not in self._placed:
+            problem = self.problem
+            span, sections = problem.micro_batch(problem.sink) * (problem.dp[problem.sink] // problem.dp[s]), self.sections
+            shards: list[list[int]] = [[] for _ in range(problem.dp[s])]
+            for r, x in enumerate(column):
+                if x >= 0 and s in sections[x]:
+                    shards[r // span].append(x)
+            self._placed[key] = shards
+        return self._placed[key]
+
+
+def _longest_first(items: Iterable[int], weight) -> list[int]:
+    """Items by decreasing weight, ties by increasing index: the order every packing takes them
+    in. Two stable sorts keyed on `weight` alone (a list lookup in C for work weights) cost far
+    less than one keyed on (-weight, index) tuples built in Python."""
+    return sorted(sorted(items), key=weight, reverse=True)
+
+
+def _lpt(ordered: Sequence[int], bins: int, capacity: int, weight) -> list[list[int]]:
+    """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards), of
+    items already in `_longest_first` order (callers cut them from one sorted list): each item
+    goes to the least-loaded bin with room (ties: the lowest index), kept in a heap so a batch
+    costs O(n log bins), not O(n * bins). With one row per bin no bin takes a second item, and
+    the empty bins tie at load 0: the i-th longest goes to bin i, no heap needed."""
+    if capacity == 1:
+        return [[x] for x in ordered] + [[] for _ in range(bins - len(ordered))]
     slots: list[list[int]] = [[] for _ in range(bins)]
     open_bins = [(0.0, b) for b in range(bins)] if capacity > 0 else []  # (load, index): a valid heap
-    for x in sorted(items, key=lambda i: (-weight(i), i)):
+    for x in ordered:
         load, b = heapq.heappop(open_bins)
         slots[b].append(x)
         if len(slots[b]) < capacity:
@@ -49,7 +107,7 @@ def _lpt(items: Sequence[int], bins: int, capacity: int, weight) -> list[list[in
 
 def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> list[list[list[int]]]:
     """Longest first into micro-steps (similar sizes share a bucket), LPT across shards inside each."""
-    ordered = sorted(samples, key=lambda i: (-weight(i), i))
+    ordered = _longest_first(samples, weight)
     return [_lpt(ordered[i:i + rows], dp, rows // dp, weight) for i in range(0, len(ordered), rows)]
 
 
@@ -102,8 +160,13 @@ def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[Samp
                   weight) -> list[list[list[int]]]:
     """`_pack` for the sink, except that a sample that would overfill some section's shard waits
     for a later micro-step: every column then fits every section's micro-batch (what `_derive`
-    needs to keep the in-flight bound). Same result as `_pack` when nothing overfills."""
-    ordered, caps, out, waiting, i = sorted(samples, key=lambda x: (-weight(x), x)), _caps(problem), [], [], 0
+    needs to keep the in-flight bound). Same result as `_pack` when nothing overfills: no section
+    is capped, so no sample waits and each column is LPT over the next sink micro-step's worth of
+    samples (the same heap order), which `_pack` computes without the per-sample bookkeeping."""
+    caps = _caps(problem)
+    if not caps:
+        return _pack(samples, problem.rows[problem.sink], problem.dp[problem.sink], weight)
+    ordered, out, waiting, i = _longest_first(samples, weight), [], [], 0
     while waiting or i < len(ordered):
         col = _Column(problem, metas, weight, caps)
         waiting = [x for x in waiting if not col.place(x)]
@@ -116,21 +179,24 @@ def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[Samp
 
 
 def _flatten(shards: Sequence[Sequence[int]], micro_batch: int) -> tuple[int, ...]:
-    return tuple(x for sh in shards for x in list(sh) + [-1] * (micro_batch - len(sh)))
+    """Shard-major rows, each shard padded with -1 to the micro-batch."""
+    pad, rows = [-1] * micro_batch, []
+    for sh in shards:
+        rows += sh
+        if len(sh) < micro_batch:
+            rows += pad[len(sh):]
+    return tuple(rows)
 
 
-def _weight(metas: Sequence[SampleMeta], section: str, by_work: bool):
-    return (lambda i: metas[i].work.get(section, 0)) if by_work else (lambda i: 0)
+def _weight(batch: _Batch, section: str, by_work: bool):
+    """Sample -> its work in the section, or 0 for all (arrival order); a list lookup either way."""
+    return (batch.work[section] if by_work else batch.no_work).__getitem__
 
 
-def _fed(meta: SampleMeta, sink: str) -> bool:
-    """Whether the sample needs a section besides the sink."""
-    return any(s != sink for s in meta.sections)
-
-
-def _orphans(metas: Sequence[SampleMeta], problem: Problem) -> list[int]:
+def _orphans(batch: _Batch) -> list[int]:
     """Samples that activate sections but not the sink: placed in columns the sink does not run."""
-    return [i for i, m in enumerate(metas) if m.sections and problem.sink not in m.sections]
+    sink = batch.problem.sink
+    return [i for i, secs in enumerate(batch.sections) if secs and sink not in secs]
 
 
 def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Schedule:
@@ -149,27 +215,29 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     compete too when they respect the bound and the block map; the fastest by simulated makespan
     is returned. Deterministic: same batch and plan, same schedule, on every host.
     """
-    seen: dict = {}
+    batch, seen = _Batch(metas, problem, cost), {}
     candidates = []
-    if not _orphans(metas, problem):  # producer first places samples through the sink's micro-steps only
+    if not _orphans(batch):  # producer first places samples through the sink's micro-steps only
         for longest_first in (True, False):
             for d in problem.order:
                 if d != problem.sink:
-                    candidates += _producer_first(metas, problem, cost, d, longest_first, seen)
+                    candidates += _producer_first(batch, d, longest_first, seen)
     for arrival in (False, True):
-        candidates += _sink_first(metas, problem, cost, arrival, seen)
+        candidates += _sink_first(batch, arrival, seen)
     candidates = [c for c in candidates if c is not None]
     steps_seen = []
     for sched, _ in list(candidates) + [(naive(metas, problem), 0.0)]:
         if any(sched.steps == s for s in steps_seen):
             continue
         steps_seen.append(sched.steps)
+        if any(len(sched.steps[s]) > problem.max_in_flight for s in problem.order if problem.needs_backward(s)):
+            continue  # the naive order stashes all of a section's forwards before its first backward
         phased = _phased(problem, sched.steps, len(metas))
         try:
             validate(phased, metas, problem, in_flight=True, block_map=True)
         except ScheduleError:
             continue
-        candidates.append((phased, _makespan(phased, problem, metas, cost)))
+        candidates.append((phased, _makespan(phased, batch)))
     return min(candidates, key=lambda c: c[1])[0]
 
 
@@ -179,40 +247,45 @@ def _phased(problem: Problem, steps, n: int) -> Schedule:
     for s in problem.order:
         ops += [Op("F", s, k) for k in range(len(steps[s]))]
         for e in problem.out_edges(s):
-            ops += [Op("X", s, k, e.name) for k in range(len(steps[s])) if consumed(steps, e, k)]
+            ops += [Op("X", s, k, e.name) for k in sorted(consumers(steps, e))]
     return Schedule(steps, tuple(ops + backward_ops(problem, steps)), n, "wavefront")
 
 
-def _makespan(schedule: Schedule, problem: Problem, metas, cost) -> float:
-    req, duration = required_ops(schedule, problem), op_duration(cost, problem)
+def _makespan(schedule: Schedule, batch: _Batch) -> float:
+    req = required_ops(schedule, batch.problem)
     finish, free = {}, {}
     for op in schedule.ops:
         res = resource_of(op)
-        finish[op] = free[res] = max([free.get(res, 0.0)] + [finish[d] for d in req[op]]) + duration(
-            op, schedule.steps, metas)
+        finish[op] = free[res] = max([free.get(res, 0.0)] + [finish[d] for d in req[op]]) + batch.duration(
+            op, schedule.steps)
     return max(finish.values(), default=0.0)
 
 
-def _producer_first(metas, problem: Problem, cost, d: str, longest_first: bool, seen) -> list:
+def _producer_first(batch: _Batch, d: str, longest_first: bool, seen) -> list:
     """d's samples packed into d's micro-steps (longest first so similar sizes share a bucket, LPT
     across its lockstep shards); the sink consumes them in production order, d's shard i feeding
     sink shards i*r .. i*r+r-1 (r = DP(sink) / DP(d)). The samples that skip d fill the padding of
     those sink micro-steps, and the rest of them form sink micro-steps of their own, interleaved
     while d works (`_interleave`, at several slacks). Other sections follow the sink's order,
     in micro-steps nested in d's where d's split cleanly (`_derive`)."""
+    problem, sections = batch.problem, batch.sections
     sink = problem.sink
     mb_c, mb_d, dp_d = problem.micro_batch(sink), problem.micro_batch(d), problem.dp[d]
-    w_c, w_d = _weight(metas, sink, longest_first), _weight(metas, d, longest_first)
-    active = [i for i, m in enumerate(metas) if sink in m.sections]
-    skip = sorted((i for i in active if d not in metas[i].sections), key=lambda i: (-w_c(i), i))
-    produced = _pack([i for i in active if d in metas[i].sections], problem.rows[d], dp_d, w_d)
+    w_c, w_d = _weight(batch, sink, longest_first), _weight(batch, d, longest_first)
+    active = [i for i, secs in enumerate(sections) if sink in secs]
+    skip = _longest_first((i for i in active if d not in sections[i]), w_c)
+    produced = _pack([i for i in active if d in sections[i]], problem.rows[d], dp_d, w_d)
     fixed = {d: [_flatten(sh, mb_d) for sh in produced]}
     consuming = _consuming_columns(produced, dp_d, problem.dp[sink] // dp_d, mb_c, w_c, skip)
-    skipping = [_flatten(sh, mb_c) for sh in _pack_columns(skip, problem, metas, w_c)]
+    skipping = [_flatten(sh, mb_c) for sh in _pack_columns(skip, problem, batch.metas, w_c)]
+    due = _Due(batch, _step_time(batch), d, fixed[d])
+    needs = [any(batch.fed[x] for x in c if x >= 0) for c in skipping]
+    fillers = ([c for c, n in zip(skipping, needs) if n], [c for c, n in zip(skipping, needs) if not n])
     out = []
     for slack in (0.0, 0.5, 1.0, float("inf")):
-        columns = _interleave(problem, metas, cost, d, fixed[d], consuming, skipping, slack)
-        out.append(_finish(metas, problem, _derive(problem, metas, columns, fixed, grouped=True), cost, seen))
+        columns = _interleave(batch, due, consuming, fillers, slack)
+        cuts = {d: _clean_cuts([due.span(c) for c in columns])}
+        out.append(_finish(batch, _derive(batch, columns, fixed, cuts, grouped=True), seen))
     return out
 
 
@@ -223,7 +296,8 @@ def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[i
     streams = [[x for step in produced for x in step[i]] for i in range(dp_d)]
     block, steps = r * mb_c, []
     for j in range(max((-(-len(s) // block) for s in streams), default=0)):
-        steps.append([sh for st in streams for sh in _lpt(st[j * block:(j + 1) * block], r, mb_c, w_c)])
+        steps.append([sh for st in streams
+                      for sh in _lpt(_longest_first(st[j * block:(j + 1) * block], w_c), r, mb_c, w_c)])
     for shards in steps:
         for sh in sorted(shards, key=lambda s: sum(map(w_c, s))):
             while skip and len(sh) < mb_c:
@@ -231,31 +305,35 @@ def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[i
     return [_flatten(sh, mb_c) for sh in steps]
 
 
-def _sink_first(metas, problem: Problem, cost, arrival: bool, seen) -> list:
+def _sink_first(batch: _Batch, arrival: bool, seen) -> list:
     """Pack the sink first, then give each other section's shard the samples of the sink shards it
     feeds, in consumption order. Sink steps that need no other section run first, last, or in
     packing order. `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped)."""
+    problem = batch.problem
     sink = problem.sink
-    mb_c, w_c = problem.micro_batch(sink), _weight(metas, sink, not arrival)
-    active = [i for i, m in enumerate(metas) if sink in m.sections]
+    mb_c, w_c = problem.micro_batch(sink), _weight(batch, sink, not arrival)
+    active = [i for i, secs in enumerate(batch.sections) if sink in secs]
     packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
-    if (capped := _pack_columns(active, problem, metas, w_c)) != packings[0]:
+    if _caps(problem) and (capped := _pack_columns(active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
-    tail = [_flatten(sh, mb_c) for sh in _pack_columns(_orphans(metas, problem), problem, metas, w_c)]
+    tail = [_flatten(sh, mb_c) for sh in _pack_columns(_orphans(batch), problem, batch.metas, w_c)]
     out = []
     for packed in packings:
-        uses = [any(_fed(metas[x], sink) for sh in st for x in sh) for st in packed]
+        uses = [any(batch.fed[x] for sh in st for x in sh) for st in packed]
+        flat = [_flatten(st, mb_c) for st in packed]
         for fed_first in (False, True, None):
             order = sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j))
-            columns = [_flatten(packed[j], mb_c) for j in order] + tail
+            columns = [flat[j] for j in order] + tail
             for grouped in (False, True):
-                out.append(_finish(metas, problem, _derive(problem, metas, columns, {}, grouped), cost, seen))
+                out.append(_finish(batch, _derive(batch, columns, {}, {}, grouped), seen))
     return out
 
 
-def _derive(problem: Problem, metas, columns: Rows, fixed: dict[str, Rows], grouped: bool) -> dict[str, Rows]:
+def _derive(batch: _Batch, columns: Rows, fixed: dict[str, Rows], fixed_cuts: dict[str, set[int]],
+            grouped: bool) -> dict[str, Rows]:
     """Every section's micro-steps: the sink runs the columns (but those of samples that never reach
-    it); sections in `fixed` keep theirs; every other section takes, per shard, the samples of the sink shards it feeds in column order, cut
+    it); sections in `fixed` keep theirs (`fixed_cuts`: the columns they split cleanly before, see
+    `_clean_cuts`); every other section takes, per shard, the samples of the sink shards it feeds in column order, cut
     into micro-steps either every micro_batch samples per shard (fullest steps) or, when
     `grouped`, at column boundaries: a micro-step holds whole columns, and a section cuts wherever
     one of its producers cuts. Then each micro-step lies inside one micro-step of every producer
@@ -263,13 +341,14 @@ def _derive(problem: Problem, metas, columns: Rows, fixed: dict[str, Rows], grou
     depends on a forward its section is held back from by the in-flight bound: list scheduling
     always finishes (take the unfinished op whose span starts, for a forward, or ends, for a
     backward, earliest; everything it waits on is done or runnable)."""
+    problem, sections = batch.problem, batch.sections
     sink = problem.sink
-    rows = {sink: [c for c in columns if any(x >= 0 and sink in metas[x].sections for x in c)], **fixed}
-    cuts = {s: _clean_cuts(columns, r) for s, r in fixed.items()}
+    rows = {sink: [c for c in columns if any(x >= 0 and sink in sections[x] for x in c)], **fixed}
+    cuts = dict(fixed_cuts)
     for s in problem.order:
         if s in rows:
             continue
-        placed = _placed(problem, metas, columns, s)
+        placed = [batch.placed(col, s) for col in columns]
         mb, dp = problem.micro_batch(s), problem.dp[s]
         if grouped:
             must = set().union(*(cuts[e.src] for e in problem.in_edges(s)))
@@ -279,19 +358,6 @@ def _derive(problem: Problem, metas, columns: Rows, fixed: dict[str, Rows], grou
             n = max((-(-len(st) // mb) for st in streams), default=0)
             rows[s] = [_flatten([st[k * mb:(k + 1) * mb] for st in streams], mb) for k in range(n)]
     return rows
-
-
-def _placed(problem: Problem, metas, columns: Rows, s: str) -> list[list[list[int]]]:
-    """Per column, per shard of s: the samples activating s, on shard (sink shard) // (DP(sink) / DP(s))."""
-    mb_c, ratio = problem.micro_batch(problem.sink), problem.dp[problem.sink] // problem.dp[s]
-    out = []
-    for col in columns:
-        shards = [[] for _ in range(problem.dp[s])]
-        for r, x in enumerate(col):
-            if x >= 0 and s in metas[x].sections:
-                shards[r // mb_c // ratio].append(x)
-        out.append(shards)
-    return out
 
 
 def _grouped(placed, mb: int, dp: int, must: set[int]) -> tuple[Rows, set[int]]:
@@ -315,64 +381,60 @@ def _grouped(placed, mb: int, dp: int, must: set[int]) -> tuple[Rows, set[int]]:
     return steps, cuts
 
 
-def _clean_cuts(columns: Rows, steps: Rows) -> set[int]:
-    """Columns before which fixed micro-steps split cleanly: none holds samples on both sides."""
-    home = {x: k for k, r in enumerate(steps) for x in r if x >= 0}
-    used = [[home[x] for x in col if x in home] for col in columns]
-    later = [math.inf] * (len(columns) + 1)
-    for j in reversed(range(len(columns))):
-        later[j] = min([later[j + 1]] + used[j])
+def _clean_cuts(spans: list[tuple[float, float]]) -> set[int]:
+    """Columns before which fixed micro-steps split cleanly: none holds samples on both sides.
+    `spans`: per column, the first and last fixed micro-step its samples come from (`_Due.span`)."""
+    later = [math.inf] * (len(spans) + 1)
+    for j in reversed(range(len(spans))):
+        later[j] = min(later[j + 1], spans[j][0])
     cuts, before = set(), -1
-    for j, u in enumerate(used):
+    for j, (_, last) in enumerate(spans):
         if before < later[j]:
             cuts.add(j)
-        before = max([before] + u)
+        before = max(before, last)
     return cuts
 
 
-def _interleave(problem, metas, cost, d: str, produced: Rows, consuming: Rows, skipping: Rows,
-                slack: float) -> Rows:
+def _interleave(batch: _Batch, due: _Due, consuming: Rows, fillers: tuple[Rows, Rows], slack: float) -> Rows:
     """Sink order, estimated with the cost model (`_Due`). The next column that consumes d runs as
     soon as its inputs are due, or earlier when they are due within `slack` filler-step times
     (waiting beats delaying d's backward when d is the bottleneck). Until then a filler runs, a
-    column of samples that skip d: one whose other inputs are due already, else one that needs
-    the sink alone ("text"), else the next. Fillers left over run last, text last of all, where
-    they hide the producers' backwards."""
-    time, sink = _step_time(problem, metas, cost), problem.sink
-    due = _Due(problem, metas, time, d, produced)
-    needs = [any(_fed(metas[x], sink) for x in c if x >= 0) for c in skipping]
-    fillers = ([c for c, n in zip(skipping, needs) if n], [c for c, n in zip(skipping, needs) if not n])
+    column of samples that skip d: one whose other inputs are due already (`fillers[0]`), else
+    one that needs the sink alone ("text", `fillers[1]`), else the next. Fillers left over run
+    last, text last of all, where they hide the producers' backwards."""
+    time, sink = due.time, batch.problem.sink
+    busy = {s: 0.0 for s in batch.problem.order}  # when each section besides d is done with the columns so far
     order, clock, i, pos = [], 0.0, 0, [0, 0]
     while i < len(consuming) or pos[0] < len(fillers[0]) or pos[1] < len(fillers[1]):
-        k = _next_filler(fillers, pos, due, clock)
-        need, at = due.of(consuming[i]) if i < len(consuming) else (0.0, {})
+        k = _next_filler(fillers, pos, due, busy, clock)
+        need, at = due.of(consuming[i], busy) if i < len(consuming) else (0.0, {})
         if i < len(consuming) and (k is None or need <= clock + slack * time("F", sink, fillers[k][pos[k]])):
             col, i = consuming[i], i + 1
         else:
             col = fillers[k][pos[k]]
-            need, at = due.of(col)
+            need, at = due.of(col, busy)
             pos[k] += 1
         clock = max(clock, need) + time("F", sink, col)
-        due.commit(at)
+        busy.update({s: t for s, t in at.items() if s != due.d})  # the column runs: its sections are busy till then
         order.append(col)
     return order
 
 
-def _next_filler(fillers: tuple[Rows, Rows], pos: list[int], due: _Due, clock: float) -> int | None:
+def _next_filler(fillers: tuple[Rows, Rows], pos: list[int], due: _Due, busy: dict[str, float],
+                 clock: float) -> int | None:
     """Which filler goes next (0: of samples that need another section, 1: text): the first when its
     inputs are due by `clock`, else text, else the first; None when none is left."""
     fed, text = pos[0] < len(fillers[0]), pos[1] < len(fillers[1])
-    if fed and (not text or due.of(fillers[0][pos[0]])[0] <= clock):
+    if fed and (not text or due.of(fillers[0][pos[0]], busy)[0] <= clock):
         return 0
     return 1 if text else None
 
 
-def _step_time(problem: Problem, metas, cost):
+def _step_time(batch: _Batch):
     """(kind, section, rows, edge) -> the cost model's time of that op on a micro-step of `rows`."""
-    duration = op_duration(cost, problem)
 
     def time(kind: str, s: str, rows: Sequence[int], edge: str | None = None) -> float:
-        return duration(Op(kind, s, 0, edge), {s: (MicroStep(s, 0, tuple(rows), {}),)}, metas)
+        return batch.duration(Op(kind, s, 0, edge), {s: (MicroStep(s, 0, tuple(rows), {}),)})
 
     return time
 
@@ -381,44 +443,64 @@ class _Due:
     """When a column's inputs would be ready if the sink ran it next. d's come from d's micro-steps
     run back to back; every other section works through the columns in the sink's order (a
     column's share of one of its micro-steps costing that share of the step's rows), after the
-    section's producers in the column."""
+    section's producers in the column. Built once per producer-first packing: what a column asks
+    of each section is memoised across the sink orders tried."""
 
-    def __init__(self, problem: Problem, metas, time, d: str, produced: Rows):
-        self.problem, self.metas, self.time, self.d = problem, metas, time, d
-        self.clock = {s: 0.0 for s in problem.order}
+    def __init__(self, batch: _Batch, time, d: str, produced: Rows):
+        self.batch, self.problem, self.time, self.d = batch, batch.problem, time, d
         self.ready, t = [], 0.0
         for r in produced:
             t += time("F", d, r)
-            self.ready.append(t + max((time("X", d, r, e.name) for e in problem.out_edges(d)), default=0.0))
+            self.ready.append(t + max((time("X", d, r, e.name) for e in self.problem.out_edges(d)), default=0.0))
         self.home = {x: k for k, r in enumerate(produced) for x in r if x >= 0}
+        self._loads: dict[tuple[int, ...], list[tuple[str, float]]] = {}
+        self._spans: dict[tuple[int, ...], tuple[float, float]] = {}
 
-    def of(self, col: Sequence[int]) -> tuple[float, dict[str, float]]:
-        """(when the column's inputs are ready, when each of its sections finishes its samples)."""
+    def _load(self, col: tuple[int, ...]) -> list[tuple[str, float]]:
+        """What the column asks of each section besides the sink, whatever the clock: for d, when
+        its inputs are ready; for the others, how long its share of a micro-step takes."""
+        if col not in self._loads:
+            load = []
+            for s in self.problem.order:
+                xs = self.batch.activating(col, s)
+                if s == self.problem.sink or not xs:
+                    continue
+                if s == self.d:
+                    load.append((s, max(self.ready[self.home[x]] for x in xs)))
+                else:
+                    load.append((s, self.time("F", s, xs) * len(xs) / self.problem.rows[s]))
+            self._loads[col] = load
+        return self._loads[col]
+
+    def of(self, col: tuple[int, ...], busy: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """(when the column's inputs are ready, when each of its sections finishes its samples),
+        the sections besides d being `busy` until then with earlier columns."""
         at: dict[str, float] = {}
-        for s in self.problem.order:
-            xs = [x for x in col if x >= 0 and s in self.metas[x].sections]
-            if s == self.problem.sink or not xs:
-                continue
+        for s, value in self._load(col):
             if s == self.d:
-                at[s] = max(self.ready[self.home[x]] for x in xs)
+                at[s] = value
             else:
-                start = max([self.clock[s]] + [at[e.src] for e in self.problem.in_edges(s) if e.src in at])
-                at[s] = start + self.time("F", s, xs) * len(xs) / self.problem.rows[s]
+                start = max([busy[s]] + [at[e.src] for e in self.problem.in_edges(s) if e.src in at])
+                at[s] = start + value
         return max(at.values(), default=0.0), at
 
-    def commit(self, at: dict[str, float]) -> None:
-        """The column runs: its sections other than d are busy until then."""
-        self.clock.update({s: t for s, t in at.items() if s != self.d})
+    def span(self, col: tuple[int, ...]) -> tuple[float, float]:
+        """The first and last of d's micro-steps the column's samples come from (inf, -1: none)."""
+        if col not in self._spans:
+            ks = [self.home[x] for x in col if x in self.home]
+            self._spans[col] = (min(ks, default=math.inf), max(ks, default=-1))
+        return self._spans[col]
 
 
-def _finish(metas, problem: Problem, rows: dict[str, Rows], cost, seen: dict) -> tuple[Schedule, float] | None:
+def _finish(batch: _Batch, rows: dict[str, Rows], seen: dict) -> tuple[Schedule, float] | None:
     """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
+    problem = batch.problem
     key = tuple(tuple(rows[s]) for s in problem.order)
     if key not in seen:
         steps = link(problem, {s: rows[s] for s in problem.order})
         try:
-            ops, makespan = list_schedule(problem, steps, metas, cost)
-            seen[key] = Schedule(steps, ops, len(metas), "wavefront"), makespan
+            ops, makespan = _list_schedule(batch, steps)
+            seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
         except ScheduleError:
             seen[key] = None
     return seen[key]
@@ -435,8 +517,13 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     backward waits on a forward held back by the bound), ScheduleError is raised.
     Returns the ops ordered by planned start time, and the planned makespan.
     """
-    req = required_ops(Schedule(steps, (), len(metas)), problem)
-    duration = op_duration(cost, problem)
+    return _list_schedule(_Batch(metas, problem, cost), steps)
+
+
+def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
+    """`list_schedule` with the batch's memoised durations."""
+    problem = batch.problem
+    req = required_ops(Schedule(steps, (), len(batch.metas)), problem)
     ops = list(req)
     index = {op: i for i, op in enumerate(ops)}
     dependents: list[list[int]] = [[] for _ in ops]
@@ -480,7 +567,7 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
         i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
         op = ops[i]
         t0 = start_of(i)
-        finish[i] = t0 + duration(op, steps, metas)
+        finish[i] = t0 + batch.duration(op, steps)
         free[resource_of(op)] = finish[i]
         if op.kind == "F":
             next_f[op.section] += 1
