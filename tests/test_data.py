@@ -42,13 +42,15 @@ def good(images=(np.zeros((8, 8, 3), np.float32),), **kw):
     (good(tokens=np.array([IMAGE_TOKEN, IMAGE_TOKEN, 5, 6], np.int32)), "2 image-placeholder tokens but its image items need 1"),
     (good(tokens=np.array([IMAGE_TOKEN, 5], np.int32)), "at least 2 text tokens"),
     (good(images=(np.full((8, 8, 3), np.nan, np.float32),)), "NaN or inf"),
-    (good(images=(np.zeros((8, 6, 3), np.float32),)), "positive multiple of 8x8"),
-    (good(images=(np.zeros((0, 8, 3), np.float32),)), "positive multiple of 8x8"),
-    (good(images=(np.zeros((8, 8), np.float32),)), "float32 with 2 spatial dims and 3 channels"),
-    (good(images=(np.zeros((8, 8, 4), np.float32),)), "float32 with 2 spatial dims and 3 channels"),
+    (good(images=(np.zeros((8, 6, 3), np.float32),)), "8x6; each side must be a positive multiple of 8x8, at most 32x32"),
+    (good(images=(np.zeros((0, 8, 3), np.float32),)), "0x8; each side must be a positive multiple of 8x8, at most 32x32"),
+    (good(images=(np.zeros((8, 0, 3), np.float32),)), "8x0; each side must be a positive multiple of 8x8, at most 32x32"),
+    (good(images=(np.zeros((8, 8), np.float32),)), "must have 2 spatial dims and 3 channels last, got shape [8, 8]"),
+    (good(images=(np.zeros((8, 8, 4), np.float32),)), "image 0 has 4 channels (shape [8, 8, 4]); the model takes 3"),
+    (good(images=(np.zeros((8, 8, 3), np.float64),)), "image 0 must be float32, got float64"),
     (good(images=(np.zeros((40, 8, 3), np.float32),)), "larger than the model takes (32x32)"),
-    (good(tokens=np.array([IMAGE_TOKEN, 5, -6, 7], np.int32)), "token id -6 is outside the vocabulary"),
-    (good(tokens=np.array([IMAGE_TOKEN, 5, 600, 7], np.int32)), "token id 600 is outside the vocabulary"),
+    (good(tokens=np.array([IMAGE_TOKEN, 5, -6, 7], np.int32)), "token id -6 is outside the valid ids [0, 300)"),
+    (good(tokens=np.array([IMAGE_TOKEN, 5, 600, 7], np.int32)), "token id 600 is outside the valid ids [0, 300)"),
     (good(items={"image": (np.zeros((8, 8, 3), np.float32),), "video": (np.zeros((8, 8, 3), np.float32),)}),
      "has video items, but this workload takes ['audio', 'image']"),
     (good(tokens=np.array([IMAGE_TOKEN, AUDIO_TOKEN, 5, 6], np.int32)), "1 audio-placeholder tokens but its audio"),
@@ -126,7 +128,7 @@ def test_array_record_index_gives_metadata_without_reading_records(tmp_path):
     sample, read = indexed.read(2, frozenset({"tokens"}))
     assert read > 0 and (sample.tokens == src[2].tokens).all()
     (tmp_path / "d.array_record.index.json").write_text("[]")
-    with pytest.raises(DataError, match="index files list 0 records but the files hold 6"):
+    with pytest.raises(DataError, match=r"d.array_record.index.json lists 0 records but .*d.array_record holds 6"):
         ArrayRecordSource((str(path),))
 
 
@@ -157,3 +159,202 @@ def test_convert_folder_and_train(tmp_path):
         "data.kind=array_record", f"data.paths=[{out}]", "steps=2", "models.llm.vocab=261"])
     history = train(cfg, progress=False)
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+
+
+# -- bad values in stored samples: caught against the model's own limits, named by file and record --
+def write_array_record(path, records, options="group_size:1"):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(path), options)
+    for record in records:
+        writer.write(record)
+    writer.close()
+
+
+def raw_record(sample_id, tokens, image=None):
+    """A record as stored, without `encode_sample`'s casts (tokens of any dtype, any image)."""
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, id=np.int64(sample_id), tokens=tokens, **({} if image is None else {"image_0": image}))
+    return buf.getvalue()
+
+
+def good_records(count, first_id=0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [encode_sample(Sample(first_id + i, np.array([IMAGE_TOKEN, *rng.integers(3, 200, 9)], np.int32),
+                                 {"image": (rng.uniform(-1, 1, (8, 8, 3)).astype(np.float32),)}))
+            for i in range(count)]
+
+
+VLM = ROOT / "configs/vlm_tiny.yaml"
+# vocab 261 and max_grid 4 (patch 4: images up to 16x16) are the limits every record is checked against
+LIMITS = ["models.llm.vocab=261", "models.vision.max_grid=4"]
+TEXT = [5, 6, 7, 8]
+BAD_VALUES = {  # record -> (the record, what its error must say)
+    3: (raw_record(3, np.array([IMAGE_TOKEN, 5, -5, 7], np.int32), np.zeros((8, 8, 3), np.uint8)),
+        "token id -5 is outside the valid ids [0, 261) (the model's vocabulary)"),
+    4: (raw_record(4, np.array([5, 6, 2**32 + 7, 8], np.int64)),  # an int32 cast would make it id 7
+        "token id 4294967303 is outside the valid ids [0, 261) (the model's vocabulary)"),
+    6: (raw_record(6, np.array([5.5, 6, 7, 8], np.float32)), "tokens must be a 1-D integer array, got float32[4]"),
+    10: (raw_record(10, np.array(TEXT, np.int32), np.zeros((0, 8, 3), np.uint8)),
+         "image 0 is 0x8; each side must be a positive multiple of 8x8, at most 16x16"),
+    12: (raw_record(12, np.array(TEXT, np.int32), np.zeros((8, 0, 3), np.uint8)),
+         "image 0 is 8x0; each side must be a positive multiple of 8x8, at most 16x16"),
+    14: (raw_record(14, np.array([IMAGE_TOKEN, *TEXT], np.int32), np.zeros((8, 8, 4), np.uint8)),  # RGBA
+         "image 0 has 4 channels (shape [8, 8, 4]); the model takes 3"),
+    17: (raw_record(17, np.array([IMAGE_TOKEN] * 3 + TEXT, np.int32), np.zeros((24, 8, 3), np.uint8)),
+         "image 0 is 24x8, larger than the model takes (16x16)"),
+    19: (raw_record(19, np.array([5, 6, 261, 8], np.int32)),
+         "token id 261 is outside the valid ids [0, 261) (the model's vocabulary)"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_values(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "values.array_record"
+    records = good_records(24)
+    for r, (record, _) in BAD_VALUES.items():
+        records[r] = record
+    write_array_record(path, records)
+    write_index(str(path))
+    return path, TINY_VLM + LIMITS + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false",
+                                      "steps=2"]
+
+
+def test_bad_values_are_skipped_and_reported_by_file_and_record(bad_values, tmp_path):
+    """Negative, wrapped (beyond int32) or float token ids, ids at the vocabulary, empty, RGBA or
+    too large images: under `skip` none is trained on, each is reported in metrics.jsonl with
+    its file, record, field and valid range, from limits read off the model configs."""
+    import json
+
+    path, overrides = bad_values
+    history = train(load_config(VLM, overrides + ["data.on_bad_sample=skip", f"output_dir={tmp_path}"]),
+                    progress=False)
+    trained = [i for r in history for i in r["sample_ids"]]
+    assert trained == [i for i in range(24) if i not in BAD_VALUES]
+    logged = [m for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              for m in json.loads(line)["skipped_samples"]]
+    assert sorted(logged) == sorted(f"record {r} of {path}: sample id={r}: {text}"
+                                    for r, (_, text) in BAD_VALUES.items())
+    assert all(np.isfinite(r["loss"]) for r in history)
+
+
+def test_bad_value_under_error_is_one_line_naming_file_and_record(bad_values, capsys):
+    from maestro_jax import cli
+
+    path, overrides = bad_values
+    assert cli.main(["train", "--config", str(VLM), *overrides]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: record 3 of {path}: sample id=3: {BAD_VALUES[3][1]}"]
+
+
+def test_limits_come_from_the_model_configs():
+    """The vocabulary and the image grid are the models' own: changing `models.*` moves them;
+    for KD both the teacher's and the student's embedding take the ids, so they must agree."""
+    from maestro_jax.config import ConfigError
+    from maestro_jax.workloads import sample_check
+
+    check = sample_check(load_config(VLM, TINY_VLM + ["models.llm.vocab=300", "models.vision.max_grid=6"]))
+    tokens = np.array([IMAGE_TOKEN] * 3 + [5, 299], np.int32)
+    assert check(Sample(1, tokens, {"image": (np.zeros((24, 8, 3), np.float32),)})).id == 1  # 24 = 6 patches of 4
+    with pytest.raises(DataError, match="image 0 is 32x8, larger than the model takes \\(24x24\\)"):
+        check(Sample(1, np.array([IMAGE_TOKEN] * 4 + [5, 6], np.int32), {"image": (np.zeros((32, 8, 3), np.float32),)}))
+    with pytest.raises(DataError, match=r"token id 300 is outside the valid ids \[0, 300\)"):
+        check(Sample(1, np.array([5, 300], np.int32)))
+    kd = ROOT / "configs/kd_tiny.yaml"
+    check = sample_check(load_config(kd, ["models.teacher.vocab=77", "models.student.vocab=77"]))
+    with pytest.raises(DataError, match=r"token id 77 is outside the valid ids \[0, 77\)"):
+        check(Sample(1, np.array([5, 77], np.int32)))
+    with pytest.raises((ValueError, ConfigError), match=r"models.teacher.vocab \(80\) must equal models.student.vocab \(77\)"):
+        sample_check(load_config(kd, ["models.teacher.vocab=80", "models.student.vocab=77"]))
+
+
+# -- damaged ArrayRecord files -------------------------------------------------------------------
+def damaged_file(path, seed=0):
+    """12 good records (ids 100..111), stored uncompressed so that each record's bytes can be
+    found in the file: one bit of record 3 flipped, 16 random bytes over the middle of record 7."""
+    records = good_records(12, first_id=100, seed=seed)
+    write_array_record(path, records, "group_size:1,uncompressed")
+    data = bytearray(path.read_bytes())
+    at3, at7 = data.find(records[3]), data.find(records[7])
+    assert at3 > 0 and at7 > 0
+    data[at3 + len(records[3]) // 2] ^= 0x04
+    middle = at7 + len(records[7]) // 2
+    data[middle:middle + 16] = np.random.default_rng(seed).integers(0, 256, 16, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_damaged_records_are_bad_samples_named_by_file_and_record(tmp_path, capsys):
+    """Damaged records in the second of two files (no index: found when metadata is read, on
+    every process): `skip` trains on the rest and reports each with its file and record;
+    `error` stops with one line naming them, status 2."""
+    import json
+
+    from maestro_jax import cli
+
+    first, second = tmp_path / "first.array_record", damaged_file(tmp_path / "second.array_record")
+    write_array_record(first, good_records(12))
+    overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{first},{second}]", "data.shuffle=false",
+                            "models.llm.vocab=261", "steps=2"]
+    history = train(load_config(VLM, overrides + ["data.on_bad_sample=skip", f"output_dir={tmp_path / 'run'}"]),
+                    progress=False)
+    assert [i for r in history for i in r["sample_ids"]] == [*range(12), 100, 101, 102, 104]
+    logged = [m for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              for m in json.loads(line)["skipped_samples"]]
+    assert len(logged) == 1 and logged[0].startswith(f"record 3 of {second}: cannot be read (")
+    assert cli.main(["train", "--config", str(VLM), *overrides]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: record 3 of {second}: cannot be read (")
+    source = ArrayRecordSource((str(first), str(second)))
+    with pytest.raises(DataError, match=f"record 7 of {second}: cannot be read"):
+        source[12 + 7]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes over a block header", "zero bytes"])
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_unopenable_file_stops_with_one_line_naming_it(tmp_path, capsys, damage, policy):
+    """A file whose records cannot even be counted (cut short, a damaged block header, empty)
+    cannot be skipped record by record: under either policy one `error:` line names it, status 2."""
+    from maestro_jax import cli
+
+    path = tmp_path / "d.array_record"
+    write_array_record(path, good_records(16))
+    data = path.read_bytes()
+    damaged = {"truncated": data[:len(data) // 2], "zero bytes": b"",
+               "random bytes over a block header": data[:65536 - 8] + bytes(range(64)) + data[65536 + 56:]}[damage]
+    path.write_bytes(damaged)
+    overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", f"data.on_bad_sample={policy}"]
+    assert cli.main(["train", "--config", str(VLM), *overrides]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: data.paths: {path} ")
+    assert ("is empty" if damage == "zero bytes" else "cannot be opened as ArrayRecord") in errors[0]
+
+
+# -- scripts/convert_images.py: bad input files are skipped and named, or stop it with --strict -----
+def test_convert_skips_bad_files_and_names_them(tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "good.png")
+    (folder / "good.txt").write_text("a good caption")
+    (folder / "text.txt").write_text("a text-only sample")
+    (folder / "empty.txt").write_text("")
+    (folder / "one.txt").write_text("x")
+    (folder / "latin.txt").write_bytes(b"caf\xe9 au lait")
+    (folder / "fake.png").write_bytes(b"this is not a png")
+    out = tmp_path / "data.array_record"
+    script = [sys.executable, str(ROOT / "scripts/convert_images.py"), str(folder), str(out), "--max-side", "16"]
+    proc = subprocess.run(script, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 2 samples" in proc.stdout and "skipped 4 bad file(s)" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("skipped ")]
+    assert len(lines) == 4, proc.stderr
+    for name, why in [("empty.txt", "needs at least 2 text tokens, got 0"), ("one.txt", "got 1"),
+                      ("latin.txt", "caption is not UTF-8"), ("fake.png", "not a readable image")]:
+        assert any(line.startswith(f"skipped {folder / name}: ") and why in line for line in lines), (name, lines)
+    assert len(ArrayRecordSource((str(out),))) == 2
+    proc = subprocess.run(script + ["--strict"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {folder / 'empty.txt'}: sample id=0: needs at least 2 text tokens, got 0"], proc.stderr

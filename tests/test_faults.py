@@ -138,10 +138,11 @@ def bad_records(tmp_path_factory):
 
 
 def test_bad_sample_stops_with_its_id(bad_records, capsys):
-    with pytest.raises(DataError, match=r"sample id=3: image 0 has NaN or inf values"):
+    with pytest.raises(DataError, match=r"record 3 of .*mixed.array_record: sample id=3: image 0 has NaN or inf"):
         train(load_config(VLM, bad_records), progress=False)
     assert cli.main(["train", "--config", str(VLM), *bad_records]) == 2
-    assert "error: sample id=3: image 0 has NaN or inf values" in capsys.readouterr().err
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith("mixed.array_record: sample id=3: image 0 has NaN or inf values")
 
 
 def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
@@ -153,7 +154,7 @@ def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
     # payload faults once the batch is decoded; the batch is then refilled (19 is taken then)
     assert "sample id=3: image 0 has NaN" in skipped[0][0]
     assert "sample id=7: 2 image-placeholder tokens but its image items need 1" in skipped[0][1]
-    assert "record 15" in skipped[1][0] and "cannot be decoded" in skipped[1][0]
+    assert "record 15 of " in skipped[1][0] and "mixed.array_record: cannot be decoded" in skipped[1][0]
     assert "sample id=11: needs at least 2 text tokens" in skipped[1][1]
     assert "sample id=19: 70 tokens exceed the largest bucket (40)" in skipped[1][2]
     assert all(np.isfinite(r["loss"]) for r in history)

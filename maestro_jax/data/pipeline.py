@@ -25,10 +25,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("maestro_jax")
 
 
+def _located(source, index: int, check, *args, **kwargs):
+    """`check(*args, **kwargs)`; a DataError it raises names where the sample is stored (a
+    file and record, `source.where(index)`) when the source says, so that a bad sample can be
+    found in the data, not only by its id. Sources' own read errors name that already."""
+    try:
+        return check(*args, **kwargs)
+    except DataError as err:
+        where = getattr(source, "where", None)
+        if where is None:
+            raise
+        raise DataError(f"{where(index)}: {err}") from err
+
+
 def _read(source, check, keep_errors: bool, index: int):
     """Sample `index`, validated; under the `skip` policy a bad one comes back as its DataError."""
     try:
-        return check(source[int(index)], parts=None) if check else source[int(index)]
+        sample = source[int(index)]
+        return _located(source, index, check, sample, parts=None) if check else sample
     except DataError as err:
         if keep_errors:
             return err
@@ -47,6 +61,15 @@ def global_batches(source, global_batch: int, seed: int, shuffle: bool = True, c
     access (verify, bench). A bad sample raises `DataError` with its id."""
     return (_ordered(source, seed, shuffle).map(functools.partial(_read, source, check, False))
             .batch(global_batch, drop_remainder=True, batch_fn=list))
+
+
+def _matches_info(sample: Sample, info: SampleInfo) -> None:
+    """The payload has the length and item shapes its metadata promised (what was scheduled)."""
+    if sample.length != info.length or any(sample.shapes(m) != tuple(map(tuple, v))
+                                           for m, v in info.item_shapes.items()):
+        raise DataError(f"sample id={info.id}: its payload does not match its metadata (length {sample.length} "
+                        f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}); "
+                        f"rebuild the source's index")
 
 
 class BadSamples:
@@ -133,7 +156,7 @@ class BatchReader:
             index = int(next(self._it))
             try:
                 info = sample_info(self.source, index)
-                return index, self._info_check(info) if self._info_check else info
+                return index, _located(self.source, index, self._info_check, info) if self._info_check else info
             except DataError as err:
                 if self.bad is None:
                     raise
@@ -151,13 +174,9 @@ class BatchReader:
 
     def _read(self, index: int, info: SampleInfo, parts) -> tuple[Sample, int | None, int]:
         sample, read = read_parts(self.source, index, parts)
-        if sample.length != info.length or any(sample.shapes(m) != tuple(map(tuple, v))
-                                               for m, v in info.item_shapes.items()):
-            raise DataError(f"sample id={info.id}: its payload does not match its metadata (length {sample.length} "
-                            f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}); "
-                            f"rebuild the source's index")
+        _located(self.source, index, _matches_info, sample, info)
         if self._check:
-            self._check(sample, parts=parts)
+            _located(self.source, index, self._check, sample, parts=parts)
         return sample, read, decoded_bytes(sample, parts)
 
     def __next__(self) -> LoadedBatch:

@@ -141,12 +141,11 @@ def validate_sample(s: Sample, modalities: tuple[Modality, ...] = (), max_tokens
     if not (isinstance(s.tokens, np.ndarray) and s.tokens.ndim == 1 and np.issubdtype(s.tokens.dtype, np.integer)):
         tokens = np.asarray(s.tokens)
         raise DataError(f"{where}: tokens must be a 1-D integer array, got {tokens.dtype}{list(tokens.shape)}")
+    validate_info(s.info(), modalities, max_tokens)
     for m in modalities:
         for i, x in enumerate(s.of(m.name)):
-            if x.ndim != len(m.unit) + 1 or x.dtype != np.float32 or x.shape[-1] != m.channels:
-                raise DataError(f"{where}: {m.name} {i} must be float32 with {len(m.unit)} spatial dims and "
-                                f"{m.channels} channels last, got {x.dtype}{list(x.shape)}")
-    validate_info(s.info(), modalities, max_tokens)
+            if x.dtype != np.float32:
+                raise DataError(f"{where}: {m.name} {i} must be float32, got {x.dtype}")
     if parts is None or TOKENS in parts:
         _check_tokens(where, s, modalities, vocab)
     for m in modalities:
@@ -160,7 +159,8 @@ def validate_sample(s: Sample, modalities: tuple[Modality, ...] = (), max_tokens
 def _check_tokens(where: str, s: Sample, modalities: tuple[Modality, ...], vocab: int | None) -> None:
     if s.tokens.size and (s.tokens.min() < 0 or (vocab is not None and s.tokens.max() >= vocab)):
         bad = int(s.tokens.min()) if s.tokens.min() < 0 else int(s.tokens.max())
-        raise DataError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+        valid = f"[0, {vocab}) (the model's vocabulary)" if vocab is not None else "0 or more"
+        raise DataError(f"{where}: token id {bad} is outside the valid ids {valid}")
     text = int(np.count_nonzero(~np.isin(s.tokens, [m.placeholder for m in modalities])))
     if text < 2:
         raise DataError(f"{where}: needs at least 2 text tokens, got {text}")
@@ -173,15 +173,19 @@ def _check_tokens(where: str, s: Sample, modalities: tuple[Modality, ...], vocab
 
 def _check_item_shape(where: str, m: Modality, i: int, shape: tuple[int, ...]) -> None:
     spatial = len(m.unit)
-    if len(shape) != spatial + 1 or shape[-1] != m.channels:
+    if len(shape) != spatial + 1:
         raise DataError(f"{where}: {m.name} {i} must have {spatial} spatial dims and {m.channels} channels last, "
                         f"got shape {list(shape)}")
-    dims = shape[:spatial]
+    if shape[-1] != m.channels:
+        raise DataError(f"{where}: {m.name} {i} has {shape[-1]} channels (shape {list(shape)}); the model takes "
+                        f"{m.channels}")
+    dims, size = shape[:spatial], "x".join(map(str, shape[:spatial]))
+    at_most = f", at most {'x'.join(map(str, m.max_shape))}" if m.max_shape is not None else ""
     if any(d == 0 or d % u for d, u in zip(dims, m.unit)):
-        raise DataError(f"{where}: {m.name} {i} is {'x'.join(map(str, dims))}; each side must be a positive "
-                        f"multiple of {'x'.join(map(str, m.unit))}")
+        raise DataError(f"{where}: {m.name} {i} is {size}; each side must be a positive multiple of "
+                        f"{'x'.join(map(str, m.unit))}{at_most}")
     if m.max_shape is not None and any(d > b for d, b in zip(dims, m.max_shape)):
-        raise DataError(f"{where}: {m.name} {i} is {'x'.join(map(str, dims))}, larger than the model takes "
+        raise DataError(f"{where}: {m.name} {i} is {size}, larger than the model takes "
                         f"({'x'.join(map(str, m.max_shape))})")
 
 
@@ -220,7 +224,9 @@ def record_info(record: bytes) -> SampleInfo:
 
 def decode_sample(record: bytes, parts: frozenset[str] | None = None) -> Sample:
     """The sample in `record`. With `parts`, only those parts (`tokens`, modality names) are
-    decoded; the others are hollow (`hollow_sample`)."""
+    decoded; the others are hollow (`hollow_sample`). Token ids keep their stored dtype: a
+    cast would wrap ids beyond int32 or truncate float ones into valid-looking ids, which
+    validation must see as they are."""
     with np.load(io.BytesIO(record), allow_pickle=False) as z:
         decoded: dict[str, object] = {}
         for key in _item_keys(z.files):
@@ -230,9 +236,9 @@ def decode_sample(record: bytes, parts: frozenset[str] | None = None) -> Sample:
                 decoded.setdefault(name, []).append(x.astype(np.float32) / 127.5 - 1.0 if x.dtype == np.uint8 else x)
         decoded = {k: tuple(v) for k, v in decoded.items()}
         if parts is None:
-            return Sample(id=int(z["id"]), tokens=z["tokens"].astype(np.int32), items=decoded)
+            return Sample(id=int(z["id"]), tokens=z["tokens"], items=decoded)
         if TOKENS in parts:
-            decoded[TOKENS] = z["tokens"].astype(np.int32)
+            decoded[TOKENS] = z["tokens"]
     return hollow_sample(record_info(record), decoded)
 
 

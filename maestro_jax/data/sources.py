@@ -1,10 +1,12 @@
 """Random-access sample sources (Grain's `RandomAccessDataSource` protocol: `__len__`,
-`__getitem__`), plus two optional methods the multi-process data path uses:
+`__getitem__`), plus optional methods the multi-process data path and its error messages use:
   `info(index)`: a sample's id, length and item shapes without its payload, which is all the
       scheduler and the planner read (every process reads every sample's info);
   `read(index, parts)`: the sample with only `parts` decoded (`tokens`, modality names) and
       the others hollow, plus the bytes read from storage: a process decodes only the payload
-      its devices' rows need.
+      its devices' rows need;
+  `where(index)`: where the sample is stored (`record R of FILE`), which the pipeline puts in
+      front of every validation error so that a bad sample can be found in the data.
 `sample_info` and `read_parts` fall back to a full `__getitem__` for sources without them."""
 
 from __future__ import annotations
@@ -121,51 +123,56 @@ class SyntheticSource:
 
 @dataclasses.dataclass(frozen=True)
 class ArrayRecordSource:
-    """Samples stored as ArrayRecord files (`scripts/convert_images.py` writes them); a record
-    that does not decode fails with its index (the pipeline validates what decodes).
+    """Samples stored as ArrayRecord files (`scripts/convert_images.py` writes them), in the
+    order of `paths`. A record that cannot be read or decoded fails as a DataError naming its
+    file and record (`where`), and so do the pipeline's checks of what decodes: a bad sample is
+    found in the data by its location, not only by its id.
 
-    `info` reads `<file>.index.json` (`write_index`) when every file has one: metadata then
-    costs no record read. Without an index it reads the record and decodes its npy headers
-    only."""
+    `info` reads `<file>.index.json` (`write_index`) where a file has one: metadata then costs
+    no record read. Without an index it reads the record and decodes its npy headers only."""
 
     paths: tuple[str, ...]
 
     def __post_init__(self):
-        import grain  # noqa: PLC0415 (grain imports jax; planning reads sources without it)
-
+        files, indexes = [], []
         for p in self.paths:
-            if not Path(p).is_file() or Path(p).stat().st_size == 0:
-                raise DataError(f"data.paths: {p} is {'empty' if Path(p).is_file() else 'missing'}; give ArrayRecord "
-                                f"files written by scripts/convert_images.py")
-        try:
-            object.__setattr__(self, "_source", grain.sources.ArrayRecordDataSource(list(self.paths)))
-        except (RuntimeError, ValueError, OSError) as err:  # Riegeli reports a damaged file as RuntimeError
-            raise DataError(f"data.paths={list(self.paths)}: cannot be opened as ArrayRecord "
-                            f"({str(err).splitlines()[0][:200]})") from err
-        indexes = [Path(f"{p}.index.json") for p in self.paths]
-        infos = None
-        if all(i.is_file() for i in indexes):
-            infos = [row for i in indexes for row in json.loads(i.read_text())]
-            if len(infos) != len(self._source):
-                raise DataError(f"data.paths={list(self.paths)}: the index files list {len(infos)} records but the "
-                                f"files hold {len(self._source)}; rewrite them with write_index")
-        object.__setattr__(self, "_index", infos)
+            files.append(_open_array_record(p))
+            index = Path(f"{p}.index.json")
+            rows = json.loads(index.read_text()) if index.is_file() else None
+            if rows is not None and len(rows) != len(files[-1]):
+                raise DataError(f"data.paths: {index} lists {len(rows)} records but {p} holds {len(files[-1])}; "
+                                f"rewrite it with write_index")
+            indexes.append(rows)
+        object.__setattr__(self, "_files", tuple(files))
+        object.__setattr__(self, "_indexes", tuple(indexes))
+        object.__setattr__(self, "_starts", np.cumsum([0] + [len(f) for f in files]))
 
     def __len__(self) -> int:
-        return len(self._source)
+        return int(self._starts[-1])
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(file number, record number in that file) of the source's `index`-th record."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} of a source of {len(self)}")
+        f = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return f, int(index - self._starts[f])
+
+    def where(self, index: int) -> str:
+        f, record = self._locate(int(index))
+        return f"record {record} of {self.paths[f]}"
 
     def _record(self, index: int) -> bytes:
+        f, record = self._locate(int(index))
         try:
-            return self._source[int(index)]
+            return self._files[f][record]
         except (RuntimeError, ValueError, KeyError, OSError, IndexError) as err:  # Riegeli: RuntimeError
-            raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be read "
-                            f"({str(err).splitlines()[0][:200]})") from err
+            raise DataError(f"{self.where(index)}: cannot be read ({_first_line(err)})") from err
 
     def _decode(self, index: int, fn, *args):
         try:
             return fn(*args)
         except (ValueError, KeyError, OSError) as err:  # numpy's npz reader: bad zip, missing array
-            raise DataError(f"sample at record {index} of {list(self.paths)}: cannot be decoded ({err})") from err
+            raise DataError(f"{self.where(index)}: cannot be decoded ({_first_line(err)})") from err
 
     def __getitem__(self, index: int) -> Sample:
         return self._decode(index, decode_sample, self._record(index))
@@ -175,10 +182,34 @@ class ArrayRecordSource:
         return self._decode(index, decode_sample, record, parts), len(record)
 
     def info(self, index: int) -> SampleInfo:
-        if self._index is not None:
-            sample_id, length, shapes = self._index[int(index)]
+        f, record = self._locate(int(index))
+        if self._indexes[f] is not None:
+            sample_id, length, shapes = self._indexes[f][record]
             return SampleInfo(sample_id, length, {m: tuple(tuple(s) for s in v) for m, v in shapes.items()})
         return self._decode(index, record_info, self._record(index))
+
+
+def _open_array_record(path: str):
+    """One ArrayRecord file as a Grain source; a missing, empty, truncated or otherwise
+    unopenable file is a DataError naming it (its records cannot even be counted, so no policy
+    can skip them one by one)."""
+    import grain  # noqa: PLC0415 (grain imports jax; planning reads sources without it)
+
+    if not Path(path).is_file() or Path(path).stat().st_size == 0:
+        raise DataError(f"data.paths: {path} is {'empty' if Path(path).is_file() else 'missing'}; give ArrayRecord "
+                        f"files written by scripts/convert_images.py")
+    try:
+        return grain.sources.ArrayRecordDataSource([path])
+    except (RuntimeError, ValueError, OSError) as err:  # Riegeli reports a damaged file as RuntimeError
+        raise DataError(f"data.paths: {path} cannot be opened as ArrayRecord (truncated or damaged: "
+                        f"{_first_line(err)})") from err
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of an error's message, or its type where it has none (Riegeli raises a
+    bare RuntimeError for some damaged files)."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:200] if lines else type(err).__name__
 
 
 def write_index(path: str) -> Path:

@@ -25,7 +25,8 @@ class Workload:
 
     build(cfg): the section graph (models from `cfg.models`, costs declared on each section).
     modalities(cfg): the modalities its samples carry besides text (validated, synthesised).
-    vocab(cfg): the token vocabulary samples must stay inside.
+    vocab(cfg): the token vocabulary samples must stay inside, read off the model configs (every
+      embedding table the ids index).
     pretrained: section -> loader(cfg, section, path, states, programs) -> states, for sections
       that can start from a Hugging Face folder (`sections.<s>.init.hf_path`).
     """

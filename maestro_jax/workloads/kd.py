@@ -66,6 +66,14 @@ def check_vocab(teacher: LLMConfig, student: LLMConfig) -> None:
         raise ValueError(f"models.teacher.vocab ({teacher.vocab}) must equal models.student.vocab ({student.vocab})")
 
 
+def shared_vocab(cfg: Config) -> int:
+    """The ids samples must stay inside: both the teacher's and the student's embedding tables
+    take them, so the two vocabularies must be one."""
+    teacher, student = model(cfg, "teacher", "llm"), model(cfg, "student", "llm")
+    check_vocab(teacher, student)
+    return student.vocab
+
+
 def build(cfg: Config) -> SectionGraph:
     teacher, student = model(cfg, "teacher", "llm"), model(cfg, "student", "llm")
     check_vocab(teacher, student)
@@ -101,5 +109,5 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
-WORKLOAD = Workload("kd", build, vocab=lambda cfg: cfg.models["student"].vocab,
+WORKLOAD = Workload("kd", build, vocab=shared_vocab,
                     pretrained={"teacher": load_teacher_section, "student": load_llm_section})

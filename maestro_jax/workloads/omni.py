@@ -81,7 +81,7 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
-WORKLOAD = Workload("omni", build, vocab=lambda cfg: cfg.models["llm"].vocab,
+WORKLOAD = Workload("omni", build, vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
                     modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),
                                             audio_modality(model(cfg, "audio", "audio"))),
                     pretrained={"llm": load_llm_section})

@@ -139,6 +139,6 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
-WORKLOAD = Workload("vlm", build, vocab=lambda cfg: cfg.models["llm"].vocab,
+WORKLOAD = Workload("vlm", build, vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
                     modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
                     pretrained={"llm": load_llm_section})

@@ -18,7 +18,13 @@ from maestro_jax.data.samples import TOKENS
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
-from maestro_jax.workloads.kd import check_vocab, distill_loss, init_teacher_and_student, teacher_section
+from maestro_jax.workloads.kd import (
+    check_vocab,
+    distill_loss,
+    init_teacher_and_student,
+    shared_vocab,
+    teacher_section,
+)
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
 from maestro_jax.workloads.vlm import (
     image_modality,
@@ -72,7 +78,7 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
-WORKLOAD = Workload("vlm_kd", build, vocab=lambda cfg: cfg.models["student"].vocab,
+WORKLOAD = Workload("vlm_kd", build, vocab=shared_vocab,
                     modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
                     pretrained={"teacher": load_teacher_section, "student": load_llm_section})
 
