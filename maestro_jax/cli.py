@@ -124,11 +124,9 @@ def _run(cfg, args) -> int:
 
                 announce_failure(f"{type(err).__name__}: {err}")
                 return next(code for f, code in faults if isinstance(err, f))
-            if history:
+            if history:  # else train said "nothing to do", naming the step the checkpoint holds
                 print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
                       f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
-            else:
-                print(f"nothing to do: {cfg.output_dir} already holds a checkpoint at or beyond step {cfg.steps}")
             return 0
         if args.command == "bench":
             return _bench(cfg, args)

@@ -129,3 +129,17 @@ def test_a_checkpoint_of_another_config_is_refused_not_quarantined(tmp_path, cha
     assert (out / "checkpoints" / "manifest-2.json").is_file() and not (out / "checkpoints" / "corrupt").exists()
     assert load_config(out / "config.yaml") == cfg(), "the run's config record is not overwritten by the refused one"
     assert [r["step"] for r in train(cfg(steps=3), progress=False)] == [3]
+
+
+def test_nothing_to_do_names_the_step_the_directory_holds(tmp_path, capsys):
+    """steps=2 on a directory checkpointed at step 4: nothing is trained and the message says step 4."""
+    from maestro_jax import cli
+
+    out = tmp_path / "run"
+    overrides = ["--config", str(ROOT / "configs/kd_tiny.yaml"), *TINY_KD, f"output_dir={out}"]
+    train(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", "steps=4"]), progress=False)
+    capsys.readouterr()
+    assert cli.main(["train", *overrides, "steps=2"]) == 0
+    said = capsys.readouterr().out
+    assert f"nothing to do: {out} holds a checkpoint at step 4, at or beyond steps=2" in said, said
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "the log of the 4 steps is kept"

@@ -76,6 +76,116 @@ def test_kill_9_during_save_resumes_from_last_complete(tmp_path):
     assert final_losses(out) == {r["step"]: r["loss"] for r in straight}
 
 
+def _kill_when(proc, ready, timeout_s=300):
+    """SIGKILL `proc` as soon as `ready()` holds; returns what `ready()` returned."""
+    deadline = time.time() + timeout_s
+    while proc.poll() is None and time.time() < deadline:
+        if seen := ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=60)
+            return seen
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1][-2000:]}")
+
+
+_STRAIGHT = {}
+
+
+def straight_losses(tmp_path, steps=10):
+    """Per-step losses of an uninterrupted run (computed once per module)."""
+    if steps not in _STRAIGHT:
+        _STRAIGHT[steps] = {r["step"]: r["loss"] for r in train(kd(tmp_path / "straight", f"steps={steps}"),
+                                                                 progress=False)}
+    return _STRAIGHT[steps]
+
+
+def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path):
+    """keep_checkpoints=1: the only committed step is deleted only after the next one is
+    committed. Killed after Orbax finished step 4 but before manifest-4 exists (the test hook
+    MAESTRO_TEST_COMMIT_DELAY_S holds the commit open), the next run resumes from step 2,
+    not from scratch."""
+    steps = 10
+    out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", "checkpoint_every=2", "keep_checkpoints=1"])
+    env = {**os.environ, "MAESTRO_TEST_COMMIT_DELAY_S": "30"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    since = []
+
+    def ready():  # step 4 written, not committed; Orbax's retention (old behaviour) has had its chance
+        if not (ck / "4").is_dir() or (ck / MANIFEST.format(step=4)).exists():
+            return False
+        since.append(since[0] if since else time.time())
+        return not (ck / "2").is_dir() or time.time() - since[0] > 2
+
+    _kill_when(proc, ready)
+    assert (ck / MANIFEST.format(step=2)).exists() and (ck / "2").is_dir(), \
+        f"step 2 must stay until step 4 is committed: {sorted(p.name for p in ck.iterdir())}"
+
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"trained steps 3..{steps}" in proc.stdout, "resumed from the last committed step, 2"
+    assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1)), "each step logged once after the resume"
+    assert final_losses(out) == straight_losses(tmp_path, steps)
+    assert sorted(p.name for p in ck.glob("manifest-*.json")) == [f"manifest-{steps}.json"], "keep_checkpoints=1"
+    assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == [str(steps)]
+
+
+def test_a_save_counts_as_soon_as_it_is_complete(tmp_path):
+    """A finished save is committed without waiting for the next save: killed after step 50's
+    save completed but before step 100's, the next run resumes from step 50, not from scratch."""
+    every, steps = 50, 52
+    out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=1000", f"checkpoint_every={every}"])
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def ready():
+        logged = len(metrics(out)) if (out / "metrics.jsonl").exists() else 0
+        if (ck / MANIFEST.format(step=every)).exists() or logged >= 2 * every:
+            return {"logged": logged}
+        return None
+
+    seen = _kill_when(proc, ready)
+    assert seen["logged"] < 2 * every, f"manifest-{every} was written only at the next save"
+
+    proc = subprocess.run(cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", f"checkpoint_every={every}"]),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"trained steps {every + 1}..{steps}" in proc.stdout, proc.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1)), "each step logged once after the resume"
+    assert final_losses(out) == straight_losses(tmp_path, steps)
+
+
+def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
+    """While a run holds `output_dir`, a second one exits 2 with one line naming the directory
+    and the holder; once the holder is `kill -9`ed, its stale lock does not block a new run."""
+    out = tmp_path / "run"
+    args = cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=100000", "keep_checkpoints=0"])
+    holder = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while holder.poll() is None and time.time() < deadline and not (
+                (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+            time.sleep(0.1)
+        assert holder.poll() is None, holder.communicate()[1][-2000:]
+        capsys.readouterr()
+        status = cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=2", "keep_checkpoints=0"])
+        err = capsys.readouterr().err.strip()
+        assert status == 2, err
+        assert err.startswith("error: ") and "\n" not in err, err
+        assert str(out) in err and f"pid {holder.pid}" in err and socket.gethostname() in err, err
+        assert holder.poll() is None, "the holder keeps running"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate(timeout=60)
+    steps = [r["step"] for r in metrics(out)]
+    assert steps == list(range(1, len(steps) + 1)), "only the holder wrote metrics"
+
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=2", "keep_checkpoints=0"])
+    assert status == 0, capsys.readouterr().err[-2000:]
+    assert [r["step"] for r in metrics(out)] == [1, 2], "the stale lock of the killed run did not block"
+
+
 # -- 3. bad configs: status 2, one line, before any compilation -----------------------------------
 @pytest.mark.parametrize("overrides,text", [
     (["sections.student.micro_bach=2"], "sections.student.micro_bach: unknown key; did you mean 'micro_batch'?"),

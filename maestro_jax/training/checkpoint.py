@@ -6,12 +6,17 @@ Layout (`<output_dir>/checkpoints/`):
   <step>/meta/             step, seed, plan summary
   manifest-<step>.json     written last, atomically (write to a temp file, then rename)
 
-Saves are asynchronous: `save` starts writing and returns; the manifest of a save is written
-only once Orbax reports that save finished (at the next save, or at `close`). "The latest
-checkpoint" is the newest step that has a manifest, so a save interrupted at any point (a
-`kill -9`, a full disk) is never restored from, and is deleted when the directory is opened
-again. Errors of an asynchronous save surface as `CheckpointError` at the next save or at
-`close`, never swallowed.
+Saves are asynchronous: `save` starts writing and returns. A commit thread waits for Orbax to
+report the save finished (on every process: Orbax renames the step directory only after all
+processes wrote their part) and then process 0 writes the manifest, so a save counts as soon as
+it is complete, without the training loop waiting for it. "The latest checkpoint" is the newest
+step that has a manifest, so a save interrupted at any point (a `kill -9`, a full disk) is never
+restored from, and is deleted when the directory is opened again. Errors of an asynchronous
+save surface as `CheckpointError` at the next save or at `close`, never swallowed.
+
+Retention (`max_to_keep`) is ours, not Orbax's: only after manifest-N is written are older
+committed steps beyond the newest `max_to_keep` deleted (manifest first, then the directory),
+so the last committed step never disappears before the next one is committed.
 
 The manifest holds a CRC32 and size of every file of the step, leaves included: Orbax itself
 does not notice a flipped bit in an array file. `restore_latest` checks them and falls back
@@ -29,6 +34,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -192,11 +199,16 @@ class Checkpointer:
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
         agree("checkpoint-dir-ready", True)  # nobody opens the manager before the clean-up is done
+        # max_to_keep=None: Orbax deletes old steps as soon as a new one is written, before its
+        # manifest exists; retention is done in `_commit`, after the manifest (see the docstring)
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+            options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                  enable_async_checkpointing=asynchronous))
-        self._pending: dict | None = None
+        self.max_to_keep = max_to_keep
+        self.asynchronous = asynchronous
+        self._committer: threading.Thread | None = None
+        self._commit_error: tuple[int, BaseException] | None = None
 
     def _discard_uncommitted(self) -> None:
         """Delete what an interrupted save left: step directories without a manifest and Orbax
@@ -210,8 +222,10 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, states: dict[str, SectionState], data_state: dict, meta: dict) -> None:
-        """Start an asynchronous save of `step`; commits the previous save's manifest first."""
-        self._commit_pending()
+        """Start an asynchronous save of `step`; a background thread commits it once complete.
+
+        Waits first for the previous save's commit (and raises its error, if any)."""
+        self._join_commit()
         items = {f"section_{s}": ocp.args.StandardSave(jax.tree.map(_to_view, {"params": st.params,
                                                                                 "opt_state": st.opt_state}))
                  for s, st in states.items() if st.opt_state is not None}
@@ -221,21 +235,31 @@ class Checkpointer:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as err:  # Orbax raises OSError, ValueError or its own types for storage faults
             raise self._save_error(step, err) from err
-        self._pending = {"step": step, "parts": sorted(items), "layout": state_layout(states)}
+        pending = {"step": step, "parts": sorted(items), "layout": state_layout(states)}
+        if not self.asynchronous:
+            self._commit(pending)
+            self._join_commit()
+            return
+        # a daemon thread: a process that ends on a fault does not wait for a save that cannot complete
+        self._committer = threading.Thread(target=self._commit, args=(pending,), daemon=True,
+                                           name=f"checkpoint-commit-{step}")
+        self._committer.start()
 
     def _save_error(self, step: int, err: BaseException) -> CheckpointError:
         return CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: "
                                f"{type(err).__name__}: {err}".replace("\n", " ")[:600]
                                + f"; the last complete checkpoint (step {self.latest_step()}) is intact")
 
-    def _commit_pending(self) -> None:
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
+    def _commit(self, pending: dict) -> None:
+        """Wait for Orbax to finish `pending`'s save, then (process 0) write its manifest and apply
+        retention. Runs in the commit thread; an error is kept for `_join_commit` to raise."""
         step = pending["step"]
         try:
             self.manager.wait_until_finished()  # raises here if the asynchronous write failed
             self.manager.check_for_errors()
+            delay = float(os.environ.get("MAESTRO_TEST_COMMIT_DELAY_S", "0"))
+            if delay:  # test hook: widens the window between Orbax finishing and the commit
+                time.sleep(delay)
             if jax.process_index() == 0:  # one writer on the shared filesystem
                 pending["files"] = _file_checksums(self.directory / str(step))
                 tmp = self.directory / f".{MANIFEST.format(step=step)}.tmp"
@@ -244,18 +268,37 @@ class Checkpointer:
                     os.replace(tmp, self.directory / MANIFEST.format(step=step))  # atomic on POSIX
                 finally:
                     tmp.unlink(missing_ok=True)
-        except Exception as err:
-            raise self._save_error(step, err) from err
+        except BaseException as err:
+            self._commit_error = (step, err)
+            return
         if jax.process_index() == 0:
-            kept = set(self.manager.all_steps())
-            for m in self.directory.glob("manifest-*.json"):
-                if int(m.stem.split("-")[1]) not in kept:
-                    m.unlink()
+            try:
+                self._apply_retention()
+            except OSError as err:  # a leftover is removed by the next run; training goes on
+                log.warning("removing old checkpoints in %s: %s", self.directory, err)
+
+    def _apply_retention(self) -> None:
+        """Delete committed steps beyond the newest `max_to_keep` (and manifests whose step is gone).
+        The manifest goes first: a step interrupted half-deleted is uncommitted data, removed
+        when the directory is opened again."""
+        committed = sorted(int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json"))
+        for step in committed[:-self.max_to_keep] if self.max_to_keep else []:
+            (self.directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
+            shutil.rmtree(self.directory / str(step), ignore_errors=True)
+
+    def _join_commit(self) -> None:
+        """Wait for the commit thread of the last save; raise its error as a `CheckpointError`."""
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+        if self._commit_error is not None:
+            (step, err), self._commit_error = self._commit_error, None
+            raise self._save_error(step, err) from err
 
     def close(self) -> None:
-        """Commit the pending save (raising `CheckpointError` if it failed) and stop Orbax."""
+        """Wait for the last save's commit (raising `CheckpointError` if it failed) and stop Orbax."""
         try:
-            self._commit_pending()
+            self._join_commit()
         finally:
             try:
                 self.manager.close()
@@ -264,9 +307,8 @@ class Checkpointer:
 
     # -- restoring --------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        on_disk = set(self.manager.all_steps())
         steps = [int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json")]
-        return sorted(s for s in steps if s in on_disk)
+        return sorted(s for s in steps if (self.directory / str(s)).is_dir())
 
     def latest_step(self) -> int | None:
         steps = self.committed_steps()

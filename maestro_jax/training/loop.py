@@ -29,6 +29,7 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
+from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.prefetch import Prefetcher
 
 log = logging.getLogger("maestro_jax")
@@ -138,8 +139,16 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
     """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
 
     `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
-    workload. On SIGTERM, saves a checkpoint after the current step and returns early."""
+    workload. On SIGTERM, saves a checkpoint after the current step and returns early.
+    One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding it is
+    refused with a `DirectoryInUseError` (see `dirlock`)."""
     set_peer_timeout(cfg.distributed.timeout_s)
+    with hold_directories({"output_dir": cfg.output_dir,
+                           "checkpoint_dir": cfg.checkpoint_dir if cfg.output_dir and cfg.keep_checkpoints else None}):
+        return _train(cfg, progress, rt)
+
+
+def _train(cfg: Config, progress: bool, rt: Runtime | None) -> list[dict]:
     if cfg.output_dir and cfg.keep_checkpoints:
         check_checkpoint_layout(cfg.plan())  # before anything compiles
     rt = rt or build_runtime(cfg)
@@ -164,6 +173,8 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list
                 data.set_state(data_state)
         if jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit this config
             (out_dir / "config.yaml").write_text(dump_config(cfg))
+    if start >= cfg.steps and jax.process_index() == 0:
+        print(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}", flush=True)
     writer = MetricsWriter(out_dir if jax.process_index() == 0 else None, start)  # process 0 writes metrics
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
