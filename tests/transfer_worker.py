@@ -32,6 +32,8 @@ CASES = {
     "fan-in 6->2": (mesh(range(2, 8), (2, 1, 3)), mesh([0, 1], (2, 1, 1))),
     "layout 4->4": (mesh([0, 1, 2, 3], (4, 1, 1)), mesh([4, 5, 6, 7], (2, 2, 1))),
     "mixed 2->4": (mesh([0, 5], (2, 1, 1)), mesh([1, 2, 6, 7], (4, 1, 1))),
+    "joined and replicated 4->2x2": (mesh([0, 1, 2, 3], (4, 1, 1)), mesh([4, 5, 6, 7], (2, 1, 2))),
+    "uneven 3->2": (mesh([0, 1, 2], (3, 1, 1)), mesh([5, 6], (2, 1, 1))),
 }
 report = {}
 for name, (a, b) in CASES.items():

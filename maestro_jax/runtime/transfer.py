@@ -1,13 +1,21 @@
-"""Cross-section transfers that are always device-to-device.
+"""Cross-section transfers that are always device-to-device, at a host cost that does not grow
+with the number of pieces.
 
 `jax.device_put` between disjoint device sets copies shard-to-shard only when source and
 destination shards have identical indices; for fan-in, fan-out or a layout change it silently
 pulls the whole array through host memory (jax 0.10, `shard_sharded_device_array_slow_path`).
 Here a transfer is planned once per (source sharding, destination sharding, shape) as a tile
-map: for every destination device, which piece of which source shard it needs. Executing it
-slices each piece on the source device, copies it single-device to single-device, joins the
-pieces on the destination device, and assembles the result with
-`jax.make_array_from_single_device_arrays`. No step touches host memory.
+map: for every destination device, which piece of which source shard it needs. Each distinct
+tile is assembled once per process, on one of its devices (the tile's head), and copied from
+there to the tile's other devices in that process (tensor-parallel replicas).
+
+Per-call host cost is what issue 14 measured: one eager slice, `device_put` and concatenation
+per piece cost 9-15 ms per transfer at 56 devices. So a call issues a fixed set of batched
+steps, precomputed per process and cached with the plan: one compiled cut per source device
+(all its pieces in one program), one batched `device_put` of all pieces to the heads, one
+compiled join per head that receives several pieces, one batched `device_put` of the tiles to
+their replicas, and `jax.make_array_from_single_device_arrays`. Every copy is single-device to
+single-device, so jax takes its direct copy path; no step touches host memory.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+Bounds = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -27,19 +37,26 @@ class Piece:
     src_slices: tuple[slice, ...]  # relative to the source shard; full slices mean "whole shard"
     offset: tuple[int, ...]  # start of the piece inside the destination tile
 
+    @property
+    def bounds(self) -> Bounds:
+        return tuple((sl.start, sl.stop) for sl in self.src_slices)
+
 
 @dataclasses.dataclass(frozen=True)
 class TileMap:
-    """For each destination device, the pieces that make up its tile."""
+    """For each destination device, the pieces that make up its tile; and for each distinct tile
+    in each process, the device that assembles it (head) with the devices of that process that
+    copy it from the head."""
 
     tiles: tuple[tuple[object, tuple[Piece, ...]], ...]
+    heads: tuple[tuple[object, tuple[object, ...]], ...]
 
     @property
     def crosses_processes(self) -> bool:
         return any(p.src_device.process_index != dev.process_index for dev, pieces in self.tiles for p in pieces)
 
 
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
     return tuple((s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
 
 
@@ -52,8 +69,10 @@ def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
         replicas.setdefault(_bounds(idx, shape), []).append(dev)
     turn = {b: 0 for b in replicas}
     tiles = []
+    copies: dict[tuple, list] = {}  # (tile bounds, process) -> its devices, the first one the head
     for dev, idx in dst.devices_indices_map(shape).items():  # all devices: the same plan on every process
         tile = _bounds(idx, shape)
+        copies.setdefault((tile, dev.process_index), []).append(dev)
         pieces = []
         for b, devs in replicas.items():
             inter = tuple((max(t0, s0), min(t1, s1)) for (t0, t1), (s0, s1) in zip(tile, b))
@@ -66,11 +85,67 @@ def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
             rel = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(inter, b))
             pieces.append(Piece(src_dev, rel, tuple(lo - t0 for (lo, _), (t0, _) in zip(inter, tile))))
         tiles.append((dev, tuple(sorted(pieces, key=lambda p: p.offset))))
-    return TileMap(tuple(tiles))
+    heads = tuple((devs[0], tuple(devs[1:])) for devs in copies.values())
+    return TileMap(tuple(tiles), heads)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Steps:
+    """One process's part of a transfer, precomputed so that a call only dispatches.
+
+    `cuts`: (local source device, bounds of the pieces cut from its shard); pieces that are whole
+    shards are not cut. `crossing`: (piece, head) for every piece whose source and head sit in
+    different processes, the same list in the same order on every process. `puts`: (piece, head)
+    for the local pieces of local heads. `joins`: (head, the offsets of its pieces in tile order)
+    for local heads; a piece that arrives is known by (head, offset). `copies`: (head, replica
+    device). `devices`: the local destination devices, the order of the result's shards.
+    """
+
+    cuts: tuple[tuple[object, tuple[Bounds, ...]], ...]
+    crossing: tuple[tuple[Piece, object], ...]
+    puts: tuple[tuple[Piece, object], ...]
+    joins: tuple[tuple[object, tuple[tuple[int, ...], ...]], ...]
+    copies: tuple[tuple[object, object], ...]
+    devices: tuple[object, ...]
+    targets: dict  # device -> SingleDeviceSharding, built once
+
+
+@functools.lru_cache(maxsize=1024)
+def _process_steps(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int) -> _Steps:
+    tile_map = plan_transfer(src, dst, shape)
+    shard_shape = src.shard_shape(shape)
+    pieces_of = dict(tile_map.tiles)
+    crossing, puts, joins, copies, cut = [], [], [], [], {}
+    for head, replicas in tile_map.heads:
+        for p in pieces_of[head]:
+            if p.src_device.process_index == process and p.bounds != tuple((0, n) for n in shard_shape):
+                cut.setdefault(p.src_device, {})[p.bounds] = None
+            if p.src_device.process_index != head.process_index:
+                crossing.append((p, head))
+            elif head.process_index == process:
+                puts.append((p, head))
+        if head.process_index == process:
+            joins.append((head, tuple(p.offset for p in pieces_of[head])))
+            copies.extend((head, r) for r in replicas)
+    devices = tuple(dev for dev, _ in tile_map.tiles if dev.process_index == process)
+    return _Steps(tuple((dev, tuple(b)) for dev, b in cut.items()), tuple(crossing), tuple(puts), tuple(joins),
+                  tuple(copies), devices, {d: SingleDeviceSharding(d) for d in devices})
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cut_pieces(shard: jax.Array, bounds: tuple[Bounds, ...]) -> tuple[jax.Array, ...]:
+    """All the pieces one source shard gives, as one program on its device."""
+    return tuple(jax.lax.slice(shard, [lo for lo, _ in b], [hi for _, hi in b]) for b in bounds)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _join_pieces(offsets: tuple[tuple[int, ...], ...], *parts: jax.Array) -> jax.Array:
+    """A tile from its pieces (grid offsets) on the head, as one program."""
+    return _join(list(zip(offsets, parts)))
 
 
 def _join(parts: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.Array:
-    """Join grid pieces (offset, array) on one device by nested concatenation."""
+    """Join grid pieces (offset, array) by nested concatenation."""
     if len(parts) == 1:
         return parts[0][1]
     groups: dict[int, list] = {}
@@ -83,84 +158,73 @@ def _join(parts: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.A
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
     """Move `x` into `dst` (another section's mesh) without a host round trip.
 
-    Every process must call it (multi-controller), with the same arguments. Each destination
-    tile is assembled on its own device from pieces of source shards (`plan_transfer`, which
-    reads within a process where a replica allows). Pieces that stay within a process are
-    copied device to device; pieces that cross processes go as single-device `device_put`s that
+    Every process must call it (multi-controller), with the same arguments. Each distinct
+    destination tile is assembled once per process on its head from pieces of source shards
+    (`plan_transfer`, which reads within a process where a replica allows) and copied on to the
+    tile's other devices there. Pieces that stay within a process go in one batched device to
+    device `device_put`; pieces that cross processes go as single-device `device_put`s that
     every process issues in the same order (the socket transport on CPU, XLA send/recv on GPU),
     each distinct piece once per destination process: any device counts on either side,
     fan-in, fan-out or a layout change, sections inside one process or spanning several.
     """
     if x.sharding == dst:
         return x
-    tile_map = plan_transfer(x.sharding, dst, tuple(x.shape))
-    local = {s.device: s.data for s in x.addressable_shards}
-    moved = _move_across_processes(tile_map, local, x.dtype)
-    mine = set(dst.addressable_devices)
-    arrays = []
-    for dev, pieces in tile_map.tiles:
-        if dev not in mine:
-            continue
-        parts = [(p.offset, moved[(dev, i)] if (dev, i) in moved else jax.device_put(_cut(local[p.src_device], p), dev))
-                 for i, p in enumerate(pieces)]
-        arrays.append(_join(parts))
-    return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
+    steps = _process_steps(x.sharding, dst, tuple(x.shape), jax.process_index())
+    shards = {s.device: s.data for s in x.addressable_shards}
+    cut = {}
+    for dev, bounds in steps.cuts:
+        cut.update(zip(((dev, b) for b in bounds), _cut_pieces(shards[dev], bounds)))
+
+    def piece(p: Piece) -> jax.Array:
+        arr = cut.get((p.src_device, p.bounds))
+        return shards[p.src_device] if arr is None else arr
+
+    arrived = _move_across_processes(steps.crossing, piece, x.dtype)  # (head, offset) -> piece on the head
+    if steps.puts:
+        moved = jax.device_put([piece(p) for p, _ in steps.puts], [steps.targets[h] for _, h in steps.puts])
+        arrived.update(zip(((h, p.offset) for p, h in steps.puts), moved))
+    tile = {}
+    for head, offsets in steps.joins:
+        parts = [arrived[(head, off)] for off in offsets]
+        tile[head] = parts[0] if len(parts) == 1 else _join_pieces(offsets, *parts)
+    if steps.copies:
+        copied = jax.device_put([tile[h] for h, _ in steps.copies], [steps.targets[r] for _, r in steps.copies])
+        tile.update(zip((r for _, r in steps.copies), copied))
+    return jax.make_array_from_single_device_arrays(x.shape, dst, [tile[d] for d in steps.devices], dtype=x.dtype)
 
 
-def _cut(shard: jax.Array, p: Piece) -> jax.Array:
-    whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(p.src_slices, shard.shape))
-    return shard if whole else shard[p.src_slices]
-
-
-def _move_across_processes(tile_map: TileMap, local: dict, dtype) -> dict:
-    """{(destination device, piece index): single-device array} for every piece whose source sits
-    in another process than its destination. Each distinct piece crosses once per destination
-    process (tensor-parallel replicas of a tile share it) and is copied on within that process.
-    The source's process cuts the piece; the others name it by an array without local data; every
-    process then issues one single-device `device_put` per piece, in the same order. (One
-    batched `device_put` over several process pairs delivered a piece to the wrong device with
-    4 processes on jax 0.10; per piece is exact, `tests/test_multiprocess.py`.)"""
-    crossing = [(dev, i, p) for dev, pieces in tile_map.tiles for i, p in enumerate(pieces)
-                if p.src_device.process_index != dev.process_index]
-    if not crossing:
-        return {}
-    first: dict[tuple, tuple] = {}  # distinct piece per destination process -> (piece, receiving device)
-    for dev, _, p in crossing:
-        first.setdefault(_piece_key(p, dev), (p, dev))
-    sources = []
-    for p, _ in first.values():
-        if p.src_device in local:
-            sources.append(_cut(local[p.src_device], p))
-        else:
-            shape = tuple(sl.stop - sl.start for sl in p.src_slices)
-            sources.append(jax.make_array_from_single_device_arrays(shape, SingleDeviceSharding(p.src_device), [],
-                                                                    dtype=dtype))
-    received = {key: jax.device_put(x, SingleDeviceSharding(d)) for key, x, (_, d) in zip(first, sources, first.values())}
+def _move_across_processes(crossing: tuple[tuple[Piece, object], ...], piece, dtype) -> dict:
+    """{(head, offset): single-device array} for the crossing pieces whose head is in this
+    process. The source's process passes the cut piece; the others name it by an array without
+    local data; every process issues one single-device `device_put` per piece, in the same
+    order. (One batched `device_put` over several process pairs delivered a piece to the wrong
+    device with 4 processes on jax 0.10; per piece is exact, `tests/test_multiprocess.py`.)"""
+    me = jax.process_index()
     out = {}
-    for dev, i, p in crossing:
-        key = _piece_key(p, dev)
-        if dev.process_index == jax.process_index():
-            out[(dev, i)] = received[key] if first[key][1] == dev else jax.device_put(received[key], dev)
+    for p, head in crossing:
+        if p.src_device.process_index == me:
+            x = piece(p)
+        else:
+            shape = tuple(hi - lo for lo, hi in p.bounds)
+            x = jax.make_array_from_single_device_arrays(shape, SingleDeviceSharding(p.src_device), [], dtype=dtype)
+        received = jax.device_put(x, SingleDeviceSharding(head))
+        if head.process_index == me:
+            out[(head, p.offset)] = received
     return out
 
 
-def _piece_key(p: Piece, dev) -> tuple:
-    """A piece's identity per destination process: its source device and bounds."""
-    return p.src_device, tuple((sl.start, sl.stop) for sl in p.src_slices), dev.process_index
-
-
 def process_bytes(tile_map: TileMap, itemsize: int) -> dict[int, dict[str, int]]:
-    """Bytes each process sends to and receives from other processes for one transfer (each
-    distinct piece once per destination process, as `transfer` moves them)."""
+    """Bytes each process sends to and receives from other processes for one transfer (the
+    pieces of each tile's head: each distinct piece once per destination process, as `transfer`
+    moves them)."""
     out: dict[int, dict[str, int]] = {}
-    seen = set()
-    for dev, pieces in tile_map.tiles:
-        for p in pieces:
-            src, dst = p.src_device.process_index, dev.process_index
-            if src == dst or _piece_key(p, dev) in seen:
+    pieces_of = dict(tile_map.tiles)
+    for head, _ in tile_map.heads:
+        for p in pieces_of[head]:
+            src, dst = p.src_device.process_index, head.process_index
+            if src == dst:
                 continue
-            seen.add(_piece_key(p, dev))
-            n = itemsize * math.prod(sl.stop - sl.start for sl in p.src_slices)
+            n = itemsize * math.prod(hi - lo for lo, hi in p.bounds)
             out.setdefault(src, {"sent": 0, "received": 0})["sent"] += n
             out.setdefault(dst, {"sent": 0, "received": 0})["received"] += n
     return out
