@@ -4,6 +4,7 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PJRT_NPROC", "32")  # 4 client threads per device, as the CLI sets (cli._ensure_host_devices)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD performance notes are noise in tests
 
 import pathlib
