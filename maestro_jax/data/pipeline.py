@@ -101,11 +101,13 @@ class ReadPlan:
       empty: none, the sample stays hollow);
     counts[i]: this process adds sample i to the loss normaliser (exactly one process does,
       one that decodes its tokens);
-    schedule: the batch's schedule (the same on every process)."""
+    schedule: the batch's schedule (the same on every process);
+    schedule_s: host seconds the scheduler took for it."""
 
     parts: list[frozenset[str] | None]
     counts: list[bool]
     schedule: object
+    schedule_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,7 @@ class LoadedBatch:
     loss_count: int  # the global normaliser (`SectionGraph.loss_count` summed over processes)
     read_bytes: list[int | None]  # per process: bytes read from storage (None: the source does not say)
     decoded_bytes: list[int]  # per process: bytes of payload arrays decoded
+    schedule_s: float = 0.0  # host seconds the scheduler took for it
 
 
 class BatchReader:
@@ -205,7 +208,7 @@ class BatchReader:
                 self._bad_in_a_row = 0  # some sample passed every check
             if not bad:
                 return LoadedBatch(samples, plan.schedule, sum(p["count"] for p in shared),
-                                   [p["read"] for p in shared], [p["decoded"] for p in shared])
+                                   [p["read"] for p in shared], [p["decoded"] for p in shared], plan.schedule_s)
             if self.bad is None:
                 raise DataError(bad[min(bad)])
             for pos in sorted(bad):

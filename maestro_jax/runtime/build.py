@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import flax.linen as nn
 import jax
@@ -72,7 +73,9 @@ class Runtime:
         by the sections that hold one of its rows on this process's devices (`put_batch` places
         only those rows). The lowest process that decodes a sample's tokens counts it in the
         loss normaliser; a sample whose tokens no section reads is counted by process 0."""
+        t0 = time.perf_counter()
         schedule = self.schedule(infos)
+        schedule_s = time.perf_counter() - t0
         me = jax.process_index()
         need = [[set() for _ in infos] for _ in range(jax.process_count())]
         for s, steps in schedule.steps.items():
@@ -88,7 +91,7 @@ class Runtime:
             owner = next((q for q, n in enumerate(need) if TOKENS in n[pos]), 0)
             need[owner][pos].add(TOKENS)
             counts.append(owner == me)
-        return ReadPlan([frozenset(n) for n in need[me]], counts, schedule)
+        return ReadPlan([frozenset(n) for n in need[me]], counts, schedule, schedule_s)
 
     @functools.cached_property
     def monolithic(self) -> MonolithicRuntime:

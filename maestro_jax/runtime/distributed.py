@@ -9,17 +9,29 @@ after cross-process transfers was seen to stall on jax 0.10 (docs/ARCHITECTURE.m
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
 import os
+import threading
 import time
 
 import jax
 import numpy as np
 
 log = logging.getLogger("maestro_jax")
-_keys = itertools.count()
+# Key sequence numbers, one counter per kind of exchange: each kind is called in the same order
+# on every process, but kinds run on different threads (the prefetch thread shares each batch's
+# bad samples while the loop fetches losses), so one shared counter would number them
+# differently on different processes.
+_sequences: collections.defaultdict = collections.defaultdict(itertools.count)
+_sequences_lock = threading.Lock()
+
+
+def _next_key(kind: str) -> str:
+    with _sequences_lock:
+        return f"maestro/{kind}/{next(_sequences[kind])}"
 # The longest a process waits for a peer (a fetched value, a step barrier, an agreement); past
 # it the wait fails naming the peer instead of hanging. Set from `distributed.timeout_s`.
 PEER_TIMEOUT_S = 300.0
@@ -92,7 +104,7 @@ def agree(name: str, value):
     """Process 0's `value` (JSON-able) on every process; a no-op with one process."""
     if jax.process_count() == 1:
         return value
-    key = f"maestro/agree/{name}/{next(_keys)}"
+    key = _next_key(f"agree/{name}")
     if jax.process_index() == 0:
         _client().key_value_set(key, json.dumps(value))
         return value
@@ -105,7 +117,7 @@ def gather(name: str, value) -> list:
     if jax.process_count() == 1:
         return [value]
     me = jax.process_index()
-    prefix = f"maestro/gather/{name}/{next(_keys)}"
+    prefix = _next_key(f"gather/{name}")
     _client().key_value_set(f"{prefix}/{me}", json.dumps(value))
     return [value if q == me else json.loads(_get(f"{prefix}/{q}", q, f"share {name!r}"))
             for q in range(jax.process_count())]
@@ -163,7 +175,7 @@ def fetch(x: jax.Array) -> np.ndarray:
     """
     if jax.process_count() == 1 or x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count():
         return np.asarray(x)
-    key = f"maestro/fetch/{next(_keys)}"
+    key = _next_key("fetch")
     owner = min(d.process_index for d in x.sharding.device_set)
     if jax.process_index() == owner:
         value = np.asarray(x.addressable_shards[0].data)

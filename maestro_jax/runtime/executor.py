@@ -40,6 +40,7 @@ class _StepState:
     metrics: list = dataclasses.field(default_factory=list)
     in_flight_waits: int = 0
     in_flight_wait_s: float = 0.0
+    transfer_issue_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ class StepResult:
     metrics: dict[str, jax.Array]
     in_flight_waits: int = 0  # times the host waited for a stashed forward (the in-flight bound)
     in_flight_wait_s: float = 0.0  # and for how long
+    transfer_issue_s: float = 0.0  # host time spent issuing transfers between sections
 
 
 class Executor:
@@ -78,7 +80,7 @@ class Executor:
     def _finish(ctx: _StepState) -> StepResult:
         summed = {k: sum(m[k] for m in ctx.metrics) for k in (ctx.metrics[0] if ctx.metrics else {})}
         return StepResult(loss=sum(ctx.losses), grads=ctx.acc, metrics=summed, in_flight_waits=ctx.in_flight_waits,
-                          in_flight_wait_s=ctx.in_flight_wait_s)
+                          in_flight_wait_s=ctx.in_flight_wait_s, transfer_issue_s=ctx.transfer_issue_s)
 
     def run(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
             host: dict | None = None, record: list | None = None, norm: int | None = None) -> StepResult:
@@ -170,13 +172,15 @@ class Executor:
             ctx.outputs[(op.section, op.step)] = prog.forward(states[op.section], inputs, batch)
             return ctx.outputs[(op.section, op.step)]
         if op.kind == "X":
-            e = g.edge(op.edge)
+            e, t0 = g.edge(op.edge), time.perf_counter()
             ctx.moved[(e.name, op.step)] = transfer(ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].rows)
+            ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved[(e.name, op.step)]
         if op.kind == "XB":
-            e = g.edge(op.edge)
+            e, t0 = g.edge(op.edge), time.perf_counter()
             ctx.moved_back[(op.edge, op.step)] = transfer(ctx.cotangents.pop((op.edge, op.step)),
                                                           self.programs[e.src].rows)
+            ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved_back[(op.edge, op.step)]
         if op.kind == "B":
             ct = {e.name: ctx.moved_back.pop((e.name, op.step)) for e in p.out_edges(op.section)

@@ -91,8 +91,9 @@ def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     every section's params and optimizer state untouched (`skipped_nonfinite` names them).
     `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow),
     `host` with a `PreparedBatch` (the micro-steps' inputs, packed ahead).
-    The record's host timeline: `dispatch_s` (issuing the step's programs and transfers),
-    `device_wait_s` (then waiting for the loss), and the in-flight bound's waits inside dispatch.
+    The record's host timeline: `dispatch_s` (issuing the step's programs and transfers, of which
+    `transfer_issue_s` the transfers), `device_wait_s` (then waiting for the loss), and the
+    in-flight bound's waits inside dispatch.
     """
     schedule = schedule if schedule is not None else rt.schedule(samples)
     t0 = time.perf_counter()
@@ -104,7 +105,8 @@ def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     if not math.isfinite(loss):
         bad = [f"{rt.graph.sink} (loss)"] + [b for b in bad if b != rt.graph.sink]
     rec = {"step": step, "loss": loss, "dispatch_s": t1 - t0, "device_wait_s": time.perf_counter() - t1,
-           "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s}
+           "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s,
+           "transfer_issue_s": result.transfer_issue_s}
     if bad:
         msg = f"step {step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
         if on_nonfinite == "stop":
@@ -202,7 +204,8 @@ def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) ->
             dt = time.perf_counter() - t0
             tokens = sum(len(s.tokens) - 1 for s in samples)
             rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
-                        "data_wait_s": data.data_wait_s, "prepare_ahead_s": prepared.prepare_s,
+                        "data_wait_s": data.data_wait_s, "read_ahead_s": prepared.read_s,
+                        "schedule_ahead_s": batch.schedule_s, "pack_ahead_s": prepared.pack_s,
                         "sample_ids": [int(s.id) for s in samples],
                         "data_read_bytes": batch.read_bytes, "data_decoded_bytes": batch.decoded_bytes})
             if prepared.skipped is not None:

@@ -29,7 +29,8 @@ class PreparedBatch:
     host: dict  # the executor's numpy inputs per micro-step (`Executor.host_batches`)
     data_state: dict  # the reader's state once this batch was taken: what a checkpoint records
     skipped: list[str] | None  # bad samples dropped while reading it (skip policy), else None
-    prepare_s: float  # host seconds spent reading, scheduling and packing it (off the step's path)
+    read_s: float  # host seconds reading, checking and scheduling it (off the step's path)
+    pack_s: float  # host seconds packing its micro-steps' inputs (off the step's path)
 
 
 _DONE = object()
@@ -80,9 +81,11 @@ class Prefetcher:
             t0 = time.perf_counter()
             try:
                 batch = next(self._reader)
+                t1 = time.perf_counter()
                 host = self._executor.host_batches(batch.samples, batch.schedule)
                 item = PreparedBatch(batch, host, self._reader.get_state(),
-                                     self._bad.drain() if self._bad is not None else None, time.perf_counter() - t0)
+                                     self._bad.drain() if self._bad is not None else None, t1 - t0,
+                                     time.perf_counter() - t1)
             except StopIteration:
                 item = _DONE
             except BaseException as err:  # handed to the loop, raised at the batch it belongs to
