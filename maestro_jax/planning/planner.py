@@ -21,6 +21,7 @@ micro-step; and, for a trained producer, the residuals stashed for up to
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -401,14 +402,17 @@ class Planner:
         while True:
             found = sorted(self.candidates(threshold=threshold), key=lambda c: c[2])
             scored: list[Candidate] = []
+            ranks: list[tuple] = []  # (step time, tiebreak) of each scored candidate, in order: where the next goes
             for plan, mem, bound in found:
                 if len(scored) >= top and bound > scored[top - 1].step_time_s:
                     break
                 t = self.step_time(plan)
                 used = sum(len(sp.devices) for sp in plan.sections.values())
-                scored.append(Candidate(plan, t, self.global_batch / t / used,
-                                        {s: m["total"] / 2**30 for s, m in mem.items()}))
-                scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
+                rank = (t, _tiebreak(plan))
+                at = bisect.bisect_right(ranks, rank)  # after its equals, as a stable sort puts it
+                ranks.insert(at, rank)
+                scored.insert(at, Candidate(plan, t, self.global_batch / t / used,
+                                            {s: m["total"] / 2**30 for s, m in mem.items()}))
             if len(scored) >= top and scored[top - 1].step_time_s <= threshold or threshold == math.inf:
                 if not scored:
                     raise InfeasibleError(self._infeasible_message())
