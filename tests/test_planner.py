@@ -67,7 +67,7 @@ class ReferencePlanner(Planner):
             check_param_divisibility(section, sp, sec.leaves)
         except PlanError:
             return None
-        return ()
+        return ()  # not None: the mesh is valid; `_memory` below sums the leaves itself
 
     def _memory(self, section, sp, weights=None):
         return super()._memory(section, sp)
