@@ -1,6 +1,8 @@
 """Planner: the bound-pruned search finds the exhaustive optimum, every constraint is avoided
 where it binds, infeasible requests name the smallest feasible one, and the written plan runs."""
 
+import itertools
+import math
 import subprocess
 import sys
 import time
@@ -11,13 +13,23 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
-from maestro_jax.core.plan import check_plan
-from maestro_jax.planning.planner import InfeasibleError
+from maestro_jax.core.plan import PlanError, SectionPlan, check_param_divisibility, check_plan, state_bytes_per_device
+from maestro_jax.planning.cluster import section_cost
+from maestro_jax.planning.planner import InfeasibleError, Planner, ShardedLeaves
 from maestro_jax.tools.plan import planner_for
+from maestro_jax.workloads import describe
 
 KD = ROOT / "configs/kd_tiny.yaml"
 VLM = ROOT / "configs/vlm_tiny.yaml"
 CPU = ["simulate.device=cpu"]
+
+BF16_KD = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16",
+                     "sections.student.layer_remat=full", "models.student.scan_layers=true"]
+MOE_KD = TINY_KD + ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
+                    "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16",
+                    "sections.teacher.mesh={expert: 2, tensor: 2}", "sections.student.mesh={data: 2, expert: 2}"]
+CONTEXT_VLM = TINY_VLM + ["sections.vision.mesh={context: 2}", "sections.llm.mesh={data: 2, context: 3}",
+                          "edges.image_embeds.fanout=2"]
 
 
 def planner(config, overrides, devices=8, memory_gb=1.0):
@@ -43,6 +55,66 @@ def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices
     assert fast.simulated < len(everything), "the bound pruned some candidates (else the test shows nothing)"
     for plan, _, bound in everything:  # what makes pruning exact
         assert bound <= p.step_time(plan) * (1 + 1e-9)
+
+
+class ReferencePlanner(Planner):
+    """The planner without its per-mesh caches: every layout's divisibility and memory straight
+    from the runtime's checks, every cost from the samples themselves."""
+
+    def _weights_on(self, section, mesh):
+        sec, sp = self.spec.sections[section], SectionPlan((0,), mesh, 1)
+        try:
+            check_param_divisibility(section, sp, sec.leaves)
+        except PlanError:
+            return None
+        return ()  # not None: the mesh is valid; `_memory` below sums the leaves itself
+
+    def _memory(self, section, sp, weights=None):
+        return super()._memory(section, sp)
+
+    def _section_cost(self, section, sp):
+        return section_cost(self.spec.sections[section], sp, self.metas, self.device, self.link_gbps,
+                            section == self.spec.sink)
+
+
+@pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 8), (VLM, TINY_VLM, 12), (KD, MOE_KD, 8),
+                                                      (VLM, CONTEXT_VLM, 12)], ids=["kd", "vlm", "kd-moe", "vlm-context"])
+def test_cached_search_equals_the_uncached_one(config, overrides, devices):
+    """The caches change the time a search takes, nothing it finds: the same plans, times,
+    memory and counts, float for float."""
+    cfg = load_config(config, overrides + CPU)
+    cached = planner_for(cfg, devices, 1.0)
+    reference = ReferencePlanner(cached.spec, cached.metas, devices, 1.0, global_batch=cached.global_batch,
+                                 device=cached.device, link_gbps=cached.link_gbps, max_in_flight=cached.max_in_flight)
+    fast, slow = cached.search(top=5), reference.search(top=5)
+    assert fast.considered == slow.considered and fast.simulated == slow.simulated
+    assert [(c.plan, c.step_time_s, c.memory_gb) for c in fast.top] == [
+        (c.plan, c.step_time_s, c.memory_gb) for c in slow.top]
+    assert fast.monolithic == slow.monolithic
+
+
+@pytest.mark.parametrize("config,overrides", [(KD, MOE_KD + ["models.student.heads=3", "models.student.kv_heads=3"]),
+                                              (VLM, CONTEXT_VLM)], ids=["kd-moe-3heads", "vlm-context"])
+def test_sharded_leaves_agree_with_the_runtime_checks(config, overrides):
+    """Per-device bytes and divisibility from the leaf summary equal the runtime's own, on every
+    mesh of 12 and 16 devices (some of which cannot shard 3 heads or 4 experts)."""
+    spec = describe(load_config(config, overrides))
+    meshes = [m for n in (12, 16) for m in itertools.product(*[[d for d in range(1, n + 1) if n % d == 0]] * 5)
+              if math.prod(m) == n]
+    refused = 0
+    for name, sec in spec.sections.items():
+        params, consts = ShardedLeaves(sec.params), ShardedLeaves(sec.consts)
+        for mesh in meshes:
+            sp = SectionPlan((0,), mesh, 1)
+            try:
+                check_param_divisibility(name, sp, sec.leaves)
+            except PlanError:
+                refused += 1
+                assert params.per_device(mesh) is None or consts.per_device(mesh) is None
+                continue
+            assert params.per_device(mesh) == state_bytes_per_device(sec.params, sp, False)
+            assert consts.per_device(mesh) == state_bytes_per_device(sec.consts, sp, False)
+    assert 0 < refused < len(meshes) * len(spec.sections)
 
 
 def test_every_candidate_passes_the_runtime_checks():
@@ -142,17 +214,6 @@ def test_check_plan_is_what_the_planner_uses():
                params={s: sec.leaves for s, sec in p.spec.sections.items()},
                budget_bytes=p.budget, state={s: m["state"] for s, m in mem.items()},
                activations={s: m["activations"] for s, m in mem.items()})
-
-
-BF16_KD = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16",
-                     "sections.student.layer_remat=full", "models.student.scan_layers=true"]
-
-
-MOE_KD = TINY_KD + ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
-                    "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16",
-                    "sections.teacher.mesh={expert: 2, tensor: 2}", "sections.student.mesh={data: 2, expert: 2}"]
-CONTEXT_VLM = TINY_VLM + ["sections.vision.mesh={context: 2}", "sections.llm.mesh={data: 2, context: 3}",
-                          "edges.image_embeds.fanout=2"]
 
 
 @pytest.mark.parametrize("config,overrides", [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD), (KD, MOE_KD),

@@ -8,6 +8,7 @@ subclass whose message names the config key, the value and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -67,11 +68,12 @@ class SectionPlan:
     def axis_sizes(self) -> dict[str, int]:
         return dict(zip(MESH_AXES, self.mesh))
 
-    @property
+    @functools.cached_property
     def dp(self) -> int:
+        """Cached (as `rows`): the planner reads both for every layout it tries."""
         return math.prod(self.axis_sizes[a] for a in BATCH_AXES)
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return self.dp * self.micro_batch
 

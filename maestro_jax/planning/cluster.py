@@ -20,15 +20,24 @@ from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
 
 
+def typical_units(name: str, metas_all) -> float:
+    """A section's mean work units per sample it gets, over `metas_all` (1 when it gets none):
+    the work per row at which the analytic model evaluates its efficiency."""
+    units = [m.work[name] for batch in metas_all for m in batch if name in m.work]
+    return statistics.mean(units) if units else 1.0
+
+
 def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, link_gbps: float,
-                 is_sink: bool) -> SectionCost:
-    """Analytic coefficients of one section under its plan, from the FLOPs it declares."""
+                 is_sink: bool, typical: float | None = None) -> SectionCost:
+    """Analytic coefficients of one section under its plan, from the FLOPs it declares.
+    `typical`: `typical_units(spec.name, metas_all)`, when the caller has it already (the
+    planner prices thousands of layouts on the same samples)."""
     c = spec.cost
     linear, attn = c.flops, c.attention_flops
     if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
         linear, attn = linear + attn * c.attention_span, 0.0
-    units = [m.work[spec.name] for batch in metas_all for m in batch if spec.name in m.work]
-    typical = statistics.mean(units) if units else 1.0
+    if typical is None:
+        typical = typical_units(spec.name, metas_all)
     tensor, context = sp.axis_sizes["tensor"], sp.axis_sizes["context"]
     a = analytic_section(linear, attn, sp.micro_batch, tensor, int(typical), device=device,
                          trained_sink=is_sink and spec.trained, width_per_device=c.width / tensor, context=context)
@@ -95,8 +104,10 @@ def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gb
 
 
 def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, device: str,
-               link_gbps: float) -> CostModel:
-    sections = {s: section_cost(sec, plans[s], metas_all, device, link_gbps, s == spec.sink)
+               link_gbps: float, typical: Mapping[str, float] | None = None) -> CostModel:
+    """`typical`: each section's `typical_units`, when the caller has them already."""
+    sections = {s: section_cost(sec, plans[s], metas_all, device, link_gbps, s == spec.sink,
+                                None if typical is None else typical[s])
                 for s, sec in spec.sections.items()}
     transfer = {}
     for e in spec.edges:

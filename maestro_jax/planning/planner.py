@@ -21,7 +21,9 @@ micro-step; and, for a trained producer, the residuals stashed for up to
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -30,19 +32,19 @@ from collections.abc import Iterator, Sequence
 from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import (
+    ParamInfo,
     Plan,
-    PlanError,
     SectionPlan,
-    check_param_divisibility,
     check_plan,
     mesh_shape,
     state_bytes_per_device,
 )
-from maestro_jax.planning.cluster import cost_model, monolithic_time, section_cost
-from maestro_jax.planning.cost import DEVICES, CostModel
+from maestro_jax.planning.cluster import cost_model, monolithic_time, section_cost, typical_units
+from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import wavefront
+from meshes import MESH_AXES, RULES, mesh_axes_for
 
 F32 = 4
 
@@ -52,15 +54,19 @@ class InfeasibleError(ValueError):
 
 
 def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: int,
-                   max_in_flight: int) -> dict[str, float]:
+                   max_in_flight: int, weights: tuple[float, float] | None = None) -> dict[str, float]:
     """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
     (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
     trained section adds the bf16 copy of its weights its forward computes with. `layer_remat`
     shrinks what each layer keeps for its backward; context parallelism splits every
-    activation's positions, expert parallelism the experts' weights (through the mesh rules)."""
+    activation's positions, expert parallelism the experts' weights (through the mesh rules).
+    `weights`: the per-device float32 bytes of the trained and the frozen weights under `sp`'s
+    mesh, when the caller has them already (`Planner` computes them once per mesh)."""
     half = 0.5 if sp.precision == "bfloat16" else 1.0
-    params = state_bytes_per_device(sec.params, sp, False)
-    state = params * (4 if sec.trained else half) + state_bytes_per_device(sec.consts, sp, False) * half
+    if weights is None:
+        weights = state_bytes_per_device(sec.params, sp, False), state_bytes_per_device(sec.consts, sp, False)
+    params, consts = weights
+    state = params * (4 if sec.trained else half) + consts * half
     if sec.trained and half < 1:
         state += params * half
     c, tensor = sec.cost, sp.axis_sizes["tensor"]
@@ -82,6 +88,45 @@ def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: 
     if is_sink:
         act += rows_units * c.logits / tensor * F32 * 2  # logits and their gradient
     return {"state": state, "activations": act, "total": state + act}
+
+
+class ShardedLeaves:
+    """A section's parameter leaves reduced to what a mesh changes about them, so that checking
+    a mesh costs a few steps per group of mesh axes rather than a pass over every leaf (the
+    paper-scale LLM has hundreds of leaves, and a search at a thousand devices tries tens of
+    thousands of meshes). The answer depends only on the shard counts of the axis groups the
+    leaves are sharded over (fsdp, tensor, expert; not data or context), so it is computed once
+    per distinct set of counts. Gives the same answers as `check_param_divisibility` and
+    `state_bytes_per_device`: a mesh divides a dimension of every leaf exactly when it divides
+    their gcd, and the bytes are summed leaf by leaf in the same order, so the floats are equal."""
+
+    def __init__(self, leaves: Sequence[ParamInfo], rules: str = "default"):
+        axes = {lg: mesh_axes_for(lg, RULES[rules]) for info in leaves for lg in (info.logical or ())}
+        self._groups = tuple(dict.fromkeys(axes.values()))  # distinct tuples of mesh axes a dimension is split over
+        group = {lg: self._groups.index(a) for lg, a in axes.items()}
+        gcds = [0] * len(self._groups)  # by group: the gcd of every dimension split over it
+        for info in leaves:
+            for dim, lg in zip(info.shape, info.logical or ()):
+                gcds[group[lg]] = math.gcd(gcds[group[lg]], dim)
+        self._gcds = tuple(gcds)
+        self._layouts = tuple(dict.fromkeys(tuple(group[lg] for lg in info.logical or ()) for info in leaves))
+        index = {layout: i for i, layout in enumerate(self._layouts)}
+        self._bytes = tuple((math.prod(info.shape) * info.itemsize, index[tuple(group[lg] for lg in info.logical or ())])
+                            for info in leaves)
+        self._by_shards: dict[tuple[int, ...], float | None] = {}
+
+    def per_device(self, mesh: tuple[int, ...]) -> float | None:
+        """Bytes per device of the leaves sharded over `mesh`, or None when the mesh does not
+        divide a sharded dimension."""
+        sizes = dict(zip(MESH_AXES, mesh))
+        shards = tuple(math.prod(sizes[a] for a in axes) for axes in self._groups)
+        if shards not in self._by_shards:
+            if any(g % n for g, n in zip(self._gcds, shards)):
+                self._by_shards[shards] = None
+            else:
+                by_layout = [math.prod(shards[g] for g in layout) for layout in self._layouts]
+                self._by_shards[shards] = sum(n / by_layout[i] for n, i in self._bytes)
+        return self._by_shards[shards]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +151,10 @@ class PlanReport:
     monolithic: dict  # the baseline's best layout on the same devices
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.cache
+def _divisors(n: int) -> tuple[int, ...]:
+    """Cached: a search asks for the divisors of every device count many times over."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _powers(limit: int) -> list[int]:
@@ -116,10 +163,12 @@ def _powers(limit: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class _Option:
-    """One section's layout on `n` devices, with its memory and its share of the step-time bound."""
+    """One section's layout on `n` devices, with its memory, its cost coefficients and its share
+    of the step-time bound."""
 
     plan: SectionPlan
     memory: dict
+    cost: SectionCost
     bound: float
 
 
@@ -145,13 +194,29 @@ class Planner:
         self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
         self.contexts = tuple(contexts)
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
+        self.typical_units = {s: typical_units(s, self.metas) for s in spec.order}
+        # each section's work units per sample, largest first, by batch: what its bound reads
+        self._units_desc = {s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True)
+                                for metas in self.metas] for s in spec.order}
         self.serial = DEVICES[device].get("serial", False)
         self._options: dict[tuple, list[_Option]] = {}
         self._times: dict[tuple, float] = {}
+        self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
+        self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
 
-    def _memory(self, section: str, sp: SectionPlan) -> dict[str, float]:
+    def _memory(self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None) -> dict[str, float]:
         return section_memory(self.spec.sections[section], sp, section == self.spec.sink, self.max_units[section],
-                              self.max_in_flight)
+                              self.max_in_flight, weights)
+
+    def _weights_on(self, section: str, mesh: tuple[int, ...]) -> tuple[float, float] | None:
+        """Per-device bytes of `section`'s trained and frozen weights on `mesh`, or None when the
+        mesh does not divide a sharded dimension. Once per mesh: a section's options on one mesh
+        differ only in micro-batch and checkpointing, which leave the weights alone."""
+        key = (section, mesh)
+        if key not in self._weights_by_mesh:
+            params, consts = (leaves.per_device(mesh) for leaves in self._leaves[section])
+            self._weights_by_mesh[key] = None if params is None or consts is None else (params, consts)
+        return self._weights_by_mesh[key]
 
     # -- enumeration --------------------------------------------------------------------------
     def options(self, section: str, n: int, budget: float | None = None, lightest: bool = False) -> list[_Option]:
@@ -162,32 +227,35 @@ class Planner:
         if key in self._options:
             return self._options[key]
         sec, sink = self.spec.sections[section], section == self.spec.sink
-        gb = self.global_batch
+        gb, devices = self.global_batch, tuple(range(n))
         out = []
         for tensor, context, expert in self._axes(sec, n):
             dp = n // (tensor * context)
-            for mb in _powers(gb // dp):
-                if sink and gb % (dp * mb):
-                    continue  # the sink's rows per micro-step must divide the global batch
+            # the sink's rows per micro-step must divide the global batch
+            micro_batches = [mb for mb in _powers(gb // dp) if not (sink and gb % (dp * mb))]
+            if not micro_batches:
+                continue  # before pricing its meshes: at scale most degrees leave no micro-batch
+            meshes = []  # by fsdp degree, smallest first: each mesh that can shard the weights, with their bytes
+            for fsdp in _divisors(dp // expert):
+                mesh = mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor)
+                weights = self._weights_on(section, mesh)
+                if weights is not None:
+                    meshes.append((mesh, weights))
+            for mb in micro_batches:
                 for res, remat in itertools.product(self.residuals if sec.trained and not sink else ("vjp",),
                                                     self.layer_remat if sec.trained else ("none",)):
                     fits = []
-                    for fsdp in _divisors(dp // expert):
-                        sp = SectionPlan(tuple(range(n)), mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert,
-                                                                     context=context, tensor=tensor), mb, res,
-                                         precision=sec.precision, layer_remat=remat)
-                        try:
-                            check_param_divisibility(section, sp, sec.leaves)
-                        except PlanError:
-                            continue
-                        mem = self._memory(section, sp)
+                    for mesh, weights in meshes:
+                        sp = SectionPlan(devices, mesh, mb, res, precision=sec.precision, layer_remat=remat)
+                        mem = self._memory(section, sp, weights)
                         if mem["total"] <= budget:
                             fits.append((sp, mem))
                             if not lightest:
                                 break
                     if fits:
                         sp, mem = min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0]
-                        out.append(_Option(sp, mem, self._section_bound(section, sp)))
+                        cost = self._section_cost(section, sp)
+                        out.append(_Option(sp, mem, cost, self._section_bound(section, sp, cost)))
         self._options[key] = out if lightest else self._undominated(section, out)
         return self._options[key]
 
@@ -196,24 +264,22 @@ class Planner:
         that fanouts and the schedule see of it) costs no more in every coefficient of the cost
         model: it can only tie or lose. Keeps the search from simulating the many layouts
         (tensor vs context, expert degrees, checkpointing) that differ in name only."""
-        sec, sink = self.spec.sections[section], section == self.spec.sink
-
         def coefficients(o: _Option) -> tuple:
-            c = section_cost(sec, o.plan, self.metas, self.device, self.link_gbps, sink)
+            c = o.cost
             return (c.per_unit_s, c.per_unit2_s, c.overhead_s, c.backward_factor, c.sink_factor)
 
         groups: dict[tuple, list[tuple[tuple, _Option]]] = {}
         for o in options:
             groups.setdefault((o.plan.dp, o.plan.micro_batch), []).append((coefficients(o), o))
-        kept = []
+        kept = set()  # ids: the options are distinct, and comparing dataclasses is slow
         for group in groups.values():
             group.sort(key=lambda g: (g[0], _tiebreak_section(g[1].plan)))
             front: list[tuple] = []
             for coef, o in group:
                 if not any(all(a <= b for a, b in zip(f, coef)) for f, _ in front):
                     front.append((coef, o))
-            kept.extend(o for _, o in front)
-        return [o for o in options if o in kept]
+            kept.update(id(o) for _, o in front)
+        return [o for o in options if id(o) in kept]
 
     def _axes(self, sec: SectionSpec, n: int) -> Iterator[tuple[int, int, int]]:
         """(tensor, context, expert) degrees on `n` devices: context parallelism in the powers
@@ -236,13 +302,15 @@ class Planner:
         whose bound is at most `threshold`. Sections are chosen sink first, so a producer is
         chosen knowing its consumers' data-parallel degrees (fanout and block-map divisibility)."""
         order = tuple(reversed(self.spec.order))
-        floors = {}  # (section, most devices) -> the smallest bound any of its options reaches
+        # floors[s][m]: the smallest bound any option of s reaches on at most m devices, grown
+        # one device count at a time (linear in devices; the minimum over 1..m each time is quadratic)
+        floors: dict[str, list[float]] = {s: [math.inf] for s in order}
 
         def floor(s: str, most: int) -> float:
-            if (s, most) not in floors:
-                floors[(s, most)] = min((o.bound for n in range(1, most + 1)
-                                         for o in self.options(s, n, budget, lightest)), default=math.inf)
-            return floors[(s, most)]
+            known = floors[s]
+            while len(known) <= most:
+                known.append(min([known[-1], *(o.bound for o in self.options(s, len(known), budget, lightest))]))
+            return known[most]
 
         def extend(i: int, left: int, chosen: dict, bounds: list) -> Iterator:
             if i == len(order):
@@ -287,29 +355,33 @@ class Planner:
         return mem
 
     # -- scoring ------------------------------------------------------------------------------
-    def _section_bound(self, section: str, sp: SectionPlan) -> float:
+    def _section_cost(self, section: str, sp: SectionPlan) -> SectionCost:
+        return section_cost(self.spec.sections[section], sp, self.metas, self.device, self.link_gbps,
+                            section == self.spec.sink, self.typical_units[section])
+
+    def _section_bound(self, section: str, sp: SectionPlan, cost: SectionCost) -> float:
         """No section finishes before its own micro-steps are done, however its samples are
         packed. Two valid floors, the larger is kept: (a) the rows' unpadded work spread over the
         data shards, plus each micro-step's overhead; (b) padding: a micro-step costs at least its
         largest row's bucket, and over any packing into micro-steps of `rows` samples the sum of
         those largest rows is at least that of the sorted packing (every `rows`-th largest)."""
         sec, sink = self.spec.sections[section], section == self.spec.sink
-        cost = section_cost(sec, sp, self.metas, self.device, self.link_gbps, sink)
         cm = CostModel({section: cost})
         factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if sec.trained else 0.0)
-        bounds = []
-        for metas in self.metas:
-            units = sorted((m.work[section] for m in metas if section in m.work), reverse=True)
-            steps = math.ceil(len(units) / sp.rows)
-            work = steps * cost.overhead_s + sum(cost.per_unit_s * u + cost.per_unit2_s * u * u for u in units) / sp.dp
-            padded = sum(cm.step_time(section, "F", [units[j * sp.rows]], sp.micro_batch) for j in range(steps))
+        bounds, rows, dp, mb = [], sp.rows, sp.dp, sp.micro_batch
+        linear, quadratic = cost.per_unit_s, cost.per_unit2_s
+        for units in self._units_desc[section]:
+            steps = math.ceil(len(units) / rows)
+            work = steps * cost.overhead_s + sum([linear * u + quadratic * u * u for u in units]) / dp
+            padded = sum(cm.step_time(section, "F", [units[j * rows]], mb) for j in range(steps))
             bounds.append(factor * max(work, padded))
         return statistics.mean(bounds)
 
     def step_time(self, plan: Plan) -> float:
         key = tuple((s, sp) for s, sp in plan.sections.items())
         if key not in self._times:
-            cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps)
+            cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps,
+                              self.typical_units)
             problem = self.spec.problem(plan, self.max_in_flight)
             devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
             self._times[key] = statistics.mean(
@@ -330,14 +402,17 @@ class Planner:
         while True:
             found = sorted(self.candidates(threshold=threshold), key=lambda c: c[2])
             scored: list[Candidate] = []
+            ranks: list[tuple] = []  # (step time, tiebreak) of each scored candidate, in order: where the next goes
             for plan, mem, bound in found:
                 if len(scored) >= top and bound > scored[top - 1].step_time_s:
                     break
                 t = self.step_time(plan)
                 used = sum(len(sp.devices) for sp in plan.sections.values())
-                scored.append(Candidate(plan, t, self.global_batch / t / used,
-                                        {s: m["total"] / 2**30 for s, m in mem.items()}))
-                scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))
+                rank = (t, _tiebreak(plan))
+                at = bisect.bisect_right(ranks, rank)  # after its equals, as a stable sort puts it
+                ranks.insert(at, rank)
+                scored.insert(at, Candidate(plan, t, self.global_batch / t / used,
+                                            {s: m["total"] / 2**30 for s, m in mem.items()}))
             if len(scored) >= top and scored[top - 1].step_time_s <= threshold or threshold == math.inf:
                 if not scored:
                     raise InfeasibleError(self._infeasible_message())
@@ -369,18 +444,16 @@ class Planner:
                     for fsdp in _divisors(dp // expert):
                         sp = SectionPlan(tuple(range(self.devices)), mesh_shape(
                             data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor), mb)
-                        try:
-                            for s, sec in self.spec.sections.items():
-                                check_param_divisibility(s, sp, sec.leaves)
-                        except PlanError:
+                        weights = {s: self._weights_on(s, sp.mesh) for s in self.spec.order}
+                        if None in weights.values():
                             continue
                         plans = {s: dataclasses.replace(sp, precision=sec.precision,
                                                         layer_remat=remat if sec.trained else "none")
                                  for s, sec in self.spec.sections.items()}
-                        mems = [self._memory(s, plans[s]) for s in self.spec.order]
+                        mems = [self._memory(s, plans[s], weights[s]) for s in self.spec.order]
                         if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
                             continue
-                        cost = cost_model(self.spec, plans, self.metas, self.device, self.link_gbps)
+                        cost = cost_model(self.spec, plans, self.metas, self.device, self.link_gbps, self.typical_units)
                         t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
                         if best is None or t < best["step_time_s"]:
                             best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "layer_remat": remat,

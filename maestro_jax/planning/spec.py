@@ -10,6 +10,7 @@ hand-written copy of a workload. No JAX here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 from maestro_jax.core.graph import UnitCost
@@ -30,12 +31,13 @@ class SectionSpec:
     def leaves(self) -> tuple[ParamInfo, ...]:
         return self.params + self.consts
 
-    @property
+    @functools.cached_property
     def has_experts(self) -> bool:
-        """Weights with an `expert` axis: the section can use expert parallelism."""
+        """Weights with an `expert` axis: the section can use expert parallelism. Cached: the
+        planner asks for every layout it tries."""
         return any("expert" in (p.logical or ()) for p in self.leaves)
 
-    @property
+    @functools.cached_property
     def param_count(self) -> int:
         total = 0
         for p in self.leaves:
