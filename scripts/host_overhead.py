@@ -2,8 +2,8 @@
 transfer issue and device wait, read from `metrics.jsonl` of real `maestro-jax train` runs.
 
 Weak scaling of configs/vlm_tiny.yaml with test-sized models (the host's work, not the
-model's, is measured): on N virtual CPU devices the vision section gets N/4 devices and the
-LLM 3N/4, each pure data parallel, and the global batch is 4N samples. Each N runs in its
+model's, is measured): on N virtual CPU devices the vision section and the LLM get N/2
+devices each, pure data parallel, and the global batch is 4N samples. Each N runs in its
 own process (the device count is fixed when JAX starts); the first `--warmup` steps (compiles)
 are dropped and the rest give medians.
 
@@ -35,7 +35,7 @@ FIELDS = {"schedule": "schedule_ahead_s", "read (incl. schedule)": "read_ahead_s
 
 
 def run(devices: int, steps: int, warmup: int) -> dict:
-    vision = devices // 4
+    vision = devices // 2
     overrides = SMALL_MODELS + [
         f"host_devices={devices}", f"global_batch={4 * devices}", f"data.num_samples={4 * devices * (steps + 1)}",
         f"sections.vision.devices=0:{vision}", f"sections.vision.mesh={{data: {vision}}}",
