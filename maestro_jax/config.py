@@ -336,7 +336,15 @@ def parse_overrides(overrides: list[str]) -> dict[str, object]:
             raise ConfigError(f"error: override {item!r} must look like key=value (e.g. steps=4)")
         key, raw = item.split("=", 1)
         # "2:8" is a device range; YAML 1.1 would read it as the base-60 integer 128
-        out[key.strip()] = raw if re.fullmatch(r"\d+:\d+", raw) else (yaml.safe_load(raw) if raw else "")
+        if re.fullmatch(r"\d+:\d+", raw) or not raw:
+            out[key.strip()] = raw
+            continue
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            problem = str(err).splitlines()[0]
+            raise ConfigError(f"error: override {item!r}: the value is not valid YAML ({problem}); quote it or "
+                              f"write a YAML value, e.g. {key.strip()}=4 or \"{key.strip()}=[1, 2]\"") from None
     return out
 
 
@@ -349,9 +357,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         if not p.is_file():
             raise ConfigError(f"error: --config={str(path)!r}: no such file")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"error: --config={str(path)!r}: not UTF-8 text (byte {err.start}: "
+                              f"{err.object[err.start:err.start + 1]!r}); save the config as UTF-8") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"error: --config={str(path)!r}: invalid YAML ({err})".replace("\n", " ")) from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"error: --config={str(path)!r}: the file holds a YAML {type(raw).__name__} "
+                              f"({str(raw)[:40]!r}), not a mapping of config keys (workload, sections, ...)")
     items = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
     for key, value in items.items():
         set_dotted(raw, key, value)

@@ -196,6 +196,7 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
     (["edges.teacher_hidden.fanout=3"], "edges.teacher_hidden.fanout"),
     (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
     (["global_batch=7"], "global_batch"),
+    (["steps=["], "override 'steps=[': the value is not valid YAML"),
 ])
 def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, capsys):
     from test_plan import COUNTER
@@ -207,6 +208,20 @@ def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, caps
     assert err.startswith("error: ") and "\n" not in err, err
     assert text in err, err
     assert COUNTER.count == before, "rejected before any compilation"
+
+
+@pytest.mark.parametrize("content,text", [
+    (b"42\n", "holds a YAML int ('42'), not a mapping of config keys"),
+    (b"- workload\n- kd\n", "holds a YAML list"),
+    (b"workload: kd\nseed: \xff\xfe\n", "not UTF-8 text (byte 19: b'\\xff')"),
+])
+def test_a_config_file_that_is_no_mapping_or_not_utf8_exits_2_with_one_line(tmp_path, content, text, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    status = cli.main(["train", "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert text in err, err
 
 
 # -- 4. bad data: rejected with the sample id, or skipped, counted and reported -------------------
