@@ -17,11 +17,13 @@ def test_train_cli_loss_falls(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
-    for r in rows:  # the host timeline: parts of the step add up within it, preparation ran ahead
+    for r in rows:  # the host timeline: preparation ran ahead
         assert 0 < r["schedule_ahead_s"] <= r["read_ahead_s"] and r["pack_ahead_s"] > 0
         assert 0 <= r["transfer_issue_s"] <= r["dispatch_s"]
-        assert r["data_wait_s"] + r["dispatch_s"] + r["device_wait_s"] <= r["step_time_s"] * 1.01 + 1e-3
         assert r["in_flight_waits"] == 0  # the wavefront schedule keeps the stash bound itself
+    # each step is read after the next is issued, so the parts add up within the run, not per step
+    total = sum(r["step_time_s"] for r in rows)
+    assert sum(r["data_wait_s"] + r["dispatch_s"] + r["device_wait_s"] for r in rows) <= total * 1.01 + 1e-3
 
 
 def test_cli_bad_config_exits_2_with_one_line():

@@ -83,37 +83,81 @@ class NonFiniteError(RuntimeError):
     """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
 
 
-def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
-               host: dict | None = None):
-    """One optimizer step; NaN/inf loss or grads are detected per section before any update.
+class IssuedStep:
+    """One optimizer step issued to the devices whose results the host has not read yet.
 
-    Returns the new states and a metrics record. With `on_nonfinite="skip"` a bad step leaves
-    every section's params and optimizer state untouched (`skipped_nonfinite` names them).
-    `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow),
-    `host` with a `PreparedBatch` (the micro-steps' inputs, packed ahead).
-    The record's host timeline: `dispatch_s` (issuing the step's programs and transfers, of which
-    `transfer_issue_s` the transfers), `device_wait_s` (then waiting for the loss), and the
-    in-flight bound's waits inside dispatch.
+    Reading the loss and the per-section finiteness flags (`read`) is the host's one wait on the
+    devices in a step. The loop reads step N only after issuing step N+1, so the devices are
+    never idle while the host dispatches; it reads at once only where the next action needs the
+    result (a checkpoint, the last step, a preemption, `on_nonfinite: skip`), and the record's
+    `wait_reason` says which."""
+
+    def __init__(self, step: int, loss, finite: dict, sink: str, on_nonfinite: str, record: dict):
+        self.step, self.loss, self.finite, self.sink, self.on_nonfinite = step, loss, finite, sink, on_nonfinite
+        self.record = record
+        self.was_read = False
+
+    def read(self) -> dict:
+        """The step's metrics record (waiting for the devices); raises `NonFiniteError` for a
+        non-finite step under `on_nonfinite: stop`, else marks it `skipped_nonfinite`."""
+        if self.was_read:
+            return self.record
+        t0 = time.perf_counter()
+        loss = float(fetch(self.loss))  # the host waits for the devices here
+        bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
+        self.was_read = True
+        self.record.update(loss=loss, device_wait_s=time.perf_counter() - t0)
+        if not math.isfinite(loss):
+            bad = [f"{self.sink} (loss)"] + [b for b in bad if b != self.sink]
+        if bad:
+            msg = f"step {self.step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(msg + " (on_nonfinite=stop; set on_nonfinite=skip to skip such steps)")
+            self.record["skipped_nonfinite"] = bad
+        return self.record
+
+
+def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
+               host: dict | None = None):
+    """Issue one optimizer step without waiting for it: returns the new states and its `IssuedStep`.
+
+    NaN/inf in the loss or a section's gradients is detected per section when the step is read.
+    Under `on_nonfinite="stop"` the update is issued at once: a non-finite step stops the run when
+    it is read, before anything after it is saved (a checkpoint step is read before its save).
+    Under `"skip"` the update depends on the check, so the step is read before the update is
+    issued, and a bad step leaves every section's params and optimizer state untouched.
+    `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow), `host`
+    with a `PreparedBatch` (the micro-steps' inputs, packed ahead). The record's host timeline:
+    `dispatch_s` (issuing the step's programs, transfers and update, of which `transfer_issue_s`
+    the transfers), `device_wait_s` (reading the results), and the in-flight bound's waits inside
+    dispatch.
     """
     schedule = schedule if schedule is not None else rt.schedule(samples)
     t0 = time.perf_counter()
     result = rt.executor.run(states, samples, schedule, host=host, norm=norm)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
-    t1 = time.perf_counter()
-    loss = float(fetch(result.loss))  # end of step: the host waits for the devices here
-    bad = sorted(s for s, ok in finite.items() if not bool(fetch(ok)))
-    if not math.isfinite(loss):
-        bad = [f"{rt.graph.sink} (loss)"] + [b for b in bad if b != rt.graph.sink]
-    rec = {"step": step, "loss": loss, "dispatch_s": t1 - t0, "device_wait_s": time.perf_counter() - t1,
-           "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s,
-           "transfer_issue_s": result.transfer_issue_s}
-    if bad:
-        msg = f"step {step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
-        if on_nonfinite == "stop":
-            raise NonFiniteError(msg + " (on_nonfinite=stop; set on_nonfinite=skip to skip such steps)")
-        rec["skipped_nonfinite"] = bad
-        return states, rec
-    return rt.executor.update(states, result.grads), rec
+    issued = IssuedStep(step, result.loss, finite, rt.graph.sink, on_nonfinite, {
+        "step": step, "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s,
+        "transfer_issue_s": result.transfer_issue_s})
+    if on_nonfinite == "skip":
+        issued.record["dispatch_s"] = time.perf_counter() - t0
+        issued.record["wait_reason"] = "on_nonfinite=skip"
+        if issued.read().get("skipped_nonfinite"):
+            return states, issued
+        return rt.executor.update(states, result.grads), issued
+    states = rt.executor.update(states, result.grads)
+    issued.record["dispatch_s"] = time.perf_counter() - t0
+    return states, issued
+
+
+def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
+               host: dict | None = None):
+    """One optimizer step, read at once: `issue_step` followed by `IssuedStep.read`.
+
+    Returns the new states and the step's metrics record; under `on_nonfinite="stop"` a
+    non-finite step raises `NonFiniteError` naming the step and the sections."""
+    states, issued = issue_step(rt, states, samples, step, on_nonfinite, schedule, norm, host)
+    return states, issued.read()
 
 
 class Preemption:
@@ -192,39 +236,73 @@ def _train(cfg: Config, progress: bool, rt: Runtime | None) -> list[dict]:
     return history
 
 
+class _StepLog:
+    """Turns read steps into metrics records: history, progress bar, metrics.jsonl, TensorBoard.
+
+    `step_time_s` is the time between two steps' results being read, the throughput interval
+    when the host reads each step after issuing the next; its parts (`data_wait_s`,
+    `dispatch_s`, `device_wait_s`) then belong to neighbouring steps, so they add up within the
+    run's total time, not within each interval."""
+
+    def __init__(self, writer: MetricsWriter, bar, history: list[dict]):
+        self.writer, self.bar, self.history = writer, bar, history
+        self.last_read = time.perf_counter()
+
+    def read(self, issued: IssuedStep, prepared, data_wait_s: float, wait_reason: str | None = None) -> None:
+        rec = issued.read()
+        now = time.perf_counter()
+        dt, self.last_read = now - self.last_read, now
+        batch, samples = prepared.batch, prepared.batch.samples
+        tokens = sum(len(s.tokens) - 1 for s in samples)
+        rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                    "data_wait_s": data_wait_s, "read_ahead_s": prepared.read_s,
+                    "schedule_ahead_s": batch.schedule_s, "pack_ahead_s": prepared.pack_s,
+                    "sample_ids": [int(s.id) for s in samples],
+                    "data_read_bytes": batch.read_bytes, "data_decoded_bytes": batch.decoded_bytes})
+        if wait_reason and "wait_reason" not in rec:
+            rec["wait_reason"] = wait_reason
+        if prepared.skipped is not None:
+            rec["skipped_samples"] = prepared.skipped
+        self.history.append(rec)
+        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
+        self.writer.write(rec)
+
+
 def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) -> list[dict]:
+    log_ = _StepLog(writer, bar, history)
+    pending = None  # the step issued last and not read yet: (IssuedStep, PreparedBatch, data wait)
     try:
         for step in bar:
             step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
-            t0 = time.perf_counter()
             prepared = next(data)  # read, scheduled and packed while the previous step ran
-            batch, samples = prepared.batch, prepared.batch.samples
-            states, rec = train_step(rt, states, samples, step + 1, cfg.on_nonfinite, batch.schedule, batch.loss_count,
-                                     prepared.host)
-            dt = time.perf_counter() - t0
-            tokens = sum(len(s.tokens) - 1 for s in samples)
-            rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
-                        "data_wait_s": data.data_wait_s, "read_ahead_s": prepared.read_s,
-                        "schedule_ahead_s": batch.schedule_s, "pack_ahead_s": prepared.pack_s,
-                        "sample_ids": [int(s.id) for s in samples],
-                        "data_read_bytes": batch.read_bytes, "data_decoded_bytes": batch.decoded_bytes})
-            if prepared.skipped is not None:
-                rec["skipped_samples"] = prepared.skipped
-            loss = rec["loss"]
-            history.append(rec)
-            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
-            writer.write(rec)
+            batch = prepared.batch
+            states, issued = issue_step(rt, states, batch.samples, step + 1, cfg.on_nonfinite, batch.schedule,
+                                        batch.loss_count, prepared.host)
+            if pending:  # the previous step, read now that this one is queued behind it
+                log_.read(*pending)
+            pending = (issued, prepared, data.data_wait_s)
             done = step + 1
             due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
-            if ckpt and (due or preemption.requested):
+            save = ckpt and (due or preemption.requested)
+            if save or preemption.requested:  # a checkpoint holds only a step known to be finite
+                log_.read(*pending, wait_reason="checkpoint" if save else "preemption")
+                pending = None
+            if save:
                 ckpt.save(done, states, data.get_state(), {"seed": cfg.seed, "workload": cfg.workload})
             if preemption.requested:
                 bar.write(f"SIGTERM: checkpoint saved at step {done}; stopping (re-run to resume)")
                 break
+        if pending:
+            log_.read(*pending, wait_reason="last step")
     except PeerError:
         writer.close()  # no checkpoint work: committing needs the lost peer (its save is never committed)
         raise
     except BaseException:
+        if pending and not pending[0].was_read:  # a step the devices finished before this fault: log it
+            try:
+                log_.read(*pending)
+            except Exception as err:  # NonFiniteError included: the fault being raised comes first
+                log.error("%s", err)
         writer.close()
         if ckpt:
             try:

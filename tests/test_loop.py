@@ -1,0 +1,80 @@
+"""training/loop.py: the host reads each step's results only after issuing the next step, except
+where the next action needs them, and this changes no number."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD
+
+from maestro_jax.config import load_config
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.training import loop
+from maestro_jax.training.loop import NonFiniteError, train, train_step
+
+
+def spied_runtime(cfg, events, monkeypatch):
+    """The config's real runtime, with its step dispatch and the loop's result reads logged in order."""
+    rt = build_runtime(cfg)
+    run, fetch = rt.executor.run, loop.fetch
+    issued = iter(range(1, 1000))
+
+    def logged_run(*args, **kw):
+        events.append(("issue", next(issued)))
+        return run(*args, **kw)
+
+    def logged_fetch(x):
+        events.append(("read", None))
+        return fetch(x)
+
+    monkeypatch.setattr(rt.executor, "run", logged_run)
+    monkeypatch.setattr(loop, "fetch", logged_fetch)
+    return rt
+
+
+def test_each_step_is_read_after_the_next_is_issued(tmp_path, monkeypatch):
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=5", "checkpoint_every=2",
+                                                                  f"output_dir={tmp_path / 'run'}"])
+    events = []
+    history = train(cfg, progress=False, rt=spied_runtime(cfg, events, monkeypatch))
+    # one read event per fetched value: the loss, then each trained section's finiteness flag
+    per_step = sum(kind == "read" for kind, _ in events) // len(history)
+    order, reads = [], 0
+    for kind, step in events:
+        if kind == "issue":
+            order.append(f"issue {step}")
+        else:
+            reads += 1
+            if reads % per_step == 0:
+                order.append(f"read {reads // per_step}")
+    # step 2 and 4 are read before their checkpoints, step 5 at the end; 1 and 3 after the next is issued
+    assert order == ["issue 1", "issue 2", "read 1", "read 2", "issue 3", "issue 4", "read 3", "read 4",
+                     "issue 5", "read 5"]
+    assert [r.get("wait_reason") for r in history] == [None, "checkpoint", None, "checkpoint", "checkpoint"]
+    logged = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
+    total = sum(r["step_time_s"] for r in history)  # the parts of the run's time add up within it
+    assert sum(r["data_wait_s"] + r["dispatch_s"] + r["device_wait_s"] for r in history) <= total * 1.01 + 1e-3
+
+    # the same numbers as reading every step at once, batch by batch
+    rt = build_runtime(cfg)
+    states, reader = rt.init_states(), rt.reader()
+    for rec in history:
+        batch = next(reader)
+        states, ref = train_step(rt, states, batch.samples, rec["step"], "stop", batch.schedule, batch.loss_count)
+        np.testing.assert_allclose(rec["loss"], ref["loss"], rtol=1e-6)
+
+
+def test_a_non_finite_step_read_late_stops_before_anything_after_it_is_saved(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=6", "checkpoint_every=3", f"output_dir={out}",
+                                                                  "optimizer.learning_rate=1e30"])
+    events = []
+    with pytest.raises(NonFiniteError, match=r"^step (\d+): non-finite") as err:
+        train(cfg, progress=False, rt=spied_runtime(cfg, events, monkeypatch))
+    bad = int(err.value.args[0].split()[1].rstrip(":"))
+    assert bad in (2, 3)  # step 1 starts from finite weights; its update overflows them
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, bad))
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == []  # the first checkpoint (step 3) would hold non-finite weights: never written
