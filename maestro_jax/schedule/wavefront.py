@@ -213,18 +213,23 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     dropped (the sink-first variant with nested micro-steps always keeps it: see `_derive`).
     The naive operation order over each variant's micro-steps, and the arrival-order schedule,
     compete too when they respect the bound and the block map; the fastest by simulated makespan
-    is returned. Deterministic: same batch and plan, same schedule, on every host.
+    is returned, the earliest of them (in the order above) on ties. Deterministic: same batch and
+    plan, same schedule, on every host.
+
+    The sink-first variants are built first, though they come last on ties: they usually win at
+    scale, and then the variants whose sink forwards alone outlast them are skipped before list
+    scheduling (`_Search.hopeless`), which cannot change the winner.
     """
-    batch, seen = _Batch(metas, problem, cost), {}
+    batch = _Batch(metas, problem, cost)
+    search = _Search(batch)
+    sink_first = [c for arrival in (False, True) for c in _sink_first(batch, arrival, search)]
     candidates = []
     if not _orphans(batch):  # producer first places samples through the sink's micro-steps only
         for longest_first in (True, False):
             for d in problem.order:
                 if d != problem.sink:
-                    candidates += _producer_first(batch, d, longest_first, seen)
-    for arrival in (False, True):
-        candidates += _sink_first(batch, arrival, seen)
-    candidates = [c for c in candidates if c is not None]
+                    candidates += _producer_first(batch, d, longest_first, search)
+    candidates = [c for c in candidates + sink_first if c is not None]
     steps_seen = []
     for sched, _ in list(candidates) + [(naive(metas, problem), 0.0)]:
         if any(sched.steps == s for s in steps_seen):
@@ -261,13 +266,14 @@ def _makespan(schedule: Schedule, batch: _Batch) -> float:
     return max(finish.values(), default=0.0)
 
 
-def _producer_first(batch: _Batch, d: str, longest_first: bool, seen) -> list:
+def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search) -> list:
     """d's samples packed into d's micro-steps (longest first so similar sizes share a bucket, LPT
     across its lockstep shards); the sink consumes them in production order, d's shard i feeding
     sink shards i*r .. i*r+r-1 (r = DP(sink) / DP(d)). The samples that skip d fill the padding of
     those sink micro-steps, and the rest of them form sink micro-steps of their own, interleaved
     while d works (`_interleave`, at several slacks). Other sections follow the sink's order,
-    in micro-steps nested in d's where d's split cleanly (`_derive`)."""
+    in micro-steps nested in d's where d's split cleanly (`_derive`). None when the sink's
+    micro-steps cannot beat the best schedule so far, whatever their order."""
     problem, sections = batch.problem, batch.sections
     sink = problem.sink
     mb_c, mb_d, dp_d = problem.micro_batch(sink), problem.micro_batch(d), problem.dp[d]
@@ -278,6 +284,8 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, seen) -> list:
     fixed = {d: [_flatten(sh, mb_d) for sh in produced]}
     consuming = _consuming_columns(produced, dp_d, problem.dp[sink] // dp_d, mb_c, w_c, skip)
     skipping = [_flatten(sh, mb_c) for sh in _pack_columns(skip, problem, batch.metas, w_c)]
+    if search.hopeless(consuming + skipping):
+        return []
     due = _Due(batch, _step_time(batch), d, fixed[d])
     needs = [any(batch.fed[x] for x in c if x >= 0) for c in skipping]
     fillers = ([c for c, n in zip(skipping, needs) if n], [c for c, n in zip(skipping, needs) if not n])
@@ -285,7 +293,7 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, seen) -> list:
     for slack in (0.0, 0.5, 1.0, float("inf")):
         columns = _interleave(batch, due, consuming, fillers, slack)
         cuts = {d: _clean_cuts([due.span(c) for c in columns])}
-        out.append(_finish(batch, _derive(batch, columns, fixed, cuts, grouped=True), seen))
+        out.append(search.finish(_derive(batch, columns, fixed, cuts, grouped=True)))
     return out
 
 
@@ -305,10 +313,11 @@ def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[i
     return [_flatten(sh, mb_c) for sh in steps]
 
 
-def _sink_first(batch: _Batch, arrival: bool, seen) -> list:
+def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     """Pack the sink first, then give each other section's shard the samples of the sink shards it
     feeds, in consumption order. Sink steps that need no other section run first, last, or in
-    packing order. `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped)."""
+    packing order. `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped).
+    Packings that cannot beat the best schedule so far, whatever their order, are skipped."""
     problem = batch.problem
     sink = problem.sink
     mb_c, w_c = problem.micro_batch(sink), _weight(batch, sink, not arrival)
@@ -321,11 +330,13 @@ def _sink_first(batch: _Batch, arrival: bool, seen) -> list:
     for packed in packings:
         uses = [any(batch.fed[x] for sh in st for x in sh) for st in packed]
         flat = [_flatten(st, mb_c) for st in packed]
+        if search.hopeless(flat):
+            continue
         for fed_first in (False, True, None):
             order = sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j))
             columns = [flat[j] for j in order] + tail
             for grouped in (False, True):
-                out.append(_finish(batch, _derive(batch, columns, {}, {}, grouped), seen))
+                out.append(search.finish(_derive(batch, columns, {}, {}, grouped)))
     return out
 
 
@@ -492,18 +503,37 @@ class _Due:
         return self._spans[col]
 
 
-def _finish(batch: _Batch, rows: dict[str, Rows], seen: dict) -> tuple[Schedule, float] | None:
-    """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
-    problem = batch.problem
-    key = tuple(tuple(rows[s]) for s in problem.order)
-    if key not in seen:
-        steps = link(problem, {s: rows[s] for s in problem.order})
-        try:
-            ops, makespan = _list_schedule(batch, steps)
-            seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
-        except ScheduleError:
-            seen[key] = None
-    return seen[key]
+class _Search:
+    """The candidates list-scheduled so far, memoised on their micro-steps, and the best makespan
+    among them, against which `hopeless` prunes."""
+
+    def __init__(self, batch: _Batch):
+        self.batch, self.seen, self.best = batch, {}, math.inf
+        self.time = _step_time(batch)
+
+    def hopeless(self, columns: Rows) -> bool:
+        """Whether the sink's forwards over its micro-steps `columns` alone take longer than the
+        best makespan so far: the sink runs them one at a time, so no order of them and no
+        micro-steps of the other sections can win, or tie. (The margin, a billionth, is far
+        above the rounding of the sums taken in different orders, and far below any real
+        difference.)"""
+        sink = self.batch.problem.sink
+        busy = sum(self.time("F", sink, c) for c in columns)
+        return busy > self.best * (1 + 1e-9)
+
+    def finish(self, rows: dict[str, Rows]) -> tuple[Schedule, float] | None:
+        """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
+        batch, problem = self.batch, self.batch.problem
+        key = tuple(tuple(rows[s]) for s in problem.order)
+        if key not in self.seen:
+            steps = link(problem, {s: rows[s] for s in problem.order})
+            try:
+                ops, makespan = _list_schedule(batch, steps)
+                self.seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
+                self.best = min(self.best, makespan)
+            except ScheduleError:
+                self.seen[key] = None
+        return self.seen[key]
 
 
 def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, ...], float]:
