@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 from maestro_jax.schedule.naive import naive
 from maestro_jax.schedule.ops import (
@@ -36,17 +37,19 @@ Rows = list[tuple[int, ...]]
 class _Batch:
     """What the scheduler asks of the batch over and over, computed once per `wavefront` call:
     each sample's sections, its work per section as plain lists, whether it needs a section
-    besides the sink, and the cost model's durations memoised on (kind, section, edge, rows)
+    besides the sink, the samples that activate sections but not the sink (`orphans`: placed in
+    columns the sink does not run), and the cost model's durations memoised on (kind, section, edge, rows)
     (the candidate schedules share most of their micro-steps), as are the work units of each
     micro-step (its forward, backward and transfers read the same ones). Keeps the host time
     linear in the batch with a small constant."""
 
     def __init__(self, metas: Sequence[SampleMeta], problem: Problem, cost):
         self.metas, self.problem = metas, problem
-        self.sections = [m.sections for m in metas]
-        self.work = {s: [m.work.get(s, 0) for m in metas] for s in problem.order}
+        self.sections, works = [m.sections for m in metas], [m.work for m in metas]
+        self.work = {s: [w.get(s, 0) for w in works] for s in problem.order}
         self.no_work = [0] * len(metas)
         self.fed = [len(secs) > (problem.sink in secs) for secs in self.sections]
+        self.orphans = [i for i, secs in enumerate(self.sections) if secs and problem.sink not in secs]
         self._time, self._durations, self._units = work_time(cost, problem), {}, {}
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
 
@@ -55,8 +58,7 @@ class _Batch:
         key = (op.kind, op.section, op.edge, rows)
         if key not in self._durations:
             if (op.section, rows) not in self._units:
-                work = self.work[op.section]
-                self._units[(op.section, rows)] = [work[x] for x in rows if x >= 0]
+                self._units[(op.section, rows)] = list(map(self.work[op.section].__getitem__, filter((0).__le__, rows)))
             self._durations[key] = self._time(op, self._units[(op.section, rows)])
         return self._durations[key]
 
@@ -193,12 +195,6 @@ def _weight(batch: _Batch, section: str, by_work: bool):
     return (batch.work[section] if by_work else batch.no_work).__getitem__
 
 
-def _orphans(batch: _Batch) -> list[int]:
-    """Samples that activate sections but not the sink: placed in columns the sink does not run."""
-    sink = batch.problem.sink
-    return [i for i, secs in enumerate(batch.sections) if secs and sink not in secs]
-
-
 def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Schedule:
     """Keep the sink (the critical section) busy from the first moment.
 
@@ -224,14 +220,15 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     search = _Search(batch)
     sink_first = [c for arrival in (False, True) for c in _sink_first(batch, arrival, search)]
     candidates = []
-    if not _orphans(batch):  # producer first places samples through the sink's micro-steps only
+    if not batch.orphans:  # producer first places samples through the sink's micro-steps only
         for longest_first in (True, False):
             for d in problem.order:
                 if d != problem.sink:
                     candidates += _producer_first(batch, d, longest_first, search)
     candidates = [c for c in candidates + sink_first if c is not None]
     steps_seen = []
-    for sched, _ in list(candidates) + [(naive(metas, problem), 0.0)]:
+    arrival = [(naive(metas, problem), 0.0)] if _naive_keeps_bound(batch) else []
+    for sched, _ in list(candidates) + arrival:
         if any(sched.steps == s for s in steps_seen):
             continue
         steps_seen.append(sched.steps)
@@ -244,6 +241,15 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
             continue
         candidates.append((phased, _makespan(phased, batch)))
     return min(candidates, key=lambda c: c[1])[0]
+
+
+def _naive_keeps_bound(batch: _Batch) -> bool:
+    """Whether the arrival-order schedule (`naive`) could keep the in-flight bound: it runs all of
+    a trained producer's forwards before its first backward, so not with more micro-steps than
+    the bound. Counted from the samples, so that a batch too large for it is not linked."""
+    problem = batch.problem
+    return all(-(-sum(s in secs for secs in batch.sections) // problem.rows[s]) <= problem.max_in_flight
+               for s in problem.order if problem.needs_backward(s))
 
 
 def _phased(problem: Problem, steps, n: int) -> Schedule:
@@ -301,23 +307,26 @@ def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[i
     """Sink micro-steps in production order: each producer shard's samples in blocks of r*mb_c,
     LPT over the r sink shards it feeds; their padding is filled with the shortest of `skip`
     (taken from its end)."""
-    streams = [[x for step in produced for x in step[i]] for i in range(dp_d)]
-    block, steps = r * mb_c, []
-    for j in range(max((-(-len(s) // block) for s in streams), default=0)):
-        steps.append([sh for st in streams
-                      for sh in _lpt(_longest_first(st[j * block:(j + 1) * block], w_c), r, mb_c, w_c)])
-    for shards in steps:
-        for sh in sorted(shards, key=lambda s: sum(map(w_c, s))):
-            while skip and len(sh) < mb_c:
-                sh.append(skip.pop())
-    return [_flatten(sh, mb_c) for sh in steps]
+    streams = [list(chain.from_iterable(shards)) for shards in zip(*produced)]  # per producer shard
+    block, columns = r * mb_c, []
+    for j in range(0, max(map(len, streams), default=0), block):
+        shards = []
+        for st in streams:
+            shards += _lpt(_longest_first(st[j:j + block], w_c), r, mb_c, w_c)
+        room = [c for c, sh in enumerate(shards) if len(sh) < mb_c]
+        for c in sorted(room, key=lambda c: sum(map(w_c, shards[c]))):  # least loaded first
+            while skip and len(shards[c]) < mb_c:
+                shards[c].append(skip.pop())
+        columns.append(_flatten(shards, mb_c))
+    return columns
 
 
 def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     """Pack the sink first, then give each other section's shard the samples of the sink shards it
     feeds, in consumption order. Sink steps that need no other section run first, last, or in
-    packing order. `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped).
-    Packings that cannot beat the best schedule so far, whatever their order, are skipped."""
+    packing order (each distinct order once). `arrival`: keep samples in arrival order (the naive
+    sink rows, made block-mapped). Packings that cannot beat the best schedule so far, whatever
+    their order, are skipped."""
     problem = batch.problem
     sink = problem.sink
     mb_c, w_c = problem.micro_batch(sink), _weight(batch, sink, not arrival)
@@ -325,15 +334,16 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
     if _caps(problem) and (capped := _pack_columns(active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
-    tail = [_flatten(sh, mb_c) for sh in _pack_columns(_orphans(batch), problem, batch.metas, w_c)]
+    tail = [_flatten(sh, mb_c) for sh in _pack_columns(batch.orphans, problem, batch.metas, w_c)]
     out = []
     for packed in packings:
         uses = [any(batch.fed[x] for sh in st for x in sh) for st in packed]
         flat = [_flatten(st, mb_c) for st in packed]
         if search.hopeless(flat):
             continue
-        for fed_first in (False, True, None):
-            order = sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j))
+        orders = {tuple(sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j)))
+                  : None for fed_first in (False, True, None)}  # a dict keeps them in this order
+        for order in orders:
             columns = [flat[j] for j in order] + tail
             for grouped in (False, True):
                 out.append(search.finish(_derive(batch, columns, {}, {}, grouped)))
@@ -365,7 +375,7 @@ def _derive(batch: _Batch, columns: Rows, fixed: dict[str, Rows], fixed_cuts: di
             must = set().union(*(cuts[e.src] for e in problem.in_edges(s)))
             rows[s], cuts[s] = _grouped(placed, mb, dp, must)
         else:
-            streams = [[x for col in placed for x in col[i]] for i in range(dp)]
+            streams = [list(chain.from_iterable(shards)) for shards in zip(*placed)]  # per shard of s
             n = max((-(-len(st) // mb) for st in streams), default=0)
             rows[s] = [_flatten([st[k * mb:(k + 1) * mb] for st in streams], mb) for k in range(n)]
     return rows
@@ -525,14 +535,16 @@ class _Search:
         """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
         batch, problem = self.batch, self.batch.problem
         key = tuple(tuple(rows[s]) for s in problem.order)
-        if key not in self.seen:
-            steps = link(problem, {s: rows[s] for s in problem.order})
-            try:
-                ops, makespan = _list_schedule(batch, steps)
-                self.seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
-                self.best = min(self.best, makespan)
-            except ScheduleError:
-                self.seen[key] = None
+        if key in self.seen:
+            return self.seen[key]
+        steps = link(problem, {s: rows[s] for s in problem.order})
+        try:
+            ops, makespan = _list_schedule(batch, steps)
+        except ScheduleError:
+            self.seen[key] = None
+            return None
+        self.seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
+        self.best = min(self.best, makespan)
         return self.seen[key]
 
 
