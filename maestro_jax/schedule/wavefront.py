@@ -306,15 +306,27 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search)
 def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[int]) -> Rows:
     """Sink micro-steps in production order: each producer shard's samples in blocks of r*mb_c,
     LPT over the r sink shards it feeds; their padding is filled with the shortest of `skip`
-    (taken from its end)."""
+    (taken from its end), least loaded shard first (lowest index on ties). With one row per sink
+    shard (the usual case at scale) LPT keeps the longest-first order and the shards with room
+    are the empty ones, all at load 0: each column is built as rows directly, its padding filled
+    in row order, which saves a list per shard."""
     streams = [list(chain.from_iterable(shards)) for shards in zip(*produced)]  # per producer shard
-    block, columns = r * mb_c, []
+    block, pad, columns = r * mb_c, [-1] * r, []
     for j in range(0, max(map(len, streams), default=0), block):
+        blocks = [st[j:j + block] for st in streams]
+        if mb_c == 1:
+            rows = []
+            for b in blocks:
+                rows += _longest_first(b, w_c) + pad[len(b):]
+            for c in [c for c, x in enumerate(rows) if x < 0][:len(skip)]:
+                rows[c] = skip.pop()
+            columns.append(tuple(rows))
+            continue
         shards = []
-        for st in streams:
-            shards += _lpt(_longest_first(st[j:j + block], w_c), r, mb_c, w_c)
+        for b in blocks:
+            shards += _lpt(_longest_first(b, w_c), r, mb_c, w_c)
         room = [c for c, sh in enumerate(shards) if len(sh) < mb_c]
-        for c in sorted(room, key=lambda c: sum(map(w_c, shards[c]))):  # least loaded first
+        for c in sorted(room, key=lambda c: sum(map(w_c, shards[c]))):
             while skip and len(shards[c]) < mb_c:
                 shards[c].append(skip.pop())
         columns.append(_flatten(shards, mb_c))
