@@ -93,10 +93,7 @@ def _lpt(ordered: Sequence[int], bins: int, capacity: int, weight) -> list[list[
     """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards), of
     items already in `_longest_first` order (callers cut them from one sorted list): each item
     goes to the least-loaded bin with room (ties: the lowest index), kept in a heap so a batch
-    costs O(n log bins), not O(n * bins). With one row per bin no bin takes a second item, and
-    the empty bins tie at load 0: the i-th longest goes to bin i, no heap needed."""
-    if capacity == 1:
-        return [[x] for x in ordered] + [[] for _ in range(bins - len(ordered))]
+    costs O(n log bins), not O(n * bins)."""
     slots: list[list[int]] = [[] for _ in range(bins)]
     open_bins = [(0.0, b) for b in range(bins)] if capacity > 0 else []  # (load, index): a valid heap
     for x in ordered:
@@ -107,10 +104,15 @@ def _lpt(ordered: Sequence[int], bins: int, capacity: int, weight) -> list[list[
     return slots
 
 
-def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> list[list[list[int]]]:
-    """Longest first into micro-steps (similar sizes share a bucket), LPT across shards inside each."""
-    ordered = _longest_first(samples, weight)
-    return [_lpt(ordered[i:i + rows], dp, rows // dp, weight) for i in range(0, len(ordered), rows)]
+def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> Rows:
+    """Longest first into micro-steps (similar sizes share a bucket), LPT across shards inside
+    each, as rows (`_flatten`). With one row per shard no shard takes a second sample, and the
+    empty ones tie at load 0: the i-th longest goes to shard i, so the rows are the longest-first
+    order itself, padded (no list per shard: the sink's micro-steps at scale)."""
+    ordered, mb = _longest_first(samples, weight), rows // dp
+    if mb == 1:
+        return [tuple(ordered[i:i + rows]) + (-1,) * (i + rows - len(ordered)) for i in range(0, len(ordered), rows)]
+    return [_flatten(_lpt(ordered[i:i + rows], dp, mb, weight), mb) for i in range(0, len(ordered), rows)]
 
 
 def _caps(problem: Problem) -> dict[str, tuple[int, int]]:
@@ -158,8 +160,7 @@ class _Column:
         return True
 
 
-def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta],
-                  weight) -> list[list[list[int]]]:
+def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta], weight) -> Rows:
     """`_pack` for the sink, except that a sample that would overfill some section's shard waits
     for a later micro-step: every column then fits every section's micro-batch (what `_derive`
     needs to keep the in-flight bound). Same result as `_pack` when nothing overfills: no section
@@ -176,7 +177,7 @@ def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[Samp
             if not col.place(ordered[i]):
                 waiting.append(ordered[i])
             i += 1
-        out.append(col.shards)
+        out.append(_flatten(col.shards, col.mb))
     return out
 
 
@@ -278,18 +279,16 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search)
     sink shards i*r .. i*r+r-1 (r = DP(sink) / DP(d)). The samples that skip d fill the padding of
     those sink micro-steps, and the rest of them form sink micro-steps of their own, interleaved
     while d works (`_interleave`, at several slacks). Other sections follow the sink's order,
-    in micro-steps nested in d's where d's split cleanly (`_derive`). None when the sink's
+    in micro-steps nested in d's where d's split cleanly (`_derive`). None at all when the sink's
     micro-steps cannot beat the best schedule so far, whatever their order."""
     problem, sections = batch.problem, batch.sections
     sink = problem.sink
-    mb_c, mb_d, dp_d = problem.micro_batch(sink), problem.micro_batch(d), problem.dp[d]
     w_c, w_d = _weight(batch, sink, longest_first), _weight(batch, d, longest_first)
     active = [i for i, secs in enumerate(sections) if sink in secs]
     skip = _longest_first((i for i in active if d not in sections[i]), w_c)
-    produced = _pack([i for i in active if d in sections[i]], problem.rows[d], dp_d, w_d)
-    fixed = {d: [_flatten(sh, mb_d) for sh in produced]}
-    consuming = _consuming_columns(produced, dp_d, problem.dp[sink] // dp_d, mb_c, w_c, skip)
-    skipping = [_flatten(sh, mb_c) for sh in _pack_columns(skip, problem, batch.metas, w_c)]
+    fixed = {d: _pack([i for i in active if d in sections[i]], problem.rows[d], problem.dp[d], w_d)}
+    consuming = _consuming_columns(problem, d, fixed[d], w_c, skip)
+    skipping = _pack_columns(skip, problem, batch.metas, w_c)
     if search.hopeless(consuming + skipping):
         return []
     due = _Due(batch, _step_time(batch), d, fixed[d])
@@ -303,14 +302,17 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search)
     return out
 
 
-def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[int]) -> Rows:
-    """Sink micro-steps in production order: each producer shard's samples in blocks of r*mb_c,
+def _consuming_columns(problem: Problem, d: str, produced: Rows, w_c, skip: list[int]) -> Rows:
+    """Sink micro-steps in production order (`produced`: d's micro-steps): each shard of d's
+    samples in blocks of r*mb_c (r = DP(sink) / DP(d)),
     LPT over the r sink shards it feeds; their padding is filled with the shortest of `skip`
     (taken from its end), least loaded shard first (lowest index on ties). With one row per sink
     shard (the usual case at scale) LPT keeps the longest-first order and the shards with room
     are the empty ones, all at load 0: each column is built as rows directly, its padding filled
     in row order, which saves a list per shard."""
-    streams = [list(chain.from_iterable(shards)) for shards in zip(*produced)]  # per producer shard
+    mb_c, mb_d, dp_d = problem.micro_batch(problem.sink), problem.micro_batch(d), problem.dp[d]
+    r = problem.dp[problem.sink] // dp_d
+    streams = [[x for rows in produced for x in rows[i * mb_d:(i + 1) * mb_d] if x >= 0] for i in range(dp_d)]
     block, pad, columns = r * mb_c, [-1] * r, []
     for j in range(0, max(map(len, streams), default=0), block):
         blocks = [st[j:j + block] for st in streams]
@@ -341,22 +343,21 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     their order, are skipped."""
     problem = batch.problem
     sink = problem.sink
-    mb_c, w_c = problem.micro_batch(sink), _weight(batch, sink, not arrival)
+    w_c = _weight(batch, sink, not arrival)
     active = [i for i, secs in enumerate(batch.sections) if sink in secs]
     packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
     if _caps(problem) and (capped := _pack_columns(active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
-    tail = [_flatten(sh, mb_c) for sh in _pack_columns(batch.orphans, problem, batch.metas, w_c)]
+    tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)
     out = []
     for packed in packings:
-        uses = [any(batch.fed[x] for sh in st for x in sh) for st in packed]
-        flat = [_flatten(st, mb_c) for st in packed]
-        if search.hopeless(flat):
+        if search.hopeless(packed):
             continue
+        uses = [any(batch.fed[x] for x in col if x >= 0) for col in packed]
         orders = {tuple(sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j)))
                   : None for fed_first in (False, True, None)}  # a dict keeps them in this order
         for order in orders:
-            columns = [flat[j] for j in order] + tail
+            columns = [packed[j] for j in order] + tail
             for grouped in (False, True):
                 out.append(search.finish(_derive(batch, columns, {}, {}, grouped)))
     return out
