@@ -37,8 +37,8 @@ Rows = list[tuple[int, ...]]
 class _Batch:
     """What the scheduler asks of the batch over and over, computed once per `wavefront` call:
     each sample's sections, its work per section as plain lists, whether it needs a section
-    besides the sink, the samples that activate sections but not the sink (`orphans`: placed in
-    columns the sink does not run), and the cost model's durations memoised on (kind, section, edge, rows)
+    besides the sink, the samples that reach the sink (`active`) and those that activate sections
+    but not the sink (`orphans`: placed in columns the sink does not run), and the cost model's durations memoised on (kind, section, edge, rows)
     (the candidate schedules share most of their micro-steps), as are the work units of each
     micro-step (its forward, backward and transfers read the same ones). Keeps the host time
     linear in the batch with a small constant."""
@@ -49,6 +49,7 @@ class _Batch:
         self.work = {s: [w.get(s, 0) for w in works] for s in problem.order}
         self.no_work = [0] * len(metas)
         self.fed = [len(secs) > (problem.sink in secs) for secs in self.sections]
+        self.active = [i for i, secs in enumerate(self.sections) if problem.sink in secs]
         self.orphans = [i for i, secs in enumerate(self.sections) if secs and problem.sink not in secs]
         self._time, self._durations, self._units = work_time(cost, problem), {}, {}
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
@@ -58,7 +59,8 @@ class _Batch:
         key = (op.kind, op.section, op.edge, rows)
         if key not in self._durations:
             if (op.section, rows) not in self._units:
-                self._units[(op.section, rows)] = list(map(self.work[op.section].__getitem__, filter((0).__le__, rows)))
+                work = self.work[op.section]
+                self._units[(op.section, rows)] = [work[x] for x in rows if x >= 0]
             self._durations[key] = self._time(op, self._units[(op.section, rows)])
         return self._durations[key]
 
@@ -97,10 +99,12 @@ def _lpt(ordered: Sequence[int], bins: int, capacity: int, weight) -> list[list[
     slots: list[list[int]] = [[] for _ in range(bins)]
     open_bins = [(0.0, b) for b in range(bins)] if capacity > 0 else []  # (load, index): a valid heap
     for x in ordered:
-        load, b = heapq.heappop(open_bins)
+        load, b = open_bins[0]
         slots[b].append(x)
         if len(slots[b]) < capacity:
-            heapq.heappush(open_bins, (load + weight(x), b))
+            heapq.heapreplace(open_bins, (load + weight(x), b))  # pop and push in one sift
+        else:
+            heapq.heappop(open_bins)
     return slots
 
 
@@ -284,9 +288,8 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search)
     problem, sections = batch.problem, batch.sections
     sink = problem.sink
     w_c, w_d = _weight(batch, sink, longest_first), _weight(batch, d, longest_first)
-    active = [i for i, secs in enumerate(sections) if sink in secs]
-    skip = _longest_first((i for i in active if d not in sections[i]), w_c)
-    fixed = {d: _pack([i for i in active if d in sections[i]], problem.rows[d], problem.dp[d], w_d)}
+    skip = _longest_first((i for i in batch.active if d not in sections[i]), w_c)
+    fixed = {d: _pack([i for i in batch.active if d in sections[i]], problem.rows[d], problem.dp[d], w_d)}
     consuming = _consuming_columns(problem, d, fixed[d], w_c, skip)
     skipping = _pack_columns(skip, problem, batch.metas, w_c)
     if search.hopeless(consuming + skipping):
@@ -344,9 +347,8 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     problem = batch.problem
     sink = problem.sink
     w_c = _weight(batch, sink, not arrival)
-    active = [i for i, secs in enumerate(batch.sections) if sink in secs]
-    packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
-    if _caps(problem) and (capped := _pack_columns(active, problem, batch.metas, w_c)) != packings[0]:
+    packings = [_pack(batch.active, problem.rows[sink], problem.dp[sink], w_c)]
+    if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
     tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)
     out = []
