@@ -37,11 +37,12 @@ Rows = list[tuple[int, ...]]
 class _Batch:
     """What the scheduler asks of the batch over and over, computed once per `wavefront` call:
     each sample's sections, its work per section as plain lists, whether it needs a section
-    besides the sink, the samples that reach the sink (`active`) and those that activate sections
-    but not the sink (`orphans`: placed in columns the sink does not run), and the cost model's durations memoised on (kind, section, edge, rows)
-    (the candidate schedules share most of their micro-steps), as are the work units of each
-    micro-step (its forward, backward and transfers read the same ones). Keeps the host time
-    linear in the batch with a small constant."""
+    besides the sink, the samples that reach the sink (`active`) and those that activate
+    sections but not the sink (`orphans`: placed in columns the sink does not run), and the cost
+    model's durations memoised on (kind, section, edge, rows) (the candidate schedules share
+    most of their micro-steps), as are the work units of each micro-step (its forward, backward
+    and transfers read the same ones). Keeps the host time linear in the batch with a small
+    constant."""
 
     def __init__(self, metas: Sequence[SampleMeta], problem: Problem, cost):
         self.metas, self.problem = metas, problem
@@ -283,8 +284,8 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search)
     sink shards i*r .. i*r+r-1 (r = DP(sink) / DP(d)). The samples that skip d fill the padding of
     those sink micro-steps, and the rest of them form sink micro-steps of their own, interleaved
     while d works (`_interleave`, at several slacks). Other sections follow the sink's order,
-    in micro-steps nested in d's where d's split cleanly (`_derive`). None at all when the sink's
-    micro-steps cannot beat the best schedule so far, whatever their order."""
+    in micro-steps nested in d's where d's split cleanly (`_derive`). No variant at all when the
+    sink's micro-steps cannot beat the best schedule so far, whatever their order."""
     problem, sections = batch.problem, batch.sections
     sink = problem.sink
     w_c, w_d = _weight(batch, sink, longest_first), _weight(batch, d, longest_first)
@@ -307,12 +308,12 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search)
 
 def _consuming_columns(problem: Problem, d: str, produced: Rows, w_c, skip: list[int]) -> Rows:
     """Sink micro-steps in production order (`produced`: d's micro-steps): each shard of d's
-    samples in blocks of r*mb_c (r = DP(sink) / DP(d)),
-    LPT over the r sink shards it feeds; their padding is filled with the shortest of `skip`
-    (taken from its end), least loaded shard first (lowest index on ties). With one row per sink
-    shard (the usual case at scale) LPT keeps the longest-first order and the shards with room
-    are the empty ones, all at load 0: each column is built as rows directly, its padding filled
-    in row order, which saves a list per shard."""
+    samples in blocks of r*mb_c (r = DP(sink) / DP(d)), LPT over the r sink shards it feeds;
+    their padding is filled with the shortest of `skip` (taken from its end), least loaded shard
+    first (lowest index on ties). With one row per sink shard (the usual case at scale) LPT
+    keeps the longest-first order and the shards with room are the empty ones, all at load 0:
+    each column is built as rows directly, its padding filled in row order, which saves a list
+    per shard."""
     mb_c, mb_d, dp_d = problem.micro_batch(problem.sink), problem.micro_batch(d), problem.dp[d]
     r = problem.dp[problem.sink] // dp_d
     streams = [[x for rows in produced for x in rows[i * mb_d:(i + 1) * mb_d] if x >= 0] for i in range(dp_d)]
