@@ -120,8 +120,11 @@ def chunk(samples: Sequence[int], rows: int) -> list[tuple[int, ...]]:
 
 
 def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
-    """Micro-steps with their producer dependencies derived from which samples they hold."""
-    home = {s: {x: k for k, rows in enumerate(chunks) for x in rows if x >= 0} for s, chunks in rows_by_section.items()}
+    """Micro-steps with their producer dependencies derived from which samples they hold (which
+    step holds each sample is mapped for the producers of edges only)."""
+    sources = {e.src for e in problem.edges}
+    home = {s: {x: k for k, rows in enumerate(chunks) for x in rows if x >= 0}
+            for s, chunks in rows_by_section.items() if s in sources}
     steps = {}
     for s, chunks in rows_by_section.items():
         built = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 from maestro_jax.schedule.naive import naive
 from maestro_jax.schedule.ops import (
@@ -36,17 +37,21 @@ Rows = list[tuple[int, ...]]
 class _Batch:
     """What the scheduler asks of the batch over and over, computed once per `wavefront` call:
     each sample's sections, its work per section as plain lists, whether it needs a section
-    besides the sink, and the cost model's durations memoised on (kind, section, edge, rows)
-    (the candidate schedules share most of their micro-steps), as are the work units of each
-    micro-step (its forward, backward and transfers read the same ones). Keeps the host time
-    linear in the batch with a small constant."""
+    besides the sink, the samples that reach the sink (`active`) and those that activate
+    sections but not the sink (`orphans`: placed in columns the sink does not run), and the cost
+    model's durations memoised on (kind, section, edge, rows) (the candidate schedules share
+    most of their micro-steps), as are the work units of each micro-step (its forward, backward
+    and transfers read the same ones). Keeps the host time linear in the batch with a small
+    constant."""
 
     def __init__(self, metas: Sequence[SampleMeta], problem: Problem, cost):
         self.metas, self.problem = metas, problem
-        self.sections = [m.sections for m in metas]
-        self.work = {s: [m.work.get(s, 0) for m in metas] for s in problem.order}
+        self.sections, works = [m.sections for m in metas], [m.work for m in metas]
+        self.work = {s: [w.get(s, 0) for w in works] for s in problem.order}
         self.no_work = [0] * len(metas)
         self.fed = [len(secs) > (problem.sink in secs) for secs in self.sections]
+        self.active = [i for i, secs in enumerate(self.sections) if problem.sink in secs]
+        self.orphans = [i for i, secs in enumerate(self.sections) if secs and problem.sink not in secs]
         self._time, self._durations, self._units = work_time(cost, problem), {}, {}
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
 
@@ -91,24 +96,28 @@ def _lpt(ordered: Sequence[int], bins: int, capacity: int, weight) -> list[list[
     """Longest-processing-time-first over `bins` with a row capacity each (lockstep shards), of
     items already in `_longest_first` order (callers cut them from one sorted list): each item
     goes to the least-loaded bin with room (ties: the lowest index), kept in a heap so a batch
-    costs O(n log bins), not O(n * bins). With one row per bin no bin takes a second item, and
-    the empty bins tie at load 0: the i-th longest goes to bin i, no heap needed."""
-    if capacity == 1:
-        return [[x] for x in ordered] + [[] for _ in range(bins - len(ordered))]
+    costs O(n log bins), not O(n * bins)."""
     slots: list[list[int]] = [[] for _ in range(bins)]
     open_bins = [(0.0, b) for b in range(bins)] if capacity > 0 else []  # (load, index): a valid heap
     for x in ordered:
-        load, b = heapq.heappop(open_bins)
+        load, b = open_bins[0]
         slots[b].append(x)
         if len(slots[b]) < capacity:
-            heapq.heappush(open_bins, (load + weight(x), b))
+            heapq.heapreplace(open_bins, (load + weight(x), b))  # pop and push in one sift
+        else:
+            heapq.heappop(open_bins)
     return slots
 
 
-def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> list[list[list[int]]]:
-    """Longest first into micro-steps (similar sizes share a bucket), LPT across shards inside each."""
-    ordered = _longest_first(samples, weight)
-    return [_lpt(ordered[i:i + rows], dp, rows // dp, weight) for i in range(0, len(ordered), rows)]
+def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> Rows:
+    """Longest first into micro-steps (similar sizes share a bucket), LPT across shards inside
+    each, as rows (`_flatten`). With one row per shard no shard takes a second sample, and the
+    empty ones tie at load 0: the i-th longest goes to shard i, so the rows are the longest-first
+    order itself, padded (no list per shard: the sink's micro-steps at scale)."""
+    ordered, mb = _longest_first(samples, weight), rows // dp
+    if mb == 1:
+        return [tuple(ordered[i:i + rows]) + (-1,) * (i + rows - len(ordered)) for i in range(0, len(ordered), rows)]
+    return [_flatten(_lpt(ordered[i:i + rows], dp, mb, weight), mb) for i in range(0, len(ordered), rows)]
 
 
 def _caps(problem: Problem) -> dict[str, tuple[int, int]]:
@@ -156,8 +165,7 @@ class _Column:
         return True
 
 
-def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta],
-                  weight) -> list[list[list[int]]]:
+def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta], weight) -> Rows:
     """`_pack` for the sink, except that a sample that would overfill some section's shard waits
     for a later micro-step: every column then fits every section's micro-batch (what `_derive`
     needs to keep the in-flight bound). Same result as `_pack` when nothing overfills: no section
@@ -174,7 +182,7 @@ def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[Samp
             if not col.place(ordered[i]):
                 waiting.append(ordered[i])
             i += 1
-        out.append(col.shards)
+        out.append(_flatten(col.shards, col.mb))
     return out
 
 
@@ -193,12 +201,6 @@ def _weight(batch: _Batch, section: str, by_work: bool):
     return (batch.work[section] if by_work else batch.no_work).__getitem__
 
 
-def _orphans(batch: _Batch) -> list[int]:
-    """Samples that activate sections but not the sink: placed in columns the sink does not run."""
-    sink = batch.problem.sink
-    return [i for i, secs in enumerate(batch.sections) if secs and sink not in secs]
-
-
 def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Schedule:
     """Keep the sink (the critical section) busy from the first moment.
 
@@ -213,20 +215,26 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     dropped (the sink-first variant with nested micro-steps always keeps it: see `_derive`).
     The naive operation order over each variant's micro-steps, and the arrival-order schedule,
     compete too when they respect the bound and the block map; the fastest by simulated makespan
-    is returned. Deterministic: same batch and plan, same schedule, on every host.
+    is returned, the earliest of them (in the order above) on ties. Deterministic: same batch and
+    plan, same schedule, on every host.
+
+    The sink-first variants are built first, though they come last on ties: they usually win at
+    scale, and then the variants whose sink forwards alone outlast them are skipped before list
+    scheduling (`_Search.hopeless`), which cannot change the winner.
     """
-    batch, seen = _Batch(metas, problem, cost), {}
+    batch = _Batch(metas, problem, cost)
+    search = _Search(batch)
+    sink_first = [c for arrival in (False, True) for c in _sink_first(batch, arrival, search)]
     candidates = []
-    if not _orphans(batch):  # producer first places samples through the sink's micro-steps only
+    if not batch.orphans:  # producer first places samples through the sink's micro-steps only
         for longest_first in (True, False):
             for d in problem.order:
                 if d != problem.sink:
-                    candidates += _producer_first(batch, d, longest_first, seen)
-    for arrival in (False, True):
-        candidates += _sink_first(batch, arrival, seen)
-    candidates = [c for c in candidates if c is not None]
+                    candidates += _producer_first(batch, d, longest_first, search)
+    candidates = [c for c in candidates + sink_first if c is not None]
     steps_seen = []
-    for sched, _ in list(candidates) + [(naive(metas, problem), 0.0)]:
+    arrival = [(naive(metas, problem), 0.0)] if _naive_keeps_bound(batch) else []
+    for sched, _ in list(candidates) + arrival:
         if any(sched.steps == s for s in steps_seen):
             continue
         steps_seen.append(sched.steps)
@@ -239,6 +247,15 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
             continue
         candidates.append((phased, _makespan(phased, batch)))
     return min(candidates, key=lambda c: c[1])[0]
+
+
+def _naive_keeps_bound(batch: _Batch) -> bool:
+    """Whether the arrival-order schedule (`naive`) could keep the in-flight bound: it runs all of
+    a trained producer's forwards before its first backward, so not with more micro-steps than
+    the bound. Counted from the samples, so that a batch too large for it is not linked."""
+    problem = batch.problem
+    return all(-(-sum(s in secs for secs in batch.sections) // problem.rows[s]) <= problem.max_in_flight
+               for s in problem.order if problem.needs_backward(s))
 
 
 def _phased(problem: Problem, steps, n: int) -> Schedule:
@@ -261,23 +278,23 @@ def _makespan(schedule: Schedule, batch: _Batch) -> float:
     return max(finish.values(), default=0.0)
 
 
-def _producer_first(batch: _Batch, d: str, longest_first: bool, seen) -> list:
+def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search) -> list:
     """d's samples packed into d's micro-steps (longest first so similar sizes share a bucket, LPT
     across its lockstep shards); the sink consumes them in production order, d's shard i feeding
     sink shards i*r .. i*r+r-1 (r = DP(sink) / DP(d)). The samples that skip d fill the padding of
     those sink micro-steps, and the rest of them form sink micro-steps of their own, interleaved
     while d works (`_interleave`, at several slacks). Other sections follow the sink's order,
-    in micro-steps nested in d's where d's split cleanly (`_derive`)."""
+    in micro-steps nested in d's where d's split cleanly (`_derive`). No variant at all when the
+    sink's micro-steps cannot beat the best schedule so far, whatever their order."""
     problem, sections = batch.problem, batch.sections
     sink = problem.sink
-    mb_c, mb_d, dp_d = problem.micro_batch(sink), problem.micro_batch(d), problem.dp[d]
     w_c, w_d = _weight(batch, sink, longest_first), _weight(batch, d, longest_first)
-    active = [i for i, secs in enumerate(sections) if sink in secs]
-    skip = _longest_first((i for i in active if d not in sections[i]), w_c)
-    produced = _pack([i for i in active if d in sections[i]], problem.rows[d], dp_d, w_d)
-    fixed = {d: [_flatten(sh, mb_d) for sh in produced]}
-    consuming = _consuming_columns(produced, dp_d, problem.dp[sink] // dp_d, mb_c, w_c, skip)
-    skipping = [_flatten(sh, mb_c) for sh in _pack_columns(skip, problem, batch.metas, w_c)]
+    skip = _longest_first((i for i in batch.active if d not in sections[i]), w_c)
+    fixed = {d: _pack([i for i in batch.active if d in sections[i]], problem.rows[d], problem.dp[d], w_d)}
+    consuming = _consuming_columns(problem, d, fixed[d], w_c, skip)
+    skipping = _pack_columns(skip, problem, batch.metas, w_c)
+    if search.hopeless(consuming + skipping):
+        return []
     due = _Due(batch, _step_time(batch), d, fixed[d])
     needs = [any(batch.fed[x] for x in c if x >= 0) for c in skipping]
     fillers = ([c for c, n in zip(skipping, needs) if n], [c for c, n in zip(skipping, needs) if not n])
@@ -285,47 +302,67 @@ def _producer_first(batch: _Batch, d: str, longest_first: bool, seen) -> list:
     for slack in (0.0, 0.5, 1.0, float("inf")):
         columns = _interleave(batch, due, consuming, fillers, slack)
         cuts = {d: _clean_cuts([due.span(c) for c in columns])}
-        out.append(_finish(batch, _derive(batch, columns, fixed, cuts, grouped=True), seen))
+        out.append(search.finish(_derive(batch, columns, fixed, cuts, grouped=True)))
     return out
 
 
-def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[int]) -> Rows:
-    """Sink micro-steps in production order: each producer shard's samples in blocks of r*mb_c,
-    LPT over the r sink shards it feeds; their padding is filled with the shortest of `skip`
-    (taken from its end)."""
-    streams = [[x for step in produced for x in step[i]] for i in range(dp_d)]
-    block, steps = r * mb_c, []
-    for j in range(max((-(-len(s) // block) for s in streams), default=0)):
-        steps.append([sh for st in streams
-                      for sh in _lpt(_longest_first(st[j * block:(j + 1) * block], w_c), r, mb_c, w_c)])
-    for shards in steps:
-        for sh in sorted(shards, key=lambda s: sum(map(w_c, s))):
-            while skip and len(sh) < mb_c:
-                sh.append(skip.pop())
-    return [_flatten(sh, mb_c) for sh in steps]
+def _consuming_columns(problem: Problem, d: str, produced: Rows, w_c, skip: list[int]) -> Rows:
+    """Sink micro-steps in production order (`produced`: d's micro-steps): each shard of d's
+    samples in blocks of r*mb_c (r = DP(sink) / DP(d)), LPT over the r sink shards it feeds;
+    their padding is filled with the shortest of `skip` (taken from its end), least loaded shard
+    first (lowest index on ties). With one row per sink shard (the usual case at scale) LPT
+    keeps the longest-first order and the shards with room are the empty ones, all at load 0:
+    each column is built as rows directly, its padding filled in row order, which saves a list
+    per shard."""
+    mb_c, mb_d, dp_d = problem.micro_batch(problem.sink), problem.micro_batch(d), problem.dp[d]
+    r = problem.dp[problem.sink] // dp_d
+    streams = [[x for rows in produced for x in rows[i * mb_d:(i + 1) * mb_d] if x >= 0] for i in range(dp_d)]
+    block, pad, columns = r * mb_c, [-1] * r, []
+    for j in range(0, max(map(len, streams), default=0), block):
+        blocks = [st[j:j + block] for st in streams]
+        if mb_c == 1:
+            rows = []
+            for b in blocks:
+                rows += _longest_first(b, w_c) + pad[len(b):]
+            for c in [c for c, x in enumerate(rows) if x < 0][:len(skip)]:
+                rows[c] = skip.pop()
+            columns.append(tuple(rows))
+            continue
+        shards = []
+        for b in blocks:
+            shards += _lpt(_longest_first(b, w_c), r, mb_c, w_c)
+        room = [c for c, sh in enumerate(shards) if len(sh) < mb_c]
+        for c in sorted(room, key=lambda c: sum(map(w_c, shards[c]))):
+            while skip and len(shards[c]) < mb_c:
+                shards[c].append(skip.pop())
+        columns.append(_flatten(shards, mb_c))
+    return columns
 
 
-def _sink_first(batch: _Batch, arrival: bool, seen) -> list:
+def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     """Pack the sink first, then give each other section's shard the samples of the sink shards it
     feeds, in consumption order. Sink steps that need no other section run first, last, or in
-    packing order. `arrival`: keep samples in arrival order (the naive sink rows, made block-mapped)."""
+    packing order (each distinct order once). `arrival`: keep samples in arrival order (the naive
+    sink rows, made block-mapped). Packings that cannot beat the best schedule so far, whatever
+    their order, are skipped."""
     problem = batch.problem
     sink = problem.sink
-    mb_c, w_c = problem.micro_batch(sink), _weight(batch, sink, not arrival)
-    active = [i for i, secs in enumerate(batch.sections) if sink in secs]
-    packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
-    if _caps(problem) and (capped := _pack_columns(active, problem, batch.metas, w_c)) != packings[0]:
+    w_c = _weight(batch, sink, not arrival)
+    packings = [_pack(batch.active, problem.rows[sink], problem.dp[sink], w_c)]
+    if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
-    tail = [_flatten(sh, mb_c) for sh in _pack_columns(_orphans(batch), problem, batch.metas, w_c)]
+    tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)
     out = []
     for packed in packings:
-        uses = [any(batch.fed[x] for sh in st for x in sh) for st in packed]
-        flat = [_flatten(st, mb_c) for st in packed]
-        for fed_first in (False, True, None):
-            order = sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j))
-            columns = [flat[j] for j in order] + tail
+        if search.hopeless(packed):
+            continue
+        uses = [any(batch.fed[x] for x in col if x >= 0) for col in packed]
+        orders = {tuple(sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j)))
+                  : None for fed_first in (False, True, None)}  # a dict keeps them in this order
+        for order in orders:
+            columns = [packed[j] for j in order] + tail
             for grouped in (False, True):
-                out.append(_finish(batch, _derive(batch, columns, {}, {}, grouped), seen))
+                out.append(search.finish(_derive(batch, columns, {}, {}, grouped)))
     return out
 
 
@@ -354,7 +391,7 @@ def _derive(batch: _Batch, columns: Rows, fixed: dict[str, Rows], fixed_cuts: di
             must = set().union(*(cuts[e.src] for e in problem.in_edges(s)))
             rows[s], cuts[s] = _grouped(placed, mb, dp, must)
         else:
-            streams = [[x for col in placed for x in col[i]] for i in range(dp)]
+            streams = [list(chain.from_iterable(shards)) for shards in zip(*placed)]  # per shard of s
             n = max((-(-len(st) // mb) for st in streams), default=0)
             rows[s] = [_flatten([st[k * mb:(k + 1) * mb] for st in streams], mb) for k in range(n)]
     return rows
@@ -492,18 +529,39 @@ class _Due:
         return self._spans[col]
 
 
-def _finish(batch: _Batch, rows: dict[str, Rows], seen: dict) -> tuple[Schedule, float] | None:
-    """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
-    problem = batch.problem
-    key = tuple(tuple(rows[s]) for s in problem.order)
-    if key not in seen:
+class _Search:
+    """The candidates list-scheduled so far, memoised on their micro-steps, and the best makespan
+    among them, against which `hopeless` prunes."""
+
+    def __init__(self, batch: _Batch):
+        self.batch, self.seen, self.best = batch, {}, math.inf
+        self.time = _step_time(batch)
+
+    def hopeless(self, columns: Rows) -> bool:
+        """Whether the sink's forwards over its micro-steps `columns` alone take longer than the
+        best makespan so far: the sink runs them one at a time, so no order of them and no
+        micro-steps of the other sections can win, or tie. (The margin, a billionth, is far
+        above the rounding of the sums taken in different orders, and far below any real
+        difference.)"""
+        sink = self.batch.problem.sink
+        busy = sum(self.time("F", sink, c) for c in columns)
+        return busy > self.best * (1 + 1e-9)
+
+    def finish(self, rows: dict[str, Rows]) -> tuple[Schedule, float] | None:
+        """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
+        batch, problem = self.batch, self.batch.problem
+        key = tuple(tuple(rows[s]) for s in problem.order)
+        if key in self.seen:
+            return self.seen[key]
         steps = link(problem, {s: rows[s] for s in problem.order})
         try:
             ops, makespan = _list_schedule(batch, steps)
-            seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
         except ScheduleError:
-            seen[key] = None
-    return seen[key]
+            self.seen[key] = None
+            return None
+        self.seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
+        self.best = min(self.best, makespan)
+        return self.seen[key]
 
 
 def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, ...], float]:
