@@ -11,7 +11,12 @@ are dropped and the rest give medians.
 
 Reading: `schedule` and `pack` run on the prefetch thread while the previous step runs; they
 are off the step's path as long as `data wait` stays near zero. `dispatch` is the loop issuing
-the step's programs and transfers (`transfer issue` of it), `device wait` the wait for the loss.
+the step's programs, transfers and update (`transfer issue` of it), `device wait` reading the
+loss and finiteness flags.
+
+Each size runs twice, side by side: as configured (`on_nonfinite: stop`, each step read after
+the next is issued) and with every step read at once (`on_nonfinite: skip`, whose update waits
+for the check); the ratio of their median step times is what reading one step late buys.
 """
 
 from __future__ import annotations
@@ -34,14 +39,14 @@ FIELDS = {"schedule": "schedule_ahead_s", "read (incl. schedule)": "read_ahead_s
           "device wait": "device_wait_s", "step": "step_time_s"}
 
 
-def run(devices: int, steps: int, warmup: int) -> dict:
+def run(devices: int, steps: int, warmup: int, on_nonfinite: str) -> dict:
     vision = devices // 2
     overrides = SMALL_MODELS + [
         f"host_devices={devices}", f"global_batch={4 * devices}", f"data.num_samples={4 * devices * (steps + 1)}",
         f"sections.vision.devices=0:{vision}", f"sections.vision.mesh={{data: {vision}}}",
         f"sections.llm.devices={vision}:{devices}", f"sections.llm.mesh={{data: {devices - vision}}}",
         "edges.image_embeds.fanout=1", f"monolithic.devices=0:{devices}", f"monolithic.mesh={{data: {devices}}}",
-        f"steps={steps}", "keep_checkpoints=0"]
+        f"steps={steps}", "keep_checkpoints=0", f"on_nonfinite={on_nonfinite}"]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
     with tempfile.TemporaryDirectory() as out:
         subprocess.run([sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
@@ -57,13 +62,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
-    results = {n: run(n, args.steps, args.warmup) for n in args.devices}
-    print(f"{'devices':>8s} " + " ".join(f"{name:>22s}" for name in FIELDS))
+    results, at_once = {}, {}
+    for n in args.devices:  # each size's two modes back to back, so they see the same machine load
+        results[n] = run(n, args.steps, args.warmup, "stop")
+        at_once[n] = run(n, args.steps, args.warmup, "skip")
+    print(f"{'devices':>8s} " + " ".join(f"{name:>22s}" for name in FIELDS) + "  step read at once / read late")
     for n, r in results.items():
-        print(f"{n:8d} " + " ".join(f"{r[name] * 1e3:20.1f}ms" for name in FIELDS))
+        print(f"{n:8d} " + " ".join(f"{r[name] * 1e3:20.1f}ms" for name in FIELDS)
+              + f"  {at_once[n]['step'] * 1e3:.1f}ms / {r['step'] * 1e3:.1f}ms = {at_once[n]['step'] / r['step']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"medians_s": results, "steps": args.steps, "warmup": args.warmup},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"medians_s": results, "read_at_once_medians_s": at_once,
+                                               "steps": args.steps, "warmup": args.warmup}, indent=2))
 
 
 if __name__ == "__main__":
