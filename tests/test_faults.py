@@ -458,12 +458,12 @@ def test_all_bad_samples_stop_instead_of_looping(tmp_path):
 
     path = tmp_path / "bad.array_record"
     writer = ArrayRecordWriter(str(path), "group_size:1")
-    for i in range(6):
+    for i in range(8):  # no more than global_batch: a larger batch than the data is refused as a config error
         tokens = np.array([5, 400 + i, 6], np.int32)  # ids beyond the vocabulary: every sample bad
         writer.write(encode_sample(Sample(id=i, tokens=tokens)))
     writer.close()
     overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", "steps=1", "data.on_bad_sample=skip"]
-    with pytest.raises(DataError, match=r"bad samples in a row, more than the 6 the source holds"):
+    with pytest.raises(DataError, match=r"bad samples in a row, more than the 8 the source holds"):
         train(load_config(VLM, overrides), progress=False)
     empty = tmp_path / "empty.array_record"
     empty.write_bytes(b"")
@@ -629,3 +629,26 @@ def test_signal_during_startup_and_restore(tmp_path, sig):
         assert _one_error_line_last(stderr).startswith("error: interrupted (SIGINT)")
     assert sorted(p.name for p in ck.iterdir()) == before, "the committed checkpoints are untouched"
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+# -- 12. config escapes: impossible sizes refused before compiling ---------------------------------
+@pytest.mark.parametrize("overrides,text", [
+    (["models.student.width=16384", "models.student.mlp=65536", "models.student.depth=48", "models.student.heads=128",
+      "models.student.head_dim=128", "models.student.kv_heads=8"],
+     "sections.student='"),
+    (["global_batch=65536"], "global_batch=65536: larger than the 512 samples of data.num_samples"),
+])
+def test_impossible_sizes_exit_2_before_compiling(overrides, text, capsys):
+    """A model far too large for this machine with no device_memory_gb (it used to fail in XLA's
+    allocator after 15 compilations), and a global batch larger than the data (no output for
+    minutes): one line, status 2, nothing compiled."""
+    from test_plan import COUNTER
+
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, "data.num_samples=512", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert text in err, err
+    if "width=16384" in overrides[0]:
+        assert "more than its memory" in err or "exceed the device's memory" in err, err
+    assert COUNTER.count == before, "rejected before any compilation"
