@@ -2,8 +2,11 @@
 
 Thin entry point: parse, validate the config (before JAX starts: it sets the CPU device count),
 then call the library. Each fault ends with one `error:` line on stderr and its own status:
-2 bad input (config, plan, data), 3 non-finite loss or gradients, 4 checkpoint storage,
-5 a dead or stuck peer process. SIGTERM saves a checkpoint and exits 0.
+2 bad input (config, plan, data), 3 non-finite loss or gradients, 4 storage (a checkpoint,
+`output_dir` or `checkpoint_dir` that cannot be written), 5 a dead or stuck peer process,
+130 SIGINT (Ctrl-C: stops at once; the last committed checkpoint is intact). SIGTERM saves a
+checkpoint and exits 0; before the first step (start-up, restore) it stops with nothing new to
+save, also 0.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 
 from maestro_jax.config import ConfigError, load_config
@@ -37,6 +42,21 @@ def _ensure_host_devices(n: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; SIGINT stops it with one line and status 130, at any point.
+
+    Python's own SIGINT handler is installed even where the process inherited SIGINT ignored (a
+    non-interactive shell starts background jobs so): a SIGINT sent to a run must stop it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT): stopped without a new checkpoint; the last committed checkpoint is "
+              "intact (re-run to resume; SIGTERM instead checkpoints first)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="maestro-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {}
@@ -70,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                                  help="compile the chosen plan here and print XLA's memory analysis beside the model")
     parsers["simulate"].add_argument("--gantt", help="write the simulated Gantt chart PNG here")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        from maestro_jax.training.preemption import Preemption
+
+        with Preemption():  # from here on, SIGTERM is a preemption notice (kept until the loop reads it)
+            return _command(args)
+    return _command(args)
+
+
+def _command(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -103,9 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as err:
         if jax.process_count() == 1:
             raise
-        traceback.print_exc()
+        if isinstance(err, KeyboardInterrupt):
+            print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
+            status = 130
+        else:
+            traceback.print_exc()
+            status = 1
         announce_failure(f"{type(err).__name__}: {err}")
-        status = 1
     if status != 0 and jax.process_count() > 1:
         # Peers waiting on this process learn of the failure now, and jax.distributed's
         # exit-time shutdown (which waits for every peer, and a failed peer may never come) is
@@ -121,10 +154,10 @@ def _run(cfg, args) -> int:
     from maestro_jax.core.plan import PlanError
     from maestro_jax.data import DataError
     from maestro_jax.runtime.distributed import PeerError
-    from maestro_jax.training.checkpoint import CheckpointError
     from maestro_jax.training.loop import NonFiniteError
+    from maestro_jax.training.storage import StorageError
 
-    faults = ((NonFiniteError, 3), (CheckpointError, 4), (PeerError, 5), (DataError, 2))
+    faults = ((NonFiniteError, 3), (StorageError, 4), (PeerError, 5), (DataError, 2))  # StorageError: checkpoints too
     try:
         if args.command == "train":
             from maestro_jax.training.loop import train
@@ -177,12 +210,17 @@ def _simulate(cfg, args) -> int:
 
 
 def _export(cfg, args) -> int:
-    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones)."""
+    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones).
+
+    The export holds the run lock of `output_dir` and `checkpoint_dir` (`training.dirlock`) while
+    it reads, so a live run cannot rotate or clean the checkpoints under it (and the export is
+    refused while a run holds them); the checkpoint directory is opened read-only."""
     from pathlib import Path
 
     from maestro_jax.runtime.build import build_runtime
     from maestro_jax.tools import hf
     from maestro_jax.training.checkpoint import Checkpointer
+    from maestro_jax.training.dirlock import hold_directories
 
     model = cfg.models.get(args.section)
     if args.section not in cfg.sections or model is None or model.kind != "llm":
@@ -192,9 +230,14 @@ def _export(cfg, args) -> int:
     rt = build_runtime(cfg)
     states, step = rt.init_states(), 0
     if cfg.output_dir:
-        ckpt = Checkpointer(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
-        restored = ckpt.restore_latest(states)
-        ckpt.close()
+        ck_dir = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+        existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", ck_dir)) if d.is_dir()}
+        with hold_directories(existing):  # nothing is created for an output_dir that does not exist
+            ckpt = Checkpointer(ck_dir, read_only=True)
+            try:
+                restored = ckpt.restore_latest(states)
+            finally:
+                ckpt.close()
         if restored is not None:
             step, states = restored[0], restored[1]
     try:

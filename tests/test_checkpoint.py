@@ -143,3 +143,28 @@ def test_nothing_to_do_names_the_step_the_directory_holds(tmp_path, capsys):
     said = capsys.readouterr().out
     assert f"nothing to do: {out} holds a checkpoint at step 4, at or beyond steps=2" in said, said
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "the log of the 4 steps is kept"
+
+
+def test_export_holds_the_run_lock_and_reads_only(tmp_path, capsys):
+    """`export` reads checkpoints under the run lock: refused (status 2, one line) while a run
+    holds the directory, so a live run cannot rotate checkpoints under it; otherwise it opens
+    the checkpoints read-only and leaves an unfinished save's leftovers for the run to clean."""
+    from maestro_jax import cli
+    from maestro_jax.training.dirlock import hold_directories
+
+    out = tmp_path / "run"
+    overrides = [*TINY_KD, f"output_dir={out}"]
+    train(load_config(ROOT / "configs/kd_tiny.yaml", overrides + ["steps=1"]), progress=False)
+    export = ["export", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--section", "student",
+              "--out", str(tmp_path / "hf"), *overrides]
+    capsys.readouterr()
+    with hold_directories({"output_dir": out}):  # a run holding it (flock is per open file: this process counts)
+        status = cli.main(export)
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("error: output_dir") and "is in use by another run" in err, err
+    assert not (tmp_path / "hf").exists()
+    leftover = out / "checkpoints" / "2.orbax-checkpoint-tmp"
+    leftover.mkdir()
+    assert cli.main(export) == 0, capsys.readouterr().err[-2000:]
+    assert "at step 1" in capsys.readouterr().out
+    assert leftover.is_dir(), "a reader does not clean up"

@@ -16,8 +16,9 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 from maestro_jax import cli
 from maestro_jax.config import load_config
 from maestro_jax.data import IMAGE_TOKEN, DataError, Sample, encode_sample
-from maestro_jax.training.checkpoint import MANIFEST, Checkpointer, CheckpointError, verify_step
+from maestro_jax.training.checkpoint import MANIFEST, Checkpointer, verify_step
 from maestro_jax.training.loop import train
+from maestro_jax.training.storage import StorageError
 
 KD = ROOT / "configs/kd_tiny.yaml"
 VLM = ROOT / "configs/vlm_tiny.yaml"
@@ -314,8 +315,10 @@ def test_full_then_read_only_checkpoint_storage(tmp_path, small_filesystem):
     cfg = lambda steps: kd(tmp_path / "out", f"checkpoint_dir={ck}", "checkpoint_every=1", f"steps={steps}")
     train(cfg(2), progress=False)
     _fill(ck)
-    with pytest.raises(CheckpointError, match=r"save of step 3 .* No space left on device.*\(step 2\) is intact"):
-        train(cfg(4), progress=False)  # the write fails in Orbax's background thread or at its start
+    # a disk with no space left is refused before anything compiles; one that fills during the run
+    # fails the save instead (test_full_checkpoint_disk_prints_one_error_line_last)
+    with pytest.raises(StorageError, match=r"checkpoint_dir .* is not writable: \[Errno 28\] No space left on device"):
+        train(cfg(4), progress=False)
     manifests = {s: json.loads((ck / MANIFEST.format(step=s)).read_text()) for s in (1, 2)}
     assert all(verify_step(ck / str(s), m) is None for s, m in manifests.items()), "earlier checkpoints intact"
     (ck / "filler").unlink()
@@ -458,12 +461,12 @@ def test_all_bad_samples_stop_instead_of_looping(tmp_path):
 
     path = tmp_path / "bad.array_record"
     writer = ArrayRecordWriter(str(path), "group_size:1")
-    for i in range(6):
+    for i in range(8):  # no more than global_batch: a larger batch than the data is refused as a config error
         tokens = np.array([5, 400 + i, 6], np.int32)  # ids beyond the vocabulary: every sample bad
         writer.write(encode_sample(Sample(id=i, tokens=tokens)))
     writer.close()
     overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", "steps=1", "data.on_bad_sample=skip"]
-    with pytest.raises(DataError, match=r"bad samples in a row, more than the 6 the source holds"):
+    with pytest.raises(DataError, match=r"bad samples in a row, more than the 8 the source holds"):
         train(load_config(VLM, overrides), progress=False)
     empty = tmp_path / "empty.array_record"
     empty.write_bytes(b"")
@@ -474,3 +477,181 @@ def test_all_bad_samples_stop_instead_of_looping(tmp_path):
     with pytest.raises(DataError, match=r"damaged.array_record"):
         source = ArrayRecordSource((str(damaged),))
         [source[i] for i in range(len(source))]
+
+
+# -- 10. storage of output_dir and checkpoint_dir: one line, the storage status, no hang ----------
+def _private_tmpfs(mount, size, state, args, when=None, then="full"):
+    """`args` run in a private mount namespace (`unshare`: as root or not) where `mount` is a
+    tmpfs of `size`: `state` "ro" (read-only), "full" (filled first) or "rw"; with `when` (a
+    path), the tmpfs is made `then` ("full": no byte left, "inodes": no inode left, "ro") as soon
+    as that file exists (a remount read-only fails while the run has files open there). Returns the
+    completed process and its wall time; the mount ends with the namespace."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -rm): cannot mount a small or read-only tmpfs")
+    mount.mkdir(parents=True, exist_ok=True)
+    fill = f'head -c 1G /dev/zero > "{mount}/filler" 2>/dev/null'
+    ro = f'mount -o remount,ro "{mount}"'
+    inodes = f'i=0; while touch "{mount}/inode$i" 2>/dev/null; do i=$((i+1)); done'
+    script = {"ro": f'{ro} && exec "$@"', "full": f'{fill}; exec "$@"', "rw": 'exec "$@"'}
+    if when:
+        script["rw"] = (f'"$@" & pid=$!; while kill -0 $pid 2>/dev/null && [ ! -e "{when}" ]; do sleep 0.02; done; '
+                        f'{ {"full": fill, "ro": ro, "inodes": inodes}[then]}; wait $pid')
+    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "{mount}" || exit 99; {script[state]}',
+           "sh", *args]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 99, proc.stderr
+    return proc, time.time() - t0
+
+
+def _one_error_line_last(stderr):
+    lines = [line for line in stderr.replace("\r", "\n").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+def test_read_only_checkpoint_dir_exits_at_once_with_one_line(tmp_path):
+    """A read-only checkpoint_dir: status 4 and one line, before anything is trained (it used to
+    print its error, then wait 300 s for Orbax's save threads)."""
+    ck = tmp_path / "ck"
+    proc, took = _private_tmpfs(ck, "4m", "ro", cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}",
+                                                                       f"checkpoint_dir={ck}", "steps=2"]))
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    err = _one_error_line_last(proc.stderr)
+    assert f"checkpoint_dir {ck} is not writable: [Errno 30] Read-only file system" in err, err
+    assert took < 60, took
+    assert not (tmp_path / "out" / "metrics.jsonl").exists(), "nothing was trained"
+
+
+def test_checkpoint_step_directory_not_created_exits_at_once(tmp_path):
+    """The checkpoint filesystem runs out of inodes after the first save, so the next save cannot
+    create its step directory (as on a read-only disk): one line, status 4, within seconds
+    (Orbax's other save threads used to wait 300 s for that directory's signal)."""
+    ck = tmp_path / "ck"
+    args = cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=1000",
+                                   "checkpoint_every=100"])
+    proc, took = _private_tmpfs(ck, "4m,nr_inodes=2000", "rw", args, when=ck / MANIFEST.format(step=100),
+                                then="inodes")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    err = _one_error_line_last(proc.stderr)
+    assert "checkpoint save of step 200" in err and "No space left on device" in err, err
+    assert "2.orbax-checkpoint-tmp" in err or "200.orbax-checkpoint-tmp" in err, err
+    assert "the last complete checkpoint (step 100) is intact" in err, err
+    assert took < 60, took
+
+
+@pytest.mark.parametrize("state", ["ro", "full"])
+def test_read_only_or_full_output_dir_exits_4_with_one_line(tmp_path, state):
+    out = tmp_path / "out"
+    proc, _ = _private_tmpfs(out, "256k", state, cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=2"]))
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    err = _one_error_line_last(proc.stderr)
+    reason = "[Errno 30] Read-only file system" if state == "ro" else "[Errno 28] No space left on device"
+    assert f"output_dir {out} is not writable: {reason}" in err, err
+
+
+def test_output_dir_filling_up_mid_run_exits_4_with_one_line(tmp_path):
+    """The disk of output_dir fills while the run writes metrics: one line naming the file, status
+    4, within seconds (TensorBoard's writer thread died of it and the run hung on its queue)."""
+    out = tmp_path / "out"
+    args = cli_args(KD, TINY_KD + [f"output_dir={out / 'run'}", "steps=100000", "keep_checkpoints=0"])
+    proc, took = _private_tmpfs(out, "1m", "rw", args, when=out / "run" / "metrics.jsonl")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    err = _one_error_line_last(proc.stderr)
+    assert "No space left on device" in err and str(out / "run") in err, err
+    assert took < 120, took
+
+
+def test_full_checkpoint_disk_prints_one_error_line_last(tmp_path):
+    """The checkpoint disk fills after the first save: status 4, and the `error:` line is the
+    last thing on stderr, not buried under Orbax's thread tracebacks."""
+    ck = tmp_path / "ck"
+    args = cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=6",
+                                   "checkpoint_every=1"])
+    proc, _ = _private_tmpfs(ck, "4m", "rw", args, when=ck / MANIFEST.format(step=1))
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    err = _one_error_line_last(proc.stderr)
+    assert "No space left on device" in err and "the last complete checkpoint (step" in err, err
+
+
+@pytest.mark.parametrize("inside", ["", "sub"])
+def test_output_dir_that_is_a_file_exits_2_before_compiling(tmp_path, inside, capsys):
+    from test_plan import COUNTER
+
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a directory")
+    out = taken / inside if inside else taken
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=2"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert f"output_dir={str(out)!r}" in err and "is a file, not a directory" in err, err
+    assert COUNTER.count == before, "refused before any compilation"
+
+
+# -- 11. signals during start-up -------------------------------------------------------------------
+def _start_and_signal_in_startup(out, sig, steps, ignore_sigint=False):
+    """Start a run on `out` and send `sig` as soon as it holds the run lock (start-up: compiling,
+    restoring); `ignore_sigint` starts it as a non-interactive shell starts a background job."""
+    args = cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", "checkpoint_every=1"])
+    pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pre)
+    lock, deadline = out / "run.lock", time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        if lock.exists() and f'"pid": {proc.pid}' in lock.read_text():
+            break
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_during_startup_and_restore(tmp_path, sig):
+    """SIGTERM while a run starts up and restores: exit 0 with a line saying nothing new was saved
+    (it used to die of the signal, 143). SIGINT, even where inherited as ignored: stop, status
+    130, one error line. Either way the committed checkpoint and the metrics stay as they were."""
+    out = tmp_path / "run"
+    train(kd(out, "steps=2", "checkpoint_every=1"), progress=False)
+    ck = out / "checkpoints"
+    before = sorted(p.name for p in ck.iterdir())
+    status, stdout, stderr = _start_and_signal_in_startup(out, getattr(signal, sig), steps=50,
+                                                          ignore_sigint=sig == "SIGINT")
+    if sig == "SIGTERM":
+        assert status == 0, stderr[-3000:]
+        assert "SIGTERM during start-up: stopping before the first step; nothing new to save" in stdout, stdout
+        assert f"step 2 in {ck}, is intact" in stdout, stdout
+        assert "error:" not in stderr, stderr[-3000:]
+    else:
+        assert status == 130, (status, stderr[-3000:])
+        assert _one_error_line_last(stderr).startswith("error: interrupted (SIGINT)")
+    assert sorted(p.name for p in ck.iterdir()) == before, "the committed checkpoints are untouched"
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+# -- 12. config escapes: impossible sizes refused before compiling ---------------------------------
+@pytest.mark.parametrize("overrides,text", [
+    (["models.student.width=16384", "models.student.mlp=65536", "models.student.depth=48", "models.student.heads=128",
+      "models.student.head_dim=128", "models.student.kv_heads=8"],
+     "sections.student='"),
+    (["global_batch=65536"], "global_batch=65536: larger than the 512 samples of data.num_samples"),
+])
+def test_impossible_sizes_exit_2_before_compiling(overrides, text, capsys):
+    """A model far too large for this machine with no device_memory_gb (it used to fail in XLA's
+    allocator after 15 compilations), and a global batch larger than the data (no output for
+    minutes): one line, status 2, nothing compiled."""
+    from test_plan import COUNTER
+
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, "data.num_samples=512", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert text in err, err
+    if "width=16384" in overrides[0]:
+        assert "more than its memory" in err or "exceed the device's memory" in err, err
+    assert COUNTER.count == before, "rejected before any compilation"

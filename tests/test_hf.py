@@ -175,3 +175,33 @@ def test_distilled_student_exports_to_transformers(tmp_path):
                        jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student", torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), np.asarray(ours), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("damage,text", [
+    ("config_not_json", "config.json: not a readable JSON file (JSONDecodeError"),
+    ("no_safetensors", "no *.safetensors files"),
+    ("bad_safetensors", "model.safetensors: not a readable safetensors file"),
+])
+def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, capsys):
+    """A config.json that is not JSON, or no (readable) weights: one line, status 2, nothing
+    compiled (it used to fail after 5 compilations)."""
+    from test_plan import COUNTER
+
+    from maestro_jax import cli
+
+    _, path = make_hf(tmp_path, "llama_untied")
+    overrides = [f"{k}={v}" for k, v in _overrides(path)]
+    if damage == "config_not_json":
+        (path / "config.json").write_text('{"model_type": "llama", "hidden_size": 32,')  # cut short
+    elif damage == "no_safetensors":
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+    else:
+        (path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not js")
+    capsys.readouterr()  # transformers' own output while saving
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(ROOT / "configs/kd_tiny.yaml"), *overrides, "steps=1"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("error: sections.teacher.init.hf_path=") and "\n" not in err, err
+    assert text in err, err
+    assert COUNTER.count == before, "rejected before any compilation"

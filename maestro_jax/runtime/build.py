@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -106,6 +108,64 @@ def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
     return SectionState(v["params"], v["consts"], opt)
 
 
+def _host_memory_bytes() -> float:
+    """This host's RAM, or the cgroup's memory limit when lower (a container or a batch job)."""
+    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, float(text))
+    return total
+
+
+def check_device_memory(plan, state: dict[str, float]) -> None:
+    """Without `device_memory_gb`, refuse before compiling a plan whose persistent state (params,
+    grads, optimizer moments: the planner's memory model) cannot fit this machine's memory.
+
+    An accelerator's limit is its allocator's (`memory_stats()['bytes_limit']`), per device. CPU
+    devices share the host's RAM: the state of every section, times its devices in this
+    process, must fit it. Activations come on top, so this refuses only what can never run."""
+    devices, me = jax.devices(), jax.process_index()
+    local = {s: [devices[i] for i in sp.devices if devices[i].process_index == me] for s, sp in plan.sections.items()}
+    if devices[0].platform == "cpu":
+        total = _host_memory_bytes()
+        need = {s: state.get(s, 0.0) * len(ds) for s, ds in local.items()}
+        if sum(need.values()) > total:
+            s = max(need, key=need.get)
+            raise plan_lib.MemoryBudgetError(
+                f"sections.{s}", f"{state[s] / 2**30:.3f} GiB/device",
+                f"params, grads and optimizer state of all sections total {sum(need.values()) / 2**30:.3f} GiB on "
+                f"this host's {len(jax.local_devices())} CPU devices, more than its memory "
+                f"({total / 2**30:.3f} GiB); shrink the model (section {s!r} is the largest: "
+                f"{need[s] / 2**30:.3f} GiB) or set device_memory_gb to plan for another machine")
+        return
+    for s, ds in local.items():
+        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in ds]
+        limits = [x for x in limits if x]
+        if limits and state.get(s, 0.0) > min(limits):
+            raise plan_lib.MemoryBudgetError(
+                f"sections.{s}", f"{state[s] / 2**30:.3f} GiB/device",
+                f"params, grads and optimizer state exceed the device's memory ({min(limits) / 2**30:.3f} GiB, "
+                f"{ds[0].device_kind}); give the section more devices, more fsdp/tensor sharding, or set "
+                f"device_memory_gb to plan for another machine")
+
+
+def check_batch_fits_data(cfg: Config, source) -> None:
+    """A global batch larger than the data would hold each sample several times in one step:
+    refused before compiling when the source's size is known."""
+    try:
+        size = len(source)
+    except TypeError:  # a source of unknown size
+        return
+    if cfg.global_batch > size:
+        where = "data.num_samples" if cfg.data.kind == "synthetic" else "the data"
+        raise ConfigError(f"error: global_batch={cfg.global_batch}: larger than the {size} samples of {where}; "
+                          f"one step would take each sample {-(-cfg.global_batch // size)} times; valid: at most {size}")
+
+
 def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, check=None) -> Runtime:
     """Check the whole plan (README, "Configs") before building or compiling anything.
 
@@ -138,6 +198,9 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
     budget = cfg.device_memory_gb * 2**30 if cfg.device_memory_gb else None
     plan_lib.check_plan(plan, num_devices=len(jax.devices()), edges=edges, sink=graph.sink, params=infos,
                         budget_bytes=budget, state=state)
+    if budget is None:
+        check_device_memory(plan, state)
+    check_batch_fits_data(cfg, source)
     meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
     shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
     trained = frozenset(s.name for s in graph.sections if s.trained)

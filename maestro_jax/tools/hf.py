@@ -45,7 +45,39 @@ def read_config(path: str | Path) -> dict:
     f = Path(path) / "config.json"
     if not f.is_file():
         raise HFError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
-    return json.loads(f.read_text())
+    try:
+        config = json.loads(f.read_bytes())
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HFError(f"{f}: not a readable JSON file ({type(err).__name__}: {err}); expected a Hugging Face "
+                      f"config.json") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{f}: holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The folder's safetensors files (from `model.safetensors.index.json` when present), each
+    checked to exist and to have a readable safetensors header (cheap: no tensor is read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise HFError(f"{index}: not a readable safetensors index ({type(err).__name__}: {err})") from None
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        raise HFError(f"{path}: no *.safetensors files; expected the weights beside config.json")
+    for name in names:
+        try:
+            with safe_open(str(path / name), framework="numpy"):
+                pass
+        except Exception as err:  # safetensors raises its own SafetensorError, or OSError
+            raise HFError(f"{path / name}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+    return [path / n for n in names]
 
 
 def llm_fields(path: str | Path) -> dict:
@@ -91,13 +123,8 @@ class _Tensors:
     def __init__(self, path: Path):
         from safetensors import safe_open
 
-        index = path / "model.safetensors.index.json"
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-                 else sorted(p.name for p in path.glob("*.safetensors")))
-        if not files:
-            raise HFError(f"{path}: no *.safetensors files")
         self._where = {}
-        self._handles = [safe_open(str(path / f), framework="numpy") for f in files]
+        self._handles = [safe_open(str(f), framework="numpy") for f in weight_files(path)]
         for h in self._handles:
             for k in h.keys():
                 self._where[k] = h

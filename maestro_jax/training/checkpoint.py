@@ -47,12 +47,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from maestro_jax.config import ConfigError
 from maestro_jax.runtime.distributed import agree
 from maestro_jax.runtime.programs import SectionState
+from maestro_jax.training.storage import StorageError
 
 MANIFEST = "manifest-{step}.json"
 log = logging.getLogger("maestro_jax")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StorageError):
     """A checkpoint could not be written or read; the message names the step, the path and why."""
 
 
@@ -185,26 +186,55 @@ def check_checkpoint_layout(plan) -> None:
                               f"one process or across all of them, or set keep_checkpoints=0 (no checkpoints)")
 
 
+class _OrbaxErrors(logging.Filter):
+    """Orbax logs every failure of an asynchronous save from each of its threads, with a traceback
+    (dozens on a full disk); the same error reaches the user once, as the `CheckpointError` of
+    `save` or `close`. Its error records go to the `maestro_jax.orbax` logger at DEBUG instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+            log.getChild("orbax").debug("%s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+def _quiet_orbax_errors() -> None:
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
+        absl.addFilter(_OrbaxErrors())
+
+
 class Checkpointer:
-    def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True):
+    def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True,
+                 read_only: bool = False):
+        """`read_only`: for a reader outside a run (an export): nothing is created or cleaned up,
+        and `save` is not allowed; restoring from read-only storage works."""
+        _quiet_orbax_errors()
         if jax.process_count() > 1:
             # dummy replicas of the checkpoint view must never write (see _view_sharding)
             ocp.type_handlers.register_type_handler(
                 jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if jax.process_index() == 0:
+            if not read_only:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0 and not read_only:
                 self._discard_uncommitted()
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
         agree("checkpoint-dir-ready", True)  # nobody opens the manager before the clean-up is done
         # max_to_keep=None: Orbax deletes old steps as soon as a new one is written, before its
-        # manifest exists; retention is done in `_commit`, after the manifest (see the docstring)
+        # manifest exists; retention is done in `_commit`, after the manifest (see the docstring).
+        # Directories are created in `save` itself: created asynchronously, a failure (read-only
+        # storage) left Orbax's other save threads waiting 300 s for the directory's signal, and
+        # the process could not exit before them.
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                                 enable_async_checkpointing=asynchronous))
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=None, create=not read_only, read_only=read_only,
+                enable_async_checkpointing=asynchronous,
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
         self._committer: threading.Thread | None = None
@@ -225,6 +255,8 @@ class Checkpointer:
         """Start an asynchronous save of `step`; a background thread commits it once complete.
 
         Waits first for the previous save's commit (and raises its error, if any)."""
+        if self.read_only:
+            raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
         self._join_commit()
         items = {f"section_{s}": ocp.args.StandardSave(jax.tree.map(_to_view, {"params": st.params,
                                                                                 "opt_state": st.opt_state}))
@@ -307,6 +339,8 @@ class Checkpointer:
 
     # -- restoring --------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
         steps = [int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json")]
         return sorted(s for s in steps if (self.directory / str(s)).is_dir())
 
@@ -351,7 +385,7 @@ class Checkpointer:
         where = f"falling back to step {earlier[-1]}" if earlier else "no earlier checkpoint: starting from scratch"
         log.warning("checkpoint step %d in %s is corrupt (%s); %s", step, self.directory, problem, where)
         print(f"warning: checkpoint step {step} is corrupt ({problem}); {where}", flush=True)
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and not self.read_only:  # a reader leaves the directory as it is
             bad = self.directory / "corrupt" / str(step)
             shutil.rmtree(bad, ignore_errors=True)
             bad.mkdir(parents=True)

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -30,7 +29,9 @@ from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
 from maestro_jax.training.dirlock import hold_directories
+from maestro_jax.training.preemption import Preemption
 from maestro_jax.training.prefetch import Prefetcher
+from maestro_jax.training.storage import check_directories, write_error
 
 log = logging.getLogger("maestro_jax")
 
@@ -41,7 +42,12 @@ class MetricsWriter:
     A run that resumes from step `start` first cuts the log back to steps <= `start` (a crash
     after the last checkpoint left later steps that the resumed run computes again) and tells
     TensorBoard to purge its events after `start`, so each step appears once, with the values
-    of the run the checkpoints continue."""
+    of the run the checkpoints continue.
+
+    A file that cannot be written (a full or read-only `output_dir`) is a `StorageError` naming
+    it. tensorboardX writes on a thread of its own, which dies on such an error and would then
+    block the next writes forever once its queue fills: its death is noticed (and its traceback
+    kept off stderr) at the next `write`, and its queue is long enough that no write blocks."""
 
     def __init__(self, out_dir: Path | None, start: int = 0):
         self.path = out_dir / "metrics.jsonl" if out_dir else None
@@ -50,25 +56,62 @@ class MetricsWriter:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and _step_of(line) is not None and _step_of(line) <= start]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+                os.replace(tmp, self.path)
+            except OSError as err:  # a full or read-only output_dir: one line, status 4
+                tmp.unlink(missing_ok=True)
+                raise write_error("output_dir", self.path, err) from None
         if out_dir:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else None)
+            try:
+                self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else None,
+                                        max_queue=1024)
+            except OSError as err:
+                raise write_error("output_dir", out_dir / "tb", err) from None
+            self._tb_error: BaseException | None = None
+            self._tb_worker = getattr(getattr(self.tb.file_writer, "event_writer", None), "_worker", None)
+            self._previous_hook = threading.excepthook
+            threading.excepthook = self._thread_died
+
+    def _thread_died(self, args) -> None:
+        if self._tb_worker is not None and args.thread is self._tb_worker:
+            self._tb_error = args.exc_value  # reported by `write` as a StorageError
+        else:
+            self._previous_hook(args)
 
     def write(self, rec: dict) -> None:
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            except OSError as err:  # a full or read-only output_dir: one line, status 4
+                raise write_error("output_dir", self.path, err) from None
         if self.tb:
+            if self._tb_worker is not None and not self._tb_worker.is_alive():
+                err = self._tb_error
+                err = err if isinstance(err, OSError) else OSError(f"its writer thread stopped: {err!r}")
+                raise write_error("output_dir", Path(self.tb.logdir), err, "writing TensorBoard events to")
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(f"train/{k}", v, rec["step"])
 
     def close(self) -> None:
+        """Never raises: a failed final flush of TensorBoard events is a warning (the fault that
+        ends a run, if any, is raised by whoever called; checkpoints still commit after this)."""
         if self.tb:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except Exception as err:
+                log.warning("closing TensorBoard events in %s: %s", self.tb.logdir, err)
+                events = getattr(getattr(self.tb, "file_writer", None), "event_writer", None)
+                if events is not None:  # else tensorboardX's exit hook retries and prints a traceback
+                    events._closed = True
+            finally:
+                if threading.excepthook == self._thread_died:
+                    threading.excepthook = self._previous_hook
+                self.tb = None
 
 
 def _step_of(line: str) -> int | None:
@@ -160,43 +203,41 @@ def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     return states, issued.read()
 
 
-class Preemption:
-    """SIGTERM (a scheduler's preemption notice) ends training at the next step boundary, after a
-    checkpoint; the process then exits with status 0 and a re-run resumes from that step."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
 def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list[dict]:
     """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
 
     `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
     workload. On SIGTERM, saves a checkpoint after the current step and returns early.
     One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding it is
-    refused with a `DirectoryInUseError` (see `dirlock`)."""
+    refused with a `DirectoryInUseError` (see `dirlock`). Directories that cannot take the run's
+    files are refused before anything compiles (`storage.check_directories`). SIGTERM is caught
+    from the start: one that arrives during start-up (compiling, restoring) stops the run before
+    its first step, with nothing new to save."""
     set_peer_timeout(cfg.distributed.timeout_s)
-    with hold_directories({"output_dir": cfg.output_dir,
-                           "checkpoint_dir": cfg.checkpoint_dir if cfg.output_dir and cfg.keep_checkpoints else None}):
-        return _train(cfg, progress, rt)
+    dirs = {"output_dir": cfg.output_dir,
+            "checkpoint_dir": cfg.checkpoint_dir if cfg.output_dir and cfg.keep_checkpoints else None}
+    with Preemption() as preemption:
+        check_directories(dirs)
+        with hold_directories(dirs):
+            return _train(cfg, progress, rt, preemption)
 
 
-def _train(cfg: Config, progress: bool, rt: Runtime | None) -> list[dict]:
+def _preempted_in_startup(preemption: Preemption, out_dir: Path | None, start: int) -> bool:
+    """A SIGTERM before the first step: say so (one process: a multi-process run stops at its
+    first step boundary, where every process takes part in the checkpoint)."""
+    if not preemption.requested or jax.process_count() > 1:
+        return False
+    held = f"the last committed checkpoint, step {start} in {out_dir}, is intact" if start else "no checkpoint yet"
+    print(f"SIGTERM during start-up: stopping before the first step; nothing new to save ({held}); "
+          f"re-run to resume", flush=True)
+    return True
+
+
+def _train(cfg: Config, progress: bool, rt: Runtime | None, preemption: Preemption) -> list[dict]:
     if cfg.output_dir and cfg.keep_checkpoints:
         check_checkpoint_layout(cfg.plan())  # before anything compiles
+    if _preempted_in_startup(preemption, None, 0):
+        return []
     rt = rt or build_runtime(cfg)
     states = rt.init_states()
     bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
@@ -218,18 +259,33 @@ def _train(cfg: Config, progress: bool, rt: Runtime | None) -> list[dict]:
                 start, states, data_state, _ = restored
                 data.set_state(data_state)
         if jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit this config
-            (out_dir / "config.yaml").write_text(dump_config(cfg))
+            try:
+                (out_dir / "config.yaml").write_text(dump_config(cfg))
+            except OSError as err:
+                if ckpt:
+                    ckpt.close()
+                raise write_error("output_dir", out_dir / "config.yaml", err) from None
+    if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
+        if ckpt:
+            ckpt.close()
+        data.close()
+        return []
     if start >= cfg.steps and jax.process_index() == 0:
         print(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}", flush=True)
-    writer = MetricsWriter(out_dir if jax.process_index() == 0 else None, start)  # process 0 writes metrics
+    try:
+        writer = MetricsWriter(out_dir if jax.process_index() == 0 else None, start)  # process 0 writes metrics
+    except BaseException:
+        data.close()
+        if ckpt:
+            ckpt.close()
+        raise
     history = []
     bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
                total=cfg.steps)
-    with Preemption() as preemption:
-        try:
-            history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
-        finally:
-            data.close()
+    try:
+        history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
+    finally:
+        data.close()
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
         bar.write(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")

@@ -7,7 +7,8 @@ from maestro_jax.config import Config, ConfigError
 
 
 def check_pretrained(cfg: Config, pretrained) -> None:
-    """Each `init.hf_path` has a loader and matches `models.<s>` field by field (before compiling)."""
+    """Each `init.hf_path` has a loader, a readable config.json that matches `models.<s>` field by
+    field, and readable safetensors files (before compiling)."""
     from maestro_jax.tools import hf  # noqa: PLC0415
 
     for s, sc in cfg.sections.items():
@@ -18,7 +19,11 @@ def check_pretrained(cfg: Config, pretrained) -> None:
                               f"Face importer; supported: {sorted(pretrained)}")
         try:
             fields = hf.llm_fields(sc.init.hf_path)
-        except (hf.HFError, KeyError) as err:
+            hf.weight_files(sc.init.hf_path)  # present and readable, before anything compiles
+        except KeyError as err:
+            raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: {sc.init.hf_path}/config.json "
+                              f"has no {err} field") from None
+        except hf.HFError as err:
             raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: {err}") from None
         mine = cfg.models[s].model_dump()
         for k, v in fields.items():
