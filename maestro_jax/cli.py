@@ -98,11 +98,18 @@ def _main(argv: list[str] | None) -> int:
     return _command(args)
 
 
+def _error_line(err) -> str:
+    """The one `error:` line a fault ends with. Messages that carry a library's text (a
+    tensorstore spec, an XLA status) can span lines; they are joined, so the line stays one."""
+    text = " ".join(str(err).split())
+    return text if text.startswith("error:") else f"error: {text}"
+
+
 def _command(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(err, file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 2
     if args.command in ("simulate", "plan"):
         from maestro_jax.core.plan import PlanError
@@ -112,8 +119,7 @@ def _command(args) -> int:
         try:
             return _simulate(cfg, args) if args.command == "simulate" else _plan(cfg, args)
         except (ConfigError, PlanError) as err:
-            msg = str(err)
-            print(msg if msg.startswith("error:") else f"error: {msg}", file=sys.stderr)
+            print(_error_line(err), file=sys.stderr)
             return 2
     _ensure_host_devices(cfg.host_devices)
     if args.coordinator and (args.num_processes is None or args.process_id is None):
@@ -165,7 +171,7 @@ def _run(cfg, args) -> int:
             try:
                 history = train(cfg)
             except tuple(f for f, _ in faults) as err:
-                print(f"error: {err}", file=sys.stderr)
+                print(_error_line(err), file=sys.stderr)
                 from maestro_jax.runtime.distributed import announce_failure
 
                 announce_failure(f"{type(err).__name__}: {err}")
@@ -184,8 +190,7 @@ def _run(cfg, args) -> int:
         print(text)
         return 0 if ok else 1
     except (ConfigError, PlanError) as err:
-        msg = str(err)
-        print(msg if msg.startswith("error:") else f"error: {msg}", file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 2
 
 
@@ -243,7 +248,7 @@ def _export(cfg, args) -> int:
     try:
         hf.save_llm(args.out, states[args.section].params, model.model_dump(), model_type=args.model_type)
     except hf.HFError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 2
     print(f"wrote {args.out}: section {args.section!r} at step {step} ({args.model_type})")
     return 0
@@ -259,7 +264,7 @@ def _plan(cfg, args) -> int:
     try:
         report = planner_for(cfg, args.devices, args.memory_gb).search(top=args.top)
     except InfeasibleError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 2
     print(f"workload {cfg.workload}: sections {', '.join(best_sections(report))}; {report.considered} plans within "
           f"the bound threshold pass every constraint; {report.simulated} simulated (the rest are ruled out by their "
