@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from maestro_jax.config import ConfigError
-from maestro_jax.runtime.distributed import agree
+from maestro_jax.runtime.distributed import agree, checkpoint_manager_options, peer_fault
 from maestro_jax.runtime.programs import SectionState
 
 MANIFEST = "manifest-{step}.json"
@@ -204,7 +204,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                                 enable_async_checkpointing=asynchronous))
+                                                 enable_async_checkpointing=asynchronous,
+                                                 **checkpoint_manager_options()))  # peer waits bounded
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
         self._committer: threading.Thread | None = None
@@ -245,7 +246,10 @@ class Checkpointer:
                                            name=f"checkpoint-commit-{step}")
         self._committer.start()
 
-    def _save_error(self, step: int, err: BaseException) -> CheckpointError:
+    def _save_error(self, step: int, err: BaseException) -> Exception:
+        peer = peer_fault(err, f"the checkpoint save of step {step}")  # a lost or stuck peer is no storage fault
+        if peer is not None:
+            return peer
         return CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: "
                                f"{type(err).__name__}: {err}".replace("\n", " ")[:600]
                                + f"; the last complete checkpoint (step {self.latest_step()}) is intact")
@@ -294,6 +298,10 @@ class Checkpointer:
         if self._commit_error is not None:
             (step, err), self._commit_error = self._commit_error, None
             raise self._save_error(step, err) from err
+
+    def wait_committed(self) -> None:
+        """Wait until the last save is committed; raise its error if it failed."""
+        self._join_commit()
 
     def close(self) -> None:
         """Wait for the last save's commit (raising `CheckpointError` if it failed) and stop Orbax."""

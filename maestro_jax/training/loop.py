@@ -27,7 +27,7 @@ from tqdm import tqdm
 from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
 from maestro_jax.runtime.build import Runtime, build_runtime
-from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
+from maestro_jax.runtime.distributed import PeerError, agree, fetch, set_peer_timeout, step_barrier
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.prefetch import Prefetcher
@@ -122,6 +122,7 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
+        self.by: list[int] = []  # the processes that got a notice
         self._previous = None
 
     def __enter__(self):
@@ -131,6 +132,25 @@ class Preemption:
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def stop_after(self, done: int) -> bool:
+        """Whether to checkpoint and stop after step `done`: a notice on this process or on any
+        other (multi-process: exchanged in the next step's check-in, so every process stops
+        after the same step, and all of them take part in its checkpoint)."""
+        self.by = step_barrier(done + 1, self.requested)
+        return bool(self.by)
+
+    def report(self, done: int, ckpt) -> str:
+        """What stopping after step `done` left: a checkpoint is said to be saved only once it is
+        committed (process 0 wrote its manifest). Raises the save's error instead, if it failed."""
+        notice = "SIGTERM" if self.requested else f"preemption notice on process {', '.join(map(str, self.by))}"
+        if ckpt is None:
+            return f"{notice}: stopping after step {done}, no checkpoint (keep_checkpoints=0 or no output_dir)"
+        ckpt.wait_committed()
+        committed = agree(f"committed-{done}", ckpt.latest_step())  # process 0 writes the manifest
+        if committed != done:
+            return f"{notice}: the checkpoint of step {done} was not committed (the last committed is step {committed})"
+        return f"{notice}: checkpoint saved at step {done}; stopping (re-run to resume)"
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -216,10 +236,11 @@ def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) ->
             writer.write(rec)
             done = step + 1
             due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
-            if ckpt and (due or preemption.requested):
+            stop = preemption.stop_after(done)  # a notice on any process stops all of them here
+            if ckpt and (due or stop):
                 ckpt.save(done, states, data.get_state(), {"seed": cfg.seed, "workload": cfg.workload})
-            if preemption.requested:
-                bar.write(f"SIGTERM: checkpoint saved at step {done}; stopping (re-run to resume)")
+            if stop:
+                bar.write(preemption.report(done, ckpt))
                 break
     except PeerError:
         writer.close()  # no checkpoint work: committing needs the lost peer (its save is never committed)
