@@ -201,11 +201,14 @@ def peer_fault(err: BaseException, what: str) -> PeerError | None:
         chain.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__
     text = " | ".join(chain).replace("\n", " ")
-    detail = f"[{text[:300]}]"
+    cause = next((c for c in reversed(chain) if any(m in c for m in ("Barrier timed out", "DEADLINE", *_LOST))), chain[0])
+    detail = f"[{cause.splitlines()[0].split('. This usually')[0][:200]}]"
     if "Barrier timed out" in text or "DEADLINE_EXCEEDED" in text:
-        stuck = re.search(r"timed out task names?:(.*)", text)
-        who = sorted({int(t) for t in re.findall(r"task:(\d+)", stuck.group(1))} - {me}) if stuck else []
-        who = who or _silent_peers(what)
+        # "Some timed out task names: 1" (or ".../task:1"): the processes that did not arrive
+        stuck = re.search(r"timed out task names?:(.*?)(?:RPC:|\[|$)", text)
+        names = stuck.group(1) if stuck else ""
+        found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
+        who = sorted({int(t) for t in found} - {me}) or _silent_peers(what)
         return PeerError(f"{_processes(who)} did not reach {what} within {PEER_TIMEOUT_S:g}s (distributed.timeout_s): "
                          f"dead or stuck; stopping this process ({me}) too. {detail}")
     if any(mark in text for mark in _LOST):

@@ -232,6 +232,8 @@ class Checkpointer:
                  for s, st in states.items() if st.opt_state is not None}
         items["data"] = ocp.args.JsonSave(data_state)
         items["meta"] = ocp.args.JsonSave({**meta, "step": step})
+        if delay := float(os.environ.get("MAESTRO_TEST_SAVE_DELAY_S", "0")):
+            time.sleep(delay)  # test hook: this process joins a save its peers are in only later
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as err:  # Orbax raises OSError, ValueError or its own types for storage faults
