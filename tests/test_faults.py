@@ -471,6 +471,29 @@ def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
     assert waited < 60, waited
 
 
+def test_save_failures_are_classified_peer_or_storage(monkeypatch):
+    """In a multi-process run a save that failed at a peer barrier is a PeerError naming the
+    processes that did not arrive; storage errors (cloud storage's UNAVAILABLE or connection
+    resets included) stay storage faults."""
+    from maestro_jax.runtime import distributed
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(distributed, "_failed_peer", lambda: None)
+    barrier = RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: _async_write_complete.4::0. This usually "
+                           "happens because ...\n# of tasks that reached the barrier: 1/2.\nThe first task at the "
+                           "barrier: 0. Some timed out task names:\n1\nRPC: /xla.coordination.CoordinationService/Barrier")
+    try:
+        raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from barrier
+    except TimeoutError as err:
+        peer = distributed.peer_fault(err, "the checkpoint save of step 4")
+    assert isinstance(peer, distributed.PeerError)
+    assert str(peer).startswith("process 1 did not reach the checkpoint save of step 4 within")
+    assert "Id: _async_write_complete.4::0]" in str(peer)
+    for storage in (OSError(28, "No space left on device"), RuntimeError("UNAVAILABLE: Connection reset by peer")):
+        assert distributed.peer_fault(storage, "the checkpoint save of step 4") is None
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1])
 def test_sigterm_to_one_process_checkpoints_every_process(tmp_path, victim):

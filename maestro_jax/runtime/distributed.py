@@ -179,8 +179,10 @@ def checkpoint_manager_options() -> dict:
     return {"async_options": ocp.AsyncOptions(barrier_sync_fn=barrier)}
 
 
-_LOST = ("Gloo", "Connection reset by peer", "Connection closed by peer", "Socket closed", "UNAVAILABLE",
-         "Broken pipe")
+# Errors that only a lost peer causes: a device collective failing (its connection closed), or the
+# coordination service (run by process 0) gone. Not "Connection reset" or UNAVAILABLE alone:
+# cloud storage reports those too, and a storage fault must stay one.
+_LOST = ("Gloo", "coordination service")
 
 
 def peer_fault(err: BaseException, what: str) -> PeerError | None:
@@ -188,7 +190,8 @@ def peer_fault(err: BaseException, what: str) -> PeerError | None:
     "the checkpoint save of step 4"), or None when no peer is at fault (a storage fault stays
     one). A peer that announced an error is named with it; a coordination-service barrier that
     timed out names the processes that did not arrive; a closed connection (a collective
-    failing because its peer died) names the processes that do not answer a bounded probe."""
+    failing because its peer died) names the processes that do not answer a bounded probe
+    (`_silent_peers`)."""
     if jax.process_count() == 1:
         return None
     me = jax.process_index()
@@ -201,14 +204,14 @@ def peer_fault(err: BaseException, what: str) -> PeerError | None:
         chain.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__
     text = " | ".join(chain).replace("\n", " ")
-    cause = next((c for c in reversed(chain) if any(m in c for m in ("Barrier timed out", "DEADLINE", *_LOST))), chain[0])
+    cause = next((c for c in reversed(chain) if any(m in c for m in ("Barrier timed out", *_LOST))), chain[0])
     detail = f"[{cause.splitlines()[0].split('. This usually')[0][:200]}]"
-    if "Barrier timed out" in text or "DEADLINE_EXCEEDED" in text:
+    if "Barrier timed out" in text:
         # "Some timed out task names: 1" (or ".../task:1"): the processes that did not arrive
         stuck = re.search(r"timed out task names?:(.*?)(?:RPC:|\[|$)", text)
         names = stuck.group(1) if stuck else ""
         found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
-        who = sorted({int(t) for t in found} - {me}) or _silent_peers(what)
+        who = sorted({int(t) for t in found} - {me})
         return PeerError(f"{_processes(who)} did not reach {what} within {PEER_TIMEOUT_S:g}s (distributed.timeout_s): "
                          f"dead or stuck; stopping this process ({me}) too. {detail}")
     if any(mark in text for mark in _LOST):
