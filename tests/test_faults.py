@@ -441,6 +441,26 @@ def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
 
 
 @pytest.mark.multiprocess
+def test_a_sigterm_handler_installed_before_jax_distributed_still_runs():
+    """jax.distributed.initialize's preemption notifier takes SIGTERM over at the C level; a
+    Python handler installed before it (preemption caught from start-up on) would never run: the service is off."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/signal_worker.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    try:
+        out = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], out
+    assert all("HANDLED True" in o for o in out), out
+
+
+@pytest.mark.multiprocess
 def test_stuck_peer_is_named_within_the_timeout(tmp_path):
     """SIGSTOP: the peer is alive but makes no progress. The step-boundary and fetch waits are
     bounded by distributed.timeout_s (10 s), well before the 120 s heartbeat would notice."""

@@ -151,22 +151,21 @@ def step_barrier(step: int, preempted: bool = False) -> list[int]:
 
 
 # -- checkpoint saves: Orbax's waits on other processes, bounded and named ----------------------
-def checkpoint_manager_options() -> dict:
-    """Extra `CheckpointManagerOptions` that bound every wait of an Orbax save on another
-    process by `PEER_TIMEOUT_S`; `{}` with one process.
+def checkpoint_barrier():
+    """The barrier function for Orbax's `AsyncOptions(barrier_sync_fn=...)` that bounds every
+    wait of a save on another process by `PEER_TIMEOUT_S`; None with one process.
 
     By default Orbax synchronises processes with a device collective (`sync_global_devices`,
     a gloo all-gather on CPU): unbounded, so a SIGSTOPped peer held a save until the heartbeat
     gave up, and a killed one surfaced as `Gloo AllGather failed`, indistinguishable from a
     storage fault. Its coordination-service barriers instead time out and name the processes
-    that did not arrive (`peer_fault` reads that). Process-wide settings of Orbax 0.12: the
-    flag `experimental_orbax_use_distributed_barrier` and its barrier timeout, plus our own
-    barrier function for the background commit (whose overall budget, writing included, stays
-    Orbax's 20 minutes; each wait on a peer inside it is capped at `PEER_TIMEOUT_S`)."""
+    that did not arrive (`peer_fault` reads that). Process-wide settings of Orbax 0.12, made
+    here: the flag `experimental_orbax_use_distributed_barrier` and its barrier timeout. The
+    returned function serves the background commit, whose overall budget (writing included)
+    stays Orbax's 20 minutes while each wait on a peer inside it is capped at `PEER_TIMEOUT_S`."""
     if jax.process_count() == 1:
-        return {}
-    import orbax.checkpoint as ocp  # noqa: PLC0415 - the runtime does not need Orbax otherwise
-    from absl import flags as absl_flags  # noqa: PLC0415
+        return None
+    from absl import flags as absl_flags  # noqa: PLC0415 - the runtime does not need Orbax otherwise
     from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
 
     flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
@@ -176,7 +175,7 @@ def checkpoint_manager_options() -> dict:
     def barrier(*, key: str, timeout_ms: int) -> None:
         _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(PEER_TIMEOUT_S * 1000))))
 
-    return {"async_options": ocp.AsyncOptions(barrier_sync_fn=barrier)}
+    return barrier
 
 
 # Errors that only a lost peer causes: a device collective failing (its connection closed), or the
@@ -257,6 +256,11 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
     """
     if coordinator is None and int(os.environ.get("SLURM_NTASKS", "1")) <= 1 and "JAX_COORDINATOR_ADDRESS" not in os.environ:
         return
+    # jax's preemption service (`reached_preemption_sync_point`, unused here: the step check-in
+    # carries the flags) installs a C SIGTERM handler that only logs `SIGTERM caught`. It takes
+    # the signal over from a Python handler installed earlier, although `signal.getsignal` still
+    # names that one, so a preemption notice caught from start-up on would be lost (jax 0.10).
+    jax.config.update("jax_enable_preemption_service", False)
     if coordinator is not None:
         host, port = coordinator.rsplit(":", 1)
         address = "127.0.0.1" if host in ("localhost", "127.0.0.1") else _own_address()

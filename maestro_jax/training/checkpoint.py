@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from maestro_jax.config import ConfigError
-from maestro_jax.runtime.distributed import agree, checkpoint_manager_options, peer_fault
+from maestro_jax.runtime.distributed import agree, checkpoint_barrier, peer_fault
 from maestro_jax.runtime.programs import SectionState
 
 MANIFEST = "manifest-{step}.json"
@@ -205,7 +205,7 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                  enable_async_checkpointing=asynchronous,
-                                                 **checkpoint_manager_options()))  # peer waits bounded
+                                                 async_options=ocp.AsyncOptions(barrier_sync_fn=checkpoint_barrier())))
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
         self._committer: threading.Thread | None = None
