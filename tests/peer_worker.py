@@ -7,6 +7,7 @@ import time
 
 pid, port = int(sys.argv[1]), int(sys.argv[2])
 os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
 from maestro_jax.runtime import distributed  # noqa: E402
 

@@ -378,20 +378,22 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
 
 
 # -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------
-def _start_two(tmp_path, overrides):
+def _start_two(tmp_path, overrides, env_of=None, lines=2):
+    """Two processes of 4 devices each, returned once process 0 logged `lines` steps; `env_of`:
+    extra environment variables per process id. stdout and stderr are piped."""
     from test_multiprocess import free_port
 
     port, procs = free_port(), []
     for pid in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env_of or {}).get(pid, {})}
         args = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(KD), "--coordinator",
                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid), "host_devices=4",
                 *TINY_KD, *overrides, f"output_dir={tmp_path / 'run'}"]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     metrics_file = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and all(p.poll() is None for p in procs):
-        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2:
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= lines:
             return procs
         time.sleep(0.1)
     for p in procs:
@@ -442,6 +444,26 @@ def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
 
 
 @pytest.mark.multiprocess
+def test_a_sigterm_handler_installed_before_jax_distributed_still_runs():
+    """jax.distributed.initialize's preemption notifier takes SIGTERM over at the C level; a
+    Python handler installed before it (preemption caught from start-up on) would never run: the service is off."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/signal_worker.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    try:
+        out = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], out
+    assert all("HANDLED True" in o for o in out), out
+
+
+@pytest.mark.multiprocess
 def test_stuck_peer_is_named_within_the_timeout(tmp_path):
     """SIGSTOP: the peer is alive but makes no progress. The step-boundary and fetch waits are
     bounded by distributed.timeout_s (10 s), well before the 120 s heartbeat would notice."""
@@ -451,6 +473,97 @@ def test_stuck_peer_is_named_within_the_timeout(tmp_path):
     assert waited < 60
     assert "error: process 1 did not reach step" in err or "error: process 1 did not publish" in err, err[-3000:]
     assert "within 10s (distributed.timeout_s): it is dead or stuck" in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
+    """`kill -9` or SIGSTOP of process 1 while process 0 is in the checkpoint save of step 3 (the
+    test hook holds process 1 back from that save): process 0 stops with status 5 within about
+    distributed.timeout_s (10 s), naming process 1. Not a storage fault (status 4, `Gloo
+    AllGather failed`), and not left to the heartbeat (120 s): Orbax's waits on peers are
+    coordination-service barriers bounded by the timeout."""
+    procs = _start_two(tmp_path, ["steps=100000", "checkpoint_every=3", "distributed.timeout_s=10",
+                                  "distributed.heartbeat_timeout_s=120"],
+                       env_of={1: {"MAESTRO_TEST_SAVE_DELAY_S": "300"}}, lines=3)
+    time.sleep(1)  # process 0 is waiting in the save of step 3 for process 1, which sleeps in the hook
+    status, err, waited = _survivor_outcome(procs, 1, sig, bound_s=100)
+    assert status == 5, err[-3000:]
+    assert "error: process 1 did not reach the checkpoint save of step 3 within 10s (distributed.timeout_s)" in err, \
+        err[-3000:]
+    assert waited < 60, waited
+
+
+def test_save_failures_are_classified_peer_or_storage(monkeypatch):
+    """In a multi-process run a save that failed at a peer barrier is a PeerError naming the
+    processes that did not arrive; storage errors (cloud storage's UNAVAILABLE or connection
+    resets included) stay storage faults."""
+    from maestro_jax.runtime import distributed
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(distributed, "_failed_peer", lambda: None)
+    barrier = RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: _async_write_complete.4::0. This usually "
+                           "happens because ...\n# of tasks that reached the barrier: 1/2.\nThe first task at the "
+                           "barrier: 0. Some timed out task names:\n1\nRPC: /xla.coordination.CoordinationService/Barrier")
+    try:
+        raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from barrier
+    except TimeoutError as err:
+        peer = distributed.peer_fault(err, "the checkpoint save of step 4")
+    assert isinstance(peer, distributed.PeerError)
+    assert str(peer).startswith("process 1 did not reach the checkpoint save of step 4 within")
+    assert "Id: _async_write_complete.4::0]" in str(peer)
+    for storage in (OSError(28, "No space left on device"), RuntimeError("UNAVAILABLE: Connection reset by peer")):
+        assert distributed.peer_fault(storage, "the checkpoint save of step 4") is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("victim", [1])
+def test_sigterm_to_one_process_checkpoints_every_process(tmp_path, victim):
+    """A preemption notice on one host (the common case): every process checkpoints the same
+    step and exits 0 (the flags travel in the step check-in); each says so only once the
+    checkpoint is committed."""
+    procs = _start_two(tmp_path, ["steps=100000", "distributed.timeout_s=30"])
+    try:
+        procs[victim].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    said = re.search(r"SIGTERM: checkpoint saved at step (\d+); stopping", outs[victim][0])
+    assert said, outs[victim]
+    step = int(said.group(1))
+    assert f"preemption notice on process {victim}: checkpoint saved at step {step}; stopping" in outs[1 - victim][0]
+    assert (tmp_path / "run" / "checkpoints" / MANIFEST.format(step=step)).exists()
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, step + 1))
+
+
+def test_sigterm_says_saved_only_once_committed(tmp_path):
+    """"checkpoint saved at step N" is printed only once manifest-N exists (the test hook holds
+    the commit back 5 s after Orbax finished)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "MAESTRO_TEST_COMMIT_DELAY_S": "5", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=100000"]), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline and not (
+                (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        committed = None
+        for line in proc.stdout:
+            if said := re.search(r"checkpoint saved at step (\d+)", line):
+                committed = (out / "checkpoints" / MANIFEST.format(step=int(said.group(1)))).exists()
+                break
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert committed is not None, "the run said nothing of a checkpoint"
+    assert committed, "said saved before the checkpoint was committed"
 
 
 def test_all_bad_samples_stop_instead_of_looping(tmp_path):

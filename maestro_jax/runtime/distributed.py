@@ -13,7 +13,9 @@ import collections
 import itertools
 import json
 import logging
+import math
 import os
+import re
 import threading
 import time
 
@@ -123,17 +125,125 @@ def gather(name: str, value) -> list:
             for q in range(jax.process_count())]
 
 
-def step_barrier(step: int) -> None:
+_checked_in: dict[int, list[int]] = {}  # the last step barrier's outcome: a second call is free
+
+
+def step_barrier(step: int, preempted: bool = False) -> list[int]:
     """Every process checks in before step `step`; a peer that does not within the timeout is
     named in the error. Bounds the wait on a stuck or dead peer at every step boundary (a peer
-    lost mid-step is caught by the coordination service's heartbeat, `distributed.heartbeat_timeout_s`)."""
+    lost mid-step is caught by the coordination service's heartbeat, `distributed.heartbeat_timeout_s`).
+
+    Each process brings its preemption flag (a SIGTERM it received); returns the processes that
+    raised it, the same list on every process, so that a notice on any one host stops all of
+    them after the same step. Only the first call for a step exchanges anything (the training
+    loop checks in at the end of a step and again at the top of the next)."""
     if jax.process_count() == 1:
-        return
+        return [0] if preempted else []
+    if step in _checked_in:
+        return _checked_in[step]
     me = jax.process_index()
-    _client().key_value_set(f"maestro/step/{step}/{me}", "1")
+    _client().key_value_set(f"maestro/step/{step}/{me}", "preempted" if preempted else "1")
+    flags = {q: preempted if q == me else _get(f"maestro/step/{step}/{q}", q, f"reach step {step}") == "preempted"
+             for q in range(jax.process_count())}
+    _checked_in.clear()
+    _checked_in[step] = [q for q, flag in flags.items() if flag]
+    return _checked_in[step]
+
+
+# -- checkpoint saves: Orbax's waits on other processes, bounded and named ----------------------
+def checkpoint_barrier():
+    """The barrier function for Orbax's `AsyncOptions(barrier_sync_fn=...)` that bounds every
+    wait of a save on another process by `PEER_TIMEOUT_S`; None with one process.
+
+    By default Orbax synchronises processes with a device collective (`sync_global_devices`,
+    a gloo all-gather on CPU): unbounded, so a SIGSTOPped peer held a save until the heartbeat
+    gave up, and a killed one surfaced as `Gloo AllGather failed`, indistinguishable from a
+    storage fault. Its coordination-service barriers instead time out and name the processes
+    that did not arrive (`peer_fault` reads that). Process-wide settings of Orbax 0.12, made
+    here: the flag `experimental_orbax_use_distributed_barrier` and its barrier timeout. The
+    returned function serves the background commit, whose overall budget (writing included)
+    stays Orbax's 20 minutes while each wait on a peer inside it is capped at `PEER_TIMEOUT_S`."""
+    if jax.process_count() == 1:
+        return None
+    from absl import flags as absl_flags  # noqa: PLC0415 - the runtime does not need Orbax otherwise
+    from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
+
+    flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+    flag.value, flag.present = True, 1  # readable without absl parsing the command line
+    multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(PEER_TIMEOUT_S))
+
+    def barrier(*, key: str, timeout_ms: int) -> None:
+        _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(PEER_TIMEOUT_S * 1000))))
+
+    return barrier
+
+
+# Errors that only a lost peer causes: a device collective failing (its connection closed), or the
+# coordination service (run by process 0) gone. Not "Connection reset" or UNAVAILABLE alone:
+# cloud storage reports those too, and a storage fault must stay one.
+_LOST = ("Gloo", "coordination service")
+
+
+def peer_fault(err: BaseException, what: str) -> PeerError | None:
+    """The `PeerError` behind `err`, raised by work that involves every process (`what`, e.g.
+    "the checkpoint save of step 4"), or None when no peer is at fault (a storage fault stays
+    one). A peer that announced an error is named with it; a coordination-service barrier that
+    timed out names the processes that did not arrive; a closed connection (a collective
+    failing because its peer died) names the processes that do not answer a bounded probe
+    (`_silent_peers`)."""
+    if jax.process_count() == 1:
+        return None
+    me = jax.process_index()
+    failed = _failed_peer()
+    if failed is not None and failed[0] != me:
+        return PeerError(f"process {failed[0]} stopped on an error ({failed[1]}) during {what}; stopping this "
+                         f"process ({me}) too")
+    chain, e = [], err
+    while e is not None and len(chain) < 8:
+        chain.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    text = " | ".join(chain).replace("\n", " ")
+    cause = next((c for c in reversed(chain) if any(m in c for m in ("Barrier timed out", *_LOST))), chain[0])
+    detail = f"[{cause.splitlines()[0].split('. This usually')[0][:200]}]"
+    if "Barrier timed out" in text:
+        # "Some timed out task names: 1" (or ".../task:1"): the processes that did not arrive
+        stuck = re.search(r"timed out task names?:(.*?)(?:RPC:|\[|$)", text)
+        names = stuck.group(1) if stuck else ""
+        found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
+        who = sorted({int(t) for t in found} - {me})
+        return PeerError(f"{_processes(who)} did not reach {what} within {PEER_TIMEOUT_S:g}s (distributed.timeout_s): "
+                         f"dead or stuck; stopping this process ({me}) too. {detail}")
+    if any(mark in text for mark in _LOST):
+        who = _silent_peers(what)
+        return PeerError(f"{_processes(who)} was lost during {what}: a connection to it closed"
+                         f"{' and it did not answer' if who else ''}; stopping this process ({me}) too. {detail}")
+    return None
+
+
+def _processes(who: list[int]) -> str:
+    if not who:
+        return "a peer process"
+    return f"process {who[0]}" if len(who) == 1 else f"processes {', '.join(map(str, who))}"
+
+
+def _silent_peers(what: str) -> list[int]:
+    """The peers that do not answer within `PEER_TIMEOUT_S`: every process that meets the same
+    fault in `what` posts here, so those that stay silent are the lost ones. Without the
+    coordination service (it ran in a lost process 0) that is process 0."""
+    me, tag = jax.process_index(), re.sub(r"\W+", "-", what)
+    try:
+        _client().key_value_set(f"maestro/alive/{tag}/{me}", "1")
+    except Exception:  # noqa: BLE001 - the service is gone with the process that ran it
+        return [0] if me != 0 else []
+    deadline, silent = time.monotonic() + PEER_TIMEOUT_S, []
     for q in range(jax.process_count()):
         if q != me:
-            _get(f"maestro/step/{step}/{q}", q, f"reach step {step}")
+            try:
+                _client().blocking_key_value_get(f"maestro/alive/{tag}/{q}",
+                                                 max(1, int((deadline - time.monotonic()) * 1000)))
+            except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: silent; UNAVAILABLE: the service is gone
+                silent.append(q)
+    return silent
 
 
 def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
@@ -146,6 +256,11 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
     """
     if coordinator is None and int(os.environ.get("SLURM_NTASKS", "1")) <= 1 and "JAX_COORDINATOR_ADDRESS" not in os.environ:
         return
+    # jax's preemption service (`reached_preemption_sync_point`, unused here: the step check-in
+    # carries the flags) installs a C SIGTERM handler that only logs `SIGTERM caught`. It takes
+    # the signal over from a Python handler installed earlier, although `signal.getsignal` still
+    # names that one, so a preemption notice caught from start-up on would be lost (jax 0.10).
+    jax.config.update("jax_enable_preemption_service", False)
     if coordinator is not None:
         host, port = coordinator.rsplit(":", 1)
         address = "127.0.0.1" if host in ("localhost", "127.0.0.1") else _own_address()

@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from maestro_jax.config import ConfigError
-from maestro_jax.runtime.distributed import agree
+from maestro_jax.runtime.distributed import agree, checkpoint_barrier, peer_fault
 from maestro_jax.runtime.programs import SectionState
 from maestro_jax.training.storage import StorageError
 
@@ -234,7 +234,8 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=None, create=not read_only, read_only=read_only,
                 enable_async_checkpointing=asynchronous,
-                async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
+                                               barrier_sync_fn=checkpoint_barrier())))
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
         self._committer: threading.Thread | None = None
@@ -263,6 +264,8 @@ class Checkpointer:
                  for s, st in states.items() if st.opt_state is not None}
         items["data"] = ocp.args.JsonSave(data_state)
         items["meta"] = ocp.args.JsonSave({**meta, "step": step})
+        if delay := float(os.environ.get("MAESTRO_TEST_SAVE_DELAY_S", "0")):
+            time.sleep(delay)  # test hook: this process joins a save its peers are in only later
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as err:  # Orbax raises OSError, ValueError or its own types for storage faults
@@ -277,7 +280,10 @@ class Checkpointer:
                                            name=f"checkpoint-commit-{step}")
         self._committer.start()
 
-    def _save_error(self, step: int, err: BaseException) -> CheckpointError:
+    def _save_error(self, step: int, err: BaseException) -> Exception:
+        peer = peer_fault(err, f"the checkpoint save of step {step}")  # a lost or stuck peer is no storage fault
+        if peer is not None:
+            return peer
         return CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: "
                                f"{type(err).__name__}: {err}".replace("\n", " ")[:600]
                                + f"; the last complete checkpoint (step {self.latest_step()}) is intact")
@@ -326,6 +332,10 @@ class Checkpointer:
         if self._commit_error is not None:
             (step, err), self._commit_error = self._commit_error, None
             raise self._save_error(step, err) from err
+
+    def wait_committed(self) -> None:
+        """Wait until the last save is committed; raise its error if it failed."""
+        self._join_commit()
 
     def close(self) -> None:
         """Wait for the last save's commit (raising `CheckpointError` if it failed) and stop Orbax."""

@@ -339,14 +339,15 @@ def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) ->
             pending = (issued, prepared, data.data_wait_s)
             done = step + 1
             due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
-            save = ckpt and (due or preemption.requested)
-            if save or preemption.requested:  # a checkpoint holds only a step known to be finite
+            stop = preemption.stop_after(done)  # a notice on any process stops all of them here
+            save = ckpt and (due or stop)
+            if save or stop:  # a checkpoint holds only a step known to be finite
                 log_.read(*pending, wait_reason="checkpoint" if save else "preemption")
                 pending = None
             if save:
                 ckpt.save(done, states, data.get_state(), {"seed": cfg.seed, "workload": cfg.workload})
-            if preemption.requested:
-                bar.write(f"SIGTERM: checkpoint saved at step {done}; stopping (re-run to resume)")
+            if stop:
+                bar.write(preemption.report(done, ckpt))
                 break
         if pending:
             log_.read(*pending, wait_reason="last step")
