@@ -343,5 +343,18 @@ def _bench(cfg, args) -> int:
     return 0
 
 
+def console_main() -> None:
+    """The `maestro-jax` command. A run that failed leaves without the interpreter's teardown:
+    its `error:` line stays the last line on stderr (asyncio and Orbax threads of a failed
+    save otherwise print tracebacks while the interpreter shuts down), and everything that must
+    survive a fault (committed checkpoints, metrics) is written before the error is printed."""
+    status = main()
+    if status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -618,11 +618,19 @@ def _private_tmpfs(mount, size, state, args, when=None, then="full"):
     return proc, time.time() - t0
 
 
+# tensorstore's write callbacks, reaching the event loop of a save that already failed, print
+# these tracebacks from native threads, interleaved (not through logging or sys.excepthook);
+# no other traceback may appear
+LATE_WRITE_CALLBACK = ("Traceback (most recent call last):", 'asyncio/base_events.py", line', "self._check_closed()",
+                       "raise RuntimeError('Event loop is closed')", "RuntimeError: Event loop is closed")
+
+
 def _one_error_line_last(stderr):
     lines = [line for line in stderr.replace("\r", "\n").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1 and lines[-1] == errors[0], stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
+    rest = [line for line in lines if not any(noise in line for noise in LATE_WRITE_CALLBACK)]
+    assert not any("Traceback" in line or 'File "' in line for line in rest), stderr[-3000:]
     return errors[0]
 
 

@@ -36,6 +36,7 @@ import os
 import shutil
 import threading
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -188,20 +189,27 @@ def check_checkpoint_layout(plan) -> None:
 
 class _OrbaxErrors(logging.Filter):
     """Orbax logs every failure of an asynchronous save from each of its threads, with a traceback
-    (dozens on a full disk); the same error reaches the user once, as the `CheckpointError` of
-    `save` or `close`. Its error records go to the `maestro_jax.orbax` logger at DEBUG instead."""
+    (dozens on a full disk), and asyncio reports its failed write futures again at exit ("Future
+    exception was never retrieved"); the same error reaches the user once, as the
+    `CheckpointError` of `save` or `close`. Such records (logged from Orbax, or carrying an
+    exception raised inside it) go to the `maestro_jax.orbax` logger at DEBUG instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+        if record.levelno >= logging.ERROR and (_in_orbax(record.pathname) or record.exc_info and any(
+                _in_orbax(frame.filename) for frame in traceback.extract_tb(record.exc_info[2]))):
             log.getChild("orbax").debug("%s", record.getMessage(), exc_info=record.exc_info)
             return False
         return True
 
 
+def _in_orbax(path: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in path
+
+
 def _quiet_orbax_errors() -> None:
-    absl = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
-        absl.addFilter(_OrbaxErrors())
+    for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+            logger.addFilter(_OrbaxErrors())
 
 
 class Checkpointer:
