@@ -23,5 +23,11 @@ deadline = time.monotonic() + 5
 while not got and time.monotonic() < deadline:
     time.sleep(0.05)
 print(f"HANDLED {bool(got)}", flush=True)
-distributed.step_barrier(2)
+# process 0 hosts the coordination service: it leaves last, or its peer's error poll aborts (-6)
+client = distributed._client()
+if pid == 1:
+    client.key_value_set("signal_worker/leaving/1", "1")
+else:
+    client.blocking_key_value_get("signal_worker/leaving/1", 60_000)
+    time.sleep(1)
 os._exit(0)
