@@ -5,7 +5,6 @@ import itertools
 import math
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +14,7 @@ from maestro_jax import cli
 from maestro_jax.config import load_config
 from maestro_jax.core.plan import PlanError, SectionPlan, check_param_divisibility, check_plan, state_bytes_per_device
 from maestro_jax.planning.cluster import section_cost
-from maestro_jax.planning.planner import InfeasibleError, Planner, ShardedLeaves
+from maestro_jax.planning.planner import InfeasibleError, Planner, ShardedLeaves, peak_memory
 from maestro_jax.tools.plan import planner_for
 from maestro_jax.workloads import describe
 
@@ -39,16 +38,22 @@ def planner(config, overrides, devices=8, memory_gb=1.0):
 def assert_valid(p, plan):
     """The runtime's own constraint checks accept the plan (resources, mesh, fanout, divisibility, memory)."""
     mem = p.check(plan)
-    assert all(m["total"] <= p.budget for m in mem.values())
-    used = [d for sp in plan.sections.values() for d in sp.devices]
-    assert len(used) == len(set(used)) <= p.devices
+    assert peak_memory(plan, mem) <= p.budget
+    used = {d for sp in plan.sections.values() for d in sp.devices}
+    assert used == set(range(p.devices))
 
 
 @pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 6), (VLM, TINY_VLM, 8)], ids=["kd6", "vlm8"])
 def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices):
     p = planner(config, overrides, devices)
     everything = list(p.candidates())
-    brute = sorted(p.step_time(plan) for plan, _, _ in everything)
+    # the search also tries each smaller stash bound; a plan counts once, at its fastest
+    fastest: dict = {}
+    for q in [p] + [p._with(devices, f) for f in (1, 2)]:
+        for plan, _, _ in q.candidates():
+            key = tuple(plan.sections.items())
+            fastest[key] = min(fastest.get(key, float("inf")), q.step_time(plan))
+    brute = sorted(fastest.values())
     fast = p.search(top=3)
     assert fast.best.step_time_s == pytest.approx(brute[0], rel=1e-12)
     assert [c.step_time_s for c in fast.top] == pytest.approx(brute[:3], rel=1e-12)
@@ -130,10 +135,10 @@ def test_every_candidate_passes_the_runtime_checks():
 
 def test_memory_budget_is_avoided():
     free = planner(KD, TINY_KD, 8, memory_gb=1.0).search()
-    heaviest = max(free.best.memory_gb.values())
+    heaviest = free.best.peak_gb
     tight = planner(KD, TINY_KD, 8, memory_gb=heaviest * 0.9)
     best = tight.search().best
-    assert max(best.memory_gb.values()) <= heaviest * 0.9
+    assert best.peak_gb <= heaviest * 0.9
     assert best.plan != free.best.plan, "the unconstrained optimum no longer fits and is avoided"
     assert_valid(tight, best.plan)
 
@@ -162,8 +167,8 @@ def test_batch_divisibility_and_fanout_are_avoided():
 
 
 def test_infeasible_requests_name_the_smallest_feasible_one():
-    with pytest.raises(InfeasibleError, match="--devices 1: .* the smallest request is --devices 2"):
-        planner(KD, TINY_KD, 1).search()
+    one = planner(KD, TINY_KD, 1).search().best.plan  # fewer devices than sections: they share them
+    assert {sp.devices for sp in one.sections.values()} == {(0,)}
     with pytest.raises(InfeasibleError, match=r"the smallest feasible request is --memory-gb ([0-9.]+)") as info:
         planner(KD, TINY_KD, 8, memory_gb=1e-4).search()
     smallest = float(str(info.value).split("--memory-gb ")[2].split()[0])
@@ -172,14 +177,13 @@ def test_infeasible_requests_name_the_smallest_feasible_one():
         planner(KD, TINY_KD, 8, memory_gb=smallest * 0.95).search()
 
 
-def test_paper_scale_vlm_plans_on_80gb_devices_in_under_a_minute():
+def test_paper_scale_vlm_plans_on_80gb_devices_with_few_simulations():
     """The 30B-A3B MoE VLM at 32K tokens on 72 x 80 GB: bf16, checkpointing, expert and context
     parallelism are in the search, and a plan fits."""
-    t0 = time.perf_counter()
     planner = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 72, 80.0)
     report = planner.search()
-    assert time.perf_counter() - t0 < 60
-    assert report.best.step_time_s > 0 and max(report.best.memory_gb.values()) <= 80
+    assert report.simulated * 4 < report.considered, "the bound rules out most candidates before simulating"
+    assert report.best.step_time_s > 0 and report.best.peak_gb <= 80
     llm = {(o.plan.axis_sizes["expert"], o.plan.axis_sizes["context"]) for o in planner.options("llm", 64)}
     assert any(e > 1 for e, _ in llm) and any(c > 1 for _, c in llm)
 

@@ -10,16 +10,16 @@ from conftest import ROOT
 from maestro_jax.config import load_config
 from maestro_jax.tools.simulate import simulate_config
 
-# The paper reports 1.24x (VLM) and 1.40x (KD) per GPU. The analytic model reaches 1.40x+ for
-# KD and about 1.2x for the VLM (see benchmarks/RESULTS.md for why); these floors guard it.
-TARGETS = {"vlm_paper_scale.yaml": 1.10, "kd_paper_scale.yaml": 1.40}
+# No floor on the predicted speedup: a floor would guard a wanted ratio, and the cost model is
+# fitted to published measurements, not to a ratio (benchmarks/RESULTS.md reports what comes out).
+CONFIGS = ["vlm_paper_scale.yaml", "kd_paper_scale.yaml"]
 
 
-@pytest.mark.parametrize("name", list(TARGETS))
+@pytest.mark.parametrize("name", CONFIGS)
 def test_paper_scale_predictions(name, tmp_path):
     cfg = load_config(ROOT / "configs" / name, [])
     r = simulate_config(cfg, gantt=str(tmp_path / "g.png"))
-    assert r["per_device_speedup"] >= TARGETS[name]
+    assert r["per_device_speedup"] > 0
     assert r["makespan_over_lower_bound"] <= 1.10
     assert r["wavefront_vs_naive"] >= 1.0
     assert r["step_time_s"]["wavefront"] >= r["lower_bound_s"] * (1 - 1e-9)

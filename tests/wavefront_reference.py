@@ -357,7 +357,7 @@ def _makespan(schedule: Schedule, problem: Problem, metas, cost) -> float:
     req, duration = required_ops(schedule, problem), op_duration(cost, problem)
     finish, free = {}, {}
     for op in schedule.ops:
-        res = resource_of(op)
+        res = resource_of(op, problem)
         finish[op] = free[res] = max([free.get(res, 0.0)] + [finish[d] for d in req[op]]) + duration(
             op, schedule.steps, metas)
     return max(finish.values(), default=0.0)
@@ -629,7 +629,7 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     order: list[tuple[float, int, Op]] = []
 
     def start_of(i):
-        return max(free.get(resource_of(ops[i]), 0.0), dep_done[i])
+        return max(free.get(resource_of(ops[i], problem), 0.0), dep_done[i])
 
     def candidates() -> list[int]:
         out = list(ready_other)
@@ -651,7 +651,7 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
         op = ops[i]
         t0 = start_of(i)
         finish[i] = t0 + duration(op, steps, metas)
-        free[resource_of(op)] = finish[i]
+        free[resource_of(op, problem)] = finish[i]
         if op.kind == "F":
             next_f[op.section] += 1
             stashed[op.section] += problem.needs_backward(op.section)

@@ -102,22 +102,37 @@ class EdgeInfo:
     dst: str
 
 
+def device_groups(sections: Mapping[str, SectionPlan]) -> dict[str, str]:
+    """Section -> the name of its device group: the first section (in plan order) on the same
+    device set. Co-located sections share one group; they run one after another on its devices,
+    which the simulator and the scheduler treat as one resource and the memory check as one budget."""
+    first: dict[frozenset[int], str] = {}
+    return {name: first.setdefault(frozenset(sp.devices), name) for name, sp in sections.items()}
+
+
 def check_resources(plan: Plan, num_devices: int) -> None:
+    """Device ids exist; two sections either share exactly the same devices (co-located: each
+    keeps its own mesh, micro-batch and precision) or none. A partial overlap is refused: the
+    shared devices would serve two groups whose programs the runtime could not order as one."""
     owner: dict[int, str] = {}
     for name, sp in plan.sections.items():
         key = f"sections.{name}.devices"
         if not sp.devices:
             raise ResourceError(key, list(sp.devices), "a section needs at least one device")
+        if len(set(sp.devices)) != len(sp.devices):
+            raise ResourceError(key, list(sp.devices), "each device may appear once")
         for d in sp.devices:
             if not 0 <= d < num_devices:
                 raise ResourceError(key, list(sp.devices),
                                     f"device {d} does not exist; valid device ids are 0..{num_devices - 1}")
-            if d in owner:
+        for d in sp.devices:
+            other = owner.get(d)
+            if other is not None and set(plan.sections[other].devices) != set(sp.devices):
                 raise ResourceError(key, list(sp.devices),
-                                    f"device {d} is also used by section {owner[d]!r}; device sets must be disjoint")
-            owner[d] = name
-    if len(owner) > num_devices:
-        raise ResourceError("sections", len(owner), f"plan uses {len(owner)} devices but only {num_devices} exist")
+                                    f"device {d} is also used by section {other!r} on "
+                                    f"{list(plan.sections[other].devices)}; sections share either exactly the same "
+                                    f"devices (co-located) or none")
+            owner.setdefault(d, name)
 
 
 def check_meshes(plan: Plan) -> None:
@@ -187,25 +202,39 @@ def state_bytes_per_device(infos: Sequence[ParamInfo], sp: SectionPlan, trained:
     return base * (4 if trained else 1)
 
 
+def group_bytes(state: Sequence[float], activations: Sequence[float], held: Sequence[float]) -> float:
+    """Bytes per device of the sections on one device set: every state and every stash (`held`:
+    the part of a section's activations that outlives its programs, residuals waiting for a
+    backward) at once, but one program's working activations at a time, since co-located
+    sections run one after another."""
+    return sum(state) + sum(held) + max(a - h for a, h in zip(activations, held))
+
+
 def check_memory(plan: Plan, budget_bytes: float | None, state: Mapping[str, float],
-                 activations: Mapping[str, float]) -> None:
-    """`state`/`activations`: per-device bytes of persistent state and of in-flight activations."""
+                 activations: Mapping[str, float], held: Mapping[str, float] | None = None) -> None:
+    """`state`/`activations`: per-device bytes of persistent state and of in-flight activations
+    (of which `held` outlive the section's programs). Co-located sections share the budget."""
     if budget_bytes is None:
         return
-    for name in plan.sections:
-        need = state[name] + activations.get(name, 0.0)
+    groups, held = device_groups(plan.sections), held or {}
+    for group in dict.fromkeys(groups.values()):
+        shared = [n for n, g in groups.items() if g == group]
+        need = group_bytes([state[n] for n in shared], [activations.get(n, 0.0) for n in shared],
+                           [held.get(n, 0.0) for n in shared])
         if need > budget_bytes:
-            raise MemoryBudgetError(f"sections.{name}", f"{need / 2**30:.3f} GiB/device",
+            what = f"sections.{group}" if len(shared) == 1 else f"sections.{{{','.join(shared)}}} (co-located)"
+            raise MemoryBudgetError(what, f"{need / 2**30:.3f} GiB/device",
                                     f"exceeds device_memory_gb={budget_bytes / 2**30:g}; give the section more "
                                     f"devices, more fsdp/tensor sharding or a smaller micro_batch")
 
 
 def check_plan(plan: Plan, *, num_devices: int, edges: Sequence[EdgeInfo], sink: str,
                params: Mapping[str, Sequence[ParamInfo]], budget_bytes: float | None = None,
-               state: Mapping[str, float] | None = None, activations: Mapping[str, float] | None = None) -> None:
+               state: Mapping[str, float] | None = None, activations: Mapping[str, float] | None = None,
+               held: Mapping[str, float] | None = None) -> None:
     """Every constraint of a plan, cheapest first; raises the first violation."""
     check_resources(plan, num_devices)
     check_meshes(plan)
     check_fanout(plan, edges)
     check_divisibility(plan, sink, params)
-    check_memory(plan, budget_bytes, state or {}, activations or {})
+    check_memory(plan, budget_bytes, state or {}, activations or {}, held)

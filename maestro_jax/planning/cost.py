@@ -7,7 +7,10 @@ overlaps the device work of earlier ops. Backward costs `backward_factor` forwar
 loss-and-grad costs `sink_factor` forwards. Two sources fill the coefficients:
   * calibrated: fitted to the compiled programs timed on the machine at hand (`calibrate.py`);
   * analytic: FLOPs against a device's peak rate and an efficiency that grows with the work per
-    device per micro-step (small micro-batches and thin tensor-parallel shards run far below peak).
+    device per micro-step (small micro-batches and thin tensor-parallel shards run below peak).
+Every analytic constant cites its source: the device datasheets for `DEVICES`, and a least-squares
+fit to published H100 training runs for `efficiency` (scripts/calibrate_published.py, which
+writes benchmarks/calibration.md with the rows, their sources and the errors).
 """
 
 from __future__ import annotations
@@ -18,10 +21,20 @@ from collections.abc import Mapping, Sequence
 from maestro_jax.core.buckets import bucket
 
 DEVICES = {
-    # peak dense bf16 FLOP/s and HBM bandwidth of one device; interconnect bytes/s per device
+    # peak dense bf16 FLOP/s and HBM bandwidth of one device; interconnect bytes/s per device (one
+    # direction) inside a node. Sources (quoted in benchmarks/calibration.md):
+    #   flops: H100 SXM and H200 SXM datasheets list "BFLOAT16 Tensor Core 1,979 teraFLOPS" with
+    #     sparsity; dense is half, 989 TFLOP/s (the peak NVIDIA's own benchmark recipes divide by,
+    #     github.com/NVIDIA/dgxc-benchmarking README "H100 ... BF16 989");
+    #   hbm: H100 SXM datasheet "GPU memory bandwidth 3.35TB/s", H200 datasheet "4.8TB/s";
+    #   link: NVLink 4, "NVLink: 900GB/s" per GPU in both datasheets, bidirectional: 450 GB/s each way.
+    # Across nodes the planner uses `simulate.link_gbps` (default 50 GB/s per device): DGX H100/H200
+    # have one 400 Gb/s ConnectX-7 per GPU ("eight single-port NVIDIA ConnectX-7 VPI, ... up to
+    # 400 Gb/s", NVIDIA DGX BasePOD reference architecture) = 50 GB/s each way.
     "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9},
     "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9},
-    # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially)
+    # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially);
+    # not a measurement: rough magnitudes for simulating the CPU test configs
     "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},
 }
 
@@ -59,10 +72,20 @@ class CostModel:
         return self.transfer_overhead_s + self.transfer_s_per_unit.get(edge, 0.0) * sum(units)
 
 
-def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 0.55, half_tokens: float = 2048.0,
-               half_width: float = 128.0) -> float:
+def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 0.537, half_tokens: float = 1.0,
+               half_width: float = 89.0) -> float:
     """Fraction of peak reached. It saturates with the tokens one device gets per micro-step and
-    with the width of its weight slices (narrow GEMMs from heavy tensor parallelism run slowly)."""
+    with the width of its weight slices (narrow GEMMs from heavy tensor parallelism run slowly).
+
+    The defaults are the least-squares fit (log error) of `analytic_section`'s predictions to nine
+    published BF16 H100 training runs of dense decoders, 5B to 405B, Megatron/NeMo and MaxText/Paxml,
+    TP 1-8, PP 1-8, CP 1-2, FSDP up to 128 (scripts/calibrate_published.py; table, sources and
+    held-out errors in benchmarks/calibration.md): peak 0.537, half_tokens 1 (the bottom of the
+    searched range), half_width 89. Those runs all do at least 512 tokens per device per micro-step
+    and 1536 weight columns per device, and there they show no fall in MFU with smaller work, so the
+    data bound the halves only from above (95%: half_tokens < 130, half_width < 840); below that work
+    the curve is an extrapolation that no published row measures. Before the fit the defaults were
+    set by hand (0.55, 2048, 128) and under-predicted the NeMo runs by 35-81% (TP 8 by about 80%)."""
     return (peak * tokens_per_device / (tokens_per_device + half_tokens)
             * width_per_device / (width_per_device + half_width))
 

@@ -36,6 +36,8 @@ from maestro_jax.core.plan import (
     Plan,
     SectionPlan,
     check_plan,
+    device_groups,
+    group_bytes,
     mesh_shape,
     state_bytes_per_device,
 )
@@ -82,12 +84,13 @@ def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: 
 
     rows_units = sp.micro_batch * bucket(max_units, 16) / sp.axis_sizes["context"]  # positions split by context
     act = rows_units * per_unit(sec.trained and (is_sink or sp.residuals == "vjp"))
+    held = 0.0  # what outlives the section's own programs: residuals stashed for later backwards
     if sec.trained and not is_sink:
-        held = rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32 * half)
-        act += (max_in_flight - 1) * held
+        held = (max_in_flight - 1) * rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32 * half)
+        act += held
     if is_sink:
         act += rows_units * c.logits / tensor * F32 * 2  # logits and their gradient
-    return {"state": state, "activations": act, "total": state + act}
+    return {"state": state, "activations": act, "held": held, "total": state + act}
 
 
 class ShardedLeaves:
@@ -135,6 +138,8 @@ class Candidate:
     step_time_s: float
     samples_per_s_per_device: float
     memory_gb: dict[str, float]  # peak per device, by section
+    max_in_flight: int  # the stash bound it was scored with (`schedule.max_in_flight`)
+    peak_gb: float  # per device of the fullest device group (co-located sections add up)
 
     def describe(self) -> dict:
         return {s: {"devices": f"{sp.devices[0]}:{sp.devices[-1] + 1}", "mesh": dict(sp.axis_sizes),
@@ -179,10 +184,13 @@ class Planner:
     Each section's options are enumerated on their own (device count, tensor degree,
     data-parallel degree, micro-batch, residual policy, per-layer activation checkpointing for
     trained sections, context and expert degrees where the section has attention or experts);
-    the fsdp degree is the smallest that fits the memory budget, since fsdp costs communication (priced per micro-step). A plan
-    gives every section an option on disjoint devices (contiguous, in graph order, all devices
-    used) such that every edge has a whole fanout and the producer's micro-batch divides by it.
-    Candidates are scored with the wavefront scheduler and the simulator.
+    the fsdp degree is the smallest that fits the memory budget, since fsdp costs communication
+    (priced per micro-step). A plan puts the sections into device groups (`placements`): a group
+    is a contiguous device range, all devices are used, and the sections of one group share its
+    devices, each with its own layout, their memory adding up (the all-in-one group with one
+    layout for every section is the monolithic layout's point in this space). Every edge has a
+    whole fanout and the producer's micro-batch divides by it. Candidates are scored with the
+    wavefront scheduler and the simulator, which runs a group's sections one at a time.
     """
 
     def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
@@ -296,15 +304,43 @@ class Planner:
         """A plan's bound from its sections': their sum on a serial client, else the largest."""
         return sum(bounds) if self.serial else max(bounds, default=0.0)
 
+    def placements(self) -> list[tuple[tuple[str, ...], ...]]:
+        """Every way to put the sections into device groups (set partitions): a group's sections
+        share its devices (co-located), groups are disjoint. Sections inside a group and the
+        groups are listed sink first, the order the search chooses them in."""
+        order = tuple(reversed(self.spec.order))
+        out: list[list[list[str]]] = [[]]
+        for s in order:
+            out = [p[:i] + [p[i] + [s]] + p[i + 1:] for p in out for i in range(len(p))] + [p + [[s]] for p in out]
+        return sorted((tuple(tuple(g) for g in p) for p in out), key=lambda p: (len(p) != len(order), -len(p)))
+
+    def _shared_options(self, section: str, n: int, budget: float, lightest: bool, members: int) -> list[_Option]:
+        """`section`'s options when it shares its `n` devices with `members - 1` other sections:
+        the layouts that fit some share of the budget (eighths, up to all of it: one section's
+        working activations may reuse another's, `group_bytes`), each the cheapest for its
+        share, so the group's search can trade one section's memory for another's speed."""
+        if members == 1 or math.isinf(budget):
+            return self.options(section, n, budget, lightest)
+        seen, out = set(), []
+        for eighths in range(1, 9):
+            for o in self.options(section, n, budget * eighths / 8, lightest):
+                if o.plan not in seen:
+                    seen.add(o.plan)
+                    out.append(o)
+        return out
+
     def candidates(self, budget: float | None = None, lightest: bool = False,
                    threshold: float = math.inf) -> Iterator[tuple[Plan, dict, float]]:
         """(plan, memory by section, lower bound) for every plan that passes every constraint and
-        whose bound is at most `threshold`. Sections are chosen sink first, so a producer is
-        chosen knowing its consumers' data-parallel degrees (fanout and block-map divisibility)."""
-        order = tuple(reversed(self.spec.order))
+        whose bound is at most `threshold`, over every placement of the sections into device
+        groups. Groups and their sections are chosen sink first, so a producer is chosen knowing
+        its consumers' data-parallel degrees (fanout and block-map divisibility). A group's bound
+        is the sum of its sections' (they take turns on its devices), its memory their sum."""
+        budget = self.budget if budget is None else budget
+        sections = self.spec.order
         # floors[s][m]: the smallest bound any option of s reaches on at most m devices, grown
         # one device count at a time (linear in devices; the minimum over 1..m each time is quadratic)
-        floors: dict[str, list[float]] = {s: [math.inf] for s in order}
+        floors: dict[str, list[float]] = {s: [math.inf] for s in sections}
 
         def floor(s: str, most: int) -> float:
             known = floors[s]
@@ -312,20 +348,33 @@ class Planner:
                 known.append(min([known[-1], *(o.bound for o in self.options(s, len(known), budget, lightest))]))
             return known[most]
 
-        def extend(i: int, left: int, chosen: dict, bounds: list) -> Iterator:
-            if i == len(order):
-                yield self._assemble(chosen), {s: o.memory for s, o in chosen.items()}, self._combine(bounds)
+        def extend(groups, i: int, left: int, chosen: dict, bounds: list) -> Iterator:
+            if i == len(groups):
+                yield (self._assemble(chosen, groups), {s: o.memory for s, o in chosen.items()},
+                       self._combine(bounds))
                 return
-            s, after = order[i], len(order) - i - 1
+            after = len(groups) - i - 1
             sizes = [left] if after == 0 else range(1, left - after + 1)
             for n in sizes:
-                rest = [floor(r, left - n - (after - 1)) for r in order[i + 1:]] if after else []
-                for opt in self.options(s, n, budget, lightest):
-                    if not self._feeds(s, opt.plan, chosen) or self._combine(bounds + [opt.bound] + rest) > threshold:
-                        continue
-                    yield from extend(i + 1, left - n, {**chosen, s: opt}, bounds + [opt.bound])
+                rest = [sum(floor(r, left - n - (after - 1)) for r in g) for g in groups[i + 1:]]
+                yield from members(groups, i, n, left, 0, chosen, bounds, rest, 0.0, [])
 
-        yield from extend(0, self.devices, {}, [])
+        def members(groups, i, n, left, j, chosen, bounds, rest, group_bound, memories) -> Iterator:
+            group = groups[i]
+            if j == len(group):
+                yield from extend(groups, i + 1, left - n, chosen, bounds + [group_bound])
+                return
+            s = group[j]
+            for opt in self._shared_options(s, n, budget, lightest, len(group)):
+                total = group_bound + opt.bound
+                if (len(group) > 1 and group_memory(memories + [opt.memory]) > budget
+                        or not self._feeds(s, opt.plan, chosen) or self._combine(bounds + [total] + rest) > threshold):
+                    continue
+                yield from members(groups, i, n, left, j + 1, {**chosen, s: opt}, bounds, rest, total,
+                                   memories + [opt.memory])
+
+        for groups in self.placements():
+            yield from extend(groups, 0, self.devices, {}, [])
 
     def _feeds(self, section: str, sp: SectionPlan, chosen: dict) -> bool:
         """Whole fanouts to every chosen consumer, and a micro-batch the block map can split."""
@@ -335,13 +384,18 @@ class Planner:
                 return False
         return True
 
-    def _assemble(self, chosen: dict) -> Plan:
-        """Contiguous device ranges in graph order; fanouts from the data-parallel degrees."""
-        sections, start = {}, 0
+    def _assemble(self, chosen: dict, groups: Sequence[Sequence[str]]) -> Plan:
+        """Contiguous device ranges, one per device group, in graph order of each group's first
+        section; co-located sections share their group's range. Fanouts from the data-parallel
+        degrees."""
+        first = {s: g for g in groups for s in g}
+        sections, ranges, start = {}, {}, 0
         for s in self.spec.order:
-            sp = chosen[s].plan
-            sections[s] = dataclasses.replace(sp, devices=tuple(range(start, start + len(sp.devices))))
-            start += len(sp.devices)
+            sp, g = chosen[s].plan, first[s]
+            if g not in ranges:
+                ranges[g] = tuple(range(start, start + len(sp.devices)))
+                start += len(sp.devices)
+            sections[s] = dataclasses.replace(sp, devices=ranges[g])
         fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in self.spec.edges}
         return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
 
@@ -351,7 +405,8 @@ class Planner:
         check_plan(plan, num_devices=self.devices, edges=self.spec.edges, sink=self.spec.sink,
                    params={s: sec.leaves for s, sec in self.spec.sections.items()}, budget_bytes=self.budget,
                    state={s: m["state"] for s, m in mem.items()},
-                   activations={s: m["activations"] for s, m in mem.items()})
+                   activations={s: m["activations"] for s, m in mem.items()},
+                   held={s: m["held"] for s, m in mem.items()})
         return mem
 
     # -- scoring ------------------------------------------------------------------------------
@@ -378,7 +433,7 @@ class Planner:
         return statistics.mean(bounds)
 
     def step_time(self, plan: Plan) -> float:
-        key = tuple((s, sp) for s, sp in plan.sections.items())
+        key = _key(plan)
         if key not in self._times:
             cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps,
                               self.typical_units)
@@ -391,7 +446,25 @@ class Planner:
 
     # -- search -------------------------------------------------------------------------------
     def search(self, top: int = 10) -> PlanReport:
-        """The best plan and the `top` runners-up by simulated step time.
+        """The best plan and the `top` runners-up by simulated step time, over the stash bound
+        too: `max_in_flight` as configured and each smaller power of two (a smaller bound holds
+        fewer residuals, which co-located sections share their memory with; sections that share
+        devices lose no overlap by it). Ties keep the configured bound."""
+        bounds = [self.max_in_flight] + [f for f in _powers(self.max_in_flight - 1)[::-1] if f < self.max_in_flight]
+        scored, considered, simulated = [], 0, 0
+        for f in bounds:
+            found, count, ran = (self if f == self.max_in_flight else self._with(self.devices, f))._search(top)
+            scored, considered, simulated = scored + found, considered + count, simulated + ran
+        scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured bound first
+        seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
+        scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
+        if not scored:
+            raise InfeasibleError(self._infeasible_message())
+        return PlanReport(scored[0], scored[:top], considered, simulated, self.monolithic_best())
+
+    def _search(self, top: int) -> tuple[list[Candidate], int, int]:
+        """The `top` best plans at this planner's `max_in_flight`, how many plans passed every
+        constraint under the final threshold and how many were simulated.
 
         Candidates under a bound threshold are simulated in order of their bound; once `top` are
         scored and the next bound exceeds the slowest of them, no remaining candidate can enter
@@ -407,16 +480,14 @@ class Planner:
                 if len(scored) >= top and bound > scored[top - 1].step_time_s:
                     break
                 t = self.step_time(plan)
-                used = sum(len(sp.devices) for sp in plan.sections.values())
                 rank = (t, _tiebreak(plan))
                 at = bisect.bisect_right(ranks, rank)  # after its equals, as a stable sort puts it
                 ranks.insert(at, rank)
-                scored.insert(at, Candidate(plan, t, self.global_batch / t / used,
-                                            {s: m["total"] / 2**30 for s, m in mem.items()}))
+                scored.insert(at, Candidate(plan, t, self.global_batch / t / self.devices,
+                                            {s: m["total"] / 2**30 for s, m in mem.items()}, self.max_in_flight,
+                                            peak_memory(plan, mem) / 2**30))
             if len(scored) >= top and scored[top - 1].step_time_s <= threshold or threshold == math.inf:
-                if not scored:
-                    raise InfeasibleError(self._infeasible_message())
-                return PlanReport(scored[0], scored[:top], len(found), len(scored), self.monolithic_best())
+                return scored[:top], len(found), len(scored)
             if len(scored) >= top:
                 threshold = scored[top - 1].step_time_s  # every plan that could still enter the top list
             else:
@@ -424,8 +495,7 @@ class Planner:
 
     def _floor_all(self, section: str) -> float:
         """The smallest bound `section` reaches on any device count a plan could give it."""
-        most = self.devices - (len(self.spec.order) - 1)
-        return min((o.bound for n in range(1, most + 1) for o in self.options(section, n)), default=math.inf)
+        return min((o.bound for n in range(1, self.devices + 1) for o in self.options(section, n)), default=math.inf)
 
     def monolithic_best(self) -> dict | None:
         """The monolithic baseline's best layout, micro-batch and per-layer activation
@@ -461,18 +531,13 @@ class Planner:
                         break
         return best
 
-    def _with(self, devices: int) -> Planner:
+    def _with(self, devices: int, max_in_flight: int | None = None) -> Planner:
         return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
-                       device=self.device, link_gbps=self.link_gbps, max_in_flight=self.max_in_flight,
+                       device=self.device, link_gbps=self.link_gbps, max_in_flight=max_in_flight or self.max_in_flight,
                        residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts)
 
     def _infeasible_message(self) -> str:
-        sections = len(self.spec.order)
-        if self.devices < sections:
-            return (f"--devices {self.devices}: the {self.spec.name} workload has {sections} sections and each "
-                    f"needs its own devices; the smallest request is --devices {sections}")
-        peaks = [max(m["total"] for m in mem.values())
-                 for _, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
+        peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
         if not peaks:
             return (f"--devices {self.devices}: no device split satisfies the mesh, fanout and divisibility "
                     f"constraints for global_batch={self.global_batch}; try another device count")
@@ -484,10 +549,27 @@ class Planner:
                 f"{self.devices}{alt}")
 
 
+def group_memory(members: Sequence[dict[str, float]]) -> float:
+    """Bytes per device of co-located sections, from each one's `section_memory`."""
+    return group_bytes([m["state"] for m in members], [m["activations"] for m in members],
+                       [m["held"] for m in members])
+
+
+def peak_memory(plan: Plan, memory: dict[str, dict[str, float]]) -> float:
+    """Bytes per device of the fullest device group."""
+    groups = device_groups(plan.sections)
+    return max(group_memory([memory[s] for s in memory if groups[s] == g]) for g in set(groups.values()))
+
+
 def _ceil_significant(x: float, digits: int = 3) -> float:
     """`x` rounded up to `digits` significant digits (a request that surely fits)."""
     scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
     return math.ceil(x * scale) / scale
+
+
+def _key(plan: Plan) -> tuple:
+    """A plan's sections as a hashable value."""
+    return tuple(plan.sections.items())
 
 
 def _tiebreak(plan: Plan):
@@ -503,8 +585,8 @@ def _tiebreak_section(sp: SectionPlan) -> tuple:
 
 
 def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:
-    lines = [f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,expert,context,tensor] "
-             f"micro-batch residuals layer-remat; fanouts)  peak GB/device"]
+    lines = [(f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,expert,context,tensor] "
+              f"micro-batch residuals layer-remat; fanouts; stash bound)  GB/device by section (co-located: they share)")]
     for i, c in enumerate(rows or report.top):
         parts = [f"{s} {d['devices']} [{','.join(str(n) for n in d['mesh'].values())}] "
                  f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
@@ -513,5 +595,5 @@ def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) ->
         fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items())
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
         lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
-                     f"{' | '.join(parts)}; fanouts {fan}  {mem}")
+                     f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}  {mem}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Mapping
 
 from maestro_jax.core.graph import UnitCost
-from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan
+from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
 from maestro_jax.schedule import Problem
 
 
@@ -71,4 +71,4 @@ class WorkloadSpec:
                        trained=frozenset(s for s, spec in self.sections.items() if spec.trained), edges=self.edges,
                        rows={s: plan.sections[s].rows for s in self.order},
                        dp={s: plan.sections[s].dp for s in self.order}, fanout=dict(plan.fanout),
-                       max_in_flight=max_in_flight)
+                       max_in_flight=max_in_flight, groups=device_groups(plan.sections))

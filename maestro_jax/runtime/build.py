@@ -125,7 +125,8 @@ def check_device_memory(plan, state: dict[str, float]) -> None:
     """Without `device_memory_gb`, refuse before compiling a plan whose persistent state (params,
     grads, optimizer moments: the planner's memory model) cannot fit this machine's memory.
 
-    An accelerator's limit is its allocator's (`memory_stats()['bytes_limit']`), per device. CPU
+    An accelerator's limit is its allocator's (`memory_stats()['bytes_limit']`), per device, and
+    co-located sections share it. CPU
     devices share the host's RAM: the state of every section, times its devices in this
     process, must fit it. Activations come on top, so this refuses only what can never run."""
     devices, me = jax.devices(), jax.process_index()
@@ -142,12 +143,14 @@ def check_device_memory(plan, state: dict[str, float]) -> None:
                 f"({total / 2**30:.3f} GiB); shrink the model (section {s!r} is the largest: "
                 f"{need[s] / 2**30:.3f} GiB) or set device_memory_gb to plan for another machine")
         return
+    groups = plan_lib.device_groups(plan.sections)
+    shared = {g: sum(state.get(s, 0.0) for s in plan.sections if groups[s] == g) for g in set(groups.values())}
     for s, ds in local.items():
         limits = [(d.memory_stats() or {}).get("bytes_limit") for d in ds]
         limits = [x for x in limits if x]
-        if limits and state.get(s, 0.0) > min(limits):
+        if s == groups[s] and limits and shared[s] > min(limits):
             raise plan_lib.MemoryBudgetError(
-                f"sections.{s}", f"{state[s] / 2**30:.3f} GiB/device",
+                f"sections.{s}", f"{shared[s] / 2**30:.3f} GiB/device",
                 f"params, grads and optimizer state exceed the device's memory ({min(limits) / 2**30:.3f} GiB, "
                 f"{ds[0].device_kind}); give the section more devices, more fsdp/tensor sharding, or set "
                 f"device_memory_gb to plan for another machine")
@@ -215,7 +218,8 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
     problem = Problem(order=graph.topological_order(), sink=graph.sink, trained=trained, edges=edges,
                       rows={s: plan.sections[s].rows for s in graph.names},
                       dp={s: plan.sections[s].dp for s in graph.names},
-                      fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight)
+                      fanout=dict(plan.fanout), max_in_flight=cfg.schedule.max_in_flight,
+                      groups=plan_lib.device_groups(plan.sections))
     return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
                    abstract, source, check, info_check, dict(pretrained))
 

@@ -48,6 +48,11 @@ class Problem:
     dp: Mapping[str, int]
     fanout: Mapping[str, int]
     max_in_flight: int = 4
+    groups: Mapping[str, str] = dataclasses.field(default_factory=dict)  # co-located section -> its device group
+
+    def group(self, s: str) -> str:
+        """The device group section s runs on: sections sharing devices run one at a time."""
+        return self.groups.get(s, s)
 
     def micro_batch(self, s: str) -> int:
         return self.rows[s] // self.dp[s]

@@ -53,5 +53,6 @@ def op_duration(cost, problem: Problem):
     return duration
 
 
-def resource_of(op: Op) -> str:
-    return f"link:{op.edge}:{op.kind}" if op.kind in ("X", "XB") else op.section
+def resource_of(op: Op, problem: Problem) -> str:
+    """What an op occupies: its edge's link in its direction, or its section's device group."""
+    return f"link:{op.edge}:{op.kind}" if op.kind in ("X", "XB") else problem.group(op.section)

@@ -272,7 +272,7 @@ def _makespan(schedule: Schedule, batch: _Batch) -> float:
     req = required_ops(schedule, batch.problem)
     finish, free = {}, {}
     for op in schedule.ops:
-        res = resource_of(op)
+        res = resource_of(op, batch.problem)
         finish[op] = free[res] = max([free.get(res, 0.0)] + [finish[d] for d in req[op]]) + batch.duration(
             op, schedule.steps)
     return max(finish.values(), default=0.0)
@@ -604,7 +604,7 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
     order: list[tuple[float, int, Op]] = []
 
     def start_of(i):
-        return max(free.get(resource_of(ops[i]), 0.0), dep_done[i])
+        return max(free.get(resource_of(ops[i], problem), 0.0), dep_done[i])
 
     def candidates() -> list[int]:
         out = list(ready_other)
@@ -626,7 +626,7 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
         op = ops[i]
         t0 = start_of(i)
         finish[i] = t0 + batch.duration(op, steps)
-        free[resource_of(op)] = finish[i]
+        free[resource_of(op, problem)] = finish[i]
         if op.kind == "F":
             next_f[op.section] += 1
             stashed[op.section] += problem.needs_backward(op.section)

@@ -31,6 +31,7 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
         out[f"sections.{s}.residuals"] = d["residuals"]
         out[f"sections.{s}.layer_remat"] = d["layer_remat"]
     out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})
+    out["schedule.max_in_flight"] = c.max_in_flight
     return out
 
 
