@@ -377,12 +377,14 @@ class Planner:
             yield from extend(groups, 0, self.devices, {}, [])
 
     def _feeds(self, section: str, sp: SectionPlan, chosen: dict) -> bool:
-        """Whole fanouts to every chosen consumer, and a micro-batch the block map can split."""
-        for e in self.spec.consumers_of(section):
-            c = chosen[e.dst].plan
-            if c.dp % sp.dp or sp.micro_batch % (c.dp // sp.dp):
-                return False
-        return True
+        """Whole fanouts on every edge to or from a section already chosen, and a producer
+        micro-batch the block map can split. Placements may choose a producer before its
+        consumer (a group holds sections from anywhere in the graph), so both ends are checked."""
+        def whole(p: SectionPlan, c: SectionPlan) -> bool:
+            return c.dp % p.dp == 0 and p.micro_batch % (c.dp // p.dp) == 0
+
+        return (all(whole(sp, chosen[e.dst].plan) for e in self.spec.consumers_of(section) if e.dst in chosen)
+                and all(whole(chosen[e.src].plan, sp) for e in self.spec.producers_of(section) if e.src in chosen))
 
     def _assemble(self, chosen: dict, groups: Sequence[Sequence[str]]) -> Plan:
         """Contiguous device ranges, one per device group, in graph order of each group's first
