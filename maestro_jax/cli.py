@@ -63,7 +63,7 @@ def _main(argv: list[str] | None) -> int:
     for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
                         ("bench", "monolithic vs naive vs wavefront throughput, side by side"),
                         ("simulate", "predicted maestro vs monolithic throughput on a cluster (nothing compiled)"),
-                        ("plan", "search devices, meshes, micro-batches and fanouts for the best plan (nothing compiled)"),
+                        ("plan", "search devices, meshes and micro-batches for the best plan (nothing compiled)"),
                         ("export", "write a trained LLM section as a Hugging Face folder")):
         p = parsers[name] = sub.add_parser(name, help=help_)
         p.add_argument("--config", required=True)

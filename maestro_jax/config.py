@@ -71,7 +71,10 @@ class SectionConfig(_Frozen):
 
 
 class EdgeConfig(_Frozen):
-    fanout: PositiveInt = 1
+    """An edge joins any data-parallel degrees (fan-out, fan-in, uneven); nothing to set. `fanout`,
+    if given, only states DP(consumer) / DP(producer) and is checked against the plan."""
+
+    fanout: PositiveInt | None = None
 
 
 class ViTModelConfig(_Frozen):
@@ -121,7 +124,7 @@ class LLMModelConfig(_Frozen):
     experts_per_token: int = Field(0, ge=0, validate_default=True)
     expert_mlp: int = Field(0, ge=0, validate_default=True)
     router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
-    moe_dispatch: Literal["dense", "ragged"] = "dense"  # dense: exact, shards over `expert`; ragged: sparse FLOPs
+    moe_dispatch: Literal["dense", "ragged", "sparse"] = "dense"  # what each computes: models.llm.MoE
     # Attention over a `context` split: ring (keys and values pass round the devices, causal
     # work balanced, empty blocks skipped) or gather (one all-gather of keys and values).
     context_attention: Literal["ring", "gather"] = "ring"
@@ -263,7 +266,7 @@ class Config(_Frozen):
             sections={n: SectionPlan(tuple(s.devices), s.mesh.shape, s.micro_batch, s.residuals, s.rules, s.precision,
                                       s.layer_remat)
                       for n, s in self.sections.items()},
-            fanout={n: e.fanout for n, e in self.edges.items()},
+            fanout={n: e.fanout for n, e in self.edges.items() if e.fanout is not None},
             global_batch=self.global_batch,
         )
 

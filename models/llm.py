@@ -1,6 +1,9 @@
 """Decoder-only LLM in the Llama/Qwen family: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
 
 import dataclasses
+import functools
+import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -8,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.layers import (
+    _ACTIVATION_RULES,
     RMSNorm,
     attention,
     balanced_order,
@@ -40,7 +44,7 @@ class LLMConfig:
     experts_per_token: int = 0
     expert_mlp: int = 0
     router_aux_loss: float = 0.0  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE: 0.001)
-    moe_dispatch: str = "dense"  # dense: every expert sees every token (shards over `expert`); ragged: sorted, grouped matmuls
+    moe_dispatch: str = "dense"  # dense | ragged | sparse: see MoE
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
     context_attention: str = "ring"  # over a `context` split: ring (balanced, skips masked blocks) | gather
@@ -49,16 +53,21 @@ class LLMConfig:
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE style: softmax router, top-k weights renormalised).
 
-    Dispatch is dense and exact: every expert sees every token and the router's combine weights
-    (zero outside a token's top k) select the result, so the output and gradients equal those of
-    a dropless sparse dispatch. It costs `experts` times the compute of a sparse kernel: right
-    for tests and small runs; parameter shapes (what the planner reads) are the real ones.
-
-    Expert parallelism: expert weights are sharded over the `expert` mesh axis, which also
-    shards the batch. Tokens are gathered over that axis (`expert_batch` keeps them sharded
-    over data and fsdp only), each device runs its own experts on the whole group's tokens, and
-    the combine's sum over experts is reduce-scattered back to the batch layout: the collective
-    form of the all-to-all dispatch, each token crossing the axis once each way.
+    Three dispatches (`moe_dispatch`), all dropless and equal up to float rounding; parameter
+    shapes (what the planner reads) are the same:
+      dense: every expert sees every token and the router's combine weights (zero outside a
+        token's top k) select the result: `experts / experts_per_token` times the sparse FFN
+        FLOPs, simple and exact. Under an `expert` mesh axis the expert weights are sharded over
+        it (it also shards the batch); tokens are gathered over that axis (`expert_batch` keeps
+        them sharded over data and fsdp only), each device runs its own experts on the whole
+        group's tokens, and the combine's sum over experts is reduce-scattered back.
+      ragged: (token, slot) pairs sorted by expert through `jax.lax.ragged_dot` (`ragged_experts`).
+        XLA:CPU in jax 0.10.2 lowers ragged_dot to a product masked per group, so it runs
+        `experts` times the sparse FLOPs there; the expert weights are used whole.
+      sparse: the pairs through block-sparse tiles (`tiled_ffn`), only the chosen experts'
+        FLOPs on every backend, and expert parallel: under an `expert` axis > 1 tokens travel
+        to their experts' devices and back with all-to-alls (`sparse_experts`, whose buffers and
+        per-device FLOPs are sized for the worst case); without one it is `ragged_experts`.
 
     Load balancing: with `router_aux_loss` > 0 each layer sows, into the `losses` collection,
     the Switch-Transformer balance loss `experts * sum_e f_e * P_e` computed per sequence over
@@ -86,6 +95,8 @@ class MoE(nn.Module):
                                                                                       c.experts_per_token))
         if c.moe_dispatch == "ragged":
             return shard_sequence(ragged_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
+        if c.moe_dispatch == "sparse":
+            return shard_sequence(sparse_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
         group = ("expert_batch", "length", "act_embed")
         h_BLD = constrain(h_BLD, group)
         combine_BLE = constrain(combine_BLE, ("expert_batch", "length", "expert"))
@@ -94,23 +105,127 @@ class MoE(nn.Module):
         return shard_sequence(jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE))
 
 
-def ragged_experts(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD):
-    """Dropless sparse dispatch: the (token, expert) pairs sorted by expert, each expert's run of
-    tokens through its weights with grouped matmuls (`jax.lax.ragged_dot`), and the results added
-    back weighted. Only the chosen experts' FLOPs (experts_per_token per token); the same result
-    as the dense dispatch up to summation order. Expert weights are used whole: under an
-    `expert` axis the compiler gathers them, so expert parallelism wants the dense dispatch."""
-    b, l, d = h_BLD.shape
-    k, experts = index_BLK.shape[-1], gate_EDF.shape[0]
-    h_TD = h_BLD.reshape(b * l, d)
-    expert_of = index_BLK.reshape(-1)  # one entry per (token, slot)
+GroupedFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def ragged_dot_ffn(x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array,
+                   down_GFD: jax.Array) -> jax.Array:
+    """SwiGLU of rows sorted by expert (`sizes_G` rows each; rows after them give zeros) with
+    `jax.lax.ragged_dot`: sparse where the backend has a grouped-matmul kernel."""
+    act = nn.silu(jax.lax.ragged_dot(x_RD, gate_GDF, sizes_G)) * jax.lax.ragged_dot(x_RD, up_GDF, sizes_G)
+    return jax.lax.ragged_dot(act, down_GFD, sizes_G)
+
+
+def tiled_ffn(x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array,
+              down_GFD: jax.Array) -> jax.Array:
+    """`ragged_dot_ffn` as a block-sparse product that is sparse on every backend: each expert's
+    run of rows is padded to whole tiles and every tile goes through its own expert's weights in
+    one batched matmul. Tiles are `expert_mlp` rows (at least 8), so the FLOPs are those of the
+    rows plus at most `tile - 1` padding rows per expert, and the weights gathered per tile take
+    about as much memory as the tiled rows."""
+    rows, d = x_RD.shape
+    groups, _, f = gate_GDF.shape
+    tile = max(8, f)
+    tiles = (rows + groups * (tile - 1)) // tile  # each group's rows rounded up to whole tiles
+    ends, tiles_G = jnp.cumsum(sizes_G), (sizes_G + tile - 1) // tile
+    row_R = jnp.arange(rows)
+    group_R = jnp.searchsorted(ends, row_R, side="right")  # `groups` past the last group: not placed
+    g = jnp.minimum(group_R, groups - 1)
+    slot_R = jnp.where(group_R < groups, (jnp.cumsum(tiles_G) - tiles_G)[g] * tile + row_R - (ends - sizes_G)[g],
+                       tiles * tile)
+    x_NTD = jnp.zeros((tiles * tile, d), x_RD.dtype).at[slot_R].set(x_RD, mode="drop").reshape(tiles, tile, d)
+    expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_G), jnp.arange(tiles), side="right"), groups - 1)
+    act = (nn.silu(jnp.einsum("ntd,ndf->ntf", x_NTD, gate_GDF[expert_N]))
+           * jnp.einsum("ntd,ndf->ntf", x_NTD, up_GDF[expert_N]))
+    y = jnp.einsum("ntf,nfd->ntd", act, down_GFD[expert_N]).reshape(tiles * tile, d)
+    return y.at[slot_R].get(mode="fill", fill_value=0)
+
+
+def ragged_experts(h_ND: jax.Array, index_NK: jax.Array, weights_NK: jax.Array, gate_EDF: jax.Array,
+                   up_EDF: jax.Array, down_EFD: jax.Array, ffn: GroupedFFN = ragged_dot_ffn) -> jax.Array:
+    """Dropless sparse dispatch on one device: the (token, slot) pairs sorted by expert, each
+    expert's run of rows through its weights with the grouped `ffn`, and each token's results
+    added with its router weights. Slots whose expert is out of range (>= experts) add nothing.
+    The same result as the dense dispatch up to summation order."""
+    d, k = h_ND.shape[-1], index_NK.shape[-1]
+    expert_of = index_NK.reshape(-1)  # one entry per (token, slot)
     order = jnp.argsort(expert_of, stable=True)
-    token_of = order // k
-    x = h_TD[token_of]
-    sizes = jnp.bincount(expert_of, length=experts).astype(jnp.int32)
-    act = nn.silu(jax.lax.ragged_dot(x, gate_EDF, sizes)) * jax.lax.ragged_dot(x, up_EDF, sizes)
-    y = jax.lax.ragged_dot(act, down_EFD, sizes) * weights_BLK.reshape(-1)[order][:, None]
-    return jnp.zeros_like(h_TD).at[token_of].add(y).reshape(b, l, d)
+    sizes = jnp.bincount(expert_of, length=gate_EDF.shape[0]).astype(jnp.int32)
+    y = ffn(h_ND.reshape(-1, d)[order // k], sizes, gate_EDF, up_EDF, down_EFD)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(-1, k, d)  # back to (token, slot) order
+    return jnp.einsum("tkd,tk->td", y, weights_NK.reshape(-1, k)).reshape(h_ND.shape)
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A partition-spec entry as a tuple of mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def sparse_experts(h_BLD: jax.Array, index_BLK: jax.Array, weights_BLK: jax.Array, gate_EDF: jax.Array,
+                   up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+    """The sparse dispatch: expert parallel over the `expert` mesh axis, dropless.
+
+    A `shard_map` over the section's mesh. Each device keeps its tokens; a token goes once to
+    every device holding one of its experts (with its local expert ids and router weights)
+    through one `jax.lax.all_to_all`; each device runs its own experts on what it received
+    (`tiled_ffn`), weights and adds each row's results, and a second all-to-all brings them
+    back. Expert weights stay sharded over `expert` (their `embed` dimension is gathered like
+    any fsdp weight); over `tensor` each device holds a slice of `expert_mlp` and the partial
+    sums are added at the end.
+
+    Dropless with static shapes costs the worst case: ragged_all_to_all does not run on XLA:CPU
+    in jax 0.10.2, so each of the `expert` devices gets a chunk with a row for each of the T
+    local tokens (every token might route there): send and receive buffers of
+    `expert x T x width` each way, what an all-gather of the group's tokens holds and moves
+    (and ids and weights, `expert x T x experts_per_token` each), and the receiver's FFN runs over
+    `expert x T x experts_per_token` pair rows, `experts_per_token / (experts / expert)` of the
+    dense dispatch's per-device FLOPs rather than `experts_per_token / experts`. Without an
+    `expert` axis (or when the layout does not divide evenly) it is `ragged_experts` with
+    `tiled_ffn`: exactly the chosen experts' rows."""
+    rules, mesh = _ACTIVATION_RULES.get(), jax.sharding.get_abstract_mesh()
+    local_experts = functools.partial(ragged_experts, ffn=tiled_ffn)
+    if not rules or mesh.empty:
+        return local_experts(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
+
+    def spec(*names: str | None) -> jax.sharding.PartitionSpec:
+        return nn.logical_to_mesh_axes(names, rules)
+
+    def split(entry: str | tuple[str, ...] | None) -> int:
+        return math.prod(mesh.shape[a] for a in _axes(entry))
+
+    token_spec, expert_axes, mlp_axes = spec("batch", "length", None), _axes(spec("expert")[0]), _axes(spec("mlp")[0])
+    devices = split(expert_axes)
+    if (devices == 1 or gate_EDF.shape[0] % devices or h_BLD.shape[0] % split(token_spec[0])
+            or h_BLD.shape[1] % split(token_spec[1])):
+        return local_experts(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
+
+    def local(h_BLD: jax.Array, index_BLK: jax.Array, weights_BLK: jax.Array, gate_EDF: jax.Array,
+              up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+        b, l, d = h_BLD.shape
+        k, owned = index_BLK.shape[-1], gate_EDF.shape[0]
+        t = b * l
+        index_TK, weights_TK = index_BLK.reshape(t, k), weights_BLK.reshape(t, k)
+        on_TPK = index_TK[:, None, :] // owned == jnp.arange(devices)[None, :, None]  # slot's expert on device p
+        sent_TP = jnp.any(on_TPK, axis=-1)
+        row_TP = jnp.where(sent_TP, jnp.arange(devices) * t + jnp.arange(t)[:, None], devices * t)  # chunk p, row t
+
+        def exchange(x: jax.Array) -> jax.Array:  # chunk p of the leading axis to device p, chunk p from it here
+            return jax.lax.all_to_all(x, expert_axes, 0, 0, tiled=True)
+
+        def pack(fill: int, x_TP: jax.Array) -> jax.Array:  # the send buffer, `fill` where a token is not sent
+            return jnp.full((devices * t, *x_TP.shape[2:]), fill, x_TP.dtype).at[row_TP].set(x_TP, mode="drop")
+
+        x = exchange(pack(0, jnp.broadcast_to(h_BLD.reshape(t, 1, d), (t, devices, d))))
+        ids = exchange(pack(owned, jnp.where(on_TPK, index_TK[:, None] % owned, owned)))  # `owned`: not here
+        w = exchange(pack(0, jnp.broadcast_to(weights_TK[:, None], (t, devices, k))))
+        y = exchange(local_experts(x, ids, w, gate_EDF, up_EDF, down_EFD))
+        out = jnp.sum(y.at[row_TP].get(mode="fill", fill_value=0), axis=1)
+        return (jax.lax.psum(out, mlp_axes) if mlp_axes else out).reshape(b, l, d)
+
+    expert_in, expert_out = spec("expert", None, "mlp"), spec("expert", "mlp", None)
+    run = jax.shard_map(local, in_specs=(token_spec, token_spec, token_spec, expert_in, expert_in, expert_out),
+                        out_specs=token_spec)
+    return run(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
 
 
 def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int):

@@ -47,7 +47,7 @@ def test_nnls_recovers_coefficients():
 
 def test_trace_files(tmp_path):
     problem = Problem(order=("v", "l"), sink="l", trained=frozenset({"v", "l"}), edges=(EdgeInfo("e", "v", "l"),),
-                      rows={"v": 2, "l": 2}, dp={"v": 1, "l": 2}, fanout={"e": 2})
+                      rows={"v": 2, "l": 2}, dp={"v": 1, "l": 2})
     metas = [SampleMeta(frozenset({"v", "l"}), {"v": 10, "l": 5}) if i % 2 else
              SampleMeta(frozenset({"l"}), {"l": 7}) for i in range(8)]
     t = simulate(wavefront(metas, problem), problem, metas)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from maestro_jax.core.plan import EdgeInfo
 from maestro_jax.schedule.ops import MicroStep, Op, Problem, SampleMeta, Schedule, ScheduleError, chunk
-from maestro_jax.schedule.timing import resource_of
+from maestro_jax.schedule.timing import resource_of, work_time
 
 
 def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
@@ -114,7 +114,7 @@ def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, 
 
 
 def _check_block_map(problem: Problem, schedule: Schedule, e: EdgeInfo, st: MicroStep) -> None:
-    mb_p, mb_c, f = problem.micro_batch(e.src), problem.micro_batch(e.dst), problem.fanout.get(e.name, 1)
+    mb_p, mb_c, f = problem.micro_batch(e.src), problem.micro_batch(e.dst), problem.dp[e.dst] // problem.dp[e.src]  # whole fanouts only
     shard_of = {x: q // mb_p for k in st.deps.get(e.name, ()) for q, x in enumerate(schedule.steps[e.src][k].rows)
                 if x >= 0}
     for r, x in enumerate(st.rows):
@@ -409,6 +409,11 @@ def _sink_first(metas, problem: Problem, cost, arrival: bool, seen) -> list:
     mb_c, w_c = problem.micro_batch(sink), _weight(metas, sink, not arrival)
     active = [i for i, m in enumerate(metas) if sink in m.sections]
     packings = [_pack(active, problem.rows[sink], problem.dp[sink], w_c)]
+    if not arrival:  # by each sample's modelled time alone, every section's forward less its fixed cost
+        time = work_time(cost, problem)
+        alone = [sum(time(Op("F", s), [u]) - time(Op("F", s), []) for s, u in m.work.items()) for m in metas]
+        if (whole := _pack(active, problem.rows[sink], problem.dp[sink], lambda x: alone[x])) not in packings:
+            packings.append(whole)
     if (capped := _pack_columns(active, problem, metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
     tail = [_flatten(sh, mb_c) for sh in _pack_columns(_orphans(metas, problem), problem, metas, w_c)]

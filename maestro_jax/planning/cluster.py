@@ -18,6 +18,7 @@ from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost, analytic_
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
+from maestro_jax.schedule.ops import delivered, feeders
 
 
 def typical_units(name: str, metas_all) -> float:
@@ -109,18 +110,28 @@ def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, 
     sections = {s: section_cost(sec, plans[s], metas_all, device, link_gbps, s == spec.sink,
                                 None if typical is None else typical[s])
                 for s, sec in spec.sections.items()}
-    transfer, groups = {}, device_groups(plans)
+    transfer, in_place, groups = {}, set(), device_groups(plans)
     for e in spec.edges:
         # Co-located sections share devices; when DP(producer) divides DP(consumer), a row's
         # producer devices hold its consumer devices (batch axes lead the device order in both
         # meshes): the tile map cuts pieces in place and copies each tile to its replicas only, a
         # few neighbouring devices (NVLink). Otherwise rows cross the inter-node link. Shards
-        # send in parallel.
+        # send in parallel; the slowest device sets the time. A consumer shard receives the
+        # whole rows of every producer shard that feeds it (`delivered`: `width` of them), and a
+        # producer shard sends its rows to every consumer shard it feeds, the sends spread over
+        # its replicas (`runtime.transfer.plan_transfer` reads them in turn); of the micro-step's
+        # DP(p) shards of rows.
         src, dst = plans[e.src], plans[e.dst]
+        if groups[e.src] == groups[e.dst] and src.mesh == dst.mesh:
+            in_place.add(e.name)  # one layout on the same devices: the rows stay where they are
+            continue
         local = groups[e.src] == groups[e.dst] and dst.dp % src.dp == 0
         per_device = DEVICES[device]["link"] if local else link_gbps * 1e9
-        transfer[e.name] = spec.edge_bytes[e.name] / (per_device * min(src.dp, dst.dp))
-    return CostModel(sections, transfer, 20e-6, source=f"analytic:{device}")
+        width = delivered(src.dp, dst.dp)[1]
+        replicas = len(src.devices) // src.dp
+        sends = -(-max(len(feeders(dst.dp, src.dp, i)) for i in range(src.dp)) // replicas)
+        transfer[e.name] = spec.edge_bytes[e.name] * max(width, 1 if local else sends) / (per_device * src.dp)
+    return CostModel(sections, transfer, 20e-6, frozenset(in_place), source=f"analytic:{device}")
 
 
 def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int,

@@ -54,6 +54,7 @@ class CostModel:
     sections: Mapping[str, SectionCost]
     transfer_s_per_unit: Mapping[str, float] = dataclasses.field(default_factory=dict)  # edge -> s / unit / row
     transfer_overhead_s: float = 0.0
+    in_place: frozenset[str] = frozenset()  # edges whose rows stay where they are: no transfer at all
     source: str = "analytic"
     host_s_per_sample: float = 0.0  # host-side batch packing before dispatch
     update_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # optimizer update per section
@@ -69,6 +70,8 @@ class CostModel:
         return t * {"F": 1.0, "B": c.backward_factor, "L": c.sink_factor}[kind]
 
     def transfer_time(self, edge: str, units: Sequence[int]) -> float:
+        if edge in self.in_place:
+            return 0.0
         return self.transfer_overhead_s + self.transfer_s_per_unit.get(edge, 0.0) * sum(units)
 
 

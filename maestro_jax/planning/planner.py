@@ -1,4 +1,4 @@
-"""Planner: choose each section's devices, mesh, micro-batch, residual policy and the fanouts.
+"""Planner: choose each section's devices, mesh, micro-batch and residual policy.
 
 Plain Python, no JAX. It reads a workload's `WorkloadSpec` (its graph's parameter shapes and
 declared costs, any DAG of sections) and sample metadata, enumerates candidate plans, drops
@@ -79,17 +79,14 @@ def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: 
     kept = {"none": per_layer, "full": half * c.width * F32,
             "dots": half * (c.layer_bytes / 2 + c.layer_bytes_sharded / tensor)}[sp.layer_remat]
 
-    def per_unit(stash: bool) -> float:
-        return working + (kept * c.layers if stash else 0.0)
-
     rows_units = sp.micro_batch * bucket(max_units, 16) / sp.axis_sizes["context"]  # positions split by context
-    act = rows_units * per_unit(sec.trained and (is_sink or sp.residuals == "vjp"))
+    act = rows_units * working
     held = 0.0  # what outlives the section's own programs: residuals stashed for later backwards
-    if sec.trained and not is_sink:
-        held = (max_in_flight - 1) * rows_units * (per_unit(True) if sp.residuals == "vjp" else c.width * F32 * half)
+    if sec.trained and not is_sink:  # each forward in flight keeps its residuals (its input under remat)
+        held = max_in_flight * rows_units * (kept * c.layers if sp.residuals == "vjp" else c.width * F32 * half)
         act += held
-    if is_sink:
-        act += rows_units * c.logits / tensor * F32 * 2  # logits and their gradient
+    if is_sink:  # forward and backward in one program: its residuals, logits and their gradient
+        act += rows_units * (kept * c.layers + c.logits / tensor * F32 * 2)
     return {"state": state, "activations": act, "held": held, "total": state + act}
 
 
@@ -188,8 +185,8 @@ class Planner:
     (priced per micro-step). A plan puts the sections into device groups (`placements`): a group
     is a contiguous device range, all devices are used, and the sections of one group share its
     devices, each with its own layout, their memory adding up (the all-in-one group with one
-    layout for every section is the monolithic layout's point in this space). Every edge has a
-    whole fanout and the producer's micro-batch divides by it. Candidates are scored with the
+    layout for every section is the monolithic layout's point in this space). An edge joins any
+    data-parallel degrees (fan-out, fan-in, uneven). Candidates are scored with the
     wavefront scheduler and the simulator, which runs a group's sections one at a time.
     """
 
@@ -212,9 +209,11 @@ class Planner:
         self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
         self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
 
-    def _memory(self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None) -> dict[str, float]:
+    def _memory(self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None,
+                in_flight: int | None = None) -> dict[str, float]:
+        """`in_flight`: forwards a trained producer keeps residuals for (default `max_in_flight`)."""
         return section_memory(self.spec.sections[section], sp, section == self.spec.sink, self.max_units[section],
-                              self.max_in_flight, weights)
+                              in_flight or self.max_in_flight, weights)
 
     def _weights_on(self, section: str, mesh: tuple[int, ...]) -> tuple[float, float] | None:
         """Per-device bytes of `section`'s trained and frozen weights on `mesh`, or None when the
@@ -333,8 +332,7 @@ class Planner:
                    threshold: float = math.inf) -> Iterator[tuple[Plan, dict, float]]:
         """(plan, memory by section, lower bound) for every plan that passes every constraint and
         whose bound is at most `threshold`, over every placement of the sections into device
-        groups. Groups and their sections are chosen sink first, so a producer is chosen knowing
-        its consumers' data-parallel degrees (fanout and block-map divisibility). A group's bound
+        groups. Groups and their sections are chosen sink first. A group's bound
         is the sum of its sections' (they take turns on its devices), its memory their sum."""
         budget = self.budget if budget is None else budget
         sections = self.spec.order
@@ -368,7 +366,7 @@ class Planner:
             for opt in self._shared_options(s, n, budget, lightest, len(group)):
                 total = group_bound + opt.bound
                 if (len(group) > 1 and group_memory(memories + [opt.memory]) > budget
-                        or not self._feeds(s, opt.plan, chosen) or self._combine(bounds + [total] + rest) > threshold):
+                        or self._combine(bounds + [total] + rest) > threshold):
                     continue
                 yield from members(groups, i, n, left, j + 1, {**chosen, s: opt}, bounds, rest, total,
                                    memories + [opt.memory])
@@ -376,20 +374,10 @@ class Planner:
         for groups in self.placements():
             yield from extend(groups, 0, self.devices, {}, [])
 
-    def _feeds(self, section: str, sp: SectionPlan, chosen: dict) -> bool:
-        """Whole fanouts on every edge to or from a section already chosen, and a producer
-        micro-batch the block map can split. Placements may choose a producer before its
-        consumer (a group holds sections from anywhere in the graph), so both ends are checked."""
-        def whole(p: SectionPlan, c: SectionPlan) -> bool:
-            return c.dp % p.dp == 0 and p.micro_batch % (c.dp // p.dp) == 0
-
-        return (all(whole(sp, chosen[e.dst].plan) for e in self.spec.consumers_of(section) if e.dst in chosen)
-                and all(whole(chosen[e.src].plan, sp) for e in self.spec.producers_of(section) if e.src in chosen))
-
     def _assemble(self, chosen: dict, groups: Sequence[Sequence[str]]) -> Plan:
         """Contiguous device ranges, one per device group, in graph order of each group's first
-        section; co-located sections share their group's range. Fanouts from the data-parallel
-        degrees."""
+        section; co-located sections share their group's range. Fanouts are derived from the
+        data-parallel degrees, and kept (as what the config may state) where they are whole."""
         first = {s: g for g in groups for s in g}
         sections, ranges, start = {}, {}, 0
         for s in self.spec.order:
@@ -398,7 +386,8 @@ class Planner:
                 ranges[g] = tuple(range(start, start + len(sp.devices)))
                 start += len(sp.devices)
             sections[s] = dataclasses.replace(sp, devices=ranges[g])
-        fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in self.spec.edges}
+        fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in self.spec.edges
+                  if sections[e.dst].dp % sections[e.src].dp == 0}
         return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
 
     def check(self, plan: Plan) -> dict[str, dict[str, float]]:
@@ -522,8 +511,10 @@ class Planner:
                         plans = {s: dataclasses.replace(sp, precision=sec.precision,
                                                         layer_remat=remat if sec.trained else "none")
                                  for s, sec in self.spec.sections.items()}
-                        mems = [self._memory(s, plans[s], weights[s]) for s in self.spec.order]
-                        if sum(m["state"] for m in mems) + max(m["activations"] for m in mems) > self.budget:
+                        # one program per micro-batch: each trained producer keeps one forward's
+                        # residuals while the sections after it run, as co-located sections do
+                        mems = [self._memory(s, plans[s], weights[s], in_flight=1) for s in self.spec.order]
+                        if group_memory(mems) > self.budget:
                             continue
                         cost = cost_model(self.spec, plans, self.metas, self.device, self.link_gbps, self.typical_units)
                         t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
@@ -541,7 +532,7 @@ class Planner:
     def _infeasible_message(self) -> str:
         peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
         if not peaks:
-            return (f"--devices {self.devices}: no device split satisfies the mesh, fanout and divisibility "
+            return (f"--devices {self.devices}: no device split satisfies the mesh and divisibility "
                     f"constraints for global_batch={self.global_batch}; try another device count")
         gb = self.budget / 2**30
         more = next((n for n in (2 * self.devices, 4 * self.devices) if next(self._with(n).candidates(), None)), None)
@@ -594,7 +585,7 @@ def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) ->
                  f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
                  f"{'' if d['layer_remat'] == 'none' else ' layers:' + d['layer_remat']}"
                  for s, d in c.describe().items()]
-        fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items())
+        fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items()) or "-"  # whole ones; the rest uneven
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
         lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
                      f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}  {mem}")

@@ -70,5 +70,5 @@ class WorkloadSpec:
         return Problem(order=self.order, sink=self.sink,
                        trained=frozenset(s for s, spec in self.sections.items() if spec.trained), edges=self.edges,
                        rows={s: plan.sections[s].rows for s in self.order},
-                       dp={s: plan.sections[s].dp for s in self.order}, fanout=dict(plan.fanout),
+                       dp={s: plan.sections[s].dp for s in self.order},
                        max_in_flight=max_in_flight, groups=device_groups(plan.sections))

@@ -18,7 +18,7 @@ import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.runtime.programs import SectionPrograms, SectionState
-from maestro_jax.runtime.transfer import transfer
+from maestro_jax.runtime.transfer import deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 
 
@@ -56,6 +56,10 @@ class StepResult:
 class Executor:
     def __init__(self, graph: SectionGraph, problem: Problem, programs: Mapping[str, SectionPrograms]):
         self.graph, self.problem, self.programs = graph, problem, programs
+        # per edge, how a producer micro-step reaches the consumer (each consumer shard gets its
+        # feeders' rows: any data-parallel degrees) and how its cotangent goes back (summed)
+        self.row_maps = {e.name: tuple(f(problem.dp[e.src], problem.dp[e.dst], problem.micro_batch(e.src))
+                                       for f in (deliver_rows, return_rows)) for e in problem.edges}
 
     def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
         """Numpy inputs of every micro-step (host work, done before any dispatch)."""
@@ -173,13 +177,14 @@ class Executor:
             return ctx.outputs[(op.section, op.step)]
         if op.kind == "X":
             e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved[(e.name, op.step)] = transfer(ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].rows)
+            ctx.moved[(e.name, op.step)] = transfer(ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].rows,
+                                                    self.row_maps[e.name][0])
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved[(e.name, op.step)]
         if op.kind == "XB":
             e, t0 = g.edge(op.edge), time.perf_counter()
             ctx.moved_back[(op.edge, op.step)] = transfer(ctx.cotangents.pop((op.edge, op.step)),
-                                                          self.programs[e.src].rows)
+                                                          self.programs[e.src].rows, self.row_maps[e.name][1])
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved_back[(op.edge, op.step)]
         if op.kind == "B":

@@ -16,6 +16,16 @@ steps, precomputed per process and cached with the plan: one compiled cut per so
 compiled join per head that receives several pieces, one batched `device_put` of the tiles to
 their replicas, and `jax.make_array_from_single_device_arrays`. Every copy is single-device to
 single-device, so jax takes its direct copy path; no step touches host memory.
+
+Along an edge the destination is not a plain reshard of the source but a row map (`RowMap`):
+destination rows receive, or sum, ranges of source rows, the rest zero. A producer micro-step
+goes to the consumer as `deliver_rows` lays it out: each consumer data shard receives the whole
+rows of the producer shards that feed it (`schedule.ops.delivered`: any data-parallel degrees on
+either side), zero-padded to a common count, so the consumer finds every row it needs on its own
+shard and gathers locally (`mj.rows.gather`). The cotangent goes back by `return_rows`: each
+producer shard sums the blocks of every consumer shard it fed. A tile is then joined from
+pieces per *term* (pieces that do not overlap), zero-padded where no piece reaches, and the
+terms summed, in the same one compiled program per head.
 """
 
 from __future__ import annotations
@@ -28,7 +38,50 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from maestro_jax.schedule.ops import delivered
+
 Bounds = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class RowMap:
+    """A linear map of the source's rows (dimension 0) onto a destination of `rows` rows, the other
+    dimensions unchanged: per segment (start, stop, at), destination rows at .. at+stop-start
+    receive source rows start .. stop; where segments overlap they add up; rows no segment
+    reaches are zero."""
+
+    segments: tuple[tuple[int, int, int], ...]
+    rows: int
+
+    def keeps(self, rows: int) -> bool:
+        """Whether the map leaves a source of `rows` rows as it is: every row in its own place
+        (an edge between co-located sections with one data-parallel layout)."""
+        at = 0
+        for start, stop, dst in sorted(self.segments):
+            if start != at or dst != start:
+                return False
+            at = stop
+        return at == rows == self.rows
+
+
+def deliver_rows(dp_p: int, dp_c: int, micro_batch: int) -> RowMap:
+    """A producer micro-step (DP(p) shards of `micro_batch` rows) as its consumer receives it:
+    consumer shard j holds, in order, the rows of the producer shards that feed it
+    (`schedule.ops.delivered`), in a block of `width` producer shards, zero-padded."""
+    feeding, width = delivered(dp_p, dp_c)
+    block = width * micro_batch
+    return RowMap(tuple((f.start * micro_batch, f.stop * micro_batch, j * block) for j, f in enumerate(feeding)),
+                  dp_c * block)
+
+
+def return_rows(dp_p: int, dp_c: int, micro_batch: int) -> RowMap:
+    """The reverse of `deliver_rows` for the cotangent: each producer shard sums the blocks that the
+    consumer shards it fed hold of it (with fan-out, f copies, each nonzero only on the rows of
+    the samples that sit on that consumer shard)."""
+    feeding, width = delivered(dp_p, dp_c)
+    block = width * micro_batch
+    return RowMap(tuple((j * block, j * block + len(f) * micro_batch, f.start * micro_batch)
+                        for j, f in enumerate(feeding)), dp_p * micro_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +89,7 @@ class Piece:
     src_device: object
     src_slices: tuple[slice, ...]  # relative to the source shard; full slices mean "whole shard"
     offset: tuple[int, ...]  # start of the piece inside the destination tile
+    term: int = 0  # the pieces of one term do not overlap; a tile is the sum of its terms
 
     @property
     def bounds(self) -> Bounds:
@@ -60,8 +114,15 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
     return tuple((s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
 
 
+def _dst_shape(shape: tuple[int, ...], rows: RowMap | None) -> tuple[int, ...]:
+    return shape if rows is None else (rows.rows, *shape[1:])
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]) -> TileMap:
+def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...],
+                  rows: RowMap | None = None) -> TileMap:
+    """The tile map of moving an array of `shape` from `src` to `dst`, as it is (a reshard) or
+    through a row map (`rows`: the destination has `rows.rows` rows)."""
     src_map = src.devices_indices_map(shape)
     # One source replica per distinct shard; replicas are used round-robin to spread the reads.
     replicas: dict[tuple, list] = {}
@@ -70,21 +131,32 @@ def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
     turn = {b: 0 for b in replicas}
     tiles = []
     copies: dict[tuple, list] = {}  # (tile bounds, process) -> its devices, the first one the head
-    for dev, idx in dst.devices_indices_map(shape).items():  # all devices: the same plan on every process
-        tile = _bounds(idx, shape)
+    out_shape = _dst_shape(shape, rows)
+    segments = ((0, shape[0], 0),) if rows is None else rows.segments
+    for dev, idx in dst.devices_indices_map(out_shape).items():  # all devices: the same plan on every process
+        tile = _bounds(idx, out_shape)
         copies.setdefault((tile, dev.process_index), []).append(dev)
-        pieces = []
-        for b, devs in replicas.items():
-            inter = tuple((max(t0, s0), min(t1, s1)) for (t0, t1), (s0, s1) in zip(tile, b))
-            if any(lo >= hi for lo, hi in inter):
-                continue
-            same = [d for d in devs if d == dev]
-            near = [d for d in devs if d.process_index == dev.process_index]  # no cross-process read
-            src_dev = same[0] if same else (near or devs)[turn[b] % len(near or devs)]
-            turn[b] += 1
-            rel = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(inter, b))
-            pieces.append(Piece(src_dev, rel, tuple(lo - t0 for (lo, _), (t0, _) in zip(inter, tile))))
-        tiles.append((dev, tuple(sorted(pieces, key=lambda p: p.offset))))
+        (t0, t1), pieces, ends = tile[0], [], []  # ends: per term, the last destination row it covers
+        clipped = sorted((max(t0, at), min(t1, at + stop - start), start - at)
+                         for start, stop, at in segments if max(t0, at) < min(t1, at + stop - start))
+        for lo, hi, shift in clipped:  # destination rows lo..hi from source rows lo+shift..hi+shift
+            term = next((k for k, end in enumerate(ends) if end <= lo), len(ends))
+            ends[term:term + 1] = [hi]
+            region = ((lo + shift, hi + shift), *tile[1:])
+            for b, devs in replicas.items():
+                inter = tuple((max(r0, s0), min(r1, s1)) for (r0, r1), (s0, s1) in zip(region, b))
+                if any(a >= z for a, z in inter):
+                    continue
+                same = [d for d in devs if d == dev]
+                near = [d for d in devs if d.process_index == dev.process_index]  # no cross-process read
+                src_dev = same[0] if same else (near or devs)[turn[b] % len(near or devs)]
+                turn[b] += 1
+                rel = tuple(slice(a - s0, z - s0) for (a, z), (s0, _) in zip(inter, b))
+                offset = (inter[0][0] - shift - t0, *(a - r0 for (a, _), (r0, _) in zip(inter[1:], tile[1:])))
+                pieces.append(Piece(src_dev, rel, offset, term))
+        if not pieces:
+            raise ValueError(f"transfer: destination tile {tile} of {dev} receives no rows")
+        tiles.append((dev, tuple(sorted(pieces, key=lambda p: (p.term, p.offset)))))
     heads = tuple((devs[0], tuple(devs[1:])) for devs in copies.values())
     return TileMap(tuple(tiles), heads)
 
@@ -96,24 +168,26 @@ class _Steps:
     `cuts`: (local source device, bounds of the pieces cut from its shard); pieces that are whole
     shards are not cut. `crossing`: (piece, head) for every piece whose source and head sit in
     different processes, the same list in the same order on every process. `puts`: (piece, head)
-    for the local pieces of local heads. `joins`: (head, the offsets of its pieces in tile order)
-    for local heads; a piece that arrives is known by (head, offset). `copies`: (head, replica
-    device). `devices`: the local destination devices, the order of the result's shards.
+    for the local pieces of local heads. `joins`: (head, the (term, offset) of its pieces in tile
+    order, the tile's shape, whether one piece is the whole tile) for local heads; a piece that
+    arrives is known by (head, term, offset). `copies`: (head, replica device). `devices`: the
+    local destination devices, the order of the result's shards.
     """
 
     cuts: tuple[tuple[object, tuple[Bounds, ...]], ...]
     crossing: tuple[tuple[Piece, object], ...]
     puts: tuple[tuple[Piece, object], ...]
-    joins: tuple[tuple[object, tuple[tuple[int, ...], ...]], ...]
+    joins: tuple[tuple[object, tuple[tuple[int, tuple[int, ...]], ...], tuple[int, ...], bool], ...]
     copies: tuple[tuple[object, object], ...]
     devices: tuple[object, ...]
     targets: dict  # device -> SingleDeviceSharding, built once
 
 
 @functools.lru_cache(maxsize=1024)
-def _process_steps(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int) -> _Steps:
-    tile_map = plan_transfer(src, dst, shape)
-    shard_shape = src.shard_shape(shape)
+def _process_steps(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int,
+                   rows: RowMap | None = None) -> _Steps:
+    tile_map = plan_transfer(src, dst, shape, rows)
+    shard_shape, tile_shape = src.shard_shape(shape), dst.shard_shape(_dst_shape(shape, rows))
     pieces_of = dict(tile_map.tiles)
     crossing, puts, joins, copies, cut = [], [], [], [], {}
     for head, replicas in tile_map.heads:
@@ -125,7 +199,9 @@ def _process_steps(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...
             elif head.process_index == process:
                 puts.append((p, head))
         if head.process_index == process:
-            joins.append((head, tuple(p.offset for p in pieces_of[head])))
+            pieces = pieces_of[head]
+            whole = len(pieces) == 1 and tuple(hi - lo for lo, hi in pieces[0].bounds) == tile_shape
+            joins.append((head, tuple((p.term, p.offset) for p in pieces), tile_shape, whole))
             copies.extend((head, r) for r in replicas)
     devices = tuple(dev for dev, _ in tile_map.tiles if dev.process_index == process)
     return _Steps(tuple((dev, tuple(b)) for dev, b in cut.items()), tuple(crossing), tuple(puts), tuple(joins),
@@ -138,10 +214,25 @@ def _cut_pieces(shard: jax.Array, bounds: tuple[Bounds, ...]) -> tuple[jax.Array
     return tuple(jax.lax.slice(shard, [lo for lo, _ in b], [hi for _, hi in b]) for b in bounds)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _join_pieces(offsets: tuple[tuple[int, ...], ...], *parts: jax.Array) -> jax.Array:
-    """A tile from its pieces (grid offsets) on the head, as one program."""
-    return _join(list(zip(offsets, parts)))
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _join_pieces(layout: tuple[tuple[int, tuple[int, ...]], ...], shape: tuple[int, ...],
+                 *parts: jax.Array) -> jax.Array:
+    """A tile of `shape` from its pieces ((term, grid offset) each) on the head, as one program: each
+    term's pieces joined (zero-padded where they leave rows uncovered), the terms summed."""
+    terms: dict[int, list] = {}
+    for (term, offset), part in zip(layout, parts):
+        terms.setdefault(term, []).append((offset, part))
+    out = None
+    for term in sorted(terms):
+        pieces = terms[term]
+        if sum(math.prod(p.shape) for _, p in pieces) == math.prod(shape):
+            x = _join(pieces)
+        else:
+            x = jnp.zeros(shape, pieces[0][1].dtype)
+            for offset, p in pieces:
+                x = jax.lax.dynamic_update_slice(x, p, offset)
+        out = x if out is None else out + x
+    return out
 
 
 def _join(parts: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.Array:
@@ -155,8 +246,9 @@ def _join(parts: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.A
     return joined[0] if len(joined) == 1 else jnp.concatenate(joined, axis=dim)
 
 
-def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
-    """Move `x` into `dst` (another section's mesh) without a host round trip.
+def transfer(x: jax.Array, dst: NamedSharding, rows: RowMap | None = None) -> jax.Array:
+    """Move `x` into `dst` (another section's mesh) without a host round trip; with `rows`, through
+    that row map (an edge's `deliver_rows` or `return_rows`).
 
     Every process must call it (multi-controller), with the same arguments. Each distinct
     destination tile is assembled once per process on its head from pieces of source shards
@@ -167,9 +259,9 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
     each distinct piece once per destination process: any device counts on either side,
     fan-in, fan-out or a layout change, sections inside one process or spanning several.
     """
-    if x.sharding == dst:
+    if x.sharding == dst and (rows is None or rows.keeps(x.shape[0])):
         return x
-    steps = _process_steps(x.sharding, dst, tuple(x.shape), jax.process_index())
+    steps = _process_steps(x.sharding, dst, tuple(x.shape), jax.process_index(), rows)
     shards = {s.device: s.data for s in x.addressable_shards}
     cut = {}
     for dev, bounds in steps.cuts:
@@ -179,22 +271,23 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
         arr = cut.get((p.src_device, p.bounds))
         return shards[p.src_device] if arr is None else arr
 
-    arrived = _move_across_processes(steps.crossing, piece, x.dtype)  # (head, offset) -> piece on the head
+    arrived = _move_across_processes(steps.crossing, piece, x.dtype)  # (head, term, offset) -> piece on the head
     if steps.puts:
         moved = jax.device_put([piece(p) for p, _ in steps.puts], [steps.targets[h] for _, h in steps.puts])
-        arrived.update(zip(((h, p.offset) for p, h in steps.puts), moved))
+        arrived.update(zip(((h, p.term, p.offset) for p, h in steps.puts), moved))
     tile = {}
-    for head, offsets in steps.joins:
-        parts = [arrived[(head, off)] for off in offsets]
-        tile[head] = parts[0] if len(parts) == 1 else _join_pieces(offsets, *parts)
+    for head, layout, shape, whole in steps.joins:
+        parts = [arrived[(head, *at)] for at in layout]
+        tile[head] = parts[0] if whole else _join_pieces(layout, shape, *parts)
     if steps.copies:
         copied = jax.device_put([tile[h] for h, _ in steps.copies], [steps.targets[r] for _, r in steps.copies])
         tile.update(zip((r for _, r in steps.copies), copied))
-    return jax.make_array_from_single_device_arrays(x.shape, dst, [tile[d] for d in steps.devices], dtype=x.dtype)
+    return jax.make_array_from_single_device_arrays(_dst_shape(tuple(x.shape), rows), dst,
+                                                    [tile[d] for d in steps.devices], dtype=x.dtype)
 
 
 def _move_across_processes(crossing: tuple[tuple[Piece, object], ...], piece, dtype) -> dict:
-    """{(head, offset): single-device array} for the crossing pieces whose head is in this
+    """{(head, term, offset): single-device array} for the crossing pieces whose head is in this
     process. The source's process passes the cut piece; the others name it by an array without
     local data; every process issues one single-device `device_put` per piece, in the same
     order. (One batched `device_put` over several process pairs delivered a piece to the wrong
@@ -209,7 +302,7 @@ def _move_across_processes(crossing: tuple[tuple[Piece, object], ...], piece, dt
             x = jax.make_array_from_single_device_arrays(shape, SingleDeviceSharding(p.src_device), [], dtype=dtype)
         received = jax.device_put(x, SingleDeviceSharding(head))
         if head.process_index == me:
-            out[(head, p.offset)] = received
+            out[(head, p.term, p.offset)] = received
     return out
 
 

@@ -7,11 +7,22 @@ Plain Python, no JAX. Operations:
   B(s, k)   backward of a trained producer's micro-step k;
   U(s)      optimizer update of a trained section.
 Rows of a micro-step are laid out shard-major: row r sits on data shard r // micro_batch.
+
+Placement (any data-parallel degrees on either side of an edge): shard i of a section with DP
+shards holds the share [i/DP, (i+1)/DP) of the batch, and producer shard i feeds consumer shard
+j when their shares overlap (`feeders`). For DP(consumer) = f * DP(producer) that is the block
+map (producer shard i feeds consumer shards i*f .. i*f+f-1); for fan-in and uneven degrees (6 -> 2,
+3 -> 4) a consumer shard has several feeders. A schedule puts each sample, in every section it
+activates, on a shard that its producer's shard feeds; the schedulers do so by giving the sample
+one position in [0, 1) and every section the shard holding it (`shard_of`). The consumer then
+receives, per producer micro-step, the rows of its feeders (`delivered`), so it finds every row
+it needs on its own shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 from maestro_jax.core.plan import EdgeInfo
@@ -19,6 +30,46 @@ from maestro_jax.core.plan import EdgeInfo
 
 class ScheduleError(ValueError):
     pass
+
+
+def feeders(dp: int, dp_other: int, j: int) -> range:
+    """The shards of a `dp`-way split of the batch whose share overlaps shard `j` of a
+    `dp_other`-way split: `feeders(DP(p), DP(c), j)` are the producer shards that feed consumer
+    shard j, `feeders(DP(c), DP(p), i)` the consumer shards that producer shard i feeds."""
+    return range(j * dp // dp_other, -(-(j + 1) * dp // dp_other))
+
+
+def feeds(dp_p: int, i: int, dp_c: int, j: int) -> bool:
+    """Whether producer shard i (of DP(p)) feeds consumer shard j (of DP(c)): their shares overlap."""
+    return i * dp_c < (j + 1) * dp_p and j * dp_p < (i + 1) * dp_c
+
+
+@functools.lru_cache(maxsize=256)
+def delivered(dp_p: int, dp_c: int) -> tuple[tuple[range, ...], int]:
+    """How a producer micro-step reaches the consumer: per consumer shard, its feeders (whose
+    rows it receives whole, in shard order), and the most any shard has (`width`): each consumer
+    shard holds `width` producer shards' rows (zero-padded), so the transferred array has
+    DP(c) * width * micro_batch(p) rows. 1 for fan-out; DP(p)/DP(c) for fan-in; uneven degrees
+    add one for the shards on a boundary (3 -> 4: 2; 6 -> 4: 2)."""
+    ranges = tuple(feeders(dp_p, dp_c, j) for j in range(dp_c))
+    return ranges, max(len(r) for r in ranges)
+
+
+_GOLDEN = 0x9E3779B1  # 2**32 / golden ratio: the positions of consecutive samples spread evenly
+
+
+def shard_of(dp_from: int, dp_to: int, c: int, x: int) -> int:
+    """The shard of a `dp_to`-way split that sample `x`, on shard `c` of a `dp_from`-way split (the
+    sink's), sits on: the one holding the sample's position c + frac(x * golden ratio), in units
+    of `dp_from` shards. Every section placed this way from the same shard c holds the sample at
+    one common position, so every edge between them feeds it (`feeds`). When one shard of
+    `dp_to` covers shard c whole (DP(to) divides DP(from)) that is c // (DP(from) / DP(to)),
+    whatever the sample; otherwise the samples of shard c spread over the shards it overlaps in
+    proportion to the overlap."""
+    first = c * dp_to // dp_from
+    if (c + 1) * dp_to <= (first + 1) * dp_from:
+        return first
+    return ((c << 32) + (x * _GOLDEN & 0xFFFFFFFF)) * dp_to // (dp_from << 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +97,6 @@ class Problem:
     edges: tuple[EdgeInfo, ...]
     rows: Mapping[str, int]
     dp: Mapping[str, int]
-    fanout: Mapping[str, int]
     max_in_flight: int = 4
     groups: Mapping[str, str] = dataclasses.field(default_factory=dict)  # co-located section -> its device group
 
@@ -103,16 +153,36 @@ class Schedule:
     name: str = "naive"
 
     def routes(self, problem: Problem, section: str, index: int) -> dict[str, list[int]]:
-        """Per in-edge, each row's index into the concatenated producer outputs (-1: none)."""
+        """Per in-edge, each row's index into the consumer's inputs (-1: none): the producer
+        micro-steps it depends on, joined along rows, each as the consumer receives it
+        (`delivered`: consumer shard j holds its feeders' rows in `width` blocks of the producer's
+        micro-batch, so row q of producer shard i sits at (j * width + i - first feeder of j) *
+        micro_batch(p) + q % micro_batch(p)). Every index points at the shard of the row that
+        reads it, so a consumer gathers locally (`mj.rows.gather`); a sample placed on a consumer
+        shard its producer shard does not feed is a ScheduleError. With equal data-parallel
+        degrees this is the plain index into the concatenated producer outputs."""
         step = self.steps[section][index]
-        out = {}
+        mb_c, out = problem.micro_batch(section), {}
         for e in problem.in_edges(section):
+            mb_p, dp_c = problem.micro_batch(e.src), problem.dp[section]
+            feeding, width = delivered(problem.dp[e.src], dp_c)
             where = {}
             for pos, k in enumerate(step.deps.get(e.name, ())):
                 for q, sample in enumerate(self.steps[e.src][k].rows):
                     if sample >= 0:
-                        where[sample] = pos * problem.rows[e.src] + q
-            out[e.name] = [where.get(s, -1) if s >= 0 else -1 for s in step.rows]
+                        where[sample] = (pos, q)
+            route = []
+            for r, x in enumerate(step.rows):
+                if x < 0 or x not in where:
+                    route.append(-1)
+                    continue
+                pos, q = where[x]
+                i, j = q // mb_p, r // mb_c
+                if i not in feeding[j]:
+                    raise ScheduleError(f"sample {x}: {e.src} shard {i} does not feed {section} shard {j} "
+                                        f"(its feeders are {e.src} shards {feeding[j].start}..{feeding[j].stop - 1})")
+                route.append(((pos * dp_c + j) * width + i - feeding[j].start) * mb_p + q % mb_p)
+            out[e.name] = route
         return out
 
 

@@ -6,14 +6,25 @@ from collections import Counter
 from collections.abc import Sequence
 
 from maestro_jax.core.plan import EdgeInfo
-from maestro_jax.schedule.ops import MicroStep, Problem, SampleMeta, Schedule, ScheduleError, required_ops
+from maestro_jax.schedule.ops import (
+    MicroStep,
+    Problem,
+    SampleMeta,
+    Schedule,
+    ScheduleError,
+    feeders,
+    feeds,
+    required_ops,
+)
 
 
 def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, *, in_flight: bool = False,
              block_map: bool = False) -> None:
     """Raise ScheduleError unless every sample and dependency rule holds. Linear in the rows: a
     consumer step's dependencies are checked through each sample's home producer step, never by
-    gathering the samples of every step it depends on."""
+    gathering the samples of every step it depends on. `block_map`: also the placement rule on
+    every edge (each sample on a consumer shard that its producer shard feeds, `ops.feeds`), which
+    the runtime needs (a consumer gathers its rows locally) and both schedulers keep."""
     steps, sections = schedule.steps, [m.sections for m in metas]
     for s in problem.order:
         seen: Counter[int] = Counter()
@@ -62,13 +73,16 @@ def _shards(steps: Sequence[MicroStep], micro_batch: int) -> dict[int, int]:
 
 def _check_block_map(problem: Problem, e: EdgeInfo, st: MicroStep, shard_of: dict[int, int]) -> None:
     """Each row of `st` that the producer feeds sits on a consumer shard its producer shard feeds
-    (`shard_of`: sample -> producer shard)."""
-    mb_c, f = problem.micro_batch(e.dst), problem.fanout.get(e.name, 1)
+    (`shard_of`: sample -> producer shard): the shares of the batch the two shards hold overlap,
+    which for DP(c) = f * DP(p) is the block map (producer shard i feeds consumer shards
+    i*f .. i*f+f-1)."""
+    mb_c, dp_p, dp_c = problem.micro_batch(e.dst), problem.dp[e.src], problem.dp[e.dst]
     for r, x in enumerate(st.rows):
-        if x in shard_of and not shard_of[x] * f <= r // mb_c < (shard_of[x] + 1) * f:
+        if x in shard_of and not feeds(dp_p, shard_of[x], dp_c, r // mb_c):
+            fed = feeders(dp_c, dp_p, shard_of[x])
+            how = f" (fanout {dp_c // dp_p})" if dp_c % dp_p == 0 else ""
             raise ScheduleError(f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "
-                                f"{shard_of[x] * f}..{(shard_of[x] + 1) * f - 1} (fanout {f}), but it sits on "
-                                f"{e.dst} shard {r // mb_c}")
+                                f"{fed.start}..{fed.stop - 1}{how}, but it sits on {e.dst} shard {r // mb_c}")
 
 
 def _check_ops(schedule: Schedule, problem: Problem, in_flight: bool) -> None:

@@ -1,21 +1,24 @@
 """The wavefront scheduler: reorder a global batch so sections run concurrently. Plain Python.
 
-Any section DAG with one sink. A sample sits on one data shard per section; putting it on shard
-c // (DP(sink) // DP(s)) of every section s, where c is its sink shard, satisfies the plan's block
-map on every edge at once (fanouts multiply along paths, so DP(s) divides DP(sink), and floor
-divisions compose). A schedule is therefore built from *columns*: the sink's micro-steps in the
-order the sink runs them (then columns of samples that never reach the sink, if any). Every other
-section takes, per shard, the samples of the sink shards it feeds, in column order (`_derive`).
+Any section DAG with one sink, any data-parallel degrees. A sample sits on one data shard per
+section; giving it one position in the sink shard c it sits on, and putting it on the shard of
+every section s that holds that position (`ops.shard_of`: c // (DP(sink) / DP(s)) when DP(s)
+divides DP(sink), whatever the sample), satisfies the placement rule on every edge at once
+(producer shard i feeds consumer shard j when their shares of the batch overlap, `ops.feeds`;
+both hold the sample's position). A schedule is therefore built from *columns*: the sink's
+micro-steps in the order the sink runs them (then columns of samples that never reach the sink,
+if any). Every other section takes, per shard, the column's samples placed on it, in column
+order (`_derive`).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
-from maestro_jax.schedule.naive import naive
 from maestro_jax.schedule.ops import (
     MicroStep,
     Op,
@@ -24,9 +27,12 @@ from maestro_jax.schedule.ops import (
     Schedule,
     ScheduleError,
     backward_ops,
+    chunk,
     consumers,
+    feeders,
     link,
     required_ops,
+    shard_of,
 )
 from maestro_jax.schedule.timing import resource_of, work_time
 from maestro_jax.schedule.validate import validate
@@ -53,6 +59,10 @@ class _Batch:
         self.active = [i for i, secs in enumerate(self.sections) if problem.sink in secs]
         self.orphans = [i for i, secs in enumerate(self.sections) if secs and problem.sink not in secs]
         self._time, self._durations, self._units = work_time(cost, problem), {}, {}
+        # each sample's modelled time alone, every section's forward (one row, less the fixed
+        # cost of a program): the key a monolithic trainer may pack by, so maestro may too
+        base = {s: self._time(Op("F", s), []) for s in problem.order}
+        self.alone = [sum(self._time(Op("F", s), [u]) - base[s] for s, u in w.items() if s in base) for w in works]
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
 
     def duration(self, op: Op, steps) -> float:
@@ -71,16 +81,23 @@ class _Batch:
         return [x for x in rows if x >= 0 and s in sections[x]]
 
     def placed(self, column: tuple[int, ...], s: str) -> list[list[int]]:
-        """Per shard of s: the column's samples activating s, on shard (sink shard) // (DP(sink) /
-        DP(s)), in row order. Memoised: the variants reorder the same columns. Read-only."""
+        """Per shard of s: the column's samples activating s, on the shard `ops.shard_of` gives
+        them from their sink shard ((sink shard) // (DP(sink) / DP(s)) when DP(s) divides
+        DP(sink)), in row order. Memoised: the variants reorder the same columns. Read-only."""
         key = (s, column)
         if key not in self._placed:
-            problem = self.problem
-            span, sections = problem.micro_batch(problem.sink) * (problem.dp[problem.sink] // problem.dp[s]), self.sections
-            shards: list[list[int]] = [[] for _ in range(problem.dp[s])]
-            for r, x in enumerate(column):
-                if x >= 0 and s in sections[x]:
-                    shards[r // span].append(x)
+            problem, sections = self.problem, self.sections
+            dp_sink, dp, mb = problem.dp[problem.sink], problem.dp[s], problem.micro_batch(problem.sink)
+            shards: list[list[int]] = [[] for _ in range(dp)]
+            if dp_sink % dp == 0:
+                span = mb * (dp_sink // dp)
+                for r, x in enumerate(column):
+                    if x >= 0 and s in sections[x]:
+                        shards[r // span].append(x)
+            else:
+                for r, x in enumerate(column):
+                    if x >= 0 and s in sections[x]:
+                        shards[shard_of(dp_sink, dp, r // mb, x)].append(x)
             self._placed[key] = shards
         return self._placed[key]
 
@@ -120,48 +137,88 @@ def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> Rows:
     return [_flatten(_lpt(ordered[i:i + rows], dp, mb, weight), mb) for i in range(0, len(ordered), rows)]
 
 
-def _caps(problem: Problem) -> dict[str, tuple[int, int]]:
-    """Sections one sink micro-step can overfill (it has more rows per shard of theirs than their
-    micro-batch): section -> (micro-batch, sink shards per shard of the section)."""
+def _caps(problem: Problem) -> dict[str, tuple[int, object, object]]:
+    """Sections one sink micro-step can overfill (the sink rows that can land on one of their
+    shards outnumber their micro-batch): section -> (micro-batch, (sink shard, sample) -> the
+    section's shard it lands on (`ops.shard_of`), sink shard -> the section's shards it can land on)."""
     sink = problem.sink
-    return {s: (problem.micro_batch(s), problem.dp[sink] // problem.dp[s]) for s in problem.order
-            if s != sink and problem.rows[sink] // problem.dp[s] > problem.micro_batch(s)}
+    dp_sink, mb_sink, out = problem.dp[sink], problem.micro_batch(sink), {}
+    for s in problem.order:
+        dp = problem.dp[s]
+        if s == sink:
+            continue
+        if dp_sink % dp == 0:
+            if problem.rows[sink] // dp > problem.micro_batch(s):
+                out[s] = (problem.micro_batch(s), functools.partial(_divide, dp_sink // dp),
+                          functools.partial(feeders, dp, dp_sink))
+        elif mb_sink * max(len(feeders(dp_sink, dp, i)) for i in range(dp)) > problem.micro_batch(s):
+            out[s] = (problem.micro_batch(s), functools.partial(shard_of, dp_sink, dp),
+                      functools.partial(feeders, dp, dp_sink))
+    return out
+
+
+def _divide(ratio: int, c: int, x: int) -> int:
+    """`ops.shard_of` when DP(s) divides DP(sink) (`ratio` sink shards per shard of s)."""
+    return c // ratio
 
 
 class _Column:
     """One sink micro-step being filled: each sample on the least loaded sink shard with a free row
     whose shard in every section the sample activates still has room in that section's micro-batch."""
 
-    def __init__(self, problem: Problem, metas: Sequence[SampleMeta], weight, caps: dict[str, tuple[int, int]]):
+    def __init__(self, problem: Problem, metas: Sequence[SampleMeta], weight, caps: dict[str, tuple]):
         self.metas, self.weight, self.caps, self.mb = metas, weight, caps, problem.micro_batch(problem.sink)
         dp = problem.dp[problem.sink]
         self.shards, self.loads, self.used, self.free = [[] for _ in range(dp)], [0.0] * dp, {}, dp * self.mb
-        self.open = [(0.0, c) for c in range(dp)] if self.mb > 0 else []  # shards with a free row, a heap
+        self.version = [0] * dp  # bumped whenever a shard takes a sample: older heap entries are stale
+        self.heaps: dict[tuple[str, ...], list] = {}  # per set of capped sections a sample activates
+
+    def _heap(self, activated: tuple[str, ...]) -> list:
+        """The shards with a free row, as (load, index, version), for samples activating exactly
+        the capped sections `activated`; built on first use, then kept lazily (stale entries are
+        skipped when popped, shards those samples can never use again in this column dropped)."""
+        heap = self.heaps.get(activated)
+        if heap is None:
+            heap = self.heaps[activated] = [(self.loads[c], c, self.version[c]) for c in range(len(self.shards))
+                                            if len(self.shards[c]) < self.mb]
+            heapq.heapify(heap)
+        return heap
 
     def place(self, x: int) -> bool:
         """Put sample `x` on the least loaded shard (lowest index on ties) that has a free row and
         room in every capped section it activates. The heap pops shards in that order, so a
-        sample costs O(log dp) unless caps turn shards away (those go back untouched)."""
-        caps = [(s, cap, ratio) for s, (cap, ratio) in self.caps.items() if s in self.metas[x].sections]
+        sample costs O(log dp) unless caps turn shards away: a shard whose capped shards are all
+        full is dropped from the heap of samples activating those sections (counts only grow
+        within a column), one turned away only for this sample (its position falls on a full
+        shard) goes back untouched."""
+        caps = [(s, cap, where, reach) for s, (cap, where, reach) in self.caps.items() if s in self.metas[x].sections]
+        heap, used = self._heap(tuple(s for s, *_ in caps)), self.used
         turned_away, chosen = [], None
-        while self.open:
-            load, c = heapq.heappop(self.open)
-            if all(self.used.get((s, c // ratio), 0) < cap for s, cap, ratio in caps):
+        while heap:
+            entry = heapq.heappop(heap)
+            c = entry[1]
+            if entry[2] != self.version[c]:
+                continue  # stale: the shard took a sample since (a newer entry stands for it) or is full
+            if all(used.get((s, where(c, x)), 0) < cap for s, cap, where, _ in caps):
                 chosen = c
                 break
-            turned_away.append((load, c))
+            if not any(all(used.get((s, i), 0) >= cap for i in reach(c)) for s, cap, _, reach in caps):
+                turned_away.append(entry)
         for entry in turned_away:
-            heapq.heappush(self.open, entry)
+            heapq.heappush(heap, entry)
         if chosen is None:
             return False
         c = chosen
         self.shards[c].append(x)
         self.loads[c] += self.weight(x)
         self.free -= 1
+        self.version[c] += 1
         if len(self.shards[c]) < self.mb:
-            heapq.heappush(self.open, (self.loads[c], c))
-        for s, _, ratio in caps:
-            self.used[(s, c // ratio)] = self.used.get((s, c // ratio), 0) + 1
+            for other in self.heaps.values():
+                heapq.heappush(other, (self.loads[c], c, self.version[c]))
+        for s, _, where, _ in caps:
+            key = (s, where(c, x))
+            used[key] = used.get(key, 0) + 1
         return True
 
 
@@ -205,7 +262,8 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     """Keep the sink (the critical section) busy from the first moment.
 
     Two families of variants, each list-scheduled against the cost model (`list_schedule`):
-    * producer first (`_producer_first`), for every section d besides the sink: d's samples are
+    * producer first (`_producer_first`), for every section d besides the sink whose data-parallel
+      degree divides the sink's (so each shard of d feeds whole sink shards): d's samples are
       packed into d's micro-steps and the sink consumes them in production order; samples that
       skip d fill the sink's micro-steps while d works;
     * sink first (`_sink_first`): the sink's micro-steps are packed first (its padding dominates
@@ -213,8 +271,9 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     List scheduling starts every section's work as early as dependencies allow and keeps stashed
     forwards within the in-flight bound; a variant whose dependencies cannot keep the bound is
     dropped (the sink-first variant with nested micro-steps always keeps it: see `_derive`).
-    The naive operation order over each variant's micro-steps, and the arrival-order schedule,
-    compete too when they respect the bound and the block map; the fastest by simulated makespan
+    The naive operation order over each variant's micro-steps, and the arrival-order micro-steps
+    (`_arrival`), compete too when they respect the bound and the placement rule (`validate`,
+    `block_map`); the fastest by simulated makespan
     is returned, the earliest of them (in the order above) on ties. Deterministic: same batch and
     plan, same schedule, on every host.
 
@@ -228,12 +287,12 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     candidates = []
     if not batch.orphans:  # producer first places samples through the sink's micro-steps only
         for longest_first in (True, False):
-            for d in problem.order:
-                if d != problem.sink:
+            for d in problem.order:  # d's shards must each feed whole sink shards (see `_producer_first`)
+                if d != problem.sink and problem.dp[problem.sink] % problem.dp[d] == 0:
                     candidates += _producer_first(batch, d, longest_first, search)
     candidates = [c for c in candidates + sink_first if c is not None]
     steps_seen = []
-    arrival = [(naive(metas, problem), 0.0)] if _naive_keeps_bound(batch) else []
+    arrival = [(_arrival(metas, problem), 0.0)] if _naive_keeps_bound(batch) else []
     for sched, _ in list(candidates) + arrival:
         if any(sched.steps == s for s in steps_seen):
             continue
@@ -247,6 +306,14 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
             continue
         candidates.append((phased, _makespan(phased, batch)))
     return min(candidates, key=lambda c: c[1])[0]
+
+
+def _arrival(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
+    """The micro-steps of arrival order, each section cut on its own (the naive order before
+    `naive` placed producers by the sink's rows); a candidate when it happens to keep the
+    placement rule and the bound. Ops are left to `_phased`."""
+    rows = {s: chunk([i for i, m in enumerate(metas) if s in m.sections], problem.rows[s]) for s in problem.order}
+    return Schedule(link(problem, rows), (), len(metas), "naive")
 
 
 def _naive_keeps_bound(batch: _Batch) -> bool:
@@ -349,6 +416,9 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     sink = problem.sink
     w_c = _weight(batch, sink, not arrival)
     packings = [_pack(batch.active, problem.rows[sink], problem.dp[sink], w_c)]
+    if not arrival and (whole := _pack(batch.active, problem.rows[sink], problem.dp[sink], batch.alone.__getitem__)) \
+            not in packings:
+        packings.append(whole)  # by the sample's whole modelled time: the sink's padding is not all of it
     if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
     tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)

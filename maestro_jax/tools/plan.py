@@ -30,7 +30,7 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
         out[f"sections.{s}.micro_batch"] = d["micro_batch"]
         out[f"sections.{s}.residuals"] = d["residuals"]
         out[f"sections.{s}.layer_remat"] = d["layer_remat"]
-    out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})
+    out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})  # derived, where whole: replaces a stale one
     out["schedule.max_in_flight"] = c.max_in_flight
     return out
 
@@ -46,6 +46,9 @@ def write_plan(config_path: str, overrides: list[str], best: Candidate, memory_g
         raw = yaml.safe_load(f) or {}
     for key, value in {**parse_overrides(overrides), **plan_overrides(best), "device_memory_gb": memory_gb}.items():
         set_dotted(raw, key, value)
+    for name, edge in (raw.get("edges") or {}).items():  # a stated fanout the plan has none for (uneven): dropped
+        if isinstance(edge, dict) and name not in best.plan.fanout:
+            edge.pop("fanout", None)
     header = (f"# Written by `maestro-jax plan` from {config_path}: predicted {best.step_time_s:.4g} s/step.\n"
               f"#   maestro-jax bench --config {out_path}\n")
     with open(out_path, "w") as f:

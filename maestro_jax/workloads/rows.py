@@ -9,17 +9,26 @@ micro-steps it depends on, joined along rows; -1: none). These helpers hide that
                       needs), `splice` (embeddings into placeholder positions).
 Every size is padded to a shape bucket (`core.buckets.bucket`), so a section compiles a few
 programs, not one per batch.
+
+A route points at a row on the consumer row's own data shard (the runtime delivers each consumer
+shard the rows of the producer shards that feed it, `runtime.transfer.deliver_rows`, and the
+schedulers place samples so; in the monolithic step producer and consumer share rows), so
+`gather` takes rows locally on each shard (`jax.shard_map` over the batch axes): no collective.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.data.samples import Modality
+from meshes import BATCH_AXES
 
 
 def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
@@ -102,8 +111,36 @@ def join(parts, length: int | None = None):
 
 
 def gather(inputs: Mapping, edge: str, route_B, length: int | None = None):
-    """The producer output each consumer row needs (rows with route -1 get row 0: mask them)."""
-    return jnp.take(join(inputs[edge], length), jnp.maximum(route_B, 0), axis=0)
+    """The producer output each consumer row needs (rows with route -1 get some row: mask them).
+
+    `route_B` indexes the producer outputs joined along rows (`join`). Under a mesh whose batch
+    axes split the rows (a section's program, the monolithic step), each route must point at a
+    row on the consumer row's own shard, as the runtime guarantees: every shard then takes its
+    rows from its own blocks (global index -> index into the shard's blocks joined), so the
+    gather compiles to no collective; a plain `jnp.take` would all-gather every producer row to
+    every device and all-reduce the gathered tensor. Without such a mesh, a plain take."""
+    parts = tuple(inputs[edge])
+    length = length or max(p.shape[1] for p in parts)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    if shards == 1 or route_B.shape[0] % shards or any(p.shape[0] % shards for p in parts):
+        return jnp.take(join(parts, length), jnp.maximum(route_B, 0), axis=0)
+    starts, local_starts, g, loc = [], [], 0, 0
+    for p in parts:  # where each part starts, in the global join and in a shard's join
+        starts.append(g)
+        local_starts.append(loc)
+        g, loc = g + p.shape[0], loc + p.shape[0] // shards
+
+    def local(route, *blocks):
+        index = jnp.zeros_like(route)
+        for p, start, at in zip(parts, starts, local_starts):
+            mine = (route >= start) & (route < start + p.shape[0])
+            index = jnp.where(mine, at + (route - start) % (p.shape[0] // shards), index)
+        return jnp.take(join(blocks, length), index, axis=0)
+
+    spec = PartitionSpec(axes)
+    return jax.shard_map(local, in_specs=(spec,) * (1 + len(parts)), out_specs=spec)(route_B, *parts)
 
 
 def splice(x_BLD, inputs: Mapping, edge: str, route_B, tok_BL):
