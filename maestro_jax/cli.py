@@ -203,6 +203,9 @@ def _simulate(cfg, args) -> int:
     for m in ("monolithic", "naive", "wavefront"):
         print(f"{m:12s} {r['samples_per_s'][m]:10.3f} {r['samples_per_s_per_device'][m]:11.5f} "
               f"{r['step_time_s'][m]:9.2f}")
+    lay = r["monolithic_layout"]
+    print(f"monolithic layout ({lay['chosen']}): mesh {lay['mesh']} micro_batch {lay['micro_batch']} "
+          f"layer_remat {lay['layer_remat']}")
     print(f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}")
     print(f"end-to-end speedup: {r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}")
     print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "

@@ -215,6 +215,9 @@ class SimulateConfig(_Frozen):
 class ScheduleConfig(_Frozen):
     scheduler: Literal["naive", "wavefront"] = "naive"
     max_in_flight: PositiveInt = 4
+    # 1: frozen sections that read only data (a teacher, a frozen encoder) compute the next global
+    # batch while this step's trained sections run; 0: each step computes its own (schedule.ops.Problem.ahead)
+    run_ahead: Literal[0, 1] = 0
 
 
 class DistributedConfig(_Frozen):

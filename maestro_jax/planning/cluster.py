@@ -10,6 +10,7 @@ of a few (`monolithic_time`), so the comparison is with the strongest packing, n
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Mapping
 
@@ -168,12 +169,15 @@ def _packed_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int,
 
 
 def simulate_plan(spec: WorkloadSpec, plan: Plan, mono_sp: SectionPlan, metas_all, *, device: str, link_gbps: float,
-                  max_in_flight: int):
+                  max_in_flight: int, run_ahead: int = 0):
     """Naive, wavefront and monolithic step times of `plan` on `metas_all`, and what they imply;
     returns the report and the first batch's simulated wavefront timeline."""
-    problem = spec.problem(plan, max_in_flight)
+    problem = spec.problem(plan, max_in_flight, run_ahead)
     cost = cost_model(spec, dict(plan.sections), metas_all, device, link_gbps)
-    mono_cost = cost_model(spec, {s: mono_sp for s in spec.sections}, metas_all, device, link_gbps)
+    mono_plans = {s: dataclasses.replace(mono_sp, precision=sec.precision,
+                                         layer_remat=mono_sp.layer_remat if sec.trained else "none")
+                  for s, sec in spec.sections.items()}  # each section's precision, as `Planner.monolithic_best`
+    mono_cost = cost_model(spec, mono_plans, metas_all, device, link_gbps)
     devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}
     sink_alone = []  # the monolithic layout running the sink's work only (the LLM on text alone)

@@ -27,12 +27,14 @@ DEVICES = {
     #     sparsity; dense is half, 989 TFLOP/s (the peak NVIDIA's own benchmark recipes divide by,
     #     github.com/NVIDIA/dgxc-benchmarking README "H100 ... BF16 989");
     #   hbm: H100 SXM datasheet "GPU memory bandwidth 3.35TB/s", H200 datasheet "4.8TB/s";
-    #   link: NVLink 4, "NVLink: 900GB/s" per GPU in both datasheets, bidirectional: 450 GB/s each way.
+    #   link: NVLink 4, "NVLink: 900GB/s" per GPU in both datasheets, bidirectional: 450 GB/s each way;
+    #   memory_gb: "GPU memory 80GB" (H100 SXM datasheet), "141GB" (H200 datasheet): the budget
+    #     `simulate` gives the monolithic baseline when the config sets no `device_memory_gb`.
     # Across nodes the planner uses `simulate.link_gbps` (default 50 GB/s per device): DGX H100/H200
     # have one 400 Gb/s ConnectX-7 per GPU ("eight single-port NVIDIA ConnectX-7 VPI, ... up to
     # 400 Gb/s", NVIDIA DGX BasePOD reference architecture) = 50 GB/s each way.
-    "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9},
-    "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9},
+    "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9, "memory_gb": 80.0},
+    "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9, "memory_gb": 141.0},
     # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially);
     # not a measurement: rough magnitudes for simulating the CPU test configs
     "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},

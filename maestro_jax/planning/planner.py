@@ -46,6 +46,7 @@ from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import wavefront
+from maestro_jax.schedule.ops import ahead_sections, delivered
 from meshes import MESH_AXES, RULES, mesh_axes_for
 
 F32 = 4
@@ -137,6 +138,7 @@ class Candidate:
     memory_gb: dict[str, float]  # peak per device, by section
     max_in_flight: int  # the stash bound it was scored with (`schedule.max_in_flight`)
     peak_gb: float  # per device of the fullest device group (co-located sections add up)
+    run_ahead: int = 0  # whether frozen sections compute the next batch during the step (`schedule.run_ahead`)
 
     def describe(self) -> dict:
         return {s: {"devices": f"{sp.devices[0]}:{sp.devices[-1] + 1}", "mesh": dict(sp.axis_sizes),
@@ -193,8 +195,15 @@ class Planner:
     def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
                  device: str = "h100", link_gbps: float = 50.0, max_in_flight: int = 4,
                  residuals: Sequence[str] = ("vjp", "remat"), layer_remat: Sequence[str] = ("none", "dots", "full"),
-                 contexts: Sequence[int] = (1, 2, 4, 8)):
+                 contexts: Sequence[int] = (1, 2, 4, 8), run_ahead: int = 0):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
+        self.run_ahead = run_ahead
+        trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
+        ahead = ahead_sections(spec.order, trained, spec.edges) if run_ahead else frozenset()
+        # edges whose producer runs ahead into a consumer that does not: the consumer holds the
+        # next batch's rows of them through the step (`ahead_stash`), the most units a batch sends
+        self._ahead_edges = [(e, max(sum(m.work.get(e.src, 0) for m in b) for b in self.metas))
+                             for e in spec.edges if e.src in ahead and e.dst not in ahead]
         self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
         self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
         self.contexts = tuple(contexts)
@@ -348,8 +357,11 @@ class Planner:
 
         def extend(groups, i: int, left: int, chosen: dict, bounds: list) -> Iterator:
             if i == len(groups):
-                yield (self._assemble(chosen, groups), {s: o.memory for s, o in chosen.items()},
-                       self._combine(bounds))
+                plan = self._assemble(chosen, groups)
+                memory = self._with_stash(plan, {s: o.memory for s, o in chosen.items()})
+                if self._ahead_edges and peak_memory(plan, memory) > budget:
+                    return
+                yield plan, memory, self._combine(bounds)
                 return
             after = len(groups) - i - 1
             sizes = [left] if after == 0 else range(1, left - after + 1)
@@ -390,9 +402,25 @@ class Planner:
                   if sections[e.dst].dp % sections[e.src].dp == 0}
         return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
 
+    def _with_stash(self, plan: Plan, memory: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """`memory` with, under run-ahead, each consumer of a section that runs ahead holding the
+        next batch's rows of that edge through the step: per device, what its shard receives
+        (`delivered`: the whole rows of each producer shard that feeds it, `width` of the DP(p)
+        shards of the batch), at the most units any planning batch sends."""
+        if not self._ahead_edges:
+            return memory
+        out = dict(memory)
+        for e, units in self._ahead_edges:
+            p, c = plan.sections[e.src], plan.sections[e.dst]
+            extra = self.run_ahead * self.spec.edge_bytes[e.name] * units * delivered(p.dp, c.dp)[1] / p.dp
+            m = out[e.dst]
+            out[e.dst] = {**m, "activations": m["activations"] + extra, "held": m["held"] + extra,
+                          "total": m["total"] + extra}
+        return out
+
     def check(self, plan: Plan) -> dict[str, dict[str, float]]:
         """The runtime's constraint checks on a whole plan; raises PlanError. Returns the memory."""
-        mem = {s: self._memory(s, sp) for s, sp in plan.sections.items()}
+        mem = self._with_stash(plan, {s: self._memory(s, sp) for s, sp in plan.sections.items()})
         check_plan(plan, num_devices=self.devices, edges=self.spec.edges, sink=self.spec.sink,
                    params={s: sec.leaves for s, sec in self.spec.sections.items()}, budget_bytes=self.budget,
                    state={s: m["state"] for s, m in mem.items()},
@@ -428,7 +456,7 @@ class Planner:
         if key not in self._times:
             cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps,
                               self.typical_units)
-            problem = self.spec.problem(plan, self.max_in_flight)
+            problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead)
             devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
             self._times[key] = statistics.mean(
                 simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices, serial=self.serial).makespan
@@ -440,13 +468,16 @@ class Planner:
         """The best plan and the `top` runners-up by simulated step time, over the stash bound
         too: `max_in_flight` as configured and each smaller power of two (a smaller bound holds
         fewer residuals, which co-located sections share their memory with; sections that share
-        devices lose no overlap by it). Ties keep the configured bound."""
+        devices lose no overlap by it), and, with `run_ahead`, without it too (its stash may not fit
+        where the plan without it does). Ties keep the configured settings."""
         bounds = [self.max_in_flight] + [f for f in _powers(self.max_in_flight - 1)[::-1] if f < self.max_in_flight]
         scored, considered, simulated = [], 0, 0
-        for f in bounds:
-            found, count, ran = (self if f == self.max_in_flight else self._with(self.devices, f))._search(top)
-            scored, considered, simulated = scored + found, considered + count, simulated + ran
-        scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured bound first
+        for ahead in dict.fromkeys([self.run_ahead, 0]):
+            for f in bounds:
+                same = f == self.max_in_flight and ahead == self.run_ahead
+                found, count, ran = (self if same else self._with(self.devices, f, ahead))._search(top)
+                scored, considered, simulated = scored + found, considered + count, simulated + ran
+        scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured settings first
         seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
         scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
         if not scored:
@@ -476,7 +507,7 @@ class Planner:
                 ranks.insert(at, rank)
                 scored.insert(at, Candidate(plan, t, self.global_batch / t / self.devices,
                                             {s: m["total"] / 2**30 for s, m in mem.items()}, self.max_in_flight,
-                                            peak_memory(plan, mem) / 2**30))
+                                            peak_memory(plan, mem) / 2**30, self.run_ahead))
             if len(scored) >= top and scored[top - 1].step_time_s <= threshold or threshold == math.inf:
                 return scored[:top], len(found), len(scored)
             if len(scored) >= top:
@@ -524,10 +555,11 @@ class Planner:
                         break
         return best
 
-    def _with(self, devices: int, max_in_flight: int | None = None) -> Planner:
+    def _with(self, devices: int, max_in_flight: int | None = None, run_ahead: int | None = None) -> Planner:
         return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
                        device=self.device, link_gbps=self.link_gbps, max_in_flight=max_in_flight or self.max_in_flight,
-                       residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts)
+                       residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts,
+                       run_ahead=self.run_ahead if run_ahead is None else run_ahead)
 
     def _infeasible_message(self) -> str:
         peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
@@ -588,5 +620,6 @@ def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) ->
         fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items()) or "-"  # whole ones; the rest uneven
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
         lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
-                     f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}  {mem}")
+                     f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}"
+                     f"{'; run ahead' if c.run_ahead else ''}  {mem}")
     return "\n".join(lines)

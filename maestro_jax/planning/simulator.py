@@ -12,7 +12,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from maestro_jax.schedule import Op, Problem, SampleMeta, Schedule, op_duration, required_ops, resource_of
+from maestro_jax.schedule import (
+    Op,
+    Problem,
+    SampleMeta,
+    Schedule,
+    op_duration,
+    required_ops,
+    resource_of,
+    steady_order,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +79,8 @@ class Timeline:
 
 def simulate(schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], cost=None,
              devices: Mapping[str, int] | None = None, serial: bool = False) -> Timeline:
-    """`serial`: every operation shares one executor, as on XLA's CPU client, which runs one
+    """One step's timeline; under `problem.run_ahead`, a step in steady state (`steady_order`).
+    `serial`: every operation shares one executor, as on XLA's CPU client, which runs one
     multi-device program at a time per process; device groups overlap only when False.
     Co-located sections (`problem.groups`) share their group's devices: one runs at a time."""
     req = required_ops(schedule, problem)
@@ -81,12 +91,15 @@ def simulate(schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], 
     out = []
     issued = origin  # the host issues ops one after another; devices run them as they arrive
     dispatch = getattr(cost, "dispatch_time", lambda kind: 0.0)
-    for op in schedule.ops:
+    following: dict[Op, float] = {}  # the next batch's ahead ops, under run-ahead
+    finish.update((op, 0.0) for op in schedule.ops if problem.is_ahead(op))  # computed the step before
+    for op, next_batch in steady_order(schedule.ops, problem):
         res = resource_of(op, problem)
+        done = following if next_batch else finish
         issued += dispatch(op.kind)
-        start = max([issued, free.get("device" if serial else res, 0.0)] + [finish[d] for d in req.get(op, ())])
+        start = max([issued, free.get("device" if serial else res, 0.0)] + [done[d] for d in req.get(op, ())])
         end = start + duration(op, schedule.steps, metas)
-        finish[op] = free["device" if serial else res] = end
+        done[op] = free["device" if serial else res] = end
         out.append(Interval(op, res, start, end))
     devices = devices or {s: problem.dp[s] for s in problem.order}
     return Timeline(tuple(out), dict(devices), {s: problem.group(s) for s in problem.order})

@@ -218,7 +218,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
     problem = Problem(order=graph.topological_order(), sink=graph.sink, trained=trained, edges=edges,
                       rows={s: plan.sections[s].rows for s in graph.names},
                       dp={s: plan.sections[s].dp for s in graph.names},
-                      max_in_flight=cfg.schedule.max_in_flight,
+                      max_in_flight=cfg.schedule.max_in_flight, run_ahead=cfg.schedule.run_ahead,
                       groups=plan_lib.device_groups(plan.sections))
     return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
                    abstract, source, check, info_check, dict(pretrained))

@@ -43,6 +43,14 @@ class _StepState:
     transfer_issue_s: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """A global batch's ahead work (`Problem.ahead`), issued during the step before the one that
+    trains on it: its forwards' results already moved to their consumers' meshes."""
+
+    moved: dict  # (edge, producer micro-step) -> array on the consumer's mesh
+
+
 @dataclasses.dataclass
 class StepResult:
     loss: jax.Array  # device scalar, summed over the sink's micro-steps
@@ -71,14 +79,28 @@ class Executor:
                 out[(s, st.index)] = section.host_batch(rows, schedule.routes(self.problem, s, st.index))
         return out
 
-    def _start(self, states, samples, schedule, host, norm) -> _StepState:
+    def _start(self, states, samples, schedule, host, norm, sections=None) -> _StepState:
+        """`sections`: the sections whose inputs to put on their devices (default all)."""
         host = host if host is not None else self.host_batches(samples, schedule)
         norm = self.graph.loss_count(samples) if norm is None else norm
         return _StepState(
             states=states, schedule=schedule, norm=np.float32(max(norm, 1)),
-            batches={key: self.programs[key[0]].put_batch(b) for key, b in host.items()},
+            batches={key: self.programs[key[0]].put_batch(b) for key, b in host.items()
+                     if sections is None or key[0] in sections},
             acc={s: self.programs[s].zeros_like_params(states[s]) for s in self.problem.order
-                 if s in self.problem.trained})  # graph order: identical on every process
+                 if s in self.problem.trained and (sections is None or s in sections)})  # graph order: same everywhere
+
+    def run_ahead(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
+                  host: dict | None = None) -> Ahead:
+        """Issue a global batch's ahead work (`Problem.ahead`: frozen sections that read only
+        data and each other) before the step that trains on it; `run(..., ahead=)` then skips
+        it. The same programs on the same inputs and frozen weights as inside that step, so the
+        step's loss and gradients are those it would compute itself, bit for bit."""
+        ctx = self._start(states, samples, schedule, host, 0, sections=self.problem.ahead)
+        for op in schedule.ops:
+            if self.problem.is_ahead(op):
+                self._execute(op, ctx)
+        return Ahead(ctx.moved)
 
     @staticmethod
     def _finish(ctx: _StepState) -> StepResult:
@@ -87,19 +109,27 @@ class Executor:
                           in_flight_wait_s=ctx.in_flight_wait_s, transfer_issue_s=ctx.transfer_issue_s)
 
     def run(self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule,
-            host: dict | None = None, record: list | None = None, norm: int | None = None) -> StepResult:
+            host: dict | None = None, record: list | None = None, norm: int | None = None,
+            ahead: Ahead | None = None) -> StepResult:
         """Forward and backward of one global batch: loss and accumulated grads, no update.
 
         `norm`: the batch's loss normaliser when `samples` are partly hollow (a multi-process
-        `LoadedBatch`); by default `graph.loss_count(samples)`.
+        `LoadedBatch`); by default `graph.loss_count(samples)`. `ahead`: the batch's ahead work,
+        issued earlier (`run_ahead`); without it the step runs that work itself.
 
         With `record` (a list), every operation is waited for and appended as
         `(op, start_s, end_s, dispatch_s)`: a measured timeline for calibration and traces, with
         the host time spent issuing the op. This serialises the step; never use it for throughput.
         """
-        ctx = self._start(states, samples, schedule, host, norm)
+        skip = self.problem.ahead if ahead is not None else frozenset()
+        ctx = self._start(states, samples, schedule, host, norm,
+                          sections=[s for s in self.problem.order if s not in skip])
+        if ahead is not None:
+            ctx.moved.update(ahead.moved)
         t_origin = time.perf_counter()
         for op in schedule.ops:
+            if ahead is not None and self.problem.is_ahead(op):
+                continue
             t_op = time.perf_counter()
             produced = self._execute(op, ctx)
             if record is not None:

@@ -87,6 +87,15 @@ def sample_metas(graph, samples: Sequence) -> list[SampleMeta]:
                        {s.name: s.work(x) for s in graph.sections if s.activates(x)}) for x in samples]
 
 
+def ahead_sections(order: Sequence[str], trained: frozenset[str], edges: Sequence[EdgeInfo]) -> frozenset[str]:
+    """The sections that may run ahead (`Problem.ahead`): frozen, every producer such a section."""
+    out: set[str] = set()
+    for s in order:  # topological
+        if s not in trained and all(e.src in out for e in edges if e.dst == s):
+            out.add(s)
+    return frozenset(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """The graph and plan as the scheduler sees them."""
@@ -99,6 +108,20 @@ class Problem:
     dp: Mapping[str, int]
     max_in_flight: int = 4
     groups: Mapping[str, str] = dataclasses.field(default_factory=dict)  # co-located section -> its device group
+    run_ahead: int = 0  # global batches the `ahead` sections compute before the step that trains on them
+
+    @functools.cached_property
+    def ahead(self) -> frozenset[str]:
+        """The sections that run ahead under `run_ahead`: frozen ones whose inputs are only data
+        and other such sections (a teacher, a frozen encoder reading raw samples). Nothing they
+        compute depends on a trained weight, so batch N+1's forwards give the same values during
+        step N as during step N+1."""
+        return ahead_sections(self.order, self.trained, self.edges) if self.run_ahead else frozenset()
+
+    def is_ahead(self, op: Op) -> bool:
+        """Whether `op` runs during the previous step: a forward of an `ahead` section or a
+        transfer out of one (they have no backward)."""
+        return op.section in self.ahead and op.kind in ("F", "X")
 
     def group(self, s: str) -> str:
         """The device group section s runs on: sections sharing devices run one at a time."""

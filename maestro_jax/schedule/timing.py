@@ -56,3 +56,16 @@ def op_duration(cost, problem: Problem):
 def resource_of(op: Op, problem: Problem) -> str:
     """What an op occupies: its edge's link in its direction, or its section's device group."""
     return f"link:{op.edge}:{op.kind}" if op.kind in ("X", "XB") else problem.group(op.section)
+
+
+def steady_order(ops, problem: Problem) -> list[tuple[Op, bool]]:
+    """The ops one step runs, in issue order, each with whether it is the *next* batch's.
+
+    Without run-ahead, the schedule's ops. With it (`Problem.run_ahead`), a step in steady state:
+    this batch's ahead ops (`Problem.is_ahead`) ran during the previous step, so their results
+    are ready from the start and they are left out; the step issues its other ops, then the next
+    batch's ahead ops (the same work, in this model), which run wherever their devices are free.
+    Callers time an op of the next batch against that batch's ops only."""
+    if not problem.ahead:
+        return [(op, False) for op in ops]
+    return [(op, False) for op in ops if not problem.is_ahead(op)] + [(op, True) for op in ops if problem.is_ahead(op)]

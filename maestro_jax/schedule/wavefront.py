@@ -34,7 +34,7 @@ from maestro_jax.schedule.ops import (
     required_ops,
     shard_of,
 )
-from maestro_jax.schedule.timing import resource_of, work_time
+from maestro_jax.schedule.timing import resource_of, steady_order, work_time
 from maestro_jax.schedule.validate import validate
 
 Rows = list[tuple[int, ...]]
@@ -336,13 +336,15 @@ def _phased(problem: Problem, steps, n: int) -> Schedule:
 
 
 def _makespan(schedule: Schedule, batch: _Batch) -> float:
-    req = required_ops(schedule, batch.problem)
-    finish, free = {}, {}
-    for op in schedule.ops:
-        res = resource_of(op, batch.problem)
-        finish[op] = free[res] = max([free.get(res, 0.0)] + [finish[d] for d in req[op]]) + batch.duration(
+    """The step's simulated time (in steady state under run-ahead: `steady_order`)."""
+    problem = batch.problem
+    req = required_ops(schedule, problem)
+    finish, following, free = {op: 0.0 for op in schedule.ops if problem.is_ahead(op)}, {}, {}
+    for op, next_batch in steady_order(schedule.ops, problem):
+        res, done = resource_of(op, problem), following if next_batch else finish
+        done[op] = free[res] = max([free.get(res, 0.0)] + [done[d] for d in req[op]]) + batch.duration(
             op, schedule.steps)
-    return max(finish.values(), default=0.0)
+    return max([*finish.values(), *following.values()], default=0.0)
 
 
 def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search) -> list:

@@ -18,7 +18,8 @@ def planner_for(cfg: Config, devices: int, memory_gb: float, batches: int = 2, g
     spec = workloads.describe(cfg, graph)
     metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
     return Planner(spec, metas, devices, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
-                   link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight, **kwargs)
+                   link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight,
+                   run_ahead=cfg.schedule.run_ahead, **kwargs)
 
 
 def plan_overrides(c: Candidate) -> dict[str, object]:
@@ -32,6 +33,7 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
         out[f"sections.{s}.layer_remat"] = d["layer_remat"]
     out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})  # derived, where whole: replaces a stale one
     out["schedule.max_in_flight"] = c.max_in_flight
+    out["schedule.run_ahead"] = c.run_ahead
     return out
 
 

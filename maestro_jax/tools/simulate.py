@@ -9,8 +9,26 @@ from __future__ import annotations
 
 from maestro_jax import workloads
 from maestro_jax.config import Config
-from maestro_jax.core.plan import check_fanout, check_meshes, check_resources
+from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
 from maestro_jax.planning.cluster import simulate_plan
+from maestro_jax.planning.cost import DEVICES
+from maestro_jax.planning.planner import Planner
+
+
+def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, str]:
+    """The monolithic layout to compare with, on as many devices as the plan uses: the fastest
+    that fits the memory budget (`device_memory_gb`, else the device's own), as `plan` finds it,
+    so that maestro is never measured against a layout no one would run. Without a budget (a CPU
+    device) the config's `monolithic` section, as written."""
+    n = len({d for sp in plan.sections.values() for d in sp.devices})
+    memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
+    if memory_gb is not None:
+        best = Planner(spec, metas, n, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
+                       link_gbps=cfg.simulate.link_gbps).monolithic_best()
+        if best is not None:
+            return SectionPlan(tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"],
+                               layer_remat=best["layer_remat"]), f"fastest that fits {memory_gb:g} GB"
+    return cfg.monolithic_plan(), "config"
 
 
 def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=None) -> dict:
@@ -22,8 +40,12 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
     check_meshes(plan)
     check_fanout(plan, spec.edges)
     metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
-    report, timeline = simulate_plan(spec, plan, cfg.monolithic_plan(), metas, device=cfg.simulate.device,
-                                     link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight)
+    mono_sp, baseline = monolithic_baseline(cfg, spec, plan, metas)
+    report, timeline = simulate_plan(spec, plan, mono_sp, metas, device=cfg.simulate.device,
+                                     link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight,
+                                     run_ahead=cfg.schedule.run_ahead)
+    report["monolithic_layout"] = {"mesh": dict(mono_sp.axis_sizes), "micro_batch": mono_sp.micro_batch,
+                                   "layer_remat": mono_sp.layer_remat, "chosen": baseline}
     if gantt:
         from maestro_jax.tools.trace import write_gantt  # noqa: PLC0415 (matplotlib only when asked)
 

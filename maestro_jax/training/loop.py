@@ -161,7 +161,7 @@ class IssuedStep:
 
 
 def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
-               host: dict | None = None):
+               host: dict | None = None, ahead=None):
     """Issue one optimizer step without waiting for it: returns the new states and its `IssuedStep`.
 
     NaN/inf in the loss or a section's gradients is detected per section when the step is read.
@@ -170,14 +170,15 @@ def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     Under `"skip"` the update depends on the check, so the step is read before the update is
     issued, and a bad step leaves every section's params and optimizer state untouched.
     `schedule` and `norm` come with a `LoadedBatch` (whose samples may be partly hollow), `host`
-    with a `PreparedBatch` (the micro-steps' inputs, packed ahead). The record's host timeline:
+    with a `PreparedBatch` (the micro-steps' inputs, packed ahead), `ahead` with run-ahead (the
+    batch's frozen forwards, issued during the step before: `Executor.run_ahead`). The record's host timeline:
     `dispatch_s` (issuing the step's programs, transfers and update, of which `transfer_issue_s`
     the transfers), `device_wait_s` (reading the results), and the in-flight bound's waits inside
     dispatch.
     """
     schedule = schedule if schedule is not None else rt.schedule(samples)
     t0 = time.perf_counter()
-    result = rt.executor.run(states, samples, schedule, host=host, norm=norm)
+    result = rt.executor.run(states, samples, schedule, host=host, norm=norm, ahead=ahead)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
     issued = IssuedStep(step, result.loss, finite, rt.graph.sink, on_nonfinite, {
         "step": step, "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s,
@@ -327,13 +328,19 @@ class _StepLog:
 def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) -> list[dict]:
     log_ = _StepLog(writer, bar, history)
     pending = None  # the step issued last and not read yet: (IssuedStep, PreparedBatch, data wait)
+    ahead = None  # this step's run-ahead work, issued with the step before (never across a restart)
     try:
         for step in bar:
             step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
             prepared = next(data)  # read, scheduled and packed while the previous step ran
             batch = prepared.batch
             states, issued = issue_step(rt, states, batch.samples, step + 1, cfg.on_nonfinite, batch.schedule,
-                                        batch.loss_count, prepared.host)
+                                        batch.loss_count, prepared.host, ahead)
+            ahead = None
+            if rt.problem.ahead and step + 1 < cfg.steps and (following := data.peek()) is not None:
+                # the next batch's frozen forwards, queued behind this step's work on their devices
+                nxt = following.batch
+                ahead = rt.executor.run_ahead(states, nxt.samples, nxt.schedule, following.host)
             if pending:  # the previous step, read now that this one is queued behind it
                 log_.read(*pending)
             pending = (issued, prepared, data.data_wait_s)

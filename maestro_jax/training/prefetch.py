@@ -47,6 +47,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._state = reader.get_state()
+        self._held = None  # the batch `peek` took off the queue, which `next` returns
         self.data_wait_s = 0.0  # how long the last `next` waited for its batch
 
     def get_state(self) -> dict:
@@ -61,12 +62,26 @@ class Prefetcher:
     def __iter__(self):
         return self
 
-    def __next__(self) -> PreparedBatch:
+    def _take(self):
+        if self._held is not None:
+            item, self._held = self._held, None
+            return item
         if self._thread is None:
             self._thread = threading.Thread(target=self._prepare_ahead, name="maestro-prefetch", daemon=True)
             self._thread.start()
+        return self._queue.get()
+
+    def peek(self) -> PreparedBatch | None:
+        """The batch the next `next` returns, without taking it (the data state a checkpoint
+        records stays that of the last batch taken): what run-ahead computes on during this step.
+        None at the end of the data, or when preparing the batch failed (`next` raises it)."""
+        if self._held is None:
+            self._held = self._take()
+        return self._held if isinstance(self._held, PreparedBatch) else None
+
+    def __next__(self) -> PreparedBatch:
         t0 = time.perf_counter()
-        item = self._queue.get()
+        item = self._take()
         self.data_wait_s = time.perf_counter() - t0
         if item is _DONE:
             raise StopIteration
