@@ -132,3 +132,17 @@ def test_declared_fanout_must_match_the_plan(capsys):
     assert cfg.plan().fanout == {"teacher_hidden": 2}
     build_runtime(cfg)
     assert load_config(KD, TINY_KD).plan().fanout == {}
+
+
+@pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
+def test_padded_last_sink_step_and_odd_micro_batch_verify(scheduler):
+    """A global batch of 10 over a sink of 4 rows per micro-step: a micro-step holds padded rows
+    (masked out of the loss, as they carry no tokens); the teacher's micro-batch is 3."""
+    cfg = load_config(KD, TINY_KD + ["global_batch=10", "sections.teacher.micro_batch=3",
+                                     f"schedule.scheduler={scheduler}"])
+    rt = build_runtime(cfg)
+    sink = rt.problem.sink
+    assert cfg.global_batch % rt.problem.rows[sink]
+    schedule = rt.schedule(rt.batches()[0])
+    assert any(-1 in st.rows for st in schedule.steps[sink]), "a sink micro-step is padded"
+    check(cfg, rt)

@@ -197,7 +197,7 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
     (["sections.student.devices=4:12"], "valid device ids are 0..7"),
     (["edges.teacher_hidden.fanout=3"], "edges.teacher_hidden.fanout"),
     (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
-    (["global_batch=7"], "global_batch"),
+    (["global_batch=0"], "global_batch"),
     (["steps=["], "override 'steps=[': the value is not valid YAML"),
 ])
 def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, capsys):

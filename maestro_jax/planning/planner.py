@@ -165,6 +165,18 @@ def _powers(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
+@functools.cache
+def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
+    """The micro-batches worth trying for `dp` data shards: for each number of micro-steps k the
+    batch could take, the smallest micro-batch that takes k (any larger one with k steps only
+    pads more; the last micro-step is padded when it is not full). None when a shard would get
+    no sample."""
+    per_shard = -(-global_batch // dp)
+    if global_batch < dp:
+        return ()
+    return tuple(sorted({-(-per_shard // k) for k in range(1, per_shard + 1)}))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Option:
     """One section's layout on `n` devices, with its memory, its cost coefficients and its share
@@ -247,8 +259,7 @@ class Planner:
         out = []
         for tensor, context, expert in self._axes(sec, n):
             dp = n // (tensor * context)
-            # the sink's rows per micro-step must divide the global batch
-            micro_batches = [mb for mb in _powers(gb // dp) if not (sink and gb % (dp * mb))]
+            micro_batches = _micro_batches(gb, dp)
             if not micro_batches:
                 continue  # before pricing its meshes: at scale most degrees leave no micro-batch
             meshes = []  # by fsdp degree, smallest first: each mesh that can shard the weights, with their bytes
@@ -529,9 +540,7 @@ class Planner:
                             UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())))
         for tensor, context, expert in self._axes(every, self.devices):
             dp = self.devices // (tensor * context)
-            for mb in _powers(gb // dp):
-                if gb % (dp * mb):
-                    continue
+            for mb in _micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
                 for remat in self.layer_remat:  # one activation-checkpointing choice for all, as Megatron's
                     for fsdp in _divisors(dp // expert):
                         sp = SectionPlan(tuple(range(self.devices)), mesh_shape(

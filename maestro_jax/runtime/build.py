@@ -250,7 +250,7 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
     try:
         plan_lib.check_resources(plan_lib.Plan({"all": sp}, {}, cfg.global_batch), len(jax.devices()))
         plan_lib.check_meshes(mono_plan)
-        plan_lib.check_divisibility(mono_plan, graph.sink, infos)
+        plan_lib.check_divisibility(mono_plan, infos)
     except plan_lib.PlanError as err:
         parts = err.key.split(".", 2)
         key = f"monolithic.{parts[2]}" if parts[0] == "sections" and len(parts) == 3 else err.key
