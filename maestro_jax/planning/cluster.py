@@ -3,8 +3,9 @@
 Sample sizes come from the data, costs from the analytic model (each section's declared FLOPs
 per unit at the device's peak, efficiency from the work per device; see cost.py), and the same
 scheduler and simulator the runtime uses. The monolithic baseline runs every section's work
-for each micro-batch on all its devices with one layout and one micro-batch size; a section runs over every row of a micro-batch that holds one of its samples (static
-shapes in one program), and nothing overlaps. Its micro-batches are packed the best way
+for each micro-batch on all its devices with one layout and one micro-batch size; a section
+runs over every row of a micro-batch that holds one of its samples (static shapes in one
+program), and nothing overlaps. Its micro-batches are packed the best way
 of a few (`monolithic_time`), so the comparison is with the strongest packing, not arrival order.
 """
 
@@ -19,7 +20,7 @@ from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost, analytic_
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
-from maestro_jax.schedule.ops import delivered, feeders
+from maestro_jax.schedule.ops import delivered
 
 
 def typical_units(name: str, metas_all) -> float:
@@ -128,9 +129,8 @@ def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, 
             continue
         local = groups[e.src] == groups[e.dst] and dst.dp % src.dp == 0
         per_device = DEVICES[device]["link"] if local else link_gbps * 1e9
-        width = delivered(src.dp, dst.dp)[1]
-        replicas = len(src.devices) // src.dp
-        sends = -(-max(len(feeders(dst.dp, src.dp, i)) for i in range(src.dp)) // replicas)
+        width = delivered(src.dp, dst.dp)[1]  # producer shards per consumer shard, at most
+        sends = -(-delivered(dst.dp, src.dp)[1] // (len(src.devices) // src.dp))  # consumer shards per replica
         transfer[e.name] = spec.edge_bytes[e.name] * max(width, 1 if local else sends) / (per_device * src.dp)
     return CostModel(sections, transfer, 20e-6, frozenset(in_place), source=f"analytic:{device}")
 

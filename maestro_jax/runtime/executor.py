@@ -126,10 +126,9 @@ class Executor:
                           sections=[s for s in self.problem.order if s not in skip])
         if ahead is not None:
             ctx.moved.update(ahead.moved)
+        ops = schedule.ops if ahead is None else [op for op in schedule.ops if not self.problem.is_ahead(op)]
         t_origin = time.perf_counter()
-        for op in schedule.ops:
-            if ahead is not None and self.problem.is_ahead(op):
-                continue
+        for op in ops:
             t_op = time.perf_counter()
             produced = self._execute(op, ctx)
             if record is not None:
