@@ -20,6 +20,7 @@ import threading
 import traceback
 
 from maestro_jax.config import ConfigError, load_config
+from maestro_jax.planning.planner import TOLERANCE
 
 CPU_THREADS_PER_DEVICE = 4
 
@@ -84,6 +85,8 @@ def _main(argv: list[str] | None) -> int:
     parsers["plan"].add_argument("--devices", type=int, required=True, help="devices the plan may use")
     parsers["plan"].add_argument("--memory-gb", type=float, required=True, help="memory per device, GB")
     parsers["plan"].add_argument("--top", type=int, default=10, help="candidates to list")
+    parsers["plan"].add_argument("--tolerance", type=float, default=TOLERANCE,
+                                 help="relative gap to the optimum the search may leave (0: exact)")
     parsers["plan"].add_argument("--write", help="write the config with the chosen plan here (train/bench accept it)")
     parsers["plan"].add_argument("--json", help="write the report as JSON here")
     parsers["plan"].add_argument("--measure", action="store_true",
@@ -207,6 +210,8 @@ def _simulate(cfg, args) -> int:
     print(f"monolithic layout ({lay['chosen']}): mesh {lay['mesh']} micro_batch {lay['micro_batch']} "
           f"layer_remat {lay['layer_remat']}")
     print(f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}")
+    if r["pipelined"] is not None:
+        print(pipelined_line(r["pipelined"], r["step_time_s"]["wavefront"]).replace("planned maestro", "wavefront"))
     print(f"end-to-end speedup: {r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}")
     print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
           f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
@@ -264,8 +269,11 @@ def _plan(cfg, args) -> int:
     if args.devices < 1 or args.memory_gb <= 0:
         print(f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive", file=sys.stderr)
         return 2
+    if not 0 <= args.tolerance < 1:
+        print(f"error: --tolerance={args.tolerance}: must be in [0, 1)", file=sys.stderr)
+        return 2
     try:
-        report = planner_for(cfg, args.devices, args.memory_gb).search(top=args.top)
+        report = planner_for(cfg, args.devices, args.memory_gb, tolerance=args.tolerance).search(top=args.top)
     except InfeasibleError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
@@ -281,6 +289,7 @@ def _plan(cfg, args) -> int:
               f"({mono['step_time_s'] / best.step_time_s:.3f}x)")
     else:
         print("monolithic: no layout fits in memory on these devices")
+    print(pipelined_line(report.pipelined, best.step_time_s))
     if args.write:
         write_plan(args.config, args.overrides, best, args.memory_gb, args.write)
         print(f"wrote {args.write}: maestro-jax bench --config {args.write}")
@@ -290,8 +299,21 @@ def _plan(cfg, args) -> int:
                             "samples_per_s_per_device": best.samples_per_s_per_device,
                             "top": [dict(plan=c.describe(), step_time_s=c.step_time_s, memory_gb=c.memory_gb)
                                     for c in report.top],
-                            "monolithic": mono, "considered": report.considered, "simulated": report.simulated})
+                            "monolithic": mono, "pipelined": report.pipelined, "considered": report.considered,
+                            "simulated": report.simulated})
     return 0
+
+
+def pipelined_line(pipe: dict | None, maestro_s: float) -> str:
+    """The 1F1B pipeline-parallel baseline (Megatron-LM's layout, `planning.pipeline`) in one line."""
+    if not pipe:
+        return "pipelined (1F1B): no layout fits in memory on these devices (or the sink has too few layers)"
+    where = "; ".join([f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
+                      + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]])
+    return (f"pipelined (1F1B) best layout: {pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh "
+            f"{pipe['mesh']} micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step) layer_remat "
+            f"{pipe['layer_remat']}; {where}: predicted {pipe['step_time_s']:.4g} s/step; planned maestro: "
+            f"{maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)")
 
 
 def best_sections(report) -> list[str]:

@@ -64,13 +64,13 @@ class SectionPlan:
     precision: str = "float32"  # "bfloat16": bf16 compute and activations (float32 master weights)
     layer_remat: str = "none"  # per-layer activation checkpointing: "none" | "full" | "dots"
 
-    @property
+    @functools.cached_property
     def axis_sizes(self) -> dict[str, int]:
+        """Cached (as `dp` and `rows`): the planner reads them for every layout it tries. Read only."""
         return dict(zip(MESH_AXES, self.mesh))
 
     @functools.cached_property
     def dp(self) -> int:
-        """Cached (as `rows`): the planner reads both for every layout it tries."""
         return math.prod(self.axis_sizes[a] for a in BATCH_AXES)
 
     @functools.cached_property

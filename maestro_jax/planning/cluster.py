@@ -47,9 +47,9 @@ def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, lin
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0
     return SectionCost(a.per_unit_s + exchange_s_per_unit(spec, sp, device, link_gbps), a.per_unit2_s,
-                       a.overhead_s + fsdp_gather_s(spec, sp, device, link_gbps),
-                       a.backward_factor + section + layer, a.sink_factor + (layer if spec.trained else 0.0),
-                       bucket_min=256)
+                       a.overhead_s, a.backward_factor + section + layer,
+                       a.sink_factor + (layer if spec.trained else 0.0), bucket_min=256,
+                       overlapped_s=fsdp_gather_s(spec, sp, device, link_gbps), layers=max(c.layers, 1))
 
 
 def recompute_share(spec: SectionSpec, sp: SectionPlan, typical_units: float) -> float:
@@ -66,15 +66,25 @@ def recompute_share(spec: SectionSpec, sp: SectionPlan, typical_units: float) ->
 
 
 def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float) -> float:
-    """Time of one all-gather of a section's fsdp-sharded bf16 weights, paid per micro-step (the
-    backward pays it again plus a reduce-scatter: `backward_factor` scales it with the compute).
-    Inside a node (<= 8 devices in the fsdp x tensor group) it runs at NVLink speed, across nodes
-    at `link_gbps`. Counted in full, not overlapped with compute: a pessimistic price, but the
-    price that keeps a planner from sharding everything with fsdp for free."""
-    fsdp, tensor = sp.axis_sizes["fsdp"], sp.axis_sizes["tensor"]
+    """Time of one all-gather of a section's fsdp-sharded weights, paid every micro-step (the
+    backward pays it again plus a reduce-scatter of the gradients: `backward_factor` scales it
+    with the compute). What a device receives is its slice before fsdp: the weights divided by
+    every other axis that shards them (tensor; expert for the experts' weights), (fsdp - 1) /
+    fsdp of it, in the compute precision (bf16: 2 bytes a value). The fsdp group spans fsdp x
+    expert x context x tensor consecutive devices (`meshes.MESH_AXES` order): NVLink when they
+    fit in a node (8), else `link_gbps`. The caller overlaps it with the compute layer by layer
+    (`SectionCost.overlapped_s`), as XLA's latency-hiding scheduler runs the next layer's gather
+    beside this layer's matmuls; the calibration (benchmarks/calibration.md) compares the result
+    with published FSDP runs that overlap it the same way."""
+    sizes = sp.axis_sizes
+    fsdp, tensor, expert = sizes["fsdp"], sizes["tensor"], sizes["expert"]
     if fsdp == 1:
         return 0.0
-    return 2 * spec.param_count / tensor * (fsdp - 1) / fsdp / _link(device, link_gbps, fsdp * tensor)
+    routed = getattr(spec, "expert_param_count", 0)
+    per_device = ((spec.param_count - routed) + routed / expert) / tensor
+    value = 2 if sp.precision == "bfloat16" else 4
+    group = fsdp * expert * sizes["context"] * tensor
+    return value * per_device * (fsdp - 1) / fsdp / _link(device, link_gbps, group)
 
 
 def _link(device: str, link_gbps: float, group: int) -> float:
@@ -114,25 +124,38 @@ def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, 
                 for s, sec in spec.sections.items()}
     transfer, in_place, groups = {}, set(), device_groups(plans)
     for e in spec.edges:
-        # Co-located sections share devices; when DP(producer) divides DP(consumer), a row's
-        # producer devices hold its consumer devices (batch axes lead the device order in both
-        # meshes): the tile map cuts pieces in place and copies each tile to its replicas only, a
-        # few neighbouring devices (NVLink). Otherwise rows cross the inter-node link. Shards
-        # send in parallel; the slowest device sets the time. A consumer shard receives the
-        # whole rows of every producer shard that feeds it (`delivered`: `width` of them), and a
-        # producer shard sends its rows to every consumer shard it feeds, the sends spread over
-        # its replicas (`runtime.transfer.plan_transfer` reads them in turn); of the micro-step's
-        # DP(p) shards of rows.
-        src, dst = plans[e.src], plans[e.dst]
-        if groups[e.src] == groups[e.dst] and src.mesh == dst.mesh:
-            in_place.add(e.name)  # one layout on the same devices: the rows stay where they are
-            continue
-        local = groups[e.src] == groups[e.dst] and dst.dp % src.dp == 0
-        per_device = DEVICES[device]["link"] if local else link_gbps * 1e9
-        width = delivered(src.dp, dst.dp)[1]  # producer shards per consumer shard, at most
-        sends = -(-delivered(dst.dp, src.dp)[1] // (len(src.devices) // src.dp))  # consumer shards per replica
-        transfer[e.name] = spec.edge_bytes[e.name] * max(width, 1 if local else sends) / (per_device * src.dp)
-    return CostModel(sections, transfer, 20e-6, frozenset(in_place), source=f"analytic:{device}")
+        per_unit = transfer_s_per_unit(spec.edge_bytes[e.name], plans[e.src], plans[e.dst],
+                                       groups[e.src] == groups[e.dst], device, link_gbps)
+        if per_unit is None:
+            in_place.add(e.name)
+        else:
+            transfer[e.name] = per_unit
+    return CostModel(sections, transfer, TRANSFER_OVERHEAD_S, frozenset(in_place), source=f"analytic:{device}")
+
+
+TRANSFER_OVERHEAD_S = 20e-6  # per transfer: an assumed launch latency of a device-to-device copy, not fitted to data
+
+
+def transfer_s_per_unit(bytes_per_unit: float, src: SectionPlan, dst: SectionPlan, same_group: bool, device: str,
+                        link_gbps: float) -> float | None:
+    """Seconds per producer work unit of an edge from `src` to `dst`, or None when its rows stay
+    where they are (co-located sections with one layout: no transfer at all).
+
+    Co-located sections share devices; when DP(producer) divides DP(consumer), a row's producer
+    devices hold its consumer devices (batch axes lead the device order in both meshes): the
+    tile map cuts pieces in place and copies each tile to its replicas only, a few neighbouring
+    devices (NVLink). Otherwise rows cross the inter-node link. Shards send in parallel; the
+    slowest device sets the time. A consumer shard receives the whole rows of every producer
+    shard that feeds it (`delivered`: `width` of them), and a producer shard sends its rows to
+    every consumer shard it feeds, the sends spread over its replicas
+    (`runtime.transfer.plan_transfer` reads them in turn); of the micro-step's DP(p) shards of rows."""
+    if same_group and src.mesh == dst.mesh:
+        return None
+    local = same_group and dst.dp % src.dp == 0
+    per_device = DEVICES[device]["link"] if local else link_gbps * 1e9
+    width = delivered(src.dp, dst.dp)[1]  # producer shards per consumer shard, at most
+    sends = -(-delivered(dst.dp, src.dp)[1] // (len(src.devices) // src.dp))  # consumer shards per replica
+    return bytes_per_unit * max(width, 1 if local else sends) / (per_device * src.dp)
 
 
 def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int,
@@ -220,4 +243,4 @@ def simulate_plan(spec: WorkloadSpec, plan: Plan, mono_sp: SectionPlan, metas_al
     return report, timelines[0]
 
 
-__all__ = ["DEVICES", "cost_model", "monolithic_time", "simulate_plan"]
+__all__ = ["DEVICES", "cost_model", "monolithic_time", "simulate_plan", "transfer_s_per_unit"]

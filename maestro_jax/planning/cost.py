@@ -1,8 +1,14 @@
 """Cost model: how long a section's micro-step, or a transfer, takes. Plain Python, no JAX.
 
 A micro-step runs all data shards in lockstep, every row padded to the micro-step's bucket, so
-    t(F) = overhead + micro_batch * (per_unit * B + per_unit2 * B**2),   B = bucket(max row work)
-(the quadratic term is attention), plus the host time to issue it (`dispatch_s`), which
+its compute is
+    c = micro_batch * (per_unit * B + per_unit2 * B**2),   B = bucket(max row work)
+(the quadratic term is attention). Collectives that XLA's latency-hiding scheduler runs beside
+the compute (the fsdp all-gather of the next layer's weights, `overlapped_s` for the whole
+micro-step) hide behind it layer by layer: with L layers the first layer's gather waits, and
+each layer then takes the longer of its compute and the next layer's gather, so
+    t(F) = overhead + (c + g) / L + (L - 1) / L * max(c, g),   g = overlapped_s
+(c + g with one layer: nothing to overlap), plus the host time to issue it (`dispatch_s`), which
 overlaps the device work of earlier ops. Backward costs `backward_factor` forwards; the sink's
 loss-and-grad costs `sink_factor` forwards. Two sources fill the coefficients:
   * calibrated: fitted to the compiled programs timed on the machine at hand (`calibrate.py`);
@@ -49,6 +55,14 @@ class SectionCost:
     backward_factor: float = 2.0
     sink_factor: float = 3.0
     bucket_min: int = 16
+    overlapped_s: float = 0.0  # per forward micro-step: collectives that overlap the compute
+    layers: int = 1  # the layers `overlapped_s` is spread over (one gather per layer)
+
+    def forward_s(self, bucket_units: int, micro_batch: int) -> float:
+        """A forward micro-step of `micro_batch` rows padded to `bucket_units` (module docstring)."""
+        c = micro_batch * (self.per_unit_s * bucket_units + self.per_unit2_s * bucket_units * bucket_units)
+        g, n = self.overlapped_s, self.layers
+        return self.overhead_s + (c + g) / n + (n - 1) / n * max(c, g)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +82,7 @@ class CostModel:
     def step_time(self, section: str, kind: str, units: Sequence[int], micro_batch: int) -> float:
         c = self.sections[section]
         b = bucket(max(units, default=0), c.bucket_min) if any(units) else 0
-        t = c.overhead_s + micro_batch * (c.per_unit_s * b + c.per_unit2_s * b * b)
-        return t * {"F": 1.0, "B": c.backward_factor, "L": c.sink_factor}[kind]
+        return c.forward_s(b, micro_batch) * {"F": 1.0, "B": c.backward_factor, "L": c.sink_factor}[kind]
 
     def transfer_time(self, edge: str, units: Sequence[int]) -> float:
         if edge in self.in_place:

@@ -4,12 +4,15 @@ Plain Python, no JAX. It reads a workload's `WorkloadSpec` (its graph's paramete
 declared costs, any DAG of sections) and sample metadata, enumerates candidate plans, drops
 those that break a constraint (through the same `plan.check_plan` the runtime runs, with the
 memory model below), and scores the rest with the wavefront scheduler and the simulator under
-the analytic cost model. Search is exact with respect to that score: candidates are
-simulated in order of a lower bound on their step time (no section can finish before its own
-work is done), and the search stops once the bound passes the K-th best simulated time, so
-skipping the rest never misses the optimum (`tests/test_planner.py` checks it against
-exhaustive search). Candidates are generated under a bound threshold that grows until it
-passes that time, so large clusters and many sections do not enumerate every split.
+the analytic cost model. Search is branch and bound, exact up to a stated gap: candidates
+are simulated in order of a lower bound on their step time, and a plan is skipped only when
+its bound shows it cannot beat the K-th best simulated time by more than `tolerance` (default
+1%; 0 finds the exact optimum, which `tests/test_planner.py` checks against exhaustive
+search). The bounds: no section finishes before its own work is done, co-located sections take
+turns, and along a path of edges into the sink a sample's forwards, the sink's loss and the
+backwards run one after another (`Planner._chain`). Candidates are generated under a
+threshold that falls to the best times found so far, so large clusters, many sections and
+the thousands of near-equal plans of a small workload do not enumerate every split.
 
 Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
 sections, all float32 and sharded by the mesh rules; frozen weights once (bfloat16 sections: frozen
@@ -24,6 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 import statistics
@@ -34,6 +38,7 @@ from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import (
     ParamInfo,
     Plan,
+    PlanError,
     SectionPlan,
     check_plan,
     device_groups,
@@ -41,7 +46,14 @@ from maestro_jax.core.plan import (
     mesh_shape,
     state_bytes_per_device,
 )
-from maestro_jax.planning.cluster import cost_model, monolithic_time, section_cost, typical_units
+from maestro_jax.planning.cluster import (
+    TRANSFER_OVERHEAD_S,
+    cost_model,
+    monolithic_time,
+    section_cost,
+    transfer_s_per_unit,
+    typical_units,
+)
 from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
@@ -153,6 +165,7 @@ class PlanReport:
     considered: int  # candidate plans that pass every constraint
     simulated: int  # that the bound did not rule out
     monolithic: dict  # the baseline's best layout on the same devices
+    pipelined: dict | None = None  # the 1F1B pipeline-parallel baseline's (Megatron-LM's), `pipeline.pipelined_best`
 
 
 @functools.cache
@@ -177,6 +190,19 @@ def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
     return tuple(sorted({-(-per_shard // k) for k in range(1, per_shard + 1)}))
 
 
+_TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
+TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
+_GROWTH = 1.25  # the search's threshold, from the smallest bound up, grows by this factor per pass
+_REFRESH = 256  # candidates generated between two refreshes of the incumbent the generation prunes against
+
+
+@dataclasses.dataclass
+class _Limit:
+    """The bound above which candidate generation prunes; the search lowers it as it scores plans."""
+
+    value: float
+
+
 @dataclasses.dataclass(frozen=True)
 class _Option:
     """One section's layout on `n` devices, with its memory, its cost coefficients and its share
@@ -186,7 +212,8 @@ class _Option:
     memory: dict
     cost: SectionCost
     bound: float
-
+    forward: float = 0.0  # its shortest forward micro-step (the sink: loss-and-grad)
+    backward: float = 0.0  # its shortest backward micro-step (trained producers)
 
 
 class Planner:
@@ -202,13 +229,15 @@ class Planner:
     layout for every section is the monolithic layout's point in this space). An edge joins any
     data-parallel degrees (fan-out, fan-in, uneven). Candidates are scored with the
     wavefront scheduler and the simulator, which runs a group's sections one at a time.
+    `tolerance`: the relative gap to the optimum the search may leave (module docstring).
     """
 
     def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
                  device: str = "h100", link_gbps: float = 50.0, max_in_flight: int = 4,
                  residuals: Sequence[str] = ("vjp", "remat"), layer_remat: Sequence[str] = ("none", "dots", "full"),
-                 contexts: Sequence[int] = (1, 2, 4, 8), run_ahead: int = 0):
+                 contexts: Sequence[int] = (1, 2, 4, 8), run_ahead: int = 0, tolerance: float = TOLERANCE):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
+        self.tolerance = max(tolerance, _TIE)
         self.run_ahead = run_ahead
         trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
         ahead = ahead_sections(spec.order, trained, spec.edges) if run_ahead else frozenset()
@@ -225,6 +254,10 @@ class Planner:
         self._units_desc = {s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True)
                                 for metas in self.metas] for s in spec.order}
         self.serial = DEVICES[device].get("serial", False)
+        self._ahead = ahead
+        self._min_units = {s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0)
+                           for s in spec.order}
+        self._paths = _chains(spec, self.metas)
         self._options: dict[tuple, list[_Option]] = {}
         self._times: dict[tuple, float] = {}
         self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
@@ -282,18 +315,68 @@ class Planner:
                     if fits:
                         sp, mem = min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0]
                         cost = self._section_cost(section, sp)
-                        out.append(_Option(sp, mem, cost, self._section_bound(section, sp, cost)))
+                        out.append(_Option(sp, mem, cost, self._section_bound(section, sp, cost),
+                                           *self._shortest(section, sp, cost)))
         self._options[key] = out if lightest else self._undominated(section, out)
         return self._options[key]
+
+    def _shortest(self, section: str, sp: SectionPlan, cost: SectionCost) -> tuple[float, float]:
+        """The shortest forward and backward micro-steps of `section`: at the fewest units any
+        sample has there. The sink's forward is its loss-and-grad; a section that runs ahead
+        has no forward in the step (computed the step before), a frozen one no backward."""
+        cm, units, mb = CostModel({section: cost}), [self._min_units[section]], sp.micro_batch
+        if section == self.spec.sink:
+            return cm.step_time(section, "L", units, mb), 0.0
+        forward = 0.0 if section in self._ahead else cm.step_time(section, "F", units, mb)
+        return forward, cm.step_time(section, "B", units, mb) if self.spec.sections[section].trained else 0.0
+
+    def _chain(self, chosen: dict[str, _Option], group_of: dict | None = None) -> float:
+        """A lower bound from dependencies. Along a path of edges into the sink that one sample
+        of every batch takes whole, that sample's forwards and transfers run one after another,
+        then the sink's loss, then the cotangents and backwards of the trained producers that
+        gradients reach, in reverse. When every sample the sink gets takes the path, all of the
+        sink's work waits for the path's forwards and precedes those backwards. And when every
+        sample of a frozen section on the path goes on along it to the sink (a teacher), all of
+        that section's forwards precede the last of the sink's losses that reads them (a pivot:
+        its whole bound, the path's shortest forwards before and after it). Counts the
+        sections of `chosen` only (a partial plan's bound bounds every completion of it); given
+        every section's device group (`group_of`), the transfers too, each at the fewest units
+        any sample sends."""
+        best = 0.0
+        for sections, edges, whole, back, pivot in self._paths:
+            if pivot in self._ahead:
+                continue  # its forwards ran the step before
+            t = 0.0
+            for s in sections:
+                if s in chosen:
+                    o = chosen[s]
+                    if s == pivot:
+                        t += o.bound
+                    elif s == self.spec.sink:
+                        t += o.bound if whole and pivot is None else o.forward
+                    else:
+                        t += o.forward + (o.backward if s in back else 0.0)
+            if group_of is not None:
+                for e in edges:
+                    per_unit = transfer_s_per_unit(self.spec.edge_bytes[e.name], chosen[e.src].plan,
+                                                   chosen[e.dst].plan, group_of[e.src] == group_of[e.dst],
+                                                   self.device, self.link_gbps)
+                    if per_unit is not None:
+                        one = TRANSFER_OVERHEAD_S + per_unit * self._min_units[e.src]
+                        t += (0.0 if e.src in self._ahead else one) + (one if e.src in back else 0.0)
+            best = max(best, t)
+        return best
 
     def _undominated(self, section: str, options: list[_Option]) -> list[_Option]:
         """Drop an option when another with the same data-parallel degree and micro-batch (all
         that fanouts and the schedule see of it) costs no more in every coefficient of the cost
-        model: it can only tie or lose. Keeps the search from simulating the many layouts
-        (tensor vs context, expert degrees, checkpointing) that differ in name only."""
+        model and needs no more memory of each kind: it can only tie or lose, alone or sharing
+        devices with other sections. Keeps the search from simulating the many layouts (tensor vs
+        context, expert degrees, checkpointing) that differ in name only."""
         def coefficients(o: _Option) -> tuple:
-            c = o.cost
-            return (c.per_unit_s, c.per_unit2_s, c.overhead_s, c.backward_factor, c.sink_factor)
+            c, m = o.cost, o.memory
+            return (c.per_unit_s, c.per_unit2_s, c.overhead_s, c.backward_factor, c.sink_factor, c.overlapped_s,
+                    m["state"], m["activations"], m["held"])
 
         groups: dict[tuple, list[tuple[tuple, _Option]]] = {}
         for o in options:
@@ -331,7 +414,10 @@ class Planner:
         out: list[list[list[str]]] = [[]]
         for s in order:
             out = [p[:i] + [p[i] + [s]] + p[i + 1:] for p in out for i in range(len(p))] + [p + [[s]] for p in out]
-        return sorted((tuple(tuple(g) for g in p) for p in out), key=lambda p: (len(p) != len(order), -len(p)))
+        # all sections on all devices first (the monolithic layout's point: a good first
+        # incumbent for the search to prune against), then every section on its own devices
+        return sorted((tuple(tuple(g) for g in p) for p in out), key=lambda p: (len(p) != 1, len(p) != len(order),
+                                                                               -len(p)))
 
     def _shared_options(self, section: str, n: int, budget: float, lightest: bool, members: int) -> list[_Option]:
         """`section`'s options when it shares its `n` devices with `members - 1` other sections:
@@ -349,12 +435,13 @@ class Planner:
         return out
 
     def candidates(self, budget: float | None = None, lightest: bool = False,
-                   threshold: float = math.inf) -> Iterator[tuple[Plan, dict, float]]:
+                   threshold: float | _Limit = math.inf) -> Iterator[tuple[Plan, dict, float]]:
         """(plan, memory by section, lower bound) for every plan that passes every constraint and
         whose bound is at most `threshold`, over every placement of the sections into device
         groups. Groups and their sections are chosen sink first. A group's bound
         is the sum of its sections' (they take turns on its devices), its memory their sum."""
         budget = self.budget if budget is None else budget
+        limit = threshold if isinstance(threshold, _Limit) else _Limit(threshold)
         sections = self.spec.order
         # floors[s][m]: the smallest bound any option of s reaches on at most m devices, grown
         # one device count at a time (linear in devices; the minimum over 1..m each time is quadratic)
@@ -368,11 +455,13 @@ class Planner:
 
         def extend(groups, i: int, left: int, chosen: dict, bounds: list) -> Iterator:
             if i == len(groups):
+                bound = max(self._combine(bounds), self._chain(chosen, {s: g for g in groups for s in g}))
+                if bound > limit.value:
+                    return
                 plan = self._assemble(chosen, groups)
                 memory = self._with_stash(plan, {s: o.memory for s, o in chosen.items()})
-                if self._ahead_edges and peak_memory(plan, memory) > budget:
-                    return
-                yield plan, memory, self._combine(bounds)
+                if not (self._ahead_edges and peak_memory(plan, memory) > budget):
+                    yield plan, memory, bound
                 return
             after = len(groups) - i - 1
             sizes = [left] if after == 0 else range(1, left - after + 1)
@@ -389,10 +478,12 @@ class Planner:
             for opt in self._shared_options(s, n, budget, lightest, len(group)):
                 total = group_bound + opt.bound
                 if (len(group) > 1 and group_memory(memories + [opt.memory]) > budget
-                        or self._combine(bounds + [total] + rest) > threshold):
+                        or self._combine(bounds + [total] + rest) > limit.value):
                     continue
-                yield from members(groups, i, n, left, j + 1, {**chosen, s: opt}, bounds, rest, total,
-                                   memories + [opt.memory])
+                now = {**chosen, s: opt}
+                if self._paths and self._chain(now) > limit.value:
+                    continue
+                yield from members(groups, i, n, left, j + 1, now, bounds, rest, total, memories + [opt.memory])
 
         for groups in self.placements():
             yield from extend(groups, 0, self.devices, {}, [])
@@ -447,7 +538,8 @@ class Planner:
     def _section_bound(self, section: str, sp: SectionPlan, cost: SectionCost) -> float:
         """No section finishes before its own micro-steps are done, however its samples are
         packed. Two valid floors, the larger is kept: (a) the rows' unpadded work spread over the
-        data shards, plus each micro-step's overhead; (b) padding: a micro-step costs at least its
+        data shards, or each micro-step's overlapped collectives if longer, plus each micro-step's
+        overhead; (b) padding: a micro-step costs at least its
         largest row's bucket, and over any packing into micro-steps of `rows` samples the sum of
         those largest rows is at least that of the sorted packing (every `rows`-th largest)."""
         sec, sink = self.spec.sections[section], section == self.spec.sink
@@ -457,7 +549,8 @@ class Planner:
         linear, quadratic = cost.per_unit_s, cost.per_unit2_s
         for units in self._units_desc[section]:
             steps = math.ceil(len(units) / rows)
-            work = steps * cost.overhead_s + sum([linear * u + quadratic * u * u for u in units]) / dp
+            work = steps * cost.overhead_s + max(sum([linear * u + quadratic * u * u for u in units]) / dp,
+                                                 steps * cost.overlapped_s)
             padded = sum(cm.step_time(section, "F", [units[j * rows]], mb) for j in range(steps))
             bounds.append(factor * max(work, padded))
         return statistics.mean(bounds)
@@ -486,49 +579,113 @@ class Planner:
         for ahead in dict.fromkeys([self.run_ahead, 0]):
             for f in bounds:
                 same = f == self.max_in_flight and ahead == self.run_ahead
-                found, count, ran = (self if same else self._with(self.devices, f, ahead))._search(top)
+                fastest: dict = {}  # each plan found so far at its fastest: what a later search must beat
+                for c in scored:
+                    fastest[_key(c.plan)] = min(fastest.get(_key(c.plan), math.inf), c.step_time_s)
+                kth = sorted(fastest.values())[top - 1] if len(fastest) >= top else math.inf
+                found, count, ran = (self if same else self._with(self.devices, f, ahead))._search(top, kth)
                 scored, considered, simulated = scored + found, considered + count, simulated + ran
+        monolithic = self.monolithic_best()
+        point = self._monolithic_point(monolithic)
+        if point is not None:  # in the plan space: the search within `tolerance` must never do worse
+            scored.append(point)
         scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured settings first
         seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
         scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
         if not scored:
             raise InfeasibleError(self._infeasible_message())
-        return PlanReport(scored[0], scored[:top], considered, simulated, self.monolithic_best())
+        from maestro_jax.planning.pipeline import pipelined_best  # here: that module imports this one
 
-    def _search(self, top: int) -> tuple[list[Candidate], int, int]:
-        """The `top` best plans at this planner's `max_in_flight`, how many plans passed every
-        constraint under the final threshold and how many were simulated.
+        return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined_best(self))
 
-        Candidates under a bound threshold are simulated in order of their bound; once `top` are
-        scored and the next bound exceeds the slowest of them, no remaining candidate can enter
-        the top list. If the threshold fell short of that time, it grows and the search goes on
-        (already simulated plans are not simulated again)."""
-        first = 2 * self._combine([self._floor_all(s) for s in self.spec.order])
-        threshold = first
+    def _monolithic_point(self, monolithic: dict | None) -> Candidate | None:
+        """The monolithic layout as a maestro plan: every section on all devices with its mesh,
+        micro-batch and checkpointing, one forward in flight (the monolithic step's memory), no
+        run-ahead; scored like any plan. None when there is no monolithic layout."""
+        if monolithic is None:
+            return None
+        sp = SectionPlan(tuple(range(self.devices)), mesh_shape(**monolithic["mesh"]), monolithic["micro_batch"])
+        sections = {s: dataclasses.replace(sp, precision=sec.precision,
+                                           layer_remat=monolithic["layer_remat"] if sec.trained else "none")
+                    for s, sec in self.spec.sections.items()}
+        plan = Plan(sections, {e.name: 1 for e in self.spec.edges}, self.global_batch)
+        one = self._with(self.devices, 1, 0)
+        try:
+            mem = one.check(plan)
+        except PlanError:
+            return None
+        t = one.step_time(plan)
+        return Candidate(plan, t, self.global_batch / t / self.devices, {s: m["total"] / 2**30 for s, m in mem.items()},
+                         1, peak_memory(plan, mem) / 2**30, 0)
+
+    def _search(self, top: int, incumbent: float = math.inf) -> tuple[list[Candidate], int, int]:
+        """The `top` best plans at this planner's `max_in_flight` that could enter a top list
+        whose K-th best is `incumbent` (from the searches under other stash bounds), how many plans
+        passed every constraint under the final threshold and how many were simulated.
+
+        Branch and bound. Candidates under a bound threshold (from the smallest bound any plan
+        could have, up in small steps) are generated; as soon as `top` of them are simulated (the
+        best-bounded so far), the slowest of those becomes the limit the generation prunes
+        against, so plans that could at best tie it are never built (a tiny workload has
+        thousands that tie). The rest are simulated in order of their bound, and once the next
+        bound shows that no remaining candidate can beat the K-th best by more than `tolerance`,
+        the search stops (ties keep the first found). If the threshold fell short of that time,
+        it grows and the search goes on (already simulated plans are not simulated again)."""
+        floors = {s: self._floor_option(s) for s in self.spec.order}
+        first = max(self._combine([o.bound for o in floors.values()]), self._chain(floors))
+        threshold = _GROWTH * first
         while True:
-            found = sorted(self.candidates(threshold=threshold), key=lambda c: c[2])
-            scored: list[Candidate] = []
-            ranks: list[tuple] = []  # (step time, tiebreak) of each scored candidate, in order: where the next goes
-            for plan, mem, bound in found:
-                if len(scored) >= top and bound > scored[top - 1].step_time_s:
-                    break
-                t = self.step_time(plan)
-                rank = (t, _tiebreak(plan))
-                at = bisect.bisect_right(ranks, rank)  # after its equals, as a stable sort puts it
-                ranks.insert(at, rank)
-                scored.insert(at, Candidate(plan, t, self.global_batch / t / self.devices,
-                                            {s: m["total"] / 2**30 for s, m in mem.items()}, self.max_in_flight,
-                                            peak_memory(plan, mem) / 2**30, self.run_ahead))
-            if len(scored) >= top and scored[top - 1].step_time_s <= threshold or threshold == math.inf:
-                return scored[:top], len(found), len(scored)
-            if len(scored) >= top:
-                threshold = scored[top - 1].step_time_s  # every plan that could still enter the top list
-            else:
-                threshold = 4 * threshold if threshold < 1e6 * first else math.inf
+            scored, considered = self._scored_under(threshold, top, incumbent)
+            kth = min(incumbent, scored[top - 1].step_time_s if len(scored) >= top else math.inf)
+            if kth * (1 - self.tolerance) <= threshold or threshold == math.inf:
+                return scored[:top], considered, len(scored)
+            # a small step: each pass builds every plan under its threshold, and the best-bounded
+            # of them set the limit that prunes the rest
+            threshold = min(kth, _GROWTH * threshold)
+            if threshold > 1e6 * first:
+                threshold = math.inf
 
-    def _floor_all(self, section: str) -> float:
-        """The smallest bound `section` reaches on any device count a plan could give it."""
-        return min((o.bound for n in range(1, self.devices + 1) for o in self.options(section, n)), default=math.inf)
+    def _scored_under(self, threshold: float, top: int, incumbent: float) -> tuple[list[Candidate], int]:
+        """One pass of `_search`: the plans it simulated, best first, and how many it generated."""
+        limit = _Limit(min(threshold, incumbent * (1 - self.tolerance)))
+        pending: list[tuple] = []  # (bound rounded down, device groups, bound, order found, plan, memory): a heap
+        scored: list[Candidate] = []
+        ranks: list[tuple] = []  # (step time, tiebreak) of each scored candidate, in order: where the next goes
+
+        def score(plan: Plan, mem: dict) -> None:
+            t = self.step_time(plan)
+            rank = (t, _tiebreak(plan))
+            at = bisect.bisect_right(ranks, rank)  # after its equals, as a stable sort puts it
+            ranks.insert(at, rank)
+            scored.insert(at, Candidate(plan, t, self.global_batch / t / self.devices,
+                                        {s: m["total"] / 2**30 for s, m in mem.items()}, self.max_in_flight,
+                                        peak_memory(plan, mem) / 2**30, self.run_ahead))
+            if len(scored) >= top:
+                limit.value = min(limit.value, scored[top - 1].step_time_s * (1 - self.tolerance))
+
+        considered = 0
+        for plan, mem, bound in self.candidates(threshold=limit):
+            # in order of the bound rounded down to 0.1% (never above it, so stopping on it is
+            # safe), then fewer device groups (fewer transfers: near-equal bounds, often a faster plan)
+            floor = 2.0 ** (math.floor(math.log2(bound) * 1024) / 1024) if bound > 0 else 0.0
+            groups = len(set(device_groups(plan.sections).values()))
+            heapq.heappush(pending, (floor, groups, bound, considered, plan, mem))
+            considered += 1
+            while len(scored) < top and len(pending) >= top and pending[0][0] <= limit.value:  # an incumbent
+                score(*heapq.heappop(pending)[4:])
+            if considered % _REFRESH == 0 and pending and pending[0][0] < limit.value:
+                score(*heapq.heappop(pending)[4:])  # a better incumbent: the best-bounded found since
+        while pending and pending[0][0] <= limit.value:
+            score(*heapq.heappop(pending)[4:])
+        return scored, considered
+
+    def _floor_option(self, section: str) -> _Option:
+        """The smallest bound and shortest micro-steps `section` reaches on any device count a
+        plan could give it (each on its own: a floor for every option)."""
+        options = [o for n in range(1, self.devices + 1) for o in self.options(section, n)]
+        return _Option(None, {}, None, min((o.bound for o in options), default=math.inf),
+                       min((o.forward for o in options), default=math.inf),
+                       min((o.backward for o in options), default=math.inf))
 
     def monolithic_best(self) -> dict | None:
         """The monolithic baseline's best layout, micro-batch and per-layer activation
@@ -568,7 +725,7 @@ class Planner:
         return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
                        device=self.device, link_gbps=self.link_gbps, max_in_flight=max_in_flight or self.max_in_flight,
                        residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts,
-                       run_ahead=self.run_ahead if run_ahead is None else run_ahead)
+                       run_ahead=self.run_ahead if run_ahead is None else run_ahead, tolerance=self.tolerance)
 
     def _infeasible_message(self) -> str:
         peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
@@ -581,6 +738,41 @@ class Planner:
         return (f"--memory-gb {gb:g}: no plan on {self.devices} devices fits in memory; the smallest feasible "
                 f"request is --memory-gb {_ceil_significant(min(peaks) / 2**30):g} at --devices "
                 f"{self.devices}{alt}")
+
+
+def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
+    """The paths of edges into the sink that the chain bound follows (`Planner._chain`), each as
+    (its sections, its edges, whether every sample the sink gets takes it whole, the producers on
+    it whose backward the sink's gradient reaches: trained, with only trained sections between
+    them and the sink, and a pivot or None). Kept when every batch has a sample that takes the
+    path whole (one with work in every section on it); once more per pivot: a frozen section
+    on it every sample of which has work in each section after it."""
+    paths: list[tuple[tuple[str, ...], tuple]] = []
+
+    def walk(section: str, sections: tuple[str, ...], edges: tuple) -> None:
+        if len(sections) > 1:
+            paths.append((sections, edges))
+        for e in spec.producers_of(section):
+            walk(e.src, (e.src, *sections), (e, *edges))
+
+    walk(spec.sink, (spec.sink,), ())
+    out = []
+    for sections, edges in paths:
+        takes = [[all(s in m.work for s in sections) for m in batch if spec.sink in m.work] for batch in metas]
+        if not all(any(t) for t in takes):
+            continue
+        back = set()
+        for s in reversed(sections[:-1]):
+            if not spec.sections[s].trained:
+                break
+            back.add(s)
+        out.append((sections, edges, all(all(t) for t in takes), frozenset(back), None))
+        for i, s in enumerate(sections[:-1]):
+            after = sections[i + 1:]
+            if not spec.sections[s].trained and all(all(a in m.work for a in after)
+                                                    for batch in metas for m in batch if s in m.work):
+                out.append((sections, edges, False, frozenset(back), s))
+    return out
 
 
 def group_memory(members: Sequence[dict[str, float]]) -> float:

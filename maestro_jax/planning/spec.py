@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 
 from maestro_jax.core.graph import UnitCost
@@ -39,13 +40,12 @@ class SectionSpec:
 
     @functools.cached_property
     def param_count(self) -> int:
-        total = 0
-        for p in self.leaves:
-            n = 1
-            for d in p.shape:
-                n *= d
-            total += n
-        return total
+        return sum(math.prod(p.shape) for p in self.leaves)
+
+    @functools.cached_property
+    def expert_param_count(self) -> int:
+        """The parameters of the experts' weights, which expert parallelism shards."""
+        return sum(math.prod(p.shape) for p in self.leaves if "expert" in (p.logical or ()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,9 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
     sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
     report = {
         "config": {"workload": cfg.workload, "sections": list(rt.graph.names), "global_batch": cfg.global_batch, "batches": num_batches, "reps": reps,
-                   "devices": len(jax.devices()), "platform": jax.devices()[0].platform},
+                   "devices": len(jax.devices()), "platform": jax.devices()[0].platform,
+                   "plan": {s: _layout(sp) for s, sp in rt.plan.sections.items()},
+                   "monolithic": _layout(cfg.monolithic_plan())},
         "samples_per_s": sps,
         "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},
         "step_time_s": {m: summary([t / num_batches for t in per_rep[m]]) for m in MODES},
@@ -100,6 +102,15 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
     if trace_dir:
         report["traces"] = _traces(rt, states["wavefront"], batches[0], trace_dir)
     return report
+
+
+def _layout(sp) -> dict:
+    """A section's (or the monolithic baseline's) layout as the report records it, so that a
+    report names the plan it timed (co-located sections share devices; DP degrees show M:N edges)."""
+    d = sp.devices
+    devices = f"{d[0]}:{d[-1] + 1}" if d == tuple(range(d[0], d[-1] + 1)) else list(d)
+    return {"devices": devices, "mesh": {a: n for a, n in sp.axis_sizes.items() if n > 1} or {"data": 1},
+            "micro_batch": sp.micro_batch, "dp": sp.dp}
 
 
 def _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step) -> dict:

@@ -12,6 +12,7 @@ from maestro_jax.config import Config
 from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
 from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
+from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.planner import Planner
 
 
@@ -31,6 +32,18 @@ def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, st
     return cfg.monolithic_plan(), "config"
 
 
+def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
+    """The fastest 1F1B pipeline-parallel layout (Megatron-LM's, `planning.pipeline`) on as many
+    devices as the plan uses, within the memory budget `monolithic_baseline` uses; None without
+    a budget (a CPU device) or when nothing fits."""
+    n = len({d for sp in plan.sections.values() for d in sp.devices})
+    memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
+    if memory_gb is None:
+        return None
+    return pipelined_best(Planner(spec, metas, n, memory_gb, global_batch=cfg.global_batch,
+                                  device=cfg.simulate.device, link_gbps=cfg.simulate.link_gbps))
+
+
 def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=None) -> dict:
     """The prediction for `cfg`'s workload, or for a user's `graph` and `source`."""
     graph = graph or workloads.build_graph(cfg)
@@ -46,6 +59,9 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
                                      run_ahead=cfg.schedule.run_ahead)
     report["monolithic_layout"] = {"mesh": dict(mono_sp.axis_sizes), "micro_batch": mono_sp.micro_batch,
                                    "layer_remat": mono_sp.layer_remat, "chosen": baseline}
+    report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
+    if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
+        report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]
     if gantt:
         from maestro_jax.tools.trace import write_gantt  # noqa: PLC0415 (matplotlib only when asked)
 
