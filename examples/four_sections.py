@@ -6,7 +6,8 @@ distilling into the decoder. Flax modules written here, not taken from `models/`
 
 The graph is a DAG with a frozen branch (the teacher reads only tokens, so it may run ahead
 under `schedule.run_ahead: 1`) and a trained chain (encoder and projector run only for samples
-holding pictures). `scripts/planner_scale.py` times the planner on it.
+holding pictures). `--plan` is the planner's hard case (thousands of near-equal plans);
+benchmarks/RESULTS.md times it. `tests/test_api.py` builds a 3-section graph from the same modules.
 """
 
 from __future__ import annotations
@@ -15,49 +16,79 @@ import argparse
 import os
 import sys
 
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before JAX starts its backend
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+import maestro_jax as mj
 
 VOCAB, WIDTH, TEXT0 = 64, 32, 3
+PICTURE = mj.Modality("image", placeholder=1, unit=(4, 4), channels=3)
 
 
-def graph():
-    """The section graph (imports JAX and Flax: call after the platform is set)."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import optax
+class PatchEncoder(nn.Module):
+    @nn.compact
+    def __call__(self, pieces_BNF):
+        return nn.Dense(24)(nn.gelu(nn.Dense(48)(pieces_BNF)))
 
-    import maestro_jax as mj
 
-    class PatchEncoder(nn.Module):
-        @nn.compact
-        def __call__(self, pieces_BNF):
-            return nn.Dense(24)(nn.gelu(nn.Dense(48)(pieces_BNF)))
+class Projector(nn.Module):
+    @nn.compact
+    def __call__(self, x_BND):
+        return nn.Dense(WIDTH)(nn.LayerNorm()(x_BND))
 
-    class Projector(nn.Module):
-        @nn.compact
-        def __call__(self, x_BND):
-            return nn.Dense(WIDTH)(nn.LayerNorm()(x_BND))
 
-    class TinyDecoder(nn.Module):
-        """Token embedding, a causal running-mean mixer and an MLP: small but position-aware."""
+class TinyDecoder(nn.Module):
+    """Token embedding, a causal running-mean mixer and an MLP: small but position-aware."""
 
-        width: int = WIDTH
+    width: int = WIDTH
 
-        def setup(self):
-            self.embed = nn.Embed(VOCAB, self.width)
-            self.mix = nn.Dense(self.width)
-            self.out = nn.Dense(VOCAB)
+    def setup(self):
+        self.embed = nn.Embed(VOCAB, self.width)
+        self.mix = nn.Dense(self.width)
+        self.out = nn.Dense(VOCAB)
 
-        def embed_ids(self, ids_BL):
-            return self.embed(ids_BL)
+    def embed_ids(self, ids_BL):
+        return self.embed(ids_BL)
 
-        def __call__(self, x_BLD, valid_BL):
-            w = valid_BL[..., None].astype(x_BLD.dtype)
-            mean = jnp.cumsum(x_BLD * w, axis=1) / jnp.maximum(jnp.cumsum(w, axis=1), 1.0)
-            return self.out(x_BLD + nn.gelu(self.mix(mean)))
+    def __call__(self, x_BLD, valid_BL):
+        w = valid_BL[..., None].astype(x_BLD.dtype)
+        mean = jnp.cumsum(x_BLD * w, axis=1) / jnp.maximum(jnp.cumsum(w, axis=1), 1.0)
+        return self.out(x_BLD + nn.gelu(self.mix(mean)))
 
-    picture = modality()
+
+def cut(image):
+    """An H x W x C image -> (4x4 patches, their positions), row-major."""
+    h, w, c = image.shape
+    p = image.reshape(h // 4, 4, w // 4, 4, c).transpose(0, 2, 1, 3, 4).reshape(-1, 48)
+    return p, np.arange(len(p))[:, None]
+
+
+class PictureCaptions:
+    """A random-access source: text with 0..2 pictures, a pure function of the index."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        pictures = tuple(rng.standard_normal((4 * int(rng.integers(1, 3)), 8, 3)).astype(np.float32)
+                         for _ in range(int(rng.integers(0, 3))))
+        text = (TEXT0 + (np.arange(int(rng.integers(6, 14))) * 5 + i) % (VOCAB - TEXT0)).astype(np.int32)
+        holes = np.full(sum(PICTURE.tokens(p.shape[:2]) for p in pictures), PICTURE.placeholder, np.int32)
+        return mj.Sample(i, np.concatenate([text[:2], holes, text[2:]]), {"image": pictures} if pictures else {})
+
+
+def graph() -> mj.SectionGraph:
+    """The section graph."""
+    picture = PICTURE
     encoder, projector, decoder, teacher = PatchEncoder(), Projector(), TinyDecoder(), TinyDecoder(2 * WIDTH)
 
     def encoder_forward(variables, inputs, batch):
@@ -131,44 +162,8 @@ def graph():
     )
 
 
-def modality():
-    import maestro_jax as mj
-
-    return mj.Modality("image", placeholder=1, unit=(4, 4), channels=3)
-
-
-def cut(image):
-    """An H x W x C image -> (4x4 patches, their positions), row-major."""
-    h, w, c = image.shape
-    p = image.reshape(h // 4, 4, w // 4, 4, c).transpose(0, 2, 1, 3, 4).reshape(-1, 48)
-    return p, np.arange(len(p))[:, None]
-
-
-class PictureCaptions:
-    """A random-access source: text with 0..2 pictures, a pure function of the index."""
-
-    def __init__(self, size: int = 256):
-        self.size = size
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, i):
-        import maestro_jax as mj
-
-        picture = modality()
-        rng = np.random.default_rng(i)
-        pictures = tuple(rng.standard_normal((4 * int(rng.integers(1, 3)), 8, 3)).astype(np.float32)
-                         for _ in range(int(rng.integers(0, 3))))
-        text = (TEXT0 + (np.arange(int(rng.integers(6, 14))) * 5 + i) % (VOCAB - TEXT0)).astype(np.int32)
-        holes = np.full(sum(picture.tokens(p.shape[:2]) for p in pictures), picture.placeholder, np.int32)
-        return mj.Sample(i, np.concatenate([text[:2], holes, text[2:]]), {"image": pictures} if pictures else {})
-
-
 def config(**changes):
     """A plan on 8 devices: the teacher and the encoder chain on their own devices."""
-    import maestro_jax as mj
-
     base = {"global_batch": 8, "steps": 3, "seed": 0, "optimizer": {"learning_rate": 0.01},
                 "sections": {"encoder": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
                           "projector": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
@@ -182,9 +177,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", type=int, metavar="DEVICES", help="plan for this many H100s instead of verifying")
     args = ap.parse_args(argv)
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import maestro_jax as mj
-
     if args.plan:
         trainer = mj.Trainer(config(simulate={"device": "h100", "batches": 1}), graph(), PictureCaptions())
         report = trainer.plan(devices=args.plan, memory_gb=80.0, top=3)

@@ -1,4 +1,5 @@
-"""The public API with a user's own compound model: Flax modules defined here (not in models/),
+"""The public API with a user's own compound model: Flax modules a user writes (not in models/:
+those of examples/four_sections.py),
 a 3-section chain (encoder -> projector -> decoder), a user's sample source; trained, checked
 against the monolithic step under both schedulers, resumed, planned and simulated."""
 
@@ -6,69 +7,25 @@ import json
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from conftest import ROOT
 
 import maestro_jax as mj
 
-VOCAB, WIDTH, TEXT0 = 64, 32, 3
-PICTURE = mj.Modality("image", placeholder=1, unit=(4, 4), channels=3)
-
-
-class PatchEncoder(nn.Module):
-    @nn.compact
-    def __call__(self, pieces_BNF):
-        return nn.Dense(24)(nn.gelu(nn.Dense(48)(pieces_BNF)))
-
-
-class Projector(nn.Module):
-    @nn.compact
-    def __call__(self, x_BND):
-        return nn.Dense(WIDTH)(nn.LayerNorm()(x_BND))
-
-
-class TinyDecoder(nn.Module):
-    """Token embedding, a causal running-mean mixer and an MLP: small but position-aware."""
-
-    def setup(self):
-        self.embed = nn.Embed(VOCAB, WIDTH)
-        self.mix = nn.Dense(WIDTH)
-        self.out = nn.Dense(VOCAB)
-
-    def embed_ids(self, ids_BL):
-        return self.embed(ids_BL)
-
-    def __call__(self, x_BLD, valid_BL):
-        w = valid_BL[..., None].astype(x_BLD.dtype)
-        mean = jnp.cumsum(x_BLD * w, axis=1) / jnp.maximum(jnp.cumsum(w, axis=1), 1.0)
-        return self.out(x_BLD + nn.gelu(self.mix(mean)))
-
-
-def cut(image):
-    """An H x W x C image -> (4x4 patches, their positions), row-major."""
-    h, w, c = image.shape
-    p = image.reshape(h // 4, 4, w // 4, 4, c).transpose(0, 2, 1, 3, 4).reshape(-1, 48)
-    return p, np.arange(len(p))[:, None]
-
-
-class PictureCaptions:
-    """A user's random-access source: text with 0..2 pictures, a pure function of the index."""
-
-    def __len__(self):
-        return 256
-
-    def __getitem__(self, i):
-        rng = np.random.default_rng(i)
-        pictures = tuple(rng.standard_normal((4 * int(rng.integers(1, 3)), 8, 3)).astype(np.float32)
-                         for _ in range(int(rng.integers(0, 3))))
-        text = (TEXT0 + (np.arange(int(rng.integers(6, 14))) * 5 + i) % (VOCAB - TEXT0)).astype(np.int32)
-        holes = np.full(sum(PICTURE.tokens(p.shape[:2]) for p in pictures), PICTURE.placeholder, np.int32)
-        return mj.Sample(i, np.concatenate([text[:2], holes, text[2:]]), {"image": pictures} if pictures else {})
+sys.path.insert(0, str(ROOT / "examples"))
+from four_sections import (
+    PICTURE,
+    VOCAB,
+    WIDTH,
+    PatchEncoder,
+    PictureCaptions,
+    Projector,
+    TinyDecoder,
+    cut,
+)
 
 
 def user_graph():
@@ -106,7 +63,7 @@ def user_graph():
                             | decoder.init(kd, jnp.zeros((1, 4), jnp.int32), method=TinyDecoder.embed_ids)["params"],
                             "consts": {}}}
 
-    patches = lambda s: sum(h // 4 * (w // 4) for h, w, _ in s.shapes("image"))  # noqa: E731
+    patches = lambda s: sum(h // 4 * (w // 4) for h, w, _ in s.shapes("image"))
     return mj.SectionGraph(
         sections=(
             mj.Section("encoder", trained=True, forward=encoder_forward, host_batch=encoder_batch,

@@ -12,7 +12,7 @@ import maestro_jax as mj
 from maestro_jax.tools.plan import planner_for
 
 sys.path.insert(0, str(ROOT / "examples"))
-import four_sections  # noqa: E402
+import four_sections
 
 
 @pytest.fixture(scope="module")

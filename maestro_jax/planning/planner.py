@@ -648,7 +648,7 @@ class Planner:
     def _scored_under(self, threshold: float, top: int, incumbent: float) -> tuple[list[Candidate], int]:
         """One pass of `_search`: the plans it simulated, best first, and how many it generated."""
         limit = _Limit(min(threshold, incumbent * (1 - self.tolerance)))
-        pending: list[tuple] = []  # (bound rounded down, device groups, bound, order found, plan, memory): a heap
+        pending: list[tuple] = []  # (bound, order found, plan, memory): a heap
         scored: list[Candidate] = []
         ranks: list[tuple] = []  # (step time, tiebreak) of each scored candidate, in order: where the next goes
 
@@ -665,18 +665,14 @@ class Planner:
 
         considered = 0
         for plan, mem, bound in self.candidates(threshold=limit):
-            # in order of the bound rounded down to 0.1% (never above it, so stopping on it is
-            # safe), then fewer device groups (fewer transfers: near-equal bounds, often a faster plan)
-            floor = 2.0 ** (math.floor(math.log2(bound) * 1024) / 1024) if bound > 0 else 0.0
-            groups = len(set(device_groups(plan.sections).values()))
-            heapq.heappush(pending, (floor, groups, bound, considered, plan, mem))
+            heapq.heappush(pending, (bound, considered, plan, mem))
             considered += 1
             while len(scored) < top and len(pending) >= top and pending[0][0] <= limit.value:  # an incumbent
-                score(*heapq.heappop(pending)[4:])
+                score(*heapq.heappop(pending)[2:])
             if considered % _REFRESH == 0 and pending and pending[0][0] < limit.value:
-                score(*heapq.heappop(pending)[4:])  # a better incumbent: the best-bounded found since
+                score(*heapq.heappop(pending)[2:])  # a better incumbent: the best-bounded found since
         while pending and pending[0][0] <= limit.value:
-            score(*heapq.heappop(pending)[4:])
+            score(*heapq.heappop(pending)[2:])
         return scored, considered
 
     def _floor_option(self, section: str) -> _Option:
