@@ -1,37 +1,80 @@
-"""The planner's dependency bounds on a user's 4-section DAG (a trained chain and a frozen teacher
-into one sink), priced for H100s, where sections run side by side: every candidate's bound is at
-most its simulated step time (what makes pruning exact), and the exact search (tolerance 0)
-finds the exhaustive optimum."""
+"""The planner's bounds on a user's 4-section DAG (a trained chain and a frozen teacher into one
+sink), priced for H100s, where sections run side by side: every candidate's bound (its sections'
+own work, the dependency paths, each device group's turns) is at most its simulated step time
+(what makes pruning exact), with and without a teacher running ahead; the floors a partial plan
+is pruned on bound every option, also when sections share devices; the exact search
+(tolerance 0) finds the exhaustive optimum; and at 64 devices the search simulates a few dozen
+of the graph's millions of plans."""
 
+import math
 import sys
 
 import pytest
 from conftest import ROOT
 
 import maestro_jax as mj
+from maestro_jax.config import load_config
 from maestro_jax.tools.plan import planner_for
 
 sys.path.insert(0, str(ROOT / "examples"))
 import four_sections
 
 
+def four_section_planner(devices: int, run_ahead: int = 0, tolerance: float = 0.0):
+    trainer = mj.Trainer(four_sections.config(simulate={"device": "h100", "batches": 1},
+                                              schedule={"run_ahead": run_ahead}),
+                         four_sections.graph(), four_sections.PictureCaptions())
+    return planner_for(trainer.config, devices, 80.0, graph=trainer.graph, source=trainer.runtime.source,
+                       tolerance=tolerance)
+
+
 @pytest.fixture(scope="module")
 def planner():
-    trainer = mj.Trainer(four_sections.config(simulate={"device": "h100", "batches": 1}), four_sections.graph(),
-                         four_sections.PictureCaptions())
-    return planner_for(trainer.config, 2, 80.0, graph=trainer.graph, source=trainer.runtime.source, tolerance=0.0)
+    return four_section_planner(2)
 
 
-def test_dependency_bounds_hold_and_bind(planner):
+@pytest.mark.parametrize("devices,run_ahead,every", [(2, 0, 11), (4, 0, 397), (4, 1, 397)])
+def test_bounds_hold_and_bind(devices, run_ahead, every):
+    planner = four_section_planner(devices, run_ahead)
     assert any(pivot == "teacher" for *_, pivot in planner._paths), "the teacher is a pivot of its path"
+    assert bool(planner._ahead) == bool(run_ahead)
     everything = list(planner.candidates())
     assert len(everything) > 100
     binding = 0
-    for plan, _, bound in everything[::11]:
+    for plan, _, bound in everything[::every]:
         t = planner.step_time(plan)
         assert bound <= t * (1 + 1e-9), plan
         binding += bound > 0.99 * t
     assert binding > 0, "some bounds are tight (else they prune nothing)"
+
+
+def test_floors_bound_every_budget_share():
+    """Where memory forces fsdp (the paper-scale VLM on 80 GB), a section sharing its devices picks
+    from more layouts (`_shared_options`, each at a share of the budget) than the full-budget
+    options the floors are taken over: none of them goes below a floor."""
+    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 16, 80.0)
+    fields = ("bound", "forward", "backward", "forwards", "backwards")
+    forced, compared = False, 0
+    for s in p.spec.order:
+        for n in (4, 8, 16):
+            floor = p._floor(s, n, p.budget, False)
+            shared = [o for m in range(1, n + 1) for o in p._shared_options(s, m, p.budget, False, 2)]
+            if not shared:  # nothing fits on so few devices: the floor is infinite
+                assert math.isinf(floor.bound)
+                continue
+            compared += 1
+            forced |= any(o.plan.axis_sizes["fsdp"] > 1 for o in shared)
+            for f in fields:
+                assert getattr(floor, f) <= min(getattr(o, f) for o in shared) * (1 + 1e-12), (s, n, f)
+    assert compared >= 3 and forced, "some shares force fsdp"
+
+
+def test_search_at_64_devices_simulates_few_plans():
+    """The graph's many near-equal plans (every micro-step costs about its fixed overhead) are
+    what the floors of partial plans and the turn bound prune: a few dozen are simulated."""
+    report = four_section_planner(64, tolerance=0.01).search(10)
+    assert report.simulated < 200, report.simulated
+    assert report.best.step_time_s <= report.monolithic["step_time_s"]
 
 
 def test_exact_search_finds_the_exhaustive_optimum(planner):

@@ -192,7 +192,7 @@ def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
 
 _TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
 TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
-_GROWTH = 1.25  # the search's threshold, from the smallest bound up, grows by this factor per pass
+_GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass
 _REFRESH = 256  # candidates generated between two refreshes of the incumbent the generation prunes against
 
 
@@ -214,6 +214,11 @@ class _Option:
     bound: float
     forward: float = 0.0  # its shortest forward micro-step (the sink: loss-and-grad)
     backward: float = 0.0  # its shortest backward micro-step (trained producers)
+    forwards: float = 0.0  # the forwards' share of `bound` (the sink: its losses)
+    backwards: float = 0.0  # the backwards' share of `bound`
+
+
+_FLOORED = ("bound", "forward", "backward", "forwards", "backwards")  # what a floor of options keeps, in order
 
 
 class Planner:
@@ -258,7 +263,17 @@ class Planner:
         self._min_units = {s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0)
                            for s in spec.order}
         self._paths = _chains(spec, self.metas)
+        # the sets of sections one sample has work in, and each section's producers and
+        # consumers among the sections: what the turn bound (`_turns`) follows
+        self._patterns = sorted({tuple(s for s in spec.order if s in m.work) for b in self.metas for m in b})
+        self._producers = {s: tuple(e.src for e in spec.producers_of(s)) for s in spec.order}
+        self._consumers = {s: tuple(e.dst for e in spec.consumers_of(s)) for s in spec.order}
         self._options: dict[tuple, list[_Option]] = {}
+        self._layouts_by_count: dict[tuple, list] = {}
+        self._priced: dict[tuple, _Option] = {}
+        self._prices: dict[tuple, tuple[SectionCost, float]] = {}  # shared with `_with`'s planners
+        self._shared: dict[tuple, list[_Option]] = {}
+        self._floors: dict[tuple, list[_Option]] = {}
         self._times: dict[tuple, float] = {}
         self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
         self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
@@ -287,12 +302,27 @@ class Planner:
         key = (section, n, budget, lightest)
         if key in self._options:
             return self._options[key]
-        sec, sink = self.spec.sections[section], section == self.spec.sink
-        gb, devices = self.global_batch, tuple(range(n))
         out = []
+        for variants in self._layouts(section, n):
+            fits = [(sp, mem) for sp, mem in variants if mem["total"] <= budget]
+            if fits:
+                out.append(self._option(section, *(min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0])))
+        kept = out if lightest else self._undominated(section, out)
+        self._options[key] = sorted(kept, key=lambda o: o.bound)  # the search stops at the first too slow
+        return self._options[key]
+
+    def _layouts(self, section: str, n: int) -> list[list[tuple[SectionPlan, dict]]]:
+        """`section`'s layouts on `n` devices with their memory: for each tensor, context and
+        expert degree, micro-batch and checkpointing, the meshes by fsdp degree, smallest first
+        (once per device count: `options` picks from them for each budget)."""
+        key = (section, n)
+        if key in self._layouts_by_count:
+            return self._layouts_by_count[key]
+        sec, sink = self.spec.sections[section], section == self.spec.sink
+        devices, out = tuple(range(n)), []
         for tensor, context, expert in self._axes(sec, n):
             dp = n // (tensor * context)
-            micro_batches = _micro_batches(gb, dp)
+            micro_batches = _micro_batches(self.global_batch, dp)
             if not micro_batches:
                 continue  # before pricing its meshes: at scale most degrees leave no micro-batch
             meshes = []  # by fsdp degree, smallest first: each mesh that can shard the weights, with their bytes
@@ -304,21 +334,27 @@ class Planner:
             for mb in micro_batches:
                 for res, remat in itertools.product(self.residuals if sec.trained and not sink else ("vjp",),
                                                     self.layer_remat if sec.trained else ("none",)):
-                    fits = []
+                    variants = []
                     for mesh, weights in meshes:
                         sp = SectionPlan(devices, mesh, mb, res, precision=sec.precision, layer_remat=remat)
-                        mem = self._memory(section, sp, weights)
-                        if mem["total"] <= budget:
-                            fits.append((sp, mem))
-                            if not lightest:
-                                break
-                    if fits:
-                        sp, mem = min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0]
-                        cost = self._section_cost(section, sp)
-                        out.append(_Option(sp, mem, cost, self._section_bound(section, sp, cost),
-                                           *self._shortest(section, sp, cost)))
-        self._options[key] = out if lightest else self._undominated(section, out)
-        return self._options[key]
+                        variants.append((sp, self._memory(section, sp, weights)))
+                    if variants:
+                        out.append(variants)
+        self._layouts_by_count[key] = out
+        return out
+
+    def _option(self, section: str, sp: SectionPlan, mem: dict) -> _Option:
+        """`sp` priced: its cost, bound and shortest micro-steps (once per layout, whatever the
+        budget; the cost and bound once for every stash bound and run-ahead setting, `_with`)."""
+        key = (section, len(sp.devices), sp.mesh, sp.micro_batch, sp.residuals, sp.layer_remat)  # hashing devices is slow
+        if key not in self._priced:
+            if key not in self._prices:
+                cost = self._section_cost(section, sp)
+                self._prices[key] = cost, self._section_bound(section, sp, cost)
+            cost, bound = self._prices[key]
+            back = bound * cost.backward_factor / (1.0 + cost.backward_factor) if self._backs(section) else 0.0
+            self._priced[key] = _Option(sp, mem, cost, bound, *self._shortest(section, sp, cost), bound - back, back)
+        return self._priced[key]
 
     def _shortest(self, section: str, sp: SectionPlan, cost: SectionCost) -> tuple[float, float]:
         """The shortest forward and backward micro-steps of `section`: at the fewest units any
@@ -330,7 +366,7 @@ class Planner:
         forward = 0.0 if section in self._ahead else cm.step_time(section, "F", units, mb)
         return forward, cm.step_time(section, "B", units, mb) if self.spec.sections[section].trained else 0.0
 
-    def _chain(self, chosen: dict[str, _Option], group_of: dict | None = None) -> float:
+    def _chain(self, values: dict[str, _Option], group_of: dict | None = None) -> float:
         """A lower bound from dependencies. Along a path of edges into the sink that one sample
         of every batch takes whole, that sample's forwards and transfers run one after another,
         then the sink's loss, then the cotangents and backwards of the trained producers that
@@ -338,34 +374,105 @@ class Planner:
         sink's work waits for the path's forwards and precedes those backwards. And when every
         sample of a frozen section on the path goes on along it to the sink (a teacher), all of
         that section's forwards precede the last of the sink's losses that reads them (a pivot:
-        its whole bound, the path's shortest forwards before and after it). Counts the
-        sections of `chosen` only (a partial plan's bound bounds every completion of it); given
-        every section's device group (`group_of`), the transfers too, each at the fewest units
-        any sample sends."""
+        its whole bound, the path's shortest forwards before and after it). `values`: an option
+        or a floor for each section counted (a partial plan's bound bounds every completion);
+        `group_of`, each section's device group, for the transfers (`_hops`)."""
+        hops = self._hops(values, group_of)
         best = 0.0
         for sections, edges, whole, back, pivot in self._paths:
             if pivot in self._ahead:
                 continue  # its forwards ran the step before
             t = 0.0
             for s in sections:
-                if s in chosen:
-                    o = chosen[s]
+                if s in values:
+                    o = values[s]
                     if s == pivot:
                         t += o.bound
                     elif s == self.spec.sink:
                         t += o.bound if whole and pivot is None else o.forward
                     else:
                         t += o.forward + (o.backward if s in back else 0.0)
-            if group_of is not None:
-                for e in edges:
-                    per_unit = transfer_s_per_unit(self.spec.edge_bytes[e.name], chosen[e.src].plan,
-                                                   chosen[e.dst].plan, group_of[e.src] == group_of[e.dst],
-                                                   self.device, self.link_gbps)
-                    if per_unit is not None:
-                        one = TRANSFER_OVERHEAD_S + per_unit * self._min_units[e.src]
-                        t += (0.0 if e.src in self._ahead else one) + (one if e.src in back else 0.0)
+            for e in edges:
+                one = hops.get(e.name, 0.0)
+                t += (0.0 if e.src in self._ahead else one) + (one if e.src in back else 0.0)
             best = max(best, t)
         return best
+
+    def _hops(self, values: dict[str, _Option], group_of: dict | None) -> dict[str, float]:
+        """Each edge's shortest transfer (either way): at the fewest units any sample sends when
+        both ends have an option in `values`, else its fixed latency between device groups (and
+        nothing known within one)."""
+        if group_of is None:
+            return {}
+        out = {}
+        for e in self.spec.edges:
+            src, dst = values.get(e.src), values.get(e.dst)
+            if src is not None and dst is not None and src.plan is not None and dst.plan is not None:
+                per_unit = transfer_s_per_unit(self.spec.edge_bytes[e.name], src.plan, dst.plan,
+                                               group_of[e.src] == group_of[e.dst], self.device, self.link_gbps)
+                out[e.name] = 0.0 if per_unit is None else TRANSFER_OVERHEAD_S + per_unit * self._min_units[e.src]
+            elif group_of[e.src] != group_of[e.dst]:
+                out[e.name] = TRANSFER_OVERHEAD_S
+        return out
+
+    def _turns(self, values: dict[str, _Option], groups: Sequence[Sequence[str]], group_of: dict) -> float:
+        """A lower bound from each device group's turns: its sections' forwards, losses and
+        backwards all run on its devices one at a time, and no op starts before what it depends on
+        or ends the step before what depends on it. For each kind of op of a section in the group
+        (its forwards, its backwards), a head (the least time before any of them can start: the
+        shortest forwards of the producers a sample passes first) and a tail (the least time after
+        any of them: the shortest forwards on to the sink, its loss, and the backwards back down,
+        including the section's own backward) from the shortest micro-steps in `values`, at the
+        sample whose path is shortest (`_patterns`); then for any set of those kinds, the smallest
+        head, their whole work (the bound's shares) and the smallest tail run one after another
+        (the one-machine bound of job-shop scheduling). `values` holds an option or a floor for
+        every section; `groups`, the device groups to bound."""
+        spec, sink = self.spec, self.spec.sink
+        hops = self._hops(values, group_of)
+        x = {}  # (producer, consumer) -> the shortest transfer between them
+        for e in spec.edges:
+            x[e.src, e.dst] = min(x.get((e.src, e.dst), math.inf), hops.get(e.name, 0.0))
+        f = {s: o.forward for s, o in values.items()}
+        b = {s: o.backward if self._backs(s) else 0.0 for s, o in values.items()}
+        inf = math.inf
+        head_f, tail_f, head_b, tail_b = ({s: inf for s in spec.order} for _ in range(4))
+        for pattern in self._patterns:
+            hf, tb, tf, hb = {}, {}, {}, {}
+            for s in pattern:  # graph order: producers first
+                hf[s] = max((hf[p] + f[p] + x[p, s] for p in self._producers[s] if p in hf), default=0.0)
+                tb[s] = max((x[p, s] + b[p] + tb[p] for p in self._producers[s] if p in tb and self._backs(p)),
+                            default=0.0)
+            for s in reversed(pattern):
+                tf[s] = tb[s] if s == sink else max((x[s, c] + f[c] + tf[c] for c in self._consumers[s] if c in tf),
+                                                    default=0.0)
+                if self._backs(s):
+                    hb[s] = max([hf[s] + f[s], *((hf[c] + f[c] if c == sink else hb[c] + b[c]) + x[s, c]
+                                                 for c in self._consumers[s] if c in hb or c == sink and c in hf)])
+            for s in pattern:
+                head_f[s], tail_f[s] = min(head_f[s], hf[s]), min(tail_f[s], tf[s])
+                if s in hb:
+                    head_b[s], tail_b[s] = min(head_b[s], hb[s]), min(tail_b[s], tb[s])
+        best = 0.0
+        for group in groups:
+            kinds = []  # (head, work, tail)
+            for s in group:
+                o = values[s]
+                if s in self._ahead:  # its forwards are the next batch's: nothing in this step waits on them
+                    kinds.append((0.0, o.forwards, 0.0))
+                else:
+                    kinds.append((_finite(head_f[s]), o.forwards, _finite(tail_f[s])))
+                if self._backs(s):
+                    kinds.append((_finite(head_b[s]), o.backwards, _finite(tail_b[s])))
+            for a in {k[0] for k in kinds}:
+                for z in {k[2] for k in kinds}:
+                    work = sum(k[1] for k in kinds if k[0] >= a and k[2] >= z)
+                    if work:
+                        best = max(best, a + work + z)
+        return best
+
+    def _backs(self, section: str) -> bool:
+        """Whether `section` runs backwards (a trained producer)."""
+        return section != self.spec.sink and self.spec.sections[section].trained
 
     def _undominated(self, section: str, options: list[_Option]) -> list[_Option]:
         """Drop an option when another with the same data-parallel degree and micro-batch (all
@@ -426,36 +533,38 @@ class Planner:
         share, so the group's search can trade one section's memory for another's speed."""
         if members == 1 or math.isinf(budget):
             return self.options(section, n, budget, lightest)
-        seen, out = set(), []
-        for eighths in range(1, 9):
-            for o in self.options(section, n, budget * eighths / 8, lightest):
-                if o.plan not in seen:
-                    seen.add(o.plan)
-                    out.append(o)
-        return out
+        key = (section, n, budget, lightest)
+        if key not in self._shared:
+            seen, out = set(), []
+            for eighths in range(1, 9):
+                for o in self.options(section, n, budget * eighths / 8, lightest):
+                    if o.plan not in seen:
+                        seen.add(o.plan)
+                        out.append(o)
+            self._shared[key] = sorted(out, key=lambda o: o.bound)
+        return self._shared[key]
 
     def candidates(self, budget: float | None = None, lightest: bool = False,
                    threshold: float | _Limit = math.inf) -> Iterator[tuple[Plan, dict, float]]:
         """(plan, memory by section, lower bound) for every plan that passes every constraint and
         whose bound is at most `threshold`, over every placement of the sections into device
         groups. Groups and their sections are chosen sink first. A group's bound
-        is the sum of its sections' (they take turns on its devices), its memory their sum."""
+        is the sum of its sections' (they take turns on its devices), its memory their sum.
+        A partial plan is pruned on a bound that counts each section not chosen yet at its
+        floor on the devices left to it (the smallest bound and micro-steps any of its options
+        reaches there), in its group's sum and along the dependency paths alike."""
         budget = self.budget if budget is None else budget
         limit = threshold if isinstance(threshold, _Limit) else _Limit(threshold)
-        sections = self.spec.order
-        # floors[s][m]: the smallest bound any option of s reaches on at most m devices, grown
-        # one device count at a time (linear in devices; the minimum over 1..m each time is quadratic)
-        floors: dict[str, list[float]] = {s: [math.inf] for s in sections}
 
-        def floor(s: str, most: int) -> float:
-            known = floors[s]
-            while len(known) <= most:
-                known.append(min([known[-1], *(o.bound for o in self.options(s, len(known), budget, lightest))]))
-            return known[most]
+        def floor(s: str, most: int) -> _Option:
+            return self._floor(s, most, budget, lightest)
 
         def extend(groups, i: int, left: int, chosen: dict, bounds: list) -> Iterator:
             if i == len(groups):
-                bound = max(self._combine(bounds), self._chain(chosen, {s: g for g in groups for s in g}))
+                bound = max(self._combine(bounds), self._chain(chosen, group_of))
+                if bound > limit.value:
+                    return
+                bound = max(bound, self._turns(chosen, groups, group_of))
                 if bound > limit.value:
                     return
                 plan = self._assemble(chosen, groups)
@@ -464,28 +573,40 @@ class Planner:
                     yield plan, memory, bound
                 return
             after = len(groups) - i - 1
+            if i:  # the groups chosen so far take their turns, the others at their floors
+                fill = {r: floor(r, left - after) for g in groups[i:] for r in g}
+                if self._turns({**fill, **chosen}, groups[:i], group_of) > limit.value:
+                    return
             sizes = [left] if after == 0 else range(1, left - after + 1)
             for n in sizes:
-                rest = [sum(floor(r, left - n - (after - 1)) for r in g) for g in groups[i + 1:]]
-                yield from members(groups, i, n, left, 0, chosen, bounds, rest, 0.0, [])
+                most = left - n - (after - 1)  # the most devices a later group can get
+                later = {r: floor(r, most) for g in groups[i + 1:] for r in g}
+                rest = [sum(later[r].bound for r in g) for g in groups[i + 1:]]
+                yield from members(groups, i, n, left, 0, chosen, bounds, rest, 0.0, [], later)
 
-        def members(groups, i, n, left, j, chosen, bounds, rest, group_bound, memories) -> Iterator:
+        def members(groups, i, n, left, j, chosen, bounds, rest, group_bound, memories, later) -> Iterator:
             group = groups[i]
             if j == len(group):
                 yield from extend(groups, i + 1, left - n, chosen, bounds + [group_bound])
                 return
             s = group[j]
-            for opt in self._shared_options(s, n, budget, lightest, len(group)):
+            unchosen = {r: floor(r, n) for r in group[j + 1:]}
+            waiting = sum(o.bound for o in unchosen.values())
+            fill = {**later, **unchosen}
+            for opt in self._shared_options(s, n, budget, lightest, len(group)):  # by bound, smallest first
                 total = group_bound + opt.bound
-                if (len(group) > 1 and group_memory(memories + [opt.memory]) > budget
-                        or self._combine(bounds + [total] + rest) > limit.value):
+                if self._combine(bounds + [total + waiting] + rest) > limit.value:
+                    break
+                if len(group) > 1 and group_memory(memories + [opt.memory]) > budget:
                     continue
                 now = {**chosen, s: opt}
-                if self._paths and self._chain(now) > limit.value:
+                if self._paths and self._chain({**fill, **now}, group_of) > limit.value:
                     continue
-                yield from members(groups, i, n, left, j + 1, now, bounds, rest, total, memories + [opt.memory])
+                yield from members(groups, i, n, left, j + 1, now, bounds, rest, total, memories + [opt.memory],
+                                   later)
 
         for groups in self.placements():
+            group_of = {s: g for g in groups for s in g}  # read by extend and members
             yield from extend(groups, 0, self.devices, {}, [])
 
     def _assemble(self, chosen: dict, groups: Sequence[Sequence[str]]) -> Plan:
@@ -631,9 +752,9 @@ class Planner:
         bound shows that no remaining candidate can beat the K-th best by more than `tolerance`,
         the search stops (ties keep the first found). If the threshold fell short of that time,
         it grows and the search goes on (already simulated plans are not simulated again)."""
-        floors = {s: self._floor_option(s) for s in self.spec.order}
+        floors = {s: self._floor(s, self.devices, self.budget, False) for s in self.spec.order}
         first = max(self._combine([o.bound for o in floors.values()]), self._chain(floors))
-        threshold = _GROWTH * first
+        threshold = first / (1 - self.tolerance)
         while True:
             scored, considered = self._scored_under(threshold, top, incumbent)
             kth = min(incumbent, scored[top - 1].step_time_s if len(scored) >= top else math.inf)
@@ -675,13 +796,20 @@ class Planner:
             score(*heapq.heappop(pending)[2:])
         return scored, considered
 
-    def _floor_option(self, section: str) -> _Option:
-        """The smallest bound and shortest micro-steps `section` reaches on any device count a
-        plan could give it (each on its own: a floor for every option)."""
-        options = [o for n in range(1, self.devices + 1) for o in self.options(section, n)]
-        return _Option(None, {}, None, min((o.bound for o in options), default=math.inf),
-                       min((o.forward for o in options), default=math.inf),
-                       min((o.backward for o in options), default=math.inf))
+    def _floor(self, section: str, most: int, budget: float, lightest: bool) -> _Option:
+        """The smallest bound and shortest micro-steps (each on its own) that any option of
+        `section` reaches on at most `most` devices: a floor for every option a plan could give
+        it there. Also when it shares them (`_shared_options`): a share of the budget only
+        raises the fsdp degree of a layout, and a larger fsdp degree never prices lower (its
+        all-gather, `cluster.fsdp_gather_s`, only grows; `tests/test_planner_bounds.py` checks
+        the floors against every share). Grown one device count at a time and kept (linear in
+        devices; the minimum over 1..m each time would be quadratic)."""
+        known = self._floors.setdefault((section, budget, lightest), [_Option(None, {}, None, *[math.inf] * 5)])
+        while len(known) <= most:
+            last, found = known[-1], self.options(section, len(known), budget, lightest)
+            known.append(_Option(None, {}, None, *(min([getattr(last, f), *(getattr(o, f) for o in found)])
+                                                   for f in _FLOORED)))
+        return known[most]
 
     def monolithic_best(self) -> dict | None:
         """The monolithic baseline's best layout, micro-batch and per-layer activation
@@ -718,10 +846,14 @@ class Planner:
         return best
 
     def _with(self, devices: int, max_in_flight: int | None = None, run_ahead: int | None = None) -> Planner:
-        return Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
-                       device=self.device, link_gbps=self.link_gbps, max_in_flight=max_in_flight or self.max_in_flight,
-                       residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts,
-                       run_ahead=self.run_ahead if run_ahead is None else run_ahead, tolerance=self.tolerance)
+        """This planner with other settings; the layouts' costs and weights, which none of them
+        change, are shared."""
+        other = Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
+                        device=self.device, link_gbps=self.link_gbps, max_in_flight=max_in_flight or self.max_in_flight,
+                        residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts,
+                        run_ahead=self.run_ahead if run_ahead is None else run_ahead, tolerance=self.tolerance)
+        other._prices, other._weights_by_mesh = self._prices, self._weights_by_mesh
+        return other
 
     def _infeasible_message(self) -> str:
         peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
@@ -769,6 +901,11 @@ def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
                                                     for batch in metas for m in batch if s in m.work):
                 out.append((sections, edges, False, frozenset(back), s))
     return out
+
+
+def _finite(x: float) -> float:
+    """A head or tail no sample defines (a section no planning sample has work in) bounds nothing."""
+    return 0.0 if math.isinf(x) else x
 
 
 def group_memory(members: Sequence[dict[str, float]]) -> float:
