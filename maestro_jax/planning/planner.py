@@ -9,10 +9,14 @@ are simulated in order of a lower bound on their step time, and a plan is skippe
 its bound shows it cannot beat the K-th best simulated time by more than `tolerance` (default
 1%; 0 finds the exact optimum, which `tests/test_planner.py` checks against exhaustive
 search). The bounds: no section finishes before its own work is done, co-located sections take
-turns, and along a path of edges into the sink a sample's forwards, the sink's loss and the
-backwards run one after another (`Planner._chain`). Candidates are generated under a
-threshold that falls to the best times found so far, so large clusters, many sections and
-the thousands of near-equal plans of a small workload do not enumerate every split.
+turns, along a path of edges into the sink a sample's forwards, the sink's loss and the
+backwards run one after another (`Planner._chain`), and each device group runs its sections'
+forwards and backwards one at a time, none before the least time any of them waits for nor
+later than the least time still to follow (`Planner._turns`). A partial plan is bounded with
+every section not chosen yet at its floor on the devices left to it, so whole subtrees go at
+once. Candidates are generated under a threshold that starts at the floor of every plan and
+rises in small steps, falling to the best times found so far, so large clusters, many sections
+and the thousands of near-equal plans of a small workload do not enumerate every split.
 
 Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
 sections, all float32 and sharded by the mesh rules; frozen weights once (bfloat16 sections: frozen
@@ -192,7 +196,8 @@ def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
 
 _TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
 TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
-_GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass
+_GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass (a pass
+# under a tight threshold is cheap: the floors prune partial plans early)
 _REFRESH = 256  # candidates generated between two refreshes of the incumbent the generation prunes against
 
 
