@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from maestro_jax.core.plan import Plan, SectionPlan
 from meshes import MESH_AXES
@@ -161,13 +161,46 @@ class DistillConfig(_Frozen):
     temperature: float = Field(2.0, gt=0.0)
 
 
+class LRScheduleConfig(_Frozen):
+    """The learning rate over the run: a linear warm-up from 0 over `warmup_steps`, then the peak
+    rate held (`constant`) or decayed to `final_fraction` of it by step `decay_steps` (warm-up
+    included; default: the run's `steps`), along a cosine or a line. Counted in applied updates
+    (a skipped non-finite step does not advance it)."""
+
+    kind: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+    decay_steps: PositiveInt | None = None
+    final_fraction: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class SectionOptimizerConfig(_Frozen):
+    """One trained section's own settings (a lower rate for a pretrained tower); unset: the optimizer's."""
+
+    learning_rate: float | None = Field(None, gt=0.0)
+    lr_schedule: LRScheduleConfig | None = None
+    weight_decay: float | None = Field(None, ge=0.0)
+
+
 class OptimizerConfig(_Frozen):
+    """One optax optimizer per trained section, with gradients clipped by their global norm over
+    ALL trained sections (`clip_norm`), as one optimizer over the whole model would clip them."""
+
     name: Literal["adamw", "sgd"] = "adamw"
     learning_rate: float = Field(1e-3, gt=0.0)
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0.0)
+    decay: Literal["matrices", "all"] = "matrices"  # what weight decay applies to: not norms and biases, or all
+    clip_norm: float | None = Field(None, gt=0.0)
+    sections: dict[str, SectionOptimizerConfig] = {}
+
+    def for_section(self, section: str) -> tuple[float, LRScheduleConfig, float]:
+        """`section`'s learning rate, schedule and weight decay, its overrides applied."""
+        own = self.sections.get(section, SectionOptimizerConfig())
+        return (own.learning_rate or self.learning_rate, own.lr_schedule or self.lr_schedule,
+                self.weight_decay if own.weight_decay is None else own.weight_decay)
 
 
 class ModalityDataConfig(_Frozen):

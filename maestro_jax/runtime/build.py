@@ -20,8 +20,9 @@ from maestro_jax.data.samples import TOKENS, parts_of
 from maestro_jax.runtime.distributed import gather
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
+from maestro_jax.runtime.optimizer import check_sections, section_optimizer
 from maestro_jax.runtime.precision import with_precision
-from maestro_jax.runtime.programs import SectionPrograms, SectionState, make_optimizer
+from maestro_jax.runtime.programs import SectionPrograms, SectionState
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 
@@ -207,14 +208,15 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
     meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
     shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
     trained = frozenset(s.name for s in graph.sections if s.trained)
+    check_sections(cfg.optimizer, sorted(trained))
     programs = {}
     for s in graph.names:
         sp = plan.sections[s]
         programs[s] = SectionPrograms(
-            graph.section(s), meshes[s], shardings[s], make_optimizer(cfg.optimizer), sp.residuals,
+            graph.section(s), meshes[s], shardings[s], section_optimizer(cfg.optimizer, s, cfg.steps), sp.residuals,
             out_edges=tuple(e.name for e in graph.consumers_of(s)),
             diff_inputs=tuple(e.name for e in graph.producers_of(s) if e.src in trained),
-            is_sink=s == graph.sink, rules=sp.rules)
+            is_sink=s == graph.sink, rules=sp.rules, clip_norm=cfg.optimizer.clip_norm)
     problem = Problem(order=graph.topological_order(), sink=graph.sink, trained=trained, edges=edges,
                       rows={s: plan.sections[s].rows for s in graph.names},
                       dp={s: plan.sections[s].dp for s in graph.names},
@@ -257,5 +259,6 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
         raise type(err)(key, err.value, err.problem) from None
     mesh = section_mesh(sp)
     shardings = {s: variable_shardings(rt.abstract[s], mesh, sp.rules) for s in graph.names}
-    optimizers = {s: make_optimizer(cfg.optimizer) for s in graph.names if graph.section(s).trained}
-    return MonolithicRuntime(Monolithic(graph, sp, mesh, shardings, optimizers), mesh, shardings)
+    optimizers = {s: section_optimizer(cfg.optimizer, s, cfg.steps) for s in graph.names if graph.section(s).trained}
+    return MonolithicRuntime(Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm), mesh,
+                             shardings)

@@ -247,8 +247,22 @@ class Executor:
             ctx.in_flight_waits += 1
             ctx.in_flight_wait_s += time.perf_counter() - t0
 
-    def update(self, states: Mapping[str, SectionState], grads: Mapping[str, object]) -> dict[str, SectionState]:
+    def squared_norms(self, grads: Mapping[str, object]) -> dict[str, object]:
+        """Each trained section's squared grad norm, a scalar on its own mesh."""
+        return {s: self.programs[s].squared_norm(g) for s, g in grads.items()}
+
+    def update(self, states: Mapping[str, SectionState], grads: Mapping[str, object],
+               norms_sq: Mapping[str, object] | None = None) -> dict[str, SectionState]:
+        """Every trained section's optimizer step. With `optimizer.clip_norm` each one clips by
+        the global norm: every section's squared norm (`norms_sq`, computed here if not given)
+        moves to its mesh, device to device, and is summed there in sorted section order, as the
+        monolithic step sums them (`runtime.optimizer`)."""
+        clipped = any(self.programs[s].clip_norm is not None for s in grads)
+        if clipped and norms_sq is None:
+            norms_sq = self.squared_norms(grads)
         new = dict(states)
         for s, gr in grads.items():
-            new[s] = self.programs[s].update(states[s], gr)
+            prog = self.programs[s]
+            here = tuple(transfer(norms_sq[t], prog.replicated) for t in sorted(grads)) if clipped else ()
+            new[s] = prog.update(states[s], gr, here)
         return new

@@ -15,13 +15,14 @@ import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.core.plan import SectionPlan
+from maestro_jax.runtime.optimizer import squared_norm, update_fn
 from maestro_jax.runtime.programs import SectionState, tree_add
 from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
 
 class Monolithic:
     def __init__(self, graph: SectionGraph, plan: SectionPlan, mesh, var_shardings: Mapping[str, dict],
-                 optimizers: Mapping[str, object]):
+                 optimizers: Mapping[str, object], clip_norm: float | None = None):
         self.graph, self.plan, self.mesh = graph, plan, mesh
         self.rows = row_sharding(mesh)
         self.trained = tuple(s.name for s in graph.sections if s.trained)
@@ -49,17 +50,9 @@ class Monolithic:
         p_sh = {s: var_shardings[s]["params"] for s in self.trained}
         self._micro = jax.jit(micro, out_shardings=(None, None, p_sh))
         self._zeros = jax.jit(lambda p: jax.tree.map(jax.numpy.zeros_like, p), out_shardings=p_sh)
-        self._updates = {s: jax.jit(self._update_fn(optimizers[s])) for s in self.trained}
-
-    @staticmethod
-    def _update_fn(opt):
-        import optax
-
-        def update(params, opt_state, grads):
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        return update
+        self.clip_norm = clip_norm
+        self._updates = {s: jax.jit(update_fn(optimizers[s], clip_norm)) for s in self.trained}
+        self._squared_norm = jax.jit(squared_norm)
 
     def host_batches(self, samples: Sequence) -> list[dict]:
         """Arrival-order micro-batches; every section sees the same rows (None: section idle)."""
@@ -96,10 +89,18 @@ class Monolithic:
                 loss = loss + micro_loss
         return loss, acc
 
+    def squared_norms(self, grads) -> dict[str, object]:
+        with on_mesh(self.mesh, self.plan.rules):
+            return {s: self._squared_norm(grads[s]) for s in self.trained}
+
     def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:
+        """Every section's optimizer step, clipped by the norm over all of them (`runtime.optimizer`:
+        the same sums in the same order as the sections' updates)."""
+        norms = self.squared_norms(grads)
+        here = tuple(norms[s] for s in sorted(self.trained)) if self.clip_norm is not None else ()
         new = dict(states)
         with on_mesh(self.mesh, self.plan.rules):
             for s in self.trained:
-                params, opt = self._updates[s](states[s].params, states[s].opt_state, grads[s])
+                params, opt = self._updates[s](states[s].params, states[s].opt_state, grads[s], here)
                 new[s] = SectionState(params, states[s].consts, opt)
         return new

@@ -6,7 +6,9 @@ A section's program family (docs/ARCHITECTURE.md, "Runtime"):
                  `residuals: remat`, nothing: backward recomputes the forward);
   backward       takes the summed output cotangent, adds parameter grads into the accumulator;
   loss_and_grad  the sink: loss, parameter grads (accumulated) and cotangents of its inputs;
-  update         optax on the section's params and optimizer state.
+  update         optax on the section's params and optimizer state, its grads clipped by the
+                 global norm over every trained section (`runtime.optimizer`);
+  squared_norm   its grads' squared norm, replicated on its mesh: its share of that global norm.
 jax.jit caches one executable per input shape, i.e. per shape bucket. Every call runs under
 `sharding.on_mesh(section mesh, its rules)` so constants created inside land on the section's
 devices and the models' activation constraints (sequence over `context`, ...) resolve.
@@ -20,8 +22,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maestro_jax.core.graph import Section
+from maestro_jax.runtime.optimizer import squared_norm, update_fn
 from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
 
@@ -42,17 +46,13 @@ def tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    if cfg.name == "sgd":
-        return optax.sgd(cfg.learning_rate)
-    return optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-
-
 class SectionPrograms:
     def __init__(self, section: Section, mesh, var_shardings, optimizer: optax.GradientTransformation,
                  residuals: str, out_edges: tuple[str, ...], diff_inputs: tuple[str, ...], is_sink: bool,
-                 rules: str = "default"):
+                 rules: str = "default", clip_norm: float | None = None):
         self.section, self.mesh, self.optimizer, self.rules = section, mesh, optimizer, rules
+        self.clip_norm = clip_norm
+        self.replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = row_sharding(mesh)
         self.var_shardings = var_shardings
         self.residuals = residuals
@@ -98,10 +98,6 @@ class SectionPrograms:
                 variables["params"], diff)
             return loss, metrics, tree_add(acc, grads), d_inputs
 
-        def update(params, opt_state, grads):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
         outs = {e: self.rows for e in out_edges}
         p_sh = var_shardings["params"]
 
@@ -115,7 +111,8 @@ class SectionPrograms:
         self._backward = jit(backward, (2,), out_shardings=(p_sh, None))
         self._backward_remat = jit(backward_remat, (4,), out_shardings=(p_sh, None))
         self._loss_and_grad = jit(loss_and_grad, (4,), out_shardings=(None, None, p_sh, None))
-        self._update = jit(update, (0, 1))
+        self._update = jit(update_fn(optimizer, clip_norm), (0, 1))
+        self._squared_norm = jax.jit(squared_norm, out_shardings=self.replicated)
         self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=p_sh)
         self._all_finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])))
         self._init_opt = jax.jit(optimizer.init)
@@ -169,9 +166,16 @@ class SectionPrograms:
         with on_mesh(self.mesh, self.rules):
             return self._init_opt(params)
 
-    def update(self, state: SectionState, grads) -> SectionState:
+    def squared_norm(self, grads):
+        """A device scalar replicated on this section's mesh: the squared norm of `grads`."""
         with on_mesh(self.mesh, self.rules):
-            params, opt_state = self._run("update", self._update, state.params, state.opt_state, grads)
+            return self._squared_norm(grads)
+
+    def update(self, state: SectionState, grads, norms_sq: tuple = ()) -> SectionState:
+        """`norms_sq`: every trained section's squared grad norm on this mesh, in the order all
+        updates sum them (with `clip_norm`; empty otherwise)."""
+        with on_mesh(self.mesh, self.rules):
+            params, opt_state = self._run("update", self._update, state.params, state.opt_state, grads, norms_sq)
         return SectionState(params, state.consts, opt_state)
 
     def put_batch(self, batch: dict):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
 
 from maestro_jax.config import Config
 from maestro_jax.runtime.build import Runtime, build_runtime
+from maestro_jax.runtime.distributed import fetch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +49,27 @@ def verify(cfg: Config, rt: Runtime | None = None, step: int = 0) -> list[Diff]:
     samples = rt.batches()[step]
     states = rt.init_states()
     result = rt.executor.run(states, samples, rt.schedule(samples))
-    updated = rt.executor.update(states, result.grads)
+    norms = rt.executor.squared_norms(result.grads)
+    updated = rt.executor.update(states, result.grads, norms)
 
     mono = rt.monolithic
     m_states = mono.init_states(rt.graph, cfg)
     m_loss, m_grads = mono.model.run(m_states, samples)
     m_updated = mono.model.update(m_states, m_grads)
+    m_norms = mono.model.squared_norms(m_grads)
 
-    diffs = [compare("loss", result.loss, m_loss)]
+    diffs = [compare("loss", result.loss, m_loss),
+             compare("grad_norm (all sections)", global_norm(norms), global_norm(m_norms))]
     for s in sorted(result.grads):
         diffs.append(compare(f"{s}/grads", result.grads[s], m_grads[s]))
         diffs.append(compare(f"{s}/params_after_update", updated[s].params, m_updated[s].params))
     return diffs
+
+
+def global_norm(norms_sq) -> float:
+    """The gradient norm over every section, from each one's squared norm (`fetch`ed: a section
+    may live on other processes' devices)."""
+    return math.sqrt(sum(float(fetch(n)[0]) for _, n in sorted(norms_sq.items())))
 
 
 def report(diffs: list[Diff], rtol: float) -> tuple[str, bool]:

@@ -27,6 +27,7 @@ from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
+from maestro_jax.runtime.optimizer import current_rate
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.preemption import Preemption
@@ -135,9 +136,12 @@ class IssuedStep:
     result (a checkpoint, the last step, a preemption, `on_nonfinite: skip`), and the record's
     `wait_reason` says which."""
 
-    def __init__(self, step: int, loss, finite: dict, sink: str, on_nonfinite: str, record: dict):
+    def __init__(self, step: int, loss, finite: dict, sink: str, on_nonfinite: str, record: dict,
+                 norms_sq: dict | None = None):
         self.step, self.loss, self.finite, self.sink, self.on_nonfinite = step, loss, finite, sink, on_nonfinite
         self.record = record
+        self.norms_sq = norms_sq or {}  # each trained section's squared grad norm, a device scalar
+        self.rates: dict = {}  # each trained section's learning rate in the update, once it is issued
         self.was_read = False
 
     def read(self) -> dict:
@@ -148,8 +152,14 @@ class IssuedStep:
         t0 = time.perf_counter()
         loss = float(fetch(self.loss))  # the host waits for the devices here
         bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
+        norms = {s: float(fetch(n)[0]) for s, n in sorted(self.norms_sq.items())}
+        rates = {s: float(fetch(r)) for s, r in sorted(self.rates.items())}
         self.was_read = True
         self.record.update(loss=loss, device_wait_s=time.perf_counter() - t0)
+        if norms:  # the norm clipping reads (before clipping), over all sections and per section
+            self.record["grad_norm"] = math.sqrt(sum(norms.values()))
+            self.record.update({f"grad_norm/{s}": math.sqrt(v) for s, v in norms.items()})
+        self.record.update({f"lr/{s}": v for s, v in rates.items()})
         if not math.isfinite(loss):
             bad = [f"{self.sink} (loss)"] + [b for b in bad if b != self.sink]
         if bad:
@@ -180,16 +190,20 @@ def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     t0 = time.perf_counter()
     result = rt.executor.run(states, samples, schedule, host=host, norm=norm, ahead=ahead)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
+    norms_sq = rt.executor.squared_norms(result.grads)
     issued = IssuedStep(step, result.loss, finite, rt.graph.sink, on_nonfinite, {
         "step": step, "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s,
-        "transfer_issue_s": result.transfer_issue_s})
+        "transfer_issue_s": result.transfer_issue_s}, norms_sq)
     if on_nonfinite == "skip":
         issued.record["dispatch_s"] = time.perf_counter() - t0
         issued.record["wait_reason"] = "on_nonfinite=skip"
         if issued.read().get("skipped_nonfinite"):
             return states, issued
-        return rt.executor.update(states, result.grads), issued
-    states = rt.executor.update(states, result.grads)
+        states = rt.executor.update(states, result.grads, norms_sq)
+        issued.record.update({f"lr/{s}": float(fetch(current_rate(states[s].opt_state))) for s in sorted(norms_sq)})
+        return states, issued
+    states = rt.executor.update(states, result.grads, norms_sq)
+    issued.rates = {s: current_rate(states[s].opt_state) for s in norms_sq}
     issued.record["dispatch_s"] = time.perf_counter() - t0
     return states, issued
 

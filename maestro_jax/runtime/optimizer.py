@@ -1,0 +1,100 @@
+"""Each trained section's optax optimizer, and clipping by the global gradient norm over ALL of them.
+
+Sections live on different meshes, so one `optax.clip_by_global_norm` over the model cannot
+run. Instead each section reduces its gradients' squared norm on its own mesh
+(`squared_norm`), every section's update receives all of those scalars (moved to its mesh;
+`runtime.executor.Executor.update`), sums them in one fixed order (sorted section names) and
+scales its gradients by optax's clipping factor (`clip`) before its own optimizer. The monolithic
+step does the same on one mesh (`runtime.monolithic.Monolithic.update`), so the two clip alike
+to float rounding, and both equal what one optimizer over the whole model would do.
+
+The learning rate is injected (`optax.inject_hyperparams`): the rate each update used is in the
+optimizer state, where the training loop reads it for the metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from maestro_jax.config import ConfigError, LRScheduleConfig, OptimizerConfig
+
+
+def learning_rate(peak: float, sched: LRScheduleConfig, steps: int, section: str) -> optax.Schedule:
+    """The rate by applied update: a linear warm-up whose first update uses `peak / warmup_steps`
+    and whose `warmup_steps`-th uses `peak` (no update wasted at rate 0), then `peak` held or
+    decayed to `final_fraction` of it by update `decay_steps` (default `steps`, the run's length;
+    warm-up included), along a cosine or a line."""
+    warmup, end = sched.warmup_steps, sched.decay_steps or steps
+    if sched.kind != "constant" and end <= warmup:
+        where = f"optimizer.sections.{section}.lr_schedule" if section else "optimizer.lr_schedule"
+        raise ConfigError(f"error: {where}.decay_steps={end}: the decay must end after the {warmup} warm-up "
+                          f"steps (decay_steps counts them; unset, it is the run's steps)")
+    after = {"constant": lambda: optax.constant_schedule(peak),
+             "cosine": lambda: optax.cosine_decay_schedule(peak, end - warmup, sched.final_fraction),
+             "linear": lambda: optax.linear_schedule(peak, peak * sched.final_fraction, end - warmup)}[sched.kind]()
+    if not warmup:
+        return after
+    return optax.join_schedules([optax.linear_schedule(peak / warmup, peak, warmup - 1), after], [warmup])
+
+
+def _matrices(params):
+    """Weight decay on weight matrices and embeddings, not on norms' scales and biases."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _sgd(learning_rate, weight_decay, mask):
+    return optax.chain(optax.add_decayed_weights(weight_decay, mask), optax.sgd(learning_rate))
+
+
+def section_optimizer(cfg: OptimizerConfig, section: str, steps: int) -> optax.GradientTransformation:
+    """`section`'s optimizer, its overrides applied (`OptimizerConfig.for_section`)."""
+    peak, sched, decay = cfg.for_section(section)
+    lr = learning_rate(peak, sched, steps, section if section in cfg.sections else "")
+    mask = _matrices if cfg.decay == "matrices" else None
+    if cfg.name == "sgd":
+        return optax.inject_hyperparams(_sgd, static_args=("mask",))(learning_rate=lr, weight_decay=decay, mask=mask)
+    return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay, mask=mask)
+
+
+def check_sections(cfg: OptimizerConfig, trained: Sequence[str]) -> None:
+    """Per-section settings name trained sections (before any compute)."""
+    for name in cfg.sections:
+        if name not in trained:
+            raise ConfigError(f"error: optimizer.sections.{name}: not a trained section of this graph; trained "
+                              f"sections: {', '.join(sorted(trained))}")
+
+
+def squared_norm(tree) -> jax.Array:
+    """Sum of squares of every element of `tree`, in float32, as a 1-element array (what the
+    cross-mesh transfers move: they cut arrays along a first dimension)."""
+    total = optax.tree_utils.tree_norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree), squared=True)
+    return jnp.reshape(total, (1,))
+
+
+def clip(grads, norms_sq: Sequence[jax.Array], max_norm: float):
+    """`grads` scaled as `optax.clip_by_global_norm(max_norm)` scales them, the global norm taken
+    over every section's squared norm in `norms_sq` (summed in the order given)."""
+    norm = jnp.sqrt(sum(norms_sq))[0]
+    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
+
+
+def update_fn(optimizer: optax.GradientTransformation, clip_norm: float | None) -> Callable:
+    """The update program's body: clip (when `clip_norm` and the norms are given), then the optimizer."""
+
+    def update(params, opt_state, grads, norms_sq=()):
+        if clip_norm is not None and norms_sq:
+            grads = clip(grads, norms_sq, clip_norm)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
+def current_rate(opt_state) -> jax.Array:
+    """The learning rate the last update used (`inject_hyperparams` keeps it in the state)."""
+    return opt_state.hyperparams["learning_rate"]
