@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import yaml
 import pytest
 from conftest import ROOT, TINY_VLM
 
@@ -106,3 +107,10 @@ def test_schedules_by_kind():
 def test_bad_settings_are_refused_before_compute(override, message):
     with pytest.raises(ConfigError, match=message):
         build_runtime(load_config(VLM, TINY_VLM + [override]))
+
+
+def test_readme_optimizer_block_is_a_valid_config():
+    text = (ROOT / "README.md").read_text().split("## The optimizer", 1)[1]
+    block = text.split("```yaml", 1)[1].split("```", 1)[0]
+    cfg = OptimizerConfig.model_validate(yaml.safe_load(block)["optimizer"])
+    assert cfg.clip_norm == 1.0 and cfg.for_section("vision")[0] == 3.0e-5 and cfg.for_section("llm")[0] == 3.0e-4
