@@ -82,7 +82,7 @@ def test_vlm_plans(plan):
 def test_kd_plans(plan):
     cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + KD_PLANS[plan])
     diffs = check(cfg)
-    assert [d.name for d in diffs] == ["loss", "student/grads", "student/params_after_update"]
+    assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
 
 
 def test_vision_skips_text_only_samples():

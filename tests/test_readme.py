@@ -17,7 +17,7 @@ def test_own_model_example_runs(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = dict(re.findall(r"^(\S+)\s+L2-relative difference (\S+)$", proc.stdout, re.M))
-    assert set(diffs) == {"loss", "adapter/grads", "adapter/params_after_update", "decoder/grads",
+    assert set(diffs) == {"loss", "grad_norm", "adapter/grads", "adapter/params_after_update", "decoder/grads",
                           "decoder/params_after_update"}
     assert all(float(v) < 1e-5 for v in diffs.values()), diffs
     first, last = map(float, re.search(r"^loss (\S+) -> (\S+)$", proc.stdout, re.M).groups())
