@@ -96,7 +96,7 @@ def user_config(**changes):
 def test_user_graph_matches_the_monolithic_step(scheduler):
     trainer = mj.Trainer(user_config(schedule={"scheduler": scheduler}), user_graph(), PictureCaptions())
     diffs = {d.name: d for d in trainer.verify()}
-    assert set(diffs) == {"loss"} | {f"{s}/{q}" for s in ("encoder", "projector", "decoder")
+    assert set(diffs) == {"loss", "grad_norm"} | {f"{s}/{q}" for s in ("encoder", "projector", "decoder")
                                      for q in ("grads", "params_after_update")}
     for d in diffs.values():
         assert d.max_rel < 1e-5, d
