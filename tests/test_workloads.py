@@ -101,7 +101,7 @@ def test_planning_reads_the_graph_the_runtime_runs(name):
 def test_new_workloads_match_the_monolithic_step(name, scheduler):
     diffs = verify(cfg_of(name, f"schedule.scheduler={scheduler}"))
     sections = {"omni": ("vision", "audio", "llm"), "vlm_kd": ("vision", "student")}[name]
-    assert {d.name.split("/")[0] for d in diffs} == {"loss", *sections}
+    assert {d.name.split("/")[0] for d in diffs} == {"loss", "grad_norm", *sections}
     for d in diffs:
         assert d.max_rel < 1e-5, d
 
