@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 import pytest
+import yaml
 from conftest import ROOT, TINY_VLM
 
 from maestro_jax.config import ConfigError, LRScheduleConfig, OptimizerConfig, load_config
