@@ -162,10 +162,11 @@ class DistillConfig(_Frozen):
 
 
 class LRScheduleConfig(_Frozen):
-    """The learning rate over the run: a linear warm-up from 0 over `warmup_steps`, then the peak
-    rate held (`constant`) or decayed to `final_fraction` of it by step `decay_steps` (warm-up
-    included; default: the run's `steps`), along a cosine or a line. Counted in applied updates
-    (a skipped non-finite step does not advance it)."""
+    """The learning rate over the run: a linear warm-up over `warmup_steps` (its first update at
+    peak / warmup_steps, its last at the peak), then the peak held (`constant`) or decayed to
+    `final_fraction` of it by update `decay_steps` (warm-up included; default: the run's `steps`),
+    along a cosine or a line (`runtime.optimizer.learning_rate`). Counted in applied updates (a
+    skipped non-finite step does not advance it)."""
 
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: NonNegativeInt = 0

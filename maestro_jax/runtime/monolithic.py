@@ -96,8 +96,10 @@ class Monolithic:
     def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:
         """Every section's optimizer step, clipped by the norm over all of them (`runtime.optimizer`:
         the same sums in the same order as the sections' updates)."""
-        norms = self.squared_norms(grads)
-        here = tuple(norms[s] for s in sorted(self.trained)) if self.clip_norm is not None else ()
+        here = ()
+        if self.clip_norm is not None:
+            norms = self.squared_norms(grads)
+            here = tuple(norms[s] for s in sorted(self.trained))
         new = dict(states)
         with on_mesh(self.mesh, self.plan.rules):
             for s in self.trained:
