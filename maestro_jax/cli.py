@@ -1,7 +1,14 @@
-"""`maestro-jax train|verify --config FILE [key=value ...]`.
+"""`maestro-jax {train,verify,eval,bench,simulate,plan,export} --config FILE [options] [key=value ...]`.
 
 Thin entry point: parse, validate the config (before JAX starts: it sets the CPU device count),
-then call the library. Each fault ends with one `error:` line on stderr and its own status:
+then call the library. `maestro-jax --help` lists the commands (the `COMMANDS` table: one entry
+each, with its options), `maestro-jax COMMAND --help` each option with its default.
+
+XLA's C++ log (e.g. `[SPMD] Involuntary full rematerialization` notes while compiling) is off
+below errors unless `--verbose` (`TF_CPP_MIN_LOG_LEVEL`, set before JAX loads; a level set in
+the environment is kept). Python's own errors and the `error:` lines below always show.
+
+Each fault ends with one `error:` line on stderr and its own status:
 2 bad input (config, plan, data), 3 non-finite loss or gradients, 4 storage (a checkpoint,
 `output_dir` or `checkpoint_dir` that cannot be written), 5 a dead or stuck peer process,
 130 SIGINT (Ctrl-C: stops at once; the last committed checkpoint is intact). SIGTERM saves a
@@ -12,17 +19,22 @@ save, also 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import re
 import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 
-from maestro_jax.config import ConfigError, load_config
+from maestro_jax.config import Config, ConfigError, load_config
 from maestro_jax.planning.planner import TOLERANCE
 
 CPU_THREADS_PER_DEVICE = 4
+XLA_LOG_LEVEL = "2"  # TF_CPP_MIN_LOG_LEVEL without --verbose: errors only (jax's own default, 1, shows warnings)
+XLA_VERBOSE_LOG_LEVEL = "0"  # with --verbose: info, warnings and errors
 
 
 def _ensure_host_devices(n: int) -> None:
@@ -42,182 +54,110 @@ def _ensure_host_devices(n: int) -> None:
     os.environ.setdefault("PJRT_NPROC", str(CPU_THREADS_PER_DEVICE * int(devices.group(1))))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one command; SIGINT stops it with one line and status 130, at any point.
-
-    Python's own SIGINT handler is installed even where the process inherited SIGINT ignored (a
-    non-interactive shell starts background jobs so): a SIGINT sent to a run must stop it."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print("error: interrupted (SIGINT): stopped without a new checkpoint; the last committed checkpoint is "
-              "intact (re-run to resume; SIGTERM instead checkpoints first)", file=sys.stderr, flush=True)
-        return 130
+def _xla_logging(verbose: bool) -> None:
+    """XLA's C++ log level (TSL logging reads `TF_CPP_MIN_LOG_LEVEL` once, when jaxlib loads, so
+    this must run before JAX is imported: later it changes nothing). Without `verbose`, errors
+    only, unless the environment sets a level; with it, everything (info included)."""
+    if verbose:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = XLA_VERBOSE_LOG_LEVEL
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", XLA_LOG_LEVEL)
 
 
-def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="maestro-jax", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    parsers = {}
-    for name, help_ in (("train", "train from a config"), ("verify", "maestro vs monolithic on one batch"),
-                        ("bench", "monolithic vs naive vs wavefront throughput, side by side"),
-                        ("simulate", "predicted maestro vs monolithic throughput on a cluster (nothing compiled)"),
-                        ("plan", "search devices, meshes and micro-batches for the best plan (nothing compiled)"),
-                        ("export", "write a trained LLM section as a Hugging Face folder")):
-        p = parsers[name] = sub.add_parser(name, help=help_)
-        p.add_argument("--config", required=True)
-        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=4")
-        if name not in ("simulate", "plan"):
-            g = p.add_argument_group("multi-process (default: auto-detect SLURM, else one process)")
-            g.add_argument("--coordinator", help="host:port of process 0's coordination service")
-            g.add_argument("--num-processes", type=int)
-            g.add_argument("--process-id", type=int)
-    parsers["bench"].add_argument("--reps", type=int, default=5)
-    parsers["bench"].add_argument("--batches", type=int, default=3, help="global batches per repetition")
-    parsers["bench"].add_argument("--json", help="write the report as JSON here")
-    parsers["bench"].add_argument("--trace", help="write measured and simulated traces and Gantt PNGs here")
-    parsers["simulate"].add_argument("--json", help="write the report as JSON here")
-    parsers["export"].add_argument("--section", required=True, help="an LLM section, e.g. student or llm")
-    parsers["export"].add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parsers["export"].add_argument("--model-type", default="llama", choices=("llama", "qwen2", "qwen3", "qwen3_moe"))
-    parsers["plan"].add_argument("--devices", type=int, required=True, help="devices the plan may use")
-    parsers["plan"].add_argument("--memory-gb", type=float, required=True, help="memory per device, GB")
-    parsers["plan"].add_argument("--top", type=int, default=10, help="candidates to list")
-    parsers["plan"].add_argument("--tolerance", type=float, default=TOLERANCE,
-                                 help="relative gap to the optimum the search may leave (0: exact)")
-    parsers["plan"].add_argument("--write", help="write the config with the chosen plan here (train/bench accept it)")
-    parsers["plan"].add_argument("--json", help="write the report as JSON here")
-    parsers["plan"].add_argument("--measure", action="store_true",
-                                 help="compile the chosen plan here and print XLA's memory analysis beside the model")
-    parsers["simulate"].add_argument("--gantt", help="write the simulated Gantt chart PNG here")
-    args = parser.parse_args(argv)
-    if args.command == "train":
-        from maestro_jax.training.preemption import Preemption
-
-        with Preemption():  # from here on, SIGTERM is a preemption notice (kept until the loop reads it)
-            return _command(args)
-    return _command(args)
+# -- the commands ---------------------------------------------------------------------------------
+Option = tuple[tuple[str, ...], dict]
 
 
-def _error_line(err) -> str:
-    """The one `error:` line a fault ends with. Messages that carry a library's text (a
-    tensorstore spec, an XLA status) can span lines; they are joined, so the line stays one."""
-    text = " ".join(str(err).split())
-    return text if text.startswith("error:") else f"error: {text}"
+def opt(*flags: str, **kwargs) -> Option:
+    """One `add_argument` call of a command: its flags and keywords. Give every option a `help`
+    that ends with its default when the default is None (`(default: not written)`); other
+    defaults are appended by the help formatter."""
+    return flags, kwargs
 
 
-def _command(args) -> int:
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(_error_line(err), file=sys.stderr)
-        return 2
-    if args.command in ("simulate", "plan"):
-        from maestro_jax.core.plan import PlanError
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One `maestro-jax` command: a line of `--help`, what runs it and its own options (beside
+    `--config`, the `key=value` overrides and `--verbose`, which every command takes).
 
-        if args.command == "plan" and args.measure:
-            _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
-        try:
-            return _simulate(cfg, args) if args.command == "simulate" else _plan(cfg, args)
-        except (ConfigError, PlanError) as err:
-            print(_error_line(err), file=sys.stderr)
-            return 2
-    _ensure_host_devices(cfg.host_devices)
-    if args.coordinator and (args.num_processes is None or args.process_id is None):
-        print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
-        return 2
-    from maestro_jax.runtime.distributed import maybe_initialize_distributed
+    `devices`: it runs programs on this machine's devices, so the CPU device count is set, the
+    multi-process options are offered and `jax.distributed` starts before `run`; otherwise
+    (`simulate`, `plan`) nothing compiles and `run` sets up what it needs itself.
+    `guard`: a context manager held from before the config is read until the command ends."""
 
-    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                 heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
-    import jax
-
-    from maestro_jax.runtime.distributed import announce_failure
-
-    try:
-        status = _run(cfg, args)
-    except BaseException as err:
-        if jax.process_count() == 1:
-            raise
-        if isinstance(err, KeyboardInterrupt):
-            print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
-            status = 130
-        else:
-            traceback.print_exc()
-            status = 1
-        announce_failure(f"{type(err).__name__}: {err}")
-    if status != 0 and jax.process_count() > 1:
-        # Peers waiting on this process learn of the failure now, and jax.distributed's
-        # exit-time shutdown (which waits for every peer, and a failed peer may never come) is
-        # skipped: leave with the error already printed rather than hang.
-        announce_failure(f"exit status {status}")  # a no-op when the error was announced already
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    return status
+    help: str
+    run: Callable[[Config, argparse.Namespace], int]
+    options: tuple[Option, ...] = ()
+    devices: bool = True
+    guard: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
-def _run(cfg, args) -> int:
-    from maestro_jax.core.plan import PlanError
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, `(default: off)` for a flag, or `(required)`."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not text or text == argparse.SUPPRESS or "(default" in text or "(required" in text:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text  # a positional that must be given, or a command in the list of commands
+        if action.required:
+            return f"{text} (required)"
+        if action.nargs == 0 and action.const is True:  # a store_true flag
+            return f"{text} (default: off)"
+        if action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _train(cfg, args) -> int:
     from maestro_jax.data import DataError
-    from maestro_jax.runtime.distributed import PeerError
-    from maestro_jax.training.loop import NonFiniteError
+    from maestro_jax.runtime.distributed import PeerError, announce_failure
+    from maestro_jax.training.loop import NonFiniteError, train
     from maestro_jax.training.storage import StorageError
 
     faults = ((NonFiniteError, 3), (StorageError, 4), (PeerError, 5), (DataError, 2))  # StorageError: checkpoints too
     try:
-        if args.command == "train":
-            from maestro_jax.training.loop import train
-
-            try:
-                history = train(cfg)
-            except tuple(f for f, _ in faults) as err:
-                print(_error_line(err), file=sys.stderr)
-                from maestro_jax.runtime.distributed import announce_failure
-
-                announce_failure(f"{type(err).__name__}: {err}")
-                return next(code for f, code in faults if isinstance(err, f))
-            if history:  # else train said "nothing to do", naming the step the checkpoint holds
-                print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
-                      f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
-            return 0
-        if args.command == "bench":
-            return _bench(cfg, args)
-        if args.command == "export":
-            return _export(cfg, args)
-        from maestro_jax.tools.verify import report, verify
-
-        text, ok = report(verify(cfg), cfg.verify_tolerance)
-        print(text)
-        return 0 if ok else 1
-    except (ConfigError, PlanError) as err:
+        history = train(cfg)
+    except tuple(f for f, _ in faults) as err:
         print(_error_line(err), file=sys.stderr)
-        return 2
+        announce_failure(f"{type(err).__name__}: {err}")
+        return next(code for f, code in faults if isinstance(err, f))
+    if history:  # else train said "nothing to do", naming the step the checkpoint holds
+        print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
+              f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+    return 0
+
+
+def _preemption() -> contextlib.AbstractContextManager:
+    """From here on, SIGTERM is a preemption notice (kept until the loop reads it)."""
+    from maestro_jax.training.preemption import Preemption
+
+    return Preemption()
+
+
+def _verify(cfg, args) -> int:
+    from maestro_jax.tools.verify import report, verify
+
+    text, ok = report(verify(cfg), cfg.verify_tolerance)
+    print(text)
+    return 0 if ok else 1
+
+
+def _eval(cfg, args) -> int:
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.training.evaluate import evaluate_checkpoint
+
+    step, loss = evaluate_checkpoint(cfg, build_runtime(cfg), args.step)
+    print(f"step {step}: eval_loss {loss:.4f} over {cfg.eval.batches} batches")
+    return 0
 
 
 def _simulate(cfg, args) -> int:
-    from maestro_jax.tools.simulate import simulate_config
+    from maestro_jax.tools.simulate import format_report, simulate_config
 
     r = simulate_config(cfg, gantt=args.gantt)
-    print(f"workload {r['workload']}: sections {', '.join(r['sections'])} on {r['devices']['maestro']} devices")
-    print(f"{'mode':12s} {'samples/s':>10s} {'per device':>11s} {'step s':>9s}")
-    for m in ("monolithic", "naive", "wavefront"):
-        print(f"{m:12s} {r['samples_per_s'][m]:10.3f} {r['samples_per_s_per_device'][m]:11.5f} "
-              f"{r['step_time_s'][m]:9.2f}")
-    lay = r["monolithic_layout"]
-    print(f"monolithic layout ({lay['chosen']}): mesh {lay['mesh']} micro_batch {lay['micro_batch']} "
-          f"layer_remat {lay['layer_remat']}")
-    print(f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}")
-    if r["pipelined"] is not None:
-        print(pipelined_line(r["pipelined"], r["step_time_s"]["wavefront"]).replace("planned maestro", "wavefront"))
-    print(f"end-to-end speedup: {r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}")
-    print(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   "
-          f"critical section alone: {r['critical_section_alone_s']:.2f}s   bubble ratio: {r['bubble_ratio']:.3f}")
-    eff = r["sink_efficiency_vs_alone"]
-    print(f"loss section's efficiency relative to running alone (a VLM's LLM: relative to text-only): "
-          f"maestro {eff['maestro']:.1%}, monolithic {eff['monolithic']:.1%}")
+    print(format_report(r))
     _write_json(args.json, r)
     return 0
 
@@ -263,17 +203,25 @@ def _export(cfg, args) -> int:
 
 
 def _plan(cfg, args) -> int:
-    from maestro_jax.planning.planner import InfeasibleError, format_table
-    from maestro_jax.tools.plan import planner_for, write_plan
-
     if args.devices < 1 or args.memory_gb <= 0:
         print(f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive", file=sys.stderr)
         return 2
     if not 0 <= args.tolerance < 1:
         print(f"error: --tolerance={args.tolerance}: must be in [0, 1)", file=sys.stderr)
         return 2
+    if args.measure:
+        _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
+    from maestro_jax.planning.planner import InfeasibleError, format_table
+    from maestro_jax.tools.plan import PLANNING_BATCHES, planner_for, write_plan
+    from maestro_jax.tools.simulate import mesh_text
+
+    def say(msg: str) -> None:  # on stdout: stderr holds nothing but a failure's `error:` line
+        print(f"plan: {msg}", flush=True)
+
+    say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {PLANNING_BATCHES} batches")
     try:
-        report = planner_for(cfg, args.devices, args.memory_gb, tolerance=args.tolerance).search(top=args.top)
+        report = planner_for(cfg, args.devices, args.memory_gb, tolerance=args.tolerance,
+                             progress=say).search(top=args.top)
     except InfeasibleError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
@@ -283,10 +231,9 @@ def _plan(cfg, args) -> int:
     print(format_table(report))
     mono, best = report.monolithic, report.best
     if mono:
-        print(f"monolithic best layout: mesh {mono['mesh']} micro_batch {mono['micro_batch']} layer_remat "
-              f"{mono['layer_remat']}: predicted "
-              f"{mono['step_time_s']:.4g} s/step; planned maestro: {best.step_time_s:.4g} s/step "
-              f"({mono['step_time_s'] / best.step_time_s:.3f}x)")
+        print(f"monolithic best layout: mesh {mesh_text(mono['mesh'])}, micro_batch {mono['micro_batch']}, "
+              f"layer_remat {mono['layer_remat']}: predicted {mono['step_time_s']:.4g} s/step; planned maestro: "
+              f"{best.step_time_s:.4g} s/step ({mono['step_time_s'] / best.step_time_s:.3f}x)")
     else:
         print("monolithic: no layout fits in memory on these devices")
     print(pipelined_line(report.pipelined, best.step_time_s))
@@ -294,10 +241,11 @@ def _plan(cfg, args) -> int:
         write_plan(args.config, args.overrides, best, args.memory_gb, args.write)
         print(f"wrote {args.write}: maestro-jax bench --config {args.write}")
     if args.measure:
+        say(f"compiling the chosen plan on {args.devices} devices (--measure)")
         _measure_plan(cfg, args, best)
     _write_json(args.json, {"best": best.describe(), "step_time_s": best.step_time_s,
                             "samples_per_s_per_device": best.samples_per_s_per_device,
-                            "top": [dict(plan=c.describe(), step_time_s=c.step_time_s, memory_gb=c.memory_gb)
+                            "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb}
                                     for c in report.top],
                             "monolithic": mono, "pipelined": report.pipelined, "considered": report.considered,
                             "simulated": report.simulated})
@@ -308,12 +256,10 @@ def pipelined_line(pipe: dict | None, maestro_s: float) -> str:
     """The 1F1B pipeline-parallel baseline (Megatron-LM's layout, `planning.pipeline`) in one line."""
     if not pipe:
         return "pipelined (1F1B): no layout fits in memory on these devices (or the sink has too few layers)"
-    where = "; ".join([f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
-                      + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]])
-    return (f"pipelined (1F1B) best layout: {pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh "
-            f"{pipe['mesh']} micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step) layer_remat "
-            f"{pipe['layer_remat']}; {where}: predicted {pipe['step_time_s']:.4g} s/step; planned maestro: "
-            f"{maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)")
+    from maestro_jax.tools.simulate import pipelined_layout
+
+    return (f"pipelined (1F1B) best layout: {pipelined_layout(pipe)}: predicted {pipe['step_time_s']:.4g} s/step; "
+            f"planned maestro: {maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)")
 
 
 def best_sections(report) -> list[str]:
@@ -346,7 +292,8 @@ def _write_json(path: str | None, report: dict) -> None:
 def _bench(cfg, args) -> int:
     from maestro_jax.tools.bench import MODES, bench
 
-    r = bench(cfg, reps=args.reps, num_batches=args.batches, trace_dir=args.trace)
+    r = bench(cfg, reps=args.reps, num_batches=args.batches, trace_dir=args.trace,
+              progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
     for m in MODES:
         t = r["step_time_s"][m]
@@ -366,6 +313,157 @@ def _bench(cfg, args) -> int:
               f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})")
     _write_json(args.json, r)
     return 0
+
+
+JSON = opt("--json", metavar="PATH", help="write the report as JSON here (default: not written)")
+
+# One entry per command, in `--help` order. Every command also takes --config, key=value
+# overrides and --verbose (`_parser`); `devices=True` ones the multi-process options.
+COMMANDS: dict[str, Command] = {
+    "train": Command("train from a config", _train, guard=_preemption),
+    "verify": Command("maestro vs monolithic on one batch: loss, gradients, updated parameters", _verify),
+    "eval": Command("held-out loss (the eval block) of a checkpoint in output_dir, forward only", _eval, (
+        opt("--step", type=int, metavar="N", help="the checkpoint's step (default: the latest committed)"),)),
+    "bench": Command("monolithic vs naive vs wavefront throughput, side by side", _bench, (
+        opt("--reps", type=int, default=5, metavar="N", help="timed repetitions of each mode, interleaved"),
+        opt("--batches", type=int, default=3, metavar="N", help="global batches per repetition"),
+        JSON,
+        opt("--trace", metavar="DIR", help="write measured and simulated traces and Gantt PNGs here "
+                                           "(default: not written)"))),
+    "simulate": Command("predicted maestro vs monolithic throughput on a cluster (nothing compiled)", _simulate, (
+        JSON,
+        opt("--gantt", metavar="PNG", help="write the simulated Gantt chart here (default: not drawn)")),
+        devices=False),
+    "plan": Command("search devices, meshes and micro-batches for the best plan (nothing compiled)", _plan, (
+        opt("--devices", type=int, required=True, metavar="N", help="devices the plan may use"),
+        opt("--memory-gb", type=float, required=True, metavar="GB", help="memory per device, GB"),
+        opt("--top", type=int, default=10, metavar="K", help="candidates to list"),
+        opt("--tolerance", type=float, default=TOLERANCE, metavar="G",
+            help="relative gap to the optimum the search may leave (0: exact)"),
+        opt("--write", metavar="PATH", help="write the config with the chosen plan here (train/bench accept it) "
+                                            "(default: not written)"),
+        JSON,
+        opt("--measure", action="store_true",
+            help="compile the chosen plan here and print XLA's memory analysis beside the model")),
+        devices=False),
+    "export": Command("write a trained LLM section as a Hugging Face folder", _export, (
+        opt("--section", required=True, help="an LLM section, e.g. student or llm"),
+        opt("--out", required=True, metavar="DIR", help="the Hugging Face folder to write"),
+        opt("--model-type", default="llama", choices=("llama", "qwen2", "qwen3", "qwen3_moe"),
+            help="the Hugging Face architecture to write"))),
+}
+
+VERBOSE_HELP = "show XLA's C++ log on stderr: compiler warnings and info"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="maestro-jax", formatter_class=_HelpFormatter,
+        description="Train, check, time and plan compound models, each section on its own devices.",
+        epilog="`maestro-jax COMMAND --help` lists the command's options with their defaults.")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help, formatter_class=_HelpFormatter)
+        p.add_argument("--config", required=True, metavar="FILE", help="the run's YAML config, e.g. configs/vlm_tiny.yaml")
+        p.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="dotted overrides of the config, e.g. steps=4 (default: none)")
+        for flags, kwargs in command.options:
+            p.add_argument(*flags, **kwargs)
+        p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+        if command.devices:
+            g = p.add_argument_group("multi-process (default: auto-detect SLURM, else one process)")
+            g.add_argument("--coordinator", metavar="HOST:PORT",
+                           help="process 0's coordination service (default: from the launcher)")
+            g.add_argument("--num-processes", type=int, metavar="N",
+                           help="processes in the run, with --coordinator (default: from the launcher)")
+            g.add_argument("--process-id", type=int, metavar="I",
+                           help="this process's index, 0..N-1, with --coordinator (default: from the launcher)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; SIGINT stops it with one line and status 130, at any point.
+
+    Python's own SIGINT handler is installed even where the process inherited SIGINT ignored (a
+    non-interactive shell starts background jobs so): a SIGINT sent to a run must stop it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT): stopped without a new checkpoint; the last committed checkpoint is "
+              "intact (re-run to resume; SIGTERM instead checkpoints first)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    _xla_logging(args.verbose)  # before anything imports JAX
+    command = COMMANDS[args.command]
+    with command.guard() if command.guard else contextlib.nullcontext():
+        return _command(command, args)
+
+
+def _error_line(err) -> str:
+    """The one `error:` line a fault ends with. Messages that carry a library's text (a
+    tensorstore spec, an XLA status) can span lines; they are joined, so the line stays one."""
+    text = " ".join(str(err).split())
+    return text if text.startswith("error:") else f"error: {text}"
+
+
+def _command(command: Command, args) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(_error_line(err), file=sys.stderr)
+        return 2
+    if not command.devices:
+        return _run(command, cfg, args)
+    _ensure_host_devices(cfg.host_devices)
+    if args.coordinator and (args.num_processes is None or args.process_id is None):
+        print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
+        return 2
+    from maestro_jax.runtime.distributed import maybe_initialize_distributed
+
+    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                 heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
+    import jax
+
+    from maestro_jax.runtime.distributed import announce_failure
+
+    try:
+        status = _run(command, cfg, args)
+    except BaseException as err:
+        if jax.process_count() == 1:
+            raise
+        if isinstance(err, KeyboardInterrupt):
+            print("error: interrupted (SIGINT)", file=sys.stderr, flush=True)
+            status = 130
+        else:
+            traceback.print_exc()
+            status = 1
+        announce_failure(f"{type(err).__name__}: {err}")
+    if status != 0 and jax.process_count() > 1:
+        # Peers waiting on this process learn of the failure now, and jax.distributed's
+        # exit-time shutdown (which waits for every peer, and a failed peer may never come) is
+        # skipped: leave with the error already printed rather than hang.
+        announce_failure(f"exit status {status}")  # a no-op when the error was announced already
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _run(command: Command, cfg, args) -> int:
+    """The command; a config or plan it finds wrong ends with one `error:` line and status 2."""
+    from maestro_jax.core.plan import PlanError
+
+    try:
+        return command.run(cfg, args)
+    except (ConfigError, PlanError) as err:
+        print(_error_line(err), file=sys.stderr)
+        return 2
 
 
 def console_main() -> None:

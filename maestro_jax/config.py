@@ -230,6 +230,17 @@ class DataConfig(_Frozen):
         return v
 
 
+class EvalConfig(_Frozen):
+    """A held-out loss, forward only, through the training plan: the first `batches` global
+    batches of `data` (in order, the same batches each time), every `every` steps and after the
+    last. Synthetic data draws with `seed + 1`, so it does not repeat training's samples;
+    without `data`, that is the training data's settings (synthetic training data only)."""
+
+    data: DataConfig | None = None
+    every: PositiveInt = 100
+    batches: PositiveInt = 2
+
+
 class MonolithicConfig(_Frozen):
     """The baseline: the whole graph as one program over `devices` with one layout."""
 
@@ -281,11 +292,19 @@ class Config(_Frozen):
     edges: dict[str, EdgeConfig] = {}
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig | None = None
     monolithic: MonolithicConfig = MonolithicConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     simulate: SimulateConfig = SimulateConfig()
     distributed: DistributedConfig = DistributedConfig()
     verify_rtol: float | None = Field(None, gt=0.0)  # None: 1e-5, or 2e-2 with any bfloat16 section
+
+    @pydantic.model_validator(mode="after")
+    def _held_out(self):
+        if self.eval is not None and self.eval.data is None and self.data.kind != "synthetic":
+            raise ValueError(f"eval.data: not set, and the training data (data.kind={self.data.kind}) is no "
+                             f"held-out source; give eval.data (e.g. kind: array_record with other paths)")
+        return self
 
     @property
     def verify_tolerance(self) -> float:
@@ -345,8 +364,10 @@ def _format_error(err: pydantic.ValidationError) -> str:
         close = difflib.get_close_matches(field, options, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"error: {loc}: unknown key{hint} valid keys: {', '.join(options)}"
-    value = e.get("input")
-    return f"error: {loc}={value!r}: {e['msg'].removeprefix('Value error, ')}"
+    message = e["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across keys: the message names them
+        return f"error: {message}"
+    return f"error: {loc}={e.get('input')!r}: {message}"
 
 
 def _model_at(model, path):
@@ -388,10 +409,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, object]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
-                base: dict | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
     """Read YAML, apply dotted overrides, validate. Raises ConfigError with a one-line message."""
-    raw: dict = dict(base or {})
+    raw: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():

@@ -1,18 +1,29 @@
-"""`maestro-jax bench` writes the JSON contract (numbers are for benchmarks/RESULTS.md, not tests)."""
+"""`maestro-jax bench` writes the JSON contract (numbers are for benchmarks/RESULTS.md, not tests),
+says what it is doing while it runs, and leaves the runtime it is given as it found it."""
 
 import json
 
-from conftest import ROOT, TINY_OMNI
+from conftest import ROOT, TINY_KD, TINY_OMNI
 
 from maestro_jax.cli import main
+from maestro_jax.config import load_config
+from maestro_jax.tools.bench import MODES
 
 
-def test_bench_json_contract(tmp_path, config="omni_tiny.yaml", overrides=TINY_OMNI):
+def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", overrides=TINY_OMNI):
     """On omni (two producers into the LLM: the richest built-in graph)."""
     out = tmp_path / "bench.json"
     rc = main(["bench", "--config", str(ROOT / "configs" / config), "--reps", "1", "--batches", "1",
                "--json", str(out), "--trace", str(tmp_path / "trace"), *overrides])
     assert rc == 0
+    said = capsys.readouterr()
+    progress = [line for line in said.err.splitlines() if line.startswith("bench [")]  # one line per phase
+    phases = ["building the runtime", "calibrating the cost model", *(f"warm-up {m}:" for m in MODES),
+              "repetition 1/1: ", "text-only (modality items removed) warm-up", "text-only repetition 1/1: ",
+              "writing traces to", "done"]
+    assert len(progress) == len(phases) and all(p in line for p, line in zip(phases, progress)), said.err
+    assert all(f"{m} " in progress[5] and "/step" in progress[5] for m in MODES), progress[5]
+    assert "wavefront_vs_naive" in said.out and "bench [" not in said.out, "progress on stderr, the report on stdout"
     r = json.loads(out.read_text())
     assert set(r["samples_per_s"]) == {"monolithic", "naive", "wavefront"}
     assert all(v > 0 for v in r["samples_per_s"].values())
@@ -27,3 +38,15 @@ def test_bench_json_contract(tmp_path, config="omni_tiny.yaml", overrides=TINY_O
     trace = json.loads((tmp_path / "trace" / "measured_trace.json").read_text())
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert set(r["config"]["sections"]) <= rows, "every section has its row in the trace"
+
+
+def test_bench_leaves_the_runtime_as_it_found_it():
+    """A `Trainer`'s bench calibrates a cost model for its own schedules: the runtime's `cost`,
+    which a later `train()` schedules with, stays as it was."""
+    from maestro_jax.training.trainer import Trainer
+
+    trainer = Trainer(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD))
+    before = trainer.runtime.cost
+    r = trainer.bench(reps=1, batches=1)
+    assert r["simulator"]["cost_source"] == "calibrated", "the bench did calibrate"
+    assert trainer.runtime.cost is before

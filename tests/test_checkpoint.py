@@ -1,6 +1,7 @@
 """Exact resume (bit-identical losses and data order) and restore onto a different plan."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -68,15 +69,24 @@ def test_restore_onto_a_different_plan(tmp_path):
 
 
 def test_uncommitted_save_is_ignored(tmp_path):
-    """A step directory without its manifest (an interrupted save) is never 'the latest'."""
+    """What an interrupted save leaves (Orbax's temporary directory, a manifest whose step was
+    never renamed into place) is never 'the latest' and is removed when the directory is opened;
+    a committed step whose manifest is gone is not trusted: restoring falls back past it."""
     out = tmp_path / "run"
     cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", "steps=2", "checkpoint_every=1"])
     train(cfg, progress=False)
     ck_dir = out / "checkpoints"
-    (ck_dir / "manifest-2.json").unlink()
+    shutil.copytree(ck_dir / "2", ck_dir / "3.orbax-checkpoint-tmp-1234")
+    shutil.copy(ck_dir / "manifest-2.json", ck_dir / "manifest-3.json")
     ck = Checkpointer(ck_dir)
-    assert ck.latest_step() == 1
+    assert ck.latest_step() == 2
+    assert sorted(p.name for p in ck_dir.iterdir() if p.name[0].isdigit() or p.name.startswith("manifest")) == [
+        "1", "2", "manifest-1.json", "manifest-2.json"], "the interrupted save's leftovers are removed"
+    (ck_dir / "manifest-2.json").unlink()
+    step, *_ = ck.restore_latest(build_runtime(cfg).init_states())
     ck.close()
+    assert step == 1
+    assert (ck_dir / "corrupt" / "2" / "2").is_dir(), "the untrusted step is kept aside"
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):

@@ -1,5 +1,5 @@
-"""Hugging Face import/export against transformers' own PyTorch forward (no downloads: tiny random
-models are built from a config, saved, imported, and compared on the same tokens in fp32)."""
+"""Hugging Face import/export (`models/hf.py`) against transformers' own PyTorch forward (no downloads:
+tiny random models are built from a config, saved, imported, and compared on the same tokens in fp32)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,24 +11,23 @@ from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
-from maestro_jax.tools import hf
-from models import DecoderLM, LLMConfig
+from models import DecoderLM, LLMConfig, hf
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the dev extra)")
 
-BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-            torch_dtype="float32")
+BASE = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "torch_dtype": "float32"}
 CASES = {
-    "llama_untied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
-    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
-    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=8)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=8, num_experts=4,
-                                                                num_experts_per_tok=2, moe_intermediate_size=16,
-                                                                norm_topk_prob=True)),
+    "llama_untied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"tie_word_embeddings": False, "head_dim": 8,
+                                                            "num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 16, "norm_topk_prob": True}),
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -51,7 +50,8 @@ def torch_logits(model, tokens=TOKENS):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def flax_logits(path, mesh=mesh_shape(), devices=(0,), scan=False):
+def flax_logits(path, mesh=None, devices=(0,), scan=False):
+    mesh = mesh if mesh is not None else mesh_shape()
     fields = hf.llm_fields(path)
     cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"}, scan_layers=scan)
     model = DecoderLM(cfg)
@@ -100,6 +100,15 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
     np.testing.assert_allclose(torch_logits(back), torch_logits(model), atol=1e-4, rtol=0)
+
+
+def test_cli_export_names_are_the_models_mapping():
+    """`maestro-jax export` calls `maestro_jax.tools.hf`, which keeps only the export names, the very
+    objects of `models.hf` (one mapping for import and export)."""
+    from maestro_jax.tools import hf as tools_hf
+
+    assert tools_hf.save_llm is hf.save_llm and tools_hf.HFError is hf.HFError
+    assert sorted(tools_hf.__all__) == ["HFError", "save_llm"]
 
 
 def _overrides(path, **extra):

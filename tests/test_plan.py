@@ -1,8 +1,11 @@
-"""Each plan constraint raises its own error, naming key, value and what is valid, before compiling."""
+"""Each plan constraint raises its own error, naming key, value and what is valid, before compiling;
+`maestro-jax plan` says what it searches as it goes."""
+
+import re
 
 import jax
 import pytest
-from conftest import ROOT, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core import plan as plan_lib
@@ -102,3 +105,26 @@ def test_image_sizes_are_checked_against_the_vit_at_their_key():
         with pytest.raises(ConfigError, match=r"^error: data\.modalities\.image\.sizes=.* must be a multiple of "
                                               r"models\.vision patch\*merge=8 and at most max_grid\*patch=256"):
             build_graph(cfg)
+
+
+def test_plan_says_what_it_searches(capsys):
+    """One line per pass of the search (a stash bound each: 4, 2, 1) and one before the baselines,
+    on stdout ahead of the report (stderr holds nothing but a failure's `error:` line)."""
+    from maestro_jax import cli
+    from maestro_jax.planning.planner import Planner
+    from maestro_jax.tools.plan import planner_for
+
+    assert cli.main(["plan", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--devices", "8", "--memory-gb", "1",
+                     "--top", "1", *TINY_KD, "simulate.device=cpu", "simulate.batches=1",
+                     "schedule.max_in_flight=4"]) == 0
+    said = capsys.readouterr()
+    lines = said.out.splitlines()
+    progress = lines[:next(i for i, line in enumerate(lines) if line.startswith("workload kd:"))]
+    assert all(line.startswith("plan: ") for line in progress), progress
+    assert progress[0].startswith("plan: describing workload kd")
+    passes = [line for line in progress if line.startswith("plan: searching plans on 8 devices with 1 GB each")]
+    assert [re.search(r"max_in_flight (\d+)", line).group(1) for line in passes] == ["4", "2", "1"], progress
+    assert progress[-1].startswith("plan: baselines on 8 devices") and len(progress) == 5, progress
+    assert said.err == ""
+    quiet = planner_for(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD), 8, 1.0)
+    assert type(quiet) is Planner, "without `progress` the planner is the library's own (scripts print nothing)"

@@ -11,7 +11,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maestro_jax.core.plan import ParamInfo, SectionPlan
+from maestro_jax.core.plan import SectionPlan
+
+# `param_infos` (a boxed abstract tree as `core.plan.ParamInfo` records) is defined beside the
+# workloads, which describe themselves with it below the runtime; it stays importable from here for
+# the runtime's own callers (`runtime.build`).
+from maestro_jax.workloads.params import param_infos  # noqa: F401
 from meshes import BATCH_AXES, MESH_AXES, RULES
 from models.layers import activation_rules
 
@@ -49,14 +54,3 @@ def variable_shardings(abstract_boxed, mesh: Mesh, rules_name: str):
     """Shardings of an (unboxed) variable tree from its logical annotations."""
     specs = nn.get_partition_spec(abstract_boxed)
     return nn.logical_to_mesh_sharding(specs, mesh, RULES[rules_name])
-
-
-def param_infos(abstract_boxed) -> list[ParamInfo]:
-    """Flatten a boxed abstract tree into the plain records the plan checks use."""
-    out = []
-    leaves = jax.tree_util.tree_flatten_with_path(abstract_boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
-    for path, leaf in leaves:
-        names = tuple(leaf.names) if isinstance(leaf, nn.Partitioned) else None
-        value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf
-        out.append(ParamInfo(jax.tree_util.keystr(path), tuple(value.shape), names, value.dtype.itemsize))
-    return out

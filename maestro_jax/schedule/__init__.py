@@ -12,10 +12,9 @@ from maestro_jax.schedule.ops import (
            required_ops,
            sample_metas,
 )
-from maestro_jax.schedule.timing import op_duration, resource_of, steady_order, unit_cost
+from maestro_jax.schedule.timing import op_duration, resource_of, steady_order
 from maestro_jax.schedule.validate import validate
 from maestro_jax.schedule.wavefront import list_schedule, wavefront
 
 __all__ = ["MicroStep", "Op", "Problem", "SampleMeta", "Schedule", "ScheduleError", "list_schedule", "naive",
-           "op_duration", "required_ops", "resource_of", "sample_metas", "steady_order", "unit_cost", "validate",
-           "wavefront"]
+           "op_duration", "required_ops", "resource_of", "sample_metas", "steady_order", "validate", "wavefront"]

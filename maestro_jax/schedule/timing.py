@@ -38,11 +38,6 @@ def op_units(op: Op, steps, metas) -> list[int]:
     return [metas[x].work.get(op.section, 0) for x in steps[op.section][op.step].samples]
 
 
-def unit_cost(problem: Problem):
-    """Cost when none is given: work units, padded to the micro-step's largest row."""
-    return op_duration(None, problem)
-
-
 def op_duration(cost, problem: Problem):
     """(op, steps, metas) -> seconds, from a CostModel (or unit costs when None)."""
     time = work_time(cost, problem)

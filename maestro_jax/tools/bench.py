@@ -3,12 +3,18 @@
 After a warm-up that compiles every shape bucket, repetitions are interleaved (mono, naive,
 wavefront, mono, ...) so that drift on a shared machine hits all three alike. Each timed step
 includes scheduling (host work), dispatch, the optimizer update and the final wait.
+
+The cost model calibrated on the way is the bench's own: the runtime it is given keeps the
+`cost` it had (a `Trainer`'s later `train()` schedules as it would have without the bench).
+`progress`, when given, receives one short line per phase (calibration, each mode's warm-up,
+each repetition), since a bench compiles and runs for minutes.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -18,13 +24,24 @@ from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.schedule import naive, sample_metas, wavefront
 from maestro_jax.tools import calibrate
+from maestro_jax.tools.simulate import seconds
 
 MODES = ("monolithic", "naive", "wavefront")
 
 
-def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | None = None, rt=None) -> dict:
-    """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph)."""
-    rt = rt or build_runtime(cfg)
+def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | None = None, rt=None,
+          progress: Callable[[str], None] | None = None) -> dict:
+    """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph,
+    left as it was given: the calibrated cost model is not stored on it)."""
+    start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"bench [{time.perf_counter() - start:4.0f} s] {msg}")
+
+    if rt is None:
+        say("building the runtime")
+        rt = build_runtime(cfg)
     batches = [rt.batches()[i] for i in range(num_batches)]
     samples_per_rep = sum(len(b) for b in batches)
     tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
@@ -33,10 +50,11 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
     mono_states = mono.init_states(rt.graph, cfg)
 
     # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
+    say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
     measured = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
-    rt.cost = calibrate.fit(rt, measured)
+    cost = calibrate.fit(rt, measured)  # this bench's own: `rt.cost` stays as the caller set it
     schedulers = {"naive": lambda metas: naive(metas, rt.problem),
-                  "wavefront": lambda metas: wavefront(metas, rt.problem, rt.cost)}
+                  "wavefront": lambda metas: wavefront(metas, rt.problem, cost)}
 
     def maestro_step(mode, samples, stats):
         t0 = time.perf_counter()
@@ -60,20 +78,29 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
         stats["step_s"].append(time.perf_counter() - t0)
 
     stats = {m: {"schedule_s": [], "dispatch_s": [], "step_s": []} for m in MODES}
-    for samples in batches:  # warm-up: compile every bucket of every mode
-        mono_step(samples, {"step_s": []})
-        for mode in ("naive", "wavefront"):
-            maestro_step(mode, samples, {"schedule_s": [], "dispatch_s": [], "step_s": []})
+    # warm-up: compile every bucket of every mode (each mode's states advance alone), over two
+    # steps at least: the monolithic step's second compiles again (its states, once updated,
+    # come in with the update's layouts), which one batch would leave to the first repetition
+    warm_up = batches if len(batches) > 1 else batches * 2
+    for mode in MODES:
+        say(f"warm-up {mode}: {len(warm_up)} steps, compiling every shape bucket")
+        for samples in warm_up:
+            if mode == "monolithic":
+                mono_step(samples, {"step_s": []})
+            else:
+                maestro_step(mode, samples, {"schedule_s": [], "dispatch_s": [], "step_s": []})
     per_rep = {m: [] for m in MODES}
-    for _ in range(reps):
+    for rep in range(reps):
         for mode in MODES:
-            start = len(stats[mode]["step_s"])
+            first = len(stats[mode]["step_s"])
             for samples in batches:
                 if mode == "monolithic":
                     mono_step(samples, stats[mode])
                 else:
                     maestro_step(mode, samples, stats[mode])
-            per_rep[mode].append(sum(stats[mode]["step_s"][start:]))
+            per_rep[mode].append(sum(stats[mode]["step_s"][first:]))
+        say(f"repetition {rep + 1}/{reps}: " + ", ".join(f"{m} {seconds(per_rep[m][-1] / num_batches)}/step"
+                                                         for m in MODES))
 
     def summary(values):
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -97,10 +124,13 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
             [a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])]) for m in ("naive", "wavefront")},
     }
     if any(s.items for b in batches for s in b):
-        report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step)
-    report["simulator"] = _prediction(rt, batches, per_rep, num_batches)
+        report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step,
+                                                                  say)
+    report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
     if trace_dir:
-        report["traces"] = _traces(rt, states["wavefront"], batches[0], trace_dir)
+        say(f"writing traces to {trace_dir}")
+        report["traces"] = _traces(rt, cost, states["wavefront"], batches[0], trace_dir)
+    say("done")
     return report
 
 
@@ -113,53 +143,56 @@ def _layout(sp) -> dict:
             "micro_batch": sp.micro_batch, "dp": sp.dp}
 
 
-def _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step) -> dict:
+def _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step, say) -> dict:
     """The paper's "efficiency relative to text-only": the step on the same token rows with every
     modality item removed (placeholders stay ordinary tokens, so the LLM does identical work and
     only the encoders drop out), divided by the compound step, for the wavefront schedule and
     for the monolithic baseline, each on its own devices. 100%: the encoders cost the LLM
     nothing; below: the LLM waits for, or shares its devices with, them."""
     text = [[Sample(s.id, s.tokens) for s in b] for b in batches]
+    say("text-only (modality items removed) warm-up: monolithic and wavefront, compiling the text-only buckets")
     for samples in text:  # warm-up: the text-only buckets
         mono_step(samples, {"step_s": []})
         maestro_step("wavefront", samples, {"schedule_s": [], "dispatch_s": [], "step_s": []})
     alone = {"monolithic": [], "wavefront": []}
-    for _ in range(reps):
+    for rep in range(reps):
         for mode, times in alone.items():
             stats = {"schedule_s": [], "dispatch_s": [], "step_s": []}
             for samples in text:
                 mono_step(samples, stats) if mode == "monolithic" else maestro_step(mode, samples, stats)
             times.append(sum(stats["step_s"]))
+        say(f"text-only repetition {rep + 1}/{reps}: "
+            + ", ".join(f"{m} {seconds(t[-1] / len(text))}/step" for m, t in alone.items()))
     return {m: statistics.median(alone[m]) / statistics.median(per_rep[m]) for m in alone}
 
 
-def _prediction(rt, batches, per_rep, num_batches) -> dict:
+def _prediction(rt, cost, batches, per_rep, num_batches) -> dict:
     """Calibrated simulator vs measured step time (serial: XLA's CPU client runs one program at a time)."""
     serial = jax.devices()[0].platform == "cpu"
-    out = {"cost_source": rt.cost.source, "serial": serial}
+    out = {"cost_source": cost.source, "serial": serial}
     for mode in ("naive", "wavefront"):
         predicted = 0.0
         for samples in batches:
             metas = sample_metas(rt.graph, samples)
-            sched = naive(metas, rt.problem) if mode == "naive" else wavefront(metas, rt.problem, rt.cost)
-            predicted += simulate(sched, rt.problem, metas, rt.cost, serial=serial).makespan
+            sched = naive(metas, rt.problem) if mode == "naive" else wavefront(metas, rt.problem, cost)
+            predicted += simulate(sched, rt.problem, metas, cost, serial=serial).makespan
         measured = statistics.median(per_rep[mode])
         out[mode] = {"predicted_step_s": predicted / num_batches, "measured_step_s": measured / num_batches,
                      "relative_error": (predicted - measured) / measured}
     return out
 
 
-def _traces(rt, states, samples, trace_dir) -> dict:
+def _traces(rt, cost, states, samples, trace_dir) -> dict:
     from pathlib import Path
 
     from maestro_jax.tools.trace import write_chrome_trace, write_gantt
 
     out = Path(trace_dir)
     metas = sample_metas(rt.graph, samples)
-    sched = wavefront(metas, rt.problem, rt.cost)
+    sched = wavefront(metas, rt.problem, cost)
     record: list = []
     rt.executor.run(states, samples, sched, record=record)
-    sim = simulate(sched, rt.problem, metas, rt.cost)
+    sim = simulate(sched, rt.problem, metas, cost)
     files = {"measured_trace": write_chrome_trace(record, out / "measured_trace.json"),
              "measured_gantt": write_gantt(record, out / "measured_gantt.png", "measured (timed, serialised)"),
              "simulated_trace": write_chrome_trace(sim.intervals, out / "simulated_trace.json"),

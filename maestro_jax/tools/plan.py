@@ -6,20 +6,54 @@ The workload's graph is described once (`workloads.describe`: parameter shapes f
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from maestro_jax import workloads
 from maestro_jax.config import Config
 from maestro_jax.planning.planner import Candidate, Planner
 
+PLANNING_BATCHES = 2  # global batches of sample sizes the planner scores plans on (`maestro-jax plan`)
 
-def planner_for(cfg: Config, devices: int, memory_gb: float, batches: int = 2, graph=None, source=None,
-                **kwargs) -> Planner:
-    """A planner for `cfg`'s workload, or for a user's `graph` and `source`."""
+
+def planner_for(cfg: Config, devices: int, memory_gb: float, batches: int = PLANNING_BATCHES, graph=None,
+                source=None, progress: Callable[[str], None] | None = None, **kwargs) -> Planner:
+    """A planner for `cfg`'s workload, or for a user's `graph` and `source`. `progress`, when
+    given, receives one line per pass of the search (`Planner.search` runs one per stash bound
+    and run-ahead setting) and one before the baselines."""
     graph = graph or workloads.build_graph(cfg)
     spec = workloads.describe(cfg, graph)
     metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
-    return Planner(spec, metas, devices, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
-                   link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight,
-                   run_ahead=cfg.schedule.run_ahead, **kwargs)
+    planner = Planner(spec, metas, devices, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
+                      link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight,
+                      run_ahead=cfg.schedule.run_ahead, **kwargs)
+    return planner if progress is None else _Reporting.around(planner, progress)
+
+
+class _Reporting(Planner):
+    """A planner that says what its search is doing, one line per pass: the planner itself,
+    with `_search` (one pass) and `monolithic_best` announced, and the planners it derives for
+    other settings (`_with`) reporting too. Only what is printed differs."""
+
+    progress: Callable[[str], None]
+
+    @classmethod
+    def around(cls, planner: Planner, progress: Callable[[str], None]) -> _Reporting:
+        planner.__class__ = cls  # the planner as it is (caches, settings), now reporting
+        planner.progress = progress
+        return planner
+
+    def _search(self, top: int, incumbent: float = math.inf):
+        self.progress(f"searching plans on {self.devices} devices with {self.budget / 2**30:g} GB each: "
+                      f"schedule.max_in_flight {self.max_in_flight}, schedule.run_ahead {self.run_ahead}")
+        return super()._search(top, incumbent)
+
+    def monolithic_best(self) -> dict | None:
+        self.progress(f"baselines on {self.devices} devices: the monolithic layout and the pipelined (1F1B) one")
+        return super().monolithic_best()
+
+    def _with(self, *args, **kwargs) -> Planner:
+        return _Reporting.around(super()._with(*args, **kwargs), self.progress)
 
 
 def plan_overrides(c: Candidate) -> dict[str, object]:
@@ -40,9 +74,9 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
 def write_plan(config_path: str, overrides: list[str], best: Candidate, memory_gb: float, out_path: str) -> None:
     """The config at `config_path` (with `overrides`) with `best`'s plan, as YAML that `train`,
     `verify` and `bench` accept; checked by loading it back."""
-    import yaml  # noqa: PLC0415
+    import yaml
 
-    from maestro_jax.config import load_config, parse_overrides, set_dotted  # noqa: PLC0415
+    from maestro_jax.config import load_config, parse_overrides, set_dotted
 
     with open(config_path) as f:
         raw = yaml.safe_load(f) or {}

@@ -2,7 +2,7 @@
 
 The workload is read off its graph (`workloads.describe`: parameter shapes by `jax.eval_shape`,
 nothing compiled or allocated) and its samples off the source's sizes; the prediction itself
-is the JAX-free `planning.cluster`.
+is the JAX-free `planning.cluster`. `format_report` prints it in human units (s, ms, µs).
 """
 
 from __future__ import annotations
@@ -63,8 +63,83 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
     if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
         report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]
     if gantt:
-        from maestro_jax.tools.trace import write_gantt  # noqa: PLC0415 (matplotlib only when asked)
+        from maestro_jax.tools.trace import write_gantt  # here: matplotlib only when asked
 
         write_gantt(timeline.intervals, gantt, f"{spec.name} wavefront, simulated on {cfg.simulate.device}")
         report["gantt"] = gantt
     return report
+
+
+def seconds(t: float) -> str:
+    """A duration in the unit that keeps 3 significant digits in view (`5.32 s`, `12.4 ms`,
+    `812 µs`), so that a tiny config's step does not print as `0.00`."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(t) >= scale * (1 - 5e-4):  # 0.9997 s is `1.00 s`, not `1000 ms`
+            break
+    else:
+        unit, scale = ("ns", 1e-9) if t else ("s", 1.0)
+    return f"{_digits(t / scale)} {unit}"
+
+
+def rate(x: float) -> str:
+    """A throughput with 3 significant digits (thousands grouped: `13,269`, `24.4`, `0.381`)."""
+    return _digits(x) if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def _digits(x: float) -> str:
+    a = abs(x)
+    if a == 0 or a >= 100:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:#.3g}"
+
+
+def mesh_text(mesh: dict) -> str:
+    """A mesh as `data=4 tensor=2` (axes of size 1 left out; `data=1` for one device)."""
+    return " ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
+
+
+def pipelined_layout(pipe: dict) -> str:
+    """The 1F1B pipeline-parallel layout (`planning.pipeline`) in words: stages, mesh, micro-batches
+    and where each section's layers sit."""
+    where = "; ".join([f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
+                      + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]])
+    return (f"{pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh {mesh_text(pipe['mesh'])}, "
+            f"micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step), layer_remat "
+            f"{pipe['layer_remat']}; {where}")
+
+
+def format_report(r: dict) -> str:
+    """`simulate_config`'s report as `maestro-jax simulate` prints it: a table of step times and
+    throughput per mode, then the layouts compared and the ratios."""
+    maestro = r["devices"]["maestro"]
+    lines = [f"workload {r['workload']} on {r['device']} (cost model {r['cost_source']}): "
+             + ", ".join(f"{s} on {n} device{'s' if n > 1 else ''}" for s, n in maestro.items())
+             + f"; monolithic on {r['devices']['monolithic']}",
+             f"{'mode':18s} {'step time':>10s} {'samples/s':>10s} {'per device':>11s}"]
+    rows = [(m, r["step_time_s"][m], r["samples_per_s"][m], r["samples_per_s_per_device"][m])
+            for m in ("monolithic", "naive", "wavefront")]
+    if pipe := r.get("pipelined"):
+        n = pipe["stages"] * pipe["devices_per_stage"]
+        rows.append(("pipelined (1F1B)", pipe["step_time_s"], pipe["samples_per_s_per_device"] * n,
+                     pipe["samples_per_s_per_device"]))
+    lines += [f"{m:18s} {seconds(t):>10s} {rate(sps):>10s} {rate(per):>11s}" for m, t, sps, per in rows]
+    lay = r["monolithic_layout"]
+    lines.append(f"monolithic layout ({lay['chosen']}): mesh {mesh_text(lay['mesh'])}, micro_batch "
+                 f"{lay['micro_batch']}, layer_remat {lay['layer_remat']}")
+    if pipe:
+        lines.append(f"pipelined (1F1B) layout: {pipelined_layout(pipe)}")
+    vs_pipe = f"   wavefront vs pipelined: {r['speedup_vs_pipelined']:.3f}" if pipe else ""
+    lines.append(f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "
+                 f"{r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}{vs_pipe}")
+    lines.append(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   critical section alone: "
+                 f"{seconds(r['critical_section_alone_s'])}   bubble ratio: {r['bubble_ratio']:.3f}")
+    eff = r["sink_efficiency_vs_alone"]
+    lines.append(f"loss section's efficiency relative to running alone (a VLM's LLM: relative to text-only): "
+                 f"maestro {eff['maestro']:.1%}, monolithic {eff['monolithic']:.1%}")
+    if r.get("gantt"):
+        lines.append(f"wrote {r['gantt']}")
+    return "\n".join(lines)

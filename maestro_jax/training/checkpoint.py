@@ -3,29 +3,26 @@
 Layout (`<output_dir>/checkpoints/`):
   <step>/section_<name>/   Orbax StandardSave of {"params", "opt_state"}, one item per section
   <step>/data/             Grain iterator state (Orbax JsonSave)
-  <step>/meta/             step, seed, plan summary
-  manifest-<step>.json     written last, atomically (write to a temp file, then rename)
+  <step>/meta/             step, seed, workload
+  manifest-<step>.json     a sidecar: size and CRC32 of every file of the step, and its layout
 
-Saves are asynchronous: `save` starts writing and returns. A commit thread waits for Orbax to
-report the save finished (on every process: Orbax renames the step directory only after all
-processes wrote their part) and then process 0 writes the manifest, so a save counts as soon as
-it is complete, without the training loop waiting for it. "The latest checkpoint" is the newest
-step that has a manifest, so a save interrupted at any point (a `kill -9`, a full disk) is never
-restored from, and is deleted when the directory is opened again. Errors of an asynchronous
-save surface as `CheckpointError` at the next save or at `close`, never swallowed.
+Orbax owns commit and retention. A save is asynchronous: Orbax writes `<step>.orbax-checkpoint-
+tmp-*`, then renames it to `<step>` (the commit; on every process once all of them wrote), then
+deletes steps beyond the newest `max_to_keep` (its `LatestN` preservation policy), so the last
+committed step never disappears before the next one is committed. A save interrupted at any
+point (a `kill -9`, a full disk) is never restored from; Orbax removes its temporaries when the
+directory is opened again. Errors of an asynchronous save surface as `CheckpointError` at the
+next save or at `close`, never swallowed.
 
-Retention (`max_to_keep`) is ours, not Orbax's: only after manifest-N is written are older
-committed steps beyond the newest `max_to_keep` deleted (manifest first, then the directory),
-so the last committed step never disappears before the next one is committed.
-
-The manifest holds a CRC32 and size of every file of the step, leaves included: Orbax itself
-does not notice a flipped bit in an array file. `restore_latest` checks them and falls back
-to the previous good checkpoint when they do not match (moving the bad one to
-`<dir>/corrupt/`), saying so. The manifest also records the layout of what was saved (each
-leaf's path, shape and dtype): a checkpoint that does not match the current config (another
-model size, optimizer or precision) is refused with a `ConfigError` naming the first leaf
-that differs, and left where it is; it is not corrupt. Restore targets carry the *current* plan's shardings, so a
-checkpoint restores onto a different device split or mesh layout.
+The manifest is what Orbax does not offer. It is written by Orbax's finalisation callback
+(process 0), after every file of the step is written and before the rename, so a committed
+step always has one. Orbax does not notice a flipped bit in an array file: `restore_latest`
+checks the sizes and checksums and falls back to the previous good checkpoint when they do not
+match (moving the bad one to `<dir>/corrupt/`), saying so. The layout (each leaf's path, shape
+and dtype) refuses a checkpoint of another config (another model size, optimizer or precision)
+with a `ConfigError` naming the first leaf that differs, leaving it where it is. Restore
+targets carry the *current* plan's shardings, so a checkpoint restores onto a different device
+split or mesh layout.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 import traceback
 import zlib
@@ -46,11 +42,12 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from maestro_jax.config import ConfigError
-from maestro_jax.runtime.distributed import agree, checkpoint_barrier, peer_fault
+from maestro_jax.runtime.distributed import PeerError, agree, checkpoint_barrier, peer_fault
 from maestro_jax.runtime.programs import SectionState
 from maestro_jax.training.storage import StorageError
 
 MANIFEST = "manifest-{step}.json"
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 log = logging.getLogger("maestro_jax")
 
 
@@ -90,9 +87,10 @@ def layout_difference(saved: dict, current: dict) -> str | None:
 
 
 def _file_checksums(root: Path) -> dict[str, list[int]]:
-    """{relative path: [size, crc32]} of every file under a step directory."""
+    """{relative path: [size, crc32]} of every file under a step directory, but Orbax's own step
+    metadata (`_CHECKPOINT_METADATA`, which it rewrites with the commit time)."""
     out = {}
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and (p.parent, p.name) != (root, ORBAX_STEP_METADATA)):
         crc = 0
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 22):
@@ -174,7 +172,7 @@ def check_checkpoint_layout(plan) -> None:
     """Refuse, before anything compiles, a multi-process plan whose checkpoint could not be
     written: a section spanning some processes but not all (Orbax needs every array on process 0
     or in one process; the global view covers sections inside one process)."""
-    from maestro_jax.config import ConfigError  # noqa: PLC0415
+    from maestro_jax.config import ConfigError
 
     if jax.process_count() == 1:
         return
@@ -215,8 +213,8 @@ def _quiet_orbax_errors() -> None:
 class Checkpointer:
     def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True,
                  read_only: bool = False):
-        """`read_only`: for a reader outside a run (an export): nothing is created or cleaned up,
-        and `save` is not allowed; restoring from read-only storage works."""
+        """`read_only`: for a reader outside a run (an export, `maestro-jax eval`): nothing is
+        created or cleaned up, and `save` is not allowed; restoring from read-only storage works."""
         _quiet_orbax_errors()
         if jax.process_count() > 1:
             # dummy replicas of the checkpoint view must never write (see _view_sharding)
@@ -224,49 +222,62 @@ class Checkpointer:
                 jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        self._saving: int | None = None  # the step whose save is in flight (one at a time)
+        self._layout: dict = {}  # its `state_layout`, for the manifest
         try:
             if not read_only:
                 self.directory.mkdir(parents=True, exist_ok=True)
-            if jax.process_index() == 0 and not read_only:
-                self._discard_uncommitted()
+            # Directories are created in `save` itself: created asynchronously, a failure
+            # (read-only storage) left Orbax's other save threads waiting 300 s for the
+            # directory's signal, and the process could not exit before them.
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep or None, create=not read_only, read_only=read_only,
+                    cleanup_tmp_directories=not read_only, enable_async_checkpointing=asynchronous,
+                    async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
+                                                   barrier_sync_fn=checkpoint_barrier(),
+                                                   post_finalization_callback=self._write_manifest)))
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
-        agree("checkpoint-dir-ready", True)  # nobody opens the manager before the clean-up is done
-        # max_to_keep=None: Orbax deletes old steps as soon as a new one is written, before its
-        # manifest exists; retention is done in `_commit`, after the manifest (see the docstring).
-        # Directories are created in `save` itself: created asynchronously, a failure (read-only
-        # storage) left Orbax's other save threads waiting 300 s for the directory's signal, and
-        # the process could not exit before them.
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=None, create=not read_only, read_only=read_only,
-                enable_async_checkpointing=asynchronous,
-                async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
-                                               barrier_sync_fn=checkpoint_barrier())))
-        self.max_to_keep = max_to_keep
-        self.asynchronous = asynchronous
-        self._committer: threading.Thread | None = None
-        self._commit_error: tuple[int, BaseException] | None = None
+        if jax.process_index() == 0 and not read_only:
+            self._remove_stray_manifests()
+        agree("checkpoint-dir-ready", True)  # nobody saves before the clean-up is done
 
-    def _discard_uncommitted(self) -> None:
-        """Delete what an interrupted save left: step directories without a manifest and Orbax
-        temporaries. Otherwise a resumed run could not save that step again."""
-        committed = {int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json")}
-        for p in self.directory.iterdir():
-            unfinished = ".orbax-checkpoint-tmp" in p.name or p.name.startswith(".manifest-")
-            if unfinished or (p.is_dir() and p.name.isdigit() and int(p.name) not in committed):
-                log.warning("removing uncommitted checkpoint data %s (an interrupted save)", p)
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        """Leaving a run: the last save is committed (`close`). Not after a lost peer: committing
+        needs it, so that save is never committed. On another fault, a failed commit is logged:
+        the fault comes first."""
+        if isinstance(err, PeerError):
+            return
+        try:
+            self.close()
+        except Exception as close_err:
+            if kind is None:
+                raise
+            log.error("%s", close_err)
+
+    def _remove_stray_manifests(self) -> None:
+        """Manifests whose step is not committed: a save killed between its manifest and Orbax's
+        rename, or a step Orbax's retention deleted after the last manifest was written."""
+        committed = set(self._steps())
+        for m in self.directory.glob("manifest-*.json"):
+            if _manifest_step(m) not in committed:
+                m.unlink(missing_ok=True)
+        for tmp in self.directory.glob(".manifest-*.tmp"):
+            tmp.unlink(missing_ok=True)
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, states: dict[str, SectionState], data_state: dict, meta: dict) -> None:
-        """Start an asynchronous save of `step`; a background thread commits it once complete.
+        """Start an asynchronous save of `step` and return; Orbax commits it once complete.
 
-        Waits first for the previous save's commit (and raises its error, if any)."""
+        Waits first for the previous save (and raises its error, if any)."""
         if self.read_only:
             raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
-        self._join_commit()
+        self.wait_committed()
         items = {f"section_{s}": ocp.args.StandardSave(jax.tree.map(_to_view, {"params": st.params,
                                                                                 "opt_state": st.opt_state}))
                  for s, st in states.items() if st.opt_state is not None}
@@ -274,19 +285,30 @@ class Checkpointer:
         items["meta"] = ocp.args.JsonSave({**meta, "step": step})
         if delay := float(os.environ.get("MAESTRO_TEST_SAVE_DELAY_S", "0")):
             time.sleep(delay)  # test hook: this process joins a save its peers are in only later
+        self._saving, self._layout = step, state_layout(states)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as err:  # Orbax raises OSError, ValueError or its own types for storage faults
+            self._saving = None
             raise self._save_error(step, err) from err
-        pending = {"step": step, "parts": sorted(items), "layout": state_layout(states)}
-        if not self.asynchronous:
-            self._commit(pending)
-            self._join_commit()
+
+    def _write_manifest(self) -> None:
+        """Orbax's finalisation callback (every process, on its save thread): every file of the
+        step is written, not yet renamed. Process 0 writes the manifest; raising here keeps
+        Orbax from committing the step, and the error reaches `wait_committed`."""
+        step = self._saving
+        if delay := float(os.environ.get("MAESTRO_TEST_COMMIT_DELAY_S", "0")):
+            time.sleep(delay)  # test hook: widens the window between the files and the commit
+        if jax.process_index() != 0 or step is None:
             return
-        # a daemon thread: a process that ends on a fault does not wait for a save that cannot complete
-        self._committer = threading.Thread(target=self._commit, args=(pending,), daemon=True,
-                                           name=f"checkpoint-commit-{step}")
-        self._committer.start()
+        written = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")) or [self.directory / str(step)]
+        manifest = {"step": step, "layout": self._layout, "files": _file_checksums(written[-1])}
+        tmp = self.directory / f".{MANIFEST.format(step=step)}.tmp"
+        try:
+            tmp.write_text(json.dumps(manifest))
+            os.replace(tmp, self.directory / MANIFEST.format(step=step))  # atomic on POSIX
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _save_error(self, step: int, err: BaseException) -> Exception:
         peer = peer_fault(err, f"the checkpoint save of step {step}")  # a lost or stuck peer is no storage fault
@@ -296,71 +318,41 @@ class Checkpointer:
                                f"{type(err).__name__}: {err}".replace("\n", " ")[:600]
                                + f"; the last complete checkpoint (step {self.latest_step()}) is intact")
 
-    def _commit(self, pending: dict) -> None:
-        """Wait for Orbax to finish `pending`'s save, then (process 0) write its manifest and apply
-        retention. Runs in the commit thread; an error is kept for `_join_commit` to raise."""
-        step = pending["step"]
+    def wait_committed(self) -> None:
+        """Wait until the last save is committed; raise its error as a `CheckpointError`."""
+        step = self._saving
+        if step is None:
+            return
         try:
             self.manager.wait_until_finished()  # raises here if the asynchronous write failed
             self.manager.check_for_errors()
-            delay = float(os.environ.get("MAESTRO_TEST_COMMIT_DELAY_S", "0"))
-            if delay:  # test hook: widens the window between Orbax finishing and the commit
-                time.sleep(delay)
-            if jax.process_index() == 0:  # one writer on the shared filesystem
-                pending["files"] = _file_checksums(self.directory / str(step))
-                tmp = self.directory / f".{MANIFEST.format(step=step)}.tmp"
-                try:
-                    tmp.write_text(json.dumps(pending))
-                    os.replace(tmp, self.directory / MANIFEST.format(step=step))  # atomic on POSIX
-                finally:
-                    tmp.unlink(missing_ok=True)
-        except BaseException as err:
-            self._commit_error = (step, err)
-            return
-        if jax.process_index() == 0:
-            try:
-                self._apply_retention()
-            except OSError as err:  # a leftover is removed by the next run; training goes on
-                log.warning("removing old checkpoints in %s: %s", self.directory, err)
-
-    def _apply_retention(self) -> None:
-        """Delete committed steps beyond the newest `max_to_keep` (and manifests whose step is gone).
-        The manifest goes first: a step interrupted half-deleted is uncommitted data, removed
-        when the directory is opened again."""
-        committed = sorted(int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json"))
-        for step in committed[:-self.max_to_keep] if self.max_to_keep else []:
-            (self.directory / MANIFEST.format(step=step)).unlink(missing_ok=True)
-            shutil.rmtree(self.directory / str(step), ignore_errors=True)
-
-    def _join_commit(self) -> None:
-        """Wait for the commit thread of the last save; raise its error as a `CheckpointError`."""
-        if self._committer is not None:
-            self._committer.join()
-            self._committer = None
-        if self._commit_error is not None:
-            (step, err), self._commit_error = self._commit_error, None
+        except Exception as err:
             raise self._save_error(step, err) from err
-
-    def wait_committed(self) -> None:
-        """Wait until the last save is committed; raise its error if it failed."""
-        self._join_commit()
+        finally:
+            self._saving = None
+        if step not in self._steps():  # Orbax logs a failed finalisation, raises nothing
+            raise self._save_error(step, RuntimeError("Orbax did not commit it (see the log above)"))
 
     def close(self) -> None:
         """Wait for the last save's commit (raising `CheckpointError` if it failed) and stop Orbax."""
         try:
-            self._join_commit()
+            self.wait_committed()
         finally:
             try:
                 self.manager.close()
+                if jax.process_index() == 0 and not self.read_only:
+                    self._remove_stray_manifests()
             except Exception as err:  # a failed save's leftovers; the error that matters is raised above
                 log.warning("closing the checkpoint manager: %s: %s", type(err).__name__, err)
 
     # -- restoring --------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        if not self.directory.is_dir():
-            return []
-        steps = [int(m.stem.split("-")[1]) for m in self.directory.glob("manifest-*.json")]
-        return sorted(s for s in steps if (self.directory / str(s)).is_dir())
+        return self._steps() if self.directory.is_dir() else []
+
+    def _steps(self) -> list[int]:
+        """The steps Orbax committed, as the storage holds them now."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         steps = self.committed_steps()
@@ -377,7 +369,7 @@ class Checkpointer:
             if jax.process_index() == 0:
                 try:
                     manifest = json.loads((self.directory / MANIFEST.format(step=step)).read_text())
-                except (OSError, ValueError) as err:  # truncated or damaged: the step cannot be trusted
+                except (OSError, ValueError) as err:  # missing, truncated or damaged: the step cannot be trusted
                     manifest = {}
                     problem = f"its manifest is unreadable ({type(err).__name__}: {err})"[:300]
                 else:
@@ -393,7 +385,7 @@ class Checkpointer:
             if problem is None:
                 try:
                     return (step, *self.restore(step, targets))
-                except Exception as err:  # a file that passed (or predates) checksums but cannot be read
+                except Exception as err:  # a file that passed checksums but cannot be read
                     problem = f"restore failed: {type(err).__name__}: {err}".replace("\n", " ")[:400]
             self._quarantine(step, problem)
         return None
@@ -407,9 +399,9 @@ class Checkpointer:
             bad = self.directory / "corrupt" / str(step)
             shutil.rmtree(bad, ignore_errors=True)
             bad.mkdir(parents=True)
-            (self.directory / MANIFEST.format(step=step)).rename(bad / MANIFEST.format(step=step))
-            if (self.directory / str(step)).exists():
-                (self.directory / str(step)).rename(bad / str(step))
+            for part in (MANIFEST.format(step=step), str(step)):
+                if (self.directory / part).exists():
+                    (self.directory / part).rename(bad / part)
         agree(f"checkpoint-quarantined-{step}", True)
         self.manager.reload()
 
@@ -428,3 +420,7 @@ class Checkpointer:
                 part = jax.tree.map(lambda v, t: _from_view(v, t.sharding), got[f"section_{s}"], target)
                 states[s] = SectionState(part["params"], st.consts, part["opt_state"])
         return states, got["data"], got["meta"]
+
+
+def _manifest_step(path: Path) -> int:
+    return int(path.stem.split("-")[1])

@@ -52,10 +52,10 @@ def _open(d: Path):
     (a read-only or full checkpoint filesystem) is reported by whatever writes there next."""
     try:
         d.mkdir(parents=True, exist_ok=True)
-        return open(d / LOCK_FILE, "a+")  # noqa: SIM115 (kept open while held)
+        return open(d / LOCK_FILE, "a+")
     except OSError:
         try:
-            return open(d / LOCK_FILE)  # noqa: SIM115
+            return open(d / LOCK_FILE)
         except OSError as err:
             log.warning("cannot lock %s (%s): a second run on it would not be detected", d, err)
             return None

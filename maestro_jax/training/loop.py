@@ -1,9 +1,15 @@
-"""The training loop: `train(config)` is what the CLI, tests and notebooks call.
+"""The training loop: `train(config)` is what the CLI, `Trainer`, tests and notebooks call.
 
 With `output_dir`, the run writes `metrics.jsonl` (one JSON object per step), TensorBoard
 events (`tb/`), the resolved `config.yaml` and Orbax checkpoints (`checkpoints/`); running
-again with the same `output_dir` resumes from the latest complete checkpoint, data order
+again with the same `output_dir` resumes from the latest committed checkpoint, data order
 included, and gives the same per-step losses as an uninterrupted run.
+
+The loop issues step N+1 before it reads step N, so the devices never wait on the host. What
+happens at a step boundary is one method each (`_Loop`): reading a step (non-finite handling,
+metrics to the trackers), evaluation, checkpoints, preemption. One `ExitStack` owns every
+resource of the run (the SIGTERM handler, directory locks, the prefetch thread, the
+checkpointer, the trackers) and closes them in reverse order, on a fault too.
 
 Faults end the run with an exception the CLI maps to an exit status (README, "Fault behaviour"):
 `DataError` (a bad sample under `data.on_bad_sample: error`), `NonFiniteError`,
@@ -12,12 +18,12 @@ Faults end the run with an exception the CLI maps to an exit status (README, "Fa
 
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
 import logging
 import math
-import os
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -30,97 +36,13 @@ from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, 
 from maestro_jax.runtime.optimizer import current_rate
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
 from maestro_jax.training.dirlock import hold_directories
+from maestro_jax.training.evaluate import Evaluation, evaluation_for
 from maestro_jax.training.preemption import Preemption
-from maestro_jax.training.prefetch import Prefetcher
+from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.storage import check_directories, write_error
+from maestro_jax.training.trackers import Trackers, output_trackers
 
 log = logging.getLogger("maestro_jax")
-
-
-class MetricsWriter:
-    """Process 0 writes metrics: JSONL always, TensorBoard when tensorboardX is importable.
-
-    A run that resumes from step `start` first cuts the log back to steps <= `start` (a crash
-    after the last checkpoint left later steps that the resumed run computes again) and tells
-    TensorBoard to purge its events after `start`, so each step appears once, with the values
-    of the run the checkpoints continue.
-
-    A file that cannot be written (a full or read-only `output_dir`) is a `StorageError` naming
-    it. tensorboardX writes on a thread of its own, which dies on such an error and would then
-    block the next writes forever once its queue fills: its death is noticed (and its traceback
-    kept off stderr) at the next `write`, and its queue is long enough that no write blocks."""
-
-    def __init__(self, out_dir: Path | None, start: int = 0):
-        self.path = out_dir / "metrics.jsonl" if out_dir else None
-        self.tb = None
-        if self.path and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _step_of(line) is not None and _step_of(line) <= start]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            try:
-                tmp.write_text("".join(line + "\n" for line in kept))
-                os.replace(tmp, self.path)
-            except OSError as err:  # a full or read-only output_dir: one line, status 4
-                tmp.unlink(missing_ok=True)
-                raise write_error("output_dir", self.path, err) from None
-        if out_dir:
-            from tensorboardX import SummaryWriter
-
-            try:
-                self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start + 1 if start else None,
-                                        max_queue=1024)
-            except OSError as err:
-                raise write_error("output_dir", out_dir / "tb", err) from None
-            self._tb_error: BaseException | None = None
-            self._tb_worker = getattr(getattr(self.tb.file_writer, "event_writer", None), "_worker", None)
-            self._previous_hook = threading.excepthook
-            threading.excepthook = self._thread_died
-
-    def _thread_died(self, args) -> None:
-        if self._tb_worker is not None and args.thread is self._tb_worker:
-            self._tb_error = args.exc_value  # reported by `write` as a StorageError
-        else:
-            self._previous_hook(args)
-
-    def write(self, rec: dict) -> None:
-        if self.path:
-            try:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-            except OSError as err:  # a full or read-only output_dir: one line, status 4
-                raise write_error("output_dir", self.path, err) from None
-        if self.tb:
-            if self._tb_worker is not None and not self._tb_worker.is_alive():
-                err = self._tb_error
-                err = err if isinstance(err, OSError) else OSError(f"its writer thread stopped: {err!r}")
-                raise write_error("output_dir", Path(self.tb.logdir), err, "writing TensorBoard events to")
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
-
-    def close(self) -> None:
-        """Never raises: a failed final flush of TensorBoard events is a warning (the fault that
-        ends a run, if any, is raised by whoever called; checkpoints still commit after this)."""
-        if self.tb:
-            try:
-                self.tb.close()
-            except Exception as err:
-                log.warning("closing TensorBoard events in %s: %s", self.tb.logdir, err)
-                events = getattr(getattr(self.tb, "file_writer", None), "event_writer", None)
-                if events is not None:  # else tensorboardX's exit hook retries and prints a traceback
-                    events._closed = True
-            finally:
-                if threading.excepthook == self._thread_died:
-                    threading.excepthook = self._previous_hook
-                self.tb = None
-
-
-def _step_of(line: str) -> int | None:
-    """The step of one metrics.jsonl line; None for a line a crash cut short."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 class NonFiniteError(RuntimeError):
@@ -142,6 +64,7 @@ class IssuedStep:
         self.record = record
         self.norms_sq = norms_sq or {}  # each trained section's squared grad norm, a device scalar
         self.rates: dict = {}  # each trained section's learning rate in the update, once it is issued
+        self.evaluated: list = []  # the held-out losses issued after this step (`Evaluation.issue`)
         self.was_read = False
 
     def read(self) -> dict:
@@ -218,23 +141,75 @@ def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     return states, issued.read()
 
 
-def train(cfg: Config, progress: bool = True, rt: Runtime | None = None) -> list[dict]:
-    """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint).
+def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, trackers=(), eval_source=None) -> list[dict]:
+    """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint);
+    returns the steps' metrics records.
 
     `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
-    workload. On SIGTERM, saves a checkpoint after the current step and returns early.
-    One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding it is
-    refused with a `DirectoryInUseError` (see `dirlock`). Directories that cannot take the run's
-    files are refused before anything compiles (`storage.check_directories`). SIGTERM is caught
-    from the start: one that arrives during start-up (compiling, restoring) stops the run before
-    its first step, with nothing new to save."""
+    workload. `trackers`: more metrics sinks beside JSONL and TensorBoard (`training.trackers`).
+    `eval_source`: a user graph's held-out samples for the `eval` block (`training.evaluate`).
+    On SIGTERM, saves a checkpoint after the current step and returns early; one that arrives
+    during start-up (compiling, restoring) stops the run before its first step, with nothing new
+    to save. One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding
+    it is refused with a `DirectoryInUseError` (`dirlock`). Directories that cannot take the
+    run's files are refused before anything compiles (`storage.check_directories`)."""
     set_peer_timeout(cfg.distributed.timeout_s)
-    dirs = {"output_dir": cfg.output_dir,
-            "checkpoint_dir": cfg.checkpoint_dir if cfg.output_dir and cfg.keep_checkpoints else None}
-    with Preemption() as preemption:
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else None
+    keep = bool(out_dir and cfg.keep_checkpoints)
+    dirs = {"output_dir": cfg.output_dir, "checkpoint_dir": cfg.checkpoint_dir if keep else None}
+    say = _say(progress)
+    with contextlib.ExitStack() as stack:
+        preemption = stack.enter_context(Preemption())
         check_directories(dirs)
-        with hold_directories(dirs):
-            return _train(cfg, progress, rt, preemption)
+        stack.enter_context(hold_directories(dirs))
+        if keep:
+            check_checkpoint_layout(cfg.plan())  # before anything compiles
+        if _preempted_in_startup(preemption, None, 0):
+            return []
+        rt = rt or build_runtime(cfg)
+        states = rt.init_states()
+        bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
+        data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
+        ckpt, start = None, 0
+        if keep:
+            ckpt = stack.enter_context(Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints",
+                                                    cfg.keep_checkpoints, cfg.async_checkpoint))
+            if (restored := ckpt.restore_latest(states)) is not None:  # another config's checkpoint stops here
+                start, states, data_state, _ = restored
+                data.set_state(data_state)
+                say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
+        if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
+            return []
+        if start >= cfg.steps:
+            say(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
+            return []
+        if out_dir and jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit
+            _write_config(cfg, out_dir)
+        evaluation = evaluation_for(cfg, rt, eval_source)
+        tracked = stack.enter_context(output_trackers(out_dir, start, trackers))
+        bar = stack.enter_context(tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
+                                       disable=not progress or jax.process_index() != 0))
+        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, _StepLog(tracked, bar), say).run(states, start)
+    skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
+    if skipped:
+        say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
+    return history
+
+
+def _say(progress: bool):
+    """Process 0's one-line reports (resume, checkpoints), kept clear of the progress bar."""
+    def say(line: str) -> None:
+        if jax.process_index() == 0:
+            tqdm.write(line) if progress else print(line, flush=True)
+    return say
+
+
+def _write_config(cfg: Config, out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(dump_config(cfg))
+    except OSError as err:
+        raise write_error("output_dir", out_dir / "config.yaml", err) from None
 
 
 def _preempted_in_startup(preemption: Preemption, out_dir: Path | None, start: int) -> bool:
@@ -248,79 +223,23 @@ def _preempted_in_startup(preemption: Preemption, out_dir: Path | None, start: i
     return True
 
 
-def _train(cfg: Config, progress: bool, rt: Runtime | None, preemption: Preemption) -> list[dict]:
-    if cfg.output_dir and cfg.keep_checkpoints:
-        check_checkpoint_layout(cfg.plan())  # before anything compiles
-    if _preempted_in_startup(preemption, None, 0):
-        return []
-    rt = rt or build_runtime(cfg)
-    states = rt.init_states()
-    bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
-    data = Prefetcher(rt.reader(bad), rt.executor, bad)
-    out_dir = Path(cfg.output_dir) if cfg.output_dir else None
-    ckpt = None
-    start = 0
-    if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.keep_checkpoints:
-            ckpt = Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints,
-                                cfg.async_checkpoint)
-            try:
-                restored = ckpt.restore_latest(states)  # a checkpoint of another config stops here
-            except BaseException:
-                ckpt.close()
-                raise
-            if restored is not None:
-                start, states, data_state, _ = restored
-                data.set_state(data_state)
-        if jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit this config
-            try:
-                (out_dir / "config.yaml").write_text(dump_config(cfg))
-            except OSError as err:
-                if ckpt:
-                    ckpt.close()
-                raise write_error("output_dir", out_dir / "config.yaml", err) from None
-    if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
-        if ckpt:
-            ckpt.close()
-        data.close()
-        return []
-    if start >= cfg.steps and jax.process_index() == 0:
-        print(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}", flush=True)
-    try:
-        writer = MetricsWriter(out_dir if jax.process_index() == 0 else None, start)  # process 0 writes metrics
-    except BaseException:
-        data.close()
-        if ckpt:
-            ckpt.close()
-        raise
-    history = []
-    bar = tqdm(range(start, cfg.steps), disable=not progress or jax.process_index() != 0, desc="train", unit="step", initial=start,
-               total=cfg.steps)
-    try:
-        history = _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption)
-    finally:
-        data.close()
-    skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
-    if skipped:
-        bar.write(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
-    return history
-
-
 class _StepLog:
-    """Turns read steps into metrics records: history, progress bar, metrics.jsonl, TensorBoard.
+    """Turns read steps into metrics records: history, progress bar, trackers.
 
     `step_time_s` is the time between two steps' results being read, the throughput interval
     when the host reads each step after issuing the next; its parts (`data_wait_s`,
     `dispatch_s`, `device_wait_s`) then belong to neighbouring steps, so they add up within the
     run's total time, not within each interval."""
 
-    def __init__(self, writer: MetricsWriter, bar, history: list[dict]):
-        self.writer, self.bar, self.history = writer, bar, history
+    def __init__(self, trackers: Trackers, bar):
+        self.trackers, self.bar, self.history = trackers, bar, []
         self.last_read = time.perf_counter()
 
-    def read(self, issued: IssuedStep, prepared, data_wait_s: float, wait_reason: str | None = None) -> None:
+    def read(self, issued: IssuedStep, prepared: PreparedBatch, data_wait_s: float,
+             wait_reason: str | None = None) -> None:
         rec = issued.read()
+        if issued.evaluated:
+            rec["eval_loss"] = Evaluation.read(issued.evaluated)
         now = time.perf_counter()
         dt, self.last_read = now - self.last_read, now
         batch, samples = prepared.batch, prepared.batch.samples
@@ -335,60 +254,86 @@ class _StepLog:
         if prepared.skipped is not None:
             rec["skipped_samples"] = prepared.skipped
         self.history.append(rec)
+        self.bar.update(1)
         self.bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
-        self.writer.write(rec)
+        self.trackers.write(rec)
 
 
-def _loop(cfg, rt, states, data, bad, ckpt, writer, bar, history, preemption) -> list[dict]:
-    log_ = _StepLog(writer, bar, history)
-    pending = None  # the step issued last and not read yet: (IssuedStep, PreparedBatch, data wait)
-    ahead = None  # this step's run-ahead work, issued with the step before (never across a restart)
-    try:
-        for step in bar:
-            step_barrier(step + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
-            prepared = next(data)  # read, scheduled and packed while the previous step ran
-            batch = prepared.batch
-            states, issued = issue_step(rt, states, batch.samples, step + 1, cfg.on_nonfinite, batch.schedule,
-                                        batch.loss_count, prepared.host, ahead)
-            ahead = None
-            if rt.problem.ahead and step + 1 < cfg.steps and (following := data.peek()) is not None:
-                # the next batch's frozen forwards, queued behind this step's work on their devices
-                nxt = following.batch
-                ahead = rt.executor.run_ahead(states, nxt.samples, nxt.schedule, following.host)
-            if pending:  # the previous step, read now that this one is queued behind it
-                log_.read(*pending)
-            pending = (issued, prepared, data.data_wait_s)
-            done = step + 1
-            due = done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
-            stop = preemption.stop_after(done)  # a notice on any process stops all of them here
-            save = ckpt and (due or stop)
-            if save or stop:  # a checkpoint holds only a step known to be finite
-                log_.read(*pending, wait_reason="checkpoint" if save else "preemption")
-                pending = None
-            if save:
-                ckpt.save(done, states, data.get_state(), {"seed": cfg.seed, "workload": cfg.workload})
-            if stop:
-                bar.write(preemption.report(done, ckpt))
-                break
-        if pending:
-            log_.read(*pending, wait_reason="last step")
-    except PeerError:
-        writer.close()  # no checkpoint work: committing needs the lost peer (its save is never committed)
-        raise
-    except BaseException:
-        if pending and not pending[0].was_read:  # a step the devices finished before this fault: log it
+@dataclasses.dataclass
+class _Loop:
+    """The steps of one run, and what happens at their boundaries."""
+
+    cfg: Config
+    rt: Runtime
+    data: Prefetcher
+    ckpt: Checkpointer | None
+    preemption: Preemption
+    evaluation: Evaluation | None
+    log: _StepLog
+    say: Callable[[str], None]
+    pending: tuple | None = None  # the step issued last and not read yet: (IssuedStep, PreparedBatch, data wait)
+
+    def run(self, states, start: int) -> list[dict]:
+        ahead = None  # this step's run-ahead work, issued with the step before (never across a restart)
+        step_barrier(start + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
+        try:
+            for done in range(start + 1, self.cfg.steps + 1):
+                prepared = next(self.data)  # read, scheduled and packed while the previous step ran
+                batch = prepared.batch
+                states, issued = issue_step(self.rt, states, batch.samples, done, self.cfg.on_nonfinite,
+                                            batch.schedule, batch.loss_count, prepared.host, ahead)
+                ahead = self._run_ahead(states, done)
+                self._evaluate(done, states, issued)
+                self._read_pending()  # the previous step, read now that this one is queued behind it
+                self.pending = (issued, prepared, self.data.data_wait_s)
+                stop_by = step_barrier(done + 1, self.preemption.requested)  # a notice on any process
+                self._checkpoint(done, states, stop_by)
+                if stop_by:
+                    self.say(self.preemption.report(done, self.ckpt, stop_by))
+                    break
+            self._read_pending("last step")
+        except BaseException as fault:
+            self._log_finished_step(fault)
+            raise
+        return self.log.history
+
+    def _run_ahead(self, states, done: int):
+        """The next batch's frozen forwards, queued behind this step's work on their devices."""
+        if self.rt.problem.ahead and done < self.cfg.steps and (following := self.data.peek()) is not None:
+            nxt = following.batch
+            return self.rt.executor.run_ahead(states, nxt.samples, nxt.schedule, following.host)
+        return None
+
+    def _evaluate(self, done: int, states, issued: IssuedStep) -> None:
+        """The held-out loss after step `done` when due, queued behind its update; read with it."""
+        every = self.cfg.eval.every if self.evaluation else 0
+        if every and (done % every == 0 or done == self.cfg.steps):
+            issued.evaluated = self.evaluation.issue(states)
+
+    def _read_pending(self, wait_reason: str | None = None) -> None:
+        if self.pending:
+            pending, self.pending = self.pending, None
+            self.log.read(*pending, wait_reason=wait_reason)
+
+    def _checkpoint(self, done: int, states, stop_by: list[int]) -> None:
+        """Save after step `done` when it is due or the run stops; a checkpoint holds only a step
+        known to be finite, so the step is read first."""
+        due = done == self.cfg.steps or (self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0)
+        if not self.ckpt or not (due or stop_by):
+            if stop_by:
+                self._read_pending("preemption")
+            return
+        self._read_pending("checkpoint")
+        self.log.trackers.flush()  # the metrics of every step the checkpoint holds are on disk first
+        self.ckpt.save(done, states, self.data.get_state(), {"seed": self.cfg.seed, "workload": self.cfg.workload})
+        if not stop_by:  # a preemption's report says more, once the save is committed
+            self.say(f"checkpoint: saving step {done} to {self.ckpt.directory}")
+
+    def _log_finished_step(self, fault: BaseException) -> None:
+        """A step the devices finished before `fault` is still logged (not after a lost peer:
+        reading it would wait for that peer)."""
+        if self.pending and not isinstance(fault, PeerError) and not self.pending[0].was_read:
             try:
-                log_.read(*pending)
+                self._read_pending()
             except Exception as err:  # NonFiniteError included: the fault being raised comes first
                 log.error("%s", err)
-        writer.close()
-        if ckpt:
-            try:
-                ckpt.close()  # the last complete save is still committed
-            except Exception as err:  # the fault being raised matters more than this one
-                log.error("%s", err)
-        raise
-    writer.close()
-    if ckpt:
-        ckpt.close()  # commits the final save; a storage fault raises CheckpointError here
-    return history

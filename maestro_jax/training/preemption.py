@@ -3,8 +3,9 @@
 Light (no JAX) so that the CLI installs it before start-up: a notice that arrives while JAX
 starts, the runtime compiles or a checkpoint is restored is kept, and the run then stops before
 its first step with status 0 (nothing new to save; the last committed checkpoint stays as it
-is) instead of dying of the signal (status 143). Nested uses share one flag: the outermost
-installs the handler and restores the previous one when it exits.
+is) instead of dying of the signal (status 143). A `Preemption` entered while another one's
+handler is installed (the CLI's, then `train`'s) shares that one's flag instead of replacing
+it, so a notice is never lost between them; each restores the handler it found when it exits.
 """
 
 from __future__ import annotations
@@ -12,59 +13,54 @@ from __future__ import annotations
 import signal
 import threading
 
-_state = {"depth": 0, "requested": False, "previous": None}
-
 
 class Preemption:
     """SIGTERM ends training at the next step boundary, after a checkpoint; the process then
-    exits with status 0 and a re-run resumes from that step."""
+    exits with status 0 and a re-run resumes from that step. Multi-process: every process brings
+    its flag to the step check-in (`runtime.distributed.step_barrier`), so a notice on any one
+    stops all of them after the same step."""
 
     def __init__(self):
-        self.by: list[int] = []  # the processes that got a notice (multi-process: any of them)
+        self._requested = False
+        self._outer: Preemption | None = None  # the installed handler's owner, whose flag we share
+        self._previous = None
+        self._installed = False
 
     @property
     def requested(self) -> bool:
-        return _state["requested"]
+        return self._outer.requested if self._outer is not None else self._requested
 
-    def stop_after(self, done: int) -> bool:
-        """Whether to checkpoint and stop after step `done`: a notice on this process or on any
-        other (multi-process: exchanged in the next step's check-in, so every process stops
-        after the same step, and all of them take part in its checkpoint)."""
-        from maestro_jax.runtime.distributed import step_barrier  # JAX-free until a run needs it
+    def _handle(self, signum, frame) -> None:
+        self._requested = True
 
-        self.by = step_barrier(done + 1, self.requested)
-        return bool(self.by)
-
-    def report(self, done: int, ckpt) -> str:
-        """What stopping after step `done` left: a checkpoint is said to be saved only once it is
-        committed (process 0 wrote its manifest). Raises the save's error instead, if it failed."""
+    def report(self, done: int, ckpt, by: list[int]) -> str:
+        """What stopping after step `done` left (`by`: the processes that got a notice): a
+        checkpoint is said to be saved only once it is committed. Raises the save's error
+        instead, if it failed."""
         from maestro_jax.runtime.distributed import agree
 
-        notice = "SIGTERM" if self.requested else f"preemption notice on process {', '.join(map(str, self.by))}"
+        notice = "SIGTERM" if self.requested else f"preemption notice on process {', '.join(map(str, by))}"
         if ckpt is None:
             return f"{notice}: stopping after step {done}, no checkpoint (keep_checkpoints=0 or no output_dir)"
         ckpt.wait_committed()
-        committed = agree(f"committed-{done}", ckpt.latest_step())  # process 0 writes the manifest
+        committed = agree(f"committed-{done}", ckpt.latest_step())
         if committed != done:
             return f"{notice}: the checkpoint of step {done} was not committed (the last committed is step {committed})"
         return f"{notice}: checkpoint saved at step {done}; stopping (re-run to resume)"
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            if _state["depth"] == 0:
-                _state["requested"] = False
-                _state["previous"] = signal.signal(signal.SIGTERM, _handle)
-            _state["depth"] += 1
+            current = signal.getsignal(signal.SIGTERM)
+            owner = getattr(current, "__self__", None)
+            if isinstance(owner, Preemption):
+                self._outer = owner
+            else:
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+                self._installed = True
         return self
 
     def __exit__(self, *exc):
-        if threading.current_thread() is threading.main_thread() and _state["depth"]:
-            _state["depth"] -= 1
-            if _state["depth"] == 0:
-                previous = _state["previous"]
-                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-                _state["previous"] = None
-
-
-def _handle(signum, frame):
-    _state["requested"] = True
+        if self._installed:
+            previous = self._previous
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            self._installed = False

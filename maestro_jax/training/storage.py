@@ -68,9 +68,9 @@ def directory_problem(key: str, d: Path) -> tuple[str, str] | None:
 def check_directories(directories: dict[str, str | Path | None]) -> None:
     """Refuse, before anything compiles, a run whose directories ({config key: path}; None:
     skipped) cannot take its files. Process 0 checks (they are shared); every process agrees."""
-    import jax  # noqa: PLC0415
+    import jax
 
-    from maestro_jax.runtime.distributed import agree  # noqa: PLC0415
+    from maestro_jax.runtime.distributed import agree
 
     problem = None
     if jax.process_index() == 0:

@@ -20,41 +20,45 @@ from maestro_jax.runtime.build import build_runtime
 
 
 class Trainer:
-    def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None):
+    def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None,
+                 eval_source=None):
         """`source`: any random-access source of `maestro_jax.data.Sample` (`__len__`,
         `__getitem__`; `info(i)` optional); `check(sample, parts=None)` validates a sample (raise DataError); `parts`
-        names the parts this process decoded (None: all; the others are zeros)."""
+        names the parts this process decoded (None: all; the others are zeros). `eval_source`:
+        held-out samples for the config's `eval` block (a built-in workload reads `eval.data`)."""
         self.config = config
+        self.eval_source = eval_source
         self.runtime = build_runtime(config, graph, source, check)
 
     @property
     def graph(self) -> SectionGraph:
         return self.runtime.graph
 
-    def train(self, progress: bool = True) -> list[dict]:
-        from maestro_jax.training.loop import train  # noqa: PLC0415
+    def train(self, progress: bool = True, trackers=()) -> list[dict]:
+        """`trackers`: metrics sinks beside JSONL and TensorBoard (`training.trackers.Tracker`)."""
+        from maestro_jax.training.loop import train
 
-        return train(self.config, progress, rt=self.runtime)
+        return train(self.config, progress, rt=self.runtime, trackers=trackers, eval_source=self.eval_source)
 
     def verify(self, step: int = 0) -> list:
         """Differences (`tools.verify.Diff`) of loss, every trained section's grads and updated
         params, maestro vs monolithic, on global batch `step`."""
-        from maestro_jax.tools.verify import verify  # noqa: PLC0415
+        from maestro_jax.tools.verify import verify
 
         return verify(self.config, self.runtime, step)
 
     def bench(self, reps: int = 5, batches: int = 3, trace_dir: str | None = None) -> dict:
-        from maestro_jax.tools.bench import bench  # noqa: PLC0415
+        from maestro_jax.tools.bench import bench
 
         return bench(self.config, reps, batches, trace_dir, rt=self.runtime)
 
     def plan(self, devices: int, memory_gb: float, top: int = 10):
         """The planner's best plans for this graph (`planning.planner.PlanReport`)."""
-        from maestro_jax.tools.plan import planner_for  # noqa: PLC0415
+        from maestro_jax.tools.plan import planner_for
 
         return planner_for(self.config, devices, memory_gb, graph=self.graph, source=self.runtime.source).search(top)
 
     def simulate(self) -> dict:
-        from maestro_jax.tools.simulate import simulate_config  # noqa: PLC0415
+        from maestro_jax.tools.simulate import simulate_config
 
         return simulate_config(self.config, graph=self.graph, source=self.runtime.source)

@@ -4,6 +4,13 @@
 is an import path `package.module:NAME` to a user's `Workload`. The workload builds the section
 graph from the config (its sections, edges, models, declared costs); the same graph serves the
 runtime, the planner, the simulator, the data checks and `verify`/`bench`.
+
+This module turns a config into what those users take from its workload: the graph checked
+against the config's sections (`build_graph`), the sample source and the sample checks
+(`source_from_config`, `sample_check`, `info_check`), and the planning view (`describe`,
+`planning_batches`). Workloads sit below the runtime: they import the models, the data schema,
+the config and the planning half, never the runtime, training or tools (`tests/test_layering.py`);
+the runtime imports them.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ class Workload:
     modalities(cfg): the modalities its samples carry besides text (validated, synthesised).
     vocab(cfg): the token vocabulary samples must stay inside, read off the model configs (every
       embedding table the ids index).
-    pretrained: section -> loader(cfg, section, path, states, programs) -> states, for sections
-      that can start from a Hugging Face folder (`sections.<s>.init.hf_path`).
+    pretrained: section -> loader(section, path, states, programs) -> states, for sections that
+      can start from a Hugging Face folder (`sections.<s>.init.hf_path`); checked before compiling
+      by `pretrained.check_pretrained`, called by the runtime after its sections initialise.
     """
 
     name: str
@@ -39,7 +47,8 @@ class Workload:
 
 
 def resolve(name: str | None) -> Workload:
-    """The workload a config names; ConfigError naming the valid choices otherwise."""
+    """The workload a config names (a built-in name, or `package.module:NAME` imported); ConfigError
+    naming the valid choices when it is missing, unknown, unimportable or not a `Workload`."""
     if name is None:
         raise ConfigError(f"error: workload: missing; valid: {', '.join(BUILTIN)}, or a plug-in "
                           f"'package.module:NAME' (a Python caller may instead pass its own graph to Trainer)")
@@ -61,7 +70,8 @@ def resolve(name: str | None) -> Workload:
 
 
 def model(cfg: Config, name: str, kind: str):
-    """`models.<name>` as the Flax model's own config dataclass; ConfigError when missing or of another kind."""
+    """`models.<name>` as the Flax model's own config dataclass, with the activation checkpointing
+    (`remat`) of the section named like it; ConfigError when missing or of another kind."""
     from models import AudioConfig, LLMConfig, ViTConfig  # noqa: PLC0415
 
     m = cfg.models.get(name)
@@ -77,7 +87,8 @@ def model(cfg: Config, name: str, kind: str):
 
 
 def build_graph(cfg: Config) -> SectionGraph:
-    """The workload's graph, checked against the config's sections and edges."""
+    """The workload's graph, checked against the config's sections and edges (a `ValueError` the
+    workload raises while building becomes a ConfigError naming the workload)."""
     workload = resolve(cfg.workload)
     try:
         graph = workload.build(cfg)
@@ -100,7 +111,9 @@ def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -
 
 
 def source_from_config(cfg: Config):
-    """The configured sample source (`data.kind`), with the workload's modalities."""
+    """The configured sample source (`data.kind`): the ArrayRecord files as they are, or a seeded
+    synthetic source over the workload's vocabulary whose items are the workload's modalities that
+    `data.modalities` gives sizes to (each name and size checked against the workload)."""
     from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource  # noqa: PLC0415
 
     if cfg.data.kind == "array_record":
@@ -126,8 +139,9 @@ def source_from_config(cfg: Config):
 
 
 def sample_check(cfg: Config):
-    """The validation every sample passes before training: the workload's modalities, its
-    vocabulary and `data.max_tokens`."""
+    """`check(sample, parts=None)`: the validation every sample passes before it is trained on
+    (`data.samples.validate_sample` against the workload's modalities, its vocabulary and
+    `data.max_tokens`)."""
     import functools  # noqa: PLC0415
 
     from maestro_jax.data.samples import validate_sample  # noqa: PLC0415
@@ -138,7 +152,8 @@ def sample_check(cfg: Config):
 
 
 def info_check(cfg: Config):
-    """The metadata half of `sample_check`, run on every process before scheduling."""
+    """The metadata half of `sample_check` (`data.samples.validate_info`: length, modalities, item
+    shapes; no vocabulary, which needs the tokens), run on every process before scheduling."""
     import functools  # noqa: PLC0415
 
     from maestro_jax.data.samples import validate_info  # noqa: PLC0415
@@ -149,21 +164,24 @@ def info_check(cfg: Config):
 
 def mean_item_units(cfg: Config, modality: str, per_item: Callable[[tuple[int, ...]], float],
                     default: float) -> float:
-    """The mean work units of one item of `modality` in the configured data (attention context)."""
+    """The mean work units of one item of `modality` over the sizes `data.modalities.<modality>`
+    lists (`default` when it lists none), for the attention context a cost declaration assumes."""
     d = cfg.data.modalities.get(modality)
     sizes = [tuple(s) for s in d.sizes] if d else []
     return sum(per_item(s) for s in sizes) / len(sizes) if sizes else default
 
 
 def describe(cfg: Config, graph: SectionGraph | None = None):
-    """The planning view of a workload (`planning.spec.WorkloadSpec`), read off its graph: the
-    parameter leaves from `jax.eval_shape` of the graph's own `init` (traced, never compiled
-    nor allocated), the costs each section declares, the edges' bytes per unit."""
+    """The planning view of a workload (`planning.spec.WorkloadSpec`), read off its graph (the
+    config's workload, built here, unless a graph is given): the parameter leaves from
+    `jax.eval_shape` of the graph's own `init` (traced, never compiled nor allocated) as
+    `params.param_infos` records, the costs each section declares, each section's configured
+    precision, the edges' bytes per unit."""
     import jax  # noqa: PLC0415
 
     from maestro_jax.core.plan import EdgeInfo  # noqa: PLC0415
     from maestro_jax.planning.spec import SectionSpec, WorkloadSpec  # noqa: PLC0415
-    from maestro_jax.runtime.sharding import param_infos  # noqa: PLC0415
+    from maestro_jax.workloads.params import param_infos  # noqa: PLC0415
 
     graph = graph or build_graph(cfg)
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
@@ -179,7 +197,8 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
 
 def planning_batches(cfg: Config, graph: SectionGraph, count: int, source=None):
     """`count` global batches of sample metadata (sections activated, work units), from the
-    source's `info` (sizes only, no payload), in a seeded shuffled order."""
+    source's `info` (sizes only, no payload): the source's samples in order, or in a seeded
+    shuffled order under `data.shuffle`, repeated as often as `count` batches need."""
     import numpy as np  # noqa: PLC0415
 
     from maestro_jax.data.sources import sample_info  # noqa: PLC0415

@@ -1,7 +1,14 @@
 """Starting sections from Hugging Face folders (`sections.<s>.init.hf_path`), for the LLM-backed
-sections of the built-in workloads; the model named like the section describes the checkpoint."""
+sections of the built-in workloads; the model named like the section describes the checkpoint.
+
+The weight mapping is `models.hf`, beside the model it converts. A loader is called by the runtime
+as `loader(section, path, states, programs)` and returns the new `states`: it replaces fields of
+the sections' states (`params`, `consts`, `opt_state`) and starts an optimizer through
+`programs[section].init_optimizer`, so it needs nothing from the runtime's modules."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from maestro_jax.config import Config, ConfigError
 
@@ -9,7 +16,7 @@ from maestro_jax.config import Config, ConfigError
 def check_pretrained(cfg: Config, pretrained) -> None:
     """Each `init.hf_path` has a loader, a readable config.json that matches `models.<s>` field by
     field, and readable safetensors files (before compiling)."""
-    from maestro_jax.tools import hf  # noqa: PLC0415
+    from models import hf  # noqa: PLC0415
 
     for s, sc in cfg.sections.items():
         if sc.init is None:
@@ -34,22 +41,21 @@ def check_pretrained(cfg: Config, pretrained) -> None:
 
 def load_llm_section(section: str, path: str, states: dict, programs) -> dict:
     """A trained LLM section (VLM llm, KD student) takes the whole model; its optimizer restarts."""
-    from maestro_jax.runtime.programs import SectionState  # noqa: PLC0415
-    from maestro_jax.tools import hf  # noqa: PLC0415
+    from models import hf  # noqa: PLC0415
 
     st = states[section]
     params = hf.load_llm(path, st.params, hf.llm_fields(path))
-    return {**states, section: SectionState(params, st.consts, programs[section].init_optimizer(params))}
+    return {**states, section: dataclasses.replace(st, params=params,
+                                                   opt_state=programs[section].init_optimizer(params))}
 
 
 def load_teacher_section(section: str, path: str, states: dict, programs, head_in: str = "student") -> dict:
     """A KD teacher: its body in the teacher section, its output layer in the student section."""
-    from maestro_jax.runtime.programs import SectionState  # noqa: PLC0415
-    from maestro_jax.tools import hf  # noqa: PLC0415
+    from models import hf  # noqa: PLC0415
 
     fields = hf.llm_fields(path)
     st, student = states[section], states[head_in]
     body = hf.load_llm(path, st.consts["llm"], fields, with_head=False)
     head = hf.output_layer(path, fields, student.consts["teacher_head"])
-    return {**states, section: SectionState(st.params, {**st.consts, "llm": body}, st.opt_state),
-            head_in: SectionState(student.params, {**student.consts, "teacher_head": head}, student.opt_state)}
+    return {**states, section: dataclasses.replace(st, consts={**st.consts, "llm": body}),
+            head_in: dataclasses.replace(student, consts={**student.consts, "teacher_head": head})}

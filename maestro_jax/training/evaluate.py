@@ -1,0 +1,94 @@
+"""Held-out loss through the training plan: the same sections, meshes and schedule, forward only.
+
+The `eval` block names a data source and how many global batches of it count. They are read,
+checked, scheduled and packed once, in order, so every evaluation sees the same samples and
+its losses compare across steps. The loss is the mean over every loss-carrying token of those
+batches (each batch's mean weighted by its token count), the training loss's normalisation.
+`issue` queues the forwards behind the step's update and returns at once; `read` waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from maestro_jax.config import Config, ConfigError
+from maestro_jax.data import global_batches
+from maestro_jax.runtime.build import Runtime
+from maestro_jax.runtime.distributed import fetch
+
+
+@dataclasses.dataclass
+class _EvalBatch:
+    samples: list
+    schedule: object
+    host: dict
+    tokens: int  # the batch's loss normaliser
+
+
+class Evaluation:
+    def __init__(self, rt: Runtime, source, batches: int, seed: int):
+        data = global_batches(source, rt.cfg.global_batch, seed, shuffle=False, check=rt.check)
+        if len(data) < batches:
+            raise ConfigError(f"error: eval.batches={batches}: the eval data holds {len(data)} global batches of "
+                              f"{rt.cfg.global_batch}; valid: at most {len(data)}")
+        self.rt, self.batches = rt, []
+        for i in range(batches):
+            samples = data[i]
+            schedule = rt.schedule(samples)
+            self.batches.append(_EvalBatch(samples, schedule, rt.executor.host_batches(samples, schedule),
+                                           rt.graph.loss_count(samples)))
+
+    def issue(self, states) -> list:
+        """Each batch's loss as a device scalar, queued on the devices; nothing is waited for."""
+        return [(self.rt.executor.evaluate(states, b.samples, b.schedule, host=b.host, norm=b.tokens), b.tokens)
+                for b in self.batches]
+
+    @staticmethod
+    def read(issued: list) -> float:
+        """The token-weighted mean of the batches' losses (waits for the devices)."""
+        total = sum(tokens for _, tokens in issued)
+        return sum(float(fetch(loss)) * tokens for loss, tokens in issued) / max(total, 1)
+
+
+def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
+    """The run's `Evaluation`, or None without an `eval` block. `source`: a user graph's own eval
+    source; else the config's `eval.data` (synthetic with `seed + 1`)."""
+    if cfg.eval is None:
+        return None
+    if source is None:
+        from maestro_jax import workloads  # noqa: PLC0415 - the config's workload builds its source
+
+        if cfg.workload is None:
+            raise ConfigError("error: eval: a user graph evaluates on its own source; pass eval_source to Trainer")
+        held_out = cfg.model_copy(update={"data": cfg.eval.data or cfg.data, "seed": cfg.seed + 1})
+        source = workloads.source_from_config(held_out)
+    return Evaluation(rt, source, cfg.eval.batches, cfg.seed + 1)
+
+
+def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None) -> tuple[int, float]:
+    """`maestro-jax eval`: the eval loss of the config's checkpoint `step` (None: the latest
+    committed one). Like an export, it holds the run lock of the directories while it reads (a
+    live run cannot rotate the checkpoints under it) and opens the checkpoints read-only.
+    Returns (step, loss)."""
+    from maestro_jax.training.checkpoint import Checkpointer  # noqa: PLC0415
+    from maestro_jax.training.dirlock import hold_directories  # noqa: PLC0415
+
+    evaluation = evaluation_for(cfg, rt)
+    if evaluation is None:
+        raise ConfigError("error: eval: the config has no eval block; add eval.batches (and eval.data) to evaluate")
+    if not cfg.output_dir:
+        raise ConfigError("error: output_dir: not set; name the run whose checkpoint to evaluate")
+    directory = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+    existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", directory)) if d.is_dir()}
+    with hold_directories(existing):
+        ckpt = Checkpointer(directory, read_only=True)
+        try:
+            steps = ckpt.committed_steps()
+            step = steps[-1] if step is None and steps else step
+            if step not in steps:
+                raise ConfigError(f"error: --step={step}: {directory} holds checkpoints of steps {steps or 'none'}")
+            states, _, _ = ckpt.restore(step, rt.init_states())
+        finally:
+            ckpt.close()
+    return step, Evaluation.read(evaluation.issue(states))

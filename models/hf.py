@@ -1,0 +1,320 @@
+"""Hugging Face checkpoints: Llama and Qwen2/Qwen3 decoders in and out of `models.llm.DecoderLM`.
+
+The weight mapping lives beside the model it converts, and like the rest of `models/` it imports
+nothing from maestro_jax: the workloads' `init.hf_path` loaders (`maestro_jax.workloads.pretrained`)
+and the CLI's `export` (through `maestro_jax.tools.hf`) both call it.
+
+Import reads a local folder (`config.json` and safetensors shards, with or without
+`model.safetensors.index.json`) one tensor at a time, memory-mapped, and places each weight
+straight into its target sharding with `jax.make_array_from_callback`: every device receives
+only its own slice, so a large model never sits whole on one device. Export writes a folder
+that `transformers` loads (`AutoModelForCausalLM.from_pretrained`).
+
+The layout maps 1:1 (HF `Linear` weights are `out x in`, Flax kernels `in x out`):
+  model.embed_tokens.weight [V, D]               -> embedding [V, D]
+  layers.i.self_attn.{q,k,v}_proj.weight [H*K, D] -> block_i.{q,k,v}.kernel [D, H, K] (+ bias [H, K])
+  layers.i.self_attn.o_proj.weight [D, H*K]       -> block_i.o.kernel [H, K, D]
+  layers.i.self_attn.{q,k}_norm.weight [K]        -> block_i.{q,k}_norm.scale (Qwen3)
+  layers.i.mlp.{gate,up}_proj.weight [F, D]       -> block_i.{gate,up}.kernel [D, F]
+  layers.i.mlp.down_proj.weight [D, F]            -> block_i.down.kernel [F, D]
+  layers.i.{input,post_attention}_layernorm       -> block_i.{attn,mlp}_norm.scale
+  model.norm.weight                               -> final_norm.scale
+  lm_head.weight [V, D]                           -> lm_head [D, V] (absent when tied)
+Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on a leading axis:
+  layers.i.mlp.gate.weight [E, D]                 -> block_i.moe.router [D, E]
+  layers.i.mlp.experts.j.{gate,up}_proj.weight    -> block_i.moe.{gate,up}[j] [D, F]
+  layers.i.mlp.experts.j.down_proj.weight         -> block_i.moe.down[j] [F, D]
+A scanned model (`scan_layers`) stacks every `block_i` leaf on a leading layer axis under
+`blocks/layer`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+class HFError(ValueError):
+    """A checkpoint folder this importer cannot read; the message names the file and field."""
+
+
+def read_config(path: str | Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise HFError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(f.read_bytes())
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HFError(f"{f}: not a readable JSON file ({type(err).__name__}: {err}); expected a Hugging Face "
+                      f"config.json") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{f}: holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The folder's safetensors files (from `model.safetensors.index.json` when present), each
+    checked to exist and to have a readable safetensors header (cheap: no tensor is read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise HFError(f"{index}: not a readable safetensors index ({type(err).__name__}: {err})") from None
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        raise HFError(f"{path}: no *.safetensors files; expected the weights beside config.json")
+    for name in names:
+        try:
+            with safe_open(str(path / name), framework="numpy"):
+                pass
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
+            raise HFError(f"{path / name}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+    return [path / n for n in names]
+
+
+def llm_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind llm; `LLMConfig`'s fields plus `kind`)
+    that describe the checkpoint at `path`."""
+    hf = read_config(path)
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted(ARCHITECTURES)}")
+    rope = hf.get("rope_scaling") or {}
+    params = hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type") or "default"
+    if rope_type != "default":
+        raise HFError(f"{path}/config.json: rope_type={rope_type!r}; only plain RoPE ('default') is supported")
+    if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
+                      f"the LLM is SwiGLU (silu) without MLP biases")
+    if hf.get("use_sliding_window"):
+        raise HFError(f"{path}/config.json: use_sliding_window=true is not supported")
+    heads = hf["num_attention_heads"]
+    fields = {
+        "kind": "llm", "vocab": hf["vocab_size"], "width": hf["hidden_size"], "depth": hf["num_hidden_layers"],
+        "heads": heads, "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp": hf["intermediate_size"],
+        "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)), "qk_norm": kind in ("qwen3", "qwen3_moe"),
+        "experts": 0, "experts_per_token": 0, "expert_mlp": 0,
+    }
+    if kind == "qwen3_moe":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise HFError(f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+                          f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer")
+        if not hf.get("norm_topk_prob", False):
+            raise HFError(f"{path}/config.json: norm_topk_prob=false; the router renormalises its top-k weights")
+        fields.update(experts=hf.get("num_local_experts") or hf["num_experts"],
+                      experts_per_token=hf["num_experts_per_tok"], expert_mlp=hf["moe_intermediate_size"])
+    return fields
+
+
+class _Tensors:
+    """Lazy, memory-mapped access to every tensor of the folder's safetensors files."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._where = {}
+        self._handles = [safe_open(str(f), framework="numpy") for f in weight_files(path)]
+        for h in self._handles:
+            for k in h.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                self._where[k] = h
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self._where:
+            raise HFError(f"tensor {key!r} is missing from the checkpoint")
+        return self._where[key].get_tensor(key)
+
+
+def _mapping(c: dict, with_head: bool) -> dict[tuple[str, ...], tuple[str, Callable]]:
+    """Flax path -> (HF tensor name, HF array -> Flax array)."""
+    h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
+    proj = lambda n: lambda w: w.T.reshape(d, n, k)
+    same = lambda w: w
+    out = {("embedding",): ("model.embed_tokens.weight", same), ("final_norm", "scale"): ("model.norm.weight", same)}
+    for i in range(c["depth"]):
+        b, hf = f"block_{i}", f"model.layers.{i}"
+        out.update({
+            (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
+            (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
+            (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
+            (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
+            (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
+            (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
+        })
+        if c.get("experts"):  # a trailing int: that expert's slice of the stacked leaf
+            out[(b, "moe", "router")] = (f"{hf}.mlp.gate.weight", np.transpose)
+            for j in range(c["experts"]):
+                for name in ("gate", "up", "down"):
+                    out[(b, "moe", name, j)] = (f"{hf}.mlp.experts.{j}.{name}_proj.weight", np.transpose)
+        else:
+            out.update({(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose)
+                        for name in ("gate", "up", "down")})
+        if c["qkv_bias"]:
+            for name, n in (("q", h), ("k", g), ("v", g)):
+                out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
+        if c["qk_norm"]:
+            out[(b, "q_norm", "scale")] = (f"{hf}.self_attn.q_norm.weight", same)
+            out[(b, "k_norm", "scale")] = (f"{hf}.self_attn.k_norm.weight", same)
+    if with_head and not c["tie_embeddings"]:
+        out[("lm_head",)] = ("lm_head.weight", np.transpose)
+    return out
+
+
+def _put(value: np.ndarray, like) -> jax.Array:
+    """`value` in `like`'s sharding, each device filled with its own slice only."""
+    if tuple(value.shape) != tuple(like.shape):
+        raise HFError(f"shape {tuple(value.shape)} does not match the model's {tuple(like.shape)}")
+    value = value.astype(like.dtype)
+    return jax.make_array_from_callback(value.shape, like.sharding, lambda idx: value[idx])
+
+
+def _scanned_path(flax_path: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
+    """`block_i/...` -> (`blocks/layer/...`, i) in a scanned model's tree (`models.layers.layer_stack`)."""
+    if flax_path[0].startswith("block_"):
+        return ("blocks", "layer", *flax_path[1:]), int(flax_path[0][len("block_"):])
+    return flax_path, None
+
+
+def _at(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _set(tree: dict, path, value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = True) -> dict:
+    """The checkpoint's weights as a Flax param tree shaped and sharded like `target` (unrolled
+    `block_i` layers, or scanned `blocks` whose leaves stack the layers on a leading axis)."""
+    path = Path(path)
+    tensors = _Tensors(path)
+    scanned = "blocks" in target
+    leaves: dict[tuple[str, ...], np.ndarray] = {}  # unrolled paths; experts stacked
+    experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
+    for flax_path, (name, convert) in _mapping(fields, with_head).items():
+        try:
+            value = convert(tensors.get(name))
+        except HFError as err:
+            raise HFError(f"{path}: {name} -> {'.'.join(map(str, flax_path))}: {err}") from None
+        if isinstance(flax_path[-1], int):
+            experts.setdefault(flax_path[:-1], {})[flax_path[-1]] = value
+        else:
+            leaves[flax_path] = value
+    leaves.update({p: np.stack([e[j] for j in range(len(e))]) for p, e in experts.items()})
+    layers: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
+    out: dict = {}
+    for flax_path, value in leaves.items():
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+        if layer is None:
+            _set(out, where, _placed(value, target, where, path))
+        else:
+            layers.setdefault(where, {})[layer] = value
+    for where, stack in layers.items():
+        _set(out, where, _placed(np.stack([stack[i] for i in range(len(stack))]), target, where, path))
+    return out
+
+
+def _placed(value: np.ndarray, target: dict, where: tuple[str, ...], path: Path) -> jax.Array:
+    try:
+        return _put(value, _at(target, where))
+    except HFError as err:
+        raise HFError(f"{path}: {'.'.join(where)}: {err}") from None
+
+
+def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
+    """The checkpoint's output layer as a [D, V] matrix (the embedding's transpose when tied)."""
+    tensors = _Tensors(Path(path))
+    w = tensors.get("model.embed_tokens.weight" if fields["tie_embeddings"] else "lm_head.weight")
+    return _put(np.ascontiguousarray(w.T), like)
+
+
+def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "llama",
+             max_shard_bytes: int = 4 << 30) -> None:
+    """Write `params` (a Flax LLM param tree) as a Hugging Face folder `transformers` loads."""
+    from safetensors.numpy import save_file
+
+    if model_type not in ARCHITECTURES:
+        raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
+    unproj = {"q": h, "k": g, "v": g}
+    tensors = {}
+    scanned = "blocks" in params
+    if fields.get("experts") and model_type != "qwen3_moe":
+        raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe'")
+    for flax_path, (name, _) in _mapping(fields, with_head=True).items():
+        expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
+        flax_path = flax_path[:-1] if expert is not None else flax_path
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+        w = np.asarray(jax.device_get(_at(params, where)), np.float32)
+        w = w if layer is None else w[layer]
+        if expert is not None or flax_path[-1] == "router":
+            tensors[name] = np.ascontiguousarray((w if expert is None else w[expert]).T)
+            continue
+        kind = flax_path[1] if len(flax_path) == 3 else flax_path[0]
+        if flax_path[-1] == "kernel" and kind in unproj:
+            w = w.reshape(d, unproj[kind] * k).T
+        elif flax_path[-1] == "kernel" and kind == "o":
+            w = w.reshape(h * k, d).T
+        elif flax_path[-1] == "kernel" or flax_path == ("lm_head",):
+            w = w.T
+        elif flax_path[-1] == "bias":
+            w = w.reshape(-1)
+        tensors[name] = np.ascontiguousarray(w)
+    shards, current, size = [], {}, 0
+    for name, w in tensors.items():
+        if current and size + w.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = w
+        size += w.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}, indent=2))
+    config = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": fields["vocab"],
+        "hidden_size": d, "num_hidden_layers": fields["depth"], "num_attention_heads": h, "num_key_value_heads": g,
+        "head_dim": k, "intermediate_size": fields["mlp"], "rope_theta": fields["rope_theta"],
+        "rms_norm_eps": fields["norm_eps"], "tie_word_embeddings": fields["tie_embeddings"], "hidden_act": "silu",
+        "max_position_embeddings": 32768, "torch_dtype": "float32",
+    }
+    if model_type == "qwen3_moe":
+        config.update(num_experts=fields["experts"], num_experts_per_tok=fields["experts_per_token"],
+                      moe_intermediate_size=fields["expert_mlp"], norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], router_aux_loss_coef=fields.get("router_aux_loss", 0.001))
+    if model_type == "llama":
+        config["attention_bias"] = fields["qkv_bias"]
+    elif not fields["qkv_bias"] and model_type == "qwen2":
+        raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
