@@ -79,8 +79,10 @@ class PictureCaptions:
 
     def __getitem__(self, i):
         rng = np.random.default_rng(i)
-        pictures = tuple(rng.standard_normal((4 * int(rng.integers(1, 3)), 8, 3)).astype(np.float32)
-                         for _ in range(int(rng.integers(0, 3))))
+        pictures = tuple(
+            rng.standard_normal((4 * int(rng.integers(1, 3)), 8, 3)).astype(np.float32)
+            for _ in range(int(rng.integers(0, 3)))
+        )
         text = (TEXT0 + (np.arange(int(rng.integers(6, 14))) * 5 + i) % (VOCAB - TEXT0)).astype(np.int32)
         holes = np.full(sum(PICTURE.tokens(p.shape[:2]) for p in pictures), PICTURE.placeholder, np.int32)
         return mj.Sample(i, np.concatenate([text[:2], holes, text[2:]]), {"image": pictures} if pictures else {})
@@ -104,8 +106,11 @@ def graph() -> mj.SectionGraph:
         return {"teacher_logits": teacher.apply(v, x, batch["valid"])}
 
     def decoder_batch(rows, routes):
-        return {**mj.rows.text_rows(rows, (picture,)), "picture_row": mj.rows.route(routes, "picture_tokens", rows),
-                "teacher_row": mj.rows.route(routes, "teacher_logits", rows)}
+        return {
+            **mj.rows.text_rows(rows, (picture,)),
+            "picture_row": mj.rows.route(routes, "picture_tokens", rows),
+            "teacher_row": mj.rows.route(routes, "teacher_logits", rows),
+        }
 
     def decoder_forward(variables, inputs, batch):
         v = {"params": variables["params"]}
@@ -123,13 +128,17 @@ def graph() -> mj.SectionGraph:
         ids, valid = jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool)
 
         def lm(module, k, width):
-            return (module.init(k, jnp.zeros((1, 4, width)), valid)["params"]
-                    | module.init(k, ids, method=TinyDecoder.embed_ids)["params"])
+            return (
+                module.init(k, jnp.zeros((1, 4, width)), valid)["params"]
+                | module.init(k, ids, method=TinyDecoder.embed_ids)["params"]
+            )
 
-        return {"encoder": {"params": encoder.init(ke, jnp.zeros((1, 4, 48)))["params"], "consts": {}},
-                "projector": {"params": projector.init(kp, jnp.zeros((1, 4, 24)))["params"], "consts": {}},
-                "teacher": {"params": {}, "consts": {"teacher": lm(teacher, kt, 2 * WIDTH)}},
-                "decoder": {"params": lm(decoder, kd, WIDTH), "consts": {}}}
+        return {
+            "encoder": {"params": encoder.init(ke, jnp.zeros((1, 4, 48)))["params"], "consts": {}},
+            "projector": {"params": projector.init(kp, jnp.zeros((1, 4, 24)))["params"], "consts": {}},
+            "teacher": {"params": {}, "consts": {"teacher": lm(teacher, kt, 2 * WIDTH)}},
+            "decoder": {"params": lm(decoder, kd, WIDTH), "consts": {}},
+        }
 
     def patches(sample):
         return sum(h // 4 * (w // 4) for h, w, _ in sample.shapes("image"))
@@ -139,24 +148,48 @@ def graph() -> mj.SectionGraph:
 
     return mj.SectionGraph(
         sections=(
-            mj.Section("encoder", trained=True, forward=encoder_forward,
-                       host_batch=lambda rows, routes: mj.rows.pack_items(rows, "image", cut, features=48),
-                       activates=lambda s: s.has("image"), work=patches,
-                       cost=mj.UnitCost(flops=2 * (48 * 48 + 48 * 24), width=48)),
-            mj.Section("projector", trained=True, forward=projector_forward,
-                       host_batch=lambda rows, routes: {"encoder_row": mj.rows.route(routes, "patch_features", rows)},
-                       activates=lambda s: s.has("image"), work=patches, cost=mj.UnitCost(flops=2 * 24 * WIDTH)),
-            mj.Section("teacher", trained=False, forward=teacher_forward,
-                       host_batch=lambda rows, routes: mj.rows.text_rows(rows, (picture,)),
-                       activates=lambda s: True, work=mj.rows.next_token_units,
-                       cost=mj.UnitCost(flops=lm_flops(2 * WIDTH), width=2 * WIDTH, logits=VOCAB)),
-            mj.Section("decoder", trained=True, forward=decoder_forward, host_batch=decoder_batch,
-                       activates=lambda s: True, work=mj.rows.next_token_units,
-                       cost=mj.UnitCost(flops=lm_flops(WIDTH), width=WIDTH, logits=VOCAB)),
+            mj.Section(
+                "encoder",
+                trained=True,
+                forward=encoder_forward,
+                host_batch=lambda rows, routes: mj.rows.pack_items(rows, "image", cut, features=48),
+                activates=lambda s: s.has("image"),
+                work=patches,
+                cost=mj.UnitCost(flops=2 * (48 * 48 + 48 * 24), width=48),
+            ),
+            mj.Section(
+                "projector",
+                trained=True,
+                forward=projector_forward,
+                host_batch=lambda rows, routes: {"encoder_row": mj.rows.route(routes, "patch_features", rows)},
+                activates=lambda s: s.has("image"),
+                work=patches,
+                cost=mj.UnitCost(flops=2 * 24 * WIDTH),
+            ),
+            mj.Section(
+                "teacher",
+                trained=False,
+                forward=teacher_forward,
+                host_batch=lambda rows, routes: mj.rows.text_rows(rows, (picture,)),
+                activates=lambda s: True,
+                work=mj.rows.next_token_units,
+                cost=mj.UnitCost(flops=lm_flops(2 * WIDTH), width=2 * WIDTH, logits=VOCAB),
+            ),
+            mj.Section(
+                "decoder",
+                trained=True,
+                forward=decoder_forward,
+                host_batch=decoder_batch,
+                activates=lambda s: True,
+                work=mj.rows.next_token_units,
+                cost=mj.UnitCost(flops=lm_flops(WIDTH), width=WIDTH, logits=VOCAB),
+            ),
         ),
-        edges=(mj.Edge("patch_features", "encoder", "projector", bytes_per_unit=2 * 24),
-               mj.Edge("picture_tokens", "projector", "decoder", bytes_per_unit=2 * WIDTH),
-               mj.Edge("teacher_logits", "teacher", "decoder", bytes_per_unit=4 * VOCAB)),
+        edges=(
+            mj.Edge("patch_features", "encoder", "projector", bytes_per_unit=2 * 24),
+            mj.Edge("picture_tokens", "projector", "decoder", bytes_per_unit=2 * WIDTH),
+            mj.Edge("teacher_logits", "teacher", "decoder", bytes_per_unit=4 * VOCAB),
+        ),
         init=init,
         loss_count=mj.rows.loss_tokens((picture,)),
     )
@@ -164,12 +197,19 @@ def graph() -> mj.SectionGraph:
 
 def config(**changes):
     """A plan on 8 devices: the teacher and the encoder chain on their own devices."""
-    base = {"global_batch": 8, "steps": 3, "seed": 0, "optimizer": {"learning_rate": 0.01},
-                "sections": {"encoder": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
-                          "projector": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
-                          "teacher": {"devices": "2:4", "mesh": {"data": 2}, "micro_batch": 2},
-                          "decoder": {"devices": "4:8", "mesh": {"data": 4}, "micro_batch": 1}},
-                "monolithic": {"devices": "0:8", "mesh": {"data": 8}, "micro_batch": 1}}
+    base = {
+        "global_batch": 8,
+        "steps": 3,
+        "seed": 0,
+        "optimizer": {"learning_rate": 0.01},
+        "sections": {
+            "encoder": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
+            "projector": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
+            "teacher": {"devices": "2:4", "mesh": {"data": 2}, "micro_batch": 2},
+            "decoder": {"devices": "4:8", "mesh": {"data": 4}, "micro_batch": 1},
+        },
+        "monolithic": {"devices": "0:8", "mesh": {"data": 8}, "micro_batch": 1},
+    }
     return mj.Config.model_validate({**base, **changes})
 
 

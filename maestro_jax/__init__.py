@@ -16,12 +16,19 @@ import importlib
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "Section": "maestro_jax.core.graph", "Edge": "maestro_jax.core.graph",
-    "SectionGraph": "maestro_jax.core.graph", "UnitCost": "maestro_jax.core.graph",
-    "Sample": "maestro_jax.data.samples", "SampleInfo": "maestro_jax.data.samples",
-    "Modality": "maestro_jax.data.samples", "DataError": "maestro_jax.data.samples",
-    "Config": "maestro_jax.config", "ConfigError": "maestro_jax.config", "load_config": "maestro_jax.config",
-    "Trainer": "maestro_jax.training.trainer", "Workload": "maestro_jax.workloads",
+    "Section": "maestro_jax.core.graph",
+    "Edge": "maestro_jax.core.graph",
+    "SectionGraph": "maestro_jax.core.graph",
+    "UnitCost": "maestro_jax.core.graph",
+    "Sample": "maestro_jax.data.samples",
+    "SampleInfo": "maestro_jax.data.samples",
+    "Modality": "maestro_jax.data.samples",
+    "DataError": "maestro_jax.data.samples",
+    "Config": "maestro_jax.config",
+    "ConfigError": "maestro_jax.config",
+    "load_config": "maestro_jax.config",
+    "Trainer": "maestro_jax.training.trainer",
+    "Workload": "maestro_jax.workloads",
 }
 __all__ = [*_EXPORTS, "rows"]
 

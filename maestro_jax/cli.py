@@ -124,8 +124,10 @@ def _train(cfg, args) -> int:
         announce_failure(f"{type(err).__name__}: {err}")
         return next(code for f, code in faults if isinstance(err, f))
     if history:  # else train said "nothing to do", naming the step the checkpoint holds
-        print(f"trained steps {history[0]['step']}..{history[-1]['step']}: "
-              f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+        print(
+            f"trained steps {history[0]['step']}..{history[-1]['step']}: "
+            f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
+        )
     return 0
 
 
@@ -220,20 +222,25 @@ def _plan(cfg, args) -> int:
 
     say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {PLANNING_BATCHES} batches")
     try:
-        report = planner_for(cfg, args.devices, args.memory_gb, tolerance=args.tolerance,
-                             progress=say).search(top=args.top)
+        report = planner_for(cfg, args.devices, args.memory_gb, tolerance=args.tolerance, progress=say).search(
+            top=args.top
+        )
     except InfeasibleError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
-    print(f"workload {cfg.workload}: sections {', '.join(best_sections(report))}; {report.considered} plans within "
-          f"the bound threshold pass every constraint; {report.simulated} simulated (the rest are ruled out by their "
-          f"lower bound); cost model: {cfg.simulate.device}")
+    print(
+        f"workload {cfg.workload}: sections {', '.join(best_sections(report))}; {report.considered} plans within "
+        f"the bound threshold pass every constraint; {report.simulated} simulated (the rest are ruled out by their "
+        f"lower bound); cost model: {cfg.simulate.device}"
+    )
     print(format_table(report))
     mono, best = report.monolithic, report.best
     if mono:
-        print(f"monolithic best layout: mesh {mesh_text(mono['mesh'])}, micro_batch {mono['micro_batch']}, "
-              f"layer_remat {mono['layer_remat']}: predicted {mono['step_time_s']:.4g} s/step; planned maestro: "
-              f"{best.step_time_s:.4g} s/step ({mono['step_time_s'] / best.step_time_s:.3f}x)")
+        print(
+            f"monolithic best layout: mesh {mesh_text(mono['mesh'])}, micro_batch {mono['micro_batch']}, "
+            f"layer_remat {mono['layer_remat']}: predicted {mono['step_time_s']:.4g} s/step; planned maestro: "
+            f"{best.step_time_s:.4g} s/step ({mono['step_time_s'] / best.step_time_s:.3f}x)"
+        )
     else:
         print("monolithic: no layout fits in memory on these devices")
     print(pipelined_line(report.pipelined, best.step_time_s))
@@ -243,12 +250,19 @@ def _plan(cfg, args) -> int:
     if args.measure:
         say(f"compiling the chosen plan on {args.devices} devices (--measure)")
         _measure_plan(cfg, args, best)
-    _write_json(args.json, {"best": best.describe(), "step_time_s": best.step_time_s,
-                            "samples_per_s_per_device": best.samples_per_s_per_device,
-                            "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb}
-                                    for c in report.top],
-                            "monolithic": mono, "pipelined": report.pipelined, "considered": report.considered,
-                            "simulated": report.simulated})
+    _write_json(
+        args.json,
+        {
+            "best": best.describe(),
+            "step_time_s": best.step_time_s,
+            "samples_per_s_per_device": best.samples_per_s_per_device,
+            "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb} for c in report.top],
+            "monolithic": mono,
+            "pipelined": report.pipelined,
+            "considered": report.considered,
+            "simulated": report.simulated,
+        },
+    )
     return 0
 
 
@@ -258,8 +272,10 @@ def pipelined_line(pipe: dict | None, maestro_s: float) -> str:
         return "pipelined (1F1B): no layout fits in memory on these devices (or the sink has too few layers)"
     from maestro_jax.tools.simulate import pipelined_layout
 
-    return (f"pipelined (1F1B) best layout: {pipelined_layout(pipe)}: predicted {pipe['step_time_s']:.4g} s/step; "
-            f"planned maestro: {maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)")
+    return (
+        f"pipelined (1F1B) best layout: {pipelined_layout(pipe)}: predicted {pipe['step_time_s']:.4g} s/step; "
+        f"planned maestro: {maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)"
+    )
 
 
 def best_sections(report) -> list[str]:
@@ -277,8 +293,10 @@ def _measure_plan(cfg, args, best) -> None:
     rt = build_runtime(planned)
     measured = compiled_memory(rt, rt.init_states(), rt.batches()[0])
     for s, m in measured.items():
-        print(f"memory {s}: model {best.memory_gb[s]:.4g} GB/device, compiled {m['total'] / 2**30:.4g} GB/device "
-              f"(largest program {max(m['programs'], key=m['programs'].get)}, optimizer state included)")
+        print(
+            f"memory {s}: model {best.memory_gb[s]:.4g} GB/device, compiled {m['total'] / 2**30:.4g} GB/device "
+            f"(largest program {max(m['programs'], key=m['programs'].get)}, optimizer state included)"
+        )
 
 
 def _write_json(path: str | None, report: dict) -> None:
@@ -292,25 +310,36 @@ def _write_json(path: str | None, report: dict) -> None:
 def _bench(cfg, args) -> int:
     from maestro_jax.tools.bench import MODES, bench
 
-    r = bench(cfg, reps=args.reps, num_batches=args.batches, trace_dir=args.trace,
-              progress=lambda line: print(line, file=sys.stderr, flush=True))
+    r = bench(
+        cfg,
+        reps=args.reps,
+        num_batches=args.batches,
+        trace_dir=args.trace,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
     for m in MODES:
         t = r["step_time_s"][m]
-        print(f"{m:12s} {r['samples_per_s'][m]:10.2f} {r['tokens_per_s'][m]:10.1f} {t['median']:14.4f} "
-              f"{t['min']:8.4f} {t['max']:8.4f}")
+        print(
+            f"{m:12s} {r['samples_per_s'][m]:10.2f} {r['tokens_per_s'][m]:10.1f} {t['median']:14.4f} "
+            f"{t['min']:8.4f} {t['max']:8.4f}"
+        )
     for k, v in r["ratios"].items():
         print(f"{k}: {v:.3f}")
     for m, v in r["host_overhead_fraction"].items():
         print(f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})")
     if "efficiency_vs_text_only" in r:
         e = r["efficiency_vs_text_only"]
-        print(f"efficiency relative to text-only (same token rows, modality items removed): "
-              f"wavefront {e['wavefront']:.1%}, monolithic {e['monolithic']:.1%}")
+        print(
+            f"efficiency relative to text-only (same token rows, modality items removed): "
+            f"wavefront {e['wavefront']:.1%}, monolithic {e['monolithic']:.1%}"
+        )
     for m in ("naive", "wavefront"):
         p = r["simulator"][m]
-        print(f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "
-              f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})")
+        print(
+            f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "
+            f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})"
+        )
     _write_json(args.json, r)
     return 0
 
@@ -322,35 +351,73 @@ JSON = opt("--json", metavar="PATH", help="write the report as JSON here (defaul
 COMMANDS: dict[str, Command] = {
     "train": Command("train from a config", _train, guard=_preemption),
     "verify": Command("maestro vs monolithic on one batch: loss, gradients, updated parameters", _verify),
-    "eval": Command("held-out loss (the eval block) of a checkpoint in output_dir, forward only", _eval, (
-        opt("--step", type=int, metavar="N", help="the checkpoint's step (default: the latest committed)"),)),
-    "bench": Command("monolithic vs naive vs wavefront throughput, side by side", _bench, (
-        opt("--reps", type=int, default=5, metavar="N", help="timed repetitions of each mode, interleaved"),
-        opt("--batches", type=int, default=3, metavar="N", help="global batches per repetition"),
-        JSON,
-        opt("--trace", metavar="DIR", help="write measured and simulated traces and Gantt PNGs here "
-                                           "(default: not written)"))),
-    "simulate": Command("predicted maestro vs monolithic throughput on a cluster (nothing compiled)", _simulate, (
-        JSON,
-        opt("--gantt", metavar="PNG", help="write the simulated Gantt chart here (default: not drawn)")),
-        devices=False),
-    "plan": Command("search devices, meshes and micro-batches for the best plan (nothing compiled)", _plan, (
-        opt("--devices", type=int, required=True, metavar="N", help="devices the plan may use"),
-        opt("--memory-gb", type=float, required=True, metavar="GB", help="memory per device, GB"),
-        opt("--top", type=int, default=10, metavar="K", help="candidates to list"),
-        opt("--tolerance", type=float, default=TOLERANCE, metavar="G",
-            help="relative gap to the optimum the search may leave (0: exact)"),
-        opt("--write", metavar="PATH", help="write the config with the chosen plan here (train/bench accept it) "
-                                            "(default: not written)"),
-        JSON,
-        opt("--measure", action="store_true",
-            help="compile the chosen plan here and print XLA's memory analysis beside the model")),
-        devices=False),
-    "export": Command("write a trained LLM section as a Hugging Face folder", _export, (
-        opt("--section", required=True, help="an LLM section, e.g. student or llm"),
-        opt("--out", required=True, metavar="DIR", help="the Hugging Face folder to write"),
-        opt("--model-type", default="llama", choices=("llama", "qwen2", "qwen3", "qwen3_moe"),
-            help="the Hugging Face architecture to write"))),
+    "eval": Command(
+        "held-out loss (the eval block) of a checkpoint in output_dir",
+        _eval,
+        (opt("--step", type=int, metavar="N", help="the checkpoint's step (default: the latest committed)"),),
+    ),
+    "bench": Command(
+        "monolithic vs naive vs wavefront throughput, side by side",
+        _bench,
+        (
+            opt("--reps", type=int, default=5, metavar="N", help="timed repetitions of each mode, interleaved"),
+            opt("--batches", type=int, default=3, metavar="N", help="global batches per repetition"),
+            JSON,
+            opt(
+                "--trace",
+                metavar="DIR",
+                help="write measured and simulated traces and Gantt PNGs here (default: not written)",
+            ),
+        ),
+    ),
+    "simulate": Command(
+        "predicted maestro vs monolithic throughput on a cluster (nothing compiled)",
+        _simulate,
+        (JSON, opt("--gantt", metavar="PNG", help="write the simulated Gantt chart here (default: not drawn)")),
+        devices=False,
+    ),
+    "plan": Command(
+        "search devices, meshes and micro-batches for the best plan (nothing compiled)",
+        _plan,
+        (
+            opt("--devices", type=int, required=True, metavar="N", help="devices the plan may use"),
+            opt("--memory-gb", type=float, required=True, metavar="GB", help="memory per device, GB"),
+            opt("--top", type=int, default=10, metavar="K", help="candidates to list"),
+            opt(
+                "--tolerance",
+                type=float,
+                default=TOLERANCE,
+                metavar="G",
+                help="relative gap to the optimum the search may leave (0: exact)",
+            ),
+            opt(
+                "--write",
+                metavar="PATH",
+                help="write the config with the chosen plan here (train/bench accept it) (default: not written)",
+            ),
+            JSON,
+            opt(
+                "--measure",
+                action="store_true",
+                help="compile the chosen plan here and print XLA's memory analysis beside the model",
+            ),
+        ),
+        devices=False,
+    ),
+    "export": Command(
+        "write a trained LLM section as a Hugging Face folder",
+        _export,
+        (
+            opt("--section", required=True, help="an LLM section, e.g. student or llm"),
+            opt("--out", required=True, metavar="DIR", help="the Hugging Face folder to write"),
+            opt(
+                "--model-type",
+                default="llama",
+                choices=("llama", "qwen2", "qwen3", "qwen3_moe"),
+                help="the Hugging Face architecture to write",
+            ),
+        ),
+    ),
 }
 
 VERBOSE_HELP = "show XLA's C++ log on stderr: compiler warnings and info"
@@ -358,27 +425,46 @@ VERBOSE_HELP = "show XLA's C++ log on stderr: compiler warnings and info"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="maestro-jax", formatter_class=_HelpFormatter,
+        prog="maestro-jax",
+        formatter_class=_HelpFormatter,
         description="Train, check, time and plan compound models, each section on its own devices.",
-        epilog="`maestro-jax COMMAND --help` lists the command's options with their defaults.")
+        epilog="`maestro-jax COMMAND --help` lists the command's options with their defaults.",
+    )
     parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help, formatter_class=_HelpFormatter)
-        p.add_argument("--config", required=True, metavar="FILE", help="the run's YAML config, e.g. configs/vlm_tiny.yaml")
-        p.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="dotted overrides of the config, e.g. steps=4 (default: none)")
+        p.add_argument(
+            "--config", required=True, metavar="FILE", help="the run's YAML config, e.g. configs/vlm_tiny.yaml"
+        )
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="key=value",
+            help="dotted overrides of the config, e.g. steps=4 (default: none)",
+        )
         for flags, kwargs in command.options:
             p.add_argument(*flags, **kwargs)
         p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
         if command.devices:
             g = p.add_argument_group("multi-process (default: auto-detect SLURM, else one process)")
-            g.add_argument("--coordinator", metavar="HOST:PORT",
-                           help="process 0's coordination service (default: from the launcher)")
-            g.add_argument("--num-processes", type=int, metavar="N",
-                           help="processes in the run, with --coordinator (default: from the launcher)")
-            g.add_argument("--process-id", type=int, metavar="I",
-                           help="this process's index, 0..N-1, with --coordinator (default: from the launcher)")
+            g.add_argument(
+                "--coordinator",
+                metavar="HOST:PORT",
+                help="process 0's coordination service (default: from the launcher)",
+            )
+            g.add_argument(
+                "--num-processes",
+                type=int,
+                metavar="N",
+                help="processes in the run, with --coordinator (default: from the launcher)",
+            )
+            g.add_argument(
+                "--process-id",
+                type=int,
+                metavar="I",
+                help="this process's index, 0..N-1, with --coordinator (default: from the launcher)",
+            )
     return parser
 
 
@@ -392,8 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("error: interrupted (SIGINT): stopped without a new checkpoint; the last committed checkpoint is "
-              "intact (re-run to resume; SIGTERM instead checkpoints first)", file=sys.stderr, flush=True)
+        print(
+            "error: interrupted (SIGINT): stopped without a new checkpoint; the last committed checkpoint is "
+            "intact (re-run to resume; SIGTERM instead checkpoints first)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
 
 
@@ -426,8 +516,9 @@ def _command(command: Command, args) -> int:
         return 2
     from maestro_jax.runtime.distributed import maybe_initialize_distributed
 
-    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                 heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
+    maybe_initialize_distributed(
+        args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s
+    )
     import jax
 
     from maestro_jax.runtime.distributed import announce_failure

@@ -200,8 +200,11 @@ class OptimizerConfig(_Frozen):
     def for_section(self, section: str) -> tuple[float, LRScheduleConfig, float]:
         """`section`'s learning rate, schedule and weight decay, its overrides applied."""
         own = self.sections.get(section, SectionOptimizerConfig())
-        return (own.learning_rate or self.learning_rate, own.lr_schedule or self.lr_schedule,
-                self.weight_decay if own.weight_decay is None else own.weight_decay)
+        return (
+            own.learning_rate or self.learning_rate,
+            own.lr_schedule or self.lr_schedule,
+            self.weight_decay if own.weight_decay is None else own.weight_decay,
+        )
 
 
 class ModalityDataConfig(_Frozen):
@@ -231,7 +234,7 @@ class DataConfig(_Frozen):
 
 
 class EvalConfig(_Frozen):
-    """A held-out loss, forward only, through the training plan: the first `batches` global
+    """A held-out loss through the training plan: the first `batches` global
     batches of `data` (in order, the same batches each time), every `every` steps and after the
     last. Synthetic data draws with `seed + 1`, so it does not repeat training's samples;
     without `data`, that is the training data's settings (synthetic training data only)."""
@@ -302,8 +305,10 @@ class Config(_Frozen):
     @pydantic.model_validator(mode="after")
     def _held_out(self):
         if self.eval is not None and self.eval.data is None and self.data.kind != "synthetic":
-            raise ValueError(f"eval.data: not set, and the training data (data.kind={self.data.kind}) is no "
-                             f"held-out source; give eval.data (e.g. kind: array_record with other paths)")
+            raise ValueError(
+                f"eval.data: not set, and the training data (data.kind={self.data.kind}) is no "
+                f"held-out source; give eval.data (e.g. kind: array_record with other paths)"
+            )
         return self
 
     @property
@@ -319,9 +324,12 @@ class Config(_Frozen):
 
     def plan(self) -> Plan:
         return Plan(
-            sections={n: SectionPlan(tuple(s.devices), s.mesh.shape, s.micro_batch, s.residuals, s.rules, s.precision,
-                                      s.layer_remat)
-                      for n, s in self.sections.items()},
+            sections={
+                n: SectionPlan(
+                    tuple(s.devices), s.mesh.shape, s.micro_batch, s.residuals, s.rules, s.precision, s.layer_remat
+                )
+                for n, s in self.sections.items()
+            },
             fanout={n: e.fanout for n, e in self.edges.items() if e.fanout is not None},
             global_batch=self.global_batch,
         )
@@ -357,8 +365,11 @@ def _format_error(err: pydantic.ValidationError) -> str:
         del parts[2]  # pydantic's union tag, not a config key
     loc = ".".join(parts)
     if e["type"] == "extra_forbidden":
-        parent_model = (_model_at(_MODEL_KINDS[str(e["loc"][2])], [str(p) for p in e["loc"][3:-1]]) if tagged
-                        else _model_at(Config, [str(p) for p in e["loc"][:-1]]))
+        parent_model = (
+            _model_at(_MODEL_KINDS[str(e["loc"][2])], [str(p) for p in e["loc"][3:-1]])
+            if tagged
+            else _model_at(Config, [str(p) for p in e["loc"][:-1]])
+        )
         field = str(e["loc"][-1])
         options = sorted(parent_model.model_fields) if parent_model else []
         close = difflib.get_close_matches(field, options, n=1)
@@ -404,8 +415,10 @@ def parse_overrides(overrides: list[str]) -> dict[str, object]:
             out[key.strip()] = yaml.safe_load(raw)
         except yaml.YAMLError as err:
             problem = str(err).splitlines()[0]
-            raise ConfigError(f"error: override {item!r}: the value is not valid YAML ({problem}); quote it or "
-                              f"write a YAML value, e.g. {key.strip()}=4 or \"{key.strip()}=[1, 2]\"") from None
+            raise ConfigError(
+                f"error: override {item!r}: the value is not valid YAML ({problem}); quote it or "
+                f'write a YAML value, e.g. {key.strip()}=4 or "{key.strip()}=[1, 2]"'
+            ) from None
     return out
 
 
@@ -419,13 +432,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         try:
             raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as err:
-            raise ConfigError(f"error: --config={str(path)!r}: not UTF-8 text (byte {err.start}: "
-                              f"{err.object[err.start:err.start + 1]!r}); save the config as UTF-8") from None
+            raise ConfigError(
+                f"error: --config={str(path)!r}: not UTF-8 text (byte {err.start}: "
+                f"{err.object[err.start : err.start + 1]!r}); save the config as UTF-8"
+            ) from None
         except yaml.YAMLError as err:
             raise ConfigError(f"error: --config={str(path)!r}: invalid YAML ({err})".replace("\n", " ")) from err
         if not isinstance(raw, dict):
-            raise ConfigError(f"error: --config={str(path)!r}: the file holds a YAML {type(raw).__name__} "
-                              f"({str(raw)[:40]!r}), not a mapping of config keys (workload, sections, ...)")
+            raise ConfigError(
+                f"error: --config={str(path)!r}: the file holds a YAML {type(raw).__name__} "
+                f"({str(raw)[:40]!r}), not a mapping of config keys (workload, sections, ...)"
+            )
     items = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {})
     for key, value in items.items():
         set_dotted(raw, key, value)

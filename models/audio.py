@@ -41,13 +41,24 @@ class AudioEncoder(nn.Module):
     def __call__(self, frames_BNF, segments_BN, positions_BN1):
         """Frame groups -> audio tokens `B x N x out_width`."""
         c = self.cfg
-        x = nn.Dense(c.width, name="frame_embed", kernel_init=partitioned(_init, "patch", "embed"),
-                     bias_init=partitioned(nn.initializers.zeros, "embed"))(frames_BNF)
+        x = nn.Dense(
+            c.width,
+            name="frame_embed",
+            kernel_init=partitioned(_init, "patch", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(frames_BNF)
         pos = self.param("pos", partitioned(_init, "grid", "embed"), (c.max_tokens, c.width))
         x = x + jnp.take(pos, positions_BN1[..., 0], axis=0)
         mask = segment_mask(segments_BN)
         x = layer_stack(EncoderBlock, (c.width, c.heads, c.mlp), c.depth, c.remat, c.scan_layers)(x, mask)
-        x = nn.LayerNorm(name="out_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
-                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x)
-        return nn.Dense(c.out_width, name="out_proj", kernel_init=partitioned(_init, "embed", "mlp"),
-                        bias_init=partitioned(nn.initializers.zeros, "mlp"))(x)
+        x = nn.LayerNorm(
+            name="out_norm",
+            scale_init=partitioned(nn.initializers.ones, "norm"),
+            bias_init=partitioned(nn.initializers.zeros, "norm"),
+        )(x)
+        return nn.Dense(
+            c.out_width,
+            name="out_proj",
+            kernel_init=partitioned(_init, "embed", "mlp"),
+            bias_init=partitioned(nn.initializers.zeros, "mlp"),
+        )(x)

@@ -37,8 +37,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 class HFError(ValueError):
@@ -52,8 +56,9 @@ def read_config(path: str | Path) -> dict:
     try:
         config = json.loads(f.read_bytes())
     except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise HFError(f"{f}: not a readable JSON file ({type(err).__name__}: {err}); expected a Hugging Face "
-                      f"config.json") from None
+        raise HFError(
+            f"{f}: not a readable JSON file ({type(err).__name__}: {err}); expected a Hugging Face config.json"
+        ) from None
     if not isinstance(config, dict):
         raise HFError(f"{f}: holds a JSON {type(config).__name__}, not an object of config fields")
     return config
@@ -97,28 +102,44 @@ def llm_fields(path: str | Path) -> dict:
     if rope_type != "default":
         raise HFError(f"{path}/config.json: rope_type={rope_type!r}; only plain RoPE ('default') is supported")
     if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise HFError(f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
-                      f"the LLM is SwiGLU (silu) without MLP biases")
+        raise HFError(
+            f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
+            f"the LLM is SwiGLU (silu) without MLP biases"
+        )
     if hf.get("use_sliding_window"):
         raise HFError(f"{path}/config.json: use_sliding_window=true is not supported")
     heads = hf["num_attention_heads"]
     fields = {
-        "kind": "llm", "vocab": hf["vocab_size"], "width": hf["hidden_size"], "depth": hf["num_hidden_layers"],
-        "heads": heads, "kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp": hf["intermediate_size"],
+        "kind": "llm",
+        "vocab": hf["vocab_size"],
+        "width": hf["hidden_size"],
+        "depth": hf["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "mlp": hf["intermediate_size"],
         "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)), "qk_norm": kind in ("qwen3", "qwen3_moe"),
-        "experts": 0, "experts_per_token": 0, "expert_mlp": 0,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
+        "qk_norm": kind in ("qwen3", "qwen3_moe"),
+        "experts": 0,
+        "experts_per_token": 0,
+        "expert_mlp": 0,
     }
     if kind == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise HFError(f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
-                          f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer")
+            raise HFError(
+                f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+                f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer"
+            )
         if not hf.get("norm_topk_prob", False):
             raise HFError(f"{path}/config.json: norm_topk_prob=false; the router renormalises its top-k weights")
-        fields.update(experts=hf.get("num_local_experts") or hf["num_experts"],
-                      experts_per_token=hf["num_experts_per_tok"], expert_mlp=hf["moe_intermediate_size"])
+        fields.update(
+            experts=hf.get("num_local_experts") or hf["num_experts"],
+            experts_per_token=hf["num_experts_per_tok"],
+            expert_mlp=hf["moe_intermediate_size"],
+        )
     return fields
 
 
@@ -131,7 +152,7 @@ class _Tensors:
         self._where = {}
         self._handles = [safe_open(str(f), framework="numpy") for f in weight_files(path)]
         for h in self._handles:
-            for k in h.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+            for k in h.keys():
                 self._where[k] = h
 
     def __contains__(self, key: str) -> bool:
@@ -151,22 +172,25 @@ def _mapping(c: dict, with_head: bool) -> dict[tuple[str, ...], tuple[str, Calla
     out = {("embedding",): ("model.embed_tokens.weight", same), ("final_norm", "scale"): ("model.norm.weight", same)}
     for i in range(c["depth"]):
         b, hf = f"block_{i}", f"model.layers.{i}"
-        out.update({
-            (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
-            (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
-            (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
-            (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
-            (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
-            (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
-        })
+        out.update(
+            {
+                (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
+                (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
+                (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
+                (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
+                (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
+                (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
+            }
+        )
         if c.get("experts"):  # a trailing int: that expert's slice of the stacked leaf
             out[(b, "moe", "router")] = (f"{hf}.mlp.gate.weight", np.transpose)
             for j in range(c["experts"]):
                 for name in ("gate", "up", "down"):
                     out[(b, "moe", name, j)] = (f"{hf}.mlp.experts.{j}.{name}_proj.weight", np.transpose)
         else:
-            out.update({(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose)
-                        for name in ("gate", "up", "down")})
+            out.update(
+                {(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose) for name in ("gate", "up", "down")}
+            )
         if c["qkv_bias"]:
             for name, n in (("q", h), ("k", g), ("v", g)):
                 out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
@@ -189,7 +213,7 @@ def _put(value: np.ndarray, like) -> jax.Array:
 def _scanned_path(flax_path: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
     """`block_i/...` -> (`blocks/layer/...`, i) in a scanned model's tree (`models.layers.layer_stack`)."""
     if flax_path[0].startswith("block_"):
-        return ("blocks", "layer", *flax_path[1:]), int(flax_path[0][len("block_"):])
+        return ("blocks", "layer", *flax_path[1:]), int(flax_path[0][len("block_") :])
     return flax_path, None
 
 
@@ -250,8 +274,9 @@ def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
     return _put(np.ascontiguousarray(w.T), like)
 
 
-def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "llama",
-             max_shard_bytes: int = 4 << 30) -> None:
+def save_llm(
+    path: str | Path, params: dict, fields: dict, model_type: str = "llama", max_shard_bytes: int = 4 << 30
+) -> None:
     """Write `params` (a Flax LLM param tree) as a Hugging Face folder `transformers` loads."""
     from safetensors.numpy import save_file
 
@@ -299,20 +324,40 @@ def save_llm(path: str | Path, params: dict, fields: dict, model_type: str = "ll
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(path / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in shard})
-        (path / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}, indent=2))
+            weight_map.update(dict.fromkeys(shard, fname))
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map},
+                indent=2,
+            )
+        )
     config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": fields["vocab"],
-        "hidden_size": d, "num_hidden_layers": fields["depth"], "num_attention_heads": h, "num_key_value_heads": g,
-        "head_dim": k, "intermediate_size": fields["mlp"], "rope_theta": fields["rope_theta"],
-        "rms_norm_eps": fields["norm_eps"], "tie_word_embeddings": fields["tie_embeddings"], "hidden_act": "silu",
-        "max_position_embeddings": 32768, "torch_dtype": "float32",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": fields["vocab"],
+        "hidden_size": d,
+        "num_hidden_layers": fields["depth"],
+        "num_attention_heads": h,
+        "num_key_value_heads": g,
+        "head_dim": k,
+        "intermediate_size": fields["mlp"],
+        "rope_theta": fields["rope_theta"],
+        "rms_norm_eps": fields["norm_eps"],
+        "tie_word_embeddings": fields["tie_embeddings"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "torch_dtype": "float32",
     }
     if model_type == "qwen3_moe":
-        config.update(num_experts=fields["experts"], num_experts_per_tok=fields["experts_per_token"],
-                      moe_intermediate_size=fields["expert_mlp"], norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], router_aux_loss_coef=fields.get("router_aux_loss", 0.001))
+        config.update(
+            num_experts=fields["experts"],
+            num_experts_per_tok=fields["experts_per_token"],
+            moe_intermediate_size=fields["expert_mlp"],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
+        )
     if model_type == "llama":
         config["attention_bias"] = fields["qkv_bias"]
     elif not fields["qkv_bias"] and model_type == "qwen2":

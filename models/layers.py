@@ -65,8 +65,14 @@ def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool):
             return x
 
         return unrolled
-    stack = nn.scan(_ScanBody, variable_axes={"params": 0, "losses": 0}, split_rngs={"params": True},
-                    in_axes=nn.broadcast, length=depth, metadata_params={nn.PARTITION_NAME: "layers"})
+    stack = nn.scan(
+        _ScanBody,
+        variable_axes={"params": 0, "losses": 0},
+        split_rngs={"params": True},
+        in_axes=nn.broadcast,
+        length=depth,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     blocks = stack(layer, args, remat, name="blocks")
     return lambda x, *rest: blocks(x, *rest)[0]
 
@@ -195,10 +201,18 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
         q_BQGRK = q_BQHK.reshape(b, lq, g, h // g, d).astype(jnp.float32) / math.sqrt(d)
         me = jax.lax.axis_index(ring_axes)
         varying = tuple(jax.sharding.get_abstract_mesh().axis_names)  # each device's own running state
-        acc = [jax.lax.pcast((jnp.full((b, g, h // g, qh), _MASKED, jnp.float32),
-                              jnp.zeros((b, g, h // g, qh), jnp.float32),
-                              jnp.zeros((b, qh, g, h // g, d), jnp.float32)), varying, to="varying")
-               for _ in range(parts)]
+        acc = [
+            jax.lax.pcast(
+                (
+                    jnp.full((b, g, h // g, qh), _MASKED, jnp.float32),
+                    jnp.zeros((b, g, h // g, qh), jnp.float32),
+                    jnp.zeros((b, qh, g, h // g, d), jnp.float32),
+                ),
+                varying,
+                to="varying",
+            )
+            for _ in range(parts)
+        ]
 
         def block(state, qb, kb, vb, mb):
             m, total, out = state
@@ -207,17 +221,20 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             scale = jnp.exp(m - m_new)
-            out = out * jnp.moveaxis(scale, -1, 1)[..., None] + jnp.einsum("bgrqs,bsgk->bqgrk", p, vb.astype(jnp.float32))
+            out = out * jnp.moveaxis(scale, -1, 1)[..., None] + jnp.einsum(
+                "bgrqs,bsgk->bqgrk", p, vb.astype(jnp.float32)
+            )
             return m_new, total * scale + p.sum(-1), out
 
         for step in range(split):
             source = (me - step) % split  # whose keys and values this device holds now
             for a in range(parts):
                 for c in range(parts):
-                    kb, vb = (t[:, c * qh:(c + 1) * qh] for t in (k_BSGK, v_BSGK))
-                    mb = jax.lax.dynamic_slice_in_dim(mask_BQL[:, a * qh:(a + 1) * qh], source * lq + c * qh, qh, 2)
-                    acc[a] = jax.lax.cond(jnp.any(mb), block, lambda st, *_: st, acc[a],
-                                          q_BQGRK[:, a * qh:(a + 1) * qh], kb, vb, mb)
+                    kb, vb = (t[:, c * qh : (c + 1) * qh] for t in (k_BSGK, v_BSGK))
+                    mb = jax.lax.dynamic_slice_in_dim(mask_BQL[:, a * qh : (a + 1) * qh], source * lq + c * qh, qh, 2)
+                    acc[a] = jax.lax.cond(
+                        jnp.any(mb), block, lambda st, *_: st, acc[a], q_BQGRK[:, a * qh : (a + 1) * qh], kb, vb, mb
+                    )
             if step < split - 1:
                 perm = [(i, (i + 1) % split) for i in range(split)]
                 k_BSGK, v_BSGK = (jax.lax.ppermute(t, ring_axes, perm) for t in (k_BSGK, v_BSGK))
@@ -227,8 +244,7 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
             outs.append(jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0))
         return jnp.concatenate(outs, axis=1).reshape(b, lq, h, d).astype(q_BQHK.dtype)
 
-    run = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, spec("batch", "length", None)),
-                        out_specs=q_spec)
+    run = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, spec("batch", "length", None)), out_specs=q_spec)
     return run(q_BLHK, k_BLGK, v_BLGK, mask_BQL)
 
 
@@ -246,21 +262,45 @@ class EncoderBlock(nn.Module):
     def __call__(self, x_BPD, mask_BPP):
         hd = self.width // self.heads
         x_BPD = shard_sequence(x_BPD)
-        h = nn.LayerNorm(name="attn_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
-                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
-        qkv = [nn.DenseGeneral((self.heads, hd), name=n, kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
-                               bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"))(h)
-               for n in ("q", "k", "v")]
+        h = nn.LayerNorm(
+            name="attn_norm",
+            scale_init=partitioned(nn.initializers.ones, "norm"),
+            bias_init=partitioned(nn.initializers.zeros, "norm"),
+        )(x_BPD)
+        qkv = [
+            nn.DenseGeneral(
+                (self.heads, hd),
+                name=n,
+                kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
+                bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"),
+            )(h)
+            for n in ("q", "k", "v")
+        ]
         o = attention(*qkv, mask_BPP)
-        x_BPD = x_BPD + nn.DenseGeneral(self.width, axis=(-2, -1), name="o",
-                                        kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
-                                        bias_init=partitioned(nn.initializers.zeros, "embed"))(o)
-        h = nn.LayerNorm(name="mlp_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
-                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x_BPD)
-        h = nn.Dense(self.mlp, name="fc1", kernel_init=partitioned(_init, "embed", "mlp"),
-                     bias_init=partitioned(nn.initializers.zeros, "mlp"))(h)
-        h = nn.Dense(self.width, name="fc2", kernel_init=partitioned(_init, "mlp", "embed"),
-                     bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(h))
+        x_BPD = x_BPD + nn.DenseGeneral(
+            self.width,
+            axis=(-2, -1),
+            name="o",
+            kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(o)
+        h = nn.LayerNorm(
+            name="mlp_norm",
+            scale_init=partitioned(nn.initializers.ones, "norm"),
+            bias_init=partitioned(nn.initializers.zeros, "norm"),
+        )(x_BPD)
+        h = nn.Dense(
+            self.mlp,
+            name="fc1",
+            kernel_init=partitioned(_init, "embed", "mlp"),
+            bias_init=partitioned(nn.initializers.zeros, "mlp"),
+        )(h)
+        h = nn.Dense(
+            self.width,
+            name="fc2",
+            kernel_init=partitioned(_init, "mlp", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(nn.gelu(h))
         return shard_sequence(x_BPD + h)
 
 

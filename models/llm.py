@@ -91,8 +91,11 @@ class MoE(nn.Module):
         chosen_BLE = jnp.sum(jax.nn.one_hot(index, c.experts), axis=-2)
         combine_BLE = jnp.sum(jax.nn.one_hot(index, c.experts) * weights[..., None], axis=-2).astype(h_BLD.dtype)
         if c.router_aux_loss:
-            self.sow("losses", "router_balance", c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL,
-                                                                                      c.experts_per_token))
+            self.sow(
+                "losses",
+                "router_balance",
+                c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, c.experts_per_token),
+            )
         if c.moe_dispatch == "ragged":
             return shard_sequence(ragged_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
         if c.moe_dispatch == "sparse":
@@ -108,16 +111,18 @@ class MoE(nn.Module):
 GroupedFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def ragged_dot_ffn(x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array,
-                   down_GFD: jax.Array) -> jax.Array:
+def ragged_dot_ffn(
+    x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array, down_GFD: jax.Array
+) -> jax.Array:
     """SwiGLU of rows sorted by expert (`sizes_G` rows each; rows after them give zeros) with
     `jax.lax.ragged_dot`: sparse where the backend has a grouped-matmul kernel."""
     act = nn.silu(jax.lax.ragged_dot(x_RD, gate_GDF, sizes_G)) * jax.lax.ragged_dot(x_RD, up_GDF, sizes_G)
     return jax.lax.ragged_dot(act, down_GFD, sizes_G)
 
 
-def tiled_ffn(x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array,
-              down_GFD: jax.Array) -> jax.Array:
+def tiled_ffn(
+    x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array, down_GFD: jax.Array
+) -> jax.Array:
     """`ragged_dot_ffn` as a block-sparse product that is sparse on every backend: each expert's
     run of rows is padded to whole tiles and every tile goes through its own expert's weights in
     one batched matmul. Tiles are `expert_mlp` rows (at least 8), so the FLOPs are those of the
@@ -131,18 +136,27 @@ def tiled_ffn(x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: 
     row_R = jnp.arange(rows)
     group_R = jnp.searchsorted(ends, row_R, side="right")  # `groups` past the last group: not placed
     g = jnp.minimum(group_R, groups - 1)
-    slot_R = jnp.where(group_R < groups, (jnp.cumsum(tiles_G) - tiles_G)[g] * tile + row_R - (ends - sizes_G)[g],
-                       tiles * tile)
+    slot_R = jnp.where(
+        group_R < groups, (jnp.cumsum(tiles_G) - tiles_G)[g] * tile + row_R - (ends - sizes_G)[g], tiles * tile
+    )
     x_NTD = jnp.zeros((tiles * tile, d), x_RD.dtype).at[slot_R].set(x_RD, mode="drop").reshape(tiles, tile, d)
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_G), jnp.arange(tiles), side="right"), groups - 1)
-    act = (nn.silu(jnp.einsum("ntd,ndf->ntf", x_NTD, gate_GDF[expert_N]))
-           * jnp.einsum("ntd,ndf->ntf", x_NTD, up_GDF[expert_N]))
+    act = nn.silu(jnp.einsum("ntd,ndf->ntf", x_NTD, gate_GDF[expert_N])) * jnp.einsum(
+        "ntd,ndf->ntf", x_NTD, up_GDF[expert_N]
+    )
     y = jnp.einsum("ntf,nfd->ntd", act, down_GFD[expert_N]).reshape(tiles * tile, d)
     return y.at[slot_R].get(mode="fill", fill_value=0)
 
 
-def ragged_experts(h_ND: jax.Array, index_NK: jax.Array, weights_NK: jax.Array, gate_EDF: jax.Array,
-                   up_EDF: jax.Array, down_EFD: jax.Array, ffn: GroupedFFN = ragged_dot_ffn) -> jax.Array:
+def ragged_experts(
+    h_ND: jax.Array,
+    index_NK: jax.Array,
+    weights_NK: jax.Array,
+    gate_EDF: jax.Array,
+    up_EDF: jax.Array,
+    down_EFD: jax.Array,
+    ffn: GroupedFFN = ragged_dot_ffn,
+) -> jax.Array:
     """Dropless sparse dispatch on one device: the (token, slot) pairs sorted by expert, each
     expert's run of rows through its weights with the grouped `ffn`, and each token's results
     added with its router weights. Slots whose expert is out of range (>= experts) add nothing.
@@ -161,8 +175,14 @@ def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def sparse_experts(h_BLD: jax.Array, index_BLK: jax.Array, weights_BLK: jax.Array, gate_EDF: jax.Array,
-                   up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+def sparse_experts(
+    h_BLD: jax.Array,
+    index_BLK: jax.Array,
+    weights_BLK: jax.Array,
+    gate_EDF: jax.Array,
+    up_EDF: jax.Array,
+    down_EFD: jax.Array,
+) -> jax.Array:
     """The sparse dispatch: expert parallel over the `expert` mesh axis, dropless.
 
     A `shard_map` over the section's mesh. Each device keeps its tokens; a token goes once to
@@ -195,13 +215,23 @@ def sparse_experts(h_BLD: jax.Array, index_BLK: jax.Array, weights_BLK: jax.Arra
 
     token_spec, expert_axes, mlp_axes = spec("batch", "length", None), _axes(spec("expert")[0]), _axes(spec("mlp")[0])
     devices = split(expert_axes)
-    if (devices == 1 or gate_EDF.shape[0] % devices or h_BLD.shape[0] % split(token_spec[0])
-            or h_BLD.shape[1] % split(token_spec[1])):
+    if (
+        devices == 1
+        or gate_EDF.shape[0] % devices
+        or h_BLD.shape[0] % split(token_spec[0])
+        or h_BLD.shape[1] % split(token_spec[1])
+    ):
         return local_experts(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
 
-    def local(h_BLD: jax.Array, index_BLK: jax.Array, weights_BLK: jax.Array, gate_EDF: jax.Array,
-              up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
-        b, l, d = h_BLD.shape
+    def local(
+        h_BLD: jax.Array,
+        index_BLK: jax.Array,
+        weights_BLK: jax.Array,
+        gate_EDF: jax.Array,
+        up_EDF: jax.Array,
+        down_EFD: jax.Array,
+    ) -> jax.Array:
+        b, l, d = h_BLD.shape  # noqa: E741 - the shape suffix letters (B, L, D)
         k, owned = index_BLK.shape[-1], gate_EDF.shape[0]
         t = b * l
         index_TK, weights_TK = index_BLK.reshape(t, k), weights_BLK.reshape(t, k)
@@ -223,8 +253,9 @@ def sparse_experts(h_BLD: jax.Array, index_BLK: jax.Array, weights_BLK: jax.Arra
         return (jax.lax.psum(out, mlp_axes) if mlp_axes else out).reshape(b, l, d)
 
     expert_in, expert_out = spec("expert", None, "mlp"), spec("expert", "mlp", None)
-    run = jax.shard_map(local, in_specs=(token_spec, token_spec, token_spec, expert_in, expert_in, expert_out),
-                        out_specs=token_spec)
+    run = jax.shard_map(
+        local, in_specs=(token_spec, token_spec, token_spec, expert_in, expert_in, expert_out), out_specs=token_spec
+    )
     return run(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
 
 
@@ -246,23 +277,40 @@ class DecoderBlock(nn.Module):
         c = self.cfg
         x_BLD = shard_sequence(x_BLD)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
-        q = nn.DenseGeneral((c.heads, c.head_dim), use_bias=c.qkv_bias, name="q",
-                            kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
-                            bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"))(h)
-        k = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=c.qkv_bias, name="k",
-                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
-                            bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"))(h)
-        v = nn.DenseGeneral((c.kv_heads, c.head_dim), use_bias=c.qkv_bias, name="v",
-                            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
-                            bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"))(h)
+        q = nn.DenseGeneral(
+            (c.heads, c.head_dim),
+            use_bias=c.qkv_bias,
+            name="q",
+            kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
+            bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"),
+        )(h)
+        k = nn.DenseGeneral(
+            (c.kv_heads, c.head_dim),
+            use_bias=c.qkv_bias,
+            name="k",
+            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
+            bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"),
+        )(h)
+        v = nn.DenseGeneral(
+            (c.kv_heads, c.head_dim),
+            use_bias=c.qkv_bias,
+            name="v",
+            kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
+            bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"),
+        )(h)
         if c.qk_norm:
             q = RMSNorm(c.norm_eps, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
         q = rotary(q, positions_BL, c.rope_theta)
         k = rotary(k, positions_BL, c.rope_theta)
         o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring")
-        x_BLD = x_BLD + nn.DenseGeneral(c.width, axis=(-2, -1), use_bias=False, name="o",
-                                        kernel_init=partitioned(_init, "heads", "head_dim", "embed"))(o)
+        x_BLD = x_BLD + nn.DenseGeneral(
+            c.width,
+            axis=(-2, -1),
+            use_bias=False,
+            name="o",
+            kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
+        )(o)
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
         if c.experts:
             return x_BLD + MoE(c, name="moe")(h, valid_BL)
@@ -301,8 +349,7 @@ class DecoderLM(nn.Module):
         `balanced_order` for the layers (each device gets an early and a late chunk, so the
         causal work is even) and put back after: every other op is position-wise, and the mask
         and rotary embeddings follow the positions wherever they sit."""
-        order = (balanced_order(x_BLD.shape[1], context_split())
-                 if self.cfg.context_attention == "ring" else None)
+        order = balanced_order(x_BLD.shape[1], context_split()) if self.cfg.context_attention == "ring" else None
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
         causal = positions_BL[:, :, None] >= positions_BL[:, None, :]

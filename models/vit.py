@@ -42,19 +42,34 @@ class VisionEncoder(nn.Module):
     def __call__(self, patches_BPC, segments_BP, grid_BP2):
         """patches -> merged image tokens `B x P/merge**2 x out_width`."""
         c = self.cfg
-        x = nn.Dense(c.width, name="patch_embed", kernel_init=partitioned(_init, "patch", "embed"),
-                     bias_init=partitioned(nn.initializers.zeros, "embed"))(patches_BPC)
+        x = nn.Dense(
+            c.width,
+            name="patch_embed",
+            kernel_init=partitioned(_init, "patch", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(patches_BPC)
         row = self.param("pos_row", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
         col = self.param("pos_col", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
         x = x + jnp.take(row, grid_BP2[..., 0], axis=0) + jnp.take(col, grid_BP2[..., 1], axis=0)
         mask_BPP = segment_mask(segments_BP)
         x = layer_stack(EncoderBlock, (c.width, c.heads, c.mlp), c.depth, c.remat, c.scan_layers)(x, mask_BPP)
-        x = nn.LayerNorm(name="merge_norm", scale_init=partitioned(nn.initializers.ones, "norm"),
-                         bias_init=partitioned(nn.initializers.zeros, "norm"))(x)
+        x = nn.LayerNorm(
+            name="merge_norm",
+            scale_init=partitioned(nn.initializers.ones, "norm"),
+            bias_init=partitioned(nn.initializers.zeros, "norm"),
+        )(x)
         b, p, d = x.shape
         window = c.merge * c.merge
         x = x.reshape(b, p // window, window * d)
-        x = nn.Dense(c.out_width * 2, name="merger_fc1", kernel_init=partitioned(_init, "embed", "mlp"),
-                     bias_init=partitioned(nn.initializers.zeros, "mlp"))(x)
-        return nn.Dense(c.out_width, name="merger_fc2", kernel_init=partitioned(_init, "mlp", "embed"),
-                        bias_init=partitioned(nn.initializers.zeros, "embed"))(nn.gelu(x))
+        x = nn.Dense(
+            c.out_width * 2,
+            name="merger_fc1",
+            kernel_init=partitioned(_init, "embed", "mlp"),
+            bias_init=partitioned(nn.initializers.zeros, "mlp"),
+        )(x)
+        return nn.Dense(
+            c.out_width,
+            name="merger_fc2",
+            kernel_init=partitioned(_init, "mlp", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(nn.gelu(x))

@@ -56,7 +56,9 @@ def main() -> None:
 
         step = jax.jit(jax.value_and_grad(loss), in_shardings=(shard, rows, rows, rows))
         with on_mesh(mesh, "default"):
-            params = jax.device_put(nn.meta.unbox(model.init(jax.random.key(0), ids, positions, valid)["params"]), shard)
+            params = jax.device_put(
+                nn.meta.unbox(model.init(jax.random.key(0), ids, positions, valid)["params"]), shard
+            )
             compiled = step.lower(params, ids, positions, valid).compile()
         m = compiled.memory_analysis()
         memory[mode] = int(m.temp_size_in_bytes)
@@ -68,10 +70,16 @@ def main() -> None:
             jax.block_until_ready(compiled(params, ids, positions, valid))
             times[mode].append(time.perf_counter() - t)
     median = {mode: float(np.median(t[1:])) for mode, t in times.items()}
-    report = {"devices": args.devices, "length": args.length, "rows": args.rows, "reps": args.reps,
-              "median_step_s": median, "ring_over_gather_time": median["ring"] / median["gather"],
-              "temp_bytes_per_device": memory,
-              "ring_over_gather_temp_memory": memory["ring"] / memory["gather"]}
+    report = {
+        "devices": args.devices,
+        "length": args.length,
+        "rows": args.rows,
+        "reps": args.reps,
+        "median_step_s": median,
+        "ring_over_gather_time": median["ring"] / median["gather"],
+        "temp_bytes_per_device": memory,
+        "ring_over_gather_temp_memory": memory["ring"] / memory["gather"],
+    }
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -65,8 +65,9 @@ def load_caption(path: Path) -> str:
         raise BadFile(f"{path}: caption is not UTF-8 ({err.reason} at byte {err.start})") from err
 
 
-def make_sample(index: int, stem: str, image_path: Path | None, caption_path: Path, patch: int, merge: int,
-                max_side: int) -> Sample:
+def make_sample(
+    index: int, stem: str, image_path: Path | None, caption_path: Path, patch: int, merge: int, max_side: int
+) -> Sample:
     """The sample of one stem (an image, its caption, or both); BadFile naming the file at fault."""
     unit = patch * merge
     caption = load_caption(caption_path) if caption_path.exists() else stem
@@ -111,7 +112,9 @@ def main() -> int:
     ap.add_argument("--patch", type=int, default=4)
     ap.add_argument("--merge", type=int, default=2)
     ap.add_argument("--max-side", type=int, default=32)
-    ap.add_argument("--strict", action="store_true", help="stop at the first bad file (status 2) instead of skipping it")
+    ap.add_argument(
+        "--strict", action="store_true", help="stop at the first bad file (status 2) instead of skipping it"
+    )
     args = ap.parse_args()
     try:
         n, skipped = convert(args.folder, args.out, args.patch, args.merge, args.max_side, args.strict)

@@ -87,16 +87,26 @@ def points() -> list[Point]:
     image = "data.modalities.image"
     out = [Point("vlm_image_share", f"{f:g}", VLM, 64, {f"{image}.fraction": f}) for f in (0.0, 0.25, 0.5, 0.75, 1.0)]
     out += [Point("vlm_images", f"1..{n}", VLM, 64, {f"{image}.max_items": n}) for n in (1, 4, 8)]
-    for label, sizes in (("448x448", [[448, 448]]), ("896x896", [[896, 896]]), ("default mix", DEFAULT_SIZES),
-                         ("1344x1344", [[1344, 1344]])):
+    for label, sizes in (
+        ("448x448", [[448, 448]]),
+        ("896x896", [[896, 896]]),
+        ("default mix", DEFAULT_SIZES),
+        ("1344x1344", [[1344, 1344]]),
+    ):
         out.append(Point("vlm_resolution", label, VLM, 64, {f"{image}.sizes": sizes}))
     out += [Point("vlm_highres", f"{n} devices", VLM_HIGHRES, n, {}) for n in (64, 128)]
-    out += [Point("vlm_highres", f"image share {f:g}, 64 devices", VLM_HIGHRES, 64, {f"{image}.fraction": f})
-            for f in (0.0, 0.5)]
-    out += [Point("kd_teacher", f"{t} teacher / 7B student", KD, 64, _model("teacher", t))
-            for t in ("7B", "14B", "32B", "72B")]
-    out += [Point("kd_student", f"72B teacher / {s} student", KD, 64, _model("student", s))
-            for s in ("7B", "3B", "1.5B", "0.5B")]
+    out += [
+        Point("vlm_highres", f"image share {f:g}, 64 devices", VLM_HIGHRES, 64, {f"{image}.fraction": f})
+        for f in (0.0, 0.5)
+    ]
+    out += [
+        Point("kd_teacher", f"{t} teacher / 7B student", KD, 64, _model("teacher", t))
+        for t in ("7B", "14B", "32B", "72B")
+    ]
+    out += [
+        Point("kd_student", f"72B teacher / {s} student", KD, 64, _model("student", s))
+        for s in ("7B", "3B", "1.5B", "0.5B")
+    ]
     return out
 
 
@@ -126,8 +136,9 @@ def short_plan(describe: dict, idle: frozenset = frozenset()) -> str:
             parts.append(f"{s} {d['devices']} idle")
             continue
         mesh = " ".join(f"{a[0]}{n}" for a, n in d["mesh"].items() if n > 1) or "d1"
-        extra = (" remat" if d["residuals"] == "remat" else "") + ("" if d["layer_remat"] == "none"
-                                                                 else f" {d['layer_remat']}")
+        extra = (" remat" if d["residuals"] == "remat" else "") + (
+            "" if d["layer_remat"] == "none" else f" {d['layer_remat']}"
+        )
         parts.append(f"{s} {d['devices']} {mesh} mb{d['micro_batch']}{extra}")
     return "; ".join(parts)
 
@@ -153,15 +164,21 @@ def shape(planner: Planner) -> dict:
         units[s] = per
         active[s] = sum(1 for u in per if u) / len(per)
         flops[s] = sum(u * (c.flops + c.attention_flops * (c.attention_span or u)) for u in per) * (
-            3 if sec.trained else 1)
+            3 if sec.trained else 1
+        )
     total = sum(flops.values()) or 1.0
     out = {}
     for s, sec in spec.sections.items():
         per = units[s]
         mean = statistics.mean(per)
-        out[s] = {"flops_share": flops[s] / total, "units_per_sample": mean,
-                  "units_cv": statistics.pstdev(per) / mean if mean else 0.0, "active_share": active[s],
-                  "params_b": sec.param_count / 1e9, "trained": sec.trained}
+        out[s] = {
+            "flops_share": flops[s] / total,
+            "units_per_sample": mean,
+            "units_cv": statistics.pstdev(per) / mean if mean else 0.0,
+            "active_share": active[s],
+            "params_b": sec.param_count / 1e9,
+            "trained": sec.trained,
+        }
     return out
 
 
@@ -175,17 +192,28 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
     pipe = getattr(report, "pipelined", None)  # the 1F1B baseline, where the planner reports one
     sections = shape(planner)
     idle = frozenset(s for s, d in sections.items() if not d["active_share"])
-    row = {"sweep": p.sweep, "label": p.label, "config": p.config, "devices": p.devices, "memory_gb": p.memory_gb,
-           "overrides": p.overrides, "maestro_step_s": best.step_time_s,
-           "maestro_samples_per_s_per_device": best.samples_per_s_per_device,
-           "monolithic_step_s": mono["step_time_s"] if mono else None,
-           "monolithic_samples_per_s_per_device": mono["samples_per_s_per_device"] if mono else None,
-           "ratio": mono["step_time_s"] / best.step_time_s if mono else None,
-           "maestro_plan": best.describe(), "maestro_plan_short": short_plan(best.describe(), idle),
-           "colocated": len({d["devices"] for d in best.describe().values()}) == 1,
-           "same_as_monolithic": _is_monolithic(best.describe(), mono, idle),
-           "monolithic": mono, "monolithic_short": short_mono(mono),
-           "pipelined_step_s": pipe["step_time_s"] if pipe else None, "pipelined": pipe, "sections": sections}
+    row = {
+        "sweep": p.sweep,
+        "label": p.label,
+        "config": p.config,
+        "devices": p.devices,
+        "memory_gb": p.memory_gb,
+        "overrides": p.overrides,
+        "maestro_step_s": best.step_time_s,
+        "maestro_samples_per_s_per_device": best.samples_per_s_per_device,
+        "monolithic_step_s": mono["step_time_s"] if mono else None,
+        "monolithic_samples_per_s_per_device": mono["samples_per_s_per_device"] if mono else None,
+        "ratio": mono["step_time_s"] / best.step_time_s if mono else None,
+        "maestro_plan": best.describe(),
+        "maestro_plan_short": short_plan(best.describe(), idle),
+        "colocated": len({d["devices"] for d in best.describe().values()}) == 1,
+        "same_as_monolithic": _is_monolithic(best.describe(), mono, idle),
+        "monolithic": mono,
+        "monolithic_short": short_mono(mono),
+        "pipelined_step_s": pipe["step_time_s"] if pipe else None,
+        "pipelined": pipe,
+        "sections": sections,
+    }
     if split:
         sp = planner_for(cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas)
         sp.__class__ = _SplitPlanner
@@ -201,17 +229,26 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
 def _is_monolithic(describe: dict, mono: dict | None, idle: frozenset) -> bool:
     """Every working section on all the devices with the monolithic mesh and micro-batch."""
     return bool(mono) and all(
-        d["mesh"] == mono["mesh"] and d["micro_batch"] == mono["micro_batch"] and len(
-            {x["devices"] for x in describe.values()}) == 1 for s, d in describe.items() if s not in idle)
+        d["mesh"] == mono["mesh"]
+        and d["micro_batch"] == mono["micro_batch"]
+        and len({x["devices"] for x in describe.values()}) == 1
+        for s, d in describe.items()
+        if s not in idle
+    )
 
 
 def _code_version() -> dict | None:
     """The checkout's commit and whether the package differs from it, when ROOT is a git checkout."""
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "maestro_jax", "models"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "maestro_jax", "models"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return {"commit": commit, "uncommitted_changes": bool(dirty)}
@@ -231,11 +268,14 @@ def markdown(rows: list[dict], command: str, note: str | None = None) -> str:
         group = [r for r in rows if r["sweep"] == sweep]
         first = group[0]
         enc, sink = next(iter(first["sections"])), list(first["sections"])[-1]  # producer (vision, teacher), sink
-        lines += [f"**{sweep}** (`{first['config']}`, {first['memory_gb']:g} GB per device)", "",
-                  f"| point | devices | params B {enc}/{sink} | samples with {enc} work | {enc} units/sample (cv) | "
-                  f"{enc} FLOPs share | maestro s/step | monolithic s/step | **ratio** | maestro plan | "
-                  f"monolithic layout | best split s/step | best split plan |" + (" 1F1B s/step |" if pipelined else ""),
-                  "|---" * (13 + pipelined) + "|"]
+        lines += [
+            f"**{sweep}** (`{first['config']}`, {first['memory_gb']:g} GB per device)",
+            "",
+            f"| point | devices | params B {enc}/{sink} | samples with {enc} work | {enc} units/sample (cv) | "
+            f"{enc} FLOPs share | maestro s/step | monolithic s/step | **ratio** | maestro plan | "
+            f"monolithic layout | best split s/step | best split plan |" + (" 1F1B s/step |" if pipelined else ""),
+            "|---" * (13 + pipelined) + "|",
+        ]
         for r in group:
             e, k = r["sections"][enc], r["sections"][sink]
             flag = " (below 1: see notes)" if r["ratio"] is not None and r["ratio"] < 1 - TIE else ""
@@ -245,11 +285,18 @@ def markdown(rows: list[dict], command: str, note: str | None = None) -> str:
                 f"{r['maestro_step_s']:.3f} | {_f(r['monolithic_step_s'], '.3f')} | "
                 f"**{_f(r['ratio'], '.3f')}x**{flag} | {r['maestro_plan_short']} | {r['monolithic_short']} | "
                 f"{_f(r.get('split_step_s'), '.3f')} | {r.get('split_plan_short', '-')} |"
-                + (f" {_f(r.get('pipelined_step_s'), '.3f')} |" if pipelined else ""))
+                + (f" {_f(r.get('pipelined_step_s'), '.3f')} |" if pipelined else "")
+            )
         ties = [r["label"] for r in group if r["ratio"] is not None and abs(r["ratio"] - 1) <= TIE]
         gains = [r["label"] for r in group if r["ratio"] is not None and r["ratio"] > 1 + TIE]
-        lines += ["", (f"Monolithic is the right choice (ratio within {TIE:g} of 1) at: {', '.join(ties) or 'none'}; "
-                      f"maestro gains at: {', '.join(gains) or 'none'}."), ""]
+        lines += [
+            "",
+            (
+                f"Monolithic is the right choice (ratio within {TIE:g} of 1) at: {', '.join(ties) or 'none'}; "
+                f"maestro gains at: {', '.join(gains) or 'none'}."
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -262,8 +309,9 @@ def main() -> int:
     ap.add_argument("--note", help="free text stored in the JSON (e.g. which code version ran)")
     ap.add_argument("--render", action="store_true", help="only write the markdown of the existing --json")
     ap.add_argument("--jobs", type=int, default=1, help="points searched in parallel processes (default 1)")
-    ap.add_argument("--no-split", dest="split", action="store_false",
-                    help="skip the search restricted to disjoint device groups")
+    ap.add_argument(
+        "--no-split", dest="split", action="store_false", help="skip the search restricted to disjoint device groups"
+    )
     args = ap.parse_args()
     md = Path(args.md or Path(args.json).with_suffix(".md"))
     if args.render:
@@ -273,8 +321,7 @@ def main() -> int:
         return 0
     chosen = [p for p in points() if not args.only or p.sweep in args.only.split(",")]
     # a point whose config equals an earlier one's (a sweep's default) is searched once
-    keys = [(load_config(ROOT / p.config, dict(p.overrides)).model_dump_json(), p.devices, p.memory_gb)
-            for p in chosen]
+    keys = [(load_config(ROOT / p.config, dict(p.overrides)).model_dump_json(), p.devices, p.memory_gb) for p in chosen]
     first = {}
     for k, p in zip(keys, chosen):
         first.setdefault(k, p)
@@ -289,10 +336,12 @@ def main() -> int:
             row = done[k] = futures[k].result() if pool else run_point(p, args.batches, args.split)
         row = {**row, "sweep": p.sweep, "label": p.label, "overrides": p.overrides}
         rows.append(row)
-        print(f"{p.sweep:16s} {p.label:32s} maestro {row['maestro_step_s']:8.3f} s  monolithic "
-              f"{_f(row['monolithic_step_s'], '8.3f')} s  {_f(row['ratio'], '.3f')}x  split "
-              f"{_f(row.get('split_step_s'), '8.3f')} s  ({row['wall_s']:.0f} s)  {row['maestro_plan_short']}",
-              flush=True)
+        print(
+            f"{p.sweep:16s} {p.label:32s} maestro {row['maestro_step_s']:8.3f} s  monolithic "
+            f"{_f(row['monolithic_step_s'], '8.3f')} s  {_f(row['ratio'], '.3f')}x  split "
+            f"{_f(row.get('split_step_s'), '8.3f')} s  ({row['wall_s']:.0f} s)  {row['maestro_plan_short']}",
+            flush=True,
+        )
     if pool:
         pool.shutdown()
     command = "PYTHONPATH=. .venv/bin/python " + shlex.join(["scripts/heterogeneity_sweep.py", *sys.argv[1:]])

@@ -31,26 +31,66 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_MODELS = ["models.vision.depth=1", "models.llm.depth=1", "data.text_len=[6,14]", "models.vision.width=32",
-                "models.vision.mlp=64", "models.vision.out_width=48", "models.llm.width=48", "models.llm.head_dim=8",
-                "models.llm.mlp=96", "data.modalities.image.sizes=[[8,8],[16,8]]", "data.modalities.image.max_items=2"]
-FIELDS = {"schedule": "schedule_ahead_s", "read (incl. schedule)": "read_ahead_s", "pack": "pack_ahead_s",
-          "data wait": "data_wait_s", "dispatch": "dispatch_s", "transfer issue": "transfer_issue_s",
-          "device wait": "device_wait_s", "step": "step_time_s"}
+SMALL_MODELS = [
+    "models.vision.depth=1",
+    "models.llm.depth=1",
+    "data.text_len=[6,14]",
+    "models.vision.width=32",
+    "models.vision.mlp=64",
+    "models.vision.out_width=48",
+    "models.llm.width=48",
+    "models.llm.head_dim=8",
+    "models.llm.mlp=96",
+    "data.modalities.image.sizes=[[8,8],[16,8]]",
+    "data.modalities.image.max_items=2",
+]
+FIELDS = {
+    "schedule": "schedule_ahead_s",
+    "read (incl. schedule)": "read_ahead_s",
+    "pack": "pack_ahead_s",
+    "data wait": "data_wait_s",
+    "dispatch": "dispatch_s",
+    "transfer issue": "transfer_issue_s",
+    "device wait": "device_wait_s",
+    "step": "step_time_s",
+}
 
 
 def run(devices: int, steps: int, warmup: int, on_nonfinite: str) -> dict:
     vision = devices // 2
     overrides = SMALL_MODELS + [
-        f"host_devices={devices}", f"global_batch={4 * devices}", f"data.num_samples={4 * devices * (steps + 1)}",
-        f"sections.vision.devices=0:{vision}", f"sections.vision.mesh={{data: {vision}}}",
-        f"sections.llm.devices={vision}:{devices}", f"sections.llm.mesh={{data: {devices - vision}}}",
-        "edges.image_embeds.fanout=1", f"monolithic.devices=0:{devices}", f"monolithic.mesh={{data: {devices}}}",
-        f"steps={steps}", "keep_checkpoints=0", f"on_nonfinite={on_nonfinite}"]
+        f"host_devices={devices}",
+        f"global_batch={4 * devices}",
+        f"data.num_samples={4 * devices * (steps + 1)}",
+        f"sections.vision.devices=0:{vision}",
+        f"sections.vision.mesh={{data: {vision}}}",
+        f"sections.llm.devices={vision}:{devices}",
+        f"sections.llm.mesh={{data: {devices - vision}}}",
+        "edges.image_embeds.fanout=1",
+        f"monolithic.devices=0:{devices}",
+        f"monolithic.mesh={{data: {devices}}}",
+        f"steps={steps}",
+        "keep_checkpoints=0",
+        f"on_nonfinite={on_nonfinite}",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
-                        *overrides, f"output_dir={out}"], check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "maestro_jax.cli",
+                "train",
+                "--config",
+                str(ROOT / "configs/vlm_tiny.yaml"),
+                *overrides,
+                f"output_dir={out}",
+            ],
+            check=True,
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()][warmup:]
     return {name: statistics.median(r[key] for r in records) for name, key in FIELDS.items()}
 
@@ -68,11 +108,18 @@ def main() -> None:
         at_once[n] = run(n, args.steps, args.warmup, "skip")
     print(f"{'devices':>8s} " + " ".join(f"{name:>22s}" for name in FIELDS) + "  step read at once / read late")
     for n, r in results.items():
-        print(f"{n:8d} " + " ".join(f"{r[name] * 1e3:20.1f}ms" for name in FIELDS)
-              + f"  {at_once[n]['step'] * 1e3:.1f}ms / {r['step'] * 1e3:.1f}ms = {at_once[n]['step'] / r['step']:.2f}")
+        print(
+            f"{n:8d} "
+            + " ".join(f"{r[name] * 1e3:20.1f}ms" for name in FIELDS)
+            + f"  {at_once[n]['step'] * 1e3:.1f}ms / {r['step'] * 1e3:.1f}ms = {at_once[n]['step'] / r['step']:.2f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"medians_s": results, "read_at_once_medians_s": at_once,
-                                               "steps": args.steps, "warmup": args.warmup}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"medians_s": results, "read_at_once_medians_s": at_once, "steps": args.steps, "warmup": args.warmup},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -22,12 +22,26 @@ from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.tools.trace import write_chrome_trace, write_gantt
 
-ONE_DEVICE = {"kd": ["sections.teacher.devices=[0]", "sections.teacher.mesh={data: 1}", "sections.student.devices=[1]",
-                     "sections.student.mesh={data: 1}", "edges.teacher_hidden.fanout=1",
-                     "sections.teacher.micro_batch=4", "sections.student.micro_batch=4"],
-              "vlm": ["sections.vision.devices=[0]", "sections.vision.mesh={data: 1}", "sections.llm.devices=[1]",
-                      "sections.llm.mesh={data: 1}", "edges.image_embeds.fanout=1", "sections.vision.micro_batch=4",
-                      "sections.llm.micro_batch=4"]}
+ONE_DEVICE = {
+    "kd": [
+        "sections.teacher.devices=[0]",
+        "sections.teacher.mesh={data: 1}",
+        "sections.student.devices=[1]",
+        "sections.student.mesh={data: 1}",
+        "edges.teacher_hidden.fanout=1",
+        "sections.teacher.micro_batch=4",
+        "sections.student.micro_batch=4",
+    ],
+    "vlm": [
+        "sections.vision.devices=[0]",
+        "sections.vision.mesh={data: 1}",
+        "sections.llm.devices=[1]",
+        "sections.llm.mesh={data: 1}",
+        "edges.image_embeds.fanout=1",
+        "sections.vision.micro_batch=4",
+        "sections.llm.micro_batch=4",
+    ],
+}
 
 
 def main():
@@ -43,8 +57,10 @@ def main():
     states = rt.init_states()
     samples = rt.batches()[0]
     schedule = rt.schedule(samples)
-    runs = {"sequential": lambda: rt.executor.run(states, samples, schedule),
-            "threaded": lambda: rt.executor.run_threaded(states, samples, schedule)}
+    runs = {
+        "sequential": lambda: rt.executor.run(states, samples, schedule),
+        "threaded": lambda: rt.executor.run_threaded(states, samples, schedule),
+    }
     times = {k: [] for k in runs}
     for f in runs.values():  # warm-up
         jax.block_until_ready(f().loss)
@@ -63,9 +79,13 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     write_chrome_trace(record, os.path.join(args.out, "threaded_trace.json"))
     write_gantt(record, os.path.join(args.out, "threaded_gantt.png"), "measured: one dispatch thread per section (CPU)")
-    report = {"step_s": {k: statistics.median(v) for k, v in times.items()},
-              "threaded_vs_sequential": statistics.median(times["sequential"]) / statistics.median(times["threaded"]),
-              "busy_s": busy, "wall_s": wall, "overlap_factor": sum(busy.values()) / wall}
+    report = {
+        "step_s": {k: statistics.median(v) for k, v in times.items()},
+        "threaded_vs_sequential": statistics.median(times["sequential"]) / statistics.median(times["threaded"]),
+        "busy_s": busy,
+        "wall_s": wall,
+        "overlap_factor": sum(busy.values()) / wall,
+    }
     with open(os.path.join(args.out, "overlap.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))

@@ -22,21 +22,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # wavefront_reference: the scheduler before the rewrite
 
-import wavefront_reference  # noqa: E402
+import wavefront_reference
 
-from maestro_jax import workloads  # noqa: E402
-from maestro_jax.config import load_config  # noqa: E402
-from maestro_jax.planning.cluster import cost_model, simulate_plan  # noqa: E402
-from maestro_jax.schedule import wavefront  # noqa: E402
+from maestro_jax import workloads
+from maestro_jax.config import load_config
+from maestro_jax.planning.cluster import cost_model, simulate_plan
+from maestro_jax.schedule import wavefront
 
 
 def weak_scaled(k: int):
     """configs/vlm_paper_scale.yaml on k times the devices and k times the global batch."""
-    return load_config(ROOT / "configs" / "vlm_paper_scale.yaml", [
-        f"global_batch={144 * k}",
-        f"sections.vision.devices=0:{8 * k}", f"sections.vision.mesh.data={8 * k}",
-        f"sections.llm.devices={8 * k}:{72 * k}", f"sections.llm.mesh.data={16 * k}",
-        f"monolithic.devices=0:{72 * k}", f"monolithic.mesh.data={18 * k}"])
+    return load_config(
+        ROOT / "configs" / "vlm_paper_scale.yaml",
+        [
+            f"global_batch={144 * k}",
+            f"sections.vision.devices=0:{8 * k}",
+            f"sections.vision.mesh.data={8 * k}",
+            f"sections.llm.devices={8 * k}:{72 * k}",
+            f"sections.llm.mesh.data={16 * k}",
+            f"monolithic.devices=0:{72 * k}",
+            f"monolithic.mesh.data={18 * k}",
+        ],
+    )
 
 
 def timed(schedule, *args, repeats: int = 3):
@@ -62,10 +69,21 @@ def measure(k: int, reference: bool) -> dict:
     row = {"k": k, "devices": 72 * k, "global_batch": len(metas), "new_s": new_s, "new_cpu_s": new_cpu_s}
     if reference:
         old, old_s, old_cpu_s = timed(wavefront_reference.wavefront, metas, problem, cost)
-        row.update(old_s=old_s, old_cpu_s=old_cpu_s, speedup=old_s / new_s,
-                   identical=(new.ops, new.steps) == (old.ops, old.steps))
-    report, _ = simulate_plan(spec, plan, cfg.monolithic_plan(), batches, device=cfg.simulate.device,
-                              link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight)
+        row.update(
+            old_s=old_s,
+            old_cpu_s=old_cpu_s,
+            speedup=old_s / new_s,
+            identical=(new.ops, new.steps) == (old.ops, old.steps),
+        )
+    report, _ = simulate_plan(
+        spec,
+        plan,
+        cfg.monolithic_plan(),
+        batches,
+        device=cfg.simulate.device,
+        link_gbps=cfg.simulate.link_gbps,
+        max_in_flight=cfg.schedule.max_in_flight,
+    )
     step = report["step_time_s"]["wavefront"]
     row.update(predicted_step_s=step, share_of_step=new_s / step, cpu_share_of_step=new_cpu_s / step)
     return row
@@ -78,16 +96,21 @@ def main() -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = []
-    print(f"{'devices':>7} {'batch':>6} {'old':>9} {'new':>9} {'new cpu':>9} {'ratio':>6} {'same':>5} "
-          f"{'step':>8} {'% step':>7}")
+    print(
+        f"{'devices':>7} {'batch':>6} {'old':>9} {'new':>9} {'new cpu':>9} {'ratio':>6} {'same':>5} "
+        f"{'step':>8} {'% step':>7}"
+    )
     for k in args.k:
         r = measure(k, not args.no_reference)
         rows.append(r)
         old = f"{r['old_s'] * 1e3:7.1f}ms" if "old_s" in r else "-"
         ratio = f"{r['speedup']:5.1f}x" if "speedup" in r else "-"
-        print(f"{r['devices']:>7} {r['global_batch']:>6} {old:>9} {r['new_s'] * 1e3:7.1f}ms "
-              f"{r['new_cpu_s'] * 1e3:7.1f}ms {ratio:>6} {str(r.get('identical', '-')):>5} "
-              f"{r['predicted_step_s']:7.2f}s {r['share_of_step'] * 100:6.2f}%", flush=True)
+        print(
+            f"{r['devices']:>7} {r['global_batch']:>6} {old:>9} {r['new_s'] * 1e3:7.1f}ms "
+            f"{r['new_cpu_s'] * 1e3:7.1f}ms {ratio:>6} {r.get('identical', '-')!s:>5} "
+            f"{r['predicted_step_s']:7.2f}s {r['share_of_step'] * 100:6.2f}%",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0 if all(r.get("identical", True) for r in rows) else 1

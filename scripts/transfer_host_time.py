@@ -19,30 +19,30 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # transfer_reference: the executor before issue 14
 
-import transfer_reference  # noqa: E402
+import transfer_reference
 
-from maestro_jax.core.plan import SectionPlan, mesh_shape  # noqa: E402
-from maestro_jax.runtime.sharding import row_sharding, section_mesh  # noqa: E402
-from maestro_jax.runtime.transfer import transfer  # noqa: E402
+from maestro_jax.core.plan import SectionPlan, mesh_shape
+from maestro_jax.runtime.sharding import row_sharding, section_mesh
+from maestro_jax.runtime.transfer import transfer
 
 SHAPE = (448, 1024)
 CASES = {  # name: (source devices, source mesh sizes, destination devices, destination mesh sizes)
-    "fan-out 8 -> 56": (range(0, 8), {"data": 8}, range(8, 64), {"data": 56}),
-    "layout 32 -> 32": (range(0, 32), {"data": 32}, range(32, 64), {"data": 8, "tensor": 4}),
-    "fan-in 56 -> 8": (range(8, 64), {"data": 56}, range(0, 8), {"data": 8}),
+    "fan-out 8 -> 56": (range(8), {"data": 8}, range(8, 64), {"data": 56}),
+    "layout 32 -> 32": (range(32), {"data": 32}, range(32, 64), {"data": 8, "tensor": 4}),
+    "fan-in 56 -> 8": (range(8, 64), {"data": 56}, range(8), {"data": 8}),
 }
 IMPLEMENTATIONS = {"before": transfer_reference.transfer, "after": transfer}
 
@@ -73,22 +73,34 @@ def main() -> None:
         times = {impl: {"host": [], "done": []} for impl in IMPLEMENTATIONS}
         for impl, fn in IMPLEMENTATIONS.items():  # warm-up: compiles, and checks the result
             out = fn(x, dst)
-            assert out.sharding == dst and all(np.array_equal(np.asarray(s.data), full[s.index])
-                                               for s in out.addressable_shards), (name, impl)
+            assert out.sharding == dst and all(
+                np.array_equal(np.asarray(s.data), full[s.index]) for s in out.addressable_shards
+            ), (name, impl)
         for _ in range(args.repeats):
             for impl, fn in IMPLEMENTATIONS.items():
                 host, done, _ = timed(fn, x, dst)
                 times[impl]["host"].append(host)
                 times[impl]["done"].append(done)
-        med = {impl: {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in t.items()} for impl, t in times.items()}
+        med = {
+            impl: {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in t.items()} for impl, t in times.items()
+        }
         med["host_ratio"] = round(med["before"]["host_ms"] / med["after"]["host_ms"], 2)
         med["done_ratio"] = round(med["before"]["done_ms"] / med["after"]["done_ms"], 2)
         results[name] = med
-        print(f"{name:18s} host {med['before']['host_ms']:7.2f} -> {med['after']['host_ms']:6.2f} ms "
-              f"({med['host_ratio']}x)   done {med['before']['done_ms']:7.2f} -> {med['after']['done_ms']:6.2f} ms "
-              f"({med['done_ratio']}x)", flush=True)
-    report = {"devices": jax.device_count(), "backend": jax.default_backend(), "shape": list(SHAPE),
-              "dtype": "float32", "repeats": args.repeats, "cases": results}
+        print(
+            f"{name:18s} host {med['before']['host_ms']:7.2f} -> {med['after']['host_ms']:6.2f} ms "
+            f"({med['host_ratio']}x)   done {med['before']['done_ms']:7.2f} -> {med['after']['done_ms']:6.2f} ms "
+            f"({med['done_ratio']}x)",
+            flush=True,
+        )
+    report = {
+        "devices": jax.device_count(),
+        "backend": jax.default_backend(),
+        "shape": list(SHAPE),
+        "dtype": "float32",
+        "repeats": args.repeats,
+        "cases": results,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 

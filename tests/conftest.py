@@ -15,8 +15,9 @@ import pytest
 
 # Tests build many runtimes with identical programs; XLA's persistent cache compiles each once.
 # Set through the environment too, so CLI and multi-process subprocesses share it.
-_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                               os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla")))
+_CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla"))
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
@@ -26,25 +27,73 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Shrinks the shipped configs so that tests compile fast; the plans under test stay as given.
-TINY_VLM = ["global_batch=8", "models.vision.depth=1", "models.llm.depth=1", "data.text_len=[6,14]",
-            "models.vision.width=32", "models.vision.mlp=64", "models.vision.out_width=48", "models.llm.width=48",
-            "models.llm.head_dim=8", "models.llm.mlp=96",
-            "data.modalities.image.sizes=[[8,8],[16,8]]", "data.modalities.image.max_items=2"]
-TINY_KD = ["global_batch=8", "models.teacher.depth=1", "models.student.depth=1", "data.text_len=[6,14]",
-           "models.teacher.width=64", "models.teacher.heads=4", "models.teacher.kv_heads=2", "models.teacher.mlp=128",
-           "models.student.width=32", "models.student.head_dim=8", "models.student.mlp=64",
-           "sections.teacher.micro_batch=2", "sections.student.micro_batch=1"]
+TINY_VLM = [
+    "global_batch=8",
+    "models.vision.depth=1",
+    "models.llm.depth=1",
+    "data.text_len=[6,14]",
+    "models.vision.width=32",
+    "models.vision.mlp=64",
+    "models.vision.out_width=48",
+    "models.llm.width=48",
+    "models.llm.head_dim=8",
+    "models.llm.mlp=96",
+    "data.modalities.image.sizes=[[8,8],[16,8]]",
+    "data.modalities.image.max_items=2",
+]
+TINY_KD = [
+    "global_batch=8",
+    "models.teacher.depth=1",
+    "models.student.depth=1",
+    "data.text_len=[6,14]",
+    "models.teacher.width=64",
+    "models.teacher.heads=4",
+    "models.teacher.kv_heads=2",
+    "models.teacher.mlp=128",
+    "models.student.width=32",
+    "models.student.head_dim=8",
+    "models.student.mlp=64",
+    "sections.teacher.micro_batch=2",
+    "sections.student.micro_batch=1",
+]
 
-TINY_OMNI = ["global_batch=8", "models.vision.depth=1", "models.audio.depth=1", "models.llm.depth=1",
-             "data.text_len=[6,14]", "models.vision.width=32", "models.vision.mlp=64", "models.vision.out_width=48",
-             "models.audio.width=32", "models.audio.mlp=64", "models.audio.out_width=48", "models.llm.width=48",
-             "models.llm.head_dim=6", "models.llm.mlp=96", "data.modalities.image.sizes=[[8,8],[16,8]]",
-             "data.modalities.audio.sizes=[[8],[16]]"]
-TINY_VLM_KD = ["global_batch=8", "models.teacher.depth=1", "models.vision.depth=1", "models.student.depth=1",
-               "data.text_len=[6,14]", "models.teacher.width=64", "models.teacher.heads=4", "models.teacher.kv_heads=2",
-               "models.teacher.mlp=128", "models.vision.width=32", "models.vision.mlp=64", "models.vision.out_width=32",
-               "models.student.width=32", "models.student.head_dim=8", "models.student.mlp=64",
-               "sections.teacher.micro_batch=2", "data.modalities.image.sizes=[[8,8],[16,8]]"]
+TINY_OMNI = [
+    "global_batch=8",
+    "models.vision.depth=1",
+    "models.audio.depth=1",
+    "models.llm.depth=1",
+    "data.text_len=[6,14]",
+    "models.vision.width=32",
+    "models.vision.mlp=64",
+    "models.vision.out_width=48",
+    "models.audio.width=32",
+    "models.audio.mlp=64",
+    "models.audio.out_width=48",
+    "models.llm.width=48",
+    "models.llm.head_dim=6",
+    "models.llm.mlp=96",
+    "data.modalities.image.sizes=[[8,8],[16,8]]",
+    "data.modalities.audio.sizes=[[8],[16]]",
+]
+TINY_VLM_KD = [
+    "global_batch=8",
+    "models.teacher.depth=1",
+    "models.vision.depth=1",
+    "models.student.depth=1",
+    "data.text_len=[6,14]",
+    "models.teacher.width=64",
+    "models.teacher.heads=4",
+    "models.teacher.kv_heads=2",
+    "models.teacher.mlp=128",
+    "models.vision.width=32",
+    "models.vision.mlp=64",
+    "models.vision.out_width=32",
+    "models.student.width=32",
+    "models.student.head_dim=8",
+    "models.student.mlp=64",
+    "sections.teacher.micro_batch=2",
+    "data.modalities.image.sizes=[[8,8],[16,8]]",
+]
 
 
 @pytest.fixture

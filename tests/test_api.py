@@ -57,38 +57,70 @@ def user_graph():
 
     def init(key):
         ke, kp, kd = jax.random.split(key, 3)
-        return {"encoder": {"params": encoder.init(ke, jnp.zeros((1, 4, 48)))["params"], "consts": {}},
-                "projector": {"params": projector.init(kp, jnp.zeros((1, 4, 24)))["params"], "consts": {}},
-                "decoder": {"params": decoder.init(kd, jnp.zeros((1, 4, WIDTH)), jnp.ones((1, 4), bool))["params"]
-                            | decoder.init(kd, jnp.zeros((1, 4), jnp.int32), method=TinyDecoder.embed_ids)["params"],
-                            "consts": {}}}
+        return {
+            "encoder": {"params": encoder.init(ke, jnp.zeros((1, 4, 48)))["params"], "consts": {}},
+            "projector": {"params": projector.init(kp, jnp.zeros((1, 4, 24)))["params"], "consts": {}},
+            "decoder": {
+                "params": decoder.init(kd, jnp.zeros((1, 4, WIDTH)), jnp.ones((1, 4), bool))["params"]
+                | decoder.init(kd, jnp.zeros((1, 4), jnp.int32), method=TinyDecoder.embed_ids)["params"],
+                "consts": {},
+            },
+        }
 
     patches = lambda s: sum(h // 4 * (w // 4) for h, w, _ in s.shapes("image"))
     return mj.SectionGraph(
         sections=(
-            mj.Section("encoder", trained=True, forward=encoder_forward, host_batch=encoder_batch,
-                       activates=lambda s: s.has("image"), work=patches,
-                       cost=mj.UnitCost(flops=2 * (48 * 48 + 48 * 24), width=48)),
-            mj.Section("projector", trained=True, forward=projector_forward, host_batch=projector_batch,
-                       activates=lambda s: s.has("image"), work=patches, cost=mj.UnitCost(flops=2 * 24 * WIDTH)),
-            mj.Section("decoder", trained=True, forward=decoder_forward, host_batch=decoder_batch,
-                       activates=lambda s: True, work=mj.rows.next_token_units,
-                       cost=mj.UnitCost(flops=2 * (WIDTH * WIDTH + WIDTH * VOCAB), width=WIDTH, logits=VOCAB)),
+            mj.Section(
+                "encoder",
+                trained=True,
+                forward=encoder_forward,
+                host_batch=encoder_batch,
+                activates=lambda s: s.has("image"),
+                work=patches,
+                cost=mj.UnitCost(flops=2 * (48 * 48 + 48 * 24), width=48),
+            ),
+            mj.Section(
+                "projector",
+                trained=True,
+                forward=projector_forward,
+                host_batch=projector_batch,
+                activates=lambda s: s.has("image"),
+                work=patches,
+                cost=mj.UnitCost(flops=2 * 24 * WIDTH),
+            ),
+            mj.Section(
+                "decoder",
+                trained=True,
+                forward=decoder_forward,
+                host_batch=decoder_batch,
+                activates=lambda s: True,
+                work=mj.rows.next_token_units,
+                cost=mj.UnitCost(flops=2 * (WIDTH * WIDTH + WIDTH * VOCAB), width=WIDTH, logits=VOCAB),
+            ),
         ),
-        edges=(mj.Edge("patch_features", "encoder", "projector", bytes_per_unit=2 * 24),
-               mj.Edge("picture_tokens", "projector", "decoder", bytes_per_unit=2 * WIDTH)),
+        edges=(
+            mj.Edge("patch_features", "encoder", "projector", bytes_per_unit=2 * 24),
+            mj.Edge("picture_tokens", "projector", "decoder", bytes_per_unit=2 * WIDTH),
+        ),
         init=init,
         loss_count=mj.rows.loss_tokens((PICTURE,)),
     )
 
 
 def user_config(**changes):
-    base = dict(global_batch=8, steps=3, seed=0, optimizer={"learning_rate": 0.01},
-                sections={"encoder": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
-                          "projector": {"devices": "2:4", "mesh": {"data": 2}, "micro_batch": 2},
-                          "decoder": {"devices": "4:8", "mesh": {"data": 4}, "micro_batch": 1}},
-                edges={"patch_features": {"fanout": 1}, "picture_tokens": {"fanout": 2}},
-                monolithic={"devices": "0:8", "mesh": {"data": 8}, "micro_batch": 1})
+    base = dict(
+        global_batch=8,
+        steps=3,
+        seed=0,
+        optimizer={"learning_rate": 0.01},
+        sections={
+            "encoder": {"devices": "0:2", "mesh": {"data": 2}, "micro_batch": 2},
+            "projector": {"devices": "2:4", "mesh": {"data": 2}, "micro_batch": 2},
+            "decoder": {"devices": "4:8", "mesh": {"data": 4}, "micro_batch": 1},
+        },
+        edges={"patch_features": {"fanout": 1}, "picture_tokens": {"fanout": 2}},
+        monolithic={"devices": "0:8", "mesh": {"data": 8}, "micro_batch": 1},
+    )
     return mj.Config.model_validate({**base, **changes})
 
 
@@ -96,8 +128,9 @@ def user_config(**changes):
 def test_user_graph_matches_the_monolithic_step(scheduler):
     trainer = mj.Trainer(user_config(schedule={"scheduler": scheduler}), user_graph(), PictureCaptions())
     diffs = {d.name: d for d in trainer.verify()}
-    assert set(diffs) == {"loss", "grad_norm"} | {f"{s}/{q}" for s in ("encoder", "projector", "decoder")
-                                     for q in ("grads", "params_after_update")}
+    assert set(diffs) == {"loss", "grad_norm"} | {
+        f"{s}/{q}" for s in ("encoder", "projector", "decoder") for q in ("grads", "params_after_update")
+    }
     for d in diffs.values():
         assert d.max_rel < 1e-5, d
     schedule = trainer.runtime.schedule(trainer.runtime.batches()[0])
@@ -130,18 +163,24 @@ def test_user_graph_plans_and_simulates_every_section():
 
 
 def test_user_graph_with_a_wrong_plan_refuses_before_compiling():
-    bad = user_config(sections={"encoder": {"devices": "0:2", "mesh": {"data": 2}},
-                                "decoder": {"devices": "2:8", "mesh": {"data": 6}}})
+    bad = user_config(
+        sections={
+            "encoder": {"devices": "0:2", "mesh": {"data": 2}},
+            "decoder": {"devices": "2:8", "mesh": {"data": 6}},
+        }
+    )
     with pytest.raises(mj.ConfigError, match=r"sections=\['decoder', 'encoder'\]: the graph has sections"):
         mj.Trainer(bad, user_graph(), PictureCaptions())
 
 
 def test_planning_half_imports_without_jax():
     """core, schedule and planning are plain Python: importable with JAX made unimportable."""
-    code = ("import sys; sys.modules['jax'] = None; sys.modules['flax'] = None\n"
-            "import maestro_jax.core.graph, maestro_jax.core.plan, maestro_jax.schedule, maestro_jax.planning.planner\n"
-            "import maestro_jax.planning.cluster, maestro_jax.planning.spec, maestro_jax.config\n"
-            "import maestro_jax as mj; assert mj.Section.__module__ == 'maestro_jax.core.graph'\n"
-            "print('ok')")
+    code = (
+        "import sys; sys.modules['jax'] = None; sys.modules['flax'] = None\n"
+        "import maestro_jax.core.graph, maestro_jax.core.plan, maestro_jax.schedule, maestro_jax.planning.planner\n"
+        "import maestro_jax.planning.cluster, maestro_jax.planning.spec, maestro_jax.config\n"
+        "import maestro_jax as mj; assert mj.Section.__module__ == 'maestro_jax.core.graph'\n"
+        "print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.stdout.strip() == "ok", proc.stderr

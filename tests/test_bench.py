@@ -13,14 +13,35 @@ from maestro_jax.tools.bench import MODES
 def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", overrides=TINY_OMNI):
     """On omni (two producers into the LLM: the richest built-in graph)."""
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--config", str(ROOT / "configs" / config), "--reps", "1", "--batches", "1",
-               "--json", str(out), "--trace", str(tmp_path / "trace"), *overrides])
+    rc = main(
+        [
+            "bench",
+            "--config",
+            str(ROOT / "configs" / config),
+            "--reps",
+            "1",
+            "--batches",
+            "1",
+            "--json",
+            str(out),
+            "--trace",
+            str(tmp_path / "trace"),
+            *overrides,
+        ]
+    )
     assert rc == 0
     said = capsys.readouterr()
     progress = [line for line in said.err.splitlines() if line.startswith("bench [")]  # one line per phase
-    phases = ["building the runtime", "calibrating the cost model", *(f"warm-up {m}:" for m in MODES),
-              "repetition 1/1: ", "text-only (modality items removed) warm-up", "text-only repetition 1/1: ",
-              "writing traces to", "done"]
+    phases = [
+        "building the runtime",
+        "calibrating the cost model",
+        *(f"warm-up {m}:" for m in MODES),
+        "repetition 1/1: ",
+        "text-only (modality items removed) warm-up",
+        "text-only repetition 1/1: ",
+        "writing traces to",
+        "done",
+    ]
     assert len(progress) == len(phases) and all(p in line for p, line in zip(phases, progress)), said.err
     assert all(f"{m} " in progress[5] and "/step" in progress[5] for m in MODES), progress[5]
     assert "wavefront_vs_naive" in said.out and "bench [" not in said.out, "progress on stderr, the report on stdout"

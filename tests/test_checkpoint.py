@@ -52,9 +52,16 @@ def test_restore_onto_a_different_plan(tmp_path):
     ck = Checkpointer(out / "checkpoints")
     saved, _, meta = ck.restore(1, rt_a.init_states())
     assert meta["step"] == 1
-    other = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [
-        "sections.teacher.devices=4:8", "sections.student.devices=0:4", "sections.student.mesh={data: 2, tensor: 2}",
-        "edges.teacher_hidden.fanout=1"])
+    other = load_config(
+        ROOT / "configs/kd_tiny.yaml",
+        TINY_KD
+        + [
+            "sections.teacher.devices=4:8",
+            "sections.student.devices=0:4",
+            "sections.student.mesh={data: 2, tensor: 2}",
+            "edges.teacher_hidden.fanout=1",
+        ],
+    )
     rt_b = build_runtime(other)
     moved, data_state, _ = ck.restore(1, rt_b.init_states())
     ck.close()
@@ -81,7 +88,11 @@ def test_uncommitted_save_is_ignored(tmp_path):
     ck = Checkpointer(ck_dir)
     assert ck.latest_step() == 2
     assert sorted(p.name for p in ck_dir.iterdir() if p.name[0].isdigit() or p.name.startswith("manifest")) == [
-        "1", "2", "manifest-1.json", "manifest-2.json"], "the interrupted save's leftovers are removed"
+        "1",
+        "2",
+        "manifest-1.json",
+        "manifest-2.json",
+    ], "the interrupted save's leftovers are removed"
     (ck_dir / "manifest-2.json").unlink()
     step, *_ = ck.restore_latest(build_runtime(cfg).init_states())
     ck.close()
@@ -97,8 +108,17 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     import time
 
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/kd_tiny.yaml"),
-            *TINY_KD, f"output_dir={out}", "steps=200"]
+    args = [
+        sys.executable,
+        "-m",
+        "maestro_jax.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/kd_tiny.yaml"),
+        *TINY_KD,
+        f"output_dir={out}",
+        "steps=200",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
@@ -114,24 +134,32 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     assert ck.latest_step() == last, "the checkpoint is taken at the step boundary after the signal"
     ck.close()
     assert "SIGTERM" in stderr + stdout
-    resumed = train(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", f"steps={last + 1}"]),
-                    progress=False)
+    resumed = train(
+        load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", f"steps={last + 1}"]), progress=False
+    )
     assert [r["step"] for r in resumed] == [last + 1], "the restart resumes from the SIGTERM checkpoint"
 
 
-@pytest.mark.parametrize("change,named", [
-    ("models.student.mlp=128", "['params']['block_0']['down']['kernel'] is [64, 32] float32 in the checkpoint, "
-                               "[128, 32] float32 in this config"),
-    ("optimizer.name=sgd", "exists only in the checkpoint"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (
+            "models.student.mlp=128",
+            "['params']['block_0']['down']['kernel'] is [64, 32] float32 in the checkpoint, "
+            "[128, 32] float32 in this config",
+        ),
+        ("optimizer.name=sgd", "exists only in the checkpoint"),
+    ],
+)
 def test_a_checkpoint_of_another_config_is_refused_not_quarantined(tmp_path, change, named):
     """Resuming with a changed model or optimizer: a ConfigError (status 2 in the CLI) naming the
     first leaf that differs; the intact checkpoint stays where it is and still resumes."""
     from maestro_jax.training.checkpoint import CheckpointMismatchError
 
     out = tmp_path / "run"
-    cfg = lambda *more, steps=2: load_config(ROOT / "configs/kd_tiny.yaml",
-                                             TINY_KD + [f"output_dir={out}", f"steps={steps}", *more])
+    cfg = lambda *more, steps=2: load_config(
+        ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", f"steps={steps}", *more]
+    )
     train(cfg(), progress=False)
     with pytest.raises(CheckpointMismatchError, match=r"checkpoint step 2 .* does not match this config") as err:
         train(cfg(change, steps=3), progress=False)
@@ -165,8 +193,16 @@ def test_export_holds_the_run_lock_and_reads_only(tmp_path, capsys):
     out = tmp_path / "run"
     overrides = [*TINY_KD, f"output_dir={out}"]
     train(load_config(ROOT / "configs/kd_tiny.yaml", overrides + ["steps=1"]), progress=False)
-    export = ["export", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--section", "student",
-              "--out", str(tmp_path / "hf"), *overrides]
+    export = [
+        "export",
+        "--config",
+        str(ROOT / "configs/kd_tiny.yaml"),
+        "--section",
+        "student",
+        "--out",
+        str(tmp_path / "hf"),
+        *overrides,
+    ]
     capsys.readouterr()
     with hold_directories({"output_dir": out}):  # a run holding it (flock is per open file: this process counts)
         status = cli.main(export)

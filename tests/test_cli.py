@@ -15,12 +15,16 @@ SIX = {"train", "verify", "bench", "simulate", "plan", "export"}
 
 
 def test_help_lists_every_command_with_one_line():
-    proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "--help"], check=False, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "maestro_jax.cli", "--help"], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert set(cli.COMMANDS) >= SIX
     for name, command in cli.COMMANDS.items():
-        assert re.search(rf"^ +{name} +{re.escape(command.help.split()[0])}", proc.stdout, re.MULTILINE), (name, proc.stdout)
+        assert re.search(rf"^ +{name} +{re.escape(command.help.split()[0])}", proc.stdout, re.MULTILINE), (
+            name,
+            proc.stdout,
+        )
     assert "--verbose" in proc.stdout
     first = cli.__doc__.splitlines()[0]
     assert all(name in first for name in cli.COMMANDS), f"the module docstring's first line names them all: {first}"
@@ -55,19 +59,29 @@ def test_command_help_gives_every_default(name, capsys):
         if flag not in ("-h", "--help"):
             assert "(default:" in entry or "(required)" in entry, (name, entry)
     assert "(required)" in entries["--config"] and "(default: off)" in entries["--verbose"]
-    expected = {"bench": {"--reps": "(default: 5)", "--batches": "(default: 3)", "--json": "(default: not written)"},
-                "plan": {"--top": "(default: 10)", "--tolerance": f"(default: {cli.TOLERANCE})",
-                         "--devices": "(required)", "--measure": "(default: off)"},
-                "export": {"--model-type": "(default: llama)", "--section": "(required)"}}.get(name, {})
+    expected = {
+        "bench": {"--reps": "(default: 5)", "--batches": "(default: 3)", "--json": "(default: not written)"},
+        "plan": {
+            "--top": "(default: 10)",
+            "--tolerance": f"(default: {cli.TOLERANCE})",
+            "--devices": "(required)",
+            "--measure": "(default: off)",
+        },
+        "export": {"--model-type": "(default: llama)", "--section": "(required)"},
+    }.get(name, {})
     for flag, default in expected.items():
         assert default in entries[flag], (flag, entries[flag])
     assert ("--coordinator" in entries) == cli.COMMANDS[name].devices
 
 
-@pytest.mark.parametrize("argv,verbose", [(["simulate", "--config", "x.yaml"], False),
-                                          (["--verbose", "simulate", "--config", "x.yaml"], True),
-                                          (["plan", "--config", "x.yaml", "--devices", "1", "--memory-gb", "1",
-                                            "--verbose"], True)])
+@pytest.mark.parametrize(
+    "argv,verbose",
+    [
+        (["simulate", "--config", "x.yaml"], False),
+        (["--verbose", "simulate", "--config", "x.yaml"], True),
+        (["plan", "--config", "x.yaml", "--devices", "1", "--memory-gb", "1", "--verbose"], True),
+    ],
+)
 def test_verbose_is_global(argv, verbose):
     assert cli._parser().parse_args(argv).verbose is verbose
 
@@ -117,10 +131,23 @@ def test_xla_warnings_only_with_verbose(verbose, tmp_path):
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "JAX_COMPILATION_CACHE_DIR")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    argv = [*(["--verbose"] if verbose else []), "simulate", "--config", str(ROOT / "configs/kd_tiny.yaml"), *TINY_KD,
-            "simulate.batches=1"]
-    proc = subprocess.run([sys.executable, str(script), *argv], check=False, capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    argv = [
+        *(["--verbose"] if verbose else []),
+        "simulate",
+        "--config",
+        str(ROOT / "configs/kd_tiny.yaml"),
+        *TINY_KD,
+        "simulate.batches=1",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "per-device speedup" in proc.stdout, "the command ran"
     warned = "[SPMD] Involuntary full rematerialization" in proc.stderr

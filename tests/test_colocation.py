@@ -28,9 +28,15 @@ from maestro_jax.tools.verify import verify
 
 CPU = ["simulate.device=cpu"]
 # both sections on all 8 devices, each with a layout of its own
-COLOCATED_VLM = ["sections.vision.devices=0:8", "sections.vision.mesh={data: 4, tensor: 2}",
-                 "sections.vision.micro_batch=2", "sections.llm.devices=0:8", "sections.llm.mesh={data: 4, fsdp: 2}",
-                 "sections.llm.micro_batch=1", "edges.image_embeds.fanout=2"]
+COLOCATED_VLM = [
+    "sections.vision.devices=0:8",
+    "sections.vision.mesh={data: 4, tensor: 2}",
+    "sections.vision.micro_batch=2",
+    "sections.llm.devices=0:8",
+    "sections.llm.mesh={data: 4, fsdp: 2}",
+    "sections.llm.micro_batch=1",
+    "edges.image_embeds.fanout=2",
+]
 
 
 def _plan(**devices) -> Plan:
@@ -40,8 +46,11 @@ def _plan(**devices) -> Plan:
 def test_sections_share_exactly_the_same_devices_or_none():
     check_resources(_plan(a=range(4), b=range(4), c=range(4, 8)), 8)
     assert device_groups(_plan(a=range(4), b=[3, 2, 1, 0], c=range(4, 8)).sections) == {"a": "a", "b": "a", "c": "c"}
-    with pytest.raises(ResourceError, match=r"sections.b.devices=\[2, 3, 4, 5\]: device 2 is also used by section "
-                                            r"'a' on \[0, 1, 2, 3\]; sections share either exactly the same"):
+    with pytest.raises(
+        ResourceError,
+        match=r"sections.b.devices=\[2, 3, 4, 5\]: device 2 is also used by section "
+        r"'a' on \[0, 1, 2, 3\]; sections share either exactly the same",
+    ):
         check_resources(_plan(a=range(4), b=range(2, 6)), 8)
     with pytest.raises(ResourceError, match="each device may appear once"):
         check_resources(_plan(a=[0, 0]), 8)
@@ -77,11 +86,16 @@ def test_simulator_runs_co_located_sections_one_at_a_time():
     assert timeline.makespan >= sum(timeline.busy.values()) - 1e-9
     assert timeline.lower_bound == pytest.approx(sum(timeline.busy.values()))
     # the same layouts on two halves of the devices do overlap
-    apart = Plan({"vision": dataclasses.replace(vision, devices=tuple(range(32)), mesh=mesh_shape(data=8, context=2,
-                                                                                                   tensor=2)),
-                  "llm": dataclasses.replace(llm, devices=tuple(range(32, 64)), mesh=mesh_shape(fsdp=4, expert=2,
-                                                                                               context=4))},
-                 {"image_embeds": 1}, cfg.global_batch)
+    apart = Plan(
+        {
+            "vision": dataclasses.replace(
+                vision, devices=tuple(range(32)), mesh=mesh_shape(data=8, context=2, tensor=2)
+            ),
+            "llm": dataclasses.replace(llm, devices=tuple(range(32, 64)), mesh=mesh_shape(fsdp=4, expert=2, context=4)),
+        },
+        {"image_embeds": 1},
+        cfg.global_batch,
+    )
     timeline = _simulated(p, apart, p.metas[0])
     assert timeline.makespan < sum(timeline.busy.values())
 
@@ -96,9 +110,20 @@ def test_planner_searches_co_location_and_never_loses_to_the_monolithic_layout()
     assert report.best.step_time_s <= report.monolithic["step_time_s"]
     mono = report.monolithic
     mesh = mesh_shape(**mono["mesh"])
-    point = Plan({s: SectionPlan(tuple(range(64)), mesh, mono["micro_batch"], precision=sec.precision,
-                                 layer_remat=mono["layer_remat"] if sec.trained else "none")
-                  for s, sec in p.spec.sections.items()}, {"teacher_hidden": 1}, p.global_batch)
+    point = Plan(
+        {
+            s: SectionPlan(
+                tuple(range(64)),
+                mesh,
+                mono["micro_batch"],
+                precision=sec.precision,
+                layer_remat=mono["layer_remat"] if sec.trained else "none",
+            )
+            for s, sec in p.spec.sections.items()
+        },
+        {"teacher_hidden": 1},
+        p.global_batch,
+    )
     p.check(point)  # the monolithic layout, co-located, passes every constraint: a candidate
     assert p.step_time(point) <= mono["step_time_s"] * 1.05, "priced like the monolithic step, transfers aside"
 
@@ -120,10 +145,18 @@ def test_co_located_vlm_verifies(scheduler):
 
 
 def test_co_located_kd_with_its_own_teacher_layout_verifies():
-    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [
-        "sections.teacher.devices=0:4", "sections.teacher.mesh={data: 2, tensor: 2}",
-        "sections.student.devices=0:4", "sections.student.mesh={data: 4}", "edges.teacher_hidden.fanout=2",
-        "schedule.scheduler=wavefront"])
+    cfg = load_config(
+        ROOT / "configs/kd_tiny.yaml",
+        TINY_KD
+        + [
+            "sections.teacher.devices=0:4",
+            "sections.teacher.mesh={data: 2, tensor: 2}",
+            "sections.student.devices=0:4",
+            "sections.student.mesh={data: 4}",
+            "edges.teacher_hidden.fanout=2",
+            "schedule.scheduler=wavefront",
+        ],
+    )
     for d in verify(cfg):
         assert d.max_rel <= 1e-5, f"{d.name}: {d.max_rel:.3e}"
 

@@ -21,8 +21,13 @@ def test_buckets_bound_padding():
 
 
 def test_step_time_uses_padded_bucket_and_factors():
-    c = CostModel({"s": SectionCost(per_unit_s=1.0, per_unit2_s=0.01, overhead_s=5.0, backward_factor=2.0,
-                                    sink_factor=3.0, bucket_min=16)})
+    c = CostModel(
+        {
+            "s": SectionCost(
+                per_unit_s=1.0, per_unit2_s=0.01, overhead_s=5.0, backward_factor=2.0, sink_factor=3.0, bucket_min=16
+            )
+        }
+    )
     # bucket(20) = 32 (steps never finer than the minimum); 2 rows per shard
     f = 5 + 2 * (32 + 0.01 * 32 * 32)
     assert np.isclose(c.step_time("s", "F", [20, 3], 2), f)
@@ -46,10 +51,18 @@ def test_nnls_recovers_coefficients():
 
 
 def test_trace_files(tmp_path):
-    problem = Problem(order=("v", "l"), sink="l", trained=frozenset({"v", "l"}), edges=(EdgeInfo("e", "v", "l"),),
-                      rows={"v": 2, "l": 2}, dp={"v": 1, "l": 2})
-    metas = [SampleMeta(frozenset({"v", "l"}), {"v": 10, "l": 5}) if i % 2 else
-             SampleMeta(frozenset({"l"}), {"l": 7}) for i in range(8)]
+    problem = Problem(
+        order=("v", "l"),
+        sink="l",
+        trained=frozenset({"v", "l"}),
+        edges=(EdgeInfo("e", "v", "l"),),
+        rows={"v": 2, "l": 2},
+        dp={"v": 1, "l": 2},
+    )
+    metas = [
+        SampleMeta(frozenset({"v", "l"}), {"v": 10, "l": 5}) if i % 2 else SampleMeta(frozenset({"l"}), {"l": 7})
+        for i in range(8)
+    ]
     t = simulate(wavefront(metas, problem), problem, metas)
     trace = json.loads(write_chrome_trace(t.intervals, tmp_path / "t.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]

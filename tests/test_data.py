@@ -31,30 +31,53 @@ IMAGE = Modality("image", IMAGE_TOKEN, (8, 8), 3, max_shape=(32, 32))
 AUDIO = Modality("audio", AUDIO_TOKEN, (4,), 16)
 
 
-def good(images=(np.zeros((8, 8, 3), np.float32),), **kw):
+def good(images=(np.zeros((8, 8, 3), np.float32),), **kw):  # noqa: B008 - never mutated
     base = dict(id=7, tokens=np.array([IMAGE_TOKEN] * 1 + [5, 6, 7], np.int32), items={"image": images})
     base.update(kw)
     return Sample(**base)
 
 
-@pytest.mark.parametrize("sample,text", [
-    (good(tokens=np.array([1.0, 5.0, 6.0], np.float32)), "1-D integer"),
-    (good(tokens=np.array([IMAGE_TOKEN, IMAGE_TOKEN, 5, 6], np.int32)), "2 image-placeholder tokens but its image items need 1"),
-    (good(tokens=np.array([IMAGE_TOKEN, 5], np.int32)), "at least 2 text tokens"),
-    (good(images=(np.full((8, 8, 3), np.nan, np.float32),)), "NaN or inf"),
-    (good(images=(np.zeros((8, 6, 3), np.float32),)), "8x6; each side must be a positive multiple of 8x8, at most 32x32"),
-    (good(images=(np.zeros((0, 8, 3), np.float32),)), "0x8; each side must be a positive multiple of 8x8, at most 32x32"),
-    (good(images=(np.zeros((8, 0, 3), np.float32),)), "8x0; each side must be a positive multiple of 8x8, at most 32x32"),
-    (good(images=(np.zeros((8, 8), np.float32),)), "must have 2 spatial dims and 3 channels last, got shape [8, 8]"),
-    (good(images=(np.zeros((8, 8, 4), np.float32),)), "image 0 has 4 channels (shape [8, 8, 4]); the model takes 3"),
-    (good(images=(np.zeros((8, 8, 3), np.float64),)), "image 0 must be float32, got float64"),
-    (good(images=(np.zeros((40, 8, 3), np.float32),)), "larger than the model takes (32x32)"),
-    (good(tokens=np.array([IMAGE_TOKEN, 5, -6, 7], np.int32)), "token id -6 is outside the valid ids [0, 300)"),
-    (good(tokens=np.array([IMAGE_TOKEN, 5, 600, 7], np.int32)), "token id 600 is outside the valid ids [0, 300)"),
-    (good(items={"image": (np.zeros((8, 8, 3), np.float32),), "video": (np.zeros((8, 8, 3), np.float32),)}),
-     "has video items, but this workload takes ['audio', 'image']"),
-    (good(tokens=np.array([IMAGE_TOKEN, AUDIO_TOKEN, 5, 6], np.int32)), "1 audio-placeholder tokens but its audio"),
-])
+@pytest.mark.parametrize(
+    "sample,text",
+    [
+        (good(tokens=np.array([1.0, 5.0, 6.0], np.float32)), "1-D integer"),
+        (
+            good(tokens=np.array([IMAGE_TOKEN, IMAGE_TOKEN, 5, 6], np.int32)),
+            "2 image-placeholder tokens but its image items need 1",
+        ),
+        (good(tokens=np.array([IMAGE_TOKEN, 5], np.int32)), "at least 2 text tokens"),
+        (good(images=(np.full((8, 8, 3), np.nan, np.float32),)), "NaN or inf"),
+        (
+            good(images=(np.zeros((8, 6, 3), np.float32),)),
+            "8x6; each side must be a positive multiple of 8x8, at most 32x32",
+        ),
+        (
+            good(images=(np.zeros((0, 8, 3), np.float32),)),
+            "0x8; each side must be a positive multiple of 8x8, at most 32x32",
+        ),
+        (
+            good(images=(np.zeros((8, 0, 3), np.float32),)),
+            "8x0; each side must be a positive multiple of 8x8, at most 32x32",
+        ),
+        (
+            good(images=(np.zeros((8, 8), np.float32),)),
+            "must have 2 spatial dims and 3 channels last, got shape [8, 8]",
+        ),
+        (
+            good(images=(np.zeros((8, 8, 4), np.float32),)),
+            "image 0 has 4 channels (shape [8, 8, 4]); the model takes 3",
+        ),
+        (good(images=(np.zeros((8, 8, 3), np.float64),)), "image 0 must be float32, got float64"),
+        (good(images=(np.zeros((40, 8, 3), np.float32),)), "larger than the model takes (32x32)"),
+        (good(tokens=np.array([IMAGE_TOKEN, 5, -6, 7], np.int32)), "token id -6 is outside the valid ids [0, 300)"),
+        (good(tokens=np.array([IMAGE_TOKEN, 5, 600, 7], np.int32)), "token id 600 is outside the valid ids [0, 300)"),
+        (
+            good(items={"image": (np.zeros((8, 8, 3), np.float32),), "video": (np.zeros((8, 8, 3), np.float32),)}),
+            "has video items, but this workload takes ['audio', 'image']",
+        ),
+        (good(tokens=np.array([IMAGE_TOKEN, AUDIO_TOKEN, 5, 6], np.int32)), "1 audio-placeholder tokens but its audio"),
+    ],
+)
 def test_bad_samples_rejected_with_id(sample, text):
     with pytest.raises(DataError, match="sample id=7") as info:
         validate_sample(sample, (IMAGE, AUDIO), vocab=300)
@@ -62,8 +85,10 @@ def test_bad_samples_rejected_with_id(sample, text):
 
 
 def test_good_sample_with_two_modalities_passes():
-    s = good(tokens=np.array([IMAGE_TOKEN, 5, AUDIO_TOKEN, AUDIO_TOKEN, 6], np.int32),
-             items={"image": (np.zeros((8, 8, 3), np.float32),), "audio": (np.zeros((8, 16), np.float32),)})
+    s = good(
+        tokens=np.array([IMAGE_TOKEN, 5, AUDIO_TOKEN, AUDIO_TOKEN, 6], np.int32),
+        items={"image": (np.zeros((8, 8, 3), np.float32),), "audio": (np.zeros((8, 16), np.float32),)},
+    )
     assert validate_sample(s, (IMAGE, AUDIO), vocab=300) is s
 
 
@@ -73,8 +98,12 @@ def test_too_long_rejected():
 
 
 def test_record_round_trip_and_info_without_payload():
-    src = SyntheticSource(num_samples=8, vocab=300, text_len=(5, 9),
-                          items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8), (16, 8))), SyntheticItems(AUDIO, 1.0, 2, ((8,),))))
+    src = SyntheticSource(
+        num_samples=8,
+        vocab=300,
+        text_len=(5, 9),
+        items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8), (16, 8))), SyntheticItems(AUDIO, 1.0, 2, ((8,),))),
+    )
     s = src[3]
     r = decode_sample(encode_sample(s))
     assert r.id == s.id and (r.tokens == s.tokens).all()
@@ -89,13 +118,21 @@ def test_record_round_trip_and_info_without_payload():
 def test_parts_decode_alone_and_the_rest_stays_hollow():
     """Synthetic and encoded samples give each part (`tokens`, a modality) without the others;
     the hollow parts have the right shapes and are zeros; metadata comes from npy headers."""
-    src = SyntheticSource(num_samples=8, vocab=300, text_len=(5, 9),
-                          items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8), (16, 8))), SyntheticItems(AUDIO, 1.0, 2, ((8,),))))
+    src = SyntheticSource(
+        num_samples=8,
+        vocab=300,
+        text_len=(5, 9),
+        items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8), (16, 8))), SyntheticItems(AUDIO, 1.0, 2, ((8,),))),
+    )
     whole = src[5]
     record = encode_sample(whole)
     stored = decode_sample(record)  # images come back quantised to uint8 (and clipped to [-1, 1])
     info = record_info(record)
-    assert (info.id, info.length, dict(info.item_shapes)) == (5, whole.length, {m: whole.shapes(m) for m in whole.items})
+    assert (info.id, info.length, dict(info.item_shapes)) == (
+        5,
+        whole.length,
+        {m: whole.shapes(m) for m in whole.items},
+    )
     for part in ("tokens", "image", "audio"):
         synthetic, read = src.read(5, frozenset({part}))
         decoded = decode_sample(record, frozenset({part}))
@@ -149,14 +186,30 @@ def test_convert_folder_and_train(tmp_path):
             Image.fromarray(rng.integers(0, 255, (20 + 4 * i, 24, 3), dtype=np.uint8)).save(folder / f"s{i}.png")
         (folder / f"s{i}.txt").write_text(f"caption number {i} of a test image")
     out = tmp_path / "data.array_record"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/convert_images.py"), str(folder), str(out),
-                           "--patch", "4", "--merge", "2", "--max-side", "16"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/convert_images.py"),
+            str(folder),
+            str(out),
+            "--patch",
+            "4",
+            "--merge",
+            "2",
+            "--max-side",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "wrote 12 samples" in proc.stdout
     src = ArrayRecordSource((str(out),))
     assert len(src) == 12 and sum(s.has("image") for s in (src[i] for i in range(12))) == 8
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + [
-        "data.kind=array_record", f"data.paths=[{out}]", "steps=2", "models.llm.vocab=261"])
+    cfg = load_config(
+        ROOT / "configs/vlm_tiny.yaml",
+        TINY_VLM + ["data.kind=array_record", f"data.paths=[{out}]", "steps=2", "models.llm.vocab=261"],
+    )
     history = train(cfg, progress=False)
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
 
@@ -182,9 +235,16 @@ def raw_record(sample_id, tokens, image=None):
 
 def good_records(count, first_id=0, seed=0):
     rng = np.random.default_rng(seed)
-    return [encode_sample(Sample(first_id + i, np.array([IMAGE_TOKEN, *rng.integers(3, 200, 9)], np.int32),
-                                 {"image": (rng.uniform(-1, 1, (8, 8, 3)).astype(np.float32),)}))
-            for i in range(count)]
+    return [
+        encode_sample(
+            Sample(
+                first_id + i,
+                np.array([IMAGE_TOKEN, *rng.integers(3, 200, 9)], np.int32),
+                {"image": (rng.uniform(-1, 1, (8, 8, 3)).astype(np.float32),)},
+            )
+        )
+        for i in range(count)
+    ]
 
 
 VLM = ROOT / "configs/vlm_tiny.yaml"
@@ -192,21 +252,35 @@ VLM = ROOT / "configs/vlm_tiny.yaml"
 LIMITS = ["models.llm.vocab=261", "models.vision.max_grid=4"]
 TEXT = [5, 6, 7, 8]
 BAD_VALUES = {  # record -> (the record, what its error must say)
-    3: (raw_record(3, np.array([IMAGE_TOKEN, 5, -5, 7], np.int32), np.zeros((8, 8, 3), np.uint8)),
-        "token id -5 is outside the valid ids [0, 261) (the model's vocabulary)"),
-    4: (raw_record(4, np.array([5, 6, 2**32 + 7, 8], np.int64)),  # an int32 cast would make it id 7
-        "token id 4294967303 is outside the valid ids [0, 261) (the model's vocabulary)"),
+    3: (
+        raw_record(3, np.array([IMAGE_TOKEN, 5, -5, 7], np.int32), np.zeros((8, 8, 3), np.uint8)),
+        "token id -5 is outside the valid ids [0, 261) (the model's vocabulary)",
+    ),
+    4: (
+        raw_record(4, np.array([5, 6, 2**32 + 7, 8], np.int64)),  # an int32 cast would make it id 7
+        "token id 4294967303 is outside the valid ids [0, 261) (the model's vocabulary)",
+    ),
     6: (raw_record(6, np.array([5.5, 6, 7, 8], np.float32)), "tokens must be a 1-D integer array, got float32[4]"),
-    10: (raw_record(10, np.array(TEXT, np.int32), np.zeros((0, 8, 3), np.uint8)),
-         "image 0 is 0x8; each side must be a positive multiple of 8x8, at most 16x16"),
-    12: (raw_record(12, np.array(TEXT, np.int32), np.zeros((8, 0, 3), np.uint8)),
-         "image 0 is 8x0; each side must be a positive multiple of 8x8, at most 16x16"),
-    14: (raw_record(14, np.array([IMAGE_TOKEN, *TEXT], np.int32), np.zeros((8, 8, 4), np.uint8)),  # RGBA
-         "image 0 has 4 channels (shape [8, 8, 4]); the model takes 3"),
-    17: (raw_record(17, np.array([IMAGE_TOKEN] * 3 + TEXT, np.int32), np.zeros((24, 8, 3), np.uint8)),
-         "image 0 is 24x8, larger than the model takes (16x16)"),
-    19: (raw_record(19, np.array([5, 6, 261, 8], np.int32)),
-         "token id 261 is outside the valid ids [0, 261) (the model's vocabulary)"),
+    10: (
+        raw_record(10, np.array(TEXT, np.int32), np.zeros((0, 8, 3), np.uint8)),
+        "image 0 is 0x8; each side must be a positive multiple of 8x8, at most 16x16",
+    ),
+    12: (
+        raw_record(12, np.array(TEXT, np.int32), np.zeros((8, 0, 3), np.uint8)),
+        "image 0 is 8x0; each side must be a positive multiple of 8x8, at most 16x16",
+    ),
+    14: (
+        raw_record(14, np.array([IMAGE_TOKEN, *TEXT], np.int32), np.zeros((8, 8, 4), np.uint8)),  # RGBA
+        "image 0 has 4 channels (shape [8, 8, 4]); the model takes 3",
+    ),
+    17: (
+        raw_record(17, np.array([IMAGE_TOKEN] * 3 + TEXT, np.int32), np.zeros((24, 8, 3), np.uint8)),
+        "image 0 is 24x8, larger than the model takes (16x16)",
+    ),
+    19: (
+        raw_record(19, np.array([5, 6, 261, 8], np.int32)),
+        "token id 261 is outside the valid ids [0, 261) (the model's vocabulary)",
+    ),
 }
 
 
@@ -218,8 +292,7 @@ def bad_values(tmp_path_factory):
         records[r] = record
     write_array_record(path, records)
     write_index(str(path))
-    return path, TINY_VLM + LIMITS + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false",
-                                      "steps=2"]
+    return path, TINY_VLM + LIMITS + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false", "steps=2"]
 
 
 def test_bad_values_are_skipped_and_reported_by_file_and_record(bad_values, tmp_path):
@@ -229,14 +302,15 @@ def test_bad_values_are_skipped_and_reported_by_file_and_record(bad_values, tmp_
     import json
 
     path, overrides = bad_values
-    history = train(load_config(VLM, overrides + ["data.on_bad_sample=skip", f"output_dir={tmp_path}"]),
-                    progress=False)
+    history = train(load_config(VLM, overrides + ["data.on_bad_sample=skip", f"output_dir={tmp_path}"]), progress=False)
     trained = [i for r in history for i in r["sample_ids"]]
     assert trained == [i for i in range(24) if i not in BAD_VALUES]
-    logged = [m for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-              for m in json.loads(line)["skipped_samples"]]
-    assert sorted(logged) == sorted(f"record {r} of {path}: sample id={r}: {text}"
-                                    for r, (_, text) in BAD_VALUES.items())
+    logged = [
+        m for line in (tmp_path / "metrics.jsonl").read_text().splitlines() for m in json.loads(line)["skipped_samples"]
+    ]
+    assert sorted(logged) == sorted(
+        f"record {r} of {path}: sample id={r}: {text}" for r, (_, text) in BAD_VALUES.items()
+    )
     assert all(np.isfinite(r["loss"]) for r in history)
 
 
@@ -266,7 +340,9 @@ def test_limits_come_from_the_model_configs():
     check = sample_check(load_config(kd, ["models.teacher.vocab=77", "models.student.vocab=77"]))
     with pytest.raises(DataError, match=r"token id 77 is outside the valid ids \[0, 77\)"):
         check(Sample(1, np.array([5, 77], np.int32)))
-    with pytest.raises((ValueError, ConfigError), match=r"models.teacher.vocab \(80\) must equal models.student.vocab \(77\)"):
+    with pytest.raises(
+        (ValueError, ConfigError), match=r"models.teacher.vocab \(80\) must equal models.student.vocab \(77\)"
+    ):
         sample_check(load_config(kd, ["models.teacher.vocab=80", "models.student.vocab=77"]))
 
 
@@ -281,7 +357,7 @@ def damaged_file(path, seed=0):
     assert at3 > 0 and at7 > 0
     data[at3 + len(records[3]) // 2] ^= 0x04
     middle = at7 + len(records[7]) // 2
-    data[middle:middle + 16] = np.random.default_rng(seed).integers(0, 256, 16, dtype=np.uint8).tobytes()
+    data[middle : middle + 16] = np.random.default_rng(seed).integers(0, 256, 16, dtype=np.uint8).tobytes()
     path.write_bytes(bytes(data))
     return path
 
@@ -296,13 +372,22 @@ def test_damaged_records_are_bad_samples_named_by_file_and_record(tmp_path, caps
 
     first, second = tmp_path / "first.array_record", damaged_file(tmp_path / "second.array_record")
     write_array_record(first, good_records(12))
-    overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{first},{second}]", "data.shuffle=false",
-                            "models.llm.vocab=261", "steps=2"]
-    history = train(load_config(VLM, overrides + ["data.on_bad_sample=skip", f"output_dir={tmp_path / 'run'}"]),
-                    progress=False)
+    overrides = TINY_VLM + [
+        "data.kind=array_record",
+        f"data.paths=[{first},{second}]",
+        "data.shuffle=false",
+        "models.llm.vocab=261",
+        "steps=2",
+    ]
+    history = train(
+        load_config(VLM, overrides + ["data.on_bad_sample=skip", f"output_dir={tmp_path / 'run'}"]), progress=False
+    )
     assert [i for r in history for i in r["sample_ids"]] == [*range(12), 100, 101, 102, 104]
-    logged = [m for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-              for m in json.loads(line)["skipped_samples"]]
+    logged = [
+        m
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        for m in json.loads(line)["skipped_samples"]
+    ]
     assert len(logged) == 1 and logged[0].startswith(f"record 3 of {second}: cannot be read (")
     assert cli.main(["train", "--config", str(VLM), *overrides]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
@@ -322,8 +407,11 @@ def test_unopenable_file_stops_with_one_line_naming_it(tmp_path, capsys, damage,
     path = tmp_path / "d.array_record"
     write_array_record(path, good_records(16))
     data = path.read_bytes()
-    damaged = {"truncated": data[:len(data) // 2], "zero bytes": b"",
-               "random bytes over a block header": data[:65536 - 8] + bytes(range(64)) + data[65536 + 56:]}[damage]
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "zero bytes": b"",
+        "random bytes over a block header": data[: 65536 - 8] + bytes(range(64)) + data[65536 + 56 :],
+    }[damage]
     path.write_bytes(damaged)
     overrides = TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", f"data.on_bad_sample={policy}"]
     assert cli.main(["train", "--config", str(VLM), *overrides]) == 2
@@ -350,11 +438,16 @@ def test_convert_skips_bad_files_and_names_them(tmp_path):
     assert "wrote 2 samples" in proc.stdout and "skipped 4 bad file(s)" in proc.stdout
     lines = [line for line in proc.stderr.splitlines() if line.startswith("skipped ")]
     assert len(lines) == 4, proc.stderr
-    for name, why in [("empty.txt", "needs at least 2 text tokens, got 0"), ("one.txt", "got 1"),
-                      ("latin.txt", "caption is not UTF-8"), ("fake.png", "not a readable image")]:
+    for name, why in [
+        ("empty.txt", "needs at least 2 text tokens, got 0"),
+        ("one.txt", "got 1"),
+        ("latin.txt", "caption is not UTF-8"),
+        ("fake.png", "not a readable image"),
+    ]:
         assert any(line.startswith(f"skipped {folder / name}: ") and why in line for line in lines), (name, lines)
     assert len(ArrayRecordSource((str(out),))) == 2
     proc = subprocess.run(script + ["--strict"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {folder / 'empty.txt'}: sample id=0: needs at least 2 text tokens, got 0"], proc.stderr
+        f"error: {folder / 'empty.txt'}: sample id=0: needs at least 2 text tokens, got 0"
+    ], proc.stderr

@@ -21,21 +21,43 @@ from maestro_jax.workloads import rows as R
 
 RTOL = 1e-5
 KD, VLM = ROOT / "configs/kd_tiny.yaml", ROOT / "configs/vlm_tiny.yaml"
-FAN_IN = TINY_KD + ["sections.teacher.devices=0:6", "sections.teacher.mesh={data: 6}",
-                    "sections.student.devices=6:8", "sections.student.mesh={data: 2}"]
+FAN_IN = TINY_KD + [
+    "sections.teacher.devices=0:6",
+    "sections.teacher.mesh={data: 6}",
+    "sections.student.devices=6:8",
+    "sections.student.mesh={data: 2}",
+]
 PLANS = {
     # fan-in: six teacher shards feed two student shards, three each (12 teacher rows per step)
     "kd_fan_in_6_to_2": (KD, FAN_IN),
     # uneven: 6 vision rows (3 shards of 2) over 4 LLM shards; LLM shards 1 and 2 are fed by two
     # vision shards each (delivered padded to 2 blocks per shard); vision is trained, so its
     # cotangent comes back summed from the LLM shards that hold its rows
-    "vlm_uneven_3_to_4": (VLM, TINY_VLM + ["sections.vision.devices=0:3", "sections.vision.mesh={data: 3}",
-                                           "sections.vision.micro_batch=2", "sections.llm.devices=4:8",
-                                           "sections.llm.mesh={data: 4}", "sections.llm.micro_batch=1"]),
+    "vlm_uneven_3_to_4": (
+        VLM,
+        TINY_VLM
+        + [
+            "sections.vision.devices=0:3",
+            "sections.vision.mesh={data: 3}",
+            "sections.vision.micro_batch=2",
+            "sections.llm.devices=4:8",
+            "sections.llm.mesh={data: 4}",
+            "sections.llm.micro_batch=1",
+        ],
+    ),
     # fan-out 2 -> 6 with a producer micro-batch that 3 does not divide
-    "kd_fan_out_2_to_6": (KD, TINY_KD + ["global_batch=12", "sections.teacher.devices=0:2",
-                                         "sections.teacher.mesh={data: 2}", "sections.teacher.micro_batch=2",
-                                         "sections.student.devices=2:8", "sections.student.mesh={data: 6}"]),
+    "kd_fan_out_2_to_6": (
+        KD,
+        TINY_KD
+        + [
+            "global_batch=12",
+            "sections.teacher.devices=0:2",
+            "sections.teacher.mesh={data: 2}",
+            "sections.teacher.micro_batch=2",
+            "sections.student.devices=2:8",
+            "sections.student.mesh={data: 6}",
+        ],
+    ),
 }
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start)?\(")
 
@@ -56,7 +78,7 @@ def test_any_degrees_verify(plan, scheduler):
     samples = rt.batches()[0]
     schedule = rt.schedule(samples)
     assert schedule.name == scheduler
-    (edge,) = [e for e in rt.problem.edges]
+    (edge,) = rt.problem.edges
     dp_p, dp_c = rt.problem.dp[edge.src], rt.problem.dp[edge.dst]
     old_rule = dp_c % dp_p == 0 and rt.problem.micro_batch(edge.src) % (dp_c // dp_p) == 0
     assert not old_rule, "a plan the block-map rule refused"
@@ -83,8 +105,11 @@ def test_fan_in_consumer_program_gathers_without_collectives(monkeypatch):
     monkeypatch.setattr(programs_lib.SectionPrograms, "_run", capture)
     check(cfg, rt)
     width = cfg.models["teacher"].width
-    gathered = [line for line in texts["loss_and_grad"].splitlines()
-                if COLLECTIVE.search(line) and re.search(rf"f32\[\d+,\d+,{width}\]", line)]
+    gathered = [
+        line
+        for line in texts["loss_and_grad"].splitlines()
+        if COLLECTIVE.search(line) and re.search(rf"f32\[\d+,\d+,{width}\]", line)
+    ]
     assert not gathered, gathered
 
 
@@ -138,8 +163,9 @@ def test_declared_fanout_must_match_the_plan(capsys):
 def test_padded_last_sink_step_and_odd_micro_batch_verify(scheduler):
     """A global batch of 10 over a sink of 4 rows per micro-step: a micro-step holds padded rows
     (masked out of the loss, as they carry no tokens); the teacher's micro-batch is 3."""
-    cfg = load_config(KD, TINY_KD + ["global_batch=10", "sections.teacher.micro_batch=3",
-                                     f"schedule.scheduler={scheduler}"])
+    cfg = load_config(
+        KD, TINY_KD + ["global_batch=10", "sections.teacher.micro_batch=3", f"schedule.scheduler={scheduler}"]
+    )
     rt = build_runtime(cfg)
     sink = rt.problem.sink
     assert cfg.global_batch % rt.problem.rows[sink]

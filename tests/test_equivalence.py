@@ -13,40 +13,78 @@ VLM_PLANS = {
     # 2 + 6 devices, tensor parallel LLM, vision data 2 -> LLM data 2 (the shipped plan)
     "shipped": [],
     # 1 + 4 devices, fan-out 1 -> 4, fsdp LLM, vision recomputes in backward, 3 devices idle
-    "fanout4_fsdp_remat": ["sections.vision.devices=[0]", "sections.vision.mesh={data: 1}",
-                           "sections.vision.micro_batch=4", "sections.vision.residuals=remat",
-                           "sections.llm.devices=1:5", "sections.llm.mesh={data: 2, fsdp: 2}",
-                           "sections.llm.micro_batch=1"],
+    "fanout4_fsdp_remat": [
+        "sections.vision.devices=[0]",
+        "sections.vision.mesh={data: 1}",
+        "sections.vision.micro_batch=4",
+        "sections.vision.residuals=remat",
+        "sections.llm.devices=1:5",
+        "sections.llm.mesh={data: 2, fsdp: 2}",
+        "sections.llm.micro_batch=1",
+    ],
     # tensor-parallel vision, fan-out 2 -> 4 (the fanout stated: a declared fanout is checked, and kept)
-    "fanout2_tensor_vision": ["sections.vision.devices=0:4", "sections.vision.mesh={data: 2, tensor: 2}",
-                              "sections.vision.micro_batch=2", "sections.llm.devices=4:8",
-                              "sections.llm.mesh={data: 2, fsdp: 2}", "sections.llm.micro_batch=1",
-                              "edges.image_embeds.fanout=2"],
+    "fanout2_tensor_vision": [
+        "sections.vision.devices=0:4",
+        "sections.vision.mesh={data: 2, tensor: 2}",
+        "sections.vision.micro_batch=2",
+        "sections.llm.devices=4:8",
+        "sections.llm.mesh={data: 2, fsdp: 2}",
+        "sections.llm.micro_batch=1",
+        "edges.image_embeds.fanout=2",
+    ],
     # fsdp everywhere, LLM fsdp x tensor
-    "fsdp_tensor": ["sections.vision.mesh={fsdp: 2}", "sections.llm.mesh={fsdp: 2, tensor: 3}",
-                    "sections.llm.micro_batch=1", "sections.vision.micro_batch=1"],
+    "fsdp_tensor": [
+        "sections.vision.mesh={fsdp: 2}",
+        "sections.llm.mesh={fsdp: 2, tensor: 3}",
+        "sections.llm.micro_batch=1",
+        "sections.vision.micro_batch=1",
+    ],
     # context parallelism: the ViT's patches over 2 devices, the LLM's tokens over 3; the
     # monolithic baseline with the same feature (one layout for all)
-    "context": ["sections.vision.mesh={context: 2}", "sections.vision.micro_batch=2",
-                "sections.llm.mesh={data: 2, context: 3}", "sections.llm.micro_batch=2",
-                "monolithic.mesh={data: 2, context: 4}"],
+    "context": [
+        "sections.vision.mesh={context: 2}",
+        "sections.vision.micro_batch=2",
+        "sections.llm.mesh={data: 2, context: 3}",
+        "sections.llm.micro_batch=2",
+        "monolithic.mesh={data: 2, context: 4}",
+    ],
 }
 KD_PLANS = {
     "shipped_fanout2": [],  # teacher data 2 -> student data 4
     # mixture-of-experts teacher and student (top-2 of 4 experts, load-balancing loss), experts
     # sharded over an expert axis (x tensor-parallel FFNs in the teacher); the baseline likewise
-    "moe": ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
-            "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16",
-            "models.student.router_aux_loss=0.01", "sections.teacher.mesh={expert: 2, tensor: 2}",
-            "sections.student.mesh={data: 2, expert: 2}", "monolithic.mesh={data: 2, expert: 2, tensor: 2}"],
+    "moe": [
+        "models.teacher.experts=4",
+        "models.teacher.experts_per_token=2",
+        "models.teacher.expert_mlp=32",
+        "models.student.experts=4",
+        "models.student.experts_per_token=2",
+        "models.student.expert_mlp=16",
+        "models.student.router_aux_loss=0.01",
+        "sections.teacher.mesh={expert: 2, tensor: 2}",
+        "sections.student.mesh={data: 2, expert: 2}",
+        "monolithic.mesh={data: 2, expert: 2, tensor: 2}",
+    ],
     "fanout1_tensor_student": ["sections.student.mesh={data: 2, tensor: 2}", "sections.student.micro_batch=2"],
-    "fanout4": ["sections.teacher.devices=[0]", "sections.teacher.mesh={data: 1}", "sections.teacher.micro_batch=4",
-                "sections.student.devices=1:5"],
-    "fsdp_student_6dev": ["sections.teacher.devices=0:2", "sections.teacher.mesh={data: 1, tensor: 2}",
-                          "sections.teacher.micro_batch=4", "sections.student.devices=2:8",
-                          "sections.student.mesh={data: 2, fsdp: 1, tensor: 3}",
-                          "models.student.heads=6", "models.student.kv_heads=3", "models.student.mlp=48",
-                          "models.student.vocab=258", "models.teacher.vocab=258", "monolithic.mesh={data: 4, fsdp: 2}"],
+    "fanout4": [
+        "sections.teacher.devices=[0]",
+        "sections.teacher.mesh={data: 1}",
+        "sections.teacher.micro_batch=4",
+        "sections.student.devices=1:5",
+    ],
+    "fsdp_student_6dev": [
+        "sections.teacher.devices=0:2",
+        "sections.teacher.mesh={data: 1, tensor: 2}",
+        "sections.teacher.micro_batch=4",
+        "sections.student.devices=2:8",
+        "sections.student.mesh={data: 2, fsdp: 1, tensor: 3}",
+        "models.student.heads=6",
+        "models.student.kv_heads=3",
+        "models.student.mlp=48",
+        "models.student.vocab=258",
+        "models.teacher.vocab=258",
+        "monolithic.mesh={data: 4, fsdp: 2}",
+    ],
 }
 
 
@@ -54,8 +92,9 @@ def check(cfg):
     diffs = verify(cfg)
     for d in diffs:
         assert d.max_rel <= RTOL, f"{d.name}: relative difference {d.max_rel:.3e} > {RTOL}"
-    assert {d.name for d in diffs} >= {"loss"} | {f"{s}/grads" for s in ("llm", "vision", "student") if
-                                                   any(d.name.startswith(s) for d in diffs)}
+    assert {d.name for d in diffs} >= {"loss"} | {
+        f"{s}/grads" for s in ("llm", "vision", "student") if any(d.name.startswith(s) for d in diffs)
+    }
     return diffs
 
 
@@ -102,8 +141,9 @@ def test_vision_skips_text_only_samples():
 @pytest.mark.parametrize("workload,plan", [("vlm", "shipped"), ("vlm", "fanout4_fsdp_remat"), ("kd", "fanout4")])
 def test_wavefront_schedule_is_equivalent(workload, plan):
     """Reordering samples (wavefront) never changes the step: same loss, grads, params."""
-    path, tiny, plans = (("vlm_tiny.yaml", TINY_VLM, VLM_PLANS) if workload == "vlm" else
-                         ("kd_tiny.yaml", TINY_KD, KD_PLANS))
+    path, tiny, plans = (
+        ("vlm_tiny.yaml", TINY_VLM, VLM_PLANS) if workload == "vlm" else ("kd_tiny.yaml", TINY_KD, KD_PLANS)
+    )
     cfg = load_config(ROOT / "configs" / path, tiny + plans[plan] + ["schedule.scheduler=wavefront"])
     rt = build_runtime(cfg)
     samples = rt.batches()[0]

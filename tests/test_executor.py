@@ -27,10 +27,20 @@ def test_threaded_equals_sequential(path, tiny):
     assert ran == {str(op) for op in schedule.ops if op.kind != "U"}
 
 
-WIDE_VLM = TINY_VLM + ["host_devices=32", "global_batch=128", "data.num_samples=256", "sections.vision.devices=0:8",
-            "sections.vision.mesh={data: 8}", "sections.vision.micro_batch=2", "sections.llm.devices=8:32",
-            "sections.llm.mesh={data: 8, tensor: 3}", "sections.llm.micro_batch=1", "edges.image_embeds.fanout=1",
-            "monolithic.devices=0:32", "monolithic.mesh={data: 32}"]
+WIDE_VLM = TINY_VLM + [
+    "host_devices=32",
+    "global_batch=128",
+    "data.num_samples=256",
+    "sections.vision.devices=0:8",
+    "sections.vision.mesh={data: 8}",
+    "sections.vision.micro_batch=2",
+    "sections.llm.devices=8:32",
+    "sections.llm.mesh={data: 8, tensor: 3}",
+    "sections.llm.micro_batch=1",
+    "edges.image_embeds.fanout=1",
+    "monolithic.devices=0:32",
+    "monolithic.mesh={data: 32}",
+]
 
 _WIDE_RUN = """
 import sys
@@ -63,8 +73,14 @@ def test_sixteen_micro_steps_on_32_devices_finish_under_both_orders():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
-    proc = subprocess.run([sys.executable, "-c", _WIDE_RUN, str(ROOT / "configs/vlm_tiny.yaml"), *WIDE_VLM],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WIDE_RUN, str(ROOT / "configs/vlm_tiny.yaml"), *WIDE_VLM],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [line.split() for line in proc.stdout.splitlines()]
     assert [r[0] for r in runs] == ["wavefront", "wavefront", "naive"]

@@ -42,9 +42,11 @@ def uncommitted(ck):
     """What an unfinished save leaves: Orbax temporaries and step directories without a manifest."""
     if not ck.is_dir():
         return []
-    return sorted(p.name for p in ck.iterdir()
-                  if ".orbax-checkpoint-tmp" in p.name
-                  or (p.name.isdigit() and not (ck / MANIFEST.format(step=p.name)).exists()))
+    return sorted(
+        p.name
+        for p in ck.iterdir()
+        if ".orbax-checkpoint-tmp" in p.name or (p.name.isdigit() and not (ck / MANIFEST.format(step=p.name)).exists())
+    )
 
 
 def kd(out, *extra):
@@ -97,8 +99,9 @@ _STRAIGHT = {}
 def straight_losses(tmp_path, steps=10):
     """Per-step losses of an uninterrupted run (computed once per module)."""
     if steps not in _STRAIGHT:
-        _STRAIGHT[steps] = {r["step"]: r["loss"] for r in train(kd(tmp_path / "straight", f"steps={steps}"),
-                                                                 progress=False)}
+        _STRAIGHT[steps] = {
+            r["step"]: r["loss"] for r in train(kd(tmp_path / "straight", f"steps={steps}"), progress=False)
+        }
     return _STRAIGHT[steps]
 
 
@@ -121,8 +124,9 @@ def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path
         return not (ck / "2").is_dir() or time.time() - since[0] > 2
 
     _kill_when(proc, ready)
-    assert (ck / MANIFEST.format(step=2)).exists() and (ck / "2").is_dir(), \
+    assert (ck / MANIFEST.format(step=2)).exists() and (ck / "2").is_dir(), (
         f"step 2 must stay until step 4 is committed: {sorted(p.name for p in ck.iterdir())}"
+    )
 
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -150,8 +154,12 @@ def test_a_save_counts_as_soon_as_it_is_complete(tmp_path):
     seen = _kill_when(proc, ready)
     assert seen["logged"] < 2 * every, f"step {every} was committed only at the next save"
 
-    proc = subprocess.run(cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", f"checkpoint_every={every}"]),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", f"checkpoint_every={every}"]),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"trained steps {every + 1}..{steps}" in proc.stdout, proc.stdout
     assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1)), "each step logged once after the resume"
@@ -166,12 +174,17 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
     holder = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
-        while holder.poll() is None and time.time() < deadline and not (
-                (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+        while (
+            holder.poll() is None
+            and time.time() < deadline
+            and not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2)
+        ):
             time.sleep(0.1)
         assert holder.poll() is None, holder.communicate()[1][-2000:]
         capsys.readouterr()
-        status = cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=2", "keep_checkpoints=0"])
+        status = cli.main(
+            ["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=2", "keep_checkpoints=0"]
+        )
         err = capsys.readouterr().err.strip()
         assert status == 2, err
         assert err.startswith("error: ") and "\n" not in err, err
@@ -189,17 +202,20 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
 
 
 # -- 3. bad configs: status 2, one line, before any compilation -----------------------------------
-@pytest.mark.parametrize("overrides,text", [
-    (["sections.student.micro_bach=2"], "sections.student.micro_bach: unknown key; did you mean 'micro_batch'?"),
-    (["steps=many"], "steps='many'"),
-    (["sections.student.mesh={data: 2, tensor: 3}"], "sections.student.mesh"),
-    (["sections.student.devices=2:6"], "also used by section 'teacher'"),
-    (["sections.student.devices=4:12"], "valid device ids are 0..7"),
-    (["edges.teacher_hidden.fanout=3"], "edges.teacher_hidden.fanout"),
-    (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
-    (["global_batch=0"], "global_batch"),
-    (["steps=["], "override 'steps=[': the value is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "overrides,text",
+    [
+        (["sections.student.micro_bach=2"], "sections.student.micro_bach: unknown key; did you mean 'micro_batch'?"),
+        (["steps=many"], "steps='many'"),
+        (["sections.student.mesh={data: 2, tensor: 3}"], "sections.student.mesh"),
+        (["sections.student.devices=2:6"], "also used by section 'teacher'"),
+        (["sections.student.devices=4:12"], "valid device ids are 0..7"),
+        (["edges.teacher_hidden.fanout=3"], "edges.teacher_hidden.fanout"),
+        (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
+        (["global_batch=0"], "global_batch"),
+        (["steps=["], "override 'steps=[': the value is not valid YAML"),
+    ],
+)
 def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, capsys):
     from test_plan import COUNTER
 
@@ -212,11 +228,14 @@ def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
-@pytest.mark.parametrize("content,text", [
-    (b"42\n", "holds a YAML int ('42'), not a mapping of config keys"),
-    (b"- workload\n- kd\n", "holds a YAML list"),
-    (b"workload: kd\nseed: \xff\xfe\n", "not UTF-8 text (byte 19: b'\\xff')"),
-])
+@pytest.mark.parametrize(
+    "content,text",
+    [
+        (b"42\n", "holds a YAML int ('42'), not a mapping of config keys"),
+        (b"- workload\n- kd\n", "holds a YAML list"),
+        (b"workload: kd\nseed: \xff\xfe\n", "not UTF-8 text (byte 19: b'\\xff')"),
+    ],
+)
 def test_a_config_file_that_is_no_mapping_or_not_utf8_exits_2_with_one_line(tmp_path, content, text, capsys):
     path = tmp_path / "bad.yaml"
     path.write_bytes(content)
@@ -260,8 +279,14 @@ def _write_records(path):
 def bad_records(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "mixed.array_record"
     _write_records(path)
-    return TINY_VLM + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false", "data.max_tokens=40",
-                       "steps=2", "models.llm.vocab=261"]
+    return TINY_VLM + [
+        "data.kind=array_record",
+        f"data.paths=[{path}]",
+        "data.shuffle=false",
+        "data.max_tokens=40",
+        "steps=2",
+        "models.llm.vocab=261",
+    ]
 
 
 def test_bad_sample_stops_with_its_id(bad_records, capsys):
@@ -293,8 +318,9 @@ def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
 def small_filesystem(tmp_path):
     mount = tmp_path / "ck"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {proc.stderr.strip()}")
     yield mount
@@ -325,8 +351,12 @@ def test_full_then_read_only_checkpoint_storage(tmp_path, small_filesystem):
     (ck / "filler").unlink()
 
     subprocess.run(["mount", "-o", "remount,ro", str(ck)], check=True)
-    proc = subprocess.run(cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=4"]),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=4"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "Read-only file system" in proc.stderr.strip().splitlines()[-1]
     subprocess.run(["mount", "-o", "remount,rw", str(ck)], check=True)
@@ -386,9 +416,24 @@ def _start_two(tmp_path, overrides, env_of=None, lines=2):
     port, procs = free_port(), []
     for pid in range(2):
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env_of or {}).get(pid, {})}
-        args = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(KD), "--coordinator",
-                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid), "host_devices=4",
-                *TINY_KD, *overrides, f"output_dir={tmp_path / 'run'}"]
+        args = [
+            sys.executable,
+            "-m",
+            "maestro_jax.cli",
+            "train",
+            "--config",
+            str(KD),
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(pid),
+            "host_devices=4",
+            *TINY_KD,
+            *overrides,
+            f"output_dir={tmp_path / 'run'}",
+        ]
         procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     metrics_file = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
@@ -420,9 +465,11 @@ def test_dead_peer_ends_the_survivor(tmp_path, victim):
     procs = _start_two(tmp_path, ["steps=100000", "distributed.timeout_s=15", "distributed.heartbeat_timeout_s=15"])
     status, err, waited = _survivor_outcome(procs, victim, signal.SIGKILL, bound_s=90)
     assert status != 0 and waited < 60, (status, waited)
-    named = (f"process {victim} did not" in err  # our bounded wait
-             or f"unhealthy (stopped sending heartbeats):\n{victim}" in err  # the coordination service, on process 0
-             or "leader task was preempted/died" in err)  # process 1 losing process 0's coordination service
+    named = (
+        f"process {victim} did not" in err  # our bounded wait
+        or f"unhealthy (stopped sending heartbeats):\n{victim}" in err  # the coordination service, on process 0
+        or "leader task was preempted/died" in err
+    )  # process 1 losing process 0's coordination service
     assert named, err[-3000:]
 
 
@@ -434,8 +481,16 @@ def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/peer_worker.py"), str(i), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/peer_worker.py"), str(i), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     out = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [5, 3], out
     waited = float(next(line for line in out[0].splitlines() if line.startswith("WAITED "))[7:])
@@ -451,8 +506,16 @@ def test_a_sigterm_handler_installed_before_jax_distributed_still_runs():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/signal_worker.py"), str(i), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/signal_worker.py"), str(i), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     try:
         out = [p.communicate(timeout=120)[0] for p in procs]
     finally:
@@ -483,14 +546,18 @@ def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
     distributed.timeout_s (10 s), naming process 1. Not a storage fault (status 4, `Gloo
     AllGather failed`), and not left to the heartbeat (120 s): Orbax's waits on peers are
     coordination-service barriers bounded by the timeout."""
-    procs = _start_two(tmp_path, ["steps=100000", "checkpoint_every=3", "distributed.timeout_s=10",
-                                  "distributed.heartbeat_timeout_s=120"],
-                       env_of={1: {"MAESTRO_TEST_SAVE_DELAY_S": "300"}}, lines=3)
+    procs = _start_two(
+        tmp_path,
+        ["steps=100000", "checkpoint_every=3", "distributed.timeout_s=10", "distributed.heartbeat_timeout_s=120"],
+        env_of={1: {"MAESTRO_TEST_SAVE_DELAY_S": "300"}},
+        lines=3,
+    )
     time.sleep(1)  # process 0 is waiting in the save of step 3 for process 1, which sleeps in the hook
     status, err, waited = _survivor_outcome(procs, 1, sig, bound_s=100)
     assert status == 5, err[-3000:]
-    assert "error: process 1 did not reach the checkpoint save of step 3 within 10s (distributed.timeout_s)" in err, \
+    assert "error: process 1 did not reach the checkpoint save of step 3 within 10s (distributed.timeout_s)" in err, (
         err[-3000:]
+    )
     assert waited < 60, waited
 
 
@@ -503,9 +570,11 @@ def test_save_failures_are_classified_peer_or_storage(monkeypatch):
     monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
     monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
     monkeypatch.setattr(distributed, "_failed_peer", lambda: None)
-    barrier = RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: _async_write_complete.4::0. This usually "
-                           "happens because ...\n# of tasks that reached the barrier: 1/2.\nThe first task at the "
-                           "barrier: 0. Some timed out task names:\n1\nRPC: /xla.coordination.CoordinationService/Barrier")
+    barrier = RuntimeError(
+        "DEADLINE_EXCEEDED: Barrier timed out. Id: _async_write_complete.4::0. This usually "
+        "happens because ...\n# of tasks that reached the barrier: 1/2.\nThe first task at the "
+        "barrier: 0. Some timed out task names:\n1\nRPC: /xla.coordination.CoordinationService/Barrier"
+    )
     try:
         raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from barrier
     except TimeoutError as err:
@@ -541,16 +610,24 @@ def test_sigterm_to_one_process_checkpoints_every_process(tmp_path, victim):
 
 
 def test_sigterm_says_saved_only_once_committed(tmp_path):
-    """"checkpoint saved at step N" is printed only once Orbax committed step N, with its
+    """ "checkpoint saved at step N" is printed only once Orbax committed step N, with its
     manifest (the test hook holds the commit back 5 s after the files are written)."""
     out = tmp_path / "run"
     env = {**os.environ, "MAESTRO_TEST_COMMIT_DELAY_S": "5", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=100000"]), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=100000"]),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
-        while proc.poll() is None and time.time() < deadline and not (
-                (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+        while (
+            proc.poll() is None
+            and time.time() < deadline
+            and not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2)
+        ):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         committed = None
@@ -611,10 +688,19 @@ def _private_tmpfs(mount, size, state, args, when=None, then="full"):
     inodes = f'i=0; while touch "{mount}/inode$i" 2>/dev/null; do i=$((i+1)); done'
     script = {"ro": f'{ro} && exec "$@"', "full": f'{fill}; exec "$@"', "rw": 'exec "$@"'}
     if when:
-        script["rw"] = (f'"$@" & pid=$!; while kill -0 $pid 2>/dev/null && [ ! -e "{when}" ]; do sleep 0.02; done; '
-                        f'{ {"full": fill, "ro": ro, "inodes": inodes}[then]}; wait $pid')
-    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "{mount}" || exit 99; {script[state]}',
-           "sh", *args]
+        script["rw"] = (
+            f'"$@" & pid=$!; while kill -0 $pid 2>/dev/null && [ ! -e "{when}" ]; do sleep 0.02; done; '
+            f"{ {'full': fill, 'ro': ro, 'inodes': inodes}[then] }; wait $pid"
+        )
+    cmd = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={size} tmpfs "{mount}" || exit 99; {script[state]}',
+        "sh",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode != 99, proc.stderr
     return proc
@@ -623,8 +709,13 @@ def _private_tmpfs(mount, size, state, args, when=None, then="full"):
 # tensorstore's write callbacks, reaching the event loop of a save that already failed, print
 # these tracebacks from native threads, interleaved (not through logging or sys.excepthook);
 # no other traceback may appear
-LATE_WRITE_CALLBACK = ("Traceback (most recent call last):", 'asyncio/base_events.py", line', "self._check_closed()",
-                       "raise RuntimeError('Event loop is closed')", "RuntimeError: Event loop is closed")
+LATE_WRITE_CALLBACK = (
+    "Traceback (most recent call last):",
+    'asyncio/base_events.py", line',
+    "self._check_closed()",
+    "raise RuntimeError('Event loop is closed')",
+    "RuntimeError: Event loop is closed",
+)
 
 
 def _one_error_line_last(stderr):
@@ -640,8 +731,9 @@ def test_read_only_checkpoint_dir_exits_at_once_with_one_line(tmp_path):
     """A read-only checkpoint_dir: status 4 and one line, before anything is trained (it used to
     print its error, then wait 300 s for Orbax's save threads)."""
     ck = tmp_path / "ck"
-    proc = _private_tmpfs(ck, "4m", "ro", cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}",
-                                                                       f"checkpoint_dir={ck}", "steps=2"]))
+    proc = _private_tmpfs(
+        ck, "4m", "ro", cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=2"])
+    )
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
     assert f"checkpoint_dir {ck} is not writable: [Errno 30] Read-only file system" in err, err
@@ -653,10 +745,10 @@ def test_checkpoint_step_directory_not_created_exits_at_once(tmp_path):
     create its step directory (as on a read-only disk): one line, status 4, within seconds
     (Orbax's other save threads used to wait 300 s for that directory's signal)."""
     ck = tmp_path / "ck"
-    args = cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=1000",
-                                   "checkpoint_every=100"])
-    proc = _private_tmpfs(ck, "4m,nr_inodes=2000", "rw", args, when=ck / MANIFEST.format(step=100),
-                                then="inodes")
+    args = cli_args(
+        KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=1000", "checkpoint_every=100"]
+    )
+    proc = _private_tmpfs(ck, "4m,nr_inodes=2000", "rw", args, when=ck / MANIFEST.format(step=100), then="inodes")
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
     # the first save after the inodes ran out fails (200, or later when the filler was slower)
@@ -692,8 +784,9 @@ def test_full_checkpoint_disk_prints_one_error_line_last(tmp_path):
     """The checkpoint disk fills after the first save: status 4, and the `error:` line is the
     last thing on stderr, not buried under Orbax's thread tracebacks."""
     ck = tmp_path / "ck"
-    args = cli_args(KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=6",
-                                   "checkpoint_every=1"])
+    args = cli_args(
+        KD, TINY_KD + [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={ck}", "steps=6", "checkpoint_every=1"]
+    )
     proc = _private_tmpfs(ck, "4m", "rw", args, when=ck / MANIFEST.format(step=1))
     assert proc.returncode == 4, proc.stderr[-3000:]
     err = _one_error_line_last(proc.stderr)
@@ -744,8 +837,9 @@ def test_signal_during_startup_and_restore(tmp_path, sig):
     train(kd(out, "steps=2", "checkpoint_every=1"), progress=False)
     ck = out / "checkpoints"
     before = sorted(p.name for p in ck.iterdir())
-    status, stdout, stderr = _start_and_signal_in_startup(out, getattr(signal, sig), steps=50,
-                                                          ignore_sigint=sig == "SIGINT")
+    status, stdout, stderr = _start_and_signal_in_startup(
+        out, getattr(signal, sig), steps=50, ignore_sigint=sig == "SIGINT"
+    )
     if sig == "SIGTERM":
         assert status == 0, stderr[-3000:]
         assert "SIGTERM during start-up: stopping before the first step; nothing new to save" in stdout, stdout
@@ -759,12 +853,23 @@ def test_signal_during_startup_and_restore(tmp_path, sig):
 
 
 # -- 12. config escapes: impossible sizes refused before compiling ---------------------------------
-@pytest.mark.parametrize("overrides,text", [
-    (["models.student.width=16384", "models.student.mlp=65536", "models.student.depth=48", "models.student.heads=128",
-      "models.student.head_dim=128", "models.student.kv_heads=8"],
-     "sections.student='"),
-    (["global_batch=65536"], "global_batch=65536: larger than the 512 samples of data.num_samples"),
-])
+@pytest.mark.parametrize(
+    "overrides,text",
+    [
+        (
+            [
+                "models.student.width=16384",
+                "models.student.mlp=65536",
+                "models.student.depth=48",
+                "models.student.heads=128",
+                "models.student.head_dim=128",
+                "models.student.kv_heads=8",
+            ],
+            "sections.student='",
+        ),
+        (["global_batch=65536"], "global_batch=65536: larger than the 512 samples of data.num_samples"),
+    ],
+)
 def test_impossible_sizes_exit_2_before_compiling(overrides, text, capsys):
     """A model far too large for this machine with no device_memory_gb (it used to fail in XLA's
     allocator after 15 compilations), and a global batch larger than the data (no output for

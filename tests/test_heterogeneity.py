@@ -53,14 +53,20 @@ def test_text_only_vlm_plans_the_monolithic_layout_and_images_never_lose():
     least as well."""
     sweep = _sweep()
     small = {"global_batch": 16}
-    text = sweep.run_point(sweep.Point("t", "text only", sweep.VLM, 16, {**small, "data.modalities.image.fraction": 0.0}),
-                           batches=1, split=False)
+    text = sweep.run_point(
+        sweep.Point("t", "text only", sweep.VLM, 16, {**small, "data.modalities.image.fraction": 0.0}),
+        batches=1,
+        split=False,
+    )
     assert text["sections"]["vision"]["active_share"] == 0 and text["sections"]["vision"]["flops_share"] == 0
     assert "vision 0:16 idle" in text["maestro_plan_short"]
     assert text["ratio"] == pytest.approx(1.0, abs=1e-6)
     assert text["same_as_monolithic"]
-    images = sweep.run_point(sweep.Point("i", "all images", sweep.VLM, 16,
-                                         {**small, "data.modalities.image.fraction": 1.0}), batches=1, split=False)
+    images = sweep.run_point(
+        sweep.Point("i", "all images", sweep.VLM, 16, {**small, "data.modalities.image.fraction": 1.0}),
+        batches=1,
+        split=False,
+    )
     assert images["sections"]["vision"]["active_share"] == 1 and images["sections"]["vision"]["flops_share"] > 0
     assert images["ratio"] >= 1 - 1e-9
     assert images["maestro_step_s"] > text["maestro_step_s"], "images add work"

@@ -16,18 +16,36 @@ from models import DecoderLM, LLMConfig, hf
 torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the dev extra)")
 
-BASE = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "torch_dtype": "float32"}
+BASE = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+}
 CASES = {
     "llama_untied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"tie_word_embeddings": False, "head_dim": 8,
-                                                            "num_experts": 4, "num_experts_per_tok": 2,
-                                                            "moe_intermediate_size": 16, "norm_topk_prob": True}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+        },
+    ),
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -60,8 +78,11 @@ def flax_logits(path, mesh=None, devices=(0,), scan=False):
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, pos, valid)["params"])
     mesh = section_mesh(SectionPlan(tuple(devices), mesh, 1))
     shardings = variable_shardings({"params": abstract}, mesh, "default")["params"]
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.tree.map(
-        lambda a: a.value if hasattr(a, "value") else a, abstract, is_leaf=lambda x: hasattr(x, "value")), shardings)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        jax.tree.map(lambda a: a.value if hasattr(a, "value") else a, abstract, is_leaf=lambda x: hasattr(x, "value")),
+        shardings,
+    )
     params = hf.load_llm(path, target, fields)
     host = jax.tree.map(np.asarray, params)
     return np.asarray(model.apply({"params": host}, ids, pos, valid)), params, fields
@@ -89,8 +110,15 @@ def test_import_places_each_shard_only(tmp_path, scan):
     assert all(s.data.shape == shard for s in gate.addressable_shards)
 
 
-@pytest.mark.parametrize("case,model_type,scan", [("llama_untied", "llama", False), ("qwen2_tied", "qwen2", False),
-                                                   ("qwen3", "qwen3", True), ("qwen3_moe", "qwen3_moe", True)])
+@pytest.mark.parametrize(
+    "case,model_type,scan",
+    [
+        ("llama_untied", "llama", False),
+        ("qwen2_tied", "qwen2", False),
+        ("qwen3", "qwen3", True),
+        ("qwen3_moe", "qwen3_moe", True),
+    ],
+)
 def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     model, path = make_hf(tmp_path, case)
     ours, params, fields = flax_logits(path, scan=scan)
@@ -168,29 +196,55 @@ def test_distilled_student_exports_to_transformers(tmp_path):
     out = tmp_path / "run"
     cfg = _teacher_cfg(path, output_dir=out, steps=1)
     train(cfg, progress=False)
-    assert cli.main(["export", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--section", "student",
-                     "--out", str(tmp_path / "student"),
-                     *[f"{k}={v}" for k, v in _overrides(path, output_dir=out)]]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--config",
+                str(ROOT / "configs/kd_tiny.yaml"),
+                "--section",
+                "student",
+                "--out",
+                str(tmp_path / "student"),
+                *[f"{k}={v}" for k, v in _overrides(path, output_dir=out)],
+            ]
+        )
+        == 0
+    )
     rt = build_runtime(cfg)
     ckpt = Checkpointer(out / "checkpoints")
     step, states, _, _ = ckpt.restore_latest(rt.init_states())
     ckpt.close()
     assert step == 1
     s = cfg.models["student"]
-    model = DecoderLM(LLMConfig(**{k: v for k, v in s.model_dump().items()
-                                   if k not in ("kind", "experts", "experts_per_token", "expert_mlp")}))
+    model = DecoderLM(
+        LLMConfig(
+            **{
+                k: v
+                for k, v in s.model_dump().items()
+                if k not in ("kind", "experts", "experts_per_token", "expert_mlp")
+            }
+        )
+    )
     ids = jnp.asarray(TOKENS, jnp.int32)
-    ours = model.apply({"params": jax.tree.map(np.asarray, states["student"].params)}, ids,
-                       jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool))
+    ours = model.apply(
+        {"params": jax.tree.map(np.asarray, states["student"].params)},
+        ids,
+        jnp.arange(ids.shape[1])[None],
+        jnp.ones(ids.shape, bool),
+    )
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "student", torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), np.asarray(ours), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("damage,text", [
-    ("config_not_json", "config.json: not a readable JSON file (JSONDecodeError"),
-    ("no_safetensors", "no *.safetensors files"),
-    ("bad_safetensors", "model.safetensors: not a readable safetensors file"),
-])
+@pytest.mark.parametrize(
+    "damage,text",
+    [
+        ("config_not_json", "config.json: not a readable JSON file (JSONDecodeError"),
+        ("no_safetensors", "no *.safetensors files"),
+        ("bad_safetensors", "model.safetensors: not a readable safetensors file"),
+    ],
+)
 def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, capsys):
     """A config.json that is not JSON, or no (readable) weights: one line, status 2, nothing
     compiled (it used to fail after 5 compilations)."""

@@ -77,15 +77,22 @@ def imports_of(source: str, module: str, is_package: bool, known) -> list[tuple[
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module
             add(node.lineno, name, [a.name for a in node.names if a.name != "*"])
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and isinstance(node.func.value, ast.Name)
-              and node.func.value.id == "importlib" and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str) and not node.args[0].value.startswith(".")):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "importlib"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and not node.args[0].value.startswith(".")
+        ):
             add(node.lineno, node.args[0].value)
     return out
 
@@ -113,15 +120,19 @@ def where(module: str, line: int) -> str:
 
 def test_every_module_has_a_layer():
     missing = [m for m in MODULES if layer_of(m) is None]
-    assert not missing, f"modules in no layer of LAYERS (give each package a layer here and in " \
-                        f"docs/ARCHITECTURE.md): {missing}"
+    assert not missing, (
+        f"modules in no layer of LAYERS (give each package a layer here and in docs/ARCHITECTURE.md): {missing}"
+    )
     assert len(MODULES) > 50 and {"maestro_jax.cli", "models.llm", "meshes"} <= set(MODULES)
 
 
 def test_imports_name_modules_that_exist():
-    bad = [f"{where(m, line)}: {m} imports {t}, which is no module of the tree"
-           for m, imports in GRAPH.items() for line, t in imports
-           if t.split(".")[0] in PACKAGES and t not in MODULES]
+    bad = [
+        f"{where(m, line)}: {m} imports {t}, which is no module of the tree"
+        for m, imports in GRAPH.items()
+        for line, t in imports
+        if t.split(".")[0] in PACKAGES and t not in MODULES
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -145,25 +156,37 @@ def test_no_module_imports_a_higher_layer():
 
 
 def test_planning_half_imports_no_jax():
-    bad = [f"{where(m, line)}: {m} (layer {layer_of(m)[1]}) imports {t}"
-           for m, imports in GRAPH.items() if layer_of(m)[1] in PLANNING_HALF
-           for line, t in imports if t in JAX]
+    bad = [
+        f"{where(m, line)}: {m} (layer {layer_of(m)[1]}) imports {t}"
+        for m, imports in GRAPH.items()
+        if layer_of(m)[1] in PLANNING_HALF
+        for line, t in imports
+        if t in JAX
+    ]
     assert not bad, "the planning half (and the meshes it reads) must import without JAX:\n" + "\n".join(bad)
 
 
 def test_models_and_meshes_import_nothing_from_maestro_jax():
-    bad = [f"{where(m, line)}: {m} imports {t}" for m, imports in GRAPH.items()
-           if m.split(".")[0] in ("models", "meshes") for line, t in imports
-           if t.split(".")[0] == "maestro_jax" or m.split(".")[0] == "meshes" and t.split(".")[0] == "models"]
+    bad = [
+        f"{where(m, line)}: {m} imports {t}"
+        for m, imports in GRAPH.items()
+        if m.split(".")[0] in ("models", "meshes")
+        for line, t in imports
+        if t.split(".")[0] == "maestro_jax" or (m.split(".")[0] == "meshes" and t.split(".")[0] == "models")
+    ]
     assert not bad, "models/ and meshes/ stand alone (meshes is data):\n" + "\n".join(bad)
 
 
 def test_workloads_are_plugins():
     """A workload (built-in or a user's) needs no runtime, training or tools module: the runtime
     hands a Hugging Face loader its states and programs, and HF mapping lives in models/."""
-    bad = [f"{where(m, line)}: {m} imports {t}" for m, imports in GRAPH.items()
-           if layer_of(m)[1] == "workloads" for line, t in imports
-           if t in MODULES and layer_of(t)[1] in ("runtime", "training", "tools", "cli")]
+    bad = [
+        f"{where(m, line)}: {m} imports {t}"
+        for m, imports in GRAPH.items()
+        if layer_of(m)[1] == "workloads"
+        for line, t in imports
+        if t in MODULES and layer_of(t)[1] in ("runtime", "training", "tools", "cli")
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -176,19 +199,30 @@ def test_docs_list_the_same_layers():
     assert documented == list(reversed(LAYERS)), "docs/ARCHITECTURE.md's layers (top first) differ from LAYERS"
 
 
-@pytest.mark.parametrize("source,module,is_package,expected", [
-    ("import jax.numpy as jnp", "maestro_jax.core.plan", False, ["jax"]),
-    ("def f():\n    from maestro_jax.runtime import build", "maestro_jax.core.plan", False,
-     ["maestro_jax.runtime.build"]),
-    ("from maestro_jax.runtime.sharding import param_infos", "x", False, ["maestro_jax.runtime.sharding"]),
-    ("from . import rows", "maestro_jax.workloads", True, ["maestro_jax.workloads.rows"]),
-    ("from . import rows", "maestro_jax.workloads.vlm", False, ["maestro_jax.workloads.rows"]),
-    ("from .. import config", "maestro_jax.workloads.vlm", False, ["maestro_jax.config"]),
-    ("from ..tools.hf import save_llm", "maestro_jax.workloads.vlm", False, ["maestro_jax.tools.hf"]),
-    ("from maestro_jax import workloads, __version__", "maestro_jax.tools.plan", False,
-     ["maestro_jax.workloads", "maestro_jax"]),
-    ("if TYPE_CHECKING:\n    import maestro_jax.training.loop", "m", False, ["maestro_jax.training.loop"]),
-    ("importlib.import_module('maestro_jax.tools.bench')", "m", False, ["maestro_jax.tools.bench"]),
-])
+@pytest.mark.parametrize(
+    "source,module,is_package,expected",
+    [
+        ("import jax.numpy as jnp", "maestro_jax.core.plan", False, ["jax"]),
+        (
+            "def f():\n    from maestro_jax.runtime import build",
+            "maestro_jax.core.plan",
+            False,
+            ["maestro_jax.runtime.build"],
+        ),
+        ("from maestro_jax.runtime.sharding import param_infos", "x", False, ["maestro_jax.runtime.sharding"]),
+        ("from . import rows", "maestro_jax.workloads", True, ["maestro_jax.workloads.rows"]),
+        ("from . import rows", "maestro_jax.workloads.vlm", False, ["maestro_jax.workloads.rows"]),
+        ("from .. import config", "maestro_jax.workloads.vlm", False, ["maestro_jax.config"]),
+        ("from ..tools.hf import save_llm", "maestro_jax.workloads.vlm", False, ["maestro_jax.tools.hf"]),
+        (
+            "from maestro_jax import workloads, __version__",
+            "maestro_jax.tools.plan",
+            False,
+            ["maestro_jax.workloads", "maestro_jax"],
+        ),
+        ("if TYPE_CHECKING:\n    import maestro_jax.training.loop", "m", False, ["maestro_jax.training.loop"]),
+        ("importlib.import_module('maestro_jax.tools.bench')", "m", False, ["maestro_jax.tools.bench"]),
+    ],
+)
 def test_every_kind_of_import_is_seen(source, module, is_package, expected):
     assert [t for _, t in imports_of(source, module, is_package, MODULES)] == expected

@@ -43,22 +43,37 @@ def test_scanned_layers_compute_what_unrolled_layers_do_and_trace_once():
 
     from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 
-    cfg = LLMConfig(vocab=64, width=32, depth=3, heads=4, kv_heads=2, head_dim=8, mlp=64, experts=4,
-                    experts_per_token=2, expert_mlp=16, router_aux_loss=0.01, remat="dots")
+    cfg = LLMConfig(
+        vocab=64,
+        width=32,
+        depth=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        mlp=64,
+        experts=4,
+        experts_per_token=2,
+        expert_mlp=16,
+        router_aux_loss=0.01,
+        remat="dots",
+    )
     ids = jnp.arange(20, dtype=jnp.int32).reshape(2, 10) % 64
     pos, valid = jnp.tile(jnp.arange(10), (2, 1)), jnp.arange(10)[None] < jnp.array([[10], [6]])
     flat, scanned = DecoderLM(cfg), DecoderLM(dataclasses.replace(cfg, scan_layers=True))
     params = nn.meta.unbox(flat.init(jax.random.key(0), ids, pos, valid)["params"])
     stacked = _stacked(params, cfg.depth)
     assert jax.tree.structure(stacked) == jax.tree.structure(
-        nn.meta.unbox(jax.eval_shape(lambda: scanned.init(jax.random.key(0), ids, pos, valid))["params"]))
+        nn.meta.unbox(jax.eval_shape(lambda: scanned.init(jax.random.key(0), ids, pos, valid))["params"])
+    )
 
     def loss(model, p):
         logits, aux = apply_with_losses(model, {"params": p}, ids, pos, valid)
         return jnp.sum(jax.nn.log_softmax(logits)[..., 3] * valid) + aux
 
-    (l1, g1), (l2, g2) = (jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(m, p)
-                          for m, p in ((flat, params), (scanned, stacked)))
+    (l1, g1), (l2, g2) = (
+        jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(m, p)
+        for m, p in ((flat, params), (scanned, stacked))
+    )
     assert np.allclose(l1, l2, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(_stacked(g1, cfg.depth)), jax.tree.leaves(g2)):
         assert np.allclose(a, b, rtol=1e-4, atol=1e-7)
@@ -85,8 +100,17 @@ def test_balanced_order_evens_the_causal_work_across_the_context_devices():
 
     def blocks(positions):
         mask = positions[:, None] >= positions[None, :]
-        return [[sum(mask[d * 2 * half + a * half:][:half, s * 2 * half + c * half:][:, :half].any()
-                     for a in range(2) for c in range(2)) for s in range(split)] for d in range(split)]
+        return [
+            [
+                sum(
+                    mask[d * 2 * half + a * half :][:half, s * 2 * half + c * half :][:, :half].any()
+                    for a in range(2)
+                    for c in range(2)
+                )
+                for s in range(split)
+            ]
+            for d in range(split)
+        ]
 
     balanced = blocks(np.arange(length)[order])
     assert all(sum(row) == 3 + 2 * (split - 1) for row in balanced)

@@ -33,8 +33,9 @@ def spied_runtime(cfg, events, monkeypatch):
 
 
 def test_each_step_is_read_after_the_next_is_issued(tmp_path, monkeypatch):
-    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=5", "checkpoint_every=2",
-                                                                  f"output_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=5", "checkpoint_every=2", f"output_dir={tmp_path / 'run'}"]
+    )
     events = []
     history = train(cfg, progress=False, rt=spied_runtime(cfg, events, monkeypatch))
     # one read event per fetched value: the loss, then each trained section's finiteness flag
@@ -48,8 +49,18 @@ def test_each_step_is_read_after_the_next_is_issued(tmp_path, monkeypatch):
             if reads % per_step == 0:
                 order.append(f"read {reads // per_step}")
     # step 2 and 4 are read before their checkpoints, step 5 at the end; 1 and 3 after the next is issued
-    assert order == ["issue 1", "issue 2", "read 1", "read 2", "issue 3", "issue 4", "read 3", "read 4",
-                     "issue 5", "read 5"]
+    assert order == [
+        "issue 1",
+        "issue 2",
+        "read 1",
+        "read 2",
+        "issue 3",
+        "issue 4",
+        "read 3",
+        "read 4",
+        "issue 5",
+        "read 5",
+    ]
     assert [r.get("wait_reason") for r in history] == [None, "checkpoint", None, "checkpoint", "checkpoint"]
     logged = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
@@ -67,8 +78,10 @@ def test_each_step_is_read_after_the_next_is_issued(tmp_path, monkeypatch):
 
 def test_a_non_finite_step_read_late_stops_before_anything_after_it_is_saved(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=6", "checkpoint_every=3", f"output_dir={out}",
-                                                                  "optimizer.learning_rate=1e30"])
+    cfg = load_config(
+        ROOT / "configs/kd_tiny.yaml",
+        TINY_KD + ["steps=6", "checkpoint_every=3", f"output_dir={out}", "optimizer.learning_rate=1e30"],
+    )
     events = []
     with pytest.raises(NonFiniteError, match=r"^step (\d+): non-finite") as err:
         train(cfg, progress=False, rt=spied_runtime(cfg, events, monkeypatch))

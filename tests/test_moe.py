@@ -11,8 +11,19 @@ from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, va
 from models import DecoderLM, LLMConfig, apply_with_losses
 from models.llm import MoE, balance_loss_sum
 
-CFG = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, experts=4, experts_per_token=2,
-                expert_mlp=16, router_aux_loss=0.01)
+CFG = LLMConfig(
+    vocab=64,
+    width=32,
+    depth=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    mlp=64,
+    experts=4,
+    experts_per_token=2,
+    expert_mlp=16,
+    router_aux_loss=0.01,
+)
 
 
 def inputs(rows=4, length=16, seed=0):
@@ -33,7 +44,9 @@ def test_balance_loss_is_one_per_token_under_a_uniform_router_and_adds_over_rows
     assert float(balance_loss_sum(probs, chosen, valid, k)) == pytest.approx(8 + 5)  # valid tokens x 1
     skewed = jax.nn.softmax(jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, experts))) * 3)
     whole = balance_loss_sum(skewed, chosen, valid, k)
-    halves = balance_loss_sum(skewed[:1], chosen[:1], valid[:1], k) + balance_loss_sum(skewed[1:], chosen[1:], valid[1:], k)
+    halves = balance_loss_sum(skewed[:1], chosen[:1], valid[:1], k) + balance_loss_sum(
+        skewed[1:], chosen[1:], valid[1:], k
+    )
     assert float(whole) == pytest.approx(float(halves), rel=1e-6) and float(whole) > 8 + 5 - 1e-3
 
 
@@ -96,8 +109,9 @@ def test_ragged_dispatch_equals_the_dense_one():
         logits, aux = apply_with_losses(model, {"params": p}, ids, positions, valid)
         return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * valid) + aux
 
-    (l1, g1), (l2, g2) = (jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(m, params)
-                          for m in (dense, ragged))
+    (l1, g1), (l2, g2) = (
+        jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(m, params) for m in (dense, ragged)
+    )
     assert float(l1) == pytest.approx(float(l2), rel=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
@@ -112,8 +126,9 @@ def section(axes: dict) -> jax.sharding.Mesh:
 
 def l2_rel(got, ref) -> float:
     """The largest L2-relative difference over the leaves (the `maestro-jax verify` measure)."""
-    return max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(jax.tree.leaves(got),
-                                                                                  jax.tree.leaves(ref)))
+    return max(
+        float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+    )
 
 
 @pytest.mark.parametrize("axes", [None, {"expert": 2, "data": 2}, {"expert": 2, "tensor": 2}])
@@ -133,8 +148,9 @@ def test_sparse_dispatch_equals_the_dense_one_and_is_expert_parallel(axes):
         logits, aux = apply_with_losses(model, {"params": p}, ids, positions, valid)
         return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * valid) + aux
 
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(dense, params, ids, positions,
-                                                                                         valid)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
+        dense, params, ids, positions, valid
+    )
     step = jax.value_and_grad(lambda p, *a: loss(sparse, p, *a))
     if axes is None:
         got_loss, got_grads = jax.jit(step)(params, ids, positions, valid)
@@ -155,8 +171,19 @@ def test_sparse_dispatch_equals_the_dense_one_and_is_expert_parallel(axes):
 
 def moe_flops(dispatch: str, mesh=None, experts=8, k=2, width=64, hidden=64, shape=(4, 512)) -> float:
     """XLA's FLOPs (per device under `mesh`) of one MoE layer, router included, on `shape` tokens."""
-    c = LLMConfig(vocab=8, width=width, depth=1, heads=1, kv_heads=1, head_dim=8, mlp=8, experts=experts,
-                  experts_per_token=k, expert_mlp=hidden, moe_dispatch=dispatch)
+    c = LLMConfig(
+        vocab=8,
+        width=width,
+        depth=1,
+        heads=1,
+        kv_heads=1,
+        head_dim=8,
+        mlp=8,
+        experts=experts,
+        experts_per_token=k,
+        expert_mlp=hidden,
+        moe_dispatch=dispatch,
+    )
     h, valid = jnp.zeros((*shape, width)), jnp.ones(shape, bool)
     boxed = jax.eval_shape(lambda: MoE(c).init(jax.random.key(0), h, valid))
     params = nn.meta.unbox(MoE(c).init(jax.random.key(0), h, valid))
@@ -214,8 +241,10 @@ def test_sparse_dispatch_is_dropless_under_skewed_routing(skew):
     ref_loss, ref_grads = jax.value_and_grad(lambda p, h: loss(dense, p, h), argnums=(0, 1))(params, h)
     shard = {"params": variable_shardings(boxed, mesh, "default")["params"]}
     with on_mesh(mesh, "default"):
-        step = jax.jit(jax.value_and_grad(lambda p, h: loss(sparse, p, h), argnums=(0, 1)),
-                       in_shardings=(shard, row_sharding(mesh)))
+        step = jax.jit(
+            jax.value_and_grad(lambda p, h: loss(sparse, p, h), argnums=(0, 1)),
+            in_shardings=(shard, row_sharding(mesh)),
+        )
         got_loss, got_grads = step(jax.device_put(params, shard), h)
     assert float(got_loss) == pytest.approx(float(ref_loss), rel=1e-5)
     assert l2_rel(got_grads, ref_grads) < 1e-5

@@ -15,7 +15,11 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 pytestmark = pytest.mark.multiprocess
 
 KD_MODELS = [o for o in TINY_KD if not o.startswith("sections.")]  # the shipped plan, smaller models
-KD_PLANS = {"sections_span_both_processes": ["sections.teacher.devices=[2,3,4,5]", "sections.student.devices=[0,1,6,7]"]}
+KD_PLANS = {
+    "sections_span_both_processes": ["sections.teacher.devices=[2,3,4,5]", "sections.student.devices=[0,1,6,7]"]
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,8 +32,13 @@ def losses(out):
 
 def run_single(config, overrides, out):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(config), *overrides,
-                           f"output_dir={out}"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(config), *overrides, f"output_dir={out}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return losses(out)
 
@@ -37,8 +46,13 @@ def run_single(config, overrides, out):
 def launch(n, config, overrides, out):
     env = {**os.environ, "MAESTRO_PORT": str(free_port()), "MAESTRO_JAX": f"{sys.executable} -m maestro_jax.cli"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run(["bash", str(ROOT / "scripts/launch_local.sh"), str(n), str(config), *overrides,
-                           f"output_dir={out}"], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts/launch_local.sh"), str(n), str(config), *overrides, f"output_dir={out}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def first_error(stderr: str) -> str:
@@ -46,7 +60,7 @@ def first_error(stderr: str) -> str:
     shutdown noise fills the tail), then the tail."""
     lines = stderr.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith(("Traceback", "error:"))), len(lines))
-    return "\n".join(lines[start:start + 40]) + "\n...\n" + stderr[-1500:]
+    return "\n".join(lines[start : start + 40]) + "\n...\n" + stderr[-1500:]
 
 
 def run_two(config, overrides, out, n=2):
@@ -65,8 +79,9 @@ def same(one, other):
 def kd_one(tmp_path_factory):
     """The 1-process losses of kd_tiny's shipped plan (smaller models), 4 steps: the reference of
     every KD layout below (any plan gives the same step: the equivalence invariant)."""
-    return run_single(ROOT / "configs/kd_tiny.yaml", KD_MODELS + ["steps=4", "keep_checkpoints=0"],
-                      tmp_path_factory.mktemp("kd_one"))
+    return run_single(
+        ROOT / "configs/kd_tiny.yaml", KD_MODELS + ["steps=4", "keep_checkpoints=0"], tmp_path_factory.mktemp("kd_one")
+    )
 
 
 def test_kd_two_processes_match_one_with_checkpoint_resume(tmp_path, kd_one):
@@ -76,8 +91,10 @@ def test_kd_two_processes_match_one_with_checkpoint_resume(tmp_path, kd_one):
     one = kd_one
     two_dir = tmp_path / "two"
     run_two(config, KD_MODELS + ["steps=2", "checkpoint_every=1"], two_dir)
-    assert sorted(p.name for p in (two_dir / "checkpoints").glob("manifest-*.json")) == ["manifest-1.json",
-                                                                                          "manifest-2.json"]
+    assert sorted(p.name for p in (two_dir / "checkpoints").glob("manifest-*.json")) == [
+        "manifest-1.json",
+        "manifest-2.json",
+    ]
     two = run_two(config, KD_MODELS + ["steps=4", "checkpoint_every=1"], two_dir)
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
@@ -112,12 +129,19 @@ def test_vlm_shipped_plan_on_two_and_four_processes_with_resume(tmp_path, vlm_on
     refused = launch(4, config, TINY_VLM + ["steps=1"], tmp_path / "refused")
     assert refused.returncode != 0
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert errors and all(e.startswith("error: sections.llm.devices=[2, 3, 4, 5, 6, 7]: spans processes [1, 2, 3]")
-                          for e in errors)
+    assert errors and all(
+        e.startswith("error: sections.llm.devices=[2, 3, 4, 5, 6, 7]: spans processes [1, 2, 3]") for e in errors
+    )
 
 
-PAPER_SHAPE = ["sections.vision.devices=0:4", "sections.vision.mesh={data: 2, fsdp: 2}", "sections.vision.micro_batch=1",
-               "sections.llm.devices=4:8", "sections.llm.mesh={data: 2, fsdp: 2}", "sections.llm.micro_batch=1"]
+PAPER_SHAPE = [
+    "sections.vision.devices=0:4",
+    "sections.vision.mesh={data: 2, fsdp: 2}",
+    "sections.vision.micro_batch=1",
+    "sections.llm.devices=4:8",
+    "sections.llm.mesh={data: 2, fsdp: 2}",
+    "sections.llm.micro_batch=1",
+]
 
 
 def test_each_process_decodes_only_the_payload_its_devices_need(tmp_path, vlm_one):
@@ -156,8 +180,16 @@ def test_transfers_between_processes_are_exact(n):
     exact; each distinct piece crosses once per destination process."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/transfer_worker.py"), str(i), str(n), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/transfer_worker.py"), str(i), str(n), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(n)
+    ]
     reports = []
     for p in procs:
         out, err = p.communicate(timeout=300)

@@ -22,9 +22,13 @@ from maestro_jax.training.loop import train
 
 VLM = ROOT / "configs/vlm_tiny.yaml"
 CLIP = 1e-3  # far below the tiny models' gradient norm: every step clips
-USER = TINY_VLM + ["optimizer.learning_rate=0.01", "optimizer.weight_decay=0.1",
-                   "optimizer.lr_schedule={kind: cosine, warmup_steps: 2, decay_steps: 6, final_fraction: 0.1}",
-                   f"optimizer.clip_norm={CLIP}", "optimizer.sections={vision: {learning_rate: 0.001}}"]
+USER = TINY_VLM + [
+    "optimizer.learning_rate=0.01",
+    "optimizer.weight_decay=0.1",
+    "optimizer.lr_schedule={kind: cosine, warmup_steps: 2, decay_steps: 6, final_fraction: 0.1}",
+    f"optimizer.clip_norm={CLIP}",
+    "optimizer.sections={vision: {learning_rate: 0.001}}",
+]
 
 
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
@@ -56,8 +60,12 @@ def test_clipping_changes_the_update():
         samples = rt.batches()[0]
         grads = rt.executor.run(states, samples, rt.schedule(samples)).grads
         new = rt.executor.update(states, grads)
-        moved[clip] = np.concatenate([np.ravel(np.asarray(a) - np.asarray(b)) for a, b in
-                                      zip(jax.tree.leaves(new["llm"].params), jax.tree.leaves(states["llm"].params))])
+        moved[clip] = np.concatenate(
+            [
+                np.ravel(np.asarray(a) - np.asarray(b))
+                for a, b in zip(jax.tree.leaves(new["llm"].params), jax.tree.leaves(states["llm"].params))
+            ]
+        )
     assert not np.allclose(moved[CLIP], moved[None])
 
 
@@ -100,10 +108,16 @@ def test_schedules_by_kind():
     assert [float(cosine(c)) for c in range(5)] == pytest.approx([1.0, 0.9267767, 0.75, 0.5732233, 0.5])
 
 
-@pytest.mark.parametrize("override,message", [
-    ("optimizer.sections={visoin: {learning_rate: 0.001}}", "optimizer.sections.visoin: not a trained section"),
-    ("optimizer.lr_schedule={kind: cosine, warmup_steps: 8, decay_steps: 8}", "optimizer.lr_schedule.decay_steps=8"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optimizer.sections={visoin: {learning_rate: 0.001}}", "optimizer.sections.visoin: not a trained section"),
+        (
+            "optimizer.lr_schedule={kind: cosine, warmup_steps: 8, decay_steps: 8}",
+            "optimizer.lr_schedule.decay_steps=8",
+        ),
+    ],
+)
 def test_bad_settings_are_refused_before_compute(override, message):
     with pytest.raises(ConfigError, match=message):
         build_runtime(load_config(VLM, TINY_VLM + [override]))

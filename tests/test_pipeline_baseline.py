@@ -84,16 +84,30 @@ def test_layers_are_cut_evenly_extra_ones_to_the_middle():
 
 def stage_flops(spec, metas, slices) -> list[float]:
     """Each stage's FLOPs over the samples, forward and backward (3 forwards when trained)."""
+
     def flops(c, u):
         return (c.flops + c.attention_flops * (c.attention_span if c.attention_span is not None else u)) * u
 
-    return [sum(flops(sl.spec.cost, m.work[sl.section]) * (3 if spec.sections[sl.section].trained else 1)
-                for sl in stage for batch in metas for m in batch if sl.section in m.work) for stage in slices]
+    return [
+        sum(
+            flops(sl.spec.cost, m.work[sl.section]) * (3 if spec.sections[sl.section].trained else 1)
+            for sl in stage
+            for batch in metas
+            for m in batch
+            if sl.section in m.work
+        )
+        for stage in slices
+    ]
 
 
-@pytest.mark.parametrize("config,overrides", [
-    ("kd_paper_scale.yaml", []), ("vlm_paper_scale.yaml", []),
-    ("vlm_tiny.yaml", ["models.llm.depth=12", "models.vision.depth=8", "models.vision.width=256"])])
+@pytest.mark.parametrize(
+    "config,overrides",
+    [
+        ("kd_paper_scale.yaml", []),
+        ("vlm_paper_scale.yaml", []),
+        ("vlm_tiny.yaml", ["models.llm.depth=12", "models.vision.depth=8", "models.vision.width=256"]),
+    ],
+)
 def test_the_balanced_cut_evens_the_stages_work(config, overrides):
     """The balanced cut of the sink's layers leaves the busiest stage no more FLOPs than the even
     cut does (the first stage runs the encoders, the last the heads), and the search tries it."""
@@ -117,8 +131,9 @@ def test_the_balanced_cut_evens_the_stages_work(config, overrides):
 
 
 # -- the cut ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides", [[], ["models.student.scan_layers=true", "models.teacher.depth=4"]],
-                         ids=["blocks", "scanned"])
+@pytest.mark.parametrize(
+    "overrides", [[], ["models.student.scan_layers=true", "models.teacher.depth=4"]], ids=["blocks", "scanned"]
+)
 def test_the_cut_conserves_work_and_weights(overrides):
     """Summed over the stages, each cut section's FLOPs, attention, layers, parameters and
     per-unit cost are the whole section's; the embedding sits in the first stage, the heads
@@ -134,8 +149,10 @@ def test_the_cut_conserves_work_and_weights(overrides):
             assert sum(x.cost.attention_flops for x in parts) == pytest.approx(sec.cost.attention_flops)
             assert sum(x.cost.layers for x in parts) == sec.cost.layers
             assert sum(x.param_count for x in parts) == sec.param_count
-            costs = [section_cost(x, sp, p.metas, p.device, p.link_gbps, name == p.spec.sink, p.typical_units[name])
-                     for x in parts]
+            costs = [
+                section_cost(x, sp, p.metas, p.device, p.link_gbps, name == p.spec.sink, p.typical_units[name])
+                for x in parts
+            ]
             whole = section_cost(sec, sp, p.metas, p.device, p.link_gbps, name == p.spec.sink, p.typical_units[name])
             assert sum(c.per_unit_s for c in costs) == pytest.approx(whole.per_unit_s)
             assert sum(c.per_unit2_s for c in costs) == pytest.approx(whole.per_unit2_s)
@@ -165,8 +182,10 @@ def test_one_stage_is_the_monolithic_layout(config, device):
     p = planner_for(load_config(config, [f"simulate.device={device}"]), 8, 1.0)
     for remat in ("none", "full"):
         for sp in (layout(8, 2, data=8), layout(8, 1, data=4, tensor=2)):
-            plans = {s: dataclasses.replace(sp, precision=sec.precision, layer_remat=remat if sec.trained else "none")
-                     for s, sec in p.spec.sections.items()}
+            plans = {
+                s: dataclasses.replace(sp, precision=sec.precision, layer_remat=remat if sec.trained else "none")
+                for s, sec in p.spec.sections.items()
+            }
             cost = cost_model(p.spec, plans, p.metas, p.device, p.link_gbps, p.typical_units)
             mono = statistics.mean(monolithic_time(p.spec, m, cost, sp.micro_batch, sp.rows) for m in p.metas)
             assert pipelined_time(p, 1, sp, remat) == pytest.approx(mono, rel=1e-9)
@@ -175,7 +194,7 @@ def test_one_stage_is_the_monolithic_layout(config, device):
 def uniform_planner(config, samples: int, units: int, devices: int = 8) -> Planner:
     """A planner whose one batch has `samples` samples of `units` tokens each."""
     spec = planner_for(load_config(config, H100), devices, 1.0).spec
-    metas = [[SampleMeta(frozenset(spec.order), {s: units for s in spec.order}) for _ in range(samples)]]
+    metas = [[SampleMeta(frozenset(spec.order), dict.fromkeys(spec.order, units)) for _ in range(samples)]]
     return Planner(spec, metas, devices, 1.0, global_batch=samples, device="h100", link_gbps=50.0)
 
 

@@ -30,18 +30,45 @@ COUNTER = CompileCounter()
 
 CASES = [
     (["sections.llm.devices=1:7"], plan_lib.ResourceError, "sections.llm.devices", "also used by section 'vision'"),
-    (["sections.llm.devices=4:10", "sections.vision.devices=0:2"], plan_lib.ResourceError, "sections.llm.devices",
-     "valid device ids are 0..7"),
-    (["sections.llm.mesh={data: 2, tensor: 2}"], plan_lib.MeshShapeError, "sections.llm.mesh",
-     "must multiply to the device count"),
+    (
+        ["sections.llm.devices=4:10", "sections.vision.devices=0:2"],
+        plan_lib.ResourceError,
+        "sections.llm.devices",
+        "valid device ids are 0..7",
+    ),
+    (
+        ["sections.llm.mesh={data: 2, tensor: 2}"],
+        plan_lib.MeshShapeError,
+        "sections.llm.mesh",
+        "must multiply to the device count",
+    ),
     (["edges.image_embeds.fanout=2"], plan_lib.FanoutError, "edges.image_embeds.fanout", "valid: fanout 1"),
-    (["sections.llm.mesh={data: 6}", "sections.llm.micro_batch=1", "global_batch=12", "edges.image_embeds.fanout=2"],
-     plan_lib.FanoutError, "edges.image_embeds.fanout", "valid: fanout 3"),
-    (["sections.vision.mesh={data: 4}", "sections.vision.devices=0:4", "sections.llm.devices=4:7",
-      "sections.llm.mesh={data: 3}", "sections.llm.micro_batch=1", "global_batch=12", "edges.image_embeds.fanout=1"],
-     plan_lib.FanoutError, "edges.image_embeds.fanout", "uneven edge"),
-    (["sections.llm.mesh={data: 1, tensor: 6}", "edges.image_embeds.fanout=1", "sections.vision.mesh={tensor: 2}"],
-     plan_lib.DivisibilityError, "sections.llm.mesh", "does not divide"),
+    (
+        ["sections.llm.mesh={data: 6}", "sections.llm.micro_batch=1", "global_batch=12", "edges.image_embeds.fanout=2"],
+        plan_lib.FanoutError,
+        "edges.image_embeds.fanout",
+        "valid: fanout 3",
+    ),
+    (
+        [
+            "sections.vision.mesh={data: 4}",
+            "sections.vision.devices=0:4",
+            "sections.llm.devices=4:7",
+            "sections.llm.mesh={data: 3}",
+            "sections.llm.micro_batch=1",
+            "global_batch=12",
+            "edges.image_embeds.fanout=1",
+        ],
+        plan_lib.FanoutError,
+        "edges.image_embeds.fanout",
+        "uneven edge",
+    ),
+    (
+        ["sections.llm.mesh={data: 1, tensor: 6}", "edges.image_embeds.fanout=1", "sections.vision.mesh={tensor: 2}"],
+        plan_lib.DivisibilityError,
+        "sections.llm.mesh",
+        "does not divide",
+    ),
     (["device_memory_gb=0.0001"], plan_lib.MemoryBudgetError, "sections.", "exceeds device_memory_gb"),
 ]
 
@@ -67,25 +94,28 @@ def test_compile_counter_sees_compiles():
 def test_monolithic_layout_checked():
     cfg = load_config(VLM, TINY_VLM + ["monolithic.mesh={data: 4, tensor: 2}"])
     rt = build_runtime(cfg)
-    with pytest.raises(plan_lib.DivisibilityError, match="monolithic.mesh"):
+    with pytest.raises(plan_lib.DivisibilityError, match=r"monolithic\.mesh"):
         rt.monolithic  # noqa: B018
 
 
-@pytest.mark.parametrize("overrides,text", [
-    (["sections.llm.micro_bach=2"], "did you mean 'micro_batch'"),
-    (["steps=many"], "steps='many'"),
-    (["sections.llm.mesh.tensor=0"], "sections.llm.mesh.tensor=0"),
-    (["models.llm.kind=cnn"], "models.llm"),
-    (["models.llm.widht=3"], "models.llm.widht: unknown key; did you mean 'width'?"),
-    (["sections.llm.init.hf_pth=x"], "sections.llm.init.hf_pth: unknown key; did you mean 'hf_path'?"),
-    (["steps=true"], "steps=True: Input should be a valid integer"),
-    (["seed=-1"], "seed=-1"),
-    (["seed=4294967296"], "seed=4294967296"),
-    (["data.text_len=[40,10]"], "data.text_len=[40, 10]: the shortest text (40) is longer than the longest (10)"),
-    (["models.llm.kv_heads=4"], "models.llm.kv_heads=4: must divide heads=6"),
-    (["models.llm.experts=4"], "models.llm.experts_per_token=0: with experts=4 each token goes to 1..4 experts"),
-    (["models.llm.experts=4", "models.llm.experts_per_token=2"], "models.llm.expert_mlp=0: a mixture-of-experts"),
-])
+@pytest.mark.parametrize(
+    "overrides,text",
+    [
+        (["sections.llm.micro_bach=2"], "did you mean 'micro_batch'"),
+        (["steps=many"], "steps='many'"),
+        (["sections.llm.mesh.tensor=0"], "sections.llm.mesh.tensor=0"),
+        (["models.llm.kind=cnn"], "models.llm"),
+        (["models.llm.widht=3"], "models.llm.widht: unknown key; did you mean 'width'?"),
+        (["sections.llm.init.hf_pth=x"], "sections.llm.init.hf_pth: unknown key; did you mean 'hf_path'?"),
+        (["steps=true"], "steps=True: Input should be a valid integer"),
+        (["seed=-1"], "seed=-1"),
+        (["seed=4294967296"], "seed=4294967296"),
+        (["data.text_len=[40,10]"], "data.text_len=[40, 10]: the shortest text (40) is longer than the longest (10)"),
+        (["models.llm.kv_heads=4"], "models.llm.kv_heads=4: must divide heads=6"),
+        (["models.llm.experts=4"], "models.llm.experts_per_token=0: with experts=4 each token goes to 1..4 experts"),
+        (["models.llm.experts=4", "models.llm.experts_per_token=2"], "models.llm.expert_mlp=0: a mixture-of-experts"),
+    ],
+)
 def test_bad_config_one_line_error(overrides, text):
     with pytest.raises(ConfigError) as info:
         load_config(VLM, overrides)
@@ -102,8 +132,11 @@ def test_image_sizes_are_checked_against_the_vit_at_their_key():
         if ok:
             build_graph(cfg)
             continue
-        with pytest.raises(ConfigError, match=r"^error: data\.modalities\.image\.sizes=.* must be a multiple of "
-                                              r"models\.vision patch\*merge=8 and at most max_grid\*patch=256"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^error: data\.modalities\.image\.sizes=.* must be a multiple of "
+            r"models\.vision patch\*merge=8 and at most max_grid\*patch=256",
+        ):
             build_graph(cfg)
 
 
@@ -114,12 +147,29 @@ def test_plan_says_what_it_searches(capsys):
     from maestro_jax.planning.planner import Planner
     from maestro_jax.tools.plan import planner_for
 
-    assert cli.main(["plan", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--devices", "8", "--memory-gb", "1",
-                     "--top", "1", *TINY_KD, "simulate.device=cpu", "simulate.batches=1",
-                     "schedule.max_in_flight=4"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--config",
+                str(ROOT / "configs/kd_tiny.yaml"),
+                "--devices",
+                "8",
+                "--memory-gb",
+                "1",
+                "--top",
+                "1",
+                *TINY_KD,
+                "simulate.device=cpu",
+                "simulate.batches=1",
+                "schedule.max_in_flight=4",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr()
     lines = said.out.splitlines()
-    progress = lines[:next(i for i, line in enumerate(lines) if line.startswith("workload kd:"))]
+    progress = lines[: next(i for i, line in enumerate(lines) if line.startswith("workload kd:"))]
     assert all(line.startswith("plan: ") for line in progress), progress
     assert progress[0].startswith("plan: describing workload kd")
     passes = [line for line in progress if line.startswith("plan: searching plans on 8 devices with 1 GB each")]

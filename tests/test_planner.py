@@ -22,13 +22,27 @@ KD = ROOT / "configs/kd_tiny.yaml"
 VLM = ROOT / "configs/vlm_tiny.yaml"
 CPU = ["simulate.device=cpu"]
 
-BF16_KD = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16",
-                     "sections.student.layer_remat=full", "models.student.scan_layers=true"]
-MOE_KD = TINY_KD + ["models.teacher.experts=4", "models.teacher.experts_per_token=2", "models.teacher.expert_mlp=32",
-                    "models.student.experts=4", "models.student.experts_per_token=2", "models.student.expert_mlp=16",
-                    "sections.teacher.mesh={expert: 2, tensor: 2}", "sections.student.mesh={data: 2, expert: 2}"]
-CONTEXT_VLM = TINY_VLM + ["sections.vision.mesh={context: 2}", "sections.llm.mesh={data: 2, context: 3}",
-                          "edges.image_embeds.fanout=2"]
+BF16_KD = TINY_KD + [
+    "sections.teacher.precision=bfloat16",
+    "sections.student.precision=bfloat16",
+    "sections.student.layer_remat=full",
+    "models.student.scan_layers=true",
+]
+MOE_KD = TINY_KD + [
+    "models.teacher.experts=4",
+    "models.teacher.experts_per_token=2",
+    "models.teacher.expert_mlp=32",
+    "models.student.experts=4",
+    "models.student.experts_per_token=2",
+    "models.student.expert_mlp=16",
+    "sections.teacher.mesh={expert: 2, tensor: 2}",
+    "sections.student.mesh={data: 2, expert: 2}",
+]
+CONTEXT_VLM = TINY_VLM + [
+    "sections.vision.mesh={context: 2}",
+    "sections.llm.mesh={data: 2, context: 3}",
+    "edges.image_embeds.fanout=2",
+]
 
 
 def planner(config, overrides, devices=8, memory_gb=1.0, **kwargs):
@@ -78,34 +92,54 @@ class ReferencePlanner(Planner):
         return super()._memory(section, sp, None, in_flight)
 
     def _section_cost(self, section, sp):
-        return section_cost(self.spec.sections[section], sp, self.metas, self.device, self.link_gbps,
-                            section == self.spec.sink)
+        return section_cost(
+            self.spec.sections[section], sp, self.metas, self.device, self.link_gbps, section == self.spec.sink
+        )
 
 
-@pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 8), (VLM, TINY_VLM, 12), (KD, MOE_KD, 8),
-                                                      (VLM, CONTEXT_VLM, 12)], ids=["kd", "vlm", "kd-moe", "vlm-context"])
+@pytest.mark.parametrize(
+    "config,overrides,devices",
+    [(KD, TINY_KD, 8), (VLM, TINY_VLM, 12), (KD, MOE_KD, 8), (VLM, CONTEXT_VLM, 12)],
+    ids=["kd", "vlm", "kd-moe", "vlm-context"],
+)
 def test_cached_search_equals_the_uncached_one(config, overrides, devices):
     """The caches change the time a search takes, nothing it finds: the same plans, times,
     memory and counts, float for float."""
     cfg = load_config(config, overrides + CPU)
     cached = planner_for(cfg, devices, 1.0)
-    reference = ReferencePlanner(cached.spec, cached.metas, devices, 1.0, global_batch=cached.global_batch,
-                                 device=cached.device, link_gbps=cached.link_gbps, max_in_flight=cached.max_in_flight)
+    reference = ReferencePlanner(
+        cached.spec,
+        cached.metas,
+        devices,
+        1.0,
+        global_batch=cached.global_batch,
+        device=cached.device,
+        link_gbps=cached.link_gbps,
+        max_in_flight=cached.max_in_flight,
+    )
     fast, slow = cached.search(top=5), reference.search(top=5)
     assert fast.considered == slow.considered and fast.simulated == slow.simulated
     assert [(c.plan, c.step_time_s, c.memory_gb) for c in fast.top] == [
-        (c.plan, c.step_time_s, c.memory_gb) for c in slow.top]
+        (c.plan, c.step_time_s, c.memory_gb) for c in slow.top
+    ]
     assert fast.monolithic == slow.monolithic
 
 
-@pytest.mark.parametrize("config,overrides", [(KD, MOE_KD + ["models.student.heads=3", "models.student.kv_heads=3"]),
-                                              (VLM, CONTEXT_VLM)], ids=["kd-moe-3heads", "vlm-context"])
+@pytest.mark.parametrize(
+    "config,overrides",
+    [(KD, MOE_KD + ["models.student.heads=3", "models.student.kv_heads=3"]), (VLM, CONTEXT_VLM)],
+    ids=["kd-moe-3heads", "vlm-context"],
+)
 def test_sharded_leaves_agree_with_the_runtime_checks(config, overrides):
     """Per-device bytes and divisibility from the leaf summary equal the runtime's own, on every
     mesh of 12 and 16 devices (some of which cannot shard 3 heads or 4 experts)."""
     spec = describe(load_config(config, overrides))
-    meshes = [m for n in (12, 16) for m in itertools.product(*[[d for d in range(1, n + 1) if n % d == 0]] * 5)
-              if math.prod(m) == n]
+    meshes = [
+        m
+        for n in (12, 16)
+        for m in itertools.product(*[[d for d in range(1, n + 1) if n % d == 0]] * 5)
+        if math.prod(m) == n
+    ]
     refused = 0
     for name, sec in spec.sections.items():
         params, consts = ShardedLeaves(sec.params), ShardedLeaves(sec.consts)
@@ -155,8 +189,10 @@ def test_parameter_divisibility_is_avoided():
     # lightest=True: every layout that fits, before options that cannot win are dropped
     tensors = {plan.sections["student"].axis_sizes["tensor"] for plan, _, _ in p.candidates(lightest=True)}
     assert tensors and tensors <= {1, 3}
-    unconstrained = {plan.sections["student"].axis_sizes["tensor"]
-                     for plan, _, _ in planner(KD, TINY_KD, 8).candidates(lightest=True)}
+    unconstrained = {
+        plan.sections["student"].axis_sizes["tensor"]
+        for plan, _, _ in planner(KD, TINY_KD, 8).candidates(lightest=True)
+    }
     assert 2 in unconstrained
 
 
@@ -204,8 +240,12 @@ def test_paper_scale_vlm_plans_on_80gb_devices_with_few_simulations():
 
 def test_plan_cli_writes_a_config_that_verifies(tmp_path, capsys):
     out = tmp_path / "planned.yaml"
-    assert cli.main(["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "1", "--write", str(out),
-                     *TINY_KD, *CPU]) == 0
+    assert (
+        cli.main(
+            ["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "1", "--write", str(out), *TINY_KD, *CPU]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert "monolithic best layout" in said and f"wrote {out}" in said
     cfg = load_config(out)
@@ -214,13 +254,27 @@ def test_plan_cli_writes_a_config_that_verifies(tmp_path, capsys):
 
 
 def test_plan_cli_infeasible_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "plan", "--config", str(KD), "--devices", "8",
-                           "--memory-gb", "0.00001", *TINY_KD], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "maestro_jax.cli",
+            "plan",
+            "--config",
+            str(KD),
+            "--devices",
+            "8",
+            "--memory-gb",
+            "0.00001",
+            *TINY_KD,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --memory-gb 1e-05: no plan on 8 devices fits")
     assert "Traceback" not in proc.stderr
-
-
 
 
 def test_check_plan_is_what_the_planner_uses():
@@ -228,15 +282,23 @@ def test_check_plan_is_what_the_planner_uses():
     p = planner(KD, TINY_KD, 8)
     best = p.search().best
     mem = p.check(best.plan)
-    check_plan(best.plan, num_devices=8, edges=p.spec.edges, sink=p.spec.sink,
-               params={s: sec.leaves for s, sec in p.spec.sections.items()},
-               budget_bytes=p.budget, state={s: m["state"] for s, m in mem.items()},
-               activations={s: m["activations"] for s, m in mem.items()})
+    check_plan(
+        best.plan,
+        num_devices=8,
+        edges=p.spec.edges,
+        sink=p.spec.sink,
+        params={s: sec.leaves for s, sec in p.spec.sections.items()},
+        budget_bytes=p.budget,
+        state={s: m["state"] for s, m in mem.items()},
+        activations={s: m["activations"] for s, m in mem.items()},
+    )
 
 
-@pytest.mark.parametrize("config,overrides", [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD), (KD, MOE_KD),
-                                              (VLM, CONTEXT_VLM)],
-                         ids=["kd", "vlm", "kd-bf16-remat-scan", "kd-moe-expert", "vlm-context"])
+@pytest.mark.parametrize(
+    "config,overrides",
+    [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD), (KD, MOE_KD), (VLM, CONTEXT_VLM)],
+    ids=["kd", "vlm", "kd-bf16-remat-scan", "kd-moe-expert", "vlm-context"],
+)
 def test_memory_model_tracks_the_compiled_programs(config, overrides):
     """The analytic model against XLA's memory analysis of the same plan, per section, within 2x
     either way for every feature (bf16, per-layer remat under scan, expert and context axes)."""
@@ -264,9 +326,14 @@ def test_recomputation_is_priced():
 
     spec = SectionSpec("s", True, (), UnitCost(flops=300.0, attention_flops=1.0, width=1024))
     metas = [[SimpleNamespace(work={"s": 100})]]
-    cost = {(res, remat, sink): section_cost(spec, SectionPlan((0,), mesh_shape(), 1, res, layer_remat=remat),
-                                             metas, "h100", 50.0, sink)
-            for res in ("vjp", "remat") for remat in ("none", "dots", "full") for sink in (False, True)}
+    cost = {
+        (res, remat, sink): section_cost(
+            spec, SectionPlan((0,), mesh_shape(), 1, res, layer_remat=remat), metas, "h100", 50.0, sink
+        )
+        for res in ("vjp", "remat")
+        for remat in ("none", "dots", "full")
+        for sink in (False, True)
+    }
     base = cost[("vjp", "none", False)].backward_factor
     assert cost[("remat", "none", False)].backward_factor == base + 1
     assert cost[("vjp", "full", False)].backward_factor == base + 1

@@ -21,11 +21,14 @@ import four_sections
 
 
 def four_section_planner(devices: int, run_ahead: int = 0, tolerance: float = 0.0):
-    trainer = mj.Trainer(four_sections.config(simulate={"device": "h100", "batches": 1},
-                                              schedule={"run_ahead": run_ahead}),
-                         four_sections.graph(), four_sections.PictureCaptions())
-    return planner_for(trainer.config, devices, 80.0, graph=trainer.graph, source=trainer.runtime.source,
-                       tolerance=tolerance)
+    trainer = mj.Trainer(
+        four_sections.config(simulate={"device": "h100", "batches": 1}, schedule={"run_ahead": run_ahead}),
+        four_sections.graph(),
+        four_sections.PictureCaptions(),
+    )
+    return planner_for(
+        trainer.config, devices, 80.0, graph=trainer.graph, source=trainer.runtime.source, tolerance=tolerance
+    )
 
 
 @pytest.fixture(scope="module")

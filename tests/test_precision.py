@@ -49,8 +49,9 @@ def test_bf16_dtypes_master_weights_frozen_weights_and_edges():
     schedule = rt.schedule(samples)
     host = rt.executor.host_batches(samples, schedule)
     step = schedule.steps["teacher"][0]
-    out = rt.programs["teacher"].forward(states["teacher"], {}, rt.programs["teacher"].put_batch(
-        host[("teacher", step.index)]))
+    out = rt.programs["teacher"].forward(
+        states["teacher"], {}, rt.programs["teacher"].put_batch(host[("teacher", step.index)])
+    )
     assert {v.dtype for v in out.values()} == {jnp.dtype(jnp.bfloat16)}  # edges carry bf16: half the bytes
     result = rt.executor.run(states, samples, schedule)
     assert result.loss.dtype == jnp.float32 and np.isfinite(float(result.loss))
@@ -60,8 +61,13 @@ def test_bf16_dtypes_master_weights_frozen_weights_and_edges():
 @pytest.mark.parametrize("trained", [True, False])
 def test_memory_model_halves_bf16_activations_and_frozen_weights(trained):
     weights = (ParamInfo("w", (1024, 1024), ("embed", "mlp"), 4),)
-    spec = SectionSpec("s", trained, weights if trained else (), UnitCost(flops=1.0, width=1024, layer_bytes=4096,
-                                                                          layers=4), () if trained else weights)
+    spec = SectionSpec(
+        "s",
+        trained,
+        weights if trained else (),
+        UnitCost(flops=1.0, width=1024, layer_bytes=4096, layers=4),
+        () if trained else weights,
+    )
     f32 = section_memory(spec, SectionPlan((0,), mesh_shape(), 2), False, 64, 2)
     b16 = section_memory(spec, SectionPlan((0,), mesh_shape(), 2, precision="bfloat16"), False, 64, 2)
     assert b16["activations"] == pytest.approx(f32["activations"] / 2)
@@ -86,8 +92,14 @@ def test_layer_remat_changes_nothing_in_the_results():
 
 
 def test_memory_model_layer_remat_keeps_less():
-    spec = SectionSpec("s", True, (ParamInfo("w", (64, 64), ("embed", "mlp"), 4),),
-                       UnitCost(flops=1.0, width=64, layer_bytes=6 * 64 * 4, layer_bytes_sharded=3 * 256 * 4, layers=8))
-    act = {r: section_memory(spec, SectionPlan((0,), mesh_shape(), 2, layer_remat=r), False, 64, 3)["activations"]
-           for r in ("none", "dots", "full")}
+    spec = SectionSpec(
+        "s",
+        True,
+        (ParamInfo("w", (64, 64), ("embed", "mlp"), 4),),
+        UnitCost(flops=1.0, width=64, layer_bytes=6 * 64 * 4, layer_bytes_sharded=3 * 256 * 4, layers=8),
+    )
+    act = {
+        r: section_memory(spec, SectionPlan((0,), mesh_shape(), 2, layer_remat=r), False, 64, 3)["activations"]
+        for r in ("none", "dots", "full")
+    }
     assert act["none"] > act["dots"] > act["full"]

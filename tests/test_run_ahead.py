@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD
 
 from maestro_jax.config import load_config
 from maestro_jax.core.plan import EdgeInfo
@@ -25,15 +25,26 @@ AHEAD = ["schedule.run_ahead=1"]
 
 def _problem(trained, edges, run_ahead=1, **dp):
     order = tuple(dp)
-    return Problem(order=order, sink=order[-1], trained=frozenset(trained),
-                   edges=tuple(EdgeInfo(f"{a}>{b}", a, b) for a, b in edges), rows=dict(dp), dp=dict(dp),
-                   run_ahead=run_ahead)
+    return Problem(
+        order=order,
+        sink=order[-1],
+        trained=frozenset(trained),
+        edges=tuple(EdgeInfo(f"{a}>{b}", a, b) for a, b in edges),
+        rows=dict(dp),
+        dp=dict(dp),
+        run_ahead=run_ahead,
+    )
 
 
 def test_only_frozen_sections_that_read_data_run_ahead():
     # vlm_kd's shape: a frozen encoder feeds a frozen teacher and the trained student
-    p = _problem({"student"}, [("vision", "teacher"), ("vision", "student"), ("teacher", "student")],
-                 vision=1, teacher=1, student=1)
+    p = _problem(
+        {"student"},
+        [("vision", "teacher"), ("vision", "student"), ("teacher", "student")],
+        vision=1,
+        teacher=1,
+        student=1,
+    )
     assert p.ahead == {"vision", "teacher"}
     # a frozen section behind a trained one reads trained weights' output: it waits for its step
     p = _problem({"encoder", "llm"}, [("encoder", "projector"), ("projector", "llm")], encoder=1, projector=1, llm=1)

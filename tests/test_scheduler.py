@@ -9,24 +9,47 @@ from maestro_jax.core.plan import EdgeInfo
 from maestro_jax.schedule import MicroStep, Problem, SampleMeta, Schedule, ScheduleError, naive, validate, wavefront
 from maestro_jax.schedule.ops import delivered, feeders, feeds, shard_of
 
-VLM = Problem(order=("vision", "llm"), sink="llm", trained=frozenset({"vision", "llm"}),
-              edges=(EdgeInfo("img", "vision", "llm"),), rows={"vision": 4, "llm": 4}, dp={"vision": 2, "llm": 2})
-KD = Problem(order=("teacher", "student"), sink="student", trained=frozenset({"student"}),
-             edges=(EdgeInfo("h", "teacher", "student"),), rows={"teacher": 8, "student": 4},
-             dp={"teacher": 1, "student": 4})
+VLM = Problem(
+    order=("vision", "llm"),
+    sink="llm",
+    trained=frozenset({"vision", "llm"}),
+    edges=(EdgeInfo("img", "vision", "llm"),),
+    rows={"vision": 4, "llm": 4},
+    dp={"vision": 2, "llm": 2},
+)
+KD = Problem(
+    order=("teacher", "student"),
+    sink="student",
+    trained=frozenset({"student"}),
+    edges=(EdgeInfo("h", "teacher", "student"),),
+    rows={"teacher": 8, "student": 4},
+    dp={"teacher": 1, "student": 4},
+)
 
 
 def edge_problem(dp_p, mb_p, dp_c, mb_c, kd=False, bound=4):
     """One edge between any data-parallel degrees: vision -> llm (both trained), or a frozen teacher -> student."""
     src, dst, edge = ("teacher", "student", "h") if kd else ("vision", "llm", "img")
-    return Problem(order=(src, dst), sink=dst, trained=frozenset({dst} if kd else {src, dst}),
-                   edges=(EdgeInfo(edge, src, dst),), rows={src: dp_p * mb_p, dst: dp_c * mb_c},
-                   dp={src: dp_p, dst: dp_c}, max_in_flight=bound)
+    return Problem(
+        order=(src, dst),
+        sink=dst,
+        trained=frozenset({dst} if kd else {src, dst}),
+        edges=(EdgeInfo(edge, src, dst),),
+        rows={src: dp_p * mb_p, dst: dp_c * mb_c},
+        dp={src: dp_p, dst: dp_c},
+        max_in_flight=bound,
+    )
 
 
 # fan-out, fan-in and uneven degrees (DP(producer) -> DP(consumer)), micro-batches of any size
-ANY_DP = {"fan_out_2_6": (2, 3, 6, 1), "fan_in_6_2": (6, 1, 2, 2), "uneven_3_4": (3, 2, 4, 1),
-          "uneven_6_4": (6, 1, 4, 2), "uneven_4_3": (4, 1, 3, 1), "uneven_5_3": (5, 2, 3, 2)}
+ANY_DP = {
+    "fan_out_2_6": (2, 3, 6, 1),
+    "fan_in_6_2": (6, 1, 2, 2),
+    "uneven_3_4": (3, 2, 4, 1),
+    "uneven_6_4": (6, 1, 4, 2),
+    "uneven_4_3": (4, 1, 3, 1),
+    "uneven_5_3": (5, 2, 3, 2),
+}
 
 
 def metas(n, seed, image_p=0.5, kd=False):
@@ -58,7 +81,7 @@ def test_naive_order_is_arrival_order():
     assert [x for st in s.steps["llm"] for x in st.samples] == list(range(12))
     llm_shard = {x: r // 2 for st in s.steps["llm"] for r, x in enumerate(st.rows) if x >= 0}
     for shard in range(2):
-        got = [x for st in s.steps["vision"] for x in st.rows[2 * shard:2 * shard + 2] if x >= 0]
+        got = [x for st in s.steps["vision"] for x in st.rows[2 * shard : 2 * shard + 2] if x >= 0]
         assert got == [i for i, x in enumerate(m) if "vision" in x.sections and llm_shard[i] == shard]
 
 
@@ -95,8 +118,14 @@ def test_any_data_parallel_degrees_schedule_validly(case):
         (edge,) = problem.edges
         for seed in range(8):
             m = metas(random.Random(seed).choice([7, 12, 24, 40]), seed)
-            m = [SampleMeta(frozenset({"teacher", "student"}), {"teacher": x.work["llm"], "student": x.work["llm"]})
-                 for x in m] if kd else m
+            m = (
+                [
+                    SampleMeta(frozenset({"teacher", "student"}), {"teacher": x.work["llm"], "student": x.work["llm"]})
+                    for x in m
+                ]
+                if kd
+                else m
+            )
             for sched in (naive(m, problem), wavefront(m, problem)):
                 validate(sched, m, problem, in_flight=sched.name == "wavefront", block_map=True)
                 feeding, width = delivered(dp_p, dp_c)
@@ -173,11 +202,25 @@ def mutate(schedule, kind):
     return Schedule({k: tuple(v) for k, v in steps.items()}, tuple(ops), schedule.num_samples)
 
 
-@pytest.mark.parametrize("kind", ["drop_sample", "duplicate_sample", "text_in_vision", "missing_dep", "op_order",
-                                  "missing_op", "backward_before_cotangent"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "drop_sample",
+        "duplicate_sample",
+        "text_in_vision",
+        "missing_dep",
+        "op_order",
+        "missing_op",
+        "backward_before_cotangent",
+    ],
+)
 def test_validate_catches(kind):
-    m = [SampleMeta(frozenset({"llm"}), {"llm": 5}) if i % 3 == 0 else
-         SampleMeta(frozenset({"vision", "llm"}), {"vision": 16, "llm": 5}) for i in range(12)]
+    m = [
+        SampleMeta(frozenset({"llm"}), {"llm": 5})
+        if i % 3 == 0
+        else SampleMeta(frozenset({"vision", "llm"}), {"vision": 16, "llm": 5})
+        for i in range(12)
+    ]
     good = naive(m, VLM)
     validate(good, m, VLM)
     with pytest.raises(ScheduleError):

@@ -35,9 +35,23 @@ def test_paper_scale_predictions(name, tmp_path):
 
 def test_simulate_cli_json(tmp_path):
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", "simulate", "--config",
-                           str(ROOT / "configs/kd_paper_scale.yaml"), "--json", str(out), "simulate.batches=1"],
-                          check=False, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "maestro_jax.cli",
+            "simulate",
+            "--config",
+            str(ROOT / "configs/kd_paper_scale.yaml"),
+            "--json",
+            str(out),
+            "simulate.batches=1",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
     for key in ("per_device_speedup", "end_to_end_speedup", "makespan_over_lower_bound", "wavefront_vs_naive"):
@@ -56,8 +70,19 @@ def test_moe_planning_reads_the_expert_weights():
     assert 28e9 < llm.param_count < 33e9, "about 30B parameters (Qwen3-30B-A3B shape)"
 
 
-@pytest.mark.parametrize("t,text", [(5.316, "5.32 s"), (12.44, "12.4 s"), (1234.5, "1234 s"), (0.9997, "1.00 s"),
-                                    (0.0025761, "2.58 ms"), (8.1e-4, "810 µs"), (2.3e-7, "230 ns"), (0.0, "0 s")])
+@pytest.mark.parametrize(
+    "t,text",
+    [
+        (5.316, "5.32 s"),
+        (12.44, "12.4 s"),
+        (1234.5, "1234 s"),
+        (0.9997, "1.00 s"),
+        (0.0025761, "2.58 ms"),
+        (8.1e-4, "810 µs"),
+        (2.3e-7, "230 ns"),
+        (0.0, "0 s"),
+    ],
+)
 def test_seconds_in_human_units(t, text):
     assert seconds(t) == text
 
@@ -74,6 +99,6 @@ def test_simulate_prints_a_tiny_config_in_human_units(capsys):
     rows = dict(zip(("monolithic", "naive", "wavefront"), table))
     assert all(line.startswith(m + " ") for m, line in rows.items()), out
     for m, line in rows.items():
-        step = line[len(m):].split()[:2]
+        step = line[len(m) :].split()[:2]
         assert re.fullmatch(r"[1-9]\d*(\.\d+)?|0\.\d*[1-9]\d*", step[0]) and step[1] in ("s", "ms", "µs", "ns"), line
     assert "mesh data=" in out and "per-device speedup" in out

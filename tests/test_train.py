@@ -9,8 +9,18 @@ from conftest import ROOT, TINY_VLM
 
 def test_train_cli_loss_falls(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
-           *TINY_VLM, "steps=6", f"output_dir={out}", "optimizer.learning_rate=0.01"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "maestro_jax.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/vlm_tiny.yaml"),
+        *TINY_VLM,
+        "steps=6",
+        f"output_dir={out}",
+        "optimizer.learning_rate=0.01",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -27,8 +37,15 @@ def test_train_cli_loss_falls(tmp_path):
 
 
 def test_cli_bad_config_exits_2_with_one_line():
-    cmd = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/vlm_tiny.yaml"),
-           "sections.llm.devices=1:7"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "maestro_jax.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/vlm_tiny.yaml"),
+        "sections.llm.devices=1:7",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: sections.llm.devices")

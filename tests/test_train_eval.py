@@ -41,8 +41,8 @@ def events(tb_dir):
     for path in sorted(tb_dir.glob("events.*")):
         data, pos, found = path.read_bytes(), 0, []
         while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            found.append(Event.FromString(data[pos + 12:pos + 12 + length]))
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            found.append(Event.FromString(data[pos + 12 : pos + 12 + length]))
             pos += 12 + length + 4
         out.append(found)
     return out
@@ -66,8 +66,21 @@ def test_eval_loss_every_n_steps_equals_eval_of_the_checkpoint(tmp_path, capsys)
     assert step == 4
     assert loss == pytest.approx(evaluated[4], rel=1e-6, abs=1e-6)
 
-    assert cli.main(["eval", "--config", str(ROOT / "configs/vlm_tiny.yaml"), *TINY_VLM, f"output_dir={out}",
-                     "eval.batches=2", "--step", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--config",
+                str(ROOT / "configs/vlm_tiny.yaml"),
+                *TINY_VLM,
+                f"output_dir={out}",
+                "eval.batches=2",
+                "--step",
+                "2",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert f"step 2: eval_loss {evaluated[2]:.4f}" in said, said
 

@@ -39,16 +39,34 @@ def test_plain_device_put_fan_out_goes_through_host():
 CASES = {
     "fan_out_2_to_4": ([0, 1], (2, 1, 1), P(("data", "fsdp")), [4, 5, 6, 7], (4, 1, 1), P(("data", "fsdp"))),
     "fan_in_4_to_2": ([0, 1, 2, 3], (2, 2, 1), P(("data", "fsdp")), [6, 7], (2, 1, 1), P(("data", "fsdp"))),
-    "to_replicated_tensor_axis": ([0, 1], (2, 1, 1), P(("data", "fsdp")), [2, 3, 4, 5, 6, 7], (2, 1, 3),
-                                  P(("data", "fsdp"))),
-    "tensor_sharded_to_data_sharded": ([0, 1, 2, 3], (1, 1, 4), P(None, None, "tensor"), [4, 5], (2, 1, 1),
-                                       P(("data", "fsdp"))),
+    "to_replicated_tensor_axis": (
+        [0, 1],
+        (2, 1, 1),
+        P(("data", "fsdp")),
+        [2, 3, 4, 5, 6, 7],
+        (2, 1, 3),
+        P(("data", "fsdp")),
+    ),
+    "tensor_sharded_to_data_sharded": (
+        [0, 1, 2, 3],
+        (1, 1, 4),
+        P(None, None, "tensor"),
+        [4, 5],
+        (2, 1, 1),
+        P(("data", "fsdp")),
+    ),
     "data_to_last_dim": ([0, 1], (2, 1, 1), P("data"), [2, 3, 4, 5], (1, 2, 2), P(None, "fsdp", "tensor")),
     # 4-row source blocks into 6-row tiles: the middle block is cut in two, the others go whole
     "uneven_3_to_2": ([0, 1, 2], (3, 1, 1), P(("data", "fsdp")), [4, 5], (2, 1, 1), P(("data", "fsdp"))),
     # each tile joined from two blocks once, then copied to its tensor-parallel replica
-    "layout_4_to_2x2_tensor": ([0, 1, 2, 3], (4, 1, 1), P(("data", "fsdp")), [4, 5, 6, 7], (2, 1, 2),
-                               P(("data", "fsdp"))),
+    "layout_4_to_2x2_tensor": (
+        [0, 1, 2, 3],
+        (4, 1, 1),
+        P(("data", "fsdp")),
+        [4, 5, 6, 7],
+        (2, 1, 2),
+        P(("data", "fsdp")),
+    ),
 }
 
 
@@ -117,11 +135,11 @@ def edge_reference(x, dp_p, dp_c, mb):
     feeding, width = delivered(dp_p, dp_c)
     out = np.zeros((dp_c * width * mb, *x.shape[1:]), x.dtype)
     for j, f in enumerate(feeding):
-        rows = x[f.start * mb:f.stop * mb]
-        out[j * width * mb:j * width * mb + len(rows)] = rows
+        rows = x[f.start * mb : f.stop * mb]
+        out[j * width * mb : j * width * mb + len(rows)] = rows
     back = np.zeros_like(x)
     for j, f in enumerate(feeding):
-        back[f.start * mb:f.stop * mb] += out[j * width * mb:j * width * mb + len(f) * mb]
+        back[f.start * mb : f.stop * mb] += out[j * width * mb : j * width * mb + len(f) * mb]
     return out, back
 
 

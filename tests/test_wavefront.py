@@ -20,15 +20,26 @@ from maestro_jax.schedule.ops import link
 
 
 def vlm_problem(dp_v, fanout, mb_v, mb_l, bound=4):
-    return Problem(order=("vision", "llm"), sink="llm", trained=frozenset({"vision", "llm"}),
-                   edges=(EdgeInfo("img", "vision", "llm"),), rows={"vision": dp_v * mb_v, "llm": dp_v * fanout * mb_l},
-                   dp={"vision": dp_v, "llm": dp_v * fanout}, max_in_flight=bound)
+    return Problem(
+        order=("vision", "llm"),
+        sink="llm",
+        trained=frozenset({"vision", "llm"}),
+        edges=(EdgeInfo("img", "vision", "llm"),),
+        rows={"vision": dp_v * mb_v, "llm": dp_v * fanout * mb_l},
+        dp={"vision": dp_v, "llm": dp_v * fanout},
+        max_in_flight=bound,
+    )
 
 
 def kd_problem(dp_t, fanout, mb_t, mb_s):
-    return Problem(order=("teacher", "student"), sink="student", trained=frozenset({"student"}),
-                   edges=(EdgeInfo("h", "teacher", "student"),), rows={"teacher": dp_t * mb_t, "student": dp_t * fanout * mb_s},
-                   dp={"teacher": dp_t, "student": dp_t * fanout})
+    return Problem(
+        order=("teacher", "student"),
+        sink="student",
+        trained=frozenset({"student"}),
+        edges=(EdgeInfo("h", "teacher", "student"),),
+        rows={"teacher": dp_t * mb_t, "student": dp_t * fanout * mb_s},
+        dp={"teacher": dp_t, "student": dp_t * fanout},
+    )
 
 
 PROBLEMS = [vlm_problem(1, 4, 4, 1), vlm_problem(2, 1, 2, 2), vlm_problem(2, 2, 2, 1), vlm_problem(1, 2, 4, 2, bound=2)]
@@ -38,8 +49,11 @@ def random_batch(rng, n, image_p):
     out = []
     for _ in range(n):
         if rng.random() < image_p:
-            out.append(SampleMeta(frozenset({"vision", "llm"}),
-                                  {"vision": rng.choice([16, 64, 256]), "llm": rng.randint(20, 300)}))
+            out.append(
+                SampleMeta(
+                    frozenset({"vision", "llm"}), {"vision": rng.choice([16, 64, 256]), "llm": rng.randint(20, 300)}
+                )
+            )
         else:
             out.append(SampleMeta(frozenset({"llm"}), {"llm": rng.randint(5, 300)}))
     return out
@@ -48,8 +62,11 @@ def random_batch(rng, n, image_p):
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: f"dp{p.dp['vision']}_{p.dp['llm']}_b{p.max_in_flight}")
 def test_random_batches(problem):
     rng = random.Random(0)
-    cost = CostModel({"vision": SectionCost(1e-3, overhead_s=0.01), "llm": SectionCost(2e-3, 1e-6, 0.02)},
-                     {"img": 1e-5}, source="test")
+    cost = CostModel(
+        {"vision": SectionCost(1e-3, overhead_s=0.01), "llm": SectionCost(2e-3, 1e-6, 0.02)},
+        {"img": 1e-5},
+        source="test",
+    )
     strictly_better = mixed = 0
     for _ in range(60):
         metas = random_batch(rng, rng.choice([8, 12, 16, 24, 32]), rng.choice([0.0, 0.3, 0.5, 0.8, 1.0]))
@@ -77,8 +94,10 @@ def test_kd_random_batches():
     rng = random.Random(1)
     for problem in (kd_problem(2, 2, 4, 2), kd_problem(1, 4, 8, 2), kd_problem(4, 1, 2, 2)):
         for _ in range(20):
-            metas = [SampleMeta(frozenset({"teacher", "student"}), {"teacher": n, "student": n})
-                     for n in (rng.randint(8, 400) for _ in range(16))]
+            metas = [
+                SampleMeta(frozenset({"teacher", "student"}), {"teacher": n, "student": n})
+                for n in (rng.randint(8, 400) for _ in range(16))
+            ]
             nv, wf = naive(metas, problem), wavefront(metas, problem)
             validate(wf, metas, problem, in_flight=True, block_map=True)
             assert simulate(wf, problem, metas).makespan <= simulate(nv, problem, metas).makespan * (1 + 1e-9)
@@ -88,8 +107,12 @@ def test_figure7_vlm_fanout4_batch12():
     """The paper's Fig. 7: VLM, fanout 4, a global batch of 12 (6 with images, 6 text-only)."""
     problem = vlm_problem(dp_v=1, fanout=4, mb_v=4, mb_l=1)
     kinds = "ITITTIITITIT"  # arrival order: I = with image, T = text only
-    metas = [SampleMeta(frozenset({"vision", "llm"}), {"vision": 64, "llm": 100}) if k == "I" else
-             SampleMeta(frozenset({"llm"}), {"llm": 100}) for k in kinds]
+    metas = [
+        SampleMeta(frozenset({"vision", "llm"}), {"vision": 64, "llm": 100})
+        if k == "I"
+        else SampleMeta(frozenset({"llm"}), {"llm": 100})
+        for k in kinds
+    ]
     wf, nv = wavefront(metas, problem), naive(metas, problem)
     validate(wf, metas, problem, in_flight=True, block_map=True)
     # every vision micro-step's 4 rows (one vision shard) spread over the 4 LLM shards it feeds
@@ -108,8 +131,10 @@ def test_figure7_vlm_fanout4_batch12():
 def test_simulator_numbers():
     """Two sections, hand-computed timeline: producer F=4, sink L=3*mb*units, B=2*F."""
     problem = vlm_problem(dp_v=1, fanout=1, mb_v=1, mb_l=1)
-    metas = [SampleMeta(frozenset({"vision", "llm"}), {"vision": 4, "llm": 2}),
-             SampleMeta(frozenset({"llm"}), {"llm": 2})]
+    metas = [
+        SampleMeta(frozenset({"vision", "llm"}), {"vision": 4, "llm": 2}),
+        SampleMeta(frozenset({"llm"}), {"llm": 2}),
+    ]
     t = simulate(naive(metas, problem), problem, metas)
     # naive: F(v,0)=[0,4]; F(llm,0)=[4,10]; F(llm,1)=[10,16]; B(v,0)=[10,18]
     spans = {str(i.op): (i.start, i.end) for i in t.intervals}
@@ -127,37 +152,67 @@ def test_simulator_numbers():
 
 # --- any section DAG with one sink -------------------------------------------------------------
 
+
 def dag_problem(order, sink, trained, edges, dp, mb, bound):
     """edges: (name, src, dst)."""
-    return Problem(order=order, sink=sink, trained=frozenset(trained), edges=tuple(EdgeInfo(*e) for e in edges),
-                   rows={s: dp[s] * mb[s] for s in order}, dp=dp, max_in_flight=bound)
+    return Problem(
+        order=order,
+        sink=sink,
+        trained=frozenset(trained),
+        edges=tuple(EdgeInfo(*e) for e in edges),
+        rows={s: dp[s] * mb[s] for s in order},
+        dp=dp,
+        max_in_flight=bound,
+    )
 
 
 def omni_problem(dp_v, mb_v, dp_a, mb_a, dp_l, mb_l, bound=4, audio_trained=True):
     """vision -> llm <- audio."""
-    return dag_problem(("vision", "audio", "llm"), "llm", {"vision", "llm"} | ({"audio"} if audio_trained else set()),
-                       (("img", "vision", "llm"), ("aud", "audio", "llm")), {"vision": dp_v, "audio": dp_a, "llm": dp_l},
-                       {"vision": mb_v, "audio": mb_a, "llm": mb_l}, bound)
+    return dag_problem(
+        ("vision", "audio", "llm"),
+        "llm",
+        {"vision", "llm"} | ({"audio"} if audio_trained else set()),
+        (("img", "vision", "llm"), ("aud", "audio", "llm")),
+        {"vision": dp_v, "audio": dp_a, "llm": dp_l},
+        {"vision": mb_v, "audio": mb_a, "llm": mb_l},
+        bound,
+    )
 
 
 def chain_problem(dp_v, mb_v, dp_p, mb_p, dp_l, mb_l, bound=4, skip=False):
     """vision -> projector -> llm, all trained; `skip`: vision -> llm too (a producer with two consumers)."""
-    edges = (("v2p", "vision", "projector"), ("p2l", "projector", "llm")) + ((("v2l", "vision", "llm"),) if skip else ())
-    return dag_problem(("vision", "projector", "llm"), "llm", {"vision", "projector", "llm"}, edges,
-                       {"vision": dp_v, "projector": dp_p, "llm": dp_l}, {"vision": mb_v, "projector": mb_p, "llm": mb_l},
-                       bound)
+    edges = (("v2p", "vision", "projector"), ("p2l", "projector", "llm")) + (
+        (("v2l", "vision", "llm"),) if skip else ()
+    )
+    return dag_problem(
+        ("vision", "projector", "llm"),
+        "llm",
+        {"vision", "projector", "llm"},
+        edges,
+        {"vision": dp_v, "projector": dp_p, "llm": dp_l},
+        {"vision": mb_v, "projector": mb_p, "llm": mb_l},
+        bound,
+    )
 
 
 def vlm_kd_problem(dp_t, mb_t, dp_v, mb_v, dp_s, mb_s, bound=4):
     """teacher (frozen, every sample) -> student <- vision (trained, image samples)."""
-    return dag_problem(("teacher", "vision", "student"), "student", {"vision", "student"},
-                       (("h", "teacher", "student"), ("img", "vision", "student")),
-                       {"teacher": dp_t, "vision": dp_v, "student": dp_s}, {"teacher": mb_t, "vision": mb_v, "student": mb_s},
-                       bound)
+    return dag_problem(
+        ("teacher", "vision", "student"),
+        "student",
+        {"vision", "student"},
+        (("h", "teacher", "student"), ("img", "vision", "student")),
+        {"teacher": dp_t, "vision": dp_v, "student": dp_s},
+        {"teacher": mb_t, "vision": mb_v, "student": mb_s},
+        bound,
+    )
 
 
-MODALITIES = {"omni": ((), ({"vision"}, {"audio"})), "chain": ((), ({"vision", "projector"},)),
-              "vlm_kd": (("teacher",), ({"vision"},))}
+MODALITIES = {
+    "omni": ((), ({"vision"}, {"audio"})),
+    "chain": ((), ({"vision", "projector"},)),
+    "vlm_kd": (("teacher",), ({"vision"},)),
+}
 
 
 def dag_batch(rng, problem, shape, n, p):
@@ -173,10 +228,18 @@ def dag_batch(rng, problem, shape, n, p):
     return out
 
 
-DAG_COST = CostModel({"vision": SectionCost(1e-3, overhead_s=0.01), "audio": SectionCost(5e-4, overhead_s=0.01),
-                      "projector": SectionCost(2e-4, overhead_s=0.002), "teacher": SectionCost(1e-3, 1e-6, 0.01),
-                      "llm": SectionCost(2e-3, 1e-6, 0.02), "student": SectionCost(2e-3, 1e-6, 0.02)},
-                     {e: 1e-5 for e in ("img", "aud", "v2p", "p2l", "v2l", "h")}, source="test")
+DAG_COST = CostModel(
+    {
+        "vision": SectionCost(1e-3, overhead_s=0.01),
+        "audio": SectionCost(5e-4, overhead_s=0.01),
+        "projector": SectionCost(2e-4, overhead_s=0.002),
+        "teacher": SectionCost(1e-3, 1e-6, 0.01),
+        "llm": SectionCost(2e-3, 1e-6, 0.02),
+        "student": SectionCost(2e-3, 1e-6, 0.02),
+    },
+    dict.fromkeys(("img", "aud", "v2p", "p2l", "v2l", "h"), 1e-05),
+    source="test",
+)
 
 DAG_CASES = {
     "omni": ("omni", omni_problem(1, 4, 2, 2, 2, 2)),
@@ -239,8 +302,11 @@ def test_chain_stash_peak(bound):
     """On chains the projector both receives cotangents (from the LLM) and sends them (to vision);
     its forwards and vision's stay within the bound, which naive exceeds on the same batches."""
     rng = random.Random(bound)
-    for problem in (chain_problem(2, 2, 2, 2, 2, 2, bound), chain_problem(1, 4, 2, 2, 4, 1, bound, skip=True),
-                    chain_problem(1, 2, 2, 2, 2, 4, bound)):
+    for problem in (
+        chain_problem(2, 2, 2, 2, 2, 2, bound),
+        chain_problem(1, 4, 2, 2, 4, 1, bound, skip=True),
+        chain_problem(1, 2, 2, 2, 2, 4, bound),
+    ):
         most = {"vision": 0, "projector": 0}
         for _ in range(15):
             metas = dag_batch(rng, problem, "chain", rng.choice([16, 24, 32]), 0.8)
@@ -258,7 +324,11 @@ def test_single_edge_tight_bound():
     """With bound 1 and several data shards, micro-steps cut per shard independently can leave a
     sink step waiting on two producer steps: such variants are dropped, never relaxed past the bound."""
     rng = random.Random(3)
-    for problem in (vlm_problem(2, 2, 2, 1, bound=1), vlm_problem(4, 1, 2, 2, bound=1), vlm_problem(2, 2, 4, 2, bound=1)):
+    for problem in (
+        vlm_problem(2, 2, 2, 1, bound=1),
+        vlm_problem(4, 1, 2, 2, bound=1),
+        vlm_problem(2, 2, 4, 2, bound=1),
+    ):
         for _ in range(40):
             metas = random_batch(rng, rng.choice([16, 32, 64]), rng.choice([0.3, 0.5, 0.8]))
             validate(wavefront(metas, problem), metas, problem, in_flight=True, block_map=True)
@@ -284,8 +354,9 @@ def test_omni_text_fills_while_encoders_work():
     the end, so the LLM never idles and the backwards hide behind it: makespan = LLM busy time."""
     problem = omni_problem(1, 2, 1, 2, 1, 2)
     modality = {"B": {"vision", "audio"}, "V": {"vision"}, "A": {"audio"}, "T": set()}
-    metas = [SampleMeta(frozenset({"llm"} | modality[k]), {s: 10 for s in {"llm"} | modality[k]})
-             for k in "BBVVAATTTT"]
+    metas = [
+        SampleMeta(frozenset({"llm"} | modality[k]), dict.fromkeys({"llm"} | modality[k], 10)) for k in "BBVVAATTTT"
+    ]
     wf, nv = wavefront(metas, problem), naive(metas, problem)
     validate(wf, metas, problem, in_flight=True, block_map=True)
     t_wf, t_nv = simulate(wf, problem, metas), simulate(nv, problem, metas)
@@ -300,9 +371,12 @@ def test_vlm_kd_text_first_while_vision_works():
     """Teacher (frozen, cheap) for all, vision for the first four: the student starts on text as
     soon as the teacher's first step is done and ends on text while vision runs its backward."""
     problem = vlm_kd_problem(1, 2, 1, 2, 1, 2)
-    metas = [SampleMeta(frozenset({"teacher", "vision", "student"}), {"teacher": 1, "vision": 15, "student": 10})
-             if k == "I" else SampleMeta(frozenset({"teacher", "student"}), {"teacher": 1, "student": 10})
-             for k in "IIIITTTT"]
+    metas = [
+        SampleMeta(frozenset({"teacher", "vision", "student"}), {"teacher": 1, "vision": 15, "student": 10})
+        if k == "I"
+        else SampleMeta(frozenset({"teacher", "student"}), {"teacher": 1, "student": 10})
+        for k in "IIIITTTT"
+    ]
     wf, nv = wavefront(metas, problem), naive(metas, problem)
     validate(wf, metas, problem, in_flight=True, block_map=True)
     # unit costs: teacher F = 2, vision F = 30, B = 60, student step = 60 (four of them)
@@ -316,8 +390,11 @@ def random_dag(rng, any_dp=False):
     a trained section feeds only trained sections or the sink."""
     names = [f"s{i}" for i in range(rng.randint(2, 5))]
     sink = names[-1]
-    edges = [(a, names[j]) for i, a in enumerate(names[:-1])
-             for j in sorted(rng.sample(range(i + 1, len(names)), rng.randint(1, min(2, len(names) - 1 - i))))]
+    edges = [
+        (a, names[j])
+        for i, a in enumerate(names[:-1])
+        for j in sorted(rng.sample(range(i + 1, len(names)), rng.randint(1, min(2, len(names) - 1 - i))))
+    ]
     dp, mb, trained = {sink: rng.choice([1, 2, 4, 8] if not any_dp else range(1, 9))}, {}, {sink}
     for s in reversed(names[:-1]):
         g = math.gcd(*(dp[b] for a, b in edges if a == s))
@@ -327,8 +404,9 @@ def random_dag(rng, any_dp=False):
     for s in names:
         whole = 1 if any_dp else math.lcm(1, *(dp[b] // dp[s] for a, b in edges if a == s))
         mb[s] = whole * rng.choice([1, 2, 3])
-    problem = dag_problem(tuple(names), sink, trained, tuple((f"{a}>{b}", a, b) for a, b in edges), dp, mb,
-                          rng.choice([1, 2, 4]))
+    problem = dag_problem(
+        tuple(names), sink, trained, tuple((f"{a}>{b}", a, b) for a, b in edges), dp, mb, rng.choice([1, 2, 4])
+    )
     return problem
 
 
@@ -341,7 +419,9 @@ def test_random_dags():
             odds = {s: rng.random() for s in problem.order}
             metas = []
             for _ in range(rng.randint(1, 30)):
-                secs = {s for s in problem.order if rng.random() < odds[s]} | ({problem.sink} if rng.random() < 0.9 else set())
+                secs = {s for s in problem.order if rng.random() < odds[s]} | (
+                    {problem.sink} if rng.random() < 0.9 else set()
+                )
                 metas.append(SampleMeta(frozenset(secs), {s: rng.randint(1, 300) for s in secs}))
             validate(wavefront(metas, problem), metas, problem, in_flight=True, block_map=True)
 
@@ -360,7 +440,9 @@ def test_random_dags_any_data_parallel_degrees():
             odds = {s: rng.random() for s in problem.order}
             metas = []
             for _ in range(rng.randint(1, 30)):
-                secs = {s for s in problem.order if rng.random() < odds[s]} | ({problem.sink} if rng.random() < 0.9 else set())
+                secs = {s for s in problem.order if rng.random() < odds[s]} | (
+                    {problem.sink} if rng.random() < 0.9 else set()
+                )
                 metas.append(SampleMeta(frozenset(secs), {s: rng.randint(1, 300) for s in secs}))
             nv, wf = naive(metas, problem), wavefront(metas, problem)
             validate(nv, metas, problem, block_map=True)
@@ -375,11 +457,22 @@ def test_random_dags_any_data_parallel_degrees():
 
 def test_deterministic_across_hash_seeds():
     """Same batch and plan, same schedule, whatever the process's string hashing."""
-    code = ("import random, test_wavefront as t; rng = random.Random(0); p = t.DAG_CASES['omni'][1]; "
-            "m = t.dag_batch(rng, p, 'omni', 24, 0.5); w = t.wavefront(m, p, t.DAG_COST); "
-            "print([st.rows for s in p.order for st in w.steps[s]], [str(o) for o in w.ops])")
-    outs = {subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout for seed in ("1", "2")}
+    code = (
+        "import random, test_wavefront as t; rng = random.Random(0); p = t.DAG_CASES['omni'][1]; "
+        "m = t.dag_batch(rng, p, 'omni', 24, 0.5); w = t.wavefront(m, p, t.DAG_COST); "
+        "print([st.rows for s in p.order for st in w.steps[s]], [str(o) for o in w.ops])"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(outs) == 1
 
 
@@ -417,8 +510,11 @@ def test_column_heap_places_as_the_linear_scan(monkeypatch):
 
     def scan(self, x):
         caps = [(s, cap, where) for s, (cap, where, _) in self.caps.items() if s in self.metas[x].sections]
-        room = [c for c, sh in enumerate(self.shards) if len(sh) < self.mb
-                and all(self.used.get((s, where(c, x)), 0) < cap for s, cap, where in caps)]
+        room = [
+            c
+            for c, sh in enumerate(self.shards)
+            if len(sh) < self.mb and all(self.used.get((s, where(c, x)), 0) < cap for s, cap, where in caps)
+        ]
         if not room:
             return False
         c = min(room, key=lambda c: (self.loads[c], c))
@@ -431,7 +527,9 @@ def test_column_heap_places_as_the_linear_scan(monkeypatch):
 
     rng = random.Random(7)
     cases = [(lambda r, p=p: random_batch(r, r.choice([8, 16, 24, 32]), r.random()), p) for p in PROBLEMS]
-    cases += [(lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()]
+    cases += [
+        (lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()
+    ]
     heap = module._Column.place
     for make, problem in cases:
         for _ in range(10):
@@ -446,6 +544,7 @@ def test_column_heap_places_as_the_linear_scan(monkeypatch):
 
 # --- the linear-time rewrite against the scheduler it replaced -----------------------------------
 
+
 def reference_cases():
     """(batch maker, problem): the VLM problems, one shaped like configs/vlm_paper_scale.yaml
     (vision data 8, LLM data 16, fanout 2, micro-batches 2 and 1: no section capped, one row per
@@ -453,7 +552,9 @@ def reference_cases():
     cases = [(lambda r, p=p: random_batch(r, r.choice([8, 16, 24, 32]), r.random()), p) for p in PROBLEMS]
     paper = vlm_problem(dp_v=8, fanout=2, mb_v=2, mb_l=1)
     cases.append((lambda r: random_batch(r, r.choice([48, 144]), 0.5), paper))
-    cases += [(lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()]
+    cases += [
+        (lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()
+    ]
     rng = random.Random(11)
     for _ in range(8):
         problem = random_dag(rng)
@@ -462,7 +563,9 @@ def reference_cases():
             odds = {s: r.random() for s in problem.order}
             out = []
             for _ in range(r.randint(1, 30)):
-                secs = {s for s in problem.order if r.random() < odds[s]} | ({problem.sink} if r.random() < 0.9 else set())
+                secs = {s for s in problem.order if r.random() < odds[s]} | (
+                    {problem.sink} if r.random() < 0.9 else set()
+                )
                 out.append(SampleMeta(frozenset(secs), {s: r.randint(1, 300) for s in secs}))
             return out
 
@@ -484,7 +587,9 @@ def test_schedules_identical_to_the_reference():
                 new, old = wavefront(metas, problem, cost), ref.wavefront(metas, problem, cost)
                 assert (new.ops, new.steps) == (old.ops, old.steps)
                 validate(new, metas, problem, in_flight=True, block_map=True)
-                assert ref.list_schedule(problem, new.steps, metas, cost) == list_schedule(problem, new.steps, metas, cost)
+                assert ref.list_schedule(problem, new.steps, metas, cost) == list_schedule(
+                    problem, new.steps, metas, cost
+                )
 
 
 def corrupted(schedule, problem, rng):

@@ -18,8 +18,12 @@ from maestro_jax.training.loop import train
 from maestro_jax.workloads.costs import audio_cost, llm_cost, vit_cost
 from models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, VisionEncoder, ViTConfig
 
-CONFIGS = {"vlm": ("vlm_tiny.yaml", TINY_VLM), "kd": ("kd_tiny.yaml", TINY_KD),
-           "omni": ("omni_tiny.yaml", TINY_OMNI), "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD)}
+CONFIGS = {
+    "vlm": ("vlm_tiny.yaml", TINY_VLM),
+    "kd": ("kd_tiny.yaml", TINY_KD),
+    "omni": ("omni_tiny.yaml", TINY_OMNI),
+    "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD),
+}
 
 
 def cfg_of(name, *extra):
@@ -36,11 +40,17 @@ def test_llm_declared_flops_match_xla(length):
     """Within 15%: XLA also counts norms, softmax and the masked half of causal attention
     (computed here, skipped by fused kernels, which is what the declaration prices)."""
     c = LLMConfig(vocab=512, width=128, depth=2, heads=4, kv_heads=2, head_dim=32, mlp=512)
-    m, ids, pos, valid = DecoderLM(c), jnp.zeros((1, length), jnp.int32), jnp.arange(length)[None], jnp.ones(
-        (1, length), bool)
+    m, ids, pos, valid = (
+        DecoderLM(c),
+        jnp.zeros((1, length), jnp.int32),
+        jnp.arange(length)[None],
+        jnp.ones((1, length), bool),
+    )
     params = m.init(jax.random.key(0), ids, pos, valid)
     u = llm_cost(c, head=True)
-    ratio = xla_flops(lambda p: m.apply(p, ids, pos, valid), params) / (u.flops * length + u.attention_flops * length**2)
+    ratio = xla_flops(lambda p: m.apply(p, ids, pos, valid), params) / (
+        u.flops * length + u.attention_flops * length**2
+    )
     assert 1.0 <= ratio <= 1.15
 
 
@@ -52,10 +62,25 @@ def test_moe_declared_flops_match_xla(dispatch, length):
     leaves out, up to expert_mlp - 1 rows per expert and layer, is added here). Within 20%: XLA
     also counts the router's softmax and top-k and the sparse dispatch's sorts and scatters.
     `ragged` is not compared: XLA:CPU lowers ragged_dot to a product masked per expert."""
-    c = LLMConfig(vocab=512, width=128, depth=2, heads=4, kv_heads=2, head_dim=32, mlp=512, experts=4,
-                  experts_per_token=2, expert_mlp=32, moe_dispatch=dispatch)
-    m, ids, pos, valid = DecoderLM(c), jnp.zeros((1, length), jnp.int32), jnp.arange(length)[None], jnp.ones(
-        (1, length), bool)
+    c = LLMConfig(
+        vocab=512,
+        width=128,
+        depth=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        mlp=512,
+        experts=4,
+        experts_per_token=2,
+        expert_mlp=32,
+        moe_dispatch=dispatch,
+    )
+    m, ids, pos, valid = (
+        DecoderLM(c),
+        jnp.zeros((1, length), jnp.int32),
+        jnp.arange(length)[None],
+        jnp.ones((1, length), bool),
+    )
     params = m.init(jax.random.key(0), ids, pos, valid)
     u = llm_cost(c, head=True)
     rows, tile = length * c.experts_per_token, c.expert_mlp
@@ -128,12 +153,26 @@ def test_new_workloads_train(name):
 
 @pytest.mark.parametrize("name", ["omni", "vlm_kd"])
 def test_plan_and_simulate_report_every_section(name):
-    for command in (["simulate", "simulate.batches=1"], ["plan", "--devices", "8", "--memory-gb", "1", "--top", "2",
-                                                         "simulate.device=cpu", "simulate.batches=1"]):
+    for command in (
+        ["simulate", "simulate.batches=1"],
+        ["plan", "--devices", "8", "--memory-gb", "1", "--top", "2", "simulate.device=cpu", "simulate.batches=1"],
+    ):
         file, tiny = CONFIGS[name]
-        proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", command[0], "--config",
-                               str(ROOT / "configs" / file), *command[1:], *tiny], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "maestro_jax.cli",
+                command[0],
+                "--config",
+                str(ROOT / "configs" / file),
+                *command[1:],
+                *tiny,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         for s in load_config(ROOT / "configs" / file).sections:
             assert s in proc.stdout, (command[0], s, proc.stdout)
@@ -145,16 +184,30 @@ def test_plugin_by_import_path_is_the_same_workload():
     assert [(d.name, d.max_abs) for d in a] == [(d.name, d.max_abs) for d in b]
 
 
-@pytest.mark.parametrize("value,text", [
-    ("nope", "workload='nope': unknown; valid: vlm, kd, omni, vlm_kd"),
-    ("no_such_pkg.mod:W", "workload='no_such_pkg.mod:W': cannot import it"),
-    ("maestro_jax.workloads:BUILTIN", "is a tuple, not a maestro_jax.workloads.Workload"),
-])
+@pytest.mark.parametrize(
+    "value,text",
+    [
+        ("nope", "workload='nope': unknown; valid: vlm, kd, omni, vlm_kd"),
+        ("no_such_pkg.mod:W", "workload='no_such_pkg.mod:W': cannot import it"),
+        ("maestro_jax.workloads:BUILTIN", "is a tuple, not a maestro_jax.workloads.Workload"),
+    ],
+)
 def test_unknown_workloads_exit_2_with_one_line(value, text):
     for command in ("verify", "simulate"):
-        proc = subprocess.run([sys.executable, "-m", "maestro_jax.cli", command, "--config",
-                               str(ROOT / "configs/kd_tiny.yaml"), f"workload={value}"], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "maestro_jax.cli",
+                command,
+                "--config",
+                str(ROOT / "configs/kd_tiny.yaml"),
+                f"workload={value}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], proc.stderr
@@ -162,7 +215,17 @@ def test_unknown_workloads_exit_2_with_one_line(value, text):
 
 def test_config_sections_must_match_the_workload():
     with pytest.raises(ConfigError, match=r"workload 'omni' has sections \['audio', 'llm', 'vision'\]"):
-        workloads.build_graph(load_config(ROOT / "configs/vlm_tiny.yaml", ["workload=omni", "models.audio.kind=audio",
-                                                                          "models.audio.width=8", "models.audio.depth=1",
-                                                                          "models.audio.heads=1", "models.audio.mlp=8",
-                                                                          "models.audio.out_width=96"]))
+        workloads.build_graph(
+            load_config(
+                ROOT / "configs/vlm_tiny.yaml",
+                [
+                    "workload=omni",
+                    "models.audio.kind=audio",
+                    "models.audio.width=8",
+                    "models.audio.depth=1",
+                    "models.audio.heads=1",
+                    "models.audio.mlp=8",
+                    "models.audio.out_width=96",
+                ],
+            )
+        )

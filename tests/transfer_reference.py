@@ -36,8 +36,10 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
     for dev, pieces in tile_map.tiles:
         if dev not in mine:
             continue
-        parts = [(p.offset, moved[(dev, i)] if (dev, i) in moved else jax.device_put(_cut(local[p.src_device], p), dev))
-                 for i, p in enumerate(pieces)]
+        parts = [
+            (p.offset, moved[(dev, i)] if (dev, i) in moved else jax.device_put(_cut(local[p.src_device], p), dev))
+            for i, p in enumerate(pieces)
+        ]
         arrays.append(_join(parts))
     return jax.make_array_from_single_device_arrays(x.shape, dst, arrays, dtype=x.dtype)
 
@@ -48,8 +50,12 @@ def _cut(shard: jax.Array, p: Piece) -> jax.Array:
 
 
 def _move_across_processes(tile_map: TileMap, local: dict, dtype) -> dict:
-    crossing = [(dev, i, p) for dev, pieces in tile_map.tiles for i, p in enumerate(pieces)
-                if p.src_device.process_index != dev.process_index]
+    crossing = [
+        (dev, i, p)
+        for dev, pieces in tile_map.tiles
+        for i, p in enumerate(pieces)
+        if p.src_device.process_index != dev.process_index
+    ]
     if not crossing:
         return {}
     first: dict[tuple, tuple] = {}
@@ -61,9 +67,12 @@ def _move_across_processes(tile_map: TileMap, local: dict, dtype) -> dict:
             sources.append(_cut(local[p.src_device], p))
         else:
             shape = tuple(sl.stop - sl.start for sl in p.src_slices)
-            sources.append(jax.make_array_from_single_device_arrays(shape, SingleDeviceSharding(p.src_device), [],
-                                                                    dtype=dtype))
-    received = {key: jax.device_put(x, SingleDeviceSharding(d)) for key, x, (_, d) in zip(first, sources, first.values())}
+            sources.append(
+                jax.make_array_from_single_device_arrays(shape, SingleDeviceSharding(p.src_device), [], dtype=dtype)
+            )
+    received = {
+        key: jax.device_put(x, SingleDeviceSharding(d)) for key, x, (_, d) in zip(first, sources, first.values())
+    }
     out = {}
     for dev, i, p in crossing:
         key = _piece_key(p, dev)

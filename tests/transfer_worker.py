@@ -41,6 +41,9 @@ for name, (a, b) in CASES.items():
     x = jax.make_array_from_callback(full.shape, src, lambda idx: full[idx], dtype=np.float32)
     y = jax.block_until_ready(transfer(x, dst))
     exact = all(np.array_equal(np.asarray(s.data), full[s.index]) for s in y.addressable_shards)
-    report[name] = {"exact": exact, "shards": len(y.addressable_shards),
-                    "bytes": process_bytes(plan_transfer(src, dst, full.shape), 4).get(pid, {"sent": 0, "received": 0})}
+    report[name] = {
+        "exact": exact,
+        "shards": len(y.addressable_shards),
+        "bytes": process_bytes(plan_transfer(src, dst, full.shape), 4).get(pid, {"sent": 0, "received": 0}),
+    }
 print("REPORT " + json.dumps(report), flush=True)

@@ -14,7 +14,9 @@ from maestro_jax.schedule.ops import MicroStep, Op, Problem, SampleMeta, Schedul
 from maestro_jax.schedule.timing import resource_of, work_time
 
 
-def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
+def link(
+    problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]
+) -> dict[str, tuple[MicroStep, ...]]:
     """Micro-steps with their producer dependencies derived from which samples they hold."""
     home: dict[tuple[str, int], int] = {}
     for s, chunks in rows_by_section.items():
@@ -57,8 +59,9 @@ def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
     steps, req = schedule.steps, {}
     for s in problem.order:
         for st in steps[s]:
-            req[Op("F", s, st.index)] = [Op("X", e.src, k, e.name) for e in problem.in_edges(s)
-                                         for k in st.deps.get(e.name, ())]
+            req[Op("F", s, st.index)] = [
+                Op("X", e.src, k, e.name) for e in problem.in_edges(s) for k in st.deps.get(e.name, ())
+            ]
         for e in problem.out_edges(s):
             for k in range(len(steps[s])):
                 if not consumed(steps, e, k):
@@ -66,21 +69,29 @@ def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
                 req[Op("X", s, k, e.name)] = [Op("F", s, k)]
                 if problem.sends_cotangent(e):
                     done = "F" if e.dst == problem.sink else "B"
-                    req[Op("XB", s, k, e.name)] = [Op(done, e.dst, st.index) for st in steps[e.dst]
-                                                   if k in st.deps.get(e.name, ())]
+                    req[Op("XB", s, k, e.name)] = [
+                        Op(done, e.dst, st.index) for st in steps[e.dst] if k in st.deps.get(e.name, ())
+                    ]
     for s in problem.order:
         if problem.needs_backward(s):
             for k in range(len(steps[s])):
-                req[Op("B", s, k)] = [Op("F", s, k)] + [Op("XB", s, k, e.name) for e in problem.out_edges(s)
-                                                        if consumed(steps, e, k)]
+                req[Op("B", s, k)] = [Op("F", s, k)] + [
+                    Op("XB", s, k, e.name) for e in problem.out_edges(s) if consumed(steps, e, k)
+                ]
         if s in problem.trained:
             last = "B" if problem.needs_backward(s) else "F"
             req[Op("U", s)] = [Op(last, s, k) for k in range(len(steps[s]))]
     return req
 
 
-def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, *, in_flight: bool = False,
-             block_map: bool = False) -> None:
+def validate(
+    schedule: Schedule,
+    metas: Sequence[SampleMeta],
+    problem: Problem,
+    *,
+    in_flight: bool = False,
+    block_map: bool = False,
+) -> None:
     """Raise ScheduleError unless every sample and dependency rule holds."""
     steps = schedule.steps
     for s in problem.order:
@@ -94,34 +105,46 @@ def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, 
                 seen[x] = seen.get(x, 0) + 1
         for i, m in enumerate(metas):
             if (s in m.sections) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
-                raise ScheduleError(f"sample {i} passes {seen.get(i, 0)} times through {s}; "
-                                    f"expected {int(s in m.sections)}")
+                raise ScheduleError(
+                    f"sample {i} passes {seen.get(i, 0)} times through {s}; expected {int(s in m.sections)}"
+                )
     for s in problem.order:
         for st in steps[s]:
             for e in problem.in_edges(s):
                 held = {x for k in st.deps.get(e.name, ()) for x in steps[e.src][k].samples}
                 need = {x for x in st.samples if e.src in metas[x].sections}
                 if not need <= held:
-                    raise ScheduleError(f"{s} micro-step {st.index} needs samples {sorted(need - held)} from "
-                                        f"{e.src} but does not depend on the micro-steps holding them")
+                    raise ScheduleError(
+                        f"{s} micro-step {st.index} needs samples {sorted(need - held)} from "
+                        f"{e.src} but does not depend on the micro-steps holding them"
+                    )
                 for k in st.deps.get(e.name, ()):
                     if not set(steps[e.src][k].samples) & need:
-                        raise ScheduleError(f"{s} micro-step {st.index} depends on {e.src} micro-step {k} "
-                                            f"without using any of its samples")
+                        raise ScheduleError(
+                            f"{s} micro-step {st.index} depends on {e.src} micro-step {k} "
+                            f"without using any of its samples"
+                        )
                 if block_map:
                     _check_block_map(problem, schedule, e, st)
     _check_ops(schedule, problem, in_flight)
 
 
 def _check_block_map(problem: Problem, schedule: Schedule, e: EdgeInfo, st: MicroStep) -> None:
-    mb_p, mb_c, f = problem.micro_batch(e.src), problem.micro_batch(e.dst), problem.dp[e.dst] // problem.dp[e.src]  # whole fanouts only
-    shard_of = {x: q // mb_p for k in st.deps.get(e.name, ()) for q, x in enumerate(schedule.steps[e.src][k].rows)
-                if x >= 0}
+    mb_p, mb_c, f = (
+        problem.micro_batch(e.src),
+        problem.micro_batch(e.dst),
+        problem.dp[e.dst] // problem.dp[e.src],
+    )  # whole fanouts only
+    shard_of = {
+        x: q // mb_p for k in st.deps.get(e.name, ()) for q, x in enumerate(schedule.steps[e.src][k].rows) if x >= 0
+    }
     for r, x in enumerate(st.rows):
         if x in shard_of and not shard_of[x] * f <= r // mb_c < (shard_of[x] + 1) * f:
-            raise ScheduleError(f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "
-                                f"{shard_of[x] * f}..{(shard_of[x] + 1) * f - 1} (fanout {f}), but it sits on "
-                                f"{e.dst} shard {r // mb_c}")
+            raise ScheduleError(
+                f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "
+                f"{shard_of[x] * f}..{(shard_of[x] + 1) * f - 1} (fanout {f}), but it sits on "
+                f"{e.dst} shard {r // mb_c}"
+            )
 
 
 def _check_ops(schedule: Schedule, problem: Problem, in_flight: bool) -> None:
@@ -185,7 +208,6 @@ def op_duration(cost, problem: Problem):
     return duration
 
 
-
 def naive(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
     """Samples in arrival order; each section runs all its micro-steps after its producers finish."""
     rows = {s: chunk([i for i, m in enumerate(metas) if s in m.sections], problem.rows[s]) for s in problem.order}
@@ -220,15 +242,18 @@ def _lpt(items: Sequence[int], bins: int, capacity: int, weight) -> list[list[in
 def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> list[list[list[int]]]:
     """Longest first into micro-steps (similar sizes share a bucket), LPT across shards inside each."""
     ordered = sorted(samples, key=lambda i: (-weight(i), i))
-    return [_lpt(ordered[i:i + rows], dp, rows // dp, weight) for i in range(0, len(ordered), rows)]
+    return [_lpt(ordered[i : i + rows], dp, rows // dp, weight) for i in range(0, len(ordered), rows)]
 
 
 def _caps(problem: Problem) -> dict[str, tuple[int, int]]:
     """Sections one sink micro-step can overfill (it has more rows per shard of theirs than their
     micro-batch): section -> (micro-batch, sink shards per shard of the section)."""
     sink = problem.sink
-    return {s: (problem.micro_batch(s), problem.dp[sink] // problem.dp[s]) for s in problem.order
-            if s != sink and problem.rows[sink] // problem.dp[s] > problem.micro_batch(s)}
+    return {
+        s: (problem.micro_batch(s), problem.dp[sink] // problem.dp[s])
+        for s in problem.order
+        if s != sink and problem.rows[sink] // problem.dp[s] > problem.micro_batch(s)
+    }
 
 
 class _Column:
@@ -268,8 +293,9 @@ class _Column:
         return True
 
 
-def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta],
-                  weight) -> list[list[list[int]]]:
+def _pack_columns(
+    samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta], weight
+) -> list[list[list[int]]]:
     """`_pack` for the sink, except that a sample that would overfill some section's shard waits
     for a later micro-step: every column then fits every section's micro-batch (what `_derive`
     needs to keep the in-flight bound). Same result as `_pack` when nothing overfills."""
@@ -359,7 +385,8 @@ def _makespan(schedule: Schedule, problem: Problem, metas, cost) -> float:
     for op in schedule.ops:
         res = resource_of(op, problem)
         finish[op] = free[res] = max([free.get(res, 0.0)] + [finish[d] for d in req[op]]) + duration(
-            op, schedule.steps, metas)
+            op, schedule.steps, metas
+        )
     return max(finish.values(), default=0.0)
 
 
@@ -393,7 +420,7 @@ def _consuming_columns(produced, dp_d: int, r: int, mb_c: int, w_c, skip: list[i
     streams = [[x for step in produced for x in step[i]] for i in range(dp_d)]
     block, steps = r * mb_c, []
     for j in range(max((-(-len(s) // block) for s in streams), default=0)):
-        steps.append([sh for st in streams for sh in _lpt(st[j * block:(j + 1) * block], r, mb_c, w_c)])
+        steps.append([sh for st in streams for sh in _lpt(st[j * block : (j + 1) * block], r, mb_c, w_c)])
     for shards in steps:
         for sh in sorted(shards, key=lambda s: sum(map(w_c, s))):
             while skip and len(sh) < mb_c:
@@ -452,7 +479,7 @@ def _derive(problem: Problem, metas, columns: Rows, fixed: dict[str, Rows], grou
         else:
             streams = [[x for col in placed for x in col[i]] for i in range(dp)]
             n = max((-(-len(st) // mb) for st in streams), default=0)
-            rows[s] = [_flatten([st[k * mb:(k + 1) * mb] for st in streams], mb) for k in range(n)]
+            rows[s] = [_flatten([st[k * mb : (k + 1) * mb] for st in streams], mb) for k in range(n)]
     return rows
 
 
@@ -505,8 +532,7 @@ def _clean_cuts(columns: Rows, steps: Rows) -> set[int]:
     return cuts
 
 
-def _interleave(problem, metas, cost, d: str, produced: Rows, consuming: Rows, skipping: Rows,
-                slack: float) -> Rows:
+def _interleave(problem, metas, cost, d: str, produced: Rows, consuming: Rows, skipping: Rows, slack: float) -> Rows:
     """Sink order, estimated with the cost model (`_Due`). The next column that consumes d runs as
     soon as its inputs are due, or earlier when they are due within `slack` filler-step times
     (waiting beats delaying d's backward when d is the bottleneck). Until then a filler runs, a
@@ -560,7 +586,7 @@ class _Due:
 
     def __init__(self, problem: Problem, metas, time, d: str, produced: Rows):
         self.problem, self.metas, self.time, self.d = problem, metas, time, d
-        self.clock = {s: 0.0 for s in problem.order}
+        self.clock = dict.fromkeys(problem.order, 0.0)
         self.ready, t = [], 0.0
         for r in produced:
             t += time("F", d, r)
@@ -622,8 +648,8 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     finish = [0.0] * len(ops)
     dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
     free: dict[str, float] = {}
-    next_f = {s: 0 for s in problem.order}
-    stashed = {s: 0 for s in problem.order}
+    next_f = dict.fromkeys(problem.order, 0)
+    stashed = dict.fromkeys(problem.order, 0)
     ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of (step) for ready backwards
     ready_other: set[int] = {i for i, op in enumerate(ops) if op.kind in ("X", "XB", "U") and pending[i] == 0}
     for i, op in enumerate(ops):
@@ -642,16 +668,21 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
             if ready_b[s]:
                 out.append(b_index[(s, ready_b[s][0])])
             i = f_index.get((s, next_f[s]))
-            if i is not None and pending[i] == 0 and (not problem.needs_backward(s)
-                                                      or stashed[s] < problem.max_in_flight):
+            if (
+                i is not None
+                and pending[i] == 0
+                and (not problem.needs_backward(s) or stashed[s] < problem.max_in_flight)
+            ):
                 out.append(i)
         return out
 
     while len(order) < len(ops):
         cands = candidates()
         if not cands:
-            raise ScheduleError("list scheduling is stuck: stashed forwards wait on forwards the in-flight "
-                                f"bound {problem.max_in_flight} holds back (or a dependency cycle)")
+            raise ScheduleError(
+                "list scheduling is stuck: stashed forwards wait on forwards the in-flight "
+                f"bound {problem.max_in_flight} holds back (or a dependency cycle)"
+            )
         i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
         op = ops[i]
         t0 = start_of(i)

@@ -125,9 +125,11 @@ class SectionGraph:
         trained = {s.name for s in self.sections if s.trained}
         for s in self.sections:
             if s.name not in trained and any(e.src in trained for e in self.producers_of(s.name)):
-                raise ValueError(f"section {s.name!r} is frozen but consumes the trained section(s) "
-                                 f"{sorted(e.src for e in self.producers_of(s.name) if e.src in trained)}: gradients "
-                                 f"cannot reach them through it; make {s.name!r} trained or merge it into its consumer")
+                raise ValueError(
+                    f"section {s.name!r} is frozen but consumes the trained section(s) "
+                    f"{sorted(e.src for e in self.producers_of(s.name) if e.src in trained)}: gradients "
+                    f"cannot reach them through it; make {s.name!r} trained or merge it into its consumer"
+                )
         if self.sink not in trained:
             raise ValueError(f"the sink {self.sink!r} holds the loss and must be trained")
 

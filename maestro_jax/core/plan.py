@@ -123,15 +123,19 @@ def check_resources(plan: Plan, num_devices: int) -> None:
             raise ResourceError(key, list(sp.devices), "each device may appear once")
         for d in sp.devices:
             if not 0 <= d < num_devices:
-                raise ResourceError(key, list(sp.devices),
-                                    f"device {d} does not exist; valid device ids are 0..{num_devices - 1}")
+                raise ResourceError(
+                    key, list(sp.devices), f"device {d} does not exist; valid device ids are 0..{num_devices - 1}"
+                )
         for d in sp.devices:
             other = owner.get(d)
             if other is not None and set(plan.sections[other].devices) != set(sp.devices):
-                raise ResourceError(key, list(sp.devices),
-                                    f"device {d} is also used by section {other!r} on "
-                                    f"{list(plan.sections[other].devices)}; sections share either exactly the same "
-                                    f"devices (co-located) or none")
+                raise ResourceError(
+                    key,
+                    list(sp.devices),
+                    f"device {d} is also used by section {other!r} on "
+                    f"{list(plan.sections[other].devices)}; sections share either exactly the same "
+                    f"devices (co-located) or none",
+                )
             owner.setdefault(d, name)
 
 
@@ -142,9 +146,12 @@ def check_meshes(plan: Plan) -> None:
         size = math.prod(sp.mesh)
         if size != len(sp.devices):
             shape = " * ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sp.mesh))
-            raise MeshShapeError(f"sections.{name}.mesh", sp.axis_sizes,
-                                 f"{shape} = {size} but the section has {len(sp.devices)} devices; "
-                                 f"the mesh axes must multiply to the device count")
+            raise MeshShapeError(
+                f"sections.{name}.mesh",
+                sp.axis_sizes,
+                f"{shape} = {size} but the section has {len(sp.devices)} devices; "
+                f"the mesh axes must multiply to the device count",
+            )
         if sp.rules not in RULES:
             raise MeshShapeError(f"sections.{name}.rules", sp.rules, f"valid rule sets are {sorted(RULES)}")
         if sp.residuals not in ("vjp", "remat"):
@@ -163,11 +170,17 @@ def check_fanout(plan: Plan, edges: Sequence[EdgeInfo]) -> None:
             continue
         p, c = plan.sections[e.src], plan.sections[e.dst]
         if p.dp * f != c.dp:
-            valid = (f"fanout {c.dp // p.dp}, or no fanout key" if c.dp % p.dp == 0 else
-                     f"no fanout key (DP {p.dp} -> {c.dp} is an uneven edge, which needs none: edges join any "
-                     f"data-parallel degrees)")
-            raise FanoutError(f"edges.{e.name}.fanout", f,
-                              f"the fanout is derived, DP({e.dst})={c.dp} / DP({e.src})={p.dp}; valid: {valid}")
+            valid = (
+                f"fanout {c.dp // p.dp}, or no fanout key"
+                if c.dp % p.dp == 0
+                else f"no fanout key (DP {p.dp} -> {c.dp} is an uneven edge, which needs none: edges join any "
+                f"data-parallel degrees)"
+            )
+            raise FanoutError(
+                f"edges.{e.name}.fanout",
+                f,
+                f"the fanout is derived, DP({e.dst})={c.dp} / DP({e.src})={p.dp}; valid: {valid}",
+            )
 
 
 def check_divisibility(plan: Plan, params: Mapping[str, Sequence[ParamInfo]]) -> None:
@@ -186,10 +199,13 @@ def check_param_divisibility(name: str, sp: SectionPlan, infos: Sequence[ParamIn
             axes = mesh_axes_for(logical, rules)
             n = math.prod(sizes[a] for a in axes)
             if dim % n:
-                raise DivisibilityError(f"sections.{name}.mesh", sizes,
-                                        f"parameter {info.path} dimension {logical!r} of size {dim} is sharded "
-                                        f"over {'*'.join(axes)}={n}, which does not divide it; use mesh sizes "
-                                        f"that divide {dim}")
+                raise DivisibilityError(
+                    f"sections.{name}.mesh",
+                    sizes,
+                    f"parameter {info.path} dimension {logical!r} of size {dim} is sharded "
+                    f"over {'*'.join(axes)}={n}, which does not divide it; use mesh sizes "
+                    f"that divide {dim}",
+                )
 
 
 def sharded_bytes(info: ParamInfo, sp: SectionPlan) -> float:
@@ -212,8 +228,13 @@ def group_bytes(state: Sequence[float], activations: Sequence[float], held: Sequ
     return sum(state) + sum(held) + max(a - h for a, h in zip(activations, held))
 
 
-def check_memory(plan: Plan, budget_bytes: float | None, state: Mapping[str, float],
-                 activations: Mapping[str, float], held: Mapping[str, float] | None = None) -> None:
+def check_memory(
+    plan: Plan,
+    budget_bytes: float | None,
+    state: Mapping[str, float],
+    activations: Mapping[str, float],
+    held: Mapping[str, float] | None = None,
+) -> None:
     """`state`/`activations`: per-device bytes of persistent state and of in-flight activations
     (of which `held` outlive the section's programs). Co-located sections share the budget."""
     if budget_bytes is None:
@@ -221,19 +242,31 @@ def check_memory(plan: Plan, budget_bytes: float | None, state: Mapping[str, flo
     groups, held = device_groups(plan.sections), held or {}
     for group in dict.fromkeys(groups.values()):
         shared = [n for n, g in groups.items() if g == group]
-        need = group_bytes([state[n] for n in shared], [activations.get(n, 0.0) for n in shared],
-                           [held.get(n, 0.0) for n in shared])
+        need = group_bytes(
+            [state[n] for n in shared], [activations.get(n, 0.0) for n in shared], [held.get(n, 0.0) for n in shared]
+        )
         if need > budget_bytes:
             what = f"sections.{group}" if len(shared) == 1 else f"sections.{{{','.join(shared)}}} (co-located)"
-            raise MemoryBudgetError(what, f"{need / 2**30:.3f} GiB/device",
-                                    f"exceeds device_memory_gb={budget_bytes / 2**30:g}; give the section more "
-                                    f"devices, more fsdp/tensor sharding or a smaller micro_batch")
+            raise MemoryBudgetError(
+                what,
+                f"{need / 2**30:.3f} GiB/device",
+                f"exceeds device_memory_gb={budget_bytes / 2**30:g}; give the section more "
+                f"devices, more fsdp/tensor sharding or a smaller micro_batch",
+            )
 
 
-def check_plan(plan: Plan, *, num_devices: int, edges: Sequence[EdgeInfo], sink: str,
-               params: Mapping[str, Sequence[ParamInfo]], budget_bytes: float | None = None,
-               state: Mapping[str, float] | None = None, activations: Mapping[str, float] | None = None,
-               held: Mapping[str, float] | None = None) -> None:
+def check_plan(
+    plan: Plan,
+    *,
+    num_devices: int,
+    edges: Sequence[EdgeInfo],
+    sink: str,
+    params: Mapping[str, Sequence[ParamInfo]],
+    budget_bytes: float | None = None,
+    state: Mapping[str, float] | None = None,
+    activations: Mapping[str, float] | None = None,
+    held: Mapping[str, float] | None = None,
+) -> None:
     """Every constraint of a plan, cheapest first; raises the first violation."""
     check_resources(plan, num_devices)
     check_meshes(plan)

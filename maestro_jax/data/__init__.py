@@ -17,7 +17,27 @@ from maestro_jax.data.samples import (
 )
 from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource, sample_info, write_index
 
-__all__ = ["AUDIO_TOKEN", "FIRST_TEXT_TOKEN", "IMAGE_TOKEN", "ArrayRecordSource", "BadSamples", "BatchReader",
-           "DataError", "LoadedBatch", "Modality", "ReadPlan", "Sample", "SampleInfo", "SyntheticItems",
-           "SyntheticSource", "decode_sample", "encode_sample", "global_batches", "image_tokens", "sample_info",
-           "validate_info", "validate_sample", "write_index"]
+__all__ = [
+    "AUDIO_TOKEN",
+    "FIRST_TEXT_TOKEN",
+    "IMAGE_TOKEN",
+    "ArrayRecordSource",
+    "BadSamples",
+    "BatchReader",
+    "DataError",
+    "LoadedBatch",
+    "Modality",
+    "ReadPlan",
+    "Sample",
+    "SampleInfo",
+    "SyntheticItems",
+    "SyntheticSource",
+    "decode_sample",
+    "encode_sample",
+    "global_batches",
+    "image_tokens",
+    "sample_info",
+    "validate_info",
+    "validate_sample",
+    "write_index",
+]

@@ -59,17 +59,23 @@ def _ordered(source, seed: int, shuffle: bool) -> grain.MapDataset:
 def global_batches(source, global_batch: int, seed: int, shuffle: bool = True, check=None) -> grain.MapDataset:
     """Global batches (lists of samples), shuffled with a seed, repeating over epochs; random
     access (verify, bench). A bad sample raises `DataError` with its id."""
-    return (_ordered(source, seed, shuffle).map(functools.partial(_read, source, check, False))
-            .batch(global_batch, drop_remainder=True, batch_fn=list))
+    return (
+        _ordered(source, seed, shuffle)
+        .map(functools.partial(_read, source, check, False))
+        .batch(global_batch, drop_remainder=True, batch_fn=list)
+    )
 
 
 def _matches_info(sample: Sample, info: SampleInfo) -> None:
     """The payload has the length and item shapes its metadata promised (what was scheduled)."""
-    if sample.length != info.length or any(sample.shapes(m) != tuple(map(tuple, v))
-                                           for m, v in info.item_shapes.items()):
-        raise DataError(f"sample id={info.id}: its payload does not match its metadata (length {sample.length} "
-                        f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}); "
-                        f"rebuild the source's index")
+    if sample.length != info.length or any(
+        sample.shapes(m) != tuple(map(tuple, v)) for m, v in info.item_shapes.items()
+    ):
+        raise DataError(
+            f"sample id={info.id}: its payload does not match its metadata (length {sample.length} "
+            f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}); "
+            f"rebuild the source's index"
+        )
 
 
 class BadSamples:
@@ -133,17 +139,29 @@ class BatchReader:
     from the next samples; without, every process raises the same `DataError`. `get_state` /
     `set_state` resume the stream exactly."""
 
-    def __init__(self, source, global_batch: int, seed: int, shuffle: bool, *, plan: Callable[[list], ReadPlan],
-                 loss_count: Callable[[list], int], info_check=None, check=None, bad: BadSamples | None = None,
-                 gather: Callable[[str, object], list] = lambda name, value: [value]):
-        import grain  # noqa: PLC0415
+    def __init__(
+        self,
+        source,
+        global_batch: int,
+        seed: int,
+        shuffle: bool,
+        *,
+        plan: Callable[[list], ReadPlan],
+        loss_count: Callable[[list], int],
+        info_check=None,
+        check=None,
+        bad: BadSamples | None = None,
+        gather: Callable[[str, object], list] = lambda name, value: [value],
+    ):
+        import grain
 
         self.source, self.global_batch, self.bad = source, global_batch, bad
         self._plan, self._loss_count, self._info_check, self._check = plan, loss_count, info_check, check
         self._gather = gather
         self._bad_in_a_row = 0
-        self._it = iter(_ordered(source, seed, shuffle).to_iter_dataset(
-            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+        self._it = iter(
+            _ordered(source, seed, shuffle).to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        )
 
     def get_state(self) -> dict:
         return self._it.get_state()
@@ -172,8 +190,10 @@ class BatchReader:
         self.bad.keep(err)
         self._bad_in_a_row += 1
         if self._bad_in_a_row > len(self.source):
-            raise DataError(f"data: {self._bad_in_a_row} bad samples in a row, more than the {len(self.source)} the "
-                            f"source holds: no sample can be trained on (the last: {err})")
+            raise DataError(
+                f"data: {self._bad_in_a_row} bad samples in a row, more than the {len(self.source)} the "
+                f"source holds: no sample can be trained on (the last: {err})"
+            )
 
     def _read(self, index: int, info: SampleInfo, parts) -> tuple[Sample, int | None, int]:
         sample, read = read_parts(self.source, index, parts)
@@ -207,8 +227,14 @@ class BatchReader:
             if len(bad) < len(taken):
                 self._bad_in_a_row = 0  # some sample passed every check
             if not bad:
-                return LoadedBatch(samples, plan.schedule, sum(p["count"] for p in shared),
-                                   [p["read"] for p in shared], [p["decoded"] for p in shared], plan.schedule_s)
+                return LoadedBatch(
+                    samples,
+                    plan.schedule,
+                    sum(p["count"] for p in shared),
+                    [p["read"] for p in shared],
+                    [p["decoded"] for p in shared],
+                    plan.schedule_s,
+                )
             if self.bad is None:
                 raise DataError(bad[min(bad)])
             for pos in sorted(bad):

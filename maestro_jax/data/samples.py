@@ -98,8 +98,11 @@ TOKENS = "tokens"  # the part of a sample holding its token ids; other parts are
 
 def parts_of(s) -> frozenset[str]:
     """The parts a sample (or its `SampleInfo`) has: `tokens` and each modality it carries."""
-    return frozenset({TOKENS, *(m for m, v in s.item_shapes.items() if v)} if isinstance(s, SampleInfo)
-                     else {TOKENS, *(m for m, v in s.items.items() if v)})
+    return frozenset(
+        {TOKENS, *(m for m, v in s.item_shapes.items() if v)}
+        if isinstance(s, SampleInfo)
+        else {TOKENS, *(m for m, v in s.items.items() if v)}
+    )
 
 
 def hollow_sample(info: SampleInfo, parts: dict[str, object] | None = None) -> Sample:
@@ -107,13 +110,17 @@ def hollow_sample(info: SampleInfo, parts: dict[str, object] | None = None) -> S
     builds but never places (another process's devices hold them) cost no read nor decode."""
     parts = parts or {}
     tokens = parts.get(TOKENS)
-    return Sample(info.id, tokens if tokens is not None else np.zeros(info.length, np.int32),
-                  {m: parts[m] if m in parts else tuple(np.zeros(sh, np.float32) for sh in shapes)
-                   for m, shapes in info.item_shapes.items()})
+    return Sample(
+        info.id,
+        tokens if tokens is not None else np.zeros(info.length, np.int32),
+        {
+            m: parts[m] if m in parts else tuple(np.zeros(sh, np.float32) for sh in shapes)
+            for m, shapes in info.item_shapes.items()
+        },
+    )
 
 
-def validate_info(info: SampleInfo, modalities: tuple[Modality, ...] = (), max_tokens: int | None = None
-                  ) -> SampleInfo:
+def validate_info(info: SampleInfo, modalities: tuple[Modality, ...] = (), max_tokens: int | None = None) -> SampleInfo:
     """The checks a sample's metadata answers (every process runs them before scheduling):
     sequence length, modalities the workload takes, each item's shape."""
     where = f"sample id={info.id}"
@@ -129,8 +136,13 @@ def validate_info(info: SampleInfo, modalities: tuple[Modality, ...] = (), max_t
     return info
 
 
-def validate_sample(s: Sample, modalities: tuple[Modality, ...] = (), max_tokens: int | None = None,
-                    vocab: int | None = None, parts: frozenset[str] | None = None) -> Sample:
+def validate_sample(
+    s: Sample,
+    modalities: tuple[Modality, ...] = (),
+    max_tokens: int | None = None,
+    vocab: int | None = None,
+    parts: frozenset[str] | None = None,
+) -> Sample:
     """Reject what must never be trained on silently: wrong dtypes or shapes, ids outside the
     vocabulary, placeholders that do not match the items, items of a modality the workload
     does not take, empty or oversized items, non-finite values, too long a sequence.
@@ -165,7 +177,7 @@ def _check_tokens(where: str, s: Sample, modalities: tuple[Modality, ...], vocab
     if text < 2:
         raise DataError(f"{where}: needs at least 2 text tokens, got {text}")
     for m in modalities:
-        expected = sum(m.tokens(shape[:len(m.unit)]) for shape in s.shapes(m.name))
+        expected = sum(m.tokens(shape[: len(m.unit)]) for shape in s.shapes(m.name))
         found = int(np.count_nonzero(s.tokens == m.placeholder))
         if found != expected:
             raise DataError(f"{where}: {found} {m.name}-placeholder tokens but its {m.name} items need {expected}")
@@ -174,19 +186,25 @@ def _check_tokens(where: str, s: Sample, modalities: tuple[Modality, ...], vocab
 def _check_item_shape(where: str, m: Modality, i: int, shape: tuple[int, ...]) -> None:
     spatial = len(m.unit)
     if len(shape) != spatial + 1:
-        raise DataError(f"{where}: {m.name} {i} must have {spatial} spatial dims and {m.channels} channels last, "
-                        f"got shape {list(shape)}")
+        raise DataError(
+            f"{where}: {m.name} {i} must have {spatial} spatial dims and {m.channels} channels last, "
+            f"got shape {list(shape)}"
+        )
     if shape[-1] != m.channels:
-        raise DataError(f"{where}: {m.name} {i} has {shape[-1]} channels (shape {list(shape)}); the model takes "
-                        f"{m.channels}")
+        raise DataError(
+            f"{where}: {m.name} {i} has {shape[-1]} channels (shape {list(shape)}); the model takes {m.channels}"
+        )
     dims, size = shape[:spatial], "x".join(map(str, shape[:spatial]))
     at_most = f", at most {'x'.join(map(str, m.max_shape))}" if m.max_shape is not None else ""
     if any(d == 0 or d % u for d, u in zip(dims, m.unit)):
-        raise DataError(f"{where}: {m.name} {i} is {size}; each side must be a positive multiple of "
-                        f"{'x'.join(map(str, m.unit))}{at_most}")
+        raise DataError(
+            f"{where}: {m.name} {i} is {size}; each side must be a positive multiple of "
+            f"{'x'.join(map(str, m.unit))}{at_most}"
+        )
     if m.max_shape is not None and any(d > b for d, b in zip(dims, m.max_shape)):
-        raise DataError(f"{where}: {m.name} {i} is {size}, larger than the model takes "
-                        f"({'x'.join(map(str, m.max_shape))})")
+        raise DataError(
+            f"{where}: {m.name} {i} is {size}, larger than the model takes ({'x'.join(map(str, m.max_shape))})"
+        )
 
 
 def encode_sample(s: Sample) -> bytes:
@@ -195,8 +213,11 @@ def encode_sample(s: Sample) -> bytes:
     arrays = {"id": np.asarray(s.id, np.int64), "tokens": s.tokens.astype(np.int32)}
     for name, items in s.items.items():
         for i, x in enumerate(items):
-            arrays[f"{name}_{i}"] = (np.clip(np.round((x + 1.0) * 127.5), 0, 255).astype(np.uint8)
-                                     if name == "image" else x.astype(np.float32))
+            arrays[f"{name}_{i}"] = (
+                np.clip(np.round((x + 1.0) * 127.5), 0, 255).astype(np.uint8)
+                if name == "image"
+                else x.astype(np.float32)
+            )
     np.savez(buf, **arrays)
     return buf.getvalue()
 
@@ -212,8 +233,9 @@ def record_info(record: bytes) -> SampleInfo:
         for key in ["tokens", *_item_keys(z.files)]:
             with z.zip.open(f"{key}.npy") as f:
                 version = np.lib.format.read_magic(f)
-                header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                          else np.lib.format.read_array_header_2_0)
+                header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
                 shape = tuple(int(d) for d in header(f)[0])
             if key == "tokens":
                 length = shape[0] if shape else 0

@@ -73,8 +73,9 @@ class SyntheticSource:
         shapes = self._item_shapes(index)
         for spec in self.items:
             length += sum(spec.modality.tokens(s) for s in shapes.get(spec.modality.name, ()))
-        return SampleInfo(int(index), length, {m: tuple(tuple(s) + (self._channels(m),) for s in v)
-                                               for m, v in shapes.items()})
+        return SampleInfo(
+            int(index), length, {m: tuple(tuple(s) + (self._channels(m),) for s in v) for m, v in shapes.items()}
+        )
 
     def _channels(self, name: str) -> int:
         return next(s.modality.channels for s in self.items if s.modality.name == name)
@@ -97,8 +98,9 @@ class SyntheticSource:
             m = spec.modality
             if m.name in shapes and (parts is None or m.name in parts):
                 item_rng = np.random.default_rng([self.seed, index, 100 + k])
-                out[m.name] = tuple(item_rng.standard_normal((*sh, m.channels)).astype(np.float32)
-                                    for sh in shapes[m.name])
+                out[m.name] = tuple(
+                    item_rng.standard_normal((*sh, m.channels)).astype(np.float32) for sh in shapes[m.name]
+                )
         if parts is None:
             return Sample(index, out.pop(TOKENS), out), 0
         return hollow_sample(self.info(index), out), 0
@@ -140,8 +142,10 @@ class ArrayRecordSource:
             index = Path(f"{p}.index.json")
             rows = json.loads(index.read_text()) if index.is_file() else None
             if rows is not None and len(rows) != len(files[-1]):
-                raise DataError(f"data.paths: {index} lists {len(rows)} records but {p} holds {len(files[-1])}; "
-                                f"rewrite it with write_index")
+                raise DataError(
+                    f"data.paths: {index} lists {len(rows)} records but {p} holds {len(files[-1])}; "
+                    f"rewrite it with write_index"
+                )
             indexes.append(rows)
         object.__setattr__(self, "_files", tuple(files))
         object.__setattr__(self, "_indexes", tuple(indexes))
@@ -193,16 +197,19 @@ def _open_array_record(path: str):
     """One ArrayRecord file as a Grain source; a missing, empty, truncated or otherwise
     unopenable file is a DataError naming it (its records cannot even be counted, so no policy
     can skip them one by one)."""
-    import grain  # noqa: PLC0415 (grain imports jax; planning reads sources without it)
+    import grain
 
     if not Path(path).is_file() or Path(path).stat().st_size == 0:
-        raise DataError(f"data.paths: {path} is {'empty' if Path(path).is_file() else 'missing'}; give ArrayRecord "
-                        f"files written by scripts/convert_images.py")
+        raise DataError(
+            f"data.paths: {path} is {'empty' if Path(path).is_file() else 'missing'}; give ArrayRecord "
+            f"files written by scripts/convert_images.py"
+        )
     try:
         return grain.sources.ArrayRecordDataSource([path])
     except (RuntimeError, ValueError, OSError) as err:  # Riegeli reports a damaged file as RuntimeError
-        raise DataError(f"data.paths: {path} cannot be opened as ArrayRecord (truncated or damaged: "
-                        f"{_first_line(err)})") from err
+        raise DataError(
+            f"data.paths: {path} cannot be opened as ArrayRecord (truncated or damaged: {_first_line(err)})"
+        ) from err
 
 
 def _first_line(err: Exception) -> str:
@@ -215,7 +222,7 @@ def _first_line(err: Exception) -> str:
 def write_index(path: str) -> Path:
     """Write `<path>.index.json`: each record's sample id, token count and item shapes, in record order,
     so that every process reads all samples' metadata without reading their records."""
-    import grain  # noqa: PLC0415
+    import grain
 
     source = grain.sources.ArrayRecordDataSource([path])
     rows = []

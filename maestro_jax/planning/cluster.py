@@ -30,8 +30,15 @@ def typical_units(name: str, metas_all) -> float:
     return statistics.mean(units) if units else 1.0
 
 
-def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, link_gbps: float,
-                 is_sink: bool, typical: float | None = None) -> SectionCost:
+def section_cost(
+    spec: SectionSpec,
+    sp: SectionPlan,
+    metas_all,
+    device: str,
+    link_gbps: float,
+    is_sink: bool,
+    typical: float | None = None,
+) -> SectionCost:
     """Analytic coefficients of one section under its plan, from the FLOPs it declares.
     `typical`: `typical_units(spec.name, metas_all)`, when the caller has it already (the
     planner prices thousands of layouts on the same samples)."""
@@ -42,14 +49,29 @@ def section_cost(spec: SectionSpec, sp: SectionPlan, metas_all, device: str, lin
     if typical is None:
         typical = typical_units(spec.name, metas_all)
     tensor, context = sp.axis_sizes["tensor"], sp.axis_sizes["context"]
-    a = analytic_section(linear, attn, sp.micro_batch, tensor, int(typical), device=device,
-                         trained_sink=is_sink and spec.trained, width_per_device=c.width / tensor, context=context)
+    a = analytic_section(
+        linear,
+        attn,
+        sp.micro_batch,
+        tensor,
+        int(typical),
+        device=device,
+        trained_sink=is_sink and spec.trained,
+        width_per_device=c.width / tensor,
+        context=context,
+    )
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0
-    return SectionCost(a.per_unit_s + exchange_s_per_unit(spec, sp, device, link_gbps), a.per_unit2_s,
-                       a.overhead_s, a.backward_factor + section + layer,
-                       a.sink_factor + (layer if spec.trained else 0.0), bucket_min=256,
-                       overlapped_s=fsdp_gather_s(spec, sp, device, link_gbps), layers=max(c.layers, 1))
+    return SectionCost(
+        a.per_unit_s + exchange_s_per_unit(spec, sp, device, link_gbps),
+        a.per_unit2_s,
+        a.overhead_s,
+        a.backward_factor + section + layer,
+        a.sink_factor + (layer if spec.trained else 0.0),
+        bucket_min=256,
+        overlapped_s=fsdp_gather_s(spec, sp, device, link_gbps),
+        layers=max(c.layers, 1),
+    )
 
 
 def recompute_share(spec: SectionSpec, sp: SectionPlan, typical_units: float) -> float:
@@ -109,23 +131,41 @@ def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gb
     value = 2 if sp.precision == "bfloat16" else 4
     t = 0.0
     if context > 1 and c.kv_width:
-        t += c.layers * c.kv_width / tensor * value * (context - 1) / context / _link(device, link_gbps, context * tensor)
+        t += (
+            c.layers
+            * c.kv_width
+            / tensor
+            * value
+            * (context - 1)
+            / context
+            / _link(device, link_gbps, context * tensor)
+        )
     if expert > 1 and c.routed_width:
         group = expert * context * tensor
         t += c.layers * 2 * c.routed_width * value * (expert - 1) / expert / context / _link(device, link_gbps, group)
     return t
 
 
-def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, device: str,
-               link_gbps: float, typical: Mapping[str, float] | None = None) -> CostModel:
+def cost_model(
+    spec: WorkloadSpec,
+    plans: Mapping[str, SectionPlan],
+    metas_all,
+    device: str,
+    link_gbps: float,
+    typical: Mapping[str, float] | None = None,
+) -> CostModel:
     """`typical`: each section's `typical_units`, when the caller has them already."""
-    sections = {s: section_cost(sec, plans[s], metas_all, device, link_gbps, s == spec.sink,
-                                None if typical is None else typical[s])
-                for s, sec in spec.sections.items()}
+    sections = {
+        s: section_cost(
+            sec, plans[s], metas_all, device, link_gbps, s == spec.sink, None if typical is None else typical[s]
+        )
+        for s, sec in spec.sections.items()
+    }
     transfer, in_place, groups = {}, set(), device_groups(plans)
     for e in spec.edges:
-        per_unit = transfer_s_per_unit(spec.edge_bytes[e.name], plans[e.src], plans[e.dst],
-                                       groups[e.src] == groups[e.dst], device, link_gbps)
+        per_unit = transfer_s_per_unit(
+            spec.edge_bytes[e.name], plans[e.src], plans[e.dst], groups[e.src] == groups[e.dst], device, link_gbps
+        )
         if per_unit is None:
             in_place.add(e.name)
         else:
@@ -136,8 +176,9 @@ def cost_model(spec: WorkloadSpec, plans: Mapping[str, SectionPlan], metas_all, 
 TRANSFER_OVERHEAD_S = 20e-6  # per transfer: an assumed launch latency of a device-to-device copy, not fitted to data
 
 
-def transfer_s_per_unit(bytes_per_unit: float, src: SectionPlan, dst: SectionPlan, same_group: bool, device: str,
-                        link_gbps: float) -> float | None:
+def transfer_s_per_unit(
+    bytes_per_unit: float, src: SectionPlan, dst: SectionPlan, same_group: bool, device: str, link_gbps: float
+) -> float | None:
     """Seconds per producer work unit of an edge from `src` to `dst`, or None when its rows stay
     where they are (co-located sections with one layout: no transfer at all).
 
@@ -158,25 +199,28 @@ def transfer_s_per_unit(bytes_per_unit: float, src: SectionPlan, dst: SectionPla
     return bytes_per_unit * max(width, 1 if local else sends) / (per_device * src.dp)
 
 
-def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int,
-                    only: str | None = None) -> float:
+def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int, only: str | None = None) -> float:
     """Every section (or `only` that one) one after the other on all devices, per micro-batch;
     the micro-batches packed the best of three ways a monolithic trainer could: arrival order,
     longest first by the sink's work (similar sequence lengths share a bucket, as maestro packs
     its sections), or longest first by the sample's whole modelled time."""
+
     def alone(m) -> float:
         return sum(cost.step_time(s, "F", [u], 1) - cost.sections[s].overhead_s for s, u in m.work.items())
 
     sink = spec.sink
-    orders = (list(metas), sorted(metas, key=lambda m: m.work.get(sink, 0), reverse=True),
-              sorted(metas, key=alone, reverse=True))
+    orders = (
+        list(metas),
+        sorted(metas, key=lambda m: m.work.get(sink, 0), reverse=True),
+        sorted(metas, key=alone, reverse=True),
+    )
     return min(_packed_time(spec, order, cost, mb, rows, only) for order in orders)
 
 
 def _packed_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int, only: str | None) -> float:
     total = 0.0
     for i in range(0, len(metas), rows):
-        chunk = metas[i:i + rows]
+        chunk = metas[i : i + rows]
         for s, sec in spec.sections.items():
             if only is not None and s != only:
                 continue
@@ -186,20 +230,33 @@ def _packed_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int,
             if s == spec.sink:
                 total += cost.step_time(s, "L", units, mb)
             else:
-                total += cost.step_time(s, "F", units, mb) * (1 + (cost.sections[s].backward_factor
-                                                                   if sec.trained else 0))
+                total += cost.step_time(s, "F", units, mb) * (
+                    1 + (cost.sections[s].backward_factor if sec.trained else 0)
+                )
     return total
 
 
-def simulate_plan(spec: WorkloadSpec, plan: Plan, mono_sp: SectionPlan, metas_all, *, device: str, link_gbps: float,
-                  max_in_flight: int, run_ahead: int = 0):
+def simulate_plan(
+    spec: WorkloadSpec,
+    plan: Plan,
+    mono_sp: SectionPlan,
+    metas_all,
+    *,
+    device: str,
+    link_gbps: float,
+    max_in_flight: int,
+    run_ahead: int = 0,
+):
     """Naive, wavefront and monolithic step times of `plan` on `metas_all`, and what they imply;
     returns the report and the first batch's simulated wavefront timeline."""
     problem = spec.problem(plan, max_in_flight, run_ahead)
     cost = cost_model(spec, dict(plan.sections), metas_all, device, link_gbps)
-    mono_plans = {s: dataclasses.replace(mono_sp, precision=sec.precision,
-                                         layer_remat=mono_sp.layer_remat if sec.trained else "none")
-                  for s, sec in spec.sections.items()}  # each section's precision, as `Planner.monolithic_best`
+    mono_plans = {
+        s: dataclasses.replace(
+            mono_sp, precision=sec.precision, layer_remat=mono_sp.layer_remat if sec.trained else "none"
+        )
+        for s, sec in spec.sections.items()
+    }  # each section's precision, as `Planner.monolithic_best`
     mono_cost = cost_model(spec, mono_plans, metas_all, device, link_gbps)
     devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}
@@ -217,13 +274,20 @@ def simulate_plan(spec: WorkloadSpec, plan: Plan, mono_sp: SectionPlan, metas_al
     sps = {k: n / statistics.mean(v) for k, v in runs.items()}
     maestro_devices = len({d for sp in plan.sections.values() for d in sp.devices})  # co-located count once
     mono_devices = len(mono_sp.devices)
-    per_device = {"monolithic": sps["monolithic"] / mono_devices, "naive": sps["naive"] / maestro_devices,
-                  "wavefront": sps["wavefront"] / maestro_devices}
+    per_device = {
+        "monolithic": sps["monolithic"] / mono_devices,
+        "naive": sps["naive"] / maestro_devices,
+        "wavefront": sps["wavefront"] / maestro_devices,
+    }
     bound = statistics.mean(t.lower_bound for t in timelines)
     report = {
-        "workload": spec.name, "sections": list(spec.sections), "device": device, "cost_source": cost.source,
+        "workload": spec.name,
+        "sections": list(spec.sections),
+        "device": device,
+        "cost_source": cost.source,
         "devices": {"maestro": devices, "monolithic": mono_devices},
-        "samples_per_s": sps, "samples_per_s_per_device": per_device,
+        "samples_per_s": sps,
+        "samples_per_s_per_device": per_device,
         "step_time_s": {k: statistics.mean(v) for k, v in runs.items()},
         "end_to_end_speedup": sps["wavefront"] / sps["monolithic"],
         "per_device_speedup": per_device["wavefront"] / per_device["monolithic"],
@@ -236,7 +300,8 @@ def simulate_plan(spec: WorkloadSpec, plan: Plan, mono_sp: SectionPlan, metas_al
         # text-only" (Maestro 100%, Megatron-LM 93-94% there)
         "sink_efficiency_vs_alone": {
             "maestro": statistics.mean(t.busy[spec.sink] for t in timelines) / statistics.mean(runs["wavefront"]),
-            "monolithic": statistics.mean(sink_alone) / statistics.mean(runs["monolithic"])},
+            "monolithic": statistics.mean(sink_alone) / statistics.mean(runs["monolithic"]),
+        },
         "bubble_ratio": statistics.mean(t.bubble_ratio for t in timelines),
         "busy_s": {s: statistics.mean(t.busy[s] for t in timelines) for s in spec.sections},
     }

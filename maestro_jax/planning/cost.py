@@ -90,8 +90,13 @@ class CostModel:
         return self.transfer_overhead_s + self.transfer_s_per_unit.get(edge, 0.0) * sum(units)
 
 
-def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 0.537, half_tokens: float = 1.0,
-               half_width: float = 89.0) -> float:
+def efficiency(
+    tokens_per_device: float,
+    width_per_device: float,
+    peak: float = 0.537,
+    half_tokens: float = 1.0,
+    half_width: float = 89.0,
+) -> float:
     """Fraction of peak reached. It saturates with the tokens one device gets per micro-step and
     with the width of its weight slices (narrow GEMMs from heavy tensor parallelism run slowly).
 
@@ -104,13 +109,27 @@ def efficiency(tokens_per_device: float, width_per_device: float, peak: float = 
     data bound the halves only from above (95%: half_tokens < 130, half_width < 840); below that work
     the curve is an extrapolation that no published row measures. Before the fit the defaults were
     set by hand (0.55, 2048, 128) and under-predicted the NeMo runs by 35-81% (TP 8 by about 80%)."""
-    return (peak * tokens_per_device / (tokens_per_device + half_tokens)
-            * width_per_device / (width_per_device + half_width))
+    return (
+        peak
+        * tokens_per_device
+        / (tokens_per_device + half_tokens)
+        * width_per_device
+        / (width_per_device + half_width)
+    )
 
 
-def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_batch: int, tensor: int,
-                     typical_units: int, device: str = "h100", trained_sink: bool = False,
-                     width_per_device: float = 4096.0, overhead_s: float = 2e-4, context: int = 1) -> SectionCost:
+def analytic_section(
+    flops_per_unit: float,
+    attn_flops_per_unit2: float,
+    micro_batch: int,
+    tensor: int,
+    typical_units: int,
+    device: str = "h100",
+    trained_sink: bool = False,
+    width_per_device: float = 4096.0,
+    overhead_s: float = 2e-4,
+    context: int = 1,
+) -> SectionCost:
     """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices,
     context parallelism its positions over `context` devices (without thinning the weights).
 
@@ -122,17 +141,28 @@ def analytic_section(flops_per_unit: float, attn_flops_per_unit2: float, micro_b
     overhead_s = DEVICES[device].get("overhead_s", overhead_s)
     eff = efficiency(micro_batch * typical_units / (tensor * context), width_per_device)
     rate = peak * eff * tensor * context
-    return SectionCost(per_unit_s=flops_per_unit / rate, per_unit2_s=attn_flops_per_unit2 / rate,
-                       overhead_s=overhead_s, backward_factor=2.0, sink_factor=3.0 if trained_sink else 1.0)
+    return SectionCost(
+        per_unit_s=flops_per_unit / rate,
+        per_unit2_s=attn_flops_per_unit2 / rate,
+        overhead_s=overhead_s,
+        backward_factor=2.0,
+        sink_factor=3.0 if trained_sink else 1.0,
+    )
 
 
-def transformer_flops(width: int, depth: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
-                      vocab: int = 0, active_mlp_multiplier: float = 1.0) -> tuple[float, float]:
+def transformer_flops(
+    width: int,
+    depth: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mlp: int,
+    vocab: int = 0,
+    active_mlp_multiplier: float = 1.0,
+) -> tuple[float, float]:
     """Forward FLOPs of a token: (linear part, attention coefficient per token of context)."""
     proj = 2 * width * (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim * width
     ffn = 3 * 2 * width * mlp * active_mlp_multiplier
     linear = depth * (proj + ffn) + 2 * width * vocab
     attn = depth * 2 * 2 * heads * head_dim  # QK^T and PV per pair of positions
     return float(linear), float(attn)
-
-

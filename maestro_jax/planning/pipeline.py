@@ -104,9 +104,12 @@ _BLOCK = re.compile(r"block_(\d+)")
 
 
 # -- the 1F1B schedule ------------------------------------------------------------------------
-def one_f_one_b(forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]],
-                send_forward: Sequence[Sequence[float]] | None = None,
-                send_backward: Sequence[Sequence[float]] | None = None) -> float:
+def one_f_one_b(
+    forward: Sequence[Sequence[float]],
+    backward: Sequence[Sequence[float]],
+    send_forward: Sequence[Sequence[float]] | None = None,
+    send_backward: Sequence[Sequence[float]] | None = None,
+) -> float:
     """Makespan of the non-interleaved 1F1B schedule (PipeDream-Flush; Megatron-LM's
     `forward_backward_pipelining_without_interleaving`). `forward[s][i]`, `backward[s][i]`: stage
     s's compute on micro-batch i; `send_forward[s][i]`: stage s sending i's activations to s + 1,
@@ -187,8 +190,9 @@ def _is_input_side(info: ParamInfo) -> bool:
     return "embed" in info.path
 
 
-def _slice_leaves(leaves: Sequence[ParamInfo], lo: int, hi: int, total: int, first: bool,
-                  last: bool) -> tuple[ParamInfo, ...]:
+def _slice_leaves(
+    leaves: Sequence[ParamInfo], lo: int, hi: int, total: int, first: bool, last: bool
+) -> tuple[ParamInfo, ...]:
     """The leaves of layers [lo, hi) (per-layer leaves by their block index; stacked leaves of
     scanned models cut along their `layers` axis), the input side's on the first stage and the
     rest of the non-layer leaves (heads, final norm) on the last."""
@@ -217,8 +221,12 @@ def _tail_flops(sec: SectionSpec) -> float:
     (the LM head, a KD teacher's head in the student): 2 per weight of each matrix there."""
     flops = 0.0
     for info in sec.leaves:
-        if _layer_of(info) is None and "layers" not in (info.logical or ()) and not _is_input_side(info) \
-                and len(info.shape) >= 2:
+        if (
+            _layer_of(info) is None
+            and "layers" not in (info.logical or ())
+            and not _is_input_side(info)
+            and len(info.shape) >= 2
+        ):
             flops += 2 * math.prod(info.shape)
     return min(flops, sec.cost.flops)
 
@@ -240,9 +248,13 @@ def _cut(sec: SectionSpec, counts: Sequence[int]) -> list[SectionSpec | None]:
         if n == 0 and not params and not consts:
             out.append(None)
             continue
-        cost = dataclasses.replace(c, flops=per_layer * n + (tail if last else 0.0),
-                                   attention_flops=c.attention_flops * n / total, layers=n,
-                                   logits=c.logits if last else 0)
+        cost = dataclasses.replace(
+            c,
+            flops=per_layer * n + (tail if last else 0.0),
+            attention_flops=c.attention_flops * n / total,
+            layers=n,
+            logits=c.logits if last else 0,
+        )
         out.append(dataclasses.replace(sec, params=params, consts=consts, cost=cost))
     return out
 
@@ -298,8 +310,11 @@ def balanced_layers(spec, metas_all, stages: int, head: bool = True) -> list[int
                 if part is not None:
                     load[s] += work(part.cost, name)
     tail = _tail_flops(sink)
-    per_layer = dataclasses.replace(sink.cost, flops=(sink.cost.flops - tail) / sink.cost.layers,
-                                    attention_flops=sink.cost.attention_flops / sink.cost.layers)
+    per_layer = dataclasses.replace(
+        sink.cost,
+        flops=(sink.cost.flops - tail) / sink.cost.layers,
+        attention_flops=sink.cost.attention_flops / sink.cost.layers,
+    )
     if not head:
         tail = 0.0
     load[-1] += work(UnitCost(flops=tail), spec.sink)
@@ -318,8 +333,11 @@ def sink_cuts(spec, metas_all, stages: int) -> list[list[int]]:
     first stage, the rest even: it also eases the first stages' memory, which 1F1B loads most).
     Three cuts, not every cut: FLOPs only estimate the stages' times, and memory pulls the other
     way (compute balance puts layers on the early stages that stash the most micro-batches)."""
-    cuts = [stage_layers(spec.sections[spec.sink].cost.layers, stages),
-            balanced_layers(spec, metas_all, stages), balanced_layers(spec, metas_all, stages, head=False)]
+    cuts = [
+        stage_layers(spec.sections[spec.sink].cost.layers, stages),
+        balanced_layers(spec, metas_all, stages),
+        balanced_layers(spec, metas_all, stages, head=False),
+    ]
     return [c for i, c in enumerate(cuts) if c not in cuts[:i]]
 
 
@@ -332,8 +350,11 @@ def _stage_plan(spec, cut: frozenset[str], stages: int, sink_layers: Sequence[in
         counts = sink_layers if name == spec.sink and sink_layers else stage_layers(sec.cost.layers, stages)
         for s, part in enumerate(_cut(sec, counts)):
             if part is not None:
-                out[s].append(_Slice(name, part, s == 0, s == stages - 1,
-                                     (ShardedLeaves(part.params), ShardedLeaves(part.consts))))
+                out[s].append(
+                    _Slice(
+                        name, part, s == 0, s == stages - 1, (ShardedLeaves(part.params), ShardedLeaves(part.consts))
+                    )
+                )
     return out
 
 
@@ -353,13 +374,22 @@ def _chunks(spec, metas, rows: int, alone) -> list[list]:
     """Micro-batches (`rows` samples across the data shards) of `metas` in each of
     `monolithic_time`'s three orders."""
     sink = spec.sink
-    orders = (list(metas), sorted(metas, key=lambda m: m.work.get(sink, 0), reverse=True),
-              sorted(metas, key=alone, reverse=True))
-    return [[order[i:i + rows] for i in range(0, len(order), rows)] for order in orders]
+    orders = (
+        list(metas),
+        sorted(metas, key=lambda m: m.work.get(sink, 0), reverse=True),
+        sorted(metas, key=alone, reverse=True),
+    )
+    return [[order[i : i + rows] for i in range(0, len(order), rows)] for order in orders]
 
 
-def pipelined_time(planner: Planner, stages: int, sp: SectionPlan, layer_remat: str,
-                   slices: list[list[_Slice]] | None = None, best: float = math.inf) -> float:
+def pipelined_time(
+    planner: Planner,
+    stages: int,
+    sp: SectionPlan,
+    layer_remat: str,
+    slices: list[list[_Slice]] | None = None,
+    best: float = math.inf,
+) -> float:
     """Mean step time over the planner's batches of the 1F1B pipeline with `stages` stages,
     each with `sp`'s mesh and micro-batch, each batch packed the best of `monolithic_time`'s
     three ways. math.inf when it cannot beat `best`: a stage's busy time (its compute and
@@ -368,8 +398,14 @@ def pipelined_time(planner: Planner, stages: int, sp: SectionPlan, layer_remat: 
     return _pipelined(planner, stages, sp, layer_remat, slices, best)[0]
 
 
-def _pipelined(planner: Planner, stages: int, sp: SectionPlan, layer_remat: str,
-               slices: list[list[_Slice]] | None = None, best: float = math.inf) -> tuple[float, float]:
+def _pipelined(
+    planner: Planner,
+    stages: int,
+    sp: SectionPlan,
+    layer_remat: str,
+    slices: list[list[_Slice]] | None = None,
+    best: float = math.inf,
+) -> tuple[float, float]:
     """`pipelined_time`, and the mean busy time of the busiest stage in the packings chosen
     (what the step would take without a bubble)."""
     spec, device, link = planner.spec, planner.device, planner.link_gbps
@@ -384,12 +420,35 @@ def _pipelined(planner: Planner, stages: int, sp: SectionPlan, layer_remat: str,
         for sl in stage:
             sec = spec.sections[sl.section]
             plan = dataclasses.replace(sp, precision=sec.precision, layer_remat=layer_remat if sec.trained else "none")
-            row.append((sl.section, section_cost(sl.spec, plan, planner.metas, device, link, sl.section == spec.sink,
-                                                 planner.typical_units[sl.section])))
+            row.append(
+                (
+                    sl.section,
+                    section_cost(
+                        sl.spec,
+                        plan,
+                        planner.metas,
+                        device,
+                        link,
+                        sl.section == spec.sink,
+                        planner.typical_units[sl.section],
+                    ),
+                )
+            )
         costs.append(row)
-    whole = CostModel({s: section_cost(sec, dataclasses.replace(sp, precision=sec.precision), planner.metas, device,
-                                       link, s == spec.sink, planner.typical_units[s])
-                       for s, sec in spec.sections.items()})
+    whole = CostModel(
+        {
+            s: section_cost(
+                sec,
+                dataclasses.replace(sp, precision=sec.precision),
+                planner.metas,
+                device,
+                link,
+                s == spec.sink,
+                planner.typical_units[s],
+            )
+            for s, sec in spec.sections.items()
+        }
+    )
 
     def alone(m) -> float:
         return sum(whole.step_time(s, "F", [u], 1) - whole.sections[s].overhead_s for s, u in m.work.items())
@@ -451,8 +510,14 @@ def _pipelined(planner: Planner, stages: int, sp: SectionPlan, layer_remat: str,
     return statistics.mean(times), statistics.mean(busiest)
 
 
-def stage_memory(planner: Planner, stages: int, sp: SectionPlan, layer_remat: str, micro_batches: int,
-                 slices: list[list[_Slice]] | None = None) -> list[float] | None:
+def stage_memory(
+    planner: Planner,
+    stages: int,
+    sp: SectionPlan,
+    layer_remat: str,
+    micro_batches: int,
+    slices: list[list[_Slice]] | None = None,
+) -> list[float] | None:
     """Per-device bytes of each stage, or None when the mesh does not divide a stage's
     weights. Stage s holds min(P - s, M) micro-batches in flight (1F1B)."""
     spec = planner.spec
@@ -468,8 +533,7 @@ def stage_memory(planner: Planner, stages: int, sp: SectionPlan, layer_remat: st
                 return None
             plan = dataclasses.replace(sp, precision=sec.precision, layer_remat=layer_remat if sec.trained else "none")
             loss = sl.section == spec.sink and sl.last  # the loss, its logits: one micro-batch, as 1F1B's last stage
-            mems.append(section_memory(sl.spec, plan, loss, planner.max_units[sl.section], in_flight,
-                                       (params, consts)))
+            mems.append(section_memory(sl.spec, plan, loss, planner.max_units[sl.section], in_flight, (params, consts)))
         out.append(group_memory(mems) if mems else 0.0)
     return out
 
@@ -483,8 +547,12 @@ def pipelined_best(planner: Planner, stage_counts: Sequence[int] | None = None) 
     too few layers to cut)."""
     spec, n = planner.spec, planner.devices
     layers = spec.sections[spec.sink].cost.layers
-    every = SectionSpec("all", True, tuple(p for sec in spec.sections.values() for p in sec.leaves),
-                        UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in spec.sections.values())))
+    every = SectionSpec(
+        "all",
+        True,
+        tuple(p for sec in spec.sections.values() for p in sec.leaves),
+        UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in spec.sections.values())),
+    )
     best = None
     for stages in (p for p in _divisors(n) if 2 <= p <= layers and (stage_counts is None or p in stage_counts)):
         for counts in sink_cuts(spec, planner.metas, stages):
@@ -492,8 +560,9 @@ def pipelined_best(planner: Planner, stage_counts: Sequence[int] | None = None) 
     return best
 
 
-def _best_on(planner: Planner, stages: int, slices: list[list[_Slice]], every: SectionSpec,
-             best: dict | None) -> dict | None:
+def _best_on(
+    planner: Planner, stages: int, slices: list[list[_Slice]], every: SectionSpec, best: dict | None
+) -> dict | None:
     """`best`, or a faster layout of `stages` stages cut as `slices` that fits."""
     gb, n = planner.global_batch, planner.devices
     k = n // stages
@@ -503,20 +572,32 @@ def _best_on(planner: Planner, stages: int, slices: list[list[_Slice]], every: S
             m = -(-gb // (dp * mb))
             for remat in planner.layer_remat:
                 for fsdp in _divisors(dp // expert):
-                    sp = SectionPlan(tuple(range(k)), mesh_shape(
-                        data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor), mb)
+                    sp = SectionPlan(
+                        tuple(range(k)),
+                        mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor),
+                        mb,
+                    )
                     mem = stage_memory(planner, stages, sp, remat, m, slices)
                     if mem is None or max(mem) > planner.budget:
                         continue
                     bound = math.inf if best is None else best["step_time_s"]
                     t, busiest = _pipelined(planner, stages, sp, remat, slices, bound)
                     if t < bound:
-                        best = {"stages": stages, "devices_per_stage": k, "mesh": dict(sp.axis_sizes),
-                                "micro_batch": mb, "micro_batches": m, "layer_remat": remat, "step_time_s": t,
-                                "samples_per_s_per_device": gb / t / n, **_describe(slices),
-                                # the step's share that its busiest stage waits (fill, drain, imbalance)
-                                "bubble_fraction": 1 - busiest / t,
-                                "peak_gb": max(mem) / 2**30, "first_stage_gb": mem[0] / 2**30}
+                        best = {
+                            "stages": stages,
+                            "devices_per_stage": k,
+                            "mesh": dict(sp.axis_sizes),
+                            "micro_batch": mb,
+                            "micro_batches": m,
+                            "layer_remat": remat,
+                            "step_time_s": t,
+                            "samples_per_s_per_device": gb / t / n,
+                            **_describe(slices),
+                            # the step's share that its busiest stage waits (fill, drain, imbalance)
+                            "bubble_fraction": 1 - busiest / t,
+                            "peak_gb": max(mem) / 2**30,
+                            "first_stage_gb": mem[0] / 2**30,
+                        }
                     break
     return best
 
@@ -524,10 +605,21 @@ def _best_on(planner: Planner, stages: int, slices: list[list[_Slice]], every: S
 def _describe(slices: list[list[_Slice]]) -> dict:
     """Where each section runs: the cut ones' layers by stage, the ones whole in the first stage."""
     cut = {sl.section for stage in slices[1:] for sl in stage}
-    layers = {s: [next((sl.spec.cost.layers for sl in stage if sl.section == s), 0) for stage in slices]
-              for s in dict.fromkeys(sl.section for stage in slices for sl in stage) if s in cut}
+    layers = {
+        s: [next((sl.spec.cost.layers for sl in stage if sl.section == s), 0) for stage in slices]
+        for s in dict.fromkeys(sl.section for stage in slices for sl in stage)
+        if s in cut
+    }
     return {"layers_per_stage": layers, "first_stage_whole": [sl.section for sl in slices[0] if sl.section not in cut]}
 
 
-__all__ = ["balanced_layers", "one_f_one_b", "pipelined_best", "pipelined_time", "sink_cuts", "stage_layers",
-           "stage_memory", "stage_plan"]
+__all__ = [
+    "balanced_layers",
+    "one_f_one_b",
+    "pipelined_best",
+    "pipelined_time",
+    "sink_cuts",
+    "stage_layers",
+    "stage_memory",
+    "stage_plan",
+]

@@ -72,8 +72,14 @@ class InfeasibleError(ValueError):
     """No plan fits the request; the message says the smallest request that would."""
 
 
-def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: int,
-                   max_in_flight: int, weights: tuple[float, float] | None = None) -> dict[str, float]:
+def section_memory(
+    sec: SectionSpec,
+    sp: SectionPlan,
+    is_sink: bool,
+    max_units: int,
+    max_in_flight: int,
+    weights: tuple[float, float] | None = None,
+) -> dict[str, float]:
     """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
     (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
     trained section adds the bf16 copy of its weights its forward computes with. `layer_remat`
@@ -93,8 +99,11 @@ def section_memory(sec: SectionSpec, sp: SectionPlan, is_sink: bool, max_units: 
     working = 2 * per_layer
     # what each layer keeps for its backward under `layer_remat`: everything; only its input;
     # or its input plus the weight-matmul outputs (about half the replicated activations)
-    kept = {"none": per_layer, "full": half * c.width * F32,
-            "dots": half * (c.layer_bytes / 2 + c.layer_bytes_sharded / tensor)}[sp.layer_remat]
+    kept = {
+        "none": per_layer,
+        "full": half * c.width * F32,
+        "dots": half * (c.layer_bytes / 2 + c.layer_bytes_sharded / tensor),
+    }[sp.layer_remat]
 
     rows_units = sp.micro_batch * bucket(max_units, 16) / sp.axis_sizes["context"]  # positions split by context
     act = rows_units * working
@@ -128,8 +137,10 @@ class ShardedLeaves:
         self._gcds = tuple(gcds)
         self._layouts = tuple(dict.fromkeys(tuple(group[lg] for lg in info.logical or ()) for info in leaves))
         index = {layout: i for i, layout in enumerate(self._layouts)}
-        self._bytes = tuple((math.prod(info.shape) * info.itemsize, index[tuple(group[lg] for lg in info.logical or ())])
-                            for info in leaves)
+        self._bytes = tuple(
+            (math.prod(info.shape) * info.itemsize, index[tuple(group[lg] for lg in info.logical or ())])
+            for info in leaves
+        )
         self._by_shards: dict[tuple[int, ...], float | None] = {}
 
     def per_device(self, mesh: tuple[int, ...]) -> float | None:
@@ -157,9 +168,16 @@ class Candidate:
     run_ahead: int = 0  # whether frozen sections compute the next batch during the step (`schedule.run_ahead`)
 
     def describe(self) -> dict:
-        return {s: {"devices": f"{sp.devices[0]}:{sp.devices[-1] + 1}", "mesh": dict(sp.axis_sizes),
-                    "micro_batch": sp.micro_batch, "residuals": sp.residuals, "layer_remat": sp.layer_remat}
-                for s, sp in self.plan.sections.items()}
+        return {
+            s: {
+                "devices": f"{sp.devices[0]}:{sp.devices[-1] + 1}",
+                "mesh": dict(sp.axis_sizes),
+                "micro_batch": sp.micro_batch,
+                "residuals": sp.residuals,
+                "layer_remat": sp.layer_remat,
+            }
+            for s, sp in self.plan.sections.items()
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +260,23 @@ class Planner:
     `tolerance`: the relative gap to the optimum the search may leave (module docstring).
     """
 
-    def __init__(self, spec: WorkloadSpec, metas: Sequence, devices: int, memory_gb: float, *, global_batch: int,
-                 device: str = "h100", link_gbps: float = 50.0, max_in_flight: int = 4,
-                 residuals: Sequence[str] = ("vjp", "remat"), layer_remat: Sequence[str] = ("none", "dots", "full"),
-                 contexts: Sequence[int] = (1, 2, 4, 8), run_ahead: int = 0, tolerance: float = TOLERANCE):
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        metas: Sequence,
+        devices: int,
+        memory_gb: float,
+        *,
+        global_batch: int,
+        device: str = "h100",
+        link_gbps: float = 50.0,
+        max_in_flight: int = 4,
+        residuals: Sequence[str] = ("vjp", "remat"),
+        layer_remat: Sequence[str] = ("none", "dots", "full"),
+        contexts: Sequence[int] = (1, 2, 4, 8),
+        run_ahead: int = 0,
+        tolerance: float = TOLERANCE,
+    ):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
         self.tolerance = max(tolerance, _TIE)
         self.run_ahead = run_ahead
@@ -253,20 +284,26 @@ class Planner:
         ahead = ahead_sections(spec.order, trained, spec.edges) if run_ahead else frozenset()
         # edges whose producer runs ahead into a consumer that does not: the consumer holds the
         # next batch's rows of them through the step (`ahead_stash`), the most units a batch sends
-        self._ahead_edges = [(e, max(sum(m.work.get(e.src, 0) for m in b) for b in self.metas))
-                             for e in spec.edges if e.src in ahead and e.dst not in ahead]
+        self._ahead_edges = [
+            (e, max(sum(m.work.get(e.src, 0) for m in b) for b in self.metas))
+            for e in spec.edges
+            if e.src in ahead and e.dst not in ahead
+        ]
         self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
         self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
         self.contexts = tuple(contexts)
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
         self.typical_units = {s: typical_units(s, self.metas) for s in spec.order}
         # each section's work units per sample, largest first, by batch: what its bound reads
-        self._units_desc = {s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True)
-                                for metas in self.metas] for s in spec.order}
+        self._units_desc = {
+            s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True) for metas in self.metas]
+            for s in spec.order
+        }
         self.serial = DEVICES[device].get("serial", False)
         self._ahead = ahead
-        self._min_units = {s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0)
-                           for s in spec.order}
+        self._min_units = {
+            s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0) for s in spec.order
+        }
         self._paths = _chains(spec, self.metas)
         # the sets of sections one sample has work in, and each section's producers and
         # consumers among the sections: what the turn bound (`_turns`) follows
@@ -283,11 +320,18 @@ class Planner:
         self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
         self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
 
-    def _memory(self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None,
-                in_flight: int | None = None) -> dict[str, float]:
+    def _memory(
+        self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None, in_flight: int | None = None
+    ) -> dict[str, float]:
         """`in_flight`: forwards a trained producer keeps residuals for (default `max_in_flight`)."""
-        return section_memory(self.spec.sections[section], sp, section == self.spec.sink, self.max_units[section],
-                              in_flight or self.max_in_flight, weights)
+        return section_memory(
+            self.spec.sections[section],
+            sp,
+            section == self.spec.sink,
+            self.max_units[section],
+            in_flight or self.max_in_flight,
+            weights,
+        )
 
     def _weights_on(self, section: str, mesh: tuple[int, ...]) -> tuple[float, float] | None:
         """Per-device bytes of `section`'s trained and frozen weights on `mesh`, or None when the
@@ -337,8 +381,10 @@ class Planner:
                 if weights is not None:
                     meshes.append((mesh, weights))
             for mb in micro_batches:
-                for res, remat in itertools.product(self.residuals if sec.trained and not sink else ("vjp",),
-                                                    self.layer_remat if sec.trained else ("none",)):
+                for res, remat in itertools.product(
+                    self.residuals if sec.trained and not sink else ("vjp",),
+                    self.layer_remat if sec.trained else ("none",),
+                ):
                     variants = []
                     for mesh, weights in meshes:
                         sp = SectionPlan(devices, mesh, mb, res, precision=sec.precision, layer_remat=remat)
@@ -351,7 +397,14 @@ class Planner:
     def _option(self, section: str, sp: SectionPlan, mem: dict) -> _Option:
         """`sp` priced: its cost, bound and shortest micro-steps (once per layout, whatever the
         budget; the cost and bound once for every stash bound and run-ahead setting, `_with`)."""
-        key = (section, len(sp.devices), sp.mesh, sp.micro_batch, sp.residuals, sp.layer_remat)  # hashing devices is slow
+        key = (
+            section,
+            len(sp.devices),
+            sp.mesh,
+            sp.micro_batch,
+            sp.residuals,
+            sp.layer_remat,
+        )  # hashing devices is slow
         if key not in self._priced:
             if key not in self._prices:
                 cost = self._section_cost(section, sp)
@@ -413,8 +466,14 @@ class Planner:
         for e in self.spec.edges:
             src, dst = values.get(e.src), values.get(e.dst)
             if src is not None and dst is not None and src.plan is not None and dst.plan is not None:
-                per_unit = transfer_s_per_unit(self.spec.edge_bytes[e.name], src.plan, dst.plan,
-                                               group_of[e.src] == group_of[e.dst], self.device, self.link_gbps)
+                per_unit = transfer_s_per_unit(
+                    self.spec.edge_bytes[e.name],
+                    src.plan,
+                    dst.plan,
+                    group_of[e.src] == group_of[e.dst],
+                    self.device,
+                    self.link_gbps,
+                )
                 out[e.name] = 0.0 if per_unit is None else TRANSFER_OVERHEAD_S + per_unit * self._min_units[e.src]
             elif group_of[e.src] != group_of[e.dst]:
                 out[e.name] = TRANSFER_OVERHEAD_S
@@ -440,19 +499,31 @@ class Planner:
         f = {s: o.forward for s, o in values.items()}
         b = {s: o.backward if self._backs(s) else 0.0 for s, o in values.items()}
         inf = math.inf
-        head_f, tail_f, head_b, tail_b = ({s: inf for s in spec.order} for _ in range(4))
+        head_f, tail_f, head_b, tail_b = (dict.fromkeys(spec.order, inf) for _ in range(4))
         for pattern in self._patterns:
             hf, tb, tf, hb = {}, {}, {}, {}
             for s in pattern:  # graph order: producers first
                 hf[s] = max((hf[p] + f[p] + x[p, s] for p in self._producers[s] if p in hf), default=0.0)
-                tb[s] = max((x[p, s] + b[p] + tb[p] for p in self._producers[s] if p in tb and self._backs(p)),
-                            default=0.0)
+                tb[s] = max(
+                    (x[p, s] + b[p] + tb[p] for p in self._producers[s] if p in tb and self._backs(p)), default=0.0
+                )
             for s in reversed(pattern):
-                tf[s] = tb[s] if s == sink else max((x[s, c] + f[c] + tf[c] for c in self._consumers[s] if c in tf),
-                                                    default=0.0)
+                tf[s] = (
+                    tb[s]
+                    if s == sink
+                    else max((x[s, c] + f[c] + tf[c] for c in self._consumers[s] if c in tf), default=0.0)
+                )
                 if self._backs(s):
-                    hb[s] = max([hf[s] + f[s], *((hf[c] + f[c] if c == sink else hb[c] + b[c]) + x[s, c]
-                                                 for c in self._consumers[s] if c in hb or c == sink and c in hf)])
+                    hb[s] = max(
+                        [
+                            hf[s] + f[s],
+                            *(
+                                (hf[c] + f[c] if c == sink else hb[c] + b[c]) + x[s, c]
+                                for c in self._consumers[s]
+                                if c in hb or (c == sink and c in hf)
+                            ),
+                        ]
+                    )
             for s in pattern:
                 head_f[s], tail_f[s] = min(head_f[s], hf[s]), min(tail_f[s], tf[s])
                 if s in hb:
@@ -485,10 +556,20 @@ class Planner:
         model and needs no more memory of each kind: it can only tie or lose, alone or sharing
         devices with other sections. Keeps the search from simulating the many layouts (tensor vs
         context, expert degrees, checkpointing) that differ in name only."""
+
         def coefficients(o: _Option) -> tuple:
             c, m = o.cost, o.memory
-            return (c.per_unit_s, c.per_unit2_s, c.overhead_s, c.backward_factor, c.sink_factor, c.overlapped_s,
-                    m["state"], m["activations"], m["held"])
+            return (
+                c.per_unit_s,
+                c.per_unit2_s,
+                c.overhead_s,
+                c.backward_factor,
+                c.sink_factor,
+                c.overlapped_s,
+                m["state"],
+                m["activations"],
+                m["held"],
+            )
 
         groups: dict[tuple, list[tuple[tuple, _Option]]] = {}
         for o in options:
@@ -525,11 +606,12 @@ class Planner:
         order = tuple(reversed(self.spec.order))
         out: list[list[list[str]]] = [[]]
         for s in order:
-            out = [p[:i] + [p[i] + [s]] + p[i + 1:] for p in out for i in range(len(p))] + [p + [[s]] for p in out]
+            out = [p[:i] + [p[i] + [s]] + p[i + 1 :] for p in out for i in range(len(p))] + [p + [[s]] for p in out]
         # all sections on all devices first (the monolithic layout's point: a good first
         # incumbent for the search to prune against), then every section on its own devices
-        return sorted((tuple(tuple(g) for g in p) for p in out), key=lambda p: (len(p) != 1, len(p) != len(order),
-                                                                               -len(p)))
+        return sorted(
+            (tuple(tuple(g) for g in p) for p in out), key=lambda p: (len(p) != 1, len(p) != len(order), -len(p))
+        )
 
     def _shared_options(self, section: str, n: int, budget: float, lightest: bool, members: int) -> list[_Option]:
         """`section`'s options when it shares its `n` devices with `members - 1` other sections:
@@ -549,8 +631,9 @@ class Planner:
             self._shared[key] = sorted(out, key=lambda o: o.bound)
         return self._shared[key]
 
-    def candidates(self, budget: float | None = None, lightest: bool = False,
-                   threshold: float | _Limit = math.inf) -> Iterator[tuple[Plan, dict, float]]:
+    def candidates(
+        self, budget: float | None = None, lightest: bool = False, threshold: float | _Limit = math.inf
+    ) -> Iterator[tuple[Plan, dict, float]]:
         """(plan, memory by section, lower bound) for every plan that passes every constraint and
         whose bound is at most `threshold`, over every placement of the sections into device
         groups. Groups and their sections are chosen sink first. A group's bound
@@ -585,8 +668,8 @@ class Planner:
             sizes = [left] if after == 0 else range(1, left - after + 1)
             for n in sizes:
                 most = left - n - (after - 1)  # the most devices a later group can get
-                later = {r: floor(r, most) for g in groups[i + 1:] for r in g}
-                rest = [sum(later[r].bound for r in g) for g in groups[i + 1:]]
+                later = {r: floor(r, most) for g in groups[i + 1 :] for r in g}
+                rest = [sum(later[r].bound for r in g) for g in groups[i + 1 :]]
                 yield from members(groups, i, n, left, 0, chosen, bounds, rest, 0.0, [], later)
 
         def members(groups, i, n, left, j, chosen, bounds, rest, group_bound, memories, later) -> Iterator:
@@ -595,7 +678,7 @@ class Planner:
                 yield from extend(groups, i + 1, left - n, chosen, bounds + [group_bound])
                 return
             s = group[j]
-            unchosen = {r: floor(r, n) for r in group[j + 1:]}
+            unchosen = {r: floor(r, n) for r in group[j + 1 :]}
             waiting = sum(o.bound for o in unchosen.values())
             fill = {**later, **unchosen}
             for opt in self._shared_options(s, n, budget, lightest, len(group)):  # by bound, smallest first
@@ -607,8 +690,7 @@ class Planner:
                 now = {**chosen, s: opt}
                 if self._paths and self._chain({**fill, **now}, group_of) > limit.value:
                     continue
-                yield from members(groups, i, n, left, j + 1, now, bounds, rest, total, memories + [opt.memory],
-                                   later)
+                yield from members(groups, i, n, left, j + 1, now, bounds, rest, total, memories + [opt.memory], later)
 
         for groups in self.placements():
             group_of = {s: g for g in groups for s in g}  # read by extend and members
@@ -626,8 +708,11 @@ class Planner:
                 ranges[g] = tuple(range(start, start + len(sp.devices)))
                 start += len(sp.devices)
             sections[s] = dataclasses.replace(sp, devices=ranges[g])
-        fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in self.spec.edges
-                  if sections[e.dst].dp % sections[e.src].dp == 0}
+        fanout = {
+            e.name: sections[e.dst].dp // sections[e.src].dp
+            for e in self.spec.edges
+            if sections[e.dst].dp % sections[e.src].dp == 0
+        }
         return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
 
     def _with_stash(self, plan: Plan, memory: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -642,24 +727,41 @@ class Planner:
             p, c = plan.sections[e.src], plan.sections[e.dst]
             extra = self.run_ahead * self.spec.edge_bytes[e.name] * units * delivered(p.dp, c.dp)[1] / p.dp
             m = out[e.dst]
-            out[e.dst] = {**m, "activations": m["activations"] + extra, "held": m["held"] + extra,
-                          "total": m["total"] + extra}
+            out[e.dst] = {
+                **m,
+                "activations": m["activations"] + extra,
+                "held": m["held"] + extra,
+                "total": m["total"] + extra,
+            }
         return out
 
     def check(self, plan: Plan) -> dict[str, dict[str, float]]:
         """The runtime's constraint checks on a whole plan; raises PlanError. Returns the memory."""
         mem = self._with_stash(plan, {s: self._memory(s, sp) for s, sp in plan.sections.items()})
-        check_plan(plan, num_devices=self.devices, edges=self.spec.edges, sink=self.spec.sink,
-                   params={s: sec.leaves for s, sec in self.spec.sections.items()}, budget_bytes=self.budget,
-                   state={s: m["state"] for s, m in mem.items()},
-                   activations={s: m["activations"] for s, m in mem.items()},
-                   held={s: m["held"] for s, m in mem.items()})
+        check_plan(
+            plan,
+            num_devices=self.devices,
+            edges=self.spec.edges,
+            sink=self.spec.sink,
+            params={s: sec.leaves for s, sec in self.spec.sections.items()},
+            budget_bytes=self.budget,
+            state={s: m["state"] for s, m in mem.items()},
+            activations={s: m["activations"] for s, m in mem.items()},
+            held={s: m["held"] for s, m in mem.items()},
+        )
         return mem
 
     # -- scoring ------------------------------------------------------------------------------
     def _section_cost(self, section: str, sp: SectionPlan) -> SectionCost:
-        return section_cost(self.spec.sections[section], sp, self.metas, self.device, self.link_gbps,
-                            section == self.spec.sink, self.typical_units[section])
+        return section_cost(
+            self.spec.sections[section],
+            sp,
+            self.metas,
+            self.device,
+            self.link_gbps,
+            section == self.spec.sink,
+            self.typical_units[section],
+        )
 
     def _section_bound(self, section: str, sp: SectionPlan, cost: SectionCost) -> float:
         """No section finishes before its own micro-steps are done, however its samples are
@@ -675,8 +777,9 @@ class Planner:
         linear, quadratic = cost.per_unit_s, cost.per_unit2_s
         for units in self._units_desc[section]:
             steps = math.ceil(len(units) / rows)
-            work = steps * cost.overhead_s + max(sum([linear * u + quadratic * u * u for u in units]) / dp,
-                                                 steps * cost.overlapped_s)
+            work = steps * cost.overhead_s + max(
+                sum([linear * u + quadratic * u * u for u in units]) / dp, steps * cost.overlapped_s
+            )
             padded = sum(cm.step_time(section, "F", [units[j * rows]], mb) for j in range(steps))
             bounds.append(factor * max(work, padded))
         return statistics.mean(bounds)
@@ -684,13 +787,15 @@ class Planner:
     def step_time(self, plan: Plan) -> float:
         key = _key(plan)
         if key not in self._times:
-            cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps,
-                              self.typical_units)
+            cost = cost_model(
+                self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps, self.typical_units
+            )
             problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead)
             devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
             self._times[key] = statistics.mean(
                 simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices, serial=self.serial).makespan
-                for m in self.metas)
+                for m in self.metas
+            )
         return self._times[key]
 
     # -- search -------------------------------------------------------------------------------
@@ -731,9 +836,12 @@ class Planner:
         if monolithic is None:
             return None
         sp = SectionPlan(tuple(range(self.devices)), mesh_shape(**monolithic["mesh"]), monolithic["micro_batch"])
-        sections = {s: dataclasses.replace(sp, precision=sec.precision,
-                                           layer_remat=monolithic["layer_remat"] if sec.trained else "none")
-                    for s, sec in self.spec.sections.items()}
+        sections = {
+            s: dataclasses.replace(
+                sp, precision=sec.precision, layer_remat=monolithic["layer_remat"] if sec.trained else "none"
+            )
+            for s, sec in self.spec.sections.items()
+        }
         plan = Plan(sections, {e.name: 1 for e in self.spec.edges}, self.global_batch)
         one = self._with(self.devices, 1, 0)
         try:
@@ -741,8 +849,15 @@ class Planner:
         except PlanError:
             return None
         t = one.step_time(plan)
-        return Candidate(plan, t, self.global_batch / t / self.devices, {s: m["total"] / 2**30 for s, m in mem.items()},
-                         1, peak_memory(plan, mem) / 2**30, 0)
+        return Candidate(
+            plan,
+            t,
+            self.global_batch / t / self.devices,
+            {s: m["total"] / 2**30 for s, m in mem.items()},
+            1,
+            peak_memory(plan, mem) / 2**30,
+            0,
+        )
 
     def _search(self, top: int, incumbent: float = math.inf) -> tuple[list[Candidate], int, int]:
         """The `top` best plans at this planner's `max_in_flight` that could enter a top list
@@ -783,9 +898,18 @@ class Planner:
             rank = (t, _tiebreak(plan))
             at = bisect.bisect_right(ranks, rank)  # after its equals, as a stable sort puts it
             ranks.insert(at, rank)
-            scored.insert(at, Candidate(plan, t, self.global_batch / t / self.devices,
-                                        {s: m["total"] / 2**30 for s, m in mem.items()}, self.max_in_flight,
-                                        peak_memory(plan, mem) / 2**30, self.run_ahead))
+            scored.insert(
+                at,
+                Candidate(
+                    plan,
+                    t,
+                    self.global_batch / t / self.devices,
+                    {s: m["total"] / 2**30 for s, m in mem.items()},
+                    self.max_in_flight,
+                    peak_memory(plan, mem) / 2**30,
+                    self.run_ahead,
+                ),
+            )
             if len(scored) >= top:
                 limit.value = min(limit.value, scored[top - 1].step_time_s * (1 - self.tolerance))
 
@@ -812,8 +936,9 @@ class Planner:
         known = self._floors.setdefault((section, budget, lightest), [_Option(None, {}, None, *[math.inf] * 5)])
         while len(known) <= most:
             last, found = known[-1], self.options(section, len(known), budget, lightest)
-            known.append(_Option(None, {}, None, *(min([getattr(last, f), *(getattr(o, f) for o in found)])
-                                                   for f in _FLOORED)))
+            known.append(
+                _Option(None, {}, None, *(min([getattr(last, f), *(getattr(o, f) for o in found)]) for f in _FLOORED))
+            )
         return known[most]
 
     def monolithic_best(self) -> dict | None:
@@ -822,21 +947,33 @@ class Planner:
         fsdp that fits), with each section's own precision, and the same context and expert
         parallelism choices as the sections get, applied to all of it at once."""
         best, gb = None, self.global_batch
-        every = SectionSpec("all", True, tuple(p for sec in self.spec.sections.values() for p in sec.leaves),
-                            UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())))
+        every = SectionSpec(
+            "all",
+            True,
+            tuple(p for sec in self.spec.sections.values() for p in sec.leaves),
+            UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())),
+        )
         for tensor, context, expert in self._axes(every, self.devices):
             dp = self.devices // (tensor * context)
             for mb in _micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
                 for remat in self.layer_remat:  # one activation-checkpointing choice for all, as Megatron's
                     for fsdp in _divisors(dp // expert):
-                        sp = SectionPlan(tuple(range(self.devices)), mesh_shape(
-                            data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor), mb)
+                        sp = SectionPlan(
+                            tuple(range(self.devices)),
+                            mesh_shape(
+                                data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor
+                            ),
+                            mb,
+                        )
                         weights = {s: self._weights_on(s, sp.mesh) for s in self.spec.order}
                         if None in weights.values():
                             continue
-                        plans = {s: dataclasses.replace(sp, precision=sec.precision,
-                                                        layer_remat=remat if sec.trained else "none")
-                                 for s, sec in self.spec.sections.items()}
+                        plans = {
+                            s: dataclasses.replace(
+                                sp, precision=sec.precision, layer_remat=remat if sec.trained else "none"
+                            )
+                            for s, sec in self.spec.sections.items()
+                        }
                         # one program per micro-batch: each trained producer keeps one forward's
                         # residuals while the sections after it run, as co-located sections do
                         mems = [self._memory(s, plans[s], weights[s], in_flight=1) for s in self.spec.order]
@@ -845,32 +982,52 @@ class Planner:
                         cost = cost_model(self.spec, plans, self.metas, self.device, self.link_gbps, self.typical_units)
                         t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
                         if best is None or t < best["step_time_s"]:
-                            best = {"mesh": dict(sp.axis_sizes), "micro_batch": mb, "layer_remat": remat,
-                                    "step_time_s": t, "samples_per_s_per_device": gb / t / self.devices}
+                            best = {
+                                "mesh": dict(sp.axis_sizes),
+                                "micro_batch": mb,
+                                "layer_remat": remat,
+                                "step_time_s": t,
+                                "samples_per_s_per_device": gb / t / self.devices,
+                            }
                         break
         return best
 
     def _with(self, devices: int, max_in_flight: int | None = None, run_ahead: int | None = None) -> Planner:
         """This planner with other settings; the layouts' costs and weights, which none of them
         change, are shared."""
-        other = Planner(self.spec, self.metas, devices, self.budget / 2**30, global_batch=self.global_batch,
-                        device=self.device, link_gbps=self.link_gbps, max_in_flight=max_in_flight or self.max_in_flight,
-                        residuals=self.residuals, layer_remat=self.layer_remat, contexts=self.contexts,
-                        run_ahead=self.run_ahead if run_ahead is None else run_ahead, tolerance=self.tolerance)
+        other = Planner(
+            self.spec,
+            self.metas,
+            devices,
+            self.budget / 2**30,
+            global_batch=self.global_batch,
+            device=self.device,
+            link_gbps=self.link_gbps,
+            max_in_flight=max_in_flight or self.max_in_flight,
+            residuals=self.residuals,
+            layer_remat=self.layer_remat,
+            contexts=self.contexts,
+            run_ahead=self.run_ahead if run_ahead is None else run_ahead,
+            tolerance=self.tolerance,
+        )
         other._prices, other._weights_by_mesh = self._prices, self._weights_by_mesh
         return other
 
     def _infeasible_message(self) -> str:
         peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
         if not peaks:
-            return (f"--devices {self.devices}: no device split satisfies the mesh and divisibility "
-                    f"constraints for global_batch={self.global_batch}; try another device count")
+            return (
+                f"--devices {self.devices}: no device split satisfies the mesh and divisibility "
+                f"constraints for global_batch={self.global_batch}; try another device count"
+            )
         gb = self.budget / 2**30
         more = next((n for n in (2 * self.devices, 4 * self.devices) if next(self._with(n).candidates(), None)), None)
         alt = f", or --devices {more} at --memory-gb {gb:g}" if more else ""
-        return (f"--memory-gb {gb:g}: no plan on {self.devices} devices fits in memory; the smallest feasible "
-                f"request is --memory-gb {_ceil_significant(min(peaks) / 2**30):g} at --devices "
-                f"{self.devices}{alt}")
+        return (
+            f"--memory-gb {gb:g}: no plan on {self.devices} devices fits in memory; the smallest feasible "
+            f"request is --memory-gb {_ceil_significant(min(peaks) / 2**30):g} at --devices "
+            f"{self.devices}{alt}"
+        )
 
 
 def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
@@ -901,9 +1058,10 @@ def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
             back.add(s)
         out.append((sections, edges, all(all(t) for t in takes), frozenset(back), None))
         for i, s in enumerate(sections[:-1]):
-            after = sections[i + 1:]
-            if not spec.sections[s].trained and all(all(a in m.work for a in after)
-                                                    for batch in metas for m in batch if s in m.work):
+            after = sections[i + 1 :]
+            if not spec.sections[s].trained and all(
+                all(a in m.work for a in after) for batch in metas for m in batch if s in m.work
+            ):
                 out.append((sections, edges, False, frozenset(back), s))
     return out
 
@@ -915,8 +1073,7 @@ def _finite(x: float) -> float:
 
 def group_memory(members: Sequence[dict[str, float]]) -> float:
     """Bytes per device of co-located sections, from each one's `section_memory`."""
-    return group_bytes([m["state"] for m in members], [m["activations"] for m in members],
-                       [m["held"] for m in members])
+    return group_bytes([m["state"] for m in members], [m["activations"] for m in members], [m["held"] for m in members])
 
 
 def peak_memory(plan: Plan, memory: dict[str, dict[str, float]]) -> float:
@@ -944,21 +1101,35 @@ def _tiebreak(plan: Plan):
 
 def _tiebreak_section(sp: SectionPlan) -> tuple:
     recompute = {"none": 0, "dots": 1, "full": 2}
-    return (sp.axis_sizes["tensor"], sp.axis_sizes["context"], sp.axis_sizes["expert"], sp.micro_batch,
-            sp.residuals, recompute[sp.layer_remat])
+    return (
+        sp.axis_sizes["tensor"],
+        sp.axis_sizes["context"],
+        sp.axis_sizes["expert"],
+        sp.micro_batch,
+        sp.residuals,
+        recompute[sp.layer_remat],
+    )
 
 
 def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:
-    lines = [(f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,expert,context,tensor] "
-              f"micro-batch residuals layer-remat; fanouts; stash bound)  GB/device by section (co-located: they share)")]
+    lines = [
+        (
+            f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,expert,context,tensor] "
+            f"micro-batch residuals layer-remat; fanouts; stash bound)  GB/device by section (co-located: they share)"
+        )
+    ]
     for i, c in enumerate(rows or report.top):
-        parts = [f"{s} {d['devices']} [{','.join(str(n) for n in d['mesh'].values())}] "
-                 f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
-                 f"{'' if d['layer_remat'] == 'none' else ' layers:' + d['layer_remat']}"
-                 for s, d in c.describe().items()]
+        parts = [
+            f"{s} {d['devices']} [{','.join(str(n) for n in d['mesh'].values())}] "
+            f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
+            f"{'' if d['layer_remat'] == 'none' else ' layers:' + d['layer_remat']}"
+            for s, d in c.describe().items()
+        ]
         fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items()) or "-"  # whole ones; the rest uneven
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
-        lines.append(f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
-                     f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}"
-                     f"{'; run ahead' if c.run_ahead else ''}  {mem}")
+        lines.append(
+            f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
+            f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}"
+            f"{'; run ahead' if c.run_ahead else ''}  {mem}"
+        )
     return "\n".join(lines)

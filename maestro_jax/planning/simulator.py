@@ -48,7 +48,7 @@ class Timeline:
     @property
     def busy(self) -> dict[str, float]:
         """Device time per section (its forwards, backwards and updates)."""
-        out = {s: 0.0 for s in self.devices}
+        out = dict.fromkeys(self.devices, 0.0)
         for i in self.intervals:
             if i.op.kind not in ("X", "XB") and i.op.section in out:
                 out[i.op.section] += i.end - i.start
@@ -77,8 +77,14 @@ class Timeline:
         return max(self.group_busy.values(), default=0.0)
 
 
-def simulate(schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], cost=None,
-             devices: Mapping[str, int] | None = None, serial: bool = False) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    problem: Problem,
+    metas: Sequence[SampleMeta],
+    cost=None,
+    devices: Mapping[str, int] | None = None,
+    serial: bool = False,
+) -> Timeline:
     """One step's timeline; under `problem.run_ahead`, a step in steady state (`steady_order`).
     `serial`: every operation shares one executor, as on XLA's CPU client, which runs one
     multi-device program at a time per process; device groups overlap only when False.

@@ -67,8 +67,14 @@ class WorkloadSpec:
         return tuple(e for e in self.edges if e.src == name)
 
     def problem(self, plan: Plan, max_in_flight: int, run_ahead: int = 0) -> Problem:
-        return Problem(order=self.order, sink=self.sink,
-                       trained=frozenset(s for s, spec in self.sections.items() if spec.trained), edges=self.edges,
-                       rows={s: plan.sections[s].rows for s in self.order},
-                       dp={s: plan.sections[s].dp for s in self.order},
-                       max_in_flight=max_in_flight, groups=device_groups(plan.sections), run_ahead=run_ahead)
+        return Problem(
+            order=self.order,
+            sink=self.sink,
+            trained=frozenset(s for s, spec in self.sections.items() if spec.trained),
+            edges=self.edges,
+            rows={s: plan.sections[s].rows for s in self.order},
+            dp={s: plan.sections[s].dp for s in self.order},
+            max_in_flight=max_in_flight,
+            groups=device_groups(plan.sections),
+            run_ahead=run_ahead,
+        )

@@ -17,13 +17,12 @@ from maestro_jax.core.graph import SectionGraph
 from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, parts_of
-from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import gather
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.optimizer import check_sections, section_optimizer
 from maestro_jax.runtime.precision import with_precision
-from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState, planning
+from maestro_jax.runtime.programs import SectionPrograms, SectionState
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 
@@ -49,8 +48,10 @@ class Runtime:
         """Each section initialises straight into its own sharding (never a full copy on one
         device); sections with `init.hf_path` then take their weights from that checkpoint."""
         key = jax.random.key(self.cfg.seed if seed is None else seed)
-        states = {s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
-                  for s in self.graph.names}
+        states = {
+            s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
+            for s in self.graph.names
+        }
         for s, sc in self.cfg.sections.items():
             if sc.init is not None:
                 states = self.pretrained[s](s, sc.init.hf_path, states, self.programs)
@@ -68,9 +69,18 @@ class Runtime:
     def reader(self, bad: BadSamples | None = None) -> BatchReader:
         """The training stream, read per process; pass `bad` to skip (and count) bad samples
         instead of failing."""
-        return BatchReader(self.source, self.cfg.global_batch, self.cfg.seed, self.cfg.data.shuffle,
-                           plan=self.read_plan, loss_count=self.graph.loss_count, info_check=self.info_check,
-                           check=self.check, bad=bad, gather=gather)
+        return BatchReader(
+            self.source,
+            self.cfg.global_batch,
+            self.cfg.seed,
+            self.cfg.data.shuffle,
+            plan=self.read_plan,
+            loss_count=self.graph.loss_count,
+            info_check=self.info_check,
+            check=self.check,
+            bad=bad,
+            gather=gather,
+        )
 
     def read_plan(self, infos) -> ReadPlan:
         """What this process decodes of a batch, from metadata: for each sample, the parts read
@@ -96,39 +106,6 @@ class Runtime:
             need[owner][pos].add(TOKENS)
             counts.append(owner == me)
         return ReadPlan([frozenset(n) for n in need[me]], counts, schedule, schedule_s)
-
-    def abstract_states(self) -> dict[str, SectionState]:
-        """`init_states`' result as abstract values (shapes, dtypes, layouts), nothing computed;
-        the optimizer state's layout is its `init_opt` program's, which this compiles if needed."""
-        planner = Planner(compile=True)
-        with planning(planner):
-            return ahead_lib.abstract_states(self)
-
-    def batch_infos(self, steps, source=None, *, seed: int | None = None, shuffle: bool | None = None,
-                    global_batch: int | None = None) -> list[list]:
-        """The `SampleInfo`s of global batches `steps` (indices) of `source` (default the training
-        source, in the training stream's order), from metadata alone: what `compile_ahead` scans."""
-        return ahead_lib.batch_infos(self.source if source is None else source, steps,
-                                     self.cfg.global_batch if global_batch is None else global_batch,
-                                     self.cfg.seed if seed is None else seed,
-                                     self.cfg.data.shuffle if shuffle is None else shuffle, self.info_check)
-
-    def compile_ahead(self, steps, say=print, *, evaluate=(), max_batches: int = ahead_lib.MAX_BATCHES) -> int:
-        """Before step 1, compile every program the run needs for every shape bucket the global
-        batches `steps` (their indices in the training stream, e.g. `range(start, cfg.steps)`) can
-        produce, and the forward-only evaluation programs of the batches in `evaluate` (lists of
-        samples or `SampleInfo`s, e.g. another source's); returns the number of programs compiled.
-
-        `say` gets "compiling N programs for S sections" first, then progress. Shapes come from
-        sample metadata (no payload is read) through the schedule and packing the executor uses
-        (`runtime.ahead`). Runs longer than `max_batches` steps are sampled (`ahead.bounded`); a
-        shape bucket no scanned batch has is compiled when it first appears, with a warning
-        naming the section and step. Compiling only: nothing runs on the devices."""
-        infos = self.batch_infos(ahead_lib.bounded(steps, max_batches))
-        report = ahead_lib.compile_batches(self, infos, evaluate, say)
-        for prog in self.programs.values():
-            prog.compiled_ahead = True
-        return report.count
 
     @functools.cached_property
     def monolithic(self) -> MonolithicRuntime:
@@ -172,11 +149,13 @@ def check_device_memory(plan, state: dict[str, float]) -> None:
         if sum(need.values()) > total:
             s = max(need, key=need.get)
             raise plan_lib.MemoryBudgetError(
-                f"sections.{s}", f"{state[s] / 2**30:.3f} GiB/device",
+                f"sections.{s}",
+                f"{state[s] / 2**30:.3f} GiB/device",
                 f"params, grads and optimizer state of all sections total {sum(need.values()) / 2**30:.3f} GiB on "
                 f"this host's {len(jax.local_devices())} CPU devices, more than its memory "
                 f"({total / 2**30:.3f} GiB); shrink the model (section {s!r} is the largest: "
-                f"{need[s] / 2**30:.3f} GiB) or set device_memory_gb to plan for another machine")
+                f"{need[s] / 2**30:.3f} GiB) or set device_memory_gb to plan for another machine",
+            )
         return
     groups = plan_lib.device_groups(plan.sections)
     shared = {g: sum(state.get(s, 0.0) for s in plan.sections if groups[s] == g) for g in set(groups.values())}
@@ -185,10 +164,12 @@ def check_device_memory(plan, state: dict[str, float]) -> None:
         limits = [x for x in limits if x]
         if s == groups[s] and limits and shared[s] > min(limits):
             raise plan_lib.MemoryBudgetError(
-                f"sections.{s}", f"{shared[s] / 2**30:.3f} GiB/device",
+                f"sections.{s}",
+                f"{shared[s] / 2**30:.3f} GiB/device",
                 f"params, grads and optimizer state exceed the device's memory ({min(limits) / 2**30:.3f} GiB, "
                 f"{ds[0].device_kind}); give the section more devices, more fsdp/tensor sharding, or set "
-                f"device_memory_gb to plan for another machine")
+                f"device_memory_gb to plan for another machine",
+            )
 
 
 def check_batch_fits_data(cfg: Config, source) -> None:
@@ -200,8 +181,10 @@ def check_batch_fits_data(cfg: Config, source) -> None:
         return
     if cfg.global_batch > size:
         where = "data.num_samples" if cfg.data.kind == "synthetic" else "the data"
-        raise ConfigError(f"error: global_batch={cfg.global_batch}: larger than the {size} samples of {where}; "
-                          f"one step would take each sample {-(-cfg.global_batch // size)} times; valid: at most {size}")
+        raise ConfigError(
+            f"error: global_batch={cfg.global_batch}: larger than the {size} samples of {where}; "
+            f"one step would take each sample {-(-cfg.global_batch // size)} times; valid: at most {size}"
+        )
 
 
 def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, check=None) -> Runtime:
@@ -209,7 +192,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
     a user's own graph comes with its own `source` (and optionally a `check`)."""
-    from maestro_jax import workloads  # workloads import the runtime's users
+    from maestro_jax import workloads
 
     pretrained, info_check = {}, None
     if graph is None:
@@ -224,18 +207,30 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
     else:
         workloads.check_sections(cfg, graph)
         if source is None:
-            raise ConfigError("error: source: a user graph needs a sample source (any random-access source of "
-                              "maestro_jax.data.Sample)")
+            raise ConfigError(
+                "error: source: a user graph needs a sample source (any random-access source of "
+                "maestro_jax.data.Sample)"
+            )
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
     infos = {s: param_infos(abstract[s]) for s in graph.names}
     edges = tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)
-    state = {s: plan_lib.state_bytes_per_device(infos[s], plan.sections[s], graph.section(s).trained)
-             for s in graph.names if s in plan.sections}
+    state = {
+        s: plan_lib.state_bytes_per_device(infos[s], plan.sections[s], graph.section(s).trained)
+        for s in graph.names
+        if s in plan.sections
+    }
     budget = cfg.device_memory_gb * 2**30 if cfg.device_memory_gb else None
-    plan_lib.check_plan(plan, num_devices=len(jax.devices()), edges=edges, sink=graph.sink, params=infos,
-                        budget_bytes=budget, state=state)
+    plan_lib.check_plan(
+        plan,
+        num_devices=len(jax.devices()),
+        edges=edges,
+        sink=graph.sink,
+        params=infos,
+        budget_bytes=budget,
+        state=state,
+    )
     if budget is None:
         check_device_memory(plan, state)
     check_batch_fits_data(cfg, source)
@@ -247,17 +242,43 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
     for s in graph.names:
         sp = plan.sections[s]
         programs[s] = SectionPrograms(
-            graph.section(s), meshes[s], shardings[s], section_optimizer(cfg.optimizer, s, cfg.steps), sp.residuals,
+            graph.section(s),
+            meshes[s],
+            shardings[s],
+            section_optimizer(cfg.optimizer, s, cfg.steps),
+            sp.residuals,
             out_edges=tuple(e.name for e in graph.consumers_of(s)),
             diff_inputs=tuple(e.name for e in graph.producers_of(s) if e.src in trained),
-            is_sink=s == graph.sink, rules=sp.rules, clip_norm=cfg.optimizer.clip_norm)
-    problem = Problem(order=graph.topological_order(), sink=graph.sink, trained=trained, edges=edges,
-                      rows={s: plan.sections[s].rows for s in graph.names},
-                      dp={s: plan.sections[s].dp for s in graph.names},
-                      max_in_flight=cfg.schedule.max_in_flight, run_ahead=cfg.schedule.run_ahead,
-                      groups=plan_lib.device_groups(plan.sections))
-    return Runtime(cfg, graph, plan, problem, meshes, shardings, programs, Executor(graph, problem, programs),
-                   abstract, source, check, info_check, dict(pretrained))
+            is_sink=s == graph.sink,
+            rules=sp.rules,
+            clip_norm=cfg.optimizer.clip_norm,
+        )
+    problem = Problem(
+        order=graph.topological_order(),
+        sink=graph.sink,
+        trained=trained,
+        edges=edges,
+        rows={s: plan.sections[s].rows for s in graph.names},
+        dp={s: plan.sections[s].dp for s in graph.names},
+        max_in_flight=cfg.schedule.max_in_flight,
+        run_ahead=cfg.schedule.run_ahead,
+        groups=plan_lib.device_groups(plan.sections),
+    )
+    return Runtime(
+        cfg,
+        graph,
+        plan,
+        problem,
+        meshes,
+        shardings,
+        programs,
+        Executor(graph, problem, programs),
+        abstract,
+        source,
+        check,
+        info_check,
+        dict(pretrained),
+    )
 
 
 @dataclasses.dataclass
@@ -281,7 +302,7 @@ class MonolithicRuntime:
 def build_monolithic(rt: Runtime) -> MonolithicRuntime:
     cfg, graph = rt.cfg, rt.graph
     sp = cfg.monolithic_plan()
-    mono_plan = plan_lib.Plan({s: sp for s in graph.names}, {}, cfg.global_batch)
+    mono_plan = plan_lib.Plan(dict.fromkeys(graph.names, sp), {}, cfg.global_batch)
     infos = {s: param_infos(rt.abstract[s]) for s in graph.names}
     try:
         plan_lib.check_resources(plan_lib.Plan({"all": sp}, {}, cfg.global_batch), len(jax.devices()))
@@ -294,5 +315,6 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
     mesh = section_mesh(sp)
     shardings = {s: variable_shardings(rt.abstract[s], mesh, sp.rules) for s in graph.names}
     optimizers = {s: section_optimizer(cfg.optimizer, s, cfg.steps) for s in graph.names if graph.section(s).trained}
-    return MonolithicRuntime(Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm), mesh,
-                             shardings)
+    return MonolithicRuntime(
+        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm), mesh, shardings
+    )

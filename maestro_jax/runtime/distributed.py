@@ -34,6 +34,8 @@ _sequences_lock = threading.Lock()
 def _next_key(kind: str) -> str:
     with _sequences_lock:
         return f"maestro/{kind}/{next(_sequences[kind])}"
+
+
 # The longest a process waits for a peer (a fetched value, a step barrier, an agreement); past
 # it the wait fails naming the peer instead of hanging. Set from `distributed.timeout_s`.
 PEER_TIMEOUT_S = 300.0
@@ -67,7 +69,7 @@ def announce_failure(message: str) -> None:
     _announced = True
     try:
         _client().key_value_set(f"{_FAILED}{jax.process_index()}", message.strip().splitlines()[-1][:500])
-    except Exception:  # noqa: BLE001 - nothing more can be told
+    except Exception:
         log.debug("could not announce the failure", exc_info=True)
 
 
@@ -93,13 +95,17 @@ def _get(key: str, owner: int, what: str, timeout_s: float | None = None) -> str
         except Exception as err:  # XlaRuntimeError: DEADLINE_EXCEEDED, or UNAVAILABLE if the service died
             failed = _failed_peer()
             if failed is not None:
-                raise PeerError(f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
-                                f"({jax.process_index()}) too") from err
+                raise PeerError(
+                    f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
+                    f"({jax.process_index()}) too"
+                ) from err
             if time.monotonic() < deadline and "DEADLINE_EXCEEDED" in str(err):
                 continue
-            raise PeerError(f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is "
-                            f"dead or stuck; stopping this process ({jax.process_index()}) too. "
-                            f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]") from err
+            raise PeerError(
+                f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is "
+                f"dead or stuck; stopping this process ({jax.process_index()}) too. "
+                f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]"
+            ) from err
 
 
 def agree(name: str, value):
@@ -121,8 +127,10 @@ def gather(name: str, value) -> list:
     me = jax.process_index()
     prefix = _next_key(f"gather/{name}")
     _client().key_value_set(f"{prefix}/{me}", json.dumps(value))
-    return [value if q == me else json.loads(_get(f"{prefix}/{q}", q, f"share {name!r}"))
-            for q in range(jax.process_count())]
+    return [
+        value if q == me else json.loads(_get(f"{prefix}/{q}", q, f"share {name!r}"))
+        for q in range(jax.process_count())
+    ]
 
 
 _checked_in: dict[int, list[int]] = {}  # the last step barrier's outcome: a second call is free
@@ -143,8 +151,10 @@ def step_barrier(step: int, preempted: bool = False) -> list[int]:
         return _checked_in[step]
     me = jax.process_index()
     _client().key_value_set(f"maestro/step/{step}/{me}", "preempted" if preempted else "1")
-    flags = {q: preempted if q == me else _get(f"maestro/step/{step}/{q}", q, f"reach step {step}") == "preempted"
-             for q in range(jax.process_count())}
+    flags = {
+        q: preempted if q == me else _get(f"maestro/step/{step}/{q}", q, f"reach step {step}") == "preempted"
+        for q in range(jax.process_count())
+    }
     _checked_in.clear()
     _checked_in[step] = [q for q, flag in flags.items() if flag]
     return _checked_in[step]
@@ -165,8 +175,8 @@ def checkpoint_barrier():
     stays Orbax's 20 minutes while each wait on a peer inside it is capped at `PEER_TIMEOUT_S`."""
     if jax.process_count() == 1:
         return None
-    from absl import flags as absl_flags  # noqa: PLC0415 - the runtime does not need Orbax otherwise
-    from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
+    from absl import flags as absl_flags
+    from orbax.checkpoint._src.multihost import multihost
 
     flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
     flag.value, flag.present = True, 1  # readable without absl parsing the command line
@@ -196,8 +206,9 @@ def peer_fault(err: BaseException, what: str) -> PeerError | None:
     me = jax.process_index()
     failed = _failed_peer()
     if failed is not None and failed[0] != me:
-        return PeerError(f"process {failed[0]} stopped on an error ({failed[1]}) during {what}; stopping this "
-                         f"process ({me}) too")
+        return PeerError(
+            f"process {failed[0]} stopped on an error ({failed[1]}) during {what}; stopping this process ({me}) too"
+        )
     chain, e = [], err
     while e is not None and len(chain) < 8:
         chain.append(f"{type(e).__name__}: {e}")
@@ -211,12 +222,16 @@ def peer_fault(err: BaseException, what: str) -> PeerError | None:
         names = stuck.group(1) if stuck else ""
         found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
         who = sorted({int(t) for t in found} - {me})
-        return PeerError(f"{_processes(who)} did not reach {what} within {PEER_TIMEOUT_S:g}s (distributed.timeout_s): "
-                         f"dead or stuck; stopping this process ({me}) too. {detail}")
+        return PeerError(
+            f"{_processes(who)} did not reach {what} within {PEER_TIMEOUT_S:g}s (distributed.timeout_s): "
+            f"dead or stuck; stopping this process ({me}) too. {detail}"
+        )
     if any(mark in text for mark in _LOST):
         who = _silent_peers(what)
-        return PeerError(f"{_processes(who)} was lost during {what}: a connection to it closed"
-                         f"{' and it did not answer' if who else ''}; stopping this process ({me}) too. {detail}")
+        return PeerError(
+            f"{_processes(who)} was lost during {what}: a connection to it closed"
+            f"{' and it did not answer' if who else ''}; stopping this process ({me}) too. {detail}"
+        )
     return None
 
 
@@ -239,22 +254,32 @@ def _silent_peers(what: str) -> list[int]:
     for q in range(jax.process_count()):
         if q != me:
             try:
-                _client().blocking_key_value_get(f"maestro/alive/{tag}/{q}",
-                                                 max(1, int((deadline - time.monotonic()) * 1000)))
+                _client().blocking_key_value_get(
+                    f"maestro/alive/{tag}/{q}", max(1, int((deadline - time.monotonic()) * 1000))
+                )
             except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: silent; UNAVAILABLE: the service is gone
                 silent.append(q)
     return silent
 
 
-def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                                 process_id: int | None = None, transfer_port: int | None = None,
-                                 timeout_s: int = 120, heartbeat_timeout_s: int = 100) -> None:
+def maybe_initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    transfer_port: int | None = None,
+    timeout_s: int = 120,
+    heartbeat_timeout_s: int = 100,
+) -> None:
     """Explicit settings, else auto-detect (SLURM and other launchers jax knows), else one process.
 
     Cross-process `device_put` needs a fixed socket address per process (port 0 hangs in jax
     0.10); it defaults to the coordinator's port + 1 + process id.
     """
-    if coordinator is None and int(os.environ.get("SLURM_NTASKS", "1")) <= 1 and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+    if (
+        coordinator is None
+        and int(os.environ.get("SLURM_NTASKS", "1")) <= 1
+        and "JAX_COORDINATOR_ADDRESS" not in os.environ
+    ):
         return
     # jax's preemption service (`reached_preemption_sync_point`, unused here: the step check-in
     # carries the flags) installs a C SIGTERM handler that only logs `SIGTERM caught`. It takes
@@ -267,12 +292,22 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
         base = transfer_port or int(port) + 1
         jax.config.update("jax_cross_host_transfer_socket_address", f"{address}:{base + int(process_id)}")
         jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{address}:0"] * 4))
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+        )
     else:
         jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
-    log.info("process %d/%d, %d local / %d global devices", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+    log.info(
+        "process %d/%d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def _own_address() -> str:
@@ -288,7 +323,7 @@ def fetch(x: jax.Array) -> np.ndarray:
     it in the key-value store and the others read it; every process must call this in the same
     order (the driver is the same everywhere, so it does).
     """
-    if jax.process_count() == 1 or x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count():
+    if jax.process_count() == 1 or (x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count()):
         return np.asarray(x)
     key = _next_key("fetch")
     owner = min(d.process_index for d in x.sharding.device_set)

@@ -21,8 +21,15 @@ from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
 
 class Monolithic:
-    def __init__(self, graph: SectionGraph, plan: SectionPlan, mesh, var_shardings: Mapping[str, dict],
-                 optimizers: Mapping[str, object], clip_norm: float | None = None):
+    def __init__(
+        self,
+        graph: SectionGraph,
+        plan: SectionPlan,
+        mesh,
+        var_shardings: Mapping[str, dict],
+        optimizers: Mapping[str, object],
+        clip_norm: float | None = None,
+    ):
         self.graph, self.plan, self.mesh = graph, plan, mesh
         self.rows = row_sharding(mesh)
         self.trained = tuple(s.name for s in graph.sections if s.trained)
@@ -59,17 +66,22 @@ class Monolithic:
         rows = self.plan.rows
         out = []
         for i in range(0, len(samples), rows):
-            chunk = list(samples[i:i + rows]) + [None] * (rows - len(samples[i:i + rows]))
+            chunk = list(samples[i : i + rows]) + [None] * (rows - len(samples[i : i + rows]))
             batches = {}
             for section in self.graph.sections:
                 active = [x if x is not None and section.activates(x) else None for x in chunk]
                 if all(x is None for x in active):
                     batches[section.name] = None
                     continue
-                routes = {e.name: [r if a is not None else -1 for r, a in
-                                   enumerate(x if x is not None and self.graph.section(e.src).activates(x) else None
-                                             for x in chunk)]
-                          for e in self.graph.producers_of(section.name)}
+                routes = {
+                    e.name: [
+                        r if a is not None else -1
+                        for r, a in enumerate(
+                            x if x is not None and self.graph.section(e.src).activates(x) else None for x in chunk
+                        )
+                    ]
+                    for e in self.graph.producers_of(section.name)
+                }
                 batches[section.name] = section.host_batch(active, routes)
             out.append(batches)
         return out
@@ -83,8 +95,10 @@ class Monolithic:
             acc = self._zeros(params)
             loss = 0.0
             for batches in host:
-                dev = {k: None if v is None else {n: jax.device_put(a, self.rows) for n, a in v.items()}
-                       for k, v in batches.items()}
+                dev = {
+                    k: None if v is None else {n: jax.device_put(a, self.rows) for n, a in v.items()}
+                    for k, v in batches.items()
+                }
                 micro_loss, _, acc = self._micro(params, consts, dev, norm, acc)
                 loss = loss + micro_loss
         return loss, acc

@@ -31,11 +31,15 @@ def learning_rate(peak: float, sched: LRScheduleConfig, steps: int, section: str
     warmup, end = sched.warmup_steps, sched.decay_steps or steps
     if sched.kind != "constant" and end <= warmup:
         where = f"optimizer.sections.{section}.lr_schedule" if section else "optimizer.lr_schedule"
-        raise ConfigError(f"error: {where}.decay_steps={end}: the decay must end after the {warmup} warm-up "
-                          f"steps (decay_steps counts them; unset, it is the run's steps)")
-    after = {"constant": lambda: optax.constant_schedule(peak),
-             "cosine": lambda: optax.cosine_decay_schedule(peak, end - warmup, sched.final_fraction),
-             "linear": lambda: optax.linear_schedule(peak, peak * sched.final_fraction, end - warmup)}[sched.kind]()
+        raise ConfigError(
+            f"error: {where}.decay_steps={end}: the decay must end after the {warmup} warm-up "
+            f"steps (decay_steps counts them; unset, it is the run's steps)"
+        )
+    after = {
+        "constant": lambda: optax.constant_schedule(peak),
+        "cosine": lambda: optax.cosine_decay_schedule(peak, end - warmup, sched.final_fraction),
+        "linear": lambda: optax.linear_schedule(peak, peak * sched.final_fraction, end - warmup),
+    }[sched.kind]()
     if not warmup:
         return after
     return optax.join_schedules([optax.linear_schedule(peak / warmup, peak, warmup - 1), after], [warmup])
@@ -58,15 +62,18 @@ def section_optimizer(cfg: OptimizerConfig, section: str, steps: int) -> optax.G
     if cfg.name == "sgd":
         return optax.inject_hyperparams(_sgd, static_args=("mask",))(learning_rate=lr, weight_decay=decay, mask=mask)
     return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay, mask=mask)
+        learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay, mask=mask
+    )
 
 
 def check_sections(cfg: OptimizerConfig, trained: Sequence[str]) -> None:
     """Per-section settings name trained sections (before any compute)."""
     for name in cfg.sections:
         if name not in trained:
-            raise ConfigError(f"error: optimizer.sections.{name}: not a trained section of this graph; trained "
-                              f"sections: {', '.join(sorted(trained))}")
+            raise ConfigError(
+                f"error: optimizer.sections.{name}: not a trained section of this graph; trained "
+                f"sections: {', '.join(sorted(trained))}"
+            )
 
 
 def squared_norm(tree) -> jax.Array:

@@ -25,8 +25,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def cast_floats(tree, dtype):
     """Every floating-point leaf of `tree` as `dtype` (integers, booleans and None untouched)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        tree)
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 def _low_precision_forward(section: Section, dtype) -> Section:

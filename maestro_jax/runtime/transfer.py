@@ -70,8 +70,9 @@ def deliver_rows(dp_p: int, dp_c: int, micro_batch: int) -> RowMap:
     (`schedule.ops.delivered`), in a block of `width` producer shards, zero-padded."""
     feeding, width = delivered(dp_p, dp_c)
     block = width * micro_batch
-    return RowMap(tuple((f.start * micro_batch, f.stop * micro_batch, j * block) for j, f in enumerate(feeding)),
-                  dp_c * block)
+    return RowMap(
+        tuple((f.start * micro_batch, f.stop * micro_batch, j * block) for j, f in enumerate(feeding)), dp_c * block
+    )
 
 
 def return_rows(dp_p: int, dp_c: int, micro_batch: int) -> RowMap:
@@ -80,8 +81,10 @@ def return_rows(dp_p: int, dp_c: int, micro_batch: int) -> RowMap:
     the samples that sit on that consumer shard)."""
     feeding, width = delivered(dp_p, dp_c)
     block = width * micro_batch
-    return RowMap(tuple((j * block, j * block + len(f) * micro_batch, f.start * micro_batch)
-                        for j, f in enumerate(feeding)), dp_p * micro_batch)
+    return RowMap(
+        tuple((j * block, j * block + len(f) * micro_batch, f.start * micro_batch) for j, f in enumerate(feeding)),
+        dp_p * micro_batch,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +122,9 @@ def _dst_shape(shape: tuple[int, ...], rows: RowMap | None) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...],
-                  rows: RowMap | None = None) -> TileMap:
+def plan_transfer(
+    src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], rows: RowMap | None = None
+) -> TileMap:
     """The tile map of moving an array of `shape` from `src` to `dst`, as it is (a reshard) or
     through a row map (`rows`: the destination has `rows.rows` rows)."""
     src_map = src.devices_indices_map(shape)
@@ -128,7 +132,7 @@ def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
     replicas: dict[tuple, list] = {}
     for dev, idx in src_map.items():
         replicas.setdefault(_bounds(idx, shape), []).append(dev)
-    turn = {b: 0 for b in replicas}
+    turn = dict.fromkeys(replicas, 0)
     tiles = []
     copies: dict[tuple, list] = {}  # (tile bounds, process) -> its devices, the first one the head
     out_shape = _dst_shape(shape, rows)
@@ -137,11 +141,14 @@ def plan_transfer(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...]
         tile = _bounds(idx, out_shape)
         copies.setdefault((tile, dev.process_index), []).append(dev)
         (t0, t1), pieces, ends = tile[0], [], []  # ends: per term, the last destination row it covers
-        clipped = sorted((max(t0, at), min(t1, at + stop - start), start - at)
-                         for start, stop, at in segments if max(t0, at) < min(t1, at + stop - start))
+        clipped = sorted(
+            (max(t0, at), min(t1, at + stop - start), start - at)
+            for start, stop, at in segments
+            if max(t0, at) < min(t1, at + stop - start)
+        )
         for lo, hi, shift in clipped:  # destination rows lo..hi from source rows lo+shift..hi+shift
             term = next((k for k, end in enumerate(ends) if end <= lo), len(ends))
-            ends[term:term + 1] = [hi]
+            ends[term : term + 1] = [hi]
             region = ((lo + shift, hi + shift), *tile[1:])
             for b, devs in replicas.items():
                 inter = tuple((max(r0, s0), min(r1, s1)) for (r0, r1), (s0, s1) in zip(region, b))
@@ -184,8 +191,9 @@ class _Steps:
 
 
 @functools.lru_cache(maxsize=1024)
-def _process_steps(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int,
-                   rows: RowMap | None = None) -> _Steps:
+def _process_steps(
+    src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int, rows: RowMap | None = None
+) -> _Steps:
     tile_map = plan_transfer(src, dst, shape, rows)
     shard_shape, tile_shape = src.shard_shape(shape), dst.shard_shape(_dst_shape(shape, rows))
     pieces_of = dict(tile_map.tiles)
@@ -204,8 +212,15 @@ def _process_steps(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...
             joins.append((head, tuple((p.term, p.offset) for p in pieces), tile_shape, whole))
             copies.extend((head, r) for r in replicas)
     devices = tuple(dev for dev, _ in tile_map.tiles if dev.process_index == process)
-    return _Steps(tuple((dev, tuple(b)) for dev, b in cut.items()), tuple(crossing), tuple(puts), tuple(joins),
-                  tuple(copies), devices, {d: SingleDeviceSharding(d) for d in devices})
+    return _Steps(
+        tuple((dev, tuple(b)) for dev, b in cut.items()),
+        tuple(crossing),
+        tuple(puts),
+        tuple(joins),
+        tuple(copies),
+        devices,
+        {d: SingleDeviceSharding(d) for d in devices},
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -215,8 +230,9 @@ def _cut_pieces(shard: jax.Array, bounds: tuple[Bounds, ...]) -> tuple[jax.Array
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _join_pieces(layout: tuple[tuple[int, tuple[int, ...]], ...], shape: tuple[int, ...],
-                 *parts: jax.Array) -> jax.Array:
+def _join_pieces(
+    layout: tuple[tuple[int, tuple[int, ...]], ...], shape: tuple[int, ...], *parts: jax.Array
+) -> jax.Array:
     """A tile of `shape` from its pieces ((term, grid offset) each) on the head, as one program: each
     term's pieces joined (zero-padded where they leave rows uncovered), the terms summed."""
     terms: dict[int, list] = {}
@@ -282,8 +298,9 @@ def transfer(x: jax.Array, dst: NamedSharding, rows: RowMap | None = None) -> ja
     if steps.copies:
         copied = jax.device_put([tile[h] for h, _ in steps.copies], [steps.targets[r] for _, r in steps.copies])
         tile.update(zip((r for _, r in steps.copies), copied))
-    return jax.make_array_from_single_device_arrays(_dst_shape(tuple(x.shape), rows), dst,
-                                                    [tile[d] for d in steps.devices], dtype=x.dtype)
+    return jax.make_array_from_single_device_arrays(
+        _dst_shape(tuple(x.shape), rows), dst, [tile[d] for d in steps.devices], dtype=x.dtype
+    )
 
 
 def _move_across_processes(crossing: tuple[tuple[Piece, object], ...], piece, dtype) -> dict:

@@ -3,18 +3,33 @@ total order of operations that keeps every cross-section dependency and the stas
 
 from maestro_jax.schedule.naive import naive
 from maestro_jax.schedule.ops import (
-           MicroStep,
-           Op,
-           Problem,
-           SampleMeta,
-           Schedule,
-           ScheduleError,
-           required_ops,
-           sample_metas,
+    MicroStep,
+    Op,
+    Problem,
+    SampleMeta,
+    Schedule,
+    ScheduleError,
+    required_ops,
+    sample_metas,
 )
 from maestro_jax.schedule.timing import op_duration, resource_of, steady_order
 from maestro_jax.schedule.validate import validate
 from maestro_jax.schedule.wavefront import list_schedule, wavefront
 
-__all__ = ["MicroStep", "Op", "Problem", "SampleMeta", "Schedule", "ScheduleError", "list_schedule", "naive",
-           "op_duration", "required_ops", "resource_of", "sample_metas", "steady_order", "validate", "wavefront"]
+__all__ = [
+    "MicroStep",
+    "Op",
+    "Problem",
+    "SampleMeta",
+    "Schedule",
+    "ScheduleError",
+    "list_schedule",
+    "naive",
+    "op_duration",
+    "required_ops",
+    "resource_of",
+    "sample_metas",
+    "steady_order",
+    "validate",
+    "wavefront",
+]

@@ -36,8 +36,12 @@ def naive(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
 def _placed_rows(problem: Problem, columns, s: str, sections) -> list[tuple[int, ...]]:
     """Section s's micro-steps: per shard, the samples of the sink-shaped `columns` placed on it,
     in column order, `micro_batch(s)` at a time; shard-major rows padded with -1."""
-    dp, mb, dp_sink, mb_sink = problem.dp[s], problem.micro_batch(s), problem.dp[problem.sink], \
-        problem.micro_batch(problem.sink)
+    dp, mb, dp_sink, mb_sink = (
+        problem.dp[s],
+        problem.micro_batch(s),
+        problem.dp[problem.sink],
+        problem.micro_batch(problem.sink),
+    )
     streams: list[list[int]] = [[] for _ in range(dp)]
     for col in columns:
         for r, x in enumerate(col):
@@ -48,7 +52,7 @@ def _placed_rows(problem: Problem, columns, s: str, sections) -> list[tuple[int,
     for k in range(n):
         rows: list[int] = []
         for st in streams:
-            part = st[k * mb:(k + 1) * mb]
+            part = st[k * mb : (k + 1) * mb]
             rows += part + [-1] * (mb - len(part))
         out.append(tuple(rows))
     return out

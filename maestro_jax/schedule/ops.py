@@ -83,8 +83,13 @@ class SampleMeta:
 def sample_metas(graph, samples: Sequence) -> list[SampleMeta]:
     """What the scheduler needs of each sample (a `Sample` or its `SampleInfo`), asked of the
     graph's sections in graph order."""
-    return [SampleMeta(frozenset(s.name for s in graph.sections if s.activates(x)),
-                       {s.name: s.work(x) for s in graph.sections if s.activates(x)}) for x in samples]
+    return [
+        SampleMeta(
+            frozenset(s.name for s in graph.sections if s.activates(x)),
+            {s.name: s.work(x) for s in graph.sections if s.activates(x)},
+        )
+        for x in samples
+    ]
 
 
 def ahead_sections(order: Sequence[str], trained: frozenset[str], edges: Sequence[EdgeInfo]) -> frozenset[str]:
@@ -202,8 +207,10 @@ class Schedule:
                 pos, q = where[x]
                 i, j = q // mb_p, r // mb_c
                 if i not in feeding[j]:
-                    raise ScheduleError(f"sample {x}: {e.src} shard {i} does not feed {section} shard {j} "
-                                        f"(its feeders are {e.src} shards {feeding[j].start}..{feeding[j].stop - 1})")
+                    raise ScheduleError(
+                        f"sample {x}: {e.src} shard {i} does not feed {section} shard {j} "
+                        f"(its feeders are {e.src} shards {feeding[j].start}..{feeding[j].stop - 1})"
+                    )
                 route.append(((pos * dp_c + j) * width + i - feeding[j].start) * mb_p + q % mb_p)
             out[e.name] = route
         return out
@@ -212,17 +219,22 @@ class Schedule:
 def chunk(samples: Sequence[int], rows: int) -> list[tuple[int, ...]]:
     out = []
     for i in range(0, len(samples), rows):
-        part = tuple(samples[i:i + rows])
+        part = tuple(samples[i : i + rows])
         out.append(part + (-1,) * (rows - len(part)))
     return out
 
 
-def link(problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]) -> dict[str, tuple[MicroStep, ...]]:
+def link(
+    problem: Problem, rows_by_section: Mapping[str, Sequence[tuple[int, ...]]]
+) -> dict[str, tuple[MicroStep, ...]]:
     """Micro-steps with their producer dependencies derived from which samples they hold (which
     step holds each sample is mapped for the producers of edges only)."""
     sources = {e.src for e in problem.edges}
-    home = {s: {x: k for k, rows in enumerate(chunks) for x in rows if x >= 0}
-            for s, chunks in rows_by_section.items() if s in sources}
+    home = {
+        s: {x: k for k, rows in enumerate(chunks) for x in rows if x >= 0}
+        for s, chunks in rows_by_section.items()
+        if s in sources
+    }
     steps = {}
     for s, chunks in rows_by_section.items():
         built = []
@@ -268,8 +280,9 @@ def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
     users = {e.name: consumers(steps, e) for e in problem.edges}
     for s in problem.order:
         for st in steps[s]:
-            req[Op("F", s, st.index)] = [Op("X", e.src, k, e.name) for e in problem.in_edges(s)
-                                         for k in st.deps.get(e.name, ())]
+            req[Op("F", s, st.index)] = [
+                Op("X", e.src, k, e.name) for e in problem.in_edges(s) for k in st.deps.get(e.name, ())
+            ]
         for e in problem.out_edges(s):
             for k in range(len(steps[s])):
                 if k not in users[e.name]:
@@ -281,8 +294,9 @@ def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
     for s in problem.order:
         if problem.needs_backward(s):
             for k in range(len(steps[s])):
-                req[Op("B", s, k)] = [Op("F", s, k)] + [Op("XB", s, k, e.name) for e in problem.out_edges(s)
-                                                        if k in users[e.name]]
+                req[Op("B", s, k)] = [Op("F", s, k)] + [
+                    Op("XB", s, k, e.name) for e in problem.out_edges(s) if k in users[e.name]
+                ]
         if s in problem.trained:
             last = "B" if problem.needs_backward(s) else "F"
             req[Op("U", s)] = [Op(last, s, k) for k in range(len(steps[s]))]

@@ -18,8 +18,14 @@ from maestro_jax.schedule.ops import (
 )
 
 
-def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, *, in_flight: bool = False,
-             block_map: bool = False) -> None:
+def validate(
+    schedule: Schedule,
+    metas: Sequence[SampleMeta],
+    problem: Problem,
+    *,
+    in_flight: bool = False,
+    block_map: bool = False,
+) -> None:
     """Raise ScheduleError unless every sample and dependency rule holds. Linear in the rows: a
     consumer step's dependencies are checked through each sample's home producer step, never by
     gathering the samples of every step it depends on. `block_map`: also the placement rule on
@@ -40,8 +46,9 @@ def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, 
         if len(seen) != len(expected) or any(seen[i] != 1 for i in expected):
             for i, secs in enumerate(sections):
                 if (s in secs) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
-                    raise ScheduleError(f"sample {i} passes {seen.get(i, 0)} times through {s}; "
-                                        f"expected {int(s in secs)}")
+                    raise ScheduleError(
+                        f"sample {i} passes {seen.get(i, 0)} times through {s}; expected {int(s in secs)}"
+                    )
     # every sample now sits in exactly one micro-step of each section it activates
     producers = {e.src for e in problem.edges}
     home = {s: {x: k for k, st in enumerate(steps[s]) for x in st.rows if x >= 0} for s in producers}
@@ -54,13 +61,17 @@ def validate(schedule: Schedule, metas: Sequence[SampleMeta], problem: Problem, 
                 need = [x for x in st.samples if e.src in sections[x]]
                 missing = sorted(x for x in need if where[x] not in deps)
                 if missing:
-                    raise ScheduleError(f"{s} micro-step {st.index} needs samples {missing} from "
-                                        f"{e.src} but does not depend on the micro-steps holding them")
+                    raise ScheduleError(
+                        f"{s} micro-step {st.index} needs samples {missing} from "
+                        f"{e.src} but does not depend on the micro-steps holding them"
+                    )
                 used = {where[x] for x in need}
                 for k in deps:
                     if k not in used:
-                        raise ScheduleError(f"{s} micro-step {st.index} depends on {e.src} micro-step {k} "
-                                            f"without using any of its samples")
+                        raise ScheduleError(
+                            f"{s} micro-step {st.index} depends on {e.src} micro-step {k} "
+                            f"without using any of its samples"
+                        )
                 if block_map:
                     _check_block_map(problem, e, st, shard[e.src])
     _check_ops(schedule, problem, in_flight)
@@ -81,8 +92,10 @@ def _check_block_map(problem: Problem, e: EdgeInfo, st: MicroStep, shard_of: dic
         if x in shard_of and not feeds(dp_p, shard_of[x], dp_c, r // mb_c):
             fed = feeders(dp_c, dp_p, shard_of[x])
             how = f" (fanout {dp_c // dp_p})" if dp_c % dp_p == 0 else ""
-            raise ScheduleError(f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "
-                                f"{fed.start}..{fed.stop - 1}{how}, but it sits on {e.dst} shard {r // mb_c}")
+            raise ScheduleError(
+                f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "
+                f"{fed.start}..{fed.stop - 1}{how}, but it sits on {e.dst} shard {r // mb_c}"
+            )
 
 
 def _check_ops(schedule: Schedule, problem: Problem, in_flight: bool) -> None:

@@ -133,8 +133,8 @@ def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> Rows:
     order itself, padded (no list per shard: the sink's micro-steps at scale)."""
     ordered, mb = _longest_first(samples, weight), rows // dp
     if mb == 1:
-        return [tuple(ordered[i:i + rows]) + (-1,) * (i + rows - len(ordered)) for i in range(0, len(ordered), rows)]
-    return [_flatten(_lpt(ordered[i:i + rows], dp, mb, weight), mb) for i in range(0, len(ordered), rows)]
+        return [tuple(ordered[i : i + rows]) + (-1,) * (i + rows - len(ordered)) for i in range(0, len(ordered), rows)]
+    return [_flatten(_lpt(ordered[i : i + rows], dp, mb, weight), mb) for i in range(0, len(ordered), rows)]
 
 
 def _caps(problem: Problem) -> dict[str, tuple[int, object, object]]:
@@ -149,11 +149,17 @@ def _caps(problem: Problem) -> dict[str, tuple[int, object, object]]:
             continue
         if dp_sink % dp == 0:
             if problem.rows[sink] // dp > problem.micro_batch(s):
-                out[s] = (problem.micro_batch(s), functools.partial(_divide, dp_sink // dp),
-                          functools.partial(feeders, dp, dp_sink))
+                out[s] = (
+                    problem.micro_batch(s),
+                    functools.partial(_divide, dp_sink // dp),
+                    functools.partial(feeders, dp, dp_sink),
+                )
         elif mb_sink * max(len(feeders(dp_sink, dp, i)) for i in range(dp)) > problem.micro_batch(s):
-            out[s] = (problem.micro_batch(s), functools.partial(shard_of, dp_sink, dp),
-                      functools.partial(feeders, dp, dp_sink))
+            out[s] = (
+                problem.micro_batch(s),
+                functools.partial(shard_of, dp_sink, dp),
+                functools.partial(feeders, dp, dp_sink),
+            )
     return out
 
 
@@ -179,8 +185,9 @@ class _Column:
         skipped when popped, shards those samples can never use again in this column dropped)."""
         heap = self.heaps.get(activated)
         if heap is None:
-            heap = self.heaps[activated] = [(self.loads[c], c, self.version[c]) for c in range(len(self.shards))
-                                            if len(self.shards[c]) < self.mb]
+            heap = self.heaps[activated] = [
+                (self.loads[c], c, self.version[c]) for c in range(len(self.shards)) if len(self.shards[c]) < self.mb
+            ]
             heapq.heapify(heap)
         return heap
 
@@ -249,7 +256,7 @@ def _flatten(shards: Sequence[Sequence[int]], micro_batch: int) -> tuple[int, ..
     for sh in shards:
         rows += sh
         if len(sh) < micro_batch:
-            rows += pad[len(sh):]
+            rows += pad[len(sh) :]
     return tuple(rows)
 
 
@@ -321,8 +328,11 @@ def _naive_keeps_bound(batch: _Batch) -> bool:
     a trained producer's forwards before its first backward, so not with more micro-steps than
     the bound. Counted from the samples, so that a batch too large for it is not linked."""
     problem = batch.problem
-    return all(-(-sum(s in secs for secs in batch.sections) // problem.rows[s]) <= problem.max_in_flight
-               for s in problem.order if problem.needs_backward(s))
+    return all(
+        -(-sum(s in secs for secs in batch.sections) // problem.rows[s]) <= problem.max_in_flight
+        for s in problem.order
+        if problem.needs_backward(s)
+    )
 
 
 def _phased(problem: Problem, steps, n: int) -> Schedule:
@@ -343,7 +353,8 @@ def _makespan(schedule: Schedule, batch: _Batch) -> float:
     for op, next_batch in steady_order(schedule.ops, problem):
         res, done = resource_of(op, problem), following if next_batch else finish
         done[op] = free[res] = max([free.get(res, 0.0)] + [done[d] for d in req[op]]) + batch.duration(
-            op, schedule.steps)
+            op, schedule.steps
+        )
     return max([*finish.values(), *following.values()], default=0.0)
 
 
@@ -385,15 +396,15 @@ def _consuming_columns(problem: Problem, d: str, produced: Rows, w_c, skip: list
     per shard."""
     mb_c, mb_d, dp_d = problem.micro_batch(problem.sink), problem.micro_batch(d), problem.dp[d]
     r = problem.dp[problem.sink] // dp_d
-    streams = [[x for rows in produced for x in rows[i * mb_d:(i + 1) * mb_d] if x >= 0] for i in range(dp_d)]
+    streams = [[x for rows in produced for x in rows[i * mb_d : (i + 1) * mb_d] if x >= 0] for i in range(dp_d)]
     block, pad, columns = r * mb_c, [-1] * r, []
     for j in range(0, max(map(len, streams), default=0), block):
-        blocks = [st[j:j + block] for st in streams]
+        blocks = [st[j : j + block] for st in streams]
         if mb_c == 1:
             rows = []
             for b in blocks:
-                rows += _longest_first(b, w_c) + pad[len(b):]
-            for c in [c for c, x in enumerate(rows) if x < 0][:len(skip)]:
+                rows += _longest_first(b, w_c) + pad[len(b) :]
+            for c in [c for c, x in enumerate(rows) if x < 0][: len(skip)]:
                 rows[c] = skip.pop()
             columns.append(tuple(rows))
             continue
@@ -418,8 +429,11 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     sink = problem.sink
     w_c = _weight(batch, sink, not arrival)
     packings = [_pack(batch.active, problem.rows[sink], problem.dp[sink], w_c)]
-    if not arrival and (whole := _pack(batch.active, problem.rows[sink], problem.dp[sink], batch.alone.__getitem__)) \
-            not in packings:
+    if (
+        not arrival
+        and (whole := _pack(batch.active, problem.rows[sink], problem.dp[sink], batch.alone.__getitem__))
+        not in packings
+    ):
         packings.append(whole)  # by the sample's whole modelled time: the sink's padding is not all of it
     if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
@@ -429,8 +443,10 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
         if search.hopeless(packed):
             continue
         uses = [any(batch.fed[x] for x in col if x >= 0) for col in packed]
-        orders = {tuple(sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j)))
-                  : None for fed_first in (False, True, None)}  # a dict keeps them in this order
+        orders = {
+            tuple(sorted(range(len(packed)), key=lambda j: (fed_first is not None and uses[j] != fed_first, j))): None
+            for fed_first in (False, True, None)
+        }  # a dict keeps them in this order
         for order in orders:
             columns = [packed[j] for j in order] + tail
             for grouped in (False, True):
@@ -438,8 +454,9 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
     return out
 
 
-def _derive(batch: _Batch, columns: Rows, fixed: dict[str, Rows], fixed_cuts: dict[str, set[int]],
-            grouped: bool) -> dict[str, Rows]:
+def _derive(
+    batch: _Batch, columns: Rows, fixed: dict[str, Rows], fixed_cuts: dict[str, set[int]], grouped: bool
+) -> dict[str, Rows]:
     """Every section's micro-steps: the sink runs the columns (but those of samples that never reach
     it); sections in `fixed` keep theirs (`fixed_cuts`: the columns they split cleanly before, see
     `_clean_cuts`); every other section takes, per shard, the samples of the sink shards it feeds in column order, cut
@@ -465,7 +482,7 @@ def _derive(batch: _Batch, columns: Rows, fixed: dict[str, Rows], fixed_cuts: di
         else:
             streams = [list(chain.from_iterable(shards)) for shards in zip(*placed)]  # per shard of s
             n = max((-(-len(st) // mb) for st in streams), default=0)
-            rows[s] = [_flatten([st[k * mb:(k + 1) * mb] for st in streams], mb) for k in range(n)]
+            rows[s] = [_flatten([st[k * mb : (k + 1) * mb] for st in streams], mb) for k in range(n)]
     return rows
 
 
@@ -512,7 +529,7 @@ def _interleave(batch: _Batch, due: _Due, consuming: Rows, fillers: tuple[Rows, 
     one that needs the sink alone ("text", `fillers[1]`), else the next. Fillers left over run
     last, text last of all, where they hide the producers' backwards."""
     time, sink = due.time, batch.problem.sink
-    busy = {s: 0.0 for s in batch.problem.order}  # when each section besides d is done with the columns so far
+    busy = dict.fromkeys(batch.problem.order, 0.0)  # when each section besides d is done with the columns so far
     order, clock, i, pos = [], 0.0, 0, [0, 0]
     while i < len(consuming) or pos[0] < len(fillers[0]) or pos[1] < len(fillers[1]):
         k = _next_filler(fillers, pos, due, busy, clock)
@@ -529,8 +546,9 @@ def _interleave(batch: _Batch, due: _Due, consuming: Rows, fillers: tuple[Rows, 
     return order
 
 
-def _next_filler(fillers: tuple[Rows, Rows], pos: list[int], due: _Due, busy: dict[str, float],
-                 clock: float) -> int | None:
+def _next_filler(
+    fillers: tuple[Rows, Rows], pos: list[int], due: _Due, busy: dict[str, float], clock: float
+) -> int | None:
     """Which filler goes next (0: of samples that need another section, 1: text): the first when its
     inputs are due by `clock`, else text, else the first; None when none is left."""
     fed, text = pos[0] < len(fillers[0]), pos[1] < len(fillers[1])
@@ -664,8 +682,8 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
     finish = [0.0] * len(ops)
     dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
     free: dict[str, float] = {}
-    next_f = {s: 0 for s in problem.order}
-    stashed = {s: 0 for s in problem.order}
+    next_f = dict.fromkeys(problem.order, 0)
+    stashed = dict.fromkeys(problem.order, 0)
     ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of (step) for ready backwards
     ready_other: set[int] = {i for i, op in enumerate(ops) if op.kind in ("X", "XB", "U") and pending[i] == 0}
     for i, op in enumerate(ops):
@@ -684,16 +702,21 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
             if ready_b[s]:
                 out.append(b_index[(s, ready_b[s][0])])
             i = f_index.get((s, next_f[s]))
-            if i is not None and pending[i] == 0 and (not problem.needs_backward(s)
-                                                      or stashed[s] < problem.max_in_flight):
+            if (
+                i is not None
+                and pending[i] == 0
+                and (not problem.needs_backward(s) or stashed[s] < problem.max_in_flight)
+            ):
                 out.append(i)
         return out
 
     while len(order) < len(ops):
         cands = candidates()
         if not cands:
-            raise ScheduleError("list scheduling is stuck: stashed forwards wait on forwards the in-flight "
-                                f"bound {problem.max_in_flight} holds back (or a dependency cycle)")
+            raise ScheduleError(
+                "list scheduling is stuck: stashed forwards wait on forwards the in-flight "
+                f"bound {problem.max_in_flight} holds back (or a dependency cycle)"
+            )
         i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
         op = ops[i]
         t0 = start_of(i)

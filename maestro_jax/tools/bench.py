@@ -29,8 +29,14 @@ from maestro_jax.tools.simulate import seconds
 MODES = ("monolithic", "naive", "wavefront")
 
 
-def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | None = None, rt=None,
-          progress: Callable[[str], None] | None = None) -> dict:
+def bench(
+    cfg: Config,
+    reps: int = 5,
+    num_batches: int = 3,
+    trace_dir: str | None = None,
+    rt=None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph,
     left as it was given: the calibrated cost model is not stored on it)."""
     start = time.perf_counter()
@@ -53,8 +59,10 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
     say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
     measured = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
     cost = calibrate.fit(rt, measured)  # this bench's own: `rt.cost` stays as the caller set it
-    schedulers = {"naive": lambda metas: naive(metas, rt.problem),
-                  "wavefront": lambda metas: wavefront(metas, rt.problem, cost)}
+    schedulers = {
+        "naive": lambda metas: naive(metas, rt.problem),
+        "wavefront": lambda metas: wavefront(metas, rt.problem, cost),
+    }
 
     def maestro_step(mode, samples, stats):
         t0 = time.perf_counter()
@@ -99,33 +107,48 @@ def bench(cfg: Config, reps: int = 5, num_batches: int = 3, trace_dir: str | Non
                 else:
                     maestro_step(mode, samples, stats[mode])
             per_rep[mode].append(sum(stats[mode]["step_s"][first:]))
-        say(f"repetition {rep + 1}/{reps}: " + ", ".join(f"{m} {seconds(per_rep[m][-1] / num_batches)}/step"
-                                                         for m in MODES))
+        say(
+            f"repetition {rep + 1}/{reps}: "
+            + ", ".join(f"{m} {seconds(per_rep[m][-1] / num_batches)}/step" for m in MODES)
+        )
 
     def summary(values):
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
     report = {
-        "config": {"workload": cfg.workload, "sections": list(rt.graph.names), "global_batch": cfg.global_batch, "batches": num_batches, "reps": reps,
-                   "devices": len(jax.devices()), "platform": jax.devices()[0].platform,
-                   "plan": {s: _layout(sp) for s, sp in rt.plan.sections.items()},
-                   "monolithic": _layout(cfg.monolithic_plan())},
+        "config": {
+            "workload": cfg.workload,
+            "sections": list(rt.graph.names),
+            "global_batch": cfg.global_batch,
+            "batches": num_batches,
+            "reps": reps,
+            "devices": len(jax.devices()),
+            "platform": jax.devices()[0].platform,
+            "plan": {s: _layout(sp) for s, sp in rt.plan.sections.items()},
+            "monolithic": _layout(cfg.monolithic_plan()),
+        },
         "samples_per_s": sps,
         "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},
         "step_time_s": {m: summary([t / num_batches for t in per_rep[m]]) for m in MODES},
-        "ratios": {"wavefront_vs_monolithic": sps["wavefront"] / sps["monolithic"],
-                   "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
-                   "naive_vs_monolithic": sps["naive"] / sps["monolithic"]},
-        "host_overhead_fraction": {m: statistics.median(
-            [(a + b) / c for a, b, c in zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"])])
-            for m in ("naive", "wavefront")},
-        "schedule_fraction": {m: statistics.median(
-            [a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])]) for m in ("naive", "wavefront")},
+        "ratios": {
+            "wavefront_vs_monolithic": sps["wavefront"] / sps["monolithic"],
+            "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
+            "naive_vs_monolithic": sps["naive"] / sps["monolithic"],
+        },
+        "host_overhead_fraction": {
+            m: statistics.median(
+                [(a + b) / c for a, b, c in zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"])]
+            )
+            for m in ("naive", "wavefront")
+        },
+        "schedule_fraction": {
+            m: statistics.median([a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])])
+            for m in ("naive", "wavefront")
+        },
     }
     if any(s.items for b in batches for s in b):
-        report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step,
-                                                                  say)
+        report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step, say)
     report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
     if trace_dir:
         say(f"writing traces to {trace_dir}")
@@ -139,8 +162,12 @@ def _layout(sp) -> dict:
     report names the plan it timed (co-located sections share devices; DP degrees show M:N edges)."""
     d = sp.devices
     devices = f"{d[0]}:{d[-1] + 1}" if d == tuple(range(d[0], d[-1] + 1)) else list(d)
-    return {"devices": devices, "mesh": {a: n for a, n in sp.axis_sizes.items() if n > 1} or {"data": 1},
-            "micro_batch": sp.micro_batch, "dp": sp.dp}
+    return {
+        "devices": devices,
+        "mesh": {a: n for a, n in sp.axis_sizes.items() if n > 1} or {"data": 1},
+        "micro_batch": sp.micro_batch,
+        "dp": sp.dp,
+    }
 
 
 def _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step, say) -> dict:
@@ -161,8 +188,10 @@ def _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step, say) 
             for samples in text:
                 mono_step(samples, stats) if mode == "monolithic" else maestro_step(mode, samples, stats)
             times.append(sum(stats["step_s"]))
-        say(f"text-only repetition {rep + 1}/{reps}: "
-            + ", ".join(f"{m} {seconds(t[-1] / len(text))}/step" for m, t in alone.items()))
+        say(
+            f"text-only repetition {rep + 1}/{reps}: "
+            + ", ".join(f"{m} {seconds(t[-1] / len(text))}/step" for m, t in alone.items())
+        )
     return {m: statistics.median(alone[m]) / statistics.median(per_rep[m]) for m in alone}
 
 
@@ -177,8 +206,11 @@ def _prediction(rt, cost, batches, per_rep, num_batches) -> dict:
             sched = naive(metas, rt.problem) if mode == "naive" else wavefront(metas, rt.problem, cost)
             predicted += simulate(sched, rt.problem, metas, cost, serial=serial).makespan
         measured = statistics.median(per_rep[mode])
-        out[mode] = {"predicted_step_s": predicted / num_batches, "measured_step_s": measured / num_batches,
-                     "relative_error": (predicted - measured) / measured}
+        out[mode] = {
+            "predicted_step_s": predicted / num_batches,
+            "measured_step_s": measured / num_batches,
+            "relative_error": (predicted - measured) / measured,
+        }
     return out
 
 
@@ -193,11 +225,14 @@ def _traces(rt, cost, states, samples, trace_dir) -> dict:
     record: list = []
     rt.executor.run(states, samples, sched, record=record)
     sim = simulate(sched, rt.problem, metas, cost)
-    files = {"measured_trace": write_chrome_trace(record, out / "measured_trace.json"),
-             "measured_gantt": write_gantt(record, out / "measured_gantt.png", "measured (timed, serialised)"),
-             "simulated_trace": write_chrome_trace(sim.intervals, out / "simulated_trace.json"),
-             "simulated_gantt": write_gantt(sim.intervals, out / "simulated_gantt.png",
-                                            "simulated, sections on their own devices")}
+    files = {
+        "measured_trace": write_chrome_trace(record, out / "measured_trace.json"),
+        "measured_gantt": write_gantt(record, out / "measured_gantt.png", "measured (timed, serialised)"),
+        "simulated_trace": write_chrome_trace(sim.intervals, out / "simulated_trace.json"),
+        "simulated_gantt": write_gantt(
+            sim.intervals, out / "simulated_gantt.png", "simulated, sections on their own devices"
+        ),
+    }
     return {k: str(v) for k, v in files.items()}
 
 

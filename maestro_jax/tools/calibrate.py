@@ -102,15 +102,21 @@ def fit(rt, measurements) -> CostModel:
         typical = np.mean([r[1] for r in points.get((s, base_kind), [(0, 1, 1, 0)])])
         fwd_t = o + u * typical
         factor = float((back[0] + back[1] * typical) / fwd_t) if back is not None and fwd_t > 0 else 2.0
-        sections[s] = SectionCost(per_unit_s=float(u), per_unit2_s=float(u2), overhead_s=float(o),
-                                  backward_factor=factor, sink_factor=1.0)
+        sections[s] = SectionCost(
+            per_unit_s=float(u), per_unit2_s=float(u2), overhead_s=float(o), backward_factor=factor, sink_factor=1.0
+        )
     per_unit, overhead = {}, []
     for edge, rows in transfers.items():
         a = np.asarray(rows, dtype=float)
         c = _nnls(np.stack([np.ones(len(a)), a[:, 0]], 1), a[:, 1])
         overhead.append(c[0])
         per_unit[edge] = float(c[1])
-    return CostModel(sections, per_unit, float(np.mean(overhead)) if overhead else 0.0, source="calibrated",
-                     host_s_per_sample=float(np.median(host)) if host else 0.0,
-                     update_s={s: float(np.median(v)) for s, v in updates.items()},
-                     dispatch_s={k: float(np.median(v)) for k, v in dispatch.items()})
+    return CostModel(
+        sections,
+        per_unit,
+        float(np.mean(overhead)) if overhead else 0.0,
+        source="calibrated",
+        host_s_per_sample=float(np.median(host)) if host else 0.0,
+        update_s={s: float(np.median(v)) for s, v in updates.items()},
+        dispatch_s={k: float(np.median(v)) for k, v in dispatch.items()},
+    )

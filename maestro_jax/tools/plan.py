@@ -16,17 +16,34 @@ from maestro_jax.planning.planner import Candidate, Planner
 PLANNING_BATCHES = 2  # global batches of sample sizes the planner scores plans on (`maestro-jax plan`)
 
 
-def planner_for(cfg: Config, devices: int, memory_gb: float, batches: int = PLANNING_BATCHES, graph=None,
-                source=None, progress: Callable[[str], None] | None = None, **kwargs) -> Planner:
+def planner_for(
+    cfg: Config,
+    devices: int,
+    memory_gb: float,
+    batches: int = PLANNING_BATCHES,
+    graph=None,
+    source=None,
+    progress: Callable[[str], None] | None = None,
+    **kwargs,
+) -> Planner:
     """A planner for `cfg`'s workload, or for a user's `graph` and `source`. `progress`, when
     given, receives one line per pass of the search (`Planner.search` runs one per stash bound
     and run-ahead setting) and one before the baselines."""
     graph = graph or workloads.build_graph(cfg)
     spec = workloads.describe(cfg, graph)
     metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
-    planner = Planner(spec, metas, devices, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
-                      link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight,
-                      run_ahead=cfg.schedule.run_ahead, **kwargs)
+    planner = Planner(
+        spec,
+        metas,
+        devices,
+        memory_gb,
+        global_batch=cfg.global_batch,
+        device=cfg.simulate.device,
+        link_gbps=cfg.simulate.link_gbps,
+        max_in_flight=cfg.schedule.max_in_flight,
+        run_ahead=cfg.schedule.run_ahead,
+        **kwargs,
+    )
     return planner if progress is None else _Reporting.around(planner, progress)
 
 
@@ -44,8 +61,10 @@ class _Reporting(Planner):
         return planner
 
     def _search(self, top: int, incumbent: float = math.inf):
-        self.progress(f"searching plans on {self.devices} devices with {self.budget / 2**30:g} GB each: "
-                      f"schedule.max_in_flight {self.max_in_flight}, schedule.run_ahead {self.run_ahead}")
+        self.progress(
+            f"searching plans on {self.devices} devices with {self.budget / 2**30:g} GB each: "
+            f"schedule.max_in_flight {self.max_in_flight}, schedule.run_ahead {self.run_ahead}"
+        )
         return super()._search(top, incumbent)
 
     def monolithic_best(self) -> dict | None:
@@ -85,8 +104,10 @@ def write_plan(config_path: str, overrides: list[str], best: Candidate, memory_g
     for name, edge in (raw.get("edges") or {}).items():  # a stated fanout the plan has none for (uneven): dropped
         if isinstance(edge, dict) and name not in best.plan.fanout:
             edge.pop("fanout", None)
-    header = (f"# Written by `maestro-jax plan` from {config_path}: predicted {best.step_time_s:.4g} s/step.\n"
-              f"#   maestro-jax bench --config {out_path}\n")
+    header = (
+        f"# Written by `maestro-jax plan` from {config_path}: predicted {best.step_time_s:.4g} s/step.\n"
+        f"#   maestro-jax bench --config {out_path}\n"
+    )
     with open(out_path, "w") as f:
         f.write(header + yaml.safe_dump(raw, sort_keys=False))
     load_config(out_path)

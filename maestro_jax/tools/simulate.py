@@ -24,11 +24,19 @@ def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, st
     n = len({d for sp in plan.sections.values() for d in sp.devices})
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is not None:
-        best = Planner(spec, metas, n, memory_gb, global_batch=cfg.global_batch, device=cfg.simulate.device,
-                       link_gbps=cfg.simulate.link_gbps).monolithic_best()
+        best = Planner(
+            spec,
+            metas,
+            n,
+            memory_gb,
+            global_batch=cfg.global_batch,
+            device=cfg.simulate.device,
+            link_gbps=cfg.simulate.link_gbps,
+        ).monolithic_best()
         if best is not None:
-            return SectionPlan(tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"],
-                               layer_remat=best["layer_remat"]), f"fastest that fits {memory_gb:g} GB"
+            return SectionPlan(
+                tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"], layer_remat=best["layer_remat"]
+            ), f"fastest that fits {memory_gb:g} GB"
     return cfg.monolithic_plan(), "config"
 
 
@@ -40,8 +48,17 @@ def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is None:
         return None
-    return pipelined_best(Planner(spec, metas, n, memory_gb, global_batch=cfg.global_batch,
-                                  device=cfg.simulate.device, link_gbps=cfg.simulate.link_gbps))
+    return pipelined_best(
+        Planner(
+            spec,
+            metas,
+            n,
+            memory_gb,
+            global_batch=cfg.global_batch,
+            device=cfg.simulate.device,
+            link_gbps=cfg.simulate.link_gbps,
+        )
+    )
 
 
 def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=None) -> dict:
@@ -54,11 +71,22 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
     check_fanout(plan, spec.edges)
     metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
     mono_sp, baseline = monolithic_baseline(cfg, spec, plan, metas)
-    report, timeline = simulate_plan(spec, plan, mono_sp, metas, device=cfg.simulate.device,
-                                     link_gbps=cfg.simulate.link_gbps, max_in_flight=cfg.schedule.max_in_flight,
-                                     run_ahead=cfg.schedule.run_ahead)
-    report["monolithic_layout"] = {"mesh": dict(mono_sp.axis_sizes), "micro_batch": mono_sp.micro_batch,
-                                   "layer_remat": mono_sp.layer_remat, "chosen": baseline}
+    report, timeline = simulate_plan(
+        spec,
+        plan,
+        mono_sp,
+        metas,
+        device=cfg.simulate.device,
+        link_gbps=cfg.simulate.link_gbps,
+        max_in_flight=cfg.schedule.max_in_flight,
+        run_ahead=cfg.schedule.run_ahead,
+    )
+    report["monolithic_layout"] = {
+        "mesh": dict(mono_sp.axis_sizes),
+        "micro_batch": mono_sp.micro_batch,
+        "layer_remat": mono_sp.layer_remat,
+        "chosen": baseline,
+    }
     report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
     if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
         report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]
@@ -73,7 +101,7 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
 def seconds(t: float) -> str:
     """A duration in the unit that keeps 3 significant digits in view (`5.32 s`, `12.4 ms`,
     `812 µs`), so that a tiny config's step does not print as `0.00`."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):  # noqa: B007 - `unit` is read after the loop
         if abs(t) >= scale * (1 - 5e-4):  # 0.9997 s is `1.00 s`, not `1000 ms`
             break
     else:
@@ -105,41 +133,63 @@ def mesh_text(mesh: dict) -> str:
 def pipelined_layout(pipe: dict) -> str:
     """The 1F1B pipeline-parallel layout (`planning.pipeline`) in words: stages, mesh, micro-batches
     and where each section's layers sit."""
-    where = "; ".join([f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
-                      + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]])
-    return (f"{pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh {mesh_text(pipe['mesh'])}, "
-            f"micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step), layer_remat "
-            f"{pipe['layer_remat']}; {where}")
+    where = "; ".join(
+        [f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
+        + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]]
+    )
+    return (
+        f"{pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh {mesh_text(pipe['mesh'])}, "
+        f"micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step), layer_remat "
+        f"{pipe['layer_remat']}; {where}"
+    )
 
 
 def format_report(r: dict) -> str:
     """`simulate_config`'s report as `maestro-jax simulate` prints it: a table of step times and
     throughput per mode, then the layouts compared and the ratios."""
     maestro = r["devices"]["maestro"]
-    lines = [f"workload {r['workload']} on {r['device']} (cost model {r['cost_source']}): "
-             + ", ".join(f"{s} on {n} device{'s' if n > 1 else ''}" for s, n in maestro.items())
-             + f"; monolithic on {r['devices']['monolithic']}",
-             f"{'mode':18s} {'step time':>10s} {'samples/s':>10s} {'per device':>11s}"]
-    rows = [(m, r["step_time_s"][m], r["samples_per_s"][m], r["samples_per_s_per_device"][m])
-            for m in ("monolithic", "naive", "wavefront")]
+    lines = [
+        f"workload {r['workload']} on {r['device']} (cost model {r['cost_source']}): "
+        + ", ".join(f"{s} on {n} device{'s' if n > 1 else ''}" for s, n in maestro.items())
+        + f"; monolithic on {r['devices']['monolithic']}",
+        f"{'mode':18s} {'step time':>10s} {'samples/s':>10s} {'per device':>11s}",
+    ]
+    rows = [
+        (m, r["step_time_s"][m], r["samples_per_s"][m], r["samples_per_s_per_device"][m])
+        for m in ("monolithic", "naive", "wavefront")
+    ]
     if pipe := r.get("pipelined"):
         n = pipe["stages"] * pipe["devices_per_stage"]
-        rows.append(("pipelined (1F1B)", pipe["step_time_s"], pipe["samples_per_s_per_device"] * n,
-                     pipe["samples_per_s_per_device"]))
+        rows.append(
+            (
+                "pipelined (1F1B)",
+                pipe["step_time_s"],
+                pipe["samples_per_s_per_device"] * n,
+                pipe["samples_per_s_per_device"],
+            )
+        )
     lines += [f"{m:18s} {seconds(t):>10s} {rate(sps):>10s} {rate(per):>11s}" for m, t, sps, per in rows]
     lay = r["monolithic_layout"]
-    lines.append(f"monolithic layout ({lay['chosen']}): mesh {mesh_text(lay['mesh'])}, micro_batch "
-                 f"{lay['micro_batch']}, layer_remat {lay['layer_remat']}")
+    lines.append(
+        f"monolithic layout ({lay['chosen']}): mesh {mesh_text(lay['mesh'])}, micro_batch "
+        f"{lay['micro_batch']}, layer_remat {lay['layer_remat']}"
+    )
     if pipe:
         lines.append(f"pipelined (1F1B) layout: {pipelined_layout(pipe)}")
     vs_pipe = f"   wavefront vs pipelined: {r['speedup_vs_pipelined']:.3f}" if pipe else ""
-    lines.append(f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "
-                 f"{r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}{vs_pipe}")
-    lines.append(f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   critical section alone: "
-                 f"{seconds(r['critical_section_alone_s'])}   bubble ratio: {r['bubble_ratio']:.3f}")
+    lines.append(
+        f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "
+        f"{r['end_to_end_speedup']:.3f}   wavefront vs naive: {r['wavefront_vs_naive']:.3f}{vs_pipe}"
+    )
+    lines.append(
+        f"makespan / lower bound: {r['makespan_over_lower_bound']:.3f}   critical section alone: "
+        f"{seconds(r['critical_section_alone_s'])}   bubble ratio: {r['bubble_ratio']:.3f}"
+    )
     eff = r["sink_efficiency_vs_alone"]
-    lines.append(f"loss section's efficiency relative to running alone (a VLM's LLM: relative to text-only): "
-                 f"maestro {eff['maestro']:.1%}, monolithic {eff['monolithic']:.1%}")
+    lines.append(
+        f"loss section's efficiency relative to running alone (a VLM's LLM: relative to text-only): "
+        f"maestro {eff['maestro']:.1%}, monolithic {eff['monolithic']:.1%}"
+    )
     if r.get("gantt"):
         lines.append(f"wrote {r['gantt']}")
     return "\n".join(lines)

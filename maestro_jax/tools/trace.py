@@ -25,8 +25,17 @@ def write_chrome_trace(intervals: Iterable, path: str | Path, time_scale: float 
     names = sorted({r[0] for r in rows})
     events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": n}} for i, n in enumerate(names)]
     for row, kind, label, start, end in rows:
-        events.append({"name": label, "cat": kind, "ph": "X", "pid": 0, "tid": names.index(row),
-                       "ts": start * time_scale, "dur": max(end - start, 0.0) * time_scale})
+        events.append(
+            {
+                "name": label,
+                "cat": kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": names.index(row),
+                "ts": start * time_scale,
+                "dur": max(end - start, 0.0) * time_scale,
+            }
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
@@ -47,14 +56,26 @@ def write_gantt(intervals: Iterable, path: str | Path, title: str = "") -> Path:
         y = names.index(row)
         ax.barh(y, end - start, left=start, color=COLORS.get(kind, "grey"), edgecolor="black", linewidth=0.3)
         if len(rows) <= 80:
-            ax.text(start + (end - start) / 2, y, label.split("(")[1].rstrip(")").split(",")[-1], ha="center",
-                    va="center", fontsize=6, color="white")
+            ax.text(
+                start + (end - start) / 2,
+                y,
+                label.split("(")[1].rstrip(")").split(",")[-1],
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["forward", "backward", "transfer", "cotangent transfer", "update"], loc="upper right",
-              fontsize=7, ncol=5)
+    ax.legend(
+        handles,
+        ["forward", "backward", "transfer", "cotangent transfer", "update"],
+        loc="upper right",
+        fontsize=7,
+        ncol=5,
+    )
     ax.set_title(title)
     fig.tight_layout()
     path = Path(path)

@@ -58,8 +58,7 @@ def verify(cfg: Config, rt: Runtime | None = None, step: int = 0) -> list[Diff]:
     m_updated = mono.model.update(m_states, m_grads)
     m_norms = mono.model.squared_norms(m_grads)
 
-    diffs = [compare("loss", result.loss, m_loss),
-             compare("grad_norm", global_norm(norms), global_norm(m_norms))]
+    diffs = [compare("loss", result.loss, m_loss), compare("grad_norm", global_norm(norms), global_norm(m_norms))]
     for s in sorted(result.grads):
         diffs.append(compare(f"{s}/grads", result.grads[s], m_grads[s]))
         diffs.append(compare(f"{s}/params_after_update", updated[s].params, m_updated[s].params))

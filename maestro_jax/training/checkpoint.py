@@ -81,8 +81,10 @@ def layout_difference(saved: dict, current: dict) -> str | None:
             if path not in a or path not in b:
                 return f"section {s!r}: {path} exists only in {'the checkpoint' if path in a else 'this config'}"
             if a[path] != b[path]:
-                return (f"section {s!r}: {path} is {a[path][0]} {a[path][1]} in the checkpoint, "
-                        f"{b[path][0]} {b[path][1]} in this config")
+                return (
+                    f"section {s!r}: {path} is {a[path][0]} {a[path][1]} in the checkpoint, "
+                    f"{b[path][0]} {b[path][1]} in this config"
+                )
     return None
 
 
@@ -137,11 +139,16 @@ def _view_sharding(sharding: NamedSharding) -> NamedSharding | None:
         if q != owner:
             local = [d for d in jax.devices() if d.process_index == q][: mesh.devices.size]
             if len(local) < mesh.devices.size:
-                raise NotImplementedError(f"process {q} has fewer devices ({len(local)}) than the section mesh "
-                                          f"({mesh.devices.size}); cannot build a checkpoint view")
+                raise NotImplementedError(
+                    f"process {q} has fewer devices ({len(local)}) than the section mesh "
+                    f"({mesh.devices.size}); cannot build a checkpoint view"
+                )
             rows.append(np.array(local, dtype=object).reshape(mesh.devices.shape))
-    union = Mesh(np.stack(rows), ("owner_rep",) + tuple(mesh.axis_names),
-                 axis_types=(AxisType.Auto,) * (1 + len(mesh.axis_names)))
+    union = Mesh(
+        np.stack(rows),
+        ("owner_rep",) + tuple(mesh.axis_names),
+        axis_types=(AxisType.Auto,) * (1 + len(mesh.axis_names)),
+    )
     return NamedSharding(union, sharding.spec)
 
 
@@ -151,8 +158,10 @@ def _to_view(x: jax.Array) -> jax.Array:
         return x
     own = {s.device: s.data for s in x.addressable_shards}
     shard_shape = x.sharding.shard_shape(x.shape)
-    bufs = [own[d] if d in own else jax.device_put(np.zeros(shard_shape, x.dtype), d)
-            for d in view.addressable_devices_indices_map(x.shape)]
+    bufs = [
+        own[d] if d in own else jax.device_put(np.zeros(shard_shape, x.dtype), d)
+        for d in view.addressable_devices_indices_map(x.shape)
+    ]
     return jax.make_array_from_single_device_arrays(x.shape, view, bufs)
 
 
@@ -180,9 +189,11 @@ def check_checkpoint_layout(plan) -> None:
     for name, sp in plan.sections.items():
         owners = sorted({devices[i].process_index for i in sp.devices})
         if 1 < len(owners) < jax.process_count():
-            raise ConfigError(f"error: sections.{name}.devices={list(sp.devices)}: spans processes {owners} of "
-                              f"{jax.process_count()}, and such a section cannot be checkpointed yet; place it inside "
-                              f"one process or across all of them, or set keep_checkpoints=0 (no checkpoints)")
+            raise ConfigError(
+                f"error: sections.{name}.devices={list(sp.devices)}: spans processes {owners} of "
+                f"{jax.process_count()}, and such a section cannot be checkpointed yet; place it inside "
+                f"one process or across all of them, or set keep_checkpoints=0 (no checkpoints)"
+            )
 
 
 class _OrbaxErrors(logging.Filter):
@@ -193,8 +204,12 @@ class _OrbaxErrors(logging.Filter):
     exception raised inside it) go to the `maestro_jax.orbax` logger at DEBUG instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and (_in_orbax(record.pathname) or record.exc_info and any(
-                _in_orbax(frame.filename) for frame in traceback.extract_tb(record.exc_info[2]))):
+        if record.levelno >= logging.ERROR and (
+            _in_orbax(record.pathname)
+            or (
+                record.exc_info and any(_in_orbax(frame.filename) for frame in traceback.extract_tb(record.exc_info[2]))
+            )
+        ):
             log.getChild("orbax").debug("%s", record.getMessage(), exc_info=record.exc_info)
             return False
         return True
@@ -211,15 +226,15 @@ def _quiet_orbax_errors() -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True,
-                 read_only: bool = False):
+    def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True, read_only: bool = False):
         """`read_only`: for a reader outside a run (an export, `maestro-jax eval`): nothing is
         created or cleaned up, and `save` is not allowed; restoring from read-only storage works."""
         _quiet_orbax_errors()
         if jax.process_count() > 1:
             # dummy replicas of the checkpoint view must never write (see _view_sharding)
             ocp.type_handlers.register_type_handler(
-                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+            )
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         self._saving: int | None = None  # the step whose save is in flight (one at a time)
@@ -233,11 +248,18 @@ class Checkpointer:
             self.manager = ocp.CheckpointManager(
                 self.directory,
                 options=ocp.CheckpointManagerOptions(
-                    max_to_keep=max_to_keep or None, create=not read_only, read_only=read_only,
-                    cleanup_tmp_directories=not read_only, enable_async_checkpointing=asynchronous,
-                    async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
-                                                   barrier_sync_fn=checkpoint_barrier(),
-                                                   post_finalization_callback=self._write_manifest)))
+                    max_to_keep=max_to_keep or None,
+                    create=not read_only,
+                    read_only=read_only,
+                    cleanup_tmp_directories=not read_only,
+                    enable_async_checkpointing=asynchronous,
+                    async_options=ocp.AsyncOptions(
+                        create_directories_asynchronously=False,
+                        barrier_sync_fn=checkpoint_barrier(),
+                        post_finalization_callback=self._write_manifest,
+                    ),
+                ),
+            )
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
         if jax.process_index() == 0 and not read_only:
@@ -278,9 +300,13 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
         self.wait_committed()
-        items = {f"section_{s}": ocp.args.StandardSave(jax.tree.map(_to_view, {"params": st.params,
-                                                                                "opt_state": st.opt_state}))
-                 for s, st in states.items() if st.opt_state is not None}
+        items = {
+            f"section_{s}": ocp.args.StandardSave(
+                jax.tree.map(_to_view, {"params": st.params, "opt_state": st.opt_state})
+            )
+            for s, st in states.items()
+            if st.opt_state is not None
+        }
         items["data"] = ocp.args.JsonSave(data_state)
         items["meta"] = ocp.args.JsonSave({**meta, "step": step})
         if delay := float(os.environ.get("MAESTRO_TEST_SAVE_DELAY_S", "0")):
@@ -314,9 +340,12 @@ class Checkpointer:
         peer = peer_fault(err, f"the checkpoint save of step {step}")  # a lost or stuck peer is no storage fault
         if peer is not None:
             return peer
-        return CheckpointError(f"checkpoint save of step {step} to {self.directory} failed: "
-                               f"{type(err).__name__}: {err}".replace("\n", " ")[:600]
-                               + f"; the last complete checkpoint (step {self.latest_step()}) is intact")
+        return CheckpointError(
+            f"checkpoint save of step {step} to {self.directory} failed: {type(err).__name__}: {err}".replace(
+                "\n", " "
+            )[:600]
+            + f"; the last complete checkpoint (step {self.latest_step()}) is intact"
+        )
 
     def wait_committed(self) -> None:
         """Wait until the last save is committed; raise its error as a `CheckpointError`."""
@@ -342,7 +371,7 @@ class Checkpointer:
                 self.manager.close()
                 if jax.process_index() == 0 and not self.read_only:
                     self._remove_stray_manifests()
-            except Exception as err:  # a failed save's leftovers; the error that matters is raised above
+            except Exception as err:  # noqa: BLE001 - a failed save's leftovers; the error that matters is raised above
                 log.warning("closing the checkpoint manager: %s: %s", type(err).__name__, err)
 
     # -- restoring --------------------------------------------------------------------------
@@ -381,11 +410,12 @@ class Checkpointer:
                 raise CheckpointMismatchError(
                     f"error: checkpoint step {step} in {self.directory} does not match this config ({mismatch}); "
                     f"resume with the model, optimizer and precision it was saved with, or use a new output_dir "
-                    f"(the checkpoint is left in place)")
+                    f"(the checkpoint is left in place)"
+                )
             if problem is None:
                 try:
                     return (step, *self.restore(step, targets))
-                except Exception as err:  # a file that passed checksums but cannot be read
+                except Exception as err:  # noqa: BLE001 - a file that passed checksums but cannot be read
                     problem = f"restore failed: {type(err).__name__}: {err}".replace("\n", " ")[:400]
             self._quarantine(step, problem)
         return None
@@ -407,9 +437,13 @@ class Checkpointer:
 
     def restore(self, step: int, targets: dict[str, SectionState]) -> tuple[dict[str, SectionState], dict, dict]:
         """Restore into `targets`' shardings (the current plan). Missing or extra leaves fail loudly."""
-        items = {f"section_{s}": ocp.args.StandardRestore(jax.tree.map(_view_target, {"params": st.params,
-                                                                                     "opt_state": st.opt_state}))
-                 for s, st in targets.items() if st.opt_state is not None}
+        items = {
+            f"section_{s}": ocp.args.StandardRestore(
+                jax.tree.map(_view_target, {"params": st.params, "opt_state": st.opt_state})
+            )
+            for s, st in targets.items()
+            if st.opt_state is not None
+        }
         items["data"] = ocp.args.JsonRestore()
         items["meta"] = ocp.args.JsonRestore()
         got = self.manager.restore(step, args=ocp.args.Composite(**items))

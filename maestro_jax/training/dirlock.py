@@ -81,8 +81,10 @@ def hold_directories(directories: dict[str, str | Path | None]):
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     f.close()
-                    refusal = (f"error: {key} {d} is in use by another run ({_holder(d / LOCK_FILE)}); "
-                               f"wait for it to end, stop it, or use another {key}")
+                    refusal = (
+                        f"error: {key} {d} is in use by another run ({_holder(d / LOCK_FILE)}); "
+                        f"wait for it to end, stop it, or use another {key}"
+                    )
                     break
                 except OSError as err:
                     f.close()

@@ -1,10 +1,12 @@
-"""Held-out loss through the training plan: the same sections, meshes and schedule, forward only.
+"""Held-out loss through the training plan: the same sections, meshes and schedule.
 
 The `eval` block names a data source and how many global batches of it count. They are read,
 checked, scheduled and packed once, in order, so every evaluation sees the same samples and
 its losses compare across steps. The loss is the mean over every loss-carrying token of those
 batches (each batch's mean weighted by its token count), the training loss's normalisation.
-`issue` queues the forwards behind the step's update and returns at once; `read` waits.
+`issue` queues the work behind the step's update and returns at once; `read` waits. Today the
+batches run the training step's programs and their gradients are dropped (a forward-only
+executor path is the next step); params and optimizer state are never touched.
 """
 
 from __future__ import annotations
@@ -30,19 +32,24 @@ class Evaluation:
     def __init__(self, rt: Runtime, source, batches: int, seed: int):
         data = global_batches(source, rt.cfg.global_batch, seed, shuffle=False, check=rt.check)
         if len(data) < batches:
-            raise ConfigError(f"error: eval.batches={batches}: the eval data holds {len(data)} global batches of "
-                              f"{rt.cfg.global_batch}; valid: at most {len(data)}")
+            raise ConfigError(
+                f"error: eval.batches={batches}: the eval data holds {len(data)} global batches of "
+                f"{rt.cfg.global_batch}; valid: at most {len(data)}"
+            )
         self.rt, self.batches = rt, []
         for i in range(batches):
             samples = data[i]
             schedule = rt.schedule(samples)
-            self.batches.append(_EvalBatch(samples, schedule, rt.executor.host_batches(samples, schedule),
-                                           rt.graph.loss_count(samples)))
+            self.batches.append(
+                _EvalBatch(samples, schedule, rt.executor.host_batches(samples, schedule), rt.graph.loss_count(samples))
+            )
 
     def issue(self, states) -> list:
         """Each batch's loss as a device scalar, queued on the devices; nothing is waited for."""
-        return [(self.rt.executor.evaluate(states, b.samples, b.schedule, host=b.host, norm=b.tokens), b.tokens)
-                for b in self.batches]
+        return [
+            (self.rt.executor.run(states, b.samples, b.schedule, host=b.host, norm=b.tokens).loss, b.tokens)
+            for b in self.batches
+        ]
 
     @staticmethod
     def read(issued: list) -> float:
@@ -57,7 +64,7 @@ def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
     if cfg.eval is None:
         return None
     if source is None:
-        from maestro_jax import workloads  # noqa: PLC0415 - the config's workload builds its source
+        from maestro_jax import workloads
 
         if cfg.workload is None:
             raise ConfigError("error: eval: a user graph evaluates on its own source; pass eval_source to Trainer")
@@ -71,8 +78,8 @@ def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None) -> tu
     committed one). Like an export, it holds the run lock of the directories while it reads (a
     live run cannot rotate the checkpoints under it) and opens the checkpoints read-only.
     Returns (step, loss)."""
-    from maestro_jax.training.checkpoint import Checkpointer  # noqa: PLC0415
-    from maestro_jax.training.dirlock import hold_directories  # noqa: PLC0415
+    from maestro_jax.training.checkpoint import Checkpointer
+    from maestro_jax.training.dirlock import hold_directories
 
     evaluation = evaluation_for(cfg, rt)
     if evaluation is None:

@@ -58,8 +58,9 @@ class IssuedStep:
     result (a checkpoint, the last step, a preemption, `on_nonfinite: skip`), and the record's
     `wait_reason` says which."""
 
-    def __init__(self, step: int, loss, finite: dict, sink: str, on_nonfinite: str, record: dict,
-                 norms_sq: dict | None = None):
+    def __init__(
+        self, step: int, loss, finite: dict, sink: str, on_nonfinite: str, record: dict, norms_sq: dict | None = None
+    ):
         self.step, self.loss, self.finite, self.sink, self.on_nonfinite = step, loss, finite, sink, on_nonfinite
         self.record = record
         self.norms_sq = norms_sq or {}  # each trained section's squared grad norm, a device scalar
@@ -93,8 +94,17 @@ class IssuedStep:
         return self.record
 
 
-def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
-               host: dict | None = None, ahead=None):
+def issue_step(
+    rt,
+    states,
+    samples,
+    step: int,
+    on_nonfinite: str = "stop",
+    schedule=None,
+    norm: int | None = None,
+    host: dict | None = None,
+    ahead=None,
+):
     """Issue one optimizer step without waiting for it: returns the new states and its `IssuedStep`.
 
     NaN/inf in the loss or a section's gradients is detected per section when the step is read.
@@ -114,9 +124,20 @@ def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     result = rt.executor.run(states, samples, schedule, host=host, norm=norm, ahead=ahead)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
     norms_sq = rt.executor.squared_norms(result.grads)
-    issued = IssuedStep(step, result.loss, finite, rt.graph.sink, on_nonfinite, {
-        "step": step, "in_flight_waits": result.in_flight_waits, "in_flight_wait_s": result.in_flight_wait_s,
-        "transfer_issue_s": result.transfer_issue_s}, norms_sq)
+    issued = IssuedStep(
+        step,
+        result.loss,
+        finite,
+        rt.graph.sink,
+        on_nonfinite,
+        {
+            "step": step,
+            "in_flight_waits": result.in_flight_waits,
+            "in_flight_wait_s": result.in_flight_wait_s,
+            "transfer_issue_s": result.transfer_issue_s,
+        },
+        norms_sq,
+    )
     if on_nonfinite == "skip":
         issued.record["dispatch_s"] = time.perf_counter() - t0
         issued.record["wait_reason"] = "on_nonfinite=skip"
@@ -131,8 +152,16 @@ def issue_step(rt, states, samples, step: int, on_nonfinite: str = "stop", sched
     return states, issued
 
 
-def train_step(rt, states, samples, step: int, on_nonfinite: str = "stop", schedule=None, norm: int | None = None,
-               host: dict | None = None):
+def train_step(
+    rt,
+    states,
+    samples,
+    step: int,
+    on_nonfinite: str = "stop",
+    schedule=None,
+    norm: int | None = None,
+    host: dict | None = None,
+):
     """One optimizer step, read at once: `issue_step` followed by `IssuedStep.read`.
 
     Returns the new states and the step's metrics record; under `on_nonfinite="stop"` a
@@ -172,8 +201,9 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
         data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
         ckpt, start = None, 0
         if keep:
-            ckpt = stack.enter_context(Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints",
-                                                    cfg.keep_checkpoints, cfg.async_checkpoint))
+            ckpt = stack.enter_context(
+                Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
+            )
             if (restored := ckpt.restore_latest(states)) is not None:  # another config's checkpoint stops here
                 start, states, data_state, _ = restored
                 data.set_state(data_state)
@@ -187,8 +217,15 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
             _write_config(cfg, out_dir)
         evaluation = evaluation_for(cfg, rt, eval_source)
         tracked = stack.enter_context(output_trackers(out_dir, start, trackers))
-        bar = stack.enter_context(tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
-                                       disable=not progress or jax.process_index() != 0))
+        bar = stack.enter_context(
+            tqdm(
+                total=cfg.steps,
+                initial=start,
+                desc="train",
+                unit="step",
+                disable=not progress or jax.process_index() != 0,
+            )
+        )
         history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, _StepLog(tracked, bar), say).run(states, start)
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
@@ -198,9 +235,11 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
 
 def _say(progress: bool):
     """Process 0's one-line reports (resume, checkpoints), kept clear of the progress bar."""
+
     def say(line: str) -> None:
         if jax.process_index() == 0:
             tqdm.write(line) if progress else print(line, flush=True)
+
     return say
 
 
@@ -218,8 +257,10 @@ def _preempted_in_startup(preemption: Preemption, out_dir: Path | None, start: i
     if not preemption.requested or jax.process_count() > 1:
         return False
     held = f"the last committed checkpoint, step {start} in {out_dir}, is intact" if start else "no checkpoint yet"
-    print(f"SIGTERM during start-up: stopping before the first step; nothing new to save ({held}); "
-          f"re-run to resume", flush=True)
+    print(
+        f"SIGTERM during start-up: stopping before the first step; nothing new to save ({held}); re-run to resume",
+        flush=True,
+    )
     return True
 
 
@@ -235,8 +276,9 @@ class _StepLog:
         self.trackers, self.bar, self.history = trackers, bar, []
         self.last_read = time.perf_counter()
 
-    def read(self, issued: IssuedStep, prepared: PreparedBatch, data_wait_s: float,
-             wait_reason: str | None = None) -> None:
+    def read(
+        self, issued: IssuedStep, prepared: PreparedBatch, data_wait_s: float, wait_reason: str | None = None
+    ) -> None:
         rec = issued.read()
         if issued.evaluated:
             rec["eval_loss"] = Evaluation.read(issued.evaluated)
@@ -244,11 +286,20 @@ class _StepLog:
         dt, self.last_read = now - self.last_read, now
         batch, samples = prepared.batch, prepared.batch.samples
         tokens = sum(len(s.tokens) - 1 for s in samples)
-        rec.update({"samples_per_s": len(samples) / dt, "tokens_per_s": tokens / dt, "step_time_s": dt,
-                    "data_wait_s": data_wait_s, "read_ahead_s": prepared.read_s,
-                    "schedule_ahead_s": batch.schedule_s, "pack_ahead_s": prepared.pack_s,
-                    "sample_ids": [int(s.id) for s in samples],
-                    "data_read_bytes": batch.read_bytes, "data_decoded_bytes": batch.decoded_bytes})
+        rec.update(
+            {
+                "samples_per_s": len(samples) / dt,
+                "tokens_per_s": tokens / dt,
+                "step_time_s": dt,
+                "data_wait_s": data_wait_s,
+                "read_ahead_s": prepared.read_s,
+                "schedule_ahead_s": batch.schedule_s,
+                "pack_ahead_s": prepared.pack_s,
+                "sample_ids": [int(s.id) for s in samples],
+                "data_read_bytes": batch.read_bytes,
+                "data_decoded_bytes": batch.decoded_bytes,
+            }
+        )
         if wait_reason and "wait_reason" not in rec:
             rec["wait_reason"] = wait_reason
         if prepared.skipped is not None:
@@ -280,8 +331,17 @@ class _Loop:
             for done in range(start + 1, self.cfg.steps + 1):
                 prepared = next(self.data)  # read, scheduled and packed while the previous step ran
                 batch = prepared.batch
-                states, issued = issue_step(self.rt, states, batch.samples, done, self.cfg.on_nonfinite,
-                                            batch.schedule, batch.loss_count, prepared.host, ahead)
+                states, issued = issue_step(
+                    self.rt,
+                    states,
+                    batch.samples,
+                    done,
+                    self.cfg.on_nonfinite,
+                    batch.schedule,
+                    batch.loss_count,
+                    prepared.host,
+                    ahead,
+                )
                 ahead = self._run_ahead(states, done)
                 self._evaluate(done, states, issued)
                 self._read_pending()  # the previous step, read now that this one is queued behind it
@@ -335,5 +395,5 @@ class _Loop:
         if self.pending and not isinstance(fault, PeerError) and not self.pending[0].was_read:
             try:
                 self._read_pending()
-            except Exception as err:  # NonFiniteError included: the fault being raised comes first
+            except Exception as err:  # noqa: BLE001 - NonFiniteError included: the fault being raised comes first
                 log.error("%s", err)

@@ -98,12 +98,17 @@ class Prefetcher:
                 batch = next(self._reader)
                 t1 = time.perf_counter()
                 host = self._executor.host_batches(batch.samples, batch.schedule)
-                item = PreparedBatch(batch, host, self._reader.get_state(),
-                                     self._bad.drain() if self._bad is not None else None, t1 - t0,
-                                     time.perf_counter() - t1)
+                item = PreparedBatch(
+                    batch,
+                    host,
+                    self._reader.get_state(),
+                    self._bad.drain() if self._bad is not None else None,
+                    t1 - t0,
+                    time.perf_counter() - t1,
+                )
             except StopIteration:
                 item = _DONE
-            except BaseException as err:  # handed to the loop, raised at the batch it belongs to
+            except BaseException as err:  # noqa: BLE001 - handed to the loop, raised at the batch it belongs to
                 item = err
             while not self._stop.is_set():
                 try:

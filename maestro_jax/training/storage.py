@@ -32,8 +32,10 @@ def describe(err: OSError) -> str:
 
 
 def write_error(key: str, path: Path, err: OSError, doing: str = "writing") -> StorageError:
-    return StorageError(f"{key}: {doing} {path} failed: {describe(err)}; free space or make the directory "
-                        f"writable (or set another {key})")
+    return StorageError(
+        f"{key}: {doing} {path} failed: {describe(err)}; free space or make the directory "
+        f"writable (or set another {key})"
+    )
 
 
 def directory_problem(key: str, d: Path) -> tuple[str, str] | None:
@@ -41,8 +43,10 @@ def directory_problem(key: str, d: Path) -> tuple[str, str] | None:
     blocker = next((p for p in (d, *d.parents) if p.exists() or p.is_symlink()), None)
     if blocker is not None and not blocker.is_dir():
         what = "is a file" if blocker == d else f"cannot be created: {blocker} is a file"
-        return "config", (f"error: {key}={str(d)!r}: {what}, not a directory; valid: a directory (existing, or "
-                          f"one that can be created)")
+        return "config", (
+            f"error: {key}={str(d)!r}: {what}, not a directory; valid: a directory (existing, or "
+            f"one that can be created)"
+        )
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -60,8 +64,10 @@ def directory_problem(key: str, d: Path) -> tuple[str, str] | None:
             if probe.exists():
                 probe.unlink()
     except OSError as err:
-        return "storage", (f"{key} {d} is not writable: {describe(err)}; nothing was trained; free space or "
-                           f"make it writable, or set another {key}")
+        return "storage", (
+            f"{key} {d} is not writable: {describe(err)}; nothing was trained; free space or "
+            f"make it writable, or set another {key}"
+        )
     return None
 
 

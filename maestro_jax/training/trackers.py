@@ -44,8 +44,9 @@ class JsonlTracker:
     def __init__(self, path: Path, start: int = 0):
         self.path = path
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None
-                    and step <= start]
+            kept = [
+                line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= start
+            ]
             tmp = path.with_suffix(".jsonl.tmp")
             try:
                 tmp.write_text("".join(line + "\n" for line in kept))
@@ -80,8 +81,9 @@ class TensorBoardTracker:
             directory.mkdir(parents=True, exist_ok=True)
             self._events = EventsWriter(str(directory / "events"))
             if start:
-                self._events.write_event(Event(wall_time=time.time(), step=start + 1,
-                                               session_log=SessionLog(status=SessionLog.START)))
+                self._events.write_event(
+                    Event(wall_time=time.time(), step=start + 1, session_log=SessionLog(status=SessionLog.START))
+                )
         except OSError as err:
             raise write_error("output_dir", directory, err) from None
 
@@ -89,8 +91,9 @@ class TensorBoardTracker:
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         try:
             for key, value in numbers.items():
-                self._events.write_event(Event(wall_time=time.time(), step=record["step"],
-                                                     summary=scalar(f"train/{key}", value)))
+                self._events.write_event(
+                    Event(wall_time=time.time(), step=record["step"], summary=scalar(f"train/{key}", value))
+                )
         except OSError as err:
             raise write_error("output_dir", self.directory, err, "writing TensorBoard events to") from None
 

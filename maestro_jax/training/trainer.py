@@ -20,8 +20,7 @@ from maestro_jax.runtime.build import build_runtime
 
 
 class Trainer:
-    def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None,
-                 eval_source=None):
+    def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None, eval_source=None):
         """`source`: any random-access source of `maestro_jax.data.Sample` (`__len__`,
         `__getitem__`; `info(i)` optional); `check(sample, parts=None)` validates a sample (raise DataError); `parts`
         names the parts this process decoded (None: all; the others are zeros). `eval_source`:

@@ -50,34 +50,41 @@ def resolve(name: str | None) -> Workload:
     """The workload a config names (a built-in name, or `package.module:NAME` imported); ConfigError
     naming the valid choices when it is missing, unknown, unimportable or not a `Workload`."""
     if name is None:
-        raise ConfigError(f"error: workload: missing; valid: {', '.join(BUILTIN)}, or a plug-in "
-                          f"'package.module:NAME' (a Python caller may instead pass its own graph to Trainer)")
+        raise ConfigError(
+            f"error: workload: missing; valid: {', '.join(BUILTIN)}, or a plug-in "
+            f"'package.module:NAME' (a Python caller may instead pass its own graph to Trainer)"
+        )
     if name in BUILTIN:
         return importlib.import_module(f"maestro_jax.workloads.{name}").WORKLOAD
     module, _, attr = name.partition(":")
     if not attr:
-        raise ConfigError(f"error: workload={name!r}: unknown; valid: {', '.join(BUILTIN)}, or a plug-in "
-                          f"'package.module:NAME' naming a maestro_jax.workloads.Workload")
+        raise ConfigError(
+            f"error: workload={name!r}: unknown; valid: {', '.join(BUILTIN)}, or a plug-in "
+            f"'package.module:NAME' naming a maestro_jax.workloads.Workload"
+        )
     try:
         found = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
-        raise ConfigError(f"error: workload={name!r}: cannot import it ({err}); valid: {', '.join(BUILTIN)}, or "
-                          f"'package.module:NAME'") from None
+        raise ConfigError(
+            f"error: workload={name!r}: cannot import it ({err}); valid: {', '.join(BUILTIN)}, or 'package.module:NAME'"
+        ) from None
     if not isinstance(found, Workload):
-        raise ConfigError(f"error: workload={name!r}: is a {type(found).__name__}, not a "
-                          f"maestro_jax.workloads.Workload")
+        raise ConfigError(
+            f"error: workload={name!r}: is a {type(found).__name__}, not a maestro_jax.workloads.Workload"
+        )
     return found
 
 
 def model(cfg: Config, name: str, kind: str):
     """`models.<name>` as the Flax model's own config dataclass, with the activation checkpointing
     (`remat`) of the section named like it; ConfigError when missing or of another kind."""
-    from models import AudioConfig, LLMConfig, ViTConfig  # noqa: PLC0415
+    from models import AudioConfig, LLMConfig, ViTConfig
 
     m = cfg.models.get(name)
     if m is None:
-        raise ConfigError(f"error: models.{name}: missing; workload {cfg.workload!r} needs a model of kind {kind!r} "
-                          f"named {name!r}")
+        raise ConfigError(
+            f"error: models.{name}: missing; workload {cfg.workload!r} needs a model of kind {kind!r} named {name!r}"
+        )
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
     fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
@@ -103,8 +110,10 @@ def build_graph(cfg: Config) -> SectionGraph:
 def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -> None:
     """The config names exactly the graph's sections, and only edges the graph has."""
     if set(cfg.sections) != set(graph.names):
-        raise ConfigError(f"error: sections={sorted(cfg.sections)}: {owner} has sections {sorted(graph.names)}; "
-                          f"give each exactly one entry")
+        raise ConfigError(
+            f"error: sections={sorted(cfg.sections)}: {owner} has sections {sorted(graph.names)}; "
+            f"give each exactly one entry"
+        )
     for e in cfg.edges:
         if e not in {x.name for x in graph.edges}:
             raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
@@ -114,7 +123,7 @@ def source_from_config(cfg: Config):
     """The configured sample source (`data.kind`): the ArrayRecord files as they are, or a seeded
     synthetic source over the workload's vocabulary whose items are the workload's modalities that
     `data.modalities` gives sizes to (each name and size checked against the workload)."""
-    from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource  # noqa: PLC0415
+    from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource
 
     if cfg.data.kind == "array_record":
         return ArrayRecordSource(tuple(cfg.data.paths))
@@ -122,8 +131,9 @@ def source_from_config(cfg: Config):
     known = {m.name: m for m in workload.modalities(cfg)}
     for name in cfg.data.modalities:
         if name not in known:
-            raise ConfigError(f"error: data.modalities.{name}: workload {cfg.workload!r} takes "
-                              f"{sorted(known) or 'text only'}")
+            raise ConfigError(
+                f"error: data.modalities.{name}: workload {cfg.workload!r} takes {sorted(known) or 'text only'}"
+            )
     items = []
     for name, m in known.items():
         d = cfg.data.modalities.get(name)
@@ -131,39 +141,47 @@ def source_from_config(cfg: Config):
             continue
         for size in d.sizes:
             if len(size) != len(m.unit):
-                raise ConfigError(f"error: data.modalities.{name}.sizes={d.sizes}: each size has {len(m.unit)} "
-                                  f"spatial dims for {name}")
+                raise ConfigError(
+                    f"error: data.modalities.{name}.sizes={d.sizes}: each size has {len(m.unit)} "
+                    f"spatial dims for {name}"
+                )
         items.append(SyntheticItems(m, d.fraction, d.max_items, tuple(tuple(s) for s in d.sizes)))
-    return SyntheticSource(num_samples=cfg.data.num_samples, vocab=workload.vocab(cfg),
-                           text_len=tuple(cfg.data.text_len), items=tuple(items), seed=cfg.seed)
+    return SyntheticSource(
+        num_samples=cfg.data.num_samples,
+        vocab=workload.vocab(cfg),
+        text_len=tuple(cfg.data.text_len),
+        items=tuple(items),
+        seed=cfg.seed,
+    )
 
 
 def sample_check(cfg: Config):
     """`check(sample, parts=None)`: the validation every sample passes before it is trained on
     (`data.samples.validate_sample` against the workload's modalities, its vocabulary and
     `data.max_tokens`)."""
-    import functools  # noqa: PLC0415
+    import functools
 
-    from maestro_jax.data.samples import validate_sample  # noqa: PLC0415
+    from maestro_jax.data.samples import validate_sample
 
     workload = resolve(cfg.workload)
-    return functools.partial(validate_sample, modalities=workload.modalities(cfg), max_tokens=cfg.data.max_tokens,
-                             vocab=workload.vocab(cfg))
+    return functools.partial(
+        validate_sample, modalities=workload.modalities(cfg), max_tokens=cfg.data.max_tokens, vocab=workload.vocab(cfg)
+    )
 
 
 def info_check(cfg: Config):
     """The metadata half of `sample_check` (`data.samples.validate_info`: length, modalities, item
     shapes; no vocabulary, which needs the tokens), run on every process before scheduling."""
-    import functools  # noqa: PLC0415
+    import functools
 
-    from maestro_jax.data.samples import validate_info  # noqa: PLC0415
+    from maestro_jax.data.samples import validate_info
 
-    return functools.partial(validate_info, modalities=resolve(cfg.workload).modalities(cfg),
-                             max_tokens=cfg.data.max_tokens)
+    return functools.partial(
+        validate_info, modalities=resolve(cfg.workload).modalities(cfg), max_tokens=cfg.data.max_tokens
+    )
 
 
-def mean_item_units(cfg: Config, modality: str, per_item: Callable[[tuple[int, ...]], float],
-                    default: float) -> float:
+def mean_item_units(cfg: Config, modality: str, per_item: Callable[[tuple[int, ...]], float], default: float) -> float:
     """The mean work units of one item of `modality` over the sizes `data.modalities.<modality>`
     lists (`default` when it lists none), for the attention context a cost declaration assumes."""
     d = cfg.data.modalities.get(modality)
@@ -177,32 +195,42 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
     `jax.eval_shape` of the graph's own `init` (traced, never compiled nor allocated) as
     `params.param_infos` records, the costs each section declares, each section's configured
     precision, the edges' bytes per unit."""
-    import jax  # noqa: PLC0415
+    import jax
 
-    from maestro_jax.core.plan import EdgeInfo  # noqa: PLC0415
-    from maestro_jax.planning.spec import SectionSpec, WorkloadSpec  # noqa: PLC0415
-    from maestro_jax.workloads.params import param_infos  # noqa: PLC0415
+    from maestro_jax.core.plan import EdgeInfo
+    from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
+    from maestro_jax.workloads.params import param_infos
 
     graph = graph or build_graph(cfg)
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
     sections = {}
     for s in graph.topological_order():
         sec = graph.section(s)
-        sections[s] = SectionSpec(s, sec.trained, tuple(param_infos(abstract[s]["params"])), sec.cost,
-                                  tuple(param_infos(abstract[s]["consts"])),
-                                  cfg.sections[s].precision if s in cfg.sections else "float32")
-    return WorkloadSpec(cfg.workload or "+".join(graph.names), sections, tuple(EdgeInfo(e.name, e.src, e.dst) for e in graph.edges),
-                        {e.name: e.bytes_per_unit for e in graph.edges}, graph.sink)
+        sections[s] = SectionSpec(
+            s,
+            sec.trained,
+            tuple(param_infos(abstract[s]["params"])),
+            sec.cost,
+            tuple(param_infos(abstract[s]["consts"])),
+            cfg.sections[s].precision if s in cfg.sections else "float32",
+        )
+    return WorkloadSpec(
+        cfg.workload or "+".join(graph.names),
+        sections,
+        tuple(EdgeInfo(e.name, e.src, e.dst) for e in graph.edges),
+        {e.name: e.bytes_per_unit for e in graph.edges},
+        graph.sink,
+    )
 
 
 def planning_batches(cfg: Config, graph: SectionGraph, count: int, source=None):
     """`count` global batches of sample metadata (sections activated, work units), from the
     source's `info` (sizes only, no payload): the source's samples in order, or in a seeded
     shuffled order under `data.shuffle`, repeated as often as `count` batches need."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
-    from maestro_jax.data.sources import sample_info  # noqa: PLC0415
-    from maestro_jax.schedule import sample_metas  # noqa: PLC0415
+    from maestro_jax.data.sources import sample_info
+    from maestro_jax.schedule import sample_metas
 
     source = source if source is not None else source_from_config(cfg)
     idx = np.arange(len(source))
@@ -210,4 +238,6 @@ def planning_batches(cfg: Config, graph: SectionGraph, count: int, source=None):
         np.random.default_rng(cfg.seed).shuffle(idx)
     idx = np.tile(idx, 1 + (count * cfg.global_batch) // len(source))
     gb = cfg.global_batch
-    return [sample_metas(graph, [sample_info(source, int(i)) for i in idx[b * gb:(b + 1) * gb]]) for b in range(count)]
+    return [
+        sample_metas(graph, [sample_info(source, int(i)) for i in idx[b * gb : (b + 1) * gb]]) for b in range(count)
+    ]

@@ -28,10 +28,17 @@ def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0) -> UnitCost:
     proj = 2 * c.width * (c.heads + 2 * c.kv_heads) * c.head_dim + 2 * c.heads * c.head_dim * c.width
     ffn = 3 * 2 * c.width * mlp + (2 * c.width * c.experts if moe else 0)
     linear = c.depth * (proj + ffn) + (2 * c.width * c.vocab if head else 0)
-    return UnitCost(flops=float(linear + extra_flops), attention_flops=float(c.depth * 2 * 2 * c.heads * c.head_dim) / 2,
-                    width=c.width, layer_bytes=6 * c.width * F32, layer_bytes_sharded=3 * mlp * F32,
-                    layers=c.depth, logits=c.vocab if head else 0, kv_width=2 * c.kv_heads * c.head_dim,
-                    routed_width=c.experts_per_token * c.width if moe else 0)
+    return UnitCost(
+        flops=float(linear + extra_flops),
+        attention_flops=float(c.depth * 2 * 2 * c.heads * c.head_dim) / 2,
+        width=c.width,
+        layer_bytes=6 * c.width * F32,
+        layer_bytes_sharded=3 * mlp * F32,
+        layers=c.depth,
+        logits=c.vocab if head else 0,
+        kv_width=2 * c.kv_heads * c.head_dim,
+        routed_width=c.experts_per_token * c.width if moe else 0,
+    )
 
 
 def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
@@ -40,14 +47,28 @@ def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
     window = c.merge * c.merge
     merger = (2 * window * c.width * 2 * c.out_width + 2 * 2 * c.out_width * c.out_width) / window
     linear = 2 * c.patch_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + merger
-    return UnitCost(flops=float(linear), attention_flops=float(c.depth * 2 * 2 * c.width),
-                    attention_span=mean_patches_per_image, width=c.width, layer_bytes=6 * c.width * F32,
-                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth, kv_width=2 * c.width)
+    return UnitCost(
+        flops=float(linear),
+        attention_flops=float(c.depth * 2 * 2 * c.width),
+        attention_span=mean_patches_per_image,
+        width=c.width,
+        layer_bytes=6 * c.width * F32,
+        layer_bytes_sharded=3 * c.mlp * F32,
+        layers=c.depth,
+        kv_width=2 * c.width,
+    )
 
 
 def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
     """An audio token (a group of frames); attention runs within each clip."""
     linear = 2 * c.token_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
-    return UnitCost(flops=float(linear), attention_flops=float(c.depth * 2 * 2 * c.width),
-                    attention_span=mean_tokens_per_clip, width=c.width, layer_bytes=6 * c.width * F32,
-                    layer_bytes_sharded=3 * c.mlp * F32, layers=c.depth, kv_width=2 * c.width)
+    return UnitCost(
+        flops=float(linear),
+        attention_flops=float(c.depth * 2 * 2 * c.width),
+        attention_span=mean_tokens_per_clip,
+        width=c.width,
+        layer_bytes=6 * c.width * F32,
+        layer_bytes_sharded=3 * c.mlp * F32,
+        layers=c.depth,
+        kv_width=2 * c.width,
+    )

@@ -33,9 +33,16 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
         x = body.apply(v, batch["input_ids"], method=DecoderLM.embed)
         return {edge: body.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)}
 
-    return Section("teacher", trained=False, forward=forward,
-                   host_batch=lambda rows, routes: R.text_rows(rows, modalities), activates=lambda s: True,
-                   work=R.next_token_units, cost=llm_cost(teacher, head=False), reads=(TOKENS,))
+    return Section(
+        "teacher",
+        trained=False,
+        forward=forward,
+        host_batch=lambda rows, routes: R.text_rows(rows, modalities),
+        activates=lambda s: True,
+        work=R.next_token_units,
+        cost=llm_cost(teacher, head=False),
+        reads=(TOKENS,),
+    )
 
 
 def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: float):
@@ -84,8 +91,9 @@ def build(cfg: Config) -> SectionGraph:
         return {**R.text_rows(rows), "teacher_row": R.route(routes, EDGE, rows)}
 
     def student_forward(variables, inputs, batch):
-        s_logits, aux = apply_with_losses(s_model, {"params": variables["params"]}, batch["input_ids"],
-                                          batch["positions"], batch["valid"])
+        s_logits, aux = apply_with_losses(
+            s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"]
+        )
         t_hidden = R.gather(inputs, EDGE, batch["teacher_row"], length=batch["input_ids"].shape[1])
         t_logits = t_hidden @ variables["consts"]["teacher_head"]
         loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
@@ -93,15 +101,24 @@ def build(cfg: Config) -> SectionGraph:
 
     def init(key):
         t, s, head = init_teacher_and_student(teacher, student, key)
-        return {"teacher": {"params": {}, "consts": {"llm": t}},
-                "student": {"params": s, "consts": {"teacher_head": head}}}
+        return {
+            "teacher": {"params": {}, "consts": {"llm": t}},
+            "student": {"params": s, "consts": {"teacher_head": head}},
+        }
 
     return SectionGraph(
         sections=(
             teacher_section(teacher),
-            Section("student", trained=True, forward=student_forward, host_batch=student_batch,
-                    activates=lambda s: True, work=R.next_token_units,
-                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab), reads=(TOKENS,)),
+            Section(
+                "student",
+                trained=True,
+                forward=student_forward,
+                host_batch=student_batch,
+                activates=lambda s: True,
+                work=R.next_token_units,
+                cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
+                reads=(TOKENS,),
+            ),
         ),
         edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
         init=init,
@@ -109,5 +126,6 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
-WORKLOAD = Workload("kd", build, vocab=shared_vocab,
-                    pretrained={"teacher": load_teacher_section, "student": load_llm_section})
+WORKLOAD = Workload(
+    "kd", build, vocab=shared_vocab, pretrained={"teacher": load_teacher_section, "student": load_llm_section}
+)

@@ -31,7 +31,7 @@ def audio_modality(a: AudioConfig) -> Modality:
 def frame_groups(clip: np.ndarray, frames_per_token: int) -> tuple[np.ndarray, np.ndarray]:
     """A clip T x mel -> (tokens N x frames_per_token*mel, positions N x 1)."""
     n = clip.shape[0] // frames_per_token
-    return clip[:n * frames_per_token].reshape(n, -1), np.arange(n)[:, None]
+    return clip[: n * frames_per_token].reshape(n, -1), np.arange(n)[:, None]
 
 
 def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float) -> Section:
@@ -44,17 +44,28 @@ def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float) -> Section
         return {"frames": b["pieces"], "segments": b["segments"], "positions": b["positions"]}
 
     def forward(variables, inputs, batch):
-        return {AUDIO: encoder.apply({"params": variables["params"]}, batch["frames"], batch["segments"],
-                                     batch["positions"])}
+        return {
+            AUDIO: encoder.apply(
+                {"params": variables["params"]}, batch["frames"], batch["segments"], batch["positions"]
+            )
+        }
 
-    return Section("audio", trained=True, forward=forward, host_batch=host_batch, activates=lambda s: s.has("audio"),
-                   work=lambda s: sum(t // a.frames_per_token for t, _ in s.shapes("audio")),
-                   cost=audio_cost(a, mean_tokens), reads=("audio",))
+    return Section(
+        "audio",
+        trained=True,
+        forward=forward,
+        host_batch=host_batch,
+        activates=lambda s: s.has("audio"),
+        work=lambda s: sum(t // a.frames_per_token for t, _ in s.shapes("audio")),
+        cost=audio_cost(a, mean_tokens),
+        reads=("audio",),
+    )
 
 
 def init_audio(a: AudioConfig, key):
-    return AudioEncoder(a).init(key, jnp.zeros((1, 16, a.token_features)), jnp.ones((1, 16), jnp.int32),
-                                jnp.zeros((1, 16, 1), jnp.int32))
+    return AudioEncoder(a).init(
+        key, jnp.zeros((1, 16, a.token_features)), jnp.ones((1, 16), jnp.int32), jnp.zeros((1, 16, 1), jnp.int32)
+    )
 
 
 def build(cfg: Config) -> SectionGraph:
@@ -63,9 +74,11 @@ def build(cfg: Config) -> SectionGraph:
 
     def init(key):
         kv, ka, kl = jax.random.split(key, 3)
-        return {"vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
-                "audio": {"params": init_audio(aud, ka)["params"], "consts": {}},
-                "llm": {"params": init_llm(llm, kl)["params"], "consts": {}}}
+        return {
+            "vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
+            "audio": {"params": init_audio(aud, ka)["params"], "consts": {}},
+            "llm": {"params": init_llm(llm, kl)["params"], "consts": {}},
+        }
 
     mean_tokens = mean_item_units(cfg, "audio", lambda t: t[0] // aud.frames_per_token, aud.max_tokens / 4)
     return SectionGraph(
@@ -74,14 +87,19 @@ def build(cfg: Config) -> SectionGraph:
             audio_section(aud, llm.width, mean_tokens),
             llm_section(llm, dict(zip((IMAGES, AUDIO), modalities)), llm_cost(llm, head=True)),
         ),
-        edges=(Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),
-               Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width)),
+        edges=(
+            Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),
+            Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width),
+        ),
         init=init,
         loss_count=R.loss_tokens(modalities),
     )
 
 
-WORKLOAD = Workload("omni", build, vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
-                    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),
-                                            audio_modality(model(cfg, "audio", "audio"))),
-                    pretrained={"llm": load_llm_section})
+WORKLOAD = Workload(
+    "omni",
+    build,
+    vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
+    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")), audio_modality(model(cfg, "audio", "audio"))),
+    pretrained={"llm": load_llm_section},
+)

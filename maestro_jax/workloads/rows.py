@@ -79,22 +79,26 @@ def route(routes: Mapping[str, Sequence[int]], edge: str, rows) -> np.ndarray:
     return np.asarray(routes.get(edge, np.full(len(rows), -1)), np.int32)
 
 
-def pack_items(rows, modality: str, cut: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], features: int,
-               minimum: int = 16) -> dict[str, np.ndarray]:
+def pack_items(
+    rows, modality: str, cut: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], features: int, minimum: int = 16
+) -> dict[str, np.ndarray]:
     """All items of `modality` of a row packed into that row: `cut(item)` gives its pieces
     (N x features) and each piece's position (N x k); `segments` numbers the items from 1 (0:
     padding), so attention can stay within each item. The piece count is bucketed."""
     cuts = [[cut(x) for x in s.of(modality)] if s is not None else [] for s in rows]
     n = bucket(max((sum(len(p) for p, _ in c) for c in cuts), default=0), minimum=minimum)
     k = max((pos.shape[1] for c in cuts for _, pos in c), default=1)
-    out = {"pieces": np.zeros((len(rows), n, features), np.float32), "segments": np.zeros((len(rows), n), np.int32),
-           "positions": np.zeros((len(rows), n, k), np.int32)}
+    out = {
+        "pieces": np.zeros((len(rows), n, features), np.float32),
+        "segments": np.zeros((len(rows), n), np.int32),
+        "positions": np.zeros((len(rows), n, k), np.int32),
+    }
     for r, c in enumerate(cuts):
         off = 0
         for i, (pieces, pos) in enumerate(c):
-            out["pieces"][r, off:off + len(pieces)] = pieces
-            out["segments"][r, off:off + len(pieces)] = i + 1
-            out["positions"][r, off:off + len(pieces)] = pos
+            out["pieces"][r, off : off + len(pieces)] = pieces
+            out["segments"][r, off : off + len(pieces)] = i + 1
+            out["positions"][r, off : off + len(pieces)] = pos
             off += len(pieces)
     return out
 

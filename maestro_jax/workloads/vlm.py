@@ -44,8 +44,9 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
     return patches, grid.transpose(order).reshape(-1, 2)
 
 
-def vision_section(vit: ViTConfig, llm_width: int, mean_patches: float, name: str = "vision",
-                   edges: tuple[str, ...] = (EDGE,)) -> Section:
+def vision_section(
+    vit: ViTConfig, llm_width: int, mean_patches: float, name: str = "vision", edges: tuple[str, ...] = (EDGE,)
+) -> Section:
     """The ViT section: packed patches of a sample's images in, merged image tokens out on `edges`."""
     if vit.out_width != llm_width:
         raise ValueError(f"models.{name}.out_width ({vit.out_width}) must equal the LLM width ({llm_width})")
@@ -53,23 +54,35 @@ def vision_section(vit: ViTConfig, llm_width: int, mean_patches: float, name: st
     window = vit.merge * vit.merge
 
     def host_batch(rows, routes):
-        b = R.pack_items(rows, "image", lambda im: patchify(im, vit.patch, vit.merge), vit.patch_features,
-                         minimum=4 * window)
+        b = R.pack_items(
+            rows, "image", lambda im: patchify(im, vit.patch, vit.merge), vit.patch_features, minimum=4 * window
+        )
         return {"patches": b["pieces"], "segments": b["segments"], "grid": b["positions"]}
 
     def forward(variables, inputs, batch):
         out = encoder.apply({"params": variables["params"]}, batch["patches"], batch["segments"], batch["grid"])
-        return {e: out for e in edges}
+        return dict.fromkeys(edges, out)
 
-    return Section(name, trained=True, forward=forward, host_batch=host_batch, activates=lambda s: s.has("image"),
-                   work=lambda s: sum((h // vit.patch) * (w // vit.patch) for h, w, _ in s.shapes("image")),
-                   cost=vit_cost(vit, mean_patches), reads=("image",))
+    return Section(
+        name,
+        trained=True,
+        forward=forward,
+        host_batch=host_batch,
+        activates=lambda s: s.has("image"),
+        work=lambda s: sum((h // vit.patch) * (w // vit.patch) for h, w, _ in s.shapes("image")),
+        cost=vit_cost(vit, mean_patches),
+        reads=("image",),
+    )
 
 
 def init_vision(vit: ViTConfig, key):
     window = vit.merge * vit.merge
-    return VisionEncoder(vit).init(key, jnp.zeros((1, 4 * window, vit.patch_features)),
-                                   jnp.ones((1, 4 * window), jnp.int32), jnp.zeros((1, 4 * window, 2), jnp.int32))
+    return VisionEncoder(vit).init(
+        key,
+        jnp.zeros((1, 4 * window, vit.patch_features)),
+        jnp.ones((1, 4 * window), jnp.int32),
+        jnp.zeros((1, 4 * window, 2), jnp.int32),
+    )
 
 
 def init_llm(llm: LLMConfig, key):
@@ -80,11 +93,13 @@ def mean_patches(cfg: Config, vit: ViTConfig) -> float:
     """Patches per image over the configured synthetic image sizes, each checked against the ViT
     first: a multiple of patch * merge and within its position grid."""
     unit, m = vit.patch * vit.merge, cfg.data.modalities.get("image")
-    for h, w in (m.sizes if m else []):
+    for h, w in m.sizes if m else []:
         if h % unit or w % unit or max(h, w) > vit.max_grid * vit.patch:
-            raise ConfigError(f"error: data.modalities.image.sizes={m.sizes}: {h}x{w} must be a multiple of "
-                              f"models.vision patch*merge={unit} and at most max_grid*patch="
-                              f"{vit.max_grid * vit.patch} on a side")
+            raise ConfigError(
+                f"error: data.modalities.image.sizes={m.sizes}: {h}x{w} must be a multiple of "
+                f"models.vision patch*merge={unit} and at most max_grid*patch="
+                f"{vit.max_grid * vit.patch} on a side"
+            )
     return mean_item_units(cfg, "image", lambda hw: (hw[0] // vit.patch) * (hw[1] // vit.patch), vit.max_grid**2 / 4)
 
 
@@ -114,9 +129,16 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Sectio
         mask = batch["loss_mask"]
         return jnp.sum(ce * mask) + aux, {"tokens": jnp.sum(mask)}
 
-    return Section("llm", trained=True, forward=forward,
-                   host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced), activates=lambda s: True,
-                   work=R.next_token_units, cost=cost, reads=(TOKENS,))
+    return Section(
+        "llm",
+        trained=True,
+        forward=forward,
+        host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced),
+        activates=lambda s: True,
+        work=R.next_token_units,
+        cost=cost,
+        reads=(TOKENS,),
+    )
 
 
 def build(cfg: Config) -> SectionGraph:
@@ -125,8 +147,10 @@ def build(cfg: Config) -> SectionGraph:
 
     def init(key):
         kv, kl = jax.random.split(key)
-        return {"vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
-                "llm": {"params": init_llm(llm, kl)["params"], "consts": {}}}
+        return {
+            "vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
+            "llm": {"params": init_llm(llm, kl)["params"], "consts": {}},
+        }
 
     return SectionGraph(
         sections=(
@@ -139,6 +163,10 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
-WORKLOAD = Workload("vlm", build, vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
-                    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
-                    pretrained={"llm": load_llm_section})
+WORKLOAD = Workload(
+    "vlm",
+    build,
+    vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
+    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
+    pretrained={"llm": load_llm_section},
+)

@@ -59,28 +59,43 @@ def build(cfg: Config) -> SectionGraph:
     def init(key):
         kt, kv = jax.random.split(key)
         t, s, head = init_teacher_and_student(teacher, student, kt)
-        return {"teacher": {"params": {}, "consts": {"llm": t}},
-                "vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
-                "student": {"params": s, "consts": {"teacher_head": head}}}
+        return {
+            "teacher": {"params": {}, "consts": {"llm": t}},
+            "vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
+            "student": {"params": s, "consts": {"teacher_head": head}},
+        }
 
     return SectionGraph(
         sections=(
             teacher_section(teacher, (image,), edge=TEACHER),
             vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,)),
-            Section("student", trained=True, forward=student_forward, host_batch=student_batch,
-                    activates=lambda s: True, work=R.next_token_units,
-                    cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab), reads=(TOKENS,)),
+            Section(
+                "student",
+                trained=True,
+                forward=student_forward,
+                host_batch=student_batch,
+                activates=lambda s: True,
+                work=R.next_token_units,
+                cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
+                reads=(TOKENS,),
+            ),
         ),
-        edges=(Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
-               Edge(IMAGES, "vision", "student", bytes_per_unit=2 * student.width / (vit.merge * vit.merge))),
+        edges=(
+            Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
+            Edge(IMAGES, "vision", "student", bytes_per_unit=2 * student.width / (vit.merge * vit.merge)),
+        ),
         init=init,
         loss_count=R.loss_tokens((image,)),
     )
 
 
-WORKLOAD = Workload("vlm_kd", build, vocab=shared_vocab,
-                    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
-                    pretrained={"teacher": load_teacher_section, "student": load_llm_section})
+WORKLOAD = Workload(
+    "vlm_kd",
+    build,
+    vocab=shared_vocab,
+    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
+    pretrained={"teacher": load_teacher_section, "student": load_llm_section},
+)
 
 
 __all__ = ["WORKLOAD", "build"]
