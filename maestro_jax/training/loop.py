@@ -349,7 +349,7 @@ class _Loop:
                 stop_by = step_barrier(done + 1, self.preemption.requested)  # a notice on any process
                 self._checkpoint(done, states, stop_by)
                 if stop_by:
-                    self.say(self.preemption.report(done, self.ckpt, stop_by))
+                    tqdm.write(self.preemption.report(done, self.ckpt, stop_by))  # every process says it
                     break
             self._read_pending("last step")
         except BaseException as fault:
