@@ -165,17 +165,11 @@ def _simulate(cfg, args) -> int:
 
 
 def _export(cfg, args) -> int:
-    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones).
-
-    The export holds the run lock of `output_dir` and `checkpoint_dir` (`training.dirlock`) while
-    it reads, so a live run cannot rotate or clean the checkpoints under it (and the export is
-    refused while a run holds them); the checkpoint directory is opened read-only."""
-    from pathlib import Path
-
+    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones),
+    read under the run's lock (`training.checkpoint.reading_checkpoints`)."""
     from maestro_jax.runtime.build import build_runtime
     from maestro_jax.tools import hf
-    from maestro_jax.training.checkpoint import Checkpointer
-    from maestro_jax.training.dirlock import hold_directories
+    from maestro_jax.training.checkpoint import reading_checkpoints
 
     model = cfg.models.get(args.section)
     if args.section not in cfg.sections or model is None or model.kind != "llm":
@@ -185,14 +179,8 @@ def _export(cfg, args) -> int:
     rt = build_runtime(cfg)
     states, step = rt.init_states(), 0
     if cfg.output_dir:
-        ck_dir = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
-        existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", ck_dir)) if d.is_dir()}
-        with hold_directories(existing):  # nothing is created for an output_dir that does not exist
-            ckpt = Checkpointer(ck_dir, read_only=True)
-            try:
-                restored = ckpt.restore_latest(states)
-            finally:
-                ckpt.close()
+        with reading_checkpoints(cfg) as ckpt:
+            restored = ckpt.restore_latest(states)
         if restored is not None:
             step, states = restored[0], restored[1]
     try:

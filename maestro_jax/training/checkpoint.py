@@ -27,6 +27,7 @@ split or mesh layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ import shutil
 import time
 import traceback
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -44,6 +46,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from maestro_jax.config import ConfigError
 from maestro_jax.runtime.distributed import PeerError, agree, checkpoint_barrier, peer_fault
 from maestro_jax.runtime.programs import SectionState
+from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.storage import StorageError
 
 MANIFEST = "manifest-{step}.json"
@@ -458,3 +461,17 @@ class Checkpointer:
 
 def _manifest_step(path: Path) -> int:
     return int(path.stem.split("-")[1])
+
+
+@contextlib.contextmanager
+def reading_checkpoints(cfg) -> Iterator[Checkpointer]:
+    """A run's checkpoints for a reader outside the run (`export`, `eval`), opened read-only.
+
+    The reader holds the run lock of `output_dir` and `checkpoint_dir` (`training.dirlock`)
+    while it reads, so a live run cannot rotate or clean the checkpoints under it (and the
+    reader is refused while a run holds them); nothing is created for a directory that does not
+    exist."""
+    directory = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+    existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", directory)) if d.is_dir()}
+    with hold_directories(existing), Checkpointer(directory, read_only=True) as ckpt:
+        yield ckpt

@@ -12,7 +12,6 @@ executor path is the next step); params and optimizer state are never touched.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.data import global_batches
@@ -75,27 +74,19 @@ def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
 
 def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None) -> tuple[int, float]:
     """`maestro-jax eval`: the eval loss of the config's checkpoint `step` (None: the latest
-    committed one). Like an export, it holds the run lock of the directories while it reads (a
-    live run cannot rotate the checkpoints under it) and opens the checkpoints read-only.
+    committed one), read under the run's lock (`training.checkpoint.reading_checkpoints`).
     Returns (step, loss)."""
-    from maestro_jax.training.checkpoint import Checkpointer
-    from maestro_jax.training.dirlock import hold_directories
+    from maestro_jax.training.checkpoint import reading_checkpoints
 
     evaluation = evaluation_for(cfg, rt)
     if evaluation is None:
         raise ConfigError("error: eval: the config has no eval block; add eval.batches (and eval.data) to evaluate")
     if not cfg.output_dir:
         raise ConfigError("error: output_dir: not set; name the run whose checkpoint to evaluate")
-    directory = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
-    existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", directory)) if d.is_dir()}
-    with hold_directories(existing):
-        ckpt = Checkpointer(directory, read_only=True)
-        try:
-            steps = ckpt.committed_steps()
-            step = steps[-1] if step is None and steps else step
-            if step not in steps:
-                raise ConfigError(f"error: --step={step}: {directory} holds checkpoints of steps {steps or 'none'}")
-            states, _, _ = ckpt.restore(step, rt.init_states())
-        finally:
-            ckpt.close()
+    with reading_checkpoints(cfg) as ckpt:
+        steps = ckpt.committed_steps()
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            raise ConfigError(f"error: --step={step}: {ckpt.directory} holds checkpoints of steps {steps or 'none'}")
+        states, _, _ = ckpt.restore(step, rt.init_states())
     return step, Evaluation.read(evaluation.issue(states))
