@@ -17,12 +17,13 @@ from maestro_jax.core.graph import SectionGraph
 from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, parts_of
+from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import gather
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.optimizer import check_sections, section_optimizer
 from maestro_jax.runtime.precision import with_precision
-from maestro_jax.runtime.programs import SectionPrograms, SectionState
+from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState, planning
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 
@@ -106,6 +107,53 @@ class Runtime:
             need[owner][pos].add(TOKENS)
             counts.append(owner == me)
         return ReadPlan([frozenset(n) for n in need[me]], counts, schedule, schedule_s)
+
+    def abstract_states(self) -> dict[str, SectionState]:
+        """`init_states`' result as abstract values (shapes, dtypes, layouts), nothing computed;
+        the optimizer state's layout is its `init_opt` program's, which this compiles if needed."""
+        planner = Planner(compile=True)
+        with planning(planner):
+            return ahead_lib.abstract_states(self)
+
+    def batch_infos(
+        self,
+        steps,
+        source=None,
+        *,
+        seed: int | None = None,
+        shuffle: bool | None = None,
+        global_batch: int | None = None,
+    ) -> list[list]:
+        """The `SampleInfo`s of global batches `steps` (indices) of `source` (default the training
+        source, in the training stream's order), from metadata alone: what `compile_ahead` scans."""
+        return ahead_lib.batch_infos(
+            self.source if source is None else source,
+            steps,
+            self.cfg.global_batch if global_batch is None else global_batch,
+            self.cfg.seed if seed is None else seed,
+            self.cfg.data.shuffle if shuffle is None else shuffle,
+            self.info_check,
+        )
+
+    def compile_ahead(
+        self, steps, say=print, *, evaluate=(), max_batches: int = ahead_lib.MAX_BATCHES, threads: int | None = None
+    ) -> int:
+        """Before step 1, compile every program the run needs for every shape bucket the global
+        batches `steps` (their indices in the training stream, e.g. `range(start, cfg.steps)`) can
+        produce, and the forward-only evaluation programs of the batches in `evaluate` (lists of
+        samples or `SampleInfo`s, e.g. another source's); returns the number of programs compiled.
+
+        `say` gets "compiling N programs for S sections" first, then progress. Shapes come from
+        sample metadata (no payload is read) through the schedule and packing the executor uses
+        (`runtime.ahead`). Runs longer than `max_batches` steps are sampled (`ahead.bounded`); a
+        shape bucket no scanned batch has is compiled when it first appears, with a warning
+        naming the section and step. Compiling only: nothing runs on the devices. `threads`:
+        programs compiled at once (default `ahead.default_threads()`)."""
+        infos = self.batch_infos(ahead_lib.bounded(steps, max_batches))
+        report = ahead_lib.compile_batches(self, infos, evaluate, say, threads=threads)
+        for prog in self.programs.values():
+            prog.compiled_ahead = True
+        return report.count
 
     @functools.cached_property
     def monolithic(self) -> MonolithicRuntime:
@@ -192,7 +240,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
     a user's own graph comes with its own `source` (and optionally a `check`)."""
-    from maestro_jax import workloads
+    from maestro_jax import workloads  # workloads import the runtime's users
 
     pretrained, info_check = {}, None
     if graph is None:

@@ -4,6 +4,11 @@ The host only enqueues work. It blocks in exactly two places: when a trained pro
 more micro-steps stashed than the in-flight bound allows (to cap activation memory; counted
 in `StepResult.in_flight_waits`, and never taken under a wavefront schedule, which keeps the
 bound), and at the end of the step, to read the loss.
+
+Every device computation a step issues is a section program from its section's cache of
+compiled executables (`runtime.programs`), the sums of losses, metrics and cotangents included,
+or a transfer's cut and join programs. Inside `programs.planning` the same walk runs over
+abstract values and compiles instead of running (`runtime.ahead`, `Runtime.compile_ahead`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import jax
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.runtime.programs import SectionPrograms, SectionState
+from maestro_jax.runtime.ahead import abstract_transfer
+from maestro_jax.runtime.programs import SectionPrograms, SectionState, active_planner
 from maestro_jax.runtime.transfer import deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 
@@ -83,8 +89,9 @@ class Executor:
                 out[(s, st.index)] = section.host_batch(rows, schedule.routes(self.problem, s, st.index))
         return out
 
-    def _start(self, states, samples, schedule, host, norm, sections=None) -> _StepState:
-        """`sections`: the sections whose inputs to put on their devices (default all)."""
+    def _start(self, states, samples, schedule, host, norm, sections=None, grads: bool = True) -> _StepState:
+        """`sections`: the sections whose inputs to put on their devices (default all); `grads`:
+        start a grad accumulator for each trained one."""
         host = host if host is not None else self.host_batches(samples, schedule)
         norm = self.graph.loss_count(samples) if norm is None else norm
         return _StepState(
@@ -99,34 +106,61 @@ class Executor:
             acc={
                 s: self.programs[s].zeros_like_params(states[s])
                 for s in self.problem.order
-                if s in self.problem.trained and (sections is None or s in sections)
+                if grads and s in self.problem.trained and (sections is None or s in sections)
             },
         )  # graph order: same everywhere
 
+    def _at_step(self, step: int | None) -> None:
+        """Name the training step being issued in the programs' lazy-compile log lines."""
+        if step is not None:
+            for prog in self.programs.values():
+                prog.step = step
+
     def run_ahead(
-        self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule, host: dict | None = None
+        self,
+        states: Mapping[str, SectionState],
+        samples: Sequence,
+        schedule: Schedule,
+        host: dict | None = None,
+        step: int | None = None,
     ) -> Ahead:
         """Issue a global batch's ahead work (`Problem.ahead`: frozen sections that read only
         data and each other) before the step that trains on it; `run(..., ahead=)` then skips
         it. The same programs on the same inputs and frozen weights as inside that step, so the
         step's loss and gradients are those it would compute itself, bit for bit."""
+        self._at_step(step)
         ctx = self._start(states, samples, schedule, host, 0, sections=self.problem.ahead)
         for op in schedule.ops:
             if self.problem.is_ahead(op):
                 self._execute(op, ctx)
         return Ahead(ctx.moved)
 
-    @staticmethod
-    def _finish(ctx: _StepState) -> StepResult:
-        summed = {k: sum(m[k] for m in ctx.metrics) for k in (ctx.metrics[0] if ctx.metrics else {})}
+    def _summed(self, losses: list, metrics: list):
+        """The sink's micro-step losses and metrics summed in order, on the sink's mesh (one
+        program call per micro-step; no losses: 0 and no metrics)."""
+        if not losses:
+            return 0, {}
+        sink = self.programs[self.problem.sink]
+        total = (losses[0], metrics[0])
+        for pair in zip(losses[1:], metrics[1:]):
+            total = sink.add(total, pair)
+        return total
+
+    def _finish(self, ctx: _StepState) -> StepResult:
+        loss, summed = self._summed(ctx.losses, ctx.metrics)
         return StepResult(
-            loss=sum(ctx.losses),
+            loss=loss,
             grads=ctx.acc,
             metrics=summed,
             in_flight_waits=ctx.in_flight_waits,
             in_flight_wait_s=ctx.in_flight_wait_s,
             transfer_issue_s=ctx.transfer_issue_s,
         )
+
+    def _move(self, x, dst, rows=None):
+        """`transfer` (while planning: the abstract result, its cut and join programs recorded)."""
+        planner = active_planner()
+        return transfer(x, dst, rows) if planner is None else abstract_transfer(planner, x, dst, rows)
 
     def run(
         self,
@@ -137,17 +171,21 @@ class Executor:
         record: list | None = None,
         norm: int | None = None,
         ahead: Ahead | None = None,
+        step: int | None = None,
     ) -> StepResult:
         """Forward and backward of one global batch: loss and accumulated grads, no update.
 
         `norm`: the batch's loss normaliser when `samples` are partly hollow (a multi-process
         `LoadedBatch`); by default `graph.loss_count(samples)`. `ahead`: the batch's ahead work,
-        issued earlier (`run_ahead`); without it the step runs that work itself.
+        issued earlier (`run_ahead`); without it the step runs that work itself. `step`: the
+        training step, named by the log line of a program compiled lazily (a shape bucket
+        `Runtime.compile_ahead` did not foresee).
 
         With `record` (a list), every operation is waited for and appended as
         `(op, start_s, end_s, dispatch_s)`: a measured timeline for calibration and traces, with
         the host time spent issuing the op. This serialises the step; never use it for throughput.
         """
+        self._at_step(step)
         skip = self.problem.ahead if ahead is not None else frozenset()
         ctx = self._start(
             states, samples, schedule, host, norm, sections=[s for s in self.problem.order if s not in skip]
@@ -165,6 +203,58 @@ class Executor:
                 jax.block_until_ready(produced)
                 record.append((op, t_op - t_origin, time.perf_counter() - t_origin, t_dispatched - t_op))
         return self._finish(ctx)
+
+    def evaluate(
+        self,
+        states: Mapping[str, SectionState],
+        samples: Sequence,
+        schedule: Schedule,
+        host: dict | None = None,
+        norm: int | None = None,
+        step: int | None = None,
+    ):
+        """The batch's loss, forward only: a device scalar equal to `run(...).loss` on the same
+        batch (to float rounding), through the same sections, plan, meshes and schedule.
+
+        Every producer runs its `forward` program (no vjp residuals), the sink its `loss` program
+        (no gradients); only the schedule's forwards and forward transfers run, nothing is
+        stashed for a backward and nothing waits. `norm` as in `run`."""
+        self._at_step(step)
+        ctx = self._start(states, samples, schedule, host, norm, grads=False)
+        p = self.problem
+        uses = {}  # (section, micro-step) -> transfers of its outputs still to issue
+        for op in schedule.ops:
+            if op.kind == "X":
+                key = (self.graph.edge(op.edge).src, op.step)
+                uses[key] = uses.get(key, 0) + 1
+        for op in schedule.ops:
+            prog = self.programs[op.section]
+            if op.kind == "F":
+                step_ = schedule.steps[op.section][op.step]
+                inputs = self._inputs(op.section, step_, ctx)
+                batch = ctx.batches.pop((op.section, op.step))
+                if op.section == p.sink:
+                    loss, m = prog.loss(ctx.states[op.section], inputs, batch, ctx.norm)
+                    ctx.losses.append(loss)
+                    ctx.metrics.append(m)
+                elif uses.get((op.section, op.step)):
+                    ctx.outputs[(op.section, op.step)] = prog.forward(ctx.states[op.section], inputs, batch)
+            elif op.kind == "X":
+                e = self.graph.edge(op.edge)
+                key = (e.src, op.step)
+                ctx.moved[(e.name, op.step)] = self._move(
+                    ctx.outputs[key][e.name], self.programs[e.dst].rows, self.row_maps[e.name][0]
+                )
+                uses[key] -= 1
+                if not uses[key]:
+                    del ctx.outputs[key]  # every consumer has its copy
+        return self._summed(ctx.losses, ctx.metrics)[0]
+
+    def _inputs(self, section: str, step, ctx: _StepState) -> dict:
+        return {
+            e.name: tuple(ctx.moved[(e.name, k)] for k in step.deps[e.name]) if e.name in step.deps else None
+            for e in self.problem.in_edges(section)
+        }
 
     def run_threaded(
         self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule, record: list | None = None
@@ -216,10 +306,7 @@ class Executor:
         states, schedule = ctx.states, ctx.schedule
         if op.kind == "F":
             step = schedule.steps[op.section][op.step]
-            inputs = {
-                e.name: tuple(ctx.moved[(e.name, k)] for k in step.deps[e.name]) if e.name in step.deps else None
-                for e in p.in_edges(op.section)
-            }
+            inputs = self._inputs(op.section, step, ctx)
             batch = ctx.batches.pop((op.section, op.step))
             if op.section == p.sink:
                 loss, m, ctx.acc[op.section], d_inputs = prog.loss_and_grad(
@@ -227,7 +314,7 @@ class Executor:
                 )
                 ctx.losses.append(loss)
                 ctx.metrics.append(m)
-                self._collect_cotangents(step, d_inputs, ctx.cotangents)
+                self._collect_cotangents(prog, step, d_inputs, ctx.cotangents)
                 return loss, ctx.acc[op.section], d_inputs
             if p.needs_backward(op.section):
                 key = (op.section, op.step)
@@ -238,14 +325,14 @@ class Executor:
             return ctx.outputs[(op.section, op.step)]
         if op.kind == "X":
             e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved[(e.name, op.step)] = transfer(
+            ctx.moved[(e.name, op.step)] = self._move(
                 ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].rows, self.row_maps[e.name][0]
             )
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved[(e.name, op.step)]
         if op.kind == "XB":
             e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved_back[(op.edge, op.step)] = transfer(
+            ctx.moved_back[(op.edge, op.step)] = self._move(
                 ctx.cotangents.pop((op.edge, op.step)), self.programs[e.src].rows, self.row_maps[e.name][1]
             )
             ctx.transfer_issue_s += time.perf_counter() - t0
@@ -257,29 +344,30 @@ class Executor:
                 if (e.name, op.step) in ctx.moved_back
             }
             out = ctx.outputs.pop((op.section, op.step))
-            ct = {k: ct[k] if k in ct else jax.numpy.zeros_like(v) for k, v in out.items()}  # zeros only if unused
+            ct = {k: ct[k] if k in ct else prog.zeros_like(v) for k, v in out.items()}  # zeros only if unused
             ctx.acc[op.section], d_inputs = prog.backward(
                 states[op.section], ctx.handles.pop((op.section, op.step)), ct, ctx.acc[op.section]
             )
-            self._collect_cotangents(schedule.steps[op.section][op.step], d_inputs, ctx.cotangents)
+            self._collect_cotangents(prog, schedule.steps[op.section][op.step], d_inputs, ctx.cotangents)
             return ctx.acc[op.section], d_inputs
         return None  # U: applied by `update` after the step
 
-    def _collect_cotangents(self, step, d_inputs, cotangents) -> None:
+    @staticmethod
+    def _collect_cotangents(prog: SectionPrograms, step, d_inputs, cotangents) -> None:
         """Sum each input cotangent into its producer micro-step's slot (still on this mesh)."""
         for edge, parts in d_inputs.items():
             if parts is None:  # no row of this micro-step used the edge
                 continue
             for k, ct in zip(step.deps.get(edge, ()), parts):
                 key = (edge, k)
-                cotangents[key] = ct if key not in cotangents else cotangents[key] + ct
+                cotangents[key] = ct if key not in cotangents else prog.add(cotangents[key], ct)
 
     def _bound_in_flight(self, section: str, ctx: _StepState) -> None:
         """Bounded stash memory: past the bound, wait for the oldest stashed forward before
         queuing more. The wavefront scheduler keeps the bound by construction, so this wait is
         a safety net; each one is counted in the step's result (`in_flight_waits`)."""
         stashed = [h for (s, _), h in ctx.handles.items() if s == section]
-        if len(stashed) > self.problem.max_in_flight:
+        if len(stashed) > self.problem.max_in_flight and active_planner() is None:
             t0 = time.perf_counter()
             jax.block_until_ready(stashed[0])
             ctx.in_flight_waits += 1
@@ -305,6 +393,6 @@ class Executor:
         new = dict(states)
         for s, gr in grads.items():
             prog = self.programs[s]
-            here = tuple(transfer(norms_sq[t], prog.replicated) for t in sorted(grads)) if clipped else ()
+            here = tuple(self._move(norms_sq[t], prog.replicated) for t in sorted(grads)) if clipped else ()
             new[s] = prog.update(states[s], gr, here)
         return new

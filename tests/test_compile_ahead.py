@@ -1,0 +1,157 @@
+"""Compile ahead (`Runtime.compile_ahead`): every program a run takes is compiled before step 1,
+from sample metadata, so that training compiles nothing more; a shape nothing foresaw still
+compiles, lazily, into the same cache; the persistent compilation cache can be turned on.
+
+Compiles are counted with `jax.monitoring`: jax 0.10 records `BACKEND_COMPILE` once per XLA
+compile request (a persistent-cache hit included), with the jitted function's name."""
+
+import contextlib
+import itertools
+import logging
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_VLM, TINY_VLM_KD
+
+from maestro_jax.config import load_config
+from maestro_jax.data.samples import Sample
+from maestro_jax.runtime import ahead as ahead_lib
+from maestro_jax.runtime import compile_cache
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.training.loop import train
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+TRANSFER_PROGRAMS = ("_cut_pieces", "_join_pieces")
+STEPS = 3
+CONFIGS = {
+    "vlm": ("vlm_tiny.yaml", TINY_VLM),
+    # wavefront, a frozen teacher and a trained ViT feeding the student, run-ahead, global-norm
+    # clipping (norms moved between meshes), edges that join pieces of several shards
+    "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD + ["schedule.run_ahead=1", "optimizer.clip_norm=1.0"]),
+}
+
+
+@contextlib.contextmanager
+def compiles():
+    """The names of the functions XLA compiles inside the block."""
+    names: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE:
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def is_transfer(name: str) -> bool:
+    return any(t in name for t in TRANSFER_PROGRAMS)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def ahead(request):
+    path, overrides = CONFIGS[request.param]
+    cfg = load_config(ROOT / "configs" / path, overrides + [f"steps={STEPS}"])
+    rt = build_runtime(cfg)
+    said: list[str] = []
+    transfers_before = set(ahead_lib._TRANSFERS_COMPILED)
+    with compiles() as during:
+        count = rt.compile_ahead(range(cfg.steps), say=said.append)
+    new_transfers = ahead_lib._TRANSFERS_COMPILED - transfers_before
+    return cfg, rt, count, said, during, new_transfers
+
+
+def test_compile_ahead_says_and_counts_what_it_compiles(ahead):
+    """One line first, with the count returned; the count is the number of distinct signatures
+    now in the sections' caches plus the transfer programs, each compiled exactly once."""
+    _, rt, count, said, during, new_transfers = ahead
+    entries = sum(len(p.cache) for p in rt.programs.values())
+    sections = sum(1 for p in rt.programs.values() if p.cache)
+    assert said[0] == f"compiling {count} programs for {sections} sections"
+    assert count == entries + len(new_transfers)
+    assert entries > len(rt.programs)  # several shape buckets, not one program per section
+    # one XLA compile per signature at most: jax reuses the executables of module-level functions
+    # (the transfers' cut and join, `squared_norm`, `tree_add`) compiled earlier in this process
+    assert 0 < len([n for n in during if not is_transfer(n)]) <= entries
+    assert len([n for n in during if is_transfer(n)]) <= len(new_transfers)
+    assert not any(e.lazily for p in rt.programs.values() for e in p.cache.values())
+
+
+def test_training_after_compile_ahead_compiles_nothing(ahead):
+    """`steps` training steps through the training loop (prefetching, run-ahead, update, reads)
+    after `compile_ahead(range(0, steps))`: no XLA compile from the first step on."""
+    cfg, rt, *_ = ahead
+    run, first = rt.executor.run, []
+
+    def marked(*args, **kwargs):
+        if not first:
+            first.append(len(during))
+        return run(*args, **kwargs)
+
+    rt.executor.run = marked
+    try:
+        with compiles() as during:
+            history = train(cfg, progress=False, rt=rt)
+    finally:
+        del rt.executor.run
+    assert [r["step"] for r in history] == list(range(1, STEPS + 1))
+    assert all(np.isfinite(r["loss"]) for r in history)
+    assert first and during[first[0] :] == []
+
+
+def test_a_shape_nothing_foresaw_compiles_lazily(ahead, caplog):
+    """A batch of sequences longer than any the data holds: its programs compile when called,
+    into the same caches, with a warning naming the section and the step; the next call of the
+    same shapes compiles nothing."""
+    cfg, rt, *_ = ahead
+    states = rt.init_states()
+    text = [s for s in rt.batches()[0] if not any(s.items.values())]
+    samples = [
+        Sample(i, np.tile(s.tokens, 6)) for i, s in enumerate(itertools.islice(itertools.cycle(text), cfg.global_batch))
+    ]
+    schedule = rt.schedule(samples)
+    before = {s: set(p.cache) for s, p in rt.programs.items()}
+    with caplog.at_level(logging.WARNING, logger="maestro_jax"), compiles() as during:
+        result = rt.executor.run(states, samples, schedule, step=7)
+    assert np.isfinite(float(result.loss))
+    lazy = {s: set(p.cache) - before[s] for s, p in rt.programs.items()}
+    assert lazy[rt.graph.sink] and all(p.cache[k].lazily for s, p in rt.programs.items() for k in lazy[s])
+    assert len([n for n in during if not is_transfer(n)]) <= sum(map(len, lazy.values()))
+    warned = [r.getMessage() for r in caplog.records if "compiling a new shape bucket" in r.getMessage()]
+    assert any(f"section {rt.graph.sink} at step 7" in m for m in warned), warned
+    with compiles() as again:
+        again_loss = rt.executor.run(states, samples, schedule, step=8).loss
+    assert again == [] and float(again_loss) == float(result.loss)
+
+
+def test_persistent_cache_in_a_directory(tmp_path):
+    """`compile_cache.enable` points jax's persistent cache at a directory, small CPU programs
+    included; the settings before it come back after."""
+    keys = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    before = {k: getattr(jax.config, k) for k in keys}
+    try:
+        path = compile_cache.enable(tmp_path / "xla")
+        assert compile_cache.directory() == path and path.is_dir()
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
+        scale = float(np.random.default_rng().integers(2, 1 << 30))  # a program no cache holds yet
+        np.testing.assert_allclose(jax.jit(lambda x: x * scale + 1.0)(np.arange(4.0)), np.arange(4.0) * scale + 1.0)
+        assert any(path.iterdir()), "the executable was written to the directory"
+    finally:
+        if before["jax_compilation_cache_dir"]:
+            compile_cache.enable(
+                before["jax_compilation_cache_dir"],
+                min_compile_time_s=before["jax_persistent_cache_min_compile_time_secs"],
+                min_entry_size_bytes=before["jax_persistent_cache_min_entry_size_bytes"],
+            )
+        else:
+            for k, v in before.items():
+                jax.config.update(k, v)

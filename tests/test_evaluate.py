@@ -1,0 +1,78 @@
+"""The evaluation path (`Executor.evaluate`): a batch's loss forward only, through the training
+plan's sections, meshes and schedule; equal to the training step's loss and the monolithic loss;
+its programs compiled ahead for batches of another source (`compile_ahead(evaluate=...)`)."""
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+
+from maestro_jax import workloads
+from maestro_jax.config import load_config
+from maestro_jax.data import global_batches
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.tools.verify import compare
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+FORWARD_ONLY = {"forward", "loss", "add", "init_opt"}  # init_opt: the abstract states' optimizer layout
+
+
+@contextlib.contextmanager
+def compiles():
+    names: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE:
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize(
+    "path,overrides",
+    [
+        ("vlm_tiny.yaml", TINY_VLM),
+        ("kd_tiny.yaml", TINY_KD + ["schedule.scheduler=wavefront", "schedule.run_ahead=1"]),
+    ],
+    ids=["vlm", "kd-wavefront-run-ahead"],
+)
+def test_evaluate_is_the_training_loss_forward_only(path, overrides):
+    cfg = load_config(ROOT / "configs" / path, overrides)
+    rt = build_runtime(cfg)
+    # held-out batches: another source (the config's data with the next seed), read in order
+    eval_source = workloads.source_from_config(cfg.model_copy(update={"seed": cfg.seed + 1}))
+    held_out = rt.batch_infos([0, 1], source=eval_source, seed=cfg.seed + 1, shuffle=False)
+    said: list[str] = []
+    n = rt.compile_ahead([], say=said.append, evaluate=[*rt.batch_infos([0]), *held_out])
+    assert n > 0 and said[0].startswith(f"compiling {n} programs")
+    kinds = {kind for p in rt.programs.values() for kind, _ in p.cache}
+    assert kinds <= FORWARD_ONLY and "loss" in kinds  # no vjp, backward, grads nor update
+
+    states = rt.init_states()
+    samples = rt.batches()[0]
+    schedule = rt.schedule(samples)
+    evals = global_batches(eval_source, cfg.global_batch, cfg.seed + 1, shuffle=False)
+    with compiles() as during:  # every evaluation was compiled ahead, from metadata alone
+        loss = rt.executor.evaluate(states, samples, schedule)
+        held = [rt.executor.evaluate(states, b, rt.schedule(b)) for b in (evals[0], evals[1])]
+        jax.block_until_ready((loss, held))
+    assert during == []
+    assert loss.shape == () and all(np.isfinite(float(x)) for x in held)
+
+    step = rt.executor.run(states, samples, schedule)  # the training step (compiled now, lazily)
+    assert compare("loss", loss, step.loss).max_rel <= 1e-6
+    mono = rt.monolithic
+    m_loss, _ = mono.model.run(mono.init_states(rt.graph, cfg), samples)
+    assert compare("loss", loss, m_loss).max_rel <= 1e-6
+
+    # after an update, evaluation follows the new weights and still equals the step's loss
+    states = rt.executor.update(states, step.grads)
+    again = rt.executor.run(states, samples, schedule)
+    assert compare("loss", rt.executor.evaluate(states, samples, schedule), again.loss).max_rel <= 1e-6
+    assert float(again.loss) != float(step.loss)
