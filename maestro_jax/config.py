@@ -244,6 +244,16 @@ class EvalConfig(_Frozen):
     batches: PositiveInt = 2
 
 
+class CompileConfig(_Frozen):
+    """Compiling before step 1, and keeping what was compiled for the next run."""
+
+    ahead: bool = True  # compile every program the run's batches need before step 1 (`Runtime.compile_ahead`)
+    max_batches: PositiveInt = 256  # global batches scanned for shapes; a longer run is sampled (`runtime.ahead`)
+    cache: bool = True  # jax's persistent compilation cache: a resume or a rerun loads its executables
+    # where the cache lives; default <output_dir>/compile_cache (a run without output_dir: no cache)
+    cache_dir: str | None = None
+
+
 class MonolithicConfig(_Frozen):
     """The baseline: the whole graph as one program over `devices` with one layout."""
 
@@ -296,6 +306,7 @@ class Config(_Frozen):
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig | None = None
+    compile: CompileConfig = CompileConfig()
     monolithic: MonolithicConfig = MonolithicConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     simulate: SimulateConfig = SimulateConfig()

@@ -6,6 +6,7 @@ Compiles are counted with `jax.monitoring`: jax 0.10 records `BACKEND_COMPILE` o
 compile request (a persistent-cache hit included), with the jitted function's name."""
 
 import contextlib
+import io
 import itertools
 import logging
 
@@ -16,7 +17,6 @@ from conftest import ROOT, TINY_VLM, TINY_VLM_KD
 
 from maestro_jax.config import load_config
 from maestro_jax.data.samples import Sample
-from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.training.loop import train
@@ -58,10 +58,9 @@ def ahead(request):
     cfg = load_config(ROOT / "configs" / path, overrides + [f"steps={STEPS}"])
     rt = build_runtime(cfg)
     said: list[str] = []
-    transfers_before = set(ahead_lib._TRANSFERS_COMPILED)
     with compiles() as during:
         count = rt.compile_ahead(range(cfg.steps), say=said.append)
-    new_transfers = ahead_lib._TRANSFERS_COMPILED - transfers_before
+    new_transfers = rt.executor.compiled_transfers
     return cfg, rt, count, said, during, new_transfers
 
 
@@ -155,3 +154,62 @@ def test_persistent_cache_in_a_directory(tmp_path):
         else:
             for k, v in before.items():
                 jax.config.update(k, v)
+
+
+@contextlib.contextmanager
+def cache_events():
+    """Counts of jax's persistent-cache events inside the block: requests that may use the cache,
+    and hits."""
+    counts = {"requests": 0, "hits": 0}
+    names = {
+        "/jax/compilation_cache/compile_requests_use_cache": "requests",
+        "/jax/compilation_cache/cache_hits": "hits",
+    }
+
+    def listen(event: str, **kwargs) -> None:
+        if event in names:
+            counts[names[event]] += 1
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+
+
+def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_path):
+    """`train` with an eval block: "compiling N programs for S sections" comes first, no XLA
+    compile follows the "compiled" line (training steps, run-ahead, evaluations, reads), the eval
+    loss is logged every `eval.every` steps. A second run of the same config sharing
+    `compile.cache_dir` finds every program it compiles in jax's persistent cache."""
+    path, overrides = CONFIGS["vlm_kd"]
+    cache = tmp_path / "cache"
+    args = overrides + ["steps=4", "eval.every=2", "eval.batches=1", f"compile.cache_dir={cache}", "keep_checkpoints=0"]
+    out = io.StringIO()
+    after: list[str] = []  # compiles after the "compiled N programs" line
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE and "\ncompiled " in "\n" + out.getvalue():
+            after.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with contextlib.redirect_stdout(out):
+            history = train(
+                load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'a'}"]), progress=False
+            )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("compiling ") and lines[0].endswith(" sections"), lines
+    assert any(line.startswith("compiled ") for line in lines), lines
+    assert after == []
+    assert [r["step"] for r in history if "eval_loss" in r] == [2, 4]
+    assert all(np.isfinite(r["eval_loss"]) for r in history if "eval_loss" in r)
+    assert any(cache.rglob("*")), "executables were written to compile.cache_dir"
+    assert compile_cache.directory() is None or compile_cache.directory() != cache, "the settings came back"
+
+    with cache_events() as counts, contextlib.redirect_stdout(io.StringIO()):
+        again = train(load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'b'}"]), progress=False)
+    assert counts["requests"] > 0 and counts["hits"] == counts["requests"], counts
+    assert [r["loss"] for r in again] == [r["loss"] for r in history]

@@ -313,7 +313,6 @@ def test_memory_model_tracks_the_compiled_programs(config, overrides):
         assert measured[s]["programs"], f"{s}: no program was measured"
         ratio = model[s]["total"] / measured[s]["total"]
         assert 0.5 <= ratio <= 2, (s, model[s]["total"], measured[s])
-    assert all(p.memory is None for p in rt.programs.values()), "measuring is switched off afterwards"
 
 
 def test_recomputation_is_priced():

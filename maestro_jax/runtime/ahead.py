@@ -33,57 +33,13 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-from jax.sharding import SingleDeviceSharding
 
 from maestro_jax.data.samples import DataError, SampleInfo, hollow_sample
 from maestro_jax.runtime.programs import Planner, SectionState, planning
-from maestro_jax.runtime.transfer import RowMap, _cut_pieces, _dst_shape, _join_pieces, _process_steps
 
 log = logging.getLogger("maestro_jax")
 
 MAX_BATCHES = 256  # the default bound on the batches `Runtime.compile_ahead` scans
-
-# the transfer programs (`transfer._cut_pieces`, `_join_pieces`) compiled ahead in this process
-_TRANSFERS_COMPILED: set = set()
-
-
-def abstract_transfer(planner: Planner, x: jax.ShapeDtypeStruct, dst, rows: RowMap | None = None):
-    """`transfer.transfer` over an abstract value: its result's abstract value; the cut and join
-    programs it would call are recorded in `planner.transfers` unless compiled already."""
-    if x.sharding is None:
-        raise ValueError(f"transfer of an array of unknown layout {x}: pin the producing program's out_shardings")
-    if x.sharding == dst and (rows is None or rows.keeps(x.shape[0])):
-        return x
-    shape = tuple(x.shape)
-    steps = _process_steps(x.sharding, dst, shape, jax.process_index(), rows)
-    shard = x.sharding.shard_shape(shape)
-    for dev, bounds in steps.cuts:
-        key = ("cut", dev, shard, x.dtype, bounds)
-        if key not in _TRANSFERS_COMPILED:
-            planner.transfers.setdefault(
-                key, (_cut_pieces, (jax.ShapeDtypeStruct(shard, x.dtype, sharding=SingleDeviceSharding(dev)), bounds))
-            )
-    pieces = {
-        (head, p.term, p.offset): tuple(hi - lo for lo, hi in p.bounds) for p, head in steps.puts + steps.crossing
-    }
-    for head, layout, tile, whole in steps.joins:
-        if whole:
-            continue
-        parts = tuple(pieces[(head, *at)] for at in layout)
-        key = ("join", head, layout, tile, parts, x.dtype)
-        if key not in _TRANSFERS_COMPILED:
-            planner.transfers.setdefault(
-                key,
-                (
-                    _join_pieces,
-                    (
-                        layout,
-                        tile,
-                        *(jax.ShapeDtypeStruct(p, x.dtype, sharding=SingleDeviceSharding(head)) for p in parts),
-                    ),
-                ),
-            )
-    return jax.ShapeDtypeStruct(_dst_shape(shape, rows), x.dtype, sharding=dst)
 
 
 def abstract_states(rt) -> dict[str, SectionState]:
@@ -198,7 +154,7 @@ def compile_batches(
             for prepared in replay:
                 _walk(rt, states, prepared)
         for key, (program, args) in tracer.transfers.items():
-            compiler.submit(_compile_transfer, program, args, key, progress)
+            compiler.submit(_compile_transfer, program, args, key, rt.executor.compiled_transfers, progress)
         compiler.finish()
     finally:
         if pool is not None:
@@ -221,9 +177,9 @@ def default_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-def _compile_transfer(program, args, key, progress) -> None:
+def _compile_transfer(program, args, key, compiled: set, progress) -> None:
     program.lower(*args).compile()  # jax keeps it: the transfer's own call finds it compiled
-    _TRANSFERS_COMPILED.add(key)
+    compiled.add(key)
     progress.tick()
 
 

@@ -2,7 +2,9 @@
 programs (a restart, a resume, the next job on the machine) loads them instead of compiling.
 
 `enable(directory)` turns it on for this process (before or after the first compile; a cache
-already open in another directory is closed first). By default every program is written,
+already open in another directory is closed first); `using(directory)` turns it on for a block
+and restores the settings it found (a training run in a process that goes on, such as a test
+session or a notebook). By default every program is written,
 whatever its compile time and size: jax's defaults skip programs that compile in under a second,
 which is most programs of a small model on CPU. The cache is trusted: do not share the directory
 with users you do not trust (jax's warning, `jax.experimental.compilation_cache`).
@@ -10,6 +12,8 @@ with users you do not trust (jax's warning, `jax.experimental.compilation_cache`
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -33,6 +37,31 @@ def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
     return path
+
+
+_SETTINGS = (
+    "jax_enable_compilation_cache",
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@contextlib.contextmanager
+def using(directory: str | Path | None) -> Iterator[Path | None]:
+    """`enable(directory)` inside the block (nothing with None), jax's earlier settings after it."""
+    if directory is None:
+        yield None
+        return
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = {name: getattr(jax.config, name) for name in _SETTINGS}
+    try:
+        yield enable(directory)
+    finally:
+        cc.reset_cache()
+        for name, value in before.items():
+            jax.config.update(name, value)
 
 
 def directory() -> Path | None:

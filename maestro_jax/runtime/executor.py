@@ -22,9 +22,8 @@ import jax
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.runtime.ahead import abstract_transfer
 from maestro_jax.runtime.programs import SectionPrograms, SectionState, active_planner
-from maestro_jax.runtime.transfer import deliver_rows, return_rows, transfer
+from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 
 
@@ -78,6 +77,7 @@ class Executor:
             )
             for e in problem.edges
         }
+        self.compiled_transfers: set = set()  # keys of the cut and join programs compiled ahead
 
     def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
         """Numpy inputs of every micro-step (host work, done before any dispatch)."""
@@ -160,7 +160,13 @@ class Executor:
     def _move(self, x, dst, rows=None):
         """`transfer` (while planning: the abstract result, its cut and join programs recorded)."""
         planner = active_planner()
-        return transfer(x, dst, rows) if planner is None else abstract_transfer(planner, x, dst, rows)
+        if planner is None:
+            return transfer(x, dst, rows)
+        out, programs = abstract_transfer(x, dst, rows)
+        for key, program in programs.items():
+            if key not in self.compiled_transfers:
+                planner.transfers.setdefault(key, program)
+        return out
 
     def run(
         self,

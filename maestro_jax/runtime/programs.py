@@ -505,7 +505,3 @@ class SectionPrograms:
             k: jax.make_array_from_callback(v.shape, self.rows, lambda idx, v=v: v[idx], dtype=v.dtype)
             for k, v in batch.items()
         }
-
-    # The old measuring side channel, always None now (tests/test_planner.py still reads it):
-    # compiled memory is `memory_analysis()`.
-    memory = None

@@ -303,6 +303,38 @@ def transfer(x: jax.Array, dst: NamedSharding, rows: RowMap | None = None) -> ja
     )
 
 
+def abstract_transfer(
+    x: jax.ShapeDtypeStruct, dst: NamedSharding, rows: RowMap | None = None
+) -> tuple[jax.ShapeDtypeStruct, dict[tuple, tuple]]:
+    """`transfer` over an abstract value, nothing run: the result's abstract value and the programs
+    the call runs in this process, {key: (jitted program, abstract arguments)} for its cuts and
+    joins, so that they can be compiled ahead (`runtime.ahead`). Equal keys name one program."""
+    if x.sharding is None:
+        raise ValueError(f"transfer of an array of unknown layout {x}: pin the producing program's out_shardings")
+    shape = tuple(x.shape)
+    if x.sharding == dst and (rows is None or rows.keeps(shape[0])):
+        return x, {}
+    steps = _process_steps(x.sharding, dst, shape, jax.process_index(), rows)
+    shard = x.sharding.shard_shape(shape)
+    programs = {}
+    for dev, bounds in steps.cuts:
+        args = (jax.ShapeDtypeStruct(shard, x.dtype, sharding=SingleDeviceSharding(dev)), bounds)
+        programs[("cut", dev, shard, x.dtype, bounds)] = (_cut_pieces, args)
+    pieces = {
+        (head, p.term, p.offset): tuple(hi - lo for lo, hi in p.bounds) for p, head in steps.puts + steps.crossing
+    }
+    for head, layout, tile, whole in steps.joins:
+        if not whole:
+            parts = tuple(pieces[(head, *at)] for at in layout)
+            args = (
+                layout,
+                tile,
+                *(jax.ShapeDtypeStruct(p, x.dtype, sharding=SingleDeviceSharding(head)) for p in parts),
+            )
+            programs[("join", head, layout, tile, parts, x.dtype)] = (_join_pieces, args)
+    return jax.ShapeDtypeStruct(_dst_shape(shape, rows), x.dtype, sharding=dst), programs
+
+
 def _move_across_processes(crossing: tuple[tuple[Piece, object], ...], piece, dtype) -> dict:
     """{(head, term, offset): single-device array} for the crossing pieces whose head is in this
     process. The source's process passes the cut piece; the others name it by an array without

@@ -4,9 +4,9 @@ The `eval` block names a data source and how many global batches of it count. Th
 checked, scheduled and packed once, in order, so every evaluation sees the same samples and
 its losses compare across steps. The loss is the mean over every loss-carrying token of those
 batches (each batch's mean weighted by its token count), the training loss's normalisation.
-`issue` queues the work behind the step's update and returns at once; `read` waits. Today the
-batches run the training step's programs and their gradients are dropped (a forward-only
-executor path is the next step); params and optimizer state are never touched.
+`issue` queues the work behind the step's update and returns at once; `read` waits. The batches
+run forward only (`Executor.evaluate`: each producer's forward, the sink's loss; no residuals, no
+gradients), and their programs are compiled ahead with the training step's (`samples`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,15 @@ class Evaluation:
                 _EvalBatch(samples, schedule, rt.executor.host_batches(samples, schedule), rt.graph.loss_count(samples))
             )
 
+    @property
+    def samples(self) -> list[list]:
+        """The evaluated global batches' samples (what `Runtime.compile_ahead(evaluate=)` takes)."""
+        return [b.samples for b in self.batches]
+
     def issue(self, states) -> list:
         """Each batch's loss as a device scalar, queued on the devices; nothing is waited for."""
         return [
-            (self.rt.executor.run(states, b.samples, b.schedule, host=b.host, norm=b.tokens).loss, b.tokens)
+            (self.rt.executor.evaluate(states, b.samples, b.schedule, host=b.host, norm=b.tokens), b.tokens)
             for b in self.batches
         ]
 

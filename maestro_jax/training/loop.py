@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
+from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
 from maestro_jax.runtime.optimizer import current_rate
@@ -121,7 +122,7 @@ def issue_step(
     """
     schedule = schedule if schedule is not None else rt.schedule(samples)
     t0 = time.perf_counter()
-    result = rt.executor.run(states, samples, schedule, host=host, norm=norm, ahead=ahead)
+    result = rt.executor.run(states, samples, schedule, host=host, norm=norm, ahead=ahead, step=step)
     finite = {s: rt.programs[s].all_finite(g) for s, g in result.grads.items()}
     norms_sq = rt.executor.squared_norms(result.grads)
     issued = IssuedStep(
@@ -177,8 +178,10 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
     `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
     workload. `trackers`: more metrics sinks beside JSONL and TensorBoard (`training.trackers`).
     `eval_source`: a user graph's held-out samples for the `eval` block (`training.evaluate`).
-    On SIGTERM, saves a checkpoint after the current step and returns early; one that arrives
-    during start-up (compiling, restoring) stops the run before its first step, with nothing new
+    Before step 1, every program the run's batches and evaluations need is compiled
+    (`compile.ahead`), with jax's persistent compilation cache on (`compile.cache`), so step
+    times measure steps. On SIGTERM, saves a checkpoint after the current step and returns early;
+    one that arrives during start-up (compiling, restoring) stops the run before its first step, with nothing new
     to save. One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding
     it is refused with a `DirectoryInUseError` (`dirlock`). Directories that cannot take the
     run's files are refused before anything compiles (`storage.check_directories`)."""
@@ -191,6 +194,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
         preemption = stack.enter_context(Preemption())
         check_directories(dirs)
         stack.enter_context(hold_directories(dirs))
+        stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
         if keep:
             check_checkpoint_layout(cfg.plan())  # before anything compiles
         if _preempted_in_startup(preemption, None, 0):
@@ -208,14 +212,21 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
                 start, states, data_state, _ = restored
                 data.set_state(data_state)
                 say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
-        if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
-            return []
         if start >= cfg.steps:
             say(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
             return []
+        evaluation = evaluation_for(cfg, rt, eval_source)
+        if cfg.compile.ahead:
+            rt.compile_ahead(
+                range(start, cfg.steps),  # the batches of steps start+1..steps
+                say=say,
+                evaluate=evaluation.samples if evaluation else (),
+                max_batches=cfg.compile.max_batches,
+            )
+        if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
+            return []
         if out_dir and jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit
             _write_config(cfg, out_dir)
-        evaluation = evaluation_for(cfg, rt, eval_source)
         tracked = stack.enter_context(output_trackers(out_dir, start, trackers))
         bar = stack.enter_context(
             tqdm(
@@ -241,6 +252,16 @@ def _say(progress: bool):
             tqdm.write(line) if progress else print(line, flush=True)
 
     return say
+
+
+def _cache_dir(cfg: Config, out_dir: Path | None) -> Path | None:
+    """The persistent compilation cache's directory for this process (`compile.cache_dir`, else
+    `<output_dir>/compile_cache`), or None. Each process of a multi-process run keeps its own:
+    jax writes an entry in place, so a peer could read one half written."""
+    root = cfg.compile.cache_dir or (out_dir and out_dir / "compile_cache")
+    if not cfg.compile.cache or root is None:
+        return None
+    return Path(root) / f"process-{jax.process_index()}" if jax.process_count() > 1 else Path(root)
 
 
 def _write_config(cfg: Config, out_dir: Path) -> None:
@@ -361,7 +382,7 @@ class _Loop:
         """The next batch's frozen forwards, queued behind this step's work on their devices."""
         if self.rt.problem.ahead and done < self.cfg.steps and (following := self.data.peek()) is not None:
             nxt = following.batch
-            return self.rt.executor.run_ahead(states, nxt.samples, nxt.schedule, following.host)
+            return self.rt.executor.run_ahead(states, nxt.samples, nxt.schedule, following.host, step=done + 1)
         return None
 
     def _evaluate(self, done: int, states, issued: IssuedStep) -> None:
