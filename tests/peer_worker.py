@@ -12,15 +12,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from maestro_jax.runtime import distributed  # noqa: E402
 
 distributed.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-distributed.set_peer_timeout(120)
-distributed.step_barrier(1)  # both are up
+coordinator = distributed.Coordinator(120)
+coordinator.step_barrier(1)  # both are up
 if pid == 1:
     distributed.announce_failure("DataError: sample 7: tokens out of range")
     sys.stdout.flush()
     os._exit(3)
 t0 = time.monotonic()
 try:
-    distributed._get("maestro/never", 1, "publish a value")
+    coordinator.gather("a value process 1 never publishes", 0)
 except distributed.PeerError as err:
     print(f"WAITED {time.monotonic() - t0:.1f}", flush=True)
     print(f"ERROR {err}", flush=True)

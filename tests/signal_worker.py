@@ -16,8 +16,7 @@ signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
 from maestro_jax.runtime import distributed  # noqa: E402
 
 distributed.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-distributed.set_peer_timeout(60)
-distributed.step_barrier(1)  # both are up
+distributed.Coordinator(60).step_barrier(1)  # both are up
 os.kill(os.getpid(), signal.SIGTERM)
 deadline = time.monotonic() + 5
 while not got and time.monotonic() < deadline:

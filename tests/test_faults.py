@@ -567,6 +567,7 @@ def test_save_failures_are_classified_peer_or_storage(monkeypatch):
     resets included) stay storage faults."""
     from maestro_jax.runtime import distributed
 
+    coordinator = distributed.Coordinator()  # made with one process: no coordination service to ask
     monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
     monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
     monkeypatch.setattr(distributed, "_failed_peer", lambda: None)
@@ -578,12 +579,12 @@ def test_save_failures_are_classified_peer_or_storage(monkeypatch):
     try:
         raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from barrier
     except TimeoutError as err:
-        peer = distributed.peer_fault(err, "the checkpoint save of step 4")
+        peer = coordinator.peer_fault(err, "the checkpoint save of step 4")
     assert isinstance(peer, distributed.PeerError)
     assert str(peer).startswith("process 1 did not reach the checkpoint save of step 4 within")
     assert "Id: _async_write_complete.4::0]" in str(peer)
     for storage in (OSError(28, "No space left on device"), RuntimeError("UNAVAILABLE: Connection reset by peer")):
-        assert distributed.peer_fault(storage, "the checkpoint save of step 4") is None
+        assert coordinator.peer_fault(storage, "the checkpoint save of step 4") is None
 
 
 @pytest.mark.multiprocess

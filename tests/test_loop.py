@@ -9,14 +9,13 @@ from conftest import ROOT, TINY_KD
 
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.training import loop
 from maestro_jax.training.loop import NonFiniteError, train, train_step
 
 
 def spied_runtime(cfg, events, monkeypatch):
     """The config's real runtime, with its step dispatch and the loop's result reads logged in order."""
     rt = build_runtime(cfg)
-    run, fetch = rt.executor.run, loop.fetch
+    run, fetch = rt.executor.run, rt.coordinator.fetch
     issued = iter(range(1, 1000))
 
     def logged_run(*args, **kw):
@@ -28,7 +27,7 @@ def spied_runtime(cfg, events, monkeypatch):
         return fetch(x)
 
     monkeypatch.setattr(rt.executor, "run", logged_run)
-    monkeypatch.setattr(loop, "fetch", logged_fetch)
+    monkeypatch.setattr(rt.coordinator, "fetch", logged_fetch)
     return rt
 
 

@@ -18,7 +18,7 @@ from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, parts_of
 from maestro_jax.runtime import ahead as ahead_lib
-from maestro_jax.runtime.distributed import gather
+from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.optimizer import check_sections, section_optimizer
@@ -44,6 +44,7 @@ class Runtime:
     info_check: object = None  # info_check(SampleInfo): metadata validation (raises DataError), or None
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
     cost: object = None  # CostModel the wavefront scheduler plans with (None: work units)
+    coordinator: Coordinator = dataclasses.field(default_factory=Coordinator)  # exchanges between processes
 
     def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
         """Each section initialises straight into its own sharding (never a full copy on one
@@ -80,7 +81,7 @@ class Runtime:
             info_check=self.info_check,
             check=self.check,
             bad=bad,
-            gather=gather,
+            gather=self.coordinator.gather,
         )
 
     def read_plan(self, infos) -> ReadPlan:
@@ -235,7 +236,9 @@ def check_batch_fits_data(cfg: Config, source) -> None:
         )
 
 
-def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, check=None) -> Runtime:
+def build_runtime(
+    cfg: Config, graph: SectionGraph | None = None, source=None, check=None, coordinator: Coordinator | None = None
+) -> Runtime:
     """Check the whole plan (README, "Configs") before building or compiling anything.
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
@@ -326,6 +329,7 @@ def build_runtime(cfg: Config, graph: SectionGraph | None = None, source=None, c
         check,
         info_check,
         dict(pretrained),
+        coordinator=coordinator or Coordinator(cfg.distributed.timeout_s),
     )
 
 

@@ -23,31 +23,10 @@ import jax
 import numpy as np
 
 log = logging.getLogger("maestro_jax")
-# Key sequence numbers, one counter per kind of exchange: each kind is called in the same order
-# on every process, but kinds run on different threads (the prefetch thread shares each batch's
-# bad samples while the loop fetches losses), so one shared counter would number them
-# differently on different processes.
-_sequences: collections.defaultdict = collections.defaultdict(itertools.count)
-_sequences_lock = threading.Lock()
-
-
-def _next_key(kind: str) -> str:
-    with _sequences_lock:
-        return f"maestro/{kind}/{next(_sequences[kind])}"
-
-
-# The longest a process waits for a peer (a fetched value, a step barrier, an agreement); past
-# it the wait fails naming the peer instead of hanging. Set from `distributed.timeout_s`.
-PEER_TIMEOUT_S = 300.0
 
 
 class PeerError(RuntimeError):
     """Another process did not answer within the bounded wait: it is dead or stuck."""
-
-
-def set_peer_timeout(seconds: float) -> None:
-    global PEER_TIMEOUT_S
-    PEER_TIMEOUT_S = float(seconds)
 
 
 def _client():
@@ -56,17 +35,15 @@ def _client():
 
 _FAILED = "maestro/failed/"
 _POLL_S = 1.0  # how often a waiting process looks for a peer's failure notice
-_announced = False
 
 
 def announce_failure(message: str) -> None:
     """Tell every peer that this process is stopping on an error, so that their waits for it
     end at once with its message instead of running into the timeout. Best effort: the
-    coordination service may itself be gone."""
-    global _announced
-    if jax.process_count() == 1 or _announced:
+    coordination service may itself be gone, and a second notice of the same process is refused
+    by the store (its key exists), so only the first one counts."""
+    if jax.process_count() == 1:
         return
-    _announced = True
     try:
         _client().key_value_set(f"{_FAILED}{jax.process_index()}", message.strip().splitlines()[-1][:500])
     except Exception:
@@ -80,186 +57,6 @@ def _failed_peer() -> tuple[int, str] | None:
         return None
     notices = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in entries)
     return notices[0] if notices else None
-
-
-def _get(key: str, owner: int, what: str, timeout_s: float | None = None) -> str:
-    """A bounded read of a key another process publishes. It ends early, naming the process
-    and its error, when any peer announces a failure (`announce_failure`); a timeout names
-    `owner`."""
-    timeout_s = PEER_TIMEOUT_S if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    while True:
-        wait_ms = max(1, int(min(_POLL_S, deadline - time.monotonic()) * 1000))
-        try:
-            return _client().blocking_key_value_get(key, wait_ms)
-        except Exception as err:  # XlaRuntimeError: DEADLINE_EXCEEDED, or UNAVAILABLE if the service died
-            failed = _failed_peer()
-            if failed is not None:
-                raise PeerError(
-                    f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
-                    f"({jax.process_index()}) too"
-                ) from err
-            if time.monotonic() < deadline and "DEADLINE_EXCEEDED" in str(err):
-                continue
-            raise PeerError(
-                f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is "
-                f"dead or stuck; stopping this process ({jax.process_index()}) too. "
-                f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]"
-            ) from err
-
-
-def agree(name: str, value):
-    """Process 0's `value` (JSON-able) on every process; a no-op with one process."""
-    if jax.process_count() == 1:
-        return value
-    key = _next_key(f"agree/{name}")
-    if jax.process_index() == 0:
-        _client().key_value_set(key, json.dumps(value))
-        return value
-    return json.loads(_get(key, 0, f"share {name!r}"))
-
-
-def gather(name: str, value) -> list:
-    """Every process's `value` (JSON-able), in process order, on every process: a bounded
-    all-gather through the key-value store. `[value]` with one process."""
-    if jax.process_count() == 1:
-        return [value]
-    me = jax.process_index()
-    prefix = _next_key(f"gather/{name}")
-    _client().key_value_set(f"{prefix}/{me}", json.dumps(value))
-    return [
-        value if q == me else json.loads(_get(f"{prefix}/{q}", q, f"share {name!r}"))
-        for q in range(jax.process_count())
-    ]
-
-
-_checked_in: dict[int, list[int]] = {}  # the last step barrier's outcome: a second call is free
-
-
-def step_barrier(step: int, preempted: bool = False) -> list[int]:
-    """Every process checks in before step `step`; a peer that does not within the timeout is
-    named in the error. Bounds the wait on a stuck or dead peer at every step boundary (a peer
-    lost mid-step is caught by the coordination service's heartbeat, `distributed.heartbeat_timeout_s`).
-
-    Each process brings its preemption flag (a SIGTERM it received); returns the processes that
-    raised it, the same list on every process, so that a notice on any one host stops all of
-    them after the same step. Only the first call for a step exchanges anything (the training
-    loop checks in at the end of a step and again at the top of the next)."""
-    if jax.process_count() == 1:
-        return [0] if preempted else []
-    if step in _checked_in:
-        return _checked_in[step]
-    me = jax.process_index()
-    _client().key_value_set(f"maestro/step/{step}/{me}", "preempted" if preempted else "1")
-    flags = {
-        q: preempted if q == me else _get(f"maestro/step/{step}/{q}", q, f"reach step {step}") == "preempted"
-        for q in range(jax.process_count())
-    }
-    _checked_in.clear()
-    _checked_in[step] = [q for q, flag in flags.items() if flag]
-    return _checked_in[step]
-
-
-# -- checkpoint saves: Orbax's waits on other processes, bounded and named ----------------------
-def checkpoint_barrier():
-    """The barrier function for Orbax's `AsyncOptions(barrier_sync_fn=...)` that bounds every
-    wait of a save on another process by `PEER_TIMEOUT_S`; None with one process.
-
-    By default Orbax synchronises processes with a device collective (`sync_global_devices`,
-    a gloo all-gather on CPU): unbounded, so a SIGSTOPped peer held a save until the heartbeat
-    gave up, and a killed one surfaced as `Gloo AllGather failed`, indistinguishable from a
-    storage fault. Its coordination-service barriers instead time out and name the processes
-    that did not arrive (`peer_fault` reads that). Process-wide settings of Orbax 0.12, made
-    here: the flag `experimental_orbax_use_distributed_barrier` and its barrier timeout. The
-    returned function serves the background commit, whose overall budget (writing included)
-    stays Orbax's 20 minutes while each wait on a peer inside it is capped at `PEER_TIMEOUT_S`."""
-    if jax.process_count() == 1:
-        return None
-    from absl import flags as absl_flags
-    from orbax.checkpoint._src.multihost import multihost
-
-    flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
-    flag.value, flag.present = True, 1  # readable without absl parsing the command line
-    multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(PEER_TIMEOUT_S))
-
-    def barrier(*, key: str, timeout_ms: int) -> None:
-        _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(PEER_TIMEOUT_S * 1000))))
-
-    return barrier
-
-
-# Errors that only a lost peer causes: a device collective failing (its connection closed), or the
-# coordination service (run by process 0) gone. Not "Connection reset" or UNAVAILABLE alone:
-# cloud storage reports those too, and a storage fault must stay one.
-_LOST = ("Gloo", "coordination service")
-
-
-def peer_fault(err: BaseException, what: str) -> PeerError | None:
-    """The `PeerError` behind `err`, raised by work that involves every process (`what`, e.g.
-    "the checkpoint save of step 4"), or None when no peer is at fault (a storage fault stays
-    one). A peer that announced an error is named with it; a coordination-service barrier that
-    timed out names the processes that did not arrive; a closed connection (a collective
-    failing because its peer died) names the processes that do not answer a bounded probe
-    (`_silent_peers`)."""
-    if jax.process_count() == 1:
-        return None
-    me = jax.process_index()
-    failed = _failed_peer()
-    if failed is not None and failed[0] != me:
-        return PeerError(
-            f"process {failed[0]} stopped on an error ({failed[1]}) during {what}; stopping this process ({me}) too"
-        )
-    chain, e = [], err
-    while e is not None and len(chain) < 8:
-        chain.append(f"{type(e).__name__}: {e}")
-        e = e.__cause__ or e.__context__
-    text = " | ".join(chain).replace("\n", " ")
-    cause = next((c for c in reversed(chain) if any(m in c for m in ("Barrier timed out", *_LOST))), chain[0])
-    detail = f"[{cause.splitlines()[0].split('. This usually')[0][:200]}]"
-    if "Barrier timed out" in text:
-        # "Some timed out task names: 1" (or ".../task:1"): the processes that did not arrive
-        stuck = re.search(r"timed out task names?:(.*?)(?:RPC:|\[|$)", text)
-        names = stuck.group(1) if stuck else ""
-        found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
-        who = sorted({int(t) for t in found} - {me})
-        return PeerError(
-            f"{_processes(who)} did not reach {what} within {PEER_TIMEOUT_S:g}s (distributed.timeout_s): "
-            f"dead or stuck; stopping this process ({me}) too. {detail}"
-        )
-    if any(mark in text for mark in _LOST):
-        who = _silent_peers(what)
-        return PeerError(
-            f"{_processes(who)} was lost during {what}: a connection to it closed"
-            f"{' and it did not answer' if who else ''}; stopping this process ({me}) too. {detail}"
-        )
-    return None
-
-
-def _processes(who: list[int]) -> str:
-    if not who:
-        return "a peer process"
-    return f"process {who[0]}" if len(who) == 1 else f"processes {', '.join(map(str, who))}"
-
-
-def _silent_peers(what: str) -> list[int]:
-    """The peers that do not answer within `PEER_TIMEOUT_S`: every process that meets the same
-    fault in `what` posts here, so those that stay silent are the lost ones. Without the
-    coordination service (it ran in a lost process 0) that is process 0."""
-    me, tag = jax.process_index(), re.sub(r"\W+", "-", what)
-    try:
-        _client().key_value_set(f"maestro/alive/{tag}/{me}", "1")
-    except Exception:  # noqa: BLE001 - the service is gone with the process that ran it
-        return [0] if me != 0 else []
-    deadline, silent = time.monotonic() + PEER_TIMEOUT_S, []
-    for q in range(jax.process_count()):
-        if q != me:
-            try:
-                _client().blocking_key_value_get(
-                    f"maestro/alive/{tag}/{q}", max(1, int((deadline - time.monotonic()) * 1000))
-                )
-            except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: silent; UNAVAILABLE: the service is gone
-                silent.append(q)
-    return silent
 
 
 def maybe_initialize_distributed(
@@ -316,20 +113,219 @@ def _own_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def fetch(x: jax.Array) -> np.ndarray:
-    """The value of a small (replicated) array on every process.
+# Errors that only a lost peer causes: a device collective failing (its connection closed), or the
+# coordination service (run by process 0) gone. Not "Connection reset" or UNAVAILABLE alone:
+# cloud storage reports those too, and a storage fault must stay one.
+_LOST = ("Gloo", "coordination service")
 
-    Single process: a plain read. Multi-process: the lowest process holding a shard publishes
-    it in the key-value store and the others read it; every process must call this in the same
-    order (the driver is the same everywhere, so it does).
-    """
-    if jax.process_count() == 1 or (x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count()):
-        return np.asarray(x)
-    key = _next_key("fetch")
-    owner = min(d.process_index for d in x.sharding.device_set)
-    if jax.process_index() == owner:
-        value = np.asarray(x.addressable_shards[0].data)
-        _client().key_value_set(key, f"{value.dtype.str};{value.tobytes().hex()}")
-        return value
-    dtype, data = _get(key, owner, "publish a step result").split(";")
-    return np.frombuffer(bytes.fromhex(data), np.dtype(dtype)).reshape(np.shape(x))
+
+def _processes(who: list[int]) -> str:
+    if not who:
+        return "a peer process"
+    return f"process {who[0]}" if len(who) == 1 else f"processes {', '.join(map(str, who))}"
+
+
+class Coordinator:
+    """A run's host-side exchanges between its processes, through jax's coordination service:
+    agreeing on a value, gathering one from every process, fetching a device result held by
+    another process, the step check-in, bounded Orbax barriers, and naming the peer behind a fault.
+
+    Every wait on a peer is bounded by `timeout_s` (`distributed.timeout_s`) and ends naming it
+    (`PeerError`). Each kind of exchange is numbered in call order, which is the same on every
+    process (one driver), but kinds run on different threads (the prefetch thread gathers each
+    batch's bad samples while the loop fetches losses), so each kind has its own counter. Keys live
+    under a namespace per coordinator: the i-th coordinator a process makes gets the i-th number
+    from a counter the coordination service keeps per process, so processes that make their
+    coordinators in the same order (they run the same driver) share namespaces, and two runs in one
+    job never read each other's keys. With one process every exchange is local."""
+
+    def __init__(self, timeout_s: float = 300.0):
+        self.timeout_s = float(timeout_s)
+        self._sequences: collections.defaultdict = collections.defaultdict(itertools.count)
+        self._lock = threading.Lock()
+        self._checked_in: dict[int, list[int]] = {}  # the last step barrier's outcome: a second call is free
+        self._namespace = "maestro/0"
+        if jax.process_count() > 1:
+            number = _client().key_value_increment(f"maestro/coordinators/{jax.process_index()}", 1)
+            self._namespace = f"maestro/{number}"
+
+    def _next_key(self, kind: str) -> str:
+        with self._lock:
+            return f"{self._namespace}/{kind}/{next(self._sequences[kind])}"
+
+    def agree(self, name: str, value):
+        """Process 0's `value` (JSON-able) on every process; a no-op with one process."""
+        if jax.process_count() == 1:
+            return value
+        key = self._next_key(f"agree/{name}")
+        if jax.process_index() == 0:
+            _client().key_value_set(key, json.dumps(value))
+            return value
+        return json.loads(self._get(key, 0, f"share {name!r}"))
+
+    def gather(self, name: str, value) -> list:
+        """Every process's `value` (JSON-able), in process order, on every process: a bounded
+        all-gather through the key-value store. `[value]` with one process."""
+        if jax.process_count() == 1:
+            return [value]
+        me = jax.process_index()
+        prefix = self._next_key(f"gather/{name}")
+        _client().key_value_set(f"{prefix}/{me}", json.dumps(value))
+        return [
+            value if q == me else json.loads(self._get(f"{prefix}/{q}", q, f"share {name!r}"))
+            for q in range(jax.process_count())
+        ]
+
+    def fetch(self, x: jax.Array) -> np.ndarray:
+        """The value of a small (replicated) array on every process.
+
+        Single process: a plain read. Multi-process: the lowest process holding a shard publishes
+        it in the key-value store and the others read it; every process must call this in the same
+        order (the driver is the same everywhere, so it does).
+        """
+        if jax.process_count() == 1 or (x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count()):
+            return np.asarray(x)
+        key = self._next_key("fetch")
+        owner = min(d.process_index for d in x.sharding.device_set)
+        if jax.process_index() == owner:
+            value = np.asarray(x.addressable_shards[0].data)
+            _client().key_value_set(key, f"{value.dtype.str};{value.tobytes().hex()}")
+            return value
+        dtype, data = self._get(key, owner, "publish a step result").split(";")
+        return np.frombuffer(bytes.fromhex(data), np.dtype(dtype)).reshape(np.shape(x))
+
+    def step_barrier(self, step: int, preempted: bool = False) -> list[int]:
+        """Every process checks in before step `step`; a peer that does not within the timeout is
+        named in the error. Bounds the wait on a stuck or dead peer at every step boundary (a peer
+        lost mid-step is caught by the coordination service's heartbeat, `distributed.heartbeat_timeout_s`).
+
+        Each process brings its preemption flag (a SIGTERM it received); returns the processes that
+        raised it, the same list on every process, so that a notice on any one host stops all of
+        them after the same step. Only the first call for a step exchanges anything (the training
+        loop checks in at the end of a step and again at the top of the next)."""
+        if jax.process_count() == 1:
+            return [0] if preempted else []
+        if step in self._checked_in:
+            return self._checked_in[step]
+        me = jax.process_index()
+        _client().key_value_set(f"{self._namespace}/step/{step}/{me}", "preempted" if preempted else "1")
+        flags = {
+            q: preempted
+            if q == me
+            else self._get(f"{self._namespace}/step/{step}/{q}", q, f"reach step {step}") == "preempted"
+            for q in range(jax.process_count())
+        }
+        self._checked_in.clear()
+        self._checked_in[step] = [q for q, flag in flags.items() if flag]
+        return self._checked_in[step]
+
+    def checkpoint_barrier(self):
+        """The barrier function for Orbax's `AsyncOptions(barrier_sync_fn=...)` that bounds every
+        wait of a save on another process by `self.timeout_s`; None with one process.
+
+        By default Orbax synchronises processes with a device collective (`sync_global_devices`,
+        a gloo all-gather on CPU): unbounded, so a SIGSTOPped peer held a save until the heartbeat
+        gave up, and a killed one surfaced as `Gloo AllGather failed`, indistinguishable from a
+        storage fault. Its coordination-service barriers instead time out and name the processes
+        that did not arrive (`peer_fault` reads that). Process-wide settings of Orbax 0.12, made
+        here: the flag `experimental_orbax_use_distributed_barrier` and its barrier timeout. The
+        returned function serves the background commit, whose overall budget (writing included)
+        stays Orbax's 20 minutes while each wait on a peer inside it is capped at `self.timeout_s`."""
+        if jax.process_count() == 1:
+            return None
+        from absl import flags as absl_flags
+        from orbax.checkpoint._src.multihost import multihost
+
+        flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+        flag.value, flag.present = True, 1  # readable without absl parsing the command line
+        multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(self.timeout_s))
+
+        def barrier(*, key: str, timeout_ms: int) -> None:
+            _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(self.timeout_s * 1000))))
+
+        return barrier
+
+    def peer_fault(self, err: BaseException, what: str) -> PeerError | None:
+        """The `PeerError` behind `err`, raised by work that involves every process (`what`, e.g.
+        "the checkpoint save of step 4"), or None when no peer is at fault (a storage fault stays
+        one). A peer that announced an error is named with it; a coordination-service barrier that
+        timed out names the processes that did not arrive; a closed connection (a collective
+        failing because its peer died) names the processes that do not answer a bounded probe
+        (`_silent_peers`)."""
+        if jax.process_count() == 1:
+            return None
+        me = jax.process_index()
+        failed = _failed_peer()
+        if failed is not None and failed[0] != me:
+            return PeerError(
+                f"process {failed[0]} stopped on an error ({failed[1]}) during {what}; stopping this process ({me}) too"
+            )
+        chain, e = [], err
+        while e is not None and len(chain) < 8:
+            chain.append(f"{type(e).__name__}: {e}")
+            e = e.__cause__ or e.__context__
+        text = " | ".join(chain).replace("\n", " ")
+        cause = next((c for c in reversed(chain) if any(m in c for m in ("Barrier timed out", *_LOST))), chain[0])
+        detail = f"[{cause.splitlines()[0].split('. This usually')[0][:200]}]"
+        if "Barrier timed out" in text:
+            # "Some timed out task names: 1" (or ".../task:1"): the processes that did not arrive
+            stuck = re.search(r"timed out task names?:(.*?)(?:RPC:|\[|$)", text)
+            names = stuck.group(1) if stuck else ""
+            found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
+            who = sorted({int(t) for t in found} - {me})
+            return PeerError(
+                f"{_processes(who)} did not reach {what} within {self.timeout_s:g}s (distributed.timeout_s): "
+                f"dead or stuck; stopping this process ({me}) too. {detail}"
+            )
+        if any(mark in text for mark in _LOST):
+            who = self._silent_peers(what)
+            return PeerError(
+                f"{_processes(who)} was lost during {what}: a connection to it closed"
+                f"{' and it did not answer' if who else ''}; stopping this process ({me}) too. {detail}"
+            )
+        return None
+
+    def _silent_peers(self, what: str) -> list[int]:
+        """The peers that do not answer within `self.timeout_s`: every process that meets the same
+        fault in `what` posts here, so those that stay silent are the lost ones. Without the
+        coordination service (it ran in a lost process 0) that is process 0."""
+        me, tag = jax.process_index(), re.sub(r"\W+", "-", what)
+        try:
+            _client().key_value_set(f"{self._namespace}/alive/{tag}/{me}", "1")
+        except Exception:  # noqa: BLE001 - the service is gone with the process that ran it
+            return [0] if me != 0 else []
+        deadline, silent = time.monotonic() + self.timeout_s, []
+        for q in range(jax.process_count()):
+            if q != me:
+                try:
+                    _client().blocking_key_value_get(
+                        f"{self._namespace}/alive/{tag}/{q}", max(1, int((deadline - time.monotonic()) * 1000))
+                    )
+                except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: silent; UNAVAILABLE: the service is gone
+                    silent.append(q)
+        return silent
+
+    def _get(self, key: str, owner: int, what: str, timeout_s: float | None = None) -> str:
+        """A bounded read of a key another process publishes. It ends early, naming the process
+        and its error, when any peer announces a failure (`announce_failure`); a timeout names
+        `owner`."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait_ms = max(1, int(min(_POLL_S, deadline - time.monotonic()) * 1000))
+            try:
+                return _client().blocking_key_value_get(key, wait_ms)
+            except Exception as err:  # XlaRuntimeError: DEADLINE_EXCEEDED, or UNAVAILABLE if the service died
+                failed = _failed_peer()
+                if failed is not None:
+                    raise PeerError(
+                        f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
+                        f"({jax.process_index()}) too"
+                    ) from err
+                if time.monotonic() < deadline and "DEADLINE_EXCEEDED" in str(err):
+                    continue
+                raise PeerError(
+                    f"process {owner} did not {what} within {timeout_s:g}s (distributed.timeout_s): it is "
+                    f"dead or stuck; stopping this process ({jax.process_index()}) too. "
+                    f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]"
+                ) from err

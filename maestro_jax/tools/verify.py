@@ -10,7 +10,6 @@ import numpy as np
 
 from maestro_jax.config import Config
 from maestro_jax.runtime.build import Runtime, build_runtime
-from maestro_jax.runtime.distributed import fetch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,16 +57,19 @@ def verify(cfg: Config, rt: Runtime | None = None, step: int = 0) -> list[Diff]:
     m_updated = mono.model.update(m_states, m_grads)
     m_norms = mono.model.squared_norms(m_grads)
 
-    diffs = [compare("loss", result.loss, m_loss), compare("grad_norm", global_norm(norms), global_norm(m_norms))]
+    diffs = [
+        compare("loss", result.loss, m_loss),
+        compare("grad_norm", global_norm(norms, rt.coordinator.fetch), global_norm(m_norms, rt.coordinator.fetch)),
+    ]
     for s in sorted(result.grads):
         diffs.append(compare(f"{s}/grads", result.grads[s], m_grads[s]))
         diffs.append(compare(f"{s}/params_after_update", updated[s].params, m_updated[s].params))
     return diffs
 
 
-def global_norm(norms_sq) -> float:
-    """The gradient norm over every section, from each one's squared norm (`fetch`ed: a section
-    may live on other processes' devices)."""
+def global_norm(norms_sq, fetch) -> float:
+    """The gradient norm over every section, from each one's squared norm (read by `fetch`,
+    `Coordinator.fetch`: a section may live on other processes' devices)."""
     return math.sqrt(sum(float(fetch(n)[0]) for _, n in sorted(norms_sq.items())))
 
 

@@ -44,7 +44,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from maestro_jax.config import ConfigError
-from maestro_jax.runtime.distributed import PeerError, agree, checkpoint_barrier, peer_fault
+from maestro_jax.runtime.distributed import Coordinator, PeerError
 from maestro_jax.runtime.programs import SectionState
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.storage import StorageError
@@ -229,7 +229,14 @@ def _quiet_orbax_errors() -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, max_to_keep: int = 3, asynchronous: bool = True, read_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        max_to_keep: int = 3,
+        asynchronous: bool = True,
+        read_only: bool = False,
+        coordinator: Coordinator | None = None,
+    ):
         """`read_only`: for a reader outside a run (an export, `maestro-jax eval`): nothing is
         created or cleaned up, and `save` is not allowed; restoring from read-only storage works."""
         _quiet_orbax_errors()
@@ -240,6 +247,7 @@ class Checkpointer:
             )
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        self.coordinator = coordinator or Coordinator()
         self._saving: int | None = None  # the step whose save is in flight (one at a time)
         self._layout: dict = {}  # its `state_layout`, for the manifest
         try:
@@ -258,7 +266,7 @@ class Checkpointer:
                     enable_async_checkpointing=asynchronous,
                     async_options=ocp.AsyncOptions(
                         create_directories_asynchronously=False,
-                        barrier_sync_fn=checkpoint_barrier(),
+                        barrier_sync_fn=self.coordinator.checkpoint_barrier(),
                         post_finalization_callback=self._write_manifest,
                     ),
                 ),
@@ -267,7 +275,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
         if jax.process_index() == 0 and not read_only:
             self._remove_stray_manifests()
-        agree("checkpoint-dir-ready", True)  # nobody saves before the clean-up is done
+        self.coordinator.agree("checkpoint-dir-ready", True)  # nobody saves before the clean-up is done
 
     def __enter__(self):
         return self
@@ -340,7 +348,9 @@ class Checkpointer:
             tmp.unlink(missing_ok=True)
 
     def _save_error(self, step: int, err: BaseException) -> Exception:
-        peer = peer_fault(err, f"the checkpoint save of step {step}")  # a lost or stuck peer is no storage fault
+        peer = self.coordinator.peer_fault(
+            err, f"the checkpoint save of step {step}"
+        )  # a lost or stuck peer is no storage fault
         if peer is not None:
             return peer
         return CheckpointError(
@@ -408,7 +418,7 @@ class Checkpointer:
                     problem = verify_step(self.directory / str(step), manifest)
                 if problem is None and "layout" in manifest:
                     mismatch = layout_difference(manifest["layout"], state_layout(targets))
-            problem, mismatch = agree(f"checkpoint-verify-{step}", [problem, mismatch])
+            problem, mismatch = self.coordinator.agree(f"checkpoint-verify-{step}", [problem, mismatch])
             if mismatch is not None:
                 raise CheckpointMismatchError(
                     f"error: checkpoint step {step} in {self.directory} does not match this config ({mismatch}); "
@@ -435,7 +445,7 @@ class Checkpointer:
             for part in (MANIFEST.format(step=step), str(step)):
                 if (self.directory / part).exists():
                     (self.directory / part).rename(bad / part)
-        agree(f"checkpoint-quarantined-{step}", True)
+        self.coordinator.agree(f"checkpoint-quarantined-{step}", True)
         self.manager.reload()
 
     def restore(self, step: int, targets: dict[str, SectionState]) -> tuple[dict[str, SectionState], dict, dict]:
@@ -464,7 +474,7 @@ def _manifest_step(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def reading_checkpoints(cfg) -> Iterator[Checkpointer]:
+def reading_checkpoints(cfg, coordinator: Coordinator | None = None) -> Iterator[Checkpointer]:
     """A run's checkpoints for a reader outside the run (`export`, `eval`), opened read-only.
 
     The reader holds the run lock of `output_dir` and `checkpoint_dir` (`training.dirlock`)
@@ -473,5 +483,9 @@ def reading_checkpoints(cfg) -> Iterator[Checkpointer]:
     exist."""
     directory = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
     existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", directory)) if d.is_dir()}
-    with hold_directories(existing), Checkpointer(directory, read_only=True) as ckpt:
+    coordinator = coordinator or Coordinator(cfg.distributed.timeout_s)
+    with (
+        hold_directories(existing, coordinator),
+        Checkpointer(directory, read_only=True, coordinator=coordinator) as ckpt,
+    ):
         yield ckpt

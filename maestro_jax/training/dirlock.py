@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 
 from maestro_jax.config import ConfigError
-from maestro_jax.runtime.distributed import agree
+from maestro_jax.runtime.distributed import Coordinator
 
 LOCK_FILE = "run.lock"
 log = logging.getLogger("maestro_jax")
@@ -62,7 +62,7 @@ def _open(d: Path):
 
 
 @contextlib.contextmanager
-def hold_directories(directories: dict[str, str | Path | None]):
+def hold_directories(directories: dict[str, str | Path | None], coordinator: Coordinator | None = None):
     """Hold `run.lock` in each directory ({config key: directory}; None: skipped) on process 0 for
     the duration; refuse with a `DirectoryInUseError` naming the key, the directory and the holder
     when another live run holds one."""
@@ -99,7 +99,7 @@ def hold_directories(directories: dict[str, str | Path | None]):
                     f.flush()
                 except (OSError, ValueError):
                     pass
-        refusal = agree("output-dir-lock", refusal)
+        refusal = (coordinator or Coordinator()).agree("output-dir-lock", refusal)
         if refusal is not None:
             raise DirectoryInUseError(refusal)
         yield

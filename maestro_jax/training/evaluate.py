@@ -16,7 +16,6 @@ import dataclasses
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.data import global_batches
 from maestro_jax.runtime.build import Runtime
-from maestro_jax.runtime.distributed import fetch
 
 
 @dataclasses.dataclass
@@ -55,11 +54,10 @@ class Evaluation:
             for b in self.batches
         ]
 
-    @staticmethod
-    def read(issued: list) -> float:
+    def read(self, issued: list) -> float:
         """The token-weighted mean of the batches' losses (waits for the devices)."""
         total = sum(tokens for _, tokens in issued)
-        return sum(float(fetch(loss)) * tokens for loss, tokens in issued) / max(total, 1)
+        return sum(float(self.rt.coordinator.fetch(loss)) * tokens for loss, tokens in issued) / max(total, 1)
 
 
 def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
@@ -88,10 +86,10 @@ def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None) -> tu
         raise ConfigError("error: eval: the config has no eval block; add eval.batches (and eval.data) to evaluate")
     if not cfg.output_dir:
         raise ConfigError("error: output_dir: not set; name the run whose checkpoint to evaluate")
-    with reading_checkpoints(cfg) as ckpt:
+    with reading_checkpoints(cfg, rt.coordinator) as ckpt:
         steps = ckpt.committed_steps()
         step = steps[-1] if step is None and steps else step
         if step not in steps:
             raise ConfigError(f"error: --step={step}: {ckpt.directory} holds checkpoints of steps {steps or 'none'}")
         states, _, _ = ckpt.restore(step, rt.init_states())
-    return step, Evaluation.read(evaluation.issue(states))
+    return step, evaluation.read(evaluation.issue(states))

@@ -27,13 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from maestro_jax.config import Config, dump_config
 from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
-from maestro_jax.runtime.distributed import PeerError, fetch, set_peer_timeout, step_barrier
+from maestro_jax.runtime.distributed import Coordinator, PeerError
 from maestro_jax.runtime.optimizer import current_rate
 from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
 from maestro_jax.training.dirlock import hold_directories
@@ -60,9 +61,18 @@ class IssuedStep:
     `wait_reason` says which."""
 
     def __init__(
-        self, step: int, loss, finite: dict, sink: str, on_nonfinite: str, record: dict, norms_sq: dict | None = None
+        self,
+        step: int,
+        loss,
+        finite: dict,
+        sink: str,
+        on_nonfinite: str,
+        record: dict,
+        norms_sq: dict | None = None,
+        fetch=np.asarray,
     ):
         self.step, self.loss, self.finite, self.sink, self.on_nonfinite = step, loss, finite, sink, on_nonfinite
+        self.fetch = fetch  # a device value on this host (`Coordinator.fetch`: held by another process too)
         self.record = record
         self.norms_sq = norms_sq or {}  # each trained section's squared grad norm, a device scalar
         self.rates: dict = {}  # each trained section's learning rate in the update, once it is issued
@@ -75,6 +85,7 @@ class IssuedStep:
         if self.was_read:
             return self.record
         t0 = time.perf_counter()
+        fetch = self.fetch
         loss = float(fetch(self.loss))  # the host waits for the devices here
         bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
         norms = {s: float(fetch(n)[0]) for s, n in sorted(self.norms_sq.items())}
@@ -138,6 +149,7 @@ def issue_step(
             "transfer_issue_s": result.transfer_issue_s,
         },
         norms_sq,
+        rt.coordinator.fetch,
     )
     if on_nonfinite == "skip":
         issued.record["dispatch_s"] = time.perf_counter() - t0
@@ -145,7 +157,9 @@ def issue_step(
         if issued.read().get("skipped_nonfinite"):
             return states, issued
         states = rt.executor.update(states, result.grads, norms_sq)
-        issued.record.update({f"lr/{s}": float(fetch(current_rate(states[s].opt_state))) for s in sorted(norms_sq)})
+        issued.record.update(
+            {f"lr/{s}": float(rt.coordinator.fetch(current_rate(states[s].opt_state))) for s in sorted(norms_sq)}
+        )
         return states, issued
     states = rt.executor.update(states, result.grads, norms_sq)
     issued.rates = {s: current_rate(states[s].opt_state) for s in norms_sq}
@@ -185,28 +199,33 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
     to save. One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding
     it is refused with a `DirectoryInUseError` (`dirlock`). Directories that cannot take the
     run's files are refused before anything compiles (`storage.check_directories`)."""
-    set_peer_timeout(cfg.distributed.timeout_s)
+    coordinator = rt.coordinator if rt else Coordinator(cfg.distributed.timeout_s)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     keep = bool(out_dir and cfg.keep_checkpoints)
     dirs = {"output_dir": cfg.output_dir, "checkpoint_dir": cfg.checkpoint_dir if keep else None}
     say = _say(progress)
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(Preemption())
-        check_directories(dirs)
-        stack.enter_context(hold_directories(dirs))
+        check_directories(dirs, coordinator)
+        stack.enter_context(hold_directories(dirs, coordinator))
         stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
         if keep:
             check_checkpoint_layout(cfg.plan())  # before anything compiles
         if _preempted_in_startup(preemption, None, 0):
             return []
-        rt = rt or build_runtime(cfg)
+        rt = rt or build_runtime(cfg, coordinator=coordinator)
         states = rt.init_states()
         bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
         data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
         ckpt, start = None, 0
         if keep:
             ckpt = stack.enter_context(
-                Checkpointer(cfg.checkpoint_dir or out_dir / "checkpoints", cfg.keep_checkpoints, cfg.async_checkpoint)
+                Checkpointer(
+                    cfg.checkpoint_dir or out_dir / "checkpoints",
+                    cfg.keep_checkpoints,
+                    cfg.async_checkpoint,
+                    coordinator=coordinator,
+                )
             )
             if (restored := ckpt.restore_latest(states)) is not None:  # another config's checkpoint stops here
                 start, states, data_state, _ = restored
@@ -237,7 +256,9 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
                 disable=not progress or jax.process_index() != 0,
             )
         )
-        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, _StepLog(tracked, bar), say).run(states, start)
+        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, _StepLog(tracked, bar, evaluation), say).run(
+            states, start
+        )
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
         say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
@@ -293,8 +314,8 @@ class _StepLog:
     `dispatch_s`, `device_wait_s`) then belong to neighbouring steps, so they add up within the
     run's total time, not within each interval."""
 
-    def __init__(self, trackers: Trackers, bar):
-        self.trackers, self.bar, self.history = trackers, bar, []
+    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None):
+        self.trackers, self.bar, self.evaluation, self.history = trackers, bar, evaluation, []
         self.last_read = time.perf_counter()
 
     def read(
@@ -302,7 +323,7 @@ class _StepLog:
     ) -> None:
         rec = issued.read()
         if issued.evaluated:
-            rec["eval_loss"] = Evaluation.read(issued.evaluated)
+            rec["eval_loss"] = self.evaluation.read(issued.evaluated)
         now = time.perf_counter()
         dt, self.last_read = now - self.last_read, now
         batch, samples = prepared.batch, prepared.batch.samples
@@ -347,7 +368,7 @@ class _Loop:
 
     def run(self, states, start: int) -> list[dict]:
         ahead = None  # this step's run-ahead work, issued with the step before (never across a restart)
-        step_barrier(start + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
+        self.rt.coordinator.step_barrier(start + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
         try:
             for done in range(start + 1, self.cfg.steps + 1):
                 prepared = next(self.data)  # read, scheduled and packed while the previous step ran
@@ -367,7 +388,9 @@ class _Loop:
                 self._evaluate(done, states, issued)
                 self._read_pending()  # the previous step, read now that this one is queued behind it
                 self.pending = (issued, prepared, self.data.data_wait_s)
-                stop_by = step_barrier(done + 1, self.preemption.requested)  # a notice on any process
+                stop_by = self.rt.coordinator.step_barrier(
+                    done + 1, self.preemption.requested
+                )  # a notice on any process
                 self._checkpoint(done, states, stop_by)
                 if stop_by:
                     tqdm.write(self.preemption.report(done, self.ckpt, stop_by))  # every process says it

@@ -37,13 +37,11 @@ class Preemption:
         """What stopping after step `done` left (`by`: the processes that got a notice): a
         checkpoint is said to be saved only once it is committed. Raises the save's error
         instead, if it failed."""
-        from maestro_jax.runtime.distributed import agree
-
         notice = "SIGTERM" if self.requested else f"preemption notice on process {', '.join(map(str, by))}"
         if ckpt is None:
             return f"{notice}: stopping after step {done}, no checkpoint (keep_checkpoints=0 or no output_dir)"
         ckpt.wait_committed()
-        committed = agree(f"committed-{done}", ckpt.latest_step())
+        committed = ckpt.coordinator.agree(f"committed-{done}", ckpt.latest_step())
         if committed != done:
             return f"{notice}: the checkpoint of step {done} was not committed (the last committed is step {committed})"
         return f"{notice}: checkpoint saved at step {done}; stopping (re-run to resume)"

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from maestro_jax.config import ConfigError
+from maestro_jax.runtime.distributed import Coordinator
 
 PROBE = ".maestro-write-test"
 
@@ -71,19 +72,17 @@ def directory_problem(key: str, d: Path) -> tuple[str, str] | None:
     return None
 
 
-def check_directories(directories: dict[str, str | Path | None]) -> None:
+def check_directories(directories: dict[str, str | Path | None], coordinator: Coordinator | None = None) -> None:
     """Refuse, before anything compiles, a run whose directories ({config key: path}; None:
     skipped) cannot take its files. Process 0 checks (they are shared); every process agrees."""
     import jax
-
-    from maestro_jax.runtime.distributed import agree
 
     problem = None
     if jax.process_index() == 0:
         for key, d in directories.items():
             if d is not None and (problem := directory_problem(key, Path(d).absolute())):
                 break
-    problem = agree("storage-check", problem)
+    problem = (coordinator or Coordinator()).agree("storage-check", problem)
     if problem is not None:
         kind, msg = problem
         raise (ConfigError if kind == "config" else StorageError)(msg)
