@@ -113,7 +113,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _train(cfg, args) -> int:
     from maestro_jax.data import DataError
     from maestro_jax.runtime.distributed import PeerError, announce_failure
-    from maestro_jax.training.loop import NonFiniteError, train
+    from maestro_jax.training.loop import train
+    from maestro_jax.training.step import NonFiniteError
     from maestro_jax.training.storage import StorageError
 
     faults = ((NonFiniteError, 3), (StorageError, 4), (PeerError, 5), (DataError, 2))  # StorageError: checkpoints too

@@ -10,7 +10,8 @@ from conftest import ROOT, TINY_KD
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.programs import active_planner
-from maestro_jax.training.loop import NonFiniteError, train, train_step
+from maestro_jax.training.loop import train
+from maestro_jax.training.step import NonFiniteError, train_step
 
 
 def spied_runtime(cfg, events, monkeypatch):

@@ -9,7 +9,7 @@ from conftest import ROOT, TINY_VLM
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.programs import SectionState
-from maestro_jax.training.loop import NonFiniteError, train_step
+from maestro_jax.training.step import NonFiniteError, train_step
 
 
 @pytest.fixture(scope="module")

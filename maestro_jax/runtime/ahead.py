@@ -75,7 +75,7 @@ def _prepare(rt, batch: Sequence, evaluate: bool) -> _Batch:
 
 
 def _walk(rt, states: dict, b: _Batch) -> None:
-    """One training step (`training.loop.issue_step`'s calls) or evaluation over abstract values."""
+    """One training step (`training.step.issue_step`'s calls) or evaluation over abstract values."""
     ex = rt.executor
     if b.evaluate:
         ex.evaluate(states, b.samples, b.schedule, host=b.host, norm=1)

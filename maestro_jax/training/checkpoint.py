@@ -14,7 +14,7 @@ point (a `kill -9`, a full disk) is never restored from; Orbax removes its tempo
 directory is opened again. Errors of an asynchronous save surface as `CheckpointError` at the
 next save or at `close`, never swallowed.
 
-The manifest is what Orbax does not offer. It is written by Orbax's finalisation callback
+The manifest (`training.manifest`) is what Orbax does not offer. It is written by Orbax's finalisation callback
 (process 0), after every file of the step is written and before the rename, so a committed
 step always has one. Orbax does not notice a flipped bit in an array file: `restore_latest`
 checks the sizes and checksums and falls back to the previous good checkpoint when they do not
@@ -34,7 +34,6 @@ import os
 import shutil
 import time
 import traceback
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,10 +46,9 @@ from maestro_jax.config import ConfigError
 from maestro_jax.runtime.distributed import Coordinator, PeerError
 from maestro_jax.runtime.programs import SectionState
 from maestro_jax.training.dirlock import hold_directories
+from maestro_jax.training.manifest import MANIFEST, file_checksums, layout_difference, state_layout, verify_step
 from maestro_jax.training.storage import StorageError
 
-MANIFEST = "manifest-{step}.json"
-ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 log = logging.getLogger("maestro_jax")
 
 
@@ -61,63 +59,6 @@ class CheckpointError(StorageError):
 class CheckpointMismatchError(ConfigError):
     """An intact checkpoint that the current config cannot resume (a changed model, optimizer or
     precision): refused before training, the checkpoint left in place."""
-
-
-def state_layout(states: dict[str, SectionState]) -> dict[str, dict[str, list]]:
-    """{section: {leaf path: [shape, dtype]}} of the params and optimizer state a checkpoint holds."""
-    out = {}
-    for s, st in states.items():
-        if st.opt_state is not None:
-            leaves = jax.tree_util.tree_flatten_with_path({"params": st.params, "opt_state": st.opt_state})[0]
-            out[s] = {jax.tree_util.keystr(p): [list(np.shape(v)), str(v.dtype)] for p, v in leaves}
-    return out
-
-
-def layout_difference(saved: dict, current: dict) -> str | None:
-    """The first difference between a saved and the current `state_layout`, in words."""
-    for s in sorted(set(saved) | set(current)):
-        if s not in current or s not in saved:
-            where = "the checkpoint" if s in saved else "this config"
-            return f"section {s!r} is trained only in {where}"
-        a, b = saved[s], current[s]
-        for path in sorted(set(a) | set(b), key=lambda p: (not p.startswith("['params']"), p)):  # params first
-            if path not in a or path not in b:
-                return f"section {s!r}: {path} exists only in {'the checkpoint' if path in a else 'this config'}"
-            if a[path] != b[path]:
-                return (
-                    f"section {s!r}: {path} is {a[path][0]} {a[path][1]} in the checkpoint, "
-                    f"{b[path][0]} {b[path][1]} in this config"
-                )
-    return None
-
-
-def _file_checksums(root: Path) -> dict[str, list[int]]:
-    """{relative path: [size, crc32]} of every file under a step directory, but Orbax's own step
-    metadata (`_CHECKPOINT_METADATA`, which it rewrites with the commit time)."""
-    out = {}
-    for f in sorted(p for p in root.rglob("*") if p.is_file() and (p.parent, p.name) != (root, ORBAX_STEP_METADATA)):
-        crc = 0
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                crc = zlib.crc32(chunk, crc)
-        out[str(f.relative_to(root))] = [f.stat().st_size, crc]
-    return out
-
-
-def verify_step(step_dir: Path, manifest: dict) -> str | None:
-    """None when every file matches the manifest's sizes and checksums, else what is wrong."""
-    expected = manifest.get("files")
-    if expected is None:
-        return "manifest has no checksums"
-    found = _file_checksums(step_dir) if step_dir.is_dir() else {}
-    for name, (size, crc) in expected.items():
-        if name not in found:
-            return f"file {name} is missing"
-        if found[name][0] != size:
-            return f"file {name} is truncated or grown ({found[name][0]} bytes, expected {size})"
-        if found[name][1] != crc:
-            return f"file {name} fails its checksum (crc32 {found[name][1]:08x}, expected {crc:08x})"
-    return None
 
 
 def _view_sharding(sharding: NamedSharding) -> NamedSharding | None:
@@ -339,7 +280,7 @@ class Checkpointer:
         if jax.process_index() != 0 or step is None:
             return
         written = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")) or [self.directory / str(step)]
-        manifest = {"step": step, "layout": self._layout, "files": _file_checksums(written[-1])}
+        manifest = {"step": step, "layout": self._layout, "files": file_checksums(written[-1])}
         tmp = self.directory / f".{MANIFEST.format(step=step)}.tmp"
         try:
             tmp.write_text(json.dumps(manifest))
