@@ -163,5 +163,5 @@ def test_padded_last_sink_step_and_odd_micro_batch_verify(scheduler):
     sink = rt.problem.sink
     assert cfg.global_batch % rt.problem.rows[sink]
     schedule = rt.schedule(rt.batches()[0])
-    assert any(-1 in st.rows for st in schedule.steps[sink]), "a sink micro-step is padded"
+    assert any(-1 in st.positions for st in schedule.steps[sink]), "a sink micro-step is padded"
     check(cfg, rt)

@@ -134,7 +134,7 @@ def test_vision_skips_text_only_samples():
     host = rt.executor.host_batches(samples, schedule)
     for st in schedule.steps["vision"]:
         segs = host[("vision", st.index)]["segments"]
-        for r, x in enumerate(st.rows):
+        for r, x in enumerate(st.positions):
             assert (segs[r].max() > 0) == (x >= 0), "only image samples may occupy vision rows"
 
 

@@ -18,8 +18,8 @@ from maestro_jax import cli
 from maestro_jax.config import load_config
 from maestro_jax.data import IMAGE_TOKEN, DataError, Sample, encode_sample
 from maestro_jax.training.checkpoint import Checkpointer
-from maestro_jax.training.manifest import MANIFEST, verify_step
 from maestro_jax.training.loop import train
+from maestro_jax.training.manifest import MANIFEST, verify_step
 from maestro_jax.training.storage import StorageError
 
 KD = ROOT / "configs/kd_tiny.yaml"

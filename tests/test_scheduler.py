@@ -79,9 +79,9 @@ def test_naive_order_is_arrival_order():
     m = metas(12, 3)
     s = naive(m, VLM)
     assert [x for st in s.steps["llm"] for x in st.samples] == list(range(12))
-    llm_shard = {x: r // 2 for st in s.steps["llm"] for r, x in enumerate(st.rows) if x >= 0}
+    llm_shard = {x: r // 2 for st in s.steps["llm"] for r, x in enumerate(st.positions) if x >= 0}
     for shard in range(2):
-        got = [x for st in s.steps["vision"] for x in st.rows[2 * shard : 2 * shard + 2] if x >= 0]
+        got = [x for st in s.steps["vision"] for x in st.positions[2 * shard : 2 * shard + 2] if x >= 0]
         assert got == [i for i, x in enumerate(m) if "vision" in x.sections and llm_shard[i] == shard]
 
 
@@ -132,7 +132,7 @@ def test_any_data_parallel_degrees_schedule_validly(case):
                 for st in sched.steps[dst]:
                     routes = sched.routes(problem, dst, st.index)[edge.name]
                     deps = st.deps.get(edge.name, ())
-                    for r, x in enumerate(st.rows):
+                    for r, x in enumerate(st.positions):
                         if x < 0 or src not in m[x].sections:
                             assert routes[r] == -1
                             continue
@@ -142,7 +142,7 @@ def test_any_data_parallel_degrees_schedule_validly(case):
                         assert j == r // mb_c, "a row's producer output must sit on its own shard"
                         i = feeding[j].start + t
                         assert i in feeding[j]
-                        assert sched.steps[src][deps[pos]].rows[i * mb_p + o] == x
+                        assert sched.steps[src][deps[pos]].positions[i * mb_p + o] == x
 
 
 def test_validate_catches_a_row_its_producer_shard_does_not_feed():
@@ -152,7 +152,7 @@ def test_validate_catches_a_row_its_producer_shard_does_not_feed():
     good = naive(m, problem)
     validate(good, m, problem, block_map=True)
     st = good.steps["student"][0]
-    swapped = dataclasses.replace(st, rows=(st.rows[2], st.rows[1], st.rows[0], st.rows[3]))
+    swapped = dataclasses.replace(st, positions=(st.positions[2], st.positions[1], st.positions[0], st.positions[3]))
     bad = Schedule({**good.steps, "student": (swapped,)}, good.ops, good.num_samples)
     validate(bad, m, problem)  # the samples and dependencies still hold
     with pytest.raises(ScheduleError, match="feeds student shards"):
@@ -167,10 +167,10 @@ def test_routes_point_at_producer_rows():
     for st in s.steps["llm"]:
         routes = s.routes(VLM, "llm", st.index)["img"]
         deps = st.deps.get("img", ())
-        for r, x in enumerate(st.rows):
+        for r, x in enumerate(st.positions):
             if x >= 0 and "vision" in m[x].sections:
                 pos, q = divmod(routes[r], VLM.rows["vision"])
-                assert s.steps["vision"][deps[pos]].rows[q] == x
+                assert s.steps["vision"][deps[pos]].positions[q] == x
             else:
                 assert routes[r] == -1
 
@@ -180,13 +180,13 @@ def mutate(schedule, kind):
     ops = list(schedule.ops)
     if kind == "drop_sample":
         st = steps["llm"][0]
-        steps["llm"][0] = dataclasses.replace(st, rows=(-1,) + st.rows[1:])
+        steps["llm"][0] = dataclasses.replace(st, positions=(-1,) + st.positions[1:])
     elif kind == "duplicate_sample":
         st = steps["llm"][1]
-        steps["llm"][1] = dataclasses.replace(st, rows=(steps["llm"][0].rows[0],) + st.rows[1:])
+        steps["llm"][1] = dataclasses.replace(st, positions=(steps["llm"][0].positions[0],) + st.positions[1:])
     elif kind == "text_in_vision":
         st = steps["vision"][0]
-        steps["vision"][0] = dataclasses.replace(st, rows=st.rows[:-1] + (0,))
+        steps["vision"][0] = dataclasses.replace(st, positions=st.positions[:-1] + (0,))
     elif kind == "missing_dep":
         i = next(i for i, st in enumerate(steps["llm"]) if st.deps)
         steps["llm"][i] = dataclasses.replace(steps["llm"][i], deps={})

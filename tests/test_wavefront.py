@@ -116,7 +116,7 @@ def test_figure7_vlm_fanout4_batch12():
     wf, nv = wavefront(metas, problem), naive(metas, problem)
     validate(wf, metas, problem, in_flight=True, block_map=True)
     # every vision micro-step's 4 rows (one vision shard) spread over the 4 LLM shards it feeds
-    assert all(len(st.rows) == 4 for st in wf.steps["vision"])
+    assert all(len(st.positions) == 4 for st in wf.steps["vision"])
     t_wf, t_nv = simulate(wf, problem, metas), simulate(nv, problem, metas)
     spans = {str(i.op): i for i in t_wf.intervals}
     # the LLM (critical section) starts as soon as anything it can run is ready
@@ -460,7 +460,7 @@ def test_deterministic_across_hash_seeds():
     code = (
         "import random, test_wavefront as t; rng = random.Random(0); p = t.DAG_CASES['omni'][1]; "
         "m = t.dag_batch(rng, p, 'omni', 24, 0.5); w = t.wavefront(m, p, t.DAG_COST); "
-        "print([st.rows for s in p.order for st in w.steps[s]], [str(o) for o in w.ops])"
+        "print([st.positions for s in p.order for st in w.steps[s]], [str(o) for o in w.ops])"
     )
     outs = {
         subprocess.run(
@@ -602,7 +602,7 @@ def corrupted(schedule, problem, rng):
     s = rng.choice([s for s in problem.order if steps[s]])
     k = rng.randrange(len(steps[s]))
     st = steps[s][k]
-    rows = list(st.rows)
+    rows = list(st.positions)
     how = rng.choice(["swap", "duplicate", "drop", "deps", "op"])
     if how == "swap":
         i, j = rng.randrange(len(rows)), rng.randrange(len(rows))
@@ -622,7 +622,7 @@ def corrupted(schedule, problem, rng):
     elif how == "op":
         op = ops.pop(rng.randrange(len(ops)))
         ops.insert(rng.randrange(len(ops) + 1), op)
-    steps[s][k] = replace(st, rows=tuple(rows))
+    steps[s][k] = replace(st, positions=tuple(rows))
     return Schedule({s: tuple(v) for s, v in steps.items()}, tuple(ops), schedule.num_samples, schedule.name)
 
 
@@ -647,7 +647,7 @@ def test_validate_and_required_ops_match_the_reference():
             nv = naive(metas, problem)
             validate(nv, metas, problem, block_map=True)
             assert _arrival(metas, problem).steps == ref.naive(metas, problem).steps
-            rows = {s: [st.rows for st in good.steps[s]] for s in problem.order}
+            rows = {s: [st.positions for st in good.steps[s]] for s in problem.order}
             assert link(problem, rows) == ref.link(problem, rows)
             for sched in [good, nv] + [corrupted(good, problem, rng) for _ in range(6)]:
                 for flags in ({}, {"in_flight": True, "block_map": True}):

@@ -97,8 +97,10 @@ def validate(
     for s in problem.order:
         seen: dict[int, int] = {}
         for st in steps.get(s, ()):
-            if len(st.rows) != problem.rows[s]:
-                raise ScheduleError(f"{s} micro-step {st.index} has {len(st.rows)} rows, plan says {problem.rows[s]}")
+            if len(st.positions) != problem.rows[s]:
+                raise ScheduleError(
+                    f"{s} micro-step {st.index} has {len(st.positions)} rows, plan says {problem.rows[s]}"
+                )
             for x in st.samples:
                 if s not in metas[x].sections:
                     raise ScheduleError(f"sample {x} does not activate {s} but is in its micro-step {st.index}")
@@ -136,9 +138,12 @@ def _check_block_map(problem: Problem, schedule: Schedule, e: EdgeInfo, st: Micr
         problem.dp[e.dst] // problem.dp[e.src],
     )  # whole fanouts only
     shard_of = {
-        x: q // mb_p for k in st.deps.get(e.name, ()) for q, x in enumerate(schedule.steps[e.src][k].rows) if x >= 0
+        x: q // mb_p
+        for k in st.deps.get(e.name, ())
+        for q, x in enumerate(schedule.steps[e.src][k].positions)
+        if x >= 0
     }
-    for r, x in enumerate(st.rows):
+    for r, x in enumerate(st.positions):
         if x in shard_of and not shard_of[x] * f <= r // mb_c < (shard_of[x] + 1) * f:
             raise ScheduleError(
                 f"sample {x}: {e.src} shard {shard_of[x]} feeds {e.dst} shards "

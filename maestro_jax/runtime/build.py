@@ -97,9 +97,9 @@ class Runtime:
         for s, steps in schedule.steps.items():
             reads = self.graph.section(s).reads
             for st in steps:
-                for q, held in rows_by_process(self.programs[s].rows, len(st.rows)).items():
+                for q, held in rows_by_process(self.programs[s].row_sharding, len(st.positions)).items():
                     for r in held:
-                        pos = st.rows[r]
+                        pos = st.positions[r]
                         if pos >= 0:
                             need[q][pos] |= parts_of(infos[pos]) if reads is None else set(reads)
         counts = []

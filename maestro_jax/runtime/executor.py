@@ -85,8 +85,8 @@ class Executor:
         for s, steps in schedule.steps.items():
             section = self.graph.section(s)
             for st in steps:
-                rows = [samples[i] if i >= 0 else None for i in st.rows]
-                out[(s, st.index)] = section.host_batch(rows, schedule.routes(self.problem, s, st.index))
+                row_samples = [samples[i] if i >= 0 else None for i in st.positions]
+                out[(s, st.index)] = section.host_batch(row_samples, schedule.routes(self.problem, s, st.index))
         return out
 
     def _start(self, states, samples, schedule, host, norm, sections=None, grads: bool = True) -> _StepState:
@@ -157,12 +157,12 @@ class Executor:
             transfer_issue_s=ctx.transfer_issue_s,
         )
 
-    def _move(self, x, dst, rows=None):
+    def _move(self, x, dst, row_map=None):
         """`transfer` (while planning: the abstract result, its cut and join programs recorded)."""
         planner = active_planner()
         if planner is None:
-            return transfer(x, dst, rows)
-        out, programs = abstract_transfer(x, dst, rows)
+            return transfer(x, dst, row_map)
+        out, programs = abstract_transfer(x, dst, row_map)
         for key, program in programs.items():
             if key not in self.compiled_transfers:
                 planner.transfers.setdefault(key, program)
@@ -249,7 +249,7 @@ class Executor:
                 e = self.graph.edge(op.edge)
                 key = (e.src, op.step)
                 ctx.moved[(e.name, op.step)] = self._move(
-                    ctx.outputs[key][e.name], self.programs[e.dst].rows, self.row_maps[e.name][0]
+                    ctx.outputs[key][e.name], self.programs[e.dst].row_sharding, self.row_maps[e.name][0]
                 )
                 uses[key] -= 1
                 if not uses[key]:
@@ -332,14 +332,14 @@ class Executor:
         if op.kind == "X":
             e, t0 = g.edge(op.edge), time.perf_counter()
             ctx.moved[(e.name, op.step)] = self._move(
-                ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].rows, self.row_maps[e.name][0]
+                ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].row_sharding, self.row_maps[e.name][0]
             )
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved[(e.name, op.step)]
         if op.kind == "XB":
             e, t0 = g.edge(op.edge), time.perf_counter()
             ctx.moved_back[(op.edge, op.step)] = self._move(
-                ctx.cotangents.pop((op.edge, op.step)), self.programs[e.src].rows, self.row_maps[e.name][1]
+                ctx.cotangents.pop((op.edge, op.step)), self.programs[e.src].row_sharding, self.row_maps[e.name][1]
             )
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved_back[(op.edge, op.step)]

@@ -31,7 +31,7 @@ class Monolithic:
         clip_norm: float | None = None,
     ):
         self.graph, self.plan, self.mesh = graph, plan, mesh
-        self.rows = row_sharding(mesh)
+        self.row_sharding = row_sharding(mesh)
         self.trained = tuple(s.name for s in graph.sections if s.trained)
         self.optimizers = optimizers
         order, sink = graph.topological_order(), graph.sink
@@ -96,7 +96,7 @@ class Monolithic:
             loss = 0.0
             for batches in host:
                 dev = {
-                    k: None if v is None else {n: jax.device_put(a, self.rows) for n, a in v.items()}
+                    k: None if v is None else {n: jax.device_put(a, self.row_sharding) for n, a in v.items()}
                     for k, v in batches.items()
                 }
                 micro_loss, _, acc = self._micro(params, consts, dev, norm, acc)

@@ -267,7 +267,7 @@ class SectionPrograms:
         self.name = section.name
         self.clip_norm = clip_norm
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.rows = row_sharding(mesh)
+        self.row_sharding = row_sharding(mesh)
         self.var_shardings = var_shardings
         self.residuals = residuals
         self.diff_inputs = diff_inputs  # in-edges whose producer is trained: we return their cotangents
@@ -331,9 +331,9 @@ class SectionPrograms:
         def zeros_like(tree):
             return jax.tree.map(jnp.zeros_like, tree)
 
-        outs = dict.fromkeys(out_edges, self.rows)
+        outs = dict.fromkeys(out_edges, self.row_sharding)
         p_sh = var_shardings["params"]
-        rows, rep = self.rows, self.replicated
+        rows, rep = self.row_sharding, self.replicated
         # kind -> (function, donated arguments, out_shardings from the abstract arguments)
         self._kinds = {
             "forward": (forward, (), lambda a: outs),
@@ -496,12 +496,12 @@ class SectionPrograms:
         the arrays' abstract values on those devices."""
         if _PLANNER.get() is not None:
             return {
-                k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype), sharding=self.rows)
+                k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype), sharding=self.row_sharding)
                 for k, v in batch.items()
             }
-        if self.rows.is_fully_addressable:
-            return {k: jax.device_put(v, self.rows) for k, v in batch.items()}
+        if self.row_sharding.is_fully_addressable:
+            return {k: jax.device_put(v, self.row_sharding) for k, v in batch.items()}
         return {
-            k: jax.make_array_from_callback(v.shape, self.rows, lambda idx, v=v: v[idx], dtype=v.dtype)
+            k: jax.make_array_from_callback(v.shape, self.row_sharding, lambda idx, v=v: v[idx], dtype=v.dtype)
             for k, v in batch.items()
         }

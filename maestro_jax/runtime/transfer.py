@@ -45,13 +45,13 @@ Bounds = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 @dataclasses.dataclass(frozen=True)
 class RowMap:
-    """A linear map of the source's rows (dimension 0) onto a destination of `rows` rows, the other
+    """A linear map of the source's rows (dimension 0) onto a destination of `out_rows` rows, the other
     dimensions unchanged: per segment (start, stop, at), destination rows at .. at+stop-start
     receive source rows start .. stop; where segments overlap they add up; rows no segment
     reaches are zero."""
 
     segments: tuple[tuple[int, int, int], ...]
-    rows: int
+    out_rows: int
 
     def keeps(self, rows: int) -> bool:
         """Whether the map leaves a source of `rows` rows as it is: every row in its own place
@@ -61,7 +61,7 @@ class RowMap:
             if start != at or dst != start:
                 return False
             at = stop
-        return at == rows == self.rows
+        return at == rows == self.out_rows
 
 
 def deliver_rows(dp_p: int, dp_c: int, micro_batch: int) -> RowMap:
@@ -117,16 +117,16 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
     return tuple((s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
 
 
-def _dst_shape(shape: tuple[int, ...], rows: RowMap | None) -> tuple[int, ...]:
-    return shape if rows is None else (rows.rows, *shape[1:])
+def _dst_shape(shape: tuple[int, ...], row_map: RowMap | None) -> tuple[int, ...]:
+    return shape if row_map is None else (row_map.out_rows, *shape[1:])
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_transfer(
-    src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], rows: RowMap | None = None
+    src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], row_map: RowMap | None = None
 ) -> TileMap:
     """The tile map of moving an array of `shape` from `src` to `dst`, as it is (a reshard) or
-    through a row map (`rows`: the destination has `rows.rows` rows)."""
+    through a row map (`row_map`: the destination has `row_map.out_rows` rows)."""
     src_map = src.devices_indices_map(shape)
     # One source replica per distinct shard; replicas are used round-robin to spread the reads.
     replicas: dict[tuple, list] = {}
@@ -135,8 +135,8 @@ def plan_transfer(
     turn = dict.fromkeys(replicas, 0)
     tiles = []
     copies: dict[tuple, list] = {}  # (tile bounds, process) -> its devices, the first one the head
-    out_shape = _dst_shape(shape, rows)
-    segments = ((0, shape[0], 0),) if rows is None else rows.segments
+    out_shape = _dst_shape(shape, row_map)
+    segments = ((0, shape[0], 0),) if row_map is None else row_map.segments
     for dev, idx in dst.devices_indices_map(out_shape).items():  # all devices: the same plan on every process
         tile = _bounds(idx, out_shape)
         copies.setdefault((tile, dev.process_index), []).append(dev)
@@ -192,10 +192,10 @@ class _Steps:
 
 @functools.lru_cache(maxsize=1024)
 def _process_steps(
-    src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int, rows: RowMap | None = None
+    src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], process: int, row_map: RowMap | None = None
 ) -> _Steps:
-    tile_map = plan_transfer(src, dst, shape, rows)
-    shard_shape, tile_shape = src.shard_shape(shape), dst.shard_shape(_dst_shape(shape, rows))
+    tile_map = plan_transfer(src, dst, shape, row_map)
+    shard_shape, tile_shape = src.shard_shape(shape), dst.shard_shape(_dst_shape(shape, row_map))
     pieces_of = dict(tile_map.tiles)
     crossing, puts, joins, copies, cut = [], [], [], [], {}
     for head, replicas in tile_map.heads:
@@ -262,8 +262,8 @@ def _join(parts: list[tuple[tuple[int, ...], jax.Array]], dim: int = 0) -> jax.A
     return joined[0] if len(joined) == 1 else jnp.concatenate(joined, axis=dim)
 
 
-def transfer(x: jax.Array, dst: NamedSharding, rows: RowMap | None = None) -> jax.Array:
-    """Move `x` into `dst` (another section's mesh) without a host round trip; with `rows`, through
+def transfer(x: jax.Array, dst: NamedSharding, row_map: RowMap | None = None) -> jax.Array:
+    """Move `x` into `dst` (another section's mesh) without a host round trip; with `row_map`, through
     that row map (an edge's `deliver_rows` or `return_rows`).
 
     Every process must call it (multi-controller), with the same arguments. Each distinct
@@ -275,9 +275,9 @@ def transfer(x: jax.Array, dst: NamedSharding, rows: RowMap | None = None) -> ja
     each distinct piece once per destination process: any device counts on either side,
     fan-in, fan-out or a layout change, sections inside one process or spanning several.
     """
-    if x.sharding == dst and (rows is None or rows.keeps(x.shape[0])):
+    if x.sharding == dst and (row_map is None or row_map.keeps(x.shape[0])):
         return x
-    steps = _process_steps(x.sharding, dst, tuple(x.shape), jax.process_index(), rows)
+    steps = _process_steps(x.sharding, dst, tuple(x.shape), jax.process_index(), row_map)
     shards = {s.device: s.data for s in x.addressable_shards}
     cut = {}
     for dev, bounds in steps.cuts:
@@ -299,12 +299,12 @@ def transfer(x: jax.Array, dst: NamedSharding, rows: RowMap | None = None) -> ja
         copied = jax.device_put([tile[h] for h, _ in steps.copies], [steps.targets[r] for _, r in steps.copies])
         tile.update(zip((r for _, r in steps.copies), copied))
     return jax.make_array_from_single_device_arrays(
-        _dst_shape(tuple(x.shape), rows), dst, [tile[d] for d in steps.devices], dtype=x.dtype
+        _dst_shape(tuple(x.shape), row_map), dst, [tile[d] for d in steps.devices], dtype=x.dtype
     )
 
 
 def abstract_transfer(
-    x: jax.ShapeDtypeStruct, dst: NamedSharding, rows: RowMap | None = None
+    x: jax.ShapeDtypeStruct, dst: NamedSharding, row_map: RowMap | None = None
 ) -> tuple[jax.ShapeDtypeStruct, dict[tuple, tuple]]:
     """`transfer` over an abstract value, nothing run: the result's abstract value and the programs
     the call runs in this process, {key: (jitted program, abstract arguments)} for its cuts and
@@ -312,9 +312,9 @@ def abstract_transfer(
     if x.sharding is None:
         raise ValueError(f"transfer of an array of unknown layout {x}: pin the producing program's out_shardings")
     shape = tuple(x.shape)
-    if x.sharding == dst and (rows is None or rows.keeps(shape[0])):
+    if x.sharding == dst and (row_map is None or row_map.keeps(shape[0])):
         return x, {}
-    steps = _process_steps(x.sharding, dst, shape, jax.process_index(), rows)
+    steps = _process_steps(x.sharding, dst, shape, jax.process_index(), row_map)
     shard = x.sharding.shard_shape(shape)
     programs = {}
     for dev, bounds in steps.cuts:
@@ -332,7 +332,7 @@ def abstract_transfer(
                 *(jax.ShapeDtypeStruct(p, x.dtype, sharding=SingleDeviceSharding(head)) for p in parts),
             )
             programs[("join", head, layout, tile, parts, x.dtype)] = (_join_pieces, args)
-    return jax.ShapeDtypeStruct(_dst_shape(shape, rows), x.dtype, sharding=dst), programs
+    return jax.ShapeDtypeStruct(_dst_shape(shape, row_map), x.dtype, sharding=dst), programs
 
 
 def _move_across_processes(crossing: tuple[tuple[Piece, object], ...], piece, dtype) -> dict:

@@ -152,12 +152,12 @@ class Problem:
 class MicroStep:
     section: str
     index: int
-    rows: tuple[int, ...]  # sample positions in the global batch; -1 is padding
+    positions: tuple[int, ...]  # each row's sample position in the global batch; -1 is padding
     deps: Mapping[str, tuple[int, ...]]  # in-edge -> producer micro-step indices, in route order
 
     @property
     def samples(self) -> tuple[int, ...]:
-        return tuple(filter((0).__le__, self.rows))
+        return tuple(filter((0).__le__, self.positions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +196,11 @@ class Schedule:
             feeding, width = delivered(problem.dp[e.src], dp_c)
             where = {}
             for pos, k in enumerate(step.deps.get(e.name, ())):
-                for q, sample in enumerate(self.steps[e.src][k].rows):
+                for q, sample in enumerate(self.steps[e.src][k].positions):
                     if sample >= 0:
                         where[sample] = (pos, q)
             route = []
-            for r, x in enumerate(step.rows):
+            for r, x in enumerate(step.positions):
                 if x < 0 or x not in where:
                     route.append(-1)
                     continue

@@ -35,8 +35,10 @@ def validate(
     for s in problem.order:
         seen: Counter[int] = Counter()
         for st in steps.get(s, ()):
-            if len(st.rows) != problem.rows[s]:
-                raise ScheduleError(f"{s} micro-step {st.index} has {len(st.rows)} rows, plan says {problem.rows[s]}")
+            if len(st.positions) != problem.rows[s]:
+                raise ScheduleError(
+                    f"{s} micro-step {st.index} has {len(st.positions)} rows, plan says {problem.rows[s]}"
+                )
             samples = st.samples
             for x in samples:
                 if s not in sections[x]:
@@ -51,7 +53,7 @@ def validate(
                     )
     # every sample now sits in exactly one micro-step of each section it activates
     producers = {e.src for e in problem.edges}
-    home = {s: {x: k for k, st in enumerate(steps[s]) for x in st.rows if x >= 0} for s in producers}
+    home = {s: {x: k for k, st in enumerate(steps[s]) for x in st.positions if x >= 0} for s in producers}
     shard = {s: _shards(steps[s], problem.micro_batch(s)) for s in producers} if block_map else {}
     for s in problem.order:
         for st in steps[s]:
@@ -79,7 +81,7 @@ def validate(
 
 def _shards(steps: Sequence[MicroStep], micro_batch: int) -> dict[int, int]:
     """Sample -> the data shard it sits on in its micro-step."""
-    return {x: q // micro_batch for st in steps for q, x in enumerate(st.rows) if x >= 0}
+    return {x: q // micro_batch for st in steps for q, x in enumerate(st.positions) if x >= 0}
 
 
 def _check_block_map(problem: Problem, e: EdgeInfo, st: MicroStep, shard_of: dict[int, int]) -> None:
@@ -88,7 +90,7 @@ def _check_block_map(problem: Problem, e: EdgeInfo, st: MicroStep, shard_of: dic
     which for DP(c) = f * DP(p) is the block map (producer shard i feeds consumer shards
     i*f .. i*f+f-1)."""
     mb_c, dp_p, dp_c = problem.micro_batch(e.dst), problem.dp[e.src], problem.dp[e.dst]
-    for r, x in enumerate(st.rows):
+    for r, x in enumerate(st.positions):
         if x in shard_of and not feeds(dp_p, shard_of[x], dp_c, r // mb_c):
             fed = feeders(dp_c, dp_p, shard_of[x])
             how = f" (fanout {dp_c // dp_p})" if dp_c % dp_p == 0 else ""

@@ -66,7 +66,7 @@ class _Batch:
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
 
     def duration(self, op: Op, steps) -> float:
-        rows = steps[op.section][op.step].rows if op.kind != "U" else ()
+        rows = steps[op.section][op.step].positions if op.kind != "U" else ()
         key = (op.kind, op.section, op.edge, rows)
         if key not in self._durations:
             if (op.section, rows) not in self._units:
