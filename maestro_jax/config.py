@@ -56,7 +56,9 @@ def _devices(value):
 class InitConfig(_Frozen):
     """Where a section's weights start from (default: random)."""
 
-    hf_path: str  # a local Hugging Face folder (config.json + safetensors) of a Llama/Qwen2/Qwen3 decoder
+    # a local Hugging Face folder (config.json + safetensors): a Llama/Qwen2/Qwen3(-MoE) decoder for
+    # an llm section, a SigLIP vision tower for a vit one, a Whisper encoder for an audio one
+    hf_path: str
 
 
 class SectionConfig(_Frozen):
@@ -89,6 +91,10 @@ class ViTModelConfig(_Frozen):
     out_width: PositiveInt
     merge: PositiveInt = 2
     max_grid: PositiveInt = 64
+    # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py)
+    pos_embed: Literal["row_col", "table"] = "row_col"
+    norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
+    act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"  # the blocks' MLP activation (HF's names)
 
 
 class AudioModelConfig(_Frozen):
@@ -102,6 +108,20 @@ class AudioModelConfig(_Frozen):
     mlp: PositiveInt
     out_width: PositiveInt
     max_tokens: PositiveInt = 1500  # the longest clip, in tokens
+    # dense: a linear map per frame group; conv: Whisper's two convolutions over time (models/audio.py)
+    stem: Literal["dense", "conv"] = "dense"
+    norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
+    act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"  # the blocks' MLP activation (HF's names)
+
+    @pydantic.field_validator("stem")
+    @classmethod
+    def _two_frames(cls, v, info):
+        frames = info.data.get("frames_per_token")
+        if v == "conv" and frames != 2:
+            raise ValueError(
+                f"Whisper's stem makes one token of 2 frames (stride 2); set frames_per_token=2, not {frames}"
+            )
+        return v
 
 
 class LLMModelConfig(_Frozen):

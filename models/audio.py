@@ -2,8 +2,18 @@
 
 Each clip (T x mel, T a multiple of `frames_per_token`) is cut into groups of
 `frames_per_token` consecutive frames; a group is one token. Tokens of all a sample's clips
-are packed into one row with a segment id per clip; attention stays within each clip (the
-Whisper-style encoder, with a learned position per token instead of a convolution stem).
+are packed into one row with a segment id per clip; attention stays within each clip.
+
+Two stems turn a group into a token (`stem`):
+  dense: one linear map of the group's frames;
+  conv: Whisper's two convolutions over time (kernel 3, stride 1 then 2, GELU after each),
+    so a token also reads its neighbours' frames, zero-padded at the clip's edges exactly as
+    the convolutions pad. Two frames make a token (`frames_per_token` = 2). With `norm_eps`
+    and `act` from its config, the encoder up to `out_norm` (Whisper's final `layer_norm`) is
+    `WhisperEncoder`, and `models.hf_encoders` loads its weights. A clip of the checkpoint's
+    length (2 x `max_tokens` frames, 30 s) gets exactly Whisper's features; a shorter one is
+    encoded without Whisper's padding to 30 s.
+Positions are a learned table, one row per token (Whisper stores its sinusoids the same way).
 """
 
 import dataclasses
@@ -11,7 +21,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.layers import EncoderBlock, layer_stack, partitioned, segment_mask
+from models.layers import ACTIVATIONS, EncoderBlock, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -26,39 +36,90 @@ class AudioConfig:
     mlp: int
     out_width: int  # the consumer's width (audio tokens enter the LLM)
     max_tokens: int = 1500  # learned positions: the longest clip, in tokens
+    stem: str = "dense"  # dense | conv (Whisper): see the module docstring
+    norm_eps: float = 1e-6  # every LayerNorm's epsilon (Whisper: 1e-5)
+    act: str = "gelu_pytorch_tanh"  # the blocks' (and conv stem's) activation: a key of layers.ACTIVATIONS
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
+
+    def __post_init__(self):
+        if self.stem == "conv" and self.frames_per_token != 2:
+            raise ValueError(
+                f"stem='conv' makes one token of 2 frames (stride 2); frames_per_token={self.frames_per_token}"
+            )
 
     @property
     def token_features(self) -> int:
         return self.frames_per_token * self.mel
 
 
+def _neighbour(x_BNX, same_BN, step: int):
+    """Each token's neighbour `step` along the row (-1: the previous one, +1: the next), zero where
+    that neighbour belongs to another clip or is padding: a convolution's zero padding at the
+    clip's edges. (`roll` wraps round the row; the row's first and last tokens are masked.)"""
+    return jnp.where(same_BN[..., None], jnp.roll(x_BNX, -step, axis=1), 0)
+
+
+class ConvStem(nn.Module):
+    """Whisper's stem on packed two-frame tokens: conv1 (kernel 3, stride 1, pad 1) over frames,
+    GELU, conv2 (kernel 3, stride 2, pad 1), GELU. Kernels are `[3, in, out]` (tap k reads frame
+    f + k - 1), so token t = frames (2t, 2t + 1) reads frames 2t - 2 .. 2t + 2 of its clip."""
+
+    mel: int
+    width: int
+    act: str
+
+    @nn.compact
+    def __call__(self, frames_BNF, segments_BN):
+        act = ACTIVATIONS[self.act]
+        w1 = self.param("conv1_kernel", partitioned(_init, None, "patch", "embed"), (3, self.mel, self.width))
+        b1 = self.param("conv1_bias", partitioned(nn.initializers.zeros, "embed"), (self.width,))
+        w2 = self.param("conv2_kernel", partitioned(_init, None, "mlp", "embed"), (3, self.width, self.width))
+        b2 = self.param("conv2_bias", partitioned(nn.initializers.zeros, "embed"), (self.width,))
+        b, n, _ = frames_BNF.shape
+        even, odd = (frames_BNF.reshape(b, n, 2, self.mel)[:, :, i] for i in (0, 1))
+        same_prev = jnp.pad(segments_BN[:, 1:] == segments_BN[:, :-1], ((0, 0), (1, 0))) & (segments_BN > 0)
+        same_next = jnp.pad(segments_BN[:, :-1] == segments_BN[:, 1:], ((0, 0), (0, 1))) & (segments_BN > 0)
+        h_even = act(_neighbour(odd, same_prev, -1) @ w1[0] + even @ w1[1] + odd @ w1[2] + b1)
+        h_odd = act(even @ w1[0] + odd @ w1[1] + _neighbour(even, same_next, 1) @ w1[2] + b1)
+        return act(_neighbour(h_odd, same_prev, -1) @ w2[0] + h_even @ w2[1] + h_odd @ w2[2] + b2)
+
+
 class AudioEncoder(nn.Module):
     cfg: AudioConfig
 
-    @nn.compact
-    def __call__(self, frames_BNF, segments_BN, positions_BN1):
-        """Frame groups -> audio tokens `B x N x out_width`."""
+    def setup(self):
         c = self.cfg
-        x = nn.Dense(
-            c.width,
-            name="frame_embed",
-            kernel_init=partitioned(_init, "patch", "embed"),
-            bias_init=partitioned(nn.initializers.zeros, "embed"),
-        )(frames_BNF)
-        pos = self.param("pos", partitioned(_init, "grid", "embed"), (c.max_tokens, c.width))
-        x = x + jnp.take(pos, positions_BN1[..., 0], axis=0)
-        mask = segment_mask(segments_BN)
-        x = layer_stack(EncoderBlock, (c.width, c.heads, c.mlp), c.depth, c.remat, c.scan_layers)(x, mask)
-        x = nn.LayerNorm(
-            name="out_norm",
+        if c.stem == "conv":
+            self.stem = ConvStem(c.mel, c.width, c.act)
+        else:
+            self.frame_embed = nn.Dense(
+                c.width,
+                kernel_init=partitioned(_init, "patch", "embed"),
+                bias_init=partitioned(nn.initializers.zeros, "embed"),
+            )
+        self.pos = self.param("pos", partitioned(_init, "grid", "embed"), (c.max_tokens, c.width))
+        self.blocks = layer_stack(
+            EncoderBlock, (c.width, c.heads, c.mlp, c.norm_eps, c.act), c.depth, c.remat, c.scan_layers
+        )
+        self.out_norm = nn.LayerNorm(
+            epsilon=c.norm_eps,
             scale_init=partitioned(nn.initializers.ones, "norm"),
             bias_init=partitioned(nn.initializers.zeros, "norm"),
-        )(x)
-        return nn.Dense(
+        )
+        self.out_proj = nn.Dense(
             c.out_width,
-            name="out_proj",
             kernel_init=partitioned(_init, "embed", "mlp"),
             bias_init=partitioned(nn.initializers.zeros, "mlp"),
-        )(x)
+        )
+
+    def features(self, frames_BNF, segments_BN, positions_BN1):
+        """Frame groups -> the last block's output through `out_norm`, `B x N x width` (Whisper's
+        `last_hidden_state`)."""
+        x = self.stem(frames_BNF, segments_BN) if self.cfg.stem == "conv" else self.frame_embed(frames_BNF)
+        x = x + jnp.take(self.pos, positions_BN1[..., 0], axis=0)
+        return self.out_norm(self.blocks(x, segment_mask(segments_BN)))
+
+    def __call__(self, frames_BNF, segments_BN, positions_BN1):
+        """Frame groups -> audio tokens `B x N x out_width`."""
+        return self.out_proj(self.features(frames_BNF, segments_BN, positions_BN1))

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: Llama and Qwen2/Qwen3 decoders in and out of `models.llm.DecoderLM`.
+"""Hugging Face checkpoints: Llama and Qwen2/Qwen3 decoders in and out of `models.llm.DecoderLM`
+(SigLIP and Whisper encoder towers: `models.hf_encoders`, on this module's folder reading and placement).
 
 The weight mapping lives beside the model it converts, and like the rest of `models/` it imports
 nothing from maestro_jax: the workloads' `init.hf_path` loaders (`maestro_jax.workloads.pretrained`)
@@ -274,12 +275,39 @@ def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
     return _put(np.ascontiguousarray(w.T), like)
 
 
+def write_weights(path: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int = 4 << 30) -> None:
+    """`tensors` as `model.safetensors`, or as shards of at most `max_shard_bytes` with the
+    `model.safetensors.index.json` that `transformers` reads them through."""
+    from safetensors.numpy import save_file
+
+    shards, current, size = [], {}, 0
+    for name, w in tensors.items():
+        if current and size + w.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = w
+        size += w.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map},
+                indent=2,
+            )
+        )
+
+
 def save_llm(
     path: str | Path, params: dict, fields: dict, model_type: str = "llama", max_shard_bytes: int = 4 << 30
 ) -> None:
     """Write `params` (a Flax LLM param tree) as a Hugging Face folder `transformers` loads."""
-    from safetensors.numpy import save_file
-
     if model_type not in ARCHITECTURES:
         raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
     path = Path(path)
@@ -309,28 +337,7 @@ def save_llm(
         elif flax_path[-1] == "bias":
             w = w.reshape(-1)
         tensors[name] = np.ascontiguousarray(w)
-    shards, current, size = [], {}, 0
-    for name, w in tensors.items():
-        if current and size + w.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = w
-        size += w.nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, fname))
-        (path / "model.safetensors.index.json").write_text(
-            json.dumps(
-                {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map},
-                indent=2,
-            )
-        )
+    write_weights(path, tensors, max_shard_bytes)
     config = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,

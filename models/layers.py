@@ -251,18 +251,32 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
 _init = nn.initializers.normal(0.02)
 
 
+# The encoders' MLP activations, by the names Hugging Face configs use (`hidden_act`,
+# `activation_function`): SigLIP's tanh approximation and Whisper's exact erf form.
+ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+}
+
+
 class EncoderBlock(nn.Module):
-    """Pre-LayerNorm bidirectional transformer block (GELU MLP), used by the ViT and audio encoders."""
+    """Pre-LayerNorm bidirectional transformer block (GELU MLP), used by the ViT and audio encoders.
+
+    Biases on every projection and LayerNorm with `norm_eps`: the block of SigLIP's vision tower
+    and Whisper's encoder, so their checkpoints load weight for weight (`models.hf_encoders`)."""
 
     width: int
     heads: int
     mlp: int
+    norm_eps: float = 1e-6
+    act: str = "gelu_pytorch_tanh"  # a key of ACTIVATIONS
 
     @nn.compact
     def __call__(self, x_BPD, mask_BPP):
         hd = self.width // self.heads
         x_BPD = shard_sequence(x_BPD)
         h = nn.LayerNorm(
+            epsilon=self.norm_eps,
             name="attn_norm",
             scale_init=partitioned(nn.initializers.ones, "norm"),
             bias_init=partitioned(nn.initializers.zeros, "norm"),
@@ -285,6 +299,7 @@ class EncoderBlock(nn.Module):
             bias_init=partitioned(nn.initializers.zeros, "embed"),
         )(o)
         h = nn.LayerNorm(
+            epsilon=self.norm_eps,
             name="mlp_norm",
             scale_init=partitioned(nn.initializers.ones, "norm"),
             bias_init=partitioned(nn.initializers.zeros, "norm"),
@@ -300,7 +315,7 @@ class EncoderBlock(nn.Module):
             name="fc2",
             kernel_init=partitioned(_init, "mlp", "embed"),
             bias_init=partitioned(nn.initializers.zeros, "embed"),
-        )(nn.gelu(h))
+        )(ACTIVATIONS[self.act](h))
         return shard_sequence(x_BPD + h)
 
 

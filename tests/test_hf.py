@@ -1,5 +1,11 @@
-"""Hugging Face import/export (`models/hf.py`) against transformers' own PyTorch forward (no downloads:
-tiny random models are built from a config, saved, imported, and compared on the same tokens in fp32)."""
+"""Hugging Face import/export (`models/hf.py`) against transformers' own PyTorch forward, in fp32.
+
+The references are fixtures (scripts/make_hf_fixtures.py): tiny random models built by transformers
+from its config classes, saved with their logits on TOKENS in tests/fixtures/hf/<case>/reference.npz,
+so the import tests need no torch. The tests that load an export back into transformers are skipped
+without torch and transformers."""
+
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,57 +19,35 @@ from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
 from models import DecoderLM, LLMConfig, hf
 
-torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the dev extra)")
-
-BASE = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "torch_dtype": "float32",
-}
-CASES = {
-    "llama_untied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
-    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
-    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
-    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        {
-            "tie_word_embeddings": False,
-            "head_dim": 8,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "norm_topk_prob": True,
-        },
-    ),
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+TIED = {
+    "llama_untied": False,
+    "llama_tied": True,
+    "qwen2_untied": False,
+    "qwen2_tied": True,
+    "qwen3": False,
+    "qwen3_moe": False,
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
 
 def make_hf(tmp_path, case):
-    config_cls, model_cls, extra = CASES[case]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**BASE, **extra)).eval()
-    with torch.no_grad():  # random biases, so a wrong bias mapping cannot hide behind zeros
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    """A copy of the case's checkpoint folder (tests may damage it) and transformers' logits on TOKENS."""
     out = tmp_path / case
-    model.save_pretrained(out, safe_serialization=True)
-    return model, out
+    shutil.copytree(FIXTURES / case, out)
+    ref = np.load(out / "reference.npz")
+    assert np.array_equal(ref["tokens"], TOKENS)
+    return ref["logits"], out
+
+
+def live_transformers():
+    """torch and transformers, or the test is skipped (they are only the dev extra's reference)."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
+    return torch, pytest.importorskip("transformers", reason="transformers is a test dependency (the dev extra)")
 
 
 def torch_logits(model, tokens=TOKENS):
+    torch, _ = live_transformers()
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.float().numpy()
 
@@ -88,22 +72,22 @@ def flax_logits(path, mesh=None, devices=(0,), scan=False):
     return np.asarray(model.apply({"params": host}, ids, pos, valid)), params, fields
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(TIED))
 def test_import_matches_transformers(tmp_path, case):
-    model, path = make_hf(tmp_path, case)
+    reference, path = make_hf(tmp_path, case)
     ours, _, fields = flax_logits(path)
-    assert fields["tie_embeddings"] == CASES[case][2]["tie_word_embeddings"]
+    assert fields["tie_embeddings"] == TIED[case]
     assert fields["kv_heads"] < fields["heads"], "grouped-query attention is exercised"
-    np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_import_places_each_shard_only(tmp_path, scan):
     """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still
     match; into a scanned model (`scan_layers`), the layers stack on a leading axis."""
-    model, path = make_hf(tmp_path, "qwen2_untied")
+    reference, path = make_hf(tmp_path, "qwen2_untied")
     ours, params, fields = flax_logits(path, mesh=mesh_shape(fsdp=2, tensor=2), devices=(4, 5, 6, 7), scan=scan)
-    np.testing.assert_allclose(ours, torch_logits(model), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
     gate = params["blocks"]["layer"]["gate"]["kernel"] if scan else params["block_0"]["gate"]["kernel"]
     assert {d.id for d in gate.sharding.device_set} == {4, 5, 6, 7}
     shard = (fields["depth"], 16, 32) if scan else (16, 32)  # [(layers,) D, F] over (fsdp, tensor)
@@ -120,14 +104,15 @@ def test_import_places_each_shard_only(tmp_path, scan):
     ],
 )
 def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
-    model, path = make_hf(tmp_path, case)
+    torch, transformers = live_transformers()
+    reference, path = make_hf(tmp_path, case)
     ours, params, fields = flax_logits(path, scan=scan)
     out = tmp_path / "exported"
     hf.save_llm(out, params, fields, model_type=model_type, max_shard_bytes=20_000)  # several shards + index
     assert (out / "model.safetensors.index.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(torch_logits(back), torch_logits(model), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(torch_logits(back), reference, atol=1e-4, rtol=0)
 
 
 def test_cli_export_names_are_the_models_mapping():
@@ -155,7 +140,7 @@ def _teacher_cfg(path, **extra):
 def test_kd_teacher_from_hf_folder(tmp_path):
     """The KD teacher section starts from the folder: its hidden states and output layer give
     transformers' logits, sharded over the teacher's 2x2 mesh, and a training step runs."""
-    model, path = make_hf(tmp_path, "llama_untied")
+    reference, path = make_hf(tmp_path, "llama_untied")
     cfg = _teacher_cfg(path)
     rt = build_runtime(cfg)
     states = rt.init_states()
@@ -167,7 +152,7 @@ def test_kd_teacher_from_hf_folder(tmp_path):
     pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
     v = {"params": jax.tree.map(np.asarray, body)}
     hidden = lm.apply(v, lm.apply(v, ids, method=DecoderLM.embed), pos, valid, method=DecoderLM.hidden)
-    np.testing.assert_allclose(np.asarray(hidden) @ np.asarray(head), torch_logits(model), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(hidden) @ np.asarray(head), reference, atol=1e-4, rtol=0)
     batch = rt.batches()[0]
     result = rt.executor.run(states, batch, rt.schedule(batch))
     assert np.isfinite(float(result.loss))
@@ -192,6 +177,7 @@ def test_distilled_student_exports_to_transformers(tmp_path):
     from maestro_jax.training.checkpoint import Checkpointer
     from maestro_jax.training.loop import train
 
+    torch, transformers = live_transformers()
     _, path = make_hf(tmp_path, "qwen2_tied")
     out = tmp_path / "run"
     cfg = _teacher_cfg(path, output_dir=out, steps=1)
@@ -261,7 +247,7 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
             f.unlink()
     else:
         (path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not js")
-    capsys.readouterr()  # transformers' own output while saving
+    capsys.readouterr()
     before = COUNTER.count
     status = cli.main(["train", "--config", str(ROOT / "configs/kd_tiny.yaml"), *overrides, "steps=1"])
     err = capsys.readouterr().err.strip()

@@ -60,8 +60,10 @@ def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
 
 
 def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
-    """An audio token (a group of frames); attention runs within each clip."""
-    linear = 2 * c.token_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
+    """An audio token (a group of frames); attention runs within each clip. Whisper's conv stem
+    runs its first kernel-3 convolution on each of the token's 2 frames, its second once."""
+    stem = 2 * 3 * (2 * c.mel + c.width) * c.width if c.stem == "conv" else 2 * c.token_features * c.width
+    linear = stem + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
     return UnitCost(
         flops=float(linear),
         attention_flops=float(c.depth * 2 * 2 * c.width),

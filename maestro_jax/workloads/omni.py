@@ -17,7 +17,7 @@ from maestro_jax.data.samples import AUDIO_TOKEN, Modality
 from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import audio_cost, llm_cost
-from maestro_jax.workloads.pretrained import load_llm_section
+from maestro_jax.workloads.pretrained import load_audio_section, load_llm_section, load_vision_section
 from maestro_jax.workloads.vlm import image_modality, init_llm, init_vision, llm_section, mean_patches, vision_section
 from models import AudioConfig, AudioEncoder
 
@@ -101,5 +101,5 @@ WORKLOAD = Workload(
     build,
     vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
     modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")), audio_modality(model(cfg, "audio", "audio"))),
-    pretrained={"llm": load_llm_section},
+    pretrained={"vision": load_vision_section, "audio": load_audio_section, "llm": load_llm_section},
 )

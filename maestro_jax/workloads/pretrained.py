@@ -1,7 +1,9 @@
 """Starting sections from Hugging Face folders (`sections.<s>.init.hf_path`), for the LLM-backed
-sections of the built-in workloads; the model named like the section describes the checkpoint.
+sections of the built-in workloads and their vision (SigLIP) and audio (Whisper) towers; the model
+named like the section describes the checkpoint.
 
-The weight mapping is `models.hf`, beside the model it converts. A loader is called by the runtime
+The weight mappings are `models.hf` (decoders) and `models.hf_encoders` (towers), beside the
+models they convert. A loader is called by the runtime
 as `loader(section, path, states, programs)` and returns the new `states`: it replaces fields of
 the sections' states (`params`, `consts`, `opt_state`) and starts an optimizer through
 `programs[section].init_optimizer`, so it needs nothing from the runtime's modules."""
@@ -16,8 +18,9 @@ from maestro_jax.config import Config, ConfigError
 def check_pretrained(cfg: Config, pretrained) -> None:
     """Each `init.hf_path` has a loader, a readable config.json that matches `models.<s>` field by
     field, and readable safetensors files (before compiling)."""
-    from models import hf
+    from models import hf, hf_encoders
 
+    fields_of = {"llm": hf.llm_fields, "vit": hf_encoders.vit_fields, "audio": hf_encoders.audio_fields}
     for s, sc in cfg.sections.items():
         if sc.init is None:
             continue
@@ -26,8 +29,9 @@ def check_pretrained(cfg: Config, pretrained) -> None:
                 f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: section {s!r} has no Hugging "
                 f"Face importer; supported: {sorted(pretrained)}"
             )
+        read_fields = fields_of[cfg.models[s].kind]
         try:
-            fields = hf.llm_fields(sc.init.hf_path)
+            fields = read_fields(sc.init.hf_path)
             hf.weight_files(sc.init.hf_path)  # present and readable, before anything compiles
         except KeyError as err:
             raise ConfigError(
@@ -49,12 +53,7 @@ def load_llm_section(section: str, path: str, states: dict, programs) -> dict:
     """A trained LLM section (VLM llm, KD student) takes the whole model; its optimizer restarts."""
     from models import hf
 
-    st = states[section]
-    params = hf.load_llm(path, st.params, hf.llm_fields(path))
-    return {
-        **states,
-        section: dataclasses.replace(st, params=params, opt_state=programs[section].init_optimizer(params)),
-    }
+    return _with_params(section, states, programs, hf.load_llm(path, states[section].params, hf.llm_fields(path)))
 
 
 def load_teacher_section(section: str, path: str, states: dict, programs, head_in: str = "student") -> dict:
@@ -69,4 +68,28 @@ def load_teacher_section(section: str, path: str, states: dict, programs, head_i
         **states,
         section: dataclasses.replace(st, consts={**st.consts, "llm": body}),
         head_in: dataclasses.replace(student, consts={**student.consts, "teacher_head": head}),
+    }
+
+
+def load_vision_section(section: str, path: str, states: dict, programs) -> dict:
+    """A vision section takes a SigLIP tower; its merger keeps its initial values, its optimizer restarts."""
+    from models import hf_encoders
+
+    params = hf_encoders.load_vit(path, states[section].params, hf_encoders.vit_fields(path))
+    return _with_params(section, states, programs, params)
+
+
+def load_audio_section(section: str, path: str, states: dict, programs) -> dict:
+    """An audio section takes a Whisper encoder; its `out_proj` keeps its initial values, its optimizer restarts."""
+    from models import hf_encoders
+
+    params = hf_encoders.load_audio(path, states[section].params, hf_encoders.audio_fields(path))
+    return _with_params(section, states, programs, params)
+
+
+def _with_params(section: str, states: dict, programs, params) -> dict:
+    st = states[section]
+    return {
+        **states,
+        section: dataclasses.replace(st, params=params, opt_state=programs[section].init_optimizer(params)),
     }

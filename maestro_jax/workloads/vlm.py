@@ -19,7 +19,7 @@ from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
-from maestro_jax.workloads.pretrained import load_llm_section
+from maestro_jax.workloads.pretrained import load_llm_section, load_vision_section
 from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 
 EDGE = "image_embeds"
@@ -168,5 +168,5 @@ WORKLOAD = Workload(
     build,
     vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
     modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
-    pretrained={"llm": load_llm_section},
+    pretrained={"vision": load_vision_section, "llm": load_llm_section},
 )

@@ -25,7 +25,7 @@ from maestro_jax.workloads.kd import (
     shared_vocab,
     teacher_section,
 )
-from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
+from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section, load_vision_section
 from maestro_jax.workloads.vlm import (
     image_modality,
     init_vision,
@@ -94,7 +94,7 @@ WORKLOAD = Workload(
     build,
     vocab=shared_vocab,
     modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
-    pretrained={"teacher": load_teacher_section, "student": load_llm_section},
+    pretrained={"teacher": load_teacher_section, "vision": load_vision_section, "student": load_llm_section},
 )
 
 

@@ -1,0 +1,341 @@
+"""Hugging Face checkpoints of encoder towers: SigLIP's vision tower into `models.vit.VisionEncoder`
+and Whisper's encoder into `models.audio.AudioEncoder`, and back.
+
+Like `models.hf` (whose folder reading, safetensors access and sharded placement this reuses),
+it imports nothing from maestro_jax. A tower's config fields (`vit_fields`, `audio_fields`) set
+the encoder to the checkpoint's architecture (`pos_embed: table`, `stem: conv`, the checkpoint's
+LayerNorm epsilon and GELU); the projector after the tower (`merger_fc1/2`, `out_proj`: no
+checkpoint of a tower holds it) keeps the values it was initialised with.
+
+SigLIP (`SiglipVisionModel`, or a whole `SiglipModel`: its `vision_model.` tensors), D = width,
+H heads of K = D/H, p = patch, C = channels, F = mlp:
+  embeddings.patch_embedding.weight [D, C, p, p]  -> patch_embed.kernel [p*p*C, D] (+ bias [D])
+  embeddings.position_embedding.weight [G*G, D]   -> pos [G*G, D] (G = image_size / patch)
+  encoder.layers.i.layer_norm{1,2}                -> block_i.{attn,mlp}_norm.{scale,bias}
+  encoder.layers.i.self_attn.{q,k,v}_proj [D, D]  -> block_i.{q,k,v}.kernel [D, H, K] (+ bias [H, K])
+  encoder.layers.i.self_attn.out_proj [D, D]      -> block_i.o.kernel [H, K, D] (+ bias [D])
+  encoder.layers.i.mlp.fc{1,2}                    -> block_i.fc{1,2}.{kernel,bias}
+  post_layernorm                                  -> merge_norm.{scale,bias}
+The attention-pooling `head` is not imported (the VLM merges patches instead); export writes
+`vision_use_head: false` and prefixes `vision_model.`, which transformers 4 and 5 both load.
+
+Whisper (`WhisperEncoder`, or a whole `WhisperModel` / `WhisperForConditionalGeneration`: its
+`encoder.` / `model.encoder.` tensors), M = num_mel_bins:
+  conv1.weight [D, M, 3], conv2.weight [D, D, 3]  -> stem.conv{1,2}_kernel [3, in, out] (+ bias [D])
+  embed_positions.weight [S, D]                   -> pos [S, D] (S = max_source_positions)
+  layers.i.self_attn_layer_norm, final_layer_norm -> block_i.{attn,mlp}_norm.{scale,bias}
+  layers.i.self_attn.{q,v,out}_proj, k_proj       -> block_i.{q,v,o,k} as SigLIP's (k: no bias)
+  layers.i.fc{1,2}                                -> block_i.fc{1,2}.{kernel,bias}
+  layer_norm                                      -> out_norm.{scale,bias}
+Whisper's key projection has no bias; the block's `k.bias` loads as zeros and is not exported.
+That is exact whatever its trained value: a key bias adds the same q.b to every score of a
+query's row, which the softmax cancels (its gradient is zero too). Whisper keeps its sinusoidal
+positions frozen; here `pos` is an ordinary parameter and trains with the tower.
+
+A scanned encoder (`scan_layers`) stacks every `block_i` leaf under `blocks/layer`, as in `models.hf`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from models.hf import HFError, _at, _put, _scanned_path, _set, _Tensors, read_config, write_weights
+
+ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS, by the names HF configs use
+
+# The config classes' defaults, which an older config.json may leave out (it saved only what differed).
+SIGLIP_DEFAULTS = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
+WHISPER_DEFAULTS = {
+    "num_mel_bins": 80,
+    "d_model": 384,
+    "encoder_layers": 4,
+    "encoder_attention_heads": 6,
+    "encoder_ffn_dim": 1536,
+    "max_source_positions": 1500,
+    "activation_function": "gelu",
+}
+WHISPER_LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which every Whisper LayerNorm uses
+
+# One tensor's two directions: (HF array -> Flax array, Flax array -> HF array).
+Layout = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
+_SAME: Layout = (lambda w: w, lambda w: w)
+_LINEAR: Layout = (np.transpose, np.transpose)  # HF Linear weights are out x in, Flax kernels in x out
+_CONV1D: Layout = (lambda w: w.transpose(2, 1, 0), lambda w: w.transpose(2, 1, 0))  # [out, in, k] <-> [k, in, out]
+
+
+def _heads(h: int, k: int) -> tuple[Layout, Layout, Layout]:
+    """The q/k/v kernel, q/k/v bias and output kernel layouts of attention with `h` heads of `k`."""
+    return (
+        (lambda w: w.T.reshape(w.shape[1], h, k), lambda w: w.reshape(w.shape[0], h * k).T),
+        (lambda w: w.reshape(h, k), lambda w: w.reshape(h * k)),
+        (lambda w: w.T.reshape(h, k, w.shape[0]), lambda w: w.reshape(h * k, w.shape[-1]).T),
+    )
+
+
+def _with_defaults(hf: dict, defaults: dict) -> dict:
+    return {k: hf.get(k, v) for k, v in defaults.items()}
+
+
+def _check_act(path, key: str, act) -> None:
+    if act not in ACTIVATIONS:
+        raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(ACTIVATIONS)}")
+
+
+def vit_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind vit) that describe the SigLIP vision
+    tower at `path` (a `siglip_vision_model` config, or a `siglip` one's `vision_config`)."""
+    hf = read_config(path)
+    if hf.get("model_type") == "siglip":
+        hf = hf.get("vision_config") or {}
+    elif hf.get("model_type") != "siglip_vision_model":
+        raise HFError(
+            f"{path}/config.json: model_type={hf.get('model_type')!r}; a vision tower is 'siglip_vision_model' "
+            f"or 'siglip'"
+        )
+    c = _with_defaults(hf, SIGLIP_DEFAULTS)
+    _check_act(path, "hidden_act", c["hidden_act"])
+    if c["image_size"] % c["patch_size"] or c["hidden_size"] % c["num_attention_heads"]:
+        raise HFError(
+            f"{path}/config.json: image_size={c['image_size']}, patch_size={c['patch_size']}, hidden_size="
+            f"{c['hidden_size']}, num_attention_heads={c['num_attention_heads']}; the patch must divide the "
+            f"image and the heads the width"
+        )
+    return {
+        "kind": "vit",
+        "patch": c["patch_size"],
+        "channels": c["num_channels"],
+        "width": c["hidden_size"],
+        "depth": c["num_hidden_layers"],
+        "heads": c["num_attention_heads"],
+        "mlp": c["intermediate_size"],
+        "max_grid": c["image_size"] // c["patch_size"],
+        "pos_embed": "table",
+        "norm_eps": float(c["layer_norm_eps"]),
+        "act": c["hidden_act"],
+    }
+
+
+def audio_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind audio) that describe the Whisper
+    encoder at `path`."""
+    hf = read_config(path)
+    if hf.get("model_type") != "whisper":
+        raise HFError(f"{path}/config.json: model_type={hf.get('model_type')!r}; an audio encoder is 'whisper'")
+    c = _with_defaults(hf, WHISPER_DEFAULTS)
+    _check_act(path, "activation_function", c["activation_function"])
+    if c["d_model"] % c["encoder_attention_heads"]:
+        raise HFError(
+            f"{path}/config.json: d_model={c['d_model']} is not a multiple of encoder_attention_heads="
+            f"{c['encoder_attention_heads']}"
+        )
+    return {
+        "kind": "audio",
+        "mel": c["num_mel_bins"],
+        "frames_per_token": 2,
+        "width": c["d_model"],
+        "depth": c["encoder_layers"],
+        "heads": c["encoder_attention_heads"],
+        "mlp": c["encoder_ffn_dim"],
+        "max_tokens": c["max_source_positions"],
+        "stem": "conv",
+        "norm_eps": WHISPER_LAYER_NORM_EPS,
+        "act": c["activation_function"],
+    }
+
+
+def _blocks(f: dict, hf_layer: Callable[[int], str], names: dict[str, str], key_bias: bool) -> dict:
+    """Every encoder block's entries; `names` maps the block's parts to their names in HF's layer
+    `hf_layer(i)`. Without `key_bias` the block's `k.bias` has no tensor (None: it loads as zeros)."""
+    qkv, qkv_bias, out = _heads(f["heads"], f["width"] // f["heads"])
+    layouts = {"q": qkv, "k": qkv, "v": qkv, "o": out, "fc1": _LINEAR, "fc2": _LINEAR}
+    m = {}
+    for i in range(f["depth"]):
+        b, layer = f"block_{i}", hf_layer(i)
+        for part in ("attn_norm", "mlp_norm"):
+            m[(b, part, "scale")] = (f"{layer}.{names[part]}.weight", _SAME)
+            m[(b, part, "bias")] = (f"{layer}.{names[part]}.bias", _SAME)
+        for part in ("q", "k", "v", "o", "fc1", "fc2"):
+            m[(b, part, "kernel")] = (f"{layer}.{names[part]}.weight", layouts[part])
+            bias = None if part == "k" and not key_bias else f"{layer}.{names[part]}.bias"
+            m[(b, part, "bias")] = (bias, qkv_bias if part in "qkv" else _SAME)
+    return m
+
+
+def _prefix(path, tensors: _Tensors, first: str, prefixes: tuple[str, ...]) -> str:
+    """The prefix a whole model's checkpoint puts before the tower's tensors ('' for the tower's own)."""
+    for p in prefixes:
+        if f"{p}{first}" in tensors:
+            return p
+    raise HFError(f"{path}: tensor {first!r} is missing from the checkpoint (looked under prefixes {list(prefixes)})")
+
+
+SIGLIP_PREFIXES = ("vision_model.", "")
+WHISPER_PREFIXES = ("model.encoder.", "encoder.", "")
+
+
+def vit_mapping(f: dict, prefix: str = "vision_model.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+    """Flax path -> (HF tensor name, layouts) of a SigLIP vision tower with fields `f`."""
+    p, c, d = f["patch"], f["channels"], f["width"]
+    patch: Layout = (
+        lambda w: w.transpose(2, 3, 1, 0).reshape(p * p * c, d),  # conv [D, C, p, p] -> rows in patchify's (y, x, c)
+        lambda w: w.reshape(p, p, c, d).transpose(3, 2, 0, 1),
+    )
+    m = {
+        ("patch_embed", "kernel"): (f"{prefix}embeddings.patch_embedding.weight", patch),
+        ("patch_embed", "bias"): (f"{prefix}embeddings.patch_embedding.bias", _SAME),
+        ("pos",): (f"{prefix}embeddings.position_embedding.weight", _SAME),
+        ("merge_norm", "scale"): (f"{prefix}post_layernorm.weight", _SAME),
+        ("merge_norm", "bias"): (f"{prefix}post_layernorm.bias", _SAME),
+    }
+    names = {"attn_norm": "layer_norm1", "mlp_norm": "layer_norm2", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+    names.update({x: f"self_attn.{x}_proj" for x in "qkv"}, o="self_attn.out_proj")
+    return m | _blocks(f, lambda i: f"{prefix}encoder.layers.{i}", names, key_bias=True)
+
+
+def audio_mapping(f: dict, prefix: str = "") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+    """Flax path -> (HF tensor name, layouts) of a Whisper encoder with fields `f`."""
+    m = {
+        ("stem", "conv1_kernel"): (f"{prefix}conv1.weight", _CONV1D),
+        ("stem", "conv1_bias"): (f"{prefix}conv1.bias", _SAME),
+        ("stem", "conv2_kernel"): (f"{prefix}conv2.weight", _CONV1D),
+        ("stem", "conv2_bias"): (f"{prefix}conv2.bias", _SAME),
+        ("pos",): (f"{prefix}embed_positions.weight", _SAME),
+        ("out_norm", "scale"): (f"{prefix}layer_norm.weight", _SAME),
+        ("out_norm", "bias"): (f"{prefix}layer_norm.bias", _SAME),
+    }
+    names = {"attn_norm": "self_attn_layer_norm", "mlp_norm": "final_layer_norm", "fc1": "fc1", "fc2": "fc2"}
+    names.update({x: f"self_attn.{x}_proj" for x in "qkv"}, o="self_attn.out_proj")
+    return m | _blocks(f, lambda i: f"{prefix}layers.{i}", names, key_bias=False)
+
+
+def _load(path: Path, tensors: _Tensors, target: dict, mapping: dict) -> dict:
+    """`target` (the tower's initialised params, arrays) with every mapped leaf replaced by the
+    checkpoint's weight in the leaf's sharding; unmapped leaves (the projector) stay as they are."""
+    scanned = "blocks" in target
+    layers: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
+    out = jax.tree.map(lambda x: x, target)
+    for flax_path, (name, (to_flax, to_hf)) in mapping.items():
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+        like = _at(target, where)
+        shape = tuple(like.shape if layer is None else like.shape[1:])
+        if name is None:
+            value = np.zeros(shape, np.float32)
+        else:
+            try:
+                w = tensors.get(name)
+            except HFError as err:
+                raise HFError(f"{path}: {err}") from None
+            try:
+                value = to_flax(w)
+            except ValueError:  # a reshape the tensor's size does not allow
+                value = None
+            if value is None or tuple(value.shape) != shape:
+                raise HFError(
+                    f"{path}: tensor {name!r} has shape {tuple(w.shape)}; the model's {'.'.join(flax_path)} "
+                    f"needs {tuple(to_hf(np.zeros(shape, np.float32)).shape)}"
+                )
+        if layer is None:
+            _set(out, where, _put(value, like))
+        else:
+            layers.setdefault(where, {})[layer] = value
+    for where, stack in layers.items():
+        _set(out, where, _put(np.stack([stack[i] for i in range(len(stack))]), _at(target, where)))
+    return out
+
+
+def load_vit(path: str | Path, target: dict, fields: dict) -> dict:
+    """The SigLIP tower's weights in `target`, the `VisionEncoder` params (shaped and sharded)."""
+    path, tensors = Path(path), _Tensors(Path(path))
+    prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", SIGLIP_PREFIXES)
+    return _load(path, tensors, target, vit_mapping(fields, prefix))
+
+
+def load_audio(path: str | Path, target: dict, fields: dict) -> dict:
+    """The Whisper encoder's weights in `target`, the `AudioEncoder` params (shaped and sharded)."""
+    path, tensors = Path(path), _Tensors(Path(path))
+    prefix = _prefix(path, tensors, "conv1.weight", WHISPER_PREFIXES)
+    return _load(path, tensors, target, audio_mapping(fields, prefix))
+
+
+def _tensors(params: dict, mapping: dict) -> dict[str, np.ndarray]:
+    """HF name -> array of every mapped leaf of `params` (a scanned tree's layers unstacked)."""
+    scanned = "blocks" in params
+    out = {}
+    for flax_path, (name, (_, to_hf)) in mapping.items():
+        if name is None:
+            continue
+        where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+        w = np.asarray(jax.device_get(_at(params, where)), np.float32)
+        out[name] = np.ascontiguousarray(to_hf(w if layer is None else w[layer]))
+    return out
+
+
+def _write(path: str | Path, tensors: dict, config: dict, max_shard_bytes: int) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_weights(path, tensors, max_shard_bytes)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_vit(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:
+    """Write a SigLIP-layout `VisionEncoder`'s tower (`pos_embed: table`) as a folder that
+    `transformers.SiglipVisionModel` loads; the merger is not part of SigLIP and is left out."""
+    if fields.get("pos_embed") != "table" or fields.get("act") not in ACTIVATIONS:
+        raise HFError(
+            f"pos_embed={fields.get('pos_embed')!r}, act={fields.get('act')!r}: only a SigLIP-layout tower "
+            f"(pos_embed='table', act in {list(ACTIVATIONS)}) exports as SigLIP"
+        )
+    config = {
+        "architectures": ["SiglipVisionModel"],
+        "model_type": "siglip_vision_model",
+        "hidden_size": fields["width"],
+        "intermediate_size": fields["mlp"],
+        "num_hidden_layers": fields["depth"],
+        "num_attention_heads": fields["heads"],
+        "num_channels": fields["channels"],
+        "image_size": fields["max_grid"] * fields["patch"],
+        "patch_size": fields["patch"],
+        "hidden_act": fields["act"],
+        "layer_norm_eps": fields["norm_eps"],
+        "vision_use_head": False,
+        "torch_dtype": "float32",
+    }
+    _write(path, _tensors(params, vit_mapping(fields)), config, max_shard_bytes)
+
+
+def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:
+    """Write a Whisper-layout `AudioEncoder` (`stem: conv`) as a folder that
+    `transformers.WhisperEncoder` loads; `out_proj` is not part of Whisper and is left out."""
+    if fields.get("stem") != "conv" or fields.get("norm_eps") != WHISPER_LAYER_NORM_EPS:
+        raise HFError(
+            f"stem={fields.get('stem')!r}, norm_eps={fields.get('norm_eps')!r}: only a Whisper-layout encoder "
+            f"(stem='conv', norm_eps={WHISPER_LAYER_NORM_EPS}) exports as Whisper"
+        )
+    config = {
+        "architectures": ["WhisperEncoder"],
+        "model_type": "whisper",
+        "num_mel_bins": fields["mel"],
+        "d_model": fields["width"],
+        "encoder_layers": fields["depth"],
+        "encoder_attention_heads": fields["heads"],
+        "encoder_ffn_dim": fields["mlp"],
+        "max_source_positions": fields["max_tokens"],
+        "activation_function": fields["act"],
+        "torch_dtype": "float32",
+    }
+    _write(path, _tensors(params, audio_mapping(fields)), config, max_shard_bytes)

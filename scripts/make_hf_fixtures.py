@@ -1,0 +1,148 @@
+"""Write the Hugging Face reference fixtures of tests/test_hf.py and tests/test_hf_encoders.py.
+
+Each tiny model is a real `transformers` class built from its own config class (no download),
+with random weights (biases and norms moved off their 0/1 init, so a wrong bias or norm mapping
+cannot hide), saved with `save_pretrained` to `tests/fixtures/hf/<name>/` beside `reference.npz`:
+the inputs and transformers' float32 outputs on them. The weights are rounded to float16 before
+the reference runs and saved in float16 (half the bytes, as real checkpoints store bf16/fp16):
+the float32 forward on either side sees exactly the same values. The tests compare against the npz and so
+need neither torch nor transformers; rerun this (it needs both) only to change a fixture.
+
+    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LLM_BASE = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+LLM_CASES = {
+    "llama_untied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+        },
+    ),
+}
+TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
+
+SIGLIP = {  # 16x16 images of 4x4 patches: a 4x4 grid, 16 positions
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_channels": 3,
+    "image_size": 16,
+    "patch_size": 4,
+}
+WHISPER = {  # 8 mel bins, 8 positions: clips of 16 frames; a one-layer decoder the encoder ignores
+    "num_mel_bins": 8,
+    "d_model": 32,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "max_source_positions": 8,
+    "decoder_layers": 1,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 64,
+    "max_target_positions": 8,
+    "vocab_size": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+}
+
+
+def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with biases and norms moved off their init, every weight a float16 value (in float32)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            p.copy_(p.half().float())
+    return model.eval()
+
+
+def _save(model, out: Path, **arrays) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    np.savez_compressed(out / "reference.npz", **{k: np.asarray(v) for k, v in arrays.items()})
+
+
+def llm(out: Path, case: str) -> None:
+    config_cls, model_cls, extra = LLM_CASES[case]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**LLM_BASE, **extra)
+    model = _perturbed(getattr(transformers, model_cls)(config))
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS)).logits.float().numpy()
+    _save(model, out / case, tokens=TOKENS, logits=logits)
+
+
+def siglip(out: Path) -> None:
+    """pixels [2, C, 16, 16]; `hidden` is the last layer's output, `last_hidden_state` the same
+    through `post_layernorm` (SigLIP's features)."""
+    torch.manual_seed(1)
+    model = _perturbed(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**SIGLIP, vision_use_head=False)))
+    pixels = torch.randn(2, SIGLIP["num_channels"], SIGLIP["image_size"], SIGLIP["image_size"])
+    with torch.no_grad():
+        o = model(pixels, output_hidden_states=True)
+    _save(model, out / "siglip", pixels=pixels, hidden=o.hidden_states[-1], last_hidden_state=o.last_hidden_state)
+
+
+def whisper(out: Path) -> None:
+    """A whole `WhisperModel` (its tensors under `encoder.`), features [2, mel, 16] and its
+    encoder's `last_hidden_state` [2, 8, d_model]."""
+    torch.manual_seed(2)
+    model = _perturbed(transformers.WhisperModel(transformers.WhisperConfig(**WHISPER)))
+    features = torch.randn(2, WHISPER["num_mel_bins"], 2 * WHISPER["max_source_positions"])
+    with torch.no_grad():
+        hidden = model.encoder(features).last_hidden_state
+    _save(model, out / "whisper", features=features, last_hidden_state=hidden)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf")
+    out = parser.parse_args().out
+    for case in LLM_CASES:
+        llm(out, case)
+    siglip(out)
+    whisper(out)
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {len(LLM_CASES) + 2} fixtures to {out}: {total / 1024:.0f} KiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Hugging Face encoder towers (`models/hf_encoders.py`): SigLIP's vision tower and Whisper's encoder
+against transformers' own float32 outputs, stored by scripts/make_hf_fixtures.py in
+tests/fixtures/hf/{siglip,whisper}/reference.npz (no torch needed); the export round trip through
+`from_pretrained` runs only where torch and transformers are installed."""
+
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_OMNI, TINY_VLM
+
+from maestro_jax.config import ConfigError, load_config
+from maestro_jax.core.plan import SectionPlan, mesh_shape
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.sharding import section_mesh, variable_shardings
+from maestro_jax.workloads.costs import audio_cost
+from maestro_jax.workloads.omni import frame_groups
+from maestro_jax.workloads.vlm import patchify
+from models import AudioConfig, AudioEncoder, VisionEncoder, ViTConfig, hf_encoders
+from models.hf import HFError
+
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+ATOL = 1e-4
+
+
+def fixture(tmp_path, name):
+    """A copy of the fixture's HF folder (tests may damage it) and its reference arrays."""
+    path = tmp_path / name
+    shutil.copytree(FIXTURES / name, path)
+    return path, dict(np.load(path / "reference.npz"))
+
+
+def model_of(kind, fields, scan=False):
+    own = {k: v for k, v in fields.items() if k != "kind"}
+    if kind == "vit":
+        return VisionEncoder(ViTConfig(**own, out_width=48, scan_layers=scan))
+    return AudioEncoder(AudioConfig(**own, out_width=48, scan_layers=scan))
+
+
+def placed_params(model, inputs, devices=(0,), mesh=None):
+    """The model's initialised params, each leaf in its sharding over `devices` (as a section holds them)."""
+    variables = model.init(jax.random.key(0), *inputs)
+    mesh = section_mesh(SectionPlan(tuple(devices), mesh if mesh is not None else mesh_shape(), 1))
+    shardings = variable_shardings({"params": variables["params"]}, mesh, "default")["params"]
+    return jax.device_put(nn.unbox(variables["params"]), shardings)
+
+
+def siglip_inputs(pixels, cfg: ViTConfig):
+    """Both images packed into one row (segments 1 and 2) in the VLM's merge-window patch order,
+    and for each patch the index of the same patch in SigLIP's output (image, row-major cell)."""
+    patches, grids, segments = [], [], []
+    for i, image in enumerate(pixels):
+        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge)
+        patches.append(p)
+        grids.append(g)
+        segments.append(np.full(len(p), i + 1, np.int32))
+    grid = np.concatenate(grids)
+    where = (np.concatenate(segments) - 1, grid[:, 0] * cfg.max_grid + grid[:, 1])
+    return tuple(jnp.asarray(np.concatenate(x))[None] for x in (patches, segments, grids)), where
+
+
+def whisper_inputs(features):
+    """Both clips ([mel, frames] each, as Whisper takes them) packed into one row of two-frame tokens."""
+    tokens, positions, segments = [], [], []
+    for i, clip in enumerate(features):
+        t, p = frame_groups(clip.T, 2)
+        tokens.append(t)
+        positions.append(p)
+        segments.append(np.full(len(t), i + 1, np.int32))
+    return tuple(jnp.asarray(np.concatenate(x))[None] for x in (tokens, segments, positions))
+
+
+def siglip_features(path, ref, scan=False, devices=(0,), mesh=None):
+    fields = hf_encoders.vit_fields(path)
+    model = model_of("vit", fields, scan)
+    inputs, where = siglip_inputs(ref["pixels"], model.cfg)
+    params = hf_encoders.load_vit(path, placed_params(model, inputs, devices, mesh), fields)
+    hidden, post = model.apply({"params": params}, *inputs, method=VisionEncoder.features)
+    return np.asarray(hidden[0]), np.asarray(post[0]), where, params, fields
+
+
+def whisper_features(path, ref, scan=False, devices=(0,), mesh=None):
+    fields = hf_encoders.audio_fields(path)
+    model = model_of("audio", fields, scan)
+    inputs = whisper_inputs(ref["features"])
+    params = hf_encoders.load_audio(path, placed_params(model, inputs, devices, mesh), fields)
+    out = model.apply({"params": params}, *inputs, method=AudioEncoder.features)
+    return np.asarray(out[0]).reshape(ref["last_hidden_state"].shape), params, fields
+
+
+def max_err(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_siglip_matches_transformers(tmp_path, scan):
+    """Two 16x16 images packed in one row: the last block's output (`hidden_states[-1]`) and the
+    post-layernorm features (`last_hidden_state`) are SigLIP's, patch for patch."""
+    path, ref = fixture(tmp_path, "siglip")
+    hidden, post, where, _, fields = siglip_features(path, ref, scan)
+    assert fields["pos_embed"] == "table" and fields["max_grid"] == 4 and fields["act"] == "gelu_pytorch_tanh"
+    assert max_err(hidden, ref["hidden"][where]) < ATOL
+    assert max_err(post, ref["last_hidden_state"][where]) < ATOL
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_whisper_matches_transformers(tmp_path, scan):
+    """Two full clips (16 frames of 8 mel bins) packed in one row: the conv stem stops at each
+    clip's edge, and the encoder's `last_hidden_state` is Whisper's (read from a whole
+    `WhisperModel` checkpoint, tensors under `encoder.`)."""
+    path, ref = fixture(tmp_path, "whisper")
+    out, _, fields = whisper_features(path, ref, scan)
+    assert fields["stem"] == "conv" and fields["norm_eps"] == 1e-5 and fields["act"] == "gelu"
+    assert max_err(out, ref["last_hidden_state"]) < ATOL
+
+
+def test_towers_load_sharded_slices(tmp_path):
+    """Into a 2x2 (fsdp x tensor) sharding on devices 4-7 each device holds its slice of a weight,
+    and the features are still the references'."""
+    mesh = mesh_shape(fsdp=2, tensor=2)
+    path, ref = fixture(tmp_path, "siglip")
+    _, post, where, params, _ = siglip_features(path, ref, devices=(4, 5, 6, 7), mesh=mesh)
+    assert max_err(post, ref["last_hidden_state"][where]) < ATOL
+    fc1 = params["block_0"]["fc1"]["kernel"]  # [D, F] over (fsdp, tensor)
+    assert {d.id for d in fc1.sharding.device_set} == {4, 5, 6, 7}
+    assert all(s.data.shape == (16, 32) for s in fc1.addressable_shards)
+    path, ref = fixture(tmp_path, "whisper")
+    out, params, _ = whisper_features(path, ref, devices=(4, 5, 6, 7), mesh=mesh)
+    assert max_err(out, ref["last_hidden_state"]) < ATOL
+    assert all(s.data.shape == (16, 32) for s in params["block_1"]["fc1"]["kernel"].addressable_shards)
+
+
+def test_projector_keeps_its_initial_values(tmp_path):
+    """The merger (no SigLIP tensor holds it) is the section's own, untouched by the import."""
+    path, ref = fixture(tmp_path, "siglip")
+    fields = hf_encoders.vit_fields(path)
+    model = model_of("vit", fields)
+    inputs, _ = siglip_inputs(ref["pixels"], model.cfg)
+    target = placed_params(model, inputs)
+    loaded = hf_encoders.load_vit(path, target, fields)
+    for name in ("merger_fc1", "merger_fc2"):
+        assert all(np.array_equal(loaded[name][k], target[name][k]) for k in ("kernel", "bias"))
+    assert not np.array_equal(loaded["pos"], target["pos"])
+
+
+def _rewrite(path, change):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_or_misshapen_tensor_is_refused(tmp_path):
+    path, ref = fixture(tmp_path, "siglip")
+    name = "encoder.layers.1.mlp.fc1.weight"
+    _rewrite(path, lambda t: t.update({name: t[name].T.copy()}))
+    with pytest.raises(
+        HFError, match=rf"tensor '{name}' has shape \(32, 64\); the model's block_1.fc1.kernel needs \(64, 32\)"
+    ):
+        siglip_features(path, ref)
+    _rewrite(path, lambda t: t.pop(name))
+    with pytest.raises(HFError, match=rf"tensor '{name}' is missing"):
+        siglip_features(path, ref)
+    path, ref = fixture(tmp_path, "whisper")
+    name = "encoder.conv1.weight"
+    _rewrite(path, lambda t: t.update({name: t[name][:, :4]}))  # 4 mel bins where config.json says 8
+    with pytest.raises(HFError, match=rf"tensor '{name}' has shape \(32, 4, 3\); .* needs \(32, 8, 3\)"):
+        whisper_features(path, ref)
+
+
+def test_configs_that_are_not_towers_are_refused(tmp_path):
+    with pytest.raises(HFError, match=r"model_type='llama'; a vision tower is 'siglip_vision_model' or 'siglip'"):
+        hf_encoders.vit_fields(FIXTURES / "llama_tied")
+    with pytest.raises(HFError, match=r"model_type='siglip_vision_model'; an audio encoder is 'whisper'"):
+        hf_encoders.audio_fields(FIXTURES / "siglip")
+    path, _ = fixture(tmp_path, "siglip")
+    text = (path / "config.json").read_text().replace('"gelu_pytorch_tanh"', '"quick_gelu"')
+    (path / "config.json").write_text(text)
+    with pytest.raises(HFError, match=r"hidden_act='quick_gelu'; the encoder blocks support"):
+        hf_encoders.vit_fields(path)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_export_reimports_without_torch(tmp_path, scan):
+    """save_vit / save_audio then load: the same tower (this half of the round trip needs no torch)."""
+    path, ref = fixture(tmp_path, "siglip")
+    _, post, _, params, fields = siglip_features(path, ref, scan)
+    hf_encoders.save_vit(tmp_path / "siglip_out", params, fields, max_shard_bytes=20_000)
+    assert (tmp_path / "siglip_out" / "model.safetensors.index.json").is_file()
+    assert hf_encoders.vit_fields(tmp_path / "siglip_out") == fields
+    assert max_err(siglip_features(tmp_path / "siglip_out", ref, scan)[1], post) == 0
+    path, ref = fixture(tmp_path, "whisper")
+    out, params, fields = whisper_features(path, ref, scan)
+    hf_encoders.save_audio(tmp_path / "whisper_out", params, fields)
+    assert hf_encoders.audio_fields(tmp_path / "whisper_out") == fields
+    assert max_err(whisper_features(tmp_path / "whisper_out", ref, scan)[0], out) == 0
+
+
+def test_export_round_trip_in_transformers(tmp_path):
+    """Exported towers load in transformers (`SiglipVisionModel`, `WhisperEncoder`) with nothing
+    missing or left over, and give the references' features again."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency (the dev extra)")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the dev extra)")
+    path, ref = fixture(tmp_path, "siglip")
+    *_, params, fields = siglip_features(path, ref, scan=True)
+    hf_encoders.save_vit(tmp_path / "siglip_out", params, fields)
+    back, info = transformers.SiglipVisionModel.from_pretrained(
+        tmp_path / "siglip_out", torch_dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    with torch.no_grad():
+        out = back.eval()(torch.tensor(ref["pixels"]), output_hidden_states=True)
+    assert max_err(out.last_hidden_state.numpy(), ref["last_hidden_state"]) < ATOL
+    assert max_err(out.hidden_states[-1].numpy(), ref["hidden"]) < ATOL
+    path, ref = fixture(tmp_path, "whisper")
+    _, params, fields = whisper_features(path, ref)
+    hf_encoders.save_audio(tmp_path / "whisper_out", params, fields)
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    back, info = WhisperEncoder.from_pretrained(
+        tmp_path / "whisper_out", torch_dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    with torch.no_grad():
+        out = back.eval()(torch.tensor(ref["features"])).last_hidden_state.numpy()
+    assert max_err(out, ref["last_hidden_state"]) < ATOL
+
+
+def test_conv_stem_declared_flops_match_xla():
+    """The audio section's declared cost prices Whisper's stem (within 10% of XLA's count; with the
+    tanh GELU, as XLA counts exact GELU's erf as dozens of flops an element, which no declaration prices)."""
+    aud = AudioConfig(mel=80, frames_per_token=2, width=64, depth=2, heads=2, mlp=256, out_width=96, stem="conv")
+    n = 64
+    args = (jnp.zeros((1, n, 160)), jnp.ones((1, n), jnp.int32), jnp.zeros((1, n, 1), jnp.int32))
+    params = AudioEncoder(aud).init(jax.random.key(0), *args)
+    u = audio_cost(aud, n)
+    got = jax.jit(lambda p: AudioEncoder(aud).apply(p, *args)).lower(params).compile().cost_analysis()["flops"]
+    assert 1.0 <= got / ((u.flops + u.attention_flops * u.attention_span) * n) <= 1.1
+
+
+def _tower_overrides(kind: str, name: str, path) -> list[str]:
+    fields = {"vit": hf_encoders.vit_fields, "audio": hf_encoders.audio_fields}[kind](path)
+    return [f"models.{name}.{k}={v}" for k, v in fields.items() if k != "kind"] + [
+        f"sections.{name}.init.hf_path={path}"
+    ]
+
+
+def test_omni_towers_start_from_hf_folders(tmp_path):
+    """The omni workload's vision and audio sections start from the SigLIP and Whisper folders
+    (`sections.<s>.init.hf_path`): the sections' params give the references' features, and a
+    training step runs."""
+    siglip, sref = fixture(tmp_path, "siglip")
+    whisper, wref = fixture(tmp_path, "whisper")
+    overrides = [
+        *TINY_OMNI,
+        *_tower_overrides("vit", "vision", siglip),
+        *_tower_overrides("audio", "audio", whisper),
+        "data.modalities.image.sizes=[[16,16],[8,16]]",
+        "data.modalities.audio.sizes=[[16],[8]]",
+    ]
+    cfg = load_config(ROOT / "configs/omni_tiny.yaml", overrides)
+    rt = build_runtime(cfg)
+    states = rt.init_states()
+    vision = model_of("vit", hf_encoders.vit_fields(siglip))
+    inputs, where = siglip_inputs(sref["pixels"], vision.cfg)
+    host = {"params": jax.tree.map(np.asarray, states["vision"].params)}
+    _, post = vision.apply(host, *inputs, method=VisionEncoder.features)
+    assert max_err(post[0], sref["last_hidden_state"][where]) < ATOL
+    audio = model_of("audio", hf_encoders.audio_fields(whisper))
+    host = {"params": jax.tree.map(np.asarray, states["audio"].params)}
+    out = audio.apply(host, *whisper_inputs(wref["features"]), method=AudioEncoder.features)
+    assert max_err(np.asarray(out[0]).reshape(wref["last_hidden_state"].shape), wref["last_hidden_state"]) < ATOL
+    batch = rt.batches()[0]
+    result = rt.executor.run(states, batch, rt.schedule(batch))
+    assert np.isfinite(float(result.loss))
+
+
+def test_vlm_tower_that_does_not_match_is_rejected_before_compiling(tmp_path):
+    path, _ = fixture(tmp_path, "siglip")
+    overrides = [*TINY_VLM, *_tower_overrides("vit", "vision", path), "data.modalities.image.sizes=[[16,16]]"]
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", [*overrides, "models.vision.pos_embed=row_col"])
+    with pytest.raises(
+        ConfigError, match=r"models.vision.pos_embed='row_col': the checkpoint .* has pos_embed='table'"
+    ):
+        build_runtime(cfg)
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", [*overrides, "models.vision.width=64"])
+    with pytest.raises(ConfigError, match=r"models.vision.width=64: the checkpoint .* has width=32"):
+        build_runtime(cfg)
