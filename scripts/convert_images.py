@@ -3,8 +3,9 @@
 Input: FOLDER/<name>.<png|jpg|jpeg> with an optional FOLDER/<name>.txt caption, and
 optionally FOLDER/*.txt files with no image (text-only samples). Each image is resized
 down to a multiple of patch*merge pixels (at most --max-side). Captions are tokenised
-byte-level (token = byte + 3, so the vocabulary needs 259+ entries); bring your own tokenizer
-by replacing `tokenize`. The image's placeholder tokens come before its caption.
+byte-level (token = byte + 3, so the vocabulary needs 259+ entries); for a real tokenizer,
+conversations or plain text, use scripts/convert_dataset.py. The image's placeholder tokens
+come before its caption.
 
     python scripts/convert_images.py FOLDER OUT.array_record --patch 4 --merge 2
 It also writes OUT.array_record.index.json (each record's length and image shapes).
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
-from PIL import Image
 
 from maestro_jax.data import (
     FIRST_TEXT_TOKEN,
@@ -33,29 +33,14 @@ from maestro_jax.data import (
     validate_sample,
     write_index,
 )
+from maestro_jax.data.convert import BadRecord as BadFile  # names the file at fault and why
+from maestro_jax.data.convert import load_image
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 
 
-class BadFile(Exception):
-    """An input file that cannot become a sample; the message names the file and why."""
-
-
 def tokenize(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + FIRST_TEXT_TOKEN
-
-
-def load_image(path: Path, unit: int, max_side: int) -> np.ndarray:
-    try:
-        with Image.open(path) as opened:
-            img = opened.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as err:  # PIL: UnidentifiedImageError (an OSError), truncated data
-        raise BadFile(f"{path}: not a readable image ({err})") from err
-    scale = min(1.0, max_side / max(img.size))
-    w = max(unit, int(img.size[0] * scale) // unit * unit)
-    h = max(unit, int(img.size[1] * scale) // unit * unit)
-    pixels = np.asarray(img.resize((w, h), Image.BICUBIC), np.float32)
-    return pixels / 127.5 - 1.0
 
 
 def load_caption(path: Path) -> str:

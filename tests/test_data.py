@@ -76,6 +76,15 @@ def good(images=(np.zeros((8, 8, 3), np.float32),), **kw):  # noqa: B008 - never
             "has video items, but this workload takes ['audio', 'image']",
         ),
         (good(tokens=np.array([IMAGE_TOKEN, AUDIO_TOKEN, 5, 6], np.int32)), "1 audio-placeholder tokens but its audio"),
+        (
+            good(loss_mask=np.ones(3, np.uint8)),
+            "loss_mask has 3 entries but the sample has 4 tokens; give one per token",
+        ),
+        (good(loss_mask=np.array([0, 1, 2, 1], np.uint8)), "loss_mask holds 2; valid entries are 0 (no loss) and 1"),
+        (
+            good(loss_mask=np.ones(4, np.float32)),
+            "loss_mask must be a 1-D array of 0/1 (bool or integer), got float32[4]",
+        ),
     ],
 )
 def test_bad_samples_rejected_with_id(sample, text):
@@ -145,6 +154,55 @@ def test_parts_decode_alone_and_the_rest_stays_hollow():
                 assert all(np.array_equal(g, e) for g, e in zip(got.of(m), expected))
         assert decoded_bytes(synthetic, frozenset({part})) == decoded_bytes(whole, frozenset({part})) > 0
     assert decoded_bytes(whole) == sum(decoded_bytes(whole, frozenset({p})) for p in ("tokens", "image", "audio"))
+
+
+def test_loss_mask_is_stored_with_the_tokens_and_counted_where_they_are_decoded(tmp_path):
+    """The mask goes into the record and comes back with the `tokens` part (not with an image
+    part: a hollow sample has none); metadata ignores it. Per process, the normaliser is
+    counted by the reader that decodes the tokens, and equals the count over whole samples."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from maestro_jax.data import BatchReader, ReadPlan
+    from maestro_jax.workloads.rows import loss_tokens
+
+    src = SyntheticSource(num_samples=8, vocab=300, text_len=(5, 9), items=(SyntheticItems(IMAGE, 1.0, 2, ((8, 8),)),))
+    masked = []
+    for i in range(8):
+        s = src[i]
+        mask = (np.arange(s.length) % 3 != 0).astype(np.uint8)
+        masked.append(Sample(s.id, s.tokens, s.items, loss_mask=mask))
+    record = encode_sample(masked[2])
+    whole, tokens, image = (
+        decode_sample(record, parts) for parts in (None, frozenset({"tokens"}), frozenset({"image"}))
+    )
+    assert whole.loss_mask.dtype == np.uint8 and (whole.loss_mask == masked[2].loss_mask).all()
+    assert (tokens.loss_mask == masked[2].loss_mask).all() and image.loss_mask is None
+    assert record_info(record).length == masked[2].length
+    assert decoded_bytes(whole, frozenset({"tokens"})) == masked[2].tokens.nbytes + masked[2].length
+    assert validate_sample(whole, (IMAGE,), vocab=300) is whole
+    with pytest.raises(DataError, match="sample id=7: loss_mask holds 2"):  # never cast into a valid-looking mask
+        encode_sample(good(loss_mask=np.array([0, 1, 2, 1], np.int64)))
+
+    path = tmp_path / "masked.array_record"
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for s in masked:
+        writer.write(encode_sample(s))
+    writer.close()
+    write_index(str(path))
+    stored = ArrayRecordSource((str(path),))
+    count = loss_tokens((IMAGE,))
+    full = count([stored[i] for i in range(8)])
+    assert 0 < full < count([Sample(s.id, s.tokens, s.items) for s in masked])
+
+    def read(parts, counts):
+        reader = BatchReader(
+            stored, 8, 0, False, plan=lambda infos: ReadPlan([parts] * 8, [counts] * 8, None), loss_count=count
+        )
+        return next(reader)
+
+    assert read(frozenset({"tokens"}), True).loss_count == full  # the process holding the LLM's rows
+    held = read(frozenset({"image"}), False)  # the process holding only vision rows
+    assert held.loss_count == 0 and all(s.loss_mask is None for s in held.samples)
 
 
 def test_array_record_index_gives_metadata_without_reading_records(tmp_path):

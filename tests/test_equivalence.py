@@ -1,11 +1,16 @@
 """Every plan gives the monolithic step's loss, gradients and updated parameters (fp32 rounding)."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import load_config
+from maestro_jax.data import FIRST_TEXT_TOKEN, IMAGE_TOKEN
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.tools.verify import verify
+from maestro_jax.tools.verify import compare, verify
+from maestro_jax.workloads import source_from_config
 
 RTOL = 1e-5
 
@@ -88,8 +93,8 @@ KD_PLANS = {
 }
 
 
-def check(cfg):
-    diffs = verify(cfg)
+def check(cfg, rt=None):
+    diffs = verify(cfg, rt)
     for d in diffs:
         assert d.max_rel <= RTOL, f"{d.name}: relative difference {d.max_rel:.3e} > {RTOL}"
     assert {d.name for d in diffs} >= {"loss"} | {
@@ -152,3 +157,54 @@ def test_wavefront_schedule_is_equivalent(workload, plan):
     arrival = [x for st in schedule.steps[rt.graph.sink] for x in st.samples]
     assert sorted(arrival) == list(range(len(samples)))
     check(cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Masked:
+    """`base`'s samples with a chat-like loss mask: the first third (a prompt) carries no loss,
+    the rest (an answer) does, except the last token, so that a masked target can be changed."""
+
+    base: object
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        s = self.base[index]
+        mask = np.zeros(len(s.tokens), np.uint8)
+        mask[len(s.tokens) // 3 : -1] = 1
+        return dataclasses.replace(s, loss_mask=mask)
+
+
+@pytest.mark.parametrize("workload", ["vlm", "kd"])
+def test_loss_mask_is_equivalent_and_masked_targets_carry_nothing(workload):
+    """A batch of masked samples: the section runtime matches the monolithic step (both read the
+    mask through the sink's rows and its normaliser); the normaliser counts exactly the targets
+    the mask keeps (placeholders never); a masked target's id changes neither loss nor grads."""
+    path, tiny = ("vlm_tiny.yaml", TINY_VLM) if workload == "vlm" else ("kd_tiny.yaml", TINY_KD)
+    cfg = load_config(ROOT / "configs" / path, tiny)
+    rt = build_runtime(cfg, source=Masked(source_from_config(cfg)))
+    check(cfg, rt)
+    samples = rt.batches()[0]
+    kept = sum(int(((s.loss_mask[1:] == 1) & (s.tokens[1:] != IMAGE_TOKEN)).sum()) for s in samples)
+    assert rt.graph.loss_count(samples) == kept
+    assert 0 < kept < rt.graph.loss_count([dataclasses.replace(s, loss_mask=None) for s in samples])
+
+    def step(batch):
+        result = rt.executor.run(rt.init_states(), batch, rt.schedule(batch))
+        return result.loss, result.grads
+
+    span = cfg.models["llm" if workload == "vlm" else "student"].vocab - FIRST_TEXT_TOKEN
+    changed = [
+        dataclasses.replace(
+            s, tokens=np.append(s.tokens[:-1], FIRST_TEXT_TOKEN + (s.tokens[-1] - FIRST_TEXT_TOKEN + 1) % span)
+        )
+        for s in samples
+    ]
+    assert all(s.tokens[-1] != c.tokens[-1] and s.loss_mask[-1] == 0 for s, c in zip(samples, changed))
+    loss, grads = step(samples)
+    changed_loss, changed_grads = step(changed)
+    for d in (compare("loss", changed_loss, loss), compare("grads", changed_grads, grads)):
+        assert d.max_abs == 0.0, f"{d.name}: a masked target changed it by {d.max_abs:.3e}"
+    unmasked, _ = step([dataclasses.replace(s, loss_mask=None) for s in samples])
+    assert compare("loss", unmasked, loss).max_rel > 1e-3, "the mask must change the loss"

@@ -59,6 +59,12 @@ class SampleInfo:
 class Sample:
     """One training sample: token ids (with placeholders) and its items, by modality.
 
+    `loss_mask` (optional, one 0/1 entry per token): whether token t carries loss as the target
+    of position t - 1 (entry 0 is never a target). A chat sample sets it on the assistant's
+    turns only, so the model is not trained to write the user's side. None: every text token
+    carries loss. Placeholders never do, whatever the mask says. It is part of the `tokens`
+    part: whoever decodes the ids decodes it too.
+
     Section callbacks `activates(sample)` and `work(sample)` may receive a `Sample` or its
     `SampleInfo`; both answer `length`, `shapes(modality)` and `has(modality)`.
     """
@@ -66,6 +72,7 @@ class Sample:
     id: int
     tokens: np.ndarray
     items: Mapping[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
+    loss_mask: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -94,6 +101,7 @@ class DataError(ValueError):
 
 
 TOKENS = "tokens"  # the part of a sample holding its token ids; other parts are named by modality
+LOSS_MASK = "loss_mask"  # the record key of `Sample.loss_mask` (stored and decoded with the tokens)
 
 
 def parts_of(s) -> frozenset[str]:
@@ -107,7 +115,8 @@ def parts_of(s) -> frozenset[str]:
 
 def hollow_sample(info: SampleInfo, parts: dict[str, object] | None = None) -> Sample:
     """A sample with `info`'s shapes whose parts not in `parts` are zeros: the rows a process
-    builds but never places (another process's devices hold them) cost no read nor decode."""
+    builds but never places (another process's devices hold them) cost no read nor decode.
+    `parts[LOSS_MASK]` goes with `parts[TOKENS]` (absent: no mask)."""
     parts = parts or {}
     tokens = parts.get(TOKENS)
     return Sample(
@@ -117,6 +126,7 @@ def hollow_sample(info: SampleInfo, parts: dict[str, object] | None = None) -> S
             m: parts[m] if m in parts else tuple(np.zeros(sh, np.float32) for sh in shapes)
             for m, shapes in info.item_shapes.items()
         },
+        parts.get(LOSS_MASK),
     )
 
 
@@ -160,6 +170,7 @@ def validate_sample(
                 raise DataError(f"{where}: {m.name} {i} must be float32, got {x.dtype}")
     if parts is None or TOKENS in parts:
         _check_tokens(where, s, modalities, vocab)
+        _check_loss_mask(where, s)
     for m in modalities:
         if parts is None or m.name in parts:
             for i, x in enumerate(s.of(m.name)):
@@ -181,6 +192,30 @@ def _check_tokens(where: str, s: Sample, modalities: tuple[Modality, ...], vocab
         found = int(np.count_nonzero(s.tokens == m.placeholder))
         if found != expected:
             raise DataError(f"{where}: {found} {m.name}-placeholder tokens but its {m.name} items need {expected}")
+
+
+def _check_loss_mask(where: str, s: Sample) -> None:
+    """A mask is one 0/1 (or bool) entry per token: anything else would silently drop or weight
+    the loss of tokens it does not line up with."""
+    mask = s.loss_mask
+    if mask is None:
+        return
+    if not (
+        isinstance(mask, np.ndarray)
+        and mask.ndim == 1
+        and (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer))
+    ):
+        got = np.asarray(mask)
+        raise DataError(
+            f"{where}: loss_mask must be a 1-D array of 0/1 (bool or integer), got {got.dtype}{list(got.shape)}"
+        )
+    if len(mask) != len(s.tokens):
+        raise DataError(
+            f"{where}: loss_mask has {len(mask)} entries but the sample has {len(s.tokens)} tokens; give one per token"
+        )
+    if mask.size and (mask.min() < 0 or mask.max() > 1):
+        bad = int(mask.min()) if mask.min() < 0 else int(mask.max())
+        raise DataError(f"{where}: loss_mask holds {bad}; valid entries are 0 (no loss) and 1 (loss)")
 
 
 def _check_item_shape(where: str, m: Modality, i: int, shape: tuple[int, ...]) -> None:
@@ -208,9 +243,13 @@ def _check_item_shape(where: str, m: Modality, i: int, shape: tuple[int, ...]) -
 
 
 def encode_sample(s: Sample) -> bytes:
-    """Portable record: npz (no pickle) of tokens and items; images as uint8, others float32."""
+    """Portable record: npz (no pickle) of tokens, the loss mask (uint8, when the sample has one;
+    DataError if it is not a valid mask) and items; images as uint8, others float32."""
     buf = io.BytesIO()
     arrays = {"id": np.asarray(s.id, np.int64), "tokens": s.tokens.astype(np.int32)}
+    if s.loss_mask is not None:
+        _check_loss_mask(f"sample id={s.id}", s)  # a cast to uint8 must not turn a bad mask into a valid one
+        arrays[LOSS_MASK] = s.loss_mask.astype(np.uint8)
     for name, items in s.items.items():
         for i, x in enumerate(items):
             arrays[f"{name}_{i}"] = (
@@ -223,7 +262,7 @@ def encode_sample(s: Sample) -> bytes:
 
 
 def _item_keys(files) -> list[str]:
-    return sorted((k for k in files if k not in ("id", "tokens")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return sorted((k for k in files if k not in ("id", "tokens", LOSS_MASK)), key=lambda k: int(k.rsplit("_", 1)[1]))
 
 
 def record_info(record: bytes) -> SampleInfo:
@@ -257,14 +296,16 @@ def decode_sample(record: bytes, parts: frozenset[str] | None = None) -> Sample:
                 x = z[key]
                 decoded.setdefault(name, []).append(x.astype(np.float32) / 127.5 - 1.0 if x.dtype == np.uint8 else x)
         decoded = {k: tuple(v) for k, v in decoded.items()}
-        if parts is None:
-            return Sample(id=int(z["id"]), tokens=z["tokens"], items=decoded)
-        if TOKENS in parts:
+        if parts is None or TOKENS in parts:
             decoded[TOKENS] = z["tokens"]
+            decoded[LOSS_MASK] = z[LOSS_MASK] if LOSS_MASK in z.files else None
+        if parts is None:
+            return Sample(int(z["id"]), decoded.pop(TOKENS), decoded, decoded.pop(LOSS_MASK))
     return hollow_sample(record_info(record), decoded)
 
 
 def decoded_bytes(s: Sample, parts: frozenset[str] | None = None) -> int:
     """Bytes of the arrays of `s`'s `parts` (None: all): what decoding them materialised."""
-    total = s.tokens.nbytes if parts is None or TOKENS in parts else 0
+    mask = 0 if s.loss_mask is None else s.loss_mask.nbytes
+    total = s.tokens.nbytes + mask if parts is None or TOKENS in parts else 0
     return total + sum(x.nbytes for m, xs in s.items.items() if parts is None or m in parts for x in xs)

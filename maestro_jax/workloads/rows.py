@@ -2,7 +2,8 @@
 
 A consumer micro-step's rows name producer outputs by *route* (an index into the producer
 micro-steps it depends on, joined along rows; -1: none). These helpers hide that contract:
-  host side (numpy)   `text_rows` (next-token rows, placeholders masked out of the loss),
+  host side (numpy)   `text_rows` (next-token rows; placeholders and what a sample's
+                      `loss_mask` clears carry no loss; `loss_tokens` counts the rest),
                       `pack_items` (variable-size items packed per row, with segment ids),
                       `route` (a row's index into its producer's joined outputs);
   device side (jax)   `join` (producer outputs along rows), `gather` (the rows a consumer
@@ -32,7 +33,8 @@ from meshes import BATCH_AXES
 
 
 def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
-    """Next-token rows: inputs tokens[:-1], targets tokens[1:]; placeholder targets carry no loss.
+    """Next-token rows: inputs tokens[:-1], targets tokens[1:]; a target carries loss unless it
+    is a placeholder or the sample's `loss_mask` clears it (`carries_loss`).
 
     For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
     row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings."""
@@ -54,7 +56,7 @@ def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray
         n = len(t) - 1
         out["input_ids"][i, :n] = t[:-1]
         out["targets"][i, :n] = t[1:]
-        out["loss_mask"][i, :n] = ~np.isin(t[1:], placeholders)
+        out["loss_mask"][i, :n] = carries_loss(s, placeholders)
         out["positions"][i, :n] = np.arange(n)
         out["valid"][i, :n] = True
         for m in modalities:
@@ -63,10 +65,19 @@ def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray
     return out
 
 
+def carries_loss(sample, placeholders: Sequence[int]) -> np.ndarray:
+    """Per target (tokens[1:]): whether it carries loss. Placeholders never do (an embedding
+    stands there, not a token to predict); where the sample has a `loss_mask` (a chat sample:
+    the assistant's turns), only the targets it sets do. `text_rows` (the loss) and
+    `loss_tokens` (its normaliser) both read this, so they cannot disagree."""
+    keep = ~np.isin(sample.tokens[1:], placeholders)
+    return keep if sample.loss_mask is None else keep & (sample.loss_mask[1:] != 0)
+
+
 def loss_tokens(modalities: Sequence[Modality] = ()) -> Callable[[Sequence], int]:
     """The sink's normaliser: the global count of target tokens that carry loss."""
     placeholders = [m.placeholder for m in modalities]
-    return lambda samples: int(sum(np.count_nonzero(~np.isin(s.tokens[1:], placeholders)) for s in samples))
+    return lambda samples: int(sum(np.count_nonzero(carries_loss(s, placeholders)) for s in samples))
 
 
 def next_token_units(sample) -> int:

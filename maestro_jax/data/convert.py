@@ -1,0 +1,513 @@
+"""Converters: common dataset formats -> the ArrayRecord samples maestro_jax trains from.
+
+Records are read one at a time and written as they come (a dataset never sits in memory):
+  conversations  LLaVA style `{"id", "image": path | [paths], "conversations": [{"from":
+                 "human" | "gpt" | "system", "value": "...<image>..."}]}` or OpenAI style
+                 `{"messages": [{"role", "content": text | [parts]}]}` (parts `{"type": "text",
+                 "text"}`, `{"type": "image" | "image_url", ...}`): rendered with the tokenizer's
+                 chat template, each image marker replaced by that image's placeholder tokens
+                 (single, several, interleaved), loss only on the assistant's turns
+                 (`Sample.loss_mask`), so the model learns to answer, not to write prompts;
+  plain text     `{"text": ...}`: every token carries loss (the KD teacher and student read text).
+from JSONL, a JSON array (streamed), or a Hugging Face `datasets` dataset saved to disk.
+
+The tokenizer is a Hugging Face tokenizer folder (`tokenizer.json`, `tokenizer_config.json` with
+its chat template and special tokens, or `chat_template.jinja`), read with the `tokenizers`
+library and its template rendered by jinja2 as `transformers` renders it: the ids are the ones a
+pretrained LLM of that tokenizer knows. `Target` is what the model takes (its caller reads it off
+the config); `check_tokenizer` refuses a tokenizer the model cannot take before any record is
+read. A record that cannot become a sample is a `BadRecord` naming it (file and line or record,
+and its `id`) and why; `convert` skips it, or stops there (`strict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from maestro_jax.data.samples import DataError, Modality, Sample, encode_sample, validate_sample
+from maestro_jax.data.sources import write_index
+
+IMAGE_MARKER = "<image>"  # LLaVA's marker of where an image goes in a turn's text
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+CHUNK = 1 << 20  # characters a JSON array is read by
+MAX_RECORD_CHARS = 64 << 20  # a JSON array element longer than this is taken for damage, not a record
+
+
+class ConvertError(Exception):
+    """The conversion cannot start or go on (a tokenizer the model cannot take, an input that
+    cannot be read at all); the message is one `error:` line."""
+
+
+class BadRecord(Exception):
+    """One input record that cannot become a sample; the message names the record and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the model takes, read off its config: the vocabulary (and the config field(s) that
+    set it, for messages), the modalities its samples may carry, the longest sequence."""
+
+    vocab: int
+    vocab_field: str
+    modalities: tuple[Modality, ...] = ()
+    max_tokens: int | None = None
+    workload: str = "this"
+
+    def modality(self, name: str) -> Modality | None:
+        return next((m for m in self.modalities if m.name == name), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTokenizer:
+    """A Hugging Face tokenizer folder: the tokenizer, its chat template (compiled; None where the
+    folder has none) and the special tokens chat templates read (`bos_token`, `eos_token`, ...)."""
+
+    folder: Path
+    tokenizer: object  # tokenizers.Tokenizer
+    template: object  # jinja2.Template | None
+    special: dict[str, str]
+
+    @classmethod
+    def load(cls, folder: str | Path) -> ChatTokenizer:
+        try:
+            import tokenizers
+        except ImportError:
+            raise ConvertError("error: --tokenizer: needs the `tokenizers` package (pip install tokenizers)") from None
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise ConvertError(
+                f"error: --tokenizer={folder}: has no tokenizer.json; valid: a Hugging Face tokenizer folder "
+                f"(save_pretrained writes one)"
+            )
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+            raise ConvertError(f"error: --tokenizer={folder}: tokenizer.json cannot be read ({err})") from None
+        config_path = folder / "tokenizer_config.json"
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        except (OSError, ValueError) as err:
+            raise ConvertError(f"error: --tokenizer={folder}: tokenizer_config.json cannot be read ({err})") from None
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it on its own
+            source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        special = {
+            key: value["content"] if isinstance(value, dict) else value
+            for key, value in config.items()
+            if key.endswith("_token") and (isinstance(value, str) or (isinstance(value, dict) and "content" in value))
+        }
+        return cls(folder, tok, None if source is None else _compile_template(folder, source), special)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        from jinja2.exceptions import TemplateError
+
+        if self.template is None:
+            raise ConvertError(
+                f"error: --tokenizer={self.folder}: has no chat template (tokenizer_config.json "
+                f"chat_template or chat_template.jinja); valid: a tokenizer folder with one, for conversations"
+            )
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+        except TemplateError as err:
+            raise BadRecord(f"the chat template refuses it ({err})") from None
+
+
+def _compile_template(folder: Path, source: str):
+    """A chat template compiled as `transformers` compiles it: sandboxed, trimmed blocks, loop
+    controls, and the helpers templates call (`raise_exception`, `strftime_now`, `tojson`)."""
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConvertError(
+            "error: --tokenizer: rendering its chat template needs jinja2 (pip install jinja2)"
+        ) from None
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as err:
+        raise ConvertError(f"error: --tokenizer={folder}: its chat template is not valid jinja ({err})") from None
+
+
+def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAGE_MARKER) -> None:
+    """Refuse, before any record is read, a tokenizer whose ids the model cannot take: an id at
+    or beyond the vocabulary, no single token for the image marker (where the model takes
+    images), or a text token on an id the model reserves for a modality's placeholders (every
+    such token would be read as an embedding slot)."""
+    vocab = tok.tokenizer.get_vocab(with_added_tokens=True)
+    image = target.modality("image")
+    markers = {}
+    if image is not None:
+        marker_id = vocab.get(image_marker)
+        if marker_id is None or tok.tokenizer.encode(image_marker, add_special_tokens=False).ids != [marker_id]:
+            added = [t.content for t in tok.tokenizer.get_added_tokens_decoder().values()]
+            raise ConvertError(
+                f"error: --image-token={image_marker!r}: not one token of the tokenizer in {tok.folder}; valid: "
+                f"one of its added tokens {added[:12]}, or add {image_marker!r} to it as a special token"
+            )
+        markers[marker_id] = image
+    text = {t: i for t, i in vocab.items() if i not in markers}
+    if text:
+        top = max(text, key=text.get)
+        if text[top] >= target.vocab:
+            raise ConvertError(
+                f"error: {target.vocab_field}={target.vocab}: the tokenizer in {tok.folder} has ids up to "
+                f"{text[top]} (token {top!r}); valid: a vocabulary of at least {text[top] + 1}, or a "
+                f"tokenizer of at most {target.vocab} tokens"
+            )
+    for m in target.modalities:
+        own = image_marker if m.name == "image" else f"<{m.name}>"
+        taken = sorted(t for t, i in vocab.items() if i == m.placeholder and t != own)
+        if taken:
+            raise ConvertError(
+                f"error: --tokenizer={tok.folder}: token {taken[0]!r} has id {m.placeholder}, which the "
+                f"{target.workload} workload reserves for {m.name} placeholders; valid: a tokenizer whose id "
+                f"{m.placeholder} is its {own!r} token or unused"
+            )
+
+
+def load_image(image, unit: int, max_side: int) -> np.ndarray:
+    """An image file (or a PIL image) as the ViT section takes it: RGB, scaled down to at most
+    `max_side` a side, each side cut to a multiple of `unit` (patch * merge, at least one),
+    pixels in [-1, 1] (float32)."""
+    from PIL import Image
+
+    try:
+        if isinstance(image, Image.Image):
+            img = image.convert("RGB")
+        else:
+            with Image.open(image) as opened:
+                img = opened.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as err:  # PIL: UnidentifiedImageError (an OSError), truncated data
+        raise BadRecord(f"{image}: not a readable image ({err})") from err
+    scale = min(1.0, max_side / max(img.size))
+    w = max(unit, int(img.size[0] * scale) // unit * unit)
+    h = max(unit, int(img.size[1] * scale) // unit * unit)
+    pixels = np.asarray(img.resize((w, h), Image.BICUBIC), np.float32)
+    return pixels / 127.5 - 1.0
+
+
+# -- reading records ------------------------------------------------------------------------------
+def read_records(path: str | Path, split: str | None = None) -> Iterator[tuple[str, object]]:
+    """(where, record) per record of `path`, in order: a JSONL file (a line that is not JSON
+    comes as a BadRecord), a JSON array (streamed element by element), or a folder holding a
+    Hugging Face dataset saved with `save_to_disk` (`split` picks one of a DatasetDict)."""
+    path = Path(path)
+    if path.is_dir():
+        yield from _dataset_rows(path, split)
+        return
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise ConvertError(f"error: {path}: cannot be read ({err.strerror})") from None
+    with f:
+        first = f.read(1)
+        while first.isspace():
+            first = f.read(1)
+        if first == b"[":
+            try:
+                yield from _json_array(path, io.TextIOWrapper(f, encoding="utf-8"))
+            except UnicodeDecodeError as err:
+                raise ConvertError(
+                    f"error: {path}: not UTF-8 text ({err.reason}); the records after it cannot be read"
+                ) from None
+            return
+        f.seek(0)
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{n}", json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                yield f"{path}:{n}", BadRecord(f"{path}:{n}: not UTF-8 ({err.reason} at byte {err.start})")
+            except json.JSONDecodeError as err:
+                yield f"{path}:{n}", BadRecord(f"{path}:{n}: not JSON ({err.msg} at column {err.colno})")
+
+
+def _json_array(path: Path, f) -> Iterator[tuple[str, object]]:
+    """The elements of a JSON array whose `[` was just read from `f`, decoded one by one from a
+    window of the file. A syntax error stops the reading (no later element can be found)."""
+    decoder, buf, pos, n = json.JSONDecoder(), "", 0, 0
+    while True:
+        while True:  # the next non-space character, reading on where the window runs out
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf):
+                break
+            buf, pos = f.read(CHUNK), 0
+            if not buf:
+                raise ConvertError(f"error: {path}: the JSON array ends without ']' after {n} records")
+        if buf[pos] == "]":
+            return
+        if n and buf[pos] == ",":
+            pos += 1
+            continue
+        try:
+            record, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as err:
+            more = f.read(CHUNK) if len(buf) - pos < MAX_RECORD_CHARS else ""
+            if more:
+                buf, pos = buf[pos:] + more, 0
+                continue
+            raise ConvertError(
+                f"error: {path}: record {n} of its JSON array is not JSON ({err.msg}); the records after it "
+                f"cannot be found"
+            ) from None
+        yield f"{path} record {n}", record
+        n, pos = n + 1, end
+
+
+def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[str, object]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConvertError(
+            f"error: {path}: a folder is read as a Hugging Face dataset, which needs the `datasets` package "
+            f"(pip install datasets); valid otherwise: a JSON or JSONL file"
+        ) from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise ConvertError(f"error: {path}: not a dataset saved with save_to_disk ({err})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None and len(ds) == 1:
+            split = next(iter(ds))
+        if split not in ds:
+            raise ConvertError(
+                f"error: --split={split}: the dataset in {path} has splits {sorted(ds)}; valid: one of them"
+            )
+        ds = ds[split]
+    elif split is not None:
+        raise ConvertError(f"error: --split={split}: the dataset in {path} has no splits; valid: leave it out")
+    for i, row in enumerate(ds):  # Arrow-backed: rows are read from the memory-mapped files one by one
+        yield f"{path} row {i}", row
+
+
+# -- records to samples ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Converter:
+    """Turns records into samples for `target`, tokenised by `tok` (checked against `target`
+    on construction). Images are read from `image_root` (relative paths), scaled to at most
+    `max_side` pixels a side."""
+
+    tok: ChatTokenizer
+    target: Target
+    image_root: Path
+    max_side: int | None = None  # None: the largest side the model takes
+    image_marker: str = IMAGE_MARKER
+
+    def __post_init__(self):
+        """A converter exists only for a tokenizer and image size the model takes."""
+        check_tokenizer(self.tok, self.target, self.image_marker)
+        image = self.target.modality("image")
+        if image is not None and self.max_side is not None:
+            top = image.max_shape[0] if image.max_shape else self.max_side
+            if not image.unit[0] <= self.max_side <= top:
+                raise ConvertError(
+                    f"error: --max-side={self.max_side}: valid: {image.unit[0]} (patch * merge: one image "
+                    f"token) to {top} (the largest image side the model takes)"
+                )
+
+    def sample(self, index: int, record) -> Sample:
+        """The sample of one record (its id: `index`, the record's position in the input);
+        BadRecord saying why not."""
+        if not isinstance(record, dict):
+            raise BadRecord(f"is a JSON {type(record).__name__}, not an object")
+        if "conversations" in record or "messages" in record:
+            sample = self._chat(index, record)
+        elif "text" in record:
+            if not isinstance(record["text"], str):
+                raise BadRecord(f"text is a {type(record['text']).__name__}, not a string")
+            ids = self.tok.tokenizer.encode(record["text"], add_special_tokens=True).ids
+            sample = Sample(index, np.asarray(ids, np.int32))
+        else:
+            raise BadRecord(f"has none of the keys conversations, messages, text (keys: {sorted(record)[:8]})")
+        try:
+            return validate_sample(sample, self.target.modalities, self.target.max_tokens, self.target.vocab)
+        except DataError as err:
+            raise BadRecord(str(err)) from None
+
+    def _chat(self, index: int, record: dict) -> Sample:
+        messages, refs = self._messages(record)
+        image = self.target.modality("image")
+        if refs and image is None:
+            raise BadRecord(f"has {len(refs)} image(s), but the {self.target.workload} workload takes text only")
+        full = self.tok.render(messages, add_generation_prompt=False)
+        spans = []  # each assistant turn's characters: what it says and how it ends its turn
+        for k, m in enumerate(messages):
+            if m["role"] == "assistant":
+                before = self.tok.render(messages[:k], add_generation_prompt=True)
+                through = self.tok.render(messages[: k + 1], add_generation_prompt=False)
+                if not (full.startswith(through) and through.startswith(before)):
+                    raise BadRecord(
+                        f"the chat template does not render message {k} as a continuation of the ones "
+                        f"before it, so its assistant turn cannot be located"
+                    )
+                spans.append((len(before), len(through)))
+        if not spans:
+            raise BadRecord("has no assistant turn: no token would carry loss")
+        enc = self.tok.tokenizer.encode(full, add_special_tokens=False)
+        ids = np.asarray(enc.ids, np.int64)
+        starts = np.asarray([a for a, _ in enc.offsets], np.int64)
+        mask = np.zeros(len(ids), bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        repeat = np.ones(len(ids), np.int64)
+        images = ()
+        if image is not None:
+            at = np.flatnonzero(ids == self.tok.tokenizer.token_to_id(self.image_marker))
+            if len(at) != len(refs):
+                raise BadRecord(
+                    f"has {len(at)} {self.image_marker} markers after its chat template, but {len(refs)} images"
+                )
+            images = tuple(load_image(self._resolve(r), image.unit[0], self._side(image)) for r in refs)
+            for pos, im in zip(at, images):
+                repeat[pos] = image.tokens(im.shape[:2])
+            ids[at] = image.placeholder
+            mask[at] = False
+        if not mask.any():
+            raise BadRecord("its assistant turns hold no token")
+        return Sample(
+            index,
+            np.repeat(ids, repeat).astype(np.int32),
+            {"image": images} if images else {},
+            loss_mask=np.repeat(mask, repeat).astype(np.uint8),
+        )
+
+    def _messages(self, record: dict) -> tuple[list[dict], list]:
+        """The record's turns as `{"role", "content": text}` (image parts as markers in the
+        text), and its images in marker order: the record's `image`/`images` list feeds the
+        markers of its text in order; an image part that names its own image takes that."""
+        listed = record.get("image", record.get("images"))
+        listed = [] if listed is None else list(listed) if isinstance(listed, list | tuple) else [listed]
+        pending, refs, messages = iter(listed), [], []
+
+        def next_listed():
+            ref = next(pending, None)
+            if ref is None:
+                raise BadRecord(f"has more {self.image_marker} markers than its {len(listed)} listed image(s)")
+            return ref
+
+        turns = record.get("conversations", record.get("messages"))
+        if not isinstance(turns, list) or not turns:
+            raise BadRecord("conversations/messages must be a non-empty list of turns")
+        for k, turn in enumerate(turns):
+            if not isinstance(turn, dict):
+                raise BadRecord(f"turn {k} is a {type(turn).__name__}, not an object")
+            speaker = turn.get("from", turn.get("role"))
+            if speaker not in ROLES:
+                raise BadRecord(f"turn {k} is from {speaker!r}; valid: {', '.join(ROLES)}")
+            content = turn.get("value", turn.get("content"))
+            if isinstance(content, list):
+                text = ""
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "text":
+                        text += str(part.get("text", ""))
+                    elif kind in ("image", "image_url"):
+                        own = part.get("image") if kind == "image" else (part.get("image_url") or {}).get("url")
+                        if isinstance(own, str):
+                            own = own.removeprefix("file://")
+                        refs.append(own if own is not None else next_listed())
+                        text += self.image_marker
+                    else:
+                        raise BadRecord(f"turn {k} has a part of type {kind!r}; valid: text, image, image_url")
+                content = text
+            elif isinstance(content, str):
+                refs.extend(next_listed() for _ in range(content.count(self.image_marker)))
+            else:
+                raise BadRecord(f"turn {k}'s content is a {type(content).__name__}, not text or a list of parts")
+            messages.append({"role": ROLES[speaker], "content": content})
+        if next(pending, None) is not None:
+            raise BadRecord(f"lists {len(listed)} image(s) but its turns hold {len(refs)} {self.image_marker} markers")
+        return messages, refs
+
+    def _side(self, image: Modality) -> int:
+        """The largest side images are scaled to: `max_side`, else the largest the model takes."""
+        if self.max_side is not None:
+            return self.max_side
+        if image.max_shape is None:
+            raise ConvertError("error: --max-side: missing; the model sets no largest image, so give one")
+        return image.max_shape[0]
+
+    def _resolve(self, ref):
+        if isinstance(ref, str):
+            path = Path(ref) if Path(ref).is_absolute() else self.image_root / ref
+            if not path.is_file():
+                raise BadRecord(f"image {path} does not exist")
+            return path
+        from PIL import Image
+
+        if not isinstance(ref, Image.Image):
+            raise BadRecord(f"an image is a {type(ref).__name__}; valid: a file path or a decoded image")
+        return ref
+
+
+def convert(
+    inputs: list[str | Path],
+    out: str | Path,
+    converter: Converter,
+    strict: bool = False,
+    split: str | None = None,
+    log=sys.stderr,
+) -> tuple[int, int]:
+    """Write every good record of `inputs` (in order) to `out` and its index (`write_index`, what
+    every process reads metadata from); a bad one is named on `log` (`skipped WHERE: why`) and
+    skipped, or with `strict` stops the conversion (BadRecord). Sample ids are the records'
+    positions over all inputs, so an id in a training error leads back to its record. The file
+    appears at `out` only once complete. Returns (samples written, records skipped)."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    writer = ArrayRecordWriter(str(partial), "group_size:1")
+    written = skipped = index = 0
+    done = False
+    try:
+        for path in inputs:
+            for where, record in read_records(path, split):
+                try:
+                    if isinstance(record, BadRecord):
+                        raise record
+                    name = f"{where} (id {record['id']!r})" if isinstance(record, dict) and "id" in record else where
+                    try:
+                        sample = converter.sample(index, record)
+                    except BadRecord as err:
+                        raise BadRecord(f"{name}: {err}") from None
+                except BadRecord as err:
+                    if strict:
+                        raise
+                    print(f"skipped {err}", file=log)
+                    skipped += 1
+                else:
+                    writer.write(encode_sample(sample))
+                    written += 1
+                index += 1
+        done = True
+    finally:
+        writer.close()
+        if not done:
+            partial.unlink(missing_ok=True)
+    partial.replace(out)
+    write_index(str(out))
+    return written, skipped

@@ -1,0 +1,83 @@
+"""Convert conversations (with images) or plain text into ArrayRecord files maestro_jax trains from.
+
+Inputs, any mix, in order: JSONL or JSON-array files of records, or folders holding a Hugging
+Face `datasets` dataset saved with `save_to_disk` (needs `datasets`; `--split` picks a split).
+A record is a conversation, LLaVA style `{"id", "image": path | [paths], "conversations":
+[{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}` or OpenAI style
+`{"messages": [{"role", "content"}]}`, or plain text `{"text": ...}`. Conversations are
+rendered with the tokenizer's chat template; each `<image>` marker becomes that image's
+placeholder tokens, and only the assistant's turns carry loss. Image paths are relative to
+--image-root (default: the input's folder); images are scaled to at most --max-side pixels a
+side (default: the largest the model takes), each side a multiple of patch * merge.
+
+    python scripts/convert_dataset.py llava.json OUT.array_record --tokenizer TOKENIZER_DIR \\
+        --config configs/vlm_tiny.yaml [--set models.llm.vocab=32000 ...]
+It also writes OUT.array_record.index.json. The config says what the model takes (vocabulary,
+images or text only, data.max_tokens): the tokenizer is checked against it before any record is
+read (an id beyond the vocabulary, no single `<image>` token, a text token on a placeholder id
+are refused with one `error:` line and status 2). A record that cannot become a sample (not JSON,
+a missing image, markers that do not match its images, too long, ...) is skipped with one
+`skipped WHERE: why` line on stderr; `--strict` stops there instead, with one `error:` line and
+status 2. Sample ids are the records' positions over all inputs.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from maestro_jax.config import ConfigError, load_config
+from maestro_jax.data.convert import (
+    IMAGE_MARKER,
+    BadRecord,
+    ChatTokenizer,
+    Converter,
+    ConvertError,
+    Target,
+    convert,
+)
+
+
+def target_of(config: Path, overrides: list[str]) -> Target:
+    """What the config's model takes: its workload's vocabulary and modalities, data.max_tokens."""
+    from maestro_jax.workloads import resolve
+
+    cfg = load_config(config, overrides)
+    workload = resolve(cfg.workload)
+    vocab = workload.vocab(cfg)
+    fields = [f"models.{n}.vocab" for n, m in cfg.models.items() if getattr(m, "vocab", None) == vocab]
+    return Target(vocab, "=".join(fields) or "vocab", workload.modalities(cfg), cfg.data.max_tokens, cfg.workload)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", type=Path, nargs="+", metavar="INPUT")
+    ap.add_argument("out", type=Path, metavar="OUT")
+    ap.add_argument("--tokenizer", type=Path, required=True, help="a Hugging Face tokenizer folder")
+    ap.add_argument("--config", type=Path, required=True, help="the training config (what the model takes)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
+    ap.add_argument("--image-root", type=Path, help="where relative image paths start (default: the input's folder)")
+    ap.add_argument("--image-token", default=IMAGE_MARKER, help="the marker of an image in the text")
+    ap.add_argument("--max-side", type=int, help="scale images to at most this many pixels a side")
+    ap.add_argument("--split", help="the split of a Hugging Face DatasetDict")
+    ap.add_argument("--strict", action="store_true", help="stop at the first bad record (status 2)")
+    args = ap.parse_args()
+    try:
+        target = target_of(args.config, args.set)
+        root = args.image_root or (args.inputs[0] if args.inputs[0].is_dir() else args.inputs[0].parent)
+        converter = Converter(ChatTokenizer.load(args.tokenizer), target, root, args.max_side, args.image_token)
+        n, skipped = convert(args.inputs, args.out, converter, args.strict, args.split)
+    except (ConfigError, ConvertError) as err:
+        print(str(err) if str(err).startswith("error:") else f"error: {err}", file=sys.stderr)
+        return 2
+    except BadRecord as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not n:
+        print(f"error: no record became a sample ({skipped} skipped, listed above)", file=sys.stderr)
+        return 2
+    print(f"wrote {n} samples to {args.out}" + (f"; skipped {skipped} bad record(s), listed above" if skipped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

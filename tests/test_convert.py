@@ -1,0 +1,300 @@
+"""Converters (maestro_jax.data.convert, scripts/convert_dataset.py): conversations with images,
+plain text and datasets on disk become ArrayRecord samples with the right placeholders and loss
+masks, tokenised by a real Hugging Face tokenizer (trained here, offline); bad records are named
+and skipped, or stop the conversion; a tokenizer the model cannot take is refused up front."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+from PIL import Image
+
+from maestro_jax.config import load_config
+from maestro_jax.data import IMAGE_TOKEN, ArrayRecordSource
+from maestro_jax.data import convert as C
+from maestro_jax.training.loop import train
+from maestro_jax.workloads import resolve
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<pad>", "<image>", "<audio>", "<|im_start|>", "<|im_end|>"]  # ids 0..4: <image> on IMAGE_TOKEN
+CORPUS = [
+    "what is in the picture? describe the image please.",
+    "a cat sits on a mat next to the dog, and the dog runs.",
+    "compare these two images and tell me which one is brighter.",
+    "the first image shows a red square; the second a blue one.",
+] * 4
+SCRIPT = [sys.executable, str(ROOT / "scripts/convert_dataset.py")]
+
+
+def make_tokenizer(folder, specials=SPECIALS, vocab_size=300):
+    """A byte-level BPE tokenizer trained on CORPUS, saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<pad>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def target(config, overrides):
+    cfg = load_config(ROOT / "configs" / config, overrides)
+    w = resolve(cfg.workload)
+    return C.Target(w.vocab(cfg), "vocab", w.modalities(cfg), cfg.data.max_tokens, cfg.workload)
+
+
+VLM = target("vlm_tiny.yaml", TINY_VLM)
+SIZES = [(8, 8), (16, 8), (16, 24), (40, 20)]  # (h, w) pixels; 40x20 is scaled to 32x16 by max_side 32
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("img")
+    rng = np.random.default_rng(0)
+    for i, (h, w) in enumerate(SIZES):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"im{i}.png")
+    return folder
+
+
+def llava(i):
+    """Record i: 1 to 3 images (sizes cycling), single, several in one turn, or interleaved over
+    two rounds of turns."""
+    names = [f"im{(i + k) % len(SIZES)}.png" for k in range(1 + i % 3)]
+    answer = [f"it shows the cat {i}.", f"the dog runs {i} times.", f"a red square and {i} more."]
+    if len(names) == 1:
+        turns = [("human", "<image>\nwhat is in the picture?"), ("gpt", answer[0])]
+    elif len(names) == 2:
+        turns = [("human", "compare <image> and <image>, please."), ("gpt", answer[1])]
+    else:
+        turns = [
+            ("system", "describe images."),
+            ("human", "<image>\nwhat is in the picture?"),
+            ("gpt", answer[0]),
+            ("human", "and these two: <image> then <image>?"),
+            ("gpt", answer[2]),
+        ]
+    return {"id": f"r{i}", "image": names, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def runs(flags):
+    """(start, stop) of each run of True in `flags`."""
+    edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
+
+
+def expected_shape(h, w, side=32, unit=8):
+    scale = min(1.0, side / max(h, w))
+    return (max(unit, int(h * scale) // unit * unit), max(unit, int(w * scale) // unit * unit), 3)
+
+
+def check_sample(s, record, tok):
+    """Placeholders: one run per image, in order, as many tokens as the image's size gives; loss:
+    exactly the assistant turns (what each says and its end of turn), no placeholder."""
+    names = record.get("image", [])
+    shapes = [expected_shape(*SIZES[int(n[2:-4])]) for n in names]
+    assert list(s.shapes("image")) == shapes
+    image = VLM.modality("image")
+    placeholder_runs = runs(s.tokens == IMAGE_TOKEN)
+    assert [b - a for a, b in placeholder_runs] == [image.tokens(sh[:2]) for sh in shapes]
+    mask = s.loss_mask.astype(bool)
+    assert not mask[s.tokens == IMAGE_TOKEN].any()
+    turns = record.get("conversations") or record["messages"]
+    said = [t.get("value", t.get("content")) for t in turns if t.get("from", t.get("role")) in ("gpt", "assistant")]
+    decoded = [tok.decode(s.tokens[a:b].tolist(), skip_special_tokens=True) for a, b in runs(mask)]
+    assert decoded == [f"{x}\n" for x in said]  # the answer, its <|im_end|> (special: not shown) and newline
+
+
+def test_llava_and_openai_conversations_become_masked_samples(tokenizer, images, tmp_path):
+    records = [llava(i) for i in range(6)]
+    records.append(  # OpenAI style: parts, an image part naming its file, one fed from the record's list
+        {
+            "image": ["im1.png"],
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "im2.png"}, {"type": "text", "text": "and"}]},
+                {"role": "assistant", "content": "a red square."},
+                {"role": "user", "content": [{"type": "text", "text": "now?"}, {"type": "image"}]},
+                {"role": "assistant", "content": "the dog."},
+            ],
+        }
+    )
+    data = tmp_path / "llava.json"
+    data.write_text(json.dumps(records, indent=1))
+    tok = C.ChatTokenizer.load(tokenizer)
+    out = tmp_path / "data.array_record"
+    assert C.convert([data], out, C.Converter(tok, VLM, images, max_side=32), strict=True) == (7, 0)
+    assert (tmp_path / "data.array_record.index.json").is_file() and not (
+        tmp_path / "data.array_record.partial"
+    ).exists()
+    src = ArrayRecordSource((str(out),))
+    assert [src.info(i).id for i in range(len(src))] == list(range(7))
+    last = dict(records[-1], image=["im2.png", "im1.png"])  # its images in marker order
+    for i, record in enumerate(records[:-1] + [last]):
+        check_sample(src[i], record, tok.tokenizer)
+
+
+def test_json_array_is_streamed_through_a_small_window(tokenizer, images, tmp_path, monkeypatch):
+    """A JSON array is decoded element by element from a window of the file (here 7 characters,
+    so records straddle refills) and gives what the same records as JSONL give; a syntax error
+    stops the reading, naming the record."""
+    records = [llava(i) for i in range(4)]
+    (tmp_path / "a.json").write_text(" [\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setattr(C, "CHUNK", 7)
+    assert (
+        [r for _, r in C.read_records(tmp_path / "a.json")]
+        == records
+        == [r for _, r in C.read_records(tmp_path / "a.jsonl")]
+    )
+    (tmp_path / "bad.json").write_text("[" + json.dumps(records[0]) + ', {"id": oops}]')
+    with pytest.raises(C.ConvertError, match=r"bad.json: record 1 of its JSON array is not JSON"):
+        list(C.read_records(tmp_path / "bad.json"))
+
+
+def test_bad_records_are_named_and_skipped_and_strict_stops(tokenizer, images, tmp_path):
+    good = llava(0)
+    lines = [
+        json.dumps(good),
+        '{"id": "broken", "conversations": [',
+        json.dumps(dict(good, id="lost", image=["nowhere.png"])),
+        json.dumps(dict(good, id="more", image=["im0.png", "im1.png"])),
+        json.dumps({"id": "mute", "conversations": [{"from": "human", "value": "hello"}]}),
+        json.dumps({"id": "who", "conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "x"}]}),
+        json.dumps({"id": "fake", "image": "fake.png", "conversations": good["conversations"]}),
+        json.dumps(llava(1)),
+    ]
+    (images / "fake.png").write_bytes(b"not a png")
+    data = tmp_path / "mixed.jsonl"
+    data.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "caf\xe9"}\n')
+    out = tmp_path / "out.array_record"
+    cmd = SCRIPT + [str(data), str(out), "--tokenizer", str(tokenizer), "--config", str(ROOT / "configs/vlm_tiny.yaml")]
+    cmd += ["--image-root", str(images)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 2 samples" in proc.stdout and "skipped 7 bad record(s)" in proc.stdout
+    skipped = [line for line in proc.stderr.splitlines() if line.startswith("skipped ")]
+    for where, why in [
+        (f"{data}:2", "not JSON"),
+        (f"{data}:3 (id 'lost')", f"image {images / 'nowhere.png'} does not exist"),
+        (f"{data}:4 (id 'more')", "lists 2 image(s) but its turns hold 1 <image> markers"),
+        (f"{data}:5 (id 'mute')", "has no assistant turn"),
+        (f"{data}:6 (id 'who')", "turn 0 is from 'robot'; valid: human, user, gpt, assistant, system"),
+        (f"{data}:7 (id 'fake')", "not a readable image"),
+        (f"{data}:9", "not UTF-8 (invalid continuation byte"),
+    ]:
+        assert sum(line.startswith(f"skipped {where}: ") and why in line for line in skipped) == 1, (where, skipped)
+    assert len(skipped) == 7
+    src = ArrayRecordSource((str(out),))
+    assert [src[i].id for i in range(len(src))] == [0, 7]  # ids: positions in the input
+    out.unlink()
+    proc = subprocess.run(cmd + ["--strict"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {data}:2: not JSON ("), errors
+    assert not out.exists() and not (tmp_path / "out.array_record.partial").exists()
+
+
+def test_a_tokenizer_the_model_cannot_take_is_refused_before_any_record(tokenizer, tmp_path):
+    cmd = SCRIPT + [str(tmp_path / "none.jsonl"), str(tmp_path / "o"), "--tokenizer", str(tokenizer)]
+    cmd += ["--config", str(ROOT / "configs/vlm_tiny.yaml"), "--set", "models.llm.vocab=256"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)  # the input does not even exist: never read
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: models.llm.vocab=256: the tokenizer in {tokenizer} has ids up to 299 (token "
+        f"{C.ChatTokenizer.load(tokenizer).tokenizer.id_to_token(299)!r}); valid: a vocabulary of at least 300, "
+        f"or a tokenizer of at most 256 tokens"
+    ]
+    tok = C.ChatTokenizer.load(tokenizer)
+    with pytest.raises(C.ConvertError, match=r"^error: --image-token='<img>': not one token of the tokenizer"):
+        C.check_tokenizer(tok, VLM, "<img>")
+    shifted = C.ChatTokenizer.load(make_tokenizer(tmp_path / "shifted", ["<pad>", "<|im_start|>", "<image>"]))
+    with pytest.raises(C.ConvertError) as err:
+        C.check_tokenizer(shifted, VLM)
+    assert str(err.value) == (
+        f"error: --tokenizer={tmp_path / 'shifted'}: token '<|im_start|>' has id 1, which the vlm workload "
+        f"reserves for image placeholders; valid: a tokenizer whose id 1 is its '<image>' token or unused"
+    )
+    C.check_tokenizer(shifted, C.Target(400, "vocab", (), None, "kd"))  # text only: ids 1 and 2 are text
+    with pytest.raises(C.ConvertError, match=r"^error: --max-side=4: valid: 8 \(patch \* merge.*\) to 256 \(the"):
+        C.Converter(tok, VLM, tmp_path, max_side=4)
+
+
+def test_text_and_conversations_for_distillation(tokenizer, tmp_path):
+    """KD takes text only: plain text carries loss everywhere (no mask), a conversation on its
+    assistant turns; a record with an image is refused naming the workload."""
+    kd = C.Target(
+        320, "vocab", resolve("kd").modalities(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD)), None, "kd"
+    )
+    rows = [
+        {"text": "a cat sits on a mat."},
+        {"messages": [{"role": "user", "content": "what runs?"}, {"role": "assistant", "content": "the dog."}]},
+        llava(0),
+        {"text": 5},
+    ]
+    data = tmp_path / "kd.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = C.ChatTokenizer.load(tokenizer)
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        assert C.convert([data], tmp_path / "kd.array_record", C.Converter(tok, kd, tmp_path), log=f) == (2, 2)
+    assert log.read_text().splitlines() == [
+        f"skipped {data}:3 (id 'r0'): has 1 image(s), but the kd workload takes text only",
+        f"skipped {data}:4: text is a int, not a string",
+    ]
+    src = ArrayRecordSource((str(tmp_path / "kd.array_record"),))
+    text, chat = src[0], src[1]
+    assert text.loss_mask is None and tok.tokenizer.decode(text.tokens.tolist()) == rows[0]["text"]
+    said = [
+        tok.tokenizer.decode(chat.tokens[a:b].tolist(), skip_special_tokens=True) for a, b in runs(chat.loss_mask == 1)
+    ]
+    assert said == ["the dog.\n"]
+
+
+def test_dataset_on_disk(tokenizer, images, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [llava(i) for i in range(3)]
+    import pyarrow as pa
+
+    # fingerprint given: otherwise datasets hashes the table with dill, which fails on some pyarrow/dill pairs
+    table = datasets.Dataset(pa.Table.from_pylist(rows), fingerprint="rows")
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "ds"))
+    tok = C.ChatTokenizer.load(tokenizer)
+    out = tmp_path / "ds.array_record"
+    assert C.convert([tmp_path / "ds"], out, C.Converter(tok, VLM, images, max_side=32), strict=True) == (3, 0)
+    src = ArrayRecordSource((str(out),))
+    for i, record in enumerate(rows):
+        check_sample(src[i], record, tok.tokenizer)
+
+
+def test_converted_conversations_train(tokenizer, images, tmp_path):
+    data = tmp_path / "llava.jsonl"
+    data.write_text("".join(json.dumps(llava(i)) + "\n" for i in range(12)))
+    out = tmp_path / "train.array_record"
+    cmd = SCRIPT + [str(data), str(out), "--tokenizer", str(tokenizer), "--config", str(ROOT / "configs/vlm_tiny.yaml")]
+    proc = subprocess.run(cmd + ["--image-root", str(images), "--max-side", "32"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "wrote 12 samples" in proc.stdout, proc.stderr
+    cfg = load_config(
+        ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.kind=array_record", f"data.paths=[{out}]", "steps=2"]
+    )
+    history = train(cfg, progress=False)
+    assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
