@@ -1,5 +1,6 @@
 """Every test runs on 8 virtual CPU devices; the flag must be set before JAX starts."""
 
+import contextlib
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -99,3 +100,22 @@ TINY_VLM_KD = [
 @pytest.fixture
 def config_path():
     return lambda name: ROOT / "configs" / name
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax 0.10: one event per XLA compile request
+
+
+@contextlib.contextmanager
+def compiles(when=lambda: True):
+    """The names of the functions XLA compiles inside the block (those compiled while `when()`)."""
+    names: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE and when():
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

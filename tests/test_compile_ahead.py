@@ -13,7 +13,7 @@ import logging
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_VLM, TINY_VLM_KD
+from conftest import ROOT, TINY_VLM, TINY_VLM_KD, compiles
 
 from maestro_jax.config import load_config
 from maestro_jax.data.samples import Sample
@@ -21,7 +21,6 @@ from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.training.loop import train
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 TRANSFER_PROGRAMS = ("_cut_pieces", "_join_pieces")
 STEPS = 3
 CONFIGS = {
@@ -30,22 +29,6 @@ CONFIGS = {
     # clipping (norms moved between meshes), edges that join pieces of several shards
     "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD + ["schedule.run_ahead=1", "optimizer.clip_norm=1.0"]),
 }
-
-
-@contextlib.contextmanager
-def compiles():
-    """The names of the functions XLA compiles inside the block."""
-    names: list[str] = []
-
-    def listen(event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE:
-            names.append(str(kwargs.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def is_transfer(name: str) -> bool:
@@ -186,20 +169,9 @@ def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_pat
     cache = tmp_path / "cache"
     args = overrides + ["steps=4", "eval.every=2", "eval.batches=1", f"compile.cache_dir={cache}", "keep_checkpoints=0"]
     out = io.StringIO()
-    after: list[str] = []  # compiles after the "compiled N programs" line
-
-    def listen(event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE and "\ncompiled " in "\n" + out.getvalue():
-            after.append(str(kwargs.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        with contextlib.redirect_stdout(out):
-            history = train(
-                load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'a'}"]), progress=False
-            )
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    compiled = lambda: "\ncompiled " in "\n" + out.getvalue()  # the "compiled N programs" line was said
+    with compiles(when=compiled) as after, contextlib.redirect_stdout(out):
+        history = train(load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'a'}"]), progress=False)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("compiling ") and lines[0].endswith(" sections"), lines
     assert any(line.startswith("compiled ") for line in lines), lines

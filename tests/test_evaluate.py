@@ -2,12 +2,10 @@
 plan's sections, meshes and schedule; equal to the training step's loss and the monolithic loss;
 its programs compiled ahead for batches of another source (`compile_ahead(evaluate=...)`)."""
 
-import contextlib
-
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM, compiles
 
 from maestro_jax import workloads
 from maestro_jax.config import load_config
@@ -15,23 +13,7 @@ from maestro_jax.data import global_batches
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.tools.verify import compare
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 FORWARD_ONLY = {"forward", "loss", "add", "init_opt"}  # init_opt: the abstract states' optimizer layout
-
-
-@contextlib.contextmanager
-def compiles():
-    names: list[str] = []
-
-    def listen(event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE:
-            names.append(str(kwargs.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 @pytest.mark.parametrize(
