@@ -71,8 +71,6 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
         stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
         if keep:
             check_checkpoint_layout(cfg.plan())  # before anything compiles
-        if _preempted_in_startup(preemption, None, 0):
-            return []
         rt = rt or build_runtime(cfg, coordinator=coordinator)
         states = rt.init_states()
         bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
@@ -155,7 +153,9 @@ def _write_config(cfg: Config, out_dir: Path) -> None:
 
 def _preempted_in_startup(preemption: Preemption, out_dir: Path | None, start: int) -> bool:
     """A SIGTERM before the first step: say so (one process: a multi-process run stops at its
-    first step boundary, where every process takes part in the checkpoint)."""
+    first step boundary, where every process takes part in the checkpoint). Checked once the
+    checkpoints are known (after restoring), so that the line names the step that is intact; a
+    check before building the runtime said "no checkpoint yet" without looking."""
     if not preemption.requested or jax.process_count() > 1:
         return False
     held = f"the last committed checkpoint, step {start} in {out_dir}, is intact" if start else "no checkpoint yet"
