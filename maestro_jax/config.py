@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from maestro_jax.core.plan import Plan, SectionPlan
-from meshes import MESH_AXES
+from maestro_jax.meshes import MESH_AXES
 
 
 class ConfigError(ValueError):

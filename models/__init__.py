@@ -11,9 +11,9 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
   N  audio tokens (frame groups, packed per row)   F  features of a frame group
 """
 
-from models.audio import AudioConfig, AudioEncoder
-from models.layers import apply_with_losses
-from models.llm import DecoderLM, LLMConfig
-from models.vit import VisionEncoder, ViTConfig
+from maestro_jax.models.audio import AudioConfig, AudioEncoder
+from maestro_jax.models.layers import apply_with_losses
+from maestro_jax.models.llm import DecoderLM, LLMConfig
+from maestro_jax.models.vit import VisionEncoder, ViTConfig
 
 __all__ = ["AudioConfig", "AudioEncoder", "DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder", "apply_with_losses"]

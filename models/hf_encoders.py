@@ -43,8 +43,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-
-from models.hf import HFError, _at, _put, _scanned_path, _set, _Tensors, read_config, write_weights
+from maestro_jax.models.hf import HFError, _at, _put, _scanned_path, _set, _Tensors, read_config, write_weights
 
 ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS, by the names HF configs use
 

@@ -9,8 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from models.layers import (
+from maestro_jax.models.layers import (
     _ACTIVATION_RULES,
     RMSNorm,
     attention,

@@ -22,8 +22,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-
-from models.layers import EncoderBlock, layer_stack, partitioned, segment_mask
+from maestro_jax.models.layers import EncoderBlock, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 

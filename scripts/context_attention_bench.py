@@ -33,10 +33,10 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from maestro_jax.models import DecoderLM, LLMConfig
 
     from maestro_jax.core.plan import SectionPlan, mesh_shape
     from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, variable_shardings
-    from models import DecoderLM, LLMConfig
 
     base = LLMConfig(vocab=256, width=128, depth=2, heads=8, kv_heads=2, head_dim=16, mlp=256)
     ids = jnp.zeros((args.rows, args.length), jnp.int32)

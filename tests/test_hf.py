@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD
+from maestro_jax.models import DecoderLM, LLMConfig, hf
 
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
-from models import DecoderLM, LLMConfig, hf
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 TIED = {

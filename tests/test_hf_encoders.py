@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_OMNI, TINY_VLM
+from maestro_jax.models import AudioConfig, AudioEncoder, VisionEncoder, ViTConfig, hf_encoders
+from maestro_jax.models.hf import HFError
 
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
@@ -19,8 +21,6 @@ from maestro_jax.runtime.sharding import section_mesh, variable_shardings
 from maestro_jax.workloads.costs import audio_cost
 from maestro_jax.workloads.omni import frame_groups
 from maestro_jax.workloads.vlm import patchify
-from models import AudioConfig, AudioEncoder, VisionEncoder, ViTConfig, hf_encoders
-from models.hf import HFError
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ATOL = 1e-4

@@ -4,8 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from models.layers import attention, segment_mask
+from maestro_jax.models.layers import attention, segment_mask
 
 
 def reference(q, k, v, mask):
@@ -40,8 +39,7 @@ def test_scanned_layers_compute_what_unrolled_layers_do_and_trace_once():
     import dataclasses
 
     import flax.linen as nn
-
-    from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
+    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 
     cfg = LLMConfig(
         vocab=64,
@@ -91,7 +89,7 @@ def test_balanced_order_evens_the_causal_work_across_the_context_devices():
     half-by-half blocks against every device's keys (3 against its own, 2 against each other's),
     which are the blocks `ring_attention` computes; the plain order would give the last device
     all the work."""
-    from models.layers import balanced_order
+    from maestro_jax.models.layers import balanced_order
 
     length, split = 48, 4
     order = balanced_order(length, split)
@@ -125,10 +123,10 @@ def test_ring_attention_equals_one_device_and_passes_keys_round_the_ring(axes):
     device's loss and gradients, with padding and GQA; its program moves keys and values with
     collective-permutes, not an all-gather of the whole sequence."""
     import flax.linen as nn
+    from maestro_jax.models import DecoderLM, LLMConfig
 
     from maestro_jax.core.plan import SectionPlan, mesh_shape
     from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, variable_shardings
-    from models import DecoderLM, LLMConfig
 
     cfg = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
     model = DecoderLM(cfg)

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses
+from maestro_jax.models.llm import MoE, balance_loss_sum
 
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, variable_shardings
-from models import DecoderLM, LLMConfig, apply_with_losses
-from models.llm import MoE, balance_loss_sum
 
 CFG = LLMConfig(
     vocab=64,

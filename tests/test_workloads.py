@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD, TINY_OMNI, TINY_VLM, TINY_VLM_KD
+from maestro_jax.models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, VisionEncoder, ViTConfig
 
 from maestro_jax import workloads
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.tools.verify import verify
 from maestro_jax.training.loop import train
 from maestro_jax.workloads.costs import audio_cost, llm_cost, vit_cost
-from models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, VisionEncoder, ViTConfig
 
 CONFIGS = {
     "vlm": ("vlm_tiny.yaml", TINY_VLM),

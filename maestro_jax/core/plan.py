@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-from meshes import BATCH_AXES, MESH_AXES, RULES, mesh_axes_for
+from maestro_jax.meshes import BATCH_AXES, MESH_AXES, RULES, mesh_axes_for
 
 
 class PlanError(ValueError):

@@ -50,6 +50,7 @@ from maestro_jax.core.plan import (
     mesh_shape,
     state_bytes_per_device,
 )
+from maestro_jax.meshes import MESH_AXES, RULES, mesh_axes_for
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
     cost_model,
@@ -63,7 +64,6 @@ from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered
-from meshes import MESH_AXES, RULES, mesh_axes_for
 
 F32 = 4
 

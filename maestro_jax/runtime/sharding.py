@@ -12,13 +12,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maestro_jax.core.plan import SectionPlan
+from maestro_jax.meshes import BATCH_AXES, MESH_AXES, RULES
+from maestro_jax.models.layers import activation_rules
 
 # `param_infos` (a boxed abstract tree as `core.plan.ParamInfo` records) is defined beside the
 # workloads, which describe themselves with it below the runtime; it stays importable from here for
 # the runtime's own callers (`runtime.build`).
 from maestro_jax.workloads.params import param_infos  # noqa: F401
-from meshes import BATCH_AXES, MESH_AXES, RULES
-from models.layers import activation_rules
 
 
 def section_mesh(sp: SectionPlan, devices=None) -> Mesh:

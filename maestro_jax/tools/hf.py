@@ -8,6 +8,6 @@ This module keeps the names the CLI's `export` calls.
 
 from __future__ import annotations
 
-from models.hf import HFError, save_llm
+from maestro_jax.models.hf import HFError, save_llm
 
 __all__ = ["HFError", "save_llm"]

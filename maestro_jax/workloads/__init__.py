@@ -78,7 +78,7 @@ def resolve(name: str | None) -> Workload:
 def model(cfg: Config, name: str, kind: str):
     """`models.<name>` as the Flax model's own config dataclass, with the activation checkpointing
     (`remat`) of the section named like it; ConfigError when missing or of another kind."""
-    from models import AudioConfig, LLMConfig, ViTConfig
+    from maestro_jax.models import AudioConfig, LLMConfig, ViTConfig
 
     m = cfg.models.get(name)
     if m is None:

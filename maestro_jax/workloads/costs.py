@@ -9,7 +9,7 @@ float32 (`tests/test_workloads.py` checks the FLOPs against XLA's cost analysis)
 from __future__ import annotations
 
 from maestro_jax.core.graph import UnitCost
-from models import AudioConfig, LLMConfig, ViTConfig
+from maestro_jax.models import AudioConfig, LLMConfig, ViTConfig
 
 F32 = 4
 

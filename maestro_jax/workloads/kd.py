@@ -15,11 +15,11 @@ import optax
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS
+from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
-from models import DecoderLM, LLMConfig, apply_with_losses
 
 EDGE = "teacher_hidden"
 

@@ -14,12 +14,12 @@ import numpy as np
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import AUDIO_TOKEN, Modality
+from maestro_jax.models import AudioConfig, AudioEncoder
 from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import audio_cost, llm_cost
 from maestro_jax.workloads.pretrained import load_audio_section, load_llm_section, load_vision_section
 from maestro_jax.workloads.vlm import image_modality, init_llm, init_vision, llm_section, mean_patches, vision_section
-from models import AudioConfig, AudioEncoder
 
 IMAGES, AUDIO = "image_embeds", "audio_embeds"
 

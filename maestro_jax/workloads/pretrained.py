@@ -18,7 +18,7 @@ from maestro_jax.config import Config, ConfigError
 def check_pretrained(cfg: Config, pretrained) -> None:
     """Each `init.hf_path` has a loader, a readable config.json that matches `models.<s>` field by
     field, and readable safetensors files (before compiling)."""
-    from models import hf, hf_encoders
+    from maestro_jax.models import hf, hf_encoders
 
     fields_of = {"llm": hf.llm_fields, "vit": hf_encoders.vit_fields, "audio": hf_encoders.audio_fields}
     for s, sc in cfg.sections.items():
@@ -51,14 +51,14 @@ def check_pretrained(cfg: Config, pretrained) -> None:
 
 def load_llm_section(section: str, path: str, states: dict, programs) -> dict:
     """A trained LLM section (VLM llm, KD student) takes the whole model; its optimizer restarts."""
-    from models import hf
+    from maestro_jax.models import hf
 
     return _with_params(section, states, programs, hf.load_llm(path, states[section].params, hf.llm_fields(path)))
 
 
 def load_teacher_section(section: str, path: str, states: dict, programs, head_in: str = "student") -> dict:
     """A KD teacher: its body in the teacher section, its output layer in the student section."""
-    from models import hf
+    from maestro_jax.models import hf
 
     fields = hf.llm_fields(path)
     st, student = states[section], states[head_in]
@@ -73,7 +73,7 @@ def load_teacher_section(section: str, path: str, states: dict, programs, head_i
 
 def load_vision_section(section: str, path: str, states: dict, programs) -> dict:
     """A vision section takes a SigLIP tower; its merger keeps its initial values, its optimizer restarts."""
-    from models import hf_encoders
+    from maestro_jax.models import hf_encoders
 
     params = hf_encoders.load_vit(path, states[section].params, hf_encoders.vit_fields(path))
     return _with_params(section, states, programs, params)
@@ -81,7 +81,7 @@ def load_vision_section(section: str, path: str, states: dict, programs) -> dict
 
 def load_audio_section(section: str, path: str, states: dict, programs) -> dict:
     """An audio section takes a Whisper encoder; its `out_proj` keeps its initial values, its optimizer restarts."""
-    from models import hf_encoders
+    from maestro_jax.models import hf_encoders
 
     params = hf_encoders.load_audio(path, states[section].params, hf_encoders.audio_fields(path))
     return _with_params(section, states, programs, params)

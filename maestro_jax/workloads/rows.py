@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.data.samples import Modality
-from meshes import BATCH_AXES
+from maestro_jax.meshes import BATCH_AXES
 
 
 def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:

@@ -16,11 +16,11 @@ import optax
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
+from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 from maestro_jax.workloads import Workload, mean_item_units, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_vision_section
-from models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 
 EDGE = "image_embeds"
 

@@ -15,6 +15,7 @@ import jax
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS
+from maestro_jax.models import DecoderLM
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
@@ -34,7 +35,6 @@ from maestro_jax.workloads.vlm import (
     spliced_logits,
     vision_section,
 )
-from models import DecoderLM
 
 TEACHER, IMAGES = "teacher_hidden", "image_embeds"
 
