@@ -7,7 +7,9 @@ set -euo pipefail
 n=${1:?usage: launch_local.sh N CONFIG [key=value ...]}
 config=${2:?usage: launch_local.sh N CONFIG [key=value ...]}
 shift 2
-port=${MAESTRO_PORT:-$((20000 + RANDOM % 20000))}
+# the coordinator's port and the N transfer ports after it, below Linux's ephemeral range (32768 on),
+# where outgoing connections would take them
+port=${MAESTRO_PORT:-$((20000 + RANDOM % 12000))}
 per=$((8 / n))
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }

@@ -9,6 +9,8 @@ os.environ.setdefault("PJRT_NPROC", "32")  # 4 client threads per device, as the
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD performance notes are noise in tests
 
 import pathlib
+import random
+import socket
 import tempfile
 
 import jax
@@ -100,6 +102,33 @@ TINY_VLM_KD = [
 @pytest.fixture
 def config_path():
     return lambda name: ROOT / "configs" / name
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports, for a multi-process run's coordinator (the base)
+    and its cross-process transfer sockets (base + 1 + process id, `runtime.distributed`).
+
+    Drawn below the kernel's ephemeral range: a port the OS hands out (`bind(0)`) lies inside it,
+    where any process's outgoing connection (the coordination service's clients, another test's
+    workers) may take the next ports between this check and the workers binding them. Each port
+    of the block is bound at once, then released."""
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, low - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax 0.10: one event per XLA compile request

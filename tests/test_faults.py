@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM, free_ports
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
@@ -412,9 +412,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
 def _start_two(tmp_path, overrides, env_of=None, lines=2):
     """Two processes of 4 devices each, returned once process 0 logged `lines` steps; `env_of`:
     extra environment variables per process id. stdout and stderr are piped."""
-    from test_multiprocess import free_port
-
-    port, procs = free_port(), []
+    port, procs = free_ports(3), []
     for pid in range(2):
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env_of or {}).get(pid, {})}
         args = [
@@ -448,8 +446,10 @@ def _start_two(tmp_path, overrides, env_of=None, lines=2):
 
 
 def _survivor_outcome(procs, victim, sig, bound_s):
+    """(status, stderr) of the process that was not signalled. `bound_s` only stops a hung test:
+    the tests tell the bounded wait (its message names distributed.timeout_s) from the heartbeat
+    by what the survivor says, never by the time it took, which a loaded machine stretches."""
     procs[victim].send_signal(sig)
-    t0 = time.time()
     survivor = procs[1 - victim]
     try:
         _, err = survivor.communicate(timeout=bound_s)
@@ -457,15 +457,15 @@ def _survivor_outcome(procs, victim, sig, bound_s):
         for p in procs:
             p.kill()
             p.wait()
-    return survivor.returncode, err, time.time() - t0
+    return survivor.returncode, err
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1, 0])
 def test_dead_peer_ends_the_survivor(tmp_path, victim):
     procs = _start_two(tmp_path, ["steps=100000", "distributed.timeout_s=15", "distributed.heartbeat_timeout_s=15"])
-    status, err, waited = _survivor_outcome(procs, victim, signal.SIGKILL, bound_s=90)
-    assert status != 0 and waited < 60, (status, waited)
+    status, err = _survivor_outcome(procs, victim, signal.SIGKILL, bound_s=180)
+    assert status != 0, err[-3000:]
     named = (
         f"process {victim} did not" in err  # our bounded wait
         or f"unhealthy (stopped sending heartbeats):\n{victim}" in err  # the coordination service, on process 0
@@ -476,11 +476,10 @@ def test_dead_peer_ends_the_survivor(tmp_path, victim):
 
 @pytest.mark.multiprocess
 def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
-    """A process that stops on an error announces it; a peer waiting on it (timeout 120 s) ends
-    within seconds with that process's error, instead of waiting out the timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """A process that stops on an error announces it; a peer waiting on it ends with that
+    process's error, not at its 120 s timeout: only the announcement carries the error's text (the
+    timeout's message says "did not publish"), so the message shows which path ended the wait."""
+    port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
@@ -492,10 +491,8 @@ def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
         )
         for i in range(2)
     ]
-    out = [p.communicate(timeout=120)[0] for p in procs]
+    out = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [5, 3], out
-    waited = float(next(line for line in out[0].splitlines() if line.startswith("WAITED "))[7:])
-    assert waited < 10, waited
     assert "process 1 stopped on an error (DataError: sample 7: tokens out of range)" in out[0]
 
 
@@ -503,9 +500,7 @@ def test_a_peer_stopping_on_an_error_ends_the_others_at_once():
 def test_a_sigterm_handler_installed_before_jax_distributed_still_runs():
     """jax.distributed.initialize's preemption notifier takes SIGTERM over at the C level; a
     Python handler installed before it (preemption caught from start-up on) would never run: the service is off."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
@@ -532,9 +527,8 @@ def test_stuck_peer_is_named_within_the_timeout(tmp_path):
     """SIGSTOP: the peer is alive but makes no progress. The step-boundary and fetch waits are
     bounded by distributed.timeout_s (10 s), well before the 120 s heartbeat would notice."""
     procs = _start_two(tmp_path, ["steps=100000", "distributed.timeout_s=10", "distributed.heartbeat_timeout_s=120"])
-    status, err, waited = _survivor_outcome(procs, 1, signal.SIGSTOP, bound_s=100)
+    status, err = _survivor_outcome(procs, 1, signal.SIGSTOP, bound_s=180)
     assert status == 5, err[-3000:]
-    assert waited < 60
     assert "error: process 1 did not reach step" in err or "error: process 1 did not publish" in err, err[-3000:]
     assert "within 10s (distributed.timeout_s): it is dead or stuck" in err
 
@@ -554,12 +548,11 @@ def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
         lines=3,
     )
     time.sleep(1)  # process 0 is waiting in the save of step 3 for process 1, which sleeps in the hook
-    status, err, waited = _survivor_outcome(procs, 1, sig, bound_s=100)
+    status, err = _survivor_outcome(procs, 1, sig, bound_s=180)
     assert status == 5, err[-3000:]
     assert "error: process 1 did not reach the checkpoint save of step 3 within 10s (distributed.timeout_s)" in err, (
         err[-3000:]
     )
-    assert waited < 60, waited
 
 
 def test_save_failures_are_classified_peer_or_storage(monkeypatch):

@@ -5,12 +5,11 @@ spanning processes, gradients crossing back, stop and resume."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM, free_ports
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,12 +17,6 @@ KD_MODELS = [o for o in TINY_KD if not o.startswith("sections.")]  # the shipped
 KD_PLANS = {
     "sections_span_both_processes": ["sections.teacher.devices=[2,3,4,5]", "sections.student.devices=[0,1,6,7]"]
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(out):
@@ -44,7 +37,7 @@ def run_single(config, overrides, out):
 
 
 def launch(n, config, overrides, out):
-    env = {**os.environ, "MAESTRO_PORT": str(free_port()), "MAESTRO_JAX": f"{sys.executable} -m maestro_jax.cli"}
+    env = {**os.environ, "MAESTRO_PORT": str(free_ports(n + 1)), "MAESTRO_JAX": f"{sys.executable} -m maestro_jax.cli"}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         ["bash", str(ROOT / "scripts/launch_local.sh"), str(n), str(config), *overrides, f"output_dir={out}"],
@@ -178,7 +171,7 @@ def test_kd_shipped_plan_on_four_processes(tmp_path, kd_one):
 def test_transfers_between_processes_are_exact(n):
     """Fan-out, fan-in, layout change and a mixed layout across 2 and 4 processes: every shard
     exact; each distinct piece crosses once per destination process."""
-    port = free_port()
+    port = free_ports(n + 1)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
