@@ -22,12 +22,15 @@ match (moving the bad one to `<dir>/corrupt/`), saying so. The layout (each leaf
 and dtype) refuses a checkpoint of another config (another model size, optimizer or precision)
 with a `ConfigError` naming the first leaf that differs, leaving it where it is. Restore
 targets carry the *current* plan's shardings, so a checkpoint restores onto a different device
-split or mesh layout.
+split or mesh layout. With several processes, every section saves and restores through one
+layout over all devices (`SaveLayout`), whichever processes its mesh spans; such a checkpoint
+restores onto any process count.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -41,10 +44,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from maestro_jax.config import ConfigError
 from maestro_jax.runtime.distributed import Coordinator, PeerError
 from maestro_jax.runtime.programs import SectionState
+from maestro_jax.runtime.transfer import transfer
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.manifest import MANIFEST, file_checksums, layout_difference, state_layout, verify_step
 from maestro_jax.training.storage import StorageError
@@ -61,83 +66,63 @@ class CheckpointMismatchError(ConfigError):
     precision): refused before training, the checkpoint left in place."""
 
 
-def _view_sharding(sharding: NamedSharding) -> NamedSharding | None:
-    """For a section mesh inside one process of a multi-process run: a sharding over a union
-    mesh `("owner_rep", *section axes)` that holds the same shards, replicated once per
-    process, the owner first. None when no view is needed (one process, or a spanning mesh).
-
-    Orbax 0.12 (like jax's array serialization) refuses fully addressable arrays in a
-    multi-process save (`Cannot serialize host local jax.Array`); a per-section manager with
-    `active_processes` did not help (measured on jax 0.10 and Orbax 0.12). The view makes the array
-    global without copying: the owner passes its shards, the others zero buffers that Orbax
-    never writes (replica 0, the owner, writes; replica-parallel saving is disabled)."""
-    if jax.process_count() == 1:
-        return None
-    mesh = sharding.mesh
-    owners = {d.process_index for d in mesh.devices.flat}
-    if len(owners) > 1:
-        return None
-    owner = owners.pop()
-    rows = [np.asarray(mesh.devices)]
-    for q in range(jax.process_count()):
-        if q != owner:
-            local = [d for d in jax.devices() if d.process_index == q][: mesh.devices.size]
-            if len(local) < mesh.devices.size:
-                raise NotImplementedError(
-                    f"process {q} has fewer devices ({len(local)}) than the section mesh "
-                    f"({mesh.devices.size}); cannot build a checkpoint view"
-                )
-            rows.append(np.array(local, dtype=object).reshape(mesh.devices.shape))
-    union = Mesh(
-        np.stack(rows),
-        ("owner_rep",) + tuple(mesh.axis_names),
-        axis_types=(AxisType.Auto,) * (1 + len(mesh.axis_names)),
-    )
-    return NamedSharding(union, sharding.spec)
+def _save_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """Where a leaf lies while a multi-process run saves or restores it: split along its first
+    dimension the device count divides, else (small leaves: biases of odd widths, counters)
+    replicated on every device."""
+    for d, size in enumerate(shape):
+        if size % mesh.devices.size == 0:
+            return NamedSharding(mesh, P(*(None,) * d, "save"))
+    return NamedSharding(mesh, P())
 
 
-def _to_view(x: jax.Array) -> jax.Array:
-    view = _view_sharding(x.sharding)
-    if view is None:
-        return x
-    own = {s.device: s.data for s in x.addressable_shards}
-    shard_shape = x.sharding.shard_shape(x.shape)
-    bufs = [
-        own[d] if d in own else jax.device_put(np.zeros(shard_shape, x.dtype), d)
-        for d in view.addressable_devices_indices_map(x.shape)
-    ]
-    return jax.make_array_from_single_device_arrays(x.shape, view, bufs)
+class SaveLayout:
+    """A multi-process run saves every section through one layout over all devices.
+
+    Orbax writes global arrays in whose save every process takes part (it refuses an array that
+    one process holds alone: `Cannot serialize host local jax.Array`), but a section's mesh may
+    lie in one process, span all of them, or span a subset (the paper's layout: the vision tower
+    on one host, the LLM across the others). So each leaf moves to `_save_sharding` over the mesh
+    of all devices before a save (device to device, `runtime.transfer`), and back to its
+    section's sharding after a restore. The checkpoint is Orbax's layout-free format: it restores
+    onto any process count, device split or mesh. The copy lives until Orbax has staged it to
+    host memory; split over all N devices, it costs each device about 1/N of the state. A single
+    process saves its arrays as they are (`for_run` gives None)."""
+
+    def __init__(self):
+        self.mesh = Mesh(np.array(jax.devices()), ("save",), axis_types=(AxisType.Auto,))
+
+    @classmethod
+    def for_run(cls) -> SaveLayout | None:
+        return cls() if jax.process_count() > 1 else None
+
+    def target(self, x) -> jax.ShapeDtypeStruct:
+        """The abstract leaf Orbax restores into."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_save_sharding(tuple(x.shape), self.mesh))
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """`x` (in its section's sharding) in the save layout. Every process calls it, in one order."""
+        if x.ndim == 0:  # a transfer moves rows: a scalar travels as one row
+            row = _reshaped(x, (1,), NamedSharding(x.sharding.mesh, P()))
+            return _reshaped(transfer(row, NamedSharding(self.mesh, P())), (), NamedSharding(self.mesh, P()))
+        return transfer(x, _save_sharding(tuple(x.shape), self.mesh))
+
+    def scatter(self, v: jax.Array, sharding: NamedSharding) -> jax.Array:
+        """A restored leaf `v` (save layout) placed in its section's `sharding`."""
+        if v.ndim == 0:
+            row = transfer(_reshaped(v, (1,), NamedSharding(self.mesh, P())), NamedSharding(sharding.mesh, P()))
+            return _reshaped(row, (), sharding)
+        return transfer(v, sharding)
 
 
-def _from_view(v: jax.Array, sharding: NamedSharding) -> jax.Array:
-    if v.sharding == sharding:
-        return v
-    own = {s.device: s.data for s in v.addressable_shards}
-    bufs = [own[d] for d in sharding.addressable_devices_indices_map(v.shape)]
-    return jax.make_array_from_single_device_arrays(v.shape, sharding, bufs, dtype=v.dtype)
+def _reshaped(x: jax.Array, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+    """`x` reshaped on its own devices (a call that does nothing on processes holding none of them)."""
+    return _reshape_program(shape, sharding)(x)
 
 
-def _view_target(x) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_view_sharding(x.sharding) or x.sharding)
-
-
-def check_checkpoint_layout(plan) -> None:
-    """Refuse, before anything compiles, a multi-process plan whose checkpoint could not be
-    written: a section spanning some processes but not all (Orbax needs every array on process 0
-    or in one process; the global view covers sections inside one process)."""
-    from maestro_jax.config import ConfigError
-
-    if jax.process_count() == 1:
-        return
-    devices = jax.devices()
-    for name, sp in plan.sections.items():
-        owners = sorted({devices[i].process_index for i in sp.devices})
-        if 1 < len(owners) < jax.process_count():
-            raise ConfigError(
-                f"error: sections.{name}.devices={list(sp.devices)}: spans processes {owners} of "
-                f"{jax.process_count()}, and such a section cannot be checkpointed yet; place it inside "
-                f"one process or across all of them, or set keep_checkpoints=0 (no checkpoints)"
-            )
+@functools.lru_cache(maxsize=256)
+def _reshape_program(shape: tuple[int, ...], sharding: NamedSharding):
+    return jax.jit(lambda v: v.reshape(shape), out_shardings=sharding)
 
 
 class _OrbaxErrors(logging.Filter):
@@ -181,11 +166,7 @@ class Checkpointer:
         """`read_only`: for a reader outside a run (an export, `maestro-jax eval`): nothing is
         created or cleaned up, and `save` is not allowed; restoring from read-only storage works."""
         _quiet_orbax_errors()
-        if jax.process_count() > 1:
-            # dummy replicas of the checkpoint view must never write (see _view_sharding)
-            ocp.type_handlers.register_type_handler(
-                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
-            )
+        self.layout = SaveLayout.for_run()
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         self.coordinator = coordinator or Coordinator()
@@ -252,9 +233,10 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
         self.wait_committed()
+        gather = self.layout.gather if self.layout else (lambda x: x)
         items = {
             f"section_{s}": ocp.args.StandardSave(
-                jax.tree.map(_to_view, {"params": st.params, "opt_state": st.opt_state})
+                jax.tree.map(gather, {"params": st.params, "opt_state": st.opt_state})
             )
             for s, st in states.items()
             if st.opt_state is not None
@@ -391,9 +373,10 @@ class Checkpointer:
 
     def restore(self, step: int, targets: dict[str, SectionState]) -> tuple[dict[str, SectionState], dict, dict]:
         """Restore into `targets`' shardings (the current plan). Missing or extra leaves fail loudly."""
+        target = self.layout.target if self.layout else (lambda x: x)
         items = {
             f"section_{s}": ocp.args.StandardRestore(
-                jax.tree.map(_view_target, {"params": st.params, "opt_state": st.opt_state})
+                jax.tree.map(target, {"params": st.params, "opt_state": st.opt_state})
             )
             for s, st in targets.items()
             if st.opt_state is not None
@@ -404,8 +387,10 @@ class Checkpointer:
         states = dict(targets)
         for s, st in targets.items():
             if st.opt_state is not None:
-                target = {"params": st.params, "opt_state": st.opt_state}
-                part = jax.tree.map(lambda v, t: _from_view(v, t.sharding), got[f"section_{s}"], target)
+                mine = {"params": st.params, "opt_state": st.opt_state}
+                part = got[f"section_{s}"]
+                if self.layout:
+                    part = jax.tree.map(lambda v, t: self.layout.scatter(v, t.sharding), part, mine)
                 states[s] = SectionState(part["params"], st.consts, part["opt_state"])
         return states, got["data"], got["meta"]
 

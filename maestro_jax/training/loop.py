@@ -33,7 +33,7 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import Coordinator, PeerError
-from maestro_jax.training.checkpoint import Checkpointer, check_checkpoint_layout
+from maestro_jax.training.checkpoint import Checkpointer
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
 from maestro_jax.training.preemption import Preemption
@@ -69,8 +69,6 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
         check_directories(dirs, coordinator)
         stack.enter_context(hold_directories(dirs, coordinator))
         stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
-        if keep:
-            check_checkpoint_layout(cfg.plan())  # before anything compiles
         rt = rt or build_runtime(cfg, coordinator=coordinator)
         states = rt.init_states()
         bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
