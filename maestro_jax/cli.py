@@ -503,11 +503,19 @@ def _command(command: Command, args) -> int:
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
         return 2
-    from maestro_jax.runtime.distributed import maybe_initialize_distributed
+    from maestro_jax.runtime.distributed import PeerError, maybe_initialize_distributed
 
-    maybe_initialize_distributed(
-        args.coordinator, args.num_processes, args.process_id, heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s
-    )
+    try:
+        maybe_initialize_distributed(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            startup_timeout_s=cfg.distributed.startup_timeout_s,
+            heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s,
+        )
+    except PeerError as err:
+        print(_error_line(err), file=sys.stderr)
+        return 5
     import jax
 
     from maestro_jax.runtime.distributed import announce_failure

@@ -302,6 +302,8 @@ class DistributedConfig(_Frozen):
     """Bounded waits in multi-process runs: a dead or stuck peer becomes an error naming it."""
 
     timeout_s: float = Field(300.0, gt=0.0)  # longest wait for a peer at a step boundary or for a shared value
+    # the same before the first step: processes start and finish compiling minutes apart on a cluster
+    startup_timeout_s: float = Field(900.0, gt=0.0)
     heartbeat_timeout_s: PositiveInt = 100  # the coordination service declares a silent process dead
 
 

@@ -409,31 +409,35 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
 
 
 # -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------
+def _train_process(run_dir, pid, port, overrides, env=None) -> subprocess.Popen:
+    """Process `pid` of a 2-process tiny KD run (4 devices each), stdout and stderr piped."""
+    args = [
+        sys.executable,
+        "-m",
+        "maestro_jax.cli",
+        "train",
+        "--config",
+        str(KD),
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(pid),
+        "host_devices=4",
+        *TINY_KD,
+        *overrides,
+        f"output_dir={run_dir}",
+    ]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env or {})}
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _start_two(tmp_path, overrides, env_of=None, lines=2):
     """Two processes of 4 devices each, returned once process 0 logged `lines` steps; `env_of`:
     extra environment variables per process id. stdout and stderr are piped."""
-    port, procs = free_ports(3), []
-    for pid in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env_of or {}).get(pid, {})}
-        args = [
-            sys.executable,
-            "-m",
-            "maestro_jax.cli",
-            "train",
-            "--config",
-            str(KD),
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--num-processes",
-            "2",
-            "--process-id",
-            str(pid),
-            "host_devices=4",
-            *TINY_KD,
-            *overrides,
-            f"output_dir={tmp_path / 'run'}",
-        ]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    port = free_ports(3)
+    procs = [_train_process(tmp_path / "run", pid, port, overrides, (env_of or {}).get(pid)) for pid in range(2)]
     metrics_file = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and all(p.poll() is None for p in procs):
@@ -443,6 +447,32 @@ def _start_two(tmp_path, overrides, env_of=None, lines=2):
     for p in procs:
         p.kill()
     pytest.fail("the 2-process run did not start: " + procs[0].communicate()[1][-2000:])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_late_process_is_waited_for_and_one_too_late_is_named(tmp_path):
+    """Processes of one job start minutes apart on a cluster. Process 1 starting 60 s after
+    process 0: process 0 says whom it waits for, and both train. With
+    `distributed.startup_timeout_s=10` and process 1 not started: status 5 and one `error:` line
+    naming it, no traceback (jax's own start-up deadline aborts the process instead)."""
+    port = free_ports(3)
+    early = _train_process(tmp_path / "late", 0, port, ["steps=2", "keep_checkpoints=0"])
+    time.sleep(60)
+    late = _train_process(tmp_path / "late", 1, port, ["steps=2", "keep_checkpoints=0"])
+    (out, err), (_, late_err) = early.communicate(timeout=900), late.communicate(timeout=900)
+    assert early.returncode == 0 and late.returncode == 0, (err[-2000:], late_err[-2000:])
+    assert "waiting for process 1 to start" in out and "distributed.startup_timeout_s" in out, out[-2000:]
+    assert len((tmp_path / "late" / "metrics.jsonl").read_text().splitlines()) == 2
+
+    port = free_ports(3)
+    alone = _train_process(tmp_path / "alone", 0, port, ["steps=2", "distributed.startup_timeout_s=10"])
+    out, err = alone.communicate(timeout=300)
+    assert alone.returncode == 5, err[-2000:]
+    assert "Traceback" not in err and "Check failure" not in err, err[-2000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "error: process 1 did not start within 10s (distributed.startup_timeout_s); started: process 0"
+    ]
 
 
 def _survivor_outcome(procs, victim, sig, bound_s):

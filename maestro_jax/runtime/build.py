@@ -329,7 +329,7 @@ def build_runtime(
         check,
         info_check,
         dict(pretrained),
-        coordinator=coordinator or Coordinator(cfg.distributed.timeout_s),
+        coordinator=coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s),
     )
 
 

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import socket
 import threading
 import time
 
@@ -64,10 +65,17 @@ def maybe_initialize_distributed(
     num_processes: int | None = None,
     process_id: int | None = None,
     transfer_port: int | None = None,
-    timeout_s: int = 120,
+    startup_timeout_s: float = 900.0,
     heartbeat_timeout_s: int = 100,
 ) -> None:
     """Explicit settings, else auto-detect (SLURM and other launchers jax knows), else one process.
+
+    Processes of one job start minutes apart on a cluster (image pulls, node boot). With explicit
+    settings every process first checks in with process 0 (`_rendezvous`), waiting up to
+    `startup_timeout_s` and saying whom it waits for; a timeout is a `PeerError` naming the
+    processes that did not come. Only then does jax connect, so its own start-up deadline (a
+    fatal abort of the process, not an exception, in jax 0.10) is never the one that fires.
+    Auto-detected launches go straight to jax, whose deadline is then `startup_timeout_s`.
 
     Cross-process `device_put` needs a fixed socket address per process (port 0 hangs in jax
     0.10); it defaults to the coordinator's port + 1 + process id.
@@ -85,6 +93,7 @@ def maybe_initialize_distributed(
     jax.config.update("jax_enable_preemption_service", False)
     if coordinator is not None:
         host, port = coordinator.rsplit(":", 1)
+        _rendezvous(host, int(port), int(num_processes), int(process_id), startup_timeout_s)
         address = "127.0.0.1" if host in ("localhost", "127.0.0.1") else _own_address()
         base = transfer_port or int(port) + 1
         jax.config.update("jax_cross_host_transfer_socket_address", f"{address}:{base + int(process_id)}")
@@ -93,11 +102,13 @@ def maybe_initialize_distributed(
             coordinator,
             num_processes,
             process_id,
-            initialization_timeout=timeout_s,
+            initialization_timeout=math.ceil(startup_timeout_s) + 60,  # every process has checked in already
             heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
     else:
-        jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+        jax.distributed.initialize(
+            initialization_timeout=math.ceil(startup_timeout_s), heartbeat_timeout_seconds=heartbeat_timeout_s
+        )
     log.info(
         "process %d/%d, %d local / %d global devices",
         jax.process_index(),
@@ -107,9 +118,96 @@ def maybe_initialize_distributed(
     )
 
 
-def _own_address() -> str:
-    import socket
+_SAY_AFTER_S = 10.0  # a start-up wait says what it waits for once it has lasted this long, then every minute
 
+
+class _Waiting:
+    """Says, on stdout, what a start-up wait is waiting for: first after `_SAY_AFTER_S`, then
+    every minute, so that a process held by a late peer is never silent."""
+
+    def __init__(self, limit_s: float, setting: str):
+        self.limit_s, self.setting = limit_s, setting
+        self.started = time.monotonic()
+        self._next = self.started + _SAY_AFTER_S
+
+    def __call__(self, what: str) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + 60.0
+            print(
+                f"waiting for {what} ({now - self.started:.0f}s of at most {self.limit_s:g}s, {self.setting})",
+                flush=True,
+            )
+
+
+def _rendezvous(host: str, port: int, n: int, pid: int, timeout_s: float) -> None:
+    """Every process checks in with process 0 over a plain TCP connection to the coordinator's
+    address, before jax's coordination service exists: process 0 listens there until all the
+    others have come (or names the missing ones), then tells each to go on and frees the port for
+    the service. The others retry the connection until process 0 is up. Each waits at most
+    `timeout_s` (`distributed.startup_timeout_s`); the clients close first, so the port is never
+    left in TIME_WAIT on process 0's side."""
+    deadline, setting = time.monotonic() + timeout_s, "distributed.startup_timeout_s"
+    waiting = _Waiting(timeout_s, setting)
+    if pid == 0:
+        arrived = {}
+        with socket.create_server(("", port)) as server:
+            server.settimeout(_POLL_S)
+            while len(arrived) < n - 1:
+                missing = [q for q in range(1, n) if q not in arrived]
+                if time.monotonic() > deadline:
+                    for conn in arrived.values():
+                        conn.close()
+                    raise PeerError(
+                        f"{_processes(missing)} did not start within {timeout_s:g}s ({setting}); "
+                        f"started: {_processes([0, *sorted(arrived)])}"
+                    )
+                waiting(f"{_processes(missing)} to start")
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(30)
+                try:
+                    words = conn.recv(64).decode(errors="replace").split()
+                    if words[0] != "maestro" or int(words[2]) != n or not 0 < int(words[1]) < n:
+                        raise ValueError(words)
+                except (OSError, ValueError, IndexError):  # not one of this job's processes
+                    conn.close()
+                    continue
+                arrived[int(words[1])] = conn
+            for conn in arrived.values():
+                conn.sendall(b"go")
+            for conn in arrived.values():
+                with conn:
+                    conn.recv(1)  # b"": the client closed its end
+        return
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=_POLL_S)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"process 0 (the coordinator, {host}:{port}) did not start within {timeout_s:g}s ({setting})"
+                ) from None
+            waiting(f"process 0 (the coordinator, {host}:{port}) to start")
+            time.sleep(_POLL_S)
+            continue
+        with conn:
+            conn.sendall(f"maestro {pid} {n}".encode())
+            conn.settimeout(max(1.0, deadline - time.monotonic()) + 30)
+            try:
+                reply = conn.recv(16)
+            except TimeoutError:
+                reply = b""
+        if reply == b"go":
+            return
+        raise PeerError(
+            f"process 0 stopped waiting before every process had started (its {setting} ran out, or it failed)"
+        )
+
+
+def _own_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
@@ -137,10 +235,18 @@ class Coordinator:
     under a namespace per coordinator: the i-th coordinator a process makes gets the i-th number
     from a counter the coordination service keeps per process, so processes that make their
     coordinators in the same order (they run the same driver) share namespaces, and two runs in one
-    job never read each other's keys. With one process every exchange is local."""
+    job never read each other's keys. With one process every exchange is local.
 
-    def __init__(self, timeout_s: float = 300.0):
+    Until the first step's check-in, waits are bounded by `startup_timeout_s` instead
+    (`distributed.startup_timeout_s`): processes reach the start-up exchanges (directory checks,
+    the checkpoint directory, restoring) and the end of compiling minutes apart on a cluster,
+    and such a wait says what it waits for."""
+
+    def __init__(self, timeout_s: float = 300.0, startup_timeout_s: float | None = None):
         self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s or timeout_s)
+        self._started = False  # past the first step's check-in: waits are bounded by timeout_s
+        self._orbax_barriers = False  # checkpoint_barrier set Orbax's default barrier timeout
         self._sequences: collections.defaultdict = collections.defaultdict(itertools.count)
         self._lock = threading.Lock()
         self._checked_in: dict[int, list[int]] = {}  # the last step barrier's outcome: a second call is free
@@ -148,6 +254,24 @@ class Coordinator:
         if jax.process_count() > 1:
             number = _client().key_value_increment(f"maestro/coordinators/{jax.process_index()}", 1)
             self._namespace = f"maestro/{number}"
+
+    @property
+    def wait_s(self) -> float:
+        """The bound of a wait on a peer now: the start-up one until the first step's check-in."""
+        return self.timeout_s if self._started else self.startup_timeout_s
+
+    @property
+    def _setting(self) -> str:
+        return "distributed.timeout_s" if self._started else "distributed.startup_timeout_s"
+
+    def _start_steps(self) -> None:
+        """Every process has checked in for its first step: from now on waits are bounded by
+        `timeout_s`, Orbax's own barriers included."""
+        self._started = True
+        if self._orbax_barriers:
+            from orbax.checkpoint._src.multihost import multihost
+
+            multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(self.wait_s))
 
     def _next_key(self, kind: str) -> str:
         with self._lock:
@@ -217,11 +341,13 @@ class Coordinator:
         }
         self._checked_in.clear()
         self._checked_in[step] = [q for q, flag in flags.items() if flag]
+        if not self._started:
+            self._start_steps()
         return self._checked_in[step]
 
     def checkpoint_barrier(self):
         """The barrier function for Orbax's `AsyncOptions(barrier_sync_fn=...)` that bounds every
-        wait of a save on another process by `self.timeout_s`; None with one process.
+        wait of a save on another process by `self.wait_s`; None with one process.
 
         By default Orbax synchronises processes with a device collective (`sync_global_devices`,
         a gloo all-gather on CPU): unbounded, so a SIGSTOPped peer held a save until the heartbeat
@@ -230,7 +356,8 @@ class Coordinator:
         that did not arrive (`peer_fault` reads that). Process-wide settings of Orbax 0.12, made
         here: the flag `experimental_orbax_use_distributed_barrier` and its barrier timeout. The
         returned function serves the background commit, whose overall budget (writing included)
-        stays Orbax's 20 minutes while each wait on a peer inside it is capped at `self.timeout_s`."""
+        stays Orbax's 20 minutes while each wait on a peer inside it is capped at `self.wait_s` (the
+        start-up bound while the checkpoint directory is opened, `timeout_s` once steps run)."""
         if jax.process_count() == 1:
             return None
         from absl import flags as absl_flags
@@ -238,10 +365,11 @@ class Coordinator:
 
         flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
         flag.value, flag.present = True, 1  # readable without absl parsing the command line
-        multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(self.timeout_s))
+        multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(self.wait_s))
+        self._orbax_barriers = True
 
         def barrier(*, key: str, timeout_ms: int) -> None:
-            _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(self.timeout_s * 1000))))
+            _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(self.wait_s * 1000))))
 
         return barrier
 
@@ -274,7 +402,7 @@ class Coordinator:
             found = re.findall(r"task:(\d+)", names) if "task:" in names else re.findall(r"\b(\d+)\b", names)
             who = sorted({int(t) for t in found} - {me})
             return PeerError(
-                f"{_processes(who)} did not reach {what} within {self.timeout_s:g}s (distributed.timeout_s): "
+                f"{_processes(who)} did not reach {what} within {self.wait_s:g}s ({self._setting}): "
                 f"dead or stuck; stopping this process ({me}) too. {detail}"
             )
         if any(mark in text for mark in _LOST):
@@ -286,7 +414,7 @@ class Coordinator:
         return None
 
     def _silent_peers(self, what: str) -> list[int]:
-        """The peers that do not answer within `self.timeout_s`: every process that meets the same
+        """The peers that do not answer within `self.wait_s`: every process that meets the same
         fault in `what` posts here, so those that stay silent are the lost ones. Without the
         coordination service (it ran in a lost process 0) that is process 0."""
         me, tag = jax.process_index(), re.sub(r"\W+", "-", what)
@@ -294,7 +422,7 @@ class Coordinator:
             _client().key_value_set(f"{self._namespace}/alive/{tag}/{me}", "1")
         except Exception:  # noqa: BLE001 - the service is gone with the process that ran it
             return [0] if me != 0 else []
-        deadline, silent = time.monotonic() + self.timeout_s, []
+        deadline, silent = time.monotonic() + self.wait_s, []
         for q in range(jax.process_count()):
             if q != me:
                 try:
@@ -305,11 +433,12 @@ class Coordinator:
                     silent.append(q)
         return silent
 
-    def _get(self, key: str, owner: int, what: str, timeout_s: float | None = None) -> str:
+    def _get(self, key: str, owner: int, what: str) -> str:
         """A bounded read of a key another process publishes. It ends early, naming the process
         and its error, when any peer announces a failure (`announce_failure`); a timeout names
-        `owner`."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        `owner`. A start-up wait says what it waits for."""
+        timeout_s, setting = self.wait_s, self._setting
+        waiting = None if self._started else _Waiting(timeout_s, setting)
         deadline = time.monotonic() + timeout_s
         while True:
             wait_ms = max(1, int(min(_POLL_S, deadline - time.monotonic()) * 1000))
@@ -322,6 +451,15 @@ class Coordinator:
                         f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
                         f"({jax.process_index()}) too"
                     ) from err
+                if time.monotonic() < deadline and "DEADLINE_EXCEEDED" in str(err):
+                    if waiting:
+                        waiting(f"process {owner} to {what}")
+                    continue
+                raise PeerError(
+                    f"process {owner} did not {what} within {timeout_s:g}s ({setting}): it is "
+                    f"dead or stuck; stopping this process ({jax.process_index()}) too. "
+                    f"[{type(err).__name__}: {str(err).splitlines()[0][:200]}]"
+                ) from err
                 if time.monotonic() < deadline and "DEADLINE_EXCEEDED" in str(err):
                     continue
                 raise PeerError(

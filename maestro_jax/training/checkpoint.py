@@ -166,7 +166,7 @@ class Checkpointer:
         """`read_only`: for a reader outside a run (an export, `maestro-jax eval`): nothing is
         created or cleaned up, and `save` is not allowed; restoring from read-only storage works."""
         _quiet_orbax_errors()
-        self.layout = SaveLayout.for_run()
+        self.save_layout = SaveLayout.for_run()
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         self.coordinator = coordinator or Coordinator()
@@ -195,6 +195,11 @@ class Checkpointer:
             )
         except OSError as err:
             raise CheckpointError(f"checkpoint directory {self.directory} is not usable: {err}") from err
+        except Exception as err:  # Orbax's barrier after creating the directory: a late or lost peer
+            peer = self.coordinator.peer_fault(err, "opening the checkpoint directory")
+            if peer is None:
+                raise
+            raise peer from None
         if jax.process_index() == 0 and not read_only:
             self._remove_stray_manifests()
         self.coordinator.agree("checkpoint-dir-ready", True)  # nobody saves before the clean-up is done
@@ -233,7 +238,7 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"checkpoint directory {self.directory} was opened read-only")
         self.wait_committed()
-        gather = self.layout.gather if self.layout else (lambda x: x)
+        gather = self.save_layout.gather if self.save_layout else (lambda x: x)
         items = {
             f"section_{s}": ocp.args.StandardSave(
                 jax.tree.map(gather, {"params": st.params, "opt_state": st.opt_state})
@@ -373,7 +378,7 @@ class Checkpointer:
 
     def restore(self, step: int, targets: dict[str, SectionState]) -> tuple[dict[str, SectionState], dict, dict]:
         """Restore into `targets`' shardings (the current plan). Missing or extra leaves fail loudly."""
-        target = self.layout.target if self.layout else (lambda x: x)
+        target = self.save_layout.target if self.save_layout else (lambda x: x)
         items = {
             f"section_{s}": ocp.args.StandardRestore(
                 jax.tree.map(target, {"params": st.params, "opt_state": st.opt_state})
@@ -389,8 +394,8 @@ class Checkpointer:
             if st.opt_state is not None:
                 mine = {"params": st.params, "opt_state": st.opt_state}
                 part = got[f"section_{s}"]
-                if self.layout:
-                    part = jax.tree.map(lambda v, t: self.layout.scatter(v, t.sharding), part, mine)
+                if self.save_layout:
+                    part = jax.tree.map(lambda v, t: self.save_layout.scatter(v, t.sharding), part, mine)
                 states[s] = SectionState(part["params"], st.consts, part["opt_state"])
         return states, got["data"], got["meta"]
 
@@ -409,7 +414,7 @@ def reading_checkpoints(cfg, coordinator: Coordinator | None = None) -> Iterator
     exist."""
     directory = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
     existing = {k: d for k, d in (("output_dir", Path(cfg.output_dir)), ("checkpoint_dir", directory)) if d.is_dir()}
-    coordinator = coordinator or Coordinator(cfg.distributed.timeout_s)
+    coordinator = coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s)
     with (
         hold_directories(existing, coordinator),
         Checkpointer(directory, read_only=True, coordinator=coordinator) as ckpt,

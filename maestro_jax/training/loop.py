@@ -59,7 +59,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
     to save. One run at a time per `output_dir` (and `checkpoint_dir`): another live run holding
     it is refused with a `DirectoryInUseError` (`dirlock`). Directories that cannot take the
     run's files are refused before anything compiles (`storage.check_directories`)."""
-    coordinator = rt.coordinator if rt else Coordinator(cfg.distributed.timeout_s)
+    coordinator = rt.coordinator if rt else Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s)
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     keep = bool(out_dir and cfg.keep_checkpoints)
     dirs = {"output_dir": cfg.output_dir, "checkpoint_dir": cfg.checkpoint_dir if keep else None}
