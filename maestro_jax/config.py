@@ -43,7 +43,15 @@ class MeshConfig(_Frozen):
 
 
 def _devices(value):
-    """Accept `[0, 1, 2]` or a half-open range string `"2:8"`."""
+    """Accept `[0, 1, 2]` or a half-open range string `"2:8"`. YAML 1.1 reads an unquoted `4:8`
+    as the base-60 integer 248: an integer here is named with the range it came from."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= 60:
+            lo, hi = divmod(value, 60)
+            raise ValueError(
+                f'YAML reads an unquoted {lo}:{hi} as the base-60 number {value}; quote the range: devices: "{lo}:{hi}"'
+            )
+        raise ValueError('a list of device ids like [0, 1] or a quoted range like "0:4" (start:stop)')
     if isinstance(value, str):
         try:
             lo, hi = (int(v) for v in value.split(":"))
@@ -407,7 +415,7 @@ def _format_error(err: pydantic.ValidationError) -> str:
         options = sorted(parent_model.model_fields) if parent_model else []
         close = difflib.get_close_matches(field, options, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"error: {loc}: unknown key{hint} valid keys: {', '.join(options)}"
+        return f"error: {loc}: unknown key{hint}; valid keys: {', '.join(options)}"
     message = e["msg"].removeprefix("Value error, ")
     if not loc:  # a check across keys: the message names them
         return f"error: {message}"
@@ -440,6 +448,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, object]:
         if "=" not in item:
             raise ConfigError(f"error: override {item!r} must look like key=value (e.g. steps=4)")
         key, raw = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"error: override {item!r}: the key before '=' is empty; write key=value, e.g. steps=4")
         # "2:8" is a device range; YAML 1.1 would read it as the base-60 integer 128
         if re.fullmatch(r"\d+:\d+", raw) or not raw:
             out[key.strip()] = raw

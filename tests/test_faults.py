@@ -215,6 +215,9 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
         (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
         (["global_batch=0"], "global_batch"),
         (["steps=["], "override 'steps=[': the value is not valid YAML"),
+        (["=5"], "error: override '=5': the key before '=' is empty; write key=value"),
+        (["progress=1"], "error: progress: unknown key; valid keys: "),
+        (["sections.student.devices=248"], 'base-60 number 248; quote the range: devices: "4:8"'),
     ],
 )
 def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, capsys):
@@ -227,6 +230,35 @@ def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, caps
     assert err.startswith("error: ") and "\n" not in err, err
     assert text in err, err
     assert COUNTER.count == before, "rejected before any compilation"
+
+
+def test_keep_checkpoints_0_where_checkpoints_are_is_refused(tmp_path, capsys):
+    """A run without checkpoints on a directory holding some would restart from step 0, cut
+    metrics.jsonl back and leave the old checkpoints to a later resume: refused, nothing touched."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=1"]) == 0
+    logged = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", "steps=2", "keep_checkpoints=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: keep_checkpoints=0: {out / 'checkpoints'} holds checkpoints (steps 1); a run without checkpoints "
+        f"would restart from step 0 and cut {out / 'metrics.jsonl'} back; resume with keep_checkpoints of 1 or more, "
+        f"or use another output_dir"
+    ), err
+    assert (out / "metrics.jsonl").read_text() == logged
+
+
+def test_an_unquoted_device_range_in_yaml_is_named_as_written(tmp_path, capsys):
+    """YAML 1.1 reads `devices: 4:8` as 248 (base 60): the error names the range the user wrote."""
+    config = tmp_path / "kd.yaml"
+    config.write_text(KD.read_text().replace('devices: "4:8"', "devices: 4:8"))
+    assert cli.main(["train", "--config", str(config), *TINY_KD]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: sections.student.devices=248: YAML reads an unquoted 4:8 as the base-60 number 248; "
+        'quote the range: devices: "4:8"'
+    ), err
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from maestro_jax.config import Config, dump_config
+from maestro_jax.config import Config, ConfigError, dump_config
 from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
@@ -68,6 +68,8 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
         preemption = stack.enter_context(Preemption())
         check_directories(dirs, coordinator)
         stack.enter_context(hold_directories(dirs, coordinator))
+        if out_dir and not keep:
+            _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
         stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
         rt = rt or build_runtime(cfg, coordinator=coordinator)
         states = rt.init_states()
@@ -119,6 +121,24 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
     if skipped:
         say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
     return history
+
+
+def _refuse_unkept_checkpoints(cfg: Config, out_dir: Path, coordinator: Coordinator) -> None:
+    """`keep_checkpoints=0` where checkpoints are: such a run starts from step 0, cuts
+    metrics.jsonl back to nothing, and leaves the checkpoints for a later run to resume from,
+    leaving a gap in the log. Refused before anything compiles (process 0 decides for all)."""
+    directory = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out_dir / "checkpoints"
+    refusal = None
+    if jax.process_index() == 0 and directory.is_dir():
+        steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+        if steps:
+            refusal = (
+                f"error: keep_checkpoints=0: {directory} holds checkpoints (steps {', '.join(map(str, steps))}); "
+                f"a run without checkpoints would restart from step 0 and cut {out_dir / 'metrics.jsonl'} back; "
+                f"resume with keep_checkpoints of 1 or more, or use another output_dir"
+            )
+    if refusal := coordinator.agree("unkept-checkpoints", refusal):
+        raise ConfigError(refusal)
 
 
 def _say(progress: bool):
