@@ -455,6 +455,32 @@ def test_damaged_records_are_bad_samples_named_by_file_and_record(tmp_path, caps
         source[12 + 7]
 
 
+def test_any_damage_inside_a_record_is_a_bad_sample(tmp_path):
+    """One bit flipped anywhere inside a sample's npz, with the file's own checksums intact (the
+    damage happened before the record was written): reading the record, its metadata or only
+    some of its parts either decodes or fails as a DataError naming the record (a bad sample,
+    skipped under `skip`), never another exception (a `zipfile.BadZipFile` traceback before)."""
+    record = good_records(1, first_id=100)[0]
+    flips = range(0, len(record), max(1, len(record) // 300))
+    damaged = []
+    for at in flips:
+        b = bytearray(record)
+        b[at] ^= 0x10
+        damaged.append(bytes(b))
+    path = tmp_path / "flipped.array_record"
+    write_array_record(path, damaged, "group_size:1,uncompressed")
+    source = ArrayRecordSource((str(path),))
+    bad = 0
+    for i in range(len(damaged)):
+        for read in (lambda: source[i], lambda: source.info(i), lambda: source.read(i, frozenset({"tokens"}))):
+            try:
+                read()
+            except DataError as err:
+                assert str(err).startswith(f"record {i} of {path}: cannot be decoded ("), err
+                bad += 1
+    assert bad > len(damaged), "most flips land in zip headers or checksummed array bytes"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "random bytes over a block header", "zero bytes"])
 @pytest.mark.parametrize("policy", ["skip", "error"])
 def test_unopenable_file_stops_with_one_line_naming_it(tmp_path, capsys, damage, policy):

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -175,7 +178,7 @@ class ArrayRecordSource:
     def _decode(self, index: int, fn, *args):
         try:
             return fn(*args)
-        except (ValueError, KeyError, OSError) as err:  # numpy's npz reader: bad zip, missing array
+        except _DAMAGED as err:
             raise DataError(f"{self.where(index)}: cannot be decoded ({_first_line(err)})") from err
 
     def __getitem__(self, index: int) -> Sample:
@@ -191,6 +194,23 @@ class ArrayRecordSource:
             sample_id, length, shapes = self._indexes[f][record]
             return SampleInfo(sample_id, length, {m: tuple(tuple(s) for s in v) for m, v in shapes.items()})
         return self._decode(index, record_info, self._record(index))
+
+
+# What a record damaged inside (a flipped bit the file's own checksums did not catch, because it
+# happened before the record was written) raises from numpy's npz reader and the zipfile and
+# zlib modules under it: a bad zip directory or CRC, a garbled deflate stream or npy header, a
+# truncated member, a flag bit zipfile does not implement, a missing array.
+_DAMAGED = (
+    ValueError,
+    KeyError,
+    OSError,
+    EOFError,
+    IndexError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+    struct.error,
+)
 
 
 def _open_array_record(path: str):
