@@ -106,6 +106,50 @@ def straight_losses(tmp_path, steps=10):
     return _STRAIGHT[steps]
 
 
+def tensorboard_losses(out) -> list[tuple[int, float]]:
+    """(step, loss) as TensorBoard shows `train/loss` of `out/tb`: the event files in name order
+    (a timestamp), read record by record (a record a kill cut short ends its file), where a
+    `SessionLog.START` at step s purges every earlier event at step s or later (TensorBoard's
+    event accumulator)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    shown = []
+    for path in sorted((out / "tb").glob("events*")):
+        data, at = path.read_bytes(), 0
+        while at + 12 <= len(data):
+            (size,) = struct.unpack("<Q", data[at : at + 8])
+            payload = data[at + 12 : at + 12 + size]
+            at += 12 + size + 4
+            if len(payload) < size:
+                break
+            event = Event.FromString(payload)
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                shown = [(step, v) for step, v in shown if step < event.step]
+            shown += [(event.step, v.simple_value) for v in event.summary.value if v.tag == "train/loss"]
+    return shown
+
+
+def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
+    """A rerun from step 0 (no checkpoint) purges the earlier run's events, and a run killed after
+    a checkpoint leaves every step the checkpoint holds on disk: after the resume TensorBoard
+    shows steps 1..N once each, with metrics.jsonl's losses (float32 in the events)."""
+    out = tmp_path / "rerun"
+    train(kd(out, "steps=2", "keep_checkpoints=0"), progress=False)
+    train(kd(out, "steps=3", "keep_checkpoints=0"), progress=False)
+    logged = [(r["step"], np.float32(r["loss"])) for r in metrics(out)]
+    assert [s for s, _ in logged] == [1, 2, 3] and tensorboard_losses(out) == logged
+
+    out = tmp_path / "killed"
+    args = cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=6", "checkpoint_every=2"])
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _kill_when(proc, lambda: (out / "metrics.jsonl").exists() and len(metrics(out)) >= 3)
+    assert subprocess.run(args, capture_output=True, text=True, timeout=600).returncode == 0
+    logged = [(r["step"], np.float32(r["loss"])) for r in metrics(out)]
+    assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6] and tensorboard_losses(out) == logged
+
+
 def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path):
     """keep_checkpoints=1: the only committed step is deleted only after the next one is
     committed. Killed after Orbax wrote step 4's files but before it committed them (the test

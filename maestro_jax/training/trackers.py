@@ -72,18 +72,19 @@ class JsonlTracker:
 class TensorBoardTracker:
     """TensorBoard events (`tb/`): every number of the record as the scalar `train/<key>`.
 
-    On a resume from step `start`, a `SessionLog.START` event at `start + 1` tells TensorBoard
-    to purge the events a previous run wrote after `start`."""
+    Every run opens with a `SessionLog.START` event at `start + 1`, which tells TensorBoard to
+    purge the events earlier runs wrote from that step on: a resume from a checkpoint, and a
+    rerun from step 0 (no checkpoint yet) alike, so each step shows once. The loop flushes the
+    events before each checkpoint save, so a kill after it loses none of the steps it holds."""
 
     def __init__(self, directory: Path, start: int = 0):
         self.directory = directory
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._events = EventsWriter(str(directory / "events"))
-            if start:
-                self._events.write_event(
-                    Event(wall_time=time.time(), step=start + 1, session_log=SessionLog(status=SessionLog.START))
-                )
+            self._events.write_event(
+                Event(wall_time=time.time(), step=start + 1, session_log=SessionLog(status=SessionLog.START))
+            )
         except OSError as err:
             raise write_error("output_dir", directory, err) from None
 
