@@ -62,11 +62,24 @@ def _devices(value):
 
 
 class InitConfig(_Frozen):
-    """Where a section's weights start from (default: random)."""
+    """Where a section's weights start from (default: random): one of the two."""
 
     # a local Hugging Face folder (config.json + safetensors): a Llama/Qwen2/Qwen3(-MoE) decoder for
     # an llm section, a SigLIP vision tower for a vit one, a Whisper encoder for an audio one
-    hf_path: str
+    hf_path: str | None = None
+    # another run's checkpoints (its checkpoint_dir, default <output_dir>/checkpoints): this trained
+    # section's params from the newest committed step there, a fresh optimizer (a next training
+    # stage; `training.checkpoint.start_from_checkpoints`); `train` applies it on a fresh start
+    checkpoint_dir: str | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _one_source(self):
+        if (self.hf_path is None) == (self.checkpoint_dir is None):
+            raise ValueError(
+                "give exactly one of hf_path (a Hugging Face folder) and checkpoint_dir (another run's "
+                "checkpoints: the section's params, a fresh optimizer)"
+            )
+        return self
 
 
 class SectionConfig(_Frozen):
@@ -208,6 +221,24 @@ class SectionOptimizerConfig(_Frozen):
     learning_rate: float | None = Field(None, gt=0.0)
     lr_schedule: LRScheduleConfig | None = None
     weight_decay: float | None = Field(None, ge=0.0)
+    # parameters to freeze: a parameter whose path (its keys joined by "/", e.g.
+    # "block_0/attn/q/kernel") fully matches one of these regular expressions gets no update, no
+    # weight decay, no optimizer state, and no share of the clip norm (`runtime.optimizer`); ".*"
+    # freezes the whole section. Each must match some parameter (checked before compute).
+    freeze: list[str] = []
+
+    @pydantic.field_validator("freeze")
+    @classmethod
+    def _regexes(cls, v):
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"{pattern!r} is not a regular expression ({err}); give Python regexes over parameter "
+                    f"paths such as 'block_0/.*' or '.*/kernel'"
+                ) from None
+        return v
 
 
 class OptimizerConfig(_Frozen):

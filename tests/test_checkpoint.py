@@ -1,6 +1,7 @@
 """Exact resume (bit-identical losses and data order) and restore onto a different plan."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -214,3 +215,41 @@ def test_export_holds_the_run_lock_and_reads_only(tmp_path, capsys):
     assert cli.main(export) == 0, capsys.readouterr().err[-2000:]
     assert "at step 1" in capsys.readouterr().out
     assert leftover.is_dir(), "a reader does not clean up"
+
+
+def test_a_section_starts_from_another_runs_checkpoint(tmp_path):
+    """`sections.<s>.init.checkpoint_dir`: a fresh run's section starts with the params of the other
+    run's newest committed step (its optimizer afresh: the first update moves them from there);
+    a directory without a checkpoint, a section that does not fit, and two sources are refused."""
+    from maestro_jax.config import ConfigError
+    from maestro_jax.training.checkpoint import start_from_checkpoints
+
+    kd = ROOT / "configs/kd_tiny.yaml"
+    first = load_config(kd, TINY_KD + [f"output_dir={tmp_path / 'a'}", "steps=1"])
+    train(first, progress=False)
+    rt = build_runtime(first)
+    saved, _, _ = Checkpointer(tmp_path / "a/checkpoints", read_only=True).restore(1, rt.init_states())
+    start = [f"sections.student.init={{checkpoint_dir: {tmp_path / 'a/checkpoints'}}}"]
+    second = load_config(kd, TINY_KD + start)
+    states = start_from_checkpoints(second, rt.init_states(), rt.programs)
+    for a, b in zip(jax.tree.leaves(states["student"].params), jax.tree.leaves(saved["student"].params)):
+        np.testing.assert_array_equal(a, b)
+    fresh = rt.init_states()["student"].opt_state
+    for a, b in zip(jax.tree.leaves(states["student"].opt_state), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(a, b)  # a fresh optimizer, not the other run's moments
+    # the loop applies it on a fresh start: step 1 of the second run is not step 1 of the first
+    history = train(load_config(kd, TINY_KD + start + ["steps=1"]), progress=False)
+    assert history[0]["loss"] != read_metrics(tmp_path / "a")[0]["loss"]
+
+    (tmp_path / "empty").mkdir()
+    key = "error: sections.student.init.checkpoint_dir="
+    for overrides, message in [
+        ([f"sections.student.init={{checkpoint_dir: {tmp_path / 'empty'}}}"], "holds no committed checkpoint"),
+        (start + ["models.student.mlp=96"], "does not fit models.student (section 'student': ['params']"),
+    ]:
+        cfg = load_config(kd, TINY_KD + overrides)
+        with pytest.raises(ConfigError, match=re.escape(key) + ".*" + re.escape(message)):
+            start_from_checkpoints(cfg, build_runtime(cfg).init_states(), rt.programs)
+    both = f"sections.student.init={{checkpoint_dir: {tmp_path}, hf_path: {tmp_path}}}"
+    with pytest.raises(ConfigError, match=r"^error: sections.student.init=.*give exactly one of hf_path"):
+        load_config(kd, TINY_KD + [both])

@@ -2,7 +2,8 @@
 gradient norm over every trained section (sections on different meshes), a weight-decay mask and
 a lower rate for the vision tower. The step equals the monolithic step (loss, grads, the clipped
 global norm, the updated params) under both schedulers; the logged rates follow the schedule;
-bad settings are refused before any compute."""
+frozen parameters (`freeze`) get no update and no share of the clip norm, alike in both; bad
+settings are refused before any compute."""
 
 import math
 
@@ -16,7 +17,7 @@ from conftest import ROOT, TINY_VLM
 
 from maestro_jax.config import ConfigError, LRScheduleConfig, OptimizerConfig, load_config
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.runtime.optimizer import learning_rate, section_optimizer
+from maestro_jax.runtime.optimizer import learning_rate, param_path, section_optimizer
 from maestro_jax.tools.verify import verify
 from maestro_jax.training.loop import train
 
@@ -69,6 +70,68 @@ def test_clipping_changes_the_update():
     assert not np.allclose(moved[CLIP], moved[None])
 
 
+def _paths(tree) -> dict:
+    return {param_path(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+TOWER = "'(?!merger_).*'"  # the vision section but its projector (merger_fc1, merger_fc2)
+PARTS = "[embedding, 'block_0/(q|k)/.*']"  # the LLM's embedding and first queries and keys
+
+
+@pytest.mark.parametrize(
+    "scheduler,llm_freeze,llm_frozen",
+    [
+        ("naive", PARTS, lambda p: p == "embedding" or p.startswith(("block_0/q/", "block_0/k/"))),
+        ("wavefront", "['.*']", lambda p: True),  # the whole LLM: its share of the clip norm is 0
+    ],
+)
+def test_frozen_parameters_match_the_monolithic_step_and_stay_put(scheduler, llm_freeze, llm_frozen):
+    """A frozen tower and frozen LLM parts (or the whole LLM): maestro's step equals the
+    monolithic one (clipping on), the frozen parameters keep their values, the rest moves, and
+    the clip norm is the norm of the trained parameters' gradients only."""
+    sections = (
+        f"optimizer.sections={{vision: {{learning_rate: 0.001, freeze: [{TOWER}]}}, llm: {{freeze: {llm_freeze}}}}}"
+    )
+    cfg = load_config(VLM, USER + [sections, f"schedule.scheduler={scheduler}"])
+    diffs = {d.name: d for d in verify(cfg)}
+    assert {"vision/params_after_update", "llm/params_after_update", "grad_norm"} <= set(diffs)
+    for d in diffs.values():
+        assert d.max_rel < 1e-5, d
+    rt = build_runtime(cfg)
+    states = rt.init_states()
+    samples = rt.batches()[0]
+    grads = rt.executor.run(states, samples, rt.schedule(samples)).grads
+    new = rt.executor.update(states, grads, rt.executor.squared_norms(grads))
+    frozen = {"vision": lambda p: not p.startswith("merger_"), "llm": llm_frozen}
+    kept_sq = 0.0
+    for s in ("vision", "llm"):
+        before, after, g = _paths(states[s].params), _paths(new[s].params), _paths(grads[s])
+        assert any(frozen[s](p) for p in before)
+        for p in before:
+            if frozen[s](p):
+                np.testing.assert_array_equal(after[p], before[p], err_msg=p)
+                assert np.any(g[p] != 0), p  # frozen by the optimizer, not by a zero gradient
+            else:
+                assert not np.allclose(after[p], before[p]), p
+                kept_sq += float(np.sum(np.square(g[p], dtype=np.float64)))
+    norms = rt.executor.squared_norms(grads)
+    assert sum(float(n[0]) for n in norms.values()) == pytest.approx(kept_sq, rel=1e-5)
+    assert math.sqrt(kept_sq) > 10 * CLIP  # clipping is on
+
+
+def test_a_frozen_parameter_has_no_optimizer_state_and_no_weight_decay():
+    params = {"tower": {"kernel": jnp.ones((3, 2))}, "head": {"kernel": jnp.ones((3, 2))}}
+    cfg = OptimizerConfig(learning_rate=0.5, weight_decay=0.1, sections={"vision": {"freeze": ["tower/.*"]}})
+    opt = section_optimizer(cfg, "vision", 10)
+    state = opt.init(params)
+    moments = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (3, 2)]
+    assert len(moments) == 2  # Adam's mu and nu for the head alone
+    zero = jax.tree.map(jnp.zeros_like, params)  # zero grads: only weight decay could move anything
+    new = optax.apply_updates(params, opt.update(zero, state, params)[0])
+    np.testing.assert_array_equal(new["tower"]["kernel"], params["tower"]["kernel"])
+    assert not np.allclose(new["head"]["kernel"], params["head"]["kernel"])
+
+
 def expected_rate(peak: float, step: int, warmup: int = 2, end: int = 6, final: float = 0.1) -> float:
     """The schedule written out: update `step` (from 1) uses this rate."""
     c = step - 1
@@ -116,11 +179,20 @@ def test_schedules_by_kind():
             "optimizer.lr_schedule={kind: cosine, warmup_steps: 8, decay_steps: 8}",
             "optimizer.lr_schedule.decay_steps=8",
         ),
+        (
+            "optimizer.sections={llm: {freeze: ['block_9/.*']}}",
+            "optimizer.sections.llm.freeze='block_9/.\\*': matches no parameter of section 'llm'",
+        ),
+        (
+            "optimizer.sections={llm: {freeze: ['block_(0']}}",
+            "optimizer.sections.llm.freeze=.*'block_\\(0'.*not a regular",
+        ),
     ],
 )
 def test_bad_settings_are_refused_before_compute(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as err:
         build_runtime(load_config(VLM, TINY_VLM + [override]))
+    assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
 
 
 def test_readme_optimizer_block_is_a_valid_config():

@@ -21,7 +21,7 @@ from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
-from maestro_jax.runtime.optimizer import check_sections, section_optimizer
+from maestro_jax.runtime.optimizer import check_sections, section_optimizer, section_squared_norm
 from maestro_jax.runtime.precision import with_precision
 from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState, planning
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
@@ -48,14 +48,15 @@ class Runtime:
 
     def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
         """Each section initialises straight into its own sharding (never a full copy on one
-        device); sections with `init.hf_path` then take their weights from that checkpoint."""
+        device); sections with `init.hf_path` then take their weights from that checkpoint
+        (`init.checkpoint_dir` is the training loop's: `training.checkpoint.start_from_checkpoints`)."""
         key = jax.random.key(self.cfg.seed if seed is None else seed)
         states = {
             s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
             for s in self.graph.names
         }
         for s, sc in self.cfg.sections.items():
-            if sc.init is not None:
+            if sc.init is not None and sc.init.hf_path is not None:
                 states = self.pretrained[s](s, sc.init.hf_path, states, self.programs)
         return states
 
@@ -288,7 +289,7 @@ def build_runtime(
     meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
     shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
     trained = frozenset(s.name for s in graph.sections if s.trained)
-    check_sections(cfg.optimizer, sorted(trained))
+    check_sections(cfg.optimizer, sorted(trained), {s: abstract[s]["params"] for s in trained})
     programs = {}
     for s in graph.names:
         sp = plan.sections[s]
@@ -303,6 +304,7 @@ def build_runtime(
             is_sink=s == graph.sink,
             rules=sp.rules,
             clip_norm=cfg.optimizer.clip_norm,
+            squared_norm=section_squared_norm(cfg.optimizer, s),
         )
     problem = Problem(
         order=graph.topological_order(),
@@ -366,7 +368,9 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
         raise type(err)(key, err.value, err.problem) from None
     mesh = section_mesh(sp)
     shardings = {s: variable_shardings(rt.abstract[s], mesh, sp.rules) for s in graph.names}
-    optimizers = {s: section_optimizer(cfg.optimizer, s, cfg.steps) for s in graph.names if graph.section(s).trained}
+    trained = [s for s in graph.names if graph.section(s).trained]
+    optimizers = {s: section_optimizer(cfg.optimizer, s, cfg.steps) for s in trained}
+    norms = {s: section_squared_norm(cfg.optimizer, s) for s in trained}
     return MonolithicRuntime(
-        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm), mesh, shardings
+        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms), mesh, shardings
     )

@@ -8,7 +8,7 @@ for benchmarks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -29,7 +29,10 @@ class Monolithic:
         var_shardings: Mapping[str, dict],
         optimizers: Mapping[str, object],
         clip_norm: float | None = None,
+        squared_norms: Mapping[str, Callable] | None = None,
     ):
+        """`squared_norms`: section -> its gradients' squared norm for clipping (default
+        `runtime.optimizer.squared_norm`; `section_squared_norm` leaves frozen parameters out)."""
         self.graph, self.plan, self.mesh = graph, plan, mesh
         self.row_sharding = row_sharding(mesh)
         self.trained = tuple(s.name for s in graph.sections if s.trained)
@@ -59,7 +62,7 @@ class Monolithic:
         self._zeros = jax.jit(lambda p: jax.tree.map(jax.numpy.zeros_like, p), out_shardings=p_sh)
         self.clip_norm = clip_norm
         self._updates = {s: jax.jit(update_fn(optimizers[s], clip_norm)) for s in self.trained}
-        self._squared_norm = jax.jit(squared_norm)
+        self._squared_norms = {s: jax.jit((squared_norms or {}).get(s, squared_norm)) for s in self.trained}
 
     def host_batches(self, samples: Sequence) -> list[dict]:
         """Arrival-order micro-batches; every section sees the same rows (None: section idle)."""
@@ -105,7 +108,7 @@ class Monolithic:
 
     def squared_norms(self, grads) -> dict[str, object]:
         with on_mesh(self.mesh, self.plan.rules):
-            return {s: self._squared_norm(grads[s]) for s in self.trained}
+            return {s: self._squared_norms[s](grads[s]) for s in self.trained}
 
     def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:
         """Every section's optimizer step, clipped by the norm over all of them (`runtime.optimizer`:

@@ -8,13 +8,21 @@ scales its gradients by optax's clipping factor (`clip`) before its own optimize
 step does the same on one mesh (`runtime.monolithic.Monolithic.update`), so the two clip alike
 to float rounding, and both equal what one optimizer over the whole model would do.
 
+Freezing (`optimizer.sections.<s>.freeze`, regexes over parameter paths): the frozen parameters
+go to `optax.set_to_zero` through `optax.multi_transform`, so the optimizer proper never sees
+them (no update, no weight decay, no moments), and `squared_norm` leaves them out, so the clip
+norm is the norm over the parameters that train, as if the frozen ones were constants. Their
+gradients are still computed (the backward runs through them to reach what trains below).
+
 The learning rate is injected (`optax.inject_hyperparams`): the rate each update used is in the
 optimizer state, where the training loop reads it for the metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,36 +58,93 @@ def _matrices(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def _sgd(learning_rate, weight_decay, mask):
-    return optax.chain(optax.add_decayed_weights(weight_decay, mask), optax.sgd(learning_rate))
+def _sgd(learning_rate, weight_decay, mask, freeze):
+    return _freezing(optax.chain(optax.add_decayed_weights(weight_decay, mask), optax.sgd(learning_rate)), freeze)
+
+
+def _adamw(learning_rate, b1, b2, eps, weight_decay, mask, freeze):
+    return _freezing(optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay, mask=mask), freeze)
+
+
+def param_path(path) -> str:
+    """A parameter's path as `freeze` patterns read it: its dict keys joined by "/"
+    (`block_0/attn/q/kernel`); flax's partitioning boxes add nothing."""
+    return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _frozen(freeze: Sequence[str]) -> Callable[[str], bool]:
+    compiled = [re.compile(p) for p in freeze]
+    return lambda path: any(c.fullmatch(path) for c in compiled)
+
+
+def _freezing(tx: optax.GradientTransformation, freeze: tuple[str, ...]) -> optax.GradientTransformation:
+    """`tx` for the parameters no `freeze` pattern matches; zero updates (and no state) for the rest."""
+    if not freeze:
+        return tx
+    frozen = _frozen(freeze)
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "frozen" if frozen(param_path(path)) else "trained", params
+        )
+
+    return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 def section_optimizer(cfg: OptimizerConfig, section: str, steps: int) -> optax.GradientTransformation:
-    """`section`'s optimizer, its overrides applied (`OptimizerConfig.for_section`)."""
+    """`section`'s optimizer, its overrides applied (`OptimizerConfig.for_section`) and its
+    frozen parameters left out."""
     peak, sched, decay = cfg.for_section(section)
     lr = learning_rate(peak, sched, steps, section if section in cfg.sections else "")
     mask = _matrices if cfg.decay == "matrices" else None
+    freeze = _freeze_of(cfg, section)
     if cfg.name == "sgd":
-        return optax.inject_hyperparams(_sgd, static_args=("mask",))(learning_rate=lr, weight_decay=decay, mask=mask)
-    return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay, mask=mask
+        return optax.inject_hyperparams(_sgd, static_args=("mask", "freeze"))(
+            learning_rate=lr, weight_decay=decay, mask=mask, freeze=freeze
+        )
+    return optax.inject_hyperparams(_adamw, static_args=("mask", "freeze"))(
+        learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay, mask=mask, freeze=freeze
     )
 
 
-def check_sections(cfg: OptimizerConfig, trained: Sequence[str]) -> None:
-    """Per-section settings name trained sections (before any compute)."""
+def _freeze_of(cfg: OptimizerConfig, section: str) -> tuple[str, ...]:
+    own = cfg.sections.get(section)
+    return tuple(own.freeze) if own is not None else ()
+
+
+def section_squared_norm(cfg: OptimizerConfig, section: str) -> Callable:
+    """`squared_norm` over `section`'s gradients, its frozen parameters left out."""
+    return functools.partial(squared_norm, freeze=_freeze_of(cfg, section))
+
+
+def check_sections(cfg: OptimizerConfig, trained: Sequence[str], params: Mapping[str, object] | None = None) -> None:
+    """Per-section settings name trained sections, and each `freeze` pattern matches some of the
+    section's parameters in `params` (section -> its params tree, abstract will do), before any compute."""
     for name in cfg.sections:
         if name not in trained:
             raise ConfigError(
                 f"error: optimizer.sections.{name}: not a trained section of this graph; trained "
                 f"sections: {', '.join(sorted(trained))}"
             )
+    for name, own in cfg.sections.items():
+        if params is None or not own.freeze:
+            continue
+        paths = [param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(params[name])]
+        for pattern in own.freeze:
+            if not any(_frozen([pattern])(p) for p in paths):
+                shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+                raise ConfigError(
+                    f"error: optimizer.sections.{name}.freeze={pattern!r}: matches no parameter of section "
+                    f"{name!r} (the whole path must match); its {len(paths)} parameters: {shown}"
+                )
 
 
-def squared_norm(tree) -> jax.Array:
-    """Sum of squares of every element of `tree`, in float32, as a 1-element array (what the
-    cross-mesh transfers move: they cut arrays along a first dimension)."""
-    total = optax.tree_utils.tree_norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree), squared=True)
+def squared_norm(tree, freeze: tuple[str, ...] = ()) -> jax.Array:
+    """Sum of squares of every element of `tree` but the parameters `freeze` matches, in float32,
+    as a 1-element array (what the cross-mesh transfers move: they cut arrays along a first dimension)."""
+    frozen = _frozen(freeze)
+    kept = [x.astype(jnp.float32) for p, x in jax.tree_util.tree_leaves_with_path(tree) if not frozen(param_path(p))]
+    total = optax.tree_utils.tree_norm(kept, squared=True) if kept else jnp.zeros((), jnp.float32)  # all frozen: 0.0
     return jnp.reshape(total, (1,))
 
 

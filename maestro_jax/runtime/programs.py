@@ -44,6 +44,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -262,6 +263,7 @@ class SectionPrograms:
         is_sink: bool,
         rules: str = "default",
         clip_norm: float | None = None,
+        squared_norm: Callable = squared_norm,  # its share of the clip norm (frozen params left out)
     ):
         self.section, self.mesh, self.optimizer, self.rules = section, mesh, optimizer, rules
         self.name = section.name

@@ -30,6 +30,7 @@ restores onto any process count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -361,6 +362,22 @@ class Checkpointer:
             self._quarantine(step, problem)
         return None
 
+    def restore_params(self, step: int, section: str, target):
+        """`section`'s params alone from `step`, into `target`'s shardings (its optimizer state is
+        not read: Orbax's partial restore)."""
+        layout = self.save_layout
+
+        def abstract(x):
+            return layout.target(x) if layout else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        view = {"params": jax.tree.map(abstract, target)}
+        args = ocp.args.PyTreeRestore(
+            view, restore_args=ocp.checkpoint_utils.construct_restore_args(view), partial_restore=True
+        )
+        params = self.manager.restore(step, args=ocp.args.Composite(**{f"section_{section}": args}))
+        params = params[f"section_{section}"]["params"]
+        return jax.tree.map(lambda v, t: layout.scatter(v, t.sharding), params, target) if layout else params
+
     def _quarantine(self, step: int, problem: str) -> None:
         earlier = [s for s in self.committed_steps() if s < step]
         where = f"falling back to step {earlier[-1]}" if earlier else "no earlier checkpoint: starting from scratch"
@@ -420,3 +437,55 @@ def reading_checkpoints(cfg, coordinator: Coordinator | None = None) -> Iterator
         Checkpointer(directory, read_only=True, coordinator=coordinator) as ckpt,
     ):
         yield ckpt
+
+
+def start_from_checkpoints(cfg, states: dict[str, SectionState], programs, coordinator: Coordinator | None = None):
+    """Sections with `init.checkpoint_dir` take their params from the newest committed step of
+    that directory (another run: a previous training stage), their optimizer started afresh
+    (`programs[s].init_optimizer`). The step's files must match their manifest's checksums and
+    its params the section's shapes; otherwise a `ConfigError` names the key and what is wrong.
+    The directory's run lock is held while reading, so a live run cannot rotate the step away."""
+    coordinator = coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s)
+    for s, sc in cfg.sections.items():
+        if sc.init is None or sc.init.checkpoint_dir is None:
+            continue
+        directory = Path(sc.init.checkpoint_dir).absolute()
+        key = f"sections.{s}.init.checkpoint_dir={sc.init.checkpoint_dir!r}"
+        if states[s].opt_state is None:
+            raise ConfigError(f"error: {key}: section {s!r} is not trained; only a trained section starts from a run")
+        if not directory.is_dir():
+            raise ConfigError(f"error: {key}: no such directory; give another run's checkpoint_dir")
+        with (
+            hold_directories({f"sections.{s}.init.checkpoint_dir": directory}, coordinator),
+            Checkpointer(directory, read_only=True, coordinator=coordinator) as ckpt,
+        ):
+            step = ckpt.latest_step()
+            if step is None:
+                raise ConfigError(
+                    f"error: {key}: holds no committed checkpoint; give the checkpoint_dir of a run that "
+                    f"saved one (default <output_dir>/checkpoints)"
+                )
+            try:
+                manifest = json.loads((directory / MANIFEST.format(step=step)).read_text())
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"error: {key}: the manifest of step {step} is unreadable ({err})") from None
+            problem = verify_step(directory / str(step), manifest)
+            if problem is not None:
+                raise ConfigError(f"error: {key}: step {step} is corrupt ({problem})")
+            saved = manifest.get("layout", {})
+            if s not in saved:
+                raise ConfigError(f"error: {key}: step {step} holds no trained section {s!r}; it holds {sorted(saved)}")
+
+            def params_only(layout):
+                return {p: v for p, v in layout.items() if p.startswith("['params']")}
+
+            mine = params_only(state_layout({s: states[s]})[s])
+            difference = layout_difference({s: params_only(saved[s])}, {s: mine})
+            if difference is not None:
+                raise ConfigError(f"error: {key}: step {step} does not fit models.{s} ({difference})")
+            params = ckpt.restore_params(step, s, states[s].params)
+        states = {
+            **states,
+            s: dataclasses.replace(states[s], params=params, opt_state=programs[s].init_optimizer(params)),
+        }
+    return states

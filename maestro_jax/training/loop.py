@@ -33,7 +33,7 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import Coordinator, PeerError
-from maestro_jax.training.checkpoint import Checkpointer
+from maestro_jax.training.checkpoint import Checkpointer, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
 from maestro_jax.training.preemption import Preemption
@@ -89,6 +89,8 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
                 start, states, data_state, _ = restored
                 data.set_state(data_state)
                 say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
+        if start == 0:  # a fresh run: sections that start from another run's checkpoint
+            states = start_from_checkpoints(cfg, states, rt.programs, coordinator)
         if start >= cfg.steps:
             say(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
             return []

@@ -22,7 +22,7 @@ def check_pretrained(cfg: Config, pretrained) -> None:
 
     fields_of = {"llm": hf.llm_fields, "vit": hf_encoders.vit_fields, "audio": hf_encoders.audio_fields}
     for s, sc in cfg.sections.items():
-        if sc.init is None:
+        if sc.init is None or sc.init.hf_path is None:  # random, or another run's checkpoint (training)
             continue
         if s not in pretrained:
             raise ConfigError(
