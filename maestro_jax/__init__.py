@@ -6,7 +6,7 @@ The public API (`import maestro_jax as mj`):
   mj.Sample, mj.SampleInfo, mj.Modality               the sample schema (named modalities)
   mj.Config, mj.load_config                           plans and run settings (typed, validated)
   mj.Trainer                                          train / verify / bench / plan / simulate a graph
-  mj.Workload                                         register a workload as a config plug-in
+  mj.Workload, mj.Settings                            register a workload as a config plug-in, its typed settings
 Names load on first use, so `maestro_jax.core`, `.schedule` and `.planning` import without JAX.
 Architecture: docs/ARCHITECTURE.md.
 """
@@ -27,6 +27,7 @@ _EXPORTS = {
     "Config": "maestro_jax.config",
     "ConfigError": "maestro_jax.config",
     "load_config": "maestro_jax.config",
+    "Settings": "maestro_jax.config",
     "Trainer": "maestro_jax.training.trainer",
     "Workload": "maestro_jax.workloads",
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -25,6 +25,12 @@ class ConfigError(ValueError):
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Settings(_Frozen):
+    """Base of a plug-in's typed settings: a workload's `workload_settings:` block
+    (`Workload.settings`) and the fields of a model kind it declares (`Workload.model_kinds`).
+    Frozen, and unknown keys are refused, as everywhere in the config (`validate_block`)."""
 
 
 class MeshConfig(_Frozen):
@@ -194,7 +200,28 @@ class LLMModelConfig(_Frozen):
         return v
 
 
-ModelConfig = Annotated[ViTModelConfig | AudioModelConfig | LLMModelConfig, Field(discriminator="kind")]
+class PluginModelConfig(BaseModel):
+    """`models.<name>` of a kind other than the built-in ones: a kind a plug-in workload declares
+    (`Workload.model_kinds`), kept as written here and validated against the plug-in's class when
+    the workload is resolved (`workloads.check_config`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    kind: str
+
+
+def _model_kind(entry) -> str | None:
+    """The union member a `models` entry validates as: its built-in kind, or `plugin`."""
+    kind = entry.get("kind") if isinstance(entry, dict) else getattr(entry, "kind", None)
+    return None if kind is None else kind if isinstance(kind, str) and kind in MODEL_KINDS else "plugin"
+
+
+ModelConfig = Annotated[
+    Annotated[ViTModelConfig, pydantic.Tag("vit")]
+    | Annotated[AudioModelConfig, pydantic.Tag("audio")]
+    | Annotated[LLMModelConfig, pydantic.Tag("llm")]
+    | Annotated[PluginModelConfig, pydantic.Tag("plugin")],
+    pydantic.Discriminator(_model_kind),
+]
 
 
 class DistillConfig(_Frozen):
@@ -275,7 +302,9 @@ class ModalityDataConfig(_Frozen):
 
 
 class DataConfig(_Frozen):
-    kind: Literal["synthetic", "array_record"] = "synthetic"
+    # synthetic: seeded samples of the workload's modalities; array_record: `paths`; workload: the
+    # plug-in workload's own source (`Workload.source`), which may read its `workload_settings`
+    kind: Literal["synthetic", "array_record", "workload"] = "synthetic"
     paths: list[str] = []  # array_record: files written by scripts/convert_images.py
     num_samples: PositiveInt = 4096
     text_len: tuple[PositiveInt, PositiveInt] = (8, 48)
@@ -361,6 +390,9 @@ class Config(_Frozen):
     async_checkpoint: bool = True
     on_nonfinite: Literal["skip", "stop"] = "stop"  # NaN/inf loss or grads: skip the step, or stop the run
     models: dict[str, ModelConfig] = {}
+    # the workload's own settings (e.g. vlm's image_token), validated against the class it
+    # declares (`Workload.settings`) when the workload is resolved: `workloads.settings(cfg)`
+    workload_settings: dict[str, Any] = {}
     distill: DistillConfig = DistillConfig()
     sections: dict[str, SectionConfig]
     edges: dict[str, EdgeConfig] = {}
@@ -380,6 +412,24 @@ class Config(_Frozen):
             raise ValueError(
                 f"eval.data: not set, and the training data (data.kind={self.data.kind}) is no "
                 f"held-out source; give eval.data (e.g. kind: array_record with other paths)"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _plugin_parts(self):
+        """Only a plug-in workload (`package.module:NAME`) may declare model kinds of its own;
+        settings need a workload to validate them."""
+        plugin = self.workload is not None and ":" in self.workload
+        for name, m in self.models.items():
+            if isinstance(m, PluginModelConfig) and not plugin:
+                raise ValueError(
+                    f"models.{name}.kind={m.kind!r}: unknown; valid: {', '.join(MODEL_KINDS)} (a plug-in "
+                    f"workload, 'package.module:NAME', may declare kinds of its own)"
+                )
+        if self.workload is None and self.workload_settings:
+            raise ValueError(
+                "workload_settings: given, but no workload is named to take them; valid: name a workload, "
+                "or leave workload_settings out"
             )
         return self
 
@@ -424,23 +474,27 @@ def set_dotted(tree: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
-_MODEL_KINDS = {"vit": ViTModelConfig, "audio": AudioModelConfig, "llm": LLMModelConfig}
+# the built-in model kinds; a plug-in workload may declare others (`Workload.model_kinds`)
+MODEL_KINDS = {"vit": ViTModelConfig, "audio": AudioModelConfig, "llm": LLMModelConfig}
 
 
-def _format_error(err: pydantic.ValidationError) -> str:
+def _format_error(err: pydantic.ValidationError, root: type[BaseModel] | None = None, prefix: str = "") -> str:
+    """The one line of a validation error of `root` (default: `Config`), whose keys sit under
+    `prefix` in the config (a plug-in's block: `workload_settings`, `models.<name>`)."""
+    root = root or Config
     errors = err.errors()
     # a misspelt key shows up twice (unknown key, and the real one missing): name the misspelling
     e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     parts = [str(p) for p in e["loc"]]
-    tagged = len(parts) > 2 and parts[0] == "models" and parts[2] in _MODEL_KINDS
+    tagged = root is Config and len(parts) > 2 and parts[0] == "models" and parts[2] in (*MODEL_KINDS, "plugin")
     if tagged:
         del parts[2]  # pydantic's union tag, not a config key
-    loc = ".".join(parts)
+    loc = ".".join([prefix, *parts] if prefix else parts)
     if e["type"] == "extra_forbidden":
         parent_model = (
-            _model_at(_MODEL_KINDS[str(e["loc"][2])], [str(p) for p in e["loc"][3:-1]])
+            _model_at(MODEL_KINDS[str(e["loc"][2])], [str(p) for p in e["loc"][3:-1]])
             if tagged
-            else _model_at(Config, [str(p) for p in e["loc"][:-1]])
+            else _model_at(root, [str(p) for p in e["loc"][:-1]])
         )
         field = str(e["loc"][-1])
         options = sorted(parent_model.model_fields) if parent_model else []
@@ -448,9 +502,21 @@ def _format_error(err: pydantic.ValidationError) -> str:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"error: {loc}: unknown key{hint}; valid keys: {', '.join(options)}"
     message = e["msg"].removeprefix("Value error, ")
-    if not loc:  # a check across keys: the message names them
-        return f"error: {message}"
+    if e["type"] == "union_tag_not_found":  # a `models` entry without `kind`
+        return f"error: {loc}.kind: missing; valid: {', '.join(MODEL_KINDS)}, or a kind the plug-in workload declares"
+    if not parts:  # a check across keys: the message names them
+        return f"error: {prefix + ': ' if prefix else ''}{message}"
     return f"error: {loc}={e.get('input')!r}: {message}"
+
+
+def validate_block(model: type[BaseModel], raw: dict, key: str) -> BaseModel:
+    """`raw`, the config's `key` block (`workload_settings`, `models.<name>` of a plug-in kind),
+    as `model`; refused like every other key of the config: a ConfigError of one line naming
+    `key.<field>`, its value and what is valid."""
+    try:
+        return model.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_format_error(err, model, key)) from None
 
 
 def _model_at(model, path):

@@ -13,9 +13,10 @@ side (default: the largest the model takes), each side a multiple of patch * mer
     python scripts/convert_dataset.py llava.json OUT.array_record --tokenizer TOKENIZER_DIR \\
         --config configs/vlm_tiny.yaml [--set models.llm.vocab=32000 ...]
 It also writes OUT.array_record.index.json. The config says what the model takes (vocabulary,
-images or text only, data.max_tokens): the tokenizer is checked against it before any record is
-read (an id beyond the vocabulary, no single `<image>` token, a text token on a placeholder id
-are refused with one `error:` line and status 2). A record that cannot become a sample (not JSON,
+images or text only, the image placeholder id `workload_settings.image_token`, data.max_tokens):
+the tokenizer is checked against it before any record is read (an id beyond the vocabulary, no
+single `<image>` token, an `<image>` on another id than the config's image_token, a text token on
+a placeholder id are refused with one `error:` line and status 2). A record that cannot become a sample (not JSON,
 a missing image, markers that do not match its images, too long, ...) is skipped with one
 `skipped WHERE: why` line on stderr; `--strict` stops there instead, with one `error:` line and
 status 2. Sample ids are the records' positions over all inputs.
@@ -39,13 +40,13 @@ from maestro_jax.data.convert import (
 
 def target_of(config: Path, overrides: list[str]) -> Target:
     """What the config's model takes: its workload's vocabulary and modalities, data.max_tokens."""
-    from maestro_jax.workloads import resolve
+    from maestro_jax.workloads import check_config, modalities_of
 
     cfg = load_config(config, overrides)
-    workload = resolve(cfg.workload)
+    workload = check_config(cfg)
     vocab = workload.vocab(cfg)
     fields = [f"models.{n}.vocab" for n, m in cfg.models.items() if getattr(m, "vocab", None) == vocab]
-    return Target(vocab, "=".join(fields) or "vocab", workload.modalities(cfg), cfg.data.max_tokens, cfg.workload)
+    return Target(vocab, "=".join(fields) or "vocab", modalities_of(cfg, workload), cfg.data.max_tokens, cfg.workload)
 
 
 def main() -> int:

@@ -9,14 +9,14 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_OMNI, TINY_VLM
 from PIL import Image
 
 from maestro_jax.config import load_config
 from maestro_jax.data import IMAGE_TOKEN, ArrayRecordSource
 from maestro_jax.data import convert as C
 from maestro_jax.training.loop import train
-from maestro_jax.workloads import resolve
+from maestro_jax.workloads import modalities_of, resolve, sample_check
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,7 +61,7 @@ def tokenizer(tmp_path_factory):
 def target(config, overrides):
     cfg = load_config(ROOT / "configs" / config, overrides)
     w = resolve(cfg.workload)
-    return C.Target(w.vocab(cfg), "vocab", w.modalities(cfg), cfg.data.max_tokens, cfg.workload)
+    return C.Target(w.vocab(cfg), "vocab", modalities_of(cfg), cfg.data.max_tokens, cfg.workload)
 
 
 VLM = target("vlm_tiny.yaml", TINY_VLM)
@@ -231,10 +231,17 @@ def test_a_tokenizer_the_model_cannot_take_is_refused_before_any_record(tokenize
     with pytest.raises(C.ConvertError) as err:
         C.check_tokenizer(shifted, VLM)
     assert str(err.value) == (
-        f"error: --tokenizer={tmp_path / 'shifted'}: token '<|im_start|>' has id 1, which the vlm workload "
-        f"reserves for image placeholders; valid: a tokenizer whose id 1 is its '<image>' token or unused"
+        f"error: workload_settings.image_token=1: the tokenizer in {tmp_path / 'shifted'} has '<image>' at id 2, "
+        f"and image tokens take the id of the tokenizer's marker; valid: workload_settings.image_token=2"
     )
     C.check_tokenizer(shifted, C.Target(400, "vocab", (), None, "kd"))  # text only: ids 1 and 2 are text
+    omni = target("omni_tiny.yaml", TINY_OMNI)  # <audio> reserves id 2, where this tokenizer has <image>
+    with pytest.raises(C.ConvertError) as err:
+        C.check_tokenizer(C.ChatTokenizer.load(make_tokenizer(tmp_path / "swapped", ["<pad>", "<image>", "<x>"])), omni)
+    assert str(err.value) == (
+        f"error: --tokenizer={tmp_path / 'swapped'}: token '<x>' has id 2, which the omni workload reserves for "
+        f"audio placeholders; valid: a tokenizer whose id 2 is its '<audio>' token or unused"
+    )
     with pytest.raises(C.ConvertError, match=r"^error: --max-side=4: valid: 8 \(patch \* merge.*\) to 256 \(the"):
         C.Converter(tok, VLM, tmp_path, max_side=4)
 
@@ -298,3 +305,36 @@ def test_converted_conversations_train(tokenizer, images, tmp_path):
     )
     history = train(cfg, progress=False)
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+
+
+def test_image_placeholder_id_is_the_tokenizers_own(images, tmp_path):
+    """A Llama-like tokenizer (`<s>` on id 1) whose `<image>` is id 7: with the default image_token
+    the conversion is refused before any record is read; with workload_settings.image_token=7 the
+    samples carry id 7 on exactly their image tokens (no loss there) and pass the workload's checks."""
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", "<audio>", "<image>"]
+    folder = make_tokenizer(tmp_path / "tok7", specials)
+    records = [llava(i) for i in range(3)]
+    data = tmp_path / "llava.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "seven.array_record"
+    cmd = SCRIPT + [str(tmp_path / "none.jsonl"), str(out), "--tokenizer", str(folder)]
+    cmd += ["--config", str(ROOT / "configs/vlm_tiny.yaml"), "--image-root", str(images), "--max-side", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)  # the input does not exist: never read
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: workload_settings.image_token=1: the tokenizer in {folder} has '<image>' at id 7, and image "
+        f"tokens take the id of the tokenizer's marker; valid: workload_settings.image_token=7"
+    ]
+    cmd[len(SCRIPT)] = str(data)
+    proc = subprocess.run(
+        cmd + ["--set", "workload_settings.image_token=7", "--strict"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "wrote 3 samples" in proc.stdout, proc.stderr
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", ["workload_settings.image_token=7"])
+    (image,) = modalities_of(cfg)
+    check, src = sample_check(cfg), ArrayRecordSource((str(out),))
+    for i, record in enumerate(records):
+        s = check(src[i])
+        shapes = [expected_shape(*SIZES[int(n[2:-4])]) for n in record["image"]]
+        assert [b - a for a, b in runs(s.tokens == 7)] == [image.tokens(sh[:2]) for sh in shapes]
+        assert not s.loss_mask[s.tokens == 7].any()

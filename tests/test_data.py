@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT, TINY_VLM
 from PIL import Image
 
+from maestro_jax import workloads
 from maestro_jax.config import load_config
 from maestro_jax.data import (
     AUDIO_TOKEN,
@@ -270,6 +271,33 @@ def test_convert_folder_and_train(tmp_path):
     )
     history = train(cfg, progress=False)
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+
+
+def test_convert_folder_with_the_configs_image_id(tmp_path):
+    """With --config, convert_images.py puts the config's image id (7 here) on the image tokens,
+    and byte-level text skips it (byte 4 would be id 7 under the default layout)."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(np.zeros((16, 8, 3), np.uint8)).save(folder / "a.png")
+    (folder / "a.txt").write_text("four \x04 and seven")
+    out = tmp_path / "seven.array_record"
+    settings = ["--set", "workload_settings.image_token=7"]
+    script = [sys.executable, str(ROOT / "scripts/convert_images.py"), str(folder), str(out), "--max-side", "16"]
+    proc = subprocess.run(
+        script + ["--config", str(ROOT / "configs/vlm_tiny.yaml"), *settings], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "wrote 1 samples" in proc.stdout, proc.stderr
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", ["workload_settings.image_token=7"])
+    s = workloads.sample_check(cfg)(ArrayRecordSource((str(out),))[0])
+    assert np.count_nonzero(s.tokens == 7) == workloads.modalities_of(cfg)[0].tokens((16, 8)) == 2
+    assert s.tokens[s.tokens != 7].tolist() == [3 + b if 3 + b < 7 else 4 + b for b in b"four \x04 and seven"]
+    proc = subprocess.run(
+        script + ["--config", str(ROOT / "configs/vlm_tiny.yaml"), "--patch", "4"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --patch/--merge: the config sets them (models.vision); valid: leave them out"
+    ]
 
 
 # -- bad values in stored samples: caught against the model's own limits, named by file and record --

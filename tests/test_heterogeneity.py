@@ -29,7 +29,7 @@ def test_highres_vlm_config_images_fit_the_vit_and_its_plan_fits_80gb():
     cfg = load_config(HIGHRES)
     vit, images = cfg.models["vision"], cfg.data.modalities["image"]
     assert max(max(s) for s in images.sizes) <= vit.max_grid * vit.patch, "max_grid covers the largest image"
-    tokens = image_modality(vit).tokens
+    tokens = image_modality(cfg).tokens
     assert tokens((1344, 1344)) == 2304 and tokens((1792, 1792)) == 4096  # thousands of tokens per image
     source = workloads.source_from_config(cfg)
     infos = [source.info(i) for i in range(512)]

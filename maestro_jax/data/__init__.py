@@ -12,6 +12,7 @@ from maestro_jax.data.samples import (
     decode_sample,
     encode_sample,
     image_tokens,
+    text_ids,
     validate_info,
     validate_sample,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "global_batches",
     "image_tokens",
     "sample_info",
+    "text_ids",
     "validate_info",
     "validate_sample",
     "write_index",

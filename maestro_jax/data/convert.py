@@ -6,7 +6,8 @@ Records are read one at a time and written as they come (a dataset never sits in
                  `{"messages": [{"role", "content": text | [parts]}]}` (parts `{"type": "text",
                  "text"}`, `{"type": "image" | "image_url", ...}`): rendered with the tokenizer's
                  chat template, each image marker replaced by that image's placeholder tokens
-                 (single, several, interleaved), loss only on the assistant's turns
+                 (single, several, interleaved; the marker's token id is the config's image
+                 placeholder id, `workload_settings.image_token`), loss only on the assistant's turns
                  (`Sample.loss_mask`), so the model learns to answer, not to write prompts;
   plain text     `{"text": ...}`: every token carries loss (the KD teacher and student read text).
 from JSONL, a JSON array (streamed), or a Hugging Face `datasets` dataset saved to disk.
@@ -152,11 +153,12 @@ def _compile_template(folder: Path, source: str):
 def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAGE_MARKER) -> None:
     """Refuse, before any record is read, a tokenizer whose ids the model cannot take: an id at
     or beyond the vocabulary, no single token for the image marker (where the model takes
-    images), or a text token on an id the model reserves for a modality's placeholders (every
-    such token would be read as an embedding slot)."""
+    images), an image marker on another id than the config's image placeholder
+    (`workload_settings.image_token`: the marker's id is the placeholder, as the pretrained LLM
+    of that tokenizer knows it), or a text token on an id the model reserves for a modality's
+    placeholders (every such token would be read as an embedding slot)."""
     vocab = tok.tokenizer.get_vocab(with_added_tokens=True)
     image = target.modality("image")
-    markers = {}
     if image is not None:
         marker_id = vocab.get(image_marker)
         if marker_id is None or tok.tokenizer.encode(image_marker, add_special_tokens=False).ids != [marker_id]:
@@ -165,14 +167,18 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"error: --image-token={image_marker!r}: not one token of the tokenizer in {tok.folder}; valid: "
                 f"one of its added tokens {added[:12]}, or add {image_marker!r} to it as a special token"
             )
-        markers[marker_id] = image
-    text = {t: i for t, i in vocab.items() if i not in markers}
-    if text:
-        top = max(text, key=text.get)
-        if text[top] >= target.vocab:
+        if marker_id != image.placeholder:
+            raise ConvertError(
+                f"error: workload_settings.image_token={image.placeholder}: the tokenizer in {tok.folder} has "
+                f"{image_marker!r} at id {marker_id}, and image tokens take the id of the tokenizer's marker; "
+                f"valid: workload_settings.image_token={marker_id}"
+            )
+    if vocab:
+        top = max(vocab, key=vocab.get)
+        if vocab[top] >= target.vocab:
             raise ConvertError(
                 f"error: {target.vocab_field}={target.vocab}: the tokenizer in {tok.folder} has ids up to "
-                f"{text[top]} (token {top!r}); valid: a vocabulary of at least {text[top] + 1}, or a "
+                f"{vocab[top]} (token {top!r}); valid: a vocabulary of at least {vocab[top] + 1}, or a "
                 f"tokenizer of at most {target.vocab} tokens"
             )
     for m in target.modalities:
@@ -381,9 +387,8 @@ class Converter:
                     f"has {len(at)} {self.image_marker} markers after its chat template, but {len(refs)} images"
                 )
             images = tuple(load_image(self._resolve(r), image.unit[0], self._side(image)) for r in refs)
-            for pos, im in zip(at, images):
+            for pos, im in zip(at, images):  # the marker's id is the placeholder (`check_tokenizer`)
                 repeat[pos] = image.tokens(im.shape[:2])
-            ids[at] = image.placeholder
             mask[at] = False
         if not mask.any():
             raise BadRecord("its assistant turns hold no token")

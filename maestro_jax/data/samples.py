@@ -15,9 +15,18 @@ from collections.abc import Mapping
 
 import numpy as np
 
+# The built-in workloads' default placeholder ids (`workload_settings.image_token`/`audio_token`
+# set others: a real tokenizer's `<image>` id); a sample's placeholders are its `Modality.placeholder`.
 IMAGE_TOKEN = 1  # placeholder id of an image token (one per merged patch window)
 AUDIO_TOKEN = 2  # placeholder id of an audio token (one per group of frames)
-FIRST_TEXT_TOKEN = 3  # text ids start here; 0 is padding
+FIRST_TEXT_TOKEN = 3  # synthetic and byte-level text ids start here (0 is padding), skipping placeholders
+
+
+def text_ids(end: int, placeholders=()) -> np.ndarray:
+    """The ids generated text may take, in order: FIRST_TEXT_TOKEN up to `end` (excluded), without
+    the placeholder ids (text on one would be taken for an item's slot). With the default
+    placeholders this is every id from FIRST_TEXT_TOKEN."""
+    return np.setdiff1d(np.arange(FIRST_TEXT_TOKEN, end), np.asarray(placeholders, np.int64))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from maestro_jax.data.samples import (
-    FIRST_TEXT_TOKEN,
     TOKENS,
     DataError,
     Modality,
@@ -30,6 +29,7 @@ from maestro_jax.data.samples import (
     decode_sample,
     hollow_sample,
     record_info,
+    text_ids,
 )
 
 
@@ -49,8 +49,9 @@ class SyntheticSource:
     """A deterministic random-access source: sample `i` is a pure function of `(seed, i)`, so
     any host can rebuild any sample, and `info(i)` costs no payload.
 
-    Text follows a noisy affine bigram rule (next = 7 * prev + 3 mod span, 90% of the time) so
-    that loss can fall. Each modality's placeholders go in at a random text position.
+    Text follows a noisy affine bigram rule (next = 7 * prev + 3 mod span, 90% of the time) over
+    the ids `text_ids` gives (none is a placeholder of `items` or `reserved`) so that loss can
+    fall. Each modality's placeholders go in at a random text position.
     """
 
     num_samples: int
@@ -58,6 +59,7 @@ class SyntheticSource:
     text_len: tuple[int, int]
     items: tuple[SyntheticItems, ...] = ()
     seed: int = 0
+    reserved: tuple[int, ...] = ()  # ids text never takes: every placeholder of the workload, items or not
 
     def __len__(self) -> int:
         return self.num_samples
@@ -109,14 +111,15 @@ class SyntheticSource:
         return hollow_sample(self.info(index), out), 0
 
     def _tokens(self, rng, length: int, shapes) -> np.ndarray:
-        span = self.vocab - FIRST_TEXT_TOKEN
+        ids = text_ids(self.vocab, (*self.reserved, *(spec.modality.placeholder for spec in self.items)))
+        span = len(ids)
         text = np.empty(length, np.int64)
         text[0] = rng.integers(span)
         noise = rng.integers(span, size=length)
         follow = rng.random(length) < 0.9
         for i in range(1, length):
             text[i] = (7 * text[i - 1] + 3) % span if follow[i] else noise[i]
-        text += FIRST_TEXT_TOKEN
+        text = ids[text]
         for spec in self.items:
             m = spec.modality
             if m.name in shapes:

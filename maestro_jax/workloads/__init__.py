@@ -5,6 +5,11 @@ is an import path `package.module:NAME` to a user's `Workload`. The workload bui
 graph from the config (its sections, edges, models, declared costs); the same graph serves the
 runtime, the planner, the simulator, the data checks and `verify`/`bench`.
 
+A workload may bring its own typed settings (`Workload.settings`, read from the config's
+`workload_settings:` block), model kinds of its own (`Workload.model_kinds`, for `models:`
+entries of those kinds) and its own sample source (`Workload.source`, for `data.kind: workload`);
+they are validated like every other key of the config, before anything is built (`check_config`).
+
 This module turns a config into what those users take from its workload: the graph checked
 against the config's sections (`build_graph`), the sample source and the sample checks
 (`source_from_config`, `sample_check`, `info_check`), and the planning view (`describe`,
@@ -19,7 +24,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 
-from maestro_jax.config import Config, ConfigError
+from maestro_jax.config import MODEL_KINDS, Config, ConfigError, PluginModelConfig, Settings, validate_block
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.data.samples import Modality
 
@@ -37,6 +42,13 @@ class Workload:
     pretrained: section -> loader(section, path, states, programs) -> states, for sections that
       can start from a Hugging Face folder (`sections.<s>.init.hf_path`); checked before compiling
       by `pretrained.check_pretrained`, called by the runtime after its sections initialise.
+    settings: the class (a `config.Settings`) the config's `workload_settings:` block is validated
+      against; its defaults apply where the block leaves a field out. `settings(cfg)` reads it.
+      None: the workload takes no settings.
+    model_kinds: kind -> its fields' class (a `config.Settings`, without `kind`), for `models:`
+      entries of kinds of the plug-in's own; `model(cfg, name, kind)` reads one.
+    source: cfg -> a random-access sample source (`data.sources`), used for `data.kind: workload`
+      (it reads `cfg.data`; under `eval`, that is `eval.data`, with `seed + 1`).
     """
 
     name: str
@@ -44,6 +56,23 @@ class Workload:
     vocab: Callable[[Config], int]
     modalities: Callable[[Config], tuple[Modality, ...]] = lambda cfg: ()
     pretrained: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    settings: type[Settings] | None = None
+    model_kinds: Mapping[str, type[Settings]] = dataclasses.field(default_factory=dict)
+    source: Callable[[Config], object] | None = None
+
+    def __post_init__(self):
+        """A settings or model class that let unknown keys through would drop a misspelt key silently."""
+        for what, cls in [
+            ("settings", self.settings),
+            *((f"model_kinds[{k!r}]", c) for k, c in self.model_kinds.items()),
+        ]:
+            if cls is not None and not (isinstance(cls, type) and issubclass(cls, Settings)):
+                raise TypeError(
+                    f"Workload {self.name!r}: {what} must be a maestro_jax.config.Settings subclass, not {cls!r}"
+                )
+        clash = sorted(set(self.model_kinds) & set(MODEL_KINDS))
+        if clash:
+            raise TypeError(f"Workload {self.name!r}: model_kinds {clash} are built-in kinds; name the plug-in's own")
 
 
 def resolve(name: str | None) -> Workload:
@@ -75,9 +104,63 @@ def resolve(name: str | None) -> Workload:
     return found
 
 
+def settings(cfg: Config) -> Settings | None:
+    """The config's `workload_settings` as the workload's own settings class (its defaults where
+    the block is silent); ConfigError of one line naming the key, as for any key of the config.
+    None for a workload that takes no settings (and then the block must be empty)."""
+    workload = resolve(cfg.workload)
+    if workload.settings is None:
+        if cfg.workload_settings:
+            key = next(iter(cfg.workload_settings))
+            raise ConfigError(
+                f"error: workload_settings.{key}: unknown key; workload {cfg.workload!r} takes no settings"
+            )
+        return None
+    return validate_block(workload.settings, cfg.workload_settings, "workload_settings")
+
+
+def check_config(cfg: Config) -> Workload:
+    """The config's workload, with what only it can validate checked (its settings, `models:`
+    entries of its own kinds, its modalities' placeholder ids): before anything is built."""
+    workload = resolve(cfg.workload)
+    settings(cfg)
+    for name, m in cfg.models.items():
+        if isinstance(m, PluginModelConfig):
+            model(cfg, name, m.kind)
+    modalities_of(cfg, workload)
+    return workload
+
+
+def modalities_of(cfg: Config, workload: Workload | None = None) -> tuple[Modality, ...]:
+    """The workload's modalities, their placeholder ids checked: each inside the vocabulary (not
+    0, the padding id) and no two alike, or a text token or another modality's item would be
+    taken for one. ConfigError naming the setting (`workload_settings.<modality>_token` where the
+    workload's settings have it)."""
+    workload = workload or resolve(cfg.workload)
+    modalities, vocab = workload.modalities(cfg), workload.vocab(cfg)
+    fields = workload.settings.model_fields if workload.settings is not None else {}
+    seen: dict[int, str] = {}
+    for m in modalities:
+        key = f"workload_settings.{m.name}_token" if f"{m.name}_token" in fields else f"the {m.name} placeholder id"
+        if not 1 <= m.placeholder < vocab:
+            raise ConfigError(
+                f"error: {key}={m.placeholder}: outside the vocabulary; valid: 1 to {vocab - 1} (0 is padding; "
+                f"the model's vocab is {vocab})"
+            )
+        if m.placeholder in seen:
+            raise ConfigError(
+                f"error: {key}={m.placeholder}: the {seen[m.placeholder]} placeholder has this id too; valid: "
+                f"an id of its own"
+            )
+        seen[m.placeholder] = m.name
+    return modalities
+
+
 def model(cfg: Config, name: str, kind: str):
-    """`models.<name>` as the Flax model's own config dataclass, with the activation checkpointing
-    (`remat`) of the section named like it; ConfigError when missing or of another kind."""
+    """`models.<name>` as the model's own config: for a built-in kind the Flax model's config
+    dataclass, with the activation checkpointing (`remat`) of the section named like it; for a
+    kind the plug-in declares (`Workload.model_kinds`) its class's instance. ConfigError when
+    missing, of another kind, or (a plug-in's kind) with fields its class refuses."""
     from maestro_jax.models import AudioConfig, LLMConfig, ViTConfig
 
     m = cfg.models.get(name)
@@ -88,6 +171,14 @@ def model(cfg: Config, name: str, kind: str):
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
     fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
+    if kind not in MODEL_KINDS:
+        own = resolve(cfg.workload).model_kinds
+        if kind not in own:
+            raise ConfigError(
+                f"error: models.{name}.kind={kind!r}: unknown; valid: {', '.join([*MODEL_KINDS, *own])} "
+                f"(the built-in kinds and those workload {cfg.workload!r} declares)"
+            )
+        return validate_block(own[kind], fields, f"models.{name}")
     if name in cfg.sections:  # the section that runs this model sets its activation checkpointing
         fields["remat"] = cfg.sections[name].layer_remat
     return {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}[kind](**fields)
@@ -96,7 +187,7 @@ def model(cfg: Config, name: str, kind: str):
 def build_graph(cfg: Config) -> SectionGraph:
     """The workload's graph, checked against the config's sections and edges (a `ValueError` the
     workload raises while building becomes a ConfigError naming the workload)."""
-    workload = resolve(cfg.workload)
+    workload = check_config(cfg)
     try:
         graph = workload.build(cfg)
     except ValueError as err:
@@ -120,15 +211,25 @@ def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -
 
 
 def source_from_config(cfg: Config):
-    """The configured sample source (`data.kind`): the ArrayRecord files as they are, or a seeded
-    synthetic source over the workload's vocabulary whose items are the workload's modalities that
-    `data.modalities` gives sizes to (each name and size checked against the workload)."""
+    """The configured sample source (`data.kind`): the ArrayRecord files as they are, the
+    workload's own source (`workload`: `Workload.source`), or a seeded synthetic source over the
+    workload's vocabulary whose items are the workload's modalities that `data.modalities` gives
+    sizes to (each name and size checked against the workload); its text avoids every
+    placeholder id of the workload."""
     from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource
 
     if cfg.data.kind == "array_record":
         return ArrayRecordSource(tuple(cfg.data.paths))
-    workload = resolve(cfg.workload)
-    known = {m.name: m for m in workload.modalities(cfg)}
+    workload = check_config(cfg)
+    if cfg.data.kind == "workload":
+        if workload.source is None:
+            raise ConfigError(
+                f"error: data.kind='workload': workload {cfg.workload!r} brings no sample source "
+                f"(Workload.source); valid: synthetic, array_record"
+            )
+        return workload.source(cfg)
+    modalities = modalities_of(cfg, workload)
+    known = {m.name: m for m in modalities}
     for name in cfg.data.modalities:
         if name not in known:
             raise ConfigError(
@@ -152,6 +253,7 @@ def source_from_config(cfg: Config):
         text_len=tuple(cfg.data.text_len),
         items=tuple(items),
         seed=cfg.seed,
+        reserved=tuple(m.placeholder for m in modalities),
     )
 
 
@@ -163,9 +265,12 @@ def sample_check(cfg: Config):
 
     from maestro_jax.data.samples import validate_sample
 
-    workload = resolve(cfg.workload)
+    workload = check_config(cfg)
     return functools.partial(
-        validate_sample, modalities=workload.modalities(cfg), max_tokens=cfg.data.max_tokens, vocab=workload.vocab(cfg)
+        validate_sample,
+        modalities=modalities_of(cfg, workload),
+        max_tokens=cfg.data.max_tokens,
+        vocab=workload.vocab(cfg),
     )
 
 
@@ -177,7 +282,7 @@ def info_check(cfg: Config):
     from maestro_jax.data.samples import validate_info
 
     return functools.partial(
-        validate_info, modalities=resolve(cfg.workload).modalities(cfg), max_tokens=cfg.data.max_tokens
+        validate_info, modalities=modalities_of(cfg, check_config(cfg)), max_tokens=cfg.data.max_tokens
     )
 
 

@@ -2,7 +2,8 @@
 
 Each encoder runs only for the samples that carry its modality (a sample may carry images,
 audio clips, both or neither); their tokens replace the matching placeholders of the LLM
-input. Two producers into one section: the shape of Qwen2.5-Omni-style training.
+input (ids `workload_settings.image_token` and `audio_token`, default 1 and 2). Two producers
+into one section: the shape of Qwen2.5-Omni-style training.
 """
 
 from __future__ import annotations
@@ -10,22 +11,41 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from pydantic import PositiveInt
 
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import AUDIO_TOKEN, Modality
 from maestro_jax.models import AudioConfig, AudioEncoder
-from maestro_jax.workloads import Workload, mean_item_units, model
+from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import audio_cost, llm_cost
 from maestro_jax.workloads.pretrained import load_audio_section, load_llm_section, load_vision_section
-from maestro_jax.workloads.vlm import image_modality, init_llm, init_vision, llm_section, mean_patches, vision_section
+from maestro_jax.workloads.vlm import (
+    VLMSettings,
+    image_modality,
+    init_llm,
+    init_vision,
+    llm_section,
+    mean_patches,
+    vision_section,
+)
 
 IMAGES, AUDIO = "image_embeds", "audio_embeds"
 
 
-def audio_modality(a: AudioConfig) -> Modality:
-    return Modality("audio", AUDIO_TOKEN, (a.frames_per_token,), a.mel, (a.max_tokens * a.frames_per_token,))
+class OmniSettings(VLMSettings):
+    """`workload_settings:` of omni: the image and the audio placeholder ids."""
+
+    audio_token: PositiveInt = AUDIO_TOKEN  # the LLM input id of an audio token: the tokenizer's `<audio>` id
+
+
+def audio_modality(cfg: Config) -> Modality:
+    """Clips as the config's audio encoder (`models.audio`) takes them, on the configured placeholder id."""
+    a = model(cfg, "audio", "audio")
+    return Modality(
+        "audio", settings(cfg).audio_token, (a.frames_per_token,), a.mel, (a.max_tokens * a.frames_per_token,)
+    )
 
 
 def frame_groups(clip: np.ndarray, frames_per_token: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +90,7 @@ def init_audio(a: AudioConfig, key):
 
 def build(cfg: Config) -> SectionGraph:
     vit, aud, llm = model(cfg, "vision", "vit"), model(cfg, "audio", "audio"), model(cfg, "llm", "llm")
-    modalities = (image_modality(vit), audio_modality(aud))
+    modalities = (image_modality(cfg), audio_modality(cfg))
 
     def init(key):
         kv, ka, kl = jax.random.split(key, 3)
@@ -100,6 +120,7 @@ WORKLOAD = Workload(
     "omni",
     build,
     vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
-    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")), audio_modality(model(cfg, "audio", "audio"))),
+    modalities=lambda cfg: (image_modality(cfg), audio_modality(cfg)),
     pretrained={"vision": load_vision_section, "audio": load_audio_section, "llm": load_llm_section},
+    settings=OmniSettings,
 )

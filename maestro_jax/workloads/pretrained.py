@@ -29,7 +29,8 @@ def check_pretrained(cfg: Config, pretrained) -> None:
                 f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: section {s!r} has no Hugging "
                 f"Face importer; supported: {sorted(pretrained)}"
             )
-        read_fields = fields_of[cfg.models[s].kind]
+        # a plug-in's own model kind: no fields to compare here (its loader reads the folder)
+        read_fields = fields_of.get(cfg.models[s].kind, lambda path: {})
         try:
             fields = read_fields(sc.init.hf_path)
             hf.weight_files(sc.init.hf_path)  # present and readable, before anything compiles

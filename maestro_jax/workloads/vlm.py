@@ -1,7 +1,9 @@
 """VLM: `vision` (ViT + merger) -> `llm` (decoder, holds the loss).
 
-Image embeddings replace the image-placeholder token embeddings of the LLM input. Samples
-without images never enter the vision section. The LLM can start from a Hugging Face folder.
+Image embeddings replace the image-placeholder token embeddings of the LLM input (the id
+`workload_settings.image_token`, default 1; a pretrained LLM's tokenizer sets its own `<image>`
+id). Samples without images never enter the vision section. The LLM can start from a Hugging
+Face folder.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from pydantic import PositiveInt
 
-from maestro_jax.config import Config, ConfigError
+from maestro_jax.config import Config, ConfigError, Settings
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
-from maestro_jax.workloads import Workload, mean_item_units, model
+from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_vision_section
@@ -25,9 +28,17 @@ from maestro_jax.workloads.pretrained import load_llm_section, load_vision_secti
 EDGE = "image_embeds"
 
 
-def image_modality(vit: ViTConfig) -> Modality:
+class VLMSettings(Settings):
+    """`workload_settings:` of the workloads with images (vlm, vlm_kd; omni adds audio)."""
+
+    image_token: PositiveInt = IMAGE_TOKEN  # the LLM input id of an image token: the tokenizer's `<image>` id
+
+
+def image_modality(cfg: Config) -> Modality:
+    """Images as the config's ViT (`models.vision`) takes them, on the configured placeholder id."""
+    vit = model(cfg, "vision", "vit")
     unit = vit.patch * vit.merge
-    return Modality("image", IMAGE_TOKEN, (unit, unit), vit.channels, (vit.max_grid * vit.patch,) * 2)
+    return Modality("image", settings(cfg).image_token, (unit, unit), vit.channels, (vit.max_grid * vit.patch,) * 2)
 
 
 def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +154,7 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Sectio
 
 def build(cfg: Config) -> SectionGraph:
     vit, llm = model(cfg, "vision", "vit"), model(cfg, "llm", "llm")
-    image = image_modality(vit)
+    image = image_modality(cfg)
 
     def init(key):
         kv, kl = jax.random.split(key)
@@ -167,6 +178,7 @@ WORKLOAD = Workload(
     "vlm",
     build,
     vocab=lambda cfg: model(cfg, "llm", "llm").vocab,
-    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
+    modalities=lambda cfg: (image_modality(cfg),),
     pretrained={"vision": load_vision_section, "llm": load_llm_section},
+    settings=VLMSettings,
 )

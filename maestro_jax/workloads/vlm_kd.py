@@ -28,6 +28,7 @@ from maestro_jax.workloads.kd import (
 )
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section, load_vision_section
 from maestro_jax.workloads.vlm import (
+    VLMSettings,
     image_modality,
     init_vision,
     mean_patches,
@@ -42,7 +43,7 @@ TEACHER, IMAGES = "teacher_hidden", "image_embeds"
 def build(cfg: Config) -> SectionGraph:
     teacher, vit, student = model(cfg, "teacher", "llm"), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
     check_vocab(teacher, student)
-    image = image_modality(vit)
+    image = image_modality(cfg)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
     s_model = DecoderLM(student)
 
@@ -93,8 +94,9 @@ WORKLOAD = Workload(
     "vlm_kd",
     build,
     vocab=shared_vocab,
-    modalities=lambda cfg: (image_modality(model(cfg, "vision", "vit")),),
+    modalities=lambda cfg: (image_modality(cfg),),
     pretrained={"teacher": load_teacher_section, "vision": load_vision_section, "student": load_llm_section},
+    settings=VLMSettings,
 )
 
 
