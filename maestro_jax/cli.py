@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import signal
 import sys
 import threading
 import traceback
@@ -460,10 +459,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; SIGINT stops it with one line and status 130, at any point.
 
-    Python's own SIGINT handler is installed even where the process inherited SIGINT ignored (a
-    non-interactive shell starts background jobs so): a SIGINT sent to a run must stop it."""
+    The SIGINT handler (`training.preemption.Interrupt`: Python's KeyboardInterrupt, remembered so
+    that the loop raises it again if something swallowed it) is installed even where the process
+    inherited SIGINT ignored (a non-interactive shell starts background jobs so): a SIGINT sent to
+    a run must stop it."""
+    from maestro_jax.training.preemption import Interrupt
+
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        Interrupt().install()
     try:
         return _main(argv)
     except KeyboardInterrupt:

@@ -953,6 +953,49 @@ def test_signal_during_startup_and_restore(tmp_path, sig):
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
+def test_a_sigint_swallowed_inside_a_gc_callback_still_stops_the_run(tmp_path):
+    """Python swallows an exception raised inside a garbage-collection callback ("Exception
+    ignored in: gc callback"): a SIGINT whose KeyboardInterrupt is raised there used to be lost,
+    and the run trained on to its end. The CLI's handler remembers it; the loop stops at the
+    next step boundary."""
+    import gc
+
+    from maestro_jax.training.preemption import Interrupt
+
+    swallowed = []
+
+    def interrupt_inside_gc(phase, info):
+        if phase == "start" and not swallowed:
+            swallowed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the callback
+
+    class InterruptAtStep1:
+        def write(self, record):
+            if record["step"] == 1:
+                gc.callbacks.append(interrupt_inside_gc)
+                try:
+                    gc.collect()
+                finally:
+                    gc.callbacks.remove(interrupt_inside_gc)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        Interrupt().install()
+        with pytest.raises(KeyboardInterrupt):
+            train(kd(tmp_path / "run", "steps=6", "keep_checkpoints=0"), progress=False, trackers=[InterruptAtStep1()])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert swallowed, "the SIGINT was sent inside the gc callback"
+    assert len(metrics(tmp_path / "run")) < 6, "stopped at a step boundary, not at the end"
+
+
 # -- 12. config escapes: impossible sizes refused before compiling ---------------------------------
 @pytest.mark.parametrize(
     "overrides,text",

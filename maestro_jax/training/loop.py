@@ -36,7 +36,7 @@ from maestro_jax.runtime.distributed import Coordinator, PeerError
 from maestro_jax.training.checkpoint import Checkpointer, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
-from maestro_jax.training.preemption import Preemption
+from maestro_jax.training.preemption import Preemption, raise_if_interrupted
 from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.step import IssuedStep, issue_step
 from maestro_jax.training.storage import check_directories, write_error
@@ -268,6 +268,7 @@ class _Loop:
                 self._evaluate(done, states, issued)
                 self._read_pending()  # the previous step, read now that this one is queued behind it
                 self.pending = (issued, prepared, self.data.data_wait_s)
+                raise_if_interrupted()  # a SIGINT whose KeyboardInterrupt something swallowed
                 stop_by = self.rt.coordinator.step_barrier(
                     done + 1, self.preemption.requested
                 )  # a notice on any process

@@ -1,4 +1,5 @@
-"""SIGTERM (a scheduler's preemption notice) as a flag the training loop reads at step boundaries.
+"""SIGTERM (a scheduler's preemption notice) as a flag the training loop reads at step boundaries;
+SIGINT as an interrupt that is never lost.
 
 Light (no JAX) so that the CLI installs it before start-up: a notice that arrives while JAX
 starts, the runtime compiles or a checkpoint is restored is kept, and the run then stops before
@@ -12,6 +13,32 @@ from __future__ import annotations
 
 import signal
 import threading
+
+
+class Interrupt:
+    """SIGINT (Ctrl-C): raises KeyboardInterrupt at once, like Python's own handler, and also
+    remembers it. Where that exception is swallowed (Python prints "Exception ignored" for one
+    raised inside a garbage-collection callback or a `__del__`, and goes on), the training loop
+    raises it again at its next step boundary (`raise_if_interrupted`). Installed by the CLI,
+    also where SIGINT was inherited ignored (a background job of a non-interactive shell)."""
+
+    def __init__(self):
+        self.received = False
+
+    def install(self) -> Interrupt:
+        signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt if the installed SIGINT handler is an `Interrupt` that received one."""
+    owner = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+    if isinstance(owner, Interrupt) and owner.received:
+        raise KeyboardInterrupt
 
 
 class Preemption:
