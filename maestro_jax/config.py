@@ -499,8 +499,8 @@ def _format_error(err: pydantic.ValidationError, root: type[BaseModel] | None = 
         field = str(e["loc"][-1])
         options = sorted(parent_model.model_fields) if parent_model else []
         close = difflib.get_close_matches(field, options, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"error: {loc}: unknown key{hint}; valid keys: {', '.join(options)}"
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        return f"error: {loc}: unknown key{hint} valid keys: {', '.join(options)}"
     message = e["msg"].removeprefix("Value error, ")
     if e["type"] == "union_tag_not_found":  # a `models` entry without `kind`
         return f"error: {loc}.kind: missing; valid: {', '.join(MODEL_KINDS)}, or a kind the plug-in workload declares"
