@@ -296,14 +296,24 @@ def _write_json(path: str | None, report: dict) -> None:
 
 
 def _bench(cfg, args) -> int:
+    from maestro_jax import workloads
     from maestro_jax.tools.bench import MODES, bench
 
+    if args.pack is not None:
+        packs = [s.name for s in workloads.build_graph(cfg).sections if s.packed_batch is not None]
+        if args.pack < 2 or not packs:
+            what = f"workload {cfg.workload!r} has no section that packs" if not packs else "must be 2 or more"
+            print(
+                f"error: --pack={args.pack}: {what}; valid: an integer >= 2 on vlm, omni, vlm_kd or kd", file=sys.stderr
+            )
+            return 2
     r = bench(
         cfg,
         reps=args.reps,
         num_batches=args.batches,
         trace_dir=args.trace,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        pack=args.pack,
     )
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
     for m in MODES:
@@ -328,6 +338,14 @@ def _bench(cfg, args) -> int:
             f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "
             f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})"
         )
+    if "packing" in r:
+        p = r["packing"]
+        print(
+            f"packing ({', '.join(p['sections'])} pack={p['pack']}, {p['scheduler']}): tokens/s packed "
+            f"{p['tokens_per_s']['packed']:.1f} vs unpacked {p['tokens_per_s']['unpacked']:.1f} "
+            f"({p['packed_vs_unpacked']:.3f}x); rows filled {p['row_fill']['packed']:.1%} vs "
+            f"{p['row_fill']['unpacked']:.1%}"
+        )
     _write_json(args.json, r)
     return 0
 
@@ -350,6 +368,13 @@ COMMANDS: dict[str, Command] = {
         (
             opt("--reps", type=int, default=5, metavar="N", help="timed repetitions of each mode, interleaved"),
             opt("--batches", type=int, default=3, metavar="N", help="global batches per repetition"),
+            opt(
+                "--pack",
+                type=int,
+                metavar="P",
+                help="also time sequence packing: every section that packs at pack=P vs the config's own "
+                "(default: not timed)",
+            ),
             JSON,
             opt(
                 "--trace",

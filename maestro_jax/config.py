@@ -97,6 +97,10 @@ class SectionConfig(_Frozen):
     rules: str = "default"
     precision: Literal["float32", "bfloat16"] = "float32"  # bfloat16: float32 master weights, bf16 compute
     layer_remat: Literal["none", "full", "dots"] = "none"  # per-layer activation checkpointing in the model
+    # sequence packing: P samples per row on average (micro_batch x P per shard and micro-step, laid
+    # into rows by length, attention kept within each sample); 1: one sample per row. Sections that pack:
+    # the LLM of vlm/omni/vlm_kd, teachers and students of kd/vlm_kd (`runtime.build.check_packing`)
+    pack: PositiveInt = 1
 
 
 class EdgeConfig(_Frozen):

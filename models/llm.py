@@ -78,7 +78,7 @@ class MoE(nn.Module):
     cfg: LLMConfig
 
     @nn.compact
-    def __call__(self, h_BLD, valid_BL):
+    def __call__(self, h_BLD, valid_BL, segments_BL=None):
         c = self.cfg
         router = self.param("router", partitioned(_init, "embed", "expert"), (c.width, c.experts))
         gate = self.param("gate", partitioned(_init, "expert", "embed", "mlp"), (c.experts, c.width, c.expert_mlp))
@@ -93,7 +93,7 @@ class MoE(nn.Module):
             self.sow(
                 "losses",
                 "router_balance",
-                c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, c.experts_per_token),
+                c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, c.experts_per_token, segments_BL),
             )
         if c.moe_dispatch == "ragged":
             return shard_sequence(ragged_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
@@ -258,8 +258,18 @@ def sparse_experts(
     return run(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
 
 
-def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int):
-    """Sum over sequences of (valid tokens) x (experts * sum_e f_e * P_e), in float32."""
+def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int, segments_BL=None):
+    """Sum over sequences of (valid tokens) x (experts * sum_e f_e * P_e), in float32. With
+    `segments_BL` (packed rows) each sample of a row is its own sequence, as it is unpacked."""
+    if segments_BL is not None:
+        b, length, e = probs_BLE.shape
+        group = (jnp.arange(b)[:, None] * (length + 1) + segments_BL).reshape(-1)  # (row, sample)
+        v = valid_BL.astype(jnp.float32).reshape(-1, 1)
+        count_S = jax.ops.segment_sum(v[:, 0], group, b * (length + 1))
+        n_S1 = jnp.maximum(count_S, 1.0)[:, None]
+        f_SE = jax.ops.segment_sum(chosen_BLE.reshape(-1, e) * v, group, b * (length + 1)) / (k * n_S1)
+        p_SE = jax.ops.segment_sum(probs_BLE.reshape(-1, e) * v, group, b * (length + 1)) / n_S1
+        return jnp.sum(count_S * e * jnp.sum(f_SE * p_SE, axis=-1))
     v = valid_BL.astype(jnp.float32)[..., None]
     count_B = jnp.sum(v, axis=(1, 2))  # an empty (padding) row has f = P = 0 and adds nothing
     n_B1 = jnp.maximum(count_B, 1.0)[:, None]
@@ -272,7 +282,7 @@ class DecoderBlock(nn.Module):
     cfg: LLMConfig
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, mask_BLL, valid_BL):
+    def __call__(self, x_BLD, positions_BL, mask_BLL, valid_BL, segments_BL=None):
         c = self.cfg
         x_BLD = shard_sequence(x_BLD)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
@@ -312,7 +322,7 @@ class DecoderBlock(nn.Module):
         )(o)
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
         if c.experts:
-            return x_BLD + MoE(c, name="moe")(h, valid_BL)
+            return x_BLD + MoE(c, name="moe")(h, valid_BL, segments_BL)
         gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
         up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
         down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
@@ -341,8 +351,12 @@ class DecoderLM(nn.Module):
     def embed(self, ids_BL):
         return jnp.take(self.embedding, ids_BL, axis=0)
 
-    def hidden(self, x_BLD, positions_BL, valid_BL):
+    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
         """Final-normed hidden states from input embeddings (causal, padding masked).
+
+        With `segments_BL` (sequence packing: each sample of a row numbered from 1, 0 padding)
+        a position attends only within its own sample; its positions restart at 0, so RoPE and
+        the causal order are the sample's own, and each sample's outputs are those it gets alone.
 
         Under ring attention over a `context` split the positions are laid out in
         `balanced_order` for the layers (each device gets an early and a late chunk, so the
@@ -351,9 +365,13 @@ class DecoderLM(nn.Module):
         order = balanced_order(x_BLD.shape[1], context_split()) if self.cfg.context_attention == "ring" else None
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
+            segments_BL = None if segments_BL is None else segments_BL[:, order]
         causal = positions_BL[:, :, None] >= positions_BL[:, None, :]
         mask_BLL = causal & valid_BL[:, None, :]
-        h_BLD = self.final_norm(self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL))
+        if segments_BL is not None:
+            mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
+        packed = () if segments_BL is None else (segments_BL,)  # the MoE balancing loss is per sample
+        h_BLD = self.final_norm(self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL, *packed))
         return h_BLD if order is None else h_BLD[:, np.argsort(order)]
 
     def output_weights(self):
@@ -362,5 +380,5 @@ class DecoderLM(nn.Module):
     def logits(self, h_BLD):
         return h_BLD @ self.output_weights()
 
-    def __call__(self, ids_BL, positions_BL, valid_BL):
-        return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL))
+    def __call__(self, ids_BL, positions_BL, valid_BL, segments_BL=None):
+        return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL, segments_BL))

@@ -80,6 +80,11 @@ class Section:
     work(sample): the section's work units for the sample (tokens, patches): cost and buckets.
     activates and work receive a `Sample` or its `SampleInfo` (length and item shapes only).
     cost: what a work unit costs (`UnitCost`), for the simulator, planner and memory model.
+    packed_batch(rows, routes, shards, pack): `host_batch` with sequence packing, or None for
+      a section that does not pack. `rows` are then sample slots (shard-major over `shards` data
+      shards, `pack` per row) and the arrays have one row per `pack` slots; `forward` takes
+      either layout, and its outputs on every edge keep one row per slot (the row contract).
+      The runtime calls it where `sections.<name>.pack` > 1; the monolithic step never does.
     reads: the sample parts `host_batch` reads (`"tokens"`, modality names; None: all). A
       process decodes a part of a sample only where some section that reads it holds a row of
       that sample on the process's devices.
@@ -93,6 +98,7 @@ class Section:
     work: Callable[[SampleLike], int]
     cost: UnitCost = UnitCost(flops=0.0)
     reads: tuple[str, ...] | None = None
+    packed_batch: Callable[[Sequence[SampleLike | None], Mapping[str, Any], int, int], dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

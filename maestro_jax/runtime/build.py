@@ -263,6 +263,7 @@ def build_runtime(
                 "error: source: a user graph needs a sample source (any random-access source of "
                 "maestro_jax.data.Sample)"
             )
+    check_packing(cfg, graph)
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
@@ -311,7 +312,7 @@ def build_runtime(
         sink=graph.sink,
         trained=trained,
         edges=edges,
-        rows={s: plan.sections[s].rows for s in graph.names},
+        rows={s: plan.sections[s].rows * cfg.sections[s].pack for s in graph.names},  # packing: sample slots
         dp={s: plan.sections[s].dp for s in graph.names},
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
@@ -325,7 +326,7 @@ def build_runtime(
         meshes,
         shardings,
         programs,
-        Executor(graph, problem, programs),
+        Executor(graph, problem, programs, {s: cfg.sections[s].pack for s in graph.names}),
         abstract,
         source,
         check,
@@ -333,6 +334,17 @@ def build_runtime(
         dict(pretrained),
         coordinator=coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s),
     )
+
+
+def check_packing(cfg: Config, graph: SectionGraph) -> None:
+    """`sections.<name>.pack` > 1 only where the section packs (`Section.packed_batch`)."""
+    for name, sc in cfg.sections.items():
+        if sc.pack > 1 and name in graph.names and graph.section(name).packed_batch is None:
+            packing = [s.name for s in graph.sections if s.packed_batch is not None]
+            raise ConfigError(
+                f"error: sections.{name}.pack={sc.pack}: section {name} does not pack sequences; "
+                f"1, or pack a section that does ({', '.join(packing) or 'none in this workload'})"
+            )
 
 
 @dataclasses.dataclass

@@ -67,8 +67,16 @@ class StepResult:
 
 
 class Executor:
-    def __init__(self, graph: SectionGraph, problem: Problem, programs: Mapping[str, SectionPrograms]):
+    def __init__(
+        self,
+        graph: SectionGraph,
+        problem: Problem,
+        programs: Mapping[str, SectionPrograms],
+        pack: Mapping[str, int] | None = None,
+    ):
         self.graph, self.problem, self.programs = graph, problem, programs
+        # sections that pack sequences: samples per row (their `problem.rows` count sample slots)
+        self.pack = {s: p for s, p in (pack or {}).items() if p > 1}
         # per edge, how a producer micro-step reaches the consumer (each consumer shard gets its
         # feeders' rows: any data-parallel degrees) and how its cotangent goes back (summed)
         self.row_maps = {
@@ -86,7 +94,11 @@ class Executor:
             section = self.graph.section(s)
             for st in steps:
                 row_samples = [samples[i] if i >= 0 else None for i in st.positions]
-                out[(s, st.index)] = section.host_batch(row_samples, schedule.routes(self.problem, s, st.index))
+                routes = schedule.routes(self.problem, s, st.index)
+                if s in self.pack:
+                    out[(s, st.index)] = section.packed_batch(row_samples, routes, self.problem.dp[s], self.pack[s])
+                else:
+                    out[(s, st.index)] = section.host_batch(row_samples, routes)
         return out
 
     def _start(self, states, samples, schedule, host, norm, sections=None, grads: bool = True) -> _StepState:

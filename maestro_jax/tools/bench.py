@@ -36,9 +36,11 @@ def bench(
     trace_dir: str | None = None,
     rt=None,
     progress: Callable[[str], None] | None = None,
+    pack: int | None = None,
 ) -> dict:
     """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph,
-    left as it was given: the calibrated cost model is not stored on it)."""
+    left as it was given: the calibrated cost model is not stored on it). With `pack`, also
+    packed vs unpacked sequences (`bench_packing`) on the same batches."""
     start = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -150,11 +152,66 @@ def bench(
     if any(s.items for b in batches for s in b):
         report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step, say)
     report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
+    if pack is not None:
+        report["packing"] = bench_packing(cfg, pack, rt, batches, reps, say)
     if trace_dir:
         say(f"writing traces to {trace_dir}")
         report["traces"] = _traces(rt, cost, states["wavefront"], batches[0], trace_dir)
     say("done")
     return report
+
+
+def bench_packing(cfg: Config, pack: int, rt, batches, reps: int, say: Callable[[str], None]) -> dict:
+    """Sequence packing side by side: the config's scheduler over the same batches with every
+    section that packs at `sections.<name>.pack` = `pack` and with the config's own packing (1
+    unless set), repetitions interleaved after a warm-up of each. Tokens per second count the
+    samples' tokens, not padding; `row_fill` is the share of the packing sections' row positions
+    that hold a token (what packing raises)."""
+    packs = [s.name for s in rt.graph.sections if s.packed_batch is not None]
+    if not packs:
+        raise ValueError(f"workload {cfg.workload!r} has no section that packs sequences")
+    sections = {n: sc.model_copy(update={"pack": pack}) if n in packs else sc for n, sc in cfg.sections.items()}
+    runtimes = {"unpacked": rt, "packed": build_runtime(cfg.model_copy(update={"sections": sections}))}
+    states = {m: r.init_states() for m, r in runtimes.items()}
+    tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
+
+    def schedule(r, samples):
+        metas = sample_metas(r.graph, samples)
+        return wavefront(metas, r.problem, r.cost) if cfg.schedule.scheduler == "wavefront" else naive(metas, r.problem)
+
+    def step(mode, samples) -> float:
+        r, t0 = runtimes[mode], time.perf_counter()
+        result = r.executor.run(states[mode], samples, schedule(r, samples))
+        states[mode] = r.executor.update(states[mode], result.grads)
+        jax.block_until_ready((result.loss, states[mode]))
+        return time.perf_counter() - t0
+
+    fill = {}
+    for mode, r in runtimes.items():
+        say(f"packing: warm-up {mode} ({cfg.schedule.scheduler}), compiling every shape bucket")
+        held = total = 0
+        for samples in batches * 2:
+            step(mode, samples)
+        for samples in batches:
+            host = r.executor.host_batches(samples, schedule(r, samples))
+            for (section, _), b in host.items():
+                if section in packs:
+                    held, total = held + int(b["valid"].sum()), total + b["valid"].size
+        fill[mode] = held / total
+    times = {m: [] for m in runtimes}
+    for rep in range(reps):
+        for mode in runtimes:
+            times[mode].append(sum(step(mode, samples) for samples in batches))
+        say(f"packing repetition {rep + 1}/{reps}: " + ", ".join(f"{m} {t[-1]:.3f} s" for m, t in times.items()))
+    tps = {m: tokens / statistics.median(t) for m, t in times.items()}
+    return {
+        "pack": pack,
+        "sections": packs,
+        "scheduler": cfg.schedule.scheduler,
+        "tokens_per_s": tps,
+        "packed_vs_unpacked": tps["packed"] / tps["unpacked"],
+        "row_fill": fill,
+    }
 
 
 def _layout(sp) -> dict:
@@ -236,4 +293,4 @@ def _traces(rt, cost, states, samples, trace_dir) -> dict:
     return {k: str(v) for k, v in files.items()}
 
 
-__all__ = ["MODES", "bench"]
+__all__ = ["MODES", "bench", "bench_packing"]

@@ -31,18 +31,32 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
     def forward(variables, inputs, batch):
         v = {"params": variables["consts"]["llm"]}
         x = body.apply(v, batch["input_ids"], method=DecoderLM.embed)
-        return {edge: body.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)}
+        if "segments" not in batch:
+            return {edge: body.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)}
+        h = body.apply(v, x, batch["positions"], batch["valid"], batch["segments"], method=DecoderLM.hidden)
+        return {edge: R.unpack(h, batch)}  # packed: back to one row per sample, as the edge carries it
 
     return Section(
         "teacher",
         trained=False,
         forward=forward,
         host_batch=lambda rows, routes: R.text_rows(rows, modalities),
+        packed_batch=lambda rows, routes, shards, pack: R.packed_text_rows(
+            rows, {}, shards, pack, modalities, unpacks=True
+        ),
         activates=lambda s: True,
         work=R.next_token_units,
         cost=llm_cost(teacher, head=False),
         reads=(TOKENS,),
     )
+
+
+def teacher_hidden(inputs, batch, edge: str):
+    """The teacher's hidden state at each student position: its row's (`teacher_row`), or in a
+    packed student row each position's own sample's (`<edge>_row`) at the sample's position."""
+    if "segments" in batch:
+        return R.gather_tokens(inputs, edge, batch[f"{edge}_row"], batch["positions"])
+    return R.gather(inputs, edge, batch["teacher_row"], length=batch["input_ids"].shape[1])
 
 
 def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: float):
@@ -90,11 +104,15 @@ def build(cfg: Config) -> SectionGraph:
     def student_batch(rows, routes):
         return {**R.text_rows(rows), "teacher_row": R.route(routes, EDGE, rows)}
 
+    def student_packed_batch(rows, routes, shards, pack):
+        return R.packed_text_rows(rows, {EDGE: R.route(routes, EDGE, rows)}, shards, pack)
+
     def student_forward(variables, inputs, batch):
+        segments = (batch["segments"],) if "segments" in batch else ()
         s_logits, aux = apply_with_losses(
-            s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"]
+            s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"], *segments
         )
-        t_hidden = R.gather(inputs, EDGE, batch["teacher_row"], length=batch["input_ids"].shape[1])
+        t_hidden = teacher_hidden(inputs, batch, EDGE)
         t_logits = t_hidden @ variables["consts"]["teacher_head"]
         loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
@@ -114,6 +132,7 @@ def build(cfg: Config) -> SectionGraph:
                 trained=True,
                 forward=student_forward,
                 host_batch=student_batch,
+                packed_batch=student_packed_batch,
                 activates=lambda s: True,
                 work=R.next_token_units,
                 cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),

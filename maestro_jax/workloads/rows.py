@@ -4,10 +4,13 @@ A consumer micro-step's rows name producer outputs by *route* (an index into the
 micro-steps it depends on, joined along rows; -1: none). These helpers hide that contract:
   host side (numpy)   `text_rows` (next-token rows; placeholders and what a sample's
                       `loss_mask` clears carry no loss; `loss_tokens` counts the rest),
+                      `packed_text_rows` (the same, several samples per row: sequence packing),
                       `pack_items` (variable-size items packed per row, with segment ids),
                       `route` (a row's index into its producer's joined outputs);
   device side (jax)   `join` (producer outputs along rows), `gather` (the rows a consumer
-                      needs), `splice` (embeddings into placeholder positions).
+                      needs), `gather_tokens` (single positions of them), `splice` and
+                      `splice_tokens` (embeddings into placeholder positions), `unpack`
+                      (a packed section's outputs back to one row per sample).
 Every size is padded to a shape bucket (`core.buckets.bucket`), so a section compiles a few
 programs, not one per batch.
 
@@ -30,6 +33,7 @@ from jax.sharding import PartitionSpec
 from maestro_jax.core.buckets import bucket
 from maestro_jax.data.samples import Modality
 from maestro_jax.meshes import BATCH_AXES
+from maestro_jax.schedule.packing import pack_rows
 
 
 def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
@@ -136,26 +140,48 @@ def gather(inputs: Mapping, edge: str, route_B, length: int | None = None):
     every device and all-reduce the gathered tensor. Without such a mesh, a plain take."""
     parts = tuple(inputs[edge])
     length = length or max(p.shape[1] for p in parts)
+    return _take_local(parts, length, route_B, lambda joined, index: jnp.take(joined, index, axis=0))
+
+
+def gather_tokens(inputs: Mapping, edge: str, route_BL, index_BL):
+    """`gather` per position: out[b, l] = position `index_BL[b, l]` of the producer row
+    `route_BL[b, l]` (a packed row takes each sample's positions from that sample's own producer
+    row). Routes -1 and indices out of range give some value: mask them. Shard-local like `gather`."""
+    parts = tuple(inputs[edge])
+    length = max(p.shape[1] for p in parts)
+
+    def pick(joined, index, position):
+        flat = joined.reshape(-1, *joined.shape[2:])
+        return jnp.take(flat, index * length + jnp.clip(position, 0, length - 1), axis=0)
+
+    return _take_local(parts, length, route_BL, pick, index_BL)
+
+
+def _take_local(parts, length: int, route, pick, *extra):
+    """`pick(join(parts, length), row index, *extra)` with `route` the global row indices (-1:
+    none): on each data shard from its own blocks when the batch axes split the rows (see
+    `gather`), else over the whole join."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
     shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
-    if shards == 1 or route_B.shape[0] % shards or any(p.shape[0] % shards for p in parts):
-        return jnp.take(join(parts, length), jnp.maximum(route_B, 0), axis=0)
+    if shards == 1 or route.shape[0] % shards or any(p.shape[0] % shards for p in parts):
+        return pick(join(parts, length), jnp.maximum(route, 0), *extra)
     starts, local_starts, g, loc = [], [], 0, 0
     for p in parts:  # where each part starts, in the global join and in a shard's join
         starts.append(g)
         local_starts.append(loc)
         g, loc = g + p.shape[0], loc + p.shape[0] // shards
 
-    def local(route, *blocks):
+    def local(route, extra, *blocks):
         index = jnp.zeros_like(route)
         for p, start, at in zip(parts, starts, local_starts):
             mine = (route >= start) & (route < start + p.shape[0])
             index = jnp.where(mine, at + (route - start) % (p.shape[0] // shards), index)
-        return jnp.take(join(blocks, length), index, axis=0)
+        return pick(join(blocks, length), index, *extra)
 
     spec = PartitionSpec(axes)
-    return jax.shard_map(local, in_specs=(spec,) * (1 + len(parts)), out_specs=spec)(route_B, *parts)
+    run = jax.shard_map(local, in_specs=(spec, (spec,) * len(extra)) + (spec,) * len(parts), out_specs=spec)
+    return run(route, extra, *parts)
 
 
 def splice(x_BLD, inputs: Mapping, edge: str, route_B, tok_BL):
@@ -169,3 +195,77 @@ def splice(x_BLD, inputs: Mapping, edge: str, route_B, tok_BL):
     picked = jnp.take_along_axis(rows_BTD, jnp.maximum(tok_BL, 0)[..., None], axis=1)
     use = (tok_BL >= 0) & (route_B >= 0)[:, None]
     return jnp.where(use[..., None], picked.astype(x_BLD.dtype), x_BLD)
+
+
+def splice_tokens(x_BLD, inputs: Mapping, edge: str, route_BL, tok_BL):
+    """`splice` for packed rows: each position names its own producer row (`route_BL`, its
+    sample's route) besides its index among that sample's embeddings (`tok_BL`)."""
+    if inputs.get(edge) is None:
+        return x_BLD
+    picked = gather_tokens(inputs, edge, route_BL, tok_BL)
+    use = (tok_BL >= 0) & (route_BL >= 0)
+    return jnp.where(use[..., None], picked.astype(x_BLD.dtype), x_BLD)
+
+
+def packed_text_rows(
+    rows,
+    routes: Mapping[str, Sequence[int]],
+    shards: int,
+    pack: int,
+    modalities: Sequence[Modality] = (),
+    unpacks: bool = False,
+) -> dict[str, np.ndarray]:
+    """`text_rows` with several samples per row (sequence packing): `rows` are the micro-step's
+    slots (shard-major, `pack` per row), laid into rows by `schedule.packing.pack_rows`. Each
+    sample keeps its own positions (RoPE restarts), its own `segments` id (attention stays
+    inside it), its own loss targets (`carries_loss`) and placeholder indices; for each edge in
+    `routes`, `<edge>_row` gives every position its sample's route. With `unpacks` (a section
+    whose outputs go down an edge), `slot_row` and `slot_pos` (slots x the longest sample) say
+    where each slot's positions sit: `unpack` reads them."""
+    lengths = [len(s.tokens) - 1 if s is not None else None for s in rows]
+    packed = pack_rows(lengths, shards, pack)
+    length = bucket(max((sum(lengths[x] for x in row) for row in packed), default=1))
+    r, placeholders = len(packed), [m.placeholder for m in modalities]
+    out = {
+        "input_ids": np.zeros((r, length), np.int32),
+        "targets": np.zeros((r, length), np.int32),
+        "loss_mask": np.zeros((r, length), np.float32),
+        "positions": np.zeros((r, length), np.int32),
+        "valid": np.zeros((r, length), bool),
+        "segments": np.zeros((r, length), np.int32),
+        **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
+        **{f"{e}_row": np.full((r, length), -1, np.int32) for e in routes},
+    }
+    if unpacks:
+        slot_len = bucket(max((n for n in lengths if n is not None), default=1))
+        first_row = np.arange(len(rows)) // (len(rows) // shards) * (r // shards)  # of each slot's shard
+        out["slot_row"] = np.repeat(first_row[:, None], slot_len, axis=1).astype(np.int32)  # padding: never read
+        out["slot_pos"] = np.zeros((len(rows), slot_len), np.int32)
+    for i, row in enumerate(packed):
+        at = 0
+        for seg, x in enumerate(row, start=1):
+            t, n = rows[x].tokens, lengths[x]
+            span = slice(at, at + n)
+            out["input_ids"][i, span] = t[:-1]
+            out["targets"][i, span] = t[1:]
+            out["loss_mask"][i, span] = carries_loss(rows[x], placeholders)
+            out["positions"][i, span] = np.arange(n)
+            out["valid"][i, span] = True
+            out["segments"][i, span] = seg
+            for m in modalities:
+                hit = t[:-1] == m.placeholder
+                out[f"{m.name}_tok"][i, span] = np.where(hit, np.cumsum(hit) - 1, -1)
+            for e, route in routes.items():
+                out[f"{e}_row"][i, span] = route[x]
+            if unpacks:
+                out["slot_row"][x] = i
+                out["slot_pos"][x] = np.minimum(at + np.arange(slot_len), length - 1)
+            at += n
+    return out
+
+
+def unpack(h_BLD, batch: Mapping):
+    """A packed section's per-position outputs back in one row per slot (the micro-step's
+    samples in schedule order, each from position 0), as every edge carries them: a consumer
+    routes to a sample's row whether or not its producer packs. Shard-local (`gather_tokens`)."""
+    return gather_tokens({"packed": (h_BLD,)}, "packed", batch["slot_row"], batch["slot_pos"])

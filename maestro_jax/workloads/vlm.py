@@ -119,14 +119,26 @@ def multimodal_rows(rows, routes, spliced: Mapping[str, Modality]) -> dict:
     return {**R.text_rows(rows, tuple(spliced.values())), **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
 
 
+def packed_multimodal_rows(
+    rows, routes, shards: int, pack: int, spliced: Mapping[str, Modality], gathered: tuple[str, ...] = ()
+) -> dict:
+    """`multimodal_rows` with sequence packing (`rows.packed_text_rows`): each position routes to
+    its own sample's producer row, on every spliced edge and every edge in `gathered`."""
+    edges = {e: R.route(routes, e, rows) for e in (*spliced, *gathered)}
+    return R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()))
+
+
 def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mapping[str, Modality]):
     """The LLM's logits with each edge's embeddings in its modality's placeholder positions, and
-    the sum of its auxiliary losses (MoE load balancing)."""
+    the sum of its auxiliary losses (MoE load balancing). A packed batch (with `segments`)
+    splices per position and keeps attention inside each sample."""
     v = {"params": variables["params"]}
     x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
+    packed = "segments" in batch
     for edge, m in spliced.items():
-        x = R.splice(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
-    h, aux = apply_with_losses(decoder, v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)
+        x = (R.splice_tokens if packed else R.splice)(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
+    segments = (batch["segments"],) if packed else ()
+    h, aux = apply_with_losses(decoder, v, x, batch["positions"], batch["valid"], *segments, method=DecoderLM.hidden)
     return decoder.apply(v, h, method=DecoderLM.logits), aux
 
 
@@ -145,6 +157,7 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Sectio
         trained=True,
         forward=forward,
         host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced),
+        packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(rows, routes, shards, pack, spliced),
         activates=lambda s: True,
         work=R.next_token_units,
         cost=cost,

@@ -24,6 +24,7 @@ from maestro_jax.workloads.kd import (
     distill_loss,
     init_teacher_and_student,
     shared_vocab,
+    teacher_hidden,
     teacher_section,
 )
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section, load_vision_section
@@ -33,6 +34,7 @@ from maestro_jax.workloads.vlm import (
     init_vision,
     mean_patches,
     multimodal_rows,
+    packed_multimodal_rows,
     spliced_logits,
     vision_section,
 )
@@ -50,9 +52,12 @@ def build(cfg: Config) -> SectionGraph:
     def student_batch(rows, routes):
         return {**multimodal_rows(rows, routes, {IMAGES: image}), "teacher_row": R.route(routes, TEACHER, rows)}
 
+    def student_packed_batch(rows, routes, shards, pack):
+        return packed_multimodal_rows(rows, routes, shards, pack, {IMAGES: image}, gathered=(TEACHER,))
+
     def student_forward(variables, inputs, batch):
         s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
-        t_hidden = R.gather(inputs, TEACHER, batch["teacher_row"], length=batch["input_ids"].shape[1])
+        t_hidden = teacher_hidden(inputs, batch, TEACHER)
         t_logits = t_hidden @ variables["consts"]["teacher_head"]
         loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
@@ -75,6 +80,7 @@ def build(cfg: Config) -> SectionGraph:
                 trained=True,
                 forward=student_forward,
                 host_batch=student_batch,
+                packed_batch=student_packed_batch,
                 activates=lambda s: True,
                 work=R.next_token_units,
                 cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
