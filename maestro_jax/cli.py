@@ -172,9 +172,14 @@ def _export(cfg, args) -> int:
     from maestro_jax.training.checkpoint import reading_checkpoints
 
     model = cfg.models.get(args.section)
-    if args.section not in cfg.sections or model is None or model.kind != "llm":
-        llms = sorted(s for s in cfg.sections if s in cfg.models and cfg.models[s].kind == "llm")
-        print(f"error: --section={args.section!r}: not an LLM section of this config; valid: {llms}", file=sys.stderr)
+    if args.section not in cfg.sections or model is None:
+        valid = sorted(s for s in cfg.sections if s in cfg.models)
+        print(f"error: --section={args.section!r}: not a section with a model here; valid: {valid}", file=sys.stderr)
+        return 2
+    try:
+        model_type = hf.export_type(model.model_dump(), args.model_type, args.section)
+    except hf.HFError as err:
+        print(_error_line(err), file=sys.stderr)
         return 2
     rt = build_runtime(cfg)
     states, step = rt.init_states(), 0
@@ -184,11 +189,11 @@ def _export(cfg, args) -> int:
         if restored is not None:
             step, states = restored[0], restored[1]
     try:
-        hf.save_llm(args.out, states[args.section].params, model.model_dump(), model_type=args.model_type)
+        hf.save_section(args.out, states[args.section].params, model.model_dump(), model_type)
     except hf.HFError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: section {args.section!r} at step {step} ({args.model_type})")
+    print(f"wrote {args.out}: section {args.section!r} at step {step} ({model_type})")
     return 0
 
 
@@ -418,16 +423,17 @@ COMMANDS: dict[str, Command] = {
         devices=False,
     ),
     "export": Command(
-        "write a trained LLM section as a Hugging Face folder",
+        "write a trained section (LLM, vision or audio tower) as a Hugging Face folder",
         _export,
         (
-            opt("--section", required=True, help="an LLM section, e.g. student or llm"),
+            opt("--section", required=True, help="a section with a model: an LLM (student, llm), vision or audio"),
             opt("--out", required=True, metavar="DIR", help="the Hugging Face folder to write"),
             opt(
                 "--model-type",
-                default="llama",
-                choices=("llama", "qwen2", "qwen3", "qwen3_moe"),
-                help="the Hugging Face architecture to write",
+                default=None,
+                choices=("llama", "qwen2", "qwen3", "qwen3_moe", "siglip", "clip", "whisper"),
+                help="the Hugging Face architecture to write (default: llama for an LLM; a vision or audio "
+                "tower's own layout: siglip, clip (class_token) or whisper)",
             ),
         ),
     ),

@@ -71,7 +71,7 @@ class InitConfig(_Frozen):
     """Where a section's weights start from (default: random): one of the two."""
 
     # a local Hugging Face folder (config.json + safetensors): a Llama/Qwen2/Qwen3(-MoE) decoder for
-    # an llm section, a SigLIP vision tower for a vit one, a Whisper encoder for an audio one
+    # an llm section, a SigLIP or CLIP (LLaVA) vision tower for a vit one, a Whisper encoder for an audio one
     hf_path: str | None = None
     # another run's checkpoints (its checkpoint_dir, default <output_dir>/checkpoints): this trained
     # section's params from the newest committed step there, a fresh optimizer (a next training
@@ -125,7 +125,28 @@ class ViTModelConfig(_Frozen):
     # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py)
     pos_embed: Literal["row_col", "table"] = "row_col"
     norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
-    act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"  # the blocks' MLP activation (HF's names)
+    # the blocks' MLP activation (HF's names; quick_gelu: CLIP's)
+    act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu"] = "gelu_pytorch_tanh"
+    # CLIP's layout (LLaVA's tower): a class token per image, dropped before the merger (models/vit.py)
+    class_token: bool = False
+    # the hidden state the merger reads, HF's numbering (LLaVA's vision_feature_layer, e.g. -2);
+    # the blocks after it are not held
+    feature_layer: int = -1
+
+    @pydantic.field_validator("class_token")
+    @classmethod
+    def _class_token_needs_table(cls, v, info):
+        if v and info.data.get("pos_embed") != "table":
+            raise ValueError(f"CLIP's layout needs pos_embed='table', not {info.data.get('pos_embed')!r}")
+        return v
+
+    @pydantic.field_validator("feature_layer")
+    @classmethod
+    def _a_block_output(cls, v, info):
+        depth = info.data.get("depth")
+        if depth is not None and not (-depth <= v <= depth and v != 0):
+            raise ValueError(f"a tower of depth {depth} has block outputs -{depth}..-1 or 1..{depth}")
+        return v
 
 
 class AudioModelConfig(_Frozen):

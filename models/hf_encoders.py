@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints of encoder towers: SigLIP's vision tower into `models.vit.VisionEncoder`
-and Whisper's encoder into `models.audio.AudioEncoder`, and back.
+"""Hugging Face checkpoints of encoder towers: SigLIP's and CLIP's vision towers into
+`models.vit.VisionEncoder` and Whisper's encoder into `models.audio.AudioEncoder`, and back.
 
 Like `models.hf` (whose folder reading, safetensors access and sharded placement this reuses),
 it imports nothing from maestro_jax. A tower's config fields (`vit_fields`, `audio_fields`) set
@@ -18,6 +18,18 @@ H heads of K = D/H, p = patch, C = channels, F = mlp:
   post_layernorm                                  -> merge_norm.{scale,bias}
 The attention-pooling `head` is not imported (the VLM merges patches instead); export writes
 `vision_use_head: false` and prefixes `vision_model.`, which transformers 4 and 5 both load.
+
+CLIP (`CLIPVisionModel`, a whole `CLIPModel`, or a LLaVA checkpoint's `vision_tower`) loads into
+the `class_token` layout (models/vit.py): SigLIP's tensors and names, and
+  embeddings.patch_embedding.weight (no bias)     -> patch_embed.kernel
+  embeddings.class_embedding [D]                  -> class_embed
+  embeddings.position_embedding.weight [1+G*G, D] -> pos (row 0: the class token's)
+  pre_layrnorm                                    -> pre_norm.{scale,bias}
+  post_layernorm                                  -> merge_norm.{scale,bias}
+A LLaVA config's `vision_feature_layer` becomes `feature_layer` (its strategy must be `default`:
+patches without the class token). Only the blocks up to `feature_layer` are held, so a tower
+cut at -2 exports its `depth - 1` blocks, `num_hidden_layers` saying so: its `hidden_states[-1]`
+are the features the VLM read.
 
 Whisper (`WhisperEncoder`, or a whole `WhisperModel` / `WhisperForConditionalGeneration`: its
 `encoder.` / `model.encoder.` tensors), M = num_mel_bins:
@@ -44,8 +56,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from maestro_jax.models.hf import HFError, _at, _put, _scanned_path, _set, _Tensors, read_config, write_weights
+from maestro_jax.models.vit import held_layers
 
-ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS, by the names HF configs use
+ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS the audio encoder takes, by HF's names
+VIT_ACTIVATIONS = (*ACTIVATIONS, "quick_gelu")  # and the vision tower (quick_gelu: CLIP's)
 
 # The config classes' defaults, which an older config.json may leave out (it saved only what differed).
 SIGLIP_DEFAULTS = {
@@ -58,6 +72,12 @@ SIGLIP_DEFAULTS = {
     "patch_size": 16,
     "hidden_act": "gelu_pytorch_tanh",
     "layer_norm_eps": 1e-6,
+}
+CLIP_DEFAULTS = {
+    **SIGLIP_DEFAULTS,
+    "patch_size": 32,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
 }
 WHISPER_DEFAULTS = {
     "num_mel_bins": 80,
@@ -90,24 +110,48 @@ def _with_defaults(hf: dict, defaults: dict) -> dict:
     return {k: hf.get(k, v) for k, v in defaults.items()}
 
 
-def _check_act(path, key: str, act) -> None:
-    if act not in ACTIVATIONS:
-        raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(ACTIVATIONS)}")
+def _check_act(path, key: str, act, supported: tuple[str, ...] = ACTIVATIONS) -> None:
+    if act not in supported:
+        raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(supported)}")
+
+
+VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava")
+
+
+def _llava_feature_layer(path, hf: dict) -> int:
+    """A LLaVA config's `vision_feature_layer`: one layer, its features without the class token."""
+    layer, strategy = hf.get("vision_feature_layer", -2), hf.get("vision_feature_select_strategy", "default")
+    if not isinstance(layer, int) or strategy != "default":
+        raise HFError(
+            f"{path}/config.json: vision_feature_layer={layer!r}, vision_feature_select_strategy={strategy!r}; "
+            f"the vision tower reads one layer (an integer) without its class token ('default')"
+        )
+    return layer
 
 
 def vit_fields(path: str | Path) -> dict:
-    """The fields of the config's `models.<name>` entry (kind vit) that describe the SigLIP vision
-    tower at `path` (a `siglip_vision_model` config, or a `siglip` one's `vision_config`)."""
-    hf = read_config(path)
-    if hf.get("model_type") == "siglip":
+    """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
+    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`) or CLIP (a
+    `clip_vision_model` config, a `clip` one's `vision_config`, or a `llava` one's, with its
+    `vision_feature_layer`)."""
+    hf, extra = read_config(path), {}
+    kind = hf.get("model_type")
+    if kind == "llava":
+        extra["feature_layer"] = _llava_feature_layer(path, hf)
         hf = hf.get("vision_config") or {}
-    elif hf.get("model_type") != "siglip_vision_model":
-        raise HFError(
-            f"{path}/config.json: model_type={hf.get('model_type')!r}; a vision tower is 'siglip_vision_model' "
-            f"or 'siglip'"
-        )
-    c = _with_defaults(hf, SIGLIP_DEFAULTS)
-    _check_act(path, "hidden_act", c["hidden_act"])
+        if hf.get("model_type") != "clip_vision_model":
+            raise HFError(
+                f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a LLaVA vision tower "
+                f"imports as 'clip_vision_model'"
+            )
+        kind = "clip"
+    elif kind in ("siglip", "clip"):
+        hf = hf.get("vision_config") or {}
+    elif kind not in VISION_TOWERS:
+        raise HFError(f"{path}/config.json: model_type={kind!r}; a vision tower is one of {list(VISION_TOWERS)}")
+    clip = kind.startswith("clip")
+    c = _with_defaults(hf, CLIP_DEFAULTS if clip else SIGLIP_DEFAULTS)
+    _check_act(path, "hidden_act", c["hidden_act"], VIT_ACTIVATIONS)
     if c["image_size"] % c["patch_size"] or c["hidden_size"] % c["num_attention_heads"]:
         raise HFError(
             f"{path}/config.json: image_size={c['image_size']}, patch_size={c['patch_size']}, hidden_size="
@@ -126,6 +170,8 @@ def vit_fields(path: str | Path) -> dict:
         "pos_embed": "table",
         "norm_eps": float(c["layer_norm_eps"]),
         "act": c["hidden_act"],
+        "class_token": clip,
+        **extra,
     }
 
 
@@ -157,13 +203,14 @@ def audio_fields(path: str | Path) -> dict:
     }
 
 
-def _blocks(f: dict, hf_layer: Callable[[int], str], names: dict[str, str], key_bias: bool) -> dict:
-    """Every encoder block's entries; `names` maps the block's parts to their names in HF's layer
-    `hf_layer(i)`. Without `key_bias` the block's `k.bias` has no tensor (None: it loads as zeros)."""
+def _blocks(f: dict, depth: int, hf_layer: Callable[[int], str], names: dict[str, str], key_bias: bool) -> dict:
+    """The first `depth` encoder blocks' entries; `names` maps the block's parts to their names in
+    HF's layer `hf_layer(i)`. Without `key_bias` the block's `k.bias` has no tensor (None: it loads
+    as zeros)."""
     qkv, qkv_bias, out = _heads(f["heads"], f["width"] // f["heads"])
     layouts = {"q": qkv, "k": qkv, "v": qkv, "o": out, "fc1": _LINEAR, "fc2": _LINEAR}
     m = {}
-    for i in range(f["depth"]):
+    for i in range(depth):
         b, layer = f"block_{i}", hf_layer(i)
         for part in ("attn_norm", "mlp_norm"):
             m[(b, part, "scale")] = (f"{layer}.{names[part]}.weight", _SAME)
@@ -184,11 +231,19 @@ def _prefix(path, tensors: _Tensors, first: str, prefixes: tuple[str, ...]) -> s
 
 
 SIGLIP_PREFIXES = ("vision_model.", "")
+# CLIP's own and a LLaVA checkpoint's (transformers >= 4.52 writes `model.vision_tower.`)
+CLIP_PREFIXES = ("vision_model.", "model.vision_tower.vision_model.", "vision_tower.vision_model.", "")
 WHISPER_PREFIXES = ("model.encoder.", "encoder.", "")
 
 
+def vit_layers(f: dict) -> int:
+    """The blocks a vision tower with fields `f` holds: those up to its `feature_layer`."""
+    return held_layers(f["depth"], f.get("feature_layer", -1))
+
+
 def vit_mapping(f: dict, prefix: str = "vision_model.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
-    """Flax path -> (HF tensor name, layouts) of a SigLIP vision tower with fields `f`."""
+    """Flax path -> (HF tensor name, layouts) of a SigLIP vision tower with fields `f`, or a CLIP one
+    (`class_token`)."""
     p, c, d = f["patch"], f["channels"], f["width"]
     patch: Layout = (
         lambda w: w.transpose(2, 3, 1, 0).reshape(p * p * c, d),  # conv [D, C, p, p] -> rows in patchify's (y, x, c)
@@ -196,14 +251,19 @@ def vit_mapping(f: dict, prefix: str = "vision_model.") -> dict[tuple[str, ...],
     )
     m = {
         ("patch_embed", "kernel"): (f"{prefix}embeddings.patch_embedding.weight", patch),
-        ("patch_embed", "bias"): (f"{prefix}embeddings.patch_embedding.bias", _SAME),
         ("pos",): (f"{prefix}embeddings.position_embedding.weight", _SAME),
         ("merge_norm", "scale"): (f"{prefix}post_layernorm.weight", _SAME),
         ("merge_norm", "bias"): (f"{prefix}post_layernorm.bias", _SAME),
     }
+    if f.get("class_token"):
+        m[("class_embed",)] = (f"{prefix}embeddings.class_embedding", _SAME)
+        m[("pre_norm", "scale")] = (f"{prefix}pre_layrnorm.weight", _SAME)
+        m[("pre_norm", "bias")] = (f"{prefix}pre_layrnorm.bias", _SAME)
+    else:
+        m[("patch_embed", "bias")] = (f"{prefix}embeddings.patch_embedding.bias", _SAME)
     names = {"attn_norm": "layer_norm1", "mlp_norm": "layer_norm2", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
     names.update({x: f"self_attn.{x}_proj" for x in "qkv"}, o="self_attn.out_proj")
-    return m | _blocks(f, lambda i: f"{prefix}encoder.layers.{i}", names, key_bias=True)
+    return m | _blocks(f, vit_layers(f), lambda i: f"{prefix}encoder.layers.{i}", names, key_bias=True)
 
 
 def audio_mapping(f: dict, prefix: str = "") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
@@ -219,7 +279,7 @@ def audio_mapping(f: dict, prefix: str = "") -> dict[tuple[str, ...], tuple[str 
     }
     names = {"attn_norm": "self_attn_layer_norm", "mlp_norm": "final_layer_norm", "fc1": "fc1", "fc2": "fc2"}
     names.update({x: f"self_attn.{x}_proj" for x in "qkv"}, o="self_attn.out_proj")
-    return m | _blocks(f, lambda i: f"{prefix}layers.{i}", names, key_bias=False)
+    return m | _blocks(f, f["depth"], lambda i: f"{prefix}layers.{i}", names, key_bias=False)
 
 
 def _load(path: Path, tensors: _Tensors, target: dict, mapping: dict) -> dict:
@@ -257,11 +317,23 @@ def _load(path: Path, tensors: _Tensors, target: dict, mapping: dict) -> dict:
     return out
 
 
+def _held_blocks(params: dict) -> int:
+    if "blocks" in params:
+        return len(jax.tree.leaves(params["blocks"])[0])
+    return sum(k.startswith("block_") for k in params)
+
+
 def load_vit(path: str | Path, target: dict, fields: dict) -> dict:
-    """The SigLIP tower's weights in `target`, the `VisionEncoder` params (shaped and sharded)."""
+    """The SigLIP or CLIP tower's weights in `target`, the `VisionEncoder` params (shaped and
+    sharded): as many of the checkpoint's blocks as `target` holds (those up to its model's
+    `feature_layer`, which the checkpoint's own config need not name)."""
     path, tensors = Path(path), _Tensors(Path(path))
-    prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", SIGLIP_PREFIXES)
-    return _load(path, tensors, target, vit_mapping(fields, prefix))
+    held = _held_blocks(target)
+    if held > fields["depth"]:
+        raise HFError(f"{path}: the checkpoint has {fields['depth']} blocks; the model holds {held}")
+    prefixes = CLIP_PREFIXES if fields.get("class_token") else SIGLIP_PREFIXES
+    prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", prefixes)
+    return _load(path, tensors, target, vit_mapping({**fields, "feature_layer": held}, prefix))
 
 
 def load_audio(path: str | Path, target: dict, fields: dict) -> dict:
@@ -292,26 +364,28 @@ def _write(path: str | Path, tensors: dict, config: dict, max_shard_bytes: int) 
 
 
 def save_vit(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:
-    """Write a SigLIP-layout `VisionEncoder`'s tower (`pos_embed: table`) as a folder that
-    `transformers.SiglipVisionModel` loads; the merger is not part of SigLIP and is left out."""
-    if fields.get("pos_embed") != "table" or fields.get("act") not in ACTIVATIONS:
+    """Write a `VisionEncoder`'s tower with a position table as a folder that transformers loads:
+    `SiglipVisionModel`, or `CLIPVisionModel` for the `class_token` layout, with the blocks it
+    holds (`feature_layer`); the merger is not part of either and is left out."""
+    if fields.get("pos_embed") != "table" or fields.get("act") not in VIT_ACTIVATIONS:
         raise HFError(
-            f"pos_embed={fields.get('pos_embed')!r}, act={fields.get('act')!r}: only a SigLIP-layout tower "
-            f"(pos_embed='table', act in {list(ACTIVATIONS)}) exports as SigLIP"
+            f"pos_embed={fields.get('pos_embed')!r}, act={fields.get('act')!r}: only a tower with "
+            f"pos_embed='table' and act in {list(VIT_ACTIVATIONS)} exports as SigLIP or CLIP"
         )
+    clip = bool(fields.get("class_token"))
     config = {
-        "architectures": ["SiglipVisionModel"],
-        "model_type": "siglip_vision_model",
+        "architectures": ["CLIPVisionModel" if clip else "SiglipVisionModel"],
+        "model_type": "clip_vision_model" if clip else "siglip_vision_model",
         "hidden_size": fields["width"],
         "intermediate_size": fields["mlp"],
-        "num_hidden_layers": fields["depth"],
+        "num_hidden_layers": vit_layers(fields),
         "num_attention_heads": fields["heads"],
         "num_channels": fields["channels"],
         "image_size": fields["max_grid"] * fields["patch"],
         "patch_size": fields["patch"],
         "hidden_act": fields["act"],
         "layer_norm_eps": fields["norm_eps"],
-        "vision_use_head": False,
+        **({} if clip else {"vision_use_head": False}),
         "torch_dtype": "float32",
     }
     _write(path, _tensors(params, vit_mapping(fields)), config, max_shard_bytes)

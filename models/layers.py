@@ -256,6 +256,7 @@ _init = nn.initializers.normal(0.02)
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
     "gelu": lambda x: nn.gelu(x, approximate=False),
+    "quick_gelu": lambda x: x * nn.sigmoid(1.702 * x),  # CLIP's
 }
 
 

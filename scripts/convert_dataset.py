@@ -1,4 +1,4 @@
-"""Convert conversations (with images) or plain text into ArrayRecord files maestro_jax trains from.
+"""Convert conversations (with images and audio) or plain text into ArrayRecord files maestro_jax trains from.
 
 Inputs, any mix, in order: JSONL or JSON-array files of records, or folders holding a Hugging
 Face `datasets` dataset saved with `save_to_disk` (needs `datasets`; `--split` picks a split).
@@ -8,7 +8,11 @@ A record is a conversation, LLaVA style `{"id", "image": path | [paths], "conver
 rendered with the tokenizer's chat template; each `<image>` marker becomes that image's
 placeholder tokens, and only the assistant's turns carry loss. Image paths are relative to
 --image-root (default: the input's folder); images are scaled to at most --max-side pixels a
-side (default: the largest the model takes), each side a multiple of patch * merge.
+side (default: the largest the model takes), each side a multiple of patch * merge. Each
+`<audio>` marker (the record's `audio`: path | [paths], or an OpenAI `audio` / `input_audio`
+part) becomes a 16 kHz WAV clip's Whisper log-mel frames (maestro_jax/data/audio.py) and one
+placeholder per frames_per_token frames. A sample over --max-tokens (default: data.max_tokens)
+is skipped, or with `--on-long truncate` cut short, never inside an image's or clip's tokens.
 
     python scripts/convert_dataset.py llava.json OUT.array_record --tokenizer TOKENIZER_DIR \\
         --config configs/vlm_tiny.yaml [--set models.llm.vocab=32000 ...]
@@ -23,12 +27,14 @@ status 2. Sample ids are the records' positions over all inputs.
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.data.convert import (
     IMAGE_MARKER,
+    ON_LONG,
     BadRecord,
     ChatTokenizer,
     Converter,
@@ -59,13 +65,33 @@ def main() -> int:
     ap.add_argument("--image-root", type=Path, help="where relative image paths start (default: the input's folder)")
     ap.add_argument("--image-token", default=IMAGE_MARKER, help="the marker of an image in the text")
     ap.add_argument("--max-side", type=int, help="scale images to at most this many pixels a side")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        help="the longest sample, in tokens (default: the config's data.max_tokens; at most that)",
+    )
+    ap.add_argument(
+        "--on-long",
+        choices=ON_LONG,
+        default="skip",
+        help="a longer sample: skip it (a bad record), or truncate it (never inside an image's or clip's tokens)",
+    )
     ap.add_argument("--split", help="the split of a Hugging Face DatasetDict")
     ap.add_argument("--strict", action="store_true", help="stop at the first bad record (status 2)")
     args = ap.parse_args()
     try:
         target = target_of(args.config, args.set)
+        if args.max_tokens is not None:
+            top = target.max_tokens
+            if not 2 <= args.max_tokens <= (top or args.max_tokens):
+                raise ConvertError(
+                    f"error: --max-tokens={args.max_tokens}: valid: 2 to {top or 'any'} (the config's data.max_tokens)"
+                )
+            target = dataclasses.replace(target, max_tokens=args.max_tokens)
         root = args.image_root or (args.inputs[0] if args.inputs[0].is_dir() else args.inputs[0].parent)
-        converter = Converter(ChatTokenizer.load(args.tokenizer), target, root, args.max_side, args.image_token)
+        converter = Converter(
+            ChatTokenizer.load(args.tokenizer), target, root, args.max_side, args.image_token, args.on_long
+        )
         n, skipped = convert(args.inputs, args.out, converter, args.strict, args.split)
     except (ConfigError, ConvertError) as err:
         print(str(err) if str(err).startswith("error:") else f"error: {err}", file=sys.stderr)

@@ -64,6 +64,10 @@ SIGLIP = {  # 16x16 images of 4x4 patches: a 4x4 grid, 16 positions
     "image_size": 16,
     "patch_size": 4,
 }
+CLIP = {  # SigLIP's shape with 3 layers (a LLaVA tower reads layer -2), CLIP's quick_gelu and 1e-5 epsilon
+    **SIGLIP,
+    "num_hidden_layers": 3,
+}
 WHISPER = {  # 8 mel bins, 8 positions: clips of 16 frames; a one-layer decoder the encoder ignores
     "num_mel_bins": 8,
     "d_model": 32,
@@ -121,6 +125,17 @@ def siglip(out: Path) -> None:
     _save(model, out / "siglip", pixels=pixels, hidden=o.hidden_states[-1], last_hidden_state=o.last_hidden_state)
 
 
+def clip(out: Path) -> None:
+    """pixels [2, C, 16, 16]; `hidden_states` [layers + 1, 2, 1 + 16, D] is every hidden state
+    (class token first: what LLaVA selects from), `last_hidden_state` the last of them."""
+    torch.manual_seed(3)
+    model = _perturbed(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**CLIP)))
+    pixels = torch.randn(2, CLIP["num_channels"], CLIP["image_size"], CLIP["image_size"])
+    with torch.no_grad():
+        o = model(pixels, output_hidden_states=True)
+    _save(model, out / "clip", pixels=pixels, hidden_states=torch.stack(o.hidden_states), pooled=o.pooler_output)
+
+
 def whisper(out: Path) -> None:
     """A whole `WhisperModel` (its tensors under `encoder.`), features [2, mel, 16] and its
     encoder's `last_hidden_state` [2, 8, d_model]."""
@@ -132,6 +147,34 @@ def whisper(out: Path) -> None:
     _save(model, out / "whisper", features=features, last_hidden_state=hidden)
 
 
+def whisper_features(out: Path) -> None:
+    """A 0.55 s 16 kHz 16-bit WAV clip (two tones and noise) and `WhisperFeatureExtractor`'s
+    log-mel frames of it, unpadded (`padding="longest"`), for 80 and 8 mel bins: [mel, frames]."""
+    import wave
+
+    rng = np.random.default_rng(4)
+    t = np.arange(8800) / 16000
+    clip = 0.4 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * 2900 * t) + 0.05 * rng.standard_normal(len(t))
+    pcm = np.round(np.clip(clip, -1, 1) * 32767).astype("<i2")
+    folder = out / "whisper_features"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    with wave.open(str(folder / "clip.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    samples = pcm.astype(np.float32) / 32768
+    features = {
+        f"mel{n}": transformers.WhisperFeatureExtractor(feature_size=n)(
+            samples, sampling_rate=16000, padding="longest", return_tensors="np"
+        ).input_features[0]
+        for n in (80, 8)
+    }
+    np.savez_compressed(folder / "reference.npz", samples=samples, **features)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf")
@@ -139,9 +182,11 @@ def main() -> None:
     for case in LLM_CASES:
         llm(out, case)
     siglip(out)
+    clip(out)
     whisper(out)
+    whisper_features(out)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {len(LLM_CASES) + 2} fixtures to {out}: {total / 1024:.0f} KiB")
+    print(f"wrote {len(LLM_CASES) + 4} fixtures to {out}: {total / 1024:.0f} KiB")
 
 
 if __name__ == "__main__":

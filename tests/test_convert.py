@@ -235,12 +235,13 @@ def test_a_tokenizer_the_model_cannot_take_is_refused_before_any_record(tokenize
         f"and image tokens take the id of the tokenizer's marker; valid: workload_settings.image_token=2"
     )
     C.check_tokenizer(shifted, C.Target(400, "vocab", (), None, "kd"))  # text only: ids 1 and 2 are text
-    omni = target("omni_tiny.yaml", TINY_OMNI)  # <audio> reserves id 2, where this tokenizer has <image>
+    omni = target("omni_tiny.yaml", TINY_OMNI)  # <audio> takes id 2, where this tokenizer has <x>
+    swapped = make_tokenizer(tmp_path / "swapped", ["<pad>", "<image>", "<x>", "<audio>"])
     with pytest.raises(C.ConvertError) as err:
-        C.check_tokenizer(C.ChatTokenizer.load(make_tokenizer(tmp_path / "swapped", ["<pad>", "<image>", "<x>"])), omni)
+        C.check_tokenizer(C.ChatTokenizer.load(swapped), omni)
     assert str(err.value) == (
-        f"error: --tokenizer={tmp_path / 'swapped'}: token '<x>' has id 2, which the omni workload reserves for "
-        f"audio placeholders; valid: a tokenizer whose id 2 is its '<audio>' token or unused"
+        f"error: workload_settings.audio_token=2: the tokenizer in {swapped} has '<audio>' at id 3, and audio "
+        f"tokens take the id of the tokenizer's marker; valid: workload_settings.audio_token=3"
     )
     with pytest.raises(C.ConvertError, match=r"^error: --max-side=4: valid: 8 \(patch \* merge.*\) to 256 \(the"):
         C.Converter(tok, VLM, tmp_path, max_side=4)
@@ -338,3 +339,162 @@ def test_image_placeholder_id_is_the_tokenizers_own(images, tmp_path):
         shapes = [expected_shape(*SIZES[int(n[2:-4])]) for n in record["image"]]
         assert [b - a for a, b in runs(s.tokens == 7)] == [image.tokens(sh[:2]) for sh in shapes]
         assert not s.loss_mask[s.tokens == 7].any()
+
+
+FRONT_END = ROOT / "tests" / "fixtures" / "hf" / "whisper_features"  # scripts/make_hf_fixtures.py
+
+
+def test_whisper_front_end_matches_transformers():
+    """A 16-bit WAV read with `wave` and its log-mel frames equal `WhisperFeatureExtractor`'s (80 and
+    8 mel bins, the clip unpadded), stored by scripts/make_hf_fixtures.py."""
+    from maestro_jax.data.audio import log_mel, read_audio
+
+    ref = np.load(FRONT_END / "reference.npz")
+    samples = read_audio(FRONT_END / "clip.wav")
+    assert np.array_equal(samples, ref["samples"])
+    for n in (80, 8):
+        frames = log_mel(samples, n)
+        assert frames.shape == ref[f"mel{n}"].T.shape == (len(samples) // 160, n)
+        assert float(np.max(np.abs(frames - ref[f"mel{n}"].T))) < 1e-4
+
+
+@pytest.mark.parametrize("width", [1, 3, 4])
+def test_wav_sample_widths_read_alike(tmp_path, width):
+    """8-bit (unsigned), 24-bit and 32-bit PCM read as the same clip as 16-bit, to their precision."""
+    import wave
+
+    from maestro_jax.data.audio import read_audio
+
+    x = np.load(FRONT_END / "reference.npz")["samples"][:1000].astype(np.float64)
+    if width == 1:
+        raw = np.round(x * 127 + 128).astype(np.uint8).tobytes()
+    else:
+        ints = np.round(x * (2 ** (8 * width - 1) - 1)).astype("<i4")
+        raw = (
+            ints.tobytes()
+            if width == 4
+            else np.stack([(ints >> s) & 255 for s in (0, 8, 16)], 1).astype(np.uint8).tobytes()
+        )
+    with wave.open(str(tmp_path / "w.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(width)
+        w.setframerate(16000)
+        w.writeframes(raw)
+    assert float(np.max(np.abs(read_audio(tmp_path / "w.wav") - x))) < (1 / 100 if width == 1 else 1e-6)
+
+
+def _wav(path, samples, rate=16000, width=2, channels=1):
+    import wave
+
+    pcm = np.round(np.repeat(samples[:, None], channels, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+
+
+def test_conversations_with_audio_become_samples(tokenizer, images, tmp_path):
+    """`<audio>` markers (LLaVA style, with the record's `audio` list) and OpenAI `input_audio`
+    parts (base64 WAV) become the clip's Whisper frames, cut to whole tokens, and one audio
+    placeholder per `frames_per_token` frames, in marker order beside images; a clip that is not
+    16 kHz WAV is a bad record, named and skipped."""
+    import base64
+    import shutil
+
+    from maestro_jax.data import AUDIO_TOKEN
+
+    omni = target("omni_tiny.yaml", [*TINY_OMNI, "models.audio.mel=8"])
+    audio = omni.modality("audio")
+    shutil.copy(FRONT_END / "clip.wav", images / "clip.wav")
+    _wav(images / "stereo.wav", np.load(FRONT_END / "reference.npz")["samples"][:3200], channels=2)
+    _wav(images / "slow.wav", np.zeros(800), rate=8000)
+    (images / "noise.wav").write_bytes(b"RIFF not really")
+    data = base64.b64encode((images / "stereo.wav").read_bytes()).decode()
+    records = [
+        {
+            "id": "a",
+            "audio": "clip.wav",
+            "image": "im0.png",
+            "conversations": [
+                {"from": "human", "value": "<audio> then <image>: what is said?"},
+                {"from": "gpt", "value": "the cat."},
+            ],
+        },
+        {
+            "id": "b",
+            "messages": [
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]},
+                {"role": "assistant", "content": "a dog."},
+            ],
+        },
+        {
+            "id": "slow",
+            "audio": ["slow.wav"],
+            "conversations": [{"from": "human", "value": "<audio>"}, {"from": "gpt", "value": "x"}],
+        },
+        {
+            "id": "noise",
+            "audio": "noise.wav",
+            "conversations": [{"from": "human", "value": "<audio>"}, {"from": "gpt", "value": "x"}],
+        },
+    ]
+    path = tmp_path / "omni.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tok = C.ChatTokenizer.load(tokenizer)
+    log = tmp_path / "log"
+    with log.open("w") as f:
+        n = C.convert([path], tmp_path / "omni.array_record", C.Converter(tok, omni, images, 8), log=f)
+    assert n == (2, 2)
+    assert log.read_text().splitlines() == [
+        f"skipped {path}:3 (id 'slow'): {images}/slow.wav: sample rate 8000 Hz; valid: 16000 Hz (Whisper's), "
+        "resample it first",
+        f"skipped {path}:4 (id 'noise'): {images}/noise.wav: not a readable WAV file (not a WAVE file); "
+        "valid: integer PCM WAV",
+    ]
+    src = ArrayRecordSource((str(tmp_path / "omni.array_record"),))
+    ref = np.load(FRONT_END / "reference.npz")["mel8"].T
+    fpt = audio.unit[0]
+    first, second = src[0], src[1]
+    (clip,) = first.of("audio")
+    assert np.array_equal(clip, first.of("audio")[0]) and clip.shape == (len(ref) - len(ref) % fpt, 8)
+    assert float(np.max(np.abs(clip - ref[: len(clip)]))) < 1e-4
+    audio_runs, image_runs = runs(first.tokens == AUDIO_TOKEN), runs(first.tokens == IMAGE_TOKEN)
+    assert [b - a for a, b in audio_runs] == [len(clip) // fpt] and audio_runs[0][1] < image_runs[0][0]
+    assert not first.loss_mask.astype(bool)[first.tokens == AUDIO_TOKEN].any()
+    (stereo,) = second.of("audio")  # channels averaged: the mono clip's frames
+    assert stereo.shape == (20 - 20 % fpt, 8) and np.count_nonzero(second.tokens == AUDIO_TOKEN) == 20 // fpt
+    with pytest.raises(C.BadRecord, match=r"id 'slow'.*sample rate 8000 Hz"):
+        C.convert([path], tmp_path / "strict.array_record", C.Converter(tok, omni, images, 8), strict=True)
+
+
+def test_long_samples_are_truncated_between_items_or_skipped(tokenizer, images):
+    """`on_long: truncate` cuts a sample over max_tokens at the limit, or, where that would split
+    an image's placeholder run, before the run (the image goes too); the loss mask is cut alike.
+    A cut that leaves no loss token, and `on_long: skip`, are bad records."""
+    import dataclasses
+
+    tok = C.ChatTokenizer.load(tokenizer)
+    record = llava(2)  # three images over two rounds: the second round's images sit late in the sample
+    full = C.Converter(tok, VLM, images, max_side=32).sample(0, record)
+    image_runs = runs(full.tokens == IMAGE_TOKEN)
+    first, last = image_runs[1]  # the second image's run (stop exclusive)
+    assert last - first > 2
+    mask = full.loss_mask.astype(bool)
+    assert first > runs(mask)[0][1], "the first answer lies before the run: a cut there keeps loss"
+    for limit, kept in ((first + 2, first), (last + 1, last + 1), (len(full.tokens) - 1, len(full.tokens) - 1)):
+        target = dataclasses.replace(VLM, max_tokens=limit)
+        cut = C.Converter(tok, target, images, max_side=32, on_long="truncate").sample(0, record)
+        assert len(cut.tokens) == len(cut.loss_mask) == kept
+        assert np.array_equal(cut.tokens, full.tokens[:kept]) and np.array_equal(cut.loss_mask, full.loss_mask[:kept])
+        n = sum(b <= kept for _, b in image_runs)
+        assert len(cut.of("image")) == n and all(
+            np.array_equal(a, b) for a, b in zip(cut.of("image"), full.of("image"))
+        )
+    short = dataclasses.replace(VLM, max_tokens=runs(mask)[0][0])  # before the first answer
+    with pytest.raises(C.BadRecord, match=r"no token left carries loss"):
+        C.Converter(tok, short, images, max_side=32, on_long="truncate").sample(0, record)
+    with pytest.raises(C.BadRecord, match=rf"{len(full.tokens)} tokens exceed the largest bucket \({first + 2}\)"):
+        C.Converter(tok, dataclasses.replace(VLM, max_tokens=first + 2), images, max_side=32).sample(0, record)
+    with pytest.raises(C.ConvertError, match=r"^error: --on-long=cut: valid: skip, truncate$"):
+        C.Converter(tok, VLM, images, max_side=32, on_long="cut")

@@ -116,12 +116,14 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
 
 
 def test_cli_export_names_are_the_models_mapping():
-    """`maestro-jax export` calls `maestro_jax.tools.hf`, which keeps only the export names, the very
-    objects of `models.hf` (one mapping for import and export)."""
+    """`maestro-jax export` calls `maestro_jax.tools.hf`, whose exporters are the very objects of
+    `models.hf` and `models.hf_encoders` (one mapping for import and export)."""
+    from maestro_jax.models import hf_encoders
+
     from maestro_jax.tools import hf as tools_hf
 
     assert tools_hf.save_llm is hf.save_llm and tools_hf.HFError is hf.HFError
-    assert sorted(tools_hf.__all__) == ["HFError", "save_llm"]
+    assert tools_hf.save_vit is hf_encoders.save_vit and tools_hf.save_audio is hf_encoders.save_audio
 
 
 def _overrides(path, **extra):

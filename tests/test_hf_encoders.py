@@ -1,8 +1,9 @@
-"""Hugging Face encoder towers (`models/hf_encoders.py`): SigLIP's vision tower and Whisper's encoder
-against transformers' own float32 outputs, stored by scripts/make_hf_fixtures.py in
-tests/fixtures/hf/{siglip,whisper}/reference.npz (no torch needed); the export round trip through
+"""Hugging Face encoder towers (`models/hf_encoders.py`): SigLIP's and CLIP's vision towers and
+Whisper's encoder against transformers' own float32 outputs, stored by scripts/make_hf_fixtures.py in
+tests/fixtures/hf/{siglip,clip,whisper}/reference.npz (no torch needed); the export round trip through
 `from_pretrained` runs only where torch and transformers are installed."""
 
+import re
 import shutil
 
 import flax.linen as nn
@@ -20,7 +21,7 @@ from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
 from maestro_jax.workloads.costs import audio_cost
 from maestro_jax.workloads.omni import frame_groups
-from maestro_jax.workloads.vlm import patchify
+from maestro_jax.workloads.vlm import class_segments, patchify
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ATOL = 1e-4
@@ -33,8 +34,8 @@ def fixture(tmp_path, name):
     return path, dict(np.load(path / "reference.npz"))
 
 
-def model_of(kind, fields, scan=False):
-    own = {k: v for k, v in fields.items() if k != "kind"}
+def model_of(kind, fields, scan=False, **extra):
+    own = {k: v for k, v in fields.items() if k != "kind"} | extra
     if kind == "vit":
         return VisionEncoder(ViTConfig(**own, out_width=48, scan_layers=scan))
     return AudioEncoder(AudioConfig(**own, out_width=48, scan_layers=scan))
@@ -173,14 +174,17 @@ def test_missing_or_misshapen_tensor_is_refused(tmp_path):
 
 
 def test_configs_that_are_not_towers_are_refused(tmp_path):
-    with pytest.raises(HFError, match=r"model_type='llama'; a vision tower is 'siglip_vision_model' or 'siglip'"):
+    with pytest.raises(
+        HFError,
+        match=r"model_type='llama'; a vision tower is one of \['siglip_vision_model', 'siglip', 'clip_vision_model'",
+    ):
         hf_encoders.vit_fields(FIXTURES / "llama_tied")
     with pytest.raises(HFError, match=r"model_type='siglip_vision_model'; an audio encoder is 'whisper'"):
         hf_encoders.audio_fields(FIXTURES / "siglip")
     path, _ = fixture(tmp_path, "siglip")
-    text = (path / "config.json").read_text().replace('"gelu_pytorch_tanh"', '"quick_gelu"')
+    text = (path / "config.json").read_text().replace('"gelu_pytorch_tanh"', '"relu"')
     (path / "config.json").write_text(text)
-    with pytest.raises(HFError, match=r"hidden_act='quick_gelu'; the encoder blocks support"):
+    with pytest.raises(HFError, match=r"hidden_act='relu'; the encoder blocks support"):
         hf_encoders.vit_fields(path)
 
 
@@ -290,3 +294,202 @@ def test_vlm_tower_that_does_not_match_is_rejected_before_compiling(tmp_path):
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", [*overrides, "models.vision.width=64"])
     with pytest.raises(ConfigError, match=r"models.vision.width=64: the checkpoint .* has width=32"):
         build_runtime(cfg)
+
+
+def clip_features(path, ref, scan=False, **extra):
+    """The CLIP tower's patch features (the selected hidden state, class token dropped) of both
+    images packed in one row, the class-token slots padded as the VLM's host batch pads them."""
+    fields = hf_encoders.vit_fields(path) | extra
+    model = model_of("vit", fields, scan)
+    (patches, segments, grid), where = siglip_inputs(ref["pixels"], model.cfg)
+    inputs = (patches, segments, grid, jnp.asarray(class_segments(np.asarray(segments))))
+    params = hf_encoders.load_vit(path, placed_params(model, inputs), fields)
+    hidden, post = model.apply({"params": params}, *inputs, method=VisionEncoder.features)
+    return np.asarray(hidden[0]), np.asarray(post[0]), where, params, fields
+
+
+def test_default_vit_parameter_tree_is_unchanged():
+    """The CLIP options leave the default tower's parameters as they were; CLIP's layout adds the
+    class embedding and pre-norm, drops the patch bias, and holds only the blocks up to its layer."""
+    cfg = ViTConfig(patch=4, channels=3, width=32, depth=3, heads=4, mlp=64, out_width=48)
+    args = (jnp.zeros((1, 16, 48)), jnp.ones((1, 16), jnp.int32), jnp.zeros((1, 16, 2), jnp.int32))
+    tree = jax.eval_shape(VisionEncoder(cfg).init, jax.random.key(0), *args)["params"]
+    assert set(tree) == {"patch_embed", "pos_row", "pos_col", "block_0", "block_1", "block_2"} | {
+        "merge_norm",
+        "merger_fc1",
+        "merger_fc2",
+    }
+    assert set(tree["patch_embed"]) == {"kernel", "bias"}
+    clip = ViTConfig(**{**cfg.__dict__, "pos_embed": "table", "class_token": True, "feature_layer": -2})
+    tree = jax.eval_shape(VisionEncoder(clip).init, jax.random.key(0), *args, jnp.ones((1, 8), jnp.int32))["params"]
+    assert {"class_embed", "pre_norm", "block_1"} <= set(tree) and "block_2" not in tree
+    assert set(tree["patch_embed"]) == {"kernel"} and nn.unbox(tree)["pos"].shape == (64 * 64 + 1, 32)
+
+
+@pytest.mark.parametrize("scan,feature_layer", [(False, -1), (True, -2), (False, 2)])
+def test_clip_matches_transformers(tmp_path, scan, feature_layer):
+    """Two 16x16 images packed in one row with their class tokens: the patch features of the
+    selected layer are CLIP's `hidden_states[feature_layer][:, 1:]` (what LLaVA hands its
+    projector), patch for patch; only the blocks up to that layer are held."""
+    path, ref = fixture(tmp_path, "clip")
+    hidden, _, (image, cell), params, fields = clip_features(path, ref, scan, feature_layer=feature_layer)
+    assert fields["class_token"] and fields["act"] == "quick_gelu" and fields["norm_eps"] == 1e-5
+    assert max_err(hidden, ref["hidden_states"][feature_layer][image, 1 + cell]) < ATOL
+    held = 3 if feature_layer == -1 else 2
+    assert (params["blocks"]["layer"]["fc1"]["kernel"].shape[0] if scan else sum("block_" in k for k in params)) == held
+
+
+def _llava_folder(tmp_path, strategy="default"):
+    """The CLIP fixture as a LLaVA checkpoint's tower: a `llava` config.json, tensors under
+    `model.vision_tower.vision_model.` (as transformers >= 4.52 saves them)."""
+    import json
+
+    path, ref = fixture(tmp_path, "clip")
+    vision = json.loads((path / "config.json").read_text())
+    llava = {
+        "model_type": "llava",
+        "vision_config": vision,
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": strategy,
+    }
+    (path / "config.json").write_text(json.dumps(llava))
+    _rewrite(path, lambda t: t.update({f"model.vision_tower.vision_model.{k}": t.pop(k) for k in list(t)}))
+    return path, ref
+
+
+def test_llava_tower_imports_its_feature_layer(tmp_path):
+    path, ref = _llava_folder(tmp_path)
+    hidden, _, (image, cell), _, fields = clip_features(path, ref)
+    assert fields["feature_layer"] == -2
+    assert max_err(hidden, ref["hidden_states"][-2][image, 1 + cell]) < ATOL
+    path, _ = _llava_folder(tmp_path / "full", strategy="full")
+    with pytest.raises(HFError, match=r"vision_feature_select_strategy='full'; .* without its class token"):
+        hf_encoders.vit_fields(path)
+
+
+def test_clip_export_reimports_without_torch(tmp_path):
+    """A tower cut at layer -2 exports its 2 held blocks as a 2-layer CLIP, whose last hidden
+    state is the cut tower's features, exactly."""
+    path, ref = fixture(tmp_path, "clip")
+    hidden, post, _, params, fields = clip_features(path, ref, feature_layer=-2)
+    hf_encoders.save_vit(tmp_path / "clip_out", params, fields)
+    back = hf_encoders.vit_fields(tmp_path / "clip_out")
+    assert back == {k: v for k, v in fields.items() if k != "feature_layer"} | {"depth": 2}
+    again = clip_features(tmp_path / "clip_out", ref)
+    assert max_err(again[0], hidden) == 0 and max_err(again[1], post) == 0
+
+
+def test_clip_export_round_trip_in_transformers(tmp_path):
+    """An exported CLIP tower loads in `CLIPVisionModel` with nothing missing or left over: every
+    hidden state and the pooled output (the class token through `post_layernorm`) are the
+    reference's; a tower cut at -2 loads as the 2-layer tower giving hidden state -2."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency (the reference extra)")
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (the reference extra)")
+    path, ref = fixture(tmp_path, "clip")
+    for feature_layer, states in ((-1, ref["hidden_states"]), (-2, ref["hidden_states"][:-1])):
+        *_, params, fields = clip_features(path, ref, scan=True, feature_layer=feature_layer)
+        out = tmp_path / f"clip_out{feature_layer}"
+        hf_encoders.save_vit(out, params, fields)
+        back, info = transformers.CLIPVisionModel.from_pretrained(
+            out, torch_dtype=torch.float32, output_loading_info=True
+        )
+        assert not any(info.values()), info
+        with torch.no_grad():
+            o = back.eval()(torch.tensor(ref["pixels"]), output_hidden_states=True)
+        assert max_err(torch.stack(o.hidden_states).numpy(), states) < ATOL
+        if feature_layer == -1:
+            assert max_err(o.pooler_output.numpy(), ref["pooled"]) < ATOL
+
+
+def _mapped_leaves(params, mapping):
+    """Every leaf a tower's Hugging Face mapping covers, by HF tensor name (scanned layers unstacked)."""
+    return hf_encoders._tensors(params, mapping)
+
+
+def test_cli_exports_towers_from_the_latest_checkpoint(tmp_path, capsys):
+    """Omni with a CLIP vision tower cut at -2 and a Whisper encoder, both from Hugging Face folders
+    (a training step runs), checkpointed at step 1 with moved weights: `maestro-jax export --section vision|audio` writes
+    the checkpointed towers (CLIP's and Whisper's layouts), which import back equal to them. A
+    section or type no exporter writes is refused with one `error:` line."""
+    import dataclasses
+
+    from maestro_jax import cli
+    from maestro_jax.training.checkpoint import Checkpointer
+
+    clip, _ = fixture(tmp_path, "clip")
+    whisper, _ = fixture(tmp_path, "whisper")
+    out = tmp_path / "run"
+    overrides = [
+        *TINY_OMNI,
+        *_tower_overrides("vit", "vision", clip),
+        *_tower_overrides("audio", "audio", whisper),
+        "models.vision.feature_layer=-2",
+        "data.modalities.image.sizes=[[16,16],[8,16]]",
+        "data.modalities.audio.sizes=[[16],[8]]",
+        f"output_dir={out}",
+    ]
+    config = ROOT / "configs/omni_tiny.yaml"
+    cfg = load_config(config, overrides)
+    rt = build_runtime(cfg)
+    initial = rt.init_states()
+    batch = rt.batches()[0]  # a training step: every image's class token reaches the loss
+    result = rt.executor.run(initial, batch, rt.schedule(batch))
+    assert np.isfinite(float(result.loss)) and np.any(np.asarray(result.grads["vision"]["class_embed"]) != 0)
+    moved = {s: jax.tree.map(lambda x: x * 1.5 + 0.25, initial[s].params) for s in ("vision", "audio")}
+    trained = {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}
+    ckpt = Checkpointer(out / "checkpoints")
+    ckpt.save(1, trained, {}, {"seed": cfg.seed, "workload": cfg.workload})
+    ckpt.close()
+
+    def export(section, *extra):
+        argv = ["export", "--config", str(config), "--section", section, "--out", str(tmp_path / section)]
+        return cli.main([*argv, *extra, *overrides])
+
+    assert export("vision") == 0 and "'vision' at step 1 (clip)" in capsys.readouterr().out
+    assert export("audio") == 0 and "'audio' at step 1 (whisper)" in capsys.readouterr().out
+    for section, fields_of, load, mapping in (
+        ("vision", hf_encoders.vit_fields, hf_encoders.load_vit, hf_encoders.vit_mapping),
+        ("audio", hf_encoders.audio_fields, hf_encoders.load_audio, hf_encoders.audio_mapping),
+    ):
+        fields = fields_of(tmp_path / section)
+        if section == "vision":
+            assert fields["class_token"] and fields["depth"] == 2  # the 2 blocks the cut tower holds
+        back = load(tmp_path / section, initial[section].params, fields)
+        want, got = (_mapped_leaves(p, mapping(fields)) for p in (trained[section].params, back))
+        assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+        start = _mapped_leaves(initial[section].params, mapping(fields))
+        assert not any(np.array_equal(want[k], start[k]) for k in want)  # the checkpoint's, not the initial
+
+    for section, extra, line in (
+        ("llm", ["--model-type", "clip"], r"--model-type=clip: section 'llm' \(llm\) .*; valid: \['llama'"),
+        ("vision", ["--model-type", "siglip"], r"--model-type=siglip: section 'vision' .*; valid: \['clip'\]$"),
+        ("nowhere", [], r"--section='nowhere': not a section with a model here; valid: \['audio', 'llm', 'vision'\]"),
+    ):
+        assert export(section, *extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and re.search(line, err[0]), err
+
+
+def test_cli_refuses_a_tower_without_a_hugging_face_layout(tmp_path, capsys):
+    from maestro_jax import cli
+
+    argv = ["export", "--config", str(ROOT / "configs/omni_tiny.yaml"), "--out", str(tmp_path / "x"), *TINY_OMNI]
+    assert cli.main([*argv, "--section", "vision"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: models.vision.pos_embed='row_col': no Hugging Face vision tower has this layout; a tower with "
+        "pos_embed='table' exports as SigLIP (or CLIP with class_token)"
+    )
+    assert cli.main([*argv, "--section", "audio"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: models.audio.stem='dense': no Hugging Face audio encoder has this stem; an encoder with "
+        "stem='conv' exports as Whisper"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_clip_options_are_checked_in_the_config():
+    vlm = ROOT / "configs/vlm_tiny.yaml"
+    with pytest.raises(ConfigError, match=r"^error: models.vision.feature_layer=5: a tower of depth 1 has block"):
+        load_config(vlm, [*TINY_VLM, "models.vision.feature_layer=5"])
+    with pytest.raises(ConfigError, match=r"^error: models.vision.class_token=True: CLIP's layout needs pos_embed"):
+        load_config(vlm, [*TINY_VLM, "models.vision.class_token=true"])

@@ -23,6 +23,7 @@ and its `id`) and why; `convert` skips it, or stops there (`strict`).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
 import io
@@ -33,10 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
+from maestro_jax.data.audio import AudioError, log_mel, read_audio
 from maestro_jax.data.samples import DataError, Modality, Sample, encode_sample, validate_sample
 from maestro_jax.data.sources import write_index
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker of where an image goes in a turn's text
+AUDIO_MARKER = "<audio>"  # and of where an audio clip goes
+MARKED = ("image", "audio")  # the modalities a conversation's text marks, in marker order
+LISTED = {"image": ("image", "images"), "audio": ("audio", "audios")}  # a record's list of each
+NOUNS = {"image": "image(s)", "audio": "audio clip(s)"}
+ON_LONG = ("skip", "truncate")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 CHUNK = 1 << 20  # characters a JSON array is read by
 MAX_RECORD_CHARS = 64 << 20  # a JSON array element longer than this is taken for damage, not a record
@@ -152,26 +159,29 @@ def _compile_template(folder: Path, source: str):
 
 def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAGE_MARKER) -> None:
     """Refuse, before any record is read, a tokenizer whose ids the model cannot take: an id at
-    or beyond the vocabulary, no single token for the image marker (where the model takes
-    images), an image marker on another id than the config's image placeholder
-    (`workload_settings.image_token`: the marker's id is the placeholder, as the pretrained LLM
-    of that tokenizer knows it), or a text token on an id the model reserves for a modality's
+    or beyond the vocabulary, no single token for a modality's marker (`<image>`, `<audio>`, where
+    the model takes that modality), a marker on another id than the config's placeholder
+    (`workload_settings.<modality>_token`: the marker's id is the placeholder, as the pretrained
+    LLM of that tokenizer knows it), or a text token on an id the model reserves for a modality's
     placeholders (every such token would be read as an embedding slot)."""
     vocab = tok.tokenizer.get_vocab(with_added_tokens=True)
-    image = target.modality("image")
-    if image is not None:
-        marker_id = vocab.get(image_marker)
-        if marker_id is None or tok.tokenizer.encode(image_marker, add_special_tokens=False).ids != [marker_id]:
+    for name, marker in ((n, image_marker if n == "image" else f"<{n}>") for n in MARKED):
+        m = target.modality(name)
+        if m is None:
+            continue
+        marker_id = vocab.get(marker)
+        if marker_id is None or tok.tokenizer.encode(marker, add_special_tokens=False).ids != [marker_id]:
             added = [t.content for t in tok.tokenizer.get_added_tokens_decoder().values()]
+            flag = "--image-token" if name == "image" else f"{name} marker"
             raise ConvertError(
-                f"error: --image-token={image_marker!r}: not one token of the tokenizer in {tok.folder}; valid: "
-                f"one of its added tokens {added[:12]}, or add {image_marker!r} to it as a special token"
+                f"error: {flag}={marker!r}: not one token of the tokenizer in {tok.folder}; valid: one of its added "
+                f"tokens {added[:12]}, or add {marker!r} to it as a special token"
             )
-        if marker_id != image.placeholder:
+        if marker_id != m.placeholder:
             raise ConvertError(
-                f"error: workload_settings.image_token={image.placeholder}: the tokenizer in {tok.folder} has "
-                f"{image_marker!r} at id {marker_id}, and image tokens take the id of the tokenizer's marker; "
-                f"valid: workload_settings.image_token={marker_id}"
+                f"error: workload_settings.{name}_token={m.placeholder}: the tokenizer in {tok.folder} has "
+                f"{marker!r} at id {marker_id}, and {name} tokens take the id of the tokenizer's marker; "
+                f"valid: workload_settings.{name}_token={marker_id}"
             )
     if vocab:
         top = max(vocab, key=vocab.get)
@@ -321,10 +331,13 @@ class Converter:
     image_root: Path
     max_side: int | None = None  # None: the largest side the model takes
     image_marker: str = IMAGE_MARKER
+    on_long: str = "skip"  # a sample over target.max_tokens: skip (a bad record) | truncate (`truncate_sample`)
 
     def __post_init__(self):
         """A converter exists only for a tokenizer and image size the model takes."""
         check_tokenizer(self.tok, self.target, self.image_marker)
+        if self.on_long not in ON_LONG:
+            raise ConvertError(f"error: --on-long={self.on_long}: valid: {', '.join(ON_LONG)}")
         image = self.target.modality("image")
         if image is not None and self.max_side is not None:
             top = image.max_shape[0] if image.max_shape else self.max_side
@@ -348,16 +361,25 @@ class Converter:
             sample = Sample(index, np.asarray(ids, np.int32))
         else:
             raise BadRecord(f"has none of the keys conversations, messages, text (keys: {sorted(record)[:8]})")
+        limit = self.target.max_tokens
+        if self.on_long == "truncate" and limit is not None and len(sample.tokens) > limit:
+            sample = truncate_sample(sample, self.target.modalities, limit)
         try:
             return validate_sample(sample, self.target.modalities, self.target.max_tokens, self.target.vocab)
         except DataError as err:
             raise BadRecord(str(err)) from None
 
+    def _markers(self) -> dict[str, str]:
+        return {"image": self.image_marker, "audio": AUDIO_MARKER}
+
     def _chat(self, index: int, record: dict) -> Sample:
         messages, refs = self._messages(record)
-        image = self.target.modality("image")
-        if refs and image is None:
-            raise BadRecord(f"has {len(refs)} image(s), but the {self.target.workload} workload takes text only")
+        for name, items in refs.items():
+            if items and self.target.modality(name) is None:
+                takes = f"no {name}" if self.target.modalities else "text only"
+                raise BadRecord(
+                    f"has {len(items)} {NOUNS[name]}, but the {self.target.workload} workload takes {takes}"
+                )
         full = self.tok.render(messages, add_generation_prompt=False)
         spans = []  # each assistant turn's characters: what it says and how it ends its turn
         for k, m in enumerate(messages):
@@ -379,43 +401,68 @@ class Converter:
         for a, b in spans:
             mask |= (starts >= a) & (starts < b)
         repeat = np.ones(len(ids), np.int64)
-        images = ()
-        if image is not None:
-            at = np.flatnonzero(ids == self.tok.tokenizer.token_to_id(self.image_marker))
-            if len(at) != len(refs):
+        items = {}
+        for name, marker in self._markers().items():
+            m = self.target.modality(name)
+            if m is None:
+                continue
+            at = np.flatnonzero(ids == self.tok.tokenizer.token_to_id(marker))
+            if len(at) != len(refs[name]):
                 raise BadRecord(
-                    f"has {len(at)} {self.image_marker} markers after its chat template, but {len(refs)} images"
+                    f"has {len(at)} {marker} markers after its chat template, but {len(refs[name])} {NOUNS[name]}"
                 )
-            images = tuple(load_image(self._resolve(r), image.unit[0], self._side(image)) for r in refs)
-            for pos, im in zip(at, images):  # the marker's id is the placeholder (`check_tokenizer`)
-                repeat[pos] = image.tokens(im.shape[:2])
+            loaded = tuple(self._load(name, m, r) for r in refs[name])
+            for pos, x in zip(at, loaded):  # the marker's id is the placeholder (`check_tokenizer`)
+                repeat[pos] = m.tokens(x.shape[: len(m.unit)])
             mask[at] = False
+            if loaded:
+                items[name] = loaded
         if not mask.any():
             raise BadRecord("its assistant turns hold no token")
         return Sample(
             index,
             np.repeat(ids, repeat).astype(np.int32),
-            {"image": images} if images else {},
+            items,
             loss_mask=np.repeat(mask, repeat).astype(np.uint8),
         )
 
-    def _messages(self, record: dict) -> tuple[list[dict], list]:
-        """The record's turns as `{"role", "content": text}` (image parts as markers in the
-        text), and its images in marker order: the record's `image`/`images` list feeds the
-        markers of its text in order; an image part that names its own image takes that."""
-        listed = record.get("image", record.get("images"))
-        listed = [] if listed is None else list(listed) if isinstance(listed, list | tuple) else [listed]
-        pending, refs, messages = iter(listed), [], []
+    def _load(self, name: str, m: Modality, ref) -> np.ndarray:
+        """One item as its section takes it: an image's pixels, an audio clip's log-mel frames
+        (Whisper's front end, `data.audio`; cut to whole tokens)."""
+        if name == "image":
+            return load_image(self._resolve(ref), m.unit[0], self._side(m))
+        try:
+            source = self._resolve(ref, "audio clip")
+            frames = log_mel(read_audio(source, None if isinstance(ref, str) else "its input_audio data"), m.channels)
+        except AudioError as err:
+            raise BadRecord(str(err)) from None
+        n = len(frames) - len(frames) % m.unit[0]
+        if not n:
+            raise BadRecord(f"audio clip {ref}: {len(frames)} frames, fewer than one token's {m.unit[0]}")
+        return frames[:n]
 
-        def next_listed():
-            ref = next(pending, None)
+    def _messages(self, record: dict) -> tuple[list[dict], dict[str, list]]:
+        """The record's turns as `{"role", "content": text}` (image and audio parts as markers in
+        the text), and per modality its items in marker order: the record's `image`/`images`
+        (`audio`/`audios`) list feeds the markers of its text in order; a part that names its
+        own item takes that."""
+        markers = self._markers()
+        listed, pending, refs = {}, {}, {name: [] for name in markers}
+        for name, keys in LISTED.items():
+            given = record.get(keys[0], record.get(keys[1]))
+            listed[name] = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+            pending[name] = iter(listed[name])
+
+        def next_listed(name):
+            ref = next(pending[name], None)
             if ref is None:
-                raise BadRecord(f"has more {self.image_marker} markers than its {len(listed)} listed image(s)")
+                raise BadRecord(f"has more {markers[name]} markers than its {len(listed[name])} listed {NOUNS[name]}")
             return ref
 
         turns = record.get("conversations", record.get("messages"))
         if not isinstance(turns, list) or not turns:
             raise BadRecord("conversations/messages must be a non-empty list of turns")
+        messages = []
         for k, turn in enumerate(turns):
             if not isinstance(turn, dict):
                 raise BadRecord(f"turn {k} is a {type(turn).__name__}, not an object")
@@ -429,22 +476,30 @@ class Converter:
                     kind = part.get("type") if isinstance(part, dict) else None
                     if kind == "text":
                         text += str(part.get("text", ""))
-                    elif kind in ("image", "image_url"):
-                        own = part.get("image") if kind == "image" else (part.get("image_url") or {}).get("url")
-                        if isinstance(own, str):
-                            own = own.removeprefix("file://")
-                        refs.append(own if own is not None else next_listed())
-                        text += self.image_marker
+                    elif kind in ("image", "image_url", "audio", "input_audio"):
+                        name = "image" if kind.startswith("image") else "audio"
+                        own = _part_item(kind, part)
+                        refs[name].append(own if own is not None else next_listed(name))
+                        text += markers[name]
                     else:
-                        raise BadRecord(f"turn {k} has a part of type {kind!r}; valid: text, image, image_url")
+                        raise BadRecord(
+                            f"turn {k} has a part of type {kind!r}; valid: text, image, image_url, audio, input_audio"
+                        )
                 content = text
             elif isinstance(content, str):
-                refs.extend(next_listed() for _ in range(content.count(self.image_marker)))
+                # markers in the order they appear, whatever their modality
+                found = sorted((i, n) for n, mk in markers.items() for i in _find_all(content, mk))
+                for _, name in found:
+                    refs[name].append(next_listed(name))
             else:
                 raise BadRecord(f"turn {k}'s content is a {type(content).__name__}, not text or a list of parts")
             messages.append({"role": ROLES[speaker], "content": content})
-        if next(pending, None) is not None:
-            raise BadRecord(f"lists {len(listed)} image(s) but its turns hold {len(refs)} {self.image_marker} markers")
+        for name in markers:
+            if next(pending[name], None) is not None:
+                raise BadRecord(
+                    f"lists {len(listed[name])} {NOUNS[name]} but its turns hold {len(refs[name])} "
+                    f"{markers[name]} markers"
+                )
         return messages, refs
 
     def _side(self, image: Modality) -> int:
@@ -455,17 +510,70 @@ class Converter:
             raise ConvertError("error: --max-side: missing; the model sets no largest image, so give one")
         return image.max_shape[0]
 
-    def _resolve(self, ref):
+    def _resolve(self, ref, what: str = "image"):
         if isinstance(ref, str):
             path = Path(ref) if Path(ref).is_absolute() else self.image_root / ref
             if not path.is_file():
-                raise BadRecord(f"image {path} does not exist")
+                raise BadRecord(f"{what} {path} does not exist")
             return path
+        if what != "image":
+            if isinstance(ref, bytes):  # an OpenAI `input_audio` part's decoded data
+                return io.BytesIO(ref)
+            raise BadRecord(f"an {what} is a {type(ref).__name__}; valid: a file path or WAV data")
         from PIL import Image
 
         if not isinstance(ref, Image.Image):
             raise BadRecord(f"an image is a {type(ref).__name__}; valid: a file path or a decoded image")
         return ref
+
+
+def truncate_sample(sample: Sample, modalities: tuple[Modality, ...], max_tokens: int) -> Sample:
+    """`sample` cut to at most `max_tokens` tokens, never inside an item's placeholder run: a cut
+    that would split one moves back to the run's start, and the item goes with the rest. The
+    loss mask is cut alike; BadRecord if no token carrying loss remains (nothing to learn)."""
+    cut, runs = max_tokens, []
+    for m in modalities:
+        at = np.flatnonzero(sample.tokens == m.placeholder)
+        ends = np.cumsum([m.tokens(x.shape[: len(m.unit)]) for x in sample.of(m.name)])
+        runs += [(m.name, int(at[e - n]), int(at[e - 1])) for e, n in zip(ends, np.diff(ends, prepend=0))]
+    for _, first, last in runs:  # runs are disjoint: one move back settles it
+        if first < cut <= last:
+            cut = first
+    items = {
+        m.name: tuple(
+            x for x, (_, first, last) in zip(sample.of(m.name), [r for r in runs if r[0] == m.name]) if last < cut
+        )
+        for m in modalities
+    }
+    mask = None if sample.loss_mask is None else sample.loss_mask[:cut]
+    if mask is not None and not mask[1:].any():
+        raise BadRecord(f"{len(sample.tokens)} tokens, cut to {cut} (max {max_tokens}): no token left carries loss")
+    return dataclasses.replace(
+        sample, tokens=sample.tokens[:cut], items={k: v for k, v in items.items() if v}, loss_mask=mask
+    )
+
+
+def _find_all(text: str, marker: str) -> list[int]:
+    at, out = text.find(marker), []
+    while at >= 0:
+        out.append(at)
+        at = text.find(marker, at + len(marker))
+    return out
+
+
+def _part_item(kind: str, part: dict):
+    """The item an OpenAI-style content part names itself (None: the record's list supplies it):
+    a path (`image`, `image_url` `file://` or path, `audio`), or `input_audio`'s base64 WAV data."""
+    if kind == "input_audio":
+        data = (part.get("input_audio") or {}).get("data")
+        if data is None:
+            return None
+        try:
+            return base64.b64decode(data, validate=True)
+        except (ValueError, TypeError) as err:
+            raise BadRecord(f"an input_audio part's data is not base64 ({err})") from None
+    own = (part.get("image_url") or {}).get("url") if kind == "image_url" else part.get(kind)
+    return own.removeprefix("file://") if isinstance(own, str) else own
 
 
 def convert(

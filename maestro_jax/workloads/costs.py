@@ -46,15 +46,15 @@ def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
     within each image, so its context is the mean image's patch count."""
     window = c.merge * c.merge
     merger = (2 * window * c.width * 2 * c.out_width + 2 * 2 * c.out_width * c.out_width) / window
-    linear = 2 * c.patch_features * c.width + c.depth * _encoder_layer(c.width, c.mlp) + merger
+    linear = 2 * c.patch_features * c.width + c.layers * _encoder_layer(c.width, c.mlp) + merger
     return UnitCost(
         flops=float(linear),
-        attention_flops=float(c.depth * 2 * 2 * c.width),
+        attention_flops=float(c.layers * 2 * 2 * c.width),
         attention_span=mean_patches_per_image,
         width=c.width,
         layer_bytes=6 * c.width * F32,
         layer_bytes_sharded=3 * c.mlp * F32,
-        layers=c.depth,
+        layers=c.layers,
         kv_width=2 * c.width,
     )
 

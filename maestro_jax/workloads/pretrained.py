@@ -1,5 +1,5 @@
 """Starting sections from Hugging Face folders (`sections.<s>.init.hf_path`), for the LLM-backed
-sections of the built-in workloads and their vision (SigLIP) and audio (Whisper) towers; the model
+sections of the built-in workloads and their vision (SigLIP, CLIP) and audio (Whisper) towers; the model
 named like the section describes the checkpoint.
 
 The weight mappings are `models.hf` (decoders) and `models.hf_encoders` (towers), beside the
@@ -73,7 +73,8 @@ def load_teacher_section(section: str, path: str, states: dict, programs, head_i
 
 
 def load_vision_section(section: str, path: str, states: dict, programs) -> dict:
-    """A vision section takes a SigLIP tower; its merger keeps its initial values, its optimizer restarts."""
+    """A vision section takes a SigLIP or CLIP tower (the blocks up to its `feature_layer`); its merger
+    keeps its initial values, its optimizer restarts."""
     from maestro_jax.models import hf_encoders
 
     params = hf_encoders.load_vit(path, states[section].params, hf_encoders.vit_fields(path))

@@ -17,6 +17,7 @@ import optax
 from pydantic import PositiveInt
 
 from maestro_jax.config import Config, ConfigError, Settings
+from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
@@ -68,10 +69,19 @@ def vision_section(
         b = R.pack_items(
             rows, "image", lambda im: patchify(im, vit.patch, vit.merge), vit.patch_features, minimum=4 * window
         )
-        return {"patches": b["pieces"], "segments": b["segments"], "grid": b["positions"]}
+        out = {"patches": b["pieces"], "segments": b["segments"], "grid": b["positions"]}
+        if vit.class_token:  # a class token per image (models/vit.py), the slot count bucketed
+            out["class_segments"] = class_segments(b["segments"])
+        return out
 
     def forward(variables, inputs, batch):
-        out = encoder.apply({"params": variables["params"]}, batch["patches"], batch["segments"], batch["grid"])
+        out = encoder.apply(
+            {"params": variables["params"]},
+            batch["patches"],
+            batch["segments"],
+            batch["grid"],
+            batch.get("class_segments"),
+        )
         return dict.fromkeys(edges, out)
 
     return Section(
@@ -86,6 +96,15 @@ def vision_section(
     )
 
 
+def class_segments(segments_BP: np.ndarray) -> np.ndarray:
+    """The images of each row's class token slots (`models.vit` `class_token`): slot i holds
+    image i + 1 where the row has one, else 0; the slot count is bucketed from 8, so a row's
+    patches plus slots stay a multiple of 8 for a split sequence."""
+    k = bucket(int(segments_BP.max(initial=0)), minimum=8)
+    slots = np.arange(1, k + 1, dtype=np.int32)
+    return np.where(slots[None] <= segments_BP.max(axis=1, keepdims=True), slots[None], 0).astype(np.int32)
+
+
 def init_vision(vit: ViTConfig, key):
     window = vit.merge * vit.merge
     return VisionEncoder(vit).init(
@@ -93,6 +112,7 @@ def init_vision(vit: ViTConfig, key):
         jnp.zeros((1, 4 * window, vit.patch_features)),
         jnp.ones((1, 4 * window), jnp.int32),
         jnp.zeros((1, 4 * window, 2), jnp.int32),
+        jnp.ones((1, 8), jnp.int32) if vit.class_token else None,
     )
 
 
