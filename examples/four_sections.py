@@ -218,13 +218,21 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", type=int, metavar="DEVICES", help="plan for this many H100s instead of verifying")
     args = ap.parse_args(argv)
     if args.plan:
-        trainer = mj.Trainer(config(simulate={"device": "h100", "batches": 1}), graph(), PictureCaptions())
+        trainer = mj.Trainer(
+            config(simulate={"device": "h100", "batches": 1}),
+            graph(),
+            PictureCaptions(),
+            modalities=(PICTURE,),
+            vocab=VOCAB,
+        )
         report = trainer.plan(devices=args.plan, memory_gb=80.0, top=3)
         from maestro_jax.planning.planner import format_table
 
         print(format_table(report))
         return 0
-    worst = max(d.max_rel for d in mj.Trainer(config(), graph(), PictureCaptions()).verify())
+    worst = max(
+        d.max_rel for d in mj.Trainer(config(), graph(), PictureCaptions(), modalities=(PICTURE,), vocab=VOCAB).verify()
+    )
     print(f"maestro vs monolithic step: largest relative difference {worst:.2e}")
     return 0 if worst < 1e-5 else 1
 

@@ -4,6 +4,7 @@ a 3-section chain (encoder -> projector -> decoder), a user's sample source; tra
 against the monolithic step under both schedulers, resumed, planned and simulated."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -107,6 +108,9 @@ def user_graph():
     )
 
 
+DECLARED = {"modalities": (PICTURE,), "vocab": VOCAB}  # what the samples carry: every sample is checked against it
+
+
 def user_config(**changes):
     base = dict(
         global_batch=8,
@@ -126,7 +130,7 @@ def user_config(**changes):
 
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_user_graph_matches_the_monolithic_step(scheduler):
-    trainer = mj.Trainer(user_config(schedule={"scheduler": scheduler}), user_graph(), PictureCaptions())
+    trainer = mj.Trainer(user_config(schedule={"scheduler": scheduler}), user_graph(), PictureCaptions(), **DECLARED)
     diffs = {d.name: d for d in trainer.verify()}
     assert set(diffs) == {"loss", "grad_norm"} | {
         f"{s}/{q}" for s in ("encoder", "projector", "decoder") for q in ("grads", "params_after_update")
@@ -139,11 +143,15 @@ def test_user_graph_matches_the_monolithic_step(scheduler):
 
 
 def test_user_graph_trains_and_resumes_exactly(tmp_path):
-    straight = mj.Trainer(user_config(steps=4), user_graph(), PictureCaptions()).train(progress=False)
+    straight = mj.Trainer(user_config(steps=4), user_graph(), PictureCaptions(), **DECLARED).train(progress=False)
     assert straight[-1]["loss"] < straight[0]["loss"]
     run = str(tmp_path / "run")
-    first = mj.Trainer(user_config(steps=2, output_dir=run), user_graph(), PictureCaptions()).train(progress=False)
-    rest = mj.Trainer(user_config(steps=4, output_dir=run), user_graph(), PictureCaptions()).train(progress=False)
+    first = mj.Trainer(user_config(steps=2, output_dir=run), user_graph(), PictureCaptions(), **DECLARED).train(
+        progress=False
+    )
+    rest = mj.Trainer(user_config(steps=4, output_dir=run), user_graph(), PictureCaptions(), **DECLARED).train(
+        progress=False
+    )
     assert [h["step"] for h in rest] == [3, 4], "resumed from the step-2 checkpoint"
     assert [h["loss"] for h in first + rest] == [h["loss"] for h in straight]
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -151,7 +159,9 @@ def test_user_graph_trains_and_resumes_exactly(tmp_path):
 
 
 def test_user_graph_plans_and_simulates_every_section():
-    trainer = mj.Trainer(user_config(simulate={"device": "cpu", "batches": 1}), user_graph(), PictureCaptions())
+    trainer = mj.Trainer(
+        user_config(simulate={"device": "cpu", "batches": 1}), user_graph(), PictureCaptions(), **DECLARED
+    )
     report = trainer.plan(devices=8, memory_gb=1.0, top=2)
     best = report.best.plan
     assert set(best.sections) == {"encoder", "projector", "decoder"}
@@ -170,7 +180,43 @@ def test_user_graph_with_a_wrong_plan_refuses_before_compiling():
         }
     )
     with pytest.raises(mj.ConfigError, match=r"sections=\['decoder', 'encoder'\]: the graph has sections"):
-        mj.Trainer(bad, user_graph(), PictureCaptions())
+        mj.Trainer(bad, user_graph(), PictureCaptions(), **DECLARED)
+
+
+class Mistaken(PictureCaptions):
+    """PictureCaptions with a mistake a user makes, in every sample that holds a picture."""
+
+    def __init__(self, mistake):
+        super().__init__()
+        self.mistake = mistake
+
+    def __getitem__(self, i):
+        s = super().__getitem__(i)
+        if not s.items:
+            return s
+        if self.mistake == "token list":
+            return mj.Sample(s.id, s.tokens.tolist(), s.items)
+        holes = s.tokens == PICTURE.placeholder
+        return mj.Sample(s.id, s.tokens[~(holes & (holes.cumsum() == 1))], s.items)  # one placeholder dropped
+
+
+@pytest.mark.parametrize(
+    "mistake,message",
+    [
+        ("token list", r"sample id=\d+: tokens must be a 1-D integer array"),
+        ("missing placeholder", r"sample id=\d+: (\d+) image-placeholder tokens but its image items need (\d+)"),
+    ],
+)
+def test_a_user_graphs_samples_are_validated_by_default(mistake, message):
+    """No `check` given: the samples are still validated, against the modalities and vocabulary
+    the user declared; a token list or a missing placeholder is a DataError naming the sample,
+    before `verify` compares anything (it used to train with zero encoder gradients)."""
+    trainer = mj.Trainer(user_config(), user_graph(), Mistaken(mistake), **DECLARED)
+    with pytest.raises(mj.DataError, match=message) as err:
+        trainer.verify()
+    if mistake == "missing placeholder":
+        found, need = re.search(message, str(err.value)).groups()
+        assert int(found) == int(need) - 1
 
 
 def test_planning_half_imports_without_jax():

@@ -25,6 +25,8 @@ def four_section_planner(devices: int, run_ahead: int = 0, tolerance: float = 0.
         four_sections.config(simulate={"device": "h100", "batches": 1}, schedule={"run_ahead": run_ahead}),
         four_sections.graph(),
         four_sections.PictureCaptions(),
+        modalities=(four_sections.PICTURE,),
+        vocab=four_sections.VOCAB,
     )
     return planner_for(
         trainer.config, devices, 80.0, graph=trainer.graph, source=trainer.runtime.source, tolerance=tolerance

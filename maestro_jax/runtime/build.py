@@ -238,12 +238,22 @@ def check_batch_fits_data(cfg: Config, source) -> None:
 
 
 def build_runtime(
-    cfg: Config, graph: SectionGraph | None = None, source=None, check=None, coordinator: Coordinator | None = None
+    cfg: Config,
+    graph: SectionGraph | None = None,
+    source=None,
+    check=None,
+    coordinator: Coordinator | None = None,
+    modalities: tuple = (),
+    vocab: int | None = None,
 ) -> Runtime:
     """Check the whole plan (README, "Configs") before building or compiling anything.
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
-    a user's own graph comes with its own `source` (and optionally a `check`)."""
+    a user's own graph comes with its own `source`. Its samples are validated too: by its own
+    `check`, else against the `modalities` and `vocab` it declares (`data.samples.validate_sample`:
+    a token list instead of an array, placeholders that do not match the items, items of an
+    undeclared modality, ids beyond the vocabulary, a malformed loss mask), so that no graph
+    trains silently on what its sections cannot read."""
     from maestro_jax import workloads  # workloads import the runtime's users
 
     pretrained, info_check = {}, None
@@ -263,6 +273,12 @@ def build_runtime(
                 "error: source: a user graph needs a sample source (any random-access source of "
                 "maestro_jax.data.Sample)"
             )
+        if check is None:
+            from maestro_jax.data.samples import validate_info, validate_sample
+
+            declared = {"modalities": tuple(modalities), "max_tokens": cfg.data.max_tokens}
+            check = functools.partial(validate_sample, vocab=vocab, **declared)
+            info_check = functools.partial(validate_info, **declared)
     check_packing(cfg, graph)
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})

@@ -20,14 +20,26 @@ from maestro_jax.runtime.build import build_runtime
 
 
 class Trainer:
-    def __init__(self, config: Config, graph: SectionGraph | None = None, source=None, check=None, eval_source=None):
+    def __init__(
+        self,
+        config: Config,
+        graph: SectionGraph | None = None,
+        source=None,
+        check=None,
+        eval_source=None,
+        modalities: tuple = (),
+        vocab: int | None = None,
+    ):
         """`source`: any random-access source of `maestro_jax.data.Sample` (`__len__`,
-        `__getitem__`; `info(i)` optional); `check(sample, parts=None)` validates a sample (raise DataError); `parts`
-        names the parts this process decoded (None: all; the others are zeros). `eval_source`:
-        held-out samples for the config's `eval` block (a built-in workload reads `eval.data`)."""
+        `__getitem__`; `info(i)` optional). Every sample is validated before it is trained on:
+        by `check(sample, parts=None)` (raise DataError; `parts` names the parts this process
+        decoded, None: all, the others are zeros), else against the `modalities` your samples
+        carry (`maestro_jax.data.Modality`; none: text only) and the `vocab` your embedding
+        takes. `eval_source`: held-out samples for the config's `eval` block (a built-in
+        workload reads `eval.data`)."""
         self.config = config
         self.eval_source = eval_source
-        self.runtime = build_runtime(config, graph, source, check)
+        self.runtime = build_runtime(config, graph, source, check, modalities=modalities, vocab=vocab)
 
     @property
     def graph(self) -> SectionGraph:
