@@ -219,6 +219,24 @@ def test_a_user_graphs_samples_are_validated_by_default(mistake, message):
         assert int(found) == int(need) - 1
 
 
+def test_a_callback_that_reads_the_items_fails_in_verify_as_in_train_naming_the_section():
+    """`activates` and `work` receive the sample's SampleInfo on every path: one reading
+    `sample.items` used to pass `verify` (whole samples) and fail in `train` (metadata)."""
+    import dataclasses
+
+    from maestro_jax.core.graph import GraphError
+
+    graph = user_graph()
+    encoder = dataclasses.replace(graph.section("encoder"), activates=lambda s: "image" in s.items)
+    graph = dataclasses.replace(graph, sections=(encoder, *graph.sections[1:]))
+    trainer = mj.Trainer(user_config(), graph, PictureCaptions(), **DECLARED)
+    for run in (trainer.verify, lambda: trainer.train(progress=False)):
+        with pytest.raises(
+            GraphError, match=r"^error: section 'encoder': activates\(sample\) failed on sample id=\d+ "
+        ):
+            run()
+
+
 def test_planning_half_imports_without_jax():
     """core, schedule and planning are plain Python: importable with JAX made unimportable."""
     code = (

@@ -21,6 +21,31 @@ from typing import Any
 SampleLike = Any  # maestro_jax.data.Sample; kept abstract so the graph stays import-light
 
 
+class GraphError(ValueError):
+    """A section callback that breaks its contract; the message names the section and the sample."""
+
+
+def sample_view(x: SampleLike) -> SampleLike:
+    """What `activates` and `work` receive on every path: the sample's `SampleInfo` (`length`,
+    `shapes(modality)`, `has(modality)`). The scheduler of a training run holds only metadata,
+    so a callback that read more (the items, the tokens) would pass `verify`, which holds whole
+    samples, and fail in `train`; given the same type everywhere, it fails in both, named."""
+    info = getattr(x, "info", None)
+    return info() if callable(info) else x
+
+
+def ask(section: Section, callback: str, info: SampleLike):
+    """`section.<callback>(info)` (`activates` or `work`), a failure named as a `GraphError`."""
+    try:
+        return getattr(section, callback)(info)
+    except (AttributeError, KeyError, TypeError, IndexError) as err:
+        raise GraphError(
+            f"error: section {section.name!r}: {callback}(sample) failed on sample id={getattr(info, 'id', '?')} "
+            f"({type(err).__name__}: {err}); it receives the sample's SampleInfo on every path: read "
+            f"sample.length, sample.shapes(modality) or sample.has(modality)"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Edge:
     """A named tensor `src` produces for `dst`, laid out `rows x ...` (row-major on batch).

@@ -74,8 +74,8 @@ class Sample:
     carries loss. Placeholders never do, whatever the mask says. It is part of the `tokens`
     part: whoever decodes the ids decodes it too.
 
-    Section callbacks `activates(sample)` and `work(sample)` may receive a `Sample` or its
-    `SampleInfo`; both answer `length`, `shapes(modality)` and `has(modality)`.
+    Section callbacks `activates(sample)` and `work(sample)` receive the sample's `SampleInfo`
+    on every path (`core.graph.sample_view`): `length`, `shapes(modality)` and `has(modality)`.
     """
 
     id: int

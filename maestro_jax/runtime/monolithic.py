@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from maestro_jax.core.graph import SectionGraph
+from maestro_jax.core.graph import SectionGraph, ask, sample_view
 from maestro_jax.core.plan import SectionPlan
 from maestro_jax.runtime.optimizer import squared_norm, update_fn
 from maestro_jax.runtime.programs import SectionState, tree_add
@@ -71,8 +71,9 @@ class Monolithic:
         for i in range(0, len(samples), rows):
             chunk = list(samples[i : i + rows]) + [None] * (rows - len(samples[i : i + rows]))
             batches = {}
+            infos = [None if x is None else sample_view(x) for x in chunk]  # what the scheduler asks too
             for section in self.graph.sections:
-                active = [x if x is not None and section.activates(x) else None for x in chunk]
+                active = [x if x is not None and ask(section, "activates", i) else None for x, i in zip(chunk, infos)]
                 if all(x is None for x in active):
                     batches[section.name] = None
                     continue
@@ -80,7 +81,8 @@ class Monolithic:
                     e.name: [
                         r if a is not None else -1
                         for r, a in enumerate(
-                            x if x is not None and self.graph.section(e.src).activates(x) else None for x in chunk
+                            x if x is not None and ask(self.graph.section(e.src), "activates", i) else None
+                            for x, i in zip(chunk, infos)
                         )
                     ]
                     for e in self.graph.producers_of(section.name)

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
+from maestro_jax.core.graph import ask, sample_view
 from maestro_jax.core.plan import EdgeInfo
 
 
@@ -83,13 +84,12 @@ class SampleMeta:
 def sample_metas(graph, samples: Sequence) -> list[SampleMeta]:
     """What the scheduler needs of each sample (a `Sample` or its `SampleInfo`), asked of the
     graph's sections in graph order."""
-    return [
-        SampleMeta(
-            frozenset(s.name for s in graph.sections if s.activates(x)),
-            {s.name: s.work(x) for s in graph.sections if s.activates(x)},
-        )
-        for x in samples
-    ]
+    metas = []
+    for x in samples:
+        info = sample_view(x)
+        active = [s for s in graph.sections if ask(s, "activates", info)]
+        metas.append(SampleMeta(frozenset(s.name for s in active), {s.name: ask(s, "work", info) for s in active}))
+    return metas
 
 
 def ahead_sections(order: Sequence[str], trained: frozenset[str], edges: Sequence[EdgeInfo]) -> frozenset[str]:
