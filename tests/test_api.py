@@ -237,6 +237,24 @@ def test_a_callback_that_reads_the_items_fails_in_verify_as_in_train_naming_the_
             run()
 
 
+def test_a_section_without_a_declared_cost_is_refused_by_plan_and_simulate():
+    """A missing UnitCost used to make the section free in `plan` and `simulate`."""
+    import dataclasses
+
+    from maestro_jax.core.graph import GraphError
+
+    graph = user_graph()
+    projector = dataclasses.replace(graph.section("projector"), cost=mj.UnitCost(flops=0.0))
+    graph = dataclasses.replace(
+        graph, sections=tuple(projector if s.name == "projector" else s for s in graph.sections)
+    )
+    trainer = mj.Trainer(user_config(simulate={"device": "cpu", "batches": 1}), graph, PictureCaptions(), **DECLARED)
+    message = r"^error: section 'projector': declares no cost \(Section.cost has no FLOPs per work unit\)"
+    for run in (lambda: trainer.plan(devices=8, memory_gb=1.0), trainer.simulate):
+        with pytest.raises(GraphError, match=message):
+            run()
+
+
 def test_planning_half_imports_without_jax():
     """core, schedule and planning are plain Python: importable with JAX made unimportable."""
     code = (

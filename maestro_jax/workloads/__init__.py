@@ -299,9 +299,12 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
     config's workload, built here, unless a graph is given): the parameter leaves from
     `jax.eval_shape` of the graph's own `init` (traced, never compiled nor allocated) as
     `params.param_infos` records, the costs each section declares, each section's configured
-    precision, the edges' bytes per unit."""
+    precision, the edges' bytes per unit. A section that declares no cost (no FLOPs per work
+    unit) is refused with a `GraphError` naming it: the planner and the simulator would price it
+    free and credit every plan with time it does not save."""
     import jax
 
+    from maestro_jax.core.graph import GraphError
     from maestro_jax.core.plan import EdgeInfo
     from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
     from maestro_jax.workloads.params import param_infos
@@ -311,6 +314,12 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
     sections = {}
     for s in graph.topological_order():
         sec = graph.section(s)
+        if not (sec.cost.flops or sec.cost.attention_flops):
+            raise GraphError(
+                f"error: section {s!r}: declares no cost (Section.cost has no FLOPs per work unit), so plan and "
+                f"simulate would price it free; declare cost=mj.UnitCost(flops=<forward FLOPs per unit, 2 per "
+                f"weight>, ...) on the section"
+            )
         sections[s] = SectionSpec(
             s,
             sec.trained,
