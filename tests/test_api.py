@@ -255,6 +255,76 @@ def test_a_section_without_a_declared_cost_is_refused_by_plan_and_simulate():
             run()
 
 
+def _with(graph, name, **changes):
+    import dataclasses
+
+    return dataclasses.replace(
+        graph, sections=tuple(dataclasses.replace(s, **changes) if s.name == name else s for s in graph.sections)
+    )
+
+
+def _mistakes():
+    """(mistake, graph, the error's start) for the mistakes a user's graph makes."""
+    import dataclasses
+
+    graph = user_graph()
+    projector = Projector()
+
+    def narrow(variables, inputs, batch):  # the projector returns half the width the decoder splices
+        features = mj.rows.gather(inputs, "patch_features", batch["encoder_row"])
+        return {"picture_tokens": projector.apply({"params": variables["params"]}, features)[..., : WIDTH // 2]}
+
+    def misnamed(variables, inputs, batch):
+        features = mj.rows.gather(inputs, "patch_features", batch["encoder_row"])
+        return {"picture_token": projector.apply({"params": variables["params"]}, features)}
+
+    def without_row(rows, routes):  # forgets the route the decoder's forward reads
+        return mj.rows.text_rows(rows, (PICTURE,))
+
+    def missing_init(key):
+        return {k: v for k, v in graph.init(key).items() if k != "projector"}
+
+    return [
+        (
+            "wrong width",
+            _with(graph, "projector", forward=narrow),
+            r"^error: section 'decoder': its \w+ program cannot be traced on this batch's shapes \(inputs \{picture_tokens: \(float32\[\d+, \d+, 16\]",
+        ),
+        (
+            "wrong output key",
+            _with(graph, "projector", forward=misnamed),
+            r"^error: section 'projector': forward returns \['picture_token'\], without its out-edge 'picture_tokens'",
+        ),
+        (
+            "missing batch key",
+            _with(graph, "decoder", host_batch=without_row),
+            r"^error: section 'decoder': its \w+ program cannot be traced .*KeyError: 'picture_row'",
+        ),
+        (
+            "missing init entry",
+            dataclasses.replace(graph, init=missing_init),
+            r"^error: section 'projector': the graph's init returns nothing for it",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "mistake", range(4), ids=["wrong width", "wrong output key", "missing batch key", "missing init entry"]
+)
+def test_a_user_graphs_mistakes_are_named_before_any_compile(mistake):
+    """Each mistake is one GraphError naming the section (and the edge or key), raised by the
+    abstract walk of the first batch before anything compiles (they used to surface after
+    several compiles as raw JAX or flax errors naming neither)."""
+    from conftest import compiles
+
+    from maestro_jax.core.graph import GraphError
+
+    _, graph, message = _mistakes()[mistake]
+    with compiles() as compiled, pytest.raises(GraphError, match=message):
+        mj.Trainer(user_config(), graph, PictureCaptions(), **DECLARED).verify()
+    assert compiled == [], compiled
+
+
 def test_planning_half_imports_without_jax():
     """core, schedule and planning are plain Python: importable with JAX made unimportable."""
     code = (

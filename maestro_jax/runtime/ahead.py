@@ -110,21 +110,12 @@ class AheadReport:
         return self.programs + self.transfers
 
 
-def compile_batches(
-    rt,
-    batches: Iterable[Sequence],
-    evaluate: Iterable[Sequence] = (),
-    say: Callable[[str], None] | None = None,
-    replay_all: bool = False,
-    threads: int | None = None,
-) -> AheadReport:
-    """Compile every program that training steps on `batches` and evaluations of `evaluate`
-    (global batches as lists of `SampleInfo`s or samples) call and the caches lack. Says
-    "compiling N programs for S sections" before compiling, then progress. `replay_all`: walk
-    every batch again in the compiling pass (so that `used` covers them all). `threads`: programs
-    compiled at once (default `default_threads()`; 1: one after the other)."""
-    say = say or (lambda _: None)
-    t0 = time.perf_counter()
+def trace_batches(rt, batches: Iterable[Sequence], evaluate: Iterable[Sequence] = (), replay_all: bool = False):
+    """The first pass of `compile_batches`: walk each distinct batch over abstract values,
+    tracing every program it calls, compiling none. A section's code that does not fit its
+    shapes fails here (`SectionPrograms._trace`: a `GraphError` naming the section). Returns
+    the tracer, the prepared batches that met a new program (or all, `replay_all`), and the
+    distinct batch shapes seen."""
     tracer = Planner(compile=False)
     replay, seen = [], set()
     with planning(tracer):
@@ -140,6 +131,25 @@ def compile_batches(
             _walk(rt, abstract_states(rt), prepared)
             if replay_all or (len(tracer.new), len(tracer.transfers)) != before:
                 replay.append(prepared)
+    return tracer, replay, seen
+
+
+def compile_batches(
+    rt,
+    batches: Iterable[Sequence],
+    evaluate: Iterable[Sequence] = (),
+    say: Callable[[str], None] | None = None,
+    replay_all: bool = False,
+    threads: int | None = None,
+) -> AheadReport:
+    """Compile every program that training steps on `batches` and evaluations of `evaluate`
+    (global batches as lists of `SampleInfo`s or samples) call and the caches lack. Says
+    "compiling N programs for S sections" before compiling, then progress. `replay_all`: walk
+    every batch again in the compiling pass (so that `used` covers them all). `threads`: programs
+    compiled at once (default `default_threads()`; 1: one after the other)."""
+    say = say or (lambda _: None)
+    t0 = time.perf_counter()
+    tracer, replay, seen = trace_batches(rt, batches, evaluate, replay_all)
     total = len(tracer.new) + len(tracer.transfers)
     sections = {s for s, _, _ in tracer.new}
     say(f"compiling {total} programs for {len(sections)} sections")

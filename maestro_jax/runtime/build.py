@@ -13,7 +13,7 @@ import jax
 
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core import plan as plan_lib
-from maestro_jax.core.graph import SectionGraph
+from maestro_jax.core.graph import GraphError, SectionGraph
 from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, parts_of
@@ -283,6 +283,14 @@ def build_runtime(
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
+    for s in graph.names:
+        entry = abstract.get(s) if isinstance(abstract, dict) else None
+        if not (isinstance(entry, dict) and {"params", "consts"} <= set(entry)):
+            got = "nothing" if entry is None else (sorted(entry) if isinstance(entry, dict) else type(entry).__name__)
+            raise GraphError(
+                f"error: section {s!r}: the graph's init returns {got} for it; return "
+                f'{{"{s}": {{"params": ..., "consts": ...}}}} for every section (empty dicts where it has none)'
+            )
     infos = {s: param_infos(abstract[s]) for s in graph.names}
     edges = tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)
     state = {

@@ -53,7 +53,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maestro_jax.core.graph import Section
+from maestro_jax.core.graph import GraphError, Section
 from maestro_jax.runtime.optimizer import squared_norm, update_fn
 from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
@@ -250,6 +250,18 @@ def active_planner() -> Planner | None:
     return _PLANNER.get()
 
 
+_TAKES_INPUTS = ("forward", "forward_vjp", "backward_remat", "loss_and_grad", "loss")  # (variables, inputs, batch, ...)
+
+
+def _shape_text(tree) -> str:
+    """`{key: dtype[shape]}` of a batch or inputs (tuples per edge), for an error line."""
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{k}: {_shape_text(v)}" for k, v in tree.items()) + "}"
+    if isinstance(tree, (list, tuple)):
+        return "(" + ", ".join(_shape_text(v) for v in tree) + ")"
+    return f"{tree.dtype}{list(tree.shape)}" if hasattr(tree, "shape") else type(tree).__name__
+
+
 class SectionPrograms:
     def __init__(
         self,
@@ -287,13 +299,24 @@ class SectionPrograms:
             rest = {k: v for k, v in inputs.items() if k not in diff_inputs}
             return diff, rest
 
+        def outputs(out):
+            """A producer returns one array per out-edge, by the edge's name."""
+            missing = sorted(set(out_edges) - set(out if isinstance(out, dict) else ()))
+            if missing:
+                got = sorted(out) if isinstance(out, dict) else type(out).__name__
+                raise GraphError(
+                    f"error: section {section.name!r}: forward returns {got}, without its out-edge "
+                    f"{missing[0]!r}; return {{edge name: array}} for each of {sorted(out_edges)}"
+                )
+            return out
+
         def forward(variables, inputs, batch):
-            return fwd(variables, inputs, batch)
+            return outputs(fwd(variables, inputs, batch))
 
         def vjp_of(variables, inputs, batch):
             diff, rest = split_inputs(inputs)
             return jax.vjp(
-                lambda p, d: fwd({**variables, "params": p}, {**rest, **d}, batch), variables["params"], diff
+                lambda p, d: outputs(fwd({**variables, "params": p}, {**rest, **d}, batch)), variables["params"], diff
             )
 
         def forward_vjp(variables, inputs, batch):
@@ -361,9 +384,25 @@ class SectionPrograms:
         return jax.jit(fun, donate_argnums=donated if donate else (), out_shardings=outs(args))
 
     def _trace(self, kind: str, args: tuple, donate: bool | None = None):
+        """`kind` traced on `args` (abstract). A section's own code that does not fit the shapes
+        it is given (a forward expecting another width, a batch key its host_batch did not
+        make) fails here, before anything compiles: one `GraphError` naming the section, the
+        program and the shapes of its inputs and batch, with the error's first line."""
         args = jax.tree.map(abstract, args)
-        with on_mesh(self.mesh, self.rules):
-            return self._jit(kind, args, self.donate if donate is None else donate).trace(*args)
+        try:
+            with on_mesh(self.mesh, self.rules):
+                return self._jit(kind, args, self.donate if donate is None else donate).trace(*args)
+        except GraphError:
+            raise
+        except Exception as err:
+            given = ""
+            if kind in _TAKES_INPUTS:
+                given = f" (inputs {_shape_text(args[1])}, batch {_shape_text(args[2])})"
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise GraphError(
+                f"error: section {self.name!r}: its {kind} program cannot be traced on this batch's shapes"
+                f"{given}: {type(err).__name__}: {first}"
+            ) from err
 
     def _compile(self, kind: str, key: tuple, args: tuple, traced=None, lazily: bool = False) -> Program:
         """Compile `kind` for `args` into the cache under `key` (thread-safe: a signature two

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from maestro_jax.config import Config
+from maestro_jax.runtime.ahead import trace_batches
 from maestro_jax.runtime.build import Runtime, build_runtime
 
 
@@ -46,6 +47,7 @@ def verify(cfg: Config, rt: Runtime | None = None, step: int = 0) -> list[Diff]:
     """Loss, every trained section's grads and updated params: maestro vs monolithic."""
     rt = rt or build_runtime(cfg)
     samples = rt.batches()[step]
+    trace_batches(rt, [samples])  # a section whose code does not fit its shapes is named before any compile
     states = rt.init_states()
     result = rt.executor.run(states, samples, rt.schedule(samples))
     norms = rt.executor.squared_norms(result.grads)
