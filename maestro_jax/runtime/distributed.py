@@ -17,6 +17,7 @@ import math
 import os
 import re
 import socket
+import sys
 import threading
 import time
 
@@ -118,6 +119,7 @@ def maybe_initialize_distributed(
     )
 
 
+_GRACE_S = 10.0  # how much longer than its bound a coordination-service call may take before it counts as lost
 _SAY_AFTER_S = 10.0  # a start-up wait says what it waits for once it has lasted this long, then every minute
 
 
@@ -247,6 +249,8 @@ class Coordinator:
         self.startup_timeout_s = float(startup_timeout_s or timeout_s)
         self._started = False  # past the first step's check-in: waits are bounded by timeout_s
         self._orbax_barriers = False  # checkpoint_barrier set Orbax's default barrier timeout
+        self._calls: dict[int, tuple[float, str]] = {}  # thread -> (deadline, method) of its service call
+        self._watcher: threading.Thread | None = None
         self._sequences: collections.defaultdict = collections.defaultdict(itertools.count)
         self._lock = threading.Lock()
         self._checked_in: dict[int, list[int]] = {}  # the last step barrier's outcome: a second call is free
@@ -273,6 +277,47 @@ class Coordinator:
 
             multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(self.wait_s))
 
+    def _service(self, method: str, *args):
+        """`method` of the coordination service's client, watched (`_watched`)."""
+        return self._watched(method, lambda: getattr(_client(), method)(*args))
+
+    def _watched(self, what: str, call):
+        """`call()`, a call into the coordination service, watched: a call that has not returned
+        within the current bound plus `_GRACE_S` means the service does not answer. It lives in
+        process 0, so a stopped (SIGSTOP) or hung process 0 holds every call of the others
+        forever (the calls' own deadlines do not fire, and jax's heartbeat aborts with status 134
+        minutes later, naming no one); the watchdog (`_watchdog`) then ends this process with
+        one line naming process 0, status 5."""
+        me = threading.get_ident()
+        with self._lock:
+            self._calls[me] = (time.monotonic() + self.wait_s + _GRACE_S, what)
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watchdog, name="maestro-coordinator-watchdog", daemon=True
+                )
+                self._watcher.start()
+        try:
+            return call()
+        finally:
+            with self._lock:
+                self._calls.pop(me, None)
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(_POLL_S)
+            with self._lock:
+                late = [method for deadline, method in self._calls.values() if time.monotonic() > deadline]
+            if late:
+                print(
+                    f"error: process 0 (it runs the coordination service) did not answer a {late[0]} call within "
+                    f"{self.wait_s + _GRACE_S:g}s ({self._setting} + {_GRACE_S:g}s): it is stopped or hung; "
+                    f"stopping this process ({jax.process_index()}) too",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                sys.stdout.flush()
+                os._exit(5)
+
     def _next_key(self, kind: str) -> str:
         with self._lock:
             return f"{self._namespace}/{kind}/{next(self._sequences[kind])}"
@@ -283,7 +328,7 @@ class Coordinator:
             return value
         key = self._next_key(f"agree/{name}")
         if jax.process_index() == 0:
-            _client().key_value_set(key, json.dumps(value))
+            self._service("key_value_set", key, json.dumps(value))
             return value
         return json.loads(self._get(key, 0, f"share {name!r}"))
 
@@ -294,7 +339,7 @@ class Coordinator:
             return [value]
         me = jax.process_index()
         prefix = self._next_key(f"gather/{name}")
-        _client().key_value_set(f"{prefix}/{me}", json.dumps(value))
+        self._service("key_value_set", f"{prefix}/{me}", json.dumps(value))
         return [
             value if q == me else json.loads(self._get(f"{prefix}/{q}", q, f"share {name!r}"))
             for q in range(jax.process_count())
@@ -313,7 +358,7 @@ class Coordinator:
         owner = min(d.process_index for d in x.sharding.device_set)
         if jax.process_index() == owner:
             value = np.asarray(x.addressable_shards[0].data)
-            _client().key_value_set(key, f"{value.dtype.str};{value.tobytes().hex()}")
+            self._service("key_value_set", key, f"{value.dtype.str};{value.tobytes().hex()}")
             return value
         dtype, data = self._get(key, owner, "publish a step result").split(";")
         return np.frombuffer(bytes.fromhex(data), np.dtype(dtype)).reshape(np.shape(x))
@@ -332,7 +377,7 @@ class Coordinator:
         if step in self._checked_in:
             return self._checked_in[step]
         me = jax.process_index()
-        _client().key_value_set(f"{self._namespace}/step/{step}/{me}", "preempted" if preempted else "1")
+        self._service("key_value_set", f"{self._namespace}/step/{step}/{me}", "preempted" if preempted else "1")
         flags = {
             q: preempted
             if q == me
@@ -369,7 +414,7 @@ class Coordinator:
         self._orbax_barriers = True
 
         def barrier(*, key: str, timeout_ms: int) -> None:
-            _client().wait_at_barrier(key, max(1, min(int(timeout_ms), math.ceil(self.wait_s * 1000))))
+            self._service("wait_at_barrier", key, max(1, min(int(timeout_ms), math.ceil(self.wait_s * 1000))))
 
         return barrier
 
@@ -443,9 +488,9 @@ class Coordinator:
         while True:
             wait_ms = max(1, int(min(_POLL_S, deadline - time.monotonic()) * 1000))
             try:
-                return _client().blocking_key_value_get(key, wait_ms)
+                return self._service("blocking_key_value_get", key, wait_ms)
             except Exception as err:  # XlaRuntimeError: DEADLINE_EXCEEDED, or UNAVAILABLE if the service died
-                failed = _failed_peer()
+                failed = self._watched("key_value_dir_get", _failed_peer)
                 if failed is not None:
                     raise PeerError(
                         f"process {failed[0]} stopped on an error ({failed[1]}); stopping this process "
