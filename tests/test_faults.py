@@ -487,24 +487,8 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
 # -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------
 def _train_process(run_dir, pid, port, overrides, env=None) -> subprocess.Popen:
     """Process `pid` of a 2-process tiny KD run (4 devices each), stdout and stderr piped."""
-    args = [
-        sys.executable,
-        "-m",
-        "maestro_jax.cli",
-        "train",
-        "--config",
-        str(KD),
-        "--coordinator",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(pid),
-        "host_devices=4",
-        *TINY_KD,
-        *overrides,
-        f"output_dir={run_dir}",
-    ]
+    process = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
+    args = cli_args(KD, [*process, "host_devices=4", *TINY_KD, *overrides, f"output_dir={run_dir}"])
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env or {})}
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -52,21 +52,26 @@ def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray
         "valid": np.zeros((r, length), bool),
         **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
     }
-    placeholders = [m.placeholder for m in modalities]
     for i, s in enumerate(rows):
         if s is None:
             continue
-        t = s.tokens
-        n = len(t) - 1
-        out["input_ids"][i, :n] = t[:-1]
-        out["targets"][i, :n] = t[1:]
-        out["loss_mask"][i, :n] = carries_loss(s, placeholders)
-        out["positions"][i, :n] = np.arange(n)
-        out["valid"][i, :n] = True
-        for m in modalities:
-            hit = t[:-1] == m.placeholder
-            out[f"{m.name}_tok"][i, :n] = np.where(hit, np.cumsum(hit) - 1, -1)
+        _place(out, i, slice(0, len(s.tokens) - 1), s, modalities)
     return out
+
+
+def _place(out: dict, i: int, span: slice, s, modalities: Sequence[Modality]) -> None:
+    """Sample `s`'s next-token positions into row `i` at `span`: inputs, targets, loss (per
+    `carries_loss`), positions from 0, validity, and each modality's placeholder indices
+    counted within the sample (where `splice` puts its embeddings)."""
+    t, n = s.tokens, span.stop - span.start
+    out["input_ids"][i, span] = t[:-1]
+    out["targets"][i, span] = t[1:]
+    out["loss_mask"][i, span] = carries_loss(s, [m.placeholder for m in modalities])
+    out["positions"][i, span] = np.arange(n)
+    out["valid"][i, span] = True
+    for m in modalities:
+        hit = t[:-1] == m.placeholder
+        out[f"{m.name}_tok"][i, span] = np.where(hit, np.cumsum(hit) - 1, -1)
 
 
 def carries_loss(sample, placeholders: Sequence[int]) -> np.ndarray:
@@ -225,7 +230,7 @@ def packed_text_rows(
     lengths = [len(s.tokens) - 1 if s is not None else None for s in rows]
     packed = pack_rows(lengths, shards, pack)
     length = bucket(max((sum(lengths[x] for x in row) for row in packed), default=1))
-    r, placeholders = len(packed), [m.placeholder for m in modalities]
+    r = len(packed)
     out = {
         "input_ids": np.zeros((r, length), np.int32),
         "targets": np.zeros((r, length), np.int32),
@@ -244,17 +249,10 @@ def packed_text_rows(
     for i, row in enumerate(packed):
         at = 0
         for seg, x in enumerate(row, start=1):
-            t, n = rows[x].tokens, lengths[x]
+            n = lengths[x]
             span = slice(at, at + n)
-            out["input_ids"][i, span] = t[:-1]
-            out["targets"][i, span] = t[1:]
-            out["loss_mask"][i, span] = carries_loss(rows[x], placeholders)
-            out["positions"][i, span] = np.arange(n)
-            out["valid"][i, span] = True
+            _place(out, i, span, rows[x], modalities)
             out["segments"][i, span] = seg
-            for m in modalities:
-                hit = t[:-1] == m.placeholder
-                out[f"{m.name}_tok"][i, span] = np.where(hit, np.cumsum(hit) - 1, -1)
             for e, route in routes.items():
                 out[f"{e}_row"][i, span] = route[x]
             if unpacks:
