@@ -196,6 +196,35 @@ def test_parameter_divisibility_is_avoided():
     assert 2 in unconstrained
 
 
+def test_tensor_parallelism_only_for_sections_whose_weights_it_splits():
+    """The same student with its weights' logical axes removed (a user's module that names none):
+    no tensor-sharded weight, so no layout with tensor > 1 is offered for it (the cost model would
+    divide its FLOPs by a split that never happens); the teacher keeps its options."""
+    import dataclasses
+
+    from maestro_jax.workloads import build_graph, planning_batches
+
+    cfg = load_config(KD, TINY_KD + CPU)
+    graph = build_graph(cfg)
+    spec = describe(cfg, graph)
+    student = spec.sections["student"]
+    bare = dataclasses.replace(
+        student,
+        params=tuple(dataclasses.replace(q, logical=None) for q in student.params),
+        consts=tuple(dataclasses.replace(q, logical=None) for q in student.consts),
+    )
+    assert student.has_tensor_axes and not bare.has_tensor_axes
+    stripped = dataclasses.replace(spec, sections={**spec.sections, "student": bare})
+    metas = planning_batches(cfg, graph, 2)
+    for sp, want in ((spec, True), (stripped, False)):
+        p = Planner(sp, metas, 8, 1.0, global_batch=cfg.global_batch, device=cfg.simulate.device)
+        plans = [plan for plan, _, _ in p.candidates(lightest=True)]
+        student_tp = {plan.sections["student"].axis_sizes["tensor"] for plan in plans}
+        teacher_tp = {plan.sections["teacher"].axis_sizes["tensor"] for plan in plans}
+        assert (student_tp != {1}) == want, student_tp
+        assert teacher_tp != {1}
+
+
 def test_micro_batches_need_not_divide_the_batch():
     """The sink's rows need not divide the global batch (the last micro-step is padded) and
     micro-batches need not be powers of two; each is the smallest that takes its number of

@@ -585,11 +585,12 @@ class Planner:
         return [o for o in options if id(o) in kept]
 
     def _axes(self, sec: SectionSpec, n: int) -> Iterator[tuple[int, int, int]]:
-        """(tensor, context, expert) degrees on `n` devices: context parallelism in the powers
-        of two `contexts` allows, for sections with attention; expert parallelism over any
-        divisor of the data-parallel devices, for sections with experts (elsewhere an expert
-        axis is plain data parallelism)."""
-        for tensor in _divisors(n):
+        """(tensor, context, expert) degrees on `n` devices: tensor parallelism for sections
+        whose weights have tensor-sharded axes (`SectionSpec.has_tensor_axes`); context
+        parallelism in the powers of two `contexts` allows, for sections with attention; expert
+        parallelism over any divisor of the data-parallel devices, for sections with experts
+        (elsewhere an expert axis is plain data parallelism)."""
+        for tensor in _divisors(n) if sec.has_tensor_axes else (1,):
             for context in (c for c in self.contexts if (n // tensor) % c == 0 and (c == 1 or sec.cost.kv_width)):
                 dp = n // (tensor * context)
                 for expert in _divisors(dp) if sec.has_experts else (1,):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
+from maestro_jax.meshes import RULES, mesh_axes_for
 from maestro_jax.schedule import Problem
 
 
@@ -37,6 +38,14 @@ class SectionSpec:
         """Weights with an `expert` axis: the section can use expert parallelism. Cached: the
         planner asks for every layout it tries."""
         return any("expert" in (p.logical or ()) for p in self.leaves)
+
+    @functools.cached_property
+    def has_tensor_axes(self) -> bool:
+        """Weights with an axis the mesh rules split over `tensor` (heads, MLP width,
+        vocabulary): only such a section divides its work by tensor parallelism. Elsewhere (a
+        user's module whose weights name no logical axes, or only replicated ones) a tensor
+        axis would repeat the same work on every shard, so the planner never offers one."""
+        return any("tensor" in mesh_axes_for(lg, RULES["default"]) for p in self.leaves for lg in (p.logical or ()))
 
     @functools.cached_property
     def param_count(self) -> int:
