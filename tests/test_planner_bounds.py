@@ -14,15 +14,18 @@ from conftest import ROOT
 
 import maestro_jax as mj
 from maestro_jax.config import load_config
+from maestro_jax.planning.planner import InfeasibleError
 from maestro_jax.tools.plan import planner_for
 
 sys.path.insert(0, str(ROOT / "examples"))
 import four_sections
 
 
-def four_section_planner(devices: int, run_ahead: int = 0, tolerance: float = 0.0):
+def four_section_planner(devices: int, run_ahead: int = 0, tolerance: float = 0.0, global_batch: int = 8):
     trainer = mj.Trainer(
-        four_sections.config(simulate={"device": "h100", "batches": 1}, schedule={"run_ahead": run_ahead}),
+        four_sections.config(
+            global_batch=global_batch, simulate={"device": "h100", "batches": 1}, schedule={"run_ahead": run_ahead}
+        ),
         four_sections.graph(),
         four_sections.PictureCaptions(),
         modalities=(four_sections.PICTURE,),
@@ -77,9 +80,21 @@ def test_floors_bound_every_budget_share():
 def test_search_at_64_devices_simulates_few_plans():
     """The graph's many near-equal plans (every micro-step costs about its fixed overhead) are
     what the floors of partial plans and the turn bound prune: a few dozen are simulated."""
-    report = four_section_planner(64, tolerance=0.01).search(10)
+    report = four_section_planner(64, tolerance=0.01, global_batch=64).search(10)
     assert report.simulated < 200, report.simulated
     assert report.best.step_time_s <= report.monolithic["step_time_s"]
+
+
+def test_no_plan_at_all_is_said_before_any_pass(monkeypatch):
+    """8 samples cannot fill 64 devices when no section's weights split over `tensor` (the graph's
+    modules name no logical axes): the search says so at once instead of raising its threshold
+    pass after pass towards infinity (each pass finding nothing)."""
+    planner = four_section_planner(64, tolerance=0.01)
+    passes = []
+    monkeypatch.setattr(type(planner), "_scored_under", lambda self, *a: passes.append(a) or ([], 0))
+    with pytest.raises(InfeasibleError, match="global_batch=8"):
+        planner.search(10)
+    assert passes == []
 
 
 def test_exact_search_finds_the_exhaustive_optimum(planner):

@@ -873,6 +873,8 @@ class Planner:
         bound shows that no remaining candidate can beat the K-th best by more than `tolerance`,
         the search stops (ties keep the first found). If the threshold fell short of that time,
         it grows and the search goes on (already simulated plans are not simulated again)."""
+        if next(self.candidates(), None) is None:  # no plan at all: the passes below would never end early
+            return [], 0, 0
         floors = {s: self._floor(s, self.devices, self.budget, False) for s in self.spec.order}
         first = max(self._combine([o.bound for o in floors.values()]), self._chain(floors))
         threshold = first / (1 - self.tolerance)
@@ -882,8 +884,10 @@ class Planner:
             if kth * (1 - self.tolerance) <= threshold or threshold == math.inf:
                 return scored[:top], considered, len(scored)
             # a small step: each pass builds every plan under its threshold, and the best-bounded
-            # of them set the limit that prunes the rest
-            threshold = min(kth, _GROWTH * threshold)
+            # of them set the limit that prunes the rest; a pass that built none doubles it (the
+            # bounds of the feasible plans may lie far above the floors, where parallelism the
+            # sections cannot use leaves devices they cannot fill)
+            threshold = min(kth, (_GROWTH if considered else 2.0) * threshold)
             if threshold > 1e6 * first:
                 threshold = math.inf
 
