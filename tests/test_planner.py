@@ -14,7 +14,9 @@ from maestro_jax import cli
 from maestro_jax.config import load_config
 from maestro_jax.core.plan import PlanError, SectionPlan, check_param_divisibility, check_plan, state_bytes_per_device
 from maestro_jax.planning.cluster import section_cost
+from maestro_jax.planning.cost import NODE_DEVICES
 from maestro_jax.planning.planner import InfeasibleError, Planner, ShardedLeaves, peak_memory
+from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.tools.plan import planner_for
 from maestro_jax.workloads import describe
 
@@ -194,6 +196,18 @@ def test_parameter_divisibility_is_avoided():
         for plan, _, _ in planner(KD, TINY_KD, 8).candidates(lightest=True)
     }
     assert 2 in unconstrained
+
+
+def test_tensor_parallelism_stays_within_a_node():
+    """At 64 devices the paper-scale LLM could split its heads 64 ways, but the cost model prices
+    tensor parallelism's per-layer all-reduces only within a node (the calibration's published
+    runs, TP 1-8, over NVLink): the planner offers no tensor degree beyond `NODE_DEVICES`, for
+    the sections and for the monolithic baseline alike."""
+    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 64, 80.0)
+    sections = list(p.spec.sections.values())
+    every = SectionSpec("all", True, tuple(q for sec in sections for q in sec.leaves), sections[0].cost)
+    for sec in [*sections, every]:
+        assert max(tensor for tensor, _, _ in p._axes(sec, 64)) == NODE_DEVICES, sec.name
 
 
 def test_tensor_parallelism_only_for_sections_whose_weights_it_splits():

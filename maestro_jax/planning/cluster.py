@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Mapping
 
 from maestro_jax.core.plan import Plan, SectionPlan, device_groups
-from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost, analytic_section
+from maestro_jax.planning.cost import DEVICES, NODE_DEVICES, CostModel, SectionCost, analytic_section
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
@@ -94,7 +94,7 @@ def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: fl
     every other axis that shards them (tensor; expert for the experts' weights), (fsdp - 1) /
     fsdp of it, in the compute precision (bf16: 2 bytes a value). The fsdp group spans fsdp x
     expert x context x tensor consecutive devices (`meshes.MESH_AXES` order): NVLink when they
-    fit in a node (8), else `link_gbps`. The caller overlaps it with the compute layer by layer
+    fit in a node (`NODE_DEVICES`), else `link_gbps`. The caller overlaps it with the compute layer by layer
     (`SectionCost.overlapped_s`), as XLA's latency-hiding scheduler runs the next layer's gather
     beside this layer's matmuls; the calibration (benchmarks/calibration.md) compares the result
     with published FSDP runs that overlap it the same way."""
@@ -110,9 +110,9 @@ def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: fl
 
 
 def _link(device: str, link_gbps: float, group: int) -> float:
-    """Bytes/s per device of a collective over `group` devices: NVLink inside a node (<= 8
-    devices), the inter-node link beyond."""
-    return DEVICES[device]["link"] if group <= 8 else link_gbps * 1e9
+    """Bytes/s per device of a collective over `group` devices: NVLink inside a node
+    (`NODE_DEVICES`), the inter-node link beyond."""
+    return DEVICES[device]["link"] if group <= NODE_DEVICES else link_gbps * 1e9
 
 
 def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float) -> float:

@@ -46,6 +46,12 @@ DEVICES = {
     "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},
 }
 
+# devices that share one NVLink domain: a DGX H100/H200 node holds "8x NVIDIA H100/H200 Tensor Core
+# GPUs" (DGX H100/H200 datasheets). Collectives within it run at `link`, beyond it at
+# `simulate.link_gbps`; tensor parallelism stays within it, where the calibration's published runs
+# (TP 1-8, benchmarks/calibration.md) price its per-layer all-reduces into the fitted efficiency
+NODE_DEVICES = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class SectionCost:

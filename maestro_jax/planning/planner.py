@@ -59,7 +59,7 @@ from maestro_jax.planning.cluster import (
     transfer_s_per_unit,
     typical_units,
 )
-from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
+from maestro_jax.planning.cost import DEVICES, NODE_DEVICES, CostModel, SectionCost
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import wavefront
@@ -585,12 +585,14 @@ class Planner:
         return [o for o in options if id(o) in kept]
 
     def _axes(self, sec: SectionSpec, n: int) -> Iterator[tuple[int, int, int]]:
-        """(tensor, context, expert) degrees on `n` devices: tensor parallelism for sections
-        whose weights have tensor-sharded axes (`SectionSpec.has_tensor_axes`); context
-        parallelism in the powers of two `contexts` allows, for sections with attention; expert
-        parallelism over any divisor of the data-parallel devices, for sections with experts
-        (elsewhere an expert axis is plain data parallelism)."""
-        for tensor in _divisors(n) if sec.has_tensor_axes else (1,):
+        """(tensor, context, expert) degrees on `n` devices: tensor parallelism within a node
+        (`NODE_DEVICES`: the cost model prices its all-reduces only there, through the
+        calibrated efficiency) for sections whose weights have tensor-sharded axes
+        (`SectionSpec.has_tensor_axes`); context parallelism in the powers of two `contexts`
+        allows, for sections with attention; expert parallelism over any divisor of the
+        data-parallel devices, for sections with experts (elsewhere an expert axis is plain data
+        parallelism)."""
+        for tensor in (t for t in _divisors(n) if t <= NODE_DEVICES) if sec.has_tensor_axes else (1,):
             for context in (c for c in self.contexts if (n // tensor) % c == 0 and (c == 1 or sec.cost.kv_width)):
                 dp = n // (tensor * context)
                 for expert in _divisors(dp) if sec.has_experts else (1,):
