@@ -128,6 +128,7 @@ def user_config(**changes):
     return mj.Config.model_validate({**base, **changes})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_user_graph_matches_the_monolithic_step(scheduler):
     trainer = mj.Trainer(user_config(schedule={"scheduler": scheduler}), user_graph(), PictureCaptions(), **DECLARED)
@@ -142,6 +143,7 @@ def test_user_graph_matches_the_monolithic_step(scheduler):
     assert schedule.steps["encoder"] and schedule.steps["projector"], "the batch exercised the whole chain"
 
 
+@pytest.mark.slow
 def test_user_graph_trains_and_resumes_exactly(tmp_path):
     straight = mj.Trainer(user_config(steps=4), user_graph(), PictureCaptions(), **DECLARED).train(progress=False)
     assert straight[-1]["loss"] < straight[0]["loss"]

@@ -3,6 +3,7 @@ says what it is doing while it runs, and leaves the runtime it is given as it fo
 
 import json
 
+import pytest
 from conftest import ROOT, TINY_KD, TINY_OMNI
 
 from maestro_jax.cli import main
@@ -10,6 +11,7 @@ from maestro_jax.config import load_config
 from maestro_jax.tools.bench import MODES
 
 
+@pytest.mark.slow
 def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", overrides=TINY_OMNI):
     """On omni (two producers into the LLM: the richest built-in graph)."""
     out = tmp_path / "bench.json"

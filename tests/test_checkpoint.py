@@ -22,6 +22,7 @@ def read_metrics(out):
 BF16 = ["sections.vision.precision=bfloat16", "sections.llm.precision=bfloat16", "optimizer.learning_rate=0.01"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_resume_is_exact(tmp_path, precision):
     """Stopping after step 2 and resuming gives the uninterrupted run's losses bit for bit, in
@@ -45,6 +46,7 @@ def test_resume_is_exact(tmp_path, precision):
     assert list((tmp_path / "b" / "tb").glob("events.*")), "TensorBoard events are written"
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_plan(tmp_path):
     out = tmp_path / "run"
     cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={out}", "steps=1"])
@@ -76,6 +78,7 @@ def test_restore_onto_a_different_plan(tmp_path):
     assert np.isfinite(float(result.loss))
 
 
+@pytest.mark.slow
 def test_uncommitted_save_is_ignored(tmp_path):
     """What an interrupted save leaves (Orbax's temporary directory, a manifest whose step was
     never renamed into place) is never 'the latest' and is removed when the directory is opened;
@@ -101,6 +104,7 @@ def test_uncommitted_save_is_ignored(tmp_path):
     assert (ck_dir / "corrupt" / "2" / "2").is_dir(), "the untrusted step is kept aside"
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     """A real SIGTERM mid-run: checkpoint at the next step boundary, exit 0, resume from it."""
     import signal
@@ -141,6 +145,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     assert [r["step"] for r in resumed] == [last + 1], "the restart resumes from the SIGTERM checkpoint"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change,named",
     [
@@ -170,6 +175,7 @@ def test_a_checkpoint_of_another_config_is_refused_not_quarantined(tmp_path, cha
     assert [r["step"] for r in train(cfg(steps=3), progress=False)] == [3]
 
 
+@pytest.mark.slow
 def test_nothing_to_do_names_the_step_the_directory_holds(tmp_path, capsys):
     """steps=2 on a directory checkpointed at step 4: nothing is trained and the message says step 4."""
     from maestro_jax import cli
@@ -184,6 +190,7 @@ def test_nothing_to_do_names_the_step_the_directory_holds(tmp_path, capsys):
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4], "the log of the 4 steps is kept"
 
 
+@pytest.mark.slow
 def test_export_holds_the_run_lock_and_reads_only(tmp_path, capsys):
     """`export` reads checkpoints under the run lock: refused (status 2, one line) while a run
     holds the directory, so a live run cannot rotate checkpoints under it; otherwise it opens
@@ -217,6 +224,7 @@ def test_export_holds_the_run_lock_and_reads_only(tmp_path, capsys):
     assert leftover.is_dir(), "a reader does not clean up"
 
 
+@pytest.mark.slow
 def test_a_section_starts_from_another_runs_checkpoint(tmp_path):
     """`sections.<s>.init.checkpoint_dir`: a fresh run's section starts with the params of the other
     run's newest committed step (its optimizer afresh: the first update moves them from there);

@@ -100,6 +100,7 @@ def test_simulator_runs_co_located_sections_one_at_a_time():
     assert timeline.makespan < sum(timeline.busy.values())
 
 
+@pytest.mark.slow
 def test_planner_searches_co_location_and_never_loses_to_the_monolithic_layout():
     """At paper scale the fair monolithic layout (its micro-batches packed its best way) is one
     point of maestro's space: both sections on all devices, with the monolithic mesh."""
@@ -135,6 +136,7 @@ def test_plan_on_fewer_devices_than_sections_co_locates():
     assert best.peak_gb <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_co_located_vlm_verifies(scheduler):
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + COLOCATED_VLM + [f"schedule.scheduler={scheduler}"])
@@ -144,6 +146,7 @@ def test_co_located_vlm_verifies(scheduler):
         assert d.max_rel <= 1e-5, f"{d.name}: {d.max_rel:.3e}"
 
 
+@pytest.mark.slow
 def test_co_located_kd_with_its_own_teacher_layout_verifies():
     cfg = load_config(
         ROOT / "configs/kd_tiny.yaml",

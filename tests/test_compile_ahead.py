@@ -160,6 +160,7 @@ def cache_events():
         jax.monitoring.unregister_event_listener(listen)
 
 
+@pytest.mark.slow
 def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_path):
     """`train` with an eval block: "compiling N programs for S sections" comes first, no XLA
     compile follows the "compiled" line (training steps, run-ahead, evaluations, reads), the eval

@@ -294,6 +294,7 @@ def test_dataset_on_disk(tokenizer, images, tmp_path):
         check_sample(src[i], record, tok.tokenizer)
 
 
+@pytest.mark.slow
 def test_converted_conversations_train(tokenizer, images, tmp_path):
     data = tmp_path / "llava.jsonl"
     data.write_text("".join(json.dumps(llava(i)) + "\n" for i in range(12)))

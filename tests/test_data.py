@@ -236,6 +236,7 @@ def test_shuffle_is_seeded_and_batches_deterministic():
     assert a == b and a != c and len(set(a)) == 8
 
 
+@pytest.mark.slow
 def test_convert_folder_and_train(tmp_path):
     folder = tmp_path / "imgs"
     folder.mkdir()
@@ -381,6 +382,7 @@ def bad_values(tmp_path_factory):
     return path, TINY_VLM + LIMITS + ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false", "steps=2"]
 
 
+@pytest.mark.slow
 def test_bad_values_are_skipped_and_reported_by_file_and_record(bad_values, tmp_path):
     """Negative, wrapped (beyond int32) or float token ids, ids at the vocabulary, empty, RGBA or
     too large images: under `skip` none is trained on, each is reported in metrics.jsonl with
@@ -400,6 +402,7 @@ def test_bad_values_are_skipped_and_reported_by_file_and_record(bad_values, tmp_
     assert all(np.isfinite(r["loss"]) for r in history)
 
 
+@pytest.mark.slow
 def test_bad_value_under_error_is_one_line_naming_file_and_record(bad_values, capsys):
     from maestro_jax import cli
 
@@ -448,6 +451,7 @@ def damaged_file(path, seed=0):
     return path
 
 
+@pytest.mark.slow
 def test_damaged_records_are_bad_samples_named_by_file_and_record(tmp_path, capsys):
     """Damaged records in the second of two files (no index: found when metadata is read, on
     every process): `skip` trains on the rest and reports each with its file and record;

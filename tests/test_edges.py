@@ -68,6 +68,7 @@ def check(cfg, rt=None):
     return diffs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_any_degrees_verify(plan, scheduler):
@@ -152,6 +153,7 @@ def test_declared_fanout_must_match_the_plan(capsys):
     assert load_config(KD, TINY_KD).plan().fanout == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_padded_last_sink_step_and_odd_micro_batch_verify(scheduler):
     """A global batch of 10 over a sink of 4 rows per micro-step: a micro-step holds padded rows

@@ -103,6 +103,7 @@ def check(cfg, rt=None):
     return diffs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_vlm_image_fractions(fraction):
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + [f"data.modalities.image.fraction={fraction}"])
@@ -116,12 +117,14 @@ def test_vlm_image_fractions(fraction):
     assert {"vision/grads", "llm/grads", "vision/params_after_update"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", [p for p in VLM_PLANS if p != "shipped"])
 def test_vlm_plans(plan):
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + VLM_PLANS[plan])
     check(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", list(KD_PLANS))
 def test_kd_plans(plan):
     cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + KD_PLANS[plan])
@@ -176,6 +179,7 @@ class Masked:
         return dataclasses.replace(s, loss_mask=mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["vlm", "kd"])
 def test_loss_mask_is_equivalent_and_masked_targets_carry_nothing(workload):
     """A batch of masked samples: the section runtime matches the monolithic step (both read the

@@ -55,6 +55,7 @@ def kd(out, *extra):
 
 
 # -- 1. kill -9 while a checkpoint is being written ----------------------------------------------
+@pytest.mark.slow
 def test_kill_9_during_save_resumes_from_last_complete(tmp_path):
     steps = 8
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
@@ -131,6 +132,7 @@ def tensorboard_losses(out) -> list[tuple[int, float]]:
     return shown
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
     """A rerun from step 0 (no checkpoint) purges the earlier run's events, and a run killed after
     a checkpoint leaves every step the checkpoint holds on disk: after the resume TensorBoard
@@ -150,6 +152,7 @@ def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6] and tensorboard_losses(out) == logged
 
 
+@pytest.mark.slow
 def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path):
     """keep_checkpoints=1: the only committed step is deleted only after the next one is
     committed. Killed after Orbax wrote step 4's files but before it committed them (the test
@@ -182,6 +185,7 @@ def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path
     assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == [str(steps)]
 
 
+@pytest.mark.slow
 def test_a_save_counts_as_soon_as_it_is_complete(tmp_path):
     """A finished save is committed without waiting for the next save: killed after step 50's
     save completed but before step 100's, the next run resumes from step 50, not from scratch."""
@@ -211,6 +215,7 @@ def test_a_save_counts_as_soon_as_it_is_complete(tmp_path):
     assert final_losses(out) == straight_losses(tmp_path, steps)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
     """While a run holds `output_dir`, a second one exits 2 with one line naming the directory
     and the holder; once the holder is `kill -9`ed, its stale lock does not block a new run."""
@@ -414,6 +419,7 @@ def _fill(mount):
         pass
 
 
+@pytest.mark.slow
 def test_full_then_read_only_checkpoint_storage(tmp_path, small_filesystem):
     ck = small_filesystem
     cfg = lambda steps: kd(tmp_path / "out", f"checkpoint_dir={ck}", "checkpoint_every=1", f"steps={steps}")
@@ -449,6 +455,7 @@ def _largest_file(step_dir):
     return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys):
     straight = {r["step"]: r["loss"] for r in train(kd(tmp_path / "a", "steps=4"), progress=False)}
     out = tmp_path / "b"
@@ -550,6 +557,7 @@ def _survivor_outcome(procs, victim, sig, bound_s):
     return survivor.returncode, err
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1, 0])
 def test_dead_peer_ends_the_survivor(tmp_path, victim):
@@ -612,6 +620,7 @@ def test_a_sigterm_handler_installed_before_jax_distributed_still_runs():
     assert all("HANDLED True" in o for o in out), out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1, 0])
 def test_stuck_peer_is_named_within_the_timeout(tmp_path, victim):
@@ -634,6 +643,7 @@ def test_stuck_peer_is_named_within_the_timeout(tmp_path, victim):
     assert bounded or unanswered, errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
@@ -682,6 +692,7 @@ def test_save_failures_are_classified_peer_or_storage(monkeypatch):
         assert coordinator.peer_fault(storage, "the checkpoint save of step 4") is None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1])
 def test_sigterm_to_one_process_checkpoints_every_process(tmp_path, victim):
@@ -705,6 +716,7 @@ def test_sigterm_to_one_process_checkpoints_every_process(tmp_path, victim):
     assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, step + 1))
 
 
+@pytest.mark.slow
 def test_sigterm_says_saved_only_once_committed(tmp_path):
     """ "checkpoint saved at step N" is printed only once Orbax committed step N, with its
     manifest (the test hook holds the commit back 5 s after the files are written)."""
@@ -740,6 +752,7 @@ def test_sigterm_says_saved_only_once_committed(tmp_path):
     assert committed, "said saved before the checkpoint was committed"
 
 
+@pytest.mark.slow
 def test_all_bad_samples_stop_instead_of_looping(tmp_path):
     """Under `skip`, data where no sample passes its checks ends with a DataError after one
     pass (not an endless loop); damaged or empty ArrayRecord files are DataErrors naming them."""
@@ -823,6 +836,7 @@ def _one_error_line_last(stderr):
     return errors[0]
 
 
+@pytest.mark.slow
 def test_read_only_checkpoint_dir_exits_at_once_with_one_line(tmp_path):
     """A read-only checkpoint_dir: status 4 and one line, before anything is trained (it used to
     print its error, then wait 300 s for Orbax's save threads)."""
@@ -836,6 +850,7 @@ def test_read_only_checkpoint_dir_exits_at_once_with_one_line(tmp_path):
     assert not (tmp_path / "out" / "metrics.jsonl").exists(), "nothing was trained"
 
 
+@pytest.mark.slow
 def test_checkpoint_step_directory_not_created_exits_at_once(tmp_path):
     """The checkpoint filesystem runs out of inodes after the first save, so the next save cannot
     create its step directory (as on a read-only disk): one line, status 4, within seconds
@@ -865,6 +880,7 @@ def test_read_only_or_full_output_dir_exits_4_with_one_line(tmp_path, state):
     assert f"output_dir {out} is not writable: {reason}" in err, err
 
 
+@pytest.mark.slow
 def test_output_dir_filling_up_mid_run_exits_4_with_one_line(tmp_path):
     """The disk of output_dir fills while the run writes metrics: one line naming the file, status
     4, within seconds (TensorBoard's writer thread died of it and the run hung on its queue)."""
@@ -876,6 +892,7 @@ def test_output_dir_filling_up_mid_run_exits_4_with_one_line(tmp_path):
     assert "No space left on device" in err and str(out / "run") in err, err
 
 
+@pytest.mark.slow
 def test_full_checkpoint_disk_prints_one_error_line_last(tmp_path):
     """The checkpoint disk fills after the first save: status 4, and the `error:` line is the
     last thing on stderr, not buried under Orbax's thread tracebacks."""
@@ -924,6 +941,7 @@ def _start_and_signal_in_startup(out, sig, steps, ignore_sigint=False):
     return proc.returncode, stdout, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_signal_during_startup_and_restore(tmp_path, sig):
     """SIGTERM while a run starts up and restores: exit 0 with a line saying nothing new was saved
@@ -948,6 +966,7 @@ def test_signal_during_startup_and_restore(tmp_path, sig):
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_sigint_swallowed_inside_a_gc_callback_still_stops_the_run(tmp_path):
     """Python swallows an exception raised inside a garbage-collection callback ("Exception
     ignored in: gc callback"): a SIGINT whose KeyboardInterrupt is raised there used to be lost,

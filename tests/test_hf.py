@@ -172,6 +172,7 @@ def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
         build_runtime(_teacher_cfg(path, **moe))
 
 
+@pytest.mark.slow
 def test_distilled_student_exports_to_transformers(tmp_path):
     """Distil one step from a Hugging Face teacher, then `maestro-jax export` the student:
     transformers loads it and gives the logits of the checkpointed student params."""

@@ -96,6 +96,7 @@ def max_err(a, b):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_siglip_matches_transformers(tmp_path, scan):
     """Two 16x16 images packed in one row: the last block's output (`hidden_states[-1]`) and the
@@ -253,6 +254,7 @@ def _tower_overrides(kind: str, name: str, path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_omni_towers_start_from_hf_folders(tmp_path):
     """The omni workload's vision and audio sections start from the SigLIP and Whisper folders
     (`sections.<s>.init.hf_path`): the sections' params give the references' features, and a
@@ -406,6 +408,7 @@ def _mapped_leaves(params, mapping):
     return hf_encoders._tensors(params, mapping)
 
 
+@pytest.mark.slow
 def test_cli_exports_towers_from_the_latest_checkpoint(tmp_path, capsys):
     """Omni with a CLIP vision tower cut at -2 and a Whisper encoder, both from Hugging Face folders
     (a training step runs), checkpointed at step 1 with moved weights: `maestro-jax export --section vision|audio` writes

@@ -33,6 +33,7 @@ def _stacked(params: dict, depth: int) -> dict:
     return {**rest, "blocks": {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}}
 
 
+@pytest.mark.slow
 def test_scanned_layers_compute_what_unrolled_layers_do_and_trace_once():
     """`scan_layers`: the same outputs, sown losses and gradients as the unrolled stack (params
     stacked), and a program whose size does not grow with depth."""
@@ -117,6 +118,7 @@ def test_balanced_order_evens_the_causal_work_across_the_context_devices():
     assert plain[0] < plain[-1] and sum(plain) == sum(map(sum, balanced))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [dict(context=4), dict(data=2, context=2), dict(context=2, tensor=2)])
 def test_ring_attention_equals_one_device_and_passes_keys_round_the_ring(axes):
     """The LLM under ring attention (balanced order, skipped blocks) on 4 devices gives one

@@ -50,6 +50,7 @@ def test_balance_loss_is_one_per_token_under_a_uniform_router_and_adds_over_rows
     assert float(whole) == pytest.approx(float(halves), rel=1e-6) and float(whole) > 8 + 5 - 1e-3
 
 
+@pytest.mark.slow
 def test_each_layer_sows_its_weighted_balance_loss_and_it_trains_the_router():
     model = DecoderLM(CFG)
     ids, positions, valid = inputs()
@@ -65,6 +66,7 @@ def test_each_layer_sows_its_weighted_balance_loss_and_it_trains_the_router():
     assert float(aux_of(silent, params)) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [dict(expert=4), dict(expert=2, context=2), dict(data=2, context=2)])
 def test_expert_and_context_parallel_layers_equal_one_device_and_really_shard(axes):
     """The same forward, loss and gradients on 4 devices with experts and/or positions sharded;
@@ -131,6 +133,7 @@ def l2_rel(got, ref) -> float:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [None, {"expert": 2, "data": 2}, {"expert": 2, "tensor": 2}])
 def test_sparse_dispatch_equals_the_dense_one_and_is_expert_parallel(axes):
     """`moe_dispatch: sparse` gives the dense dispatch's loss (balance loss included) and
@@ -198,6 +201,7 @@ def moe_flops(dispatch: str, mesh=None, experts=8, k=2, width=64, hidden=64, sha
         return step.lower(params, h).compile().cost_analysis()["flops"]
 
 
+@pytest.mark.slow
 def test_sparse_dispatch_runs_the_chosen_experts_flops():
     """XLA counts about experts_per_token / experts of the dense dispatch's FLOPs for the sparse
     one. Above that by at most the tile padding (< experts x (tile - 1) rows, tile = expert_mlp:

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM, free_ports
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 KD_MODELS = [o for o in TINY_KD if not o.startswith("sections.")]  # the shipped plan, smaller models
 KD_PLANS = {

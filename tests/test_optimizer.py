@@ -32,6 +32,7 @@ USER = TINY_VLM + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_clipped_scheduled_step_equals_the_monolithic_step(scheduler):
     cfg = load_config(VLM, USER + [f"schedule.scheduler={scheduler}"])
@@ -50,6 +51,7 @@ def test_clipped_scheduled_step_equals_the_monolithic_step(scheduler):
     assert math.sqrt(whole) > 10 * CLIP
 
 
+@pytest.mark.slow
 def test_clipping_changes_the_update():
     """The same step with and without clipping moves the params differently (clipping is not a no-op)."""
     moved = {}
@@ -78,6 +80,7 @@ TOWER = "'(?!merger_).*'"  # the vision section but its projector (merger_fc1, m
 PARTS = "[embedding, 'block_0/(q|k)/.*']"  # the LLM's embedding and first queries and keys
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scheduler,llm_freeze,llm_frozen",
     [

@@ -59,6 +59,7 @@ def _per_sample(packed_out, lengths):
     return [np.asarray(packed_out[0, starts[i] : starts[i] + n]) for i, n in enumerate(lengths)]
 
 
+@pytest.mark.slow
 def test_a_packed_rows_samples_get_what_each_gets_alone():
     """Segment ids keep attention inside each sample and positions restart (RoPE): each sample's
     logits in the packed row are those of the sample run alone; without the segment ids they are not."""
@@ -94,6 +95,7 @@ def test_a_packed_rows_moe_balancing_loss_is_its_samples_losses_alone():
     assert abs(float(as_one) - float(ref_aux)) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [dict(context=4), dict(data=2, context=2)])
 def test_ring_attention_keeps_packed_samples_apart(axes):
     """Under ring attention over `context` (balanced order, skipped blocks), a packed row gives each
@@ -128,6 +130,7 @@ def test_pack_is_refused_where_it_cannot_hold():
         load_config(base, TINY_VLM + ["sections.llm.pack=0"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "workload,packing",
     [

@@ -59,6 +59,7 @@ def assert_valid(p, plan):
     assert used == set(range(p.devices))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 6), (VLM, TINY_VLM, 8)], ids=["kd6", "vlm8"])
 def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices):
     p = planner(config, overrides, devices, tolerance=0.0)
@@ -267,6 +268,7 @@ def test_infeasible_requests_name_the_smallest_feasible_one():
         planner(KD, TINY_KD, 8, memory_gb=smallest * 0.95).search()
 
 
+@pytest.mark.slow
 def test_paper_scale_vlm_plans_on_80gb_devices_with_few_simulations():
     """The 30B-A3B MoE VLM at 32K tokens on 72 x 80 GB: bf16, checkpointing, expert and context
     parallelism are in the search, and a plan fits."""
@@ -281,6 +283,7 @@ def test_paper_scale_vlm_plans_on_80gb_devices_with_few_simulations():
     assert any(e > 1 for e, _ in llm) and any(c > 1 for _, c in llm)
 
 
+@pytest.mark.slow
 def test_plan_cli_writes_a_config_that_verifies(tmp_path, capsys):
     out = tmp_path / "planned.yaml"
     assert (
@@ -296,6 +299,7 @@ def test_plan_cli_writes_a_config_that_verifies(tmp_path, capsys):
     assert cli.main(["verify", "--config", str(out)]) == 0, "the planned plan is equivalent to the monolithic step"
 
 
+@pytest.mark.slow
 def test_plan_cli_infeasible_exits_2():
     proc = subprocess.run(
         [
@@ -337,6 +341,7 @@ def test_check_plan_is_what_the_planner_uses():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config,overrides",
     [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD), (KD, MOE_KD), (VLM, CONTEXT_VLM)],

@@ -41,6 +41,7 @@ def planner():
     return four_section_planner(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices,run_ahead,every", [(2, 0, 11), (4, 0, 397), (4, 1, 397)])
 def test_bounds_hold_and_bind(devices, run_ahead, every):
     planner = four_section_planner(devices, run_ahead)
@@ -97,6 +98,7 @@ def test_no_plan_at_all_is_said_before_any_pass(monkeypatch):
     assert passes == []
 
 
+@pytest.mark.slow
 def test_exact_search_finds_the_exhaustive_optimum(planner):
     """Against every plan whose bound leaves it a chance (the bounds themselves are checked above)."""
     found, _, simulated = planner._search(3)

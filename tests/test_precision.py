@@ -18,6 +18,7 @@ from maestro_jax.tools.verify import compare, verify
 BF16_VLM = TINY_VLM + ["sections.vision.precision=bfloat16", "sections.llm.precision=bfloat16"]
 
 
+@pytest.mark.slow
 def test_bf16_maestro_matches_bf16_monolithic_closer_than_float32_does():
     """Reordering rows (maestro's micro-batching) moves bf16 results by less than bf16 itself
     moves them from float32, and by less than the stated tolerance (Config.verify_tolerance)."""
@@ -36,6 +37,7 @@ def test_bf16_maestro_matches_bf16_monolithic_closer_than_float32_does():
     assert abs(float(loss16) - float(loss32)) > 0  # bf16 really ran
 
 
+@pytest.mark.slow
 def test_bf16_dtypes_master_weights_frozen_weights_and_edges():
     overrides = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16"]
     cfg = load_config(ROOT / "configs/kd_tiny.yaml", overrides)
@@ -76,6 +78,7 @@ def test_memory_model_halves_bf16_activations_and_frozen_weights(trained):
     assert (f32["state"], b16["state"]) == ((4 * w, 4.5 * w) if trained else (w, w / 2))
 
 
+@pytest.mark.slow
 def test_layer_remat_changes_nothing_in_the_results():
     """Per-layer activation checkpointing (`full` in the ViT, `dots` in the LLM) recomputes
     what it does not keep: the same loss and grads as keeping everything, within float32

@@ -4,9 +4,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_own_model_example_runs(tmp_path):
     text = (ROOT / "README.md").read_text()
     section = text.split("## Your own compound model", 1)[1]

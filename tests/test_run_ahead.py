@@ -83,6 +83,7 @@ def test_a_step_fed_ahead_is_the_monolithic_step(scheduler):
     assert compare("student", fed.grads["student"], m_grads["student"]).max_rel <= 1e-5
 
 
+@pytest.mark.slow
 def test_training_with_run_ahead_resumes_bit_exactly(tmp_path):
     """Stopped after step 2 and resumed, a run-ahead run gives the uninterrupted run's losses bit
     for bit, and so does a run without run-ahead: the work done ahead is recomputed after a

@@ -16,6 +16,7 @@ from maestro_jax.tools.simulate import seconds, simulate_config
 CONFIGS = ["vlm_paper_scale.yaml", "kd_paper_scale.yaml"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_paper_scale_predictions(name, tmp_path):
     cfg = load_config(ROOT / "configs" / name, [])
@@ -33,6 +34,7 @@ def test_paper_scale_predictions(name, tmp_path):
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_simulate_cli_json(tmp_path):
     out = tmp_path / "sim.json"
     proc = subprocess.run(

@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, TINY_VLM
 
 
+@pytest.mark.slow
 def test_train_cli_loss_falls(tmp_path):
     out = tmp_path / "run"
     cmd = [

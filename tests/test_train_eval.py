@@ -48,6 +48,7 @@ def events(tb_dir):
     return out
 
 
+@pytest.mark.slow
 def test_eval_loss_every_n_steps_equals_eval_of_the_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     cfg = vlm(out, "steps=4", "eval.every=2", "eval.batches=2", "checkpoint_every=2")
@@ -85,6 +86,7 @@ def test_eval_loss_every_n_steps_equals_eval_of_the_checkpoint(tmp_path, capsys)
     assert f"step 2: eval_loss {evaluated[2]:.4f}" in said, said
 
 
+@pytest.mark.slow
 def test_resume_says_so_and_tensorboard_purges_recomputed_steps(tmp_path, capsys):
     out = tmp_path / "run"
     train(vlm(out, "steps=3", "checkpoint_every=2"), progress=False)
@@ -100,6 +102,7 @@ def test_resume_says_so_and_tensorboard_purges_recomputed_steps(tmp_path, capsys
     assert sorted({e.step for e in second if e.HasField("summary")}) == [3, 4]
 
 
+@pytest.mark.slow
 def test_a_run_with_nothing_to_do_leaves_the_config_as_it_was(tmp_path, capsys):
     out = tmp_path / "run"
     train(vlm(out, "steps=2"), progress=False)

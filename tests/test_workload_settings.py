@@ -98,6 +98,7 @@ def plugin_cfg(*overrides):
     return load_config(None, {**base, **parse_overrides(list(overrides))})
 
 
+@pytest.mark.slow
 def test_plugin_settings_model_kind_and_source_verify_and_train():
     cfg = plugin_cfg()
     source = workloads.source_from_config(cfg)

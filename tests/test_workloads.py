@@ -121,6 +121,7 @@ def test_planning_reads_the_graph_the_runtime_runs(name):
         assert sec.trained == rt.graph.section(s).trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["omni", "vlm_kd"])
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_new_workloads_match_the_monolithic_step(name, scheduler):
@@ -144,6 +145,7 @@ def test_omni_batches_mix_every_modality_combination():
         assert held == {i for i, s in enumerate(samples) if s.has(modality)}, "an encoder runs only for its samples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["omni", "vlm_kd"])
 def test_new_workloads_train(name):
     history = train(cfg_of(name, "steps=6"), progress=False)
@@ -178,6 +180,7 @@ def test_plan_and_simulate_report_every_section(name):
             assert s in proc.stdout, (command[0], s, proc.stdout)
 
 
+@pytest.mark.slow
 def test_plugin_by_import_path_is_the_same_workload():
     a = verify(cfg_of("kd"))
     b = verify(cfg_of("kd", "workload=maestro_jax.workloads.kd:WORKLOAD"))

@@ -1021,12 +1021,12 @@ class Planner:
         return other
 
     def _infeasible_message(self) -> str:
-        peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=float("inf"), lightest=True)]
-        if not peaks:
+        if next(self.candidates(budget=math.inf), None) is None:  # not for lack of memory
             return (
                 f"--devices {self.devices}: no device split satisfies the mesh and divisibility "
                 f"constraints for global_batch={self.global_batch}; try another device count"
             )
+        peaks = [peak_memory(plan, mem) for plan, mem, _ in self.candidates(budget=math.inf, lightest=True)]
         gb = self.budget / 2**30
         more = next((n for n in (2 * self.devices, 4 * self.devices) if next(self._with(n).candidates(), None)), None)
         alt = f", or --devices {more} at --memory-gb {gb:g}" if more else ""
