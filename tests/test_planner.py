@@ -62,7 +62,9 @@ def assert_valid(p, plan):
 @pytest.mark.slow
 @pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 6), (VLM, TINY_VLM, 8)], ids=["kd6", "vlm8"])
 def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices):
-    p = planner(config, overrides, devices, tolerance=0.0)
+    """Against every plan, each simulated (without `dots` checkpointing, which only multiplies
+    the layouts: thousands of plans here, three times over)."""
+    p = planner(config, overrides, devices, tolerance=0.0, layer_remat=("none", "full"))
     everything = list(p.candidates())
     # the search also tries each smaller stash bound; a plan counts once, at its fastest
     fastest: dict = {}
