@@ -36,15 +36,9 @@ from maestro_jax.meshes import BATCH_AXES
 from maestro_jax.schedule.packing import pack_rows
 
 
-def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
-    """Next-token rows: inputs tokens[:-1], targets tokens[1:]; a target carries loss unless it
-    is a placeholder or the sample's `loss_mask` clears it (`carries_loss`).
-
-    For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
-    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings."""
-    length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1))
-    r = len(rows)
-    out = {
+def _empty_rows(r: int, length: int, modalities: Sequence[Modality]) -> dict[str, np.ndarray]:
+    """`r` rows of `length` next-token positions, all padding: what `_place` fills per sample."""
+    return {
         "input_ids": np.zeros((r, length), np.int32),
         "targets": np.zeros((r, length), np.int32),
         "loss_mask": np.zeros((r, length), np.float32),
@@ -52,6 +46,16 @@ def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray
         "valid": np.zeros((r, length), bool),
         **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
     }
+
+
+def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
+    """Next-token rows: inputs tokens[:-1], targets tokens[1:]; a target carries loss unless it
+    is a placeholder or the sample's `loss_mask` clears it (`carries_loss`).
+
+    For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
+    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings."""
+    length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1))
+    out = _empty_rows(len(rows), length, modalities)
     for i, s in enumerate(rows):
         if s is None:
             continue
@@ -232,13 +236,8 @@ def packed_text_rows(
     length = bucket(max((sum(lengths[x] for x in row) for row in packed), default=1))
     r = len(packed)
     out = {
-        "input_ids": np.zeros((r, length), np.int32),
-        "targets": np.zeros((r, length), np.int32),
-        "loss_mask": np.zeros((r, length), np.float32),
-        "positions": np.zeros((r, length), np.int32),
-        "valid": np.zeros((r, length), bool),
+        **_empty_rows(r, length, modalities),
         "segments": np.zeros((r, length), np.int32),
-        **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
         **{f"{e}_row": np.full((r, length), -1, np.int32) for e in routes},
     }
     if unpacks:
