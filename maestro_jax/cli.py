@@ -534,6 +534,11 @@ def _command(command: Command, args) -> int:
     if not command.devices:
         return _run(command, cfg, args)
     _ensure_host_devices(cfg.host_devices)
+    from maestro_jax.runtime.xla_flags import set_gpu_flags
+
+    added = set_gpu_flags(cfg.compile.gpu_flags)  # before JAX starts, as the host device count
+    if added:
+        print(f"XLA GPU flags: {' '.join(added)} (compile.gpu_flags=false: none)", flush=True)
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
         return 2

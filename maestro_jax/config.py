@@ -365,6 +365,12 @@ class CompileConfig(_Frozen):
     cache: bool = True  # jax's persistent compilation cache: a resume or a rerun loads its executables
     # where the cache lives; default <output_dir>/compile_cache (a run without output_dir: no cache)
     cache_dir: str | None = None
+    # on NVIDIA GPUs, XLA flags for overlapping collectives with compute (runtime/xla_flags.py
+    # GPU_FLAGS), each unless XLA_FLAGS names it already; false: none
+    gpu_flags: bool = True
+    # the update program reuses the params' and optimizer state's buffers for its outputs (and
+    # backward the grad accumulator's); null: on accelerators only (on CPU a state stays readable)
+    donate: bool | None = None
 
 
 class MonolithicConfig(_Frozen):

@@ -3,12 +3,16 @@ embeddings, attention."""
 
 import contextlib
 import contextvars
+import functools
+import logging
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def partitioned(init, *axes):
@@ -151,8 +155,9 @@ def balanced_order(length: int, split: int) -> np.ndarray | None:
 def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
     """Grouped-query attention (each of G key/value heads serves H/G query heads).
 
-    Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`:
-    XLA's implementation on CPU, and on GPUs the fused cuDNN kernel where it applies. A query
+    Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`, in
+    the implementation `attention_implementation` picks: cuDNN's fused flash attention on NVIDIA
+    GPUs for bfloat16 and float16 where its shape rules hold, XLA's otherwise. A query
     row with no key to attend (padding) gets the mean of the values, not NaN, exactly as a
     softmax over a large negative mask would. Queries (and the output) keep their positions
     sharded over `context` while keys and values are gathered whole: one all-gather of K and V
@@ -167,8 +172,52 @@ def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
     mask_BQL = constrain(mask_BQL, ("batch", "length", None))
-    out = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None])
+    implementation = attention_implementation(
+        jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1], q_BLHK.shape[1], k_BLGK.shape[1], _compute_capability()
+    )
+    out = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None], implementation=implementation)
     return constrain(out, ("batch", "length", "heads", None))
+
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def attention_implementation(
+    platform: str, dtype, head_dim: int, q_len: int, kv_len: int, compute_capability: float = 0.0
+) -> str:
+    """Which `jax.nn.dot_product_attention` implementation runs: `"cudnn"` (the fused flash
+    attention kernel) on an NVIDIA GPU for bfloat16 or float16 inputs whose head dimension is a
+    multiple of 8 up to 128 (256 from Hopper, compute capability 9.0, on) and whose query and key
+    lengths are even (cuDNN's rule for a masked backward); `"xla"` otherwise (float32 included,
+    which cuDNN's kernel does not take).
+
+    jax leaves the choice to the caller (without `implementation=` it takes XLA's path on GPUs
+    too, jax 0.10 and 0.11), so it is made here, in one place, and logged once per choice. The
+    mask (causal, padding, the packing's segments, bidirectional image spans) goes to cuDNN as
+    its additive bias, `jax.nn.dot_product_attention`'s own conversion; the public API of jax
+    0.10 and 0.11 takes no segment ids, so packed rows use that mask too."""
+    head_max = 256 if compute_capability >= 9.0 else 128
+    cudnn = (
+        platform in ("gpu", "cuda")
+        and np.dtype(dtype).name in CUDNN_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= head_max
+        and q_len % 2 == 0
+        and kv_len % 2 == 0
+    )
+    choice = "cudnn" if cudnn else "xla"
+    _log_choice(platform, np.dtype(dtype).name, head_dim, choice)
+    return choice
+
+
+@functools.cache
+def _log_choice(platform: str, dtype: str, head_dim: int, choice: str) -> None:
+    log.info("attention on %s, %s, head_dim %d: %s", platform, dtype, head_dim, choice)
+
+
+def _compute_capability() -> float:
+    """The default device's CUDA compute capability (9.0 for Hopper); 0 elsewhere."""
+    return float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
 
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # jax.nn.dot_product_attention's mask value

@@ -330,6 +330,7 @@ def build_runtime(
             rules=sp.rules,
             clip_norm=cfg.optimizer.clip_norm,
             squared_norm=section_squared_norm(cfg.optimizer, s),
+            donate=cfg.compile.donate,
         )
     problem = Problem(
         order=graph.topological_order(),

@@ -276,6 +276,7 @@ class SectionPrograms:
         rules: str = "default",
         clip_norm: float | None = None,
         squared_norm: Callable = squared_norm,  # its share of the clip norm (frozen params left out)
+        donate: bool | None = None,
     ):
         self.section, self.mesh, self.optimizer, self.rules = section, mesh, optimizer, rules
         self.name = section.name
@@ -289,9 +290,12 @@ class SectionPrograms:
         self.step: int | None = None  # the training step being issued (for the lazy-compile log line)
         self.compiled_ahead = False  # set by `Runtime.compile_ahead`: a lazy compile is then a warning
         self._lock = threading.Lock()
-        # Buffers are donated on accelerators. On CPU they are not (callers there, tests and verify,
-        # reuse a state after a step), but memory is measured as if they were (`memory_analysis`).
-        self.donate = mesh.devices.flat[0].platform != "cpu"
+        # `donate` (`compile.donate`; None: on accelerators only): the update program takes the
+        # section's params and optimizer state, and the backward programs the grad accumulator, as
+        # its outputs' buffers, so an update does not hold two copies. On CPU by default it does
+        # not (callers there, tests, reuse a state after a step), but memory is measured as if it
+        # did (`memory_analysis`).
+        self.donate = mesh.devices.flat[0].platform != "cpu" if donate is None else donate
         fwd = section.forward
 
         def split_inputs(inputs):

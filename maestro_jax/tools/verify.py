@@ -43,8 +43,29 @@ def compare(name: str, a, b) -> Diff:
     return Diff(name, worst_abs, float(rel))
 
 
+def matmul_precision(platform: str, cfg: Config) -> str | None:
+    """The float32 matmul precision `verify` needs: on a GPU, where a section computes in float32,
+    "highest" (jax's default there runs float32 matmuls in TF32, 10 mantissa bits, and the two
+    sides' different summation orders would then differ by about 1e-3, not float rounding). None
+    where the default already computes in full float32 (CPU), or where every section computes in
+    bfloat16 (its own tolerance covers the rounding)."""
+    if platform != "gpu" or all(s.precision == "bfloat16" for s in cfg.sections.values()):
+        return None
+    return "highest"
+
+
 def verify(cfg: Config, rt: Runtime | None = None, step: int = 0) -> list[Diff]:
-    """Loss, every trained section's grads and updated params: maestro vs monolithic."""
+    """Loss, every trained section's grads and updated params: maestro vs monolithic, at the
+    float32 matmul precision `matmul_precision` names (said once on stdout where it is set)."""
+    precision = matmul_precision(jax.default_backend(), cfg)
+    if precision is None:
+        return _verify(cfg, rt, step)
+    print(f"verify: float32 matmuls at precision {precision!r} on {jax.default_backend()} (TF32 otherwise)", flush=True)
+    with jax.default_matmul_precision(precision):
+        return _verify(cfg, rt, step)
+
+
+def _verify(cfg: Config, rt: Runtime | None, step: int) -> list[Diff]:
     rt = rt or build_runtime(cfg)
     samples = rt.batches()[step]
     trace_batches(rt, [samples])  # a section whose code does not fit its shapes is named before any compile
