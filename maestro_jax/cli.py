@@ -141,8 +141,13 @@ def _preemption() -> contextlib.AbstractContextManager:
 def _verify(cfg, args) -> int:
     from maestro_jax.tools.verify import report, verify
 
-    text, ok = report(verify(cfg), cfg.verify_tolerance)
+    diffs = verify(cfg)
+    text, ok = report(diffs, cfg.verify_tolerance)
     print(text)
+    _write_json(
+        args.json,
+        {"passed": ok, "tolerance": cfg.verify_tolerance, "diffs": [dataclasses.asdict(d) for d in diffs]},
+    )
     return 0 if ok else 1
 
 
@@ -361,7 +366,11 @@ JSON = opt("--json", metavar="PATH", help="write the report as JSON here (defaul
 # overrides and --verbose (`_parser`); `devices=True` ones the multi-process options.
 COMMANDS: dict[str, Command] = {
     "train": Command("train from a config", _train, guard=_preemption),
-    "verify": Command("maestro vs monolithic on one batch: loss, gradients, updated parameters", _verify),
+    "verify": Command(
+        "maestro vs monolithic on one batch: loss, gradients, updated parameters",
+        _verify,
+        (opt("--json", metavar="FILE", help="also write the differences and the verdict here (default: not written)"),),
+    ),
     "eval": Command(
         "held-out loss (the eval block) of a checkpoint in output_dir",
         _eval,

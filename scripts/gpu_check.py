@@ -1,0 +1,318 @@
+"""The GPU check's steps, run by `scripts/gpu_check.sh` (which installs carried wheels first).
+
+Every step runs as its own process (`python -m maestro_jax.cli ...`, or a short `python -c`), so
+that each sets up XLA as a user's run does, a failure or a hang in one is one failed step with
+its log, and no process here holds GPU memory that another needs (`XLA_PYTHON_CLIENT_PREALLOCATE`
+is off for all). `DIR/gpu_check.json` is rewritten after every step, so a check cut short by the
+machine's time limit still leaves what it measured. Steps, in order:
+
+  env       jax, jaxlib, the CUDA plugin, CUDA, cuDNN, the driver, the device and its memory;
+  verify    every tiny config with all sections on device 0 (each section its own one-device
+            mesh, co-located), maestro vs the monolithic step, in float32 (matmuls at precision
+            `highest`, tolerance 1e-5) and in bfloat16 (its documented 2e-2); run side by side,
+            since they are compiles more than compute;
+  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm;
+  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
+  kernels   decoder (dense, MoE), ViT and attention blocks at realistic widths and token counts,
+            forward and forward+backward, beside the cost model's prediction for each shape;
+            cuDNN against XLA attention; compiled against measured peak memory
+            (`maestro_jax.tools.kernels`).
+
+`--dry-run` runs the same steps on the CPU (8 virtual devices, the configs shrunk to one layer
+each, the kernels at tiny widths) in a few minutes: how the script is kept working between GPU
+windows (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ("vlm_tiny", "kd_tiny", "omni_tiny", "vlm_kd_tiny")
+PRECISIONS = ("float32", "bfloat16")
+BENCH_CONFIGS = ("vlm_tiny", "kd_tiny")
+STEP_TIMEOUT_S = 420  # one process; the whole check is sized to about 8 minutes on one H100
+# the dry run's configs: one layer per model, short rows, small batches (compiles dominate on CPU)
+DRY_RUN = ["global_batch=8", "data.text_len=[6,14]"]
+
+ENV_PROBE = r"""
+import importlib.metadata as md, json, subprocess, sys
+import jax
+out = {"python": sys.version.split()[0], "packages": {}}
+for p in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-cuda13-pjrt", "flax", "optax",
+          "orbax-checkpoint", "grain", "numpy", "pydantic"):
+    try:
+        out["packages"][p] = md.version(p)
+    except md.PackageNotFoundError:
+        pass
+d = jax.devices()
+out.update(backend=jax.default_backend(), device_count=len(d), device_kind=d[0].device_kind,
+           compute_capability=getattr(d[0], "compute_capability", None))
+stats = d[0].memory_stats() or {}
+out["memory_bytes"] = stats.get("bytes_limit")
+try:
+    from jax._src.lib import cuda_versions  # private: absent or None without a CUDA plugin
+    out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+    out["cudnn"] = cuda_versions.cudnn_get_version()
+except Exception as err:  # noqa: BLE001 - a CPU jaxlib has none of these
+    out["cuda_runtime"] = out["cudnn"] = None
+    out["cuda_versions_error"] = f"{type(err).__name__}: {err}"[:200]
+try:
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                       capture_output=True, text=True, timeout=30)
+    out["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
+except (OSError, subprocess.TimeoutExpired) as err:
+    out["nvidia_smi"] = f"unavailable: {err}"
+print(json.dumps(out))
+"""
+
+KERNELS = r"""
+import json, sys
+from maestro_jax.tools import kernels
+report = kernels.kernel_report(dry_run={dry_run}, device={device!r}, progress=lambda m: print(m, file=sys.stderr, flush=True))
+json.dump(report, open({path!r}, "w"), indent=1)
+"""
+
+
+class Check:
+    """The check's state: where it writes, what it found so far, how it runs a step."""
+
+    def __init__(self, out: Path, dry_run: bool):
+        self.out, self.dry_run = out, dry_run
+        self.report: dict = {"dry_run": dry_run, "env": {}, "verify": [], "bench": [], "compile": {}, "kernels": []}
+        self.failures: list[str] = []
+        self.env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
+        if dry_run:  # the configs' 8 virtual CPU devices (the CLI sets them; the probes here too)
+            self.env["JAX_PLATFORMS"] = "cpu"
+            flags = self.env.get("XLA_FLAGS", "")
+            if "xla_force_host_platform_device_count" not in flags:
+                self.env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+
+    def run(self, name: str, cmd: list[str], timeout: float = STEP_TIMEOUT_S) -> tuple[int, str, float]:
+        """Run `cmd`, its output to `DIR/logs/NAME.log`; (status, output, seconds). A timeout is
+        status 124, as `timeout(1)` reports it."""
+        logs = self.out / "logs"
+        logs.mkdir(exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            # run from DIR, not the source tree: there `maestro_jax` would shadow the installed
+            # package, which alone maps models/ to maestro_jax.models
+            proc = subprocess.run(cmd, cwd=self.out, env=self.env, capture_output=True, text=True, timeout=timeout)
+            status, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as err:
+            status = 124
+            text = f"{err.stdout or ''}{err.stderr or ''}\ntimed out after {timeout} s"
+            text = text if isinstance(text, str) else text.decode(errors="replace")
+        seconds = time.perf_counter() - t0
+        (logs / f"{name}.log").write_text(f"+ {' '.join(cmd)}\n{text}")
+        if status:
+            self.failures.append(f"{name}: status {status} (log: {logs / (name + '.log')})")
+        print(f"[{seconds:6.1f} s] {name}: {'ok' if status == 0 else f'status {status}'}", flush=True)
+        return status, text, seconds
+
+    def save(self) -> None:
+        self.report["failures"] = self.failures
+        (self.out / "gpu_check.json").write_text(json.dumps(self.report, indent=1, default=str))
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def probe_env(self) -> None:
+        status, text, _ = self.run("env", [sys.executable, "-c", ENV_PROBE], timeout=120)
+        if status == 0:
+            self.report["env"] = json.loads(text.strip().splitlines()[-1])
+
+    @staticmethod
+    def _config(config: str):
+        sys.path.insert(0, str(ROOT))
+        from maestro_jax.config import load_config  # JAX-free
+
+        return load_config(ROOT / "configs" / f"{config}.yaml", [])
+
+    def overrides(self, config: str) -> list[str]:
+        """Every section and the monolithic baseline on device 0, each with a one-device mesh; in
+        the dry run, one layer per model and small batches too."""
+        cfg = self._config(config)
+        out = []
+        for s in cfg.sections:
+            out += [f"sections.{s}.devices=0:1", f"sections.{s}.mesh={{data: 1}}"]
+        out += ["monolithic.devices=0:1", "monolithic.mesh={data: 1}", "monolithic.micro_batch=1"]
+        if self.dry_run:
+            out += DRY_RUN + [f"models.{m}.depth=1" for m in cfg.models]
+        return out
+
+    def verify(self, configs, precisions, workers: int) -> None:
+        def one(config: str, precision: str):
+            extra = [f"sections.{s}.precision={precision}" for s in self._config(config).sections]
+            path = self.out / f"verify_{config}_{precision}.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "maestro_jax.cli",
+                "verify",
+                "--config",
+                str(ROOT / "configs" / f"{config}.yaml"),
+            ]
+            cmd += ["--json", str(path), *self.overrides(config), *extra]
+            status, text, seconds = self.run(f"verify_{config}_{precision}", cmd)
+            row = {"config": config, "precision": precision, "status": status, "seconds": round(seconds, 1)}
+            if path.exists():
+                result = json.loads(path.read_text())
+                row.update(passed=result["passed"], tolerance=result["tolerance"], diffs=result["diffs"])
+                row["max_rel"] = max(d["max_rel"] for d in result["diffs"])
+            row["precision_line"] = next((ln for ln in text.splitlines() if ln.startswith("verify: float32")), None)
+            return row
+
+        jobs = [(c, p) for c in configs for p in precisions]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            self.report["verify"] = list(pool.map(lambda job: one(*job), jobs))
+
+    def compile_times(self, config: str) -> None:
+        """`train` twice on one compile cache: the second loads what the first compiled."""
+        cache = self.out / "compile_cache"
+        rows = {}
+        for phase in ("cold", "warm"):
+            cmd = [
+                sys.executable,
+                "-m",
+                "maestro_jax.cli",
+                "train",
+                "--config",
+                str(ROOT / "configs" / f"{config}.yaml"),
+            ]
+            cmd += [*self.overrides(config), "steps=2", f"compile.cache_dir={cache}", "keep_checkpoints=0"]
+            status, text, seconds = self.run(f"train_{config}_{phase}", cmd)
+            found = re.search(r"compiled (\d+) programs in ([\d.]+) s", text)
+            rows[phase] = {
+                "status": status,
+                "seconds": round(seconds, 1),
+                "programs": int(found.group(1)) if found else None,
+                "compile_s": float(found.group(2)) if found else None,
+            }
+        self.report["compile"] = {"config": config, **rows}
+
+    def bench(self, configs) -> None:
+        for config in configs:
+            path = self.out / f"bench_{config}.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "maestro_jax.cli",
+                "bench",
+                "--config",
+                str(ROOT / "configs" / f"{config}.yaml"),
+            ]
+            cmd += [
+                "--json",
+                str(path),
+                "--reps",
+                "1" if self.dry_run else "5",
+                "--batches",
+                "1" if self.dry_run else "2",
+            ]
+            status, _, seconds = self.run(f"bench_{config}", cmd + self.overrides(config))
+            row = {"config": config, "status": status, "seconds": round(seconds, 1)}
+            if path.exists():
+                r = json.loads(path.read_text())
+                keep = ("samples_per_s", "tokens_per_s", "ratios", "host_overhead_fraction", "schedule_fraction")
+                row.update({k: r[k] for k in keep if k in r})
+                row["step_time_s"] = {m: t["median"] for m, t in r.get("step_time_s", {}).items()}
+            self.report["bench"].append(row)
+
+    def kernels(self) -> None:
+        path = self.out / "kernels.json"
+        device = "cpu" if self.dry_run else self._cost_device()
+        code = KERNELS.format(dry_run=self.dry_run, device=device, path=str(path))
+        self.run("kernels", [sys.executable, "-c", code])
+        if path.exists():
+            report = json.loads(path.read_text())
+            self.report["kernels"] = report.pop("kernels", [])
+            self.report["kernel_extras"] = report
+
+    def _cost_device(self) -> str:
+        """The cost model's device (`planning.cost.DEVICES`) for the card found: h200 or h100."""
+        return "h200" if "H200" in str(self.report["env"].get("device_kind", "")) else "h100"
+
+    # -- the summary -----------------------------------------------------------------------
+
+    def summary(self) -> list[str]:
+        env = self.report["env"]
+        lines = [
+            f"device: {env.get('device_count')} x {env.get('device_kind')} ({env.get('backend')}), "
+            f"jax {env.get('packages', {}).get('jax')}, cuDNN {env.get('cudnn')}, driver/smi: {env.get('nvidia_smi')}"
+        ]
+        for v in self.report["verify"]:
+            verdict = "PASS" if v.get("passed") else f"FAIL (status {v['status']})"
+            rel = f"max rel {v['max_rel']:.2e} (tolerance {v['tolerance']:g})" if "max_rel" in v else "no result"
+            lines.append(f"verify {v['config']} {v['precision']}: {verdict}, {rel}, {v['seconds']} s")
+        c = self.report["compile"]
+        if c:
+            lines.append(
+                f"compile {c['config']}: cold {c['cold']['programs']} programs in {c['cold']['compile_s']} s, "
+                f"warm {c['warm']['programs']} in {c['warm']['compile_s']} s"
+            )
+        for b in self.report["bench"]:
+            ratios = ", ".join(f"{k} {v:.3f}" for k, v in b.get("ratios", {}).items()) or f"status {b['status']}"
+            lines.append(f"bench {b['config']}: {ratios}")
+        rows = [k for k in self.report["kernels"] if k.get("measured_s") and k.get("predicted_s")]
+        if rows:
+            errs = [abs(math.log(k["predicted_s"] / k["measured_s"])) for k in rows]
+            lines.append(
+                f"kernels: {len(rows)} rows, cost model |log(predicted/measured)| median {statistics.median(errs):.2f}, "
+                f"max {max(errs):.2f} (calibrate: python scripts/calibrate_gpu.py {self.out}/gpu_check.json)"
+            )
+        lines += [f"FAILED {f}" for f in self.failures]
+        lines.append("gpu check: " + ("ok" if not self.failures else f"{len(self.failures)} step(s) failed"))
+        return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="everything is written under this folder")
+    ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, small")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="tiny configs to verify (comma-separated)")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS), help="verify's precisions (comma-separated)")
+    ap.add_argument("--bench-configs", default=",".join(BENCH_CONFIGS), help="tiny configs to bench")
+    ap.add_argument("--workers", type=int, default=8, help="verify processes side by side")
+    args = ap.parse_args(argv)
+    configs, benches = args.configs.split(","), [c for c in args.bench_configs.split(",") if c]
+    precisions = args.precisions.split(",")
+    for p in precisions:
+        if p not in PRECISIONS:
+            print(f"error: --precisions: {p!r} is not a precision; valid: {', '.join(PRECISIONS)}", file=sys.stderr)
+            return 2
+    for name in configs + benches:
+        if name not in CONFIGS:
+            print(f"error: --configs: {name!r} is not a tiny config; valid: {', '.join(CONFIGS)}", file=sys.stderr)
+            return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.dry_run)
+    steps = [
+        check.probe_env,
+        lambda: check.verify(configs, precisions, args.workers),
+        lambda: check.compile_times(configs[0]),
+        lambda: check.bench(benches),
+        check.kernels,
+    ]
+    for step in steps:
+        step()
+        check.save()
+    check.report["summary"] = check.summary()
+    check.save()
+    print(f"=== summary ({out / 'gpu_check.json'})")
+    print("\n".join(check.report["summary"]))
+    return 1 if check.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""scripts/gpu_check.sh keeps working between GPU windows: its dry run (the same steps on the
+CPU) exits 0 and writes gpu_check.json with every section the GPU run fills, and its refusals are
+one line with status 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+def _check(tmp_path, *args, timeout=1200):
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_section(tmp_path):
+    out = tmp_path / "gc"
+    # one config (the script's loop over configs is the same for each), both precisions
+    proc = _check(tmp_path, "--dry-run", "--out", str(out), "--configs", "kd_tiny", "--bench-configs", "kd_tiny")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert {"env", "verify", "bench", "kernels", "summary"} <= set(report)
+    assert report["env"]["backend"] == "cpu" and report["env"]["device_count"] == 8
+    assert [(v["config"], v["precision"], v["passed"]) for v in report["verify"]] == [
+        ("kd_tiny", "float32", True),
+        ("kd_tiny", "bfloat16", True),
+    ]
+    assert report["verify"][0]["tolerance"] == 1e-5 and report["verify"][1]["tolerance"] == 2e-2
+    assert report["bench"][0]["ratios"]["wavefront_vs_monolithic"] > 0
+    compile_ = report["compile"]
+    assert compile_["cold"]["programs"] == compile_["warm"]["programs"] > 0
+    kernels = report["kernels"]
+    assert kernels and all(k["predicted_s"] > 0 and k["measured_s"] > 0 for k in kernels)
+    assert {k["kernel"] for k in kernels} >= {"decoder", "decoder_moe", "vit", "attention"}
+    assert {k["pass"] for k in kernels} == {"forward", "forward_backward"}
+    assert report["summary"][-1] == "gpu check: ok"
+    assert proc.stdout.rstrip().endswith("gpu check: ok")  # the summary is printed last
+
+
+def test_refusals_are_one_line(tmp_path):
+    for args, field in [
+        ((), "--out"),
+        (("--out", str(tmp_path / "o"), "--configs", "nope"), "--configs"),
+        (("--out", str(tmp_path / "o"), "--wheels", str(tmp_path)), "--wheels"),
+    ]:
+        proc = _check(tmp_path, *args, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), proc.stderr
