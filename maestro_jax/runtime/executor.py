@@ -1,9 +1,14 @@
 """Executor: walks a schedule's operations, dispatching each section program asynchronously.
 
-The host only enqueues work. It blocks in exactly two places: when a trained producer has
-more micro-steps stashed than the in-flight bound allows (to cap activation memory; counted
-in `StepResult.in_flight_waits`, and never taken under a wavefront schedule, which keeps the
-bound), and at the end of the step, to read the loss.
+The host only enqueues work. On accelerators, in one process, it issues in the order
+`schedule.dispatch_order` gives: the schedule's, except that a section whose devices already
+hold `launch_window` queued programs is passed by later ops of other sections (XLA blocks the
+host at its own per-device queue bound, which would stall every section behind that one);
+elsewhere in the schedule's order. It waits in three places: when every op left is behind a
+full queue (counted in `StepResult.launch_waits`), when a trained producer has more micro-steps
+stashed than the in-flight bound allows (to cap activation memory; counted in
+`StepResult.in_flight_waits`, and never taken under a wavefront schedule, which keeps the bound),
+and when a caller reads the step's loss.
 
 Every device computation a step issues is a section program from its section's cache of
 compiled executables (`runtime.programs`), the sums of losses, metrics and cotangents included,
@@ -13,6 +18,7 @@ abstract values and compiles instead of running (`runtime.ahead`, `Runtime.compi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -25,6 +31,12 @@ from maestro_jax.core.graph import SectionGraph
 from maestro_jax.runtime.programs import SectionPrograms, SectionState, active_planner
 from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
+from maestro_jax.schedule.dispatch import dispatch_order
+
+# Programs queued per device before the executor lets other sections' ops pass: half of what XLA's
+# GPU client queues before it blocks the host (32, xla/pjrt/pjrt_stream_executor_client.cc), so
+# the transfers' cut and join programs and co-located sections still find room.
+LAUNCH_WINDOW = 16
 
 
 @dataclasses.dataclass
@@ -46,6 +58,7 @@ class _StepState:
     in_flight_waits: int = 0
     in_flight_wait_s: float = 0.0
     transfer_issue_s: float = 0.0
+    launch_waits: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +77,7 @@ class StepResult:
     in_flight_waits: int = 0  # times the host waited for a stashed forward (the in-flight bound)
     in_flight_wait_s: float = 0.0  # and for how long
     transfer_issue_s: float = 0.0  # host time spent issuing transfers between sections
+    launch_waits: int = 0  # times every op left was behind a full launch queue (`launch_window`)
 
 
 class Executor:
@@ -86,6 +100,12 @@ class Executor:
             for e in problem.edges
         }
         self.compiled_transfers: set = set()  # keys of the cut and join programs compiled ahead
+        # None: the schedule's order as it is. On CPU (no such queue bound) and across processes
+        # (each process must issue collective programs in the same order, and readiness is local)
+        cpu = next(iter(programs.values())).mesh.devices.flat[0].platform == "cpu" if programs else True
+        self.launch_window: int | None = None if cpu or jax.process_count() > 1 else LAUNCH_WINDOW
+        # a section's launch queue is its devices' (co-located sections share one)
+        self.lanes = {s: tuple(sorted(d.id for d in prog.mesh.devices.flat)) for s, prog in programs.items()}
 
     def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
         """Numpy inputs of every micro-step (host work, done before any dispatch)."""
@@ -167,6 +187,7 @@ class Executor:
             in_flight_waits=ctx.in_flight_waits,
             in_flight_wait_s=ctx.in_flight_wait_s,
             transfer_issue_s=ctx.transfer_issue_s,
+            launch_waits=ctx.launch_waits,
         )
 
     def _move(self, x, dst, row_map=None):
@@ -211,6 +232,9 @@ class Executor:
         if ahead is not None:
             ctx.moved.update(ahead.moved)
         ops = schedule.ops if ahead is None else [op for op in schedule.ops if not self.problem.is_ahead(op)]
+        if record is None and active_planner() is None and self.launch_window is not None:
+            self._issue(ops, ctx)
+            return self._finish(ctx)
         t_origin = time.perf_counter()
         for op in ops:
             t_op = time.perf_counter()
@@ -221,6 +245,45 @@ class Executor:
                 jax.block_until_ready(produced)
                 record.append((op, t_op - t_origin, time.perf_counter() - t_origin, t_dispatched - t_op))
         return self._finish(ctx)
+
+    def _lane(self, op: Op):
+        return self.lanes[self.graph.edge(op.edge).dst if op.kind == "XB" else op.section]
+
+    def _issue(self, ops: Sequence[Op], ctx: _StepState) -> None:
+        """Issue `ops` in `dispatch_order`, each lane's queue tracked by one output of every op
+        issued on it (gone once ready, or once donated to a later program of the lane). Besides
+        the schedule's dependencies, a backward goes after every transfer of its forward's
+        outputs (it releases them)."""
+        deps = required_ops(ctx.schedule, self.problem)
+        sends = collections.defaultdict(list)
+        for op in ops:
+            if op.kind == "X":
+                sends[(op.section, op.step)].append(op)
+        listed = set(ops)  # a dependency issued before (ahead work) is not waited for
+        deps = {
+            op: [
+                d for d in (*deps.get(op, ()), *(sends[(op.section, op.step)] if op.kind == "B" else ())) if d in listed
+            ]
+            for op in ops
+        }
+        queues: dict = collections.defaultdict(collections.deque)
+
+        def full(lane) -> bool:
+            q = queues[lane]
+            while q and (q[0].is_deleted() or q[0].is_ready()):
+                q.popleft()
+            return len(q) >= self.launch_window
+
+        def wait(lane) -> None:
+            ctx.launch_waits += 1
+            oldest = queues[lane].popleft()
+            if not oldest.is_deleted():
+                oldest.block_until_ready()
+
+        for op in dispatch_order(ops, deps, self._lane, full, wait):
+            leaves = jax.tree.leaves(self._execute(op, ctx))
+            if leaves:
+                queues[self._lane(op)].append(leaves[0])
 
     def evaluate(
         self,
