@@ -78,8 +78,10 @@ print(json.dumps(out))
 
 KERNELS = r"""
 import json, sys
+import jax
 from maestro_jax.tools import kernels
-report = kernels.kernel_report(dry_run={dry_run}, device={device!r}, progress=lambda m: print(m, file=sys.stderr, flush=True))
+device = "cpu" if {dry_run} else kernels.device_key(jax.devices()[0].device_kind)
+report = kernels.kernel_report(dry_run={dry_run}, device=device, progress=lambda m: print(m, file=sys.stderr, flush=True))
 json.dump(report, open({path!r}, "w"), indent=1)
 """
 
@@ -230,17 +232,12 @@ class Check:
 
     def kernels(self) -> None:
         path = self.out / "kernels.json"
-        device = "cpu" if self.dry_run else self._cost_device()
-        code = KERNELS.format(dry_run=self.dry_run, device=device, path=str(path))
+        code = KERNELS.format(dry_run=self.dry_run, path=str(path))
         self.run("kernels", [sys.executable, "-c", code])
         if path.exists():
             report = json.loads(path.read_text())
             self.report["kernels"] = report.pop("kernels", [])
-            self.report["kernel_extras"] = report
-
-    def _cost_device(self) -> str:
-        """The cost model's device (`planning.cost.DEVICES`) for the card found: h200 or h100."""
-        return "h200" if "H200" in str(self.report["env"].get("device_kind", "")) else "h100"
+            self.report["kernel_checks"] = report  # skipped shapes, memory, cuDNN vs XLA attention
 
     # -- the summary -----------------------------------------------------------------------
 
@@ -270,6 +267,25 @@ class Check:
                 f"kernels: {len(rows)} rows, cost model |log(predicted/measured)| median {statistics.median(errs):.2f}, "
                 f"max {max(errs):.2f} (calibrate: python scripts/calibrate_gpu.py {self.out}/gpu_check.json)"
             )
+        checks = self.report.get("kernel_checks", {})
+        attn = {}
+        for a in checks.get("attention_implementations", []):
+            if a.get("available") and a.get("measured_s"):
+                attn.setdefault((a["shape"], a["mask"], a["pass"]), {})[a["implementation"]] = a["measured_s"]
+        pairs = [(k, v["xla"] / v["cudnn"]) for k, v in attn.items() if {"xla", "cudnn"} <= set(v)]
+        lines.append(
+            "attention cuDNN vs XLA: " + ", ".join(f"{'/'.join(k)} {x:.2f}x" for k, x in pairs)
+            if pairs
+            else "attention cuDNN vs XLA: cuDNN unavailable on this backend"
+        )
+        mem = [m for m in checks.get("memory", []) if m.get("measured_peak_bytes")]
+        if mem:
+            ratios = [m["measured_peak_bytes"] / m["compiled_bytes"] for m in mem]
+            lines.append(f"memory measured/compiled: {min(ratios):.2f}-{max(ratios):.2f} over {len(mem)} programs")
+        else:
+            lines.append("memory measured/compiled: no measured peak on this backend")
+        if checks.get("skipped"):
+            lines.append(f"kernels skipped: {len(checks['skipped'])} shapes (see kernel_checks.skipped)")
         lines += [f"FAILED {f}" for f in self.failures]
         lines.append("gpu check: " + ("ok" if not self.failures else f"{len(self.failures)} step(s) failed"))
         return lines
