@@ -13,14 +13,34 @@ import importlib.metadata
 import os
 from collections.abc import Mapping, MutableMapping
 
+# Sources: [tips] jax docs, "GPU performance tips" (jax-ml/jax docs/gpu_performance_tips.md);
+# [maxtext] AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/1vm.sh, the XLA_FLAGS of its
+# H100 recipes; [toolbox] NVIDIA/JAX-Toolbox rosetta/docs/GPU_performance.md. Each name was checked
+# to exist in jaxlib 0.10.2 and in jaxlib 0.11.2 with jax-cuda13-plugin 0.11.2 (an unknown flag
+# aborts XLA at start-up; several flags those scripts still set, such as
+# xla_gpu_enable_async_all_gather or xla_gpu_graph_level, no longer exist);
+# tests/test_gpu_paths.py starts the installed XLA with all of them.
 GPU_FLAGS: Mapping[str, str] = {
-    # XLA's latency-hiding scheduler orders the program so asynchronous collectives (fsdp
-    # all-gathers, gradient reduce-scatters, transfers) run beside independent compute instead
-    # of where they were traced. jax docs, "GPU performance tips" (docs/gpu_performance_tips.md:
-    # "--xla_gpu_enable_latency_hiding_scheduler This flag enables latency hiding schedulers to
-    # overlap asynchronous communication with computation efficiently. The default value is
-    # False."); MaxText's GPU recipes and Levanter's docs set it too.
+    # order the program so asynchronous collectives (fsdp all-gathers, gradient reduce-scatters)
+    # run beside independent compute; off by default [tips, maxtext]
     "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # the collectives' stream at the highest priority, so compute does not starve it [maxtext]
+    "xla_gpu_enable_highest_priority_async_stream": "true",
+    # start a scanned layer's all-gather / reduce-scatter / all-reduce one iteration early, so
+    # it overlaps the previous layer's compute [toolbox, maxtext]; the names jax 0.11 still
+    # accepts (its new xla_gpu_pipeline_* names do not exist in 0.10)
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    # double-buffer scan loops so the next layer's collective has a buffer to land in [toolbox]
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+    # combine small collectives into large ones (one layer's weights gathered at once) [tips,
+    # maxtext: 128 MiB, 128 MiB, 64 MiB], whatever their dimension [maxtext]
+    "xla_gpu_all_reduce_combine_threshold_bytes": str(128 << 20),
+    "xla_gpu_all_gather_combine_threshold_bytes": str(128 << 20),
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 << 20),
+    "xla_gpu_enable_all_gather_combine_by_dim": "false",
+    "xla_gpu_enable_reduce_scatter_combine_by_dim": "false",
 }
 
 CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
