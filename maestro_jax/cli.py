@@ -211,7 +211,7 @@ def _plan(cfg, args) -> int:
         return 2
     if args.measure:
         _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
-    from maestro_jax.planning.planner import InfeasibleError, format_table
+    from maestro_jax.planning.planner import InfeasibleError, format_table, layer_remat_text
     from maestro_jax.tools.plan import PLANNING_BATCHES, planner_for, write_plan
     from maestro_jax.tools.simulate import mesh_text
 
@@ -236,7 +236,7 @@ def _plan(cfg, args) -> int:
     if mono:
         print(
             f"monolithic best layout: mesh {mesh_text(mono['mesh'])}, micro_batch {mono['micro_batch']}, "
-            f"layer_remat {mono['layer_remat']}: predicted {mono['step_time_s']:.4g} s/step; planned maestro: "
+            f"layer_remat {layer_remat_text(mono['layer_remat'])}: predicted {mono['step_time_s']:.4g} s/step; planned maestro: "
             f"{best.step_time_s:.4g} s/step ({mono['step_time_s'] / best.step_time_s:.3f}x)"
         )
     else:
@@ -369,7 +369,7 @@ COMMANDS: dict[str, Command] = {
     "verify": Command(
         "maestro vs monolithic on one batch: loss, gradients, updated parameters",
         _verify,
-        (opt("--json", metavar="FILE", help="also write the differences and the verdict here (default: not written)"),),
+        (JSON,),
     ),
     "eval": Command(
         "held-out loss (the eval block) of a checkpoint in output_dir",

@@ -147,7 +147,8 @@ def short_mono(mono: dict | None) -> str:
     if not mono:
         return "-"
     mesh = " ".join(f"{a[0]}{n}" for a, n in mono["mesh"].items() if n > 1) or "d1"
-    return f"{mesh} mb{mono['micro_batch']}" + ("" if mono["layer_remat"] == "none" else f" {mono['layer_remat']}")
+    remat = " ".join(f"{s}:{r}" for s, r in mono["layer_remat"].items() if r != "none")
+    return f"{mesh} mb{mono['micro_batch']}" + (f" {remat}" if remat else "")
 
 
 def shape(planner: Planner) -> dict:

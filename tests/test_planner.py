@@ -390,3 +390,19 @@ def test_recomputation_is_priced():
     assert cost[("vjp", "dots", False)].backward_factor == pytest.approx(base + 100 / 400)  # attention share
     assert cost[("vjp", "full", True)].sink_factor == cost[("vjp", "none", True)].sink_factor + 1
     assert cost[("remat", "none", True)].sink_factor == cost[("vjp", "none", True)].sink_factor  # no stash at the sink
+
+
+def test_monolithic_checkpoints_each_section_its_own_way():
+    """The fair monolithic baseline chooses activation checkpointing per trained section (one
+    program can checkpoint its ViT and not its LLM): never slower than the best single policy
+    for all, frozen sections never checkpointed, and where memory is tight it mixes policies."""
+    config = load_config(ROOT / "configs/vlm_paper_scale.yaml", [])
+    p = planner_for(config, 64, 80.0)
+    best = p.monolithic_best()
+    assert set(best["layer_remat"]) == set(p.spec.sections)
+    assert all(r == "none" for s, r in best["layer_remat"].items() if not p.spec.sections[s].trained)
+    uniform = [planner_for(config, 64, 80.0, layer_remat=(r,)).monolithic_best() for r in ("none", "dots", "full")]
+    fastest = min(u["step_time_s"] for u in uniform if u is not None)
+    assert best["step_time_s"] <= fastest * (1 + 1e-12)
+    trained = [r for s, r in best["layer_remat"].items() if p.spec.sections[s].trained]
+    assert len(set(trained)) > 1, best["layer_remat"]  # the ViT and the LLM checkpoint differently

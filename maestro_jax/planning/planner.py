@@ -840,9 +840,7 @@ class Planner:
             return None
         sp = SectionPlan(tuple(range(self.devices)), mesh_shape(**monolithic["mesh"]), monolithic["micro_batch"])
         sections = {
-            s: dataclasses.replace(
-                sp, precision=sec.precision, layer_remat=monolithic["layer_remat"] if sec.trained else "none"
-            )
+            s: dataclasses.replace(sp, precision=sec.precision, layer_remat=monolithic["layer_remat"][s])
             for s, sec in self.spec.sections.items()
         }
         plan = Plan(sections, {e.name: 1 for e in self.spec.edges}, self.global_batch)
@@ -952,7 +950,13 @@ class Planner:
         """The monolithic baseline's best layout, micro-batch and per-layer activation
         checkpointing on the same devices (every section's state on every device, the smallest
         fsdp that fits), with each section's own precision, and the same context and expert
-        parallelism choices as the sections get, applied to all of it at once."""
+        parallelism choices as the sections get, applied to all of it at once.
+
+        Activation checkpointing is chosen per trained section (`layer_remat`: section -> policy,
+        "none" for frozen ones): one program can checkpoint its ViT blocks and not its LLM
+        blocks, as `jax.checkpoint` wraps each block kind with its own policy (MaxText's
+        per-decoder-layer `remat_policy`), so the fair baseline gets the same freedom the
+        sections get."""
         best, gb = None, self.global_batch
         every = SectionSpec(
             "all",
@@ -960,10 +964,12 @@ class Planner:
             tuple(p for sec in self.spec.sections.values() for p in sec.leaves),
             UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())),
         )
+        trained = [s for s in self.spec.order if self.spec.sections[s].trained]
         for tensor, context, expert in self._axes(every, self.devices):
             dp = self.devices // (tensor * context)
             for mb in _micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
-                for remat in self.layer_remat:  # one activation-checkpointing choice for all, as Megatron's
+                for remats in itertools.product(self.layer_remat, repeat=len(trained)):
+                    remat = dict.fromkeys(self.spec.order, "none") | dict(zip(trained, remats))
                     for fsdp in _divisors(dp // expert):
                         sp = SectionPlan(
                             tuple(range(self.devices)),
@@ -976,9 +982,7 @@ class Planner:
                         if None in weights.values():
                             continue
                         plans = {
-                            s: dataclasses.replace(
-                                sp, precision=sec.precision, layer_remat=remat if sec.trained else "none"
-                            )
+                            s: dataclasses.replace(sp, precision=sec.precision, layer_remat=remat[s])
                             for s, sec in self.spec.sections.items()
                         }
                         # one program per micro-batch: each trained producer keeps one forward's
@@ -1071,6 +1075,14 @@ def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
             ):
                 out.append((sections, edges, False, frozenset(back), s))
     return out
+
+
+def layer_remat_text(remat: str | dict[str, str]) -> str:
+    """A monolithic layout's activation checkpointing for a line of text: one policy, or each
+    section's (`Planner.monolithic_best` chooses per section)."""
+    if isinstance(remat, str):
+        return remat
+    return ", ".join(f"{s} {r}" for s, r in remat.items())
 
 
 def _finite(x: float) -> float:

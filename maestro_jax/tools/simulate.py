@@ -13,14 +13,15 @@ from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check
 from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.pipeline import pipelined_best
-from maestro_jax.planning.planner import Planner
+from maestro_jax.planning.planner import Planner, layer_remat_text
 
 
-def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, str]:
+def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, dict[str, str] | None, str]:
     """The monolithic layout to compare with, on as many devices as the plan uses: the fastest
     that fits the memory budget (`device_memory_gb`, else the device's own), as `plan` finds it,
-    so that maestro is never measured against a layout no one would run. Without a budget (a CPU
-    device) the config's `monolithic` section, as written."""
+    so that maestro is never measured against a layout no one would run, with its activation
+    checkpointing per section. Without a budget (a CPU device) the config's `monolithic`
+    section, as written (one policy for every trained section: None)."""
     n = len({d for sp in plan.sections.values() for d in sp.devices})
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is not None:
@@ -34,10 +35,9 @@ def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, st
             link_gbps=cfg.simulate.link_gbps,
         ).monolithic_best()
         if best is not None:
-            return SectionPlan(
-                tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"], layer_remat=best["layer_remat"]
-            ), f"fastest that fits {memory_gb:g} GB"
-    return cfg.monolithic_plan(), "config"
+            sp = SectionPlan(tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"])
+            return sp, best["layer_remat"], f"fastest that fits {memory_gb:g} GB"
+    return cfg.monolithic_plan(), None, "config"
 
 
 def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
@@ -70,12 +70,13 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
     check_meshes(plan)
     check_fanout(plan, spec.edges)
     metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
-    mono_sp, baseline = monolithic_baseline(cfg, spec, plan, metas)
+    mono_sp, mono_remat, baseline = monolithic_baseline(cfg, spec, plan, metas)
     report, timeline = simulate_plan(
         spec,
         plan,
         mono_sp,
         metas,
+        mono_remat=mono_remat,
         device=cfg.simulate.device,
         link_gbps=cfg.simulate.link_gbps,
         max_in_flight=cfg.schedule.max_in_flight,
@@ -84,7 +85,7 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
     report["monolithic_layout"] = {
         "mesh": dict(mono_sp.axis_sizes),
         "micro_batch": mono_sp.micro_batch,
-        "layer_remat": mono_sp.layer_remat,
+        "layer_remat": mono_remat or mono_sp.layer_remat,
         "chosen": baseline,
     }
     report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
@@ -172,7 +173,7 @@ def format_report(r: dict) -> str:
     lay = r["monolithic_layout"]
     lines.append(
         f"monolithic layout ({lay['chosen']}): mesh {mesh_text(lay['mesh'])}, micro_batch "
-        f"{lay['micro_batch']}, layer_remat {lay['layer_remat']}"
+        f"{lay['micro_batch']}, layer_remat {layer_remat_text(lay['layer_remat'])}"
     )
     if pipe:
         lines.append(f"pipelined (1F1B) layout: {pipelined_layout(pipe)}")
