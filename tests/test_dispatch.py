@@ -4,6 +4,7 @@ goes before what it reads, and the step computes exactly what the schedule order
 
 import jax
 import numpy as np
+import pytest
 from conftest import ROOT, TINY_VLM
 
 from maestro_jax.config import load_config
@@ -46,6 +47,7 @@ def test_no_full_lane_keeps_the_schedule_order():
     assert _issue(ops, {}, {"a": 99, "b": 99}) == ops
 
 
+@pytest.mark.slow
 def test_executor_with_a_tiny_launch_window_computes_the_same_step():
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM)
     rt = build_runtime(cfg)

@@ -88,6 +88,7 @@ def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 def test_donated_update_reuses_the_state_and_trains_the_same():
     """With `compile.donate=true` (what accelerators do by default) the update program aliases the
     section's params and optimizer state into its outputs: compiled memory shows the aliased bytes,
