@@ -395,14 +395,18 @@ def test_recomputation_is_priced():
 def test_monolithic_checkpoints_each_section_its_own_way():
     """The fair monolithic baseline chooses activation checkpointing per trained section (one
     program can checkpoint its ViT and not its LLM): never slower than the best single policy
-    for all, frozen sections never checkpointed, and where memory is tight it mixes policies."""
-    config = load_config(ROOT / "configs/vlm_paper_scale.yaml", [])
-    p = planner_for(config, 64, 80.0)
+    for all, frozen sections never checkpointed, and where memory is tight (the paper VLM on 16
+    devices of 80 GB) it mixes policies and beats every single one."""
+    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml", []), 16, 80.0)
     best = p.monolithic_best()
     assert set(best["layer_remat"]) == set(p.spec.sections)
     assert all(r == "none" for s, r in best["layer_remat"].items() if not p.spec.sections[s].trained)
-    uniform = [planner_for(config, 64, 80.0, layer_remat=(r,)).monolithic_best() for r in ("none", "dots", "full")]
+    uniform = []
+    for policy in p.layer_remat:
+        one = p._with(p.devices)
+        one.layer_remat = (policy,)  # one policy for every section: the baseline as it was
+        uniform.append(one.monolithic_best())
     fastest = min(u["step_time_s"] for u in uniform if u is not None)
-    assert best["step_time_s"] <= fastest * (1 + 1e-12)
+    assert best["step_time_s"] < fastest
     trained = [r for s, r in best["layer_remat"].items() if p.spec.sections[s].trained]
     assert len(set(trained)) > 1, best["layer_remat"]  # the ViT and the LLM checkpoint differently
