@@ -225,7 +225,7 @@ class Check:
             row = {"config": config, "status": status, "seconds": round(seconds, 1)}
             if path.exists():
                 r = json.loads(path.read_text())
-                keep = ("samples_per_s", "tokens_per_s", "ratios", "host_overhead_fraction", "schedule_fraction")
+                keep = ("samples_per_s", "tokens_per_s", "ratios", "host_overhead_fraction", "host_time_s")
                 row.update({k: r[k] for k in keep if k in r})
                 row["step_time_s"] = {m: t["median"] for m, t in r.get("step_time_s", {}).items()}
             self.report["bench"].append(row)
@@ -259,6 +259,12 @@ class Check:
             )
         for b in self.report["bench"]:
             ratios = ", ".join(f"{k} {v:.3f}" for k, v in b.get("ratios", {}).items()) or f"status {b['status']}"
+            host = b.get("host_time_s", {}).get("wavefront")
+            if host:
+                ratios += (
+                    f"; wavefront host per step: schedule {host['schedule'] * 1e3:.1f} ms, dispatch "
+                    f"{host['dispatch'] * 1e3:.1f} ms, blocked {host['blocked'] * 1e3:.1f} ms"
+                )
             lines.append(f"bench {b['config']}: {ratios}")
         rows = [k for k in self.report["kernels"] if k.get("measured_s") and k.get("predicted_s")]
         if rows:

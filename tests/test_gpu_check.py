@@ -37,6 +37,8 @@ def test_dry_run_writes_every_section(tmp_path):
     assert [(v["config"], v["precision"], v["passed"]) for v in report["verify"]] == [("kd_tiny", "bfloat16", True)]
     assert report["verify"][0]["tolerance"] == 2e-2
     assert report["bench"][0]["ratios"]["wavefront_vs_monolithic"] > 0
+    host = report["bench"][0]["host_time_s"]["wavefront"]
+    assert host["schedule"] > 0 and host["dispatch"] > 0 and host["blocked"] >= -1e-6
     compile_ = report["compile"]
     assert compile_["cold"]["programs"] == compile_["warm"]["programs"] > 0
     kernels = report["kernels"]

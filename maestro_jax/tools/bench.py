@@ -148,6 +148,18 @@ def bench(
             m: statistics.median([a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])])
             for m in ("naive", "wavefront")
         },
+        # per step, medians: scheduling, issuing every program (dispatch), and the host blocked
+        # waiting for the devices at the end of the step (the rest of the step's time)
+        "host_time_s": {
+            m: {
+                "schedule": statistics.median(stats[m]["schedule_s"]),
+                "dispatch": statistics.median(stats[m]["dispatch_s"]),
+                "blocked": statistics.median(
+                    [c - a - b for a, b, c in zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"])]
+                ),
+            }
+            for m in ("naive", "wavefront")
+        },
     }
     if any(s.items for b in batches for s in b):
         report["efficiency_vs_text_only"] = _text_only_efficiency(batches, per_rep, reps, maestro_step, mono_step, say)
