@@ -281,9 +281,9 @@ class Executor:
                 oldest.block_until_ready()
 
         for op in dispatch_order(ops, deps, self._lane, full, wait):
-            leaves = jax.tree.leaves(self._execute(op, ctx))
-            if leaves:
-                queues[self._lane(op)].append(leaves[0])
+            marker = _first_array(self._execute(op, ctx))
+            if marker is not None:
+                queues[self._lane(op)].append(marker)
 
     def evaluate(
         self,
@@ -477,3 +477,19 @@ class Executor:
             here = tuple(self._move(norms_sq[t], prog.replicated) for t in sorted(grads)) if clipped else ()
             new[s] = prog.update(states[s], gr, here)
         return new
+
+
+def _first_array(tree):
+    """One array an op produced, found without flattening the whole tree (a backward returns the
+    section's gradient accumulator: every parameter); None if it produced none."""
+    if isinstance(tree, jax.Array):
+        return tree
+    children = tree.values() if isinstance(tree, Mapping) else tree if isinstance(tree, (tuple, list)) else None
+    if children is None:
+        leaves = jax.tree.leaves(tree)  # another pytree node: flatten it
+        return leaves[0] if leaves else None
+    for child in children:
+        found = _first_array(child)
+        if found is not None:
+            return found
+    return None
