@@ -187,7 +187,7 @@ def _export(cfg, args) -> int:
         print(_error_line(err), file=sys.stderr)
         return 2
     rt = build_runtime(cfg)
-    states, step = rt.init_states(), 0
+    states, step = rt.whole_states(rt.init_states()), 0  # a section in pipeline stages whole
     if cfg.output_dir:
         with reading_checkpoints(cfg) as ckpt:
             restored = ckpt.restore_latest(states)
@@ -208,6 +208,14 @@ def _plan(cfg, args) -> int:
         return 2
     if not 0 <= args.tolerance < 1:
         print(f"error: --tolerance={args.tolerance}: must be in [0, 1)", file=sys.stderr)
+        return 2
+    staged = next(((n, sc.stages) for n, sc in cfg.sections.items() if sc.stages > 1), None)
+    if staged:
+        print(
+            f"error: sections.{staged[0]}.stages={staged[1]}: plan does not search pipeline stages yet; valid: "
+            f"plan the config with stages: 1 (verify, train and simulate run stages)",
+            file=sys.stderr,
+        )
         return 2
     if args.measure:
         _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
@@ -307,7 +315,7 @@ def _write_json(path: str | None, report: dict) -> None:
 
 def _bench(cfg, args) -> int:
     from maestro_jax import workloads
-    from maestro_jax.tools.bench import MODES, bench
+    from maestro_jax.tools.bench import MODES, bench, stageable
 
     if args.pack is not None:
         packs = [s.name for s in workloads.build_graph(cfg).sections if s.packed_batch is not None]
@@ -317,6 +325,16 @@ def _bench(cfg, args) -> int:
                 f"error: --pack={args.pack}: {what}; valid: an integer >= 2 on vlm, omni, vlm_kd or kd", file=sys.stderr
             )
             return 2
+    if args.stages is not None:
+        staged = stageable(cfg, workloads.build_graph(cfg), args.stages)
+        if args.stages < 2 or not staged:
+            what = "must be 2 or more" if args.stages < 2 else "no section splits into that many stages here"
+            print(
+                f"error: --stages={args.stages}: {what}; valid: an integer >= 2 that divides the mesh's data axis of "
+                f"a section that splits (the LLM of vlm, omni, vlm_kd; teacher and student of kd, vlm_kd)",
+                file=sys.stderr,
+            )
+            return 2
     r = bench(
         cfg,
         reps=args.reps,
@@ -324,6 +342,7 @@ def _bench(cfg, args) -> int:
         trace_dir=args.trace,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         pack=args.pack,
+        stages=args.stages,
     )
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
     for m in MODES:
@@ -355,6 +374,13 @@ def _bench(cfg, args) -> int:
             f"{p['tokens_per_s']['packed']:.1f} vs unpacked {p['tokens_per_s']['unpacked']:.1f} "
             f"({p['packed_vs_unpacked']:.3f}x); rows filled {p['row_fill']['packed']:.1%} vs "
             f"{p['row_fill']['unpacked']:.1%}"
+        )
+    if "stages" in r:
+        p = r["stages"]
+        print(
+            f"pipeline stages ({', '.join(p['sections'])} stages={p['stages']}, {p['scheduler']}): tokens/s staged "
+            f"{p['tokens_per_s']['staged']:.1f} vs unstaged {p['tokens_per_s']['unstaged']:.1f} "
+            f"({p['staged_vs_unstaged']:.3f}x)"
         )
     _write_json(args.json, r)
     return 0
@@ -388,6 +414,13 @@ COMMANDS: dict[str, Command] = {
                 metavar="P",
                 help="also time sequence packing: every section that packs at pack=P vs the config's own "
                 "(default: not timed)",
+            ),
+            opt(
+                "--stages",
+                type=int,
+                metavar="K",
+                help="also time pipeline stages: every section that splits (and whose mesh's data axis K divides) "
+                "in K stages vs the config's plan (default: not timed)",
             ),
             JSON,
             opt(

@@ -7,6 +7,7 @@ turns its report into one line naming the key, the value and what would be valid
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from maestro_jax.core.plan import Plan, SectionPlan
+from maestro_jax.core.stages import stage_name
 from maestro_jax.meshes import MESH_AXES
 
 
@@ -101,6 +103,56 @@ class SectionConfig(_Frozen):
     # into rows by length, attention kept within each sample); 1: one sample per row. Sections that pack:
     # the LLM of vlm/omni/vlm_kd, teachers and students of kd/vlm_kd (`runtime.build.check_packing`)
     pack: PositiveInt = 1
+    # pipeline stages: K programs, stage i on the i-th consecutive K-th of `devices`, each running
+    # `mesh` with its data axis divided by K (`core.stages`), each a consecutive run of the layers.
+    # Sections that split: the LLM of vlm/omni/vlm_kd, teachers and students of kd/vlm_kd; with
+    # unrolled layers (scan_layers: false), not yet with pack or init
+    stages: PositiveInt = 1
+
+    @pydantic.field_validator("stages")
+    @classmethod
+    def _stages_fit(cls, stages: int, info):
+        if stages == 1 or "mesh" not in info.data or "devices" not in info.data:
+            return stages
+        mesh, devices = info.data["mesh"], info.data["devices"]
+        size = math.prod(mesh.shape)
+        if size != len(devices):
+            raise ValueError(
+                f"the mesh's axes multiply to {size} but the section has {len(devices)} devices; valid: a mesh "
+                f"over all the section's devices, whose data axis the stages divide"
+            )
+        if mesh.data % stages:
+            raise ValueError(
+                f"the mesh's data axis ({mesh.data}) does not divide into {stages} stages; valid: a stage count "
+                f"that divides mesh.data (each stage runs the mesh with data / stages on its consecutive share "
+                f"of the devices)"
+            )
+        for key, valid in (("pack", 1), ("init", None)):
+            if info.data.get(key) != valid:
+                raise ValueError(f"not with {key}={info.data.get(key)!r} yet; valid: 1, or {key}: {valid}")
+        return stages
+
+    def stage_mesh(self) -> tuple[int, ...]:
+        """The mesh each of the section's pipeline stages runs: `mesh` with data / stages."""
+        return tuple(n // self.stages if a == "data" else n for a, n in zip(MESH_AXES, self.mesh.shape))
+        if len(self.devices) % self.stages:
+            raise ValueError(
+                f"stages={self.stages}: {len(self.devices)} devices do not cut into {self.stages} equal stages; "
+                f"valid: a stage count that divides the device count"
+            )
+        per_stage, size = len(self.devices) // self.stages, self.mesh.size
+        if size != per_stage:
+            raise ValueError(
+                f"stages={self.stages}: the mesh has {size} devices but each stage has {per_stage} "
+                f"({len(self.devices)} devices / {self.stages} stages); valid: a mesh of {per_stage} devices "
+                f"(every stage runs the section's mesh)"
+            )
+        for key, value, valid in (("pack", self.pack, 1), ("init", self.init, None)):
+            if value != valid:
+                raise ValueError(
+                    f"stages={self.stages}: not with {key}={value!r} yet; valid: stages: 1, or {key}: {valid}"
+                )
+        return self
 
 
 class EdgeConfig(_Frozen):
@@ -475,14 +527,31 @@ class Config(_Frozen):
             return self.verify_rtol
         return 2e-2 if any(s.precision == "bfloat16" for s in self.sections.values()) else 1e-5
 
+    def section(self, name: str) -> SectionConfig:
+        """The config of the section named `name`, or of the section it is a pipeline stage of."""
+        return self.sections[self.section_of(name)]
+
+    def section_of(self, name: str) -> str:
+        """The section `name` is a pipeline stage of (`core.stages.stage_name`), or `name`."""
+        for n, s in self.sections.items():
+            if s.stages > 1 and name in (stage_name(n, i) for i in range(s.stages)):
+                return n
+        return name
+
     def plan(self) -> Plan:
-        return Plan(
-            sections={
-                n: SectionPlan(
-                    tuple(s.devices), s.mesh.shape, s.micro_batch, s.residuals, s.rules, s.precision, s.layer_remat
+        """Each section's plan; a section in K stages gives K, stage i on the i-th consecutive
+        K-th of its devices, its mesh's data axis divided by K (`core.stages.stage_name`)."""
+        sections = {}
+        for n, s in self.sections.items():
+            cut = len(s.devices) // s.stages
+            for i in range(s.stages):
+                name = n if s.stages == 1 else stage_name(n, i)
+                devices = tuple(s.devices[i * cut : (i + 1) * cut])
+                sections[name] = SectionPlan(
+                    devices, s.stage_mesh(), s.micro_batch, s.residuals, s.rules, s.precision, s.layer_remat
                 )
-                for n, s in self.sections.items()
-            },
+        return Plan(
+            sections=sections,
             fanout={n: e.fanout for n, e in self.edges.items() if e.fanout is not None},
             global_batch=self.global_batch,
         )

@@ -51,17 +51,20 @@ class _ScanBody(nn.Module):
         return remat_layer(self.layer, self.remat)(*self.args, name="layer")(x, *rest), None
 
 
-def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool):
+def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool, first: int = 0):
     """`depth` layers of `layer(*args)` applied in turn, as a callable `(x, *rest) -> x` built
     inside a parent's `setup` or compact method.
 
-    Unrolled (`scan=False`): submodules `block_0 .. block_{depth-1}`, one traced copy each, so
-    compile time grows with depth. Scanned: one `nn.scan` submodule `blocks` whose parameters
+    Unrolled (`scan=False`): submodules `block_{first} .. block_{first + depth - 1}`, one traced
+    copy each, so compile time grows with depth; a pipeline stage holding layers from `first` on
+    names them as the whole stack does, so its parameters are a subtree of the whole model's. Scanned: one `nn.scan` submodule `blocks` whose parameters
     (and sown `losses`) carry a leading `layers` axis; the layer is traced once whatever the
     depth. Both compute the same function; the parameter trees differ, so a checkpoint belongs
     to one form."""
+    if scan and first:
+        raise ValueError("a scanned layer stack holds all its layers; a pipeline stage needs unrolled layers")
     if not scan:
-        blocks = [remat_layer(layer, remat)(*args, name=f"block_{i}") for i in range(depth)]
+        blocks = [remat_layer(layer, remat)(*args, name=f"block_{i}") for i in range(first, first + depth)]
 
         def unrolled(x, *rest):
             for block in blocks:

@@ -330,29 +330,38 @@ class DecoderBlock(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """A causal LM whose pieces can be called apart (`embed`, `hidden`, `logits`).
+    """A causal LM whose pieces can be called apart (`embed`, `body`, `hidden`, `logits`).
 
     The split matters for compound workloads: a VLM replaces some token embeddings with image
     embeddings between `embed` and `hidden`; a KD teacher section sends `hidden` and the
     student section applies the teacher's output layer.
+
+    `layers=(a, b)` holds only blocks a..b-1 (a pipeline stage): the embedding only where a is 0,
+    the final norm and the head only where b is the depth. Blocks keep the whole model's names
+    (`block_<i>`), so a stage's parameters are the matching subtree of the whole model's.
     """
 
     cfg: LLMConfig
     with_head: bool = True  # False: a body whose output layer lives elsewhere (KD teacher section)
+    layers: tuple[int, int] | None = None  # the blocks held, [first, end); None: all
 
     def setup(self):
         c = self.cfg
-        self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
-        self.blocks = layer_stack(DecoderBlock, (c,), c.depth, c.remat, c.scan_layers)
-        self.final_norm = RMSNorm(c.norm_eps)
-        if self.with_head and not c.tie_embeddings:
-            self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))
+        first, end = self.layers or (0, c.depth)
+        if first == 0:
+            self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
+        self.blocks = layer_stack(DecoderBlock, (c,), end - first, c.remat, c.scan_layers, first)
+        if end == c.depth:
+            self.final_norm = RMSNorm(c.norm_eps)
+            if self.with_head and not c.tie_embeddings:
+                self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))
 
     def embed(self, ids_BL):
         return jnp.take(self.embedding, ids_BL, axis=0)
 
-    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
-        """Final-normed hidden states from input embeddings (causal, padding masked).
+    def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
+        """The held blocks applied to input embeddings (or the previous stage's output), causal
+        and padding masked, without the final norm.
 
         With `segments_BL` (sequence packing: each sample of a row numbered from 1, 0 padding)
         a position attends only within its own sample; its positions restart at 0, so RoPE and
@@ -371,8 +380,16 @@ class DecoderLM(nn.Module):
         if segments_BL is not None:
             mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
         packed = () if segments_BL is None else (segments_BL,)  # the MoE balancing loss is per sample
-        h_BLD = self.final_norm(self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL, *packed))
+        h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL, *packed)
         return h_BLD if order is None else h_BLD[:, np.argsort(order)]
+
+    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
+        """Final-normed hidden states from input embeddings (`body`, then the final norm)."""
+        return self.final_norm(self.body(x_BLD, positions_BL, valid_BL, segments_BL))
+
+    def final(self, h_BLD):
+        """The final norm alone (the last pipeline stage applies it after its `body`)."""
+        return self.final_norm(h_BLD)
 
     def output_weights(self):
         return self.embedding.T if self.cfg.tie_embeddings else self.lm_head

@@ -50,7 +50,7 @@ def test_evaluate_is_the_training_loss_forward_only(path, overrides):
     step = rt.executor.run(states, samples, schedule)  # the training step (compiled now, lazily)
     assert compare("loss", loss, step.loss).max_rel <= 1e-6
     mono = rt.monolithic
-    m_loss, _ = mono.model.run(mono.init_states(rt.graph, cfg), samples)
+    m_loss, _ = mono.model.run(mono.init_states(cfg), samples)
     assert compare("loss", loss, m_loss).max_rel <= 1e-6
 
     # after an update, evaluation follows the new weights and still equals the step's loss

@@ -149,7 +149,7 @@ def test_packed_step_is_the_unpacked_monolithic_step_under_both_schedulers(workl
     assert len({len(s.tokens) for s in samples}) > 4
     states = rt.init_states()
     mono = rt.monolithic
-    m_loss, m_grads = mono.model.run(mono.init_states(rt.graph, cfg), samples)
+    m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
     metas = sample_metas(rt.graph, samples)
     for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem, rt.cost)):
         host = rt.executor.host_batches(samples, schedule)

@@ -29,8 +29,8 @@ def test_bf16_maestro_matches_bf16_monolithic_closer_than_float32_does():
     assert all(v <= cfg.verify_tolerance for v in diffs.values()), diffs
 
     samples = rt16.batches()[0]
-    loss16, grads16 = rt16.monolithic.model.run(rt16.monolithic.init_states(rt16.graph, cfg), samples)
-    loss32, grads32 = rt32.monolithic.model.run(rt32.monolithic.init_states(rt32.graph, rt32.cfg), samples)
+    loss16, grads16 = rt16.monolithic.model.run(rt16.monolithic.init_states(cfg), samples)
+    loss32, grads32 = rt32.monolithic.model.run(rt32.monolithic.init_states(rt32.cfg), samples)
     for s in ("vision", "llm"):
         precision_error = compare(s, grads16[s], grads32[s]).max_rel
         assert diffs[f"{s}/grads"] < precision_error, (s, diffs[f"{s}/grads"], precision_error)

@@ -76,7 +76,7 @@ def test_a_step_fed_ahead_is_the_monolithic_step(scheduler):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
     mono = rt.monolithic
-    m_states = mono.init_states(rt.graph, cfg)
+    m_states = mono.init_states(cfg)
     m_states = mono.model.update(m_states, mono.model.run(m_states, first)[1])
     m_loss, m_grads = mono.model.run(m_states, second)
     assert compare("loss", fed.loss, m_loss).max_rel <= 1e-5

@@ -110,6 +110,8 @@ class Section:
       shards, `pack` per row) and the arrays have one row per `pack` slots; `forward` takes
       either layout, and its outputs on every edge keep one row per slot (the row contract).
       The runtime calls it where `sections.<name>.pack` > 1; the monolithic step never does.
+    stages(k): the section cut into `k` pipeline stages (a `core.stages.StageSplit`), or None for
+      a section that does not split; `sections.<name>.stages` > 1 calls it (`core.stages`).
     reads: the sample parts `host_batch` reads (`"tokens"`, modality names; None: all). A
       process decodes a part of a sample only where some section that reads it holds a row of
       that sample on the process's devices.
@@ -124,6 +126,7 @@ class Section:
     cost: UnitCost = UnitCost(flops=0.0)
     reads: tuple[str, ...] | None = None
     packed_batch: Callable[[Sequence[SampleLike | None], Mapping[str, Any], int, int], dict[str, Any]] | None = None
+    stages: Callable[[int], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +137,15 @@ class SectionGraph:
     the runtime evaluates it once per section, under that section's sharding.
     loss_count(samples) -> the global-batch normaliser of the sink's `loss_sum`: a sum over
       samples (processes count disjoint subsets and add them up).
+    staging: for a graph with pipeline stages (`core.stages.stage_graph`), a `core.stages.Staging`:
+      the unstaged graph and each staged section's split (what saving a section as one needs).
     """
 
     sections: tuple[Section, ...]
     edges: tuple[Edge, ...]
     init: Callable[[Any], dict[str, dict[str, Any]]]
     loss_count: Callable[[Sequence[SampleLike]], int]
+    staging: Any = None
 
     def __post_init__(self):
         names = [s.name for s in self.sections]

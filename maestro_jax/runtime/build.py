@@ -25,6 +25,7 @@ from maestro_jax.runtime.optimizer import check_sections, section_optimizer, sec
 from maestro_jax.runtime.precision import with_precision
 from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState, planning
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
+from maestro_jax.runtime.stages import stage_states, whole_params, whole_states
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 
 
@@ -109,6 +110,15 @@ class Runtime:
             need[owner][pos].add(TOKENS)
             counts.append(owner == me)
         return ReadPlan([frozenset(n) for n in need[me]], counts, schedule, schedule_s)
+
+    def whole_states(self, states: dict[str, SectionState]) -> dict[str, SectionState]:
+        """States by section as the config names them, pipeline stages joined (what checkpoints
+        and exports hold: `runtime.stages`)."""
+        return whole_states(self.graph, self.programs, states)
+
+    def stage_states(self, whole: dict[str, SectionState], like: dict[str, SectionState]) -> dict[str, SectionState]:
+        """`whole_states` undone onto this plan's stages (`like`: states of this runtime)."""
+        return stage_states(self.graph, whole, like)
 
     def abstract_states(self) -> dict[str, SectionState]:
         """`init_states`' result as abstract values (shapes, dtypes, layouts), nothing computed;
@@ -268,6 +278,7 @@ def build_runtime(
         info_check = workloads.info_check(cfg)
     else:
         workloads.check_sections(cfg, graph)
+        graph = workloads.with_stages(cfg, graph)
         if source is None:
             raise ConfigError(
                 "error: source: a user graph needs a sample source (any random-access source of "
@@ -314,7 +325,8 @@ def build_runtime(
     meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
     shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
     trained = frozenset(s.name for s in graph.sections if s.trained)
-    check_sections(cfg.optimizer, sorted(trained), {s: abstract[s]["params"] for s in trained})
+    whole = whole_params(graph, {s: abstract[s]["params"] for s in trained})
+    check_sections(cfg.optimizer, sorted(whole), whole)
     programs = {}
     for s in graph.names:
         sp = plan.sections[s]
@@ -322,14 +334,14 @@ def build_runtime(
             graph.section(s),
             meshes[s],
             shardings[s],
-            section_optimizer(cfg.optimizer, s, cfg.steps),
+            section_optimizer(cfg.optimizer, cfg.section_of(s), cfg.steps),
             sp.residuals,
             out_edges=tuple(e.name for e in graph.consumers_of(s)),
             diff_inputs=tuple(e.name for e in graph.producers_of(s) if e.src in trained),
             is_sink=s == graph.sink,
             rules=sp.rules,
             clip_norm=cfg.optimizer.clip_norm,
-            squared_norm=section_squared_norm(cfg.optimizer, s),
+            squared_norm=section_squared_norm(cfg.optimizer, cfg.section_of(s)),
             donate=cfg.compile.donate,
         )
     problem = Problem(
@@ -337,7 +349,7 @@ def build_runtime(
         sink=graph.sink,
         trained=trained,
         edges=edges,
-        rows={s: plan.sections[s].rows * cfg.sections[s].pack for s in graph.names},  # packing: sample slots
+        rows={s: plan.sections[s].rows * cfg.section(s).pack for s in graph.names},  # packing: sample slots
         dp={s: plan.sections[s].dp for s in graph.names},
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
@@ -351,7 +363,7 @@ def build_runtime(
         meshes,
         shardings,
         programs,
-        Executor(graph, problem, programs, {s: cfg.sections[s].pack for s in graph.names}),
+        Executor(graph, problem, programs, {s: cfg.section(s).pack for s in graph.names}),
         abstract,
         source,
         check,
@@ -374,11 +386,16 @@ def check_packing(cfg: Config, graph: SectionGraph) -> None:
 
 @dataclasses.dataclass
 class MonolithicRuntime:
+    """The monolithic step of a runtime's graph, its pipeline stages undone (`graph`: sections
+    whole, as the config names them): the reference every sectioned plan must equal."""
+
     model: Monolithic
     mesh: object
     shardings: dict
+    graph: SectionGraph
 
-    def init_states(self, graph, cfg, seed=None) -> dict[str, SectionState]:
+    def init_states(self, cfg, seed=None) -> dict[str, SectionState]:
+        graph = self.graph
         key = jax.random.key(cfg.seed if seed is None else seed)
         out = {}
         for s in graph.names:
@@ -391,10 +408,13 @@ class MonolithicRuntime:
 
 
 def build_monolithic(rt: Runtime) -> MonolithicRuntime:
-    cfg, graph = rt.cfg, rt.graph
+    cfg, graph, abstract = rt.cfg, rt.graph, rt.abstract
+    if graph.staging is not None:
+        graph = with_precision(graph.staging.whole, {s: sc.precision for s, sc in cfg.sections.items()})
+        abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
     sp = cfg.monolithic_plan()
     mono_plan = plan_lib.Plan(dict.fromkeys(graph.names, sp), {}, cfg.global_batch)
-    infos = {s: param_infos(rt.abstract[s]) for s in graph.names}
+    infos = {s: param_infos(abstract[s]) for s in graph.names}
     try:
         plan_lib.check_resources(plan_lib.Plan({"all": sp}, {}, cfg.global_batch), len(jax.devices()))
         plan_lib.check_meshes(mono_plan)
@@ -404,10 +424,10 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
         key = f"monolithic.{parts[2]}" if parts[0] == "sections" and len(parts) == 3 else err.key
         raise type(err)(key, err.value, err.problem) from None
     mesh = section_mesh(sp)
-    shardings = {s: variable_shardings(rt.abstract[s], mesh, sp.rules) for s in graph.names}
+    shardings = {s: variable_shardings(abstract[s], mesh, sp.rules) for s in graph.names}
     trained = [s for s in graph.names if graph.section(s).trained]
-    optimizers = {s: section_optimizer(cfg.optimizer, s, cfg.steps) for s in trained}
-    norms = {s: section_squared_norm(cfg.optimizer, s) for s in trained}
+    optimizers = {s: section_optimizer(cfg.optimizer, cfg.section_of(s), cfg.steps) for s in trained}
+    norms = {s: section_squared_norm(cfg.optimizer, cfg.section_of(s)) for s in trained}
     return MonolithicRuntime(
-        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms), mesh, shardings
+        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms), mesh, shardings, graph
     )

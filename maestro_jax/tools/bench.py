@@ -37,10 +37,12 @@ def bench(
     rt=None,
     progress: Callable[[str], None] | None = None,
     pack: int | None = None,
+    stages: int | None = None,
 ) -> dict:
     """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph,
     left as it was given: the calibrated cost model is not stored on it). With `pack`, also
-    packed vs unpacked sequences (`bench_packing`) on the same batches."""
+    packed vs unpacked sequences (`bench_packing`), with `stages` the plan with its decoder
+    sections in pipeline stages vs without (`bench_stages`), on the same batches."""
     start = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -55,7 +57,7 @@ def bench(
     tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
     states = {m: rt.init_states() for m in ("naive", "wavefront")}
     mono = rt.monolithic
-    mono_states = mono.init_states(rt.graph, cfg)
+    mono_states = mono.init_states(cfg)
 
     # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
     say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
@@ -166,6 +168,8 @@ def bench(
     report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
     if pack is not None:
         report["packing"] = bench_packing(cfg, pack, rt, batches, reps, say)
+    if stages is not None:
+        report["stages"] = bench_stages(cfg, stages, rt, batches, reps, say)
     if trace_dir:
         say(f"writing traces to {trace_dir}")
         report["traces"] = _traces(rt, cost, states["wavefront"], batches[0], trace_dir)
@@ -184,38 +188,18 @@ def bench_packing(cfg: Config, pack: int, rt, batches, reps: int, say: Callable[
         raise ValueError(f"workload {cfg.workload!r} has no section that packs sequences")
     sections = {n: sc.model_copy(update={"pack": pack}) if n in packs else sc for n, sc in cfg.sections.items()}
     runtimes = {"unpacked": rt, "packed": build_runtime(cfg.model_copy(update={"sections": sections}))}
-    states = {m: r.init_states() for m, r in runtimes.items()}
-    tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
-
-    def schedule(r, samples):
-        metas = sample_metas(r.graph, samples)
-        return wavefront(metas, r.problem, r.cost) if cfg.schedule.scheduler == "wavefront" else naive(metas, r.problem)
-
-    def step(mode, samples) -> float:
-        r, t0 = runtimes[mode], time.perf_counter()
-        result = r.executor.run(states[mode], samples, schedule(r, samples))
-        states[mode] = r.executor.update(states[mode], result.grads)
-        jax.block_until_ready((result.loss, states[mode]))
-        return time.perf_counter() - t0
-
     fill = {}
-    for mode, r in runtimes.items():
-        say(f"packing: warm-up {mode} ({cfg.schedule.scheduler}), compiling every shape bucket")
+
+    def count_fill(mode, r) -> None:
         held = total = 0
-        for samples in batches * 2:
-            step(mode, samples)
         for samples in batches:
-            host = r.executor.host_batches(samples, schedule(r, samples))
+            host = r.executor.host_batches(samples, _schedule(cfg, r, samples))
             for (section, _), b in host.items():
                 if section in packs:
                     held, total = held + int(b["valid"].sum()), total + b["valid"].size
         fill[mode] = held / total
-    times = {m: [] for m in runtimes}
-    for rep in range(reps):
-        for mode in runtimes:
-            times[mode].append(sum(step(mode, samples) for samples in batches))
-        say(f"packing repetition {rep + 1}/{reps}: " + ", ".join(f"{m} {t[-1]:.3f} s" for m, t in times.items()))
-    tps = {m: tokens / statistics.median(t) for m, t in times.items()}
+
+    tps = _side_by_side(cfg, runtimes, batches, reps, say, "packing", count_fill)
     return {
         "pack": pack,
         "sections": packs,
@@ -224,6 +208,68 @@ def bench_packing(cfg: Config, pack: int, rt, batches, reps: int, say: Callable[
         "packed_vs_unpacked": tps["packed"] / tps["unpacked"],
         "row_fill": fill,
     }
+
+
+def stageable(cfg: Config, graph, stages: int) -> list[str]:
+    """The sections of `graph` that `bench --stages` cuts into `stages` pipeline stages: those
+    that split (`Section.stages`) and whose mesh's data axis `stages` divides."""
+    return [
+        s.name
+        for s in graph.sections
+        if s.stages is not None and s.name in cfg.sections and cfg.sections[s.name].mesh.data % stages == 0
+    ]
+
+
+def bench_stages(cfg: Config, stages: int, rt, batches, reps: int, say: Callable[[str], None]) -> dict:
+    """Pipeline stages side by side: the config's scheduler over the same batches with every
+    section that `stageable` names in `stages` stages and with the config's own plan,
+    repetitions interleaved after a warm-up of each."""
+    staged = stageable(cfg, rt.graph, stages)
+    if not staged:
+        raise ValueError(f"no section of workload {cfg.workload!r} splits into {stages} stages")
+    sections = {n: sc.model_copy(update={"stages": stages}) if n in staged else sc for n, sc in cfg.sections.items()}
+    runtimes = {"unstaged": rt, "staged": build_runtime(cfg.model_copy(update={"sections": sections}))}
+    tps = _side_by_side(cfg, runtimes, batches, reps, say, "stages")
+    return {
+        "stages": stages,
+        "sections": staged,
+        "scheduler": cfg.schedule.scheduler,
+        "tokens_per_s": tps,
+        "staged_vs_unstaged": tps["staged"] / tps["unstaged"],
+    }
+
+
+def _schedule(cfg: Config, r, samples):
+    metas = sample_metas(r.graph, samples)
+    return wavefront(metas, r.problem, r.cost) if cfg.schedule.scheduler == "wavefront" else naive(metas, r.problem)
+
+
+def _side_by_side(cfg: Config, runtimes: dict, batches, reps: int, say, what: str, warmed=None) -> dict[str, float]:
+    """Tokens per second of each runtime (mode -> runtime) on the same batches under the config's
+    scheduler: a warm-up of each that compiles every shape bucket (then `warmed(mode, runtime)`),
+    then `reps` repetitions interleaved; tokens count the samples', not padding."""
+    states = {m: r.init_states() for m, r in runtimes.items()}
+    tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
+
+    def step(mode, samples) -> float:
+        r, t0 = runtimes[mode], time.perf_counter()
+        result = r.executor.run(states[mode], samples, _schedule(cfg, r, samples))
+        states[mode] = r.executor.update(states[mode], result.grads)
+        jax.block_until_ready((result.loss, states[mode]))
+        return time.perf_counter() - t0
+
+    for mode, r in runtimes.items():
+        say(f"{what}: warm-up {mode} ({cfg.schedule.scheduler}), compiling every shape bucket")
+        for samples in batches * 2:
+            step(mode, samples)
+        if warmed is not None:
+            warmed(mode, r)
+    times = {m: [] for m in runtimes}
+    for rep in range(reps):
+        for mode in runtimes:
+            times[mode].append(sum(step(mode, samples) for samples in batches))
+        say(f"{what} repetition {rep + 1}/{reps}: " + ", ".join(f"{m} {t[-1]:.3f} s" for m, t in times.items()))
+    return {m: tokens / statistics.median(t) for m, t in times.items()}
 
 
 def _layout(sp) -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 from maestro_jax.config import Config
 from maestro_jax.runtime.ahead import trace_batches
 from maestro_jax.runtime.build import Runtime, build_runtime
+from maestro_jax.runtime.stages import whole_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _verify(cfg: Config, rt: Runtime | None, step: int) -> list[Diff]:
     updated = rt.executor.update(states, result.grads, norms)
 
     mono = rt.monolithic
-    m_states = mono.init_states(rt.graph, cfg)
+    m_states = mono.init_states(cfg)
     m_loss, m_grads = mono.model.run(m_states, samples)
     m_updated = mono.model.update(m_states, m_grads)
     m_norms = mono.model.squared_norms(m_grads)
@@ -84,9 +85,11 @@ def _verify(cfg: Config, rt: Runtime | None, step: int) -> list[Diff]:
         compare("loss", result.loss, m_loss),
         compare("grad_norm", global_norm(norms, rt.coordinator.fetch), global_norm(m_norms, rt.coordinator.fetch)),
     ]
-    for s in sorted(result.grads):
-        diffs.append(compare(f"{s}/grads", result.grads[s], m_grads[s]))
-        diffs.append(compare(f"{s}/params_after_update", updated[s].params, m_updated[s].params))
+    grads = whole_params(rt.graph, result.grads)  # a section in pipeline stages compared whole
+    params = whole_params(rt.graph, {s: st.params for s, st in updated.items() if s in result.grads})
+    for s in sorted(grads):
+        diffs.append(compare(f"{s}/grads", grads[s], m_grads[s]))
+        diffs.append(compare(f"{s}/params_after_update", params[s], m_updated[s].params))
     return diffs
 
 

@@ -91,5 +91,6 @@ def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None) -> tu
         step = steps[-1] if step is None and steps else step
         if step not in steps:
             raise ConfigError(f"error: --step={step}: {ckpt.directory} holds checkpoints of steps {steps or 'none'}")
-        states, _, _ = ckpt.restore(step, rt.init_states())
+        fresh = rt.init_states()
+        states = rt.stage_states(ckpt.restore(step, rt.whole_states(fresh))[0], fresh)
     return step, evaluation.read(evaluation.issue(states))

@@ -85,8 +85,10 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
                     coordinator=coordinator,
                 )
             )
-            if (restored := ckpt.restore_latest(states)) is not None:  # another config's checkpoint stops here
-                start, states, data_state, _ = restored
+            # another config's checkpoint stops here; a staged section is saved whole (`runtime.stages`)
+            if (restored := ckpt.restore_latest(rt.whole_states(states))) is not None:
+                start, whole, data_state, _ = restored
+                states = rt.stage_states(whole, states)
                 data.set_state(data_state)
                 say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
         if start == 0:  # a fresh run: sections that start from another run's checkpoint
@@ -310,7 +312,12 @@ class _Loop:
             return
         self._read_pending("checkpoint")
         self.log.trackers.flush()  # the metrics of every step the checkpoint holds are on disk first
-        self.ckpt.save(done, states, self.data.get_state(), {"seed": self.cfg.seed, "workload": self.cfg.workload})
+        self.ckpt.save(
+            done,
+            self.rt.whole_states(states),
+            self.data.get_state(),
+            {"seed": self.cfg.seed, "workload": self.cfg.workload},
+        )
         if not stop_by:  # a preemption's report says more, once the save is committed
             self.say(f"checkpoint: saving step {done} to {self.ckpt.directory}")
 

@@ -186,7 +186,8 @@ def model(cfg: Config, name: str, kind: str):
 
 def build_graph(cfg: Config) -> SectionGraph:
     """The workload's graph, checked against the config's sections and edges (a `ValueError` the
-    workload raises while building becomes a ConfigError naming the workload)."""
+    workload raises while building becomes a ConfigError naming the workload), with the pipeline
+    stages the config asks for (`with_stages`)."""
     workload = check_config(cfg)
     try:
         graph = workload.build(cfg)
@@ -195,7 +196,18 @@ def build_graph(cfg: Config) -> SectionGraph:
             raise
         raise ConfigError(f"error: workload={cfg.workload!r}: {err}") from None
     check_sections(cfg, graph, f"workload {cfg.workload!r}")
-    return graph
+    return with_stages(cfg, graph)
+
+
+def with_stages(cfg: Config, graph: SectionGraph) -> SectionGraph:
+    """`graph` with each section the config puts in `stages` > 1 cut into its pipeline stages
+    (`core.stages.stage_graph`); a section that cannot be is a ConfigError of one line."""
+    from maestro_jax.core.stages import StageError, stage_graph
+
+    try:
+        return stage_graph(graph, {n: s.stages for n, s in cfg.sections.items() if s.stages > 1})
+    except StageError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -> None:
@@ -326,7 +338,7 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
             tuple(param_infos(abstract[s]["params"])),
             sec.cost,
             tuple(param_infos(abstract[s]["consts"])),
-            cfg.sections[s].precision if s in cfg.sections else "float32",
+            cfg.section(s).precision if cfg.section_of(s) in cfg.sections else "float32",
         )
     return WorkloadSpec(
         cfg.workload or "+".join(graph.names),

@@ -20,12 +20,14 @@ from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
+from maestro_jax.workloads.staged import decoder_stages
 
 EDGE = "teacher_hidden"
 
 
 def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Section:
-    """A frozen LLM body: token rows in, final-normed hidden states out (its head runs downstream)."""
+    """A frozen LLM body: token rows in, final-normed hidden states out (its head runs downstream).
+    It splits into pipeline stages (`workloads.staged`), forward only, the last sending `edge`."""
     body = DecoderLM(teacher, with_head=False)
 
     def forward(variables, inputs, batch):
@@ -36,7 +38,18 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
         h = body.apply(v, x, batch["positions"], batch["valid"], batch["segments"], method=DecoderLM.hidden)
         return {edge: R.unpack(h, batch)}  # packed: back to one row per sample, as the edge carries it
 
-    return Section(
+    def stages(k: int):
+        return decoder_stages(
+            section,
+            teacher,
+            k,
+            finish=lambda module, variables, v, inputs, batch, h: {edge: h},
+            cost=lambda c, last: llm_cost(c, head=False),
+            at=("consts", "llm"),
+            with_head=False,
+        )
+
+    section = Section(
         "teacher",
         trained=False,
         forward=forward,
@@ -48,7 +61,9 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
         work=R.next_token_units,
         cost=llm_cost(teacher, head=False),
         reads=(TOKENS,),
+        stages=stages,
     )
+    return section
 
 
 def teacher_hidden(inputs, batch, edge: str):
@@ -67,6 +82,30 @@ def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: f
     ce = optax.softmax_cross_entropy_with_integer_labels(s_logits.astype(jnp.float32), targets)
     per_token = alpha * temperature**2 * kl + (1.0 - alpha) * ce
     return jnp.sum(per_token * mask), {"tokens": jnp.sum(mask), "kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
+
+
+def student_stages(
+    section: Section, student: LLMConfig, teacher: LLMConfig, k: int, alpha: float, temperature: float, **embed
+):
+    """A KD student (`section`) cut into `k` pipeline stages: the teacher's hidden states and
+    output layer go to the last, which holds the loss; `embed` (optional) the first's inputs."""
+    return decoder_stages(
+        section,
+        student,
+        k,
+        finish=lambda module, variables, v, inputs, batch, h: distill_loss(
+            module.apply(v, h, method=DecoderLM.logits),
+            teacher_hidden(inputs, batch, EDGE) @ variables["consts"]["teacher_head"],
+            batch["targets"],
+            batch["loss_mask"],
+            alpha,
+            temperature,
+        ),
+        cost=lambda c, last: llm_cost(c, head=last, extra_flops=2 * teacher.width * teacher.vocab if last else 0.0),
+        last_keys=("teacher_head",),
+        consumes={EDGE: k - 1},
+        **embed,
+    )
 
 
 def init_teacher_and_student(teacher: LLMConfig, student: LLMConfig, key):
@@ -124,21 +163,20 @@ def build(cfg: Config) -> SectionGraph:
             "student": {"params": s, "consts": {"teacher_head": head}},
         }
 
+    student_section = Section(
+        "student",
+        trained=True,
+        forward=student_forward,
+        host_batch=student_batch,
+        packed_batch=student_packed_batch,
+        activates=lambda s: True,
+        work=R.next_token_units,
+        cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
+        reads=(TOKENS,),
+        stages=lambda k: student_stages(student_section, student, teacher, k, alpha, temperature),
+    )
     return SectionGraph(
-        sections=(
-            teacher_section(teacher),
-            Section(
-                "student",
-                trained=True,
-                forward=student_forward,
-                host_batch=student_batch,
-                packed_batch=student_packed_batch,
-                activates=lambda s: True,
-                work=R.next_token_units,
-                cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
-                reads=(TOKENS,),
-            ),
-        ),
+        sections=(teacher_section(teacher), student_section),
         edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
         init=init,
         loss_count=R.loss_tokens(),

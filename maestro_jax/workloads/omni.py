@@ -19,7 +19,7 @@ from maestro_jax.data.samples import AUDIO_TOKEN, Modality
 from maestro_jax.models import AudioConfig, AudioEncoder
 from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
-from maestro_jax.workloads.costs import audio_cost, llm_cost
+from maestro_jax.workloads.costs import audio_cost
 from maestro_jax.workloads.pretrained import load_audio_section, load_llm_section, load_vision_section
 from maestro_jax.workloads.vlm import (
     VLMSettings,
@@ -105,7 +105,7 @@ def build(cfg: Config) -> SectionGraph:
         sections=(
             vision_section(vit, llm.width, mean_patches(cfg, vit), edges=(IMAGES,)),
             audio_section(aud, llm.width, mean_tokens),
-            llm_section(llm, dict(zip((IMAGES, AUDIO), modalities)), llm_cost(llm, head=True)),
+            llm_section(llm, dict(zip((IMAGES, AUDIO), modalities))),
         ),
         edges=(
             Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),

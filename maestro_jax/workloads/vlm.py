@@ -25,6 +25,7 @@ from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_vision_section
+from maestro_jax.workloads.staged import decoder_stages
 
 EDGE = "image_embeds"
 
@@ -148,31 +149,57 @@ def packed_multimodal_rows(
     return R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()))
 
 
+def spliced_embeddings(decoder: DecoderLM, v, inputs, batch, spliced: Mapping[str, Modality]):
+    """The LLM's input embeddings with each edge's embeddings in its modality's placeholder
+    positions (per position in a packed batch, with `segments`)."""
+    x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
+    packed = "segments" in batch
+    for edge, m in spliced.items():
+        x = (R.splice_tokens if packed else R.splice)(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
+    return x
+
+
 def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mapping[str, Modality]):
     """The LLM's logits with each edge's embeddings in its modality's placeholder positions, and
     the sum of its auxiliary losses (MoE load balancing). A packed batch (with `segments`)
     splices per position and keeps attention inside each sample."""
     v = {"params": variables["params"]}
-    x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
-    packed = "segments" in batch
-    for edge, m in spliced.items():
-        x = (R.splice_tokens if packed else R.splice)(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
-    segments = (batch["segments"],) if packed else ()
+    x = spliced_embeddings(decoder, v, inputs, batch, spliced)
+    segments = (batch["segments"],) if "segments" in batch else ()
     h, aux = apply_with_losses(decoder, v, x, batch["positions"], batch["valid"], *segments, method=DecoderLM.hidden)
     return decoder.apply(v, h, method=DecoderLM.logits), aux
 
 
-def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Section:
-    """The `llm` sink of a multimodal LLM: encoder outputs spliced in, next-token cross-entropy."""
+def next_token_loss(logits, batch, aux=0.0):
+    """The summed next-token cross-entropy over the loss-carrying targets (plus `aux`)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    mask = batch["loss_mask"]
+    return jnp.sum(ce * mask) + aux, {"tokens": jnp.sum(mask)}
+
+
+def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality]) -> Section:
+    """The `llm` sink of a multimodal LLM: encoder outputs spliced in, next-token cross-entropy.
+    It splits into pipeline stages (`workloads.staged`): image embeddings spliced in the first,
+    the loss in the last."""
     decoder = DecoderLM(llm)
 
     def forward(variables, inputs, batch):
         logits, aux = spliced_logits(decoder, variables, inputs, batch, spliced)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-        mask = batch["loss_mask"]
-        return jnp.sum(ce * mask) + aux, {"tokens": jnp.sum(mask)}
+        return next_token_loss(logits, batch, aux)
 
-    return Section(
+    def stages(k: int):
+        return decoder_stages(
+            section,
+            llm,
+            k,
+            embed=lambda module, v, inputs, batch: spliced_embeddings(module, v, inputs, batch, spliced),
+            finish=lambda module, variables, v, inputs, batch, h: next_token_loss(
+                module.apply(v, h, method=DecoderLM.logits), batch
+            ),
+            cost=lambda c, last: llm_cost(c, head=last),
+        )
+
+    section = Section(
         "llm",
         trained=True,
         forward=forward,
@@ -180,9 +207,11 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost) -> Sectio
         packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(rows, routes, shards, pack, spliced),
         activates=lambda s: True,
         work=R.next_token_units,
-        cost=cost,
+        cost=llm_cost(llm, head=True),
         reads=(TOKENS,),
+        stages=stages,
     )
+    return section
 
 
 def build(cfg: Config) -> SectionGraph:
@@ -199,7 +228,7 @@ def build(cfg: Config) -> SectionGraph:
     return SectionGraph(
         sections=(
             vision_section(vit, llm.width, mean_patches(cfg, vit)),
-            llm_section(llm, {EDGE: image}, llm_cost(llm, head=True)),
+            llm_section(llm, {EDGE: image}),
         ),
         edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
         init=init,

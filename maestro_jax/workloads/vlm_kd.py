@@ -24,6 +24,7 @@ from maestro_jax.workloads.kd import (
     distill_loss,
     init_teacher_and_student,
     shared_vocab,
+    student_stages,
     teacher_hidden,
     teacher_section,
 )
@@ -35,6 +36,7 @@ from maestro_jax.workloads.vlm import (
     mean_patches,
     multimodal_rows,
     packed_multimodal_rows,
+    spliced_embeddings,
     spliced_logits,
     vision_section,
 )
@@ -71,21 +73,26 @@ def build(cfg: Config) -> SectionGraph:
             "student": {"params": s, "consts": {"teacher_head": head}},
         }
 
+    def embed(module, v, inputs, batch):
+        return spliced_embeddings(module, v, inputs, batch, {IMAGES: image})
+
+    student_section = Section(
+        "student",
+        trained=True,
+        forward=student_forward,
+        host_batch=student_batch,
+        packed_batch=student_packed_batch,
+        activates=lambda s: True,
+        work=R.next_token_units,
+        cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
+        reads=(TOKENS,),
+        stages=lambda k: student_stages(student_section, student, teacher, k, alpha, temperature, embed=embed),
+    )
     return SectionGraph(
         sections=(
             teacher_section(teacher, (image,), edge=TEACHER),
             vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,)),
-            Section(
-                "student",
-                trained=True,
-                forward=student_forward,
-                host_batch=student_batch,
-                packed_batch=student_packed_batch,
-                activates=lambda s: True,
-                work=R.next_token_units,
-                cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
-                reads=(TOKENS,),
-            ),
+            student_section,
         ),
         edges=(
             Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),

@@ -1,0 +1,124 @@
+"""Pipeline stages of the built-in decoder sections (`Section.stages`; `core.stages`).
+
+A decoder section (a VLM's `llm`, a KD `student` or `teacher`) cut into K stages: each stage a
+`DecoderLM` holding a consecutive run of blocks (`core.stages.layer_ranges`); the first also the
+embedding and whatever comes before the blocks (a VLM's image embeddings spliced in), the last
+the final norm, the output layer and the loss (or, for a KD teacher, the hidden states it sends).
+Every stage reads its rows' token layout from the section's own `host_batch` (positions, masks,
+targets) and the previous stage's activations from the stage edge, so a stage's rows need not
+line up with its neighbour's: the edge routes them as any edge does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+
+from maestro_jax.core.graph import Section, UnitCost
+from maestro_jax.core.stages import StageSplit, layer_ranges, stage_edge, stage_name
+from maestro_jax.models import DecoderLM, LLMConfig
+from maestro_jax.workloads import rows as R
+
+Embed = Callable  # (module, v, inputs, batch) -> x_BLD: stage 0's input embeddings
+Finish = Callable  # (module, variables, v, inputs, batch, h_BLD) -> the section's forward output
+
+
+def token_embeddings(module: DecoderLM, v, inputs, batch):
+    """The plain input embeddings of the rows' token ids."""
+    return module.apply(v, batch["input_ids"], method=DecoderLM.embed)
+
+
+def decoder_stages(
+    section: Section,
+    llm: LLMConfig,
+    k: int,
+    *,
+    finish: Finish,
+    cost: Callable[[LLMConfig, bool], UnitCost],
+    embed: Embed = token_embeddings,
+    at: tuple[str, ...] = ("params",),
+    last_keys: tuple[str, ...] = (),
+    consumes: Mapping[str, int] | None = None,
+    with_head: bool = True,
+) -> StageSplit:
+    """`section` (a decoder of config `llm`) cut into `k` stages.
+
+    finish: the last stage's output from the final-normed hidden states (the loss and its metrics
+      for a sink, `{edge: h}` for a teacher); embed: stage 0's input embeddings. at: where the
+      decoder's parameters sit in the section's variables (a frozen teacher's under consts/llm).
+    last_keys: other variables the last stage holds (a KD student's `teacher_head`); consumes: the
+      section's input edges the last stage reads (edge -> stage). cost(stage config, is last): a
+      stage's `UnitCost` (the stage config's depth is its block count).
+    ValueError naming the model setting when the decoder cannot be staged."""
+    if llm.scan_layers:
+        raise ValueError(
+            "the model's layers are scanned (scan_layers: true); a stage holds a run of unrolled layers; valid: 1, "
+            "or the model with scan_layers: false"
+        )
+    if not 1 <= k <= llm.depth:
+        raise ValueError(f"the model has {llm.depth} layers; valid: 1 to {llm.depth}")
+    if with_head and llm.tie_embeddings and section.trained:
+        raise ValueError(
+            "the model ties its output layer to its embedding (tie_embeddings: true), which the first and the "
+            "last stage would both train; valid: 1"
+        )
+    if llm.experts and llm.router_aux_loss:
+        raise ValueError(
+            f"the model's router_aux_loss={llm.router_aux_loss} would be added up in every stage but the "
+            f"last is the sink; valid: 1, or router_aux_loss: 0"
+        )
+    ranges = layer_ranges(llm.depth, k)
+
+    def owner(path: tuple[str, ...]) -> int | None:
+        for key in path:
+            if key == "embedding":
+                return 0
+            if key in ("final_norm", "lm_head", *last_keys):
+                return k - 1
+            block = re.fullmatch(r"block_(\d+)", key)
+            if block:
+                return next(i for i, (a, b) in enumerate(ranges) if a <= int(block[1]) < b)
+        return None
+
+    def stage(i: int) -> Section:
+        module = DecoderLM(llm, with_head=with_head, layers=ranges[i])
+        prev = stage_edge(section.name, i - 1) if i else None
+        out = stage_edge(section.name, i) if i < k - 1 else None
+
+        def host_batch(rows, routes):
+            batch = section.host_batch(rows, routes)
+            return batch if prev is None else {**batch, f"{prev}_row": R.route(routes, prev, rows)}
+
+        def forward(variables, inputs, batch):
+            v = variables
+            for key in at:
+                v = v[key]
+            v = {"params": v}
+            if prev is None:
+                x = embed(module, v, inputs, batch)
+            else:
+                x = R.gather(inputs, prev, batch[f"{prev}_row"], length=batch["input_ids"].shape[1])
+            h = module.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.body)
+            if out is not None:
+                return {out: h}
+            return finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
+
+        last = i == k - 1
+        return Section(
+            stage_name(section.name, i),
+            trained=section.trained,
+            forward=forward,
+            host_batch=host_batch,
+            activates=section.activates,
+            work=section.work,
+            cost=cost(dataclasses.replace(llm, depth=ranges[i][1] - ranges[i][0]), last),
+            reads=section.reads,
+        )
+
+    return StageSplit(
+        sections=tuple(stage(i) for i in range(k)),
+        owner=owner,
+        consumes=dict(consumes or {}),
+        bytes_per_unit=2 * llm.width,
+    )

@@ -1,0 +1,160 @@
+"""Pipeline stages inside a section (`sections.<s>.stages`, `core.stages`): each stage holds its
+share of the section's variables, a staged step is the unstaged monolithic step under both
+schedulers, and a staged section is checkpointed whole, so it restores onto any stage count."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+
+from maestro_jax import workloads
+from maestro_jax.config import ConfigError, load_config
+from maestro_jax.core.stages import layer_ranges, merge_variables, split_variables, stage_edge, stage_name
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.stages import whole_params
+from maestro_jax.schedule import naive, sample_metas, wavefront
+from maestro_jax.tools.verify import compare
+from maestro_jax.training.loop import train
+
+KD = ROOT / "configs" / "kd_tiny.yaml"
+DEEP_KD = [*TINY_KD, "models.teacher.depth=3", "models.student.depth=2"]
+
+
+def test_layer_ranges_cut_the_layers_in_consecutive_runs_the_earlier_stages_longer():
+    assert layer_ranges(5, 2) == ((0, 3), (3, 5))
+    assert layer_ranges(4, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert layer_ranges(3, 1) == ((0, 3),)
+    with pytest.raises(ValueError):
+        layer_ranges(2, 3)
+
+
+def test_a_staged_graph_cuts_the_section_and_its_variables_and_puts_them_back_together():
+    cfg = load_config(KD, [*DEEP_KD, "sections.student.stages=2", "sections.teacher.stages=2"])
+    graph = workloads.build_graph(cfg)
+    assert graph.names == ("teacher.0", "teacher.1", "student.0", "student.1")
+    edges = {e.name: (e.src, e.dst) for e in graph.edges}
+    assert edges[stage_edge("student", 0)] == ("student.0", "student.1")
+    assert edges["teacher_hidden"] == ("teacher.1", "student.1")  # the loss, in the last stage, reads it
+    assert graph.sink == "student.1" and not graph.section("teacher.1").trained
+
+    whole = graph.staging.whole.init(jax.random.key(0))
+    staged = graph.init(jax.random.key(0))
+    split = graph.staging.splits["student"]
+    parts = split_variables(whole["student"], split)
+    assert sorted(parts[0]["params"]) == ["block_0", "embedding"]
+    assert sorted(parts[1]["params"]) == ["block_1", "final_norm", "lm_head"]
+    assert sorted(parts[1]["consts"]) == ["teacher_head"] and parts[0]["consts"] == {}
+    assert sorted(staged["teacher.1"]["consts"]["llm"]) == ["block_2", "final_norm"]  # 3 layers: 2 + 1
+    for name in ("student", "teacher"):
+        stages = graph.staging.stages_of(name)
+        back = merge_variables([staged[s] for s in stages])
+        assert jax.tree.structure(back) == jax.tree.structure(whole[name])
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(whole[name])):
+            np.testing.assert_array_equal(np.asarray(nn_value(a)), np.asarray(nn_value(b)))
+
+
+def nn_value(x):
+    return getattr(x, "value", x)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["sections.student.stages=3"], "error: sections.student.stages=3: the mesh's data axis (4) does not divide"),
+        (["sections.student.stages=2", "sections.student.pack=2"], "error: sections.student.stages=2: not with pack=2"),
+        (
+            ["sections.student.stages=3", "models.student.depth=2", "sections.student.mesh.data=3"],
+            "error: sections.student.stages=3: the mesh's axes multiply to 3 but the section has 4 devices",
+        ),
+    ],
+)
+def test_a_stage_count_the_section_cannot_take_is_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        workloads.build_graph(load_config(KD, [*DEEP_KD, *overrides]))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "config,overrides,message",
+    [
+        ("kd_tiny.yaml", ["sections.student.stages=4"], "the model has 2 layers; valid: 1 to 2"),
+        ("kd_tiny.yaml", ["sections.student.stages=2", "models.student.scan_layers=true"], "layers are scanned"),
+        ("kd_tiny.yaml", ["sections.student.stages=2", "models.student.tie_embeddings=true"], "tie_embeddings"),
+        ("vlm_tiny.yaml", ["sections.vision.stages=2"], "section 'vision' does not split into pipeline stages"),
+    ],
+)
+def test_a_section_that_cannot_be_staged_is_refused_before_anything_compiles(config, overrides, message):
+    base = DEEP_KD if config == "kd_tiny.yaml" else TINY_VLM
+    cfg = load_config(ROOT / "configs" / config, [*base, *overrides])
+    with pytest.raises(ConfigError) as err:
+        workloads.build_graph(cfg)
+    stages = next(o for o in overrides if ".stages=" in o)
+    assert str(err.value).startswith(f"error: {stages}: ") and message in str(err.value)
+
+
+def test_plan_refuses_a_staged_config_it_does_not_search(capsys):
+    from maestro_jax.cli import main
+
+    args = ["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "80", *DEEP_KD, "sections.student.stages=2"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("error: sections.student.stages=2: plan does not search pipeline stages")
+
+
+def _equal_to_monolithic(cfg):
+    rt = build_runtime(cfg)
+    samples = rt.batches()[0]
+    states = rt.init_states()
+    mono = rt.monolithic
+    assert set(mono.graph.names) == set(cfg.sections)  # the reference is the unstaged step
+    m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
+    metas = sample_metas(rt.graph, samples)
+    for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem, rt.cost)):
+        result = rt.executor.run(states, samples, schedule)
+        grads = whole_params(rt.graph, result.grads)
+        assert set(grads) == set(m_grads)
+        diffs = [compare("loss", result.loss, m_loss)]
+        diffs += [compare(f"{s}/grads", grads[s], m_grads[s]) for s in m_grads]
+        for d in diffs:
+            assert d.max_rel <= 1e-5, f"{schedule.name}: {d.name} differs by {d.max_rel:.3e}"
+
+
+def test_a_staged_kd_step_is_the_unstaged_monolithic_step_under_both_schedulers():
+    """Teacher in 2 forward-only stages (each tensor 2, the data axis of 2 cut in two) and the
+    student in 2 (each data 2): loss and every gradient equal the unstaged graph's monolithic step."""
+    cfg = load_config(KD, [*DEEP_KD, "sections.teacher.stages=2", "sections.student.stages=2"])
+    assert [sp.devices for sp in cfg.plan().sections.values()] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    _equal_to_monolithic(cfg)
+
+
+@pytest.mark.slow
+def test_a_staged_vlm_step_is_the_unstaged_monolithic_step_under_both_schedulers():
+    cfg = load_config(ROOT / "configs" / "vlm_tiny.yaml", [*TINY_VLM, "models.llm.depth=3", "sections.llm.stages=2"])
+    assert cfg.plan().sections[stage_name("llm", 1)].mesh == (1, 1, 1, 1, 3)
+    _equal_to_monolithic(cfg)
+
+
+@pytest.mark.slow
+def test_a_staged_run_resumes_bit_exactly_and_restores_onto_one_stage(tmp_path):
+    """3 steps straight vs 2 steps, a checkpoint, then step 3: the same losses to the bit; the
+    same checkpoint, saved whole, resumes a run with the student unstaged (float rounding only)."""
+    base = [*DEEP_KD, "steps=3", "compile.ahead=false"]
+    staged = [*base, "sections.student.stages=2", "sections.teacher.stages=2"]
+    straight = train(load_config(KD, [*staged, f"output_dir={tmp_path / 'a'}"]), progress=False)
+    train(load_config(KD, [*staged, "steps=2", f"output_dir={tmp_path / 'b'}"]), progress=False)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed = train(load_config(KD, [*staged, f"output_dir={tmp_path / 'b'}"]), progress=False)
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["loss"] == straight[2]["loss"]
+    unstaged = train(load_config(KD, [*base, f"output_dir={tmp_path / 'c'}"]), progress=False)
+    assert [r["step"] for r in unstaged] == [3]
+    assert unstaged[0]["loss"] == pytest.approx(straight[2]["loss"], rel=1e-5)
+
+
+def test_bench_refuses_a_stage_count_no_section_takes(capsys):
+    from maestro_jax.cli import main
+
+    assert main(["bench", "--config", str(KD), "--stages", "3", *DEEP_KD]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --stages=3: no section splits into that many stages here") and err.count("\n") == 1
