@@ -203,27 +203,30 @@ def test_two_stages_are_the_explicit_schedule_of_their_slices(devices, mesh):
     """Equal samples on 2 stages: each stage's forward and backward from the cost model on its
     own layers (the teacher's share and the student's), its sends of both models' hidden states
     (each device 1 / tensor of them) over NVLink inside a node, the inter-node link across
-    nodes, played out as 1F1B."""
+    nodes, played out as 1F1B, then each stage's optimizer step on its own slices."""
     p = uniform_planner(KD, 16, 40, devices)
     sp = layout(devices // 2, 2, **mesh)
     slices = stage_plan(p.spec, p.metas, 2)
     m = 16 // sp.rows
-    f, b = [], []
+    f, b, update = [], [], []
     for stage in slices:
-        fs = bs = 0.0
+        fs = bs = us = 0.0
         for sl in stage:
             c = section_cost(sl.spec, sp, p.metas, "h100", 50.0, sl.section == "student", 40)
             t = c.overhead_s + 2 * (c.per_unit_s * bucket(40, 256) + c.per_unit2_s * bucket(40, 256) ** 2)
             fs += t
             bs += t * (c.sink_factor - 1) if sl.section == "student" else 0.0
+            us += c.update_s
         f.append([fs] * m)
         b.append([bs] * m)
+        update.append(us)
+    assert update[0] > 0 and update[1] > 0, "the student is trained on both stages"
     width = {s: p.spec.sections[s].cost.width for s in p.spec.order}
     link = DEVICES["h100"]["link"] if devices == 8 else 50e9
     tensor = mesh.get("tensor", 1)
     send_f = 2 * bucket(40, 256) * (width["teacher"] + width["student"]) * 4 / tensor / link
     send_b = 2 * bucket(40, 256) * width["student"] * 4 / tensor / link
-    expect = one_f_one_b(f, b, [[send_f] * m, [0.0] * m], [[0.0] * m, [send_b] * m])
+    expect = one_f_one_b(f, b, [[send_f] * m, [0.0] * m], [[0.0] * m, [send_b] * m], update)
     assert pipelined_time(p, 2, sp, "none") == pytest.approx(expect, rel=1e-12)
 
 

@@ -111,6 +111,11 @@ def _equal_to_monolithic(cfg):
     m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
     metas = sample_metas(rt.graph, samples)
     for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem, rt.cost)):
+        for s in rt.problem.order:  # 1F1B's bound: stage i of K keeps at most K - i forwards for a backward
+            if rt.problem.needs_backward(s) and schedule.name == "wavefront":  # naive runs forwards first
+                stash = [op.kind for op in schedule.ops if op.section == s and op.kind in "FB"]
+                peak = max(sum(1 if k == "F" else -1 for k in stash[: i + 1]) for i in range(len(stash)))
+                assert peak <= rt.problem.in_flight(s), f"{schedule.name}: {s} stashes {peak}"
         result = rt.executor.run(states, samples, schedule)
         grads = whole_params(rt.graph, result.grads)
         assert set(grads) == set(m_grads)
@@ -125,6 +130,7 @@ def test_a_staged_kd_step_is_the_unstaged_monolithic_step_under_both_schedulers(
     student in 2 (each data 2): loss and every gradient equal the unstaged graph's monolithic step."""
     cfg = load_config(KD, [*DEEP_KD, "sections.teacher.stages=2", "sections.student.stages=2"])
     assert [sp.devices for sp in cfg.plan().sections.values()] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert build_runtime(cfg).problem.bounds == {"teacher.0": 2, "teacher.1": 1, "student.0": 2, "student.1": 1}
     _equal_to_monolithic(cfg)
 
 

@@ -7,16 +7,29 @@ for each micro-batch on all its devices with one layout and one micro-batch size
 runs over every row of a micro-batch that holds one of its samples (static shapes in one
 program), and nothing overlaps. Its micro-batches are packed the best way
 of a few (`monolithic_time`), so the comparison is with the strongest packing, not arrival order.
+Every side (maestro's sections, the monolithic layout, each stage of `pipeline`'s baseline) pays
+the same optimizer step per trained section and layout (`update_time`) and the same exchanges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping
 
 from maestro_jax.core.plan import Plan, SectionPlan, device_groups
-from maestro_jax.planning.cost import DEVICES, NODE_DEVICES, CostModel, SectionCost, analytic_section
+from maestro_jax.meshes import MESH_AXES
+from maestro_jax.planning.cost import (
+    DEVICES,
+    GRAD_BYTES,
+    NODE_DEVICES,
+    CostModel,
+    SectionCost,
+    analytic_section,
+    optimizer_update_s,
+    ring_allreduce_s,
+)
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
@@ -39,9 +52,10 @@ def section_cost(
     is_sink: bool,
     typical: float | None = None,
 ) -> SectionCost:
-    """Analytic coefficients of one section under its plan, from the FLOPs it declares.
-    `typical`: `typical_units(spec.name, metas_all)`, when the caller has it already (the
-    planner prices thousands of layouts on the same samples)."""
+    """Analytic coefficients of one section under its plan, from the FLOPs it declares; its
+    optimizer step's gradient reduction hides behind one backward micro-step of typical rows
+    (`update_time`). `typical`: `typical_units(spec.name, metas_all)`, when the caller has it
+    already (the planner prices thousands of layouts on the same samples)."""
     c = spec.cost
     linear, attn = c.flops, c.attention_flops
     if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
@@ -62,7 +76,7 @@ def section_cost(
     )
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0
-    return SectionCost(
+    cost = SectionCost(
         a.per_unit_s + exchange_s_per_unit(spec, sp, device, link_gbps),
         a.per_unit2_s,
         a.overhead_s,
@@ -72,6 +86,9 @@ def section_cost(
         overlapped_s=fsdp_gather_s(spec, sp, device, link_gbps),
         layers=max(c.layers, 1),
     )
+    backward = cost.sink_factor - 1.0 if is_sink else cost.backward_factor
+    hidden = cost.forward_s(int(typical), sp.micro_batch) * backward
+    return dataclasses.replace(cost, update_s=update_time(spec, sp, device, link_gbps, hidden))
 
 
 def recompute_share(spec: SectionSpec, sp: SectionPlan, typical_units: float) -> float:
@@ -109,6 +126,46 @@ def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: fl
     return value * per_device * (fsdp - 1) / fsdp / _link(device, link_gbps, group)
 
 
+def update_time(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: float, hidden: float = 0.0) -> float:
+    """A trained section's optimizer step under its layout, once per training step (0 when frozen):
+      gradient reduction: each device's gradients, what remains of them after fsdp's per-micro-step
+        reduce-scatter (priced in the backward, `fsdp_gather_s`), are all-reduced over the devices
+        that hold the same weights (`cost.ring_allreduce_s`, float32, `cost.GRAD_BYTES`): the
+        dense weights over data x expert x context, the experts' over data x context;
+      optimizer update: Adam over each device's own float32 slice of the parameters, memory-bound
+        (`cost.optimizer_update_s`).
+    Once per step: gradients accumulate over the micro-steps on each device and are reduced
+    after the last, as Megatron-LM's DDP launches its reduction in the last micro-batch's
+    backward only. Overlap: the reduction runs beside `hidden` seconds of compute and only the
+    rest shows; `section_cost` passes one backward micro-step of typical rows, unpadded (the
+    last backward, beside which Megatron's `overlap_grad_reduce` reduces its gradient buckets and
+    XLA's latency-hiding scheduler can run the reduction; nothing earlier, since the gradients
+    are complete only then). The update waits for the reduction and overlaps nothing. Every side
+    is priced by this rule: the simulator's U op after the section's last backward, the end of
+    `monolithic_time`, each pipeline stage's slices after its own drain."""
+    if not spec.trained:
+        return 0.0
+    sizes = sp.axis_sizes
+    shards = sizes["tensor"] * sizes["fsdp"]
+    routed = spec.trained_expert_param_count
+    dense = (spec.trained_param_count - routed) / shards
+    experts = routed / (shards * sizes["expert"])
+    reduction = 0.0
+    for values, axes in ((dense, ("data", "expert", "context")), (experts, ("data", "context"))):
+        group = math.prod(sizes[a] for a in axes)
+        reduction += ring_allreduce_s(GRAD_BYTES * values, group, _link(device, link_gbps, _span(sizes, axes)))
+    return max(reduction - hidden, 0.0) + optimizer_update_s(dense + experts, device)
+
+
+def _span(sizes: Mapping[str, int], axes: tuple[str, ...]) -> int:
+    """Consecutive devices a group over `axes` spreads across: from its outermost axis of size > 1
+    inward (`meshes.MESH_AXES` order, tensor innermost)."""
+    for i, a in enumerate(MESH_AXES):
+        if a in axes and sizes[a] > 1:
+            return math.prod(sizes[b] for b in MESH_AXES[i:])
+    return 1
+
+
 def _link(device: str, link_gbps: float, group: int) -> float:
     """Bytes/s per device of a collective over `group` devices: NVLink inside a node
     (`NODE_DEVICES`), the inter-node link beyond."""
@@ -124,7 +181,21 @@ def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gb
         half, which the ring's balanced order computes (`models.layers.ring_attention`);
       expert parallelism: each layer sends every token to its experts_per_token experts and
         back (dispatch and combine, the all-to-all pair), of which (expert - 1) / expert cross
-        devices, each device handling its 1 / context of the row.
+        devices. The tokens are divided as the layout divides them, as Megatron-LM's all-to-all
+        dispatcher divides them (megatron/core/transformer/moe/token_dispatcher.py,
+        MoEAlltoAllTokenDispatcher, "num_local_tokens: S/TP*B"): each device sends its
+        1 / (context x tensor) of the row; then, with tensor > 1, the tensor group all-gathers
+        what it received (each device holds a slice of every local expert's `expert_mlp`) and
+        reduce-scatters the results back (`gather_from_sequence_parallel_region`,
+        `reduce_scatter_to_sequence_parallel_region` there): (tensor - 1) / tensor of the
+        group's routed slots per device, inside a node. Not overlapped: the dispatch's result
+        feeds the experts' matmuls and the combine's the next layer, so XLA's latency-hiding
+        scheduler has no independent compute to hide them behind (`models.llm.sparse_experts`
+        issues one all-to-all per direction, each consumed by the next op), and nothing here
+        shows XLA overlapping them; Megatron hides them only by interleaving two micro-batches
+        (`overlap_moe_expert_parallel_comm`), which no side here models. Note that
+        `sparse_experts` itself still sends each token from every tensor rank (its tokens are
+        not split over `tensor`): this prices the divided dispatch, on every side alike.
     Activations move at 2 bytes per value in bfloat16 sections, 4 in float32."""
     c, sizes = spec.cost, sp.axis_sizes
     tensor, context, expert = sizes["tensor"], sizes["context"], sizes["expert"]
@@ -141,8 +212,9 @@ def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gb
             / _link(device, link_gbps, context * tensor)
         )
     if expert > 1 and c.routed_width:
-        group = expert * context * tensor
-        t += c.layers * 2 * c.routed_width * value * (expert - 1) / expert / context / _link(device, link_gbps, group)
+        routed = c.layers * 2 * c.routed_width * value / context  # dispatch and combine, per unit of the row
+        t += routed * (expert - 1) / expert / tensor / _link(device, link_gbps, expert * context * tensor)
+        t += routed * (tensor - 1) / tensor / _link(device, link_gbps, tensor)
     return t
 
 
@@ -170,7 +242,14 @@ def cost_model(
             in_place.add(e.name)
         else:
             transfer[e.name] = per_unit
-    return CostModel(sections, transfer, TRANSFER_OVERHEAD_S, frozenset(in_place), source=f"analytic:{device}")
+    return CostModel(
+        sections,
+        transfer,
+        TRANSFER_OVERHEAD_S,
+        frozenset(in_place),
+        source=f"analytic:{device}",
+        update_s={s: c.update_s for s, c in sections.items() if c.update_s},
+    )
 
 
 TRANSFER_OVERHEAD_S = 20e-6  # per transfer: an assumed launch latency of a device-to-device copy, not fitted to data
@@ -203,7 +282,8 @@ def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: i
     """Every section (or `only` that one) one after the other on all devices, per micro-batch;
     the micro-batches packed the best of three ways a monolithic trainer could: arrival order,
     longest first by the sink's work (similar sequence lengths share a bucket, as maestro packs
-    its sections), or longest first by the sample's whole modelled time."""
+    its sections), or longest first by the sample's whole modelled time. Then each section's
+    optimizer step (`cost.update_s`), one after another on the same devices."""
 
     def alone(m) -> float:
         return sum(cost.step_time(s, "F", [u], 1) - cost.sections[s].overhead_s for s, u in m.work.items())
@@ -214,7 +294,8 @@ def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: i
         sorted(metas, key=lambda m: m.work.get(sink, 0), reverse=True),
         sorted(metas, key=alone, reverse=True),
     )
-    return min(_packed_time(spec, order, cost, mb, rows, only) for order in orders)
+    update = sum(t for s, t in cost.update_s.items() if only in (None, s))
+    return min(_packed_time(spec, order, cost, mb, rows, only) for order in orders) + update
 
 
 def _packed_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int, only: str | None) -> float:

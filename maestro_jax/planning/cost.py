@@ -10,7 +10,8 @@ each layer then takes the longer of its compute and the next layer's gather, so
     t(F) = overhead + (c + g) / L + (L - 1) / L * max(c, g),   g = overlapped_s
 (c + g with one layer: nothing to overlap), plus the host time to issue it (`dispatch_s`), which
 overlaps the device work of earlier ops. Backward costs `backward_factor` forwards; the sink's
-loss-and-grad costs `sink_factor` forwards. Two sources fill the coefficients:
+loss-and-grad costs `sink_factor` forwards; once per step a trained section pays `update_s`, its
+gradients' data-parallel reduction and its optimizer update. Two sources fill the coefficients:
   * calibrated: fitted to the compiled programs timed on the machine at hand (`calibrate.py`);
   * analytic: FLOPs against a device's peak rate and an efficiency that grows with the work per
     device per micro-step (small micro-batches and thin tensor-parallel shards run below peak).
@@ -52,6 +53,19 @@ DEVICES = {
 # (TP 1-8, benchmarks/calibration.md) price its per-layer all-reduces into the fitted efficiency
 NODE_DEVICES = 8
 
+# The optimizer step (`ring_allreduce_s`, `optimizer_update_s`; `cluster.update_time`):
+#   GRAD_BYTES: gradients are reduced in float32, as this project accumulates them (float32 master
+#     weights, `runtime.precision`) and as Megatron-LM does for bf16 training unless told otherwise
+#     (megatron/training/arguments.py: "accumulate and all-reduce gradients in fp32 for bfloat16
+#     data type", off only under --grad-reduce-in-bf16);
+#   UPDATE_BYTES: the memory traffic of an Adam step per float32 parameter: read the parameter, its
+#     gradient and both moments, write the parameter and both moments (7 x 4 bytes), and read the
+#     gradient once more for the global-norm clipping (`runtime.optimizer`; Megatron clips by
+#     default, --clip-grad 1.0): 32 bytes, at the device's HBM bandwidth (an elementwise update
+#     does a few FLOPs per 32 bytes: memory-bound).
+GRAD_BYTES = 4
+UPDATE_BYTES = 32
+
 
 @dataclasses.dataclass(frozen=True)
 class SectionCost:
@@ -63,6 +77,7 @@ class SectionCost:
     bucket_min: int = 16
     overlapped_s: float = 0.0  # per forward micro-step: collectives that overlap the compute
     layers: int = 1  # the layers `overlapped_s` is spread over (one gather per layer)
+    update_s: float = 0.0  # per step: gradient reduction and optimizer update (`cluster.update_time`)
 
     def forward_s(self, bucket_units: int, micro_batch: int) -> float:
         """A forward micro-step of `micro_batch` rows padded to `bucket_units` (module docstring)."""
@@ -79,7 +94,7 @@ class CostModel:
     in_place: frozenset[str] = frozenset()  # edges whose rows stay where they are: no transfer at all
     source: str = "analytic"
     host_s_per_sample: float = 0.0  # host-side batch packing before dispatch
-    update_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # optimizer update per section
+    update_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # per section: its U op, once a step
     dispatch_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # host time to issue an op, by kind
 
     def dispatch_time(self, kind: str) -> float:
@@ -154,6 +169,21 @@ def analytic_section(
         backward_factor=2.0,
         sink_factor=3.0 if trained_sink else 1.0,
     )
+
+
+def ring_allreduce_s(nbytes: float, group: int, bytes_per_s: float) -> float:
+    """An all-reduce of `nbytes` held by each of `group` devices: each moves 2 (group - 1) / group
+    of them through its link, the least any algorithm built of sends and receives moves (a ring
+    reaches it: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations", J. Parallel Distrib. Comput. 69(2); NVIDIA/nccl-tests doc/PERFORMANCE.md,
+    "AllReduce: 2*(n-1)/n")."""
+    return 2 * (group - 1) / group * nbytes / bytes_per_s if group > 1 else 0.0
+
+
+def optimizer_update_s(params_per_device: float, device: str) -> float:
+    """Adam's update of `params_per_device` float32 parameters at the device's HBM bandwidth
+    (`UPDATE_BYTES` a parameter)."""
+    return UPDATE_BYTES * params_per_device / DEVICES[device]["hbm"]
 
 
 def transformer_flops(

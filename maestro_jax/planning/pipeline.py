@@ -69,8 +69,11 @@ logits); weights, grads and Adam state of the slice's parameters only. The first
 also holds the encoder and its residuals for P micro-batches, is usually the binding one; every
 stage must fit the planner's budget.
 
-Left out, as the monolithic baseline leaves them out: the data-parallel gradient reduction and
-the optimizer update; a teacher's hidden states waiting in the receive buffers.
+Optimizer step. Each stage reduces its slices' gradients over its data-parallel group and
+updates their parameters after its own last backward (`cluster.update_time`, the rule every
+side is priced by), while the stages before it still drain.
+
+Left out: a teacher's hidden states waiting in the receive buffers.
 """
 
 from __future__ import annotations
@@ -109,13 +112,15 @@ def one_f_one_b(
     backward: Sequence[Sequence[float]],
     send_forward: Sequence[Sequence[float]] | None = None,
     send_backward: Sequence[Sequence[float]] | None = None,
+    update: Sequence[float] | None = None,
 ) -> float:
     """Makespan of the non-interleaved 1F1B schedule (PipeDream-Flush; Megatron-LM's
     `forward_backward_pipelining_without_interleaving`). `forward[s][i]`, `backward[s][i]`: stage
     s's compute on micro-batch i; `send_forward[s][i]`: stage s sending i's activations to s + 1,
     `send_backward[s][i]`: sending i's gradient to s - 1 (blocking: the sender waits, and the
-    receiver has them when the send ends). Stage s runs min(P - s - 1, M) warm-up forwards, then
-    one forward and one backward in turn, then the remaining backwards."""
+    receiver has them when the send ends); `update[s]`: stage s's optimizer step, after its last
+    backward. Stage s runs min(P - s - 1, M) warm-up forwards, then one forward and one backward
+    in turn, then the remaining backwards, then its update."""
     stages, m = len(forward), len(forward[0])
     zero = [[0.0] * m for _ in range(stages)]
     send_forward, send_backward = send_forward or zero, send_backward or zero
@@ -154,7 +159,7 @@ def one_f_one_b(
                 moved = True
         if not moved:  # cannot happen for 1F1B's orders; guards the loop
             raise RuntimeError("1F1B schedule deadlocked")
-    return max(clock)
+    return max(c + u for c, u in zip(clock, update or [0.0] * stages))
 
 
 def stage_layers(layers: int, stages: int) -> list[int]:
@@ -453,6 +458,7 @@ def _pipelined(
     def alone(m) -> float:
         return sum(whole.step_time(s, "F", [u], 1) - whole.sections[s].overhead_s for s, u in m.work.items())
 
+    update = [sum(c.update_s for _, c in row) for row in costs]  # each stage's optimizer step
     bandwidth = [_boundary_bandwidth(device, link, devices, stages, s) for s in range(stages - 1)]
     # what crosses a boundary per padded unit of a micro-batch row, per device: each cut
     # section's hidden states (forward), the trained ones' gradients (backward)
@@ -490,7 +496,7 @@ def _pipelined(
         packings = []
         for chunks in _chunks(spec, metas, sp.rows, alone):
             f, b, sf, sb = ops(chunks)
-            busy = [sum(f[s]) + sum(b[s]) + sum(sf[s]) + sum(sb[s]) for s in range(stages)]
+            busy = [sum(f[s]) + sum(b[s]) + sum(sf[s]) + sum(sb[s]) + update[s] for s in range(stages)]
             packings.append((sum(busy) if planner.serial else max(busy), (f, b, sf, sb)))
         batches.append(sorted(packings, key=lambda p: p[0]))
     if statistics.mean(p[0][0] for p in batches) >= best:
@@ -502,7 +508,7 @@ def _pipelined(
             if bound >= fastest:
                 break
             # a serial client runs one program at a time: nothing overlaps, the bound is the time
-            t = bound if planner.serial else one_f_one_b(f, b, sf, sb)
+            t = bound if planner.serial else one_f_one_b(f, b, sf, sb, update)
             if t < fastest:
                 fastest, work = t, bound
         times.append(fastest)

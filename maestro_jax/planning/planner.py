@@ -8,11 +8,12 @@ the analytic cost model. Search is branch and bound, exact up to a stated gap: c
 are simulated in order of a lower bound on their step time, and a plan is skipped only when
 its bound shows it cannot beat the K-th best simulated time by more than `tolerance` (default
 1%; 0 finds the exact optimum, which `tests/test_planner.py` checks against exhaustive
-search). The bounds: no section finishes before its own work is done, co-located sections take
-turns, along a path of edges into the sink a sample's forwards, the sink's loss and the
-backwards run one after another (`Planner._chain`), and each device group runs its sections'
-forwards and backwards one at a time, none before the least time any of them waits for nor
-later than the least time still to follow (`Planner._turns`). A partial plan is bounded with
+search). The bounds: no section finishes before its own work (its micro-steps, then its
+optimizer step) is done, co-located sections take turns, along a path of edges into the sink a
+sample's forwards, the sink's loss and the backwards run one after another (`Planner._chain`),
+and each device group runs its sections' forwards, backwards and optimizer steps one at a time,
+none before the least time any of them waits for nor later than the least time still to follow
+(`Planner._turns`). A partial plan is bounded with
 every section not chosen yet at its floor on the devices left to it, so whole subtrees go at
 once. Candidates are generated under a threshold that starts at the floor of every plan and
 rises in small steps, falling to the best times found so far, so large clusters, many sections
@@ -239,6 +240,7 @@ class _Option:
     backward: float = 0.0  # its shortest backward micro-step (trained producers)
     forwards: float = 0.0  # the forwards' share of `bound` (the sink: its losses)
     backwards: float = 0.0  # the backwards' share of `bound`
+    update: float = 0.0  # the rest of `bound`: its optimizer step (`SectionCost.update_s`)
 
 
 _FLOORED = ("bound", "forward", "backward", "forwards", "backwards")  # what a floor of options keeps, in order
@@ -409,9 +411,18 @@ class Planner:
             if key not in self._prices:
                 cost = self._section_cost(section, sp)
                 self._prices[key] = cost, self._section_bound(section, sp, cost)
-            cost, bound = self._prices[key]
-            back = bound * cost.backward_factor / (1.0 + cost.backward_factor) if self._backs(section) else 0.0
-            self._priced[key] = _Option(sp, mem, cost, bound, *self._shortest(section, sp, cost), bound - back, back)
+            cost, work = self._prices[key]
+            back = work * cost.backward_factor / (1.0 + cost.backward_factor) if self._backs(section) else 0.0
+            self._priced[key] = _Option(
+                sp,
+                mem,
+                cost,
+                work + cost.update_s,
+                *self._shortest(section, sp, cost),
+                work - back,
+                back,
+                cost.update_s,
+            )
         return self._priced[key]
 
     def _shortest(self, section: str, sp: SectionPlan, cost: SectionCost) -> tuple[float, float]:
@@ -432,7 +443,8 @@ class Planner:
         sink's work waits for the path's forwards and precedes those backwards. And when every
         sample of a frozen section on the path goes on along it to the sink (a teacher), all of
         that section's forwards precede the last of the sink's losses that reads them (a pivot:
-        its whole bound, the path's shortest forwards before and after it). `values`: an option
+        its whole bound, the path's shortest forwards before and after it). The sink's optimizer
+        step is left out: it may run beside the producers' backwards. `values`: an option
         or a floor for each section counted (a partial plan's bound bounds every completion);
         `group_of`, each section's device group, for the transfers (`_hops`)."""
         hops = self._hops(values, group_of)
@@ -445,9 +457,9 @@ class Planner:
                 if s in values:
                     o = values[s]
                     if s == pivot:
-                        t += o.bound
+                        t += o.forwards
                     elif s == self.spec.sink:
-                        t += o.bound if whole and pivot is None else o.forward
+                        t += o.forwards if whole and pivot is None else o.forward
                     else:
                         t += o.forward + (o.backward if s in back else 0.0)
             for e in edges:
@@ -487,7 +499,8 @@ class Planner:
         shortest forwards of the producers a sample passes first) and a tail (the least time after
         any of them: the shortest forwards on to the sink, its loss, and the backwards back down,
         including the section's own backward) from the shortest micro-steps in `values`, at the
-        sample whose path is shortest (`_patterns`); then for any set of those kinds, the smallest
+        sample whose path is shortest (`_patterns`), and its optimizer step (after its shortest
+        backward at the earliest, nothing after it); then for any set of those kinds, the smallest
         head, their whole work (the bound's shares) and the smallest tail run one after another
         (the one-machine bound of job-shop scheduling). `values` holds an option or a floor for
         every section; `groups`, the device groups to bound."""
@@ -539,6 +552,9 @@ class Planner:
                     kinds.append((_finite(head_f[s]), o.forwards, _finite(tail_f[s])))
                 if self._backs(s):
                     kinds.append((_finite(head_b[s]), o.backwards, _finite(tail_b[s])))
+                if o.update:  # after its last backward (the sink: loss-and-grad), the last op of its own
+                    last = head_b[s] + b[s] if self._backs(s) else head_f[s] + f[s]
+                    kinds.append((_finite(last), o.update, 0.0))
             for a in {k[0] for k in kinds}:
                 for z in {k[2] for k in kinds}:
                     work = sum(k[1] for k in kinds if k[0] >= a and k[2] >= z)
@@ -566,6 +582,7 @@ class Planner:
                 c.backward_factor,
                 c.sink_factor,
                 c.overlapped_s,
+                c.update_s,
                 m["state"],
                 m["activations"],
                 m["held"],
@@ -934,15 +951,21 @@ class Planner:
         """The smallest bound and shortest micro-steps (each on its own) that any option of
         `section` reaches on at most `most` devices: a floor for every option a plan could give
         it there. Also when it shares them (`_shared_options`): a share of the budget only
-        raises the fsdp degree of a layout, and a larger fsdp degree never prices lower (its
-        all-gather, `cluster.fsdp_gather_s`, only grows; `tests/test_planner_bounds.py` checks
-        the floors against every share). Grown one device count at a time and kept (linear in
-        devices; the minimum over 1..m each time would be quadratic)."""
+        raises the fsdp degree of a layout, and a larger fsdp degree never prices its micro-steps
+        lower (its all-gather, `cluster.fsdp_gather_s`, only grows; `tests/test_planner_bounds.py`
+        checks the floors against every share). It may price the optimizer step lower (fewer
+        parameters per device, fewer replicas to reduce with), so the floor's bound leaves the
+        step out. Grown one device count at a time and kept (linear in devices; the minimum over
+        1..m each time would be quadratic)."""
+
+        def value(o: _Option, field: str) -> float:
+            return o.bound - o.update if field == "bound" else getattr(o, field)
+
         known = self._floors.setdefault((section, budget, lightest), [_Option(None, {}, None, *[math.inf] * 5)])
         while len(known) <= most:
             last, found = known[-1], self.options(section, len(known), budget, lightest)
             known.append(
-                _Option(None, {}, None, *(min([getattr(last, f), *(getattr(o, f) for o in found)]) for f in _FLOORED))
+                _Option(None, {}, None, *(min([getattr(last, f), *(value(o, f) for o in found)]) for f in _FLOORED))
             )
         return known[most]
 

@@ -18,6 +18,7 @@ from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
 from maestro_jax.meshes import RULES, mesh_axes_for
 from maestro_jax.schedule import Problem
+from maestro_jax.schedule.ops import pipeline_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,16 @@ class SectionSpec:
         """The parameters of the experts' weights, which expert parallelism shards."""
         return sum(math.prod(p.shape) for p in self.leaves if "expert" in (p.logical or ()))
 
+    @functools.cached_property
+    def trained_param_count(self) -> int:
+        """The trained parameters (`params`): what the gradient reduction and the optimizer move."""
+        return sum(math.prod(p.shape) for p in self.params)
+
+    @functools.cached_property
+    def trained_expert_param_count(self) -> int:
+        """The trained parameters of the experts' weights."""
+        return sum(math.prod(p.shape) for p in self.params if "expert" in (p.logical or ()))
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
@@ -64,6 +75,7 @@ class WorkloadSpec:
     edges: tuple[EdgeInfo, ...]
     edge_bytes: Mapping[str, float]  # bytes per producer work unit
     sink: str
+    stages: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # section -> its pipeline stages
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -86,4 +98,5 @@ class WorkloadSpec:
             max_in_flight=max_in_flight,
             groups=device_groups(plan.sections),
             run_ahead=run_ahead,
+            bounds=pipeline_bounds(self.stages),
         )

@@ -27,6 +27,7 @@ from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState,
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.runtime.stages import stage_states, whole_params, whole_states
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
+from maestro_jax.schedule.ops import pipeline_bounds
 
 
 @dataclasses.dataclass
@@ -353,6 +354,7 @@ def build_runtime(
         dp={s: plan.sections[s].dp for s in graph.names},
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
+        bounds=pipeline_bounds({s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {}),
         groups=plan_lib.device_groups(plan.sections),
     )
     return Runtime(

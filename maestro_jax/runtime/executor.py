@@ -448,7 +448,7 @@ class Executor:
         queuing more. The wavefront scheduler keeps the bound by construction, so this wait is
         a safety net; each one is counted in the step's result (`in_flight_waits`)."""
         stashed = [h for (s, _), h in ctx.handles.items() if s == section]
-        if len(stashed) > self.problem.max_in_flight and active_planner() is None:
+        if len(stashed) > self.problem.in_flight(section) and active_planner() is None:
             t0 = time.perf_counter()
             jax.block_until_ready(stashed[0])
             ctx.in_flight_waits += 1

@@ -114,6 +114,13 @@ class Problem:
     max_in_flight: int = 4
     groups: Mapping[str, str] = dataclasses.field(default_factory=dict)  # co-located section -> its device group
     run_ahead: int = 0  # global batches the `ahead` sections compute before the step that trains on them
+    # tighter stash bounds by section: stage i of a section in K pipeline stages holds at most K - i
+    # micro-steps for their backward, as 1F1B does (`pipeline_bounds`)
+    bounds: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def in_flight(self, s: str) -> int:
+        """How many of section s's forwards may wait for their backward at once."""
+        return min(self.max_in_flight, self.bounds.get(s, self.max_in_flight))
 
     @functools.cached_property
     def ahead(self) -> frozenset[str]:
@@ -301,3 +308,10 @@ def required_ops(schedule: Schedule, problem: Problem) -> dict[Op, list[Op]]:
             last = "B" if problem.needs_backward(s) else "F"
             req[Op("U", s)] = [Op(last, s, k) for k in range(len(steps[s]))]
     return req
+
+
+def pipeline_bounds(stages: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    """1F1B's stash bound for every pipeline stage (section -> its stage sections in order):
+    stage i of K waits on at most K - i backwards, the last (which holds the loss, or sends a
+    frozen teacher's output) on one."""
+    return {name: len(order) - i for order in stages.values() if len(order) > 1 for i, name in enumerate(order)}

@@ -124,5 +124,5 @@ def _check_ops(schedule: Schedule, problem: Problem, in_flight: bool) -> None:
                 if op.section == s and op.kind in ("F", "B"):
                     stash += 1 if op.kind == "F" else -1
                     peak = max(peak, stash)
-            if peak > problem.max_in_flight:
-                raise ScheduleError(f"section {s} stashes {peak} micro-steps, bound is {problem.max_in_flight}")
+            if peak > problem.in_flight(s):
+                raise ScheduleError(f"section {s} stashes {peak} micro-steps, bound is {problem.in_flight(s)}")

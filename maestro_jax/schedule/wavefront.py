@@ -304,7 +304,7 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
         if any(sched.steps == s for s in steps_seen):
             continue
         steps_seen.append(sched.steps)
-        if any(len(sched.steps[s]) > problem.max_in_flight for s in problem.order if problem.needs_backward(s)):
+        if any(len(sched.steps[s]) > problem.in_flight(s) for s in problem.order if problem.needs_backward(s)):
             continue  # the naive order stashes all of a section's forwards before its first backward
         phased = _phased(problem, sched.steps, len(metas))
         try:
@@ -329,7 +329,7 @@ def _naive_keeps_bound(batch: _Batch) -> bool:
     the bound. Counted from the samples, so that a batch too large for it is not linked."""
     problem = batch.problem
     return all(
-        -(-sum(s in secs for secs in batch.sections) // problem.rows[s]) <= problem.max_in_flight
+        -(-sum(s in secs for secs in batch.sections) // problem.rows[s]) <= problem.in_flight(s)
         for s in problem.order
         if problem.needs_backward(s)
     )
@@ -658,7 +658,7 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     """List scheduling: repeatedly start the op that can start earliest on its own device group.
 
     Per section the candidates are: the sink's next forward; a trained producer's oldest ready
-    backward and its next forward while fewer than `max_in_flight` are stashed (the earlier
+    backward and its next forward while fewer than its bound (`Problem.in_flight`) are stashed (the earlier
     start wins, forward on ties so the consumer is fed early); a frozen producer's next forward
     (it stashes nothing). Transfers and updates start when ready. The bound is never exceeded:
     when the micro-steps' dependencies leave nothing runnable within it (a stashed forward's
@@ -705,7 +705,7 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
             if (
                 i is not None
                 and pending[i] == 0
-                and (not problem.needs_backward(s) or stashed[s] < problem.max_in_flight)
+                and (not problem.needs_backward(s) or stashed[s] < problem.in_flight(s))
             ):
                 out.append(i)
         return out
@@ -715,7 +715,8 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
         if not cands:
             raise ScheduleError(
                 "list scheduling is stuck: stashed forwards wait on forwards the in-flight "
-                f"bound {problem.max_in_flight} holds back (or a dependency cycle)"
+                f"bounds {problem.max_in_flight} (and {dict(problem.bounds) or 'no stage bounds'}) hold back (or a "
+                "dependency cycle)"
             )
         i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
         op = ops[i]

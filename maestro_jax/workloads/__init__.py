@@ -346,6 +346,7 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
         tuple(EdgeInfo(e.name, e.src, e.dst) for e in graph.edges),
         {e.name: e.bytes_per_unit for e in graph.edges},
         graph.sink,
+        {s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {},
     )
 
 
