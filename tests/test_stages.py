@@ -164,3 +164,30 @@ def test_bench_refuses_a_stage_count_no_section_takes(capsys):
     assert main(["bench", "--config", str(KD), "--stages", "3", *DEEP_KD]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --stages=3: no section splits into that many stages here") and err.count("\n") == 1
+
+
+def test_staged_sections_start_from_a_hugging_face_folder_as_unstaged_ones(tmp_path):
+    """Teacher and student both from one tiny Llama folder (`init.hf_path`), each in 2 stages or
+    none: the same weights land in the sections (each stage's share on its own devices), each
+    student stage starts its own optimizer, and the first step's loss is the unstaged one's."""
+    from maestro_jax.models import hf
+    from test_hf import _overrides, make_hf
+
+    _, path = make_hf(tmp_path, "llama_untied")
+    student = [f"models.student.{k}={v}" for k, v in hf.llm_fields(path).items() if k != "kind"]
+    base = [f"{k}={v}" for k, v in _overrides(path)] + student + [f"sections.student.init.hf_path={path}"]
+    runs = {}
+    for stages in (1, 2):
+        cfg = load_config(KD, [*base, f"sections.teacher.stages={stages}", f"sections.student.stages={stages}"])
+        rt = build_runtime(cfg)
+        states = rt.init_states()
+        if stages == 2:
+            assert all(states[s].opt_state is not None for s in ("student.0", "student.1"))
+            assert {d.id for d in jax.tree.leaves(states["teacher.1"].consts)[0].sharding.device_set} == {2, 3}
+        batch = rt.batches()[0]
+        runs[stages] = rt.whole_states(states), float(rt.executor.run(states, batch, rt.schedule(batch)).loss)
+    (whole, loss), (staged, staged_loss) = runs[1], runs[2]
+    for s in ("teacher", "student"):
+        for a, b in zip(jax.tree.leaves(whole[s].variables), jax.tree.leaves(staged[s].variables)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert staged_loss == pytest.approx(loss, rel=1e-5)

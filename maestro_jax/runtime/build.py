@@ -25,7 +25,7 @@ from maestro_jax.runtime.optimizer import check_sections, section_optimizer, sec
 from maestro_jax.runtime.precision import with_precision
 from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState, planning
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
-from maestro_jax.runtime.stages import stage_states, whole_params, whole_states
+from maestro_jax.runtime.stages import on_whole, stage_states, whole_params, whole_states
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 from maestro_jax.schedule.ops import pipeline_bounds
 
@@ -58,8 +58,9 @@ class Runtime:
             for s in self.graph.names
         }
         for s, sc in self.cfg.sections.items():
-            if sc.init is not None and sc.init.hf_path is not None:
-                states = self.pretrained[s](s, sc.init.hf_path, states, self.programs)
+            if sc.init is not None and sc.init.hf_path is not None:  # a staged section loads whole
+                load = functools.partial(self.pretrained[s], s, sc.init.hf_path)
+                states = self.on_whole(states, load)
         return states
 
     def schedule(self, samples) -> Schedule:
@@ -120,6 +121,10 @@ class Runtime:
     def stage_states(self, whole: dict[str, SectionState], like: dict[str, SectionState]) -> dict[str, SectionState]:
         """`whole_states` undone onto this plan's stages (`like`: states of this runtime)."""
         return stage_states(self.graph, whole, like)
+
+    def on_whole(self, states: dict[str, SectionState], load) -> dict[str, SectionState]:
+        """`load(states, programs) -> states` on the sections whole (`runtime.stages.on_whole`)."""
+        return on_whole(self.graph, self.programs, states, load)
 
     def abstract_states(self) -> dict[str, SectionState]:
         """`init_states`' result as abstract values (shapes, dtypes, layouts), nothing computed;

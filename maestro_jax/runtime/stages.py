@@ -13,7 +13,9 @@ the same parameter paths (optax's moments mirror the parameter tree); what no pa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
 
 import jax
 
@@ -104,6 +106,33 @@ def stage_states(
                 )
             out[s] = SectionState(v["params"], v["consts"], mine)
     return out
+
+
+# what a loader that restarts a staged section's optimizer gets for it: nothing yet; each stage's
+# optimizer starts on the stage's own mesh once the section is cut again (`on_whole`)
+_RESTART_PER_STAGE = types.SimpleNamespace(init_optimizer=lambda params: None)
+
+
+def on_whole(
+    graph: SectionGraph,
+    programs: Mapping[str, SectionPrograms],
+    states: Mapping[str, SectionState],
+    load: Callable[[dict[str, SectionState], Mapping[str, object]], dict[str, SectionState]],
+) -> dict[str, SectionState]:
+    """`load(states, programs) -> states` (a Hugging Face loader, a start from another run's
+    checkpoint) applied to the sections whole: a staged section's stages are joined for it and
+    cut again after, each leaf staying on its own stage's devices. Where `load` restarts a staged
+    section's optimizer (`programs[section].init_optimizer`), each stage's starts on its mesh."""
+    if graph.staging is None:
+        return load(dict(states), programs)
+    joined = {**programs, **dict.fromkeys(graph.staging.splits, _RESTART_PER_STAGE)}
+    cut = stage_states(graph, load(whole_states(graph, programs, states), joined), states)
+    return {
+        s: dataclasses.replace(st, opt_state=programs[s].init_optimizer(st.params))
+        if st.opt_state is None and states[s].opt_state is not None
+        else st
+        for s, st in cut.items()
+    }
 
 
 def _onto(x: jax.Array, sharding) -> jax.Array:

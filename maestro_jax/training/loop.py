@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -92,7 +93,8 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
                 data.set_state(data_state)
                 say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
         if start == 0:  # a fresh run: sections that start from another run's checkpoint
-            states = start_from_checkpoints(cfg, states, rt.programs, coordinator)
+            start_from = functools.partial(start_from_checkpoints, cfg, coordinator=coordinator)
+            states = rt.on_whole(states, start_from)  # a staged section starts whole
         if start >= cfg.steps:
             say(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
             return []
