@@ -18,7 +18,7 @@ from pydantic import PositiveInt
 
 from maestro_jax.config import Config, ConfigError, Settings
 from maestro_jax.core.buckets import bucket
-from maestro_jax.core.graph import Edge, Section, SectionGraph
+from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 from maestro_jax.workloads import Workload, mean_item_units, model, settings
@@ -177,10 +177,11 @@ def next_token_loss(logits, batch, aux=0.0):
     return jnp.sum(ce * mask) + aux, {"tokens": jnp.sum(mask)}
 
 
-def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality]) -> Section:
-    """The `llm` sink of a multimodal LLM: encoder outputs spliced in, next-token cross-entropy.
-    It splits into pipeline stages (`workloads.staged`): image embeddings spliced in the first,
-    the loss in the last."""
+def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost | None = None) -> Section:
+    """The `llm` sink of a multimodal LLM: encoder outputs spliced in, next-token cross-entropy;
+    `cost` its declared cost (default: the decoder's with its head, `llm_cost`). It splits into
+    pipeline stages (`workloads.staged`): image embeddings spliced in the first, the loss in the
+    last, each stage's cost its share of the decoder's."""
     decoder = DecoderLM(llm)
 
     def forward(variables, inputs, batch):
@@ -207,7 +208,7 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality]) -> Section:
         packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(rows, routes, shards, pack, spliced),
         activates=lambda s: True,
         work=R.next_token_units,
-        cost=llm_cost(llm, head=True),
+        cost=llm_cost(llm, head=True) if cost is None else cost,
         reads=(TOKENS,),
         stages=stages,
     )
