@@ -209,14 +209,6 @@ def _plan(cfg, args) -> int:
     if not 0 <= args.tolerance < 1:
         print(f"error: --tolerance={args.tolerance}: must be in [0, 1)", file=sys.stderr)
         return 2
-    staged = next(((n, sc.stages) for n, sc in cfg.sections.items() if sc.stages > 1), None)
-    if staged:
-        print(
-            f"error: sections.{staged[0]}.stages={staged[1]}: plan does not search pipeline stages yet; valid: "
-            f"plan the config with stages: 1 (verify, train and simulate run stages)",
-            file=sys.stderr,
-        )
-        return 2
     if args.measure:
         _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
     from maestro_jax.planning.planner import InfeasibleError, format_table, layer_remat_text

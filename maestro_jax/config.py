@@ -134,24 +134,6 @@ class SectionConfig(_Frozen):
     def stage_mesh(self) -> tuple[int, ...]:
         """The mesh each of the section's pipeline stages runs: `mesh` with data / stages."""
         return tuple(n // self.stages if a == "data" else n for a, n in zip(MESH_AXES, self.mesh.shape))
-        if len(self.devices) % self.stages:
-            raise ValueError(
-                f"stages={self.stages}: {len(self.devices)} devices do not cut into {self.stages} equal stages; "
-                f"valid: a stage count that divides the device count"
-            )
-        per_stage, size = len(self.devices) // self.stages, self.mesh.size
-        if size != per_stage:
-            raise ValueError(
-                f"stages={self.stages}: the mesh has {size} devices but each stage has {per_stage} "
-                f"({len(self.devices)} devices / {self.stages} stages); valid: a mesh of {per_stage} devices "
-                f"(every stage runs the section's mesh)"
-            )
-        for key, value, valid in (("pack", self.pack, 1), ("init", self.init, None)):
-            if value != valid:
-                raise ValueError(
-                    f"stages={self.stages}: not with {key}={value!r} yet; valid: stages: 1, or {key}: {valid}"
-                )
-        return self
 
 
 class EdgeConfig(_Frozen):

@@ -15,9 +15,9 @@ from maestro_jax.config import load_config
 from maestro_jax.core.plan import PlanError, SectionPlan, check_param_divisibility, check_plan, state_bytes_per_device
 from maestro_jax.planning.cluster import section_cost
 from maestro_jax.planning.cost import NODE_DEVICES
-from maestro_jax.planning.planner import InfeasibleError, Planner, ShardedLeaves, peak_memory
+from maestro_jax.planning.planner import Candidate, InfeasibleError, Planner, ShardedLeaves, peak_memory
 from maestro_jax.planning.spec import SectionSpec
-from maestro_jax.tools.plan import planner_for
+from maestro_jax.tools.plan import planner_for, write_plan
 from maestro_jax.workloads import describe
 
 KD = ROOT / "configs/kd_tiny.yaml"
@@ -60,12 +60,24 @@ def assert_valid(p, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,overrides,devices", [(KD, TINY_KD, 6), (VLM, TINY_VLM, 8)], ids=["kd6", "vlm8"])
-def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices):
+@pytest.mark.parametrize(
+    "config,overrides,devices,staged",
+    [
+        (KD, TINY_KD, 6, False),
+        (VLM, TINY_VLM, 8, False),
+        (KD, TINY_KD + ["models.student.depth=2", "models.teacher.depth=2"], 6, True),
+    ],
+    ids=["kd6", "vlm8", "kd6-stages"],
+)
+def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices, staged):
     """Against every plan, each simulated (without `dots` checkpointing, which only multiplies
-    the layouts: thousands of plans here, three times over)."""
+    the layouts: thousands of plans here, three times over). With a 2-layer student and
+    teacher, the plans include either or both in 2 pipeline stages."""
     p = planner(config, overrides, devices, tolerance=0.0, layer_remat=("none", "full"))
     everything = list(p.candidates())
+    if staged:  # the plan space holds each section in stages, and both
+        counts = {tuple(sorted(p._stage_counts(plan))) for plan, _, _ in everything}
+        assert {("student",), ("teacher",), ("student", "teacher")} <= counts, counts
     # the search also tries each smaller stash bound; a plan counts once, at its fastest
     fastest: dict = {}
     for q in [p] + [p._with(devices, f) for f in (1, 2)]:
@@ -410,3 +422,28 @@ def test_monolithic_checkpoints_each_section_its_own_way():
     assert best["step_time_s"] < fastest
     trained = [r for s, r in best["layer_remat"].items() if p.spec.sections[s].trained]
     assert len(set(trained)) > 1, best["layer_remat"]  # the ViT and the LLM checkpoint differently
+
+
+def test_a_plan_in_stages_is_written_as_a_config_that_cuts_it_again(tmp_path):
+    """`plan --write` of a plan holding pipeline stages: `sections.<s>.stages` with the section's
+    devices and mesh whole, which `Config.plan` cuts back into the very stage plans the planner
+    priced, and the planner's checks accept."""
+    overrides = TINY_KD + ["models.student.depth=2", "models.teacher.depth=2"]
+    p = planner(KD, overrides, 8)
+    plan = next(plan for plan, _, _ in p.candidates() if len(p._stage_counts(plan)) == 2)
+    stages = p.spec.staged(p._stage_counts(plan)).stages
+    best = Candidate(plan, p.step_time(plan), 1.0, {}, p.max_in_flight, 0.0, 0, stages)
+    write_plan(str(KD), overrides + CPU, best, 1.0, str(tmp_path / "staged.yaml"))
+    cfg = load_config(tmp_path / "staged.yaml")
+    assert {s: cfg.sections[s].stages for s in ("teacher", "student")} == {"teacher": 2, "student": 2}
+    written = cfg.plan().sections
+    assert list(written) == list(plan.sections)
+    for s, sp in plan.sections.items():
+        w = written[s]
+        assert (w.devices, w.mesh, w.micro_batch, w.layer_remat) == (
+            sp.devices,
+            sp.mesh,
+            sp.micro_batch,
+            sp.layer_remat,
+        )
+    p.check(cfg.plan())

@@ -36,7 +36,7 @@ import heapq
 import itertools
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import UnitCost
@@ -51,6 +51,7 @@ from maestro_jax.core.plan import (
     mesh_shape,
     state_bytes_per_device,
 )
+from maestro_jax.core.stages import stage_name
 from maestro_jax.meshes import MESH_AXES, RULES, mesh_axes_for
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
@@ -62,9 +63,9 @@ from maestro_jax.planning.cluster import (
 )
 from maestro_jax.planning.cost import DEVICES, NODE_DEVICES, CostModel, SectionCost
 from maestro_jax.planning.simulator import simulate
-from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
+from maestro_jax.planning.spec import SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
-from maestro_jax.schedule.ops import ahead_sections, delivered
+from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
 
 F32 = 4
 
@@ -167,6 +168,7 @@ class Candidate:
     max_in_flight: int  # the stash bound it was scored with (`schedule.max_in_flight`)
     peak_gb: float  # per device of the fullest device group (co-located sections add up)
     run_ahead: int = 0  # whether frozen sections compute the next batch during the step (`schedule.run_ahead`)
+    stages: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # section -> its stages
 
     def describe(self) -> dict:
         return {
@@ -213,6 +215,7 @@ def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
     return tuple(sorted({-(-per_shard // k) for k in range(1, per_shard + 1)}))
 
 
+STAGE_COUNTS = (2, 4, 8)  # pipeline stage counts the planner tries for a section that splits (`WorkloadSpec.splits`)
 _TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
 TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
 _GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass (a pass
@@ -241,6 +244,7 @@ class _Option:
     forwards: float = 0.0  # the forwards' share of `bound` (the sink: its losses)
     backwards: float = 0.0  # the backwards' share of `bound`
     update: float = 0.0  # the rest of `bound`: its optimizer step (`SectionCost.update_s`)
+    parts: tuple = ()  # in pipeline stages: each stage's option, in order (`Planner._staged_options`)
 
 
 _FLOORED = ("bound", "forward", "backward", "forwards", "backwards")  # what a floor of options keeps, in order
@@ -278,6 +282,7 @@ class Planner:
         contexts: Sequence[int] = (1, 2, 4, 8),
         run_ahead: int = 0,
         tolerance: float = TOLERANCE,
+        stage_counts: Sequence[int] = STAGE_COUNTS,
     ):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
         self.tolerance = max(tolerance, _TIE)
@@ -294,6 +299,10 @@ class Planner:
         self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
         self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
         self.contexts = tuple(contexts)
+        self.stage_counts = tuple(stage_counts)
+        self._stash = pipeline_bounds(spec.stages)  # a pipeline stage's 1F1B bound on forwards in flight
+        # planners of the workload with sections in stages (`_staged`), shared with `_with`'s
+        self._staged_planners: dict[tuple, Planner] = {}
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
         self.typical_units = {s: typical_units(s, self.metas) for s in spec.order}
         # each section's work units per sample, largest first, by batch: what its bound reads
@@ -325,13 +334,14 @@ class Planner:
     def _memory(
         self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None, in_flight: int | None = None
     ) -> dict[str, float]:
-        """`in_flight`: forwards a trained producer keeps residuals for (default `max_in_flight`)."""
+        """`in_flight`: forwards a trained producer keeps residuals for (default `max_in_flight`,
+        or less for a pipeline stage: 1F1B's bound, `schedule.ops.pipeline_bounds`)."""
         return section_memory(
             self.spec.sections[section],
             sp,
             section == self.spec.sink,
             self.max_units[section],
-            in_flight or self.max_in_flight,
+            in_flight or min(self.max_in_flight, self._stash.get(section, self.max_in_flight)),
             weights,
         )
 
@@ -346,11 +356,14 @@ class Planner:
         return self._weights_by_mesh[key]
 
     # -- enumeration --------------------------------------------------------------------------
-    def options(self, section: str, n: int, budget: float | None = None, lightest: bool = False) -> list[_Option]:
+    def options(
+        self, section: str, n: int, budget: float | None = None, lightest: bool = False, alone: bool = True
+    ) -> list[_Option]:
         """Every layout of `section` on `n` devices that passes its own constraints and fits;
-        `lightest`: with the fsdp degree that needs the least memory instead of the smallest that fits."""
+        `lightest`: with the fsdp degree that needs the least memory instead of the smallest that fits;
+        `alone`: with the layouts in pipeline stages (a section in stages has its devices alone)."""
         budget = self.budget if budget is None else budget
-        key = (section, n, budget, lightest)
+        key = (section, n, budget, lightest, alone)
         if key in self._options:
             return self._options[key]
         out = []
@@ -359,8 +372,151 @@ class Planner:
             if fits:
                 out.append(self._option(section, *(min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0])))
         kept = out if lightest else self._undominated(section, out)
+        for k in self.stage_counts if alone and not self.run_ahead else ():
+            # a stage on fewer devices than a node, or on whole nodes (a stage across part of
+            # two nodes would send its collectives over the slower link for nothing)
+            if (
+                k in self.spec.splits.get(section, {})
+                and n % k == 0
+                and (n // k < NODE_DEVICES or n % (k * NODE_DEVICES) == 0)
+            ):
+                staged = self._staged_options(section, k, n, budget, lightest)
+                kept += staged if lightest else self._undominated(section, staged)
         self._options[key] = sorted(kept, key=lambda o: o.bound)  # the search stops at the first too slow
         return self._options[key]
+
+    # -- pipeline stages ----------------------------------------------------------------------
+    def _staged(self, counts: Mapping[str, int]) -> Planner:
+        """A planner of the workload with the sections of `counts` in that many pipeline stages
+        (`WorkloadSpec.staged`): it prices each stage as a section of its own (its leaves, its
+        declared cost, 1F1B's stash bound) and simulates plans that hold stages. Without
+        run-ahead (a stage never runs ahead; `options` offers stages only without it)."""
+        counted = tuple(sorted(counts.items()))
+        key = (counted, self.max_in_flight)
+        if key not in self._staged_planners:
+            spec = self.spec.staged(counts)
+            planner = self._staged_planners[key] = Planner(
+                spec,
+                staged_metas(self.metas, spec),
+                self.devices,
+                self.budget / 2**30,
+                global_batch=self.global_batch,
+                device=self.device,
+                link_gbps=self.link_gbps,
+                max_in_flight=self.max_in_flight,
+                residuals=self.residuals,
+                layer_remat=self.layer_remat,
+                contexts=self.contexts,
+                tolerance=self.tolerance,
+                stage_counts=(),
+            )
+            # prices and weights do not depend on the stash bound: shared by every such planner
+            twin = self._staged_planners.setdefault((counted, None), planner)
+            planner._prices, planner._weights_by_mesh = twin._prices, twin._weights_by_mesh
+        return self._staged_planners[key]
+
+    def _staged_options(self, section: str, k: int, n: int, budget: float, lightest: bool) -> list[_Option]:
+        """`section` in `k` pipeline stages on `n` devices: stage i on the i-th consecutive
+        `n / k` of them, every stage with one mesh, micro-batch and checkpointing (as the config
+        gives them: `sections.<s>.stages`), the smallest fsdp degree at which every stage fits
+        (`lightest`: the least memory). Each stage priced as a section (`_staged`), then
+        summed up as one option (`_staged_option`)."""
+        sub = self._staged({section: k})
+        names = [stage_name(section, i) for i in range(k)]
+        loss_last = section == self.spec.sink
+
+        def key(sp: SectionPlan, i: int) -> tuple:
+            a = sp.axis_sizes
+            # the last stage of a sink holds the loss: no residual policy of its own
+            res = None if i == k - 1 and loss_last else sp.residuals
+            return sp.micro_batch, res, sp.layer_remat, a["tensor"], a["context"], a["expert"]
+
+        # stages alike (the same leaves' shapes, cost and role: the middle stages of an even cut)
+        # are priced once, under the first one's name
+        def signature(name: str) -> tuple:
+            st = sub.spec.sections[name]
+            shapes = tuple((p.shape, p.logical, p.itemsize) for p in st.leaves)
+            return st.trained, st.cost, st.precision, shapes, name == sub.spec.sink
+
+        first_alike: dict[tuple, str] = {}
+        priced_as = {name: first_alike.setdefault(signature(name), name) for name in names}
+        later = []
+        for i, name in enumerate(names[1:], 1):
+            index = {}
+            for variants in sub._layouts(name, n // k):
+                index[key(variants[0][0], i)] = {sp.mesh: (sp, mem) for sp, mem in variants}
+            later.append(index)
+        out = []
+        for variants in sub._layouts(names[0], n // k):
+            fits = []
+            for sp, mem in variants:
+                stages = [(sp, mem)]
+                for i, index in enumerate(later, 1):
+                    found = index.get(key(sp, i), {}).get(sp.mesh)
+                    if found is None:
+                        break
+                    stages.append(found)
+                if len(stages) == k and all(m["total"] <= budget for _, m in stages):
+                    fits.append(stages)
+            if fits:
+                chosen = min(fits, key=lambda f: max(m["total"] for _, m in f)) if lightest else fits[0]
+                parts = tuple(
+                    dataclasses.replace(sub._option(priced_as[name], sp, mem), memory=mem)
+                    for name, (sp, mem) in zip(names, chosen)
+                )
+                out.append(self._staged_option(section, n, parts))
+        return out
+
+    def _staged_option(self, section: str, n: int, parts: tuple[_Option, ...]) -> _Option:
+        """One option of a section from its stages' options. Its plan: the section's mesh over
+        all `n` devices (the stages' data axis times their count, as `sections.<s>.mesh` states
+        it). Its bound: each stage's own (on its own devices), after the shortest forwards of the
+        stages before it and before their shortest backwards (1F1B's fill and drain), the
+        largest such; its shortest micro-steps: a sample's path through the stages from where its inputs enter to where its
+        outputs leave (for a sink, each stage's forward, the loss, and the stages' backwards
+        back down); its memory: each kind's largest over the
+        stages (what any device of the section holds at most, conservatively)."""
+        first = parts[0].plan
+        sizes = dict(first.axis_sizes, data=first.axis_sizes["data"] * len(parts))
+        plan = dataclasses.replace(first, devices=tuple(range(n)), mesh=mesh_shape(**sizes))
+        memory = {kind: max(p.memory[kind] for p in parts) for kind in parts[0].memory}
+        busiest = max(parts, key=lambda p: p.forwards + p.backwards)
+        split = self.spec.splits[section][len(parts)]
+        # a sample's path through the stages: in at the latest stage an input edge enters, out at
+        # the earliest an output edge leaves (a KD student reads its teacher in its last stage)
+        a = max(split.consumes.values(), default=0)
+        z = min(split.produces.values(), default=len(parts) - 1)
+        if section == self.spec.sink:  # stages before the last are trained producers of the loss
+            forward = sum(p.forward + p.backward for p in parts[a:-1]) + parts[-1].forward
+            backward, forwards, backwards = 0.0, busiest.forwards + busiest.backwards, 0.0
+        else:
+            forward, backward = sum(p.forward for p in parts[a : z + 1]), sum(p.backward for p in parts[a : z + 1])
+            forwards, backwards = busiest.forwards, busiest.backwards
+        # stage j starts after one forward of each stage before it; after its last op (a
+        # backward, or a frozen section's last forward) one backward of each stage before it
+        # (one forward of each after it) still follows, beside its optimizer step
+        trained = self.spec.sections[section].trained
+        bound = max(
+            sum(p.forward for p in parts[:j])
+            + part.bound
+            - part.update
+            + max(
+                part.update, sum(p.backward for p in parts[:j]) if trained else sum(p.forward for p in parts[j + 1 :])
+            )
+            for j, part in enumerate(parts)
+        )
+        return _Option(
+            plan,
+            memory,
+            None,
+            bound,
+            forward,
+            backward,
+            forwards,
+            backwards,
+            max(p.update for p in parts),
+            parts,
+        )
 
     def _layouts(self, section: str, n: int) -> list[list[tuple[SectionPlan, dict]]]:
         """`section`'s layouts on `n` devices with their memory: for each tensor, context and
@@ -477,7 +633,11 @@ class Planner:
         out = {}
         for e in self.spec.edges:
             src, dst = values.get(e.src), values.get(e.dst)
-            if src is not None and dst is not None and src.plan is not None and dst.plan is not None:
+            if (src is not None and src.parts) or (dst is not None and dst.parts):
+                # an end in stages: its stage's mesh and devices are not the option's; the
+                # fixed latency between groups bounds the transfer
+                out[e.name] = TRANSFER_OVERHEAD_S if group_of[e.src] != group_of[e.dst] else 0.0
+            elif src is not None and dst is not None and src.plan is not None and dst.plan is not None:
                 per_unit = transfer_s_per_unit(
                     self.spec.edge_bytes[e.name],
                     src.plan,
@@ -546,13 +706,22 @@ class Planner:
             kinds = []  # (head, work, tail)
             for s in group:
                 o = values[s]
+                if o.parts and (
+                    self.spec.splits[s][len(o.parts)].consumes or self.spec.splits[s][len(o.parts)].produces
+                ):
+                    # an edge in or out at a middle stage: its busiest stage need not wait for it
+                    kinds.append((0.0, o.forwards, 0.0))
+                    if self._backs(s):
+                        kinds.append((0.0, o.backwards, 0.0))
+                    continue
                 if s in self._ahead:  # its forwards are the next batch's: nothing in this step waits on them
                     kinds.append((0.0, o.forwards, 0.0))
                 else:
                     kinds.append((_finite(head_f[s]), o.forwards, _finite(tail_f[s])))
                 if self._backs(s):
                     kinds.append((_finite(head_b[s]), o.backwards, _finite(tail_b[s])))
-                if o.update:  # after its last backward (the sink: loss-and-grad), the last op of its own
+                if o.update and not o.parts:  # after its last backward (the sink: loss-and-grad), the
+                    # last op of its own (in stages: of its busiest stage, whose turn this bound does not follow)
                     last = head_b[s] + b[s] if self._backs(s) else head_f[s] + f[s]
                     kinds.append((_finite(last), o.update, 0.0))
             for a in {k[0] for k in kinds}:
@@ -568,21 +737,28 @@ class Planner:
 
     def _undominated(self, section: str, options: list[_Option]) -> list[_Option]:
         """Drop an option when another with the same data-parallel degree and micro-batch (all
-        that fanouts and the schedule see of it) costs no more in every coefficient of the cost
+        that fanouts and the schedule see of it; and the same stage count) costs no more in every coefficient of the cost
         model and needs no more memory of each kind: it can only tie or lose, alone or sharing
         devices with other sections. Keeps the search from simulating the many layouts (tensor vs
         context, expert degrees, checkpointing) that differ in name only."""
 
         def coefficients(o: _Option) -> tuple:
-            c, m = o.cost, o.memory
+            m = o.memory
+            costs = [p.cost for p in o.parts] or [o.cost]  # in stages: every stage's
             return (
-                c.per_unit_s,
-                c.per_unit2_s,
-                c.overhead_s,
-                c.backward_factor,
-                c.sink_factor,
-                c.overlapped_s,
-                c.update_s,
+                *(
+                    x
+                    for c in costs
+                    for x in (
+                        c.per_unit_s,
+                        c.per_unit2_s,
+                        c.overhead_s,
+                        c.backward_factor,
+                        c.sink_factor,
+                        c.overlapped_s,
+                        c.update_s,
+                    )
+                ),
                 m["state"],
                 m["activations"],
                 m["held"],
@@ -590,7 +766,7 @@ class Planner:
 
         groups: dict[tuple, list[tuple[tuple, _Option]]] = {}
         for o in options:
-            groups.setdefault((o.plan.dp, o.plan.micro_batch), []).append((coefficients(o), o))
+            groups.setdefault((len(o.parts), o.plan.dp, o.plan.micro_batch), []).append((coefficients(o), o))
         kept = set()  # ids: the options are distinct, and comparing dataclasses is slow
         for group in groups.values():
             group.sort(key=lambda g: (g[0], _tiebreak_section(g[1].plan)))
@@ -637,14 +813,16 @@ class Planner:
         """`section`'s options when it shares its `n` devices with `members - 1` other sections:
         the layouts that fit some share of the budget (eighths, up to all of it: one section's
         working activations may reuse another's, `group_bytes`), each the cheapest for its
-        share, so the group's search can trade one section's memory for another's speed."""
-        if members == 1 or math.isinf(budget):
+        share, so the group's search can trade one section's memory for another's speed. Not
+        in pipeline stages: a section in stages is a device group of its own (its stages' device
+        ranges would overlap another section's in part, which the runtime refuses)."""
+        if members == 1:
             return self.options(section, n, budget, lightest)
         key = (section, n, budget, lightest)
         if key not in self._shared:
             seen, out = set(), []
-            for eighths in range(1, 9):
-                for o in self.options(section, n, budget * eighths / 8, lightest):
+            for eighths in range(1, 9) if not math.isinf(budget) else (8,):
+                for o in self.options(section, n, budget * eighths / 8, lightest, alone=False):
                     if o.plan not in seen:
                         seen.add(o.plan)
                         out.append(o)
@@ -676,7 +854,7 @@ class Planner:
                 if bound > limit.value:
                     return
                 plan = self._assemble(chosen, groups)
-                memory = self._with_stash(plan, {s: o.memory for s, o in chosen.items()})
+                memory = self._with_stash(plan, _memories(chosen))
                 if not (self._ahead_edges and peak_memory(plan, memory) > budget):
                     yield plan, memory, bound
                 return
@@ -718,19 +896,26 @@ class Planner:
 
     def _assemble(self, chosen: dict, groups: Sequence[Sequence[str]]) -> Plan:
         """Contiguous device ranges, one per device group, in graph order of each group's first
-        section; co-located sections share their group's range. Fanouts are derived from the
+        section; co-located sections share their group's range, a section in stages cuts it
+        into consecutive equal shares, stage by stage. Fanouts are derived from the
         data-parallel degrees, and kept (as what the config may state) where they are whole."""
         first = {s: g for g in groups for s in g}
         sections, ranges, start = {}, {}, 0
         for s in self.spec.order:
-            sp, g = chosen[s].plan, first[s]
+            o, g = chosen[s], first[s]
             if g not in ranges:
-                ranges[g] = tuple(range(start, start + len(sp.devices)))
-                start += len(sp.devices)
-            sections[s] = dataclasses.replace(sp, devices=ranges[g])
+                ranges[g] = tuple(range(start, start + len(o.plan.devices)))
+                start += len(o.plan.devices)
+            if not o.parts:
+                sections[s] = dataclasses.replace(o.plan, devices=ranges[g])
+                continue
+            cut = len(ranges[g]) // len(o.parts)
+            for i, p in enumerate(o.parts):
+                sections[stage_name(s, i)] = dataclasses.replace(p.plan, devices=ranges[g][i * cut : (i + 1) * cut])
+        edges = self.spec.staged(_counts(chosen)).edges
         fanout = {
             e.name: sections[e.dst].dp // sections[e.src].dp
-            for e in self.spec.edges
+            for e in edges
             if sections[e.dst].dp % sections[e.src].dp == 0
         }
         return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
@@ -757,6 +942,9 @@ class Planner:
 
     def check(self, plan: Plan) -> dict[str, dict[str, float]]:
         """The runtime's constraint checks on a whole plan; raises PlanError. Returns the memory."""
+        counts = self._stage_counts(plan)
+        if counts:
+            return self._staged(counts).check(plan)
         mem = self._with_stash(plan, {s: self._memory(s, sp) for s, sp in plan.sections.items()})
         check_plan(
             plan,
@@ -804,7 +992,21 @@ class Planner:
             bounds.append(factor * max(work, padded))
         return statistics.mean(bounds)
 
+    def _stage_counts(self, plan: Plan) -> dict[str, int]:
+        """The sections `plan` holds in pipeline stages, with their stage counts."""
+        out = {}
+        for s in self.spec.splits:
+            k = 0
+            while stage_name(s, k) in plan.sections:
+                k += 1
+            if k:
+                out[s] = k
+        return out
+
     def step_time(self, plan: Plan) -> float:
+        counts = self._stage_counts(plan)
+        if counts:  # simulated with each stage a section of its own
+            return self._staged(counts).step_time(plan)
         key = _key(plan)
         if key not in self._times:
             cost = cost_model(
@@ -930,6 +1132,7 @@ class Planner:
                     self.max_in_flight,
                     peak_memory(plan, mem) / 2**30,
                     self.run_ahead,
+                    self.spec.staged(self._stage_counts(plan)).stages,
                 ),
             )
             if len(scored) >= top:
@@ -1043,8 +1246,10 @@ class Planner:
             contexts=self.contexts,
             run_ahead=self.run_ahead if run_ahead is None else run_ahead,
             tolerance=self.tolerance,
+            stage_counts=self.stage_counts,
         )
         other._prices, other._weights_by_mesh = self._prices, self._weights_by_mesh
+        other._staged_planners = self._staged_planners
         return other
 
     def _infeasible_message(self) -> str:
@@ -1062,6 +1267,23 @@ class Planner:
             f"request is --memory-gb {_ceil_significant(min(peaks) / 2**30):g} at --devices "
             f"{self.devices}{alt}"
         )
+
+
+def _counts(chosen: Mapping[str, _Option]) -> dict[str, int]:
+    """The sections of a plan's options in pipeline stages, with their stage counts."""
+    return {s: len(o.parts) for s, o in chosen.items() if o.parts}
+
+
+def _memories(chosen: Mapping[str, _Option]) -> dict[str, dict[str, float]]:
+    """The memory of a plan's sections by the plan's section names (a section in stages: each
+    stage's under its own)."""
+    out = {}
+    for s, o in chosen.items():
+        if o.parts:
+            out.update((stage_name(s, i), p.memory) for i, p in enumerate(o.parts))
+        else:
+            out[s] = o.memory
+    return out
 
 
 def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:

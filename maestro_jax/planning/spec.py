@@ -16,8 +16,9 @@ from collections.abc import Mapping
 
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
+from maestro_jax.core.stages import stage_edge, stage_name
 from maestro_jax.meshes import RULES, mesh_axes_for
-from maestro_jax.schedule import Problem
+from maestro_jax.schedule import Problem, SampleMeta
 from maestro_jax.schedule.ops import pipeline_bounds
 
 
@@ -69,6 +70,19 @@ class SectionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class StagedSection:
+    """A section cut into `len(stages)` pipeline stages, as its `Section.stages(k)` cuts it
+    (`core.stages.StageSplit`): each stage's `SectionSpec` (its own leaves and declared cost),
+    the section's input edges read by a stage other than the first and output edges written by
+    one other than the last, and the bytes per unit a stage-to-stage edge carries."""
+
+    stages: tuple[SectionSpec, ...]
+    consumes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    produces: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    bytes_per_unit: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
     name: str
     sections: Mapping[str, SectionSpec]  # in topological order
@@ -76,6 +90,8 @@ class WorkloadSpec:
     edge_bytes: Mapping[str, float]  # bytes per producer work unit
     sink: str
     stages: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # section -> its pipeline stages
+    # section -> stage count -> the section cut into that many stages: what the planner may stage
+    splits: Mapping[str, Mapping[int, StagedSection]] = dataclasses.field(default_factory=dict)
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -86,6 +102,18 @@ class WorkloadSpec:
 
     def consumers_of(self, name: str) -> tuple[EdgeInfo, ...]:
         return tuple(e for e in self.edges if e.src == name)
+
+    def staged(self, counts: Mapping[str, int]) -> WorkloadSpec:
+        """This workload with each section of `counts` (section -> a stage count of `splits`) in
+        its pipeline stages, as `core.stages.stage_graph` cuts the graph: stage i sends to stage
+        i + 1 on `stage_edge`, the section's edges read and written by the stages its split
+        names (else the first reads, the last writes). Memoized: the planner asks once per plan
+        it simulates."""
+        key = tuple(sorted((s, k) for s, k in counts.items() if k > 1))
+        cache = self.__dict__.setdefault("_staged", {})  # not a field: equality and repr ignore it
+        if key not in cache:
+            cache[key] = _staged(self, key)
+        return cache[key]
 
     def problem(self, plan: Plan, max_in_flight: int, run_ahead: int = 0) -> Problem:
         return Problem(
@@ -100,3 +128,52 @@ class WorkloadSpec:
             run_ahead=run_ahead,
             bounds=pipeline_bounds(self.stages),
         )
+
+
+def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> WorkloadSpec:
+    splits = {s: spec.splits[s][k] for s, k in counts if k > 1}
+    if not splits:
+        return spec
+    sections: dict[str, SectionSpec] = {}
+    edges, edge_bytes, stages = [], {}, dict(spec.stages)
+    for name, sec in spec.sections.items():
+        split = splits.get(name)
+        if split is None:
+            sections[name] = sec
+            continue
+        k = len(split.stages)
+        stages[name] = tuple(stage_name(name, i) for i in range(k))
+        sections.update((stage_name(name, i), st) for i, st in enumerate(split.stages))
+        for i in range(k - 1):
+            e = stage_edge(name, i)
+            edges.append(EdgeInfo(e, stage_name(name, i), stage_name(name, i + 1)))
+            edge_bytes[e] = split.bytes_per_unit
+
+    def end(section: str, edge: str, dst: bool) -> str:
+        split = splits.get(section)
+        if split is None:
+            return section
+        k = len(split.stages)
+        return stage_name(section, (split.consumes if dst else split.produces).get(edge, 0 if dst else k - 1))
+
+    for e in spec.edges:
+        edges.append(EdgeInfo(e.name, end(e.src, e.name, False), end(e.dst, e.name, True)))
+        edge_bytes[e.name] = spec.edge_bytes[e.name]
+    sink = end(spec.sink, "", False)
+    return WorkloadSpec(spec.name, sections, tuple(edges), edge_bytes, sink, stages)
+
+
+def staged_metas(metas, spec: WorkloadSpec) -> list:
+    """Planning batches of sample metadata with each staged section's work under every one of
+    its stages' names (a stage does its section's work on the same samples)."""
+    if not spec.stages:
+        return metas
+
+    def expand(m):
+        work = {}
+        for s, u in m.work.items():
+            for n in spec.stages.get(s, (s,)):
+                work[n] = u
+        return SampleMeta(frozenset(work), work)
+
+    return [[expand(m) for m in batch] for batch in metas]

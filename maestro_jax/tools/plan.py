@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from maestro_jax import workloads
 from maestro_jax.config import Config
+from maestro_jax.core.stages import stage_edge
 from maestro_jax.planning.planner import Candidate, Planner
 
 PLANNING_BATCHES = 2  # global batches of sample sizes the planner scores plans on (`maestro-jax plan`)
@@ -30,6 +31,8 @@ def planner_for(
     given, receives one line per pass of the search (`Planner.search` runs one per stash bound
     and run-ahead setting) and one before the baselines."""
     graph = graph or workloads.build_graph(cfg)
+    if graph.staging is not None:  # the planner chooses the stages itself: it plans the whole sections
+        graph = graph.staging.whole
     spec = workloads.describe(cfg, graph)
     metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
     planner = Planner(
@@ -76,15 +79,24 @@ class _Reporting(Planner):
 
 
 def plan_overrides(c: Candidate) -> dict[str, object]:
-    """Config keys that set a candidate's plan (for `--write` and `key=value` overrides)."""
+    """Config keys that set a candidate's plan (for `--write` and `key=value` overrides): a
+    section in pipeline stages as `sections.<s>.stages` with its devices from the first stage's
+    first to the last's last and its mesh over all of them (the stages' data axis times their
+    count), as `Config.plan` cuts it again; every other section planned `stages: 1`."""
     out: dict[str, object] = {}
-    for s, d in c.describe().items():
-        out[f"sections.{s}.devices"] = d["devices"]
-        out[f"sections.{s}.mesh"] = d["mesh"]
-        out[f"sections.{s}.micro_batch"] = d["micro_batch"]
-        out[f"sections.{s}.residuals"] = d["residuals"]
-        out[f"sections.{s}.layer_remat"] = d["layer_remat"]
-    out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items()})  # derived, where whole: replaces a stale one
+    described = c.describe()
+    of = {stage: s for s, order in c.stages.items() for stage in order}
+    for s in dict.fromkeys(of.get(name, name) for name in described):
+        order = c.stages.get(s, (s,))
+        first, last = described[order[0]], described[order[-1]]
+        out[f"sections.{s}.devices"] = f"{first['devices'].split(':')[0]}:{last['devices'].split(':')[1]}"
+        out[f"sections.{s}.mesh"] = dict(first["mesh"], data=first["mesh"]["data"] * len(order))
+        out[f"sections.{s}.micro_batch"] = first["micro_batch"]
+        out[f"sections.{s}.residuals"] = first["residuals"]
+        out[f"sections.{s}.layer_remat"] = first["layer_remat"]
+        out[f"sections.{s}.stages"] = len(order)
+    inner = {stage_edge(s, i) for s, order in c.stages.items() for i in range(len(order) - 1)}  # stage to stage
+    out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items() if e not in inner})  # derived, where whole
     out["schedule.max_in_flight"] = c.max_in_flight
     out["schedule.run_ahead"] = c.run_ahead
     return out

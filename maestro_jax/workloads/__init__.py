@@ -347,7 +347,53 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
         {e.name: e.bytes_per_unit for e in graph.edges},
         graph.sink,
         {s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {},
+        {}
+        if graph.staging
+        else {
+            s: _splits(graph.section(s), sections[s], cfg.sections[s].stages if s in cfg.sections else 1)
+            for s in graph.names
+        },
     )
+
+
+STAGE_COUNTS = (2, 4, 8, 16)  # the stage counts `describe` offers the planner for a section that splits
+
+
+def _splits(section, spec, configured: int) -> dict:
+    """`section` (described as `spec`) cut into each of `STAGE_COUNTS` stages it takes (and the
+    `configured` count, which the planner checks a config's plan with), for the planner (`planning.spec.StagedSection`): each stage's leaves are the section's that its
+    split's `owner` gives it, its cost the stage section's own."""
+    import dataclasses
+    import re
+
+    from maestro_jax.planning.spec import StagedSection
+
+    if section.stages is None:
+        return {}
+
+    def keys(info, top: str) -> tuple[str, ...]:
+        return (top, *re.findall(r"\['([^']*)'\]", info.path))
+
+    out = {}
+    for k in sorted({*STAGE_COUNTS, configured} - {1}):
+        try:
+            split = section.stages(k)
+        except ValueError:
+            break  # more stages than layers, or a model that does not split: nor will more
+        stages = tuple(
+            dataclasses.replace(
+                spec,
+                name=st.name,
+                params=tuple(p for p in spec.params if split.owner(keys(p, "params")) == i),
+                consts=tuple(p for p in spec.consts if split.owner(keys(p, "consts")) == i),
+                cost=st.cost,
+            )
+            for i, st in enumerate(split.sections)
+        )
+        if sum(len(st.leaves) for st in stages) != len(spec.leaves):
+            break  # a leaf no stage owns: the split would not be priced whole
+        out[k] = StagedSection(stages, dict(split.consumes), dict(split.produces), split.bytes_per_unit)
+    return out
 
 
 def planning_batches(cfg: Config, graph: SectionGraph, count: int, source=None):
