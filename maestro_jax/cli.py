@@ -211,7 +211,7 @@ def _plan(cfg, args) -> int:
         return 2
     if args.measure:
         _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
-    from maestro_jax.planning.planner import InfeasibleError, format_table, layer_remat_text
+    from maestro_jax.planning.planner import STAGE_COUNTS, InfeasibleError, format_table, layer_remat_text
     from maestro_jax.tools.plan import PLANNING_BATCHES, planner_for, write_plan
     from maestro_jax.tools.simulate import mesh_text
 
@@ -220,9 +220,14 @@ def _plan(cfg, args) -> int:
 
     say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {PLANNING_BATCHES} batches")
     try:
-        report = planner_for(cfg, args.devices, args.memory_gb, tolerance=args.tolerance, progress=say).search(
-            top=args.top
-        )
+        report = planner_for(
+            cfg,
+            args.devices,
+            args.memory_gb,
+            tolerance=args.tolerance,
+            progress=say,
+            stage_counts=STAGE_COUNTS if args.stages else (),
+        ).search(top=args.top)
     except InfeasibleError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
@@ -441,6 +446,12 @@ COMMANDS: dict[str, Command] = {
                 default=TOLERANCE,
                 metavar="G",
                 help="relative gap to the optimum the search may leave (0: exact)",
+            ),
+            opt(
+                "--stages",
+                action="store_true",
+                help="also search pipeline stage counts (2, 4, 8) for every section that splits (slower: each "
+                "stage count is priced on every device count, and staged plans are simulated stage by stage)",
             ),
             opt(
                 "--write",

@@ -94,12 +94,23 @@ def test_a_section_that_cannot_be_staged_is_refused_before_anything_compiles(con
     assert str(err.value).startswith(f"error: {stages}: ") and message in str(err.value)
 
 
-def test_plan_refuses_a_staged_config_it_does_not_search(capsys):
+def test_plan_of_a_staged_config_plans_the_whole_sections_and_their_stages(tmp_path, capsys):
+    """`plan --stages` on a config whose student is in stages plans the sections whole (choosing
+    their stage counts itself) and writes the stage count it chose for every section."""
+    import yaml
+
     from maestro_jax.cli import main
 
-    args = ["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "80", *DEEP_KD, "sections.student.stages=2"]
-    assert main(args) == 2
-    assert capsys.readouterr().err.startswith("error: sections.student.stages=2: plan does not search pipeline stages")
+    out = tmp_path / "planned.yaml"
+    args = ["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "1", *DEEP_KD, "sections.student.stages=2"]
+    assert main([*args, "simulate.device=cpu", "--stages", "--write", str(out)]) == 0
+    assert "student" in capsys.readouterr().out
+    # on the serial CPU client stages only add transfers: the plan takes the configured 2 back
+    assert {s: c["stages"] for s, c in yaml.safe_load(out.read_text())["sections"].items()} == {
+        "teacher": 1,
+        "student": 1,
+    }
+    assert load_config(out).plan().sections.keys() == {"teacher", "student"}
 
 
 def _equal_to_monolithic(cfg):

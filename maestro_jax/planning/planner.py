@@ -215,7 +215,11 @@ def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
     return tuple(sorted({-(-per_shard // k) for k in range(1, per_shard + 1)}))
 
 
-STAGE_COUNTS = (2, 4, 8)  # pipeline stage counts the planner tries for a section that splits (`WorkloadSpec.splits`)
+STAGE_COUNTS = (
+    2,
+    4,
+    8,
+)  # pipeline stage counts `plan --stages` tries for a section that splits (`WorkloadSpec.splits`)
 _TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
 TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
 _GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass (a pass
@@ -264,6 +268,8 @@ class Planner:
     data-parallel degrees (fan-out, fan-in, uneven). Candidates are scored with the
     wavefront scheduler and the simulator, which runs a group's sections one at a time.
     `tolerance`: the relative gap to the optimum the search may leave (module docstring).
+    `stage_counts`: the pipeline stage counts a section that splits may also take (`plan
+    --stages` gives `STAGE_COUNTS`; none by default).
     """
 
     def __init__(
@@ -282,7 +288,7 @@ class Planner:
         contexts: Sequence[int] = (1, 2, 4, 8),
         run_ahead: int = 0,
         tolerance: float = TOLERANCE,
-        stage_counts: Sequence[int] = STAGE_COUNTS,
+        stage_counts: Sequence[int] = (),
     ):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
         self.tolerance = max(tolerance, _TIE)
@@ -373,13 +379,11 @@ class Planner:
                 out.append(self._option(section, *(min(fits, key=lambda f: f[1]["total"]) if lightest else fits[0])))
         kept = out if lightest else self._undominated(section, out)
         for k in self.stage_counts if alone and not self.run_ahead else ():
-            # a stage on fewer devices than a node, or on whole nodes (a stage across part of
-            # two nodes would send its collectives over the slower link for nothing)
-            if (
-                k in self.spec.splits.get(section, {})
-                and n % k == 0
-                and (n // k < NODE_DEVICES or n % (k * NODE_DEVICES) == 0)
-            ):
+            # a stage on a power-of-two number of devices, as pipelines are laid out (a node, a
+            # part of one, or whole nodes): the search prices every stage count on every such
+            # device count, and each costs as much as pricing the section K times
+            per_stage = n // k
+            if k in self.spec.splits.get(section, {}) and n % k == 0 and per_stage & (per_stage - 1) == 0:
                 staged = self._staged_options(section, k, n, budget, lightest)
                 kept += staged if lightest else self._undominated(section, staged)
         self._options[key] = sorted(kept, key=lambda o: o.bound)  # the search stops at the first too slow
