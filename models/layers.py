@@ -161,8 +161,10 @@ def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
     Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`, in
     the implementation `attention_implementation` picks: cuDNN's fused flash attention on NVIDIA
     GPUs for bfloat16 and float16 where its shape rules hold, XLA's otherwise. A query
-    row with no key to attend (padding) gets the mean of the values, not NaN, exactly as a
-    softmax over a large negative mask would. Queries (and the output) keep their positions
+    row its mask leaves empty (a padding patch or token) attends to every key instead: cuDNN's
+    kernel returns NaN for an empty row (seen on an H200, jax 0.11.2), and that NaN, times the
+    zero cotangent a padding row gets, would poison every gradient; no row with a key reads
+    such a row, so the loss and gradients are those of the mask as given. Queries (and the output) keep their positions
     sharded over `context` while keys and values are gathered whole: one all-gather of K and V
     per layer, and every device computes its queries against every key.
 
@@ -174,12 +176,19 @@ def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
         return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL)
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
-    mask_BQL = constrain(mask_BQL, ("batch", "length", None))
+    mask_BQL = constrain(rows_with_keys(mask_BQL), ("batch", "length", None))
     implementation = attention_implementation(
         jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1], q_BLHK.shape[1], k_BLGK.shape[1], _compute_capability()
     )
     out = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None], implementation=implementation)
     return constrain(out, ("batch", "length", "heads", None))
+
+
+def rows_with_keys(mask_BQL):
+    """The mask with every empty query row (no key to attend: padding) opened to every key, so
+    that no attention implementation sees a row it would turn into NaN (cuDNN's does); rows with
+    a key are unchanged, and no such row reads an opened row's output."""
+    return mask_BQL | ~jnp.any(mask_BQL, axis=-1, keepdims=True)
 
 
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -373,5 +382,6 @@ class EncoderBlock(nn.Module):
 
 
 def segment_mask(segments_BP):
-    """Attention within each packed item (segment ids > 0); padding attends to nothing."""
+    """Attention within each packed item (segment ids > 0); padding attends to nothing (`attention`
+    then lets such a row read every key, which no other row reads back)."""
     return (segments_BP[:, :, None] == segments_BP[:, None, :]) & (segments_BP[:, None, :] > 0)

@@ -4,19 +4,22 @@ Every step runs as its own process (`python -m maestro_jax.cli ...`, or a short 
 that each sets up XLA as a user's run does, a failure or a hang in one is one failed step with
 its log, and no process here holds GPU memory that another needs (`XLA_PYTHON_CLIENT_PREALLOCATE`
 is off for all). `DIR/gpu_check.json` is rewritten after every step, so a check cut short by the
-machine's time limit still leaves what it measured. Steps, in order:
+machine's time limit still leaves what it measured, and no step starts or runs past
+`--deadline-s` (default DEADLINE_S), so the whole check ends inside one device call. Steps, in
+order, most wanted first:
 
   env       jax, jaxlib, the CUDA plugin, CUDA, cuDNN, the driver, the device and its memory;
-  verify    every tiny config with all sections on device 0 (each section its own one-device
+  verify    the tiny configs (vlm_tiny and kd_tiny by default; `--configs` takes omni_tiny and
+            vlm_kd_tiny too) with all sections on device 0 (each section its own one-device
             mesh, co-located), maestro vs the monolithic step, in float32 (matmuls at precision
             `highest`, tolerance 1e-5) and in bfloat16 (its documented 2e-2); run side by side,
             since they are compiles more than compute;
-  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm;
-  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
   kernels   decoder (dense, MoE), ViT and attention blocks at realistic widths and token counts,
             forward and forward+backward, beside the cost model's prediction for each shape;
             cuDNN against XLA attention; compiled against measured peak memory
-            (`maestro_jax.tools.kernels`).
+            (`maestro_jax.tools.kernels`);
+  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
+  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm.
 
 `--dry-run` runs the same steps on the CPU (8 virtual devices, the configs shrunk to one layer
 each, the kernels at tiny widths) in a few minutes: how the script is kept working between GPU
@@ -39,9 +42,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("vlm_tiny", "kd_tiny", "omni_tiny", "vlm_kd_tiny")
+VERIFY_CONFIGS = ("vlm_tiny", "kd_tiny")  # the default: see DEADLINE_S
 PRECISIONS = ("float32", "bfloat16")
 BENCH_CONFIGS = ("vlm_tiny", "kd_tiny")
-STEP_TIMEOUT_S = 420  # one process; the whole check is sized to about 8 minutes on one H100
+STEP_TIMEOUT_S = 420  # one process
+# The whole check stops starting steps past this (a step then runs to the deadline at most), so
+# that it ends inside one device call (10 minutes, the machine's start aside). Measured on an
+# H200 (RESULTS, "Running on a GPU"): one `verify` of vlm_tiny takes about 3 minutes beside a
+# second one, and eight side by side ran past 7 minutes; hence two configs and four workers.
+DEADLINE_S = 480
 # the dry run's configs: one layer per model, short rows, small batches (compiles dominate on CPU)
 DRY_RUN = ["global_batch=8", "data.text_len=[6,14]"]
 
@@ -89,8 +98,9 @@ json.dump(report, open({path!r}, "w"), indent=1)
 class Check:
     """The check's state: where it writes, what it found so far, how it runs a step."""
 
-    def __init__(self, out: Path, dry_run: bool):
+    def __init__(self, out: Path, dry_run: bool, deadline_s: float = DEADLINE_S):
         self.out, self.dry_run = out, dry_run
+        self.deadline = time.perf_counter() + deadline_s
         self.report: dict = {"dry_run": dry_run, "env": {}, "verify": [], "bench": [], "compile": {}, "kernels": []}
         self.failures: list[str] = []
         self.env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
@@ -102,19 +112,25 @@ class Check:
 
     def run(self, name: str, cmd: list[str], timeout: float = STEP_TIMEOUT_S) -> tuple[int, str, float]:
         """Run `cmd`, its output to `DIR/logs/NAME.log`; (status, output, seconds). A timeout is
-        status 124, as `timeout(1)` reports it."""
+        status 124, as `timeout(1)` reports it; a step the deadline leaves no time for is not
+        started (status 124, "skipped")."""
         logs = self.out / "logs"
         logs.mkdir(exist_ok=True)
         t0 = time.perf_counter()
+        timeout = min(timeout, self.deadline - t0)
+        if timeout < 10:
+            self.failures.append(f"{name}: skipped, the check's deadline (--deadline-s) has passed")
+            print(f"[   0.0 s] {name}: skipped (deadline)", flush=True)
+            return 124, "skipped: deadline", 0.0
         try:
             # run from DIR, not the source tree: there `maestro_jax` would shadow the installed
             # package, which alone maps models/ to maestro_jax.models
             proc = subprocess.run(cmd, cwd=self.out, env=self.env, capture_output=True, text=True, timeout=timeout)
             status, text = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as err:
-            status = 124
-            text = f"{err.stdout or ''}{err.stderr or ''}\ntimed out after {timeout} s"
-            text = text if isinstance(text, str) else text.decode(errors="replace")
+            status = 124  # the partial output comes as bytes, even with text=True
+            parts = [p.decode(errors="replace") if isinstance(p, bytes) else p for p in (err.stdout, err.stderr)]
+            text = "".join(p or "" for p in parts) + f"\ntimed out after {timeout:.0f} s"
         seconds = time.perf_counter() - t0
         (logs / f"{name}.log").write_text(f"+ {' '.join(cmd)}\n{text}")
         if status:
@@ -135,7 +151,8 @@ class Check:
 
     @staticmethod
     def _config(config: str):
-        sys.path.insert(0, str(ROOT))
+        # the installed package (gpu_check.sh puts it first on PYTHONPATH): the source tree alone
+        # lacks maestro_jax.models and maestro_jax.meshes, which pyproject maps from models/, meshes/
         from maestro_jax.config import load_config  # JAX-free
 
         return load_config(ROOT / "configs" / f"{config}.yaml", [])
@@ -301,10 +318,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="everything is written under this folder")
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, small")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="tiny configs to verify (comma-separated)")
+    ap.add_argument("--configs", default=",".join(VERIFY_CONFIGS), help="tiny configs to verify (comma-separated)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="verify's precisions (comma-separated)")
     ap.add_argument("--bench-configs", default=",".join(BENCH_CONFIGS), help="tiny configs to bench")
-    ap.add_argument("--workers", type=int, default=8, help="verify processes side by side")
+    ap.add_argument("--workers", type=int, default=4, help="verify processes side by side")
+    ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="no step starts, or runs, past this")
     args = ap.parse_args(argv)
     configs, benches = args.configs.split(","), [c for c in args.bench_configs.split(",") if c]
     precisions = args.precisions.split(",")
@@ -318,13 +336,14 @@ def main(argv=None) -> int:
             return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    check = Check(out, args.dry_run)
+    check = Check(out, args.dry_run, args.deadline_s)
+    # most wanted first: a deadline cuts the tail (the kernels feed the cost model's calibration)
     steps = [
         check.probe_env,
         lambda: check.verify(configs, precisions, args.workers),
-        lambda: check.compile_times(configs[0]),
-        lambda: check.bench(benches),
         check.kernels,
+        lambda: check.bench(benches),
+        lambda: check.compile_times(configs[0]),
     ]
     for step in steps:
         step()

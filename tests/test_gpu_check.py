@@ -28,7 +28,7 @@ def test_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "gc"
     # one config and one precision (the script's loops run the same code for each; co-located
     # float32 verify is tests/test_colocation.py's)
-    args = ["--configs", "kd_tiny", "--precisions", "bfloat16", "--bench-configs", "kd_tiny"]
+    args = ["--configs", "kd_tiny", "--precisions", "bfloat16", "--bench-configs", "kd_tiny", "--deadline-s", "3000"]
     proc = _check(tmp_path, "--dry-run", "--out", str(out), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
@@ -54,6 +54,22 @@ def test_dry_run_writes_every_section(tmp_path):
     )
     assert report["summary"][-1] == "gpu check: ok"
     assert proc.stdout.rstrip().endswith("gpu check: ok")  # the summary is printed last
+
+
+def test_past_its_deadline_the_check_starts_no_step_and_still_writes_its_report(tmp_path):
+    """`--deadline-s`: a GPU call has a hard limit, so the check ends inside it, every step it
+    could not start named in the report's failures and the summary."""
+    out = tmp_path / "gc"
+    proc = _check(tmp_path, "--dry-run", "--out", str(out), "--deadline-s", "0", timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    skipped = [f for f in report["failures"] if "skipped" in f]
+    verifies = {f"verify_{c}_{p}" for c in ("vlm_tiny", "kd_tiny") for p in ("float32", "bfloat16")}
+    rest = {"env", "kernels", "bench_vlm_tiny", "bench_kd_tiny", "train_vlm_tiny_cold", "train_vlm_tiny_warm"}
+    assert sorted(f.split(":")[0] for f in skipped) == sorted(verifies | rest)
+    assert len(skipped) == len(report["failures"])
+    assert not report["verify"][0].get("passed") and report["verify"][0]["status"] == 124
+    assert report["summary"][-1] == f"gpu check: {len(report['failures'])} step(s) failed"
 
 
 def test_refusals_are_one_line(tmp_path):
