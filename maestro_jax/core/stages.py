@@ -45,6 +45,14 @@ def stage_aux_edge(section: str, i: int) -> str:
     return f"{stage_edge(section, i)}:aux"
 
 
+def edge_stage(
+    section: str, edge: str, k: int, consumes: Mapping[str, int], produces: Mapping[str, int], dst: bool
+) -> str:
+    """The stage of `section` (cut into `k`) at the `dst` (reading) or source end of its edge
+    `edge`: the one its split names, else the first reads and the last writes."""
+    return stage_name(section, (consumes if dst else produces).get(edge, 0 if dst else k - 1))
+
+
 def layer_ranges(depth: int, k: int) -> tuple[tuple[int, int], ...]:
     """`depth` layers cut into `k` consecutive runs, as equal as they come, the earlier stages
     taking the extra layers (the last holds the output layer and the loss besides)."""
@@ -178,9 +186,7 @@ def stage_graph(graph: SectionGraph, counts: Mapping[str, int]) -> SectionGraph:
         split = splits.get(name)
         if split is None:
             return name
-        k = len(split.sections)
-        at = (split.consumes if end == "dst" else split.produces).get(edge.name, 0 if end == "dst" else k - 1)
-        return stage_name(name, at)
+        return edge_stage(name, edge.name, len(split.sections), split.consumes, split.produces, end == "dst")
 
     sections, edges = [], []
     for s in graph.sections:
