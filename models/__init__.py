@@ -12,8 +12,17 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
 """
 
 from maestro_jax.models.audio import AudioConfig, AudioEncoder
-from maestro_jax.models.layers import apply_with_losses
+from maestro_jax.models.layers import apply_with_losses, apply_with_row_losses
 from maestro_jax.models.llm import DecoderLM, LLMConfig
 from maestro_jax.models.vit import VisionEncoder, ViTConfig
 
-__all__ = ["AudioConfig", "AudioEncoder", "DecoderLM", "LLMConfig", "ViTConfig", "VisionEncoder", "apply_with_losses"]
+__all__ = [
+    "AudioConfig",
+    "AudioEncoder",
+    "DecoderLM",
+    "LLMConfig",
+    "ViTConfig",
+    "VisionEncoder",
+    "apply_with_losses",
+    "apply_with_row_losses",
+]

@@ -28,6 +28,15 @@ def apply_with_losses(module: nn.Module, variables, *args, method=None):
     return out, sum((jnp.sum(x) for x in jax.tree.leaves(state)), jnp.zeros((), jnp.float32))
 
 
+def apply_with_row_losses(module: nn.Module, variables, *args, method=None):
+    """`apply_with_losses` with the terms kept per row ([B]): every term a layer sows is one
+    value per row of its batch (the MoE balance loss), so a pipeline stage can send its rows'
+    terms on with the rows."""
+    out, state = module.apply(variables, *args, method=method, mutable=["losses"])
+    b = jax.tree.leaves(out)[0].shape[0]
+    return out, sum((jnp.sum(x.reshape(-1, b), axis=0) for x in jax.tree.leaves(state)), jnp.zeros((b,), jnp.float32))
+
+
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 

@@ -93,7 +93,8 @@ class MoE(nn.Module):
             self.sow(
                 "losses",
                 "router_balance",
-                c.router_aux_loss * balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, c.experts_per_token, segments_BL),
+                c.router_aux_loss
+                * balance_loss_rows(probs_BLE, chosen_BLE, valid_BL, c.experts_per_token, segments_BL),
             )
         if c.moe_dispatch == "ragged":
             return shard_sequence(ragged_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
@@ -258,9 +259,11 @@ def sparse_experts(
     return run(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
 
 
-def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int, segments_BL=None):
-    """Sum over sequences of (valid tokens) x (experts * sum_e f_e * P_e), in float32. With
-    `segments_BL` (packed rows) each sample of a row is its own sequence, as it is unpacked."""
+def balance_loss_rows(probs_BLE, chosen_BLE, valid_BL, k: int, segments_BL=None):
+    """Each row's sum over its sequences of (valid tokens) x (experts * sum_e f_e * P_e), in
+    float32 ([B]). With `segments_BL` (packed rows) each sample of a row is its own sequence, as
+    it is unpacked. Per row, so that a pipeline stage can send its rows' terms on with the rows
+    (`workloads.staged`): they add up wherever the rows go."""
     if segments_BL is not None:
         b, length, e = probs_BLE.shape
         group = (jnp.arange(b)[:, None] * (length + 1) + segments_BL).reshape(-1)  # (row, sample)
@@ -269,13 +272,18 @@ def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int, segments_BL=None):
         n_S1 = jnp.maximum(count_S, 1.0)[:, None]
         f_SE = jax.ops.segment_sum(chosen_BLE.reshape(-1, e) * v, group, b * (length + 1)) / (k * n_S1)
         p_SE = jax.ops.segment_sum(probs_BLE.reshape(-1, e) * v, group, b * (length + 1)) / n_S1
-        return jnp.sum(count_S * e * jnp.sum(f_SE * p_SE, axis=-1))
+        return jnp.sum((count_S * e * jnp.sum(f_SE * p_SE, axis=-1)).reshape(b, length + 1), axis=1)
     v = valid_BL.astype(jnp.float32)[..., None]
     count_B = jnp.sum(v, axis=(1, 2))  # an empty (padding) row has f = P = 0 and adds nothing
     n_B1 = jnp.maximum(count_B, 1.0)[:, None]
     f_BE = jnp.sum(chosen_BLE * v, axis=1) / (k * n_B1)
     p_BE = jnp.sum(probs_BLE * v, axis=1) / n_B1
-    return jnp.sum(count_B * probs_BLE.shape[-1] * jnp.sum(f_BE * p_BE, axis=-1))
+    return count_B * probs_BLE.shape[-1] * jnp.sum(f_BE * p_BE, axis=-1)
+
+
+def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int, segments_BL=None):
+    """`balance_loss_rows` summed over the rows."""
+    return jnp.sum(balance_loss_rows(probs_BLE, chosen_BLE, valid_BL, k, segments_BL))
 
 
 class DecoderBlock(nn.Module):

@@ -145,6 +145,29 @@ def test_a_staged_kd_step_is_the_unstaged_monolithic_step_under_both_schedulers(
     _equal_to_monolithic(cfg)
 
 
+MOE_STUDENT = [
+    "models.student.experts=4",
+    "models.student.experts_per_token=2",
+    "models.student.expert_mlp=16",
+    "models.student.router_aux_loss=0.05",
+]
+
+
+def test_a_staged_moe_student_carries_its_balance_loss_to_the_last_stage():
+    """An MoE student with a balance loss in 2 stages: stage 0 sends its rows' balance terms on
+    with the rows (`core.stages.stage_aux_edge`) and the last adds them to the loss, so the step is
+    the unstaged monolithic one, whose loss the balance term visibly changes."""
+    cfg = load_config(KD, [*DEEP_KD, *MOE_STUDENT, "sections.student.stages=2"])
+    without = load_config(KD, [*DEEP_KD, *MOE_STUDENT, "models.student.router_aux_loss=0.0"])
+    losses = []
+    for c in (cfg, without):
+        rt = build_runtime(c)
+        assert ("student.0>1:aux" in {e.name for e in rt.graph.edges}) == (c is cfg)
+        losses.append(float(rt.monolithic.model.run(rt.monolithic.init_states(c), rt.batches()[0])[0]))
+    assert abs(losses[0] - losses[1]) > 1e-3 * abs(losses[1])  # the term is there to be carried
+    _equal_to_monolithic(cfg)
+
+
 @pytest.mark.slow
 def test_a_staged_vlm_step_is_the_unstaged_monolithic_step_under_both_schedulers():
     cfg = load_config(ROOT / "configs" / "vlm_tiny.yaml", [*TINY_VLM, "models.llm.depth=3", "sections.llm.stages=2"])

@@ -39,6 +39,20 @@ def stage_edge(section: str, i: int) -> str:
     return f"{section}.{i}>{i + 1}"
 
 
+def stage_aux_edge(section: str, i: int) -> str:
+    """The edge on which stage `i` of `section` sends its rows' auxiliary loss terms (one value per
+    row, the MoE balance loss of its layers and the stages before it) to stage `i + 1`."""
+    return f"{stage_edge(section, i)}:aux"
+
+
+def edge_stage(
+    section: str, edge: str, k: int, consumes: Mapping[str, int], produces: Mapping[str, int], dst: bool
+) -> str:
+    """The stage of `section` (cut into `k`) at the `dst` (reading) or source end of its edge
+    `edge`: the one its split names, else the first reads and the last writes."""
+    return stage_name(section, (consumes if dst else produces).get(edge, 0 if dst else k - 1))
+
+
 def layer_ranges(depth: int, k: int) -> tuple[tuple[int, int], ...]:
     """`depth` layers cut into `k` consecutive runs, as equal as they come, the earlier stages
     taking the extra layers (the last holds the output layer and the loss besides)."""
@@ -61,6 +75,9 @@ class StageSplit:
       the section's variables (`("params", "block_3", "q", "kernel")`), or None for a leaf that is
       no parameter's (an optimizer's step count): every parameter and constant has one owner.
     bytes_per_unit: what a stage-to-stage edge carries per work unit (prices its transfer).
+    aux: stage i also sends its rows' auxiliary loss terms to stage i + 1 on `stage_aux_edge`
+      (one value per row, adding up those of every stage so far), and the last adds them to its
+      loss: a loss term of each stage's own layers (an MoE balance loss) reaches the sink.
     """
 
     sections: tuple[Section, ...]
@@ -68,6 +85,7 @@ class StageSplit:
     consumes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     produces: Mapping[str, int] = dataclasses.field(default_factory=dict)
     bytes_per_unit: float = 0.0
+    aux: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +186,7 @@ def stage_graph(graph: SectionGraph, counts: Mapping[str, int]) -> SectionGraph:
         split = splits.get(name)
         if split is None:
             return name
-        k = len(split.sections)
-        at = (split.consumes if end == "dst" else split.produces).get(edge.name, 0 if end == "dst" else k - 1)
-        return stage_name(name, at)
+        return edge_stage(name, edge.name, len(split.sections), split.consumes, split.produces, end == "dst")
 
     sections, edges = [], []
     for s in graph.sections:
@@ -179,10 +195,12 @@ def stage_graph(graph: SectionGraph, counts: Mapping[str, int]) -> SectionGraph:
             sections.append(s)
             continue
         sections.extend(split.sections)
-        edges.extend(
-            Edge(stage_edge(s.name, i), stage_name(s.name, i), stage_name(s.name, i + 1), split.bytes_per_unit)
-            for i in range(len(split.sections) - 1)
-        )
+        for i in range(len(split.sections) - 1):
+            edges.append(
+                Edge(stage_edge(s.name, i), stage_name(s.name, i), stage_name(s.name, i + 1), split.bytes_per_unit)
+            )
+            if split.aux:  # one float32 a row: priced as nothing next to the activations
+                edges.append(Edge(stage_aux_edge(s.name, i), stage_name(s.name, i), stage_name(s.name, i + 1), 0.0))
     edges.extend(Edge(e.name, stage(e, "src"), stage(e, "dst"), e.bytes_per_unit) for e in graph.edges)
 
     def init(key):

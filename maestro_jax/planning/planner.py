@@ -215,11 +215,8 @@ def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
     return tuple(sorted({-(-per_shard // k) for k in range(1, per_shard + 1)}))
 
 
-STAGE_COUNTS = (
-    2,
-    4,
-    8,
-)  # pipeline stage counts `plan --stages` tries for a section that splits (`WorkloadSpec.splits`)
+# pipeline stage counts `plan --stages` tries for a section that splits (`WorkloadSpec.splits`)
+STAGE_COUNTS = (2, 4, 8)
 _TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
 TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
 _GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass (a pass
@@ -710,9 +707,8 @@ class Planner:
             kinds = []  # (head, work, tail)
             for s in group:
                 o = values[s]
-                if o.parts and (
-                    self.spec.splits[s][len(o.parts)].consumes or self.spec.splits[s][len(o.parts)].produces
-                ):
+                split = self.spec.splits[s][len(o.parts)] if o.parts else None
+                if split is not None and (split.consumes or split.produces):
                     # an edge in or out at a middle stage: its busiest stage need not wait for it
                     kinds.append((0.0, o.forwards, 0.0))
                     if self._backs(s):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
-from maestro_jax.core.stages import stage_edge, stage_name
+from maestro_jax.core.stages import edge_stage, stage_edge, stage_name
 from maestro_jax.meshes import RULES, mesh_axes_for
 from maestro_jax.schedule import Problem, SampleMeta
 from maestro_jax.schedule.ops import pipeline_bounds
@@ -153,8 +153,7 @@ def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> Workload
         split = splits.get(section)
         if split is None:
             return section
-        k = len(split.stages)
-        return stage_name(section, (split.consumes if dst else split.produces).get(edge, 0 if dst else k - 1))
+        return edge_stage(section, edge, len(split.stages), split.consumes, split.produces, dst)
 
     for e in spec.edges:
         edges.append(EdgeInfo(e.name, end(e.src, e.name, False), end(e.dst, e.name, True)))

@@ -15,9 +15,11 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 
+import jax.numpy as jnp
+
 from maestro_jax.core.graph import Section, UnitCost
-from maestro_jax.core.stages import StageSplit, layer_ranges, stage_edge, stage_name
-from maestro_jax.models import DecoderLM, LLMConfig
+from maestro_jax.core.stages import StageSplit, layer_ranges, stage_aux_edge, stage_edge, stage_name
+from maestro_jax.models import DecoderLM, LLMConfig, apply_with_row_losses
 from maestro_jax.workloads import rows as R
 
 Embed = Callable  # (module, v, inputs, batch) -> x_BLD: stage 0's input embeddings
@@ -63,11 +65,8 @@ def decoder_stages(
             "the model ties its output layer to its embedding (tie_embeddings: true), which the first and the "
             "last stage would both train; valid: 1"
         )
-    if llm.experts and llm.router_aux_loss:
-        raise ValueError(
-            f"the model's router_aux_loss={llm.router_aux_loss} would be added up in every stage but the "
-            f"last is the sink; valid: 1, or router_aux_loss: 0"
-        )
+    # an MoE balance loss: each stage's rows' terms travel on with the rows to the last stage
+    aux = bool(llm.experts and llm.router_aux_loss and section.trained)
     ranges = layer_ranges(llm.depth, k)
 
     def owner(path: tuple[str, ...]) -> int | None:
@@ -85,6 +84,8 @@ def decoder_stages(
         module = DecoderLM(llm, with_head=with_head, layers=ranges[i])
         prev = stage_edge(section.name, i - 1) if i else None
         out = stage_edge(section.name, i) if i < k - 1 else None
+        prev_aux = stage_aux_edge(section.name, i - 1) if i else None
+        out_aux = stage_aux_edge(section.name, i) if i < k - 1 else None
 
         def host_batch(rows, routes):
             batch = section.host_batch(rows, routes)
@@ -99,10 +100,19 @@ def decoder_stages(
                 x = embed(module, v, inputs, batch)
             else:
                 x = R.gather(inputs, prev, batch[f"{prev}_row"], length=batch["input_ids"].shape[1])
-            h = module.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.body)
+            if not aux:
+                h = module.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.body)
+                if out is not None:
+                    return {out: h}
+                return finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
+            h, terms = apply_with_row_losses(module, v, x, batch["positions"], batch["valid"], method=DecoderLM.body)
+            if prev is not None:  # the stages' before it, of the same rows (none on a padding row)
+                row = batch[f"{prev}_row"]
+                terms = terms + R.gather(inputs, prev_aux, row, length=1)[:, 0] * (row >= 0)
             if out is not None:
-                return {out: h}
-            return finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
+                return {out: h, out_aux: terms[:, None]}
+            loss, metrics = finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
+            return loss + jnp.sum(terms), metrics
 
         last = i == k - 1
         return Section(
@@ -121,4 +131,5 @@ def decoder_stages(
         owner=owner,
         consumes=dict(consumes or {}),
         bytes_per_unit=2 * llm.width,
+        aux=aux,
     )
