@@ -209,6 +209,27 @@ class AudioModelConfig(_Frozen):
         return v
 
 
+class RopeScalingConfig(_Frozen):
+    """`models.<s>.rope_scaling`: Hugging Face's `rope_scaling` block, under its own names (copy it
+    from config.json, or let `init.hf_path` be read); what each type computes:
+    `models.layers.RopeScaling`."""
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: PositiveInt = 8192
+
+    @pydantic.model_validator(mode="after")
+    def _band(self):
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"llama3: high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                f"{self.low_freq_factor} (the band blended between them)"
+            )
+        return self
+
+
 class LLMModelConfig(_Frozen):
     kind: Literal["llm"]
     scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
@@ -220,6 +241,7 @@ class LLMModelConfig(_Frozen):
     head_dim: PositiveInt
     mlp: PositiveInt
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None  # Llama 3.1+: {rope_type: llama3, factor: 8, ...}
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2

@@ -12,7 +12,7 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
 """
 
 from maestro_jax.models.audio import AudioConfig, AudioEncoder
-from maestro_jax.models.layers import apply_with_losses, apply_with_row_losses
+from maestro_jax.models.layers import RopeScaling, apply_with_losses, apply_with_row_losses
 from maestro_jax.models.llm import DecoderLM, LLMConfig
 from maestro_jax.models.vit import VisionEncoder, ViTConfig
 
@@ -21,6 +21,7 @@ __all__ = [
     "AudioEncoder",
     "DecoderLM",
     "LLMConfig",
+    "RopeScaling",
     "ViTConfig",
     "VisionEncoder",
     "apply_with_losses",

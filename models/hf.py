@@ -37,6 +37,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from maestro_jax.models.layers import ROPE_SCALINGS, RopeScaling
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -90,6 +91,29 @@ def weight_files(path: str | Path) -> list[Path]:
     return [path / n for n in names]
 
 
+def _rope_scaling(path, block: dict) -> dict | None:
+    """config.json's `rope_scaling` (transformers 4) or `rope_parameters` (5) as
+    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE)."""
+    rope_type = block.get("rope_type", block.get("type")) or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALINGS:
+        raise HFError(f"{path}/config.json: rope_type={rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}")
+    defaults = RopeScaling(rope_type, 1.0)
+    fields = {"rope_type": rope_type, "factor": float(block["factor"])}
+    if rope_type == "llama3":
+        for k in ("low_freq_factor", "high_freq_factor"):
+            fields[k] = float(block.get(k, getattr(defaults, k)))
+        fields["original_max_position_embeddings"] = int(block["original_max_position_embeddings"])
+    else:
+        fields.update(
+            low_freq_factor=defaults.low_freq_factor,
+            high_freq_factor=defaults.high_freq_factor,
+            original_max_position_embeddings=defaults.original_max_position_embeddings,
+        )
+    return fields
+
+
 def llm_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind llm; `LLMConfig`'s fields plus `kind`)
     that describe the checkpoint at `path`."""
@@ -97,11 +121,8 @@ def llm_fields(path: str | Path) -> dict:
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted(ARCHITECTURES)}")
-    rope = hf.get("rope_scaling") or {}
     params = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type") or "default"
-    if rope_type != "default":
-        raise HFError(f"{path}/config.json: rope_type={rope_type!r}; only plain RoPE ('default') is supported")
+    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params)
     if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
         raise HFError(
             f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
@@ -120,6 +141,7 @@ def llm_fields(path: str | Path) -> dict:
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
         "mlp": hf["intermediate_size"],
         "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "rope_scaling": rope_scaling,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -355,6 +377,11 @@ def save_llm(
         "max_position_embeddings": 32768,
         "torch_dtype": "float32",
     }
+    scaling = fields.get("rope_scaling")
+    if scaling:  # transformers' own keys for the type, no others (it warns on unknown ones)
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        keep = ("rope_type", "factor", *(llama3 if scaling["rope_type"] == "llama3" else ()))
+        config["rope_scaling"] = {k: scaling[k] for k in keep}
     if model_type == "qwen3_moe":
         config.update(
             num_experts=fields["experts"],

@@ -3,6 +3,7 @@ embeddings, attention."""
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import math
@@ -104,10 +105,48 @@ class RMSNorm(nn.Module):
         return (y * scale).astype(x.dtype)
 
 
-def rotary(x_BLHK, positions_BL, theta: float):
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE's frequencies stretched past the pretraining context, Hugging Face's `rope_scaling`
+    (`rope_parameters`) block under its own names. `linear`: every frequency divided by
+    `factor`. `llama3` (Llama 3.1 and later): frequencies whose wavelength exceeds
+    `original_max_position_embeddings / low_freq_factor` divided by `factor`, those under
+    `original_max_position_embeddings / high_freq_factor` kept, and the band between blended
+    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`)."""
+
+    rope_type: str  # one of ROPE_SCALINGS
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """The `half` rotation frequencies of a head of 2*half dimensions, float32 as transformers
+    computes them (a trace-time constant)."""
+    freqs = (1.0 / (np.float32(theta) ** (np.arange(half, dtype=np.float32) / np.float32(half)))).astype(np.float32)
+    if scaling is None:
+        return freqs
+    if scaling.rope_type == "linear":
+        return (freqs / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"rope_scaling.rope_type={scaling.rope_type!r}; valid: {', '.join(ROPE_SCALINGS)}")
+    original, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * np.pi / freqs
+    scaled = np.where(wavelength > original / low, freqs / scaling.factor, freqs)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return np.where(between, blended, scaled).astype(np.float32)
+
+
+def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None):
     """Rotary position embedding (Llama/Qwen 'rotate half' convention)."""
     half = x_BLHK.shape[-1] // 2
-    freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    freqs = jnp.asarray(rope_frequencies(half, theta, scaling))
     angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
     cos = jnp.cos(angles)[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
     sin = jnp.sin(angles)[:, :, None, :].astype(x_BLHK.dtype)

@@ -12,6 +12,7 @@ import numpy as np
 from maestro_jax.models.layers import (
     _ACTIVATION_RULES,
     RMSNorm,
+    RopeScaling,
     attention,
     balanced_order,
     constrain,
@@ -35,6 +36,7 @@ class LLMConfig:
     head_dim: int
     mlp: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # Llama 3.1+'s `llama3`, or `linear`
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
@@ -318,8 +320,8 @@ class DecoderBlock(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.norm_eps, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
-        q = rotary(q, positions_BL, c.rope_theta)
-        k = rotary(k, positions_BL, c.rope_theta)
+        q = rotary(q, positions_BL, c.rope_theta, c.rope_scaling)
+        k = rotary(k, positions_BL, c.rope_theta, c.rope_scaling)
         o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring")
         x_BLD = x_BLD + nn.DenseGeneral(
             c.width,

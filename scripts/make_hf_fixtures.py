@@ -37,6 +37,29 @@ LLM_BASE = {
 LLM_CASES = {
     "llama_untied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    # Llama 3.1's RoPE scaling on a head of 16 (not width / heads) and one key/value head: with
+    # an original context of 32, the 8 frequencies fall in all three of llama3's bands
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 16,
+            "num_key_value_heads": 1,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "llama_linear_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    ),
     "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),
@@ -107,7 +130,7 @@ def _save(model, out: Path, **arrays) -> None:
 def llm(out: Path, case: str) -> None:
     config_cls, model_cls, extra = LLM_CASES[case]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**LLM_BASE, **extra)
+    config = getattr(transformers, config_cls)(**{**LLM_BASE, **extra})
     model = _perturbed(getattr(transformers, model_cls)(config))
     with torch.no_grad():
         logits = model(torch.tensor(TOKENS)).logits.float().numpy()

@@ -5,6 +5,7 @@ from its config classes, saved with their logits on TOKENS in tests/fixtures/hf/
 so the import tests need no torch. The tests that load an export back into transformers are skipped
 without torch and transformers."""
 
+import json
 import shutil
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD
-from maestro_jax.models import DecoderLM, LLMConfig, hf
+from maestro_jax.models import DecoderLM, LLMConfig, RopeScaling, hf
 
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
@@ -22,6 +23,8 @@ from maestro_jax.runtime.sharding import section_mesh, variable_shardings
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 TIED = {
     "llama_untied": False,
+    "llama3_rope": False,  # Llama 3.1's `llama3` RoPE scaling, one key/value head, head_dim 16
+    "llama_linear_rope": True,
     "llama_tied": True,
     "qwen2_untied": False,
     "qwen2_tied": True,
@@ -52,10 +55,16 @@ def torch_logits(model, tokens=TOKENS):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
+def llm_config(fields: dict, **extra) -> LLMConfig:
+    """The model's config from `hf.llm_fields` (as `workloads.model_config` makes it)."""
+    scaling = fields["rope_scaling"] and RopeScaling(**fields["rope_scaling"])
+    return LLMConfig(**{k: v for k, v in fields.items() if k != "kind"} | {"rope_scaling": scaling}, **extra)
+
+
 def flax_logits(path, mesh=None, devices=(0,), scan=False):
     mesh = mesh if mesh is not None else mesh_shape()
     fields = hf.llm_fields(path)
-    cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"}, scan_layers=scan)
+    cfg = llm_config(fields, scan_layers=scan)
     model = DecoderLM(cfg)
     ids = jnp.asarray(TOKENS, jnp.int32)
     pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
@@ -81,6 +90,27 @@ def test_import_matches_transformers(tmp_path, case):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
+def test_llama3_rope_fixture_reaches_every_band_and_other_scalings_are_refused(tmp_path):
+    """The llama3_rope fixture's frequencies fall in all three of `llama3`'s bands (kept,
+    blended, divided by the factor), so its logits check each branch; a scaling the model does
+    not compute (YaRN, dynamic NTK) is one line naming what is supported."""
+    from maestro_jax.models.layers import rope_frequencies
+
+    f = hf.llm_fields(FIXTURES / "llama3_rope")
+    s = RopeScaling(**f["rope_scaling"])
+    plain = rope_frequencies(f["head_dim"] // 2, f["rope_theta"])
+    scaled = rope_frequencies(f["head_dim"] // 2, f["rope_theta"], s)
+    ratio = plain / scaled
+    kept, divided = np.isclose(ratio, 1.0), np.isclose(ratio, s.factor)
+    assert kept.any() and divided.any() and (~kept & ~divided).any()
+    _, path = make_hf(tmp_path, "llama_untied")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf.HFError, match=r"rope_type='yarn'; supported: default, linear, llama3"):
+        hf.llm_fields(path)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_import_places_each_shard_only(tmp_path, scan):
     """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still
@@ -98,6 +128,8 @@ def test_import_places_each_shard_only(tmp_path, scan):
     "case,model_type,scan",
     [
         ("llama_untied", "llama", False),
+        ("llama3_rope", "llama", True),
+        ("llama_linear_rope", "llama", False),
         ("qwen2_tied", "qwen2", False),
         ("qwen3", "qwen3", True),
         ("qwen3_moe", "qwen3_moe", True),
@@ -130,7 +162,7 @@ def _overrides(path, **extra):
     """kd_tiny with the checkpoint as teacher: models.teacher copied from its config.json."""
     f = hf.llm_fields(path)
     out = dict(o.split("=", 1) for o in TINY_KD if not o.startswith("models.teacher"))
-    out.update({f"models.teacher.{k}": v for k, v in f.items() if k != "kind"})
+    out.update({f"models.teacher.{k}": v for k, v in f.items() if k != "kind" and v is not None})
     out.update({"models.student.vocab": f["vocab"], "sections.teacher.init.hf_path": path, **extra})
     return out.items()
 
@@ -139,17 +171,23 @@ def _teacher_cfg(path, **extra):
     return load_config(ROOT / "configs/kd_tiny.yaml", [f"{k}={v}" for k, v in _overrides(path, **extra)])
 
 
-def test_kd_teacher_from_hf_folder(tmp_path):
+@pytest.mark.parametrize(
+    "case,mesh",
+    [("llama_untied", "{data: 2, tensor: 2}"), ("llama3_rope", "{data: 4}")],  # one kv head: no tensor split
+)
+def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     """The KD teacher section starts from the folder: its hidden states and output layer give
-    transformers' logits, sharded over the teacher's 2x2 mesh, and a training step runs."""
-    reference, path = make_hf(tmp_path, "llama_untied")
-    cfg = _teacher_cfg(path)
+    transformers' logits, sharded over the teacher's mesh, and a training step runs (with a
+    Llama 3.1-style teacher too, the usual distillation's: its `rope_scaling` read into
+    `models.teacher`)."""
+    reference, path = make_hf(tmp_path, case)
+    cfg = _teacher_cfg(path, **{"sections.teacher.mesh": mesh})
     rt = build_runtime(cfg)
     states = rt.init_states()
     body, head = states["teacher"].consts["llm"], states["student"].consts["teacher_head"]
     assert {d.id for d in head.sharding.device_set} == set(cfg.sections["student"].devices)
     f = hf.llm_fields(path)
-    lm = DecoderLM(LLMConfig(**{k: v for k, v in f.items() if k != "kind"}), with_head=False)
+    lm = DecoderLM(llm_config(f), with_head=False)
     ids = jnp.asarray(TOKENS, jnp.int32)
     pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
     v = {"params": jax.tree.map(np.asarray, body)}
