@@ -4,8 +4,10 @@ one line with status 2."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from conftest import ROOT
@@ -70,6 +72,30 @@ def test_past_its_deadline_the_check_starts_no_step_and_still_writes_its_report(
     assert len(skipped) == len(report["failures"])
     assert not report["verify"][0].get("passed") and report["verify"][0]["status"] == 124
     assert report["summary"][-1] == f"gpu check: {len(report['failures'])} step(s) failed"
+
+
+def test_the_check_reads_configs_through_the_installed_package_as_on_a_gpu_machine(tmp_path):
+    """On the GPU machine the project is installed as files (`pip install --target`, no editable
+    finder), and the source tree alone lacks `maestro_jax.models` and `maestro_jax.meshes`
+    (pyproject maps models/ and meshes/ into the package). The check once put the source tree
+    first on sys.path and stopped there on its first GPU; an editable install hid it here. This
+    lays the package out as such an install does and reads a config with no site hooks."""
+    site = tmp_path / "site"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "maestro_jax", site / "maestro_jax", ignore=ignore)
+    for sub in ("models", "meshes"):
+        shutil.copytree(ROOT / sub, site / "maestro_jax" / sub, ignore=ignore)
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; "
+        "sections = sorted(gpu_check.Check._config('kd_tiny').sections); "
+        "print(sys.modules['maestro_jax'].__file__); print(sections)"
+    )
+    # -S: no site-packages hooks (the editable install's finder); the libraries by PYTHONPATH
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]])}
+    proc = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where, sections = proc.stdout.strip().splitlines()
+    assert where.startswith(str(site)) and sections == "['student', 'teacher']"
 
 
 def test_refusals_are_one_line(tmp_path):
