@@ -41,7 +41,7 @@ def make_folders(hf: dict[str, Path]) -> None:
     teacher_shaped = mj.load_config(
         CONFIG,
         ["sections.teacher.init=null", "sections.student.init=null", "sections.student.mesh={data: 2, tensor: 2}"]
-        + [f"models.student.{k}={v}" for k, v in cfg.models["teacher"].model_dump().items()],
+        + [f"models.student.{k}={v}" for k, v in cfg.models["teacher"].model_dump().items() if v is not None],
     )
     write_random_folders(teacher_shaped, {"student": hf["teacher"]}, seed=2)
 

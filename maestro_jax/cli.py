@@ -476,7 +476,7 @@ COMMANDS: dict[str, Command] = {
             opt(
                 "--model-type",
                 default=None,
-                choices=("llama", "qwen2", "qwen3", "qwen3_moe", "siglip", "clip", "whisper"),
+                choices=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "siglip", "clip", "whisper"),
                 help="the Hugging Face architecture to write (default: llama for an LLM; a vision or audio "
                 "tower's own layout: siglip, clip (class_token) or whisper)",
             ),

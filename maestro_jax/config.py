@@ -242,6 +242,7 @@ class LLMModelConfig(_Frozen):
     mlp: PositiveInt
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig | None = None  # Llama 3.1+: {rope_type: llama3, factor: 8, ...}
+    sliding_window: PositiveInt | None = None  # Mistral's: each position attends to this many, its own included
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2

@@ -41,6 +41,7 @@ from maestro_jax.models.layers import ROPE_SCALINGS, RopeScaling
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -128,8 +129,8 @@ def llm_fields(path: str | Path) -> dict:
             f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
             f"the LLM is SwiGLU (silu) without MLP biases"
         )
-    if hf.get("use_sliding_window"):
-        raise HFError(f"{path}/config.json: use_sliding_window=true is not supported")
+    if hf.get("use_sliding_window"):  # Qwen2's, with its per-layer max_window_layers
+        raise HFError(f"{path}/config.json: use_sliding_window=true is not supported (Mistral's sliding_window is)")
     heads = hf["num_attention_heads"]
     fields = {
         "kind": "llm",
@@ -142,6 +143,7 @@ def llm_fields(path: str | Path) -> dict:
         "mlp": hf["intermediate_size"],
         "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         "rope_scaling": rope_scaling,
+        "sliding_window": hf.get("sliding_window") if kind == "mistral" else None,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -340,6 +342,10 @@ def save_llm(
     scanned = "blocks" in params
     if fields.get("experts") and model_type != "qwen3_moe":
         raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe'")
+    if fields.get("sliding_window") is not None and model_type != "mistral":
+        raise HFError(f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral'")
+    if model_type == "mistral" and fields["qkv_bias"]:
+        raise HFError("a mistral checkpoint has no q/k/v biases; export this model with model_type='llama'")
     for flax_path, (name, _) in _mapping(fields, with_head=True).items():
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
         flax_path = flax_path[:-1] if expert is not None else flax_path
@@ -392,6 +398,8 @@ def save_llm(
             mlp_only_layers=[],
             router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
         )
+    if model_type == "mistral":
+        config["sliding_window"] = fields.get("sliding_window")
     if model_type == "llama":
         config["attention_bias"] = fields["qkv_bias"]
     elif not fields["qkv_bias"] and model_type == "qwen2":

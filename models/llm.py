@@ -37,6 +37,7 @@ class LLMConfig:
     mlp: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # Llama 3.1+'s `llama3`, or `linear`
+    sliding_window: int | None = None  # Mistral's: a position attends to itself and the window - 1 before it
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
@@ -373,6 +374,9 @@ class DecoderLM(nn.Module):
         """The held blocks applied to input embeddings (or the previous stage's output), causal
         and padding masked, without the final norm.
 
+        With `sliding_window` a position attends to the `sliding_window` positions ending at its
+        own (Mistral's window), counted in positions, so packed samples keep their own windows.
+
         With `segments_BL` (sequence packing: each sample of a row numbered from 1, 0 padding)
         a position attends only within its own sample; its positions restart at 0, so RoPE and
         the causal order are the sample's own, and each sample's outputs are those it gets alone.
@@ -385,8 +389,10 @@ class DecoderLM(nn.Module):
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
             segments_BL = None if segments_BL is None else segments_BL[:, order]
-        causal = positions_BL[:, :, None] >= positions_BL[:, None, :]
-        mask_BLL = causal & valid_BL[:, None, :]
+        behind_BLL = positions_BL[:, :, None] - positions_BL[:, None, :]  # how far each key lies back
+        mask_BLL = (behind_BLL >= 0) & valid_BL[:, None, :]
+        if self.cfg.sliding_window is not None:  # transformers' `kv_idx > q_idx - sliding_window`
+            mask_BLL = mask_BLL & (behind_BLL < self.cfg.sliding_window)
         if segments_BL is not None:
             mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
         packed = () if segments_BL is None else (segments_BL,)  # the MoE balancing loss is per sample

@@ -60,6 +60,8 @@ LLM_CASES = {
         "LlamaForCausalLM",
         {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     ),
+    # Mistral with a window of 4 positions, shorter than TOKENS' 12
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": 4}),
     "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),

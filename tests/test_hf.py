@@ -25,6 +25,7 @@ TIED = {
     "llama_untied": False,
     "llama3_rope": False,  # Llama 3.1's `llama3` RoPE scaling, one key/value head, head_dim 16
     "llama_linear_rope": True,
+    "mistral_window": False,  # Mistral, a sliding window of 4 over 12 tokens
     "llama_tied": True,
     "qwen2_untied": False,
     "qwen2_tied": True,
@@ -61,13 +62,18 @@ def llm_config(fields: dict, **extra) -> LLMConfig:
     return LLMConfig(**{k: v for k, v in fields.items() if k != "kind"} | {"rope_scaling": scaling}, **extra)
 
 
+def _inputs():
+    """TOKENS as the model takes them: ids, positions, validity."""
+    ids = jnp.asarray(TOKENS, jnp.int32)
+    return ids, jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
+
+
 def flax_logits(path, mesh=None, devices=(0,), scan=False):
     mesh = mesh if mesh is not None else mesh_shape()
     fields = hf.llm_fields(path)
     cfg = llm_config(fields, scan_layers=scan)
     model = DecoderLM(cfg)
-    ids = jnp.asarray(TOKENS, jnp.int32)
-    pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
+    ids, pos, valid = _inputs()
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, pos, valid)["params"])
     mesh = section_mesh(SectionPlan(tuple(devices), mesh, 1))
     shardings = variable_shardings({"params": abstract}, mesh, "default")["params"]
@@ -111,6 +117,27 @@ def test_llama3_rope_fixture_reaches_every_band_and_other_scalings_are_refused(t
         hf.llm_fields(path)
 
 
+def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
+    """The fixture's window (4 of 12 tokens) changes transformers' logits, so matching them
+    checks the window; a model with a window exports as Mistral, and is refused as another type
+    (no silent full attention in the folder)."""
+    from maestro_jax.tools.hf import export_type
+
+    reference, path = make_hf(tmp_path, "mistral_window")
+    fields = hf.llm_fields(path)
+    assert fields["sliding_window"] == 4
+    model = DecoderLM(llm_config({**fields, "sliding_window": None}))
+    ours, params, _ = flax_logits(path)
+    full = np.asarray(model.apply({"params": jax.tree.map(np.asarray, params)}, *_inputs()))
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    assert np.abs(full - reference).max() > 1e-2  # without the window: other logits
+    assert export_type(fields, None) == "mistral"
+    with pytest.raises(hf.HFError, match="does not export as it; valid: \\['mistral'\\]"):
+        export_type(fields, "llama")
+    with pytest.raises(hf.HFError, match="a model with a sliding_window exports as 'mistral'"):
+        hf.save_llm(tmp_path / "out", params, fields, model_type="llama")
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_import_places_each_shard_only(tmp_path, scan):
     """Loaded into a 2x2 (fsdp x tensor) sharding: each device holds a slice, and the logits still
@@ -130,6 +157,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("llama_untied", "llama", False),
         ("llama3_rope", "llama", True),
         ("llama_linear_rope", "llama", False),
+        ("mistral_window", "mistral", True),
         ("qwen2_tied", "qwen2", False),
         ("qwen3", "qwen3", True),
         ("qwen3_moe", "qwen3_moe", True),

@@ -208,7 +208,7 @@ def test_staged_sections_start_from_a_hugging_face_folder_as_unstaged_ones(tmp_p
     from test_hf import _overrides, make_hf
 
     _, path = make_hf(tmp_path, "llama_untied")
-    student = [f"models.student.{k}={v}" for k, v in hf.llm_fields(path).items() if k != "kind"]
+    student = [f"models.student.{k}={v}" for k, v in hf.llm_fields(path).items() if k != "kind" and v is not None]
     base = [f"{k}={v}" for k, v in _overrides(path)] + student + [f"sections.student.init.hf_path={path}"]
     runs = {}
     for stages in (1, 2):
