@@ -16,6 +16,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
+from maestro_jax import hf_config
 from maestro_jax.core.plan import Plan, SectionPlan
 from maestro_jax.core.stages import stage_name
 from maestro_jax.meshes import MESH_AXES
@@ -143,7 +144,49 @@ class EdgeConfig(_Frozen):
     fanout: PositiveInt | None = None
 
 
-class ViTModelConfig(_Frozen):
+class _FromFolder(_Frozen):
+    """A model entry that may take its architecture from a Hugging Face folder: with `hf: PATH`
+    every field the folder's config.json gives (`hf_config`) is filled in, and a field written
+    beside it must agree with the folder's, or the config is refused naming both values."""
+
+    hf: str | None = None
+
+    @classmethod
+    def folder_fields(cls, path: str) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def _read(cls, path: str) -> dict:
+        try:
+            return cls.folder_fields(path)
+        except hf_config.HFError as err:
+            raise ValueError(f"hf={path!r}: {err}") from None
+        except KeyError as err:
+            raise ValueError(f"hf={path!r}: {path}/config.json has no {err} field") from None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _fill(cls, data):
+        if not isinstance(data, dict) or not data.get("hf"):
+            return data
+        return {**cls._read(data["hf"]), **data}
+
+    @pydantic.model_validator(mode="after")
+    def _agree(self):
+        if self.hf is None:
+            return self
+        for k, theirs in self._read(self.hf).items():
+            mine = getattr(self, k)
+            mine = mine.model_dump() if isinstance(mine, BaseModel) else mine
+            if mine != theirs:
+                raise ValueError(
+                    f"{k}={mine!r}: the checkpoint {self.hf} has {k}={theirs!r}; leave {k} out (hf fills "
+                    f"it in) or write the checkpoint's value"
+                )
+        return self
+
+
+class ViTModelConfig(_FromFolder):
     kind: Literal["vit"]
     scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
     patch: PositiveInt
@@ -166,6 +209,10 @@ class ViTModelConfig(_Frozen):
     # the blocks after it are not held
     feature_layer: int = -1
 
+    @classmethod
+    def folder_fields(cls, path: str) -> dict:
+        return hf_config.vit_fields(path)
+
     @pydantic.field_validator("class_token")
     @classmethod
     def _class_token_needs_table(cls, v, info):
@@ -182,7 +229,7 @@ class ViTModelConfig(_Frozen):
         return v
 
 
-class AudioModelConfig(_Frozen):
+class AudioModelConfig(_FromFolder):
     kind: Literal["audio"]
     scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
     mel: PositiveInt = 16  # features per frame
@@ -198,6 +245,10 @@ class AudioModelConfig(_Frozen):
     norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
     act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"  # the blocks' MLP activation (HF's names)
 
+    @classmethod
+    def folder_fields(cls, path: str) -> dict:
+        return hf_config.audio_fields(path)
+
     @pydantic.field_validator("stem")
     @classmethod
     def _two_frames(cls, v, info):
@@ -211,14 +262,14 @@ class AudioModelConfig(_Frozen):
 
 class RopeScalingConfig(_Frozen):
     """`models.<s>.rope_scaling`: Hugging Face's `rope_scaling` block, under its own names (copy it
-    from config.json, or let `init.hf_path` be read); what each type computes:
+    from config.json, or let `models.<s>.hf` fill it in); what each type computes:
     `models.layers.RopeScaling`."""
 
-    rope_type: Literal["linear", "llama3"]
+    rope_type: Literal[hf_config.ROPE_SCALINGS]
     factor: float = Field(gt=0)
-    low_freq_factor: float = Field(1.0, gt=0)
-    high_freq_factor: float = Field(4.0, gt=0)
-    original_max_position_embeddings: PositiveInt = 8192
+    low_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["low_freq_factor"], gt=0)
+    high_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["high_freq_factor"], gt=0)
+    original_max_position_embeddings: PositiveInt = hf_config.ROPE_DEFAULTS["original_max_position_embeddings"]
 
     @pydantic.model_validator(mode="after")
     def _band(self):
@@ -230,7 +281,7 @@ class RopeScalingConfig(_Frozen):
         return self
 
 
-class LLMModelConfig(_Frozen):
+class LLMModelConfig(_FromFolder):
     kind: Literal["llm"]
     scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
     vocab: PositiveInt
@@ -256,6 +307,10 @@ class LLMModelConfig(_Frozen):
     # Attention over a `context` split: ring (keys and values pass round the devices, causal
     # work balanced, empty blocks skipped) or gather (one all-gather of keys and values).
     context_attention: Literal["ring", "gather"] = "ring"
+
+    @classmethod
+    def folder_fields(cls, path: str) -> dict:
+        return hf_config.llm_fields(path)
 
     @pydantic.field_validator("kv_heads")
     @classmethod
@@ -492,6 +547,28 @@ class Config(_Frozen):
     simulate: SimulateConfig = SimulateConfig()
     distributed: DistributedConfig = DistributedConfig()
     verify_rtol: float | None = Field(None, gt=0.0)  # None: 1e-5, or 2e-2 with any bfloat16 section
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _from_folders(cls, data):
+        """`models.<s>: {hf: PATH}`: its kind from the folder when not written, and section <s>
+        (the section that runs the model of its name) starts from the folder's weights unless
+        its `init` is written (`init: null`: random weights of the folder's architecture)."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+            return data
+        models, sections = dict(data["models"]), dict(data.get("sections") or {})
+        for name, m in models.items():
+            if not isinstance(m, dict) or not m.get("hf"):
+                continue
+            if "kind" not in m:
+                try:
+                    models[name] = {**m, "kind": hf_config.kind_of(m["hf"])}
+                except hf_config.HFError as err:
+                    raise ValueError(f"models.{name}.hf={m['hf']!r}: {err}") from None
+            section = sections.get(name)
+            if isinstance(section, dict) and "init" not in section:
+                sections[name] = {**section, "init": {"hf_path": m["hf"]}}
+        return {**data, "models": models, **({"sections": sections} if "sections" in data else {})}
 
     @pydantic.model_validator(mode="after")
     def _held_out(self):

@@ -1,9 +1,11 @@
-"""Hugging Face checkpoints: Llama and Qwen2/Qwen3 decoders in and out of `models.llm.DecoderLM`
-(SigLIP and Whisper encoder towers: `models.hf_encoders`, on this module's folder reading and placement).
+"""Hugging Face checkpoints: Llama, Mistral and Qwen2/Qwen3 decoders in and out of
+`models.llm.DecoderLM` (SigLIP and Whisper encoder towers: `models.hf_encoders`, on this module's
+folder reading and placement).
 
-The weight mapping lives beside the model it converts, and like the rest of `models/` it imports
-nothing from maestro_jax: the workloads' `init.hf_path` loaders (`maestro_jax.workloads.pretrained`)
-and the CLI's `export` (through `maestro_jax.tools.hf`) both call it.
+The weight mapping lives beside the model it converts; the fields a folder's config.json gives
+(`llm_fields`) come from `maestro_jax.hf_config`, JAX-free, which the config reads too. The
+workloads' `init.hf_path` loaders (`maestro_jax.workloads.pretrained`) and the CLI's `export`
+(through `maestro_jax.tools.hf`) both call this module.
 
 Import reads a local folder (`config.json` and safetensors shards, with or without
 `model.safetensors.index.json`) one tensor at a time, memory-mapped, and places each weight
@@ -37,34 +39,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from maestro_jax.models.layers import ROPE_SCALINGS, RopeScaling
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-
-
-class HFError(ValueError):
-    """A checkpoint folder this importer cannot read; the message names the file and field."""
-
-
-def read_config(path: str | Path) -> dict:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise HFError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
-    try:
-        config = json.loads(f.read_bytes())
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise HFError(
-            f"{f}: not a readable JSON file ({type(err).__name__}: {err}); expected a Hugging Face config.json"
-        ) from None
-    if not isinstance(config, dict):
-        raise HFError(f"{f}: holds a JSON {type(config).__name__}, not an object of config fields")
-    return config
+from maestro_jax.hf_config import ARCHITECTURES, HFError
+from maestro_jax.hf_config import llm_fields as llm_fields  # the folder's fields: this module's API too
+from maestro_jax.hf_config import read_config as read_config
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -90,82 +68,6 @@ def weight_files(path: str | Path) -> list[Path]:
         except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
             raise HFError(f"{path / name}: not a readable safetensors file ({type(err).__name__}: {err})") from None
     return [path / n for n in names]
-
-
-def _rope_scaling(path, block: dict) -> dict | None:
-    """config.json's `rope_scaling` (transformers 4) or `rope_parameters` (5) as
-    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE)."""
-    rope_type = block.get("rope_type", block.get("type")) or "default"
-    if rope_type == "default":
-        return None
-    if rope_type not in ROPE_SCALINGS:
-        raise HFError(f"{path}/config.json: rope_type={rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}")
-    defaults = RopeScaling(rope_type, 1.0)
-    fields = {"rope_type": rope_type, "factor": float(block["factor"])}
-    if rope_type == "llama3":
-        for k in ("low_freq_factor", "high_freq_factor"):
-            fields[k] = float(block.get(k, getattr(defaults, k)))
-        fields["original_max_position_embeddings"] = int(block["original_max_position_embeddings"])
-    else:
-        fields.update(
-            low_freq_factor=defaults.low_freq_factor,
-            high_freq_factor=defaults.high_freq_factor,
-            original_max_position_embeddings=defaults.original_max_position_embeddings,
-        )
-    return fields
-
-
-def llm_fields(path: str | Path) -> dict:
-    """The fields of the config's `models.<name>` entry (kind llm; `LLMConfig`'s fields plus `kind`)
-    that describe the checkpoint at `path`."""
-    hf = read_config(path)
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted(ARCHITECTURES)}")
-    params = hf.get("rope_parameters") or {}
-    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params)
-    if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise HFError(
-            f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
-            f"the LLM is SwiGLU (silu) without MLP biases"
-        )
-    if hf.get("use_sliding_window"):  # Qwen2's, with its per-layer max_window_layers
-        raise HFError(f"{path}/config.json: use_sliding_window=true is not supported (Mistral's sliding_window is)")
-    heads = hf["num_attention_heads"]
-    fields = {
-        "kind": "llm",
-        "vocab": hf["vocab_size"],
-        "width": hf["hidden_size"],
-        "depth": hf["num_hidden_layers"],
-        "heads": heads,
-        "kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp": hf["intermediate_size"],
-        "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        "rope_scaling": rope_scaling,
-        "sliding_window": hf.get("sliding_window") if kind == "mistral" else None,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
-        "qk_norm": kind in ("qwen3", "qwen3_moe"),
-        "experts": 0,
-        "experts_per_token": 0,
-        "expert_mlp": 0,
-    }
-    if kind == "qwen3_moe":
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise HFError(
-                f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
-                f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer"
-            )
-        if not hf.get("norm_topk_prob", False):
-            raise HFError(f"{path}/config.json: norm_topk_prob=false; the router renormalises its top-k weights")
-        fields.update(
-            experts=hf.get("num_local_experts") or hf["num_experts"],
-            experts_per_token=hf["num_experts_per_tok"],
-            expert_mlp=hf["moe_intermediate_size"],
-        )
-    return fields
 
 
 class _Tensors:

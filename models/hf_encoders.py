@@ -1,8 +1,8 @@
 """Hugging Face checkpoints of encoder towers: SigLIP's and CLIP's vision towers into
 `models.vit.VisionEncoder` and Whisper's encoder into `models.audio.AudioEncoder`, and back.
 
-Like `models.hf` (whose folder reading, safetensors access and sharded placement this reuses),
-it imports nothing from maestro_jax. A tower's config fields (`vit_fields`, `audio_fields`) set
+It reuses `models.hf`'s safetensors access and sharded placement. A tower's config fields
+(`vit_fields`, `audio_fields`, from `maestro_jax.hf_config`, which the config reads too) set
 the encoder to the checkpoint's architecture (`pos_embed: table`, `stem: conv`, the checkpoint's
 LayerNorm epsilon and GELU); the projector after the tower (`merger_fc1/2`, `out_proj`: no
 checkpoint of a tower holds it) keeps the values it was initialised with.
@@ -55,40 +55,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from maestro_jax.models.hf import HFError, _at, _put, _scanned_path, _set, _Tensors, read_config, write_weights
+from maestro_jax.models.hf import _at, _put, _scanned_path, _set, _Tensors, write_weights
 from maestro_jax.models.vit import held_layers
 
-ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS the audio encoder takes, by HF's names
-VIT_ACTIVATIONS = (*ACTIVATIONS, "quick_gelu")  # and the vision tower (quick_gelu: CLIP's)
-
-# The config classes' defaults, which an older config.json may leave out (it saved only what differed).
-SIGLIP_DEFAULTS = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_channels": 3,
-    "image_size": 224,
-    "patch_size": 16,
-    "hidden_act": "gelu_pytorch_tanh",
-    "layer_norm_eps": 1e-6,
-}
-CLIP_DEFAULTS = {
-    **SIGLIP_DEFAULTS,
-    "patch_size": 32,
-    "hidden_act": "quick_gelu",
-    "layer_norm_eps": 1e-5,
-}
-WHISPER_DEFAULTS = {
-    "num_mel_bins": 80,
-    "d_model": 384,
-    "encoder_layers": 4,
-    "encoder_attention_heads": 6,
-    "encoder_ffn_dim": 1536,
-    "max_source_positions": 1500,
-    "activation_function": "gelu",
-}
-WHISPER_LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which every Whisper LayerNorm uses
+from maestro_jax.hf_config import VIT_ACTIVATIONS, WHISPER_LAYER_NORM_EPS, HFError
+from maestro_jax.hf_config import audio_fields as audio_fields  # the folder's fields: this module's API too
+from maestro_jax.hf_config import vit_fields as vit_fields
 
 # One tensor's two directions: (HF array -> Flax array, Flax array -> HF array).
 Layout = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
@@ -104,103 +76,6 @@ def _heads(h: int, k: int) -> tuple[Layout, Layout, Layout]:
         (lambda w: w.reshape(h, k), lambda w: w.reshape(h * k)),
         (lambda w: w.T.reshape(h, k, w.shape[0]), lambda w: w.reshape(h * k, w.shape[-1]).T),
     )
-
-
-def _with_defaults(hf: dict, defaults: dict) -> dict:
-    return {k: hf.get(k, v) for k, v in defaults.items()}
-
-
-def _check_act(path, key: str, act, supported: tuple[str, ...] = ACTIVATIONS) -> None:
-    if act not in supported:
-        raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(supported)}")
-
-
-VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava")
-
-
-def _llava_feature_layer(path, hf: dict) -> int:
-    """A LLaVA config's `vision_feature_layer`: one layer, its features without the class token."""
-    layer, strategy = hf.get("vision_feature_layer", -2), hf.get("vision_feature_select_strategy", "default")
-    if not isinstance(layer, int) or strategy != "default":
-        raise HFError(
-            f"{path}/config.json: vision_feature_layer={layer!r}, vision_feature_select_strategy={strategy!r}; "
-            f"the vision tower reads one layer (an integer) without its class token ('default')"
-        )
-    return layer
-
-
-def vit_fields(path: str | Path) -> dict:
-    """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
-    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`) or CLIP (a
-    `clip_vision_model` config, a `clip` one's `vision_config`, or a `llava` one's, with its
-    `vision_feature_layer`)."""
-    hf, extra = read_config(path), {}
-    kind = hf.get("model_type")
-    if kind == "llava":
-        extra["feature_layer"] = _llava_feature_layer(path, hf)
-        hf = hf.get("vision_config") or {}
-        if hf.get("model_type") != "clip_vision_model":
-            raise HFError(
-                f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a LLaVA vision tower "
-                f"imports as 'clip_vision_model'"
-            )
-        kind = "clip"
-    elif kind in ("siglip", "clip"):
-        hf = hf.get("vision_config") or {}
-    elif kind not in VISION_TOWERS:
-        raise HFError(f"{path}/config.json: model_type={kind!r}; a vision tower is one of {list(VISION_TOWERS)}")
-    clip = kind.startswith("clip")
-    c = _with_defaults(hf, CLIP_DEFAULTS if clip else SIGLIP_DEFAULTS)
-    _check_act(path, "hidden_act", c["hidden_act"], VIT_ACTIVATIONS)
-    if c["image_size"] % c["patch_size"] or c["hidden_size"] % c["num_attention_heads"]:
-        raise HFError(
-            f"{path}/config.json: image_size={c['image_size']}, patch_size={c['patch_size']}, hidden_size="
-            f"{c['hidden_size']}, num_attention_heads={c['num_attention_heads']}; the patch must divide the "
-            f"image and the heads the width"
-        )
-    return {
-        "kind": "vit",
-        "patch": c["patch_size"],
-        "channels": c["num_channels"],
-        "width": c["hidden_size"],
-        "depth": c["num_hidden_layers"],
-        "heads": c["num_attention_heads"],
-        "mlp": c["intermediate_size"],
-        "max_grid": c["image_size"] // c["patch_size"],
-        "pos_embed": "table",
-        "norm_eps": float(c["layer_norm_eps"]),
-        "act": c["hidden_act"],
-        "class_token": clip,
-        **extra,
-    }
-
-
-def audio_fields(path: str | Path) -> dict:
-    """The fields of the config's `models.<name>` entry (kind audio) that describe the Whisper
-    encoder at `path`."""
-    hf = read_config(path)
-    if hf.get("model_type") != "whisper":
-        raise HFError(f"{path}/config.json: model_type={hf.get('model_type')!r}; an audio encoder is 'whisper'")
-    c = _with_defaults(hf, WHISPER_DEFAULTS)
-    _check_act(path, "activation_function", c["activation_function"])
-    if c["d_model"] % c["encoder_attention_heads"]:
-        raise HFError(
-            f"{path}/config.json: d_model={c['d_model']} is not a multiple of encoder_attention_heads="
-            f"{c['encoder_attention_heads']}"
-        )
-    return {
-        "kind": "audio",
-        "mel": c["num_mel_bins"],
-        "frames_per_token": 2,
-        "width": c["d_model"],
-        "depth": c["encoder_layers"],
-        "heads": c["encoder_attention_heads"],
-        "mlp": c["encoder_ffn_dim"],
-        "max_tokens": c["max_source_positions"],
-        "stem": "conv",
-        "norm_eps": WHISPER_LAYER_NORM_EPS,
-        "act": c["activation_function"],
-    }
 
 
 def _blocks(f: dict, depth: int, hf_layer: Callable[[int], str], names: dict[str, str], key_bias: bool) -> dict:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maestro_jax.hf_config import ROPE_SCALINGS
+
 log = logging.getLogger(__name__)
 
 
@@ -103,9 +105,6 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale).astype(x.dtype)
-
-
-ROPE_SCALINGS = ("linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)

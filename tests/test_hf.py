@@ -226,6 +226,51 @@ def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     assert np.isfinite(float(result.loss))
 
 
+def _from_folder(path, teacher: str, *extra: str):
+    """kd_tiny (TINY_KD) with `models.teacher` given as `teacher` (a YAML mapping naming `path`)."""
+    own = [o for o in TINY_KD if not o.startswith("models.teacher")]
+    return load_config(ROOT / "configs/kd_tiny.yaml", [*own, f"models.teacher={teacher}", *extra])
+
+
+def test_architecture_comes_from_the_folder_and_the_section_starts_from_it(tmp_path):
+    """`models.teacher: {hf: DIR}` alone: the kind and every architecture field from config.json
+    (a Llama 3.1-style folder: RoPE scaling, one key/value head, head_dim 16), the teacher section
+    starting from the folder's weights, and a training step; `init: null` keeps the architecture
+    with random weights."""
+    reference, path = make_hf(tmp_path, "llama3_rope")
+    vocab = hf.llm_fields(path)["vocab"]
+    cfg = _from_folder(path, f"{{hf: {path}}}", f"models.student.vocab={vocab}", "sections.teacher.mesh={data: 4}")
+    model = cfg.models["teacher"].model_dump()
+    assert {k: model[k] for k in hf.llm_fields(path)} == hf.llm_fields(path) and model["hf"] == str(path)
+    assert cfg.sections["teacher"].init.hf_path == str(path)
+    rt = build_runtime(cfg)
+    states = rt.init_states()
+    lm = DecoderLM(llm_config(hf.llm_fields(path)), with_head=False)
+    ids, pos, valid = _inputs()
+    v = {"params": jax.tree.map(np.asarray, states["teacher"].consts["llm"])}
+    hidden = lm.apply(v, lm.apply(v, ids, method=DecoderLM.embed), pos, valid, method=DecoderLM.hidden)
+    head = np.asarray(states["student"].consts["teacher_head"])
+    np.testing.assert_allclose(np.asarray(hidden) @ head, reference, atol=1e-4, rtol=0)
+    batch = rt.batches()[0]
+    assert np.isfinite(float(rt.executor.run(states, batch, rt.schedule(batch)).loss))
+    random = _from_folder(path, f"{{hf: {path}}}", f"models.student.vocab={vocab}", "sections.teacher.init=null")
+    assert random.sections["teacher"].init is None and random.models["teacher"] == cfg.models["teacher"]
+
+
+def test_a_field_written_beside_hf_must_agree_with_the_folder(tmp_path):
+    _, path = make_hf(tmp_path, "llama_untied")
+    same = _from_folder(path, f"{{hf: {path}, width: 32, rope_theta: 10000.0}}", "models.student.vocab=96")
+    assert same.models["teacher"].width == 32
+    with pytest.raises(ConfigError) as err:
+        _from_folder(path, f"{{hf: {path}, width: 64}}", "models.student.vocab=96")
+    text = str(err.value)
+    assert text.startswith("error: models.teacher") and "\n" not in text
+    assert f"width=64: the checkpoint {path} has width=32" in text
+    (path / "config.json").write_text(json.dumps({**hf.read_config(path), "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match=r"models.teacher.hf=.*model_type='gpt2'; supported: \[.*'llama'.*\(llm\)"):
+        _from_folder(path, f"{{hf: {path}}}", "models.student.vocab=96")
+
+
 def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
     _, path = make_hf(tmp_path, "llama_untied")
     cfg = _teacher_cfg(path, **{"models.teacher.width": 64})

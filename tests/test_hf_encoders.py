@@ -496,3 +496,16 @@ def test_clip_options_are_checked_in_the_config():
         load_config(vlm, [*TINY_VLM, "models.vision.feature_layer=5"])
     with pytest.raises(ConfigError, match=r"^error: models.vision.class_token=True: CLIP's layout needs pos_embed"):
         load_config(vlm, [*TINY_VLM, "models.vision.class_token=true"])
+
+
+@pytest.mark.parametrize(
+    "case,name,read", [("siglip", "vision", hf_encoders.vit_fields), ("whisper", "audio", hf_encoders.audio_fields)]
+)
+def test_a_tower_takes_its_architecture_from_the_folder(case, name, read):
+    """`models.<s>: {hf: DIR, out_width: W}`: the kind (vit, audio) and every field the folder
+    gives, filled in; the section starts from the folder."""
+    path = FIXTURES / case
+    cfg = load_config(ROOT / "configs/omni_tiny.yaml", [f"models.{name}={{hf: {path}, out_width: 48}}"])
+    model = cfg.models[name].model_dump()
+    assert {k: model[k] for k in read(path)} == read(path) and model["out_width"] == 48
+    assert cfg.sections[name].init.hf_path == str(path)

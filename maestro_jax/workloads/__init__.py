@@ -170,7 +170,7 @@ def model(cfg: Config, name: str, kind: str):
         )
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
-    fields = {k: v for k, v in m.model_dump().items() if k != "kind"}
+    fields = {k: v for k, v in m.model_dump().items() if k not in ("kind", "hf")}
     if kind not in MODEL_KINDS:
         own = resolve(cfg.workload).model_kinds
         if kind not in own:

@@ -1,0 +1,255 @@
+"""A Hugging Face folder's config.json read as the fields of `models.<s>`, without JAX.
+
+The config reads it (`models.<s>: {hf: PATH}` takes the architecture from the folder), and so do
+the weight mappings (`models.hf`, `models.hf_encoders`), which load the tensors into the models
+these fields describe: the one module of maestro_jax the models import, so that the config
+layer, below them, reads the same fields. What no model here computes is refused with an
+`HFError` naming the file, the field and what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROPE_SCALINGS = ("linear", "llama3")  # what `models.layers.rope_frequencies` computes
+# `models.<s>.rope_scaling`'s fields a `linear` scaling leaves at these (llama3's other fields)
+ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+class HFError(ValueError):
+    """A checkpoint folder this importer cannot read; the message names the file and field."""
+
+
+def read_config(path: str | Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise HFError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(f.read_bytes())
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HFError(
+            f"{f}: not a readable JSON file ({type(err).__name__}: {err}); expected a Hugging Face config.json"
+        ) from None
+    if not isinstance(config, dict):
+        raise HFError(f"{f}: holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
+
+
+def _rope_scaling(path, block: dict) -> dict | None:
+    """config.json's `rope_scaling` (transformers 4) or `rope_parameters` (5) as
+    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE)."""
+    rope_type = block.get("rope_type", block.get("type")) or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALINGS:
+        raise HFError(f"{path}/config.json: rope_type={rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}")
+    fields = {"rope_type": rope_type, "factor": float(block["factor"]), **ROPE_DEFAULTS}
+    if rope_type == "llama3":
+        for k in ("low_freq_factor", "high_freq_factor"):
+            fields[k] = float(block.get(k, ROPE_DEFAULTS[k]))
+        fields["original_max_position_embeddings"] = int(block["original_max_position_embeddings"])
+    return fields
+
+
+def llm_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind llm; `LLMConfig`'s fields plus `kind`)
+    that describe the checkpoint at `path`."""
+    hf = read_config(path)
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted(ARCHITECTURES)}")
+    params = hf.get("rope_parameters") or {}
+    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params)
+    if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
+        raise HFError(
+            f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
+            f"the LLM is SwiGLU (silu) without MLP biases"
+        )
+    if hf.get("use_sliding_window"):  # Qwen2's, with its per-layer max_window_layers
+        raise HFError(f"{path}/config.json: use_sliding_window=true is not supported (Mistral's sliding_window is)")
+    heads = hf["num_attention_heads"]
+    fields = {
+        "kind": "llm",
+        "vocab": hf["vocab_size"],
+        "width": hf["hidden_size"],
+        "depth": hf["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "mlp": hf["intermediate_size"],
+        "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "rope_scaling": rope_scaling,
+        "sliding_window": hf.get("sliding_window") if kind == "mistral" else None,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
+        "qk_norm": kind in ("qwen3", "qwen3_moe"),
+        "experts": 0,
+        "experts_per_token": 0,
+        "expert_mlp": 0,
+    }
+    if kind == "qwen3_moe":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise HFError(
+                f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+                f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer"
+            )
+        if not hf.get("norm_topk_prob", False):
+            raise HFError(f"{path}/config.json: norm_topk_prob=false; the router renormalises its top-k weights")
+        fields.update(
+            experts=hf.get("num_local_experts") or hf["num_experts"],
+            experts_per_token=hf["num_experts_per_tok"],
+            expert_mlp=hf["moe_intermediate_size"],
+        )
+    return fields
+
+
+ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS the audio encoder takes, by HF's names
+VIT_ACTIVATIONS = (*ACTIVATIONS, "quick_gelu")  # and the vision tower (quick_gelu: CLIP's)
+
+# The config classes' defaults, which an older config.json may leave out (it saved only what differed).
+SIGLIP_DEFAULTS = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
+CLIP_DEFAULTS = {
+    **SIGLIP_DEFAULTS,
+    "patch_size": 32,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+}
+WHISPER_DEFAULTS = {
+    "num_mel_bins": 80,
+    "d_model": 384,
+    "encoder_layers": 4,
+    "encoder_attention_heads": 6,
+    "encoder_ffn_dim": 1536,
+    "max_source_positions": 1500,
+    "activation_function": "gelu",
+}
+WHISPER_LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which every Whisper LayerNorm uses
+
+
+def _with_defaults(hf: dict, defaults: dict) -> dict:
+    return {k: hf.get(k, v) for k, v in defaults.items()}
+
+
+def _check_act(path, key: str, act, supported: tuple[str, ...] = ACTIVATIONS) -> None:
+    if act not in supported:
+        raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(supported)}")
+
+
+VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava")
+
+
+def _llava_feature_layer(path, hf: dict) -> int:
+    """A LLaVA config's `vision_feature_layer`: one layer, its features without the class token."""
+    layer, strategy = hf.get("vision_feature_layer", -2), hf.get("vision_feature_select_strategy", "default")
+    if not isinstance(layer, int) or strategy != "default":
+        raise HFError(
+            f"{path}/config.json: vision_feature_layer={layer!r}, vision_feature_select_strategy={strategy!r}; "
+            f"the vision tower reads one layer (an integer) without its class token ('default')"
+        )
+    return layer
+
+
+def vit_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
+    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`) or CLIP (a
+    `clip_vision_model` config, a `clip` one's `vision_config`, or a `llava` one's, with its
+    `vision_feature_layer`)."""
+    hf, extra = read_config(path), {}
+    kind = hf.get("model_type")
+    if kind == "llava":
+        extra["feature_layer"] = _llava_feature_layer(path, hf)
+        hf = hf.get("vision_config") or {}
+        if hf.get("model_type") != "clip_vision_model":
+            raise HFError(
+                f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a LLaVA vision tower "
+                f"imports as 'clip_vision_model'"
+            )
+        kind = "clip"
+    elif kind in ("siglip", "clip"):
+        hf = hf.get("vision_config") or {}
+    elif kind not in VISION_TOWERS:
+        raise HFError(f"{path}/config.json: model_type={kind!r}; a vision tower is one of {list(VISION_TOWERS)}")
+    clip = kind.startswith("clip")
+    c = _with_defaults(hf, CLIP_DEFAULTS if clip else SIGLIP_DEFAULTS)
+    _check_act(path, "hidden_act", c["hidden_act"], VIT_ACTIVATIONS)
+    if c["image_size"] % c["patch_size"] or c["hidden_size"] % c["num_attention_heads"]:
+        raise HFError(
+            f"{path}/config.json: image_size={c['image_size']}, patch_size={c['patch_size']}, hidden_size="
+            f"{c['hidden_size']}, num_attention_heads={c['num_attention_heads']}; the patch must divide the "
+            f"image and the heads the width"
+        )
+    return {
+        "kind": "vit",
+        "patch": c["patch_size"],
+        "channels": c["num_channels"],
+        "width": c["hidden_size"],
+        "depth": c["num_hidden_layers"],
+        "heads": c["num_attention_heads"],
+        "mlp": c["intermediate_size"],
+        "max_grid": c["image_size"] // c["patch_size"],
+        "pos_embed": "table",
+        "norm_eps": float(c["layer_norm_eps"]),
+        "act": c["hidden_act"],
+        "class_token": clip,
+        **extra,
+    }
+
+
+def audio_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind audio) that describe the Whisper
+    encoder at `path`."""
+    hf = read_config(path)
+    if hf.get("model_type") != "whisper":
+        raise HFError(f"{path}/config.json: model_type={hf.get('model_type')!r}; an audio encoder is 'whisper'")
+    c = _with_defaults(hf, WHISPER_DEFAULTS)
+    _check_act(path, "activation_function", c["activation_function"])
+    if c["d_model"] % c["encoder_attention_heads"]:
+        raise HFError(
+            f"{path}/config.json: d_model={c['d_model']} is not a multiple of encoder_attention_heads="
+            f"{c['encoder_attention_heads']}"
+        )
+    return {
+        "kind": "audio",
+        "mel": c["num_mel_bins"],
+        "frames_per_token": 2,
+        "width": c["d_model"],
+        "depth": c["encoder_layers"],
+        "heads": c["encoder_attention_heads"],
+        "mlp": c["encoder_ffn_dim"],
+        "max_tokens": c["max_source_positions"],
+        "stem": "conv",
+        "norm_eps": WHISPER_LAYER_NORM_EPS,
+        "act": c["activation_function"],
+    }
+
+
+def kind_of(path: str | Path) -> str:
+    """The `models.<s>.kind` of the folder at `path`: llm, vit or audio, by its `model_type`."""
+    model_type = read_config(path).get("model_type")
+    for kind, types in (("llm", tuple(ARCHITECTURES)), ("vit", VISION_TOWERS), ("audio", ("whisper",))):
+        if model_type in types:
+            return kind
+    raise HFError(
+        f"{path}/config.json: model_type={model_type!r}; supported: {sorted(ARCHITECTURES)} (llm), "
+        f"{list(VISION_TOWERS)} (vit), ['whisper'] (audio)"
+    )
