@@ -1,4 +1,4 @@
-"""`maestro-jax {train,verify,eval,bench,simulate,plan,export} --config FILE [options] [key=value ...]`.
+"""`maestro-jax {train,verify,eval,bench,simulate,plan,export} --config FILE [options] [key=value ...]`; check-hf --hf DIR.
 
 Thin entry point: parse, validate the config (before JAX starts: it sets the CPU device count),
 then call the library. `maestro-jax --help` lists the commands (the `COMMANDS` table: one entry
@@ -89,6 +89,7 @@ class Command:
     options: tuple[Option, ...] = ()
     devices: bool = True
     guard: Callable[[], contextlib.AbstractContextManager] | None = None
+    config: bool = True  # it reads a run's config (--config and overrides); check-hf reads a folder
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -167,6 +168,28 @@ def _simulate(cfg, args) -> int:
     print(format_report(r))
     _write_json(args.json, r)
     return 0
+
+
+def _check_hf(_cfg, args) -> int:
+    """Exit 0 within the tolerance, 1 over it, 2 (one `error:` line) for a folder it cannot check."""
+    from maestro_jax.hf_config import HFError
+    from maestro_jax.tools.check_hf import DEFAULT_TOLERANCE, check_llm
+
+    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    if not tolerance > 0:
+        print(f"error: --tolerance={args.tolerance}: must be > 0 (default {DEFAULT_TOLERANCE})", file=sys.stderr)
+        return 2
+    try:
+        r = check_llm(args.hf, tolerance)
+    except (HFError, KeyError) as err:
+        print(_error_line(f"error: --hf={args.hf}: {err}"), file=sys.stderr)
+        return 2
+    print(
+        f"check-hf {args.hf} ({r.model_type}): {len(r.lengths)} rows of {list(r.lengths)} tokens; logits max abs "
+        f"diff {r.max_abs:.3e}, relative {r.max_rel:.3e} (tolerance {r.tolerance:g}): "
+        + ("PASS" if r.passed else "FAIL")
+    )
+    return 0 if r.passed else 1
 
 
 def _export(cfg, args) -> int:
@@ -467,6 +490,22 @@ COMMANDS: dict[str, Command] = {
         ),
         devices=False,
     ),
+    "check-hf": Command(
+        "run a Hugging Face LLM folder through transformers and through maestro; compare the logits",
+        _check_hf,
+        (
+            opt("--hf", required=True, metavar="DIR", help="the folder (config.json and safetensors)"),
+            opt(
+                "--tolerance",
+                type=float,
+                default=None,
+                help="the largest logit difference relative to the largest logit that passes "
+                "(default: 1e-4, float32 on both sides)",
+            ),
+        ),
+        devices=False,
+        config=False,
+    ),
     "export": Command(
         "write a trained section (LLM, vision or audio tower) as a Hugging Face folder",
         _export,
@@ -498,15 +537,16 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help, formatter_class=_HelpFormatter)
-        p.add_argument(
-            "--config", required=True, metavar="FILE", help="the run's YAML config, e.g. configs/vlm_tiny.yaml"
-        )
-        p.add_argument(
-            "overrides",
-            nargs="*",
-            metavar="key=value",
-            help="dotted overrides of the config, e.g. steps=4 (default: none)",
-        )
+        if command.config:
+            p.add_argument(
+                "--config", required=True, metavar="FILE", help="the run's YAML config, e.g. configs/vlm_tiny.yaml"
+            )
+            p.add_argument(
+                "overrides",
+                nargs="*",
+                metavar="key=value",
+                help="dotted overrides of the config, e.g. steps=4 (default: none)",
+            )
         for flags, kwargs in command.options:
             p.add_argument(*flags, **kwargs)
         p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
@@ -571,6 +611,8 @@ def _error_line(err) -> str:
 
 
 def _command(command: Command, args) -> int:
+    if not command.config:
+        return command.run(None, args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

@@ -368,3 +368,22 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     assert status == 2 and err.startswith("error: sections.teacher.init.hf_path=") and "\n" not in err, err
     assert text in err, err
     assert COUNTER.count == before, "rejected before any compilation"
+
+
+@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe"])
+def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
+    """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
+    0 within the tolerance, 1 over it (a tolerance below float32 rounding), 2 with one `error:`
+    line for a folder that is not a decoder."""
+    live_transformers()
+    from maestro_jax import cli
+
+    path = FIXTURES / case
+    assert cli.main(["check-hf", "--hf", str(path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("PASS") and "3 rows of [24, 19, 13] tokens" in line
+    assert cli.main(["check-hf", "--hf", str(path), "--tolerance", "1e-12"]) == 1
+    assert capsys.readouterr().out.strip().endswith("FAIL")
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / "siglip")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --hf=") and "not a decoder" in err and "\n" not in err
