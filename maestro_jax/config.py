@@ -369,8 +369,9 @@ class LRScheduleConfig(_Frozen):
     """The learning rate over the run: a linear warm-up over `warmup_steps` (its first update at
     peak / warmup_steps, its last at the peak), then the peak held (`constant`) or decayed to
     `final_fraction` of it by update `decay_steps` (warm-up included; default: the run's `steps`),
-    along a cosine or a line (`runtime.optimizer.learning_rate`). Counted in applied updates (a
-    skipped non-finite step does not advance it)."""
+    along a cosine or a line: optax's own schedules read at the update's number counted from 1
+    (`runtime.optimizer.learning_rate`). Counted in applied updates (a skipped non-finite step
+    does not advance it)."""
 
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: NonNegativeInt = 0
@@ -415,7 +416,9 @@ class OptimizerConfig(_Frozen):
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = Field(0.0, ge=0.0)
-    decay: Literal["matrices", "all"] = "matrices"  # what weight decay applies to: not norms and biases, or all
+    # what weight decay applies to: every parameter but biases and norm scales, whatever their
+    # rank (the name is historical), or all
+    decay: Literal["matrices", "all"] = "matrices"
     clip_norm: float | None = Field(None, gt=0.0)
     sections: dict[str, SectionOptimizerConfig] = {}
 

@@ -7,6 +7,7 @@ settings are refused before any compute."""
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,12 +137,8 @@ def test_a_frozen_parameter_has_no_optimizer_state_and_no_weight_decay():
 
 
 def expected_rate(peak: float, step: int, warmup: int = 2, end: int = 6, final: float = 0.1) -> float:
-    """The schedule written out: update `step` (from 1) uses this rate."""
-    c = step - 1
-    if c < warmup:
-        return peak * (c + 1) / warmup
-    t = min(c - warmup, end - warmup) / (end - warmup)
-    return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t)))
+    """Update `step` (from 1) uses optax's own warm-up cosine schedule at `step`."""
+    return float(optax.warmup_cosine_decay_schedule(0.0, peak, warmup, end, peak * final)(step))
 
 
 def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
@@ -156,9 +153,10 @@ def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
 
 
 def test_weight_decay_skips_norms_and_biases():
-    params = {"kernel": jnp.ones((3, 2)), "bias": jnp.ones((2,)), "scale": jnp.ones((2,))}
+    """By role, not rank: a `[heads, head_dim]` attention bias is a bias (Qwen2's q/k/v)."""
+    params = {"kernel": jnp.ones((3, 2)), "bias": jnp.ones((4, 2)), "scale": jnp.ones((2,)), "class_embed": jnp.ones(2)}
     zero = jax.tree.map(jnp.zeros_like, params)
-    for decay, decayed in (("matrices", {"kernel"}), ("all", {"kernel", "bias", "scale"})):
+    for decay, decayed in (("matrices", {"kernel", "class_embed"}), ("all", set(params))):
         opt = section_optimizer(OptimizerConfig(learning_rate=0.5, weight_decay=0.1, decay=decay), "llm", 10)
         updates, _ = opt.update(zero, opt.init(params), params)
         new = optax.apply_updates(params, updates)
@@ -166,12 +164,69 @@ def test_weight_decay_skips_norms_and_biases():
 
 
 def test_schedules_by_kind():
+    """The rate of update k (counted from 1; the schedule is read at the k - 1 updates applied
+    before it) is optax's own schedule at k: the first warm-up update at peak / warmup_steps, the
+    peak once, at update warmup_steps, the final rate at update decay_steps (README "The optimizer")."""
+    cosine = learning_rate(
+        0.01, LRScheduleConfig(kind="cosine", warmup_steps=2, decay_steps=6, final_fraction=0.1), 9, ""
+    )
+    rates = [float(cosine(k - 1)) for k in range(1, 8)]
+    assert rates == pytest.approx([0.005, 0.01, 0.00868198, 0.0055, 0.00231802, 0.001, 0.001], rel=1e-5)
+    reference = optax.warmup_cosine_decay_schedule(0.0, 0.01, 2, 6, 0.001)
+    assert rates == pytest.approx([float(reference(k)) for k in range(1, 8)], rel=1e-6)
     constant = learning_rate(1.0, LRScheduleConfig(warmup_steps=4), 10, "")
-    assert [float(constant(c)) for c in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
-    linear = learning_rate(2.0, LRScheduleConfig(kind="linear", decay_steps=4), 10, "")
-    assert [float(linear(c)) for c in range(6)] == pytest.approx([2.0, 1.5, 1.0, 0.5, 0.0, 0.0])
-    cosine = learning_rate(1.0, LRScheduleConfig(kind="cosine", final_fraction=0.5), 4, "")  # decays over the run
-    assert [float(cosine(c)) for c in range(5)] == pytest.approx([1.0, 0.9267767, 0.75, 0.5732233, 0.5])
+    assert [float(constant(k - 1)) for k in range(1, 7)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    linear = learning_rate(2.0, LRScheduleConfig(kind="linear", warmup_steps=1, decay_steps=5), 10, "")
+    assert [float(linear(k - 1)) for k in range(1, 7)] == pytest.approx([2.0, 1.5, 1.0, 0.5, 0.0, 0.0])
+    no_warmup = learning_rate(1.0, LRScheduleConfig(kind="cosine", final_fraction=0.5), 4, "")  # over the run
+    assert [float(no_warmup(k - 1)) for k in range(1, 6)] == pytest.approx([0.9267767, 0.75, 0.5732233, 0.5, 0.5])
+
+
+def test_adamw_update_is_optax_adamw_bit_for_bit():
+    """Only the rate is injected: b1, b2, eps and the weight decay stay Python floats, as
+    optax.adamw takes them (as float32 arrays 1 - b2 rounds otherwise: 6.8e-6 relative)."""
+    rng = np.random.default_rng(0)
+    params = {"kernel": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32), "embedding": jnp.ones((4, 3))}
+    cfg = OptimizerConfig(learning_rate=0.01, weight_decay=0.1, b2=0.95)
+    ours, theirs = section_optimizer(cfg, "llm", 10), optax.adamw(0.01, cfg.b1, cfg.b2, cfg.eps, weight_decay=0.1)
+    mine, ref = (params, ours.init(params)), (params, theirs.init(params))
+    for _ in range(3):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+        (p, s), (q, t) = mine, ref
+        u, s = ours.update(grads, s, p)
+        v, t = theirs.update(grads, t, q)
+        mine, ref = (optax.apply_updates(p, u), s), (optax.apply_updates(q, v), t)
+    for a, b in zip(jax.tree.leaves(mine[0]), jax.tree.leaves(ref[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_bias_or_norm_scale_of_any_built_in_model_is_decayed():
+    """Every parameter of the built-in models (LLM with Qwen2's q/k/v biases and MoE experts, the
+    SigLIP-style ViT, the Whisper-style audio encoder): zero gradients, one AdamW step with weight
+    decay; what moved is exactly what is not a bias or a norm's scale."""
+    from maestro_jax.training.trainer import Trainer
+
+    cfg = load_config(
+        ROOT / "configs/omni_tiny.yaml",
+        [
+            "models.llm.qkv_bias=true",
+            "models.llm.experts=4",
+            "models.llm.experts_per_token=2",
+            "models.llm.expert_mlp=8",
+        ],
+    )
+    params = nn.meta.unbox(Trainer(cfg).graph.init(jax.random.key(0)))
+    opt = section_optimizer(OptimizerConfig(learning_rate=0.1, weight_decay=0.5), "llm", 10)
+    kinds = set()
+    for section, variables in params.items():
+        tree = variables["params"]
+        new = optax.apply_updates(tree, opt.update(jax.tree.map(jnp.zeros_like, tree), opt.init(tree), tree)[0])
+        for (path, before), after in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(new), strict=True):
+            name = param_path(path).rsplit("/", 1)[-1]
+            exempt = name in ("bias", "scale") or name.endswith("_bias")
+            kinds.add((name, exempt, np.ndim(before)))
+            assert np.array_equal(before, after) == exempt, (section, param_path(path))
+    assert ("bias", True, 2) in kinds and ("kernel", False, 3) in kinds  # [heads, head_dim] biases; q/k/v kernels
 
 
 @pytest.mark.parametrize(

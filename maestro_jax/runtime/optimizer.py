@@ -32,10 +32,13 @@ from maestro_jax.config import ConfigError, LRScheduleConfig, OptimizerConfig
 
 
 def learning_rate(peak: float, sched: LRScheduleConfig, steps: int, section: str) -> optax.Schedule:
-    """The rate by applied update: a linear warm-up whose first update uses `peak / warmup_steps`
-    and whose `warmup_steps`-th uses `peak` (no update wasted at rate 0), then `peak` held or
-    decayed to `final_fraction` of it by update `decay_steps` (default `steps`, the run's length;
-    warm-up included), along a cosine or a line."""
+    """The rate by applied update: optax's own schedule (`warmup_cosine_decay_schedule`, or its
+    linear and constant counterparts: a warm-up from 0 over `warmup_steps`, then `peak` held or
+    decayed to `final_fraction` of it by `decay_steps`, default `steps`, the run's length,
+    warm-up included) read at the update's number counted from 1. So the first warm-up update
+    uses `peak / warmup_steps` (none is wasted at rate 0), the `warmup_steps`-th uses `peak`, once,
+    and update `decay_steps` uses the final rate. `inject_hyperparams` evaluates a schedule at the
+    count of updates already applied, hence the shift by one."""
     warmup, end = sched.warmup_steps, sched.decay_steps or steps
     if sched.kind != "constant" and end <= warmup:
         where = f"optimizer.sections.{section}.lr_schedule" if section else "optimizer.lr_schedule"
@@ -43,19 +46,31 @@ def learning_rate(peak: float, sched: LRScheduleConfig, steps: int, section: str
             f"error: {where}.decay_steps={end}: the decay must end after the {warmup} warm-up "
             f"steps (decay_steps counts them; unset, it is the run's steps)"
         )
-    after = {
-        "constant": lambda: optax.constant_schedule(peak),
-        "cosine": lambda: optax.cosine_decay_schedule(peak, end - warmup, sched.final_fraction),
-        "linear": lambda: optax.linear_schedule(peak, peak * sched.final_fraction, end - warmup),
-    }[sched.kind]()
-    if not warmup:
-        return after
-    return optax.join_schedules([optax.linear_schedule(peak / warmup, peak, warmup - 1), after], [warmup])
+    final = peak * sched.final_fraction
+    if sched.kind == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, end, final)
+    else:
+        after = (
+            optax.constant_schedule(peak)
+            if sched.kind == "constant"
+            else optax.linear_schedule(peak, final, end - warmup)
+        )
+        schedule = (
+            optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup]) if warmup else after
+        )
+    return lambda count: schedule(count + 1)
 
 
-def _matrices(params):
-    """Weight decay on weight matrices and embeddings, not on norms' scales and biases."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def _decayed(params):
+    """Weight decay by role: every parameter but biases (`bias`, `conv1_bias`, ...) and norms'
+    scales (`scale`), whatever their rank (Qwen2's and the towers' `[heads, head_dim]` attention
+    biases included)."""
+
+    def role(path, _):
+        name = str(path[-1].key) if isinstance(path[-1], jax.tree_util.DictKey) else ""
+        return not (name == "scale" or name == "bias" or name.endswith("_bias"))
+
+    return jax.tree_util.tree_map_with_path(role, params)
 
 
 def _sgd(learning_rate, weight_decay, mask, freeze):
@@ -96,13 +111,15 @@ def section_optimizer(cfg: OptimizerConfig, section: str, steps: int) -> optax.G
     frozen parameters left out."""
     peak, sched, decay = cfg.for_section(section)
     lr = learning_rate(peak, sched, steps, section if section in cfg.sections else "")
-    mask = _matrices if cfg.decay == "matrices" else None
+    mask = _decayed if cfg.decay == "matrices" else None
     freeze = _freeze_of(cfg, section)
+    # only the rate is injected: the rest stay Python floats, as optax.adamw takes them (injected,
+    # they would be float32 arrays, and 1 - b2 would round differently from optax's own)
     if cfg.name == "sgd":
-        return optax.inject_hyperparams(_sgd, static_args=("mask", "freeze"))(
+        return optax.inject_hyperparams(_sgd, static_args=("weight_decay", "mask", "freeze"))(
             learning_rate=lr, weight_decay=decay, mask=mask, freeze=freeze
         )
-    return optax.inject_hyperparams(_adamw, static_args=("mask", "freeze"))(
+    return optax.inject_hyperparams(_adamw, static_args=("b1", "b2", "eps", "weight_decay", "mask", "freeze"))(
         learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay, mask=mask, freeze=freeze
     )
 
