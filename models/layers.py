@@ -118,9 +118,9 @@ class RopeScaling:
 
     rope_type: str  # one of ROPE_SCALINGS
     factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float  # the config's defaults: hf_config.ROPE_DEFAULTS
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:

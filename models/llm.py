@@ -51,6 +51,14 @@ class LLMConfig:
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
     context_attention: str = "ring"  # over a `context` split: ring (balanced, skips masked blocks) | gather
 
+    @classmethod
+    def from_fields(cls, fields: dict, **extra) -> "LLMConfig":
+        """From `models.<s>`'s fields as plain data (the config's dump, `hf_config.llm_fields`):
+        `kind` and `hf` dropped, `rope_scaling` as the frozen `RopeScaling`."""
+        own = {k: v for k, v in fields.items() if k not in ("kind", "hf")} | extra
+        scaling = own.get("rope_scaling")
+        return cls(**own | {"rope_scaling": scaling and RopeScaling(**scaling)})
+
 
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE style: softmax router, top-k weights renormalised).

@@ -58,8 +58,7 @@ def torch_logits(model, tokens=TOKENS):
 
 def llm_config(fields: dict, **extra) -> LLMConfig:
     """The model's config from `hf.llm_fields` (as `workloads.model_config` makes it)."""
-    scaling = fields["rope_scaling"] and RopeScaling(**fields["rope_scaling"])
-    return LLMConfig(**{k: v for k, v in fields.items() if k != "kind"} | {"rope_scaling": scaling}, **extra)
+    return LLMConfig.from_fields(fields, **extra)
 
 
 def _inputs():

@@ -45,7 +45,7 @@ def _lengths(fields: dict) -> tuple[int, ...]:
 
 def check_llm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
     """The logits of the LLM folder at `path` through transformers and through maestro."""
-    from maestro_jax.models import DecoderLM, LLMConfig, RopeScaling, hf
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
 
     path = Path(path)
     if kind_of(path) != "llm":
@@ -57,9 +57,7 @@ def check_llm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     valid = np.arange(lengths[0])[None] < np.array(lengths)[:, None]
     ids = np.where(valid, ids, 0)
     reference = _transformers_logits(path, ids, valid)
-    scaling = fields["rope_scaling"] and RopeScaling(**fields["rope_scaling"])
-    cfg = LLMConfig(**{k: v for k, v in fields.items() if k != "kind"} | {"rope_scaling": scaling})
-    model = DecoderLM(cfg)
+    model = DecoderLM(LLMConfig.from_fields(fields))
     pos = jnp.broadcast_to(jnp.arange(lengths[0]), ids.shape)
     args = (jnp.asarray(ids, jnp.int32), pos, jnp.asarray(valid))
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])

@@ -161,7 +161,7 @@ def model(cfg: Config, name: str, kind: str):
     dataclass, with the activation checkpointing (`remat`) of the section named like it; for a
     kind the plug-in declares (`Workload.model_kinds`) its class's instance. ConfigError when
     missing, of another kind, or (a plug-in's kind) with fields its class refuses."""
-    from maestro_jax.models import AudioConfig, LLMConfig, RopeScaling, ViTConfig
+    from maestro_jax.models import AudioConfig, LLMConfig, ViTConfig
 
     m = cfg.models.get(name)
     if m is None:
@@ -181,9 +181,9 @@ def model(cfg: Config, name: str, kind: str):
         return validate_block(own[kind], fields, f"models.{name}")
     if name in cfg.sections:  # the section that runs this model sets its activation checkpointing
         fields["remat"] = cfg.sections[name].layer_remat
-    if fields.get("rope_scaling") is not None:  # the model's own frozen (hashable) dataclass
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    return {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}[kind](**fields)
+    if kind == "llm":
+        return LLMConfig.from_fields(fields)
+    return {"vit": ViTConfig, "audio": AudioConfig}[kind](**fields)
 
 
 def build_graph(cfg: Config) -> SectionGraph:
