@@ -6,9 +6,13 @@ its log, and no process here holds GPU memory that another needs (`XLA_PYTHON_CL
 is off for all). `DIR/gpu_check.json` is rewritten after every step, so a check cut short by the
 machine's time limit still leaves what it measured, and no step starts or runs past
 `--deadline-s` (default DEADLINE_S), so the whole check ends inside one device call. Steps, in
-order, most wanted first:
+order, what no GPU run has measured yet first (benchmarks/RESULTS.md, "Running on a GPU": two
+H200 runs passed verify of both configs in bfloat16 and kd_tiny in float32, and timed the
+kernels; vlm_tiny in float32 compiles past 420 s there):
 
   env       jax, jaxlib, the CUDA plugin, CUDA, cuDNN, the driver, the device and its memory;
+  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
+  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm;
   verify    the tiny configs (vlm_tiny and kd_tiny by default; `--configs` takes omni_tiny and
             vlm_kd_tiny too) with all sections on device 0 (each section its own one-device
             mesh, co-located), maestro vs the monolithic step, in float32 (matmuls at precision
@@ -17,9 +21,7 @@ order, most wanted first:
   kernels   decoder (dense, MoE), ViT and attention blocks at realistic widths and token counts,
             forward and forward+backward, beside the cost model's prediction for each shape;
             cuDNN against XLA attention; compiled against measured peak memory
-            (`maestro_jax.tools.kernels`);
-  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
-  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm.
+            (`maestro_jax.tools.kernels`).
 
 `--dry-run` runs the same steps on the CPU (8 virtual devices, the configs shrunk to one layer
 each, the kernels at tiny widths) in a few minutes: how the script is kept working between GPU
@@ -337,13 +339,13 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, args.dry_run, args.deadline_s)
-    # most wanted first: a deadline cuts the tail (the kernels feed the cost model's calibration)
+    # the unmeasured first: a deadline cuts the tail (see the docstring)
     steps = [
         check.probe_env,
-        lambda: check.verify(configs, precisions, args.workers),
-        check.kernels,
         lambda: check.bench(benches),
         lambda: check.compile_times(configs[0]),
+        lambda: check.verify(configs, precisions, args.workers),
+        check.kernels,
     ]
     for step in steps:
         step()
