@@ -10,7 +10,7 @@ from conftest import ROOT
 
 from maestro_jax import workloads
 from maestro_jax.config import load_config
-from maestro_jax.planning.planner import peak_memory
+from maestro_jax.planning.layout import peak_memory
 from maestro_jax.tools.plan import planner_for
 from maestro_jax.workloads.vlm import image_modality
 

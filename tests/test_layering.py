@@ -158,6 +158,65 @@ def test_no_module_imports_a_higher_layer():
     assert not bad and not stale, "\n".join([*bad, *stale, f"layers, bottom to top: {order}"])
 
 
+def import_circles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """Every set of modules of the tree that import each other round a circle (strongly connected
+    components of more than one module, or a module importing itself), each sorted."""
+    edges = {m: sorted({t for _, t in imports if t in graph}) for m, imports in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+    for root in edges:  # Tarjan's algorithm, iterative (no recursion limit on a deep tree)
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(edges[w])))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1 or v in edges[v]:
+                    circles.append(sorted(comp))
+    return circles
+
+
+def test_no_import_circle():
+    """Imports at any depth count (a function-level or `TYPE_CHECKING` import closes a circle as
+    surely as a module-level one: it only hides it from the interpreter)."""
+    circles = import_circles(GRAPH)
+    assert not circles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        ({"a": [(1, "b")], "b": [(1, "c")], "c": []}, []),
+        ({"a": [(1, "b")], "b": [(9, "a")], "c": [(1, "a")]}, [["a", "b"]]),
+        ({"a": [(1, "b")], "b": [(1, "c")], "c": [(1, "a")], "d": [(1, "d")]}, [["a", "b", "c"], ["d"]]),
+    ],
+)
+def test_import_circles_are_found(graph, expected):
+    assert sorted(import_circles(graph)) == expected
+
+
 def test_planning_half_imports_no_jax():
     bad = [
         f"{where(m, line)}: {m} (layer {layer_of(m)[1]}) imports {t}"

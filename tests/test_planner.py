@@ -15,7 +15,8 @@ from maestro_jax.config import load_config
 from maestro_jax.core.plan import PlanError, SectionPlan, check_param_divisibility, check_plan, state_bytes_per_device
 from maestro_jax.planning.cluster import section_cost
 from maestro_jax.planning.cost import NODE_DEVICES
-from maestro_jax.planning.planner import STAGE_COUNTS, Candidate, InfeasibleError, Planner, ShardedLeaves, peak_memory
+from maestro_jax.planning.layout import ShardedLeaves, mesh_degrees, peak_memory
+from maestro_jax.planning.planner import STAGE_COUNTS, Candidate, InfeasibleError, Planner
 from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.tools.plan import planner_for, write_plan
 from maestro_jax.workloads import describe
@@ -229,7 +230,7 @@ def test_tensor_parallelism_stays_within_a_node():
     sections = list(p.spec.sections.values())
     every = SectionSpec("all", True, tuple(q for sec in sections for q in sec.leaves), sections[0].cost)
     for sec in [*sections, every]:
-        assert max(tensor for tensor, _, _ in p._axes(sec, 64)) == NODE_DEVICES, sec.name
+        assert max(tensor for tensor, _, _ in mesh_degrees(sec, 64, p.contexts)) == NODE_DEVICES, sec.name
 
 
 def test_tensor_parallelism_only_for_sections_whose_weights_it_splits():

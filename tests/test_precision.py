@@ -10,7 +10,7 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 from maestro_jax.config import load_config
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
-from maestro_jax.planning.planner import section_memory
+from maestro_jax.planning.layout import section_memory
 from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.tools.verify import compare, verify

@@ -63,7 +63,7 @@ Device d of stage s sends to device d + devices / P: over NVLink when both are i
 non-interleaved 1F1B schedule's `send_forward_recv_backward` pairs are: the sender waits.
 
 Memory. Stage s keeps the activations of min(P - s, M) micro-batches in flight (1F1B's bound,
-Narayanan et al. 2021 section 2.2.1): `planner.section_memory` of each slice, with a trained
+Narayanan et al. 2021 section 2.2.1): `layout.section_memory` of each slice, with a trained
 slice's residuals stashed for that many forwards (the sink's last stage holds one, plus its
 logits); weights, grads and Adam state of the slice's parameters only. The first stage, which
 also holds the encoder and its residuals for P micro-batches, is usually the binding one; every
@@ -83,24 +83,42 @@ import math
 import re
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.cluster import _link, section_cost
 from maestro_jax.planning.cost import CostModel, SectionCost
-from maestro_jax.planning.planner import (
+from maestro_jax.planning.layout import (
     ShardedLeaves,
-    _divisors,
-    _micro_batches,
+    divisors,
     group_memory,
+    mesh_degrees,
+    micro_batches,
     section_memory,
 )
-from maestro_jax.planning.spec import SectionSpec
+from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 
-if TYPE_CHECKING:
-    from maestro_jax.planning.planner import Planner
+
+class Search(Protocol):
+    """What the baseline reads of the search it is priced beside (`planner.Planner` is one): the
+    same workload, samples, devices, budget and cost model, so the two compare like for like.
+    A protocol, not the planner's class: the planner calls this module, not the other way."""
+
+    spec: WorkloadSpec
+    metas: list  # the planning batches' sample metadata
+    devices: int
+    global_batch: int
+    budget: float  # bytes per device
+    device: str  # a key of `cost.DEVICES`
+    link_gbps: float
+    serial: bool  # the device runs one program at a time (nothing overlaps)
+    layer_remat: tuple[str, ...]  # the per-layer checkpointing policies searched
+    contexts: tuple[int, ...]  # the context degrees searched
+    max_units: dict[str, int]
+    typical_units: dict[str, float]
+
 
 NODE = 8  # devices per node (DGX H100/H200), as `cluster._link` assumes
 _BLOCK = re.compile(r"block_(\d+)")
@@ -388,7 +406,7 @@ def _chunks(spec, metas, rows: int, alone) -> list[list]:
 
 
 def pipelined_time(
-    planner: Planner,
+    planner: Search,
     stages: int,
     sp: SectionPlan,
     layer_remat: str,
@@ -404,7 +422,7 @@ def pipelined_time(
 
 
 def _pipelined(
-    planner: Planner,
+    planner: Search,
     stages: int,
     sp: SectionPlan,
     layer_remat: str,
@@ -517,7 +535,7 @@ def _pipelined(
 
 
 def stage_memory(
-    planner: Planner,
+    planner: Search,
     stages: int,
     sp: SectionPlan,
     layer_remat: str,
@@ -544,10 +562,10 @@ def stage_memory(
     return out
 
 
-def pipelined_best(planner: Planner, stage_counts: Sequence[int] | None = None) -> dict | None:
+def pipelined_best(planner: Search, stage_counts: Sequence[int] | None = None) -> dict | None:
     """The fastest 1F1B pipeline layout on the planner's devices that fits its memory budget:
     over the stage count (2 up to the sink's layers, dividing the devices; or `stage_counts`),
-    the stage mesh (tensor, context, expert as `Planner._axes` offers them, the smallest fsdp
+    the stage mesh (tensor, context, expert as `layout.mesh_degrees` offers them, the smallest fsdp
     that fits), the micro-batch and one `layer_remat` for every trained section, as
     `Planner.monolithic_best` searches its layout. None when nothing fits (or the sink declares
     too few layers to cut)."""
@@ -560,24 +578,24 @@ def pipelined_best(planner: Planner, stage_counts: Sequence[int] | None = None) 
         UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in spec.sections.values())),
     )
     best = None
-    for stages in (p for p in _divisors(n) if 2 <= p <= layers and (stage_counts is None or p in stage_counts)):
+    for stages in (p for p in divisors(n) if 2 <= p <= layers and (stage_counts is None or p in stage_counts)):
         for counts in sink_cuts(spec, planner.metas, stages):
             best = _best_on(planner, stages, stage_plan(spec, planner.metas, stages, counts), every, best)
     return best
 
 
 def _best_on(
-    planner: Planner, stages: int, slices: list[list[_Slice]], every: SectionSpec, best: dict | None
+    planner: Search, stages: int, slices: list[list[_Slice]], every: SectionSpec, best: dict | None
 ) -> dict | None:
     """`best`, or a faster layout of `stages` stages cut as `slices` that fits."""
     gb, n = planner.global_batch, planner.devices
     k = n // stages
-    for tensor, context, expert in planner._axes(every, k):
+    for tensor, context, expert in mesh_degrees(every, k, planner.contexts):
         dp = k // (tensor * context)
-        for mb in _micro_batches(gb, dp):
+        for mb in micro_batches(gb, dp):
             m = -(-gb // (dp * mb))
             for remat in planner.layer_remat:
-                for fsdp in _divisors(dp // expert):
+                for fsdp in divisors(dp // expert):
                     sp = SectionPlan(
                         tuple(range(k)),
                         mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor),

@@ -19,40 +19,28 @@ once. Candidates are generated under a threshold that starts at the floor of eve
 rises in small steps, falling to the best times found so far, so large clusters, many sections
 and the thousands of near-equal plans of a small workload do not enumerate every split.
 
-Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
-sections, all float32 and sharded by the mesh rules; frozen weights once (bfloat16 sections: frozen
-weights, activations and a compute copy of trained weights in bf16); activations of one
-micro-step; and, for a trained producer, the residuals stashed for up to
-`schedule.max_in_flight` micro-steps waiting for their backward (only the inputs under
-`residuals: remat`); the sink's logits and their gradient.
+Memory per device and the layouts a section can take: `planning/layout.py`.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
 
-from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import (
-    ParamInfo,
     Plan,
     PlanError,
     SectionPlan,
     check_plan,
-    device_groups,
-    group_bytes,
     mesh_shape,
-    state_bytes_per_device,
 )
 from maestro_jax.core.stages import stage_name
-from maestro_jax.meshes import MESH_AXES, RULES, mesh_axes_for
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
     cost_model,
@@ -61,102 +49,25 @@ from maestro_jax.planning.cluster import (
     transfer_s_per_unit,
     typical_units,
 )
-from maestro_jax.planning.cost import DEVICES, NODE_DEVICES, CostModel, SectionCost
+from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
+from maestro_jax.planning.layout import (
+    ShardedLeaves,
+    divisors,
+    group_memory,
+    mesh_degrees,
+    micro_batches,
+    peak_memory,
+    section_memory,
+)
+from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
 
-F32 = 4
-
 
 class InfeasibleError(ValueError):
     """No plan fits the request; the message says the smallest request that would."""
-
-
-def section_memory(
-    sec: SectionSpec,
-    sp: SectionPlan,
-    is_sink: bool,
-    max_units: int,
-    max_in_flight: int,
-    weights: tuple[float, float] | None = None,
-) -> dict[str, float]:
-    """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
-    (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
-    trained section adds the bf16 copy of its weights its forward computes with. `layer_remat`
-    shrinks what each layer keeps for its backward; context parallelism splits every
-    activation's positions, expert parallelism the experts' weights (through the mesh rules).
-    `weights`: the per-device float32 bytes of the trained and the frozen weights under `sp`'s
-    mesh, when the caller has them already (`Planner` computes them once per mesh)."""
-    half = 0.5 if sp.precision == "bfloat16" else 1.0
-    if weights is None:
-        weights = state_bytes_per_device(sec.params, sp, False), state_bytes_per_device(sec.consts, sp, False)
-    params, consts = weights
-    state = params * (4 if sec.trained else half) + consts * half
-    if sec.trained and half < 1:
-        state += params * half
-    c, tensor = sec.cost, sp.axis_sizes["tensor"]
-    per_layer = half * (c.layer_bytes + c.layer_bytes_sharded / tensor)  # what one block keeps per unit for its vjp
-    working = 2 * per_layer
-    # what each layer keeps for its backward under `layer_remat`: everything; only its input;
-    # or its input plus the weight-matmul outputs (about half the replicated activations)
-    kept = {
-        "none": per_layer,
-        "full": half * c.width * F32,
-        "dots": half * (c.layer_bytes / 2 + c.layer_bytes_sharded / tensor),
-    }[sp.layer_remat]
-
-    rows_units = sp.micro_batch * bucket(max_units, 16) / sp.axis_sizes["context"]  # positions split by context
-    act = rows_units * working
-    held = 0.0  # what outlives the section's own programs: residuals stashed for later backwards
-    if sec.trained and not is_sink:  # each forward in flight keeps its residuals (its input under remat)
-        held = max_in_flight * rows_units * (kept * c.layers if sp.residuals == "vjp" else c.width * F32 * half)
-        act += held
-    if is_sink:  # forward and backward in one program: its residuals, logits and their gradient
-        act += rows_units * (kept * c.layers + c.logits / tensor * F32 * 2)
-    return {"state": state, "activations": act, "held": held, "total": state + act}
-
-
-class ShardedLeaves:
-    """A section's parameter leaves reduced to what a mesh changes about them, so that checking
-    a mesh costs a few steps per group of mesh axes rather than a pass over every leaf (the
-    paper-scale LLM has hundreds of leaves, and a search at a thousand devices tries tens of
-    thousands of meshes). The answer depends only on the shard counts of the axis groups the
-    leaves are sharded over (fsdp, tensor, expert; not data or context), so it is computed once
-    per distinct set of counts. Gives the same answers as `check_param_divisibility` and
-    `state_bytes_per_device`: a mesh divides a dimension of every leaf exactly when it divides
-    their gcd, and the bytes are summed leaf by leaf in the same order, so the floats are equal."""
-
-    def __init__(self, leaves: Sequence[ParamInfo], rules: str = "default"):
-        axes = {lg: mesh_axes_for(lg, RULES[rules]) for info in leaves for lg in (info.logical or ())}
-        self._groups = tuple(dict.fromkeys(axes.values()))  # distinct tuples of mesh axes a dimension is split over
-        group = {lg: self._groups.index(a) for lg, a in axes.items()}
-        gcds = [0] * len(self._groups)  # by group: the gcd of every dimension split over it
-        for info in leaves:
-            for dim, lg in zip(info.shape, info.logical or ()):
-                gcds[group[lg]] = math.gcd(gcds[group[lg]], dim)
-        self._gcds = tuple(gcds)
-        self._layouts = tuple(dict.fromkeys(tuple(group[lg] for lg in info.logical or ()) for info in leaves))
-        index = {layout: i for i, layout in enumerate(self._layouts)}
-        self._bytes = tuple(
-            (math.prod(info.shape) * info.itemsize, index[tuple(group[lg] for lg in info.logical or ())])
-            for info in leaves
-        )
-        self._by_shards: dict[tuple[int, ...], float | None] = {}
-
-    def per_device(self, mesh: tuple[int, ...]) -> float | None:
-        """Bytes per device of the leaves sharded over `mesh`, or None when the mesh does not
-        divide a sharded dimension."""
-        sizes = dict(zip(MESH_AXES, mesh))
-        shards = tuple(math.prod(sizes[a] for a in axes) for axes in self._groups)
-        if shards not in self._by_shards:
-            if any(g % n for g, n in zip(self._gcds, shards)):
-                self._by_shards[shards] = None
-            else:
-                by_layout = [math.prod(shards[g] for g in layout) for layout in self._layouts]
-                self._by_shards[shards] = sum(n / by_layout[i] for n, i in self._bytes)
-        return self._by_shards[shards]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,26 +104,8 @@ class PlanReport:
     pipelined: dict | None = None  # the 1F1B pipeline-parallel baseline's (Megatron-LM's), `pipeline.pipelined_best`
 
 
-@functools.cache
-def _divisors(n: int) -> tuple[int, ...]:
-    """Cached: a search asks for the divisors of every device count many times over."""
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
-
-
 def _powers(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
-
-
-@functools.cache
-def _micro_batches(global_batch: int, dp: int) -> tuple[int, ...]:
-    """The micro-batches worth trying for `dp` data shards: for each number of micro-steps k the
-    batch could take, the smallest micro-batch that takes k (any larger one with k steps only
-    pads more; the last micro-step is padded when it is not full). None when a shard would get
-    no sample."""
-    per_shard = -(-global_batch // dp)
-    if global_batch < dp:
-        return ()
-    return tuple(sorted({-(-per_shard // k) for k in range(1, per_shard + 1)}))
 
 
 # pipeline stage counts `plan --stages` tries for a section that splits (`WorkloadSpec.splits`)
@@ -528,18 +421,18 @@ class Planner:
             return self._layouts_by_count[key]
         sec, sink = self.spec.sections[section], section == self.spec.sink
         devices, out = tuple(range(n)), []
-        for tensor, context, expert in self._axes(sec, n):
+        for tensor, context, expert in mesh_degrees(sec, n, self.contexts):
             dp = n // (tensor * context)
-            micro_batches = _micro_batches(self.global_batch, dp)
-            if not micro_batches:
+            choices = micro_batches(self.global_batch, dp)
+            if not choices:
                 continue  # before pricing its meshes: at scale most degrees leave no micro-batch
             meshes = []  # by fsdp degree, smallest first: each mesh that can shard the weights, with their bytes
-            for fsdp in _divisors(dp // expert):
+            for fsdp in divisors(dp // expert):
                 mesh = mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor)
                 weights = self._weights_on(section, mesh)
                 if weights is not None:
                     meshes.append((mesh, weights))
-            for mb in micro_batches:
+            for mb in choices:
                 for res, remat in itertools.product(
                     self.residuals if sec.trained and not sink else ("vjp",),
                     self.layer_remat if sec.trained else ("none",),
@@ -776,20 +669,6 @@ class Planner:
                     front.append((coef, o))
             kept.update(id(o) for _, o in front)
         return [o for o in options if id(o) in kept]
-
-    def _axes(self, sec: SectionSpec, n: int) -> Iterator[tuple[int, int, int]]:
-        """(tensor, context, expert) degrees on `n` devices: tensor parallelism within a node
-        (`NODE_DEVICES`: the cost model prices its all-reduces only there, through the
-        calibrated efficiency) for sections whose weights have tensor-sharded axes
-        (`SectionSpec.has_tensor_axes`); context parallelism in the powers of two `contexts`
-        allows, for sections with attention; expert parallelism over any divisor of the
-        data-parallel devices, for sections with experts (elsewhere an expert axis is plain data
-        parallelism)."""
-        for tensor in (t for t in _divisors(n) if t <= NODE_DEVICES) if sec.has_tensor_axes else (1,):
-            for context in (c for c in self.contexts if (n // tensor) % c == 0 and (c == 1 or sec.cost.kv_width)):
-                dp = n // (tensor * context)
-                for expert in _divisors(dp) if sec.has_experts else (1,):
-                    yield tensor, context, expert
 
     def _combine(self, bounds) -> float:
         """A plan's bound from its sections': their sum on a serial client, else the largest."""
@@ -1047,8 +926,6 @@ class Planner:
         scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
         if not scored:
             raise InfeasibleError(self._infeasible_message())
-        from maestro_jax.planning.pipeline import pipelined_best  # here: that module imports this one
-
         return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined_best(self))
 
     def _monolithic_point(self, monolithic: dict | None) -> Candidate | None:
@@ -1191,12 +1068,12 @@ class Planner:
             UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())),
         )
         trained = [s for s in self.spec.order if self.spec.sections[s].trained]
-        for tensor, context, expert in self._axes(every, self.devices):
+        for tensor, context, expert in mesh_degrees(every, self.devices, self.contexts):
             dp = self.devices // (tensor * context)
-            for mb in _micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
+            for mb in micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
                 for remats in itertools.product(self.layer_remat, repeat=len(trained)):
                     remat = dict.fromkeys(self.spec.order, "none") | dict(zip(trained, remats))
-                    for fsdp in _divisors(dp // expert):
+                    for fsdp in divisors(dp // expert):
                         sp = SectionPlan(
                             tuple(range(self.devices)),
                             mesh_shape(
@@ -1333,17 +1210,6 @@ def layer_remat_text(remat: str | dict[str, str]) -> str:
 def _finite(x: float) -> float:
     """A head or tail no sample defines (a section no planning sample has work in) bounds nothing."""
     return 0.0 if math.isinf(x) else x
-
-
-def group_memory(members: Sequence[dict[str, float]]) -> float:
-    """Bytes per device of co-located sections, from each one's `section_memory`."""
-    return group_bytes([m["state"] for m in members], [m["activations"] for m in members], [m["held"] for m in members])
-
-
-def peak_memory(plan: Plan, memory: dict[str, dict[str, float]]) -> float:
-    """Bytes per device of the fullest device group."""
-    groups = device_groups(plan.sections)
-    return max(group_memory([memory[s] for s in memory if groups[s] == g]) for g in set(groups.values()))
 
 
 def _ceil_significant(x: float, digits: int = 3) -> float:
