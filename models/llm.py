@@ -45,7 +45,7 @@ class LLMConfig:
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
     experts_per_token: int = 0
     expert_mlp: int = 0
-    router_aux_loss: float = 0.0  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE: 0.001)
+    router_aux_loss: float = 0.001  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE's default)
     moe_dispatch: str = "dense"  # dense | ragged | sparse: see MoE
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth

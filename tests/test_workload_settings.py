@@ -240,3 +240,33 @@ def test_text_ids_skip_the_placeholders_and_keep_the_default_layout():
     default ids (1, 2) that is every id from 3, as synthetic and byte-level text always were."""
     assert np.array_equal(text_ids(384, (1, 2)), np.arange(FIRST_TEXT_TOKEN, 384))
     assert text_ids(11, (7, 9)).tolist() == [3, 4, 5, 6, 8, 10]
+
+
+@pytest.mark.parametrize(
+    "schema, model",
+    [
+        ("LLMModelConfig", "LLMConfig"),
+        ("ViTModelConfig", "ViTConfig"),
+        ("AudioModelConfig", "AudioConfig"),
+    ],
+)
+def test_each_model_has_one_schema(schema, model):
+    """`models.<s>` in a config and the model's own dataclass describe one model: every field of
+    the model is in the config (but `remat`, which the section's `layer_remat` sets), and a
+    default both declare is the same (`router_aux_loss` once was 0.001 in the config and 0.0 in
+    `LLMConfig`, so a model built in Python trained without the balance loss)."""
+    import maestro_jax.models as M
+    from pydantic_core import PydanticUndefined
+
+    import maestro_jax.config as C
+
+    fields = C.__dict__[schema].model_fields
+    own = {f.name: f for f in dataclasses.fields(getattr(M, model))}
+    assert set(own) - set(fields) == {"remat"}
+    differ = {
+        name: (fields[name].default, f.default)
+        for name, f in own.items()
+        if name in fields and f.default is not dataclasses.MISSING and fields[name].default is not PydanticUndefined
+        if fields[name].default != f.default
+    }
+    assert not differ, f"defaults that differ (config, model): {differ}"
