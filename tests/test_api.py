@@ -212,13 +212,46 @@ class Mistaken(PictureCaptions):
 def test_a_user_graphs_samples_are_validated_by_default(mistake, message):
     """No `check` given: the samples are still validated, against the modalities and vocabulary
     the user declared; a token list or a missing placeholder is a DataError naming the sample,
-    before `verify` compares anything (it used to train with zero encoder gradients)."""
-    trainer = mj.Trainer(user_config(), user_graph(), Mistaken(mistake), **DECLARED)
+    when the Trainer is built, before anything compiles (it used to train with zero encoder
+    gradients, then to fail only after the programs compiled)."""
     with pytest.raises(mj.DataError, match=message) as err:
-        trainer.verify()
+        mj.Trainer(user_config(), user_graph(), Mistaken(mistake), **DECLARED)
+    assert "Trainer(modalities=..., vocab=...)" in str(err.value)
     if mistake == "missing placeholder":
         found, need = re.search(message, str(err.value)).groups()
         assert int(found) == int(need) - 1
+
+
+def test_undeclared_modalities_are_refused_before_anything_compiles_naming_where_to_declare():
+    """A user graph whose samples hold pictures, built without `modalities`: the first batch is
+    checked when the Trainer is built, and the error says what was declared and where."""
+    with pytest.raises(mj.DataError) as err:
+        mj.Trainer(user_config(), user_graph(), PictureCaptions(), vocab=VOCAB)
+    assert re.fullmatch(
+        r"sample id=\d+: has image items, but this workload takes text only \(checked against what "
+        r"Trainer\(modalities=\.\.\., vocab=\.\.\.\) declares: modalities none, text only, vocab "
+        + str(VOCAB)
+        + r"; declare what your samples carry\)",
+        str(err.value),
+    ), str(err.value)
+
+
+def test_under_on_bad_sample_skip_only_a_first_batch_with_no_good_sample_is_refused():
+    """`data.on_bad_sample: skip` drops bad samples in training, so the check before compiling
+    stops only a first batch with no good sample: one bad sample builds; every sample's
+    pictures undeclared does not."""
+
+    class FirstBad(PictureCaptions):
+        def __getitem__(self, i):
+            s = super().__getitem__(i)
+            return mj.Sample(s.id, s.tokens.tolist(), s.items) if i == 0 else s
+
+    skip = {"on_bad_sample": "skip"}
+    mj.Trainer(user_config(data=skip), user_graph(), FirstBad(), **DECLARED)  # builds
+    with pytest.raises(
+        mj.DataError, match=r"^sample id=0: has image items, .*the first batch's other 7 samples fail too$"
+    ):
+        mj.Trainer(user_config(data=skip), user_graph(), PictureCaptions(), vocab=VOCAB)
 
 
 def test_a_callback_that_reads_the_items_fails_in_verify_as_in_train_naming_the_section():

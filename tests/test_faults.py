@@ -26,8 +26,11 @@ KD = ROOT / "configs/kd_tiny.yaml"
 VLM = ROOT / "configs/vlm_tiny.yaml"
 
 
-def cli_args(config, overrides):
-    return [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(config), *overrides]
+def cli_args(config, overrides, hold=()):
+    """The `train` command line; `hold`: tests/held_checkpoint_cli.py's options (its saves or
+    commits held back), which then runs it."""
+    entry = [str(ROOT / "tests" / "held_checkpoint_cli.py"), *hold] if hold else ["-m", "maestro_jax.cli"]
+    return [sys.executable, *entry, "train", "--config", str(config), *overrides]
 
 
 def metrics(out):
@@ -156,13 +159,14 @@ def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
 def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path):
     """keep_checkpoints=1: the only committed step is deleted only after the next one is
     committed. Killed after Orbax wrote step 4's files but before it committed them (the test
-    hook MAESTRO_TEST_COMMIT_DELAY_S holds the commit open), the next run resumes from step 2,
+    commit is held open: tests/held_checkpoint_cli.py), the next run resumes from step 2,
     not from scratch."""
     steps = 10
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    args = cli_args(KD, TINY_KD + [f"output_dir={out}", f"steps={steps}", "checkpoint_every=2", "keep_checkpoints=1"])
-    env = {**os.environ, "MAESTRO_TEST_COMMIT_DELAY_S": "30"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    overrides = TINY_KD + [f"output_dir={out}", f"steps={steps}", "checkpoint_every=2", "keep_checkpoints=1"]
+    args = cli_args(KD, overrides)
+    held = cli_args(KD, overrides, hold=["--commit-delay", "30"])
+    proc = subprocess.Popen(held, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     since = []
 
     def ready():  # step 4 written, not committed; a retention that ran too early has had its chance
@@ -492,19 +496,20 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
 
 
 # -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------
-def _train_process(run_dir, pid, port, overrides, env=None) -> subprocess.Popen:
-    """Process `pid` of a 2-process tiny KD run (4 devices each), stdout and stderr piped."""
+def _train_process(run_dir, pid, port, overrides, hold=()) -> subprocess.Popen:
+    """Process `pid` of a 2-process tiny KD run (4 devices each), stdout and stderr piped;
+    `hold` as `cli_args`'s."""
     process = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
-    args = cli_args(KD, [*process, "host_devices=4", *TINY_KD, *overrides, f"output_dir={run_dir}"])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", **(env or {})}
+    args = cli_args(KD, [*process, "host_devices=4", *TINY_KD, *overrides, f"output_dir={run_dir}"], hold)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _start_two(tmp_path, overrides, env_of=None, lines=2):
-    """Two processes of 4 devices each, returned once process 0 logged `lines` steps; `env_of`:
-    extra environment variables per process id. stdout and stderr are piped."""
+def _start_two(tmp_path, overrides, hold_of=None, lines=2):
+    """Two processes of 4 devices each, returned once process 0 logged `lines` steps; `hold_of`:
+    `cli_args`'s `hold` per process id. stdout and stderr are piped."""
     port = free_ports(3)
-    procs = [_train_process(tmp_path / "run", pid, port, overrides, (env_of or {}).get(pid)) for pid in range(2)]
+    procs = [_train_process(tmp_path / "run", pid, port, overrides, (hold_of or {}).get(pid, ())) for pid in range(2)]
     metrics_file = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and all(p.poll() is None for p in procs):
@@ -648,14 +653,14 @@ def test_stuck_peer_is_named_within_the_timeout(tmp_path, victim):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
     """`kill -9` or SIGSTOP of process 1 while process 0 is in the checkpoint save of step 3 (the
-    test hook holds process 1 back from that save): process 0 stops with status 5 within about
+    tests/held_checkpoint_cli.py holds process 1 back from that save): process 0 stops with status 5 within about
     distributed.timeout_s (10 s), naming process 1. Not a storage fault (status 4, `Gloo
     AllGather failed`), and not left to the heartbeat (120 s): Orbax's waits on peers are
     coordination-service barriers bounded by the timeout."""
     procs = _start_two(
         tmp_path,
         ["steps=100000", "checkpoint_every=3", "distributed.timeout_s=10", "distributed.heartbeat_timeout_s=120"],
-        env_of={1: {"MAESTRO_TEST_SAVE_DELAY_S": "300"}},
+        hold_of={1: ["--save-delay", "300"]},
         lines=3,
     )
     time.sleep(1)  # process 0 is waiting in the save of step 3 for process 1, which sleeps in the hook
@@ -719,11 +724,11 @@ def test_sigterm_to_one_process_checkpoints_every_process(tmp_path, victim):
 @pytest.mark.slow
 def test_sigterm_says_saved_only_once_committed(tmp_path):
     """ "checkpoint saved at step N" is printed only once Orbax committed step N, with its
-    manifest (the test hook holds the commit back 5 s after the files are written)."""
+    manifest (tests/held_checkpoint_cli.py holds the commit back 5 s after the files are written)."""
     out = tmp_path / "run"
-    env = {**os.environ, "MAESTRO_TEST_COMMIT_DELAY_S": "5", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=100000"]),
+        cli_args(KD, TINY_KD + [f"output_dir={out}", "steps=100000"], hold=["--commit-delay", "5"]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -16,7 +16,7 @@ from maestro_jax.core import plan as plan_lib
 from maestro_jax.core.graph import GraphError, SectionGraph
 from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
-from maestro_jax.data.samples import TOKENS, parts_of
+from maestro_jax.data.samples import TOKENS, DataError, parts_of
 from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
@@ -253,6 +253,31 @@ def check_batch_fits_data(cfg: Config, source) -> None:
         )
 
 
+def check_first_batch(cfg: Config, source, check, hint: str = "") -> None:
+    """A user graph's first global batch of samples (indices 0..global_batch-1) through the
+    sample check before anything is built or compiled: a mistake every sample shares (a modality
+    or a vocabulary not declared, a token list) stops the run here, not after its programs
+    compile. `hint` is added to the error (where the declared check comes from). Under
+    `data.on_bad_sample: skip` only a batch with no good sample stops here (training drops and
+    counts the bad ones). Training still checks every sample it reads."""
+    try:
+        n = min(cfg.global_batch, len(source))
+    except TypeError:  # a source of unknown size
+        n = cfg.global_batch
+    first = None
+    for i in range(n):
+        try:
+            check(source[i])
+        except DataError as err:
+            if cfg.data.on_bad_sample == "error":
+                raise DataError(f"{err}{hint}") from err
+            first = first or err
+        else:
+            return
+    if first is not None:
+        raise DataError(f"{first}{hint}; the first batch's other {n - 1} samples fail too") from first
+
+
 def build_runtime(
     cfg: Config,
     graph: SectionGraph | None = None,
@@ -290,12 +315,19 @@ def build_runtime(
                 "error: source: a user graph needs a sample source (any random-access source of "
                 "maestro_jax.data.Sample)"
             )
+        hint = ""
         if check is None:
             from maestro_jax.data.samples import validate_info, validate_sample
 
             declared = {"modalities": tuple(modalities), "max_tokens": cfg.data.max_tokens}
             check = functools.partial(validate_sample, vocab=vocab, **declared)
             info_check = functools.partial(validate_info, **declared)
+            hint = (
+                f" (checked against what Trainer(modalities=..., vocab=...) declares: modalities "
+                f"{[m.name for m in modalities] or 'none, text only'}, vocab {vocab or 'not declared'}; declare what "
+                "your samples carry)"
+            )
+        check_first_batch(cfg, source, check, hint)
     check_packing(cfg, graph)
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})

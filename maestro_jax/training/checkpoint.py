@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import shutil
-import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,8 +248,6 @@ class Checkpointer:
         }
         items["data"] = ocp.args.JsonSave(data_state)
         items["meta"] = ocp.args.JsonSave({**meta, "step": step})
-        if delay := float(os.environ.get("MAESTRO_TEST_SAVE_DELAY_S", "0")):
-            time.sleep(delay)  # test hook: this process joins a save its peers are in only later
         self._saving, self._layout = step, state_layout(states)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -263,8 +260,6 @@ class Checkpointer:
         step is written, not yet renamed. Process 0 writes the manifest; raising here keeps
         Orbax from committing the step, and the error reaches `wait_committed`."""
         step = self._saving
-        if delay := float(os.environ.get("MAESTRO_TEST_COMMIT_DELAY_S", "0")):
-            time.sleep(delay)  # test hook: widens the window between the files and the commit
         if jax.process_index() != 0 or step is None:
             return
         written = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")) or [self.directory / str(step)]
