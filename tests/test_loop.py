@@ -9,7 +9,7 @@ from conftest import ROOT, TINY_KD
 
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.runtime.programs import active_planner
+from maestro_jax.runtime.programs import active_dry_run
 from maestro_jax.training.loop import train
 from maestro_jax.training.step import NonFiniteError, train_step
 
@@ -21,7 +21,7 @@ def spied_runtime(cfg, events, monkeypatch):
     issued = iter(range(1, 1000))
 
     def logged_run(*args, **kw):
-        if active_planner() is None:  # a real step, not compile-ahead's walk over abstract values
+        if active_dry_run() is None:  # a real step, not compile-ahead's walk over abstract values
             events.append(("issue", next(issued)))
         return run(*args, **kw)
 

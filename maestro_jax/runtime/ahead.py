@@ -5,7 +5,7 @@ over the first 6 steps of vlm_tiny). Here the shapes come from sample *metadata*
 global batch the run will take, its samples' `SampleInfo`s (no payload decoded) are scheduled
 (`Runtime.schedule`), packed as the executor packs them (`Executor.host_batches` on
 `hollow_sample`s: zeros of the right shapes), and the executor walks the whole step, update
-included, over abstract values inside `programs.planning`: each program call yields its abstract
+included, over abstract values inside `programs.dry_run`: each program call yields its abstract
 outputs and records its signature, each transfer its cut and join programs. Nothing runs on the
 devices.
 
@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from maestro_jax.data.samples import DataError, SampleInfo, hollow_sample
-from maestro_jax.runtime.programs import Planner, SectionState, planning
+from maestro_jax.runtime.programs import DryRun, SectionState, dry_run
 
 log = logging.getLogger("maestro_jax")
 
@@ -43,7 +43,7 @@ MAX_BATCHES = 256  # the default bound on the batches `Runtime.compile_ahead` sc
 
 
 def abstract_states(rt) -> dict[str, SectionState]:
-    """Each section's state as abstract values in its own layout (inside `planning`: the optimizer
+    """Each section's state as abstract values in its own layout (inside `dry_run`: the optimizer
     state comes from its `init_opt` program, traced or compiled)."""
     import flax.linen as nn
 
@@ -116,9 +116,9 @@ def trace_batches(rt, batches: Iterable[Sequence], evaluate: Iterable[Sequence] 
     shapes fails here (`SectionPrograms._trace`: a `GraphError` naming the section). Returns
     the tracer, the prepared batches that met a new program (or all, `replay_all`), and the
     distinct batch shapes seen."""
-    tracer = Planner(compile=False)
+    tracer = DryRun(compile=False)
     replay, seen = [], set()
-    with planning(tracer):
+    with dry_run(tracer):
         abstract_states(rt)
         for ev, batch in [(False, b) for b in batches] + [(True, b) for b in evaluate]:
             batch = list(batch)
@@ -156,10 +156,10 @@ def compile_batches(
     threads = default_threads() if threads is None else threads
     pool = ThreadPoolExecutor(threads, thread_name_prefix="maestro-compile") if threads > 1 and total > 1 else None
     try:
-        compiler = Planner(compile=True, traced=tracer.traced, pool=pool)
+        compiler = DryRun(compile=True, traced=tracer.traced, pool=pool)
         progress = _Progress(say, total)
         compiler.on_compile = progress.tick
-        with planning(compiler):
+        with dry_run(compiler):
             states = abstract_states(rt)
             for prepared in replay:
                 _walk(rt, states, prepared)

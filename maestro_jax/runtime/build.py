@@ -23,7 +23,7 @@ from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.optimizer import check_sections, section_optimizer, section_squared_norm
 from maestro_jax.runtime.precision import with_precision
-from maestro_jax.runtime.programs import Planner, SectionPrograms, SectionState, planning
+from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState, dry_run
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.runtime.stages import on_whole, stage_states, whole_params, whole_states
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
@@ -129,8 +129,8 @@ class Runtime:
     def abstract_states(self) -> dict[str, SectionState]:
         """`init_states`' result as abstract values (shapes, dtypes, layouts), nothing computed;
         the optimizer state's layout is its `init_opt` program's, which this compiles if needed."""
-        planner = Planner(compile=True)
-        with planning(planner):
+        run = DryRun(compile=True)
+        with dry_run(run):
             return ahead_lib.abstract_states(self)
 
     def batch_infos(

@@ -12,7 +12,7 @@ and when a caller reads the step's loss.
 
 Every device computation a step issues is a section program from its section's cache of
 compiled executables (`runtime.programs`), the sums of losses, metrics and cotangents included,
-or a transfer's cut and join programs. Inside `programs.planning` the same walk runs over
+or a transfer's cut and join programs. Inside `programs.dry_run` the same walk runs over
 abstract values and compiles instead of running (`runtime.ahead`, `Runtime.compile_ahead`).
 """
 
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.runtime.programs import SectionPrograms, SectionState, active_planner
+from maestro_jax.runtime.programs import SectionPrograms, SectionState, active_dry_run
 from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 from maestro_jax.schedule.dispatch import dispatch_order
@@ -191,14 +191,14 @@ class Executor:
         )
 
     def _move(self, x, dst, row_map=None):
-        """`transfer` (while planning: the abstract result, its cut and join programs recorded)."""
-        planner = active_planner()
-        if planner is None:
+        """`transfer` (during a dry run: the abstract result, its cut and join programs recorded)."""
+        run = active_dry_run()
+        if run is None:
             return transfer(x, dst, row_map)
         out, programs = abstract_transfer(x, dst, row_map)
         for key, program in programs.items():
             if key not in self.compiled_transfers:
-                planner.transfers.setdefault(key, program)
+                run.transfers.setdefault(key, program)
         return out
 
     def run(
@@ -232,7 +232,7 @@ class Executor:
         if ahead is not None:
             ctx.moved.update(ahead.moved)
         ops = schedule.ops if ahead is None else [op for op in schedule.ops if not self.problem.is_ahead(op)]
-        if record is None and active_planner() is None and self.launch_window is not None:
+        if record is None and active_dry_run() is None and self.launch_window is not None:
             self._issue(ops, ctx)
             return self._finish(ctx)
         t_origin = time.perf_counter()
@@ -448,7 +448,7 @@ class Executor:
         queuing more. The wavefront scheduler keeps the bound by construction, so this wait is
         a safety net; each one is counted in the step's result (`in_flight_waits`)."""
         stashed = [h for (s, _), h in ctx.handles.items() if s == section]
-        if len(stashed) > self.problem.in_flight(section) and active_planner() is None:
+        if len(stashed) > self.problem.in_flight(section) and active_dry_run() is None:
             t0 = time.perf_counter()
             jax.block_until_ready(stashed[0])
             ctx.in_flight_waits += 1

@@ -29,7 +29,7 @@ layout; the updated state: the layout it came in), so the signature of every lat
 from the first compile alone. The one layout XLA picks is that of vjp residuals, which only
 `backward` reads.
 
-While a `Planner` is active (`planning`), calls do not run: given abstract arguments
+While a `DryRun` is active (`dry_run`), calls do not run: given abstract arguments
 (`jax.ShapeDtypeStruct`s) they return abstract outputs and record (trace mode) or compile
 (compile mode) each signature; `runtime.ahead` drives the executor through whole steps this way.
 Memory comes from the executables' `memory_analysis()` (`SectionPrograms.memory_analysis`).
@@ -170,7 +170,7 @@ def _known(out_info) -> bool:
     return all(x.sharding is not None for x in jax.tree.leaves(out_info))
 
 
-class Planner:
+class DryRun:
     """What a dry run of the executor over abstract values does with each program call.
 
     compile=False (trace mode): trace each new signature (no compile) and record it, so that the
@@ -183,7 +183,7 @@ class Planner:
     def __init__(self, compile: bool, traced: dict | None = None, pool=None):
         self.compile, self.pool = compile, pool
         self.traced: dict[tuple, Any] = dict(traced or {})  # (section, kind, key) -> jax.stages.Traced
-        self.new: list[tuple[str, str, tuple]] = []  # (section, kind, key) first met by this planner, not cached
+        self.new: list[tuple[str, str, tuple]] = []  # (section, kind, key) first met by this dry run, not cached
         self.used: dict[str, set] = {}  # section -> every (kind, key) called, cached or not
         self.transfers: dict[tuple, tuple] = {}  # transfer program key -> (program, args), not compiled yet
         self.on_compile = lambda: None  # called after each compile (progress)
@@ -233,21 +233,21 @@ class Planner:
             f.result()
 
 
-_PLANNER: contextvars.ContextVar[Planner | None] = contextvars.ContextVar("maestro_planner", default=None)
+_DRY_RUN: contextvars.ContextVar[DryRun | None] = contextvars.ContextVar("maestro_dry_run", default=None)
 
 
 @contextlib.contextmanager
-def planning(planner: Planner):
-    """Program calls in this context (this thread) go to `planner` instead of running."""
-    token = _PLANNER.set(planner)
+def dry_run(run: DryRun):
+    """Program calls in this context (this thread) go to `run` instead of running."""
+    token = _DRY_RUN.set(run)
     try:
-        yield planner
+        yield run
     finally:
-        _PLANNER.reset(token)
+        _DRY_RUN.reset(token)
 
 
-def active_planner() -> Planner | None:
-    return _PLANNER.get()
+def active_dry_run() -> DryRun | None:
+    return _DRY_RUN.get()
 
 
 _TAKES_INPUTS = ("forward", "forward_vjp", "backward_remat", "loss_and_grad", "loss")  # (variables, inputs, batch, ...)
@@ -432,9 +432,9 @@ class SectionPrograms:
             return self.cache.setdefault((kind, key), entry)
 
     def _call(self, kind: str, key: tuple, *args):
-        planner = _PLANNER.get()
-        if planner is not None:
-            return planner.visit(self, kind, key, args)
+        run = _DRY_RUN.get()
+        if run is not None:
+            return run.visit(self, kind, key, args)
         entry = self.cache.get((kind, key))
         if entry is None:
             entry = self._compile(kind, key, args, lazily=True)
@@ -537,9 +537,9 @@ class SectionPrograms:
         """Host arrays of one micro-step onto the section's devices, rows over data shards.
 
         Every process holds the whole micro-step on the host (the schedule is the same
-        everywhere); across processes each one places only its own devices' rows. While planning,
+        everywhere); across processes each one places only its own devices' rows. During a dry run,
         the arrays' abstract values on those devices."""
-        if _PLANNER.get() is not None:
+        if _DRY_RUN.get() is not None:
             return {
                 k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype), sharding=self.row_sharding)
                 for k, v in batch.items()
