@@ -1,7 +1,9 @@
 """`maestro-jax {train,verify,eval,bench,simulate,plan,export} --config FILE [options] [key=value ...]`; check-hf --hf DIR.
 
-Thin entry point: parse, validate the config (before JAX starts: it sets the CPU device count),
-then call the library. `maestro-jax --help` lists the commands (the `COMMANDS` table: one entry
+The command line, and only it: parse, validate the config (before JAX starts: it sets the CPU
+device count), call the library, and turn each kind of fault into its `error:` line and status
+(below); each command's options and its call are one entry of the `COMMANDS` table, and what a
+command computes lives in the library (`tools`, `training`). `maestro-jax --help` lists the commands (the `COMMANDS` table: one entry
 each, with its options), `maestro-jax COMMAND --help` each option with its default.
 
 XLA's C++ log (e.g. `[SPMD] Involuntary full rematerialization` notes while compiling) is off

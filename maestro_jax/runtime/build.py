@@ -45,7 +45,6 @@ class Runtime:
     check: object = None  # check(sample, parts=...): payload validation (raises DataError), or None
     info_check: object = None  # info_check(SampleInfo): metadata validation (raises DataError), or None
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
-    cost: object = None  # CostModel the wavefront scheduler plans with (None: work units)
     coordinator: Coordinator = dataclasses.field(default_factory=Coordinator)  # exchanges between processes
 
     def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
@@ -66,7 +65,7 @@ class Runtime:
     def schedule(self, samples) -> Schedule:
         metas = sample_metas(self.graph, samples)
         if self.cfg.schedule.scheduler == "wavefront":
-            return wavefront(metas, self.problem, self.cost)
+            return wavefront(metas, self.problem)  # ordered by work units (no cost model at run time)
         return naive(metas, self.problem)
 
     def batches(self):
