@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import (
@@ -159,7 +159,9 @@ class Planner:
     wavefront scheduler and the simulator, which runs a group's sections one at a time.
     `tolerance`: the relative gap to the optimum the search may leave (module docstring).
     `stage_counts`: the pipeline stage counts a section that splits may also take (`plan
-    --stages` gives `STAGE_COUNTS`; none by default).
+    --stages` gives `STAGE_COUNTS`; none by default). `progress`, when given, receives one line
+    per pass of the search (`search` runs one per stash bound and run-ahead setting) and one
+    before the baselines.
     """
 
     def __init__(
@@ -179,8 +181,10 @@ class Planner:
         run_ahead: int = 0,
         tolerance: float = TOLERANCE,
         stage_counts: Sequence[int] = (),
+        progress: Callable[[str], None] | None = None,
     ):
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
+        self.progress = progress or (lambda line: None)
         self.tolerance = max(tolerance, _TIE)
         self.run_ahead = run_ahead
         trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
@@ -969,6 +973,10 @@ class Planner:
         bound shows that no remaining candidate can beat the K-th best by more than `tolerance`,
         the search stops (ties keep the first found). If the threshold fell short of that time,
         it grows and the search goes on (already simulated plans are not simulated again)."""
+        self.progress(
+            f"searching plans on {self.devices} devices with {self.budget / 2**30:g} GB each: "
+            f"schedule.max_in_flight {self.max_in_flight}, schedule.run_ahead {self.run_ahead}"
+        )
         if next(self.candidates(), None) is None:  # no plan at all: the passes below would never end early
             return [], 0, 0
         floors = {s: self._floor(s, self.devices, self.budget, False) for s in self.spec.order}
@@ -1060,6 +1068,7 @@ class Planner:
         blocks, as `jax.checkpoint` wraps each block kind with its own policy (MaxText's
         per-decoder-layer `remat_policy`), so the fair baseline gets the same freedom the
         sections get."""
+        self.progress(f"baselines on {self.devices} devices: the monolithic layout and the pipelined (1F1B) one")
         best, gb = None, self.global_batch
         every = SectionSpec(
             "all",
@@ -1124,6 +1133,7 @@ class Planner:
             run_ahead=self.run_ahead if run_ahead is None else run_ahead,
             tolerance=self.tolerance,
             stage_counts=self.stage_counts,
+            progress=self.progress,
         )
         other._prices, other._weights_by_mesh = self._prices, self._weights_by_mesh
         other._staged_planners = self._staged_planners

@@ -6,7 +6,6 @@ The workload's graph is described once (`workloads.describe`: parameter shapes f
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from maestro_jax import workloads
@@ -27,15 +26,14 @@ def planner_for(
     progress: Callable[[str], None] | None = None,
     **kwargs,
 ) -> Planner:
-    """A planner for `cfg`'s workload, or for a user's `graph` and `source`. `progress`, when
-    given, receives one line per pass of the search (`Planner.search` runs one per stash bound
-    and run-ahead setting) and one before the baselines."""
+    """A planner for `cfg`'s workload, or for a user's `graph` and `source`; `progress` as
+    `Planner`'s."""
     graph = graph or workloads.build_graph(cfg)
     if graph.staging is not None:  # the planner chooses the stages itself: it plans the whole sections
         graph = graph.staging.whole
     spec = workloads.describe(cfg, graph)
     metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
-    planner = Planner(
+    return Planner(
         spec,
         metas,
         devices,
@@ -45,37 +43,9 @@ def planner_for(
         link_gbps=cfg.simulate.link_gbps,
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
+        progress=progress,
         **kwargs,
     )
-    return planner if progress is None else _Reporting.around(planner, progress)
-
-
-class _Reporting(Planner):
-    """A planner that says what its search is doing, one line per pass: the planner itself,
-    with `_search` (one pass) and `monolithic_best` announced, and the planners it derives for
-    other settings (`_with`) reporting too. Only what is printed differs."""
-
-    progress: Callable[[str], None]
-
-    @classmethod
-    def around(cls, planner: Planner, progress: Callable[[str], None]) -> _Reporting:
-        planner.__class__ = cls  # the planner as it is (caches, settings), now reporting
-        planner.progress = progress
-        return planner
-
-    def _search(self, top: int, incumbent: float = math.inf):
-        self.progress(
-            f"searching plans on {self.devices} devices with {self.budget / 2**30:g} GB each: "
-            f"schedule.max_in_flight {self.max_in_flight}, schedule.run_ahead {self.run_ahead}"
-        )
-        return super()._search(top, incumbent)
-
-    def monolithic_best(self) -> dict | None:
-        self.progress(f"baselines on {self.devices} devices: the monolithic layout and the pipelined (1F1B) one")
-        return super().monolithic_best()
-
-    def _with(self, *args, **kwargs) -> Planner:
-        return _Reporting.around(super()._with(*args, **kwargs), self.progress)
 
 
 def plan_overrides(c: Candidate) -> dict[str, object]:
