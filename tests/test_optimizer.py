@@ -5,6 +5,7 @@ global norm, the updated params) under both schedulers; the logged rates follow 
 frozen parameters (`freeze`) get no update and no share of the clip norm, alike in both; bad
 settings are refused before any compute."""
 
+import json
 import math
 
 import flax.linen as nn
@@ -14,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import yaml
-from conftest import ROOT, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import ConfigError, LRScheduleConfig, OptimizerConfig, load_config
 from maestro_jax.runtime.build import build_runtime
@@ -150,6 +151,22 @@ def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
         assert h["lr/vision"] == pytest.approx(expected_rate(0.001, h["step"]), rel=1e-6), h["step"]
         parts = math.sqrt(h["grad_norm/llm"] ** 2 + h["grad_norm/vision"] ** 2)
         assert h["grad_norm"] == pytest.approx(parts, rel=1e-6) and h["grad_norm"] > CLIP
+
+
+def test_kd_logs_its_distillation_metrics_and_the_readmes_schedule(tmp_path):
+    """kd_tiny, 6 steps under the README's cosine example: `lr/student` is 0.005, 0.01,
+    0.00868, 0.0055, 0.00232, 0.001 (the peak once, the final rate at update decay_steps), and
+    the step logs the sink's own metrics, KD's `student/kl` and `student/ce`, per loss token as
+    the loss is, so that loss = alpha T^2 kl + (1 - alpha) ce (alpha 0.5, T 2) step by step."""
+    schedule = "optimizer.lr_schedule={kind: cosine, warmup_steps: 2, decay_steps: 6, final_fraction: 0.1}"
+    overrides = [*TINY_KD, "steps=6", "optimizer.learning_rate=0.01", schedule, f"output_dir={tmp_path}"]
+    train(load_config(ROOT / "configs/kd_tiny.yaml", overrides), progress=False)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rates = [h["lr/student"] for h in logged]
+    assert rates == pytest.approx([0.005, 0.01, 0.00868198, 0.0055, 0.00231802, 0.001], rel=1e-5)
+    for h in logged:
+        assert h["student/kl"] > 0 and h["student/ce"] > 0, h
+        assert h["loss"] == pytest.approx(0.5 * 4 * h["student/kl"] + 0.5 * h["student/ce"], rel=1e-5), h
 
 
 def test_weight_decay_skips_norms_and_biases():

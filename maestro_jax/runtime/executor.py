@@ -73,7 +73,8 @@ class Ahead:
 class StepResult:
     loss: jax.Array  # device scalar, summed over the sink's micro-steps
     grads: dict[str, object]  # trained section -> accumulated grads (on its mesh)
-    metrics: dict[str, jax.Array]
+    metrics: dict[str, jax.Array]  # the sink's metrics, summed over the batch (not normalised)
+    norm: float = 1.0  # the batch's loss normaliser, which `loss` is already divided by
     in_flight_waits: int = 0  # times the host waited for a stashed forward (the in-flight bound)
     in_flight_wait_s: float = 0.0  # and for how long
     transfer_issue_s: float = 0.0  # host time spent issuing transfers between sections
@@ -184,6 +185,7 @@ class Executor:
             loss=loss,
             grads=ctx.acc,
             metrics=summed,
+            norm=float(ctx.norm),
             in_flight_waits=ctx.in_flight_waits,
             in_flight_wait_s=ctx.in_flight_wait_s,
             transfer_issue_s=ctx.transfer_issue_s,

@@ -24,7 +24,10 @@ class IssuedStep:
     """One optimizer step issued to the devices whose results the host has not read yet.
 
     Reading the loss and the per-section finiteness flags (`read`) is the host's one wait on the
-    devices in a step. The loop reads step N only after issuing step N+1, so the devices are
+    devices in a step. The record holds the loss, each trained section's gradient norm
+    (`grad_norm/<section>`) and learning rate (`lr/<section>`), and each metric the sink returns
+    (`<sink>/<metric>`: KD's `kl` and `ce`), summed over the batch and divided by the loss's
+    normaliser as the loss is (per loss-carrying token). The loop reads step N only after issuing step N+1, so the devices are
     never idle while the host dispatches; it reads at once only where the next action needs the
     result (a checkpoint, the last step, a preemption, `on_nonfinite: skip`), and the record's
     `wait_reason` says which."""
@@ -39,11 +42,15 @@ class IssuedStep:
         record: dict,
         norms_sq: dict | None = None,
         fetch=np.asarray,
+        metrics: dict | None = None,
+        norm: float = 1.0,
     ):
         self.step, self.loss, self.finite, self.sink, self.on_nonfinite = step, loss, finite, sink, on_nonfinite
         self.fetch = fetch  # a device value on this host (`Coordinator.fetch`: held by another process too)
         self.record = record
         self.norms_sq = norms_sq or {}  # each trained section's squared grad norm, a device scalar
+        self.metrics = metrics or {}  # the sink's metrics summed over the batch, device scalars
+        self.norm = norm  # the batch's loss normaliser (its loss-carrying tokens): the metrics are read per unit of it
         self.rates: dict = {}  # each trained section's learning rate in the update, once it is issued
         self.evaluated: list = []  # the held-out losses issued after this step (`Evaluation.issue`)
         self.was_read = False
@@ -59,8 +66,10 @@ class IssuedStep:
         bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
         norms = {s: float(fetch(n)[0]) for s, n in sorted(self.norms_sq.items())}
         rates = {s: float(fetch(r)) for s, r in sorted(self.rates.items())}
+        metrics = {f"{self.sink}/{k}": float(fetch(v)) / self.norm for k, v in sorted(self.metrics.items())}
         self.was_read = True
         self.record.update(loss=loss, device_wait_s=time.perf_counter() - t0)
+        self.record.update(metrics)
         if norms:  # the norm clipping reads (before clipping), over all sections and per section
             self.record["grad_norm"] = math.sqrt(sum(norms.values()))
             self.record.update({f"grad_norm/{s}": math.sqrt(v) for s, v in norms.items()})
@@ -119,6 +128,8 @@ def issue_step(
         },
         norms_sq,
         rt.coordinator.fetch,
+        result.metrics,
+        float(result.norm),
     )
     if on_nonfinite == "skip":
         issued.record["dispatch_s"] = time.perf_counter() - t0

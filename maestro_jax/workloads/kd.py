@@ -81,7 +81,7 @@ def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: f
     kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
     ce = optax.softmax_cross_entropy_with_integer_labels(s_logits.astype(jnp.float32), targets)
     per_token = alpha * temperature**2 * kl + (1.0 - alpha) * ce
-    return jnp.sum(per_token * mask), {"tokens": jnp.sum(mask), "kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
+    return jnp.sum(per_token * mask), {"kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
 
 
 def student_stages(
