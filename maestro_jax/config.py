@@ -471,6 +471,16 @@ class EvalConfig(_Frozen):
     batches: PositiveInt = 2
 
 
+class ProfileConfig(_Frozen):
+    """A `jax.profiler` trace of steps start_step..start_step+steps-1, written into
+    `<output_dir>/profile` (TensorBoard's profile plugin or Perfetto read it). The window opens
+    before its first step is issued and closes once its last step's results are read, so the
+    trace holds that device work whole."""
+
+    start_step: PositiveInt
+    steps: PositiveInt = 1
+
+
 class CompileConfig(_Frozen):
     """Compiling before step 1, and keeping what was compiled for the next run."""
 
@@ -544,6 +554,7 @@ class Config(_Frozen):
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig | None = None
+    profile: ProfileConfig | None = None  # {start_step: 2, steps: 2}: a jax.profiler trace in <output_dir>/profile
     compile: CompileConfig = CompileConfig()
     monolithic: MonolithicConfig = MonolithicConfig()
     schedule: ScheduleConfig = ScheduleConfig()
@@ -579,6 +590,20 @@ class Config(_Frozen):
             raise ValueError(
                 f"eval.data: not set, and the training data (data.kind={self.data.kind}) is no "
                 f"held-out source; give eval.data (e.g. kind: array_record with other paths)"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _profile_window(self):
+        if self.profile is not None and self.output_dir is None:
+            raise ValueError(
+                f"profile: {{start_step: {self.profile.start_step}, steps: {self.profile.steps}}} writes into "
+                "<output_dir>/profile, and output_dir is not set; valid: set output_dir, or leave profile out"
+            )
+        if self.profile is not None and self.profile.start_step > self.steps:
+            raise ValueError(
+                f"profile.start_step={self.profile.start_step}: after the run's last step (steps={self.steps}); "
+                f"valid: 1..{self.steps}"
             )
         return self
 

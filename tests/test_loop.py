@@ -93,3 +93,36 @@ def test_a_non_finite_step_read_late_stops_before_anything_after_it_is_saved(tmp
     assert logged == list(range(1, bad))
     saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == []  # the first checkpoint (step 3) would hold non-finite weights: never written
+
+
+def test_a_profile_window_traces_its_steps_whole(tmp_path, monkeypatch):
+    """`profile: {start_step: 2, steps: 2}`: the trace opens just before step 2 is issued and
+    closes once step 3 is read (after step 4 is issued, the loop reading one step late), and a
+    jax.profiler trace lands in <output_dir>/profile."""
+    import jax
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=4", "profile={start_step: 2, steps: 2}", f"output_dir={out}"]
+    )
+    events = []
+    rt = spied_runtime(cfg, events, monkeypatch)
+    start, stop = jax.profiler.start_trace, jax.profiler.stop_trace
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda d: (events.append(("start", d)), start(d))[1])
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: (events.append(("stop", None)), stop())[1])
+    train(cfg, progress=False, rt=rt)
+    kinds = [e[0] if e[0] != "issue" else e for e in events]
+    assert kinds.count("start") == 1 and kinds.count("stop") == 1
+    assert kinds.index("start") == kinds.index(("issue", 2)) - 1
+    assert events[kinds.index("start")][1] == str(out / "profile")
+    stop_at = kinds.index("stop")
+    assert kinds.index(("issue", 4)) < stop_at and "read" in kinds[kinds.index(("issue", 4)) : stop_at]
+    assert "read" in kinds[stop_at:], "step 4 is read after the window closed"
+    assert list((out / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_a_profile_window_needs_an_output_dir():
+    from maestro_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"profile: \{start_step: 2, steps: 2\} writes into <output_dir>/profile"):
+        load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["profile={start_step: 2, steps: 2}"])

@@ -9,7 +9,7 @@ The loop issues step N+1 before it reads step N, so the devices never wait on th
 happens at a step boundary is one method each (`_Loop`): reading a step (non-finite handling,
 metrics to the trackers), evaluation, checkpoints, preemption. One `ExitStack` owns every
 resource of the run (the SIGTERM handler, directory locks, the prefetch thread, the
-checkpointer, the trackers) and closes them in reverse order, on a fault too.
+checkpointer, the trackers, a profiler trace) and closes them in reverse order, on a fault too.
 
 Faults end the run with an exception the CLI maps to an exit status (README, "Fault behaviour"):
 `DataError` (a bad sample under `data.on_bad_sample: error`), `NonFiniteError`,
@@ -39,6 +39,7 @@ from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
 from maestro_jax.training.preemption import Preemption, raise_if_interrupted
 from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
+from maestro_jax.training.profile import ProfileWindow
 from maestro_jax.training.step import IssuedStep, issue_step
 from maestro_jax.training.storage import check_directories, write_error
 from maestro_jax.training.trackers import Trackers, output_trackers
@@ -120,9 +121,9 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
                 disable=not progress or jax.process_index() != 0,
             )
         )
-        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, _StepLog(tracked, bar, evaluation), say).run(
-            states, start
-        )
+        window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
+        step_log = _StepLog(tracked, bar, evaluation)
+        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(states, start)
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
         say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
@@ -248,6 +249,7 @@ class _Loop:
     evaluation: Evaluation | None
     log: _StepLog
     say: Callable[[str], None]
+    window: ProfileWindow  # `profile`: the steps a jax.profiler trace holds
     pending: tuple | None = None  # the step issued last and not read yet: (IssuedStep, PreparedBatch, data wait)
 
     def run(self, states, start: int) -> list[dict]:
@@ -257,6 +259,7 @@ class _Loop:
             for done in range(start + 1, self.cfg.steps + 1):
                 prepared = next(self.data)  # read, scheduled and packed while the previous step ran
                 batch = prepared.batch
+                self.window.before_issue(done)
                 states, issued = issue_step(
                     self.rt,
                     states,
@@ -303,6 +306,7 @@ class _Loop:
         if self.pending:
             pending, self.pending = self.pending, None
             self.log.read(*pending, wait_reason=wait_reason)
+            self.window.after_read(pending[0].step)
 
     def _checkpoint(self, done: int, states, stop_by: list[int]) -> None:
         """Save after step `done` when it is due or the run stops; a checkpoint holds only a step
