@@ -481,6 +481,19 @@ class ProfileConfig(_Frozen):
     steps: PositiveInt = 1
 
 
+class WandbConfig(_Frozen):
+    """The `wandb` tracker's run: under `<output_dir>/wandb`, given the resolved config as its
+    hyper-parameters. `offline` writes files only (`wandb sync DIR` uploads them later); the
+    package is an optional extra: `pip install 'maestro_jax[wandb]'`."""
+
+    project: str = "maestro_jax"
+    name: str | None = None  # W&B's own run name when None
+    mode: Literal["offline", "online"] = "offline"
+
+
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+
+
 class CompileConfig(_Frozen):
     """Compiling before step 1, and keeping what was compiled for the next run."""
 
@@ -554,6 +567,10 @@ class Config(_Frozen):
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig | None = None
+    # where each step's record goes (with output_dir; process 0): metrics.jsonl, TensorBoard
+    # events (tb/), a W&B run (wandb/); each is given the resolved config (config.yaml beside)
+    trackers: tuple[Literal[TRACKERS], ...] = ("jsonl", "tensorboard")
+    wandb: WandbConfig = WandbConfig()
     profile: ProfileConfig | None = None  # {start_step: 2, steps: 2}: a jax.profiler trace in <output_dir>/profile
     compile: CompileConfig = CompileConfig()
     monolithic: MonolithicConfig = MonolithicConfig()
@@ -590,6 +607,17 @@ class Config(_Frozen):
             raise ValueError(
                 f"eval.data: not set, and the training data (data.kind={self.data.kind}) is no "
                 f"held-out source; give eval.data (e.g. kind: array_record with other paths)"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _trackers(self):
+        if len(set(self.trackers)) < len(self.trackers):
+            raise ValueError(f"trackers={list(self.trackers)}: named twice; valid: each of {', '.join(TRACKERS)} once")
+        if "wandb" in self.trackers and self.output_dir is None:
+            raise ValueError(
+                "trackers: wandb writes its run under <output_dir>/wandb, and output_dir is not set; "
+                "valid: set output_dir, or leave wandb out"
             )
         return self
 

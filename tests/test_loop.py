@@ -126,3 +126,63 @@ def test_a_profile_window_needs_an_output_dir():
 
     with pytest.raises(ConfigError, match=r"profile: \{start_step: 2, steps: 2\} writes into <output_dir>/profile"):
         load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["profile={start_step: 2, steps: 2}"])
+
+
+def _events(directory):
+    """Every TensorBoard event in `directory`'s event files, in order."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for path in sorted(directory.glob("events*")):
+        data, at = path.read_bytes(), 0
+        while at + 12 <= len(data):
+            (size,) = struct.unpack("<Q", data[at : at + 8])
+            out.append(Event.FromString(data[at + 12 : at + 12 + size]))
+            at += 12 + size + 4
+    return out
+
+
+def test_trackers_come_from_the_config_each_with_the_resolved_config(tmp_path):
+    """`trackers: [jsonl, tensorboard, wandb]`: metrics.jsonl; TensorBoard's hparams plugin holds
+    the resolved config (flattened: `optimizer.learning_rate`); an offline W&B run under
+    <output_dir>/wandb holds the config and the logged loss. `trackers: [jsonl]` writes no events."""
+    pytest.importorskip("wandb")
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+
+    out = tmp_path / "run"
+    overrides = TINY_KD + ["steps=2", "optimizer.learning_rate=0.0123", f"output_dir={out}"]
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", overrides + ["trackers=[jsonl, tensorboard, wandb]"])
+    history = train(cfg, progress=False)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    hp = [
+        HParamsPluginData.FromString(v.metadata.plugin_data.content)
+        for e in _events(out / "tb")
+        for v in e.summary.value
+        if v.metadata.plugin_data.plugin_name == "hparams"
+    ]
+    infos = [h.session_start_info for h in hp if h.HasField("session_start_info")]
+    assert len(infos) == 1 and infos[0].hparams["optimizer.learning_rate"].number_value == pytest.approx(0.0123)
+    assert infos[0].hparams["global_batch"].number_value == cfg.global_batch
+    (run,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run.read_bytes()
+    assert b"global_batch" in data and b"0.0123" in data and b"student/kl" in data
+    assert history[-1]["loss"] > 0
+
+    only = tmp_path / "only"
+    train(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=1", f"output_dir={only}", "trackers=[jsonl]"]))
+    assert (only / "metrics.jsonl").exists() and not (only / "tb").exists()
+
+
+def test_a_wandb_tracker_without_its_package_is_refused_before_anything_compiles(tmp_path, monkeypatch):
+    import importlib.util
+
+    from maestro_jax.config import ConfigError
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"output_dir={tmp_path}", "trackers=[jsonl, wandb]"])
+    with pytest.raises(ConfigError, match=r"^error: trackers: wandb: the wandb package is not installed; valid: pip"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "config.yaml").exists()

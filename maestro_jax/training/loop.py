@@ -42,7 +42,7 @@ from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.profile import ProfileWindow
 from maestro_jax.training.step import IssuedStep, issue_step
 from maestro_jax.training.storage import check_directories, write_error
-from maestro_jax.training.trackers import Trackers, output_trackers
+from maestro_jax.training.trackers import Trackers, check_trackers, output_trackers
 
 log = logging.getLogger("maestro_jax")
 
@@ -69,6 +69,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(Preemption())
         check_directories(dirs, coordinator)
+        check_trackers(cfg)
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
@@ -111,7 +112,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
             return []
         if out_dir and jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit
             _write_config(cfg, out_dir)
-        tracked = stack.enter_context(output_trackers(out_dir, start, trackers))
+        tracked = stack.enter_context(output_trackers(cfg, out_dir, start, trackers))
         bar = stack.enter_context(
             tqdm(
                 total=cfg.steps,

@@ -1,11 +1,13 @@
-"""Where step metrics go: a small tracker interface, with JSONL and TensorBoard built in.
+"""Where step metrics go: a small tracker interface, with JSONL, TensorBoard and W&B built in.
 
 A tracker takes each step's record (a flat dict: `step`, `loss`, timings, `lr/<section>`, ...)
-once the host read it. `train(cfg, trackers=[...])` adds a user's own (W&B, MLflow, a queue):
-anything with `write(record)`, `flush()` and `close()`. Process 0 writes; the others track
-nothing.
+once the host read it. The config's `trackers` chooses the built-in ones (default JSONL and
+TensorBoard), each given the resolved config as the run's hyper-parameters (config.yaml beside
+metrics.jsonl; TensorBoard's hparams plugin; W&B's run config); `train(cfg, trackers=[...])`
+adds a user's own (MLflow, a queue): anything with `write(record)`, `flush()` and `close()`.
+Process 0 writes; the others track nothing.
 
-Both built-in trackers write synchronously on the loop's thread, so a file that cannot be
+JSONL and TensorBoard write synchronously on the loop's thread, so a file that cannot be
 written (a full or read-only `output_dir`) is a `StorageError` naming it at the step that hit
 it. A run that resumes from step `start` first forgets what the log holds after `start` (a
 crash after the last checkpoint left later steps, which the resumed run computes again), so
@@ -23,8 +25,9 @@ from typing import Protocol
 
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.summary import scalar
+from tensorboardX.summary import hparams, scalar
 
+from maestro_jax.config import Config, ConfigError
 from maestro_jax.training.storage import write_error
 
 log = logging.getLogger("maestro_jax")
@@ -77,7 +80,7 @@ class TensorBoardTracker:
     rerun from step 0 (no checkpoint yet) alike, so each step shows once. The loop flushes the
     events before each checkpoint save, so a kill after it loses none of the steps it holds."""
 
-    def __init__(self, directory: Path, start: int = 0):
+    def __init__(self, directory: Path, start: int = 0, config: dict | None = None):
         self.directory = directory
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -85,6 +88,9 @@ class TensorBoardTracker:
             self._events.write_event(
                 Event(wall_time=time.time(), step=start + 1, session_log=SessionLog(status=SessionLog.START))
             )
+            if config is not None:  # the hparams plugin's three summaries: the run's settings
+                for summary in hparams(flat_config(config), {"train/loss": 0.0}):
+                    self._events.write_event(Event(wall_time=time.time(), step=start + 1, summary=summary))
         except OSError as err:
             raise write_error("output_dir", directory, err) from None
 
@@ -109,6 +115,60 @@ class TensorBoardTracker:
             self._events.close()
         except OSError as err:
             raise write_error("output_dir", self.directory, err, "writing TensorBoard events to") from None
+
+
+class WandbTracker:
+    """A Weights & Biases run under `<output_dir>/wandb` (`WandbConfig`): the resolved config as
+    its config, every number of the record logged at its step. Offline by default: files only."""
+
+    def __init__(self, directory: Path, settings, config: dict):
+        import wandb  # an optional extra: `check_trackers` refused the run where it is missing
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=settings.project,
+            name=settings.name,
+            mode=settings.mode,
+            dir=str(directory),
+            config=config,
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        )
+
+    def write(self, record: dict) -> None:
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        self.run.log(numbers, step=record["step"])
+
+    def flush(self) -> None:
+        """W&B writes from its own process; nothing to push here."""
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def check_trackers(cfg: Config) -> None:
+    """Before anything compiles: a tracker whose package is missing (W&B is an optional extra)."""
+    import importlib.util
+
+    if "wandb" in cfg.trackers and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "error: trackers: wandb: the wandb package is not installed; valid: pip install "
+            "'maestro_jax[wandb]', or leave wandb out of trackers"
+        )
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """`{"optimizer": {"learning_rate": 0.01}}` as `{"optimizer.learning_rate": 0.01}`: numbers,
+    strings and booleans as they are, anything else (lists, None) as its JSON text."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_config(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = json.dumps(value)
+    return out
 
 
 class Trackers:
@@ -139,15 +199,21 @@ class Trackers:
                 log.error("%s", close_err)
 
 
-def output_trackers(out_dir: Path | None, start: int, extra=()) -> Trackers:
-    """JSONL and TensorBoard in `out_dir`, then `extra`, on process 0; none on the others."""
+def output_trackers(cfg: Config, out_dir: Path | None, start: int, extra=()) -> Trackers:
+    """The config's `trackers` in `out_dir`, then `extra`, on process 0; none on the others."""
     import jax
 
     if jax.process_index() != 0:
         return Trackers([])
     trackers = []
     if out_dir:
-        trackers += [JsonlTracker(out_dir / "metrics.jsonl", start), TensorBoardTracker(out_dir / "tb", start)]
+        config = cfg.model_dump(mode="json")
+        made = {
+            "jsonl": lambda: JsonlTracker(out_dir / "metrics.jsonl", start),
+            "tensorboard": lambda: TensorBoardTracker(out_dir / "tb", start, config),
+            "wandb": lambda: WandbTracker(out_dir, cfg.wandb, config),
+        }
+        trackers += [made[name]() for name in cfg.trackers]
     return Trackers(trackers + list(extra))
 
 
