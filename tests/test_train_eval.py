@@ -13,6 +13,7 @@ from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.training.evaluate import evaluate_checkpoint
 from maestro_jax.training.loop import train
+from maestro_jax.training.trainer import Trainer
 
 
 def vlm(out, *extra):
@@ -66,6 +67,7 @@ def test_eval_loss_every_n_steps_equals_eval_of_the_checkpoint(tmp_path, capsys)
     step, loss = evaluate_checkpoint(cfg, build_runtime(cfg))
     assert step == 4
     assert loss == pytest.approx(evaluated[4], rel=1e-6, abs=1e-6)
+    assert Trainer(cfg).evaluate(2) == (2, pytest.approx(evaluated[2], rel=1e-6, abs=1e-6))
 
     assert (
         cli.main(

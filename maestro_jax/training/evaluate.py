@@ -75,13 +75,13 @@ def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
     return Evaluation(rt, source, cfg.eval.batches, cfg.seed + 1)
 
 
-def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None) -> tuple[int, float]:
-    """`maestro-jax eval`: the eval loss of the config's checkpoint `step` (None: the latest
-    committed one), read under the run's lock (`training.checkpoint.reading_checkpoints`).
-    Returns (step, loss)."""
+def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None, source=None) -> tuple[int, float]:
+    """`maestro-jax eval` and `Trainer.evaluate`: the eval loss of the config's checkpoint `step`
+    (None: the latest committed one), read under the run's lock
+    (`training.checkpoint.reading_checkpoints`); `source` as `evaluation_for`'s. Returns (step, loss)."""
     from maestro_jax.training.checkpoint import reading_checkpoints
 
-    evaluation = evaluation_for(cfg, rt)
+    evaluation = evaluation_for(cfg, rt, source)
     if evaluation is None:
         raise ConfigError("error: eval: the config has no eval block; add eval.batches (and eval.data) to evaluate")
     if not cfg.output_dir:

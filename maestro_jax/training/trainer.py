@@ -3,6 +3,7 @@
     trainer = Trainer(config, graph=my_graph, source=my_source)
     trainer.verify()   # maestro vs the monolithic step on one batch: loss, grads, updated params
     trainer.train()    # `config.steps` optimizer steps; checkpoints, metrics and resume as in the CLI
+    trainer.evaluate() # the `eval` block's held-out loss of the run's latest checkpoint, as `maestro-jax eval`
     trainer.bench()    # monolithic vs naive vs wavefront, side by side
     trainer.plan(devices=64, memory_gb=80)   # the planner over this very graph
     trainer.simulate()                       # the config's plan predicted on a cluster
@@ -50,6 +51,14 @@ class Trainer:
         from maestro_jax.training.loop import train
 
         return train(self.config, progress, rt=self.runtime, trackers=trackers, eval_source=self.eval_source)
+
+    def evaluate(self, step: int | None = None) -> tuple[int, float]:
+        """The held-out loss (the config's `eval` block; a user graph's `eval_source`) of the
+        run's checkpoint `step` in `output_dir` (None: the latest committed one), through the
+        training plan, as `maestro-jax eval`: returns (step, loss)."""
+        from maestro_jax.training.evaluate import evaluate_checkpoint
+
+        return evaluate_checkpoint(self.config, self.runtime, step, source=self.eval_source)
 
     def verify(self, step: int = 0) -> list:
         """Differences (`tools.verify.Diff`) of loss, every trained section's grads and updated
