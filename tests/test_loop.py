@@ -186,3 +186,31 @@ def test_a_wandb_tracker_without_its_package_is_refused_before_anything_compiles
     with pytest.raises(ConfigError, match=r"^error: trackers: wandb: the wandb package is not installed; valid: pip"):
         train(cfg, progress=False)
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_hooks_see_every_nth_step_once_it_is_read_and_one_that_raises_stops_the_run(tmp_path):
+    """`Trainer.add_hook(fn, every=2)` over 5 steps: called after steps 2 and 4 with their records
+    as the trackers got them; a hook that raises ends the run with its error, the steps before
+    it logged."""
+    from maestro_jax.training.hooks import Hook
+    from maestro_jax.training.trainer import Trainer
+
+    trainer = Trainer(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=5", f"output_dir={tmp_path}"]))
+    seen = []
+    trainer.add_hook(lambda info: seen.append((info.step, dict(info.record))), every=2)
+    history = trainer.train(progress=False)
+    assert [s for s, _ in seen] == [2, 4]
+    assert [r for _, r in seen] == [history[1], history[3]]
+
+    class Stop(Exception):
+        pass
+
+    def stop(info):
+        raise Stop(f"hook at step {info.step}")
+
+    failing = Trainer(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=4"]))
+    failing.add_hook(stop, every=3)
+    with pytest.raises(Stop, match="hook at step 3"):
+        failing.train(progress=False)
+    with pytest.raises(ValueError, match=r"every=0: a hook runs every n steps; valid: an integer >= 1"):
+        Hook(print, every=0)

@@ -47,13 +47,16 @@ from maestro_jax.training.trackers import Trackers, check_trackers, output_track
 log = logging.getLogger("maestro_jax")
 
 
-def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, trackers=(), eval_source=None) -> list[dict]:
+def train(
+    cfg: Config, progress: bool = True, rt: Runtime | None = None, trackers=(), eval_source=None, hooks=()
+) -> list[dict]:
     """Run until `cfg.steps` optimizer steps are done (resuming if `output_dir` has a checkpoint);
     returns the steps' metrics records.
 
     `rt`: an already built runtime (a user's own graph, see `Trainer`); else the config's
     workload. `trackers`: more metrics sinks beside JSONL and TensorBoard (`training.trackers`).
     `eval_source`: a user graph's held-out samples for the `eval` block (`training.evaluate`).
+    `hooks`: `training.hooks.Hook`s, called with each step's record once it is read.
     Before step 1, every program the run's batches and evaluations need is compiled
     (`compile.ahead`), with jax's persistent compilation cache on (`compile.cache`), so step
     times measure steps. On SIGTERM, saves a checkpoint after the current step and returns early;
@@ -123,7 +126,7 @@ def train(cfg: Config, progress: bool = True, rt: Runtime | None = None, tracker
             )
         )
         window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
-        step_log = _StepLog(tracked, bar, evaluation)
+        step_log = _StepLog(tracked, bar, evaluation, hooks)
         history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(states, start)
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
@@ -200,8 +203,9 @@ class _StepLog:
     `dispatch_s`, `device_wait_s`) then belong to neighbouring steps, so they add up within the
     run's total time, not within each interval."""
 
-    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None):
+    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, hooks=()):
         self.trackers, self.bar, self.evaluation, self.history = trackers, bar, evaluation, []
+        self.hooks = tuple(hooks)
         self.last_read = time.perf_counter()
 
     def read(
@@ -236,6 +240,8 @@ class _StepLog:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
         self.trackers.write(rec)
+        for hook in self.hooks:
+            hook(rec["step"], rec)
 
 
 @dataclasses.dataclass

@@ -40,17 +40,27 @@ class Trainer:
         workload reads `eval.data`)."""
         self.config = config
         self.eval_source = eval_source
+        self.hooks: list = []
         self.runtime = build_runtime(config, graph, source, check, modalities=modalities, vocab=vocab)
 
     @property
     def graph(self) -> SectionGraph:
         return self.runtime.graph
 
+    def add_hook(self, fn, every: int = 1) -> None:
+        """Call `fn(info)` after every `every`-th step of `train`, once that step is read
+        (`training.hooks`: `info.step`, `info.record`, the step's metrics)."""
+        from maestro_jax.training.hooks import Hook
+
+        self.hooks.append(Hook(fn, every))
+
     def train(self, progress: bool = True, trackers=()) -> list[dict]:
-        """`trackers`: metrics sinks beside JSONL and TensorBoard (`training.trackers.Tracker`)."""
+        """`trackers`: metrics sinks beside the config's (`training.trackers.Tracker`)."""
         from maestro_jax.training.loop import train
 
-        return train(self.config, progress, rt=self.runtime, trackers=trackers, eval_source=self.eval_source)
+        return train(
+            self.config, progress, rt=self.runtime, trackers=trackers, eval_source=self.eval_source, hooks=self.hooks
+        )
 
     def evaluate(self, step: int | None = None) -> tuple[int, float]:
         """The held-out loss (the config's `eval` block; a user graph's `eval_source`) of the
