@@ -743,6 +743,8 @@ def _format_error(err: pydantic.ValidationError, root: type[BaseModel] | None = 
         return f"error: {loc}.kind: missing; valid: {', '.join(MODEL_KINDS)}, or a kind the plug-in workload declares"
     if not parts:  # a check across keys: the message names them
         return f"error: {prefix + ': ' if prefix else ''}{message}"
+    if e["type"] == "missing":  # its input is the block around the key, not a value of it
+        return f"error: {loc}: missing; this key is required"
     return f"error: {loc}={e.get('input')!r}: {message}"
 
 

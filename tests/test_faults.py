@@ -315,6 +315,22 @@ def test_an_unquoted_device_range_in_yaml_is_named_as_written(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    "drop,said",
+    [
+        ("global_batch: 16\n", "error: global_batch: missing; this key is required"),
+        ('    devices: "4:8"\n', "error: sections.student.devices: missing; this key is required"),
+    ],
+)
+def test_a_missing_required_key_is_named_alone(tmp_path, capsys, drop, said):
+    """Not the whole block around it as its "value" (once 839 characters for global_batch)."""
+    config = tmp_path / "kd.yaml"
+    assert drop in KD.read_text()
+    config.write_text(KD.read_text().replace(drop, "", 1))
+    assert cli.main(["train", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.strip() == said
+
+
+@pytest.mark.parametrize(
     "content,text",
     [
         (b"42\n", "holds a YAML int ('42'), not a mapping of config keys"),
