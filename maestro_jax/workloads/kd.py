@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maestro_jax.config import Config
+from maestro_jax.config import Config, ConfigError
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS
 from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses
@@ -122,8 +122,12 @@ def init_teacher_and_student(teacher: LLMConfig, student: LLMConfig, key):
 
 
 def check_vocab(teacher: LLMConfig, student: LLMConfig) -> None:
+    """Distillation compares the two models' logits token by token: one vocabulary."""
     if teacher.vocab != student.vocab:
-        raise ValueError(f"models.teacher.vocab ({teacher.vocab}) must equal models.student.vocab ({student.vocab})")
+        raise ConfigError(
+            f"error: models.teacher.vocab={teacher.vocab}: differs from models.student.vocab={student.vocab} "
+            f"(distillation compares their logits token by token); valid: {student.vocab}"
+        )
 
 
 def shared_vocab(cfg: Config) -> int:
