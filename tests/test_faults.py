@@ -272,6 +272,8 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
         (["progress=1"], "error: progress: unknown key; valid keys: "),
         (["sections.student.devices=248"], 'base-60 number 248; quote the range: devices: "4:8"'),
         (["models.teacher.vocab=128"], "error: models.teacher.vocab=128: differs from models.student.vocab=256"),
+        (["sections.student.init={checkpoint_dir: /no/such/run}"], "init.checkpoint_dir='/no/such/run': no such"),
+        ([f"sections.student.init={{checkpoint_dir: {ROOT / 'configs'}}}"], "configs': holds no committed checkpoint"),
     ],
 )
 def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, capsys):

@@ -434,6 +434,29 @@ def reading_checkpoints(cfg, coordinator: Coordinator | None = None) -> Iterator
         yield ckpt
 
 
+def check_start_points(cfg) -> None:
+    """Before anything compiles: each `sections.<s>.init.checkpoint_dir` of a run that starts
+    fresh (its own checkpoint directory holds no step) names a directory holding a saved step
+    (its manifest). The rest (a committed step, checksums, shapes) is checked as the section
+    starts from it (`start_from_checkpoints`); a resume reads its own checkpoints instead."""
+    if cfg.output_dir and cfg.keep_checkpoints:
+        own = Path(cfg.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+        if any(own.glob(MANIFEST.format(step="*"))):
+            return
+    for s, sc in cfg.sections.items():
+        if sc.init is None or sc.init.checkpoint_dir is None:
+            continue
+        directory = Path(sc.init.checkpoint_dir).absolute()
+        key = f"sections.{s}.init.checkpoint_dir={sc.init.checkpoint_dir!r}"
+        if not directory.is_dir():
+            raise ConfigError(f"error: {key}: no such directory; give another run's checkpoint_dir")
+        if not any(directory.glob(MANIFEST.format(step="*"))):
+            raise ConfigError(
+                f"error: {key}: holds no committed checkpoint; give the checkpoint_dir of a run that "
+                f"saved one (default <output_dir>/checkpoints)"
+            )
+
+
 def start_from_checkpoints(cfg, states: dict[str, SectionState], programs, coordinator: Coordinator | None = None):
     """Sections with `init.checkpoint_dir` take their params from the newest committed step of
     that directory (another run: a previous training stage), their optimizer started afresh

@@ -34,7 +34,7 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import Coordinator, PeerError
-from maestro_jax.training.checkpoint import Checkpointer, start_from_checkpoints
+from maestro_jax.training.checkpoint import Checkpointer, check_start_points, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
 from maestro_jax.training.preemption import Preemption, raise_if_interrupted
@@ -73,6 +73,7 @@ def train(
         preemption = stack.enter_context(Preemption())
         check_directories(dirs, coordinator)
         check_trackers(cfg)
+        check_start_points(cfg)
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
