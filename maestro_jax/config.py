@@ -444,13 +444,23 @@ class DataConfig(_Frozen):
     # synthetic: seeded samples of the workload's modalities; array_record: `paths`; workload: the
     # plug-in workload's own source (`Workload.source`), which may read its `workload_settings`
     kind: Literal["synthetic", "array_record", "workload"] = "synthetic"
-    paths: list[str] = []  # array_record: files written by scripts/convert_images.py
+    paths: list[str] = Field([], validate_default=True)  # array_record: files written by scripts/convert_*.py
     num_samples: PositiveInt = 4096
     text_len: tuple[PositiveInt, PositiveInt] = (8, 48)
     modalities: dict[str, ModalityDataConfig] = {}  # synthetic items by modality name (image, audio, ...)
     shuffle: bool = True
     max_tokens: PositiveInt | None = None  # the largest sequence bucket; longer samples are bad samples
     on_bad_sample: Literal["error", "skip"] = "error"  # skip: drop, count and report bad samples (never train on them)
+
+    @pydantic.field_validator("paths")
+    @classmethod
+    def _files(cls, v, info):
+        if info.data.get("kind") == "array_record" and not v:
+            raise ValueError(
+                "kind: array_record reads these files, and none is given; valid: a list of ArrayRecord files "
+                "(scripts/convert_dataset.py writes them)"
+            )
+        return v
 
     @pydantic.field_validator("text_len")
     @classmethod

@@ -273,6 +273,8 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
         (["sections.student.devices=248"], 'base-60 number 248; quote the range: devices: "4:8"'),
         (["models.teacher.vocab=128"], "error: models.teacher.vocab=128: differs from models.student.vocab=256"),
         (["sections.student.init={checkpoint_dir: /no/such/run}"], "init.checkpoint_dir='/no/such/run': no such"),
+        (["data={kind: array_record}"], "error: data.paths=[]: kind: array_record reads these files, and none"),
+        (["eval={data: {kind: array_record}}"], "error: eval.data.paths=[]: kind: array_record reads these files"),
         ([f"sections.student.init={{checkpoint_dir: {ROOT / 'configs'}}}"], "configs': holds no committed checkpoint"),
     ],
 )
