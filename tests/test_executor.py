@@ -55,7 +55,7 @@ states, batches = rt.init_states(), iter(rt.batches())
 for order in ("wavefront", "wavefront", "naive"):
     samples = next(batches)
     metas = sample_metas(rt.graph, samples)
-    schedule = wavefront(metas, rt.problem, rt.cost) if order == "wavefront" else naive(metas, rt.problem)
+    schedule = wavefront(metas, rt.problem) if order == "wavefront" else naive(metas, rt.problem)
     steps = len(schedule.steps["llm"])
     result = rt.executor.run(states, samples, schedule)
     print(order, steps, float(result.loss), result.in_flight_waits, flush=True)

@@ -151,7 +151,7 @@ def test_packed_step_is_the_unpacked_monolithic_step_under_both_schedulers(workl
     mono = rt.monolithic
     m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
     metas = sample_metas(rt.graph, samples)
-    for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem, rt.cost)):
+    for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem)):
         host = rt.executor.host_batches(samples, schedule)
         for s in rt.executor.pack:
             segments = [host[(s, st.index)]["segments"] for st in schedule.steps[s]]

@@ -121,7 +121,7 @@ def _equal_to_monolithic(cfg):
     assert set(mono.graph.names) == set(cfg.sections)  # the reference is the unstaged step
     m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
     metas = sample_metas(rt.graph, samples)
-    for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem, rt.cost)):
+    for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem)):
         for s in rt.problem.order:  # 1F1B's bound: stage i of K keeps at most K - i forwards for a backward
             if rt.problem.needs_backward(s) and schedule.name == "wavefront":  # naive runs forwards first
                 stash = [op.kind for op in schedule.ops if op.section == s and op.kind in "FB"]

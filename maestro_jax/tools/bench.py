@@ -4,8 +4,9 @@ After a warm-up that compiles every shape bucket, repetitions are interleaved (m
 wavefront, mono, ...) so that drift on a shared machine hits all three alike. Each timed step
 includes scheduling (host work), dispatch, the optimizer update and the final wait.
 
-The cost model calibrated on the way is the bench's own: the runtime it is given keeps the
-`cost` it had (a `Trainer`'s later `train()` schedules as it would have without the bench).
+The cost model calibrated on the way is the bench's own, for its wavefront schedules and
+its prediction: nothing is stored on the runtime it is given (a `Trainer`'s later `train()`
+schedules by work units, as it would have without the bench).
 `progress`, when given, receives one short line per phase (calibration, each mode's warm-up,
 each repetition), since a bench compiles and runs for minutes.
 """
@@ -62,7 +63,7 @@ def bench(
     # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
     say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
     measured = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
-    cost = calibrate.fit(rt, measured)  # this bench's own: `rt.cost` stays as the caller set it
+    cost = calibrate.fit(rt, measured)  # this bench's own: not stored on `rt`
     schedulers = {
         "naive": lambda metas: naive(metas, rt.problem),
         "wavefront": lambda metas: wavefront(metas, rt.problem, cost),
@@ -241,7 +242,7 @@ def bench_stages(cfg: Config, stages: int, rt, batches, reps: int, say: Callable
 
 def _schedule(cfg: Config, r, samples):
     metas = sample_metas(r.graph, samples)
-    return wavefront(metas, r.problem, r.cost) if cfg.schedule.scheduler == "wavefront" else naive(metas, r.problem)
+    return wavefront(metas, r.problem) if cfg.schedule.scheduler == "wavefront" else naive(metas, r.problem)
 
 
 def _side_by_side(cfg: Config, runtimes: dict, batches, reps: int, say, what: str, warmed=None) -> dict[str, float]:
