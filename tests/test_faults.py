@@ -404,6 +404,26 @@ def test_bad_sample_stops_with_its_id(bad_records, capsys):
     assert len(errors) == 1 and errors[0].endswith("mixed.array_record: sample id=3: image 0 has NaN or inf values")
 
 
+def test_bad_eval_samples_follow_the_eval_datas_own_policy(bad_records):
+    """`eval.data.on_bad_sample: skip`: the held-out batches leave the bad records out (taking the
+    next good ones, in order) and count them; under `error` (the default) the first one stops the
+    run naming it, as for training data."""
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.training.evaluate import evaluation_for
+
+    (paths,) = [o.split("=", 1)[1] for o in bad_records if o.startswith("data.paths=")]
+    held_out = f"kind: array_record, paths: {paths}, shuffle: false, max_tokens: 40"
+    base = TINY_VLM + ["models.llm.vocab=261", "data.max_tokens=40"]
+    cfg = load_config(VLM, base + [f"eval={{batches: 2, data: {{{held_out}, on_bad_sample: skip}}}}"])
+    evaluation = evaluation_for(cfg, build_runtime(cfg))
+    ids = [[int(s.id) for s in batch] for batch in evaluation.samples]
+    assert ids == [[0, 1, 2, 4, 5, 6, 8, 9], [10, 12, 13, 14, 16, 17, 18, 20]]
+    assert len(evaluation.skipped) == 5 and "sample id=3: image 0 has NaN" in evaluation.skipped[0]
+    strict = load_config(VLM, base + [f"eval={{batches: 2, data: {{{held_out}}}}}"])
+    with pytest.raises(DataError, match=r"record 3 of .*mixed.array_record: sample id=3: image 0 has NaN"):
+        evaluation_for(strict, build_runtime(strict))
+
+
 def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
     history = train(load_config(VLM, bad_records + ["data.on_bad_sample=skip"]), progress=False)
     assert [r["sample_ids"] for r in history] == [[0, 1, 2, 4, 5, 6, 8, 9], [10, 12, 13, 14, 16, 17, 18, 20]]

@@ -66,6 +66,26 @@ def global_batches(source, global_batch: int, seed: int, shuffle: bool = True, c
     )
 
 
+def first_batches(
+    source, global_batch: int, batches: int, check=None, skip: bool = False
+) -> tuple[list[list], list[str]]:
+    """Up to `batches` global batches of `source`'s samples in index order (an evaluation's: the
+    same samples every time), and the bad samples' reasons. A bad sample raises `DataError`
+    with its id, or under `skip` is left out (the batch takes the next good one)."""
+    rows: list = []
+    bad: list[str] = []
+    for index in range(len(source)):
+        if len(rows) == global_batch * batches:
+            break
+        got = _read(source, check, skip, index)
+        if isinstance(got, DataError):
+            bad.append(str(got))
+        else:
+            rows.append(got)
+    full = min(len(rows) // global_batch, batches)
+    return [rows[k * global_batch : (k + 1) * global_batch] for k in range(full)], bad
+
+
 def _matches_info(sample: Sample, info: SampleInfo) -> None:
     """The payload has the length and item shapes its metadata promised (what was scheduled)."""
     if sample.length != info.length or any(

@@ -12,10 +12,13 @@ gradients), and their programs are compiled ahead with the training step's (`sam
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from maestro_jax.config import Config, ConfigError
-from maestro_jax.data import global_batches
+from maestro_jax.data.pipeline import first_batches
 from maestro_jax.runtime.build import Runtime
+
+log = logging.getLogger("maestro_jax")
 
 
 @dataclasses.dataclass
@@ -27,12 +30,19 @@ class _EvalBatch:
 
 
 class Evaluation:
-    def __init__(self, rt: Runtime, source, batches: int, seed: int):
-        data = global_batches(source, rt.cfg.global_batch, seed, shuffle=False, check=rt.check)
+    def __init__(self, rt: Runtime, source, batches: int, skip: bool = False):
+        """`skip`: the eval data's `on_bad_sample` is `skip`, so a bad sample is left out (counted
+        in `skipped`, said once) and the batch takes the next good one."""
+        data, self.skipped = first_batches(source, rt.cfg.global_batch, batches, rt.check, skip)
         if len(data) < batches:
+            good = "" if not self.skipped else f" of good samples ({len(self.skipped)} bad ones skipped)"
             raise ConfigError(
-                f"error: eval.batches={batches}: the eval data holds {len(data)} global batches of "
+                f"error: eval.batches={batches}: the eval data holds {len(data)} global batches{good} of "
                 f"{rt.cfg.global_batch}; valid: at most {len(data)}"
+            )
+        if self.skipped:
+            log.warning(
+                "eval: %d bad sample(s) skipped (on_bad_sample=skip), the first: %s", len(self.skipped), self.skipped[0]
             )
         self.rt, self.batches = rt, []
         for i in range(batches):
@@ -72,7 +82,8 @@ def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
             raise ConfigError("error: eval: a user graph evaluates on its own source; pass eval_source to Trainer")
         held_out = cfg.model_copy(update={"data": cfg.eval.data or cfg.data, "seed": cfg.seed + 1})
         source = workloads.source_from_config(held_out)
-    return Evaluation(rt, source, cfg.eval.batches, cfg.seed + 1)
+    skip = (cfg.eval.data or cfg.data).on_bad_sample == "skip"
+    return Evaluation(rt, source, cfg.eval.batches, skip)
 
 
 def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None, source=None) -> tuple[int, float]:
