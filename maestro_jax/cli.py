@@ -208,6 +208,7 @@ def _export(cfg, args) -> int:
         return 2
     try:
         model_type = hf.export_type(model.model_dump(), args.model_type, args.section)
+        hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
     except hf.HFError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
@@ -219,7 +220,7 @@ def _export(cfg, args) -> int:
         if restored is not None:
             step, states = restored[0], restored[1]
     try:
-        hf.save_section(args.out, states[args.section].params, model.model_dump(), model_type)
+        hf.export_section(args.out, states[args.section].params, model.model_dump(), model_type, args.overwrite)
     except hf.HFError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
@@ -520,6 +521,11 @@ COMMANDS: dict[str, Command] = {
                 choices=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "siglip", "clip", "whisper"),
                 help="the Hugging Face architecture to write (default: llama for an LLM; a vision or audio "
                 "tower's own layout: siglip, clip (class_token) or whisper)",
+            ),
+            opt(
+                "--overwrite",
+                action="store_true",
+                help="replace the weights and config of a folder that holds files (other files stay)",
             ),
         ),
     ),

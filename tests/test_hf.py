@@ -386,3 +386,31 @@ def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, c
     assert cli.main(["check-hf", "--hf", str(FIXTURES / "siglip")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --hf=") and "not a decoder" in err and "\n" not in err
+
+
+def test_an_export_owns_its_folder(tmp_path, capsys):
+    """`export --out F` where F holds another model's shards and index: refused, one line naming
+    what is there, F untouched (a loader would read the old index beside the new weights); with
+    `--overwrite` F holds exactly the new export, byte for byte as into an empty folder, plus the
+    files that are no weights (a tokenizer); no staging folder is left."""
+    from maestro_jax import cli
+
+    args = ["export", "--config", str(ROOT / "configs/kd_tiny.yaml"), "--section", "student", *TINY_KD]
+    clean = tmp_path / "clean"
+    assert cli.main([*args, "--out", str(clean)]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    old = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    for name in [*old, "config.json", "tokenizer.json"]:
+        (other / name).write_text(f"another model's {name}")
+    capsys.readouterr()
+    assert cli.main([*args, "--out", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out={other}: holds files this export did not write (config.json, model-0000"), err
+    assert "\n" not in err and (other / old[2]).read_text() == f"another model's {old[2]}"
+    assert cli.main([*args, "--out", str(other), "--overwrite"]) == 0
+    assert sorted(p.name for p in other.iterdir()) == sorted([*(p.name for p in clean.iterdir()), "tokenizer.json"])
+    for p in clean.iterdir():
+        assert (other / p.name).read_bytes() == p.read_bytes(), p.name
+    assert (other / "tokenizer.json").read_text() == "another model's tokenizer.json"
+    assert not [p for p in tmp_path.iterdir() if ".export-" in p.name]

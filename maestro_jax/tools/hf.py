@@ -11,12 +11,28 @@ there. This module keeps the names the CLI's `export` calls and picks the mappin
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from maestro_jax.models.hf import ARCHITECTURES, HFError, save_llm
 from maestro_jax.models.hf_encoders import save_audio, save_vit
 
-__all__ = ["EXPORT_TYPES", "HFError", "export_type", "save_audio", "save_llm", "save_section", "save_vit"]
+__all__ = [
+    "EXPORT_TYPES",
+    "HFError",
+    "check_export_folder",
+    "export_section",
+    "export_type",
+    "save_audio",
+    "save_llm",
+    "save_section",
+    "save_vit",
+]
+
+# what a loader reads as a model's weights or their index: an export removes these from a folder
+# it overwrites, so no old shard or index is read beside the new weights
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.msgpack")
 
 # model kind -> the Hugging Face model types a section of that kind exports as (the first: the default)
 EXPORT_TYPES = {
@@ -69,3 +85,43 @@ def save_section(path: str | Path, params: dict, fields: dict, model_type: str) 
         save_audio(path, params, fields)
     else:
         save_llm(path, params, fields, model_type=model_type)
+
+
+def check_export_folder(path: str | Path, overwrite: bool) -> None:
+    """Before anything is read: `path` is new or empty, or `overwrite` allows replacing what it
+    holds (an export beside another model's shards and index would have a loader read those)."""
+    path = Path(path)
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if path.exists() and not path.is_dir():
+        raise HFError(f"error: --out={path}: is a file; valid: a new or empty folder")
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise HFError(
+            f"error: --out={path}: holds files this export did not write ({shown}); valid: a new or empty "
+            f"folder, or --overwrite to replace its weights and config (other files, a tokenizer, stay)"
+        )
+
+
+def export_section(path: str | Path, params: dict, fields: dict, model_type: str, overwrite: bool = False) -> None:
+    """`save_section` into `path`, owning the folder: the export is written into a fresh sibling
+    first, so a failure leaves `path` as it was; then, under `overwrite`, every weight file and
+    index `path` held is removed (`WEIGHT_FILES`) before the new files move in (a crash in
+    between leaves no weights, never two models' mixed), and the sibling is removed."""
+    path = Path(path).absolute()
+    check_export_folder(path, overwrite)
+    staging = path.parent / f".{path.name}.export-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        save_section(staging, params, fields, model_type)
+        if not path.exists() or not any(path.iterdir()):
+            if path.exists():
+                path.rmdir()
+            staging.rename(path)
+            return
+        for pattern in WEIGHT_FILES:
+            for old in path.glob(pattern):
+                old.unlink()
+        for new in sorted(staging.iterdir()):
+            os.replace(new, path / new.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
