@@ -316,15 +316,7 @@ def test_distilled_student_exports_to_transformers(tmp_path):
     ckpt.close()
     assert step == 1
     s = cfg.models["student"]
-    model = DecoderLM(
-        LLMConfig(
-            **{
-                k: v
-                for k, v in s.model_dump().items()
-                if k not in ("kind", "experts", "experts_per_token", "expert_mlp")
-            }
-        )
-    )
+    model = DecoderLM(LLMConfig.from_fields(s.model_dump()))
     ids = jnp.asarray(TOKENS, jnp.int32)
     ours = model.apply(
         {"params": jax.tree.map(np.asarray, states["student"].params)},
