@@ -261,3 +261,43 @@ def test_a_section_starts_from_another_runs_checkpoint(tmp_path):
     both = f"sections.student.init={{checkpoint_dir: {tmp_path}, hf_path: {tmp_path}}}"
     with pytest.raises(ConfigError, match=r"^error: sections.student.init=.*give exactly one of hf_path"):
         load_config(kd, TINY_KD + [both])
+
+
+@pytest.mark.slow
+def test_a_resume_applies_and_names_the_changed_optimizer_settings(tmp_path, capsys):
+    """Resuming with another learning rate and weight decay: one line names every change (old ->
+    new), config_history.jsonl records it, and both apply: step 3 runs at the new rate, and
+    step 4's loss differs from a resume that changed the rate alone (the decay moved the
+    weights in update 3; the checkpoint's optimizer state holds no constant to override it)."""
+    from maestro_jax.training.loop import train
+
+    kd = ROOT / "configs/kd_tiny.yaml"
+    run = tmp_path / "run"
+    train(load_config(kd, TINY_KD + [f"output_dir={run}", "steps=2", "optimizer.learning_rate=0.01"]), progress=False)
+    shutil.copytree(run, tmp_path / "rate_only")
+    capsys.readouterr()
+    both = train(
+        load_config(
+            kd,
+            TINY_KD + [f"output_dir={run}", "steps=4", "optimizer.learning_rate=0.03", "optimizer.weight_decay=0.2"],
+        ),
+        progress=False,
+    )
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("changed since")]
+    assert line == (
+        "changed since the run that saved it (applied from this config): optimizer.learning_rate 0.01 -> 0.03, "
+        "optimizer.weight_decay 0.0 -> 0.2, steps 2 -> 4"
+    ), line
+    (recorded,) = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
+    assert recorded == {
+        "step": 2,
+        "changes": {"optimizer.learning_rate": [0.01, 0.03], "optimizer.weight_decay": [0.0, 0.2], "steps": [2, 4]},
+    }
+    rate_only = train(
+        load_config(kd, TINY_KD + [f"output_dir={tmp_path / 'rate_only'}", "steps=4", "optimizer.learning_rate=0.03"]),
+        progress=False,
+    )
+    assert [h["step"] for h in both] == [h["step"] for h in rate_only] == [3, 4]
+    assert both[0]["lr/student"] == rate_only[0]["lr/student"] == pytest.approx(0.03)
+    assert both[0]["loss"] == rate_only[0]["loss"], "step 3 starts from the same weights"
+    assert both[1]["loss"] != rate_only[1]["loss"], "the new weight decay moved the weights in update 3"

@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import yaml
 from tqdm import tqdm
 
 from maestro_jax.config import Config, ConfigError, dump_config
@@ -42,7 +44,7 @@ from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.profile import ProfileWindow
 from maestro_jax.training.step import IssuedStep, issue_step
 from maestro_jax.training.storage import check_directories, write_error
-from maestro_jax.training.trackers import Trackers, check_trackers, output_trackers
+from maestro_jax.training.trackers import Trackers, check_trackers, flat_config, output_trackers
 
 log = logging.getLogger("maestro_jax")
 
@@ -98,6 +100,13 @@ def train(
                 states = rt.stage_states(whole, states)
                 data.set_state(data_state)
                 say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
+                if out_dir and (changes := config_changes(out_dir, cfg)):
+                    say(
+                        "changed since the run that saved it (applied from this config): "
+                        + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+                    )
+                    if jax.process_index() == 0:
+                        _record_changes(out_dir, start, changes)
         if start == 0:  # a fresh run: sections that start from another run's checkpoint
             start_from = functools.partial(start_from_checkpoints, cfg, coordinator=coordinator)
             states = rt.on_whole(states, start_from)  # a staged section starts whole
@@ -171,6 +180,33 @@ def _cache_dir(cfg: Config, out_dir: Path | None) -> Path | None:
     if not cfg.compile.cache or root is None:
         return None
     return Path(root) / f"process-{jax.process_index()}" if jax.process_count() > 1 else Path(root)
+
+
+def config_changes(out_dir: Path, cfg: Config) -> dict[str, tuple]:
+    """The settings (flattened keys) whose value differs from the config the run last wrote
+    (`<out_dir>/config.yaml`), old -> new: what a resume applies from this config. Every setting
+    a resume can change takes effect from the config, none from the checkpoint: the optimizer
+    state holds no constant (only the rate is injected, and it is recomputed from the config's
+    schedule at the stored count); a change the state cannot take (a freeze list, a shape) is
+    refused when the checkpoint is restored."""
+    try:
+        before = yaml.safe_load((out_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(before, dict):
+        return {}
+    old, new = flat_config(before), flat_config(cfg.model_dump(mode="json"))
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def _record_changes(out_dir: Path, step: int, changes: dict[str, tuple]) -> None:
+    """One line per resume that changed settings, in `<out_dir>/config_history.jsonl`."""
+    path = out_dir / "config_history.jsonl"
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+    except OSError as err:
+        raise write_error("output_dir", path, err) from None
 
 
 def _write_config(cfg: Config, out_dir: Path) -> None:
