@@ -18,6 +18,7 @@ from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, DataError, parts_of
 from maestro_jax.runtime import ahead as ahead_lib
+from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
@@ -170,6 +171,7 @@ class Runtime:
         report = ahead_lib.compile_batches(self, infos, evaluate, say, threads=threads)
         for prog in self.programs.values():
             prog.compiled_ahead = True
+        compile_cache.record()  # the new entries' checksums, now that no compile is in flight
         return report.count
 
     @functools.cached_property

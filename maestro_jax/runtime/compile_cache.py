@@ -6,17 +6,32 @@ already open in another directory is closed first); `using(directory)` turns it 
 and restores the settings it found (a training run in a process that goes on, such as a test
 session or a notebook). By default every program is written,
 whatever its compile time and size: jax's defaults skip programs that compile in under a second,
-which is most programs of a small model on CPU. The cache is trusted: do not share the directory
-with users you do not trust (jax's warning, `jax.experimental.compilation_cache`).
+which is most programs of a small model on CPU.
+
+A damaged entry must never crash a run (XLA deserialises an entry garbled inside a valid
+compressed stream into a segmentation fault). So every entry carries a SHA-256 beside it
+(`<entry>.sha256`, written by `record` once the run's compiles are done: after compiling ahead,
+and when the cache is closed), and `enable` first moves aside, into `moved_aside/`, every entry
+whose checksum is missing or differs (a disk or copy fault, an entry a killed run left half
+written or never recorded), with one warning line: those programs compile again. Do not share
+the directory with users you do not trust all the same (jax's warning,
+`jax.experimental.compilation_cache`): a checksum shows damage, not intent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+
+log = logging.getLogger("maestro_jax")
+SUM = ".sha256"  # beside each entry: its SHA-256, hex
+ASIDE = "moved_aside"  # where entries without a matching checksum go
 
 
 def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = -1) -> Path:
@@ -30,6 +45,7 @@ def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_
 
     path = Path(directory).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
+    move_aside_unchecked(path)
     if jax.config.jax_compilation_cache_dir not in (None, str(path)):
         cc.reset_cache()  # the cache opens its directory once: close the other one
     jax.config.update("jax_enable_compilation_cache", True)
@@ -56,9 +72,11 @@ def using(directory: str | Path | None) -> Iterator[Path | None]:
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     before = {name: getattr(jax.config, name) for name in _SETTINGS}
+    path = enable(directory)
     try:
-        yield enable(directory)
+        yield path
     finally:
+        record(path)
         cc.reset_cache()
         for name, value in before.items():
             jax.config.update(name, value)
@@ -68,3 +86,53 @@ def directory() -> Path | None:
     """The persistent cache's directory, or None when it is off."""
     d = jax.config.jax_compilation_cache_dir
     return Path(d) if d and jax.config.jax_enable_compilation_cache else None
+
+
+def _entries(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*-cache") if p.is_file())
+
+
+def _digest(entry: Path) -> str:
+    with open(entry, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def move_aside_unchecked(path: Path) -> list[str]:
+    """Move every entry of the cache in `path` whose checksum is missing or differs into
+    `path/moved_aside/` (one warning line); returns their names."""
+    moved = []
+    for entry in _entries(path):
+        side = entry.with_name(entry.name + SUM)
+        try:
+            good = side.read_text().strip() == _digest(entry)
+        except OSError:
+            good = False
+        if not good:
+            (path / ASIDE).mkdir(exist_ok=True)
+            os.replace(entry, path / ASIDE / entry.name)
+            side.unlink(missing_ok=True)
+            moved.append(entry.name)
+    if moved:
+        log.warning(
+            "compile cache %s: %d entr%s without a matching checksum moved aside to %s (compiled again when needed)",
+            path,
+            len(moved),
+            "y" if len(moved) == 1 else "ies",
+            path / ASIDE,
+        )
+    return moved
+
+
+def record(path: Path | None = None) -> None:
+    """Write the checksum of every entry in `path` (default: the open cache's directory) that has
+    none yet. Call it when no compile is in flight: jax writes an entry in place."""
+    path = path or directory()
+    if path is None:
+        return
+    for entry in _entries(path):
+        side = entry.with_name(entry.name + SUM)
+        if side.exists():
+            continue
+        tmp = side.with_name(f"{side.name}.{os.getpid()}.tmp")
+        tmp.write_text(_digest(entry))
+        os.replace(tmp, side)
