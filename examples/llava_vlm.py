@@ -31,6 +31,7 @@ The same from a shell, after steps 1-2:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -183,4 +184,12 @@ def main(work: Path) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llava_vlm"))
-    main(ap.parse_args().workdir)
+    workdir = ap.parse_args().workdir
+    if importlib.util.find_spec("tokenizers") is None:  # the recipe trains its tokenizer, and converts chats
+        print(
+            "error: this example needs the `tokenizers` package; install the convert extra: pip install "
+            "'maestro-jax[convert]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    main(workdir)

@@ -494,7 +494,7 @@ class ProfileConfig(_Frozen):
 class WandbConfig(_Frozen):
     """The `wandb` tracker's run: under `<output_dir>/wandb`, given the resolved config as its
     hyper-parameters. `offline` writes files only (`wandb sync DIR` uploads them later); the
-    package is an optional extra: `pip install 'maestro_jax[wandb]'`."""
+    package is an optional extra: `pip install 'maestro-jax[wandb]'`."""
 
     project: str = "maestro_jax"
     name: str | None = None  # W&B's own run name when None

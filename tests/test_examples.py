@@ -125,3 +125,21 @@ def test_distill_qwen_student_exported(tmp_path):
     start = hf.load_llm(out["hf"]["student"], states["student"].params, hf.llm_fields(out["hf"]["student"]))
     assert not np.array_equal(leaves(states["student"].params)["embedding"], leaves(start)["embedding"])
     assert_export_reloads(out["export"], states["student"].params)
+
+
+def test_llava_vlm_without_tokenizers_says_which_extra_in_one_line(tmp_path, monkeypatch, capsys):
+    """The README's install has no `tokenizers` (the convert extra): the example stops with one
+    line naming the extra, before anything runs, not with a ModuleNotFoundError traceback."""
+    import runpy
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else find(name, *a))
+    monkeypatch.setattr(sys, "argv", ["llava_vlm.py", "--workdir", str(tmp_path / "w")])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(EXAMPLES / "llava_vlm.py"), run_name="__main__")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: this example needs the `tokenizers` package; install the convert extra: pip install "
+        "'maestro-jax[convert]'"
+    )
+    assert not (tmp_path / "w").exists()

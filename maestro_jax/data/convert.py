@@ -88,7 +88,10 @@ class ChatTokenizer:
         try:
             import tokenizers
         except ImportError:
-            raise ConvertError("error: --tokenizer: needs the `tokenizers` package (pip install tokenizers)") from None
+            raise ConvertError(
+                "error: --tokenizer: needs the `tokenizers` package; install the convert extra: "
+                "pip install 'maestro-jax[convert]'"
+            ) from None
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise ConvertError(
@@ -138,7 +141,8 @@ def _compile_template(folder: Path, source: str):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConvertError(
-            "error: --tokenizer: rendering its chat template needs jinja2 (pip install jinja2)"
+            "error: --tokenizer: rendering its chat template needs jinja2; install the convert extra: "
+            "pip install 'maestro-jax[convert]'"
         ) from None
 
     def raise_exception(message):

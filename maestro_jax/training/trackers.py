@@ -152,7 +152,7 @@ def check_trackers(cfg: Config) -> None:
     if "wandb" in cfg.trackers and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "error: trackers: wandb: the wandb package is not installed; valid: pip install "
-            "'maestro_jax[wandb]', or leave wandb out of trackers"
+            "'maestro-jax[wandb]', or leave wandb out of trackers"
         )
 
 
