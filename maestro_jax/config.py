@@ -510,7 +510,8 @@ class CompileConfig(_Frozen):
     ahead: bool = True  # compile every program the run's batches need before step 1 (`Runtime.compile_ahead`)
     max_batches: PositiveInt = 256  # global batches scanned for shapes; a longer run is sampled (`runtime.ahead`)
     cache: bool = True  # jax's persistent compilation cache: a resume or a rerun loads its executables
-    # where the cache lives; default <output_dir>/compile_cache (a run without output_dir: no cache)
+    # where the cache lives; default JAX_COMPILATION_CACHE_DIR where set, else
+    # <output_dir>/compile_cache (a run without either: no cache)
     cache_dir: str | None = None
     # on NVIDIA GPUs, XLA flags for overlapping collectives with compute (runtime/xla_flags.py
     # GPU_FLAGS), each unless XLA_FLAGS names it already; false: none

@@ -17,10 +17,14 @@ import jax
 import pytest
 
 # Tests build many runtimes with identical programs; XLA's persistent cache compiles each once.
-# Set through the environment too, so CLI and multi-process subprocesses share it.
-_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.environ.get("MAESTRO_TEST_CACHE", tempfile.mkdtemp("-xla"))
-)
+# One cache per test process (xdist worker): a worker runs its tests one at a time, so no entry
+# is read while another process writes it. Training runs (`train`, the CLI, every subprocess)
+# use `runs/`, named by JAX_COMPILATION_CACHE_DIR, which `train` honours and the subprocesses
+# inherit; a run moves aside the entries it cannot check (training/loop.py), so programs this
+# process compiles outside a run (builds, verify) go to `jit/`, where no run looks.
+_ROOT_CACHE = pathlib.Path(os.environ.get("MAESTRO_TEST_CACHE") or tempfile.mkdtemp("-xla"))
+_CACHE = str(_ROOT_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main") / "jit")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_ROOT_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main") / "runs")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,9 +175,12 @@ def _say(progress: bool):
 
 def _cache_dir(cfg: Config, out_dir: Path | None) -> Path | None:
     """The persistent compilation cache's directory for this process (`compile.cache_dir`, else
-    `<output_dir>/compile_cache`), or None. Each process of a multi-process run keeps its own:
-    jax writes an entry in place, so a peer could read one half written."""
-    root = cfg.compile.cache_dir or (out_dir and out_dir / "compile_cache")
+    jax's own `JAX_COMPILATION_CACHE_DIR` where it is set: a cache the user keeps for all runs,
+    else `<output_dir>/compile_cache`), or None. Each process of a multi-process run keeps its
+    own: jax writes an entry in place, so a peer could read one half written."""
+    root = (
+        cfg.compile.cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or (out_dir and out_dir / "compile_cache")
+    )
     if not cfg.compile.cache or root is None:
         return None
     return Path(root) / f"process-{jax.process_index()}" if jax.process_count() > 1 else Path(root)
