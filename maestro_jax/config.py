@@ -270,6 +270,10 @@ class RopeScalingConfig(_Frozen):
     low_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["low_freq_factor"], gt=0)
     high_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["high_freq_factor"], gt=0)
     original_max_position_embeddings: PositiveInt = hf_config.ROPE_DEFAULTS["original_max_position_embeddings"]
+    beta_fast: float = Field(hf_config.ROPE_DEFAULTS["beta_fast"], gt=0)  # yarn's
+    beta_slow: float = Field(hf_config.ROPE_DEFAULTS["beta_slow"], gt=0)
+    attention_factor: float | None = Field(hf_config.ROPE_DEFAULTS["attention_factor"], gt=0)
+    truncate: bool = hf_config.ROPE_DEFAULTS["truncate"]
 
     @pydantic.model_validator(mode="after")
     def _band(self):

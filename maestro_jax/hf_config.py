@@ -10,11 +10,27 @@ layer, below them, reads the same fields. What no model here computes is refused
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-ROPE_SCALINGS = ("linear", "llama3")  # what `models.layers.rope_frequencies` computes
-# `models.<s>.rope_scaling`'s fields a `linear` scaling leaves at these (llama3's other fields)
-ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what `models.layers.rope_frequencies` computes
+# `models.<s>.rope_scaling`'s fields a type leaves at these (the other types' fields; llama3's and
+# yarn's own defaults where config.json leaves them out, as transformers fills them in)
+ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "attention_factor": None,  # yarn: None is 0.1 ln(factor) + 1 (`models.layers.rope_attention_factor`)
+    "truncate": True,
+}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' `get_mscale` of `_compute_yarn_parameters`."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -67,19 +83,42 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
-def _rope_scaling(path, block: dict) -> dict | None:
+def _rope_scaling(path, block: dict, max_positions: int | None = None) -> dict | None:
     """config.json's `rope_scaling` (transformers 4) or `rope_parameters` (5) as
-    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE)."""
+    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE). `max_positions`:
+    config.json's `max_position_embeddings`, yarn's original context where the block names none
+    (as transformers reads it)."""
     rope_type = block.get("rope_type", block.get("type")) or "default"
     if rope_type == "default":
         return None
     if rope_type not in ROPE_SCALINGS:
         raise HFError(f"{path}/config.json: rope_type={rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}")
+    if block.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(
+            f"{path}/config.json: partial_rotary_factor={block['partial_rotary_factor']}; RoPE rotates the whole head"
+        )
+    original = block.get("original_max_position_embeddings") or max_positions
+    if rope_type == "yarn" and block.get("factor") is None and original:  # DeepSeek-V3's: the context ratio
+        block = {**block, "factor": max_positions / original}
     fields = {"rope_type": rope_type, "factor": float(block["factor"]), **ROPE_DEFAULTS}
     if rope_type == "llama3":
         for k in ("low_freq_factor", "high_freq_factor"):
             fields[k] = float(block.get(k, ROPE_DEFAULTS[k]))
         fields["original_max_position_embeddings"] = int(block["original_max_position_embeddings"])
+    if rope_type == "yarn":
+        if not original:
+            raise HFError(
+                f"{path}/config.json: yarn needs original_max_position_embeddings (or max_position_embeddings)"
+            )
+        fields["original_max_position_embeddings"] = int(original)
+        fields["beta_fast"] = float(block.get("beta_fast") or ROPE_DEFAULTS["beta_fast"])
+        fields["beta_slow"] = float(block.get("beta_slow") or ROPE_DEFAULTS["beta_slow"])
+        fields["truncate"] = bool(block.get("truncate", True))
+        factor, mscale, all_dim = fields["factor"], block.get("mscale"), block.get("mscale_all_dim")
+        if block.get("attention_factor") is not None:
+            fields["attention_factor"] = float(block["attention_factor"])
+        elif mscale and all_dim:  # DeepSeek's
+            fields["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
     return fields
 
 
@@ -133,7 +172,7 @@ def _gemma3_fields(path, hf: dict) -> dict:
     windowed = every != 1  # 1: every layer global
     global_theta = float(full.get("rope_theta", c["rope_theta"]))
     local_theta = float(local.get("rope_theta", c["rope_local_base_freq"]))
-    scaling = _rope_scaling(path, hf.get("rope_scaling") or full)
+    scaling = _rope_scaling(path, hf.get("rope_scaling") or full, hf.get("max_position_embeddings"))
     if every == 0:  # every layer windowed: each at the windowed layers' RoPE
         global_theta, scaling = local_theta, None
     heads = c["num_attention_heads"]
@@ -182,7 +221,7 @@ def llm_fields(path: str | Path) -> dict:
     if kind == "gemma3_text":
         return _gemma3_fields(path, hf)
     params = hf.get("rope_parameters") or {}
-    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params)
+    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
     if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
         raise HFError(
             f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "

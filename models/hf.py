@@ -364,8 +364,12 @@ def save_llm(
         )
     scaling = fields.get("rope_scaling")
     if scaling:  # transformers' own keys for the type, no others (it warns on unknown ones)
-        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        keep = ("rope_type", "factor", *(llama3 if scaling["rope_type"] == "llama3" else ()))
+        own = {
+            "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+            + (("attention_factor",) if scaling.get("attention_factor") is not None else ()),
+        }
+        keep = ("rope_type", "factor", *own.get(scaling["rope_type"], ()))
         if model_type == "gemma3_text":  # the global layers' (the windowed layers' RoPE is unscaled)
             config["rope_parameters"]["full_attention"].update({k: scaling[k] for k in keep})
         else:

@@ -143,13 +143,21 @@ class RopeScaling:
     `factor`. `llama3` (Llama 3.1 and later): frequencies whose wavelength exceeds
     `original_max_position_embeddings / low_freq_factor` divided by `factor`, those under
     `original_max_position_embeddings / high_freq_factor` kept, and the band between blended
-    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`)."""
+    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`). `yarn`
+    (Qwen2.5/Qwen3 long context, DeepSeek): each frequency blends its original value and its value
+    divided by `factor` along a linear ramp over the dimensions whose rotations in
+    `original_max_position_embeddings` lie between `beta_slow` and `beta_fast`, and cos/sin are
+    scaled by `attention_factor` (transformers' `_compute_yarn_parameters`)."""
 
     rope_type: str  # one of ROPE_SCALINGS
     factor: float
     low_freq_factor: float  # the config's defaults: hf_config.ROPE_DEFAULTS
     high_freq_factor: float
     original_max_position_embeddings: int
+    beta_fast: float = 32.0  # yarn's: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn's cos/sin scale; None: 0.1 ln(factor) + 1
+    truncate: bool = True  # yarn's ramp ends rounded to whole dimensions
 
 
 def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -160,6 +168,8 @@ def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None
         return freqs
     if scaling.rope_type == "linear":
         return (freqs / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(half, theta, scaling)
     if scaling.rope_type != "llama3":
         raise ValueError(f"rope_scaling.rope_type={scaling.rope_type!r}; valid: {', '.join(ROPE_SCALINGS)}")
     original, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
@@ -171,13 +181,42 @@ def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None
     return np.where(between, blended, scaled).astype(np.float32)
 
 
+def _yarn_frequencies(half: int, theta: float, s: RopeScaling) -> np.ndarray:
+    dim = 2 * half
+
+    def rotations_dim(rotations: float) -> float:  # the dimension turning `rotations` times in the original context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = rotations_dim(s.beta_fast), rotations_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+    base = (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
+    ramp = np.clip((np.arange(half, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: the original frequency (extrapolated), 0: divided by factor
+    return ((1 / (np.float32(s.factor) * base)) * (1 - keep) + (1 / base) * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The scale on cos and sin: yarn's `attention_factor` (by default 0.1 ln(factor) + 1), else 1."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
 def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None):
     """Rotary position embedding (Llama/Qwen 'rotate half' convention)."""
     half = x_BLHK.shape[-1] // 2
     freqs = jnp.asarray(rope_frequencies(half, theta, scaling))
     angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
-    cos = jnp.cos(angles)[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
-    sin = jnp.sin(angles)[:, :, None, :].astype(x_BLHK.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if (factor := rope_attention_factor(scaling)) != 1.0:  # in float32, as transformers scales them
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    cos = cos[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
+    sin = sin[:, :, None, :].astype(x_BLHK.dtype)
     x1, x2 = x_BLHK[..., :half], x_BLHK[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 

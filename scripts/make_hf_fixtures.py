@@ -95,6 +95,19 @@ LLM_CASES = {
             "num_hidden_layers": 2,
         },
     ),
+    # Qwen3's long-context recipe, YaRN: an original context of 1024 puts the ramp over dimensions
+    # 1..5 of 8 (some frequencies kept, some divided, some blended), and cos/sin scaled by
+    # 0.1 ln(4) + 1
+    "qwen3_yarn": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        },
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

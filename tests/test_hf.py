@@ -32,6 +32,7 @@ TIED = {
     "qwen2_tied": True,
     "qwen3": False,
     "qwen3_moe": False,
+    "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
     "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
     "gemma3_tied": True,  # both layers windowed (the default pattern of 6), one key/value head
 }
@@ -98,10 +99,11 @@ def test_import_matches_transformers(tmp_path, case):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
-def test_llama3_rope_fixture_reaches_every_band_and_other_scalings_are_refused(tmp_path):
+def test_llama3_and_yarn_fixtures_reach_every_band_and_other_scalings_are_refused(tmp_path):
     """The llama3_rope fixture's frequencies fall in all three of `llama3`'s bands (kept,
-    blended, divided by the factor), so its logits check each branch; a scaling the model does
-    not compute (YaRN, dynamic NTK) is one line naming what is supported."""
+    blended, divided by the factor), so its logits check each branch, and so do qwen3_yarn's
+    (YaRN's ramp, and its attention factor, without which the logits differ); a scaling the model
+    does not compute (dynamic NTK, LongRoPE) is one line naming what is supported."""
     from maestro_jax.models.layers import rope_frequencies
 
     f = hf.llm_fields(FIXTURES / "llama3_rope")
@@ -113,10 +115,24 @@ def test_llama3_rope_fixture_reaches_every_band_and_other_scalings_are_refused(t
     assert kept.any() and divided.any() and (~kept & ~divided).any()
     _, path = make_hf(tmp_path, "llama_untied")
     config = json.loads((path / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(hf.HFError, match=r"rope_type='yarn'; supported: default, linear, llama3"):
+    with pytest.raises(hf.HFError, match=r"rope_type='dynamic'; supported: default, linear, llama3, yarn"):
         hf.llm_fields(path)
+
+    reference, path = make_hf(tmp_path, "qwen3_yarn")
+    f = hf.llm_fields(path)
+    s = RopeScaling(**f["rope_scaling"])
+    ratio = rope_frequencies(f["head_dim"] // 2, f["rope_theta"]) / rope_frequencies(
+        f["head_dim"] // 2, f["rope_theta"], s
+    )
+    kept, divided = np.isclose(ratio, 1.0), np.isclose(ratio, s.factor)
+    assert kept.any() and divided.any() and (~kept & ~divided).any()
+    ours, params, _ = flax_logits(path)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    unscaled = {**f, "rope_scaling": {**f["rope_scaling"], "attention_factor": 1.0}}
+    other = DecoderLM(llm_config(unscaled)).apply({"params": jax.tree.map(np.asarray, params)}, *_inputs())
+    assert np.abs(np.asarray(other) - reference).max() > 1e-3, "the attention factor shows in the logits"
 
 
 def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
@@ -272,6 +288,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("qwen2_tied", "qwen2", False),
         ("qwen3", "qwen3", True),
         ("qwen3_moe", "qwen3_moe", True),
+        ("qwen3_yarn", "qwen3", False),
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
     ],
