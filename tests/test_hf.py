@@ -510,9 +510,29 @@ def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, c
     assert line.endswith("PASS") and "3 rows of [24, 19, 13] tokens" in line
     assert cli.main(["check-hf", "--hf", str(path), "--tolerance", "1e-12"]) == 1
     assert capsys.readouterr().out.strip().endswith("FAIL")
-    assert cli.main(["check-hf", "--hf", str(FIXTURES / "siglip")]) == 2
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert cli.main(["check-hf", "--hf", str(bert)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --hf=") and "not a decoder" in err and "\n" not in err
+    assert err.startswith("error: --hf=") and "model_type='bert'; supported:" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "case,inputs",
+    [("siglip", "2 images of 16x16"), ("clip", "2 images of 16x16"), ("whisper", "2 clips of 16 frames")],
+)
+def test_check_hf_compares_a_tower_folder(case, inputs, capsys):
+    """`check-hf` on a SigLIP or CLIP vision tower or a Whisper encoder: random images (clips) of
+    its size through both, the features compared; 1 under a tolerance below float32 rounding."""
+    live_transformers()
+    from maestro_jax import cli
+
+    path = FIXTURES / case
+    assert cli.main(["check-hf", "--hf", str(path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("PASS") and f"{inputs}; features max abs diff" in line, line
+    assert cli.main(["check-hf", "--hf", str(path), "--tolerance", "1e-12"]) == 1
 
 
 def test_an_export_owns_its_folder(tmp_path, capsys):
