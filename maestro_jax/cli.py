@@ -175,19 +175,19 @@ def _simulate(cfg, args) -> int:
 def _check_hf(_cfg, args) -> int:
     """Exit 0 within the tolerance, 1 over it, 2 (one `error:` line) for a folder it cannot check."""
     from maestro_jax.hf_config import HFError
-    from maestro_jax.tools.check_hf import DEFAULT_TOLERANCE, check_llm
+    from maestro_jax.tools.check_hf import DEFAULT_TOLERANCE, check_folder
 
     tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
     if not tolerance > 0:
         print(f"error: --tolerance={args.tolerance}: must be > 0 (default {DEFAULT_TOLERANCE})", file=sys.stderr)
         return 2
     try:
-        r = check_llm(args.hf, tolerance)
+        r = check_folder(args.hf, tolerance)
     except (HFError, KeyError) as err:
         print(_error_line(f"error: --hf={args.hf}: {err}"), file=sys.stderr)
         return 2
     print(
-        f"check-hf {args.hf} ({r.model_type}): {len(r.lengths)} rows of {list(r.lengths)} tokens; logits max abs "
+        f"check-hf {args.hf} ({r.model_type}): {r.inputs}; {r.compared} max abs "
         f"diff {r.max_abs:.3e}, relative {r.max_rel:.3e} (tolerance {r.tolerance:g}): "
         + ("PASS" if r.passed else "FAIL")
     )

@@ -270,6 +270,10 @@ class RopeScalingConfig(_Frozen):
     low_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["low_freq_factor"], gt=0)
     high_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["high_freq_factor"], gt=0)
     original_max_position_embeddings: PositiveInt = hf_config.ROPE_DEFAULTS["original_max_position_embeddings"]
+    beta_fast: float = Field(hf_config.ROPE_DEFAULTS["beta_fast"], gt=0)  # yarn's
+    beta_slow: float = Field(hf_config.ROPE_DEFAULTS["beta_slow"], gt=0)
+    attention_factor: float | None = Field(hf_config.ROPE_DEFAULTS["attention_factor"], gt=0)
+    truncate: bool = hf_config.ROPE_DEFAULTS["truncate"]
 
     @pydantic.model_validator(mode="after")
     def _band(self):
@@ -294,6 +298,14 @@ class LLMModelConfig(_FromFolder):
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig | None = None  # Llama 3.1+: {rope_type: llama3, factor: 8, ...}
     sliding_window: PositiveInt | None = None  # Mistral's: each position attends to this many, its own included
+    # with sliding_window: every global_every-th layer attends to every position (Gemma 3: 6);
+    # 0: every layer is windowed (Mistral)
+    global_every: int = Field(0, ge=0)
+    rope_local_theta: float | None = Field(None, gt=0)  # the windowed layers' RoPE base (Gemma 3: 10000)
+    act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
+    post_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
+    embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
+    query_pre_attn_scalar: PositiveInt | None = None  # Gemma: scores times this ** -0.5, not head_dim's
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
@@ -319,6 +331,17 @@ class LLMModelConfig(_FromFolder):
         if heads is not None and heads % v:
             raise ValueError(f"must divide heads={heads} (each key/value head serves heads/kv_heads query heads)")
         return v
+
+    @pydantic.model_validator(mode="after")
+    def _window_pattern(self):
+        if self.global_every and self.sliding_window is None:
+            raise ValueError(f"global_every={self.global_every} needs a sliding_window (the other layers' window)")
+        if self.rope_local_theta is not None and not self.global_every:
+            raise ValueError(
+                f"rope_local_theta={self.rope_local_theta} is the windowed layers' RoPE base beside global ones; "
+                f"it needs global_every > 0 (with every layer windowed, set rope_theta)"
+            )
+        return self
 
     @pydantic.field_validator("experts_per_token")
     @classmethod

@@ -10,11 +10,27 @@ layer, below them, reads the same fields. What no model here computes is refused
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-ROPE_SCALINGS = ("linear", "llama3")  # what `models.layers.rope_frequencies` computes
-# `models.<s>.rope_scaling`'s fields a `linear` scaling leaves at these (llama3's other fields)
-ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what `models.layers.rope_frequencies` computes
+# `models.<s>.rope_scaling`'s fields a type leaves at these (the other types' fields; llama3's and
+# yarn's own defaults where config.json leaves them out, as transformers fills them in)
+ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "attention_factor": None,  # yarn: None is 0.1 ln(factor) + 1 (`models.layers.rope_attention_factor`)
+    "truncate": True,
+}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' `get_mscale` of `_compute_yarn_parameters`."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -22,6 +38,29 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+# model types whose language model imports from the `text_config` (its tensors under a prefix,
+# `models.hf`); a Gemma 3 of 4B or more is one, its vision tower beside the LLM
+MULTIMODAL = {"gemma3": "gemma3_text"}
+# Gemma3TextConfig's defaults (transformers), which a Hub config.json, saving only what differs,
+# leaves out (a `gemma3` folder's text_config most of all)
+GEMMA3_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
 }
 
 
@@ -44,31 +83,145 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
-def _rope_scaling(path, block: dict) -> dict | None:
+def _rope_scaling(path, block: dict, max_positions: int | None = None) -> dict | None:
     """config.json's `rope_scaling` (transformers 4) or `rope_parameters` (5) as
-    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE)."""
+    `models.<s>.rope_scaling`'s fields, every one filled (None for plain RoPE). `max_positions`:
+    config.json's `max_position_embeddings`, yarn's original context where the block names none
+    (as transformers reads it)."""
     rope_type = block.get("rope_type", block.get("type")) or "default"
     if rope_type == "default":
         return None
     if rope_type not in ROPE_SCALINGS:
         raise HFError(f"{path}/config.json: rope_type={rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}")
+    if block.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(
+            f"{path}/config.json: partial_rotary_factor={block['partial_rotary_factor']}; RoPE rotates the whole head"
+        )
+    original = block.get("original_max_position_embeddings") or max_positions
+    if rope_type == "yarn" and block.get("factor") is None and original:  # DeepSeek-V3's: the context ratio
+        block = {**block, "factor": max_positions / original}
     fields = {"rope_type": rope_type, "factor": float(block["factor"]), **ROPE_DEFAULTS}
     if rope_type == "llama3":
         for k in ("low_freq_factor", "high_freq_factor"):
             fields[k] = float(block.get(k, ROPE_DEFAULTS[k]))
         fields["original_max_position_embeddings"] = int(block["original_max_position_embeddings"])
+    if rope_type == "yarn":
+        if not original:
+            raise HFError(
+                f"{path}/config.json: yarn needs original_max_position_embeddings (or max_position_embeddings)"
+            )
+        fields["original_max_position_embeddings"] = int(original)
+        fields["beta_fast"] = float(block.get("beta_fast") or ROPE_DEFAULTS["beta_fast"])
+        fields["beta_slow"] = float(block.get("beta_slow") or ROPE_DEFAULTS["beta_slow"])
+        fields["truncate"] = bool(block.get("truncate", True))
+        factor, mscale, all_dim = fields["factor"], block.get("mscale"), block.get("mscale_all_dim")
+        if block.get("attention_factor") is not None:
+            fields["attention_factor"] = float(block["attention_factor"])
+        elif mscale and all_dim:  # DeepSeek's
+            fields["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
     return fields
+
+
+def _global_every(path, layer_types: list) -> int:
+    """transformers' `layer_types` as `global_every` (0: every layer windowed), or refused."""
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if set(layer_types) - {"full_attention", "sliding_attention"}:
+        raise HFError(
+            f"{path}/config.json: layer_types holds {sorted(set(layer_types))}; supported: full_attention, sliding_attention"
+        )
+    if not full:
+        return 0
+    every = full[0] + 1
+    if full != list(range(every - 1, len(layer_types), every)):
+        raise HFError(
+            f"{path}/config.json: layer_types has full_attention at layers {full}; supported: every k-th layer "
+            f"(k-1, 2k-1, ...), the others sliding_attention"
+        )
+    return every
+
+
+def _gemma3_fields(path, hf: dict) -> dict:
+    """A Gemma 3 text model's config (a `gemma3_text` folder, or a `gemma3` folder's
+    `text_config`) as `models.<s>`'s fields: norms after attention and the MLP, GeGLU, scaled
+    embeddings, `query_pre_attn_scalar`, windowed layers with their own RoPE base and every
+    `sliding_window_pattern`-th layer global."""
+    c = _with_defaults(hf, GEMMA3_DEFAULTS)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise HFError(f"{path}/config.json: {key}={hf[key]}; logit soft-capping (Gemma 2) is not supported")
+    if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
+        raise HFError(
+            f"{path}/config.json: use_bidirectional_attention={hf.get('use_bidirectional_attention')}, attention_bias="
+            f"{hf.get('attention_bias')}; the decoder is causal without attention biases"
+        )
+    if c["hidden_activation"] != "gelu_pytorch_tanh":
+        raise HFError(
+            f"{path}/config.json: hidden_activation={c['hidden_activation']!r}; Gemma 3's is 'gelu_pytorch_tanh'"
+        )
+    params = hf.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    if _rope_scaling(path, local):
+        raise HFError(
+            f"{path}/config.json: rope_parameters.sliding_attention={local}; the windowed layers' RoPE is unscaled"
+        )
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", c["sliding_window_pattern"]))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(c["num_hidden_layers"])]
+    every = _global_every(path, types)
+    windowed = every != 1  # 1: every layer global
+    global_theta = float(full.get("rope_theta", c["rope_theta"]))
+    local_theta = float(local.get("rope_theta", c["rope_local_base_freq"]))
+    scaling = _rope_scaling(path, hf.get("rope_scaling") or full, hf.get("max_position_embeddings"))
+    if every == 0:  # every layer windowed: each at the windowed layers' RoPE
+        global_theta, scaling = local_theta, None
+    heads = c["num_attention_heads"]
+    return {
+        "kind": "llm",
+        "vocab": c["vocab_size"],
+        "width": c["hidden_size"],
+        "depth": c["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": c["num_key_value_heads"] or heads,
+        "head_dim": c["head_dim"],
+        "mlp": c["intermediate_size"],
+        "rope_theta": global_theta,
+        "rope_scaling": scaling,
+        "sliding_window": c["sliding_window"] if windowed else None,
+        "global_every": every if windowed else 0,
+        "rope_local_theta": local_theta if windowed and every else None,
+        "norm_eps": float(c["rms_norm_eps"]),
+        "tie_embeddings": bool(c["tie_word_embeddings"]),
+        "qkv_bias": False,
+        "qk_norm": True,
+        "act": "gelu_pytorch_tanh",
+        "post_norms": True,
+        "embed_scale": True,
+        "query_pre_attn_scalar": int(c["query_pre_attn_scalar"]),
+        "experts": 0,
+        "experts_per_token": 0,
+        "expert_mlp": 0,
+    }
 
 
 def llm_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind llm; `LLMConfig`'s fields plus `kind`)
-    that describe the checkpoint at `path`."""
+    that describe the checkpoint at `path` (of a multimodal folder, its language model)."""
     hf = read_config(path)
     kind = hf.get("model_type")
+    if kind in MULTIMODAL:
+        text = hf.get("text_config") or {}
+        if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
+            raise HFError(
+                f"{path}/config.json: text_config.model_type={text.get('model_type')!r}; a {kind} folder's is {MULTIMODAL[kind]!r}"
+            )
+        hf, kind = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}, MULTIMODAL[kind]
     if kind not in ARCHITECTURES:
-        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted(ARCHITECTURES)}")
+        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted([*ARCHITECTURES, *MULTIMODAL])}")
+    if kind == "gemma3_text":
+        return _gemma3_fields(path, hf)
     params = hf.get("rope_parameters") or {}
-    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params)
+    rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
     if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
         raise HFError(
             f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
@@ -96,6 +249,12 @@ def llm_fields(path: str | Path) -> dict:
         "experts": 0,
         "experts_per_token": 0,
         "expert_mlp": 0,
+        "global_every": 0,
+        "rope_local_theta": None,
+        "act": "silu",
+        "post_norms": False,
+        "embed_scale": False,
+        "query_pre_attn_scalar": None,
     }
     if kind == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
@@ -246,10 +405,10 @@ def audio_fields(path: str | Path) -> dict:
 def kind_of(path: str | Path) -> str:
     """The `models.<s>.kind` of the folder at `path`: llm, vit or audio, by its `model_type`."""
     model_type = read_config(path).get("model_type")
-    for kind, types in (("llm", tuple(ARCHITECTURES)), ("vit", VISION_TOWERS), ("audio", ("whisper",))):
+    for kind, types in (("llm", (*ARCHITECTURES, *MULTIMODAL)), ("vit", VISION_TOWERS), ("audio", ("whisper",))):
         if model_type in types:
             return kind
     raise HFError(
-        f"{path}/config.json: model_type={model_type!r}; supported: {sorted(ARCHITECTURES)} (llm), "
+        f"{path}/config.json: model_type={model_type!r}; supported: {sorted([*ARCHITECTURES, *MULTIMODAL])} (llm), "
         f"{list(VISION_TOWERS)} (vit), ['whisper'] (audio)"
     )

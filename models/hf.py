@@ -27,6 +27,14 @@ Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on 
   layers.i.mlp.gate.weight [E, D]                 -> block_i.moe.router [D, E]
   layers.i.mlp.experts.j.{gate,up}_proj.weight    -> block_i.moe.{gate,up}[j] [D, F]
   layers.i.mlp.experts.j.down_proj.weight         -> block_i.moe.down[j] [F, D]
+Gemma 3 (`gemma3_text`, and the language model of a multimodal `gemma3` folder, whose tensors
+sit under `language_model.model.` or `model.language_model.`) norms each block's input, the
+attention's output, the MLP's input and its output, and scales every norm by `1 + weight`; the
+model here scales by `scale`, so a norm imports as `weight + 1` and exports as `scale - 1`:
+  layers.i.input_layernorm                        -> block_i.attn_norm.scale
+  layers.i.post_attention_layernorm               -> block_i.post_attn_norm.scale
+  layers.i.pre_feedforward_layernorm              -> block_i.mlp_norm.scale
+  layers.i.post_feedforward_layernorm             -> block_i.post_mlp_norm.scale
 A scanned model (`scan_layers`) stacks every `block_i` leaf on a leading layer axis under
 `blocks/layer`.
 """
@@ -91,18 +99,59 @@ class _Tensors:
         return self._where[key].get_tensor(key)
 
 
-def _mapping(c: dict, with_head: bool) -> dict[tuple[str, ...], tuple[str, Callable]]:
+PREFIXES = ("model.", "model.language_model.", "language_model.model.")  # where a folder's LLM tensors sit
+
+
+def text_prefix(path: str | Path) -> str:
+    """The prefix of the folder's language-model tensors (`model.`, or a multimodal folder's)."""
+    tensors = _Tensors(Path(path))
+    for prefix in PREFIXES:
+        if f"{prefix}embed_tokens.weight" in tensors:
+            return prefix
+    raise HFError(
+        f"{path}: no {' or '.join(p + 'embed_tokens.weight' for p in PREFIXES)}; not a language model's weights"
+    )
+
+
+def _head_name(prefix: str) -> str:
+    return "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+
+
+def _norm_in(w: np.ndarray) -> np.ndarray:  # Gemma's `1 + weight`
+    return w.astype(np.float32) + np.float32(1)
+
+
+def _mapping(c: dict, with_head: bool, prefix: str = "model.") -> dict[tuple[str, ...], tuple[str, Callable]]:
     """Flax path -> (HF tensor name, HF array -> Flax array)."""
     h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
     proj = lambda n: lambda w: w.T.reshape(d, n, k)
     same = lambda w: w
-    out = {("embedding",): ("model.embed_tokens.weight", same), ("final_norm", "scale"): ("model.norm.weight", same)}
+    gemma = c.get("post_norms", False)
+    norm = _norm_in if gemma else same
+    out = {
+        ("embedding",): (f"{prefix}embed_tokens.weight", same),
+        ("final_norm", "scale"): (f"{prefix}norm.weight", norm),
+    }
     for i in range(c["depth"]):
-        b, hf = f"block_{i}", f"model.layers.{i}"
+        b, hf = f"block_{i}", f"{prefix}layers.{i}"
+        if gemma:
+            out.update(
+                {
+                    (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", norm),
+                    (b, "post_attn_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", norm),
+                    (b, "mlp_norm", "scale"): (f"{hf}.pre_feedforward_layernorm.weight", norm),
+                    (b, "post_mlp_norm", "scale"): (f"{hf}.post_feedforward_layernorm.weight", norm),
+                }
+            )
+        else:
+            out.update(
+                {
+                    (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
+                    (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
+                }
+            )
         out.update(
             {
-                (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
-                (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
                 (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
                 (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
                 (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
@@ -122,10 +171,10 @@ def _mapping(c: dict, with_head: bool) -> dict[tuple[str, ...], tuple[str, Calla
             for name, n in (("q", h), ("k", g), ("v", g)):
                 out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
         if c["qk_norm"]:
-            out[(b, "q_norm", "scale")] = (f"{hf}.self_attn.q_norm.weight", same)
-            out[(b, "k_norm", "scale")] = (f"{hf}.self_attn.k_norm.weight", same)
+            out[(b, "q_norm", "scale")] = (f"{hf}.self_attn.q_norm.weight", norm)
+            out[(b, "k_norm", "scale")] = (f"{hf}.self_attn.k_norm.weight", norm)
     if with_head and not c["tie_embeddings"]:
-        out[("lm_head",)] = ("lm_head.weight", np.transpose)
+        out[("lm_head",)] = (_head_name(prefix), np.transpose)
     return out
 
 
@@ -164,7 +213,7 @@ def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = Tru
     scanned = "blocks" in target
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # unrolled paths; experts stacked
     experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
-    for flax_path, (name, convert) in _mapping(fields, with_head).items():
+    for flax_path, (name, convert) in _mapping(fields, with_head, text_prefix(path)).items():
         try:
             value = convert(tensors.get(name))
         except HFError as err:
@@ -196,8 +245,8 @@ def _placed(value: np.ndarray, target: dict, where: tuple[str, ...], path: Path)
 
 def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
     """The checkpoint's output layer as a [D, V] matrix (the embedding's transpose when tied)."""
-    tensors = _Tensors(Path(path))
-    w = tensors.get("model.embed_tokens.weight" if fields["tie_embeddings"] else "lm_head.weight")
+    tensors, prefix = _Tensors(Path(path)), text_prefix(path)
+    w = tensors.get(f"{prefix}embed_tokens.weight" if fields["tie_embeddings"] else _head_name(prefix))
     return _put(np.ascontiguousarray(w.T), like)
 
 
@@ -244,10 +293,20 @@ def save_llm(
     scanned = "blocks" in params
     if fields.get("experts") and model_type != "qwen3_moe":
         raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe'")
-    if fields.get("sliding_window") is not None and model_type != "mistral":
-        raise HFError(f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral'")
+    if fields.get("sliding_window") is not None and model_type not in ("mistral", "gemma3_text"):
+        raise HFError(
+            f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral' (or Gemma's as 'gemma3_text')"
+        )
     if model_type == "mistral" and fields["qkv_bias"]:
         raise HFError("a mistral checkpoint has no q/k/v biases; export this model with model_type='llama'")
+    gemma = {"post_norms": True, "embed_scale": True, "act": "gelu_pytorch_tanh", "qk_norm": True, "qkv_bias": False}
+    differs = {k: fields.get(k) for k, v in gemma.items() if fields.get(k, False) != v}
+    if model_type == "gemma3_text" and differs:
+        raise HFError(f"a gemma3_text checkpoint has {gemma}; this model has {differs}")
+    if model_type != "gemma3_text" and any(fields.get(k) for k in ("post_norms", "embed_scale", "global_every")):
+        raise HFError(
+            f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale or global_every exports as 'gemma3_text'"
+        )
     for flax_path, (name, _) in _mapping(fields, with_head=True).items():
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
         flax_path = flax_path[:-1] if expert is not None else flax_path
@@ -266,6 +325,8 @@ def save_llm(
             w = w.T
         elif flax_path[-1] == "bias":
             w = w.reshape(-1)
+        elif flax_path[-1] == "scale" and model_type == "gemma3_text":
+            w = w - np.float32(1)  # Gemma's norms scale by 1 + weight
         tensors[name] = np.ascontiguousarray(w)
     write_weights(path, tensors, max_shard_bytes)
     config = {
@@ -285,11 +346,34 @@ def save_llm(
         "max_position_embeddings": 32768,
         "torch_dtype": "float32",
     }
+    if model_type == "gemma3_text":
+        del config["hidden_act"], config["rope_theta"]
+        every, depth = fields.get("global_every", 0), fields["depth"]
+        windowed = [
+            fields.get("sliding_window") is not None and (not every or (i + 1) % every != 0) for i in range(depth)
+        ]
+        global_rope = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
+        local_rope = {"rope_type": "default", "rope_theta": fields.get("rope_local_theta") or fields["rope_theta"]}
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=fields.get("query_pre_attn_scalar") or k,
+            sliding_window=fields.get("sliding_window") or 4096,
+            layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
+            rope_parameters={"full_attention": global_rope, "sliding_attention": local_rope},
+            attention_bias=False,
+        )
     scaling = fields.get("rope_scaling")
     if scaling:  # transformers' own keys for the type, no others (it warns on unknown ones)
-        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        keep = ("rope_type", "factor", *(llama3 if scaling["rope_type"] == "llama3" else ()))
-        config["rope_scaling"] = {k: scaling[k] for k in keep}
+        own = {
+            "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+            + (("attention_factor",) if scaling.get("attention_factor") is not None else ()),
+        }
+        keep = ("rope_type", "factor", *own.get(scaling["rope_type"], ()))
+        if model_type == "gemma3_text":  # the global layers' (the windowed layers' RoPE is unscaled)
+            config["rope_parameters"]["full_attention"].update({k: scaling[k] for k in keep})
+        else:
+            config["rope_scaling"] = {k: scaling[k] for k in keep}
     if model_type == "qwen3_moe":
         config.update(
             num_experts=fields["experts"],

@@ -63,9 +63,25 @@ class _ScanBody(nn.Module):
         return remat_layer(self.layer, self.remat)(*self.args, name="layer")(x, *rest), None
 
 
-def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool, first: int = 0):
+class _ScanEachBody(nn.Module):
+    """`_ScanBody` with a scanned per-layer value before the broadcast inputs (a tuple)."""
+
+    layer: type
+    args: tuple
+    remat: str
+
+    @nn.compact
+    def __call__(self, x, mine, rest):
+        return remat_layer(self.layer, self.remat)(*self.args, name="layer")(x, mine, *rest), None
+
+
+def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool, first: int = 0, per_layer=None):
     """`depth` layers of `layer(*args)` applied in turn, as a callable `(x, *rest) -> x` built
     inside a parent's `setup` or compact method.
+
+    `per_layer` (one value per layer of the whole stack, e.g. whether a layer attends locally)
+    gives each layer its own: it is called `(x, per_layer[i], *rest)`, with the Python value
+    when unrolled (a constant) and that layer's element of an array when scanned.
 
     Unrolled (`scan=False`): submodules `block_{first} .. block_{first + depth - 1}`, one traced
     copy each, so compile time grows with depth; a pipeline stage holding layers from `first` on
@@ -77,13 +93,26 @@ def layer_stack(layer: type, args: tuple, depth: int, remat: str, scan: bool, fi
         raise ValueError("a scanned layer stack holds all its layers; a pipeline stage needs unrolled layers")
     if not scan:
         blocks = [remat_layer(layer, remat)(*args, name=f"block_{i}") for i in range(first, first + depth)]
+        own = [()] * depth if per_layer is None else [(per_layer[i],) for i in range(first, first + depth)]
 
         def unrolled(x, *rest):
-            for block in blocks:
-                x = block(x, *rest)
+            for block, mine in zip(blocks, own, strict=True):
+                x = block(x, *mine, *rest)
             return x
 
         return unrolled
+    if per_layer is not None:
+        stack = nn.scan(
+            _ScanEachBody,
+            variable_axes={"params": 0, "losses": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=depth,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        blocks = stack(layer, args, remat, name="blocks")
+        values = np.asarray(per_layer)
+        return lambda x, *rest: blocks(x, values, rest)[0]
     stack = nn.scan(
         _ScanBody,
         variable_axes={"params": 0, "losses": 0},
@@ -114,13 +143,21 @@ class RopeScaling:
     `factor`. `llama3` (Llama 3.1 and later): frequencies whose wavelength exceeds
     `original_max_position_embeddings / low_freq_factor` divided by `factor`, those under
     `original_max_position_embeddings / high_freq_factor` kept, and the band between blended
-    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`)."""
+    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`). `yarn`
+    (Qwen2.5/Qwen3 long context, DeepSeek): each frequency blends its original value and its value
+    divided by `factor` along a linear ramp over the dimensions whose rotations in
+    `original_max_position_embeddings` lie between `beta_slow` and `beta_fast`, and cos/sin are
+    scaled by `attention_factor` (transformers' `_compute_yarn_parameters`)."""
 
     rope_type: str  # one of ROPE_SCALINGS
     factor: float
     low_freq_factor: float  # the config's defaults: hf_config.ROPE_DEFAULTS
     high_freq_factor: float
     original_max_position_embeddings: int
+    beta_fast: float = 32.0  # yarn's: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn's cos/sin scale; None: 0.1 ln(factor) + 1
+    truncate: bool = True  # yarn's ramp ends rounded to whole dimensions
 
 
 def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -131,6 +168,8 @@ def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None
         return freqs
     if scaling.rope_type == "linear":
         return (freqs / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(half, theta, scaling)
     if scaling.rope_type != "llama3":
         raise ValueError(f"rope_scaling.rope_type={scaling.rope_type!r}; valid: {', '.join(ROPE_SCALINGS)}")
     original, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
@@ -142,13 +181,42 @@ def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None
     return np.where(between, blended, scaled).astype(np.float32)
 
 
+def _yarn_frequencies(half: int, theta: float, s: RopeScaling) -> np.ndarray:
+    dim = 2 * half
+
+    def rotations_dim(rotations: float) -> float:  # the dimension turning `rotations` times in the original context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = rotations_dim(s.beta_fast), rotations_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+    base = (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
+    ramp = np.clip((np.arange(half, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: the original frequency (extrapolated), 0: divided by factor
+    return ((1 / (np.float32(s.factor) * base)) * (1 - keep) + (1 / base) * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The scale on cos and sin: yarn's `attention_factor` (by default 0.1 ln(factor) + 1), else 1."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
 def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None):
     """Rotary position embedding (Llama/Qwen 'rotate half' convention)."""
     half = x_BLHK.shape[-1] // 2
     freqs = jnp.asarray(rope_frequencies(half, theta, scaling))
     angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
-    cos = jnp.cos(angles)[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
-    sin = jnp.sin(angles)[:, :, None, :].astype(x_BLHK.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if (factor := rope_attention_factor(scaling)) != 1.0:  # in float32, as transformers scales them
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    cos = cos[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
+    sin = sin[:, :, None, :].astype(x_BLHK.dtype)
     x1, x2 = x_BLHK[..., :half], x_BLHK[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -202,8 +270,9 @@ def balanced_order(length: int, split: int) -> np.ndarray | None:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * split - 1 - i]]) for i in range(split)])
 
 
-def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
-    """Grouped-query attention (each of G key/value heads serves H/G query heads).
+def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False, scale: float | None = None):
+    """Grouped-query attention (each of G key/value heads serves H/G query heads); scores are
+    scaled by `scale` (default 1/sqrt(head_dim)).
 
     Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`, in
     the implementation `attention_implementation` picks: cuDNN's fused flash attention on NVIDIA
@@ -220,14 +289,16 @@ def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False):
     the work, spread evenly over the devices."""
     split = context_split()
     if ring and split > 1 and q_BLHK.shape[1] % split == 0:
-        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL)
+        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale)
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
     mask_BQL = constrain(rows_with_keys(mask_BQL), ("batch", "length", None))
     implementation = attention_implementation(
         jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1], q_BLHK.shape[1], k_BLGK.shape[1], _compute_capability()
     )
-    out = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None], implementation=implementation)
+    out = jax.nn.dot_product_attention(
+        q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None], scale=scale, implementation=implementation
+    )
     return constrain(out, ("batch", "length", "heads", None))
 
 
@@ -282,7 +353,7 @@ def _compute_capability() -> float:
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # jax.nn.dot_product_attention's mask value
 
 
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None):
     """Context-parallel attention as a ring: each device keeps its slice of queries, and the
     slices of keys and values pass round the `context` devices (one `ppermute` per step, which
     XLA can overlap with the step's compute), so no device holds the whole sequence's K and V.
@@ -306,7 +377,8 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
         g = k_BSGK.shape[2]
         parts = 2 if lq % 2 == 0 else 1
         qh = lq // parts
-        q_BQGRK = q_BQHK.reshape(b, lq, g, h // g, d).astype(jnp.float32) / math.sqrt(d)
+        q_BQGRK = q_BQHK.reshape(b, lq, g, h // g, d).astype(jnp.float32)
+        q_BQGRK = q_BQGRK / math.sqrt(d) if scale is None else q_BQGRK * scale
         me = jax.lax.axis_index(ring_axes)
         varying = tuple(jax.sharding.get_abstract_mesh().axis_names)  # each device's own running state
         acc = [
@@ -359,9 +431,11 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL):
 _init = nn.initializers.normal(0.02)
 
 
-# The encoders' MLP activations, by the names Hugging Face configs use (`hidden_act`,
-# `activation_function`): SigLIP's tanh approximation and Whisper's exact erf form.
+# MLP activations, by the names Hugging Face configs use (`hidden_act`, `activation_function`):
+# the decoders' gate (silu; Gemma's tanh-approximated gelu), SigLIP's tanh approximation and
+# Whisper's exact erf form.
 ACTIVATIONS = {
+    "silu": nn.silu,
     "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
     "gelu": lambda x: nn.gelu(x, approximate=False),
     "quick_gelu": lambda x: x * nn.sigmoid(1.702 * x),  # CLIP's

@@ -1,4 +1,5 @@
-"""Decoder-only LLM in the Llama/Qwen family: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+"""Decoder-only LLM in the Llama/Qwen/Mistral/Gemma 3 family: RMSNorm, RoPE, grouped-query
+attention, a gated MLP (SwiGLU, or Gemma's GeGLU), sliding windows on all or some layers."""
 
 import dataclasses
 import functools
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from maestro_jax.models.layers import (
     _ACTIVATION_RULES,
+    ACTIVATIONS,
     RMSNorm,
     RopeScaling,
     attention,
@@ -38,6 +40,17 @@ class LLMConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # Llama 3.1+'s `llama3`, or `linear`
     sliding_window: int | None = None  # Mistral's: a position attends to itself and the window - 1 before it
+    # with sliding_window: every global_every-th layer (the last of each group of that many)
+    # attends to every position, the others through the window (Gemma 3: 6, Gemma 2: 2); 0:
+    # every layer is windowed (Mistral)
+    global_every: int = 0
+    rope_local_theta: float | None = None  # the windowed layers' RoPE base, unscaled (Gemma 3's 10000); None: as global
+    act: str = (
+        "silu"  # the gated MLP's activation (layers.ACTIVATIONS by HF's name): silu, or Gemma's gelu_pytorch_tanh
+    )
+    post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
+    embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
+    query_pre_attn_scalar: int | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
@@ -58,6 +71,12 @@ class LLMConfig:
         own = {k: v for k, v in fields.items() if k not in ("kind", "hf")} | extra
         scaling = own.get("rope_scaling")
         return cls(**own | {"rope_scaling": scaling and RopeScaling(**scaling)})
+
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not self.global_every or (layer + 1) % self.global_every != 0
 
 
 class MoE(nn.Module):
@@ -301,9 +320,17 @@ class DecoderBlock(nn.Module):
     cfg: LLMConfig
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, mask_BLL, valid_BL, segments_BL=None):
+    def __call__(self, x_BLD, windowed, positions_BL, mask_BLL, window_BLL, valid_BL, segments_BL=None):
+        """`windowed`: whether this layer attends through `window_BLL` (`LLMConfig.windowed`;
+        a Python bool in an unrolled stack, a traced one in a scanned stack of mixed layers)."""
         c = self.cfg
         x_BLD = shard_sequence(x_BLD)
+        if not c.global_every:  # every layer alike: decided here, whatever the stack passes
+            windowed = c.sliding_window is not None
+        if isinstance(windowed, bool):
+            mask_BLL = mask_BLL & window_BLL if windowed else mask_BLL
+        else:
+            mask_BLL = jnp.where(windowed, mask_BLL & window_BLL, mask_BLL)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
         q = nn.DenseGeneral(
             (c.heads, c.head_dim),
@@ -329,23 +356,36 @@ class DecoderBlock(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.norm_eps, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
-        q = rotary(q, positions_BL, c.rope_theta, c.rope_scaling)
-        k = rotary(k, positions_BL, c.rope_theta, c.rope_scaling)
-        o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring")
-        x_BLD = x_BLD + nn.DenseGeneral(
+        q, k = (self._rope(t, positions_BL, windowed) for t in (q, k))
+        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
+        o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring", scale=scale)
+        o = nn.DenseGeneral(
             c.width,
             axis=(-2, -1),
             use_bias=False,
             name="o",
             kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
         )(o)
+        x_BLD = x_BLD + (RMSNorm(c.norm_eps, name="post_attn_norm")(o) if c.post_norms else o)
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
         if c.experts:
-            return x_BLD + MoE(c, name="moe")(h, valid_BL, segments_BL)
-        gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
-        up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
-        down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
-        return shard_sequence(x_BLD + down(nn.silu(gate) * up))
+            y = MoE(c, name="moe")(h, valid_BL, segments_BL)
+        else:
+            gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
+            up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
+            down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
+            y = down(ACTIVATIONS[c.act](gate) * up)
+        y = RMSNorm(c.norm_eps, name="post_mlp_norm")(y) if c.post_norms else y
+        return x_BLD + y if c.experts else shard_sequence(x_BLD + y)
+
+    def _rope(self, x_BLHK, positions_BL, windowed):
+        """RoPE at the global layers' base and scaling, or the windowed layers' own base."""
+        c = self.cfg
+        full = rotary(x_BLHK, positions_BL, c.rope_theta, c.rope_scaling)
+        if c.rope_local_theta is None or windowed is False:
+            return full
+        local = rotary(x_BLHK, positions_BL, c.rope_local_theta)
+        return local if windowed is True else jnp.where(windowed, local, full)
 
 
 class DecoderLM(nn.Module):
@@ -369,21 +409,26 @@ class DecoderLM(nn.Module):
         first, end = self.layers or (0, c.depth)
         if first == 0:
             self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
-        self.blocks = layer_stack(DecoderBlock, (c,), end - first, c.remat, c.scan_layers, first)
+        windowed = tuple(c.windowed(i) for i in range(c.depth))
+        self.blocks = layer_stack(DecoderBlock, (c,), end - first, c.remat, c.scan_layers, first, windowed)
         if end == c.depth:
             self.final_norm = RMSNorm(c.norm_eps)
             if self.with_head and not c.tie_embeddings:
                 self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))
 
     def embed(self, ids_BL):
-        return jnp.take(self.embedding, ids_BL, axis=0)
+        x = jnp.take(self.embedding, ids_BL, axis=0)
+        if self.cfg.embed_scale:  # Gemma's, in the embedding's dtype as transformers rounds it
+            x = x * jnp.asarray(self.cfg.width**0.5, x.dtype)
+        return x
 
     def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
         """The held blocks applied to input embeddings (or the previous stage's output), causal
         and padding masked, without the final norm.
 
         With `sliding_window` a position attends to the `sliding_window` positions ending at its
-        own (Mistral's window), counted in positions, so packed samples keep their own windows.
+        own (Mistral's window), counted in positions, so packed samples keep their own windows;
+        with `global_every` only the layers `LLMConfig.windowed` names do (Gemma's).
 
         With `segments_BL` (sequence packing: each sample of a row numbered from 1, 0 padding)
         a position attends only within its own sample; its positions restart at 0, so RoPE and
@@ -399,12 +444,12 @@ class DecoderLM(nn.Module):
             segments_BL = None if segments_BL is None else segments_BL[:, order]
         behind_BLL = positions_BL[:, :, None] - positions_BL[:, None, :]  # how far each key lies back
         mask_BLL = (behind_BLL >= 0) & valid_BL[:, None, :]
-        if self.cfg.sliding_window is not None:  # transformers' `kv_idx > q_idx - sliding_window`
-            mask_BLL = mask_BLL & (behind_BLL < self.cfg.sliding_window)
+        window = self.cfg.sliding_window or behind_BLL.shape[-1]  # transformers' `kv_idx > q_idx - sliding_window`
+        window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
         if segments_BL is not None:
             mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
         packed = () if segments_BL is None else (segments_BL,)  # the MoE balancing loss is per sample
-        h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, valid_BL, *packed)
+        h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, window_BLL, valid_BL, *packed)
         return h_BLD if order is None else h_BLD[:, np.argsort(order)]
 
     def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None):

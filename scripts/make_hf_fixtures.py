@@ -65,6 +65,49 @@ LLM_CASES = {
     "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 8}),
+    # Gemma 3's text model: a window of 4 on layers 0 and 2 and a global layer 1 (every 2nd), each
+    # kind with its own RoPE base, linear scaling on the global one, a query scalar other than
+    # head_dim, untied so the head is checked apart from the scaled embedding
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        },
+    ),
+    "gemma3_tied": (  # tied, one key/value head, both layers windowed (the default pattern of 6)
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "sliding_window": 3,
+            "num_hidden_layers": 2,
+        },
+    ),
+    # Qwen3's long-context recipe, YaRN: an original context of 1024 puts the ramp over dimensions
+    # 1..5 of 8 (some frequencies kept, some divided, some blended), and cos/sin scaled by
+    # 0.1 ln(4) + 1
+    "qwen3_yarn": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        },
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -203,15 +246,14 @@ def whisper_features(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf")
-    out = parser.parse_args().out
-    for case in LLM_CASES:
-        llm(out, case)
-    siglip(out)
-    clip(out)
-    whisper(out)
-    whisper_features(out)
-    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {len(LLM_CASES) + 4} fixtures to {out}: {total / 1024:.0f} KiB")
+    towers = {"siglip": siglip, "clip": clip, "whisper": whisper, "whisper_features": whisper_features}
+    parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
+    args = parser.parse_args()
+    cases = args.cases or [*LLM_CASES, *towers]
+    for case in cases:
+        llm(args.out, case) if case in LLM_CASES else towers[case](args.out)
+    total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    print(f"wrote {len(cases)} fixtures to {args.out} ({total / 1024:.0f} KiB in all)")
 
 
 if __name__ == "__main__":

@@ -117,14 +117,22 @@ def test_omni_towers_frozen_llm_exported(tmp_path):
     assert_export_reloads(out["export"], states["llm"].params)
 
 
-def test_distill_qwen_student_exported(tmp_path):
-    kd = recipe("distill_qwen")
+def test_distill_llama3_student_exported(tmp_path):
+    """The Llama 3 recipe: both models' architecture from their folders (Llama 3.1's RoPE scaling
+    read, no field by hand), the student trained from its folder, exported, read back exactly, and
+    (where transformers is installed) giving transformers' logits."""
+    kd = recipe("distill_llama3")
     out = kd.main(tmp_path)
     assert all(np.isfinite(h["loss"]) for h in out["history"])
+    cfg = load_config(kd.CONFIG, out["overrides"])
+    teacher, student = cfg.models["teacher"], cfg.models["student"]
+    assert teacher.rope_scaling.rope_type == student.rope_scaling.rope_type == "llama3"
+    assert (teacher.kv_heads, student.kv_heads, student.tie_embeddings) == (2, 1, True)
     states = checkpointed(kd.CONFIG, out["overrides"])
     start = hf.load_llm(out["hf"]["student"], states["student"].params, hf.llm_fields(out["hf"]["student"]))
     assert not np.array_equal(leaves(states["student"].params)["embedding"], leaves(start)["embedding"])
     assert_export_reloads(out["export"], states["student"].params)
+    assert out["checked"] in (0, None) and (out["checked"] == 0) == (importlib.util.find_spec("torch") is not None)
 
 
 def test_llava_vlm_without_tokenizers_says_which_extra_in_one_line(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@ so the import tests need no torch. The tests that load an export back into trans
 without torch and transformers."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 from conftest import ROOT, TINY_KD
 from maestro_jax.models import DecoderLM, LLMConfig, RopeScaling, hf
 
-from maestro_jax.config import ConfigError, load_config
+from maestro_jax.config import ConfigError, LLMModelConfig, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
@@ -31,6 +32,9 @@ TIED = {
     "qwen2_tied": True,
     "qwen3": False,
     "qwen3_moe": False,
+    "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
+    "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
+    "gemma3_tied": True,  # both layers windowed (the default pattern of 6), one key/value head
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -95,10 +99,11 @@ def test_import_matches_transformers(tmp_path, case):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
-def test_llama3_rope_fixture_reaches_every_band_and_other_scalings_are_refused(tmp_path):
+def test_llama3_and_yarn_fixtures_reach_every_band_and_other_scalings_are_refused(tmp_path):
     """The llama3_rope fixture's frequencies fall in all three of `llama3`'s bands (kept,
-    blended, divided by the factor), so its logits check each branch; a scaling the model does
-    not compute (YaRN, dynamic NTK) is one line naming what is supported."""
+    blended, divided by the factor), so its logits check each branch, and so do qwen3_yarn's
+    (YaRN's ramp, and its attention factor, without which the logits differ); a scaling the model
+    does not compute (dynamic NTK, LongRoPE) is one line naming what is supported."""
     from maestro_jax.models.layers import rope_frequencies
 
     f = hf.llm_fields(FIXTURES / "llama3_rope")
@@ -110,10 +115,24 @@ def test_llama3_rope_fixture_reaches_every_band_and_other_scalings_are_refused(t
     assert kept.any() and divided.any() and (~kept & ~divided).any()
     _, path = make_hf(tmp_path, "llama_untied")
     config = json.loads((path / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(hf.HFError, match=r"rope_type='yarn'; supported: default, linear, llama3"):
+    with pytest.raises(hf.HFError, match=r"rope_type='dynamic'; supported: default, linear, llama3, yarn"):
         hf.llm_fields(path)
+
+    reference, path = make_hf(tmp_path, "qwen3_yarn")
+    f = hf.llm_fields(path)
+    s = RopeScaling(**f["rope_scaling"])
+    ratio = rope_frequencies(f["head_dim"] // 2, f["rope_theta"]) / rope_frequencies(
+        f["head_dim"] // 2, f["rope_theta"], s
+    )
+    kept, divided = np.isclose(ratio, 1.0), np.isclose(ratio, s.factor)
+    assert kept.any() and divided.any() and (~kept & ~divided).any()
+    ours, params, _ = flax_logits(path)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    unscaled = {**f, "rope_scaling": {**f["rope_scaling"], "attention_factor": 1.0}}
+    other = DecoderLM(llm_config(unscaled)).apply({"params": jax.tree.map(np.asarray, params)}, *_inputs())
+    assert np.abs(np.asarray(other) - reference).max() > 1e-3, "the attention factor shows in the logits"
 
 
 def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
@@ -135,6 +154,115 @@ def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
         export_type(fields, "llama")
     with pytest.raises(hf.HFError, match="a model with a sliding_window exports as 'mistral'"):
         hf.save_llm(tmp_path / "out", params, fields, model_type="llama")
+
+
+GEMMA3_FEATURES = {  # each of Gemma 3's departures from Llama, turned off
+    "window": {"sliding_window": None, "global_every": 0, "rope_local_theta": None},
+    "global layer": {"global_every": 0},
+    "local RoPE base": {"rope_local_theta": None},
+    "RoPE scaling": {"rope_scaling": None},
+    "query scalar": {"query_pre_attn_scalar": None},
+    "GeGLU": {"act": "silu"},
+    "embedding scale": {"embed_scale": False},
+}
+
+
+def test_gemma3_fixture_binds_every_feature_and_exports_as_gemma3_only(tmp_path):
+    """Each Gemma 3 feature the fixture holds changes transformers' logits (so matching them
+    checks it); a norm imports as 1 + weight; Gemma's block exports as gemma3_text only, and no
+    other model exports as gemma3_text."""
+    from maestro_jax.tools.hf import export_type
+
+    reference, path = make_hf(tmp_path, "gemma3_text")
+    ours, params, fields = flax_logits(path)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    assert (fields["global_every"], fields["sliding_window"], fields["rope_local_theta"]) == (2, 4, 100.0)
+    host = jax.tree.map(np.asarray, params)
+    for feature, off in GEMMA3_FEATURES.items():
+        other = np.asarray(DecoderLM(llm_config({**fields, **off})).apply({"params": host}, *_inputs()))
+        assert np.abs(other - reference).max() > 1e-3, f"the fixture does not check Gemma 3's {feature}"
+    from safetensors.numpy import load_file
+
+    raw = load_file(path / "model.safetensors")["model.layers.0.post_feedforward_layernorm.weight"]
+    np.testing.assert_array_equal(host["block_0"]["post_mlp_norm"]["scale"], raw.astype(np.float32) + 1)
+    assert export_type(fields, None) == "gemma3_text"
+    with pytest.raises(hf.HFError, match="does not export as it; valid: \\['gemma3_text'\\]"):
+        export_type(fields, "mistral")
+    _, path = make_hf(tmp_path, "llama_untied")
+    with pytest.raises(hf.HFError, match="does not export as it"):
+        export_type(hf.llm_fields(path), "gemma3_text")
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_gemma3_multimodal_folder_loads_its_language_model(tmp_path, prefix):
+    """A `gemma3` folder (Gemma 3 4B and up) holds its language model under a prefix (transformers
+    5 writes `model.language_model.`, 4 wrote `language_model.model.`) and its config under
+    `text_config`; the gemma3_text fixture rewritten so gives transformers' logits, its head too."""
+    from safetensors.numpy import load_file, save_file
+
+    reference, path = make_hf(tmp_path, "gemma3_text")
+    text = json.loads((path / "config.json").read_text())
+    head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+    tensors = {
+        (head if k == "lm_head.weight" else prefix + k.removeprefix("model.")): v
+        for k, v in load_file(path / "model.safetensors").items()
+    }
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "tie_word_embeddings": False, "text_config": text, "vision_config": {}})
+    )
+    ours, _, fields = flax_logits(path)
+    assert fields["post_norms"] and not fields["tie_embeddings"]
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_gemma3_hub_configs_read_as_transformers_reads_them(tmp_path):
+    """Hub configs as transformers 4 wrote them: gemma-3-1b's (rope_local_base_freq,
+    sliding_window_pattern) and gemma-3-4b's multimodal one, whose text_config gives only what
+    differs from Gemma3TextConfig's defaults; an unsupported variant is refused naming the field."""
+    from maestro_jax import hf_config
+
+    def fields(config: dict) -> dict:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return hf_config.llm_fields(tmp_path)
+
+    one_b = {
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "sliding_window": 512, "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    }  # fmt: skip
+    f = fields(one_b)
+    assert (f["global_every"], f["sliding_window"], f["rope_theta"], f["rope_local_theta"]) == (6, 512, 1e6, 1e4)
+    assert f["tie_embeddings"] and f["qk_norm"] and f["post_norms"] and f["embed_scale"] and f["rope_scaling"] is None
+    four_b = {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }  # fmt: skip
+    f = fields(four_b)
+    assert (f["width"], f["depth"], f["heads"], f["kv_heads"], f["head_dim"], f["vocab"]) == (
+        2560,
+        34,
+        8,
+        4,
+        256,
+        262208,
+    )
+    assert f["rope_scaling"]["rope_type"] == "linear" and f["rope_scaling"]["factor"] == 8.0
+    assert (f["global_every"], f["sliding_window"], f["query_pre_attn_scalar"]) == (6, 1024, 256)
+    LLMModelConfig.model_validate(f)  # the config takes what the reader gives
+    for bad, text in (
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0; logit soft-capping (Gemma 2)"),
+        ({"layer_types": ["full_attention", "sliding_attention"] * 13}, "layer_types has full_attention at layers"),
+        ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
+    ):
+        with pytest.raises(hf_config.HFError, match=re.escape(text)):
+            fields({**one_b, **bad})
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -160,6 +288,9 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("qwen2_tied", "qwen2", False),
         ("qwen3", "qwen3", True),
         ("qwen3_moe", "qwen3_moe", True),
+        ("qwen3_yarn", "qwen3", False),
+        ("gemma3_text", "gemma3_text", True),
+        ("gemma3_tied", "gemma3_text", False),
     ],
 )
 def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
@@ -200,13 +331,17 @@ def _teacher_cfg(path, **extra):
 
 @pytest.mark.parametrize(
     "case,mesh",
-    [("llama_untied", "{data: 2, tensor: 2}"), ("llama3_rope", "{data: 4}")],  # one kv head: no tensor split
+    [
+        ("llama_untied", "{data: 2, tensor: 2}"),
+        ("llama3_rope", "{data: 4}"),  # one kv head: no tensor split
+        ("gemma3_text", "{data: 2, tensor: 2}"),
+    ],
 )
 def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     """The KD teacher section starts from the folder: its hidden states and output layer give
     transformers' logits, sharded over the teacher's mesh, and a training step runs (with a
     Llama 3.1-style teacher too, the usual distillation's: its `rope_scaling` read into
-    `models.teacher`)."""
+    `models.teacher`; and a Gemma 3 teacher, its windowed and global layers)."""
     reference, path = make_hf(tmp_path, case)
     cfg = _teacher_cfg(path, **{"sections.teacher.mesh": mesh})
     rt = build_runtime(cfg)
@@ -361,7 +496,7 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
-@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "gemma3_text"])
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
     0 within the tolerance, 1 over it (a tolerance below float32 rounding), 2 with one `error:`
@@ -375,9 +510,29 @@ def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, c
     assert line.endswith("PASS") and "3 rows of [24, 19, 13] tokens" in line
     assert cli.main(["check-hf", "--hf", str(path), "--tolerance", "1e-12"]) == 1
     assert capsys.readouterr().out.strip().endswith("FAIL")
-    assert cli.main(["check-hf", "--hf", str(FIXTURES / "siglip")]) == 2
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert cli.main(["check-hf", "--hf", str(bert)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --hf=") and "not a decoder" in err and "\n" not in err
+    assert err.startswith("error: --hf=") and "model_type='bert'; supported:" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "case,inputs",
+    [("siglip", "2 images of 16x16"), ("clip", "2 images of 16x16"), ("whisper", "2 clips of 16 frames")],
+)
+def test_check_hf_compares_a_tower_folder(case, inputs, capsys):
+    """`check-hf` on a SigLIP or CLIP vision tower or a Whisper encoder: random images (clips) of
+    its size through both, the features compared; 1 under a tolerance below float32 rounding."""
+    live_transformers()
+    from maestro_jax import cli
+
+    path = FIXTURES / case
+    assert cli.main(["check-hf", "--hf", str(path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("PASS") and f"{inputs}; features max abs diff" in line, line
+    assert cli.main(["check-hf", "--hf", str(path), "--tolerance", "1e-12"]) == 1
 
 
 def test_an_export_owns_its_folder(tmp_path, capsys):

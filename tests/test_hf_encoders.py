@@ -369,6 +369,17 @@ def test_llava_tower_imports_its_feature_layer(tmp_path):
         hf_encoders.vit_fields(path)
 
 
+def test_check_hf_compares_a_llava_folders_tower(tmp_path, capsys):
+    """`check-hf` on a LLaVA folder checks its CLIP tower at the folder's feature layer."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax import cli
+
+    path, _ = _llava_folder(tmp_path)
+    assert cli.main(["check-hf", "--hf", str(path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "(llava): 2 images of 16x16; features" in line and line.endswith("PASS"), line
+
+
 def test_clip_export_reimports_without_torch(tmp_path):
     """A tower cut at layer -2 exports its 2 held blocks as a 2-layer CLIP, whose last hidden
     state is the cut tower's features, exactly."""

@@ -1,13 +1,17 @@
 """`maestro-jax check-hf`: a Hugging Face folder through transformers and through maestro, side by
 side, so a user can check an import without this repository's fixtures.
 
-The same random inputs go through both: rows of token ids of different lengths (padded on the
-right; the padding is masked on both sides and left out of the comparison), each longer than the
-folder's sliding window where it has one, so the window is exercised. transformers runs the
-PyTorch model (the `reference` extra: torch and transformers, on the CPU, float32); maestro loads
-the folder with the same mapping `init.hf_path` uses (`models.hf`) and runs its `DecoderLM`.
-The result is the largest absolute difference of the logits and that difference relative to the
-largest reference logit; within `tolerance` (relative) the check passes.
+The same random inputs go through both. A decoder gets rows of token ids of different lengths
+(padded on the right; the padding is masked on both sides and left out of the comparison), each
+longer than the folder's sliding window where it has one, so the window is exercised; its
+logits are compared. A vision tower (SigLIP, CLIP, a LLaVA folder's) gets two random images of
+its size, packed in one row as the VLM packs them, and its features are compared: SigLIP's
+`last_hidden_state`, CLIP's `hidden_states[feature_layer]` without the class token. A Whisper
+encoder gets two random clips of its length, and its `last_hidden_state` is compared.
+transformers runs the PyTorch model (the `reference` extra: torch and transformers, on the CPU,
+float32); maestro loads the folder with the same mappings `init.hf_path` uses (`models.hf`,
+`models.hf_encoders`). The result is the largest absolute difference and that difference
+relative to the largest reference value; within `tolerance` (relative) the check passes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maestro_jax.hf_config import ARCHITECTURES, HFError, kind_of, llm_fields
+from maestro_jax.hf_config import HFError, audio_fields, kind_of, llm_fields, read_config, vit_fields
 
 DEFAULT_TOLERANCE = 1e-4  # float32 on both sides: rounding of different summation orders
 
@@ -27,7 +31,8 @@ DEFAULT_TOLERANCE = 1e-4  # float32 on both sides: rounding of different summati
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
     model_type: str
-    lengths: tuple[int, ...]
+    inputs: str  # what went through both, e.g. "3 rows of [24, 19, 13] tokens"
+    compared: str  # what was compared: logits, features
     max_abs: float
     max_rel: float
     tolerance: float
@@ -48,8 +53,6 @@ def check_llm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     from maestro_jax.models import DecoderLM, LLMConfig, hf
 
     path = Path(path)
-    if kind_of(path) != "llm":
-        raise HFError(f"{path}/config.json: not a decoder; check-hf compares {sorted(ARCHITECTURES)} folders")
     fields = llm_fields(path)
     lengths = _lengths(fields)
     rng = np.random.default_rng(seed)
@@ -68,18 +71,129 @@ def check_llm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int 
     )
     params = hf.load_llm(path, target, fields)
     ours = np.asarray(model.apply({"params": params}, *args))
-    diff = np.abs(ours - reference)[valid]
-    scale = float(np.abs(reference[valid]).max())
+    inputs = f"{len(lengths)} rows of {list(lengths)} tokens"
+    return _result(path, inputs, "logits", ours[valid], reference[valid], tolerance)
+
+
+def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference: np.ndarray, tolerance: float):
+    diff = float(np.abs(ours - reference).max())
     return CheckResult(
-        model_type=str(hf.read_config(path)["model_type"]),
-        lengths=lengths,
-        max_abs=float(diff.max()),
-        max_rel=float(diff.max()) / scale,
+        model_type=str(read_config(path)["model_type"]),
+        inputs=inputs,
+        compared=compared,
+        max_abs=diff,
+        max_rel=diff / float(np.abs(reference).max()),
         tolerance=tolerance,
     )
 
 
-def _transformers_logits(path: Path, ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
+    """The folder at `path` checked by its kind: a decoder's logits, a tower's features."""
+    kind = kind_of(path)
+    check = {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind]
+    return check(path, tolerance, seed)
+
+
+def _placed(model, inputs):
+    """The model's initialised params on the first device (what the loaders take as target)."""
+    import flax.linen as nn
+
+    params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), *inputs))["params"])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), params)
+
+
+def check_vision(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
+    """The features of the vision tower at `path` (SigLIP, CLIP, a LLaVA folder's CLIP) on two
+    random images of its size."""
+    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
+    from maestro_jax.workloads.vlm import class_segments, patchify
+
+    path = Path(path)
+    fields = vit_fields(path)
+    cfg = ViTConfig(**{k: v for k, v in fields.items() if k != "kind"}, out_width=fields["width"])
+    size = cfg.max_grid * cfg.patch
+    pixels = np.random.default_rng(seed).standard_normal((2, cfg.channels, size, size)).astype(np.float32)
+    patches, grids, segments = [], [], []
+    for i, image in enumerate(pixels):
+        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge)
+        patches.append(p)
+        grids.append(g)
+        segments.append(np.full(len(p), i + 1, np.int32))
+    grid, segment = np.concatenate(grids), np.concatenate(segments)
+    inputs = tuple(jnp.asarray(x)[None] for x in (np.concatenate(patches), segment, grid))
+    if cfg.class_token:
+        inputs = (*inputs, jnp.asarray(class_segments(segment[None])))
+    model = VisionEncoder(cfg)
+    params = hf_encoders.load_vit(path, _placed(model, inputs), fields)
+    hidden, post = model.apply({"params": params}, *inputs, method=VisionEncoder.features)
+    tower = _transformers_tower(path)
+    torch = _reference_modules()[0]
+    with torch.no_grad():
+        out = tower(pixel_values=torch.tensor(pixels), output_hidden_states=True)
+    if cfg.class_token:  # the selected layer, class token dropped: what LLaVA hands its projector
+        reference, ours = out.hidden_states[cfg.feature_layer][:, 1:].float().numpy(), np.asarray(hidden[0])
+    else:
+        reference, ours = out.last_hidden_state.float().numpy(), np.asarray(post[0])
+    cell = grid[:, 0] * cfg.max_grid + grid[:, 1]  # each patch's place in transformers' row-major output
+    return _result(path, f"2 images of {size}x{size}", "features", ours, reference[segment - 1, cell], tolerance)
+
+
+def check_audio(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
+    """The encoder output of the Whisper folder at `path` on two random clips of its length."""
+    from maestro_jax.models import AudioConfig, AudioEncoder, hf_encoders
+    from maestro_jax.workloads.omni import frame_groups
+
+    path = Path(path)
+    fields = audio_fields(path)
+    cfg = AudioConfig(**{k: v for k, v in fields.items() if k != "kind"}, out_width=fields["width"])
+    frames = 2 * cfg.max_tokens
+    features = np.random.default_rng(seed).standard_normal((2, cfg.mel, frames)).astype(np.float32)
+    tokens, positions, segments = [], [], []
+    for i, clip in enumerate(features):
+        t, p = frame_groups(clip.T, cfg.frames_per_token)
+        tokens.append(t)
+        positions.append(p)
+        segments.append(np.full(len(t), i + 1, np.int32))
+    inputs = tuple(jnp.asarray(np.concatenate(x))[None] for x in (tokens, segments, positions))
+    model = AudioEncoder(cfg)
+    params = hf_encoders.load_audio(path, _placed(model, inputs), fields)
+    ours = np.asarray(model.apply({"params": params}, *inputs, method=AudioEncoder.features)[0])
+    torch, transformers = _reference_modules()
+    encoder = transformers.WhisperModel.from_pretrained(path, torch_dtype=torch.float32).eval().encoder
+    with torch.no_grad():
+        reference = encoder(torch.tensor(features)).last_hidden_state.float().numpy()
+    return _result(path, f"2 clips of {frames} frames", "features", ours, reference.reshape(ours.shape), tolerance)
+
+
+def _transformers_tower(path: Path):
+    """The vision tower of the folder, as transformers builds it (a whole model's tower)."""
+    torch, transformers = _reference_modules()
+    config = read_config(path)
+    model_type = config["model_type"]
+    if model_type == "llava":  # its CLIP tower alone, from the tower's tensors (no language model built)
+        from safetensors.torch import load_file
+
+        from maestro_jax.models.hf import weight_files
+        from maestro_jax.models.hf_encoders import CLIP_PREFIXES
+
+        tower = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**config["vision_config"]))
+        tensors = {k: v for f in weight_files(path) for k, v in load_file(f).items()}
+        prefix = next(p for p in CLIP_PREFIXES if f"{p}embeddings.patch_embedding.weight" in tensors)
+        # transformers 4 nests the tower under `vision_model.`, 5 holds it at the top
+        inner = "vision_model." if any(k.startswith("vision_model.") for k in tower.state_dict()) else ""
+        own = {inner + k.removeprefix(prefix): v.float() for k, v in tensors.items() if k.startswith(prefix)}
+        missing = tower.load_state_dict(own, strict=False).missing_keys
+        if missing:  # a LLaVA folder may drop the layers past its feature layer: those never run
+            held = [k for k in missing if ".layers." not in k]
+            if held:
+                raise HFError(f"{path}: the vision tower's {held[0]} is missing from the checkpoint")
+        return tower.eval()
+    cls = transformers.SiglipVisionModel if model_type.startswith("siglip") else transformers.CLIPVisionModel
+    return cls.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def _reference_modules():
     try:
         import torch
         import transformers
@@ -88,6 +202,11 @@ def _transformers_logits(path: Path, ids: np.ndarray, valid: np.ndarray) -> np.n
             f"check-hf runs the folder through transformers too, and {err.name} is not installed; install the "
             f"reference extra: pip install 'maestro-jax[reference]'"
         ) from None
+    return torch, transformers
+
+
+def _transformers_logits(path: Path, ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    torch, transformers = _reference_modules()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(valid.astype(np.int64)))

@@ -338,7 +338,8 @@ def _builder(shape: Shape, dtype) -> _Kernel:
 
         def const():
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-            return positions, _causal(b, length), jnp.ones((b, length), bool)
+            causal = _causal(b, length)  # every layer alike (no window): `windowed` is read from the config
+            return False, positions, causal, causal, jnp.ones((b, length), bool)
 
     x_shape = (b, length, shape.arch.width)
     abstract = jax.eval_shape(
