@@ -712,6 +712,27 @@ def test_a_peer_lost_or_stuck_while_the_other_saves_is_named(tmp_path, sig):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_process_0_stopped_while_its_peer_saves_is_named(tmp_path):
+    """SIGSTOP of process 0 (it runs the coordination service) while process 1 waits in the
+    checkpoint save of step 3 (tests/held_checkpoint_cli.py holds process 0 back from it): Orbax's
+    barrier there gets no answer, and its own deadline does not fire; process 1 ends with status 5
+    and one line naming process 0 (distributed.timeout_s + 10 s), not jax's heartbeat abort (134)."""
+    procs = _start_two(
+        tmp_path,
+        ["steps=100000", "checkpoint_every=3", "distributed.timeout_s=10", "distributed.heartbeat_timeout_s=120"],
+        hold_of={0: ["--save-delay", "300"]},
+        lines=3,
+    )
+    time.sleep(1)  # process 1 is waiting in the save of step 3 for process 0, which sleeps in the hook
+    status, err = _survivor_outcome(procs, 0, signal.SIGSTOP, bound_s=180)
+    assert status == 5, err[-3000:]
+    assert "error: process 0 (it runs the coordination service) did not answer a wait_at_barrier call" in err, err[
+        -3000:
+    ]
+
+
 def test_save_failures_are_classified_peer_or_storage(monkeypatch):
     """In a multi-process run a save that failed at a peer barrier is a PeerError naming the
     processes that did not arrive; storage errors (cloud storage's UNAVAILABLE or connection

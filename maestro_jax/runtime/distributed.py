@@ -390,6 +390,27 @@ class Coordinator:
             self._start_steps()
         return self._checked_in[step]
 
+    def _watch_orbax_barriers(self, multihost) -> None:
+        """Every barrier Orbax waits at outside the commit (`sync_global_processes`: the save's
+        directory and finalisation barriers, the restore's) through this coordinator's watchdog:
+        their deadlines do not fire while process 0, which runs the coordination service, is
+        stopped, so without the watchdog a peer of a stopped process 0 hung in a save until jax's
+        heartbeat aborted it naming no one. Orbax builds them with `get_barrier_sync_fn`, looked
+        up at each call; it is replaced once per process by one that asks the latest coordinator."""
+        own = getattr(multihost.get_barrier_sync_fn, "_maestro_original", None)
+        original = own or multihost.get_barrier_sync_fn
+
+        def watched_barrier_fn(*, processes=None):
+            wait = original(processes=processes)
+
+            def barrier(*, key: str, timeout_ms: int) -> None:
+                self._watched("wait_at_barrier", lambda: wait(key=key, timeout_ms=timeout_ms))
+
+            return barrier
+
+        watched_barrier_fn._maestro_original = original
+        multihost.get_barrier_sync_fn = watched_barrier_fn
+
     def checkpoint_barrier(self):
         """The barrier function for Orbax's `AsyncOptions(barrier_sync_fn=...)` that bounds every
         wait of a save on another process by `self.wait_s`; None with one process.
@@ -412,6 +433,7 @@ class Coordinator:
         flag.value, flag.present = True, 1  # readable without absl parsing the command line
         multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(self.wait_s))
         self._orbax_barriers = True
+        self._watch_orbax_barriers(multihost)
 
         def barrier(*, key: str, timeout_ms: int) -> None:
             self._service("wait_at_barrier", key, max(1, min(int(timeout_ms), math.ceil(self.wait_s * 1000))))
