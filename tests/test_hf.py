@@ -320,7 +320,14 @@ def _overrides(path, **extra):
     """kd_tiny with the checkpoint as teacher: models.teacher copied from its config.json."""
     f = hf.llm_fields(path)
     out = dict(o.split("=", 1) for o in TINY_KD if not o.startswith("models.teacher"))
-    out.update({f"models.teacher.{k}": v for k, v in f.items() if k != "kind" and v is not None})
+    # as YAML reads them (a dict as JSON: its null and true)
+    out.update(
+        {
+            f"models.teacher.{k}": json.dumps(v) if isinstance(v, dict) else v
+            for k, v in f.items()
+            if k != "kind" and v is not None
+        }
+    )
     out.update({"models.student.vocab": f["vocab"], "sections.teacher.init.hf_path": path, **extra})
     return out.items()
 
