@@ -19,9 +19,10 @@ from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
+from maestro_jax.tools.check_hf import packed_images
 from maestro_jax.workloads.costs import audio_cost
 from maestro_jax.workloads.omni import frame_groups
-from maestro_jax.workloads.vlm import class_segments, patchify
+from maestro_jax.workloads.vlm import class_segments
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 ATOL = 1e-4
@@ -51,16 +52,9 @@ def placed_params(model, inputs, devices=(0,), mesh=None):
 
 def siglip_inputs(pixels, cfg: ViTConfig):
     """Both images packed into one row (segments 1 and 2) in the VLM's merge-window patch order,
-    and for each patch the index of the same patch in SigLIP's output (image, row-major cell)."""
-    patches, grids, segments = [], [], []
-    for i, image in enumerate(pixels):
-        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge)
-        patches.append(p)
-        grids.append(g)
-        segments.append(np.full(len(p), i + 1, np.int32))
-    grid = np.concatenate(grids)
-    where = (np.concatenate(segments) - 1, grid[:, 0] * cfg.max_grid + grid[:, 1])
-    return tuple(jnp.asarray(np.concatenate(x))[None] for x in (patches, segments, grids)), where
+    and for each patch the index of the same patch in SigLIP's output (image, row-major cell):
+    what `check-hf` feeds a tower."""
+    return packed_images(pixels, cfg)
 
 
 def whisper_inputs(features):

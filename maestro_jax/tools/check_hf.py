@@ -107,23 +107,16 @@ def check_vision(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
     """The features of the vision tower at `path` (SigLIP, CLIP, a LLaVA folder's CLIP) on two
     random images of its size."""
     from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
-    from maestro_jax.workloads.vlm import class_segments, patchify
+    from maestro_jax.workloads.vlm import class_segments
 
     path = Path(path)
     fields = vit_fields(path)
     cfg = ViTConfig(**{k: v for k, v in fields.items() if k != "kind"}, out_width=fields["width"])
     size = cfg.max_grid * cfg.patch
     pixels = np.random.default_rng(seed).standard_normal((2, cfg.channels, size, size)).astype(np.float32)
-    patches, grids, segments = [], [], []
-    for i, image in enumerate(pixels):
-        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge)
-        patches.append(p)
-        grids.append(g)
-        segments.append(np.full(len(p), i + 1, np.int32))
-    grid, segment = np.concatenate(grids), np.concatenate(segments)
-    inputs = tuple(jnp.asarray(x)[None] for x in (np.concatenate(patches), segment, grid))
+    inputs, (segment, cell) = packed_images(pixels, cfg)
     if cfg.class_token:
-        inputs = (*inputs, jnp.asarray(class_segments(segment[None])))
+        inputs = (*inputs, jnp.asarray(class_segments(np.asarray(inputs[1]))))
     model = VisionEncoder(cfg)
     params = hf_encoders.load_vit(path, _placed(model, inputs), fields)
     hidden, post = model.apply({"params": params}, *inputs, method=VisionEncoder.features)
@@ -135,8 +128,24 @@ def check_vision(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
         reference, ours = out.hidden_states[cfg.feature_layer][:, 1:].float().numpy(), np.asarray(hidden[0])
     else:
         reference, ours = out.last_hidden_state.float().numpy(), np.asarray(post[0])
-    cell = grid[:, 0] * cfg.max_grid + grid[:, 1]  # each patch's place in transformers' row-major output
-    return _result(path, f"2 images of {size}x{size}", "features", ours, reference[segment - 1, cell], tolerance)
+    return _result(path, f"2 images of {size}x{size}", "features", ours, reference[segment, cell], tolerance)
+
+
+def packed_images(pixels: np.ndarray, cfg) -> tuple[tuple, tuple[np.ndarray, np.ndarray]]:
+    """Images [N, C, H, W] packed into one row as the VLM packs them (`workloads.vlm.patchify`:
+    each merge window contiguous, image i+1 its segment): the tower's (patches, segments, grid),
+    and for each patch its image and its cell in a row-major tower output (transformers')."""
+    from maestro_jax.workloads.vlm import patchify
+
+    patches, grids, segments = [], [], []
+    for i, image in enumerate(pixels):
+        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge)
+        patches.append(p)
+        grids.append(g)
+        segments.append(np.full(len(p), i + 1, np.int32))
+    grid, segment = np.concatenate(grids), np.concatenate(segments)
+    inputs = tuple(jnp.asarray(x)[None] for x in (np.concatenate(patches), segment, grid))
+    return inputs, (segment - 1, grid[:, 0] * cfg.max_grid + grid[:, 1])
 
 
 def check_audio(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
