@@ -330,7 +330,7 @@ def _llava_feature_layer(path, hf: dict) -> int:
 
 def vit_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
-    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`) or CLIP (a
+    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` or `gemma3` one's `vision_config`) or CLIP (a
     `clip_vision_model` config, a `clip` one's `vision_config`, or a `llava` one's, with its
     `vision_feature_layer`)."""
     hf, extra = read_config(path), {}
@@ -346,6 +346,13 @@ def vit_fields(path: str | Path) -> dict:
         kind = "clip"
     elif kind in ("siglip", "clip"):
         hf = hf.get("vision_config") or {}
+    elif kind == "gemma3":  # a Gemma 3 VLM's tower: SigLIP (its projector is the VLM's own)
+        hf = hf.get("vision_config") or {}
+        if hf.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise HFError(
+                f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a Gemma 3 vision tower "
+                f"imports as 'siglip_vision_model'"
+            )
     elif kind not in VISION_TOWERS:
         raise HFError(f"{path}/config.json: model_type={kind!r}; a vision tower is one of {list(VISION_TOWERS)}")
     clip = kind.startswith("clip")

@@ -105,7 +105,8 @@ def _prefix(path, tensors: _Tensors, first: str, prefixes: tuple[str, ...]) -> s
     raise HFError(f"{path}: tensor {first!r} is missing from the checkpoint (looked under prefixes {list(prefixes)})")
 
 
-SIGLIP_PREFIXES = ("vision_model.", "")
+# SigLIP's own, and a Gemma 3 checkpoint's tower (transformers 5 writes `model.vision_tower.`, 4 wrote `vision_tower.`)
+SIGLIP_PREFIXES = ("vision_model.", "model.vision_tower.vision_model.", "vision_tower.vision_model.", "")
 # CLIP's own and a LLaVA checkpoint's (transformers >= 4.52 writes `model.vision_tower.`)
 CLIP_PREFIXES = ("vision_model.", "model.vision_tower.vision_model.", "vision_tower.vision_model.", "")
 WHISPER_PREFIXES = ("model.encoder.", "encoder.", "")

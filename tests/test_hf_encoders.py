@@ -363,6 +363,23 @@ def test_llava_tower_imports_its_feature_layer(tmp_path):
         hf_encoders.vit_fields(path)
 
 
+@pytest.mark.parametrize("prefix", ["model.vision_tower.vision_model.", "vision_tower.vision_model."])
+def test_gemma3_folder_gives_its_siglip_tower(tmp_path, prefix):
+    """A Gemma 3 VLM folder (`gemma3`: the tower's config under `vision_config`, its tensors under
+    transformers 5's or 4's prefix) imports its SigLIP tower: the SigLIP fixture so rewritten gives
+    SigLIP's features."""
+    import json
+
+    path, ref = fixture(tmp_path, "siglip")
+    vision = json.loads((path / "config.json").read_text())
+    gemma3 = {"model_type": "gemma3", "vision_config": vision, "text_config": {"model_type": "gemma3_text"}}
+    (path / "config.json").write_text(json.dumps(gemma3))
+    _rewrite(path, lambda t: t.update({prefix + k.removeprefix("vision_model."): t.pop(k) for k in list(t)}))
+    _, post, where, _, fields = siglip_features(path, ref)
+    assert fields["pos_embed"] == "table" and not fields.get("class_token")
+    assert max_err(post, ref["last_hidden_state"][where]) < ATOL
+
+
 def test_check_hf_compares_a_llava_folders_tower(tmp_path, capsys):
     """`check-hf` on a LLaVA folder checks its CLIP tower at the folder's feature layer."""
     pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
