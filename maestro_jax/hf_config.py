@@ -27,7 +27,7 @@ ROPE_DEFAULTS = {
 }
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """transformers' `get_mscale` of `_compute_yarn_parameters`."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -118,7 +118,7 @@ def _rope_scaling(path, block: dict, max_positions: int | None = None) -> dict |
         if block.get("attention_factor") is not None:
             fields["attention_factor"] = float(block["attention_factor"])
         elif mscale and all_dim:  # DeepSeek's
-            fields["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+            fields["attention_factor"] = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
     return fields
 
 

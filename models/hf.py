@@ -47,6 +47,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from maestro_jax.models.llm import windowed_layer
 
 from maestro_jax.hf_config import ARCHITECTURES, HFError
 from maestro_jax.hf_config import llm_fields as llm_fields  # the folder's fields: this module's API too
@@ -348,10 +349,8 @@ def save_llm(
     }
     if model_type == "gemma3_text":
         del config["hidden_act"], config["rope_theta"]
-        every, depth = fields.get("global_every", 0), fields["depth"]
-        windowed = [
-            fields.get("sliding_window") is not None and (not every or (i + 1) % every != 0) for i in range(depth)
-        ]
+        window, every = fields.get("sliding_window"), fields.get("global_every", 0)
+        windowed = [windowed_layer(i, window, every) for i in range(fields["depth"])]
         global_rope = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
         local_rope = {"rope_type": "default", "rope_theta": fields.get("rope_local_theta") or fields["rope_theta"]}
         config.update(

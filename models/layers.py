@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maestro_jax.hf_config import ROPE_SCALINGS
+from maestro_jax.hf_config import ROPE_SCALINGS, yarn_mscale
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
-    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+    return yarn_mscale(scaling.factor)
 
 
 def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None):

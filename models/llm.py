@@ -45,9 +45,7 @@ class LLMConfig:
     # every layer is windowed (Mistral)
     global_every: int = 0
     rope_local_theta: float | None = None  # the windowed layers' RoPE base, unscaled (Gemma 3's 10000); None: as global
-    act: str = (
-        "silu"  # the gated MLP's activation (layers.ACTIVATIONS by HF's name): silu, or Gemma's gelu_pytorch_tanh
-    )
+    act: str = "silu"  # the gated MLP's activation (layers.ACTIVATIONS): or Gemma's gelu_pytorch_tanh
     post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
     embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
     query_pre_attn_scalar: int | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
@@ -74,9 +72,13 @@ class LLMConfig:
 
     def windowed(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
-        if self.sliding_window is None:
-            return False
-        return not self.global_every or (layer + 1) % self.global_every != 0
+        return windowed_layer(layer, self.sliding_window, self.global_every)
+
+
+def windowed_layer(layer: int, sliding_window: int | None, global_every: int) -> bool:
+    """Whether `layer` attends through `sliding_window`: every layer (global_every 0), or all but
+    every `global_every`-th (Gemma's pattern); none without a window."""
+    return sliding_window is not None and (not global_every or (layer + 1) % global_every != 0)
 
 
 class MoE(nn.Module):
