@@ -182,16 +182,17 @@ def _check_hf(_cfg, args) -> int:
         print(f"error: --tolerance={args.tolerance}: must be > 0 (default {DEFAULT_TOLERANCE})", file=sys.stderr)
         return 2
     try:
-        r = check_folder(args.hf, tolerance)
+        results = check_folder(args.hf, tolerance)
     except (HFError, KeyError) as err:
         print(_error_line(f"error: --hf={args.hf}: {err}"), file=sys.stderr)
         return 2
-    print(
-        f"check-hf {args.hf} ({r.model_type}): {r.inputs}; {r.compared} max abs "
-        f"diff {r.max_abs:.3e}, relative {r.max_rel:.3e} (tolerance {r.tolerance:g}): "
-        + ("PASS" if r.passed else "FAIL")
-    )
-    return 0 if r.passed else 1
+    for r in results:
+        print(
+            f"check-hf {args.hf} ({r.model_type}): {r.inputs}; {r.compared} max abs "
+            f"diff {r.max_abs:.3e}, relative {r.max_rel:.3e} (tolerance {r.tolerance:g}): "
+            + ("PASS" if r.passed else "FAIL")
+        )
+    return 0 if all(r.passed for r in results) else 1
 
 
 def _export(cfg, args) -> int:

@@ -208,6 +208,9 @@ class ViTModelConfig(_FromFolder):
     # the hidden state the merger reads, HF's numbering (LLaVA's vision_feature_layer, e.g. -2);
     # the blocks after it are not held
     feature_layer: int = -1
+    # what maps each merge x merge window to the LLM width: merger (an MLP over the concatenated
+    # window, Qwen2-VL's) or avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's)
+    projector: Literal["merger", "avg_pool"] = "merger"
 
     @classmethod
     def folder_fields(cls, path: str) -> dict:
@@ -306,6 +309,8 @@ class LLMModelConfig(_FromFolder):
     post_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
     embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
     query_pre_attn_scalar: PositiveInt | None = None  # Gemma: scores times this ** -0.5, not head_dim's
+    # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens (models/llm.py, body)
+    bidirectional_images: bool = False
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2

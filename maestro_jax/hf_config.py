@@ -209,6 +209,14 @@ def llm_fields(path: str | Path) -> dict:
     that describe the checkpoint at `path` (of a multimodal folder, its language model)."""
     hf = read_config(path)
     kind = hf.get("model_type")
+    if kind == "gemma3":  # its image tokens attend to their whole image (models/llm.py, body)
+        return {**_text_fields(path, hf), "bidirectional_images": True}
+    return _text_fields(path, hf)
+
+
+def _text_fields(path: str | Path, hf: dict) -> dict:
+    """`llm_fields` of the config `hf`: a language model's, or a multimodal one's `text_config`."""
+    kind = hf.get("model_type")
     if kind in MULTIMODAL:
         text = hf.get("text_config") or {}
         if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
@@ -328,11 +336,33 @@ def _llava_feature_layer(path, hf: dict) -> int:
     return layer
 
 
+GEMMA3_MM_TOKENS_PER_IMAGE = 256  # Gemma3Config's default
+
+
+def _gemma3_projector(path, hf: dict) -> dict:
+    """A Gemma 3 VLM's projector as a tower's fields: the average pool's kernel (the tower's patches
+    a side over the square root of `mm_tokens_per_image`) is the merge window, and the projection
+    lands on the language model's width."""
+    vision = _with_defaults(hf.get("vision_config") or {}, SIGLIP_DEFAULTS)
+    side, tokens = (
+        vision["image_size"] // vision["patch_size"],
+        hf.get("mm_tokens_per_image", GEMMA3_MM_TOKENS_PER_IMAGE),
+    )
+    per_side = math.isqrt(tokens)
+    if per_side * per_side != tokens or side % per_side:
+        raise HFError(
+            f"{path}/config.json: mm_tokens_per_image={tokens}; a Gemma 3 projector pools the tower's {side}x{side} "
+            f"patches into a square grid that divides it (e.g. {(side // 2) ** 2 if side % 2 == 0 else side * side})"
+        )
+    text = _with_defaults(hf.get("text_config") or {}, GEMMA3_DEFAULTS)
+    return {"projector": "avg_pool", "merge": side // per_side, "out_width": text["hidden_size"]}
+
+
 def vit_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
-    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` or `gemma3` one's `vision_config`) or CLIP (a
-    `clip_vision_model` config, a `clip` one's `vision_config`, or a `llava` one's, with its
-    `vision_feature_layer`)."""
+    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`; a `gemma3` one's
+    with its projector, `_gemma3_projector`) or CLIP (a `clip_vision_model` config, a `clip` one's
+    `vision_config`, or a `llava` one's, with its `vision_feature_layer`)."""
     hf, extra = read_config(path), {}
     kind = hf.get("model_type")
     if kind == "llava":
@@ -346,7 +376,8 @@ def vit_fields(path: str | Path) -> dict:
         kind = "clip"
     elif kind in ("siglip", "clip"):
         hf = hf.get("vision_config") or {}
-    elif kind == "gemma3":  # a Gemma 3 VLM's tower: SigLIP (its projector is the VLM's own)
+    elif kind == "gemma3":  # a Gemma 3 VLM's tower: SigLIP and the checkpoint's average-pooling projector
+        extra = _gemma3_projector(path, hf)
         hf = hf.get("vision_config") or {}
         if hf.get("model_type", "siglip_vision_model") != "siglip_vision_model":
             raise HFError(
@@ -409,9 +440,21 @@ def audio_fields(path: str | Path) -> dict:
     }
 
 
+# Folders that hold more than one model: a config entry names the one it takes with `kind`
+MULTI_MODEL = {"gemma3": ("llm", "vit")}
+
+
 def kind_of(path: str | Path) -> str:
-    """The `models.<s>.kind` of the folder at `path`: llm, vit or audio, by its `model_type`."""
+    """The `models.<s>.kind` of the folder at `path`: llm, vit or audio, by its `model_type`; a
+    folder holding several (a Gemma 3 VLM's language model and vision tower) is refused, as the
+    entry must say which it takes."""
     model_type = read_config(path).get("model_type")
+    if model_type in MULTI_MODEL:
+        kinds = MULTI_MODEL[model_type]
+        raise HFError(
+            f"{path}/config.json: model_type={model_type!r} holds a model of each kind {list(kinds)}; write "
+            f"kind: {kinds[0]} or kind: {kinds[1]} beside hf"
+        )
     for kind, types in (("llm", (*ARCHITECTURES, *MULTIMODAL)), ("vit", VISION_TOWERS), ("audio", ("whisper",))):
         if model_type in types:
             return kind

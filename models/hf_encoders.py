@@ -5,7 +5,11 @@ It reuses `models.hf`'s safetensors access and sharded placement. A tower's conf
 (`vit_fields`, `audio_fields`, from `maestro_jax.hf_config`, which the config reads too) set
 the encoder to the checkpoint's architecture (`pos_embed: table`, `stem: conv`, the checkpoint's
 LayerNorm epsilon and GELU); the projector after the tower (`merger_fc1/2`, `out_proj`: no
-checkpoint of a tower holds it) keeps the values it was initialised with.
+checkpoint of a tower holds it) keeps the values it was initialised with, except a Gemma 3
+VLM's (`projector: avg_pool`), which its checkpoint holds:
+  multi_modal_projector.mm_soft_emb_norm.weight   -> proj_norm.scale (Gemma's `1 + weight`: + 1)
+  multi_modal_projector.mm_input_projection_weight [D, text width] -> proj.kernel
+under `model.` or none, as the tower sits under `model.vision_tower.` or `vision_tower.`.
 
 SigLIP (`SiglipVisionModel`, or a whole `SiglipModel`: its `vision_model.` tensors), D = width,
 H heads of K = D/H, p = patch, C = channels, F = mlp:
@@ -67,6 +71,7 @@ Layout = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.nda
 _SAME: Layout = (lambda w: w, lambda w: w)
 _LINEAR: Layout = (np.transpose, np.transpose)  # HF Linear weights are out x in, Flax kernels in x out
 _CONV1D: Layout = (lambda w: w.transpose(2, 1, 0), lambda w: w.transpose(2, 1, 0))  # [out, in, k] <-> [k, in, out]
+_GEMMA_NORM: Layout = (lambda w: w + np.float32(1), lambda w: w - np.float32(1))  # Gemma scales by 1 + weight
 
 
 def _heads(h: int, k: int) -> tuple[Layout, Layout, Layout]:
@@ -105,8 +110,16 @@ def _prefix(path, tensors: _Tensors, first: str, prefixes: tuple[str, ...]) -> s
     raise HFError(f"{path}: tensor {first!r} is missing from the checkpoint (looked under prefixes {list(prefixes)})")
 
 
-# SigLIP's own, and a Gemma 3 checkpoint's tower (transformers 5 writes `model.vision_tower.`, 4 wrote `vision_tower.`)
-SIGLIP_PREFIXES = ("vision_model.", "model.vision_tower.vision_model.", "vision_tower.vision_model.", "")
+# SigLIP's own, and a Gemma 3 checkpoint's tower: `vision_tower.vision_model.` (the Hub's, transformers 4's),
+# `vision_tower.` (transformers 5.24 saves), `model.vision_tower.(vision_model.)` (transformers 5's module names)
+SIGLIP_PREFIXES = (
+    "vision_model.",
+    "model.vision_tower.vision_model.",
+    "vision_tower.vision_model.",
+    "model.vision_tower.",
+    "vision_tower.",
+    "",
+)
 # CLIP's own and a LLaVA checkpoint's (transformers >= 4.52 writes `model.vision_tower.`)
 CLIP_PREFIXES = ("vision_model.", "model.vision_tower.vision_model.", "vision_tower.vision_model.", "")
 WHISPER_PREFIXES = ("model.encoder.", "encoder.", "")
@@ -117,9 +130,12 @@ def vit_layers(f: dict) -> int:
     return held_layers(f["depth"], f.get("feature_layer", -1))
 
 
-def vit_mapping(f: dict, prefix: str = "vision_model.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+def vit_mapping(
+    f: dict, prefix: str = "vision_model.", projector: str | None = None
+) -> dict[tuple[str, ...], tuple[str | None, Layout]]:
     """Flax path -> (HF tensor name, layouts) of a SigLIP vision tower with fields `f`, or a CLIP one
-    (`class_token`)."""
+    (`class_token`); with `projector` (the prefix of a Gemma 3 checkpoint's `multi_modal_projector`)
+    its average-pooling projector's too."""
     p, c, d = f["patch"], f["channels"], f["width"]
     patch: Layout = (
         lambda w: w.transpose(2, 3, 1, 0).reshape(p * p * c, d),  # conv [D, C, p, p] -> rows in patchify's (y, x, c)
@@ -137,9 +153,21 @@ def vit_mapping(f: dict, prefix: str = "vision_model.") -> dict[tuple[str, ...],
         m[("pre_norm", "bias")] = (f"{prefix}pre_layrnorm.bias", _SAME)
     else:
         m[("patch_embed", "bias")] = (f"{prefix}embeddings.patch_embedding.bias", _SAME)
+    if projector is not None:
+        m[("proj_norm", "scale")] = (f"{projector}mm_soft_emb_norm.weight", _GEMMA_NORM)
+        m[("proj", "kernel")] = (f"{projector}mm_input_projection_weight", _SAME)  # [vision width, text width]
     names = {"attn_norm": "layer_norm1", "mlp_norm": "layer_norm2", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
     names.update({x: f"self_attn.{x}_proj" for x in "qkv"}, o="self_attn.out_proj")
     return m | _blocks(f, vit_layers(f), lambda i: f"{prefix}encoder.layers.{i}", names, key_bias=True)
+
+
+def gemma3_projector_prefix(tower_prefix: str) -> str | None:
+    """Where a Gemma 3 checkpoint keeps the projector, given where it keeps the tower (None: a
+    tower's own checkpoint, which holds no projector)."""
+    for tower in ("vision_tower.vision_model.", "vision_tower."):
+        if tower_prefix.endswith(tower):
+            return tower_prefix.removesuffix(tower) + "multi_modal_projector."
+    return None
 
 
 def audio_mapping(f: dict, prefix: str = "") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
@@ -202,14 +230,16 @@ def _held_blocks(params: dict) -> int:
 def load_vit(path: str | Path, target: dict, fields: dict) -> dict:
     """The SigLIP or CLIP tower's weights in `target`, the `VisionEncoder` params (shaped and
     sharded): as many of the checkpoint's blocks as `target` holds (those up to its model's
-    `feature_layer`, which the checkpoint's own config need not name)."""
+    `feature_layer`, which the checkpoint's own config need not name); from a Gemma 3 folder,
+    its projector too (`projector: avg_pool`)."""
     path, tensors = Path(path), _Tensors(Path(path))
     held = _held_blocks(target)
     if held > fields["depth"]:
         raise HFError(f"{path}: the checkpoint has {fields['depth']} blocks; the model holds {held}")
     prefixes = CLIP_PREFIXES if fields.get("class_token") else SIGLIP_PREFIXES
     prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", prefixes)
-    return _load(path, tensors, target, vit_mapping({**fields, "feature_layer": held}, prefix))
+    projector = gemma3_projector_prefix(prefix) if fields.get("projector") == "avg_pool" else None
+    return _load(path, tensors, target, vit_mapping({**fields, "feature_layer": held}, prefix, projector))
 
 
 def load_audio(path: str | Path, target: dict, fields: dict) -> dict:

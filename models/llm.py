@@ -49,6 +49,8 @@ class LLMConfig:
     post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
     embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
     query_pre_attn_scalar: int | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
+    # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens, later ones too (`body`)
+    bidirectional_images: bool = False
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
@@ -424,9 +426,14 @@ class DecoderLM(nn.Module):
             x = x * jnp.asarray(self.cfg.width**0.5, x.dtype)
         return x
 
-    def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
+    def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None):
         """The held blocks applied to input embeddings (or the previous stage's output), causal
         and padding masked, without the final norm.
+
+        With `images_BL` (`bidirectional_images`: 0 for a text token, k > 0 for the k-th run of
+        image tokens in the row, `image_blocks`) an image token also attends to the later tokens
+        of its own image, as Gemma 3's VLMs do: global layers see causal OR same image, windowed
+        ones window AND (causal OR same image), the window bounding only how far back a key lies.
 
         With `sliding_window` a position attends to the `sliding_window` positions ending at its
         own (Mistral's window), counted in positions, so packed samples keep their own windows;
@@ -444,8 +451,12 @@ class DecoderLM(nn.Module):
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
             segments_BL = None if segments_BL is None else segments_BL[:, order]
+            images_BL = None if images_BL is None else images_BL[:, order]
         behind_BLL = positions_BL[:, :, None] - positions_BL[:, None, :]  # how far each key lies back
-        mask_BLL = (behind_BLL >= 0) & valid_BL[:, None, :]
+        mask_BLL = behind_BLL >= 0
+        if images_BL is not None:
+            mask_BLL = mask_BLL | ((images_BL[:, :, None] == images_BL[:, None, :]) & (images_BL[:, :, None] > 0))
+        mask_BLL = mask_BLL & valid_BL[:, None, :]
         window = self.cfg.sliding_window or behind_BLL.shape[-1]  # transformers' `kv_idx > q_idx - sliding_window`
         window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
         if segments_BL is not None:
@@ -454,9 +465,9 @@ class DecoderLM(nn.Module):
         h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, window_BLL, valid_BL, *packed)
         return h_BLD if order is None else h_BLD[:, np.argsort(order)]
 
-    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None):
+    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None):
         """Final-normed hidden states from input embeddings (`body`, then the final norm)."""
-        return self.final_norm(self.body(x_BLD, positions_BL, valid_BL, segments_BL))
+        return self.final_norm(self.body(x_BLD, positions_BL, valid_BL, segments_BL, images_BL))
 
     def final(self, h_BLD):
         """The final norm alone (the last pipeline stage applies it after its `body`)."""
@@ -468,5 +479,14 @@ class DecoderLM(nn.Module):
     def logits(self, h_BLD):
         return h_BLD @ self.output_weights()
 
-    def __call__(self, ids_BL, positions_BL, valid_BL, segments_BL=None):
-        return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL, segments_BL))
+    def __call__(self, ids_BL, positions_BL, valid_BL, segments_BL=None, images_BL=None):
+        return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL, segments_BL, images_BL))
+
+
+def image_blocks(image_BL: np.ndarray) -> np.ndarray:
+    """Each token's image block (`DecoderLM.body`'s `images_BL`) from where a row's image tokens
+    are: 0 for other tokens, k for the k-th run of consecutive image tokens (transformers' Gemma 3
+    `token_type_ids` blocks; its processor puts other tokens between any two images)."""
+    image_BL = np.asarray(image_BL, bool)
+    starts = image_BL & ~np.pad(image_BL, ((0, 0), (1, 0)))[:, :-1]
+    return np.where(image_BL, np.cumsum(starts, axis=1), 0).astype(np.int32)

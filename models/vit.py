@@ -2,8 +2,11 @@
 
 Images of any size (multiples of `patch * merge`) are cut into patches ordered so each
 `merge x merge` window is contiguous; all patches of a sample's images are packed into one
-row with a segment id per image, and attention is block-diagonal over segments. The merger
-concatenates each window and projects it to the LLM width (Qwen2-VL style).
+row with a segment id per image, and attention is block-diagonal over segments. The projector
+to the LLM width reads each window (`projector`): `merger` concatenates the window's patches and
+runs a two-layer MLP (Qwen2-VL's merger); `avg_pool` averages them, RMS-normalises and projects
+without a bias (Gemma 3's `multi_modal_projector`: its average pool of kernel `merge` over the
+patch grid, its `mm_soft_emb_norm` and `mm_input_projection_weight`).
 
 Position embeddings come in two layouts (`pos_embed`):
   row_col: a learned row table and a learned column table, added (any aspect ratio up to
@@ -35,7 +38,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-from maestro_jax.models.layers import EncoderBlock, layer_stack, partitioned, segment_mask
+from maestro_jax.models.layers import EncoderBlock, RMSNorm, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -56,6 +59,7 @@ class ViTConfig:
     act: str = "gelu_pytorch_tanh"  # the blocks' MLP activation: a key of layers.ACTIVATIONS
     class_token: bool = False  # CLIP's layout: see the module docstring
     feature_layer: int = -1  # the hidden state the merger reads (HF's numbering): see the module docstring
+    projector: str = "merger"  # merger (Qwen2-VL) | avg_pool (Gemma 3): see the module docstring
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
@@ -113,16 +117,22 @@ class VisionEncoder(nn.Module):
             scale_init=partitioned(nn.initializers.ones, "norm"),
             bias_init=partitioned(nn.initializers.zeros, "norm"),
         )
-        self.merger_fc1 = nn.Dense(
-            c.out_width * 2,
-            kernel_init=partitioned(_init, "embed", "mlp"),
-            bias_init=partitioned(nn.initializers.zeros, "mlp"),
-        )
-        self.merger_fc2 = nn.Dense(
-            c.out_width,
-            kernel_init=partitioned(_init, "mlp", "embed"),
-            bias_init=partitioned(nn.initializers.zeros, "embed"),
-        )
+        if c.projector == "avg_pool":
+            self.proj_norm = RMSNorm(c.norm_eps)
+            self.proj = nn.Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))
+        elif c.projector == "merger":
+            self.merger_fc1 = nn.Dense(
+                c.out_width * 2,
+                kernel_init=partitioned(_init, "embed", "mlp"),
+                bias_init=partitioned(nn.initializers.zeros, "mlp"),
+            )
+            self.merger_fc2 = nn.Dense(
+                c.out_width,
+                kernel_init=partitioned(_init, "mlp", "embed"),
+                bias_init=partitioned(nn.initializers.zeros, "embed"),
+            )
+        else:
+            raise ValueError(f"projector={c.projector!r}: one of 'merger', 'avg_pool'")
 
     def features(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
         """patches -> (hidden state `feature_layer`, that state through `merge_norm`), `B x P x width`
@@ -148,10 +158,12 @@ class VisionEncoder(nn.Module):
         return x, self.merge_norm(x)
 
     def __call__(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
-        """patches -> merged image tokens `B x P/merge**2 x out_width`."""
+        """patches -> image tokens `B x P/merge**2 x out_width`, one per merge x merge window."""
         c = self.cfg
         _, x = self.features(patches_BPC, segments_BP, grid_BP2, class_segments_BK)
         b, p, d = x.shape
         window = c.merge * c.merge
-        x = x.reshape(b, p // window, window * d)
-        return self.merger_fc2(nn.gelu(self.merger_fc1(x)))
+        if c.projector == "avg_pool":
+            pooled = x.reshape(b, p // window, window, d).astype(jnp.float32).mean(axis=2).astype(x.dtype)
+            return self.proj(self.proj_norm(pooled))
+        return self.merger_fc2(nn.gelu(self.merger_fc1(x.reshape(b, p // window, window * d))))

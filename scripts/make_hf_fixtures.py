@@ -204,6 +204,48 @@ def clip(out: Path) -> None:
     _save(model, out / "clip", pixels=pixels, hidden_states=torch.stack(o.hidden_states), pooled=o.pooler_output)
 
 
+# A Gemma 3 VLM: the SigLIP shape (a 4x4 patch grid) pooled to 2x2 tokens an image (kernel 2), and a
+# two-layer Gemma 3 text model, windowed (3) then global, so an image block of 4 tokens is cut by the window
+GEMMA3_TEXT = {
+    **LLM_BASE,
+    "head_dim": 8,
+    "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "tie_word_embeddings": True,
+}
+GEMMA3_IMAGE_TOKEN = 7
+# one row: text, an image's 4 tokens, text, the other image's, text (the ids between image blocks as Gemma 3's
+# processor puts them: every image its own block)
+GEMMA3_TOKENS = np.array([[5, 17, 3, *[GEMMA3_IMAGE_TOKEN] * 4, 88, 41, *[GEMMA3_IMAGE_TOKEN] * 4, 9, 60, 2]], np.int64)
+
+
+def gemma3_vlm(out: Path) -> None:
+    """A whole `Gemma3ForConditionalGeneration`: pixels [2, C, 16, 16]; `image_features` [2, 4, text
+    width], the projector's output (`get_image_features`); `logits` of `tokens` (one row holding
+    both images) with `token_type_ids`, so that each image's tokens attend to each other."""
+    torch.manual_seed(5)
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**GEMMA3_TEXT),
+        vision_config=transformers.SiglipVisionConfig(**SIGLIP, vision_use_head=False),
+        mm_tokens_per_image=4,
+        image_token_index=GEMMA3_IMAGE_TOKEN,
+        boi_token_index=94,
+        eoi_token_index=95,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers initialises the projection to zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    model = _perturbed(model)
+    pixels = torch.randn(2, SIGLIP["num_channels"], SIGLIP["image_size"], SIGLIP["image_size"])
+    tokens = torch.tensor(GEMMA3_TOKENS)
+    with torch.no_grad():
+        features = model.get_image_features(pixels).pooler_output
+        logits = model(
+            input_ids=tokens, pixel_values=pixels, token_type_ids=(tokens == GEMMA3_IMAGE_TOKEN).long()
+        ).logits
+    _save(model, out / "gemma3_vlm", pixels=pixels, tokens=GEMMA3_TOKENS, image_features=features, logits=logits)
+
+
 def whisper(out: Path) -> None:
     """A whole `WhisperModel` (its tensors under `encoder.`), features [2, mel, 16] and its
     encoder's `last_hidden_state` [2, 8, d_model]."""
@@ -246,7 +288,13 @@ def whisper_features(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf")
-    towers = {"siglip": siglip, "clip": clip, "whisper": whisper, "whisper_features": whisper_features}
+    towers = {
+        "siglip": siglip,
+        "clip": clip,
+        "whisper": whisper,
+        "whisper_features": whisper_features,
+        "gemma3_vlm": gemma3_vlm,
+    }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()
     cases = args.cases or [*LLM_CASES, *towers]

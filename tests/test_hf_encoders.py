@@ -36,10 +36,10 @@ def fixture(tmp_path, name):
 
 
 def model_of(kind, fields, scan=False, **extra):
-    own = {k: v for k, v in fields.items() if k != "kind"} | extra
+    own = {"out_width": 48} | {k: v for k, v in fields.items() if k != "kind"} | extra
     if kind == "vit":
-        return VisionEncoder(ViTConfig(**own, out_width=48, scan_layers=scan))
-    return AudioEncoder(AudioConfig(**own, out_width=48, scan_layers=scan))
+        return VisionEncoder(ViTConfig(**own, scan_layers=scan))
+    return AudioEncoder(AudioConfig(**own, scan_layers=scan))
 
 
 def placed_params(model, inputs, devices=(0,), mesh=None):
@@ -363,21 +363,152 @@ def test_llava_tower_imports_its_feature_layer(tmp_path):
         hf_encoders.vit_fields(path)
 
 
-@pytest.mark.parametrize("prefix", ["model.vision_tower.vision_model.", "vision_tower.vision_model."])
-def test_gemma3_folder_gives_its_siglip_tower(tmp_path, prefix):
-    """A Gemma 3 VLM folder (`gemma3`: the tower's config under `vision_config`, its tensors under
-    transformers 5's or 4's prefix) imports its SigLIP tower: the SigLIP fixture so rewritten gives
-    SigLIP's features."""
+# Where a Gemma 3 checkpoint's tower sits: as transformers 5.24 saves it (the fixture), as the Hub's
+# checkpoints and transformers 4 hold it, and under transformers 5's module names
+GEMMA3_LAYOUTS = {
+    "saved": {},
+    "hub": {"vision_tower.": "vision_tower.vision_model."},
+    "modules": {
+        "vision_tower.": "model.vision_tower.vision_model.",
+        "multi_modal_projector.": "model.multi_modal_projector.",
+        "language_model.model.": "model.language_model.",
+    },
+}
+
+
+def _gemma3_layout(path, layout: str) -> None:
+    renames = GEMMA3_LAYOUTS[layout]
+
+    def rename(tensors):
+        for k in list(tensors):
+            old = next((o for o in renames if k.startswith(o)), None)
+            if old is not None:
+                tensors[renames[old] + k.removeprefix(old)] = tensors.pop(k)
+
+    _rewrite(path, rename)
+
+
+@pytest.mark.parametrize("layout", list(GEMMA3_LAYOUTS))
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_gemma3_folder_gives_its_tower_and_projector(tmp_path, layout, scan):
+    """A Gemma 3 VLM folder (`gemma3`: the tower's config under `vision_config`, its tensors in any
+    of the layouts transformers reads) imports its SigLIP tower and its average-pooling projector
+    (`projector: avg_pool`, the pool's kernel as the merge window): each image's tokens equal
+    transformers' `get_image_features` (the fixture's 4x4 patches pooled to 2x2 tokens)."""
+    path, ref = fixture(tmp_path, "gemma3_vlm")
+    _gemma3_layout(path, layout)
+    fields = hf_encoders.vit_fields(path)
+    assert (fields["projector"], fields["merge"], fields["out_width"], fields["pos_embed"]) == (
+        "avg_pool",
+        2,
+        32,
+        "table",
+    )
+    model = model_of("vit", fields, scan)
+    inputs, _ = siglip_inputs(ref["pixels"], model.cfg)
+    params = hf_encoders.load_vit(path, placed_params(model, inputs), fields)
+    tokens = np.asarray(model.apply({"params": params}, *inputs)[0])  # image 1's tokens, then image 2's
+    want = ref["image_features"].reshape(-1, 32)
+    assert tokens.shape == want.shape and max_err(tokens, want) < ATOL * np.abs(want).max()
+    # the projector's norm is Gemma's `1 + weight`: imported without it, the tokens move
+    norm = params["proj_norm"]["scale"]
+    wrong = {**params, "proj_norm": {"scale": norm - 1}}
+    assert max_err(np.asarray(model.apply({"params": wrong}, *inputs)[0]), want) > 10 * ATOL
+
+
+def test_gemma3_vlm_logits_equal_transformers_with_each_image_attending_to_itself(tmp_path):
+    """The whole Gemma 3 VLM: the tower and projector's image tokens spliced (unscaled) into the
+    scaled text embeddings, and each image's tokens attending to all of their image
+    (`bidirectional_images`, the blocks from `image_blocks`), give transformers' logits on a row
+    holding both images; the fixture's windowed layer (window 3) cuts each 4-token image, so both
+    the window and the image blocks are exercised. Causal alone, the logits differ."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+    from maestro_jax.models.llm import image_blocks
+
+    path, ref = fixture(tmp_path, "gemma3_vlm")
+    vfields, lfields = hf_encoders.vit_fields(path), hf.llm_fields(path)
+    assert lfields["bidirectional_images"] and lfields["tie_embeddings"]
+    tower = model_of("vit", vfields)
+    inputs, _ = siglip_inputs(ref["pixels"], tower.cfg)
+    vparams = hf_encoders.load_vit(path, placed_params(tower, inputs), vfields)
+    features = tower.apply({"params": vparams}, *inputs)[0]
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    ids = jnp.asarray(ref["tokens"], jnp.int32)
+    is_image = np.asarray(ref["tokens"]) == 7  # the fixture's image_token_index
+    pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
+    lparams = hf.load_llm(path, placed_params(decoder, (ids, pos, valid)), lfields)
+    v = {"params": lparams}
+    x = decoder.apply(v, ids, method=DecoderLM.embed)
+    x = x.at[0, np.flatnonzero(is_image[0])].set(features)
+    blocks = jnp.asarray(image_blocks(is_image))
+    assert np.asarray(blocks).tolist() == [[0, 0, 0, 1, 1, 1, 1, 0, 0, 2, 2, 2, 2, 0, 0, 0]]
+
+    def logits(images):
+        h = decoder.apply(v, x, pos, valid, None, images, method=DecoderLM.hidden)
+        return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+    want = ref["logits"]
+    assert max_err(logits(blocks), want) < ATOL * np.abs(want).max()
+    assert max_err(logits(None), want) > 10 * ATOL * np.abs(want).max()
+
+
+@pytest.mark.slow
+def test_a_gemma3_vlm_folder_gives_both_sections_and_verifies(tmp_path):
+    """`models.vision: {hf: DIR, kind: vit}` and `models.llm: {hf: DIR, kind: llm}` on one Gemma 3 VLM
+    folder: the tower with its projector and the language model with `bidirectional_images` (no
+    other field by hand; without `kind` the entry is refused, naming both kinds), both
+    sections start from the folder, the host batch carries each token's image block, and the
+    sectioned step equals the monolithic one."""
+    from maestro_jax.config import load_config
+    from maestro_jax.tools.verify import verify
+
+    path, _ = fixture(tmp_path, "gemma3_vlm")
+    cfg = load_config(
+        ROOT / "configs/vlm_tiny.yaml",
+        [
+            "global_batch=8",
+            "data.text_len=[6,14]",
+            f"models.vision={{hf: {path}, kind: vit}}",
+            f"models.llm={{hf: {path}, kind: llm}}",
+            "workload_settings.image_token=7",
+            "data.modalities.image.sizes=[[16,16],[8,16]]",
+            "sections.llm.mesh={data: 3, tensor: 2}",
+        ],
+    )
+    assert cfg.models["vision"].projector == "avg_pool" and cfg.models["llm"].bidirectional_images
+    with pytest.raises(ConfigError, match=r"model_type='gemma3' holds a model of each kind \['llm', 'vit'\]; write kind"):
+        load_config(ROOT / "configs/vlm_tiny.yaml", [f"models.vision={{hf: {path}}}"])
+    assert cfg.sections["vision"].init.hf_path == cfg.sections["llm"].init.hf_path == str(path)
+    rt = build_runtime(cfg)
+    samples = [s for s in rt.batches()[0] if s.has("image")]
+    host = next(s for s in rt.graph.sections if s.name == "llm").host_batch(samples, {})
+    want = [np.where(row == 7, 1, 0) for row in host["input_ids"]]  # each sample's images: one run of placeholders
+    assert samples and np.array_equal(host["images"], want)
+    diffs = verify(cfg, rt)
+    assert {d.name for d in diffs} >= {"loss", "vision/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
+
+
+def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
+    """`check-hf` on a Gemma 3 VLM folder: its image tokens and the logits of a row holding both
+    images, each a line, both within the tolerance."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax import cli
+
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / "gemma3_vlm")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "(gemma3): 2 images of 16x16; image tokens" in lines[0] and lines[0].endswith("PASS"), lines
+    assert "2 images of 16x16 in a row of 29 tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
+
+
+def test_gemma3_projector_kernel_must_divide_the_grid(tmp_path):
     import json
 
-    path, ref = fixture(tmp_path, "siglip")
-    vision = json.loads((path / "config.json").read_text())
-    gemma3 = {"model_type": "gemma3", "vision_config": vision, "text_config": {"model_type": "gemma3_text"}}
-    (path / "config.json").write_text(json.dumps(gemma3))
-    _rewrite(path, lambda t: t.update({prefix + k.removeprefix("vision_model."): t.pop(k) for k in list(t)}))
-    _, post, where, _, fields = siglip_features(path, ref)
-    assert fields["pos_embed"] == "table" and not fields.get("class_token")
-    assert max_err(post, ref["last_hidden_state"][where]) < ATOL
+    path, _ = fixture(tmp_path, "gemma3_vlm")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
+    with pytest.raises(HFError, match=r"mm_tokens_per_image=9; a Gemma 3 projector pools the tower's 4x4 patches"):
+        hf_encoders.vit_fields(path)
 
 
 def test_check_hf_compares_a_llava_folders_tower(tmp_path, capsys):

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import flax.linen as nn
@@ -433,8 +434,13 @@ class MonolithicRuntime:
     mesh: object
     shardings: dict
     graph: SectionGraph
+    pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader (Runtime's)
+    hf_paths: dict = dataclasses.field(default_factory=dict)  # section -> its `init.hf_path`
 
     def init_states(self, cfg, seed=None) -> dict[str, SectionState]:
+        """The sections' initial states on the monolithic mesh: the runtime's initialisation, the
+        sections with `init.hf_path` then loaded from their checkpoints by the runtime's own
+        loaders, so the reference starts where the sectioned step does."""
         graph = self.graph
         key = jax.random.key(cfg.seed if seed is None else seed)
         out = {}
@@ -444,7 +450,22 @@ class MonolithicRuntime:
                 v = init(key)
                 opt = jax.jit(self.model.optimizers[s].init)(v["params"]) if graph.section(s).trained else None
             out[s] = SectionState(v["params"], v["consts"], opt)
+        programs = {s: _OptimizerInit(opt.init, self.mesh) for s, opt in self.model.optimizers.items()}
+        for s, path in self.hf_paths.items():
+            out = self.pretrained[s](s, path, out, programs)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _OptimizerInit:
+    """What a pretrained loader asks of a section's programs (`init_optimizer`), on the monolithic mesh."""
+
+    init: Callable
+    mesh: object
+
+    def init_optimizer(self, params):
+        with jax.set_mesh(self.mesh):
+            return jax.jit(self.init)(params)
 
 
 def build_monolithic(rt: Runtime) -> MonolithicRuntime:
@@ -468,6 +489,12 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
     trained = [s for s in graph.names if graph.section(s).trained]
     optimizers = {s: section_optimizer(cfg.optimizer, cfg.section_of(s), cfg.steps) for s in trained}
     norms = {s: section_squared_norm(cfg.optimizer, cfg.section_of(s)) for s in trained}
+    hf_paths = {s: sc.init.hf_path for s, sc in cfg.sections.items() if sc.init is not None and sc.init.hf_path}
     return MonolithicRuntime(
-        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms), mesh, shardings, graph
+        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms),
+        mesh,
+        shardings,
+        graph,
+        rt.pretrained,
+        hf_paths,
     )

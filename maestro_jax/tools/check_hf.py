@@ -7,7 +7,9 @@ longer than the folder's sliding window where it has one, so the window is exerc
 logits are compared. A vision tower (SigLIP, CLIP, a LLaVA folder's) gets two random images of
 its size, packed in one row as the VLM packs them, and its features are compared: SigLIP's
 `last_hidden_state`, CLIP's `hidden_states[feature_layer]` without the class token. A Whisper
-encoder gets two random clips of its length, and its `last_hidden_state` is compared.
+encoder gets two random clips of its length, and its `last_hidden_state` is compared. A whole
+Gemma 3 VLM gets two random images and a row of text holding both: its image tokens (tower and
+projector) and its logits are compared.
 transformers runs the PyTorch model (the `reference` extra: torch and transformers, on the CPU,
 float32); maestro loads the folder with the same mappings `init.hf_path` uses (`models.hf`,
 `models.hf_encoders`). The result is the largest absolute difference and that difference
@@ -87,11 +89,54 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
     )
 
 
-def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
-    """The folder at `path` checked by its kind: a decoder's logits, a tower's features."""
-    kind = kind_of(path)
-    check = {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind]
-    return check(path, tolerance, seed)
+def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
+    Gemma 3 VLM's image tokens and logits."""
+    if read_config(path).get("model_type") == "gemma3":
+        return check_gemma3_vlm(path, tolerance, seed)
+    check = {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind_of(path)]
+    return [check(path, tolerance, seed)]
+
+
+def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """A Gemma 3 VLM folder: two random images of its size through the tower and the projector
+    (transformers' `get_image_features`), then one row of random text holding both images'
+    tokens (each image its own block, attending to itself) through the whole model; the image
+    tokens and the logits compared."""
+    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
+    from maestro_jax.models.llm import image_blocks
+
+    path = Path(path)
+    config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
+    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
+    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
+    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
+    inputs, _ = packed_images(pixels, vcfg)
+    tower = VisionEncoder(vcfg)
+    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    image_token, per_image = config.get("image_token_index", 262144), len(features) // 2
+    text = [t for t in range(lfields["vocab"]) if t != image_token]
+    pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
+    row = np.concatenate([pieces[0], [image_token] * per_image, pieces[1], [image_token] * per_image, pieces[2]])
+    ids, is_image = jnp.asarray(row[None], jnp.int32), row[None] == image_token
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    pos, valid = jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
+    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
+    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, np.flatnonzero(is_image[0])].set(features)
+    h = decoder.apply(v, x, pos, valid, None, jnp.asarray(image_blocks(is_image)), method=DecoderLM.hidden)
+    logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+    torch, transformers = _reference_modules()
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want_features = model.get_image_features(torch.tensor(pixels)).pooler_output.float().numpy()
+        tokens = torch.tensor(row[None].astype(np.int64))
+        types = torch.tensor(is_image.astype(np.int64))
+        want_logits = model(input_ids=tokens, pixel_values=torch.tensor(pixels), token_type_ids=types).logits.float()
+    images = f"2 images of {size}x{size}"
+    return [
+        _result(path, images, "image tokens", np.asarray(features), want_features.reshape(features.shape), tolerance),
+        _result(path, f"{images} in a row of {len(row)} tokens", "logits", logits, want_logits.numpy(), tolerance),
+    ]
 
 
 def _placed(model, inputs):
@@ -111,7 +156,7 @@ def check_vision(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
 
     path = Path(path)
     fields = vit_fields(path)
-    cfg = ViTConfig(**{k: v for k, v in fields.items() if k != "kind"}, out_width=fields["width"])
+    cfg = ViTConfig(**{"out_width": fields["width"], **{k: v for k, v in fields.items() if k != "kind"}})
     size = cfg.max_grid * cfg.patch
     pixels = np.random.default_rng(seed).standard_normal((2, cfg.channels, size, size)).astype(np.float32)
     inputs, (segment, cell) = packed_images(pixels, cfg)

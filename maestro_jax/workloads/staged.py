@@ -101,11 +101,15 @@ def decoder_stages(
             else:
                 x = R.gather(inputs, prev, batch[f"{prev}_row"], length=batch["input_ids"].shape[1])
             if not aux:
-                h = module.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.body)
+                h = module.apply(
+                    v, x, batch["positions"], batch["valid"], None, batch.get("images"), method=DecoderLM.body
+                )
                 if out is not None:
                     return {out: h}
                 return finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
-            h, terms = apply_with_row_losses(module, v, x, batch["positions"], batch["valid"], method=DecoderLM.body)
+            h, terms = apply_with_row_losses(
+                module, v, x, batch["positions"], batch["valid"], None, batch.get("images"), method=DecoderLM.body
+            )
             if prev is not None:  # the stages' before it, of the same rows (none on a padding row)
                 row = batch[f"{prev}_row"]
                 terms = terms + R.gather(inputs, prev_aux, row, length=1)[:, 0] * (row >= 0)

@@ -21,6 +21,7 @@ from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
+from maestro_jax.models.llm import image_blocks
 from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
@@ -135,18 +136,40 @@ def mean_patches(cfg: Config, vit: ViTConfig) -> float:
     return mean_item_units(cfg, "image", lambda hw: (hw[0] // vit.patch) * (hw[1] // vit.patch), vit.max_grid**2 / 4)
 
 
-def multimodal_rows(rows, routes, spliced: Mapping[str, Modality]) -> dict:
-    """Text rows with placeholder indices per modality, and a route per spliced edge."""
-    return {**R.text_rows(rows, tuple(spliced.values())), **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
+def multimodal_rows(rows, routes, spliced: Mapping[str, Modality], images: bool = False) -> dict:
+    """Text rows with placeholder indices per modality, and a route per spliced edge; with
+    `images` (the LLM's `bidirectional_images`), each token's image block (`with_image_blocks`)."""
+    out = {**R.text_rows(rows, tuple(spliced.values())), **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
+    return with_image_blocks(out) if images else out
 
 
 def packed_multimodal_rows(
-    rows, routes, shards: int, pack: int, spliced: Mapping[str, Modality], gathered: tuple[str, ...] = ()
+    rows,
+    routes,
+    shards: int,
+    pack: int,
+    spliced: Mapping[str, Modality],
+    gathered: tuple[str, ...] = (),
+    images: bool = False,
 ) -> dict:
     """`multimodal_rows` with sequence packing (`rows.packed_text_rows`): each position routes to
     its own sample's producer row, on every spliced edge and every edge in `gathered`."""
     edges = {e: R.route(routes, e, rows) for e in (*spliced, *gathered)}
-    return R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()))
+    out = R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()))
+    return with_image_blocks(out) if images else out
+
+
+def with_image_blocks(batch: dict) -> dict:
+    """`batch` with `images`: each position's image block (`models.llm.image_blocks`: runs of
+    image placeholders numbered from 1, 0 elsewhere), so that an LLM with `bidirectional_images`
+    lets each image's tokens attend to the whole image. Packed samples need no care: attention
+    stays inside each sample whatever the blocks say."""
+    return {**batch, "images": image_blocks(batch["image_tok"] >= 0)} if "image_tok" in batch else batch
+
+
+def _mask_inputs(batch) -> tuple:
+    """The decoder's optional mask inputs of `batch` (`DecoderLM.body`'s segments and images)."""
+    return batch.get("segments"), batch.get("images")
 
 
 def spliced_embeddings(decoder: DecoderLM, v, inputs, batch, spliced: Mapping[str, Modality]):
@@ -165,8 +188,9 @@ def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mappin
     splices per position and keeps attention inside each sample."""
     v = {"params": variables["params"]}
     x = spliced_embeddings(decoder, v, inputs, batch, spliced)
-    segments = (batch["segments"],) if "segments" in batch else ()
-    h, aux = apply_with_losses(decoder, v, x, batch["positions"], batch["valid"], *segments, method=DecoderLM.hidden)
+    h, aux = apply_with_losses(
+        decoder, v, x, batch["positions"], batch["valid"], *_mask_inputs(batch), method=DecoderLM.hidden
+    )
     return decoder.apply(v, h, method=DecoderLM.logits), aux
 
 
@@ -204,8 +228,10 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost 
         "llm",
         trained=True,
         forward=forward,
-        host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced),
-        packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(rows, routes, shards, pack, spliced),
+        host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced, llm.bidirectional_images),
+        packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(
+            rows, routes, shards, pack, spliced, images=llm.bidirectional_images
+        ),
         activates=lambda s: True,
         work=R.next_token_units,
         cost=llm_cost(llm, head=True) if cost is None else cost,

@@ -52,10 +52,13 @@ def build(cfg: Config) -> SectionGraph:
     s_model = DecoderLM(student)
 
     def student_batch(rows, routes):
-        return {**multimodal_rows(rows, routes, {IMAGES: image}), "teacher_row": R.route(routes, TEACHER, rows)}
+        rows_ = multimodal_rows(rows, routes, {IMAGES: image}, student.bidirectional_images)
+        return {**rows_, "teacher_row": R.route(routes, TEACHER, rows)}
 
     def student_packed_batch(rows, routes, shards, pack):
-        return packed_multimodal_rows(rows, routes, shards, pack, {IMAGES: image}, gathered=(TEACHER,))
+        return packed_multimodal_rows(
+            rows, routes, shards, pack, {IMAGES: image}, gathered=(TEACHER,), images=student.bidirectional_images
+        )
 
     def student_forward(variables, inputs, batch):
         s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
