@@ -476,7 +476,9 @@ def test_a_gemma3_vlm_folder_gives_both_sections_and_verifies(tmp_path):
         ],
     )
     assert cfg.models["vision"].projector == "avg_pool" and cfg.models["llm"].bidirectional_images
-    with pytest.raises(ConfigError, match=r"model_type='gemma3' holds a model of each kind \['llm', 'vit'\]; write kind"):
+    with pytest.raises(
+        ConfigError, match=r"model_type='gemma3' holds a model of each kind \['llm', 'vit'\]; write kind"
+    ):
         load_config(ROOT / "configs/vlm_tiny.yaml", [f"models.vision={{hf: {path}}}"])
     assert cfg.sections["vision"].init.hf_path == cfg.sections["llm"].init.hf_path == str(path)
     rt = build_runtime(cfg)
