@@ -195,37 +195,84 @@ def _check_hf(_cfg, args) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
-def _export(cfg, args) -> int:
-    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones),
-    read under the run's lock (`training.checkpoint.reading_checkpoints`)."""
+def _latest_states(cfg) -> tuple[dict, int]:
+    """Every section's state (a staged one whole) and its step: from the latest checkpoint in
+    `output_dir`, read under the run's lock (`training.checkpoint.reading_checkpoints`), else the
+    initial ones at step 0."""
     from maestro_jax.runtime.build import build_runtime
-    from maestro_jax.tools import hf
     from maestro_jax.training.checkpoint import reading_checkpoints
 
-    model = cfg.models.get(args.section)
-    if args.section not in cfg.sections or model is None:
-        valid = sorted(s for s in cfg.sections if s in cfg.models)
-        print(f"error: --section={args.section!r}: not a section with a model here; valid: {valid}", file=sys.stderr)
-        return 2
+    rt = build_runtime(cfg)
+    states = rt.whole_states(rt.init_states())
+    if cfg.output_dir:
+        with reading_checkpoints(cfg) as ckpt:
+            restored = ckpt.restore_latest(states)
+        if restored is not None:
+            return restored[1], restored[0]
+    return states, 0
+
+
+def _export(cfg, args) -> int:
+    """The section's weights from the latest checkpoint in `output_dir` (else its initial ones)."""
+    from maestro_jax.tools import hf
+
+    valid = sorted(s for s in cfg.sections if s in cfg.models)
+    names = args.section.split(",")
+    for name in names:
+        if name not in valid:
+            which = "" if len(names) == 1 else f"{name!r} is "
+            print(
+                f"error: --section={args.section!r}: {which}not a section with a model here; valid: {valid}",
+                file=sys.stderr,
+            )
+            return 2
+    if len(names) > 1:
+        return _export_vlm(cfg, args, names)
+    model = cfg.models[args.section]
     try:
         model_type = hf.export_type(model.model_dump(), args.model_type, args.section)
         hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
     except hf.HFError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
-    rt = build_runtime(cfg)
-    states, step = rt.whole_states(rt.init_states()), 0  # a section in pipeline stages whole
-    if cfg.output_dir:
-        with reading_checkpoints(cfg) as ckpt:
-            restored = ckpt.restore_latest(states)
-        if restored is not None:
-            step, states = restored[0], restored[1]
+    states, step = _latest_states(cfg)
     try:
         hf.export_section(args.out, states[args.section].params, model.model_dump(), model_type, args.overwrite)
     except hf.HFError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
     print(f"wrote {args.out}: section {args.section!r} at step {step} ({model_type})")
+    return 0
+
+
+def _export_vlm(cfg, args, names: list[str]) -> int:
+    """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder."""
+    from maestro_jax.tools import hf
+    from maestro_jax.workloads import settings
+
+    kinds = {cfg.models[n].kind: n for n in names}
+    if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, "gemma3"):
+        print(
+            f"error: --section={args.section!r} --model-type={args.model_type}: a whole VLM folder is one vit and one "
+            f"llm section (e.g. --section vision,llm), written as gemma3",
+            file=sys.stderr,
+        )
+        return 2
+    image_token = getattr(settings(cfg), "image_token", None)
+    try:
+        if image_token is None:
+            raise hf.HFError(f"error: workload={cfg.workload!r}: has no workload_settings.image_token; a VLM's has")
+        hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
+        states, step = _latest_states(cfg)
+        vision, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("vit", "llm"))
+        hf.export_gemma3_vlm(args.out, vision, llm, image_token, args.overwrite)
+    except hf.HFError as err:
+        print(
+            _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),
+            file=sys.stderr,
+        )
+        return 2
+    print(f"wrote {args.out}: sections {kinds['vit']!r} and {kinds['llm']!r} at step {step} (gemma3)")
     return 0
 
 
@@ -514,14 +561,31 @@ COMMANDS: dict[str, Command] = {
         "write a trained section (LLM, vision or audio tower) as a Hugging Face folder",
         _export,
         (
-            opt("--section", required=True, help="a section with a model: an LLM (student, llm), vision or audio"),
+            opt(
+                "--section",
+                required=True,
+                help="a section with a model: an LLM (student, llm), vision or audio; or a VLM's vision and llm "
+                "sections, comma-separated (vision,llm), written as one Gemma 3 VLM folder",
+            ),
             opt("--out", required=True, metavar="DIR", help="the Hugging Face folder to write"),
             opt(
                 "--model-type",
                 default=None,
-                choices=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "siglip", "clip", "whisper"),
-                help="the Hugging Face architecture to write (default: llama for an LLM; a vision or audio "
-                "tower's own layout: siglip, clip (class_token) or whisper)",
+                choices=(
+                    "llama",
+                    "mistral",
+                    "qwen2",
+                    "qwen3",
+                    "qwen3_moe",
+                    "gemma3_text",
+                    "siglip",
+                    "clip",
+                    "whisper",
+                    "gemma3",
+                ),
+                help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text for Gemma's "
+                "block; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
+                "VLM's two sections)",
             ),
             opt(
                 "--overwrite",

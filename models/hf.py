@@ -284,10 +284,19 @@ def save_llm(
     path: str | Path, params: dict, fields: dict, model_type: str = "llama", max_shard_bytes: int = 4 << 30
 ) -> None:
     """Write `params` (a Flax LLM param tree) as a Hugging Face folder `transformers` loads."""
-    if model_type not in ARCHITECTURES:
-        raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    tensors, config = llm_checkpoint(params, fields, model_type)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    write_weights(path, tensors, max_shard_bytes)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix: str = "model.") -> tuple[dict, dict]:
+    """`params` (a Flax LLM param tree) as a Hugging Face checkpoint of `model_type`: its tensors
+    by name (the body's under `prefix`; the head, when untied, as `_head_name` names it) and its
+    config.json."""
+    if model_type not in ARCHITECTURES:
+        raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
     h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
     unproj = {"q": h, "k": g, "v": g}
     tensors = {}
@@ -308,7 +317,7 @@ def save_llm(
         raise HFError(
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale or global_every exports as 'gemma3_text'"
         )
-    for flax_path, (name, _) in _mapping(fields, with_head=True).items():
+    for flax_path, (name, _) in _mapping(fields, with_head=True, prefix=prefix).items():
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
         flax_path = flax_path[:-1] if expert is not None else flax_path
         where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
@@ -329,7 +338,6 @@ def save_llm(
         elif flax_path[-1] == "scale" and model_type == "gemma3_text":
             w = w - np.float32(1)  # Gemma's norms scale by 1 + weight
         tensors[name] = np.ascontiguousarray(w)
-    write_weights(path, tensors, max_shard_bytes)
     config = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -389,4 +397,4 @@ def save_llm(
         config["attention_bias"] = fields["qkv_bias"]
     elif not fields["qkv_bias"] and model_type == "qwen2":
         raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return tensors, config

@@ -49,6 +49,10 @@ query's row, which the softmax cancels (its gradient is zero too). Whisper keeps
 positions frozen; here `pos` is an ordinary parameter and trains with the tower.
 
 A scanned encoder (`scan_layers`) stacks every `block_i` leaf under `blocks/layer`, as in `models.hf`.
+
+A Gemma 3 VLM (`save_gemma3_vlm`) is written whole: the tower and its projector as above under the
+Hub's `vision_tower.vision_model.` and `multi_modal_projector.`, the language model as
+`gemma3_text` (`models.hf`) under `language_model.model.`.
 """
 
 from __future__ import annotations
@@ -278,8 +282,12 @@ def save_vit(path: str | Path, params: dict, fields: dict, max_shard_bytes: int 
             f"pos_embed={fields.get('pos_embed')!r}, act={fields.get('act')!r}: only a tower with "
             f"pos_embed='table' and act in {list(VIT_ACTIVATIONS)} exports as SigLIP or CLIP"
         )
+    _write(path, _tensors(params, vit_mapping(fields)), _vit_config(fields), max_shard_bytes)
+
+
+def _vit_config(fields: dict) -> dict:
     clip = bool(fields.get("class_token"))
-    config = {
+    return {
         "architectures": ["CLIPVisionModel" if clip else "SiglipVisionModel"],
         "model_type": "clip_vision_model" if clip else "siglip_vision_model",
         "hidden_size": fields["width"],
@@ -294,7 +302,51 @@ def save_vit(path: str | Path, params: dict, fields: dict, max_shard_bytes: int 
         **({} if clip else {"vision_use_head": False}),
         "torch_dtype": "float32",
     }
-    _write(path, _tensors(params, vit_mapping(fields)), config, max_shard_bytes)
+
+
+def save_gemma3_vlm(
+    path: str | Path,
+    vit_params: dict,
+    vit_fields: dict,
+    llm_params: dict,
+    llm_fields: dict,
+    image_token: int,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write a VLM's tower (SigLIP with `projector: avg_pool`) and language model (Gemma 3's) as one
+    `Gemma3ForConditionalGeneration` folder, with the Hub's tensor names: `vision_tower.vision_model.`,
+    `multi_modal_projector.`, `language_model.model.` (and `language_model.lm_head.` when untied).
+    `image_token` is the placeholder id the VLM was trained with (`image_token_index`)."""
+    from maestro_jax.models.hf import llm_checkpoint
+
+    side = vit_fields["max_grid"] // vit_fields["merge"]
+    if (
+        vit_fields.get("projector") != "avg_pool"
+        or vit_fields.get("class_token")
+        or vit_fields["max_grid"] % vit_fields["merge"]
+    ):
+        raise HFError(
+            f"projector={vit_fields.get('projector')!r}, class_token={vit_fields.get('class_token', False)}, "
+            f"max_grid={vit_fields['max_grid']}, merge={vit_fields['merge']}: a Gemma 3 VLM's tower is SigLIP's "
+            f"with projector='avg_pool' and a merge that divides max_grid"
+        )
+    if vit_fields["out_width"] != llm_fields["width"]:
+        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
+    text, text_config = llm_checkpoint(llm_params, llm_fields, "gemma3_text", prefix="language_model.model.")
+    tower = _tensors(vit_params, vit_mapping(vit_fields, "vision_tower.vision_model.", "multi_modal_projector."))
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")},
+        "vision_config": {
+            k: v for k, v in _vit_config(vit_fields).items() if k not in ("architectures", "torch_dtype")
+        },
+        "mm_tokens_per_image": side * side,
+        "image_token_index": image_token,
+        "tie_word_embeddings": llm_fields["tie_embeddings"],
+        "torch_dtype": "float32",
+    }
+    _write(path, {**text, **tower}, config, max_shard_bytes)
 
 
 def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:

@@ -463,18 +463,7 @@ def test_a_gemma3_vlm_folder_gives_both_sections_and_verifies(tmp_path):
     from maestro_jax.tools.verify import verify
 
     path, _ = fixture(tmp_path, "gemma3_vlm")
-    cfg = load_config(
-        ROOT / "configs/vlm_tiny.yaml",
-        [
-            "global_batch=8",
-            "data.text_len=[6,14]",
-            f"models.vision={{hf: {path}, kind: vit}}",
-            f"models.llm={{hf: {path}, kind: llm}}",
-            "workload_settings.image_token=7",
-            "data.modalities.image.sizes=[[16,16],[8,16]]",
-            "sections.llm.mesh={data: 3, tensor: 2}",
-        ],
-    )
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _gemma3_vlm_overrides(path))
     assert cfg.models["vision"].projector == "avg_pool" and cfg.models["llm"].bidirectional_images
     with pytest.raises(
         ConfigError, match=r"model_type='gemma3' holds a model of each kind \['llm', 'vit'\]; write kind"
@@ -501,6 +490,62 @@ def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "(gemma3): 2 images of 16x16; image tokens" in lines[0] and lines[0].endswith("PASS"), lines
     assert "2 images of 16x16 in a row of 29 tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
+
+
+def _gemma3_vlm_overrides(path) -> list[str]:
+    return [
+        "global_batch=8",
+        "data.text_len=[6,14]",
+        f"models.vision={{hf: {path}, kind: vit}}",
+        f"models.llm={{hf: {path}, kind: llm}}",
+        "workload_settings.image_token=7",
+        "data.modalities.image.sizes=[[16,16],[8,16]]",
+        "sections.llm.mesh={data: 3, tensor: 2}",
+    ]
+
+
+@pytest.mark.slow
+def test_gemma3_vlm_exports_whole_and_reimports(tmp_path, capsys):
+    """`maestro-jax export --section vision,llm` writes a VLM trained from a Gemma 3 folder back as
+    one Gemma 3 VLM folder (the checkpoint's weights, moved off the folder's): the same
+    architecture reads back, the weights import back equal, and (with transformers) check-hf
+    passes on it. Anything but a vit and an llm section, or another type, is refused in one line."""
+    import dataclasses
+    import importlib.util
+
+    from maestro_jax.models import hf
+
+    from maestro_jax import cli
+    from maestro_jax.training.checkpoint import Checkpointer
+
+    path, _ = fixture(tmp_path, "gemma3_vlm")
+    out = tmp_path / "run"
+    overrides = [*_gemma3_vlm_overrides(path), f"output_dir={out}"]
+    config = ROOT / "configs/vlm_tiny.yaml"
+    cfg = load_config(config, overrides)
+    initial = build_runtime(cfg).init_states()
+    moved = {s: jax.tree.map(lambda x: x * 1.5 + 0.25, initial[s].params) for s in ("vision", "llm")}
+    ckpt = Checkpointer(out / "checkpoints")
+    ckpt.save(1, {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}, {}, {})
+    ckpt.close()
+
+    def export(section, *extra):
+        argv = ["export", "--config", str(config), "--section", section, "--out", str(tmp_path / "vlm")]
+        return cli.main([*argv, *extra, *overrides])
+
+    assert export("vision,llm") == 0 and "sections 'vision' and 'llm' at step 1 (gemma3)" in capsys.readouterr().out
+    back = tmp_path / "vlm"
+    assert hf_encoders.vit_fields(back) == hf_encoders.vit_fields(path)
+    assert hf.llm_fields(back) == hf.llm_fields(path)
+    vision = hf_encoders.load_vit(back, initial["vision"].params, hf_encoders.vit_fields(back))
+    llm = hf.load_llm(back, initial["llm"].params, hf.llm_fields(back))
+    for got, want in ((vision, moved["vision"]), (llm, moved["llm"])):
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), got, want))
+    assert export("llm,vision", "--model-type", "llama", "--overwrite") == 2
+    assert "a whole VLM folder is one vit and one llm section" in capsys.readouterr().err
+    if importlib.util.find_spec("torch") is not None:  # check-hf runs transformers (the reference extra)
+        assert cli.main(["check-hf", "--hf", str(back)]) == 0
+        assert capsys.readouterr().out.count("PASS") == 2
 
 
 def test_gemma3_projector_kernel_must_divide_the_grid(tmp_path):

@@ -3,7 +3,8 @@ that `transformers` loads. An LLM section exports as Llama, Mistral, Qwen2/Qwen3
 Gemma 3 (`--model-type`; one with a `sliding_window` as Mistral only, one with Gemma's block as
 `gemma3_text` only),
 a vision section as SigLIP or CLIP (the layout its model has: `class_token` is CLIP's), an audio
-section as Whisper's encoder.
+section as Whisper's encoder; a VLM's vision and llm sections together as one Gemma 3 VLM folder
+(`gemma3`: a SigLIP tower with `projector: avg_pool` and a Gemma 3 language model).
 
 The weight mappings themselves (import and export) live beside the models they convert, in
 `models/hf.py` and `models/hf_encoders.py`; the workloads' `init.hf_path` loaders import them from
@@ -17,12 +18,13 @@ import shutil
 from pathlib import Path
 
 from maestro_jax.models.hf import ARCHITECTURES, HFError, save_llm
-from maestro_jax.models.hf_encoders import save_audio, save_vit
+from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_vit
 
 __all__ = [
     "EXPORT_TYPES",
     "HFError",
     "check_export_folder",
+    "export_gemma3_vlm",
     "export_section",
     "export_type",
     "save_audio",
@@ -107,7 +109,20 @@ def check_export_folder(path: str | Path, overwrite: bool) -> None:
 
 
 def export_section(path: str | Path, params: dict, fields: dict, model_type: str, overwrite: bool = False) -> None:
-    """`save_section` into `path`, owning the folder: the export is written into a fresh sibling
+    """`save_section` into `path`, owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_section(staging, params, fields, model_type), overwrite)
+
+
+def export_gemma3_vlm(
+    path: str | Path, vision: tuple[dict, dict], llm: tuple[dict, dict], image_token: int, overwrite: bool = False
+) -> None:
+    """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one Gemma 3
+    VLM folder (`save_gemma3_vlm`), owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_gemma3_vlm(staging, *vision, *llm, image_token), overwrite)
+
+
+def _export_into(path: str | Path, write, overwrite: bool) -> None:
+    """`write(folder)` into `path`, owning the folder: the export is written into a fresh sibling
     first, so a failure leaves `path` as it was; then, under `overwrite`, every weight file and
     index `path` held is removed (`WEIGHT_FILES`) before the new files move in (a crash in
     between leaves no weights, never two models' mixed), and the sibling is removed."""
@@ -116,7 +131,7 @@ def export_section(path: str | Path, params: dict, fields: dict, model_type: str
     staging = path.parent / f".{path.name}.export-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        save_section(staging, params, fields, model_type)
+        write(staging)
         if not path.exists() or not any(path.iterdir()):
             if path.exists():
                 path.rmdir()
