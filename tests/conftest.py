@@ -3,7 +3,17 @@
 import contextlib
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The tests' programs are tiny, so compiling them costs far more than running them: XLA:CPU's
+# LLVM backend runs unoptimised (its HLO passes, sharding and buffer assignment, which the tests
+# check, are untouched), about halving a compile. Every side of every comparison compiles alike;
+# training runs the tests start (subprocesses) inherit the flags.
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+        "--xla_force_host_platform_device_count=8",
+    ]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("PJRT_NPROC", "32")  # 4 client threads per device, as the CLI sets (cli._ensure_host_devices)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD performance notes are noise in tests

@@ -170,7 +170,10 @@ def test_a_staged_moe_student_carries_its_balance_loss_to_the_last_stage():
 
 @pytest.mark.slow
 def test_a_staged_vlm_step_is_the_unstaged_monolithic_step_under_both_schedulers():
-    cfg = load_config(ROOT / "configs" / "vlm_tiny.yaml", [*TINY_VLM, "models.llm.depth=3", "sections.llm.stages=2"])
+    """Its image tokens attend to their whole image (`bidirectional_images`, Gemma 3's): the host
+    batch's image blocks reach every stage's layers."""
+    overrides = [*TINY_VLM, "models.llm.depth=3", "sections.llm.stages=2", "models.llm.bidirectional_images=true"]
+    cfg = load_config(ROOT / "configs" / "vlm_tiny.yaml", overrides)
     assert cfg.plan().sections[stage_name("llm", 1)].mesh == (1, 1, 1, 1, 3)
     _equal_to_monolithic(cfg)
 
