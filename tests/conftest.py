@@ -162,3 +162,22 @@ def compiles(when=lambda: True):
         yield names
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the tests marked `extended` (the README's test command leaves them out)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The README's test command (CI's) leaves out the `extended` tier; `--extended` runs it too, and
+    an explicit `-m` expression chooses for itself (`-m extended`: that tier alone)."""
+    if config.getoption("--extended") or config.getoption("markexpr"):
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]

@@ -39,6 +39,7 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.slow
 def test_bench_runs_the_plan_and_records_it(tmp_path, plan):
     out = tmp_path / "bench.json"
     trace = ["--trace", str(tmp_path / "trace")] if plan == "co_located" else []

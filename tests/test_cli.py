@@ -67,7 +67,7 @@ def test_command_help_gives_every_default(name, capsys):
             "--devices": "(required)",
             "--measure": "(default: off)",
         },
-        "export": {"--model-type": "(default: llama for an LLM;", "--section": "(required)"},
+        "export": {"--model-type": "(default: llama for an LLM,", "--section": "(required)"},
     }.get(name, {})
     for flag, default in expected.items():
         assert default in entries[flag], (flag, entries[flag])

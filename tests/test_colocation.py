@@ -74,6 +74,7 @@ def _simulated(p, plan, metas):
     return simulate(wavefront(metas, problem, cost), problem, metas, cost)
 
 
+@pytest.mark.slow
 def test_simulator_runs_co_located_sections_one_at_a_time():
     cfg = load_config(ROOT / "configs/vlm_paper_scale.yaml")
     p = planner_for(cfg, 64, 80.0)

@@ -47,6 +47,7 @@ def ahead(request):
     return cfg, rt, count, said, during, new_transfers
 
 
+@pytest.mark.slow
 def test_compile_ahead_says_and_counts_what_it_compiles(ahead):
     """One line first, with the count returned; the count is the number of distinct signatures
     now in the sections' caches plus the transfer programs, each compiled exactly once."""
@@ -85,6 +86,7 @@ def test_training_after_compile_ahead_compiles_nothing(ahead):
     assert first and during[first[0] :] == []
 
 
+@pytest.mark.slow
 def test_a_shape_nothing_foresaw_compiles_lazily(ahead, caplog):
     """A batch of sequences longer than any the data holds: its programs compile when called,
     into the same caches, with a warning naming the section and the step; the next call of the

@@ -88,6 +88,7 @@ def test_any_degrees_verify(plan, scheduler):
         assert f"{edge.src}/grads" in names
 
 
+@pytest.mark.slow
 def test_fan_in_consumer_program_gathers_without_collectives():
     """The student's compiled loss-and-grad (fan-in 6 -> 2) holds one collective, the gradient and
     metric all-reduce over its data shards: no all-gather or all-reduce of the teacher's rows,

@@ -147,6 +147,7 @@ def test_vision_skips_text_only_samples():
 
 
 @pytest.mark.parametrize("workload,plan", [("vlm", "shipped"), ("vlm", "fanout4_fsdp_remat"), ("kd", "fanout4")])
+@pytest.mark.slow
 def test_wavefront_schedule_is_equivalent(workload, plan):
     """Reordering samples (wavefront) never changes the step: same loss, grads, params."""
     path, tiny, plans = (

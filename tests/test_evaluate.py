@@ -24,6 +24,7 @@ FORWARD_ONLY = {"forward", "loss", "add", "init_opt"}  # init_opt: the abstract 
     ],
     ids=["vlm", "kd-wavefront-run-ahead"],
 )
+@pytest.mark.slow
 def test_evaluate_is_the_training_loss_forward_only(path, overrides):
     cfg = load_config(ROOT / "configs" / path, overrides)
     rt = build_runtime(cfg)

@@ -66,6 +66,7 @@ def runs(flags):
     return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
 
 
+@pytest.mark.extended  # an end-to-end recipe; CI keeps distill_llama3
 def test_llava_vlm_two_stages(tmp_path):
     vlm = recipe("llava_vlm")
     out = vlm.main(tmp_path)
@@ -104,6 +105,7 @@ def test_llava_vlm_two_stages(tmp_path):
     assert_export_reloads(out["export"], second["llm"].params)
 
 
+@pytest.mark.extended  # an end-to-end recipe; CI keeps distill_llama3
 def test_omni_towers_frozen_llm_exported(tmp_path):
     omni = recipe("omni")
     out = omni.main(tmp_path)

@@ -63,6 +63,7 @@ for order in ("wavefront", "wavefront", "naive"):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 32 devices in a subprocess
 def test_sixteen_micro_steps_on_32_devices_finish_under_both_orders():
     """The shape that used to abort under wavefront (XLA's 40 s rendezvous timeout): a VLM over
     32 CPU devices, the LLM's 24 with tensor groups of 3 and 16 micro-steps in flight. Every

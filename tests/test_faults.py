@@ -290,6 +290,7 @@ def test_bad_config_exits_2_with_one_line_before_compiling(overrides, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_0_where_checkpoints_are_is_refused(tmp_path, capsys):
     """A run without checkpoints on a directory holding some would restart from step 0, cut
     metrics.jsonl back and leave the old checkpoints to a later resume: refused, nothing touched."""
@@ -396,6 +397,7 @@ def bad_records(tmp_path_factory):
     ]
 
 
+@pytest.mark.slow
 def test_bad_sample_stops_with_its_id(bad_records, capsys):
     with pytest.raises(DataError, match=r"record 3 of .*mixed.array_record: sample id=3: image 0 has NaN or inf"):
         train(load_config(VLM, bad_records), progress=False)

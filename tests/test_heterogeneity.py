@@ -25,6 +25,7 @@ def _sweep():
     return module
 
 
+@pytest.mark.slow
 def test_highres_vlm_config_images_fit_the_vit_and_its_plan_fits_80gb():
     cfg = load_config(HIGHRES)
     vit, images = cfg.models["vision"], cfg.data.modalities["image"]
@@ -46,6 +47,7 @@ def test_highres_vlm_config_images_fit_the_vit_and_its_plan_fits_80gb():
     assert peak_memory(plan, planner_for(cfg, 64, 80.0, batches=1).check(plan)) <= 80 * 2**30
 
 
+@pytest.mark.slow
 def test_text_only_vlm_plans_the_monolithic_layout_and_images_never_lose():
     """The sweep's own point function, at 16 devices: no images leave the ViT idle and nothing
     uneven, so maestro's best plan is the fair monolithic layout (ratio 1); with images on every

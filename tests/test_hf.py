@@ -344,6 +344,7 @@ def _teacher_cfg(path, **extra):
         ("gemma3_text", "{data: 2, tensor: 2}"),
     ],
 )
+@pytest.mark.slow
 def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     """The KD teacher section starts from the folder: its hidden states and output layer give
     transformers' logits, sharded over the teacher's mesh, and a training step runs (with a
@@ -542,6 +543,7 @@ def test_check_hf_compares_a_tower_folder(case, inputs, capsys):
     assert cli.main(["check-hf", "--hf", str(path), "--tolerance", "1e-12"]) == 1
 
 
+@pytest.mark.slow
 def test_an_export_owns_its_folder(tmp_path, capsys):
     """`export --out F` where F holds another model's shards and index: refused, one line naming
     what is there, F untouched (a loader would read the old index beside the new weights); with

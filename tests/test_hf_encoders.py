@@ -103,6 +103,7 @@ def test_siglip_matches_transformers(tmp_path, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_whisper_matches_transformers(tmp_path, scan):
     """Two full clips (16 frames of 8 mel bins) packed in one row: the conv stem stops at each
     clip's edge, and the encoder's `last_hidden_state` is Whisper's (read from a whole
@@ -113,6 +114,7 @@ def test_whisper_matches_transformers(tmp_path, scan):
     assert max_err(out, ref["last_hidden_state"]) < ATOL
 
 
+@pytest.mark.slow
 def test_towers_load_sharded_slices(tmp_path):
     """Into a 2x2 (fsdp x tensor) sharding on devices 4-7 each device holds its slice of a weight,
     and the features are still the references'."""
@@ -184,6 +186,7 @@ def test_configs_that_are_not_towers_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_export_reimports_without_torch(tmp_path, scan):
     """save_vit / save_audio then load: the same tower (this half of the round trip needs no torch)."""
     path, ref = fixture(tmp_path, "siglip")
@@ -229,6 +232,7 @@ def test_export_round_trip_in_transformers(tmp_path):
     assert max_err(out, ref["last_hidden_state"]) < ATOL
 
 
+@pytest.mark.slow
 def test_conv_stem_declared_flops_match_xla():
     """The audio section's declared cost prices Whisper's stem (within 10% of XLA's count; with the
     tanh GELU, as XLA counts exact GELU's erf as dozens of flops an element, which no declaration prices)."""
@@ -416,6 +420,7 @@ def test_gemma3_folder_gives_its_tower_and_projector(tmp_path, layout, scan):
     assert max_err(np.asarray(model.apply({"params": wrong}, *inputs)[0]), want) > 10 * ATOL
 
 
+@pytest.mark.slow
 def test_gemma3_vlm_logits_equal_transformers_with_each_image_attending_to_itself(tmp_path):
     """The whole Gemma 3 VLM: the tower and projector's image tokens spliced (unscaled) into the
     scaled text embeddings, and each image's tokens attending to all of their image
@@ -480,6 +485,7 @@ def test_a_gemma3_vlm_folder_gives_both_sections_and_verifies(tmp_path):
     assert all(d.max_rel <= 1e-4 for d in diffs), diffs
 
 
+@pytest.mark.slow
 def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     """`check-hf` on a Gemma 3 VLM folder: its image tokens and the logits of a row holding both
     images, each a line, both within the tolerance."""

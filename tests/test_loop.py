@@ -34,6 +34,7 @@ def spied_runtime(cfg, events, monkeypatch):
     return rt
 
 
+@pytest.mark.slow
 def test_each_step_is_read_after_the_next_is_issued(tmp_path, monkeypatch):
     cfg = load_config(
         ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=5", "checkpoint_every=2", f"output_dir={tmp_path / 'run'}"]
@@ -144,6 +145,7 @@ def _events(directory):
     return out
 
 
+@pytest.mark.slow
 def test_trackers_come_from_the_config_each_with_the_resolved_config(tmp_path):
     """`trackers: [jsonl, tensorboard, wandb]`: metrics.jsonl; TensorBoard's hparams plugin holds
     the resolved config (flattened: `optimizer.learning_rate`); an offline W&B run under

@@ -98,6 +98,7 @@ def test_expert_and_context_parallel_layers_equal_one_device_and_really_shard(ax
     assert gate.addressable_shards[0].data.shape[0] == CFG.experts // axes.get("expert", 1)
 
 
+@pytest.mark.slow
 def test_ragged_dispatch_equals_the_dense_one():
     """`moe_dispatch: ragged` (sorted tokens, grouped matmuls, only the chosen experts' FLOPs)
     gives the dense dispatch's outputs, balance loss and gradients."""
@@ -220,6 +221,7 @@ def test_sparse_dispatch_runs_the_chosen_experts_flops():
 
 
 @pytest.mark.parametrize("skew", [(8.0, 0.0), (8.0, 6.0)])
+@pytest.mark.slow
 def test_sparse_dispatch_is_dropless_under_skewed_routing(skew):
     """A router biased so every token picks expert 0 (and its second expert at random), or
     experts 0 and 1, which live on the same device: that device receives every pair of the

@@ -110,6 +110,7 @@ def vlm_one(tmp_path_factory):
     return run_single(ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["steps=5", "keep_checkpoints=0"], out), out
 
 
+@pytest.mark.extended  # CI keeps KD on four processes and the 2-process resume
 def test_vlm_shipped_plan_on_four_processes_resumes_bit_exactly(tmp_path, vlm_one):
     """configs/vlm_tiny.yaml's plan on 4 processes of 2 devices: vision on devices 0:2 (alone in
     process 0) feeds the LLM on 2:8 (processes 1-3: the paper's layout, a section over some

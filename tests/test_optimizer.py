@@ -142,6 +142,7 @@ def expected_rate(peak: float, step: int, warmup: int = 2, end: int = 6, final: 
     return float(optax.warmup_cosine_decay_schedule(0.0, peak, warmup, end, peak * final)(step))
 
 
+@pytest.mark.slow
 def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
     cfg = load_config(VLM, USER + ["steps=7"])
     history = train(cfg, progress=False)
@@ -217,6 +218,7 @@ def test_adamw_update_is_optax_adamw_bit_for_bit():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_no_bias_or_norm_scale_of_any_built_in_model_is_decayed():
     """Every parameter of the built-in models (LLM with Qwen2's q/k/v biases and MoE experts, the
     SigLIP-style ViT, the Whisper-style audio encoder): zero gradients, one AdamW step with weight

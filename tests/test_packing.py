@@ -76,6 +76,7 @@ def test_a_packed_rows_samples_get_what_each_gets_alone():
     assert not np.allclose(mixed[1], np.asarray(ref[1, : lengths[1]]), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_a_packed_rows_moe_balancing_loss_is_its_samples_losses_alone():
     """The mixture-of-experts load-balancing loss is taken per sequence: in a packed row per sample,
     so the row's sum is the samples' sum alone (and the logits are theirs too)."""

@@ -65,7 +65,7 @@ def assert_valid(p, plan):
     "config,overrides,devices,staged",
     [
         (KD, TINY_KD, 6, False),
-        (VLM, TINY_VLM, 8, False),
+        pytest.param(VLM, TINY_VLM, 8, False, marks=pytest.mark.extended),  # the largest exhaustive search
         (KD, TINY_KD + ["models.student.depth=2", "models.teacher.depth=2"], 4, True),
     ],
     ids=["kd6", "vlm8", "kd4-stages"],
@@ -291,6 +291,7 @@ def test_infeasible_requests_name_the_smallest_feasible_one():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a paper-scale search
 def test_paper_scale_vlm_plans_on_80gb_devices_with_few_simulations():
     """The 30B-A3B MoE VLM at 32K tokens on 72 x 80 GB: bf16, checkpointing, expert and context
     parallelism are in the search, and a plan fits."""
@@ -366,7 +367,13 @@ def test_check_plan_is_what_the_planner_uses():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config,overrides",
-    [(KD, TINY_KD), (VLM, TINY_VLM), (KD, BF16_KD), (KD, MOE_KD), (VLM, CONTEXT_VLM)],
+    [
+        (KD, TINY_KD),
+        (VLM, TINY_VLM),
+        (KD, BF16_KD),
+        pytest.param(KD, MOE_KD, marks=pytest.mark.extended),
+        pytest.param(VLM, CONTEXT_VLM, marks=pytest.mark.extended),
+    ],
     ids=["kd", "vlm", "kd-bf16-remat-scan", "kd-moe-expert", "vlm-context"],
 )
 def test_memory_model_tracks_the_compiled_programs(config, overrides):

@@ -86,6 +86,7 @@ def test_search_at_64_devices_simulates_few_plans():
     assert report.best.step_time_s <= report.monolithic["step_time_s"]
 
 
+@pytest.mark.slow
 def test_no_plan_at_all_is_said_before_any_pass(monkeypatch):
     """8 samples cannot fill 64 devices when no section's weights split over `tensor` (the graph's
     modules name no logical axes): the search says so at once instead of raising its threshold
@@ -99,6 +100,7 @@ def test_no_plan_at_all_is_said_before_any_pass(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # exhaustive; CI keeps the pruned-vs-exhaustive kd cases
 def test_exact_search_finds_the_exhaustive_optimum(planner):
     """Against every plan whose bound leaves it a chance (the bounds themselves are checked above)."""
     found, _, simulated = planner._search(3)

@@ -56,6 +56,7 @@ def test_only_frozen_sections_that_read_data_run_ahead():
 
 
 @pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
+@pytest.mark.slow
 def test_a_step_fed_ahead_is_the_monolithic_step(scheduler):
     """The teacher's forwards for batch 1, issued before step 0's update and kept until step 1:
     step 1's loss and grads equal the monolithic step's (1e-5) and the step computed without

@@ -61,6 +61,7 @@ def test_simulate_cli_json(tmp_path):
     assert "per-device speedup" in proc.stdout
 
 
+@pytest.mark.slow
 def test_moe_planning_reads_the_expert_weights():
     """The paper-scale MoE LLM is described by its own Flax model: 128 experts' weights, not a dense FFN."""
     from maestro_jax import workloads

@@ -30,6 +30,7 @@ def test_layer_ranges_cut_the_layers_in_consecutive_runs_the_earlier_stages_long
         layer_ranges(2, 3)
 
 
+@pytest.mark.slow
 def test_a_staged_graph_cuts_the_section_and_its_variables_and_puts_them_back_together():
     cfg = load_config(KD, [*DEEP_KD, "sections.student.stages=2", "sections.teacher.stages=2"])
     graph = workloads.build_graph(cfg)
@@ -136,6 +137,7 @@ def _equal_to_monolithic(cfg):
             assert d.max_rel <= 1e-5, f"{schedule.name}: {d.name} differs by {d.max_rel:.3e}"
 
 
+@pytest.mark.slow
 def test_a_staged_kd_step_is_the_unstaged_monolithic_step_under_both_schedulers():
     """Teacher in 2 forward-only stages (each tensor 2, the data axis of 2 cut in two) and the
     student in 2 (each data 2): loss and every gradient equal the unstaged graph's monolithic step."""
@@ -153,6 +155,7 @@ MOE_STUDENT = [
 ]
 
 
+@pytest.mark.slow
 def test_a_staged_moe_student_carries_its_balance_loss_to_the_last_stage():
     """An MoE student with a balance loss in 2 stages: stage 0 sends its rows' balance terms on
     with the rows (`core.stages.stage_aux_edge`) and the last adds them to the loss, so the step is
@@ -203,6 +206,7 @@ def test_bench_refuses_a_stage_count_no_section_takes(capsys):
     assert err.startswith("error: --stages=3: no section splits into that many stages here") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_staged_sections_start_from_a_hugging_face_folder_as_unstaged_ones(tmp_path):
     """Teacher and student both from one tiny Llama folder (`init.hf_path`), each in 2 stages or
     none: the same weights land in the sections (each stage's share on its own devices), each

@@ -573,6 +573,7 @@ def reference_cases():
     return cases
 
 
+@pytest.mark.slow
 def test_schedules_identical_to_the_reference():
     """The scheduler made linear in the batch (memoised durations and placements, one-pass
     validation, sort and packing fast paths) returns, op by op and row by row, the schedule of

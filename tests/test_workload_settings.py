@@ -219,6 +219,7 @@ def test_plugin_kinds_and_settings_need_a_plugin_workload():
 
 
 # -- the built-in workloads' placeholder ids ------------------------------------------------------
+@pytest.mark.slow
 def test_vlm_with_its_own_image_id_makes_checks_and_verifies():
     """Image id 7: synthetic text skips 7, every sample's 7s are exactly its image tokens, and the
     section runtime matches the monolithic step."""
