@@ -102,6 +102,7 @@ def test_simulator_runs_co_located_sections_one_at_a_time():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_planner_searches_co_location_and_never_loses_to_the_monolithic_layout():
     """At paper scale the fair monolithic layout (its micro-batches packed its best way) is one
     point of maestro's space: both sections on all devices, with the monolithic mesh."""

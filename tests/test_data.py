@@ -237,6 +237,7 @@ def test_shuffle_is_seeded_and_batches_deterministic():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_convert_folder_and_train(tmp_path):
     folder = tmp_path / "imgs"
     folder.mkdir()

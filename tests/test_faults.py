@@ -136,6 +136,7 @@ def tensorboard_losses(out) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
     """A rerun from step 0 (no checkpoint) purges the earlier run's events, and a run killed after
     a checkpoint leaves every step the checkpoint holds on disk: after the resume TensorBoard
@@ -156,6 +157,7 @@ def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kill_9_before_commit_with_keep_1_keeps_the_last_committed_step(tmp_path):
     """keep_checkpoints=1: the only committed step is deleted only after the next one is
     committed. Killed after Orbax wrote step 4's files but before it committed them (the test
@@ -566,6 +568,7 @@ def _start_two(tmp_path, overrides, hold_of=None, lines=2):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_late_process_is_waited_for_and_one_too_late_is_named(tmp_path):
     """Processes of one job start minutes apart on a cluster. Process 1 starting 60 s after
     process 0: process 0 says whom it waits for, and both train. With
@@ -920,6 +923,7 @@ def test_read_only_checkpoint_dir_exits_at_once_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_checkpoint_step_directory_not_created_exits_at_once(tmp_path):
     """The checkpoint filesystem runs out of inodes after the first save, so the next save cannot
     create its step directory (as on a read-only disk): one line, status 4, within seconds

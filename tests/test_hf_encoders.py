@@ -253,6 +253,7 @@ def _tower_overrides(kind: str, name: str, path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_omni_towers_start_from_hf_folders(tmp_path):
     """The omni workload's vision and audio sections start from the SigLIP and Whisper folders
     (`sections.<s>.init.hf_path`): the sections' params give the references' features, and a
@@ -615,6 +616,7 @@ def _mapped_leaves(params, mapping):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_cli_exports_towers_from_the_latest_checkpoint(tmp_path, capsys):
     """Omni with a CLIP vision tower cut at -2 and a Whisper encoder, both from Hugging Face folders
     (a training step runs), checkpointed at step 1 with moved weights: `maestro-jax export --section vision|audio` writes

@@ -140,6 +140,7 @@ PAPER_SHAPE = [
 ]
 
 
+@pytest.mark.extended
 def test_each_process_decodes_only_the_payload_its_devices_need(tmp_path, vlm_one):
     """Vision alone in process 0, the LLM alone in process 1: process 0 decodes exactly the
     pixels of the batch's images (no text), process 1 exactly the token ids (no pixel); one

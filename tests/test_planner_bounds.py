@@ -43,6 +43,7 @@ def planner():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices,run_ahead,every", [(2, 0, 11), (4, 0, 397), (4, 1, 397)])
+@pytest.mark.extended
 def test_bounds_hold_and_bind(devices, run_ahead, every):
     planner = four_section_planner(devices, run_ahead)
     assert any(pivot == "teacher" for *_, pivot in planner._paths), "the teacher is a pivot of its path"

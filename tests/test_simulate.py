@@ -18,6 +18,7 @@ CONFIGS = ["vlm_paper_scale.yaml", "kd_paper_scale.yaml"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.extended
 def test_paper_scale_predictions(name, tmp_path):
     cfg = load_config(ROOT / "configs" / name, [])
     r = simulate_config(cfg, gantt=str(tmp_path / "g.png"))

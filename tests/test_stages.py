@@ -156,6 +156,7 @@ MOE_STUDENT = [
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_staged_moe_student_carries_its_balance_loss_to_the_last_stage():
     """An MoE student with a balance loss in 2 stages: stage 0 sends its rows' balance terms on
     with the rows (`core.stages.stage_aux_edge`) and the last adds them to the loss, so the step is
@@ -207,6 +208,7 @@ def test_bench_refuses_a_stage_count_no_section_takes(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_staged_sections_start_from_a_hugging_face_folder_as_unstaged_ones(tmp_path):
     """Teacher and student both from one tiny Llama folder (`init.hf_path`), each in 2 stages or
     none: the same weights land in the sections (each stage's share on its own devices), each

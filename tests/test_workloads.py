@@ -147,6 +147,7 @@ def test_omni_batches_mix_every_modality_combination():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["omni", "vlm_kd"])
+@pytest.mark.extended
 def test_new_workloads_train(name):
     history = train(cfg_of(name, "steps=6"), progress=False)
     losses = [h["loss"] for h in history]
@@ -181,6 +182,7 @@ def test_plan_and_simulate_report_every_section(name):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_plugin_by_import_path_is_the_same_workload():
     a = verify(cfg_of("kd"))
     b = verify(cfg_of("kd", "workload=maestro_jax.workloads.kd:WORKLOAD"))
