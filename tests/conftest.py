@@ -191,6 +191,7 @@ EXTENDED_VARIANTS = {
     "tests/test_edges.py::test_any_degrees_verify[kd_fan_in_6_to_2-wavefront]",
     "tests/test_edges.py::test_any_degrees_verify[kd_fan_out_2_to_6-naive]",
     "tests/test_edges.py::test_any_degrees_verify[kd_fan_out_2_to_6-wavefront]",
+    "tests/test_stages.py::test_the_pipelined_baselines_layout_is_a_plan_that_runs_as_the_monolithic_step[kd]",
 }
 
 

@@ -234,3 +234,45 @@ def test_staged_sections_start_from_a_hugging_face_folder_as_unstaged_ones(tmp_p
         for a, b in zip(jax.tree.leaves(whole[s].variables), jax.tree.leaves(staged[s].variables)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert staged_loss == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        (ROOT / "configs" / "vlm_tiny.yaml", [*TINY_VLM, "models.llm.depth=2"]),
+        (KD, [*TINY_KD, "models.teacher.depth=2", "models.student.depth=2"]),
+    ],
+    ids=["vlm", "kd"],
+)
+def test_the_pipelined_baselines_layout_is_a_plan_that_runs_as_the_monolithic_step(tmp_path, config, overrides):
+    """The 1F1B baseline's layout as a maestro plan (`Planner._pipelined_point`): every section
+    the baseline cuts in its stages, stage by stage on shared devices (the ViT beside the LLM's
+    first stage; a KD teacher's stage i beside the student's stage i), with its stash bound.
+    Written as a config (`plan --write`), the config cuts it back into the very plan priced, the
+    search never returns a slower plan, and the step equals the unstaged monolithic step."""
+    from maestro_jax.planning.pipeline import pipelined_best
+    from maestro_jax.tools.plan import planner_for, write_plan
+
+    cfg = load_config(config, overrides)
+    planner = planner_for(cfg, 8, 1.0)
+    pipelined = pipelined_best(planner)
+    point = planner._pipelined_point(pipelined)
+    k = pipelined["stages"]
+    assert point is not None and point.max_in_flight == k
+    sections = point.plan.sections
+    for s in pipelined["layers_per_stage"]:  # each cut section in k stages, stage i on the i-th k-th
+        assert [sections[stage_name(s, i)].devices for i in range(k)] == [
+            tuple(range(i * 8 // k, (i + 1) * 8 // k)) for i in range(k)
+        ]
+    for s in pipelined["first_stage_whole"]:
+        assert sections[s].devices == tuple(range(8 // k))
+    assert planner.search(top=1).best.step_time_s <= point.step_time_s
+    write_plan(str(config), overrides, point, 1.0, str(tmp_path / "pipelined.yaml"))
+    planned = load_config(tmp_path / "pipelined.yaml")
+    assert planned.schedule.max_in_flight == k
+    written = planned.plan().sections
+    assert {s: (w.devices, w.mesh, w.micro_batch) for s, w in written.items()} == {
+        s: (sp.devices, sp.mesh, sp.micro_batch) for s, sp in sections.items()
+    }
+    _equal_to_monolithic(planned)

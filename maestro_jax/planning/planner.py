@@ -921,16 +921,15 @@ class Planner:
                 kth = sorted(fastest.values())[top - 1] if len(fastest) >= top else math.inf
                 found, count, ran = (self if same else self._with(self.devices, f, ahead))._search(top, kth)
                 scored, considered, simulated = scored + found, considered + count, simulated + ran
-        monolithic = self.monolithic_best()
-        point = self._monolithic_point(monolithic)
-        if point is not None:  # in the plan space: the search within `tolerance` must never do worse
-            scored.append(point)
+        monolithic, pipelined = self.monolithic_best(), pipelined_best(self)
+        # both baselines' layouts are in the plan space: the search within `tolerance` never does worse
+        scored += [p for p in (self._monolithic_point(monolithic), self._pipelined_point(pipelined)) if p is not None]
         scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured settings first
         seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
         scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
         if not scored:
             raise InfeasibleError(self._infeasible_message())
-        return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined_best(self))
+        return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined)
 
     def _monolithic_point(self, monolithic: dict | None) -> Candidate | None:
         """The monolithic layout as a maestro plan: every section on all devices with its mesh,
@@ -944,7 +943,42 @@ class Planner:
             for s, sec in self.spec.sections.items()
         }
         plan = Plan(sections, {e.name: 1 for e in self.spec.edges}, self.global_batch)
-        one = self._with(self.devices, 1, 0)
+        return self._point(plan, 1)
+
+    def _pipelined_point(self, pipelined: dict | None) -> Candidate | None:
+        """The pipelined baseline's layout (`pipeline.pipelined_best`) as a maestro plan: each
+        section it cuts into its P stages in P pipeline stages (`sections.<s>.stages`), stage i on
+        the i-th P-th of the devices, the stages of different sections co-located stage by stage
+        (a KD teacher's stage i beside the student's, as one Megatron stage holds both); a section
+        it runs whole in its first stage co-located with the first stages; every section with its
+        stage mesh and micro-batch, the trained ones with its checkpointing; P forwards in flight
+        (1F1B's first stage holds P). Scored like any plan, by maestro's own schedule: the stages
+        are cut as `sections.<s>.stages` cuts them (even runs of layers), not the baseline's
+        balanced cut. None when there is no pipelined layout, a section it cuts cannot take P
+        stages (`WorkloadSpec.splits`), or the plan breaks a constraint."""
+        if pipelined is None:
+            return None
+        k, per = pipelined["stages"], pipelined["devices_per_stage"]
+        cut = set(pipelined["layers_per_stage"])
+        if any(k not in self.spec.splits.get(s, {}) for s in cut):
+            return None
+        mesh = mesh_shape(**pipelined["mesh"])
+        sections = {}
+        for s, sec in self.spec.sections.items():
+            remat = pipelined["layer_remat"] if sec.trained else "none"
+            sp = SectionPlan((), mesh, pipelined["micro_batch"], precision=sec.precision, layer_remat=remat)
+            if s not in cut:
+                sections[s] = dataclasses.replace(sp, devices=tuple(range(per)))
+            for i in range(k) if s in cut else ():
+                sections[stage_name(s, i)] = dataclasses.replace(sp, devices=tuple(range(i * per, (i + 1) * per)))
+        edges = self.spec.staged(dict.fromkeys(cut, k)).edges
+        fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in edges}
+        return self._point(Plan(sections, fanout, self.global_batch), k)
+
+    def _point(self, plan: Plan, max_in_flight: int) -> Candidate | None:
+        """A baseline's layout as a scored maestro plan with `max_in_flight` and no run-ahead;
+        None when it breaks a constraint."""
+        one = self._with(self.devices, max_in_flight, 0)
         try:
             mem = one.check(plan)
         except PlanError:
@@ -955,9 +989,10 @@ class Planner:
             t,
             self.global_batch / t / self.devices,
             {s: m["total"] / 2**30 for s, m in mem.items()},
-            1,
+            max_in_flight,
             peak_memory(plan, mem) / 2**30,
             0,
+            self.spec.staged(self._stage_counts(plan)).stages,
         )
 
     def _search(self, top: int, incumbent: float = math.inf) -> tuple[list[Candidate], int, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
@@ -276,7 +277,8 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
     * sink first (`_sink_first`): the sink's micro-steps are packed first (its padding dominates
       when it is the bottleneck), in several orders.
     List scheduling starts every section's work as early as dependencies allow and keeps stashed
-    forwards within the in-flight bound; a variant whose dependencies cannot keep the bound is
+    forwards within the in-flight bound (a plan with pipeline stages is list-scheduled twice, the
+    second time in 1F1B's order, oldest micro-step first, and the faster kept); a variant whose dependencies cannot keep the bound is
     dropped (the sink-first variant with nested micro-steps always keeps it: see `_derive`).
     The naive operation order over each variant's micro-steps, and the arrival-order micro-steps
     (`_arrival`), compete too when they respect the bound and the placement rule (`validate`,
@@ -644,11 +646,16 @@ class _Search:
         if key in self.seen:
             return self.seen[key]
         steps = link(problem, {s: rows[s] for s in problem.order})
-        try:
-            ops, makespan = _list_schedule(batch, steps)
-        except ScheduleError:
+        found = []
+        for oldest in (False, True) if problem.bounds else (False,):  # pipeline stages: 1F1B's order too
+            try:
+                found.append(_list_schedule(batch, steps, oldest))
+            except ScheduleError:
+                pass
+        if not found:
             self.seen[key] = None
             return None
+        ops, makespan = min(found, key=lambda f: f[1])
         self.seen[key] = Schedule(steps, ops, len(batch.metas), "wavefront"), makespan
         self.best = min(self.best, makespan)
         return self.seen[key]
@@ -668,8 +675,14 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     return _list_schedule(_Batch(metas, problem, cost), steps)
 
 
-def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
-    """`list_schedule` with the batch's memoised durations."""
+def _list_schedule(batch: _Batch, steps, oldest: bool = False) -> tuple[tuple[Op, ...], float]:
+    """`list_schedule` with the batch's memoised durations.
+
+    `oldest`: 1F1B's order for pipeline stages. Of the ops that could start at once, the one of
+    the earliest micro-step goes first (a co-located teacher stage's next forward no longer runs
+    ahead of the student stage's forward of an earlier micro-step, which the stages after it
+    wait on), and an update waits until its device group has run every forward and backward (a
+    stage's gradient reduction would hold up the backwards of sections sharing its devices)."""
     problem = batch.problem
     req = required_ops(Schedule(steps, (), len(batch.metas)), problem)
     ops = list(req)
@@ -692,12 +705,14 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
     f_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "F"}
     b_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "B"}
     order: list[tuple[float, int, Op]] = []
+    age = [op.step if oldest else 0 for op in ops]
+    left = Counter(resource_of(op, problem) for op in ops if oldest and op.kind in ("F", "B"))  # by device group
 
     def start_of(i):
         return max(free.get(resource_of(ops[i], problem), 0.0), dep_done[i])
 
     def candidates() -> list[int]:
-        out = list(ready_other)
+        out = [i for i in ready_other if ops[i].kind != "U" or not left[resource_of(ops[i], problem)]]
         for s in problem.order:
             if ready_b[s]:
                 out.append(b_index[(s, ready_b[s][0])])
@@ -718,11 +733,12 @@ def _list_schedule(batch: _Batch, steps) -> tuple[tuple[Op, ...], float]:
                 f"bounds {problem.max_in_flight} (and {dict(problem.bounds) or 'no stage bounds'}) hold back (or a "
                 "dependency cycle)"
             )
-        i = min(cands, key=lambda j: (start_of(j), ops[j].section != problem.sink, ops[j].kind == "B", j))
+        i = min(cands, key=lambda j: (start_of(j), age[j], ops[j].section != problem.sink, ops[j].kind == "B", j))
         op = ops[i]
         t0 = start_of(i)
         finish[i] = t0 + batch.duration(op, steps)
         free[resource_of(op, problem)] = finish[i]
+        left[resource_of(op, problem)] -= oldest and op.kind in ("F", "B")
         if op.kind == "F":
             next_f[op.section] += 1
             stashed[op.section] += problem.needs_backward(op.section)
