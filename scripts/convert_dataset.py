@@ -6,7 +6,9 @@ A record is a conversation, LLaVA style `{"id", "image": path | [paths], "conver
 [{"from": "human" | "gpt" | "system", "value": "...<image>..."}]}` or OpenAI style
 `{"messages": [{"role", "content"}]}`, or plain text `{"text": ...}`. Conversations are
 rendered with the tokenizer's chat template; each `<image>` marker becomes that image's
-placeholder tokens, and only the assistant's turns carry loss. Image paths are relative to
+placeholder tokens (from a Gemma 3 checkpoint's folder, what its processor writes: boi, its
+image tokens, eoi, each image resized to its processor's size), and only the assistant's turns
+carry loss. Image paths are relative to
 --image-root (default: the input's folder); images are scaled to at most --max-side pixels a
 side (default: the largest the model takes), each side a multiple of patch * merge. Each
 `<audio>` marker (the record's `audio`: path | [paths], or an OpenAI `audio` / `input_audio`

@@ -499,3 +499,152 @@ def test_long_samples_are_truncated_between_items_or_skipped(tokenizer, images):
         C.Converter(tok, dataclasses.replace(VLM, max_tokens=first + 2), images, max_side=32).sample(0, record)
     with pytest.raises(C.ConvertError, match=r"^error: --on-long=cut: valid: skip, truncate$"):
         C.Converter(tok, VLM, images, max_side=32, on_long="cut")
+
+
+# Gemma 3's chat template, as google/gemma-3-4b-it ships it
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}{%- endif -%}"
+    '{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = "" -%}'
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    '{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}{%- endif -%}'
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\\n'}}{%- endif -%}"
+)
+GEMMA3_SPECIALS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",  # id 8: the model's image token
+]
+
+
+def make_gemma3_folder(folder, size=16, count=4, **preprocessor):
+    """A Gemma 3 checkpoint's tokenizer and processor files as Google ships them (tokenizer_config
+    declaring boi, eoi and image tokens; processor_config's image_seq_length; preprocessor_config's
+    size and normalisation), with a byte-level BPE trained on CORPUS."""
+    from transformers import PreTrainedTokenizerFast
+
+    make_tokenizer(folder, GEMMA3_SPECIALS)
+    images = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens=images,
+    )
+    (folder / "tokenizer_config.json").unlink()
+    tok.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(GEMMA3_TEMPLATE)
+    pre = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": size, "width": size}, "resample": 2}
+    pre |= {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None, **preprocessor}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre))
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": count}))
+    return folder
+
+
+GEMMA3_VLM = target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=8"])
+
+
+def test_gemma3_conversations_are_written_as_its_processor_writes_them(images, tmp_path):
+    """From a Gemma 3 folder, each image becomes "\\n\\n<start_of_image>", its image_seq_length
+    `<image_soft_token>`s and "<end_of_image>\\n\\n", resized to the processor's square: the token
+    ids and pixels equal transformers' Gemma3Processor (OpenAI-style parts through
+    `apply_chat_template`, LLaVA's `<image>` where the template puts `<start_of_image>`), and only
+    the model's turns carry loss."""
+    pytest.importorskip("torch", reason="transformers' processors need torch (the `reference` extra)")
+    from transformers import AutoTokenizer, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    folder = make_gemma3_folder(tmp_path / "gemma3")
+    tok = C.ChatTokenizer.load(folder)
+    assert tok.image_sequence == C.ImageSequence(
+        "gemma3", "\n\n<start_of_image>", "<image_soft_token>", "<end_of_image>\n\n", (16, 16), 4
+    )
+    converter = C.Converter(tok, GEMMA3_VLM, images)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 16, "width": 16}),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        chat_template=GEMMA3_TEMPLATE,
+        image_seq_length=4,
+    )
+    parts = {
+        "messages": [
+            {"role": "system", "content": "describe images."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "im1.png"},
+                    {"type": "text", "text": "compare it with"},
+                    {"type": "image", "image": "im3.png"},
+                ],
+            },
+            {"role": "assistant", "content": "the first image shows a red square."},
+        ]
+    }
+    opened = {name: Image.open(images / name).convert("RGB") for name in ("im1.png", "im3.png", "im2.png")}
+    reference = [
+        {
+            **m,
+            "content": [{**p, "image": opened[p["image"]]} if p["type"] == "image" else p for p in m["content"]]
+            if isinstance(m["content"], list)
+            else m["content"],
+        }
+        for m in parts["messages"]
+    ]
+    want = processor.apply_chat_template(reference, tokenize=True, return_dict=True, return_tensors="np")
+    llava = {"image": "im2.png", "conversations": [{"from": "human", "value": "<image>what is in the picture?"}]}
+    llava["conversations"].append({"from": "gpt", "value": "a cat sits on a mat."})
+    text = processor.tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "<start_of_image>what is in the picture?"},
+            {"role": "assistant", "content": "a cat sits on a mat."},
+        ],
+        tokenize=False,
+    )
+    want_llava = processor(text=text, images=[[opened["im2.png"]]], add_special_tokens=False, return_tensors="np")
+    for record, expected, said in (
+        (parts, want, ["the first image shows a red square."]),
+        (llava, want_llava, ["a cat sits on a mat."]),
+    ):
+        s = converter.sample(0, record)
+        np.testing.assert_array_equal(s.tokens, expected["input_ids"][0])
+        pixels = np.stack(s.items["image"]).transpose(0, 3, 1, 2)  # (images, h, w, 3) -> the processor's layout
+        np.testing.assert_allclose(pixels, expected["pixel_values"], atol=1e-5)
+        assert [b - a for a, b in runs(s.tokens == 8)] == [4] * len(s.items["image"])
+        mask = s.loss_mask.astype(bool)
+        decoded = [tok.tokenizer.decode(s.tokens[a:b].tolist(), skip_special_tokens=True) for a, b in runs(mask)]
+        assert decoded == [f"{x}\n" for x in said]  # the answer, its <end_of_turn> (special) and newline
+
+
+def test_a_gemma3_folder_the_model_cannot_take_is_refused_in_one_line(images, tmp_path):
+    """Gemma 3's processor writes image_seq_length tokens an image of its size; a vision model that
+    takes another count, a normalisation other than [-1, 1], pan and scan, or --max-side (the
+    processor fixes the size) are refused before any record is read."""
+    cases = [
+        (make_gemma3_folder(tmp_path / "a", count=16), {}, "writes 16 tokens for an image of 16x16 pixels"),
+        (make_gemma3_folder(tmp_path / "b", image_mean=[0.48, 0.45, 0.4]), {}, "image_mean=[0.48, 0.45, 0.4]"),
+        (make_gemma3_folder(tmp_path / "c", do_pan_and_scan=True), {}, "do_pan_and_scan=true"),
+        (make_gemma3_folder(tmp_path / "d"), {"max_side": 32}, "--max-side=32: the gemma3 processor"),
+    ]
+    for folder, kwargs, message in cases:
+        with pytest.raises(C.ConvertError) as err:
+            C.Converter(C.ChatTokenizer.load(folder), GEMMA3_VLM, images, **kwargs)
+        assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
+        assert message in str(err.value), str(err.value)

@@ -40,7 +40,6 @@ from maestro_jax.data.sources import write_index
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker of where an image goes in a turn's text
 AUDIO_MARKER = "<audio>"  # and of where an audio clip goes
-MARKED = ("image", "audio")  # the modalities a conversation's text marks, in marker order
 LISTED = {"image": ("image", "images"), "audio": ("audio", "audios")}  # a record's list of each
 NOUNS = {"image": "image(s)", "audio": "audio clip(s)"}
 ON_LONG = ("skip", "truncate")
@@ -74,14 +73,35 @@ class Target:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageSequence:
+    """How a checkpoint family writes an image into its token stream, as its processor does:
+    each image marker of the rendered chat becomes `before`, `token` once per image token, then
+    `after`, before the text is tokenised; each image is resized to exactly `size` (height,
+    width) pixels, and the processor writes `count` image tokens for it (the model must take as
+    many for an image of that size)."""
+
+    family: str
+    before: str
+    token: str
+    after: str
+    size: tuple[int, int]
+    count: int
+
+    def text(self) -> str:
+        return self.before + self.token * self.count + self.after
+
+
+@dataclasses.dataclass(frozen=True)
 class ChatTokenizer:
     """A Hugging Face tokenizer folder: the tokenizer, its chat template (compiled; None where the
-    folder has none) and the special tokens chat templates read (`bos_token`, `eos_token`, ...)."""
+    folder has none), the special tokens chat templates read (`bos_token`, `eos_token`, ...) and,
+    for a checkpoint family with its own image tokens, how it writes an image (`image_sequence`)."""
 
     folder: Path
     tokenizer: object  # tokenizers.Tokenizer
     template: object  # jinja2.Template | None
     special: dict[str, str]
+    image_sequence: ImageSequence | None = None
 
     @classmethod
     def load(cls, folder: str | Path) -> ChatTokenizer:
@@ -117,7 +137,8 @@ class ChatTokenizer:
             for key, value in config.items()
             if key.endswith("_token") and (isinstance(value, str) or (isinstance(value, dict) and "content" in value))
         }
-        return cls(folder, tok, None if source is None else _compile_template(folder, source), special)
+        template = None if source is None else _compile_template(folder, source)
+        return cls(folder, tok, template, special, _image_sequence(folder, special))
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -161,6 +182,58 @@ def _compile_template(folder: Path, source: str):
         raise ConvertError(f"error: --tokenizer={folder}: its chat template is not valid jinja ({err})") from None
 
 
+GEMMA3_IMAGE_TOKENS = 256  # transformers' Gemma3Processor: image_seq_length when processor_config.json has none
+
+
+def _read_json(folder: Path, name: str) -> dict:
+    path = folder / name
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as err:
+        raise ConvertError(f"error: --tokenizer={folder}: {name} cannot be read ({err})") from None
+
+
+def _image_sequence(folder: Path, special: dict[str, str]) -> ImageSequence | None:
+    """The folder's own image tokens, where its family has them (None: the LLaVA marker alone).
+
+    Gemma 3: a tokenizer that declares `boi_token`, `eoi_token` and `image_token` (its
+    tokenizer_config.json, as Google's checkpoints ship it) is written as transformers'
+    `Gemma3Processor` writes it, `"\n\n" + boi + image_token * image_seq_length + eoi + "\n\n"`
+    (processor_config.json's `image_seq_length`), each image resized to preprocessor_config.json's
+    `size` with pixels normalised by mean and std 0.5 (what `load_image` gives; another
+    normalisation is refused). Pan and scan (`do_pan_and_scan`, off by default) is not done."""
+    if not all(special.get(k) for k in ("boi_token", "eoi_token", "image_token")):
+        return None
+    pre = _read_json(folder, "preprocessor_config.json")
+    size = pre.get("size") or {}
+    if not (isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int)):
+        raise ConvertError(
+            f"error: --tokenizer={folder}: declares Gemma 3's image tokens but its preprocessor_config.json gives no "
+            f"size {{height, width}} (got {size!r}); valid: the checkpoint's folder, which holds Gemma 3's "
+            f"preprocessor_config.json"
+        )
+    for key in ("image_mean", "image_std"):
+        if any(abs(v - 0.5) > 1e-6 for v in pre.get(key, [0.5])):
+            raise ConvertError(
+                f"error: --tokenizer={folder}: preprocessor_config.json {key}={pre[key]}; valid: 0.5 per channel "
+                f"(pixels in [-1, 1], as the converter writes them)"
+            )
+    if pre.get("do_pan_and_scan"):
+        raise ConvertError(
+            f"error: --tokenizer={folder}: preprocessor_config.json do_pan_and_scan=true; valid: false or null "
+            f"(the converter writes one view of each image)"
+        )
+    count = _read_json(folder, "processor_config.json").get("image_seq_length", GEMMA3_IMAGE_TOKENS)
+    return ImageSequence(
+        "gemma3",
+        "\n\n" + special["boi_token"],
+        special["image_token"],
+        special["eoi_token"] + "\n\n",
+        (size["height"], size["width"]),
+        int(count),
+    )
+
+
 def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAGE_MARKER) -> None:
     """Refuse, before any record is read, a tokenizer whose ids the model cannot take: an id at
     or beyond the vocabulary, no single token for a modality's marker (`<image>`, `<audio>`, where
@@ -169,7 +242,8 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
     LLM of that tokenizer knows it), or a text token on an id the model reserves for a modality's
     placeholders (every such token would be read as an embedding slot)."""
     vocab = tok.tokenizer.get_vocab(with_added_tokens=True)
-    for name, marker in ((n, image_marker if n == "image" else f"<{n}>") for n in MARKED):
+    own = _placeholder_tokens(tok, image_marker)
+    for name, marker in own.items():
         m = target.modality(name)
         if m is None:
             continue
@@ -177,6 +251,8 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
         if marker_id is None or tok.tokenizer.encode(marker, add_special_tokens=False).ids != [marker_id]:
             added = [t.content for t in tok.tokenizer.get_added_tokens_decoder().values()]
             flag = "--image-token" if name == "image" else f"{name} marker"
+            if name == "image" and tok.image_sequence is not None:
+                flag = f"{tok.folder}/tokenizer_config.json image_token"
             raise ConvertError(
                 f"error: {flag}={marker!r}: not one token of the tokenizer in {tok.folder}; valid: one of its added "
                 f"tokens {added[:12]}, or add {marker!r} to it as a special token"
@@ -196,14 +272,31 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"tokenizer of at most {target.vocab} tokens"
             )
     for m in target.modalities:
-        own = image_marker if m.name == "image" else f"<{m.name}>"
-        taken = sorted(t for t, i in vocab.items() if i == m.placeholder and t != own)
+        taken = sorted(t for t, i in vocab.items() if i == m.placeholder and t != own[m.name])
         if taken:
             raise ConvertError(
                 f"error: --tokenizer={tok.folder}: token {taken[0]!r} has id {m.placeholder}, which the "
                 f"{target.workload} workload reserves for {m.name} placeholders; valid: a tokenizer whose id "
-                f"{m.placeholder} is its {own!r} token or unused"
+                f"{m.placeholder} is its {own[m.name]!r} token or unused"
             )
+    image, sequence = target.modality("image"), tok.image_sequence
+    if image is not None and sequence is not None:
+        h, w = sequence.size
+        if len(image.unit) != 2 or h % image.unit[0] or w % image.unit[1] or image.tokens((h, w)) != sequence.count:
+            took = image.tokens((h, w)) if len(image.unit) == 2 else "no"
+            raise ConvertError(
+                f"error: --tokenizer={tok.folder}: its {sequence.family} processor writes {sequence.count} tokens for "
+                f"an image of {h}x{w} pixels (processor_config.json image_seq_length, preprocessor_config.json size), "
+                f"but the model takes {took} for one (units of {image.unit} pixels); valid: the vision model of "
+                f"that checkpoint (models.<vision>: {{hf: ...}})"
+            )
+
+
+def _placeholder_tokens(tok: ChatTokenizer, image_marker: str) -> dict[str, str]:
+    """The token each modality's placeholders are: the image marker itself, or the family's own
+    image token where it has one (`ChatTokenizer.image_sequence`); `<audio>` for audio."""
+    image = image_marker if tok.image_sequence is None else tok.image_sequence.token
+    return {"image": image, "audio": AUDIO_MARKER}
 
 
 def load_image(image, unit: int, max_side: int) -> np.ndarray:
@@ -212,19 +305,34 @@ def load_image(image, unit: int, max_side: int) -> np.ndarray:
     pixels in [-1, 1] (float32)."""
     from PIL import Image
 
-    try:
-        if isinstance(image, Image.Image):
-            img = image.convert("RGB")
-        else:
-            with Image.open(image) as opened:
-                img = opened.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as err:  # PIL: UnidentifiedImageError (an OSError), truncated data
-        raise BadRecord(f"{image}: not a readable image ({err})") from err
+    img = _rgb(image)
     scale = min(1.0, max_side / max(img.size))
     w = max(unit, int(img.size[0] * scale) // unit * unit)
     h = max(unit, int(img.size[1] * scale) // unit * unit)
     pixels = np.asarray(img.resize((w, h), Image.BICUBIC), np.float32)
     return pixels / 127.5 - 1.0
+
+
+def load_image_at(image, size: tuple[int, int]) -> np.ndarray:
+    """An image resized to exactly `size` (height, width) pixels, bilinear, as Gemma 3's image
+    processor resizes it (whatever its aspect), pixels in [-1, 1] (float32)."""
+    from PIL import Image
+
+    pixels = np.asarray(_rgb(image).resize(size[::-1], Image.BILINEAR), np.float32)
+    return pixels / 127.5 - 1.0
+
+
+def _rgb(image):
+    """An image file (or a PIL image) in RGB; BadRecord where it cannot be read."""
+    from PIL import Image
+
+    try:
+        if isinstance(image, Image.Image):
+            return image.convert("RGB")
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as err:  # PIL: UnidentifiedImageError (an OSError), truncated data
+        raise BadRecord(f"{image}: not a readable image ({err})") from err
 
 
 # -- reading records ------------------------------------------------------------------------------
@@ -343,6 +451,13 @@ class Converter:
         if self.on_long not in ON_LONG:
             raise ConvertError(f"error: --on-long={self.on_long}: valid: {', '.join(ON_LONG)}")
         image = self.target.modality("image")
+        sequence = self.tok.image_sequence
+        if image is not None and sequence is not None and self.max_side is not None:
+            h, w = sequence.size
+            raise ConvertError(
+                f"error: --max-side={self.max_side}: the {sequence.family} processor of {self.tok.folder} resizes "
+                f"every image to {h}x{w} pixels; valid: leave it out"
+            )
         if image is not None and self.max_side is not None:
             top = image.max_shape[0] if image.max_shape else self.max_side
             if not image.unit[0] <= self.max_side <= top:
@@ -384,12 +499,19 @@ class Converter:
                 raise BadRecord(
                     f"has {len(items)} {NOUNS[name]}, but the {self.target.workload} workload takes {takes}"
                 )
-        full = self.tok.render(messages, add_generation_prompt=False)
+        sequence = self.tok.image_sequence if self.target.modality("image") is not None else None
+
+        def render(turns: list[dict], add_generation_prompt: bool) -> str:
+            text = self.tok.render(turns, add_generation_prompt)
+            # a family's own image tokens replace each marker before tokenising, as its processor does
+            return text if sequence is None else text.replace(self.image_marker, sequence.text())
+
+        full = render(messages, add_generation_prompt=False)
         spans = []  # each assistant turn's characters: what it says and how it ends its turn
         for k, m in enumerate(messages):
             if m["role"] == "assistant":
-                before = self.tok.render(messages[:k], add_generation_prompt=True)
-                through = self.tok.render(messages[: k + 1], add_generation_prompt=False)
+                before = render(messages[:k], add_generation_prompt=True)
+                through = render(messages[: k + 1], add_generation_prompt=False)
                 if not (full.startswith(through) and through.startswith(before)):
                     raise BadRecord(
                         f"the chat template does not render message {k} as a continuation of the ones "
@@ -406,19 +528,23 @@ class Converter:
             mask |= (starts >= a) & (starts < b)
         repeat = np.ones(len(ids), np.int64)
         items = {}
+        placeholders = _placeholder_tokens(self.tok, self.image_marker)
         for name, marker in self._markers().items():
             m = self.target.modality(name)
             if m is None:
                 continue
-            at = np.flatnonzero(ids == self.tok.tokenizer.token_to_id(marker))
+            own = sequence if name == "image" else None
+            found = ids == self.tok.tokenizer.token_to_id(placeholders[name])  # the placeholder id (`check_tokenizer`)
+            at = [a for a, _ in _runs(found)] if own else np.flatnonzero(found)
             if len(at) != len(refs[name]):
-                raise BadRecord(
-                    f"has {len(at)} {marker} markers after its chat template, but {len(refs[name])} {NOUNS[name]}"
-                )
+                what = f"runs of {own.token}" if own else f"{marker} markers"
+                raise BadRecord(f"has {len(at)} {what} after its chat template, but {len(refs[name])} {NOUNS[name]}")
+            if own and any(b - a != own.count for a, b in _runs(found)):
+                raise BadRecord(f"holds {own.token} tokens of its own beside its images' {own.count} each")
             loaded = tuple(self._load(name, m, r) for r in refs[name])
-            for pos, x in zip(at, loaded):  # the marker's id is the placeholder (`check_tokenizer`)
+            for pos, x in zip(at, loaded) if not own else ():  # the marker stands for its item's tokens
                 repeat[pos] = m.tokens(x.shape[: len(m.unit)])
-            mask[at] = False
+            mask[found] = False
             if loaded:
                 items[name] = loaded
         if not mask.any():
@@ -434,6 +560,8 @@ class Converter:
         """One item as its section takes it: an image's pixels, an audio clip's log-mel frames
         (Whisper's front end, `data.audio`; cut to whole tokens)."""
         if name == "image":
+            if self.tok.image_sequence is not None:
+                return load_image_at(self._resolve(ref), self.tok.image_sequence.size)
             return load_image(self._resolve(ref), m.unit[0], self._side(m))
         try:
             source = self._resolve(ref, "audio clip")
@@ -555,6 +683,12 @@ def truncate_sample(sample: Sample, modalities: tuple[Modality, ...], max_tokens
     return dataclasses.replace(
         sample, tokens=sample.tokens[:cut], items={k: v for k, v in items.items() if v}, loss_mask=mask
     )
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """(start, stop) of each run of True in `flags`."""
+    edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
 
 
 def _find_all(text: str, marker: str) -> list[int]:
