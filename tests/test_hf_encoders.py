@@ -499,13 +499,32 @@ def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     assert "2 images of 16x16 in a row of 29 tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
 
 
+def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree():
+    """The folder's `image_token_index` is the workload's `image_token` (as its architecture fields
+    are the models'); a value written beside it that differs is refused naming both, before
+    anything is built."""
+    from maestro_jax.config import load_config
+    from maestro_jax.workloads import check_config, modalities_of, settings
+
+    overrides = _gemma3_vlm_overrides(FIXTURES / "gemma3_vlm")
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", overrides)
+    assert settings(cfg).image_token == 7 and modalities_of(cfg)[0].placeholder == 7
+    assert settings(load_config(ROOT / "configs/vlm_tiny.yaml", [*overrides, "workload_settings.image_token=7"]))
+    wrong = load_config(ROOT / "configs/vlm_tiny.yaml", [*overrides, "workload_settings.image_token=1"])
+    with pytest.raises(ConfigError) as err:
+        check_config(wrong)
+    assert str(err.value) == (
+        f"error: workload_settings.image_token=1: the checkpoint {FIXTURES / 'gemma3_vlm'} has "
+        "image_token_index=7; leave image_token out (the checkpoint fills it in) or write the checkpoint's value"
+    )
+
+
 def _gemma3_vlm_overrides(path) -> list[str]:
     return [
         "global_batch=8",
         "data.text_len=[6,14]",
         f"models.vision={{hf: {path}, kind: vit}}",
         f"models.llm={{hf: {path}, kind: llm}}",
-        "workload_settings.image_token=7",
         "data.modalities.image.sizes=[[16,16],[8,16]]",
         "sections.llm.mesh={data: 3, tensor: 2}",
     ]

@@ -116,7 +116,38 @@ def settings(cfg: Config) -> Settings | None:
                 f"error: workload_settings.{key}: unknown key; workload {cfg.workload!r} takes no settings"
             )
         return None
-    return validate_block(workload.settings, cfg.workload_settings, "workload_settings")
+    given = _from_checkpoints(cfg, workload.settings)
+    for key, (value, folder, field) in given.items():
+        mine = cfg.workload_settings.get(key, value)
+        if mine != value:
+            raise ConfigError(
+                f"error: workload_settings.{key}={mine!r}: the checkpoint {folder} has {field}={value!r}; leave "
+                f"{key} out (the checkpoint fills it in) or write the checkpoint's value"
+            )
+    block = {**{k: v for k, (v, _, _) in given.items()}, **cfg.workload_settings}
+    return validate_block(workload.settings, block, "workload_settings")
+
+
+def _from_checkpoints(cfg: Config, cls: type[Settings]) -> dict[str, tuple[object, str, str]]:
+    """The settings a `models.<s>.hf` folder gives (`Settings.checkpoint_fields`: setting -> the
+    config.json field, as a VLM's `image_token` is its folder's `image_token_index`): setting ->
+    (value, folder, field). Two folders that disagree are a ConfigError naming both."""
+    from maestro_jax import hf_config
+
+    fields = getattr(cls, "checkpoint_fields", {})
+    out: dict[str, tuple[object, str, str]] = {}
+    for folder in dict.fromkeys(m.hf for m in cfg.models.values() if getattr(m, "hf", None)):
+        config = hf_config.read_config(folder)
+        for key, field in fields.items():
+            if field not in config:
+                continue
+            if key in out and out[key][0] != config[field]:
+                raise ConfigError(
+                    f"error: workload_settings.{key}: the checkpoints {out[key][1]} ({field}={out[key][0]!r}) and "
+                    f"{folder} ({field}={config[field]!r}) disagree; valid: models from checkpoints that agree"
+                )
+            out.setdefault(key, (config[field], folder, field))
+    return out
 
 
 def check_config(cfg: Config) -> Workload:

@@ -9,6 +9,7 @@ Face folder.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,11 @@ EDGE = "image_embeds"
 
 
 class VLMSettings(Settings):
-    """`workload_settings:` of the workloads with images (vlm, vlm_kd; omni adds audio)."""
+    """`workload_settings:` of the workloads with images (vlm, vlm_kd; omni adds audio). A model
+    read from a VLM checkpoint folder (`models.<s>: {hf: PATH}`: Gemma 3's, LLaVA's) fills in
+    `image_token` from its config.json (`checkpoint_fields`); a value written beside it must agree."""
 
+    checkpoint_fields: ClassVar[dict[str, str]] = {"image_token": "image_token_index"}
     image_token: PositiveInt = IMAGE_TOKEN  # the LLM input id of an image token: the tokenizer's `<image>` id
 
 
