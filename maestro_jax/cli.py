@@ -577,14 +577,15 @@ COMMANDS: dict[str, Command] = {
                     "qwen2",
                     "qwen3",
                     "qwen3_moe",
+                    "gemma2",
                     "gemma3_text",
                     "siglip",
                     "clip",
                     "whisper",
                     "gemma3",
                 ),
-                help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text for Gemma's "
-                "block; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
+                help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
+                "Gemma's block; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
                 "VLM's two sections)",
             ),
             opt(

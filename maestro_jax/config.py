@@ -309,6 +309,8 @@ class LLMModelConfig(_FromFolder):
     post_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
     embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
     query_pre_attn_scalar: PositiveInt | None = None  # Gemma: scores times this ** -0.5, not head_dim's
+    attn_softcap: float | None = Field(None, gt=0)  # Gemma 2: attention scores capped as c * tanh(s / c)
+    final_softcap: float | None = Field(None, gt=0)  # Gemma 2: output logits capped as c * tanh(z / c)
     # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens (models/llm.py, body)
     bidirectional_images: bool = False
     norm_eps: float = 1e-6

@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # model types whose language model imports from the `text_config` (its tensors under a prefix,
@@ -60,6 +61,26 @@ GEMMA3_DEFAULTS = {
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
     "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+
+
+# Gemma2Config's defaults (transformers), which a config.json saving only what differs leaves out
+GEMMA2_DEFAULTS = {
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
     "tie_word_embeddings": True,
 }
 
@@ -146,9 +167,6 @@ def _gemma3_fields(path, hf: dict) -> dict:
     embeddings, `query_pre_attn_scalar`, windowed layers with their own RoPE base and every
     `sliding_window_pattern`-th layer global."""
     c = _with_defaults(hf, GEMMA3_DEFAULTS)
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise HFError(f"{path}/config.json: {key}={hf[key]}; logit soft-capping (Gemma 2) is not supported")
     if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
         raise HFError(
             f"{path}/config.json: use_bidirectional_attention={hf.get('use_bidirectional_attention')}, attention_bias="
@@ -198,6 +216,65 @@ def _gemma3_fields(path, hf: dict) -> dict:
         "post_norms": True,
         "embed_scale": True,
         "query_pre_attn_scalar": int(c["query_pre_attn_scalar"]),
+        "attn_softcap": _cap(hf.get("attn_logit_softcapping")),
+        "final_softcap": _cap(hf.get("final_logit_softcapping")),
+        "experts": 0,
+        "experts_per_token": 0,
+        "expert_mlp": 0,
+    }
+
+
+def _cap(value) -> float | None:
+    """A soft-capping value of config.json (None: none)."""
+    return None if value is None else float(value)
+
+
+def _gemma2_fields(path, hf: dict) -> dict:
+    """A Gemma 2 model's config as `models.<s>`'s fields: Gemma 3's without query and key norms,
+    one RoPE base for every layer, every other layer windowed (`layer_types`), and its attention
+    scores and output logits soft-capped."""
+    c = _with_defaults(hf, GEMMA2_DEFAULTS)
+    if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
+        raise HFError(
+            f"{path}/config.json: use_bidirectional_attention={hf.get('use_bidirectional_attention')}, attention_bias="
+            f"{hf.get('attention_bias')}; the decoder is causal without attention biases"
+        )
+    if c["hidden_activation"] != "gelu_pytorch_tanh":
+        raise HFError(
+            f"{path}/config.json: hidden_activation={c['hidden_activation']!r}; Gemma 2's is 'gelu_pytorch_tanh'"
+        )
+    params = hf.get("rope_parameters") or {}
+    scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(c["num_hidden_layers"])
+    ]
+    every = _global_every(path, types)
+    windowed = every != 1 and c["sliding_window"] is not None
+    heads = c["num_attention_heads"]
+    return {
+        "kind": "llm",
+        "vocab": c["vocab_size"],
+        "width": c["hidden_size"],
+        "depth": c["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": c["num_key_value_heads"] or heads,
+        "head_dim": c["head_dim"],
+        "mlp": c["intermediate_size"],
+        "rope_theta": float(params.get("rope_theta", c["rope_theta"])),
+        "rope_scaling": scaling,
+        "sliding_window": c["sliding_window"] if windowed else None,
+        "global_every": every if windowed else 0,
+        "rope_local_theta": None,
+        "norm_eps": float(c["rms_norm_eps"]),
+        "tie_embeddings": bool(c["tie_word_embeddings"]),
+        "qkv_bias": False,
+        "qk_norm": False,
+        "act": "gelu_pytorch_tanh",
+        "post_norms": True,
+        "embed_scale": True,
+        "query_pre_attn_scalar": int(c["query_pre_attn_scalar"]),
+        "attn_softcap": _cap(c["attn_logit_softcapping"]),
+        "final_softcap": _cap(c["final_logit_softcapping"]),
         "experts": 0,
         "experts_per_token": 0,
         "expert_mlp": 0,
@@ -228,6 +305,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted([*ARCHITECTURES, *MULTIMODAL])}")
     if kind == "gemma3_text":
         return _gemma3_fields(path, hf)
+    if kind == "gemma2":
+        return _gemma2_fields(path, hf)
     params = hf.get("rope_parameters") or {}
     rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
     if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
@@ -263,6 +342,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         "post_norms": False,
         "embed_scale": False,
         "query_pre_attn_scalar": None,
+        "attn_softcap": None,
+        "final_softcap": None,
     }
     if kind == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):

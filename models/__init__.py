@@ -13,7 +13,7 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
 
 from maestro_jax.models.audio import AudioConfig, AudioEncoder
 from maestro_jax.models.layers import RopeScaling, apply_with_losses, apply_with_row_losses
-from maestro_jax.models.llm import DecoderLM, LLMConfig
+from maestro_jax.models.llm import DecoderLM, LLMConfig, softcap
 from maestro_jax.models.vit import VisionEncoder, ViTConfig
 
 __all__ = [
@@ -26,4 +26,5 @@ __all__ = [
     "VisionEncoder",
     "apply_with_losses",
     "apply_with_row_losses",
+    "softcap",
 ]

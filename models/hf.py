@@ -27,8 +27,9 @@ Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on 
   layers.i.mlp.gate.weight [E, D]                 -> block_i.moe.router [D, E]
   layers.i.mlp.experts.j.{gate,up}_proj.weight    -> block_i.moe.{gate,up}[j] [D, F]
   layers.i.mlp.experts.j.down_proj.weight         -> block_i.moe.down[j] [F, D]
-Gemma 3 (`gemma3_text`, and the language model of a multimodal `gemma3` folder, whose tensors
-sit under `language_model.model.` or `model.language_model.`) norms each block's input, the
+Gemma 2 (`gemma2`, without query and key norms) and Gemma 3 (`gemma3_text`, and the language
+model of a multimodal `gemma3` folder, whose tensors
+sit under `language_model.model.` or `model.language_model.`) norm each block's input, the
 attention's output, the MLP's input and its output, and scales every norm by `1 + weight`; the
 model here scales by `scale`, so a norm imports as `weight + 1` and exports as `scale - 1`:
   layers.i.input_layernorm                        -> block_i.attn_norm.scale
@@ -52,6 +53,8 @@ from maestro_jax.models.llm import windowed_layer
 from maestro_jax.hf_config import ARCHITECTURES, HFError
 from maestro_jax.hf_config import llm_fields as llm_fields  # the folder's fields: this module's API too
 from maestro_jax.hf_config import read_config as read_config
+
+GEMMAS = ("gemma2", "gemma3_text")  # Gemma's decoders: norms scale by 1 + weight, post-norms, scaled embeddings
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -303,19 +306,24 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
     scanned = "blocks" in params
     if fields.get("experts") and model_type != "qwen3_moe":
         raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe'")
-    if fields.get("sliding_window") is not None and model_type not in ("mistral", "gemma3_text"):
+    if fields.get("sliding_window") is not None and model_type not in ("mistral", *GEMMAS):
         raise HFError(
-            f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral' (or Gemma's as 'gemma3_text')"
+            f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral' (or Gemma's as 'gemma2' "
+            f"or 'gemma3_text')"
         )
     if model_type == "mistral" and fields["qkv_bias"]:
         raise HFError("a mistral checkpoint has no q/k/v biases; export this model with model_type='llama'")
-    gemma = {"post_norms": True, "embed_scale": True, "act": "gelu_pytorch_tanh", "qk_norm": True, "qkv_bias": False}
-    differs = {k: fields.get(k) for k, v in gemma.items() if fields.get(k, False) != v}
-    if model_type == "gemma3_text" and differs:
-        raise HFError(f"a gemma3_text checkpoint has {gemma}; this model has {differs}")
-    if model_type != "gemma3_text" and any(fields.get(k) for k in ("post_norms", "embed_scale", "global_every")):
+    gemma = {"post_norms": True, "embed_scale": True, "act": "gelu_pytorch_tanh", "qkv_bias": False}
+    gemma |= {"qk_norm": model_type == "gemma3_text"}
+    gemma |= {"rope_local_theta": None} if model_type == "gemma2" else {}
+    differs = {k: fields.get(k) for k, v in gemma.items() if fields.get(k, False if v is not None else None) != v}
+    if model_type in GEMMAS and differs:
+        raise HFError(f"a {model_type} checkpoint has {gemma}; this model has {differs}")
+    own = ("post_norms", "embed_scale", "global_every", "attn_softcap", "final_softcap")
+    if model_type not in GEMMAS and any(fields.get(k) for k in own):
         raise HFError(
-            f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale or global_every exports as 'gemma3_text'"
+            f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
+            f"exports as 'gemma2' or 'gemma3_text'"
         )
     for flax_path, (name, _) in _mapping(fields, with_head=True, prefix=prefix).items():
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
@@ -335,7 +343,7 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             w = w.T
         elif flax_path[-1] == "bias":
             w = w.reshape(-1)
-        elif flax_path[-1] == "scale" and model_type == "gemma3_text":
+        elif flax_path[-1] == "scale" and model_type in GEMMAS:
             w = w - np.float32(1)  # Gemma's norms scale by 1 + weight
         tensors[name] = np.ascontiguousarray(w)
     config = {
@@ -355,7 +363,7 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
         "max_position_embeddings": 32768,
         "torch_dtype": "float32",
     }
-    if model_type == "gemma3_text":
+    if model_type in GEMMAS:
         del config["hidden_act"], config["rope_theta"]
         window, every = fields.get("sliding_window"), fields.get("global_every", 0)
         windowed = [windowed_layer(i, window, every) for i in range(fields["depth"])]
@@ -366,8 +374,12 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             query_pre_attn_scalar=fields.get("query_pre_attn_scalar") or k,
             sliding_window=fields.get("sliding_window") or 4096,
             layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
-            rope_parameters={"full_attention": global_rope, "sliding_attention": local_rope},
+            rope_parameters=global_rope
+            if model_type == "gemma2"
+            else {"full_attention": global_rope, "sliding_attention": local_rope},
             attention_bias=False,
+            attn_logit_softcapping=fields.get("attn_softcap"),
+            final_logit_softcapping=fields.get("final_softcap"),
         )
     scaling = fields.get("rope_scaling")
     if scaling:  # transformers' own keys for the type, no others (it warns on unknown ones)
@@ -379,6 +391,8 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
         keep = ("rope_type", "factor", *own.get(scaling["rope_type"], ()))
         if model_type == "gemma3_text":  # the global layers' (the windowed layers' RoPE is unscaled)
             config["rope_parameters"]["full_attention"].update({k: scaling[k] for k in keep})
+        elif model_type == "gemma2":
+            config["rope_parameters"].update({k: scaling[k] for k in keep})
         else:
             config["rope_scaling"] = {k: scaling[k] for k in keep}
     if model_type == "qwen3_moe":

@@ -270,9 +270,13 @@ def balanced_order(length: int, split: int) -> np.ndarray | None:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * split - 1 - i]]) for i in range(split)])
 
 
-def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False, scale: float | None = None):
+def attention(
+    q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False, scale: float | None = None, softcap: float | None = None
+):
     """Grouped-query attention (each of G key/value heads serves H/G query heads); scores are
-    scaled by `scale` (default 1/sqrt(head_dim)).
+    scaled by `scale` (default 1/sqrt(head_dim)) and, with `softcap` (Gemma 2's), capped as
+    softcap * tanh(s / softcap) before the mask, which no fused kernel does: XLA's einsums then,
+    the softmax in float32 as transformers' eager attention takes it.
 
     Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`, in
     the implementation `attention_implementation` picks: cuDNN's fused flash attention on NVIDIA
@@ -289,10 +293,14 @@ def attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False, scale: float
     the work, spread evenly over the devices."""
     split = context_split()
     if ring and split > 1 and q_BLHK.shape[1] % split == 0:
-        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale)
+        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale, softcap)
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
     mask_BQL = constrain(rows_with_keys(mask_BQL), ("batch", "length", None))
+    if softcap is not None:
+        return constrain(
+            _capped_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale, softcap), ("batch", "length", "heads", None)
+        )
     implementation = attention_implementation(
         jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1], q_BLHK.shape[1], k_BLGK.shape[1], _compute_capability()
     )
@@ -353,7 +361,19 @@ def _compute_capability() -> float:
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # jax.nn.dot_product_attention's mask value
 
 
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None):
+def _capped_attention(q_BLHK, k_BSGK, v_BSGK, mask_BQS, scale: float | None, softcap: float):
+    """`attention` with soft-capped scores, spelled out."""
+    b, lq, h, d = q_BLHK.shape
+    g = k_BSGK.shape[2]
+    q_BLGRK = q_BLHK.reshape(b, lq, g, h // g, d)
+    s = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK).astype(jnp.float32)
+    s = s * (d**-0.5 if scale is None else scale)
+    s = jnp.where(mask_BQS[:, None, None], softcap * jnp.tanh(s / softcap), _MASKED)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BSGK.dtype)
+    return jnp.einsum("bgrls,bsgk->blgrk", p, v_BSGK).reshape(b, lq, h, d)
+
+
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None, softcap: float | None = None):
     """Context-parallel attention as a ring: each device keeps its slice of queries, and the
     slices of keys and values pass round the `context` devices (one `ppermute` per step, which
     XLA can overlap with the step's compute), so no device holds the whole sequence's K and V.
@@ -397,6 +417,7 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None)
         def block(state, qb, kb, vb, mb):
             m, total, out = state
             s = jnp.einsum("bqgrk,bsgk->bgrqs", qb, kb.astype(jnp.float32))
+            s = s if softcap is None else softcap * jnp.tanh(s / softcap)
             s = jnp.where(mb[:, None, None], s, _MASKED)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])

@@ -49,6 +49,8 @@ class LLMConfig:
     post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
     embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
     query_pre_attn_scalar: int | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: attention scores capped as c * tanh(s / c), before the mask
+    final_softcap: float | None = None  # Gemma 2: output logits capped as c * tanh(z / c)
     # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens, later ones too (`body`)
     bidirectional_images: bool = False
     norm_eps: float = 1e-6
@@ -362,7 +364,7 @@ class DecoderBlock(nn.Module):
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
         q, k = (self._rope(t, positions_BL, windowed) for t in (q, k))
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-        o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring", scale=scale)
+        o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring", scale=scale, softcap=c.attn_softcap)
         o = nn.DenseGeneral(
             c.width,
             axis=(-2, -1),
@@ -477,10 +479,15 @@ class DecoderLM(nn.Module):
         return self.embedding.T if self.cfg.tie_embeddings else self.lm_head
 
     def logits(self, h_BLD):
-        return h_BLD @ self.output_weights()
+        return softcap(h_BLD @ self.output_weights(), self.cfg.final_softcap)
 
     def __call__(self, ids_BL, positions_BL, valid_BL, segments_BL=None, images_BL=None):
         return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL, segments_BL, images_BL))
+
+
+def softcap(x, cap: float | None):
+    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping), or `x` without a cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def image_blocks(image_BL: np.ndarray) -> np.ndarray:

@@ -95,6 +95,21 @@ LLM_CASES = {
             "num_hidden_layers": 2,
         },
     ),
+    # Gemma 2: every other layer windowed (4), one RoPE base, no query/key norms, and both caps low
+    # enough that the tanh bends these scores and logits
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 0.05,
+            "final_logit_softcapping": 1.5,
+        },
+    ),
     # Qwen3's long-context recipe, YaRN: an original context of 1024 puts the ramp over dimensions
     # 1..5 of 8 (some frequencies kept, some divided, some blended), and cos/sin scaled by
     # 0.1 ln(4) + 1

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD
-from maestro_jax.models import DecoderLM, LLMConfig, RopeScaling, hf
+from maestro_jax.models import DecoderLM, LLMConfig, RopeScaling, hf, softcap
 
 from maestro_jax.config import ConfigError, LLMModelConfig, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
@@ -35,6 +35,7 @@ TIED = {
     "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
     "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
     "gemma3_tied": True,  # both layers windowed (the default pattern of 6), one key/value head
+    "gemma2": True,  # Gemma 2: every other layer windowed, attention scores and logits soft-capped
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -97,6 +98,18 @@ def test_import_matches_transformers(tmp_path, case):
     assert fields["tie_embeddings"] == TIED[case]
     assert fields["kv_heads"] < fields["heads"], "grouped-query attention is exercised"
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_gemma2_caps_each_change_the_logits(tmp_path, monkeypatch):
+    """The gemma2 fixture's caps bend its scores and logits: without either, maestro's logits leave
+    transformers' by more than the 1e-4 the import test holds them to."""
+    reference, path = make_hf(tmp_path, "gemma2")
+    read = hf.llm_fields
+    assert (read(path)["attn_softcap"], read(path)["final_softcap"]) == (0.05, 1.5)
+    for cap in ("attn_softcap", "final_softcap"):
+        monkeypatch.setattr(hf, "llm_fields", lambda p, cap=cap: {**read(p), cap: None})
+        ours, _, _ = flax_logits(path)
+        assert np.abs(ours - reference).max() > 2e-4, cap
 
 
 def test_llama3_and_yarn_fixtures_reach_every_band_and_other_scalings_are_refused(tmp_path):
@@ -256,8 +269,9 @@ def test_gemma3_hub_configs_read_as_transformers_reads_them(tmp_path):
     assert f["rope_scaling"]["rope_type"] == "linear" and f["rope_scaling"]["factor"] == 8.0
     assert (f["global_every"], f["sliding_window"], f["query_pre_attn_scalar"]) == (6, 1024, 256)
     LLMModelConfig.model_validate(f)  # the config takes what the reader gives
+    capped = fields({**one_b, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert (capped["attn_softcap"], capped["final_softcap"]) == (50.0, 30.0) and f["attn_softcap"] is None
     for bad, text in (
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0; logit soft-capping (Gemma 2)"),
         ({"layer_types": ["full_attention", "sliding_attention"] * 13}, "layer_types has full_attention at layers"),
         ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
     ):
@@ -291,6 +305,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("qwen3_yarn", "qwen3", False),
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
+        ("gemma2", "gemma2", True),
     ],
 )
 def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
@@ -342,6 +357,7 @@ def _teacher_cfg(path, **extra):
         ("llama_untied", "{data: 2, tensor: 2}"),
         ("llama3_rope", "{data: 4}"),  # one kv head: no tensor split
         ("gemma3_text", "{data: 2, tensor: 2}"),
+        ("gemma2", "{data: 2, tensor: 2}"),  # its output logits capped: the student's loss applies the cap
     ],
 )
 @pytest.mark.slow
@@ -362,7 +378,8 @@ def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     pos, valid = jnp.arange(ids.shape[1])[None], jnp.ones(ids.shape, bool)
     v = {"params": jax.tree.map(np.asarray, body)}
     hidden = lm.apply(v, lm.apply(v, ids, method=DecoderLM.embed), pos, valid, method=DecoderLM.hidden)
-    np.testing.assert_allclose(np.asarray(hidden) @ np.asarray(head), reference, atol=1e-4, rtol=0)
+    logits = softcap(np.asarray(hidden) @ np.asarray(head), f.get("final_softcap"))
+    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
     batch = rt.batches()[0]
     result = rt.executor.run(states, batch, rt.schedule(batch))
     assert np.isfinite(float(result.loss))
@@ -504,7 +521,7 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
-@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "gemma3_text", "gemma2"])
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
     0 within the tolerance, 1 over it (a tolerance below float32 rounding), 2 with one `error:`

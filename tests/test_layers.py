@@ -142,14 +142,17 @@ def test_balanced_order_evens_the_causal_work_across_the_context_devices():
 def test_ring_attention_equals_one_device_and_passes_keys_round_the_ring(axes):
     """The LLM under ring attention (balanced order, skipped blocks) on 4 devices gives one
     device's loss and gradients, with padding and GQA; its program moves keys and values with
-    collective-permutes, not an all-gather of the whole sequence."""
+    collective-permutes, not an all-gather of the whole sequence. With tensor parallelism the
+    scores are soft-capped too (Gemma 2's `attn_softcap`, low enough to bend them): the ring caps
+    each block's scores as the one-device path caps them all."""
     import flax.linen as nn
     from maestro_jax.models import DecoderLM, LLMConfig
 
     from maestro_jax.core.plan import SectionPlan, mesh_shape
     from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, variable_shardings
 
-    cfg = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
+    cap = 0.05 if "tensor" in axes else None
+    cfg = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, attn_softcap=cap)
     model = DecoderLM(cfg)
     rng = np.random.default_rng(0)
     rows, length = 4, 32

@@ -1,7 +1,7 @@
 """Hugging Face export for the CLI (`maestro-jax export`): a trained section written as a folder
-that `transformers` loads. An LLM section exports as Llama, Mistral, Qwen2/Qwen3/Qwen3-MoE or
-Gemma 3 (`--model-type`; one with a `sliding_window` as Mistral only, one with Gemma's block as
-`gemma3_text` only),
+that `transformers` loads. An LLM section exports as Llama, Mistral, Qwen2/Qwen3/Qwen3-MoE, Gemma 2
+or Gemma 3 (`--model-type`; one with a `sliding_window` as Mistral only, one with Gemma's block as
+`gemma3_text` with query and key norms, else `gemma2`),
 a vision section as SigLIP or CLIP (the layout its model has: `class_token` is CLIP's), an audio
 section as Whisper's encoder; a VLM's vision and llm sections together as one Gemma 3 VLM folder
 (`gemma3`: a SigLIP tower with `projector: avg_pool` and a Gemma 3 language model).
@@ -48,7 +48,7 @@ EXPORT_TYPES = {
 def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> str:
     """The Hugging Face type a model with `fields` (the `models.<section>` entry) exports as:
     `model_type` if given and fitting, else the model's own (an LLM: llama, mistral with a
-    sliding window, gemma3_text with Gemma's block; a tower: its layout).
+    sliding window, gemma3_text or gemma2 with Gemma's block; a tower: its layout).
     Raises HFError with the `error:` line, before any weight is read, for a combination no
     exporter writes."""
     kind, where = fields["kind"], f"models.{section}"
@@ -66,13 +66,13 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
                 f"an encoder with stem='conv' exports as Whisper"
             )
         own = "whisper"
-    elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): only Gemma 3's
-        own = "gemma3_text"
+    elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
+        own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
     elif fields.get("sliding_window") is not None:  # of the other LLM types, only Mistral has the window
         own = "mistral"
     else:
         own = "llama"
-    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t != "gemma3_text")
+    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text"))
     fits = llama_like if kind == "llm" and own == "llama" else (own,)
     if model_type is not None and model_type not in fits:
         raise HFError(

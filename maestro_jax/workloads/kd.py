@@ -15,7 +15,7 @@ import optax
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS
-from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses
+from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses, softcap
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
@@ -95,7 +95,7 @@ def student_stages(
         k,
         finish=lambda module, variables, v, inputs, batch, h: distill_loss(
             module.apply(v, h, method=DecoderLM.logits),
-            teacher_hidden(inputs, batch, EDGE) @ variables["consts"]["teacher_head"],
+            softcap(teacher_hidden(inputs, batch, EDGE) @ variables["consts"]["teacher_head"], teacher.final_softcap),
             batch["targets"],
             batch["loss_mask"],
             alpha,
@@ -156,7 +156,7 @@ def build(cfg: Config) -> SectionGraph:
             s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"], *segments
         )
         t_hidden = teacher_hidden(inputs, batch, EDGE)
-        t_logits = t_hidden @ variables["consts"]["teacher_head"]
+        t_logits = softcap(t_hidden @ variables["consts"]["teacher_head"], teacher.final_softcap)
         loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
 

@@ -15,7 +15,7 @@ import jax
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS
-from maestro_jax.models import DecoderLM
+from maestro_jax.models import DecoderLM, softcap
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
@@ -63,7 +63,7 @@ def build(cfg: Config) -> SectionGraph:
     def student_forward(variables, inputs, batch):
         s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
         t_hidden = teacher_hidden(inputs, batch, TEACHER)
-        t_logits = t_hidden @ variables["consts"]["teacher_head"]
+        t_logits = softcap(t_hidden @ variables["consts"]["teacher_head"], teacher.final_softcap)
         loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
 
