@@ -144,7 +144,7 @@ def _preemption() -> contextlib.AbstractContextManager:
 def _verify(cfg, args) -> int:
     from maestro_jax.tools.verify import report, verify
 
-    diffs = verify(cfg)
+    diffs = verify(cfg, progress=lambda msg: print(f"verify: {msg}", flush=True))
     text, ok = report(diffs, cfg.verify_tolerance)
     print(text)
     _write_json(
@@ -166,7 +166,7 @@ def _eval(cfg, args) -> int:
 def _simulate(cfg, args) -> int:
     from maestro_jax.tools.simulate import format_report, simulate_config
 
-    r = simulate_config(cfg, gantt=args.gantt)
+    r = simulate_config(cfg, gantt=args.gantt, progress=lambda msg: print(f"simulate: {msg}", flush=True))
     print(format_report(r))
     _write_json(args.json, r)
     return 0

@@ -320,6 +320,11 @@ def test_plan_cli_writes_a_config_that_verifies(tmp_path, capsys):
     cfg = load_config(out)
     assert cfg.device_memory_gb == 1
     assert cli.main(["verify", "--config", str(out)]) == 0, "the planned plan is equivalent to the monolithic step"
+    # each phase of verify says itself before it starts, the table last
+    lines = capsys.readouterr().out.splitlines()
+    phases = [line.split(":")[1].split()[0] for line in lines if line.startswith("verify: ")]
+    assert phases == ["building", "one", "the"], lines
+    assert lines.index(next(x for x in lines if x.startswith("quantity"))) == len(phases)
 
 
 @pytest.mark.slow

@@ -60,6 +60,8 @@ def test_simulate_cli_json(tmp_path):
     for key in ("per_device_speedup", "end_to_end_speedup", "makespan_over_lower_bound", "wavefront_vs_naive"):
         assert isinstance(r[key], float) and r[key] > 0
     assert "per-device speedup" in proc.stdout
+    said = [line.removeprefix("simulate: ").split()[:2] for line in proc.stdout.splitlines()[:4]]
+    assert said == [["describing", "workload"], ["the", "fastest"], ["the", "config's"], ["the", "fastest"]], said
 
 
 @pytest.mark.slow
@@ -99,7 +101,8 @@ def test_simulate_prints_a_tiny_config_in_human_units(capsys):
     out = capsys.readouterr().out
     assert "{" not in out and "}" not in out, out
     assert not re.search(r"(?<![\d.])0\.0+(?![\d])", out), out
-    table = out.splitlines()[2:5]  # after the workload line and the header
+    report = [line for line in out.splitlines() if not line.startswith("simulate: ")]  # the phases said first
+    table = report[2:5]  # after the workload line and the header
     rows = dict(zip(("monolithic", "naive", "wavefront"), table))
     assert all(line.startswith(m + " ") for m, line in rows.items()), out
     for m, line in rows.items():

@@ -7,6 +7,8 @@ is the JAX-free `planning.cluster`. `format_report` prints it in human units (s,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from maestro_jax import workloads
 from maestro_jax.config import Config
 from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
@@ -61,8 +63,13 @@ def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
     )
 
 
-def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=None) -> dict:
-    """The prediction for `cfg`'s workload, or for a user's `graph` and `source`."""
+def simulate_config(
+    cfg: Config, gantt: str | None = None, graph=None, source=None, progress: Callable[[str], None] | None = None
+) -> dict:
+    """The prediction for `cfg`'s workload, or for a user's `graph` and `source`; `progress`,
+    when given, receives one line before each phase."""
+    say = progress or (lambda _: None)
+    say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {cfg.simulate.batches} batches")
     graph = graph or workloads.build_graph(cfg)
     spec = workloads.describe(cfg, graph)
     plan = cfg.plan()
@@ -70,7 +77,9 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
     check_meshes(plan)
     check_fanout(plan, spec.edges)
     metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
+    say("the fastest monolithic layout on the plan's devices")
     mono_sp, mono_remat, baseline = monolithic_baseline(cfg, spec, plan, metas)
+    say(f"the config's plan under the naive and wavefront schedules ({cfg.simulate.device})")
     report, timeline = simulate_plan(
         spec,
         plan,
@@ -88,6 +97,7 @@ def simulate_config(cfg: Config, gantt: str | None = None, graph=None, source=No
         "layer_remat": mono_remat or mono_sp.layer_remat,
         "chosen": baseline,
     }
+    say("the fastest pipelined (1F1B) layout on the plan's devices")
     report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
     if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
         report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]

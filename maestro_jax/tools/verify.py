@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -55,26 +56,34 @@ def matmul_precision(platform: str, cfg: Config) -> str | None:
     return "highest"
 
 
-def verify(cfg: Config, rt: Runtime | None = None, step: int = 0) -> list[Diff]:
+def verify(
+    cfg: Config, rt: Runtime | None = None, step: int = 0, progress: Callable[[str], None] | None = None
+) -> list[Diff]:
     """Loss, every trained section's grads and updated params: maestro vs monolithic, at the
-    float32 matmul precision `matmul_precision` names (said once on stdout where it is set)."""
+    float32 matmul precision `matmul_precision` names (said once on stdout where it is set).
+    `progress`, when given, receives one line before each phase (building, each step)."""
     precision = matmul_precision(jax.default_backend(), cfg)
     if precision is None:
-        return _verify(cfg, rt, step)
+        return _verify(cfg, rt, step, progress or (lambda _: None))
     print(f"verify: float32 matmuls at precision {precision!r} on {jax.default_backend()} (TF32 otherwise)", flush=True)
     with jax.default_matmul_precision(precision):
-        return _verify(cfg, rt, step)
+        return _verify(cfg, rt, step, progress or (lambda _: None))
 
 
-def _verify(cfg: Config, rt: Runtime | None, step: int) -> list[Diff]:
-    rt = rt or build_runtime(cfg)
+def _verify(cfg: Config, rt: Runtime | None, step: int, say: Callable[[str], None]) -> list[Diff]:
+    if rt is None:
+        say(f"building the runtime of {cfg.workload} ({len(cfg.sections)} sections) and its batches")
+        rt = build_runtime(cfg)
     samples = rt.batches()[step]
     trace_batches(rt, [samples])  # a section whose code does not fit its shapes is named before any compile
+    sections = ", ".join(rt.problem.order)
+    say(f"one step of the sectioned plan ({sections}) on batch {step}: compiling its programs, then running")
     states = rt.init_states()
     result = rt.executor.run(states, samples, rt.schedule(samples))
     norms = rt.executor.squared_norms(result.grads)
     updated = rt.executor.update(states, result.grads, norms)
 
+    say("the monolithic step on the same batch: compiling its program, then running")
     mono = rt.monolithic
     m_states = mono.init_states(cfg)
     m_loss, m_grads = mono.model.run(m_states, samples)
