@@ -30,6 +30,8 @@ CONFIGS = {
     "vlm_kd": ("vlm_kd_tiny.yaml", TINY_VLM_KD + ["schedule.run_ahead=1", "optimizer.clip_norm=1.0"]),
 }
 
+TRACING = "tracing the steps' shape buckets to find the programs they call"
+
 
 def is_transfer(name: str) -> bool:
     return any(t in name for t in TRANSFER_PROGRAMS)
@@ -54,7 +56,7 @@ def test_compile_ahead_says_and_counts_what_it_compiles(ahead):
     _, rt, count, said, during, new_transfers = ahead
     entries = sum(len(p.cache) for p in rt.programs.values())
     sections = sum(1 for p in rt.programs.values() if p.cache)
-    assert said[0] == f"compiling {count} programs for {sections} sections"
+    assert said[:2] == [TRACING, f"compiling {count} programs for {sections} sections"]
     assert count == entries + len(new_transfers)
     assert entries > len(rt.programs)  # several shape buckets, not one program per section
     # one XLA compile per signature at most: jax reuses the executables of module-level functions
@@ -160,7 +162,8 @@ def cache_events():
 
 @pytest.mark.slow
 def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_path):
-    """`train` with an eval block: "compiling N programs for S sections" comes first, no XLA
+    """`train` with an eval block: building, tracing, then "compiling N programs for S sections", each
+    said before it starts; no XLA
     compile follows the "compiled" line (training steps, run-ahead, evaluations, reads), the eval
     loss is logged every `eval.every` steps. A second run of the same config sharing
     `compile.cache_dir` finds every program it compiles in jax's persistent cache."""
@@ -172,7 +175,9 @@ def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_pat
     with compiles(when=compiled) as after, contextlib.redirect_stdout(out):
         history = train(load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'a'}"]), progress=False)
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("compiling ") and lines[0].endswith(" sections"), lines
+    assert lines[0].startswith("building workload vlm_kd: 3 sections on 8 devices, initialising"), lines
+    assert lines[1] == TRACING, lines
+    assert lines[2].startswith("compiling ") and lines[2].endswith(" sections"), lines
     assert any(line.startswith("compiled ") for line in lines), lines
     assert after == []
     assert [r["step"] for r in history if "eval_loss" in r] == [2, 4]

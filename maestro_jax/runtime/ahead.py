@@ -143,12 +143,13 @@ def compile_batches(
     threads: int | None = None,
 ) -> AheadReport:
     """Compile every program that training steps on `batches` and evaluations of `evaluate`
-    (global batches as lists of `SampleInfo`s or samples) call and the caches lack. Says
-    "compiling N programs for S sections" before compiling, then progress. `replay_all`: walk
+    (global batches as lists of `SampleInfo`s or samples) call and the caches lack. Says that it
+    traces, then "compiling N programs for S sections" before compiling, then progress. `replay_all`: walk
     every batch again in the compiling pass (so that `used` covers them all). `threads`: programs
     compiled at once (default `default_threads()`; 1: one after the other)."""
     say = say or (lambda _: None)
     t0 = time.perf_counter()
+    say("tracing the steps' shape buckets to find the programs they call")
     tracer, replay, seen = trace_batches(rt, batches, evaluate, replay_all)
     total = len(tracer.new) + len(tracer.transfers)
     sections = {s for s, _, _ in tracer.new}

@@ -81,7 +81,13 @@ def train(
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
         stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
-        rt = rt or build_runtime(cfg, coordinator=coordinator)
+        if rt is None:
+            devices = len({d for s in cfg.sections.values() for d in s.devices})
+            say(
+                f"building workload {cfg.workload}: {len(cfg.sections)} sections on {devices} devices, "
+                "initialising their states (each section's init compiles)"
+            )
+            rt = build_runtime(cfg, coordinator=coordinator)
         states = rt.init_states()
         bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
         data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
