@@ -1,6 +1,7 @@
 """The CLI trains the shipped VLM config and the loss falls."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,10 @@ def test_train_cli_loss_falls(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
+    # the progress bar's throughput is over the recent steps (up to 10), not the last one's
+    shown = float(re.findall(r"samples_per_s=([\d.]+)", proc.stderr)[-1])
+    recent = sum(len(r["sample_ids"]) for r in rows[-10:]) / sum(r["step_time_s"] for r in rows[-10:])
+    assert shown == pytest.approx(recent, abs=0.051), (shown, recent)
     for r in rows:  # the host timeline: preparation ran ahead
         assert 0 < r["schedule_ahead_s"] <= r["read_ahead_s"] and r["pack_ahead_s"] > 0
         assert 0 <= r["transfer_issue_s"] <= r["dispatch_s"]

@@ -96,7 +96,10 @@ def test_resume_says_so_and_tensorboard_purges_recomputed_steps(tmp_path, capsys
     (out / "checkpoints" / "manifest-3.json").unlink()  # step 3 untrusted: the resume recomputes it
     train(vlm(out, "steps=4"), progress=False)
     said = capsys.readouterr().out
-    assert f"resuming from the checkpoint of step 2 in {out / 'checkpoints'}" in said, said
+    restoring = f"checkpoint: restoring the newest good one of {out / 'checkpoints'} (committed up to step 3)"
+    resuming = f"resuming from the checkpoint of step 2 in {out / 'checkpoints'}"
+    lines = said.splitlines()
+    assert lines.index(restoring) < lines.index(resuming), said  # said before the restore, then what it found
     first, second = events(out / "tb")
     assert any(e.HasField("summary") and e.step == 3 for e in first)
     purge = [e for e in second if e.HasField("session_log")]

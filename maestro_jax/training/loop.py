@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,6 +102,8 @@ def train(
                     coordinator=coordinator,
                 )
             )
+            if (latest := ckpt.latest_step()) is not None:
+                say(f"checkpoint: restoring the newest good one of {ckpt.directory} (committed up to step {latest})")
             # another config's checkpoint stops here; a staged section is saved whole (`runtime.stages`)
             if (restored := ckpt.restore_latest(rt.whole_states(states))) is not None:
                 start, whole, data_state, _ = restored
@@ -248,12 +251,16 @@ class _StepLog:
     `step_time_s` is the time between two steps' results being read, the throughput interval
     when the host reads each step after issuing the next; its parts (`data_wait_s`,
     `dispatch_s`, `device_wait_s`) then belong to neighbouring steps, so they add up within the
-    run's total time, not within each interval."""
+    run's total time, not within each interval. The progress bar's `samples_per_s` is over the
+    last `RECENT` steps (one step's swings with its shapes and with checkpoint saves)."""
+
+    RECENT = 10
 
     def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, hooks=()):
         self.trackers, self.bar, self.evaluation, self.history = trackers, bar, evaluation, []
         self.hooks = tuple(hooks)
         self.last_read = time.perf_counter()
+        self.recent: deque[tuple[int, float]] = deque(maxlen=self.RECENT)  # (samples, seconds) of each step
 
     def read(
         self, issued: IssuedStep, prepared: PreparedBatch, data_wait_s: float, wait_reason: str | None = None
@@ -285,7 +292,9 @@ class _StepLog:
             rec["skipped_samples"] = prepared.skipped
         self.history.append(rec)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_per_s=f"{rec['samples_per_s']:.1f}")
+        self.recent.append((len(samples), dt))
+        recent = sum(n for n, _ in self.recent) / sum(t for _, t in self.recent)
+        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_per_s=f"{recent:.1f}")
         self.trackers.write(rec)
         for hook in self.hooks:
             hook(rec["step"], rec)
@@ -372,14 +381,14 @@ class _Loop:
             return
         self._read_pending("checkpoint")
         self.log.trackers.flush()  # the metrics of every step the checkpoint holds are on disk first
+        if not stop_by:  # said before the save, which may hold the step a while; a preemption's report says more
+            self.say(f"checkpoint: saving step {done} to {self.ckpt.directory}")
         self.ckpt.save(
             done,
             self.rt.whole_states(states),
             self.data.get_state(),
             {"seed": self.cfg.seed, "workload": self.cfg.workload},
         )
-        if not stop_by:  # a preemption's report says more, once the save is committed
-            self.say(f"checkpoint: saving step {done} to {self.ckpt.directory}")
 
     def _log_finished_step(self, fault: BaseException) -> None:
         """A step the devices finished before `fault` is still logged (not after a lost peer:
