@@ -155,11 +155,12 @@ def _verify(cfg, args) -> int:
 
 
 def _eval(cfg, args) -> int:
+    from maestro_jax.config import EvalConfig
     from maestro_jax.runtime.build import build_runtime
     from maestro_jax.training.evaluate import evaluate_checkpoint
 
     step, loss = evaluate_checkpoint(cfg, build_runtime(cfg), args.step)
-    print(f"step {step}: eval_loss {loss:.4f} over {cfg.eval.batches} batches")
+    print(f"step {step}: eval_loss {loss:.4f} over {(cfg.eval or EvalConfig()).batches} batches")
     return 0
 
 

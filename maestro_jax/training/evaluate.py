@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from maestro_jax.config import Config, ConfigError
+from maestro_jax.config import Config, ConfigError, EvalConfig
 from maestro_jax.data.pipeline import first_batches
 from maestro_jax.runtime.build import Runtime
 
@@ -89,12 +89,20 @@ def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
 def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None, source=None) -> tuple[int, float]:
     """`maestro-jax eval` and `Trainer.evaluate`: the eval loss of the config's checkpoint `step`
     (None: the latest committed one), read under the run's lock
-    (`training.checkpoint.reading_checkpoints`); `source` as `evaluation_for`'s. Returns (step, loss)."""
+    (`training.checkpoint.reading_checkpoints`); `source` as `evaluation_for`'s. Returns (step, loss).
+    A config without an eval block takes the block's defaults (`EvalConfig`: 2 batches of the
+    training data's synthetic settings drawn with seed + 1), so the command runs on any config
+    whose data is synthetic or that names eval.data."""
     from maestro_jax.training.checkpoint import reading_checkpoints
 
+    if cfg.eval is None:
+        if source is None and cfg.data.kind != "synthetic":
+            raise ConfigError(
+                f"error: eval.data: not set (the config has no eval block), and the training data (data.kind="
+                f"{cfg.data.kind}) is no held-out source; give eval.data (e.g. kind: array_record with other paths)"
+            )
+        cfg = cfg.model_copy(update={"eval": EvalConfig()})
     evaluation = evaluation_for(cfg, rt, source)
-    if evaluation is None:
-        raise ConfigError("error: eval: the config has no eval block; add eval.batches (and eval.data) to evaluate")
     if not cfg.output_dir:
         raise ConfigError("error: output_dir: not set; name the run whose checkpoint to evaluate")
     with reading_checkpoints(cfg, rt.coordinator) as ckpt:

@@ -177,7 +177,9 @@ def _say(progress: bool):
 
     def say(line: str) -> None:
         if jax.process_index() == 0:
-            tqdm.write(line) if progress else print(line, flush=True)
+            # through tqdm only while a bar is on screen: its first write creates its lock, which a
+            # signal arriving then (start-up) would leave half made, raising AttributeError for it
+            tqdm.write(line) if progress and getattr(tqdm, "_instances", None) else print(line, flush=True)
 
     return say
 
