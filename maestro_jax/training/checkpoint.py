@@ -130,9 +130,20 @@ class _OrbaxErrors(logging.Filter):
     (dozens on a full disk), and asyncio reports its failed write futures again at exit ("Future
     exception was never retrieved"); the same error reaches the user once, as the
     `CheckpointError` of `save` or `close`. Such records (logged from Orbax, or carrying an
-    exception raised inside it) go to the `maestro_jax.orbax` logger at DEBUG instead."""
+    exception raised inside it) go to the `maestro_jax.orbax` logger at DEBUG instead, and so do
+    the notes Orbax logs on opening a directory read-only (`READ_ONLY_NOTES`)."""
+
+    # what Orbax says, at WARNING, each time a reader opens a directory read-only (`export`,
+    # `eval`): the options it asked for, restated; nothing for a user to act on
+    READ_ONLY_NOTES = (
+        "CheckpointManagerOptions.read_only=True, setting",
+        "Given directory is read only=",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if _in_orbax(record.pathname) and record.getMessage().startswith(self.READ_ONLY_NOTES):
+            log.getChild("orbax").debug("%s", record.getMessage())
+            return False
         if record.levelno >= logging.ERROR and (
             _in_orbax(record.pathname)
             or (
