@@ -62,6 +62,8 @@ GEMMA3_DEFAULTS = {
     "sliding_window": 4096,
     "sliding_window_pattern": 6,
     "tie_word_embeddings": True,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
 }
 
 
@@ -163,19 +165,10 @@ def _global_every(path, layer_types: list) -> int:
 
 def _gemma3_fields(path, hf: dict) -> dict:
     """A Gemma 3 text model's config (a `gemma3_text` folder, or a `gemma3` folder's
-    `text_config`) as `models.<s>`'s fields: norms after attention and the MLP, GeGLU, scaled
-    embeddings, `query_pre_attn_scalar`, windowed layers with their own RoPE base and every
-    `sliding_window_pattern`-th layer global."""
+    `text_config`) as `models.<s>`'s fields: Gemma's block (`_gemma_block`) with query and key
+    norms, windowed layers with their own RoPE base and every `sliding_window_pattern`-th layer
+    global."""
     c = _with_defaults(hf, GEMMA3_DEFAULTS)
-    if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
-        raise HFError(
-            f"{path}/config.json: use_bidirectional_attention={hf.get('use_bidirectional_attention')}, attention_bias="
-            f"{hf.get('attention_bias')}; the decoder is causal without attention biases"
-        )
-    if c["hidden_activation"] != "gelu_pytorch_tanh":
-        raise HFError(
-            f"{path}/config.json: hidden_activation={c['hidden_activation']!r}; Gemma 3's is 'gelu_pytorch_tanh'"
-        )
     params = hf.get("rope_parameters") or {}
     full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     if _rope_scaling(path, local):
@@ -193,6 +186,30 @@ def _gemma3_fields(path, hf: dict) -> dict:
     scaling = _rope_scaling(path, hf.get("rope_scaling") or full, hf.get("max_position_embeddings"))
     if every == 0:  # every layer windowed: each at the windowed layers' RoPE
         global_theta, scaling = local_theta, None
+    return {
+        **_gemma_block(path, hf, c, "Gemma 3"),
+        "rope_theta": global_theta,
+        "rope_scaling": scaling,
+        "sliding_window": c["sliding_window"] if windowed else None,
+        "global_every": every if windowed else 0,
+        "rope_local_theta": local_theta if windowed and every else None,
+        "qk_norm": True,
+    }
+
+
+def _gemma_block(path, hf: dict, c: dict, family: str) -> dict:
+    """What Gemma 2's and 3's configs (`c`: `hf` over the family's defaults) share as
+    `models.<s>`'s fields: a causal decoder without attention biases, norms after attention and
+    the MLP, GeGLU, scaled embeddings, `query_pre_attn_scalar` and the logit soft-caps."""
+    if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
+        raise HFError(
+            f"{path}/config.json: use_bidirectional_attention={hf.get('use_bidirectional_attention')}, attention_bias="
+            f"{hf.get('attention_bias')}; the decoder is causal without attention biases"
+        )
+    if c["hidden_activation"] != "gelu_pytorch_tanh":
+        raise HFError(
+            f"{path}/config.json: hidden_activation={c['hidden_activation']!r}; {family}'s is 'gelu_pytorch_tanh'"
+        )
     heads = c["num_attention_heads"]
     return {
         "kind": "llm",
@@ -203,21 +220,15 @@ def _gemma3_fields(path, hf: dict) -> dict:
         "kv_heads": c["num_key_value_heads"] or heads,
         "head_dim": c["head_dim"],
         "mlp": c["intermediate_size"],
-        "rope_theta": global_theta,
-        "rope_scaling": scaling,
-        "sliding_window": c["sliding_window"] if windowed else None,
-        "global_every": every if windowed else 0,
-        "rope_local_theta": local_theta if windowed and every else None,
         "norm_eps": float(c["rms_norm_eps"]),
         "tie_embeddings": bool(c["tie_word_embeddings"]),
         "qkv_bias": False,
-        "qk_norm": True,
         "act": "gelu_pytorch_tanh",
         "post_norms": True,
         "embed_scale": True,
         "query_pre_attn_scalar": int(c["query_pre_attn_scalar"]),
-        "attn_softcap": _cap(hf.get("attn_logit_softcapping")),
-        "final_softcap": _cap(hf.get("final_logit_softcapping")),
+        "attn_softcap": _cap(c["attn_logit_softcapping"]),
+        "final_softcap": _cap(c["final_logit_softcapping"]),
         "experts": 0,
         "experts_per_token": 0,
         "expert_mlp": 0,
@@ -230,19 +241,10 @@ def _cap(value) -> float | None:
 
 
 def _gemma2_fields(path, hf: dict) -> dict:
-    """A Gemma 2 model's config as `models.<s>`'s fields: Gemma 3's without query and key norms,
-    one RoPE base for every layer, every other layer windowed (`layer_types`), and its attention
-    scores and output logits soft-capped."""
+    """A Gemma 2 model's config as `models.<s>`'s fields: Gemma's block (`_gemma_block`) without
+    query and key norms, one RoPE base for every layer, every other layer windowed
+    (`layer_types`), its attention scores and output logits soft-capped."""
     c = _with_defaults(hf, GEMMA2_DEFAULTS)
-    if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
-        raise HFError(
-            f"{path}/config.json: use_bidirectional_attention={hf.get('use_bidirectional_attention')}, attention_bias="
-            f"{hf.get('attention_bias')}; the decoder is causal without attention biases"
-        )
-    if c["hidden_activation"] != "gelu_pytorch_tanh":
-        raise HFError(
-            f"{path}/config.json: hidden_activation={c['hidden_activation']!r}; Gemma 2's is 'gelu_pytorch_tanh'"
-        )
     params = hf.get("rope_parameters") or {}
     scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
     types = hf.get("layer_types") or [
@@ -250,34 +252,14 @@ def _gemma2_fields(path, hf: dict) -> dict:
     ]
     every = _global_every(path, types)
     windowed = every != 1 and c["sliding_window"] is not None
-    heads = c["num_attention_heads"]
     return {
-        "kind": "llm",
-        "vocab": c["vocab_size"],
-        "width": c["hidden_size"],
-        "depth": c["num_hidden_layers"],
-        "heads": heads,
-        "kv_heads": c["num_key_value_heads"] or heads,
-        "head_dim": c["head_dim"],
-        "mlp": c["intermediate_size"],
+        **_gemma_block(path, hf, c, "Gemma 2"),
         "rope_theta": float(params.get("rope_theta", c["rope_theta"])),
         "rope_scaling": scaling,
         "sliding_window": c["sliding_window"] if windowed else None,
         "global_every": every if windowed else 0,
         "rope_local_theta": None,
-        "norm_eps": float(c["rms_norm_eps"]),
-        "tie_embeddings": bool(c["tie_word_embeddings"]),
-        "qkv_bias": False,
         "qk_norm": False,
-        "act": "gelu_pytorch_tanh",
-        "post_norms": True,
-        "embed_scale": True,
-        "query_pre_attn_scalar": int(c["query_pre_attn_scalar"]),
-        "attn_softcap": _cap(c["attn_logit_softcapping"]),
-        "final_softcap": _cap(c["final_logit_softcapping"]),
-        "experts": 0,
-        "experts_per_token": 0,
-        "expert_mlp": 0,
     }
 
 
