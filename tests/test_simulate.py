@@ -109,3 +109,4 @@ def test_simulate_prints_a_tiny_config_in_human_units(capsys):
         step = line[len(m) :].split()[:2]
         assert re.fullmatch(r"[1-9]\d*(\.\d+)?|0\.\d*[1-9]\d*", step[0]) and step[1] in ("s", "ms", "µs", "ns"), line
     assert "mesh data=" in out and "per-device speedup" in out
+    assert "priced: the config's own plan" in out and "maestro-jax plan --config FILE --devices 8 " in out

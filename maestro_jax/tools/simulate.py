@@ -201,6 +201,11 @@ def format_report(r: dict) -> str:
         f"loss section's efficiency relative to running alone (a VLM's LLM: relative to text-only): "
         f"maestro {eff['maestro']:.1%}, monolithic {eff['monolithic']:.1%}"
     )
+    lines.append(
+        f"priced: the config's own plan (its sections' devices, meshes and micro-batches); `maestro-jax plan "
+        f"--config FILE --devices {r['devices']['monolithic']} --memory-gb M` searches this workload's plans on as "
+        f"many devices and may find a faster one"
+    )
     if r.get("gantt"):
         lines.append(f"wrote {r['gantt']}")
     return "\n".join(lines)
