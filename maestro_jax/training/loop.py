@@ -72,7 +72,7 @@ def train(
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     keep = bool(out_dir and cfg.keep_checkpoints)
     dirs = {"output_dir": cfg.output_dir, "checkpoint_dir": cfg.checkpoint_dir if keep else None}
-    say = _say(progress)
+    say = _Say(progress)
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(Preemption())
         check_directories(dirs, coordinator)
@@ -145,6 +145,7 @@ def train(
                 disable=not progress or jax.process_index() != 0,
             )
         )
+        say.bar_open = True
         window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
         step_log = _StepLog(tracked, bar, evaluation, hooks)
         history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(states, start)
@@ -172,16 +173,18 @@ def _refuse_unkept_checkpoints(cfg: Config, out_dir: Path, coordinator: Coordina
         raise ConfigError(refusal)
 
 
-def _say(progress: bool):
-    """Process 0's one-line reports (resume, checkpoints), kept clear of the progress bar."""
+class _Say:
+    """Process 0's one-line reports (start-up, resume, checkpoints), kept clear of the progress
+    bar: through `tqdm.write` once the bar is on screen (`bar_open`), printed before. (tqdm's
+    first write creates its class lock, and a signal arriving then, during start-up, would
+    leave the lock half made: an AttributeError instead of the interrupt.)"""
 
-    def say(line: str) -> None:
+    def __init__(self, progress: bool):
+        self.progress, self.bar_open = progress, False
+
+    def __call__(self, line: str) -> None:
         if jax.process_index() == 0:
-            # through tqdm only while a bar is on screen: its first write creates its lock, which a
-            # signal arriving then (start-up) would leave half made, raising AttributeError for it
-            tqdm.write(line) if progress and getattr(tqdm, "_instances", None) else print(line, flush=True)
-
-    return say
+            tqdm.write(line) if self.progress and self.bar_open else print(line, flush=True)
 
 
 def _cache_dir(cfg: Config, out_dir: Path | None) -> Path | None:
