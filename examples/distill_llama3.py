@@ -81,7 +81,7 @@ def main(work: Path) -> dict:
     args = ["export", "--config", str(CONFIG), *overrides, "--section", "student", "--out", str(export)]
     if status := cli.main(args):
         raise SystemExit(status)
-    print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; student exported to {export}")
+    print(f"loss {history[0]['train/loss']:.3f} -> {history[-1]['train/loss']:.3f}; student exported to {export}")
     checked = None
     if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
         checked = cli.main(["check-hf", "--hf", str(export)])  # 0: transformers gives maestro's logits

@@ -167,8 +167,8 @@ def main(work: Path) -> dict:
     if status:
         raise SystemExit(status)
     print(
-        f"stage 1 loss {stage1[0]['loss']:.3f} -> {stage1[-1]['loss']:.3f}; "
-        f"stage 2 loss {stage2[0]['loss']:.3f} -> {stage2[-1]['loss']:.3f}; LLM exported to {export}"
+        f"stage 1 loss {stage1[0]['train/loss']:.3f} -> {stage1[-1]['train/loss']:.3f}; "
+        f"stage 2 loss {stage2[0]['train/loss']:.3f} -> {stage2[-1]['train/loss']:.3f}; LLM exported to {export}"
     )
     return {
         "stage1": stage1,

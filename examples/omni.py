@@ -46,7 +46,7 @@ def main(work: Path) -> dict:
     args = ["export", "--config", str(CONFIG), *overrides, "--section", "llm", "--out", str(export)]
     if status := cli.main(args + ["--model-type", "qwen2"]):
         raise SystemExit(status)
-    print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; LLM exported to {export}")
+    print(f"loss {history[0]['train/loss']:.3f} -> {history[-1]['train/loss']:.3f}; LLM exported to {export}")
     return {"history": history, "hf": hf, "export": export, "overrides": overrides}
 
 

@@ -115,8 +115,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _train(cfg, args) -> int:
     from maestro_jax.data import DataError
     from maestro_jax.runtime.distributed import PeerError, announce_failure
+    from maestro_jax.runtime.step import NonFiniteError
     from maestro_jax.training.loop import train
-    from maestro_jax.training.step import NonFiniteError
     from maestro_jax.training.storage import StorageError
 
     faults = ((NonFiniteError, 3), (StorageError, 4), (PeerError, 5), (DataError, 2))  # StorageError: checkpoints too
@@ -129,7 +129,7 @@ def _train(cfg, args) -> int:
     if history:  # else train said "nothing to do", naming the step the checkpoint holds
         print(
             f"trained steps {history[0]['step']}..{history[-1]['step']}: "
-            f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
+            f"loss {history[0]['train/loss']:.4f} -> {history[-1]['train/loss']:.4f}"
         )
     return 0
 
@@ -160,7 +160,7 @@ def _eval(cfg, args) -> int:
     from maestro_jax.training.evaluate import evaluate_checkpoint
 
     step, loss = evaluate_checkpoint(cfg, build_runtime(cfg), args.step)
-    print(f"step {step}: eval_loss {loss:.4f} over {(cfg.eval or EvalConfig()).batches} batches")
+    print(f"step {step}: eval/loss {loss:.4f} over {(cfg.eval or EvalConfig()).batches} batches")
     return 0
 
 
@@ -204,7 +204,7 @@ def _latest_states(cfg) -> tuple[dict, int]:
     from maestro_jax.training.checkpoint import reading_checkpoints
 
     rt = build_runtime(cfg)
-    states = rt.whole_states(rt.init_states())
+    states = rt.whole_states(rt.step.init().sections)
     if cfg.output_dir:
         with reading_checkpoints(cfg) as ckpt:
             restored = ckpt.restore_latest(states)
@@ -369,7 +369,7 @@ def _measure_plan(cfg, args, best) -> None:
 
     planned = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in plan_overrides(best).items())])
     rt = build_runtime(planned)
-    measured = compiled_memory(rt, rt.init_states(), rt.batches()[0])
+    measured = compiled_memory(rt, rt.step.init(), rt.batches()[0])
     for s, m in measured.items():
         print(
             f"memory {s}: model {best.memory_gb[s]:.4g} GB/device, compiled {m['total'] / 2**30:.4g} GB/device "

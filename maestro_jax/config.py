@@ -537,7 +537,7 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 class CompileConfig(_Frozen):
     """Compiling before step 1, and keeping what was compiled for the next run."""
 
-    ahead: bool = True  # compile every program the run's batches need before step 1 (`Runtime.compile_ahead`)
+    ahead: bool = True  # compile every program the run's batches need before step 1 (`SectionedStep.compile`)
     max_batches: PositiveInt = 256  # global batches scanned for shapes; a longer run is sampled (`runtime.ahead`)
     cache: bool = True  # jax's persistent compilation cache: a resume or a rerun loads its executables
     # where the cache lives; default JAX_COMPILATION_CACHE_DIR where set, else

@@ -54,7 +54,7 @@ def main():
     base = load_config(args.config)
     cfg = load_config(args.config, ONE_DEVICE[base.workload] + ["schedule.scheduler=wavefront"] + args.overrides)
     rt = build_runtime(cfg)
-    states = rt.init_states()
+    states = rt.step.init().sections
     samples = rt.batches()[0]
     schedule = rt.schedule(samples)
     runs = {

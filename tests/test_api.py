@@ -146,7 +146,7 @@ def test_user_graph_matches_the_monolithic_step(scheduler):
 @pytest.mark.slow
 def test_user_graph_trains_and_resumes_exactly(tmp_path):
     straight = mj.Trainer(user_config(steps=4), user_graph(), PictureCaptions(), **DECLARED).train(progress=False)
-    assert straight[-1]["loss"] < straight[0]["loss"]
+    assert straight[-1]["train/loss"] < straight[0]["train/loss"]
     run = str(tmp_path / "run")
     first = mj.Trainer(user_config(steps=2, output_dir=run), user_graph(), PictureCaptions(), **DECLARED).train(
         progress=False
@@ -155,7 +155,7 @@ def test_user_graph_trains_and_resumes_exactly(tmp_path):
         progress=False
     )
     assert [h["step"] for h in rest] == [3, 4], "resumed from the step-2 checkpoint"
-    assert [h["loss"] for h in first + rest] == [h["loss"] for h in straight]
+    assert [h["train/loss"] for h in first + rest] == [h["train/loss"] for h in straight]
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 

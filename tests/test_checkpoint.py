@@ -11,6 +11,7 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import TrainState
 from maestro_jax.training.checkpoint import Checkpointer
 from maestro_jax.training.loop import train
 
@@ -36,11 +37,13 @@ def test_resume_is_exact(tmp_path, precision):
     assert [r["step"] for r in resumed] == [3, 4], "the second run resumes after the last checkpoint"
     ref = {r["step"]: r for r in straight}
     for r in first + resumed:
-        assert r["loss"] == ref[r["step"]]["loss"], f"step {r['step']}: {r['loss']!r} != {ref[r['step']]['loss']!r}"
+        assert r["train/loss"] == ref[r["step"]]["train/loss"], (
+            f"step {r['step']}: {r['train/loss']!r} != {ref[r['step']]['train/loss']!r}"
+        )
         assert r["sample_ids"] == ref[r["step"]]["sample_ids"], "data order must continue exactly"
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [1, 2, 3, 4]
     if precision == "bfloat16":
-        assert straight[-1]["loss"] < straight[0]["loss"] - 0.05, [r["loss"] for r in straight]
+        assert straight[-1]["train/loss"] < straight[0]["train/loss"] - 0.05, [r["train/loss"] for r in straight]
     ck = tmp_path / "b" / "checkpoints"
     assert sorted(p.name for p in ck.glob("manifest-*.json")) == ["manifest-2.json", "manifest-4.json"]
     assert list((tmp_path / "b" / "tb").glob("events.*")), "TensorBoard events are written"
@@ -74,8 +77,8 @@ def test_restore_onto_a_different_plan(tmp_path):
     assert {d.id for d in leaf.sharding.device_set} == {0, 1, 2, 3}, "restored onto the new plan's devices"
     assert data_state["next_index"] == cfg.global_batch, "the data stream resumes after the first batch"
     # and training continues on the new plan
-    result = rt_b.executor.run(moved, rt_b.batches()[1], rt_b.schedule(rt_b.batches()[1]))
-    assert np.isfinite(float(result.loss))
+    _, metrics = rt_b.step(TrainState(1, moved), rt_b.batches()[1])
+    assert np.isfinite(rt_b.step.read(metrics)["train/loss"])
 
 
 @pytest.mark.slow
@@ -247,7 +250,7 @@ def test_a_section_starts_from_another_runs_checkpoint(tmp_path):
         np.testing.assert_array_equal(a, b)  # a fresh optimizer, not the other run's moments
     # the loop applies it on a fresh start: step 1 of the second run is not step 1 of the first
     history = train(load_config(kd, TINY_KD + start + ["steps=1"]), progress=False)
-    assert history[0]["loss"] != read_metrics(tmp_path / "a")[0]["loss"]
+    assert history[0]["train/loss"] != read_metrics(tmp_path / "a")[0]["train/loss"]
 
     (tmp_path / "empty").mkdir()
     key = "error: sections.student.init.checkpoint_dir="
@@ -298,6 +301,6 @@ def test_a_resume_applies_and_names_the_changed_optimizer_settings(tmp_path, cap
         progress=False,
     )
     assert [h["step"] for h in both] == [h["step"] for h in rate_only] == [3, 4]
-    assert both[0]["lr/student"] == rate_only[0]["lr/student"] == pytest.approx(0.03)
-    assert both[0]["loss"] == rate_only[0]["loss"], "step 3 starts from the same weights"
-    assert both[1]["loss"] != rate_only[1]["loss"], "the new weight decay moved the weights in update 3"
+    assert both[0]["train/lr/student"] == rate_only[0]["train/lr/student"] == pytest.approx(0.03)
+    assert both[0]["train/loss"] == rate_only[0]["train/loss"], "step 3 starts from the same weights"
+    assert both[1]["train/loss"] != rate_only[1]["train/loss"], "the new weight decay moved the weights in update 3"

@@ -1,4 +1,4 @@
-"""Compile ahead (`Runtime.compile_ahead`): every program a run takes is compiled before step 1,
+"""Compile ahead (`SectionedStep.compile`): every program a run takes is compiled before step 1,
 from sample metadata, so that training compiles nothing more; a shape nothing foresaw still
 compiles, lazily, into the same cache; the persistent compilation cache can be turned on.
 
@@ -6,6 +6,7 @@ Compiles are counted with `jax.monitoring`: jax 0.10 records `BACKEND_COMPILE` o
 compile request (a persistent-cache hit included), with the jitted function's name."""
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import logging
@@ -19,6 +20,7 @@ from maestro_jax.config import load_config
 from maestro_jax.data.samples import Sample
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.training.loop import train
 
 TRANSFER_PROGRAMS = ("_cut_pieces", "_join_pieces")
@@ -44,7 +46,7 @@ def ahead(request):
     rt = build_runtime(cfg)
     said: list[str] = []
     with compiles() as during:
-        count = rt.compile_ahead(range(cfg.steps), say=said.append)
+        count = rt.step.compile(range(cfg.steps), said.append)
     new_transfers = rt.executor.compiled_transfers
     return cfg, rt, count, said, during, new_transfers
 
@@ -68,7 +70,7 @@ def test_compile_ahead_says_and_counts_what_it_compiles(ahead):
 
 def test_training_after_compile_ahead_compiles_nothing(ahead):
     """`steps` training steps through the training loop (prefetching, run-ahead, update, reads)
-    after `compile_ahead(range(0, steps))`: no XLA compile from the first step on."""
+    after `SectionedStep.compile(range(0, steps))`: no XLA compile from the first step on."""
     cfg, rt, *_ = ahead
     run, first = rt.executor.run, []
 
@@ -84,7 +86,7 @@ def test_training_after_compile_ahead_compiles_nothing(ahead):
     finally:
         del rt.executor.run
     assert [r["step"] for r in history] == list(range(1, STEPS + 1))
-    assert all(np.isfinite(r["loss"]) for r in history)
+    assert all(np.isfinite(r["train/loss"]) for r in history)
     assert first and during[first[0] :] == []
 
 
@@ -94,7 +96,7 @@ def test_a_shape_nothing_foresaw_compiles_lazily(ahead, caplog):
     into the same caches, with a warning naming the section and the step; the next call of the
     same shapes compiles nothing."""
     cfg, rt, *_ = ahead
-    states = rt.init_states()
+    state = rt.step.init()
     text = [s for s in rt.batches()[0] if not any(s.items.values())]
     samples = [
         Sample(i, np.tile(s.tokens, 6)) for i, s in enumerate(itertools.islice(itertools.cycle(text), cfg.global_batch))
@@ -102,16 +104,16 @@ def test_a_shape_nothing_foresaw_compiles_lazily(ahead, caplog):
     schedule = rt.schedule(samples)
     before = {s: set(p.cache) for s, p in rt.programs.items()}
     with caplog.at_level(logging.WARNING, logger="maestro_jax"), compiles() as during:
-        result = rt.executor.run(states, samples, schedule, step=7)
-    assert np.isfinite(float(result.loss))
+        loss, _, _ = rt.step.gradients(dataclasses.replace(state, step=6), StepBatch(samples, schedule))
+    assert np.isfinite(float(loss))
     lazy = {s: set(p.cache) - before[s] for s, p in rt.programs.items()}
     assert lazy[rt.graph.sink] and all(p.cache[k].lazily for s, p in rt.programs.items() for k in lazy[s])
     assert len([n for n in during if not is_transfer(n)]) <= sum(map(len, lazy.values()))
     warned = [r.getMessage() for r in caplog.records if "compiling a new shape bucket" in r.getMessage()]
     assert any(f"section {rt.graph.sink} at step 7" in m for m in warned), warned
     with compiles() as again:
-        again_loss = rt.executor.run(states, samples, schedule, step=8).loss
-    assert again == [] and float(again_loss) == float(result.loss)
+        again_loss, _, _ = rt.step.gradients(dataclasses.replace(state, step=7), StepBatch(samples, schedule))
+    assert again == [] and float(again_loss) == float(loss)
 
 
 def test_persistent_cache_in_a_directory(tmp_path):
@@ -180,15 +182,15 @@ def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_pat
     assert lines[2].startswith("compiling ") and lines[2].endswith(" sections"), lines
     assert any(line.startswith("compiled ") for line in lines), lines
     assert after == []
-    assert [r["step"] for r in history if "eval_loss" in r] == [2, 4]
-    assert all(np.isfinite(r["eval_loss"]) for r in history if "eval_loss" in r)
+    assert [r["step"] for r in history if "eval/loss" in r] == [2, 4]
+    assert all(np.isfinite(r["eval/loss"]) for r in history if "eval/loss" in r)
     assert any(cache.rglob("*")), "executables were written to compile.cache_dir"
     assert compile_cache.directory() is None or compile_cache.directory() != cache, "the settings came back"
 
     with cache_events() as counts, contextlib.redirect_stdout(io.StringIO()):
         again = train(load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'b'}"]), progress=False)
     assert counts["requests"] > 0 and counts["hits"] == counts["requests"], counts
-    assert [r["loss"] for r in again] == [r["loss"] for r in history]
+    assert [r["train/loss"] for r in again] == [r["train/loss"] for r in history]
 
 
 @pytest.mark.slow
@@ -213,7 +215,7 @@ def test_a_garbled_cache_entry_is_moved_aside_and_compiled_again(tmp_path, caplo
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="maestro_jax"):
         again = train(load_config(kd, [*args, f"output_dir={tmp_path / 'b'}"]), progress=False)
-    assert [r["loss"] for r in again] == [r["loss"] for r in first]
+    assert [r["train/loss"] for r in again] == [r["train/loss"] for r in first]
     warned = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
     assert len(warned) == 1 and f" {len(entries)} entries without a matching checksum" in warned[0], warned
     assert sorted(p.name for p in (cache / compile_cache.ASIDE).glob("*-cache")) == [e.name for e in entries]

@@ -306,7 +306,7 @@ def test_converted_conversations_train(tokenizer, images, tmp_path):
         ROOT / "configs/vlm_tiny.yaml", TINY_VLM + ["data.kind=array_record", f"data.paths=[{out}]", "steps=2"]
     )
     history = train(cfg, progress=False)
-    assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+    assert len(history) == 2 and all(np.isfinite(h["train/loss"]) for h in history)
 
 
 def test_image_placeholder_id_is_the_tokenizers_own(images, tmp_path):

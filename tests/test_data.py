@@ -272,7 +272,7 @@ def test_convert_folder_and_train(tmp_path):
         TINY_VLM + ["data.kind=array_record", f"data.paths=[{out}]", "steps=2", "models.llm.vocab=261"],
     )
     history = train(cfg, progress=False)
-    assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+    assert len(history) == 2 and all(np.isfinite(h["train/loss"]) for h in history)
 
 
 def test_convert_folder_with_the_configs_image_id(tmp_path):
@@ -400,7 +400,7 @@ def test_bad_values_are_skipped_and_reported_by_file_and_record(bad_values, tmp_
     assert sorted(logged) == sorted(
         f"record {r} of {path}: sample id={r}: {text}" for r, (_, text) in BAD_VALUES.items()
     )
-    assert all(np.isfinite(r["loss"]) for r in history)
+    assert all(np.isfinite(r["train/loss"]) for r in history)
 
 
 @pytest.mark.slow

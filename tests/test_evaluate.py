@@ -1,6 +1,6 @@
 """The evaluation path (`Executor.evaluate`): a batch's loss forward only, through the training
 plan's sections, meshes and schedule; equal to the training step's loss and the monolithic loss;
-its programs compiled ahead for batches of another source (`compile_ahead(evaluate=...)`)."""
+its programs compiled ahead for batches of another source (`SectionedStep.compile(evaluate=...)`)."""
 
 import jax
 import numpy as np
@@ -32,30 +32,28 @@ def test_evaluate_is_the_training_loss_forward_only(path, overrides):
     eval_source = workloads.source_from_config(cfg.model_copy(update={"seed": cfg.seed + 1}))
     held_out = rt.batch_infos([0, 1], source=eval_source, seed=cfg.seed + 1, shuffle=False)
     said: list[str] = []
-    n = rt.compile_ahead([], say=said.append, evaluate=[*rt.batch_infos([0]), *held_out])
+    n = rt.step.compile([], said.append, evaluate=[*rt.batch_infos([0]), *held_out])
     assert n > 0 and said[1].startswith(f"compiling {n} programs")
     kinds = {kind for p in rt.programs.values() for kind, _ in p.cache}
     assert kinds <= FORWARD_ONLY and "loss" in kinds  # no vjp, backward, grads nor update
 
-    states = rt.init_states()
+    step = rt.step
+    state = step.init()
     samples = rt.batches()[0]
-    schedule = rt.schedule(samples)
     evals = global_batches(eval_source, cfg.global_batch, cfg.seed + 1, shuffle=False)
     with compiles() as during:  # every evaluation was compiled ahead, from metadata alone
-        loss = rt.executor.evaluate(states, samples, schedule)
-        held = [rt.executor.evaluate(states, b, rt.schedule(b)) for b in (evals[0], evals[1])]
+        loss = step.evaluate(state, samples)
+        held = [step.evaluate(state, b) for b in (evals[0], evals[1])]
         jax.block_until_ready((loss, held))
     assert during == []
     assert loss.shape == () and all(np.isfinite(float(x)) for x in held)
 
-    step = rt.executor.run(states, samples, schedule)  # the training step (compiled now, lazily)
-    assert compare("loss", loss, step.loss).max_rel <= 1e-6
-    mono = rt.monolithic
-    m_loss, _ = mono.model.run(mono.init_states(cfg), samples)
-    assert compare("loss", loss, m_loss).max_rel <= 1e-6
+    state, metrics = step(state, samples)  # the training step (compiled now, lazily)
+    assert compare("loss", loss, metrics.loss).max_rel <= 1e-6
+    mono = rt.monolithic.step
+    assert compare("loss", loss, mono.evaluate(mono.init(), samples)).max_rel <= 1e-6
 
     # after an update, evaluation follows the new weights and still equals the step's loss
-    states = rt.executor.update(states, step.grads)
-    again = rt.executor.run(states, samples, schedule)
-    assert compare("loss", rt.executor.evaluate(states, samples, schedule), again.loss).max_rel <= 1e-6
-    assert float(again.loss) != float(step.loss)
+    _, again = step(state, samples)
+    assert compare("loss", step.evaluate(state, samples), again.loss).max_rel <= 1e-6
+    assert float(again.loss) != float(metrics.loss)

@@ -71,7 +71,10 @@ def test_llava_vlm_two_stages(tmp_path):
     vlm = recipe("llava_vlm")
     out = vlm.main(tmp_path)
     stage1, stage2 = out["stage1"], out["stage2"]
-    assert stage2[-1]["loss"] < stage2[0]["loss"] and stage2[-1]["loss"] < stage1[0]["loss"], (stage1, stage2)
+    assert stage2[-1]["train/loss"] < stage2[0]["train/loss"] and stage2[-1]["train/loss"] < stage1[0]["train/loss"], (
+        stage1,
+        stage2,
+    )
 
     # the converted data: placeholders for each image, loss on exactly the assistant's turns
     from tokenizers import Tokenizer
@@ -109,7 +112,7 @@ def test_llava_vlm_two_stages(tmp_path):
 def test_omni_towers_frozen_llm_exported(tmp_path):
     omni = recipe("omni")
     out = omni.main(tmp_path)
-    assert all(np.isfinite(h["loss"]) for h in out["history"])
+    assert all(np.isfinite(h["train/loss"]) for h in out["history"])
     states = checkpointed(omni.CONFIG, out["overrides"])
     siglip, whisper = out["hf"]["vision"], out["hf"]["audio"]
     tower = hf_encoders.load_vit(siglip, states["vision"].params, hf_encoders.vit_fields(siglip))
@@ -125,7 +128,7 @@ def test_distill_llama3_student_exported(tmp_path):
     (where transformers is installed) giving transformers' logits."""
     kd = recipe("distill_llama3")
     out = kd.main(tmp_path)
-    assert all(np.isfinite(h["loss"]) for h in out["history"])
+    assert all(np.isfinite(h["train/loss"]) for h in out["history"])
     cfg = load_config(kd.CONFIG, out["overrides"])
     teacher, student = cfg.models["teacher"], cfg.models["student"]
     assert teacher.rope_scaling.rope_type == student.rope_scaling.rope_type == "llama3"

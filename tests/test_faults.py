@@ -39,7 +39,7 @@ def metrics(out):
 
 def final_losses(out):
     """Loss by step as the log holds it (each step once, the values of the run the checkpoints continue)."""
-    return {r["step"]: r["loss"] for r in metrics(out)}
+    return {r["step"]: r["train/loss"] for r in metrics(out)}
 
 
 def uncommitted(ck):
@@ -82,7 +82,7 @@ def test_kill_9_during_save_resumes_from_last_complete(tmp_path):
     assert not uncommitted(ck), "the partial save was cleaned up, then every later save committed"
     assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1)), "each step logged once after the resume"
     straight = train(kd(tmp_path / "straight", f"steps={steps}"), progress=False)
-    assert final_losses(out) == {r["step"]: r["loss"] for r in straight}
+    assert final_losses(out) == {r["step"]: r["train/loss"] for r in straight}
 
 
 def _kill_when(proc, ready, timeout_s=300):
@@ -105,7 +105,7 @@ def straight_losses(tmp_path, steps=10):
     """Per-step losses of an uninterrupted run (computed once per module)."""
     if steps not in _STRAIGHT:
         _STRAIGHT[steps] = {
-            r["step"]: r["loss"] for r in train(kd(tmp_path / "straight", f"steps={steps}"), progress=False)
+            r["step"]: r["train/loss"] for r in train(kd(tmp_path / "straight", f"steps={steps}"), progress=False)
         }
     return _STRAIGHT[steps]
 
@@ -144,7 +144,7 @@ def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
     out = tmp_path / "rerun"
     train(kd(out, "steps=2", "keep_checkpoints=0"), progress=False)
     train(kd(out, "steps=3", "keep_checkpoints=0"), progress=False)
-    logged = [(r["step"], np.float32(r["loss"])) for r in metrics(out)]
+    logged = [(r["step"], np.float32(r["train/loss"])) for r in metrics(out)]
     assert [s for s, _ in logged] == [1, 2, 3] and tensorboard_losses(out) == logged
 
     out = tmp_path / "killed"
@@ -152,7 +152,7 @@ def test_tensorboard_shows_each_step_once_after_a_rerun_and_a_kill_9(tmp_path):
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _kill_when(proc, lambda: (out / "metrics.jsonl").exists() and len(metrics(out)) >= 3)
     assert subprocess.run(args, capture_output=True, text=True, timeout=600).returncode == 0
-    logged = [(r["step"], np.float32(r["loss"])) for r in metrics(out)]
+    logged = [(r["step"], np.float32(r["train/loss"])) for r in metrics(out)]
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6] and tensorboard_losses(out) == logged
 
 
@@ -440,7 +440,7 @@ def test_bad_samples_skipped_counted_and_reported(bad_records, capsys):
     assert "record 15 of " in skipped[1][0] and "mixed.array_record: cannot be decoded" in skipped[1][0]
     assert "sample id=11: needs at least 2 text tokens" in skipped[1][1]
     assert "sample id=19: 70 tokens exceed the largest bucket (40)" in skipped[1][2]
-    assert all(np.isfinite(r["loss"]) for r in history)
+    assert all(np.isfinite(r["train/loss"]) for r in history)
     assert "skipped 5 bad sample(s)" in capsys.readouterr().out
 
 
@@ -496,7 +496,7 @@ def test_full_then_read_only_checkpoint_storage(tmp_path, small_filesystem):
     resumed = train(cfg(4), progress=False)
     assert [r["step"] for r in resumed] == [3, 4], "a later run with space resumes from step 2"
     straight = train(kd(tmp_path / "straight", "steps=4"), progress=False)
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
+    assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in straight[2:]]
 
 
 # -- 8. corruption: a flipped bit or a truncated file is detected; the run falls back -------------
@@ -506,7 +506,7 @@ def _largest_file(step_dir):
 
 @pytest.mark.slow
 def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys):
-    straight = {r["step"]: r["loss"] for r in train(kd(tmp_path / "a", "steps=4"), progress=False)}
+    straight = {r["step"]: r["train/loss"] for r in train(kd(tmp_path / "a", "steps=4"), progress=False)}
     out = tmp_path / "b"
     ck = out / "checkpoints"
     train(kd(out, "steps=3", "checkpoint_every=1"), progress=False)
@@ -520,7 +520,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
     said = capsys.readouterr().out
     assert "checkpoint step 3 is corrupt" in said and "fails its checksum" in said and "falling back to step 2" in said
     assert [r["step"] for r in resumed] == [3, 4]
-    assert [r["loss"] for r in resumed] == [straight[3], straight[4]]
+    assert [r["train/loss"] for r in resumed] == [straight[3], straight[4]]
     assert (ck / "corrupt" / "3" / "3").is_dir(), "the bad checkpoint is kept aside, not deleted"
 
     for step in (4, 3):  # truncate a file in the two newest: the run goes back two checkpoints
@@ -530,14 +530,14 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(tmp_path, capsys
     said = capsys.readouterr().out
     assert "checkpoint step 4 is corrupt" in said and "truncated" in said and "falling back to step 3" in said
     assert "checkpoint step 3 is corrupt" in said and "falling back to step 2" in said
-    assert [r["loss"] for r in again] == [straight[3], straight[4]]
+    assert [r["train/loss"] for r in again] == [straight[3], straight[4]]
 
     manifest = ck / "manifest-4.json"  # a truncated manifest: that step is not trusted either
     manifest.write_text(manifest.read_text()[:20])
     last = train(kd(out, "steps=4", "checkpoint_every=1"), progress=False)
     said = capsys.readouterr().out
     assert "checkpoint step 4 is corrupt (its manifest is unreadable" in said and "falling back to step 3" in said
-    assert [r["loss"] for r in last] == [straight[4]]
+    assert [r["train/loss"] for r in last] == [straight[4]]
 
 
 # -- 6 and 9. a dead or stuck peer process ends the others with an error naming it, no hang ------

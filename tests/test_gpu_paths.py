@@ -98,15 +98,14 @@ def test_donated_update_reuses_the_state_and_trains_the_same():
     for donate in (False, True):
         cfg = load_config(ROOT / "configs/kd_tiny.yaml", [*TINY_KD, f"compile.donate={str(donate).lower()}"])
         rt = build_runtime(cfg)
-        states = rt.init_states()
+        states = rt.step.init()
         prog = rt.programs["student"]
         assert prog.donate is donate
         losses = []
         for samples in rt.batches()[:2]:
-            result = rt.executor.run(states, samples, rt.schedule(samples))
-            losses.append(float(result.loss))
             old = states["student"]
-            states = rt.executor.update(states, result.grads)
+            states, metrics = rt.step(states, samples)
+            losses.append(float(metrics.loss))
             leaf = jax.tree.leaves(old.params)[0]
             assert leaf.is_deleted() is donate  # donated: the update reused its buffer
         results[donate] = losses, jax.tree.map(np.asarray, states["student"].params)

@@ -369,7 +369,7 @@ def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     reference, path = make_hf(tmp_path, case)
     cfg = _teacher_cfg(path, **{"sections.teacher.mesh": mesh})
     rt = build_runtime(cfg)
-    states = rt.init_states()
+    states = rt.step.init()
     body, head = states["teacher"].consts["llm"], states["student"].consts["teacher_head"]
     assert {d.id for d in head.sharding.device_set} == set(cfg.sections["student"].devices)
     f = hf.llm_fields(path)
@@ -380,9 +380,8 @@ def test_kd_teacher_from_hf_folder(tmp_path, case, mesh):
     hidden = lm.apply(v, lm.apply(v, ids, method=DecoderLM.embed), pos, valid, method=DecoderLM.hidden)
     logits = softcap(np.asarray(hidden) @ np.asarray(head), f.get("final_softcap"))
     np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
-    batch = rt.batches()[0]
-    result = rt.executor.run(states, batch, rt.schedule(batch))
-    assert np.isfinite(float(result.loss))
+    _, metrics = rt.step(states, rt.batches()[0])  # a training step
+    assert np.isfinite(rt.step.read(metrics)["train/loss"])
 
 
 def _from_folder(path, teacher: str, *extra: str):
@@ -403,15 +402,15 @@ def test_architecture_comes_from_the_folder_and_the_section_starts_from_it(tmp_p
     assert {k: model[k] for k in hf.llm_fields(path)} == hf.llm_fields(path) and model["hf"] == str(path)
     assert cfg.sections["teacher"].init.hf_path == str(path)
     rt = build_runtime(cfg)
-    states = rt.init_states()
+    states = rt.step.init()
     lm = DecoderLM(llm_config(hf.llm_fields(path)), with_head=False)
     ids, pos, valid = _inputs()
     v = {"params": jax.tree.map(np.asarray, states["teacher"].consts["llm"])}
     hidden = lm.apply(v, lm.apply(v, ids, method=DecoderLM.embed), pos, valid, method=DecoderLM.hidden)
     head = np.asarray(states["student"].consts["teacher_head"])
     np.testing.assert_allclose(np.asarray(hidden) @ head, reference, atol=1e-4, rtol=0)
-    batch = rt.batches()[0]
-    assert np.isfinite(float(rt.executor.run(states, batch, rt.schedule(batch)).loss))
+    _, metrics = rt.step(states, rt.batches()[0])  # a training step
+    assert np.isfinite(rt.step.read(metrics)["train/loss"])
     random = _from_folder(path, f"{{hf: {path}}}", f"models.student.vocab={vocab}", "sections.teacher.init=null")
     assert random.sections["teacher"].init is None and random.models["teacher"] == cfg.models["teacher"]
 

@@ -19,6 +19,7 @@ from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.sharding import section_mesh, variable_shardings
+from maestro_jax.runtime.step import TrainState
 from maestro_jax.tools.check_hf import packed_images
 from maestro_jax.workloads.costs import audio_cost
 from maestro_jax.workloads.omni import frame_groups
@@ -269,7 +270,7 @@ def test_omni_towers_start_from_hf_folders(tmp_path):
     ]
     cfg = load_config(ROOT / "configs/omni_tiny.yaml", overrides)
     rt = build_runtime(cfg)
-    states = rt.init_states()
+    states = rt.step.init()
     vision = model_of("vit", hf_encoders.vit_fields(siglip))
     inputs, where = siglip_inputs(sref["pixels"], vision.cfg)
     host = {"params": jax.tree.map(np.asarray, states["vision"].params)}
@@ -279,9 +280,8 @@ def test_omni_towers_start_from_hf_folders(tmp_path):
     host = {"params": jax.tree.map(np.asarray, states["audio"].params)}
     out = audio.apply(host, *whisper_inputs(wref["features"]), method=AudioEncoder.features)
     assert max_err(np.asarray(out[0]).reshape(wref["last_hidden_state"].shape), wref["last_hidden_state"]) < ATOL
-    batch = rt.batches()[0]
-    result = rt.executor.run(states, batch, rt.schedule(batch))
-    assert np.isfinite(float(result.loss))
+    _, metrics = rt.step(states, rt.batches()[0])  # a training step
+    assert np.isfinite(rt.step.read(metrics)["train/loss"])
 
 
 def test_vlm_tower_that_does_not_match_is_rejected_before_compiling(tmp_path):
@@ -662,9 +662,9 @@ def test_cli_exports_towers_from_the_latest_checkpoint(tmp_path, capsys):
     cfg = load_config(config, overrides)
     rt = build_runtime(cfg)
     initial = rt.init_states()
-    batch = rt.batches()[0]  # a training step: every image's class token reaches the loss
-    result = rt.executor.run(initial, batch, rt.schedule(batch))
-    assert np.isfinite(float(result.loss)) and np.any(np.asarray(result.grads["vision"]["class_embed"]) != 0)
+    batch = rt.batches()[0]  # a training step's gradients: every image's class token reaches the loss
+    loss, grads, _ = rt.step.gradients(TrainState(0, initial), batch)
+    assert np.isfinite(float(loss)) and np.any(np.asarray(grads["vision"]["class_embed"]) != 0)
     moved = {s: jax.tree.map(lambda x: x * 1.5 + 0.25, initial[s].params) for s in ("vision", "audio")}
     trained = {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}
     ckpt = Checkpointer(out / "checkpoints")

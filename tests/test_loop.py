@@ -10,8 +10,8 @@ from conftest import ROOT, TINY_KD
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.programs import active_dry_run
+from maestro_jax.runtime.step import NonFiniteError, StepBatch
 from maestro_jax.training.loop import train
-from maestro_jax.training.step import NonFiniteError, train_step
 
 
 def spied_runtime(cfg, events, monkeypatch):
@@ -72,11 +72,13 @@ def test_each_step_is_read_after_the_next_is_issued(tmp_path, monkeypatch):
 
     # the same numbers as reading every step at once, batch by batch
     rt = build_runtime(cfg)
-    states, reader = rt.init_states(), rt.reader()
+    state, reader = rt.step.init(), rt.reader()
     for rec in history:
         batch = next(reader)
-        states, ref = train_step(rt, states, batch.samples, rec["step"], "stop", batch.schedule, batch.loss_count)
-        np.testing.assert_allclose(rec["loss"], ref["loss"], rtol=1e-6)
+        state, metrics = rt.step(state, StepBatch(batch.samples, batch.schedule, batch.loss_count))
+        ref = rt.step.read(metrics)
+        assert ref["step"] == rec["step"] == state.step
+        np.testing.assert_allclose(rec["train/loss"], ref["train/loss"], rtol=1e-6)
 
 
 def test_a_non_finite_step_read_late_stops_before_anything_after_it_is_saved(tmp_path, monkeypatch):
@@ -170,7 +172,7 @@ def test_trackers_come_from_the_config_each_with_the_resolved_config(tmp_path):
     (run,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     data = run.read_bytes()
     assert b"global_batch" in data and b"0.0123" in data and b"student/kl" in data
-    assert history[-1]["loss"] > 0
+    assert history[-1]["train/loss"] > 0
 
     only = tmp_path / "only"
     train(load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + ["steps=1", f"output_dir={only}", "trackers=[jsonl]"]))

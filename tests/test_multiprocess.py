@@ -21,7 +21,7 @@ KD_PLANS = {
 
 
 def losses(out):
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_single(config, overrides, out):

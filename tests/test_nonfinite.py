@@ -9,7 +9,7 @@ from conftest import ROOT, TINY_VLM
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.programs import SectionState
-from maestro_jax.training.step import NonFiniteError, train_step
+from maestro_jax.runtime.step import NonFiniteError, SectionedStep, TrainState
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +27,19 @@ def setup():
 
 def test_stop_names_step_and_sections(setup):
     rt, _, poisoned = setup
+    step = SectionedStep(rt, on_nonfinite="stop")
+    new, metrics = step(TrainState(2, poisoned), rt.batches()[0])  # issued at once, raised when read
+    assert new.step == 3
     with pytest.raises(NonFiniteError, match=r"step 3: non-finite .* section\(s\) llm \(loss\), vision"):
-        train_step(rt, poisoned, rt.batches()[0], 3, "stop")
+        step.read(metrics)
 
 
 def test_skip_leaves_state_untouched(setup):
     rt, _, poisoned = setup
-    new, rec = train_step(rt, poisoned, rt.batches()[0], 5, "skip")
-    assert rec["skipped_nonfinite"] == ["llm (loss)", "vision"]
+    new, metrics = SectionedStep(rt, on_nonfinite="skip")(TrainState(4, poisoned), rt.batches()[0])
+    rec = metrics.read(rt.coordinator.fetch)
+    assert new.step == 5 and rec["step"] == 5
+    assert rec["skipped_nonfinite"] == ["llm (loss)", "vision"] and rec["wait_reason"] == "on_nonfinite=skip"
     for s in poisoned:
         for a, b in zip(jax.tree.leaves(new[s].params), jax.tree.leaves(poisoned[s].params)):
             assert a is b
@@ -42,7 +47,9 @@ def test_skip_leaves_state_untouched(setup):
 
 def test_healthy_step_updates(setup):
     rt, states, _ = setup
-    new, rec = train_step(rt, states, rt.batches()[0], 1, "stop")
-    assert "skipped_nonfinite" not in rec and np.isfinite(rec["loss"])
+    step = SectionedStep(rt, on_nonfinite="stop")
+    new, metrics = step(TrainState(0, states), rt.batches()[0])
+    rec = step.read(metrics)
+    assert "skipped_nonfinite" not in rec and np.isfinite(rec["train/loss"])
     a, b = jax.tree.leaves(new["llm"].params)[0], jax.tree.leaves(states["llm"].params)[0]
     assert not np.array_equal(np.asarray(a), np.asarray(b))

@@ -45,8 +45,8 @@ def test_clipped_scheduled_step_equals_the_monolithic_step(scheduler):
     # the norm clipping reads is the model's, over both sections' grads: clipping is on
     rt = build_runtime(cfg)
     samples = rt.batches()[0]
-    grads = rt.executor.run(rt.init_states(), samples, rt.schedule(samples)).grads
-    norms = {s: float(n[0]) for s, n in rt.executor.squared_norms(grads).items()}
+    _, grads, _ = rt.step.gradients(rt.step.init(), samples)
+    norms = {s: float(n[0]) for s, n in rt.step.squared_norms(grads).items()}
     whole = sum(float(jnp.sum(jnp.square(x))) for g in grads.values() for x in jax.tree.leaves(g))
     assert set(norms) == {"vision", "llm"} and all(n > 0 for n in norms.values())
     assert sum(norms.values()) == pytest.approx(whole, rel=1e-5)
@@ -61,10 +61,8 @@ def test_clipping_changes_the_update():
         overrides = [o for o in USER if not o.startswith("optimizer.clip_norm")]
         cfg = load_config(VLM, overrides + ([f"optimizer.clip_norm={clip}"] if clip else []))
         rt = build_runtime(cfg)
-        states = rt.init_states()
-        samples = rt.batches()[0]
-        grads = rt.executor.run(states, samples, rt.schedule(samples)).grads
-        new = rt.executor.update(states, grads)
+        states = rt.step.init()
+        new, _ = rt.step(states, rt.batches()[0])
         moved[clip] = np.concatenate(
             [
                 np.ravel(np.asarray(a) - np.asarray(b))
@@ -103,10 +101,10 @@ def test_frozen_parameters_match_the_monolithic_step_and_stay_put(scheduler, llm
     for d in diffs.values():
         assert d.max_rel < 1e-5, d
     rt = build_runtime(cfg)
-    states = rt.init_states()
+    states = rt.step.init()
     samples = rt.batches()[0]
-    grads = rt.executor.run(states, samples, rt.schedule(samples)).grads
-    new = rt.executor.update(states, grads, rt.executor.squared_norms(grads))
+    _, grads, _ = rt.step.gradients(states, samples)
+    new = rt.step.apply(states, grads)
     frozen = {"vision": lambda p: not p.startswith("merger_"), "llm": llm_frozen}
     kept_sq = 0.0
     for s in ("vision", "llm"):
@@ -119,7 +117,7 @@ def test_frozen_parameters_match_the_monolithic_step_and_stay_put(scheduler, llm
             else:
                 assert not np.allclose(after[p], before[p]), p
                 kept_sq += float(np.sum(np.square(g[p], dtype=np.float64)))
-    norms = rt.executor.squared_norms(grads)
+    norms = rt.step.squared_norms(grads)
     assert sum(float(n[0]) for n in norms.values()) == pytest.approx(kept_sq, rel=1e-5)
     assert math.sqrt(kept_sq) > 10 * CLIP  # clipping is on
 
@@ -148,14 +146,14 @@ def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
     history = train(cfg, progress=False)
     assert [h["step"] for h in history] == list(range(1, 8))
     for h in history:
-        assert h["lr/llm"] == pytest.approx(expected_rate(0.01, h["step"]), rel=1e-6), h["step"]
-        assert h["lr/vision"] == pytest.approx(expected_rate(0.001, h["step"]), rel=1e-6), h["step"]
-        parts = math.sqrt(h["grad_norm/llm"] ** 2 + h["grad_norm/vision"] ** 2)
-        assert h["grad_norm"] == pytest.approx(parts, rel=1e-6) and h["grad_norm"] > CLIP
+        assert h["train/lr/llm"] == pytest.approx(expected_rate(0.01, h["step"]), rel=1e-6), h["step"]
+        assert h["train/lr/vision"] == pytest.approx(expected_rate(0.001, h["step"]), rel=1e-6), h["step"]
+        parts = math.sqrt(h["train/grad_norm/llm"] ** 2 + h["train/grad_norm/vision"] ** 2)
+        assert h["train/grad_norm"] == pytest.approx(parts, rel=1e-6) and h["train/grad_norm"] > CLIP
 
 
 def test_kd_logs_its_distillation_metrics_and_the_readmes_schedule(tmp_path):
-    """kd_tiny, 6 steps under the README's cosine example: `lr/student` is 0.005, 0.01,
+    """kd_tiny, 6 steps under the README's cosine example: `train/lr/student` is 0.005, 0.01,
     0.00868, 0.0055, 0.00232, 0.001 (the peak once, the final rate at update decay_steps), and
     the step logs the sink's own metrics, KD's `student/kl` and `student/ce`, per loss token as
     the loss is, so that loss = alpha T^2 kl + (1 - alpha) ce (alpha 0.5, T 2) step by step."""
@@ -163,11 +161,13 @@ def test_kd_logs_its_distillation_metrics_and_the_readmes_schedule(tmp_path):
     overrides = [*TINY_KD, "steps=6", "optimizer.learning_rate=0.01", schedule, f"output_dir={tmp_path}"]
     train(load_config(ROOT / "configs/kd_tiny.yaml", overrides), progress=False)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    rates = [h["lr/student"] for h in logged]
+    rates = [h["train/lr/student"] for h in logged]
     assert rates == pytest.approx([0.005, 0.01, 0.00868198, 0.0055, 0.00231802, 0.001], rel=1e-5)
     for h in logged:
-        assert h["student/kl"] > 0 and h["student/ce"] > 0, h
-        assert h["loss"] == pytest.approx(0.5 * 4 * h["student/kl"] + 0.5 * h["student/ce"], rel=1e-5), h
+        assert h["train/student/kl"] > 0 and h["train/student/ce"] > 0, h
+        assert h["train/loss"] == pytest.approx(
+            0.5 * 4 * h["train/student/kl"] + 0.5 * h["train/student/ce"], rel=1e-5
+        ), h
 
 
 def test_weight_decay_skips_norms_and_biases():

@@ -13,6 +13,7 @@ from maestro_jax.models import DecoderLM, LLMConfig
 
 from maestro_jax.config import ConfigError, load_config
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
 from maestro_jax.schedule.packing import pack_rows
 from maestro_jax.tools.verify import compare
@@ -148,9 +149,9 @@ def test_packed_step_is_the_unpacked_monolithic_step_under_both_schedulers(workl
     rt = build_runtime(cfg)
     samples = rt.batches()[0]
     assert len({len(s.tokens) for s in samples}) > 4
-    states = rt.init_states()
-    mono = rt.monolithic
-    m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
+    state = rt.step.init()
+    mono = rt.monolithic.step
+    m_loss, m_grads, _ = mono.gradients(mono.init(), samples)
     metas = sample_metas(rt.graph, samples)
     for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem)):
         host = rt.executor.host_batches(samples, schedule)
@@ -158,9 +159,9 @@ def test_packed_step_is_the_unpacked_monolithic_step_under_both_schedulers(workl
             segments = [host[(s, st.index)]["segments"] for st in schedule.steps[s]]
             assert all(seg.shape[0] < len(st.positions) for seg, st in zip(segments, schedule.steps[s]))
             assert max(seg.max() for seg in segments) >= 2  # some row holds several samples
-        result = rt.executor.run(states, samples, schedule, host=host)
-        diffs = [compare("loss", result.loss, m_loss)]
-        diffs += [compare(f"{s}/grads", result.grads[s], m_grads[s]) for s in result.grads]
+        loss, grads, _ = rt.step.gradients(state, StepBatch(samples, schedule, host=host))
+        diffs = [compare("loss", loss, m_loss)]
+        diffs += [compare(f"{s}/grads", grads[s], m_grads[s]) for s in grads]
         for d in diffs:
             assert d.max_rel <= 1e-5, f"{schedule.name}: {d.name} differs by {d.max_rel:.3e}"
 

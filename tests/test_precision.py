@@ -13,6 +13,7 @@ from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.layout import section_memory
 from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.tools.verify import compare, verify
 
 BF16_VLM = TINY_VLM + ["sections.vision.precision=bfloat16", "sections.llm.precision=bfloat16"]
@@ -29,8 +30,9 @@ def test_bf16_maestro_matches_bf16_monolithic_closer_than_float32_does():
     assert all(v <= cfg.verify_tolerance for v in diffs.values()), diffs
 
     samples = rt16.batches()[0]
-    loss16, grads16 = rt16.monolithic.model.run(rt16.monolithic.init_states(cfg), samples)
-    loss32, grads32 = rt32.monolithic.model.run(rt32.monolithic.init_states(rt32.cfg), samples)
+    m16, m32 = rt16.monolithic.step, rt32.monolithic.step
+    loss16, grads16, _ = m16.gradients(m16.init(), samples)
+    loss32, grads32, _ = m32.gradients(m32.init(), samples)
     for s in ("vision", "llm"):
         precision_error = compare(s, grads16[s], grads32[s]).max_rel
         assert diffs[f"{s}/grads"] < precision_error, (s, diffs[f"{s}/grads"], precision_error)
@@ -42,7 +44,7 @@ def test_bf16_dtypes_master_weights_frozen_weights_and_edges():
     overrides = TINY_KD + ["sections.teacher.precision=bfloat16", "sections.student.precision=bfloat16"]
     cfg = load_config(ROOT / "configs/kd_tiny.yaml", overrides)
     rt = build_runtime(cfg)
-    states = rt.init_states()
+    states = rt.step.init()
     floats = lambda tree: {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
     assert floats(states["teacher"].consts) == {jnp.dtype(jnp.bfloat16)}  # frozen: bf16 only
     assert floats(states["student"].params) == {jnp.dtype(jnp.float32)}  # master weights
@@ -55,9 +57,9 @@ def test_bf16_dtypes_master_weights_frozen_weights_and_edges():
         states["teacher"], {}, rt.programs["teacher"].put_batch(host[("teacher", step.index)])
     )
     assert {v.dtype for v in out.values()} == {jnp.dtype(jnp.bfloat16)}  # edges carry bf16: half the bytes
-    result = rt.executor.run(states, samples, schedule)
-    assert result.loss.dtype == jnp.float32 and np.isfinite(float(result.loss))
-    assert floats(result.grads["student"]) == {jnp.dtype(jnp.float32)}
+    loss, grads, _ = rt.step.gradients(states, StepBatch(samples, schedule))
+    assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
+    assert floats(grads["student"]) == {jnp.dtype(jnp.float32)}
 
 
 @pytest.mark.parametrize("trained", [True, False])
@@ -86,12 +88,12 @@ def test_layer_remat_changes_nothing_in_the_results():
     test_planner's comparison with XLA's memory analysis.)"""
     overrides = TINY_VLM + ["sections.vision.layer_remat=full", "sections.llm.layer_remat=dots"]
     plain, checkpointed = (build_runtime(load_config(ROOT / "configs/vlm_tiny.yaml", o)) for o in (TINY_VLM, overrides))
-    states = plain.init_states()
+    state = plain.step.init()
     samples = plain.batches()[0]
-    a = plain.executor.run(states, samples, plain.schedule(samples))
-    b = checkpointed.executor.run(states, samples, checkpointed.schedule(samples))
-    assert compare("loss", a.loss, b.loss).max_rel <= 1e-6
-    assert all(compare(s, a.grads[s], b.grads[s]).max_rel <= 1e-5 for s in a.grads)
+    a_loss, a, _ = plain.step.gradients(state, samples)
+    b_loss, b, _ = checkpointed.step.gradients(state, samples)
+    assert compare("loss", a_loss, b_loss).max_rel <= 1e-6
+    assert all(compare(s, a[s], b[s]).max_rel <= 1e-5 for s in a)
 
 
 def test_memory_model_layer_remat_keeps_less():

@@ -14,6 +14,7 @@ from maestro_jax.config import load_config
 from maestro_jax.core.plan import EdgeInfo
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import Op, Problem, SampleMeta, naive, steady_order, wavefront
 from maestro_jax.tools.plan import planner_for
 from maestro_jax.tools.verify import compare
@@ -64,24 +65,23 @@ def test_a_step_fed_ahead_is_the_monolithic_step(scheduler):
     cfg = load_config(KD, TINY_KD + AHEAD + [f"schedule.scheduler={scheduler}"])
     rt = build_runtime(cfg)
     assert rt.problem.ahead == {"teacher"}
-    states = rt.init_states()
+    step = rt.step
+    state = step.init()
     batches = rt.batches()
     first, second = batches[0], batches[1]
-    ahead = rt.executor.run_ahead(states, second, rt.schedule(second))  # issued during step 0
-    result0 = rt.executor.run(states, first, rt.schedule(first))
-    states = rt.executor.update(states, result0.grads)
-    fed = rt.executor.run(states, second, rt.schedule(second), ahead=ahead)
-    plain = rt.executor.run(states, second, rt.schedule(second))
-    assert np.array_equal(np.asarray(fed.loss), np.asarray(plain.loss))
-    for a, b in zip(jax.tree.leaves(fed.grads), jax.tree.leaves(plain.grads), strict=True):
+    ahead = step.run_ahead(state, second)  # issued during step 0
+    state, _ = step(state, first)
+    fed_loss, fed, _ = step.gradients(state, StepBatch(second, ahead=ahead))
+    plain_loss, plain, _ = step.gradients(state, second)
+    assert np.array_equal(np.asarray(fed_loss), np.asarray(plain_loss))
+    for a, b in zip(jax.tree.leaves(fed), jax.tree.leaves(plain), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
-    mono = rt.monolithic
-    m_states = mono.init_states(cfg)
-    m_states = mono.model.update(m_states, mono.model.run(m_states, first)[1])
-    m_loss, m_grads = mono.model.run(m_states, second)
-    assert compare("loss", fed.loss, m_loss).max_rel <= 1e-5
-    assert compare("student", fed.grads["student"], m_grads["student"]).max_rel <= 1e-5
+    mono = rt.monolithic.step
+    m_state, _ = mono(mono.init(), first)
+    m_loss, m_grads, _ = mono.gradients(m_state, second)
+    assert compare("loss", fed_loss, m_loss).max_rel <= 1e-5
+    assert compare("student", fed["student"], m_grads["student"]).max_rel <= 1e-5
 
 
 @pytest.mark.slow
@@ -99,9 +99,9 @@ def test_training_with_run_ahead_resumes_bit_exactly(tmp_path):
     resumed = train(cfg(tmp_path / "b", 4, AHEAD), progress=False)
     without = train(cfg(tmp_path / "c", 4), progress=False)
     assert [r["step"] for r in first + resumed] == [1, 2, 3, 4]
-    losses = [r["loss"] for r in straight]
-    assert [r["loss"] for r in first + resumed] == losses
-    assert [r["loss"] for r in without] == losses
+    losses = [r["train/loss"] for r in straight]
+    assert [r["train/loss"] for r in first + resumed] == losses
+    assert [r["train/loss"] for r in without] == losses
     assert [r["sample_ids"] for r in first + resumed] == [r["sample_ids"] for r in straight]
 
 

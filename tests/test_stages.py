@@ -14,6 +14,7 @@ from maestro_jax.config import ConfigError, load_config
 from maestro_jax.core.stages import layer_ranges, merge_variables, split_variables, stage_edge, stage_name
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.stages import whole_params
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
 from maestro_jax.tools.verify import compare
 from maestro_jax.training.loop import train
@@ -117,10 +118,10 @@ def test_plan_of_a_staged_config_plans_the_whole_sections_and_their_stages(tmp_p
 def _equal_to_monolithic(cfg):
     rt = build_runtime(cfg)
     samples = rt.batches()[0]
-    states = rt.init_states()
+    state = rt.step.init()
     mono = rt.monolithic
     assert set(mono.graph.names) == set(cfg.sections)  # the reference is the unstaged step
-    m_loss, m_grads = mono.model.run(mono.init_states(cfg), samples)
+    m_loss, m_grads, _ = mono.step.gradients(mono.step.init(), samples)
     metas = sample_metas(rt.graph, samples)
     for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem)):
         for s in rt.problem.order:  # 1F1B's bound: stage i of K keeps at most K - i forwards for a backward
@@ -128,10 +129,10 @@ def _equal_to_monolithic(cfg):
                 stash = [op.kind for op in schedule.ops if op.section == s and op.kind in "FB"]
                 peak = max(sum(1 if k == "F" else -1 for k in stash[: i + 1]) for i in range(len(stash)))
                 assert peak <= rt.problem.in_flight(s), f"{schedule.name}: {s} stashes {peak}"
-        result = rt.executor.run(states, samples, schedule)
-        grads = whole_params(rt.graph, result.grads)
+        loss, grads, _ = rt.step.gradients(state, StepBatch(samples, schedule))
+        grads = whole_params(rt.graph, grads)
         assert set(grads) == set(m_grads)
-        diffs = [compare("loss", result.loss, m_loss)]
+        diffs = [compare("loss", loss, m_loss)]
         diffs += [compare(f"{s}/grads", grads[s], m_grads[s]) for s in m_grads]
         for d in diffs:
             assert d.max_rel <= 1e-5, f"{schedule.name}: {d.name} differs by {d.max_rel:.3e}"
@@ -167,7 +168,8 @@ def test_a_staged_moe_student_carries_its_balance_loss_to_the_last_stage():
     for c in (cfg, without):
         rt = build_runtime(c)
         assert ("student.0>1:aux" in {e.name for e in rt.graph.edges}) == (c is cfg)
-        losses.append(float(rt.monolithic.model.run(rt.monolithic.init_states(c), rt.batches()[0])[0]))
+        mono = rt.monolithic.step
+        losses.append(float(mono.evaluate(mono.init(), rt.batches()[0])))
     assert abs(losses[0] - losses[1]) > 1e-3 * abs(losses[1])  # the term is there to be carried
     _equal_to_monolithic(cfg)
 
@@ -193,10 +195,10 @@ def test_a_staged_run_resumes_bit_exactly_and_restores_onto_one_stage(tmp_path):
     shutil.copytree(tmp_path / "b", tmp_path / "c")
     resumed = train(load_config(KD, [*staged, f"output_dir={tmp_path / 'b'}"]), progress=False)
     assert [r["step"] for r in resumed] == [3]
-    assert resumed[0]["loss"] == straight[2]["loss"]
+    assert resumed[0]["train/loss"] == straight[2]["train/loss"]
     unstaged = train(load_config(KD, [*base, f"output_dir={tmp_path / 'c'}"]), progress=False)
     assert [r["step"] for r in unstaged] == [3]
-    assert unstaged[0]["loss"] == pytest.approx(straight[2]["loss"], rel=1e-5)
+    assert unstaged[0]["train/loss"] == pytest.approx(straight[2]["train/loss"], rel=1e-5)
 
 
 def test_bench_refuses_a_stage_count_no_section_takes(capsys):
@@ -223,12 +225,11 @@ def test_staged_sections_start_from_a_hugging_face_folder_as_unstaged_ones(tmp_p
     for stages in (1, 2):
         cfg = load_config(KD, [*base, f"sections.teacher.stages={stages}", f"sections.student.stages={stages}"])
         rt = build_runtime(cfg)
-        states = rt.init_states()
+        states = rt.step.init()
         if stages == 2:
             assert all(states[s].opt_state is not None for s in ("student.0", "student.1"))
             assert {d.id for d in jax.tree.leaves(states["teacher.1"].consts)[0].sharding.device_set} == {2, 3}
-        batch = rt.batches()[0]
-        runs[stages] = rt.whole_states(states), float(rt.executor.run(states, batch, rt.schedule(batch)).loss)
+        runs[stages] = rt.whole_states(states.sections), float(rt.step.evaluate(states, rt.batches()[0]))
     (whole, loss), (staged, staged_loss) = runs[1], runs[2]
     for s in ("teacher", "student"):
         for a, b in zip(jax.tree.leaves(whole[s].variables), jax.tree.leaves(staged[s].variables)):

@@ -29,7 +29,7 @@ def test_train_cli_loss_falls(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["samples_per_s"] > 0 for r in rows)
-    assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.2, [r["train/loss"] for r in rows]
     # the progress bar's throughput is over the recent steps (up to 10), not the last one's
     shown = float(re.findall(r"samples_per_s=([\d.]+)", proc.stderr)[-1])
     recent = sum(len(r["sample_ids"]) for r in rows[-10:]) / sum(r["step_time_s"] for r in rows[-10:])

@@ -56,7 +56,7 @@ def test_eval_loss_every_n_steps_equals_eval_of_the_checkpoint(tmp_path, capsys,
     cfg = vlm(out, "steps=4", "eval.every=2", "eval.batches=2", "checkpoint_every=2")
     tracker = Collect()
     history = train(cfg, progress=False, trackers=[tracker])
-    evaluated = {r["step"]: r["eval_loss"] for r in history if "eval_loss" in r}
+    evaluated = {r["step"]: r["eval/loss"] for r in history if "eval/loss" in r}
     assert sorted(evaluated) == [2, 4]
     assert all(0 < v < 20 for v in evaluated.values()), evaluated
     assert evaluated[2] != evaluated[4], "the params changed between the evaluations"
@@ -85,7 +85,7 @@ def test_eval_loss_every_n_steps_equals_eval_of_the_checkpoint(tmp_path, capsys,
         == 0
     )
     said = capsys.readouterr().out
-    assert f"step 2: eval_loss {evaluated[2]:.4f}" in said, said
+    assert f"step 2: eval/loss {evaluated[2]:.4f}" in said, said
     # Orbax's notes on opening the checkpoints read-only say nothing to a user: not shown
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "read only" in r.getMessage()]
 

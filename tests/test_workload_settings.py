@@ -107,7 +107,7 @@ def test_plugin_settings_model_kind_and_source_verify_and_train():
     assert isinstance(workloads.model(cfg, "llm", "small_llm"), SmallLM)
     for d in verify(cfg):
         assert d.max_rel < 1e-5, d
-    losses = [h["loss"] for h in train(cfg, progress=False)]
+    losses = [h["train/loss"] for h in train(cfg, progress=False)]
     assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 

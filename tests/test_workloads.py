@@ -150,7 +150,7 @@ def test_omni_batches_mix_every_modality_combination():
 @pytest.mark.extended
 def test_new_workloads_train(name):
     history = train(cfg_of(name, "steps=6"), progress=False)
-    losses = [h["loss"] for h in history]
+    losses = [h["train/loss"] for h in history]
     assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 

@@ -4,8 +4,8 @@ Shape buckets used to compile lazily, on the step that first met them (issue 23:
 over the first 6 steps of vlm_tiny). Here the shapes come from sample *metadata* alone: for each
 global batch the run will take, its samples' `SampleInfo`s (no payload decoded) are scheduled
 (`Runtime.schedule`), packed as the executor packs them (`Executor.host_batches` on
-`hollow_sample`s: zeros of the right shapes), and the executor walks the whole step, update
-included, over abstract values inside `programs.dry_run`: each program call yields its abstract
+`hollow_sample`s: zeros of the right shapes), and the training step itself (`runtime.step`) walks
+the whole step, update included, over abstract values inside `programs.dry_run`: each program call yields its abstract
 outputs and records its signature, each transfer its cut and join programs. Nothing runs on the
 devices.
 
@@ -39,7 +39,7 @@ from maestro_jax.runtime.programs import DryRun, SectionState, dry_run
 
 log = logging.getLogger("maestro_jax")
 
-MAX_BATCHES = 256  # the default bound on the batches `Runtime.compile_ahead` scans
+MAX_BATCHES = 256  # the default bound on the batches `SectionedStep.compile` scans
 
 
 def abstract_states(rt) -> dict[str, SectionState]:
@@ -61,10 +61,15 @@ def abstract_states(rt) -> dict[str, SectionState]:
 
 @dataclasses.dataclass(frozen=True)
 class _Batch:
+    """A prepared batch, in the fields a step takes (`runtime.step.StepBatch`): its loss
+    normaliser 1, no ahead work (the step then runs it itself, so its programs are among these)."""
+
     evaluate: bool
     samples: list
     schedule: object
     host: dict
+    loss_count: int = 1
+    ahead: object = None
 
 
 def _prepare(rt, batch: Sequence, evaluate: bool) -> _Batch:
@@ -74,16 +79,13 @@ def _prepare(rt, batch: Sequence, evaluate: bool) -> _Batch:
     return _Batch(evaluate, samples, schedule, rt.executor.host_batches(samples, schedule))
 
 
-def _walk(rt, states: dict, b: _Batch) -> None:
-    """One training step (`training.step.issue_step`'s calls) or evaluation over abstract values."""
-    ex = rt.executor
+def _walk(step, state, b: _Batch) -> None:
+    """The training step's own calls (`SectionedStep.__call__`, its update issued at once) or
+    its evaluation, over abstract values."""
     if b.evaluate:
-        ex.evaluate(states, b.samples, b.schedule, host=b.host, norm=1)
-        return
-    result = ex.run(states, b.samples, b.schedule, host=b.host, norm=1)  # run_ahead's programs are among these
-    for s, g in result.grads.items():
-        rt.programs[s].all_finite(g)
-    ex.update(states, result.grads, ex.squared_norms(result.grads))
+        step.evaluate(state, b)
+    else:
+        step(state, b, check_first=False)
 
 
 def _shapes(batch: Sequence) -> tuple:
@@ -110,14 +112,15 @@ class AheadReport:
         return self.programs + self.transfers
 
 
-def trace_batches(rt, batches: Iterable[Sequence], evaluate: Iterable[Sequence] = (), replay_all: bool = False):
+def trace_batches(step, batches: Iterable[Sequence], evaluate: Iterable[Sequence] = (), replay_all: bool = False):
     """The first pass of `compile_batches`: walk each distinct batch over abstract values,
     tracing every program it calls, compiling none. A section's code that does not fit its
     shapes fails here (`SectionPrograms._trace`: a `GraphError` naming the section). Returns
     the tracer, the prepared batches that met a new program (or all, `replay_all`), and the
-    distinct batch shapes seen."""
+    distinct batch shapes seen. `step`: a `runtime.step.SectionedStep`."""
     tracer = DryRun(compile=False)
     replay, seen = [], set()
+    rt = step.rt
     with dry_run(tracer):
         abstract_states(rt)
         for ev, batch in [(False, b) for b in batches] + [(True, b) for b in evaluate]:
@@ -128,14 +131,14 @@ def trace_batches(rt, batches: Iterable[Sequence], evaluate: Iterable[Sequence] 
             seen.add(shapes)
             before = (len(tracer.new), len(tracer.transfers))
             prepared = _prepare(rt, batch, ev)
-            _walk(rt, abstract_states(rt), prepared)
+            _walk(step, step.abstract_state(), prepared)
             if replay_all or (len(tracer.new), len(tracer.transfers)) != before:
                 replay.append(prepared)
     return tracer, replay, seen
 
 
 def compile_batches(
-    rt,
+    step,
     batches: Iterable[Sequence],
     evaluate: Iterable[Sequence] = (),
     say: Callable[[str], None] | None = None,
@@ -146,11 +149,13 @@ def compile_batches(
     (global batches as lists of `SampleInfo`s or samples) call and the caches lack. Says that it
     traces, then "compiling N programs for S sections" before compiling, then progress. `replay_all`: walk
     every batch again in the compiling pass (so that `used` covers them all). `threads`: programs
-    compiled at once (default `default_threads()`; 1: one after the other)."""
+    compiled at once (default `default_threads()`; 1: one after the other). `step`: a
+    `runtime.step.SectionedStep`."""
     say = say or (lambda _: None)
+    rt = step.rt
     t0 = time.perf_counter()
     say("tracing the steps' shape buckets to find the programs they call")
-    tracer, replay, seen = trace_batches(rt, batches, evaluate, replay_all)
+    tracer, replay, seen = trace_batches(step, batches, evaluate, replay_all)
     total = len(tracer.new) + len(tracer.transfers)
     sections = {s for s, _, _ in tracer.new}
     say(f"compiling {total} programs for {len(sections)} sections")
@@ -161,9 +166,9 @@ def compile_batches(
         progress = _Progress(say, total)
         compiler.on_compile = progress.tick
         with dry_run(compiler):
-            states = abstract_states(rt)
+            state = step.abstract_state()
             for prepared in replay:
-                _walk(rt, states, prepared)
+                _walk(step, state, prepared)
         for key, (program, args) in tracer.transfers.items():
             compiler.submit(_compile_transfer, program, args, key, rt.executor.compiled_transfers, progress)
         compiler.finish()

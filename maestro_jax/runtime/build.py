@@ -19,7 +19,6 @@ from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, DataError, parts_of
 from maestro_jax.runtime import ahead as ahead_lib
-from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
@@ -28,6 +27,7 @@ from maestro_jax.runtime.precision import with_precision
 from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState, dry_run
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.runtime.stages import on_whole, stage_states, whole_params, whole_states
+from maestro_jax.runtime.step import MonolithicStep, SectionedStep
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 from maestro_jax.schedule.ops import pipeline_bounds
 
@@ -144,7 +144,7 @@ class Runtime:
         global_batch: int | None = None,
     ) -> list[list]:
         """The `SampleInfo`s of global batches `steps` (indices) of `source` (default the training
-        source, in the training stream's order), from metadata alone: what `compile_ahead` scans."""
+        source, in the training stream's order), from metadata alone: what `SectionedStep.compile` scans."""
         return ahead_lib.batch_infos(
             self.source if source is None else source,
             steps,
@@ -154,26 +154,10 @@ class Runtime:
             self.info_check,
         )
 
-    def compile_ahead(
-        self, steps, say=print, *, evaluate=(), max_batches: int = ahead_lib.MAX_BATCHES, threads: int | None = None
-    ) -> int:
-        """Before step 1, compile every program the run needs for every shape bucket the global
-        batches `steps` (their indices in the training stream, e.g. `range(start, cfg.steps)`) can
-        produce, and the forward-only evaluation programs of the batches in `evaluate` (lists of
-        samples or `SampleInfo`s, e.g. another source's); returns the number of programs compiled.
-
-        `say` gets "compiling N programs for S sections" first, then progress. Shapes come from
-        sample metadata (no payload is read) through the schedule and packing the executor uses
-        (`runtime.ahead`). Runs longer than `max_batches` steps are sampled (`ahead.bounded`); a
-        shape bucket no scanned batch has is compiled when it first appears, with a warning
-        naming the section and step. Compiling only: nothing runs on the devices. `threads`:
-        programs compiled at once (default `ahead.default_threads()`)."""
-        infos = self.batch_infos(ahead_lib.bounded(steps, max_batches))
-        report = ahead_lib.compile_batches(self, infos, evaluate, say, threads=threads)
-        for prog in self.programs.values():
-            prog.compiled_ahead = True
-        compile_cache.record()  # the new entries' checksums, now that no compile is in flight
-        return report.count
+    @functools.cached_property
+    def step(self) -> SectionedStep:
+        """The plan's training step (`runtime.step`), under the config's `on_nonfinite`."""
+        return SectionedStep(self)
 
     @functools.cached_property
     def monolithic(self) -> MonolithicRuntime:
@@ -431,18 +415,24 @@ class MonolithicRuntime:
     whole, as the config names them): the reference every sectioned plan must equal."""
 
     model: Monolithic
+    cfg: Config
     mesh: object
     shardings: dict
     graph: SectionGraph
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader (Runtime's)
     hf_paths: dict = dataclasses.field(default_factory=dict)  # section -> its `init.hf_path`
 
-    def init_states(self, cfg, seed=None) -> dict[str, SectionState]:
+    @property
+    def step(self) -> MonolithicStep:
+        """The monolithic training step (`runtime.step`), under the config's `on_nonfinite`."""
+        return MonolithicStep(self)
+
+    def init_states(self, seed=None) -> dict[str, SectionState]:
         """The sections' initial states on the monolithic mesh: the runtime's initialisation, the
         sections with `init.hf_path` then loaded from their checkpoints by the runtime's own
         loaders, so the reference starts where the sectioned step does."""
         graph = self.graph
-        key = jax.random.key(cfg.seed if seed is None else seed)
+        key = jax.random.key(self.cfg.seed if seed is None else seed)
         out = {}
         for s in graph.names:
             init = jax.jit(lambda k, s=s: nn.meta.unbox(graph.init(k)[s]), out_shardings=self.shardings[s])
@@ -492,6 +482,7 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
     hf_paths = {s: sc.init.hf_path for s, sc in cfg.sections.items() if sc.init is not None and sc.init.hf_path}
     return MonolithicRuntime(
         Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms),
+        cfg,
         mesh,
         shardings,
         graph,

@@ -13,7 +13,7 @@ and when a caller reads the step's loss.
 Every device computation a step issues is a section program from its section's cache of
 compiled executables (`runtime.programs`), the sums of losses, metrics and cotangents included,
 or a transfer's cut and join programs. Inside `programs.dry_run` the same walk runs over
-abstract values and compiles instead of running (`runtime.ahead`, `Runtime.compile_ahead`).
+abstract values and compiles instead of running (`runtime.ahead`, `SectionedStep.compile`).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class Executor:
         `LoadedBatch`); by default `graph.loss_count(samples)`. `ahead`: the batch's ahead work,
         issued earlier (`run_ahead`); without it the step runs that work itself. `step`: the
         training step, named by the log line of a program compiled lazily (a shape bucket
-        `Runtime.compile_ahead` did not foresee).
+        `SectionedStep.compile` did not foresee).
 
         With `record` (a list), every operation is waited for and appended as
         `(op, start_s, end_s, dispatch_s)`: a measured timeline for calibration and traces, with

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph, ask, sample_view
@@ -57,9 +58,16 @@ class Monolithic:
             (loss, metrics), grads = jax.value_and_grad(composed, has_aux=True)(params, consts, batches, norm)
             return loss, metrics, tree_add(acc, grads)
 
+        def all_finite(grads):
+            return {
+                s: jnp.all(jnp.array([jnp.isfinite(x).all() for x in jax.tree.leaves(g)] or [True]))
+                for s, g in grads.items()
+            }
+
         p_sh = {s: var_shardings[s]["params"] for s in self.trained}
         self._micro = jax.jit(micro, out_shardings=(None, None, p_sh))
-        self._zeros = jax.jit(lambda p: jax.tree.map(jax.numpy.zeros_like, p), out_shardings=p_sh)
+        self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=p_sh)
+        self._all_finite = jax.jit(all_finite)
         self.clip_norm = clip_norm
         self._updates = {s: jax.jit(update_fn(optimizers[s], clip_norm)) for s in self.trained}
         self._squared_norms = {s: jax.jit((squared_norms or {}).get(s, squared_norm)) for s in self.trained}
@@ -92,21 +100,29 @@ class Monolithic:
         return out
 
     def run(self, states: Mapping[str, SectionState], samples: Sequence, host: list | None = None):
+        """(loss, metrics, grads) of one global batch: the loss divided by its normaliser, the
+        sink's metrics summed over the batch (not normalised), the trained sections' gradients."""
         host = host if host is not None else self.host_batches(samples)
         norm = np.float32(max(self.graph.loss_count(samples), 1))
         params = {s: states[s].params for s in self.trained}
         consts = {s: st.consts for s, st in states.items()}
         with on_mesh(self.mesh, self.plan.rules):
             acc = self._zeros(params)
-            loss = 0.0
+            loss, metrics = 0.0, {}
             for batches in host:
                 dev = {
                     k: None if v is None else {n: jax.device_put(a, self.row_sharding) for n, a in v.items()}
                     for k, v in batches.items()
                 }
-                micro_loss, _, acc = self._micro(params, consts, dev, norm, acc)
+                micro_loss, micro_metrics, acc = self._micro(params, consts, dev, norm, acc)
                 loss = loss + micro_loss
-        return loss, acc
+                metrics = micro_metrics if not metrics else jax.tree.map(jnp.add, metrics, micro_metrics)
+        return loss, metrics, acc
+
+    def all_finite(self, grads) -> dict[str, object]:
+        """Each trained section's gradients are finite: a device bool per section."""
+        with on_mesh(self.mesh, self.plan.rules):
+            return self._all_finite(grads)
 
     def squared_norms(self, grads) -> dict[str, object]:
         with on_mesh(self.mesh, self.plan.rules):

@@ -21,7 +21,7 @@ dtype, weak type and sharding: a shape bucket of the batch and edge inputs. A se
 leaves (params, consts, optimizer state) enter through `state_key`, computed once per
 `SectionState`; the grad accumulator always has the params' layout (every program that returns
 it pins it), so it is left out. A call whose signature is not in the cache compiles it there
-and then (lazily, with a log line): `Runtime.compile_ahead` fills the cache before step 1.
+and then (lazily, with a log line): `SectionedStep.compile` fills the cache before step 1.
 
 Every output that another program or a transfer consumes has a pinned sharding (edges and input
 cotangents: rows over the data axes; losses, metrics, norms: replicated; grads: the params'
@@ -70,9 +70,10 @@ MEASURED = {
 }
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "consts", "opt_state"], meta_fields=[])
 @dataclasses.dataclass
 class SectionState:
-    """A section's persistent state on its mesh."""
+    """A section's persistent state on its mesh (a pytree: `jax.tree` functions see its arrays)."""
 
     params: Any
     consts: Any
@@ -288,7 +289,7 @@ class SectionPrograms:
         self.diff_inputs = diff_inputs  # in-edges whose producer is trained: we return their cotangents
         self.cache: dict[tuple[str, tuple], Program] = {}  # (kind, signature) -> executable
         self.step: int | None = None  # the training step being issued (for the lazy-compile log line)
-        self.compiled_ahead = False  # set by `Runtime.compile_ahead`: a lazy compile is then a warning
+        self.compiled_ahead = False  # set by `SectionedStep.compile`: a lazy compile is then a warning
         self._lock = threading.Lock()
         # `donate` (`compile.donate`; None: on accelerators only): the update program takes the
         # section's params and optimizer state, and the backward programs the grad accumulator, as

@@ -23,6 +23,7 @@ from maestro_jax.config import Config
 from maestro_jax.data.samples import Sample
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
 from maestro_jax.tools import calibrate
 from maestro_jax.tools.simulate import seconds
@@ -56,9 +57,9 @@ def bench(
     batches = [rt.batches()[i] for i in range(num_batches)]
     samples_per_rep = sum(len(b) for b in batches)
     tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
-    states = {m: rt.init_states() for m in ("naive", "wavefront")}
-    mono = rt.monolithic
-    mono_states = mono.init_states(cfg)
+    step, mono = rt.step, rt.monolithic.step  # the run's step on the plan, and the monolithic one
+    states = {m: step.init() for m in ("naive", "wavefront")}
+    mono_state = mono.init()
 
     # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
     say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
@@ -73,21 +74,19 @@ def bench(
         t0 = time.perf_counter()
         schedule = schedulers[mode](sample_metas(rt.graph, samples))
         t1 = time.perf_counter()
-        result = rt.executor.run(states[mode], samples, schedule)
-        states[mode] = rt.executor.update(states[mode], result.grads)
+        states[mode], metrics = step(states[mode], StepBatch(samples, schedule))
         t2 = time.perf_counter()
-        jax.block_until_ready((result.loss, states[mode]))  # end of step
+        jax.block_until_ready((metrics.loss, states[mode]))  # end of step
         t3 = time.perf_counter()
         stats["schedule_s"].append(t1 - t0)
         stats["dispatch_s"].append(t2 - t1)
         stats["step_s"].append(t3 - t0)
 
     def mono_step(samples, stats):
-        nonlocal mono_states
+        nonlocal mono_state
         t0 = time.perf_counter()
-        loss, grads = mono.model.run(mono_states, samples)
-        mono_states = mono.model.update(mono_states, grads)
-        jax.block_until_ready((loss, mono_states))
+        mono_state, metrics = mono(mono_state, samples)
+        jax.block_until_ready((metrics.loss, mono_state))
         stats["step_s"].append(time.perf_counter() - t0)
 
     stats = {m: {"schedule_s": [], "dispatch_s": [], "step_s": []} for m in MODES}
@@ -249,14 +248,13 @@ def _side_by_side(cfg: Config, runtimes: dict, batches, reps: int, say, what: st
     """Tokens per second of each runtime (mode -> runtime) on the same batches under the config's
     scheduler: a warm-up of each that compiles every shape bucket (then `warmed(mode, runtime)`),
     then `reps` repetitions interleaved; tokens count the samples', not padding."""
-    states = {m: r.init_states() for m, r in runtimes.items()}
+    states = {m: r.step.init() for m, r in runtimes.items()}
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
 
     def step(mode, samples) -> float:
         r, t0 = runtimes[mode], time.perf_counter()
-        result = r.executor.run(states[mode], samples, _schedule(cfg, r, samples))
-        states[mode] = r.executor.update(states[mode], result.grads)
-        jax.block_until_ready((result.loss, states[mode]))
+        states[mode], metrics = r.step(states[mode], StepBatch(samples, _schedule(cfg, r, samples)))
+        jax.block_until_ready((metrics.loss, states[mode]))
         return time.perf_counter() - t0
 
     for mode, r in runtimes.items():
@@ -338,8 +336,7 @@ def _traces(rt, cost, states, samples, trace_dir) -> dict:
     out = Path(trace_dir)
     metas = sample_metas(rt.graph, samples)
     sched = wavefront(metas, rt.problem, cost)
-    record: list = []
-    rt.executor.run(states, samples, sched, record=record)
+    _, record = rt.step.timeline(states, StepBatch(samples, sched))
     sim = simulate(sched, rt.problem, metas, cost)
     files = {
         "measured_trace": write_chrome_trace(record, out / "measured_trace.json"),

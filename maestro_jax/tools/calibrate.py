@@ -15,11 +15,13 @@ import numpy as np
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.planning.cost import CostModel, SectionCost
+from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import sample_metas
 
 
-def measure(rt, states, batches, repeats: int = 2) -> list[tuple]:
-    """(op, schedule, metas, seconds) for every op of `batches`, best of `repeats` (after a warm-up).
+def measure(rt, state, batches, repeats: int = 2) -> list[tuple]:
+    """(op, schedule, metas, seconds) for every op of `batches`, best of `repeats` (after a warm-up),
+    from the step's measured timeline (`SectionedStep.timeline`) at `state` (a `TrainState`).
 
     Host work is measured too: ("host", n_samples, seconds) for packing a batch's micro-steps,
     and ("update", section, seconds) for each optimizer update.
@@ -33,11 +35,10 @@ def measure(rt, states, batches, repeats: int = 2) -> list[tuple]:
             t0 = time.perf_counter()
             host = rt.executor.host_batches(samples, schedule)
             t_host = time.perf_counter() - t0
-            record: list = []
-            result = rt.executor.run(states, samples, schedule, host=host, record=record)
-            for s, grads in result.grads.items():
+            grads, record = rt.step.timeline(state, StepBatch(samples, schedule, host=host))
+            for s, g in grads.items():
                 t0 = time.perf_counter()
-                jax.block_until_ready(rt.programs[s].update(states[s], grads).params)
+                jax.block_until_ready(rt.programs[s].update(state[s], g).params)
                 if i:
                     best[("update", s)] = min(best.get(("update", s), np.inf), time.perf_counter() - t0)
             if i == 0:

@@ -26,7 +26,7 @@ def _bytes_per_device(tree) -> int:
 def compiled_memory(rt, states, samples) -> dict[str, dict]:
     """{section: {"programs": {name: bytes}, "optimizer": bytes, "total": bytes}} per device, for
     the step on the global batch `samples` (`states`: the sections' states, for the optimizer's)."""
-    used = compile_batches(rt, [samples], replay_all=True).used
+    used = compile_batches(rt.step, [samples], replay_all=True).used
     out = {}
     for s, p in rt.programs.items():
         programs = p.memory_analysis(used.get(s, set()))

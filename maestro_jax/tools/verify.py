@@ -75,29 +75,30 @@ def _verify(cfg: Config, rt: Runtime | None, step: int, say: Callable[[str], Non
         say(f"building the runtime of {cfg.workload} ({len(cfg.sections)} sections) and its batches")
         rt = build_runtime(cfg)
     samples = rt.batches()[step]
-    trace_batches(rt, [samples])  # a section whose code does not fit its shapes is named before any compile
+    trace_batches(rt.step, [samples])  # a section whose code does not fit its shapes is named before any compile
     sections = ", ".join(rt.problem.order)
     say(f"one step of the sectioned plan ({sections}) on batch {step}: compiling its programs, then running")
-    states = rt.init_states()
-    result = rt.executor.run(states, samples, rt.schedule(samples))
-    norms = rt.executor.squared_norms(result.grads)
-    updated = rt.executor.update(states, result.grads, norms)
+    sectioned = rt.step
+    state = sectioned.init()
+    loss, grads, _ = sectioned.gradients(state, samples)
+    norms = sectioned.squared_norms(grads)
+    updated = sectioned.apply(state, grads, norms)
 
     say("the monolithic step on the same batch: compiling its program, then running")
-    mono = rt.monolithic
-    m_states = mono.init_states(cfg)
-    m_loss, m_grads = mono.model.run(m_states, samples)
-    m_updated = mono.model.update(m_states, m_grads)
-    m_norms = mono.model.squared_norms(m_grads)
+    mono = rt.monolithic.step
+    m_state = mono.init()
+    m_loss, m_grads, _ = mono.gradients(m_state, samples)
+    m_norms = mono.squared_norms(m_grads)
+    m_updated = mono.apply(m_state, m_grads)
 
     diffs = [
-        compare("loss", result.loss, m_loss),
+        compare("loss", loss, m_loss),
         compare("grad_norm", global_norm(norms, rt.coordinator.fetch), global_norm(m_norms, rt.coordinator.fetch)),
     ]
-    grads = whole_params(rt.graph, result.grads)  # a section in pipeline stages compared whole
-    params = whole_params(rt.graph, {s: st.params for s, st in updated.items() if s in result.grads})
-    for s in sorted(grads):
-        diffs.append(compare(f"{s}/grads", grads[s], m_grads[s]))
+    whole_grads = whole_params(rt.graph, grads)  # a section in pipeline stages compared whole
+    params = whole_params(rt.graph, {s: updated[s].params for s in grads})
+    for s in sorted(whole_grads):
+        diffs.append(compare(f"{s}/grads", whole_grads[s], m_grads[s]))
         diffs.append(compare(f"{s}/params_after_update", params[s], m_updated[s].params))
     return diffs
 

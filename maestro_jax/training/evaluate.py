@@ -5,28 +5,20 @@ checked, scheduled and packed once, in order, so every evaluation sees the same 
 its losses compare across steps. The loss is the mean over every loss-carrying token of those
 batches (each batch's mean weighted by its token count), the training loss's normalisation.
 `issue` queues the work behind the step's update and returns at once; `read` waits. The batches
-run forward only (`Executor.evaluate`: each producer's forward, the sink's loss; no residuals, no
-gradients), and their programs are compiled ahead with the training step's (`samples`).
+run forward only (`SectionedStep.evaluate`: each producer's forward, the sink's loss; no residuals,
+no gradients), and their programs are compiled with the training step's (`samples`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from maestro_jax.config import Config, ConfigError, EvalConfig
 from maestro_jax.data.pipeline import first_batches
 from maestro_jax.runtime.build import Runtime
+from maestro_jax.runtime.step import StepBatch, TrainState
 
 log = logging.getLogger("maestro_jax")
-
-
-@dataclasses.dataclass
-class _EvalBatch:
-    samples: list
-    schedule: object
-    host: dict
-    tokens: int  # the batch's loss normaliser
 
 
 class Evaluation:
@@ -48,21 +40,17 @@ class Evaluation:
         for i in range(batches):
             samples = data[i]
             schedule = rt.schedule(samples)
-            self.batches.append(
-                _EvalBatch(samples, schedule, rt.executor.host_batches(samples, schedule), rt.graph.loss_count(samples))
-            )
+            host = rt.executor.host_batches(samples, schedule)
+            self.batches.append(StepBatch(samples, schedule, rt.graph.loss_count(samples), host))
 
     @property
     def samples(self) -> list[list]:
-        """The evaluated global batches' samples (what `Runtime.compile_ahead(evaluate=)` takes)."""
+        """The evaluated global batches' samples (what `SectionedStep.compile(evaluate=)` takes)."""
         return [b.samples for b in self.batches]
 
-    def issue(self, states) -> list:
+    def issue(self, state: TrainState) -> list:
         """Each batch's loss as a device scalar, queued on the devices; nothing is waited for."""
-        return [
-            (self.rt.executor.evaluate(states, b.samples, b.schedule, host=b.host, norm=b.tokens), b.tokens)
-            for b in self.batches
-        ]
+        return [(self.rt.step.evaluate(state, b), b.loss_count) for b in self.batches]
 
     def read(self, issued: list) -> float:
         """The token-weighted mean of the batches' losses (waits for the devices)."""
@@ -110,6 +98,8 @@ def evaluate_checkpoint(cfg: Config, rt: Runtime, step: int | None = None, sourc
         step = steps[-1] if step is None and steps else step
         if step not in steps:
             raise ConfigError(f"error: --step={step}: {ckpt.directory} holds checkpoints of steps {steps or 'none'}")
-        fresh = rt.init_states()
-        states = rt.stage_states(ckpt.restore(step, rt.whole_states(fresh))[0], fresh)
-    return step, evaluation.read(evaluation.issue(states))
+        fresh = rt.step.init()
+        state = TrainState(
+            step, rt.stage_states(ckpt.restore(step, rt.whole_states(fresh.sections))[0], fresh.sections)
+        )
+    return step, evaluation.read(evaluation.issue(state))

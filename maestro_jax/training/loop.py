@@ -38,13 +38,13 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import Coordinator, PeerError
+from maestro_jax.runtime.step import StepBatch, StepMetrics, TrainState
 from maestro_jax.training.checkpoint import Checkpointer, check_start_points, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
 from maestro_jax.training.preemption import Preemption, raise_if_interrupted
 from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.profile import ProfileWindow
-from maestro_jax.training.step import IssuedStep, issue_step
 from maestro_jax.training.storage import check_directories, write_error
 from maestro_jax.training.trackers import Trackers, check_trackers, flat_config, output_trackers
 
@@ -89,7 +89,8 @@ def train(
                 "initialising their states (each section's init compiles)"
             )
             rt = build_runtime(cfg, coordinator=coordinator)
-        states = rt.init_states()
+        step = rt.step
+        state = step.init()
         bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
         data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
         ckpt, start = None, 0
@@ -105,9 +106,9 @@ def train(
             if (latest := ckpt.latest_step()) is not None:
                 say(f"checkpoint: restoring the newest good one of {ckpt.directory} (committed up to step {latest})")
             # another config's checkpoint stops here; a staged section is saved whole (`runtime.stages`)
-            if (restored := ckpt.restore_latest(rt.whole_states(states))) is not None:
+            if (restored := ckpt.restore_latest(rt.whole_states(state.sections))) is not None:
                 start, whole, data_state, _ = restored
-                states = rt.stage_states(whole, states)
+                state = TrainState(start, rt.stage_states(whole, state.sections))
                 data.set_state(data_state)
                 say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
                 if out_dir and (changes := config_changes(out_dir, cfg)):
@@ -119,15 +120,15 @@ def train(
                         _record_changes(out_dir, start, changes)
         if start == 0:  # a fresh run: sections that start from another run's checkpoint
             start_from = functools.partial(start_from_checkpoints, cfg, coordinator=coordinator)
-            states = rt.on_whole(states, start_from)  # a staged section starts whole
+            state = TrainState(0, rt.on_whole(state.sections, start_from))  # a staged section starts whole
         if start >= cfg.steps:
             say(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
             return []
         evaluation = evaluation_for(cfg, rt, eval_source)
         if cfg.compile.ahead:
-            rt.compile_ahead(
+            step.compile(
                 range(start, cfg.steps),  # the batches of steps start+1..steps
-                say=say,
+                say,
                 evaluate=evaluation.samples if evaluation else (),
                 max_batches=cfg.compile.max_batches,
             )
@@ -147,8 +148,8 @@ def train(
         )
         say.bar_open = True
         window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
-        step_log = _StepLog(tracked, bar, evaluation, hooks)
-        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(states, start)
+        step_log = _StepLog(tracked, bar, evaluation, rt.coordinator.fetch, hooks)
+        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(state)
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
         say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
@@ -261,18 +262,18 @@ class _StepLog:
 
     RECENT = 10
 
-    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, hooks=()):
+    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, fetch, hooks=()):
         self.trackers, self.bar, self.evaluation, self.history = trackers, bar, evaluation, []
+        self.fetch = fetch  # `Coordinator.fetch`: a device value on this host
         self.hooks = tuple(hooks)
         self.last_read = time.perf_counter()
         self.recent: deque[tuple[int, float]] = deque(maxlen=self.RECENT)  # (samples, seconds) of each step
 
-    def read(
-        self, issued: IssuedStep, prepared: PreparedBatch, data_wait_s: float, wait_reason: str | None = None
-    ) -> None:
-        rec = issued.read()
+    def read(self, issued: _Issued, wait_reason: str | None = None) -> None:
+        rec = issued.metrics.read(self.fetch)
         if issued.evaluated:
-            rec["eval_loss"] = self.evaluation.read(issued.evaluated)
+            rec["eval/loss"] = self.evaluation.read(issued.evaluated)
+        prepared = issued.prepared
         now = time.perf_counter()
         dt, self.last_read = now - self.last_read, now
         batch, samples = prepared.batch, prepared.batch.samples
@@ -282,7 +283,7 @@ class _StepLog:
                 "samples_per_s": len(samples) / dt,
                 "tokens_per_s": tokens / dt,
                 "step_time_s": dt,
-                "data_wait_s": data_wait_s,
+                "data_wait_s": issued.data_wait_s,
                 "read_ahead_s": prepared.read_s,
                 "schedule_ahead_s": batch.schedule_s,
                 "pack_ahead_s": prepared.pack_s,
@@ -299,10 +300,21 @@ class _StepLog:
         self.bar.update(1)
         self.recent.append((len(samples), dt))
         recent = sum(n for n, _ in self.recent) / sum(t for _, t in self.recent)
-        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_per_s=f"{recent:.1f}")
+        self.bar.set_postfix(loss=f"{rec['train/loss']:.4f}", samples_per_s=f"{recent:.1f}")
         self.trackers.write(rec)
         for hook in self.hooks:
             hook(rec["step"], rec)
+
+
+@dataclasses.dataclass
+class _Issued:
+    """A step issued and not read yet: its metrics on the devices, its batch, the evaluation
+    queued behind it (`Evaluation.issue`) and the time the loop waited for its batch."""
+
+    metrics: StepMetrics
+    prepared: PreparedBatch
+    data_wait_s: float
+    evaluated: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -318,36 +330,33 @@ class _Loop:
     log: _StepLog
     say: Callable[[str], None]
     window: ProfileWindow  # `profile`: the steps a jax.profiler trace holds
-    pending: tuple | None = None  # the step issued last and not read yet: (IssuedStep, PreparedBatch, data wait)
+    pending: _Issued | None = None  # the step issued last and not read yet
 
-    def run(self, states, start: int) -> list[dict]:
+    def run(self, state: TrainState) -> list[dict]:
         ahead = None  # this step's run-ahead work, issued with the step before (never across a restart)
-        self.rt.coordinator.step_barrier(start + 1)  # a dead or stuck peer is named here, within distributed.timeout_s
+        step = self.rt.step
+        self.rt.coordinator.step_barrier(
+            state.step + 1
+        )  # a dead or stuck peer is named here, within distributed.timeout_s
         try:
-            for done in range(start + 1, self.cfg.steps + 1):
+            while state.step < self.cfg.steps:
                 prepared = next(self.data)  # read, scheduled and packed while the previous step ran
                 batch = prepared.batch
-                self.window.before_issue(done)
-                states, issued = issue_step(
-                    self.rt,
-                    states,
-                    batch.samples,
-                    done,
-                    self.cfg.on_nonfinite,
-                    batch.schedule,
-                    batch.loss_count,
-                    prepared.host,
-                    ahead,
+                self.window.before_issue(state.step + 1)
+                state, metrics = step(
+                    state, StepBatch(batch.samples, batch.schedule, batch.loss_count, prepared.host, ahead)
                 )
-                ahead = self._run_ahead(states, done)
-                self._evaluate(done, states, issued)
+                done = state.step
+                issued = _Issued(metrics, prepared, self.data.data_wait_s)
+                ahead = self._run_ahead(state)
+                self._evaluate(state, issued)
                 self._read_pending()  # the previous step, read now that this one is queued behind it
-                self.pending = (issued, prepared, self.data.data_wait_s)
+                self.pending = issued
                 raise_if_interrupted()  # a SIGINT whose KeyboardInterrupt something swallowed
                 stop_by = self.rt.coordinator.step_barrier(
                     done + 1, self.preemption.requested
                 )  # a notice on any process
-                self._checkpoint(done, states, stop_by)
+                self._checkpoint(state, stop_by)
                 if stop_by:
                     tqdm.write(self.preemption.report(done, self.ckpt, stop_by))  # every process says it
                     break
@@ -357,28 +366,29 @@ class _Loop:
             raise
         return self.log.history
 
-    def _run_ahead(self, states, done: int):
+    def _run_ahead(self, state: TrainState):
         """The next batch's frozen forwards, queued behind this step's work on their devices."""
-        if self.rt.problem.ahead and done < self.cfg.steps and (following := self.data.peek()) is not None:
+        if self.rt.problem.ahead and state.step < self.cfg.steps and (following := self.data.peek()) is not None:
             nxt = following.batch
-            return self.rt.executor.run_ahead(states, nxt.samples, nxt.schedule, following.host, step=done + 1)
+            return self.rt.step.run_ahead(state, StepBatch(nxt.samples, nxt.schedule, host=following.host))
         return None
 
-    def _evaluate(self, done: int, states, issued: IssuedStep) -> None:
-        """The held-out loss after step `done` when due, queued behind its update; read with it."""
+    def _evaluate(self, state: TrainState, issued: _Issued) -> None:
+        """The held-out loss after the step when due, queued behind its update; read with it."""
         every = self.cfg.eval.every if self.evaluation else 0
-        if every and (done % every == 0 or done == self.cfg.steps):
-            issued.evaluated = self.evaluation.issue(states)
+        if every and (state.step % every == 0 or state.step == self.cfg.steps):
+            issued.evaluated = self.evaluation.issue(state)
 
     def _read_pending(self, wait_reason: str | None = None) -> None:
         if self.pending:
             pending, self.pending = self.pending, None
-            self.log.read(*pending, wait_reason=wait_reason)
-            self.window.after_read(pending[0].step)
+            self.log.read(pending, wait_reason=wait_reason)
+            self.window.after_read(pending.metrics.step)
 
-    def _checkpoint(self, done: int, states, stop_by: list[int]) -> None:
-        """Save after step `done` when it is due or the run stops; a checkpoint holds only a step
+    def _checkpoint(self, state: TrainState, stop_by: list[int]) -> None:
+        """Save after the step when it is due or the run stops; a checkpoint holds only a step
         known to be finite, so the step is read first."""
+        done = state.step
         due = done == self.cfg.steps or (self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0)
         if not self.ckpt or not (due or stop_by):
             if stop_by:
@@ -390,7 +400,7 @@ class _Loop:
             self.say(f"checkpoint: saving step {done} to {self.ckpt.directory}")
         self.ckpt.save(
             done,
-            self.rt.whole_states(states),
+            self.rt.whole_states(state.sections),
             self.data.get_state(),
             {"seed": self.cfg.seed, "workload": self.cfg.workload},
         )
@@ -398,7 +408,7 @@ class _Loop:
     def _log_finished_step(self, fault: BaseException) -> None:
         """A step the devices finished before `fault` is still logged (not after a lost peer:
         reading it would wait for that peer)."""
-        if self.pending and not isinstance(fault, PeerError) and not self.pending[0].was_read:
+        if self.pending and not isinstance(fault, PeerError) and not self.pending.metrics.was_read:
             try:
                 self._read_pending()
             except Exception as err:  # noqa: BLE001 - NonFiniteError included: the fault being raised comes first

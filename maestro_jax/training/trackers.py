@@ -1,6 +1,6 @@
 """Where step metrics go: a small tracker interface, with JSONL, TensorBoard and W&B built in.
 
-A tracker takes each step's record (a flat dict: `step`, `loss`, timings, `lr/<section>`, ...)
+A tracker takes each step's record (a flat dict: `step`, `train/loss`, timings, `train/lr/<section>`, ...)
 once the host read it. The config's `trackers` chooses the built-in ones (default JSONL and
 TensorBoard), each given the resolved config as the run's hyper-parameters (config.yaml beside
 metrics.jsonl; TensorBoard's hparams plugin; W&B's run config); `train(cfg, trackers=[...])`
@@ -72,8 +72,15 @@ class JsonlTracker:
         """Nothing held open."""
 
 
+def tensorboard_tag(key: str) -> str:
+    """A record's key as a TensorBoard tag: named metrics as they are, the host's under `perf/`."""
+    return key if key.startswith(("train/", "eval/")) else f"perf/{key}"
+
+
 class TensorBoardTracker:
-    """TensorBoard events (`tb/`): every number of the record as the scalar `train/<key>`.
+    """TensorBoard events (`tb/`): every number of the record as a scalar, under its own name where
+    it has one (`train/loss`, `train/kd/kl`, `eval/loss`...) and as `perf/<key>` where it is the
+    host's (throughput and timings: `perf/samples_per_s`, `perf/dispatch_s`...).
 
     Every run opens with a `SessionLog.START` event at `start + 1`, which tells TensorBoard to
     purge the events earlier runs wrote from that step on: a resume from a checkpoint, and a
@@ -99,7 +106,7 @@ class TensorBoardTracker:
         try:
             for key, value in numbers.items():
                 self._events.write_event(
-                    Event(wall_time=time.time(), step=record["step"], summary=scalar(f"train/{key}", value))
+                    Event(wall_time=time.time(), step=record["step"], summary=scalar(tensorboard_tag(key), value))
                 )
         except OSError as err:
             raise write_error("output_dir", self.directory, err, "writing TensorBoard events to") from None

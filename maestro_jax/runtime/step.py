@@ -1,0 +1,321 @@
+"""The training step as one object: `step(state, batch) -> (state, metrics)`.
+
+Everything that trains, checks, measures or evaluates a step holds one of two steps with the same
+interface (as nanodo's `Trainer.do_step` and Levanter's `train_step(state, batch)`):
+
+- `SectionedStep`: the plan's sections, each its own programs on its own mesh, in the schedule's
+  order (`runtime.executor`), tensors moved device to device;
+- `MonolithicStep`: the whole graph as one program on one mesh, the reference every plan equals.
+
+`init(seed)` gives a `TrainState` (the step number and each section's params, constants and
+optimizer state); `__call__` issues one optimizer step and returns at once with the new state and
+a `StepMetrics` still on the devices, which the caller reads when it chooses (the training loop
+reads step N after issuing step N+1). `gradients` and `apply` are the step's two halves, for
+`verify`, which compares gradients; `evaluate` is the forward-only loss; `compile` compiles every
+program of the given batches before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from maestro_jax.runtime import ahead, compile_cache
+from maestro_jax.runtime.optimizer import current_rate
+from maestro_jax.runtime.programs import SectionState
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What one optimizer step changes: the number of steps taken and each section's state."""
+
+    step: int
+    sections: Mapping[str, SectionState]
+
+    def __getitem__(self, section: str) -> SectionState:
+        return self.sections[section]
+
+
+jax.tree_util.register_dataclass(TrainState, data_fields=["sections"], meta_fields=["step"])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One global batch as a step takes it. Only `samples` is needed; the training loop hands in
+    what its prefetch thread already computed: the `schedule`, the loss normaliser (`loss_count`,
+    for samples that are partly hollow on this process), the micro-steps' packed host inputs
+    (`host`) and the batch's frozen forwards issued during the step before (`ahead`)."""
+
+    samples: Sequence
+    schedule: object = None
+    loss_count: int | None = None
+    host: dict | None = None
+    ahead: object = None
+
+
+def as_batch(batch) -> StepBatch:
+    """A `StepBatch` (or an object with its fields) as it is; a list of samples as a `StepBatch`."""
+    return batch if hasattr(batch, "samples") else StepBatch(list(batch))
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    """One step's results, still on the devices until `read`.
+
+    `read` is the host's one wait on the devices in a step. Its record names what each value is:
+    `train/loss`; `train/grad_norm` (before clipping, over every trained section) and
+    `train/grad_norm/<section>`; `train/lr/<section>` (the rate the update used); and each metric
+    the sink returns, `train/<sink>/<metric>` (KD's `kl` and `ce`), summed over the batch in the
+    step's own programs and divided by the loss's normaliser as the loss is (per loss-carrying
+    token). Beside them, the host's timeline of issuing the step (`dispatch_s`,
+    `transfer_issue_s`, the in-flight bound's waits) and `device_wait_s`, the read's own wait."""
+
+    step: int
+    sink: str
+    loss: object  # device scalar, already divided by `norm`
+    finite: dict  # section -> device bool: its gradients are finite
+    norms_sq: dict  # trained section -> its gradients' squared norm, a device array
+    sink_metrics: dict  # the sink's metrics summed over the batch (device scalars, not normalised)
+    norm: float = 1.0  # the batch's loss normaliser
+    rates: dict = dataclasses.field(default_factory=dict)  # trained section -> the update's learning rate
+    host: dict = dataclasses.field(default_factory=dict)  # the host's timeline of issuing the step
+    on_nonfinite: str = "stop"
+    record: dict | None = None  # once read
+
+    @property
+    def was_read(self) -> bool:
+        return self.record is not None
+
+    def nonfinite(self, fetch: Callable = np.asarray) -> list[str]:
+        """The sections whose gradients (or the sink's loss) hold NaN or inf (waits for the devices)."""
+        bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
+        if not math.isfinite(float(fetch(self.loss))):
+            bad = [f"{self.sink} (loss)"] + [b for b in bad if b != self.sink]
+        return bad
+
+    def read(self, fetch: Callable = np.asarray) -> dict:
+        """The step's record (waiting for the devices). `fetch` reads a device value on this host
+        (`Coordinator.fetch`: a value another process holds too). A non-finite step raises
+        `NonFiniteError` under `on_nonfinite: stop`, else is marked `skipped_nonfinite`."""
+        if self.record is not None:
+            return self.record
+        t0 = time.perf_counter()
+        values = jax.tree.map(lambda x: np.asarray(fetch(x)), (self.loss, self.norms_sq, self.rates, self.sink_metrics))
+        loss, norms_sq, rates, sink_metrics = values
+        bad = self.nonfinite(fetch)
+        rec = {"step": self.step, "train/loss": float(loss), **self.host}
+        rec["device_wait_s"] = time.perf_counter() - t0
+        rec.update({f"train/{self.sink}/{k}": float(v) / self.norm for k, v in sorted(sink_metrics.items())})
+        norms = {s: float(np.ravel(v)[0]) for s, v in sorted(norms_sq.items())}
+        if norms:  # the norm clipping reads (before clipping), over all sections and per section
+            rec["train/grad_norm"] = math.sqrt(sum(norms.values()))
+            rec.update({f"train/grad_norm/{s}": math.sqrt(v) for s, v in norms.items()})
+        rec.update({f"train/lr/{s}": float(v) for s, v in sorted(rates.items())})
+        self.record = rec
+        if bad:
+            msg = f"step {self.step}: non-finite loss or gradients in section(s) {', '.join(bad)}"
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(msg + " (on_nonfinite=stop; set on_nonfinite=skip to skip such steps)")
+            rec["skipped_nonfinite"] = bad
+        return rec
+
+
+class SectionedStep:
+    """The plan's step: each section's programs on its own mesh, in the schedule's order."""
+
+    def __init__(self, rt, on_nonfinite: str | None = None):
+        """`rt`: a `runtime.build.Runtime`. `on_nonfinite` (default the config's): "stop" issues
+        the update at once and a non-finite step raises when read; "skip" reads the step's
+        finiteness before issuing its update, and a bad step leaves every section's params and
+        optimizer state as they were."""
+        self.rt = rt
+        self.on_nonfinite = on_nonfinite or rt.cfg.on_nonfinite
+
+    def init(self, seed: int | None = None) -> TrainState:
+        """Step 0: each section initialised into its own sharding, pretrained ones loaded
+        (`Runtime.init_states`)."""
+        return TrainState(0, self.rt.init_states(seed))
+
+    def schedule(self, batch: StepBatch):
+        return batch.schedule if batch.schedule is not None else self.rt.schedule(batch.samples)
+
+    def gradients(self, state: TrainState, batch) -> tuple[object, dict, dict]:
+        """The batch's loss, each trained section's accumulated gradients (on its mesh) and the
+        sink's summed metrics: the step without its update. Returns (loss, grads, result) where
+        `result` is the executor's `StepResult` (host timeline included)."""
+        batch = as_batch(batch)
+        result = self.rt.executor.run(
+            state.sections,
+            batch.samples,
+            self.schedule(batch),
+            host=batch.host,
+            norm=batch.loss_count,
+            ahead=batch.ahead,
+            step=state.step + 1,
+        )
+        return result.loss, result.grads, result
+
+    def apply(self, state: TrainState, grads: Mapping, norms_sq: Mapping | None = None) -> TrainState:
+        """Every trained section's optimizer update (clipped by the global norm when configured)."""
+        return TrainState(state.step + 1, self.rt.executor.update(state.sections, grads, norms_sq))
+
+    def squared_norms(self, grads: Mapping) -> dict:
+        """Each trained section's squared gradient norm, a device array on its own mesh."""
+        return self.rt.executor.squared_norms(grads)
+
+    def __call__(self, state: TrainState, batch, check_first: bool | None = None) -> tuple[TrainState, StepMetrics]:
+        """Issue one optimizer step without waiting for it. `check_first` (default: under
+        `on_nonfinite: skip`) reads the step's finiteness before issuing the update."""
+        check_first = self.on_nonfinite == "skip" if check_first is None else check_first
+        rt = self.rt
+        t0 = time.perf_counter()
+        loss, grads, result = self.gradients(state, batch)
+        metrics = StepMetrics(
+            step=state.step + 1,
+            sink=rt.graph.sink,
+            loss=loss,
+            finite={s: rt.programs[s].all_finite(g) for s, g in grads.items()},
+            norms_sq=self.squared_norms(grads),
+            sink_metrics=result.metrics,
+            norm=result.norm,
+            on_nonfinite=self.on_nonfinite,
+            host={
+                "in_flight_waits": result.in_flight_waits,
+                "in_flight_wait_s": result.in_flight_wait_s,
+                "transfer_issue_s": result.transfer_issue_s,
+            },
+        )
+        if check_first:
+            metrics.host["wait_reason"] = "on_nonfinite=skip"
+            if metrics.nonfinite(rt.coordinator.fetch):
+                metrics.host["dispatch_s"] = time.perf_counter() - t0
+                return TrainState(state.step + 1, state.sections), metrics
+        new = self.apply(state, grads, metrics.norms_sq)
+        metrics.rates = {s: current_rate(new.sections[s].opt_state) for s in metrics.norms_sq}
+        metrics.host["dispatch_s"] = time.perf_counter() - t0
+        return new, metrics
+
+    def read(self, metrics: StepMetrics) -> dict:
+        """`metrics.read` through this runtime's `Coordinator.fetch`."""
+        return metrics.read(self.rt.coordinator.fetch)
+
+    def run_ahead(self, state: TrainState, batch):
+        """Issue `batch`'s ahead work (frozen sections reading only data) before the step that
+        trains on it, which then takes it as `StepBatch.ahead` (`Executor.run_ahead`)."""
+        batch = as_batch(batch)
+        return self.rt.executor.run_ahead(
+            state.sections, batch.samples, self.schedule(batch), batch.host, step=state.step + 1
+        )
+
+    def evaluate(self, state: TrainState, batch):
+        """The batch's loss, forward only (a device scalar; `Executor.evaluate`)."""
+        batch = as_batch(batch)
+        return self.rt.executor.evaluate(
+            state.sections, batch.samples, self.schedule(batch), host=batch.host, norm=batch.loss_count
+        )
+
+    def timeline(self, state: TrainState, batch) -> tuple[dict, list]:
+        """The step's gradients with every operation waited for: (grads, [(op, start_s, end_s,
+        dispatch_s)]), a measured timeline for calibration and traces. Serialised: never a
+        throughput."""
+        batch = as_batch(batch)
+        record: list = []
+        result = self.rt.executor.run(
+            state.sections, batch.samples, self.schedule(batch), host=batch.host, record=record
+        )
+        return result.grads, record
+
+    def compile(
+        self, steps, say=print, *, evaluate=(), max_batches: int = ahead.MAX_BATCHES, threads: int | None = None
+    ) -> int:
+        """Before step 1, compile every program the run needs for every shape bucket the global
+        batches `steps` (their indices in the training stream, e.g. `range(start, cfg.steps)`) can
+        produce, and the forward-only evaluation programs of the batches in `evaluate` (lists of
+        samples or `SampleInfo`s, e.g. another source's); returns the number of programs compiled.
+
+        `say` gets "compiling N programs for S sections" first, then progress. Shapes come from
+        sample metadata (no payload is read) through the schedule and packing the executor uses,
+        and this step's own calls walk them over abstract values (`runtime.ahead`). Runs longer
+        than `max_batches` steps are sampled (`ahead.bounded`); a shape bucket no scanned batch
+        has is compiled when it first appears, with a warning naming the section and step.
+        Compiling only: nothing runs on the devices. `threads`: programs compiled at once
+        (default `ahead.default_threads()`)."""
+        rt = self.rt
+        infos = rt.batch_infos(ahead.bounded(steps, max_batches))
+        report = ahead.compile_batches(self, infos, evaluate, say, threads=threads)
+        for prog in rt.programs.values():
+            prog.compiled_ahead = True
+        compile_cache.record()  # the new entries' checksums, now that no compile is in flight
+        return report.count
+
+    def abstract_state(self) -> TrainState:
+        """`init`'s result as abstract values in each section's layout (inside `programs.dry_run`:
+        the optimizer state from its `init_opt` program; `Runtime.abstract_states` outside one)."""
+        return TrainState(0, ahead.abstract_states(self.rt))
+
+    def memory_analysis(self) -> dict[str, dict[str, int]]:
+        """Each section's compiled programs' device memory (XLA's `memory_analysis`), by section."""
+        return {s: prog.memory_analysis() for s, prog in self.rt.programs.items()}
+
+
+class MonolithicStep:
+    """The whole graph as one jitted program over one mesh (`runtime.monolithic`): the reference."""
+
+    def __init__(self, mono, on_nonfinite: str | None = None):
+        """`mono`: a `runtime.build.MonolithicRuntime`; `on_nonfinite` as `SectionedStep`'s."""
+        self.mono = mono
+        self.on_nonfinite = on_nonfinite or mono.cfg.on_nonfinite
+
+    def init(self, seed: int | None = None) -> TrainState:
+        """Step 0 on the monolithic mesh, from the sectioned step's initialisation and pretrained
+        weights (`MonolithicRuntime.init_states`)."""
+        return TrainState(0, self.mono.init_states(seed))
+
+    def gradients(self, state: TrainState, batch) -> tuple[object, dict, dict]:
+        """(loss, grads, metrics): the sink's metrics summed over the batch."""
+        loss, metrics, grads = self.mono.model.run(state.sections, as_batch(batch).samples)
+        return loss, grads, metrics
+
+    def squared_norms(self, grads: Mapping) -> dict:
+        return self.mono.model.squared_norms(grads)
+
+    def apply(self, state: TrainState, grads: Mapping, norms_sq: Mapping | None = None) -> TrainState:
+        return TrainState(state.step + 1, self.mono.model.update(state.sections, grads))
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, StepMetrics]:
+        t0 = time.perf_counter()
+        samples = as_batch(batch).samples
+        loss, grads, sink_metrics = self.gradients(state, samples)
+        model = self.mono.model
+        metrics = StepMetrics(
+            step=state.step + 1,
+            sink=model.graph.sink,
+            loss=loss,
+            finite=model.all_finite(grads),
+            norms_sq=self.squared_norms(grads),
+            sink_metrics=sink_metrics,
+            norm=float(max(model.graph.loss_count(samples), 1)),
+            on_nonfinite=self.on_nonfinite,
+        )
+        if self.on_nonfinite == "skip" and metrics.nonfinite():
+            return TrainState(state.step + 1, state.sections), metrics
+        new = self.apply(state, grads)
+        metrics.rates = {s: current_rate(new.sections[s].opt_state) for s in grads}
+        metrics.host["dispatch_s"] = time.perf_counter() - t0
+        return new, metrics
+
+    def read(self, metrics: StepMetrics) -> dict:
+        return metrics.read()
+
+    def evaluate(self, state: TrainState, batch):
+        """The batch's loss (the monolithic program computes its gradients too; only the loss is kept)."""
+        return self.gradients(state, batch)[0]
