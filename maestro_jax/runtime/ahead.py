@@ -5,7 +5,7 @@ over the first 6 steps of vlm_tiny). Here the shapes come from sample *metadata*
 global batch the run will take, its samples' `SampleInfo`s (no payload decoded) are scheduled
 (`Runtime.schedule`), packed as the executor packs them (`Executor.host_batches` on
 `hollow_sample`s: zeros of the right shapes), and the training step itself (`runtime.step`) walks
-the whole step, update included, over abstract values inside `programs.dry_run`: each program call yields its abstract
+the whole step, update included, as its abstract twin (`SectionedStep.abstract`): each program call yields its abstract
 outputs and records its signature, each transfer its cut and join programs. Nothing runs on the
 devices.
 
@@ -35,16 +35,17 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from maestro_jax.data.samples import DataError, SampleInfo, hollow_sample
-from maestro_jax.runtime.programs import DryRun, SectionState, dry_run
+from maestro_jax.runtime.programs import DryRun, SectionState
 
 log = logging.getLogger("maestro_jax")
 
 MAX_BATCHES = 256  # the default bound on the batches `SectionedStep.compile` scans
 
 
-def abstract_states(rt) -> dict[str, SectionState]:
-    """Each section's state as abstract values in its own layout (inside `dry_run`: the optimizer
-    state comes from its `init_opt` program, traced or compiled)."""
+def abstract_states(rt, programs) -> dict[str, SectionState]:
+    """Each section's state as abstract values in its own layout; the optimizer state comes from
+    its `init_opt` program, called on `programs` (the sections' abstract twins: traced or
+    compiled, `SectionPrograms.abstract`)."""
     import flax.linen as nn
 
     out = {}
@@ -54,7 +55,7 @@ def abstract_states(rt) -> dict[str, SectionState]:
             nn.meta.unbox(rt.abstract[s]),
             rt.shardings[s],
         )
-        opt = rt.programs[s].init_optimizer(v["params"]) if rt.graph.section(s).trained else None
+        opt = programs[s].init_optimizer(v["params"]) if rt.graph.section(s).trained else None
         out[s] = SectionState(v["params"], v["consts"], opt)
     return out
 
@@ -120,20 +121,19 @@ def trace_batches(step, batches: Iterable[Sequence], evaluate: Iterable[Sequence
     distinct batch shapes seen. `step`: a `runtime.step.SectionedStep`."""
     tracer = DryRun(compile=False)
     replay, seen = [], set()
-    rt = step.rt
-    with dry_run(tracer):
-        abstract_states(rt)
-        for ev, batch in [(False, b) for b in batches] + [(True, b) for b in evaluate]:
-            batch = list(batch)
-            shapes = (ev, _shapes(batch))
-            if shapes in seen:
-                continue
-            seen.add(shapes)
-            before = (len(tracer.new), len(tracer.transfers))
-            prepared = _prepare(rt, batch, ev)
-            _walk(step, step.abstract_state(), prepared)
-            if replay_all or (len(tracer.new), len(tracer.transfers)) != before:
-                replay.append(prepared)
+    twin = step.abstract(tracer)
+    twin.abstract_state()
+    for ev, batch in [(False, b) for b in batches] + [(True, b) for b in evaluate]:
+        batch = list(batch)
+        shapes = (ev, _shapes(batch))
+        if shapes in seen:
+            continue
+        seen.add(shapes)
+        before = (len(tracer.new), len(tracer.transfers))
+        prepared = _prepare(step.rt, batch, ev)
+        _walk(twin, twin.abstract_state(), prepared)
+        if replay_all or (len(tracer.new), len(tracer.transfers)) != before:
+            replay.append(prepared)
     return tracer, replay, seen
 
 
@@ -165,10 +165,10 @@ def compile_batches(
         compiler = DryRun(compile=True, traced=tracer.traced, pool=pool)
         progress = _Progress(say, total)
         compiler.on_compile = progress.tick
-        with dry_run(compiler):
-            state = step.abstract_state()
-            for prepared in replay:
-                _walk(step, state, prepared)
+        twin = step.abstract(compiler)
+        state = twin.abstract_state()
+        for prepared in replay:
+            _walk(twin, state, prepared)
         for key, (program, args) in tracer.transfers.items():
             compiler.submit(_compile_transfer, program, args, key, rt.executor.compiled_transfers, progress)
         compiler.finish()

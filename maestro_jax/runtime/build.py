@@ -24,7 +24,7 @@ from maestro_jax.runtime.executor import Executor
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.optimizer import check_sections, section_optimizer, section_squared_norm
 from maestro_jax.runtime.precision import with_precision
-from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState, dry_run
+from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState
 from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_mesh, variable_shardings
 from maestro_jax.runtime.stages import on_whole, stage_states, whole_params, whole_states
 from maestro_jax.runtime.step import MonolithicStep, SectionedStep
@@ -131,8 +131,7 @@ class Runtime:
         """`init_states`' result as abstract values (shapes, dtypes, layouts), nothing computed;
         the optimizer state's layout is its `init_opt` program's, which this compiles if needed."""
         run = DryRun(compile=True)
-        with dry_run(run):
-            return ahead_lib.abstract_states(self)
+        return ahead_lib.abstract_states(self, {s: prog.abstract(run) for s, prog in self.programs.items()})
 
     def batch_infos(
         self,

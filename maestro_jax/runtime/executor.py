@@ -12,8 +12,9 @@ and when a caller reads the step's loss.
 
 Every device computation a step issues is a section program from its section's cache of
 compiled executables (`runtime.programs`), the sums of losses, metrics and cotangents included,
-or a transfer's cut and join programs. Inside `programs.dry_run` the same walk runs over
-abstract values and compiles instead of running (`runtime.ahead`, `SectionedStep.compile`).
+or a transfer's cut and join programs. An abstract twin (`Executor.abstract`, over the sections'
+abstract twins) walks the same way over abstract values and compiles instead of running
+(`runtime.ahead`, `SectionedStep.compile`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.runtime.programs import SectionPrograms, SectionState, active_dry_run
+from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState
 from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 from maestro_jax.schedule.dispatch import dispatch_order
@@ -88,8 +89,11 @@ class Executor:
         problem: Problem,
         programs: Mapping[str, SectionPrograms],
         pack: Mapping[str, int] | None = None,
+        dry: DryRun | None = None,
     ):
-        self.graph, self.problem, self.programs = graph, problem, programs
+        """`dry`: an abstract twin's dry run (`abstract`): transfers are recorded, not issued,
+        and nothing waits."""
+        self.graph, self.problem, self.programs, self.dry = graph, problem, programs, dry
         # sections that pack sequences: samples per row (their `problem.rows` count sample slots)
         self.pack = {s: p for s, p in (pack or {}).items() if p > 1}
         # per edge, how a producer micro-step reaches the consumer (each consumer shard gets its
@@ -107,6 +111,14 @@ class Executor:
         self.launch_window: int | None = None if cpu or jax.process_count() > 1 else LAUNCH_WINDOW
         # a section's launch queue is its devices' (co-located sections share one)
         self.lanes = {s: tuple(sorted(d.id for d in prog.mesh.devices.flat)) for s, prog in programs.items()}
+
+    def abstract(self, programs: Mapping[str, SectionPrograms], run: DryRun) -> Executor:
+        """This executor over the sections' abstract twins (`SectionPrograms.abstract(run)`): the
+        same walk, every program call and transfer handed to `run`; the transfers it compiles
+        are recorded in this executor's `compiled_transfers`."""
+        twin = Executor(self.graph, self.problem, programs, self.pack, dry=run)
+        twin.compiled_transfers = self.compiled_transfers
+        return twin
 
     def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
         """Numpy inputs of every micro-step (host work, done before any dispatch)."""
@@ -193,8 +205,8 @@ class Executor:
         )
 
     def _move(self, x, dst, row_map=None):
-        """`transfer` (during a dry run: the abstract result, its cut and join programs recorded)."""
-        run = active_dry_run()
+        """`transfer` (an abstract twin's: the abstract result, its cut and join programs recorded)."""
+        run = self.dry
         if run is None:
             return transfer(x, dst, row_map)
         out, programs = abstract_transfer(x, dst, row_map)
@@ -234,7 +246,7 @@ class Executor:
         if ahead is not None:
             ctx.moved.update(ahead.moved)
         ops = schedule.ops if ahead is None else [op for op in schedule.ops if not self.problem.is_ahead(op)]
-        if record is None and active_dry_run() is None and self.launch_window is not None:
+        if record is None and self.dry is None and self.launch_window is not None:
             self._issue(ops, ctx)
             return self._finish(ctx)
         t_origin = time.perf_counter()
@@ -450,7 +462,7 @@ class Executor:
         queuing more. The wavefront scheduler keeps the bound by construction, so this wait is
         a safety net; each one is counted in the step's result (`in_flight_waits`)."""
         stashed = [h for (s, _), h in ctx.handles.items() if s == section]
-        if len(stashed) > self.problem.in_flight(section) and active_dry_run() is None:
+        if len(stashed) > self.problem.in_flight(section) and self.dry is None:
             t0 = time.perf_counter()
             jax.block_until_ready(stashed[0])
             ctx.in_flight_waits += 1

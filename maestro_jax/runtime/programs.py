@@ -29,16 +29,16 @@ layout; the updated state: the layout it came in), so the signature of every lat
 from the first compile alone. The one layout XLA picks is that of vjp residuals, which only
 `backward` reads.
 
-While a `DryRun` is active (`dry_run`), calls do not run: given abstract arguments
-(`jax.ShapeDtypeStruct`s) they return abstract outputs and record (trace mode) or compile
-(compile mode) each signature; `runtime.ahead` drives the executor through whole steps this way.
+A section's abstract twin (`SectionPrograms.abstract(run)`, for a `DryRun`) shares its caches but
+does not run: given abstract arguments (`jax.ShapeDtypeStruct`s) its calls return abstract outputs
+and record (trace mode) or compile (compile mode) each signature; `runtime.ahead` drives the
+step's abstract twin (`SectionedStep.abstract`) through whole steps this way.
 Memory comes from the executables' `memory_analysis()` (`SectionPrograms.memory_analysis`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import copy
 import dataclasses
 import functools
 import logging
@@ -234,23 +234,6 @@ class DryRun:
             f.result()
 
 
-_DRY_RUN: contextvars.ContextVar[DryRun | None] = contextvars.ContextVar("maestro_dry_run", default=None)
-
-
-@contextlib.contextmanager
-def dry_run(run: DryRun):
-    """Program calls in this context (this thread) go to `run` instead of running."""
-    token = _DRY_RUN.set(run)
-    try:
-        yield run
-    finally:
-        _DRY_RUN.reset(token)
-
-
-def active_dry_run() -> DryRun | None:
-    return _DRY_RUN.get()
-
-
 _TAKES_INPUTS = ("forward", "forward_vjp", "backward_remat", "loss_and_grad", "loss")  # (variables, inputs, batch, ...)
 
 
@@ -290,6 +273,7 @@ class SectionPrograms:
         self.cache: dict[tuple[str, tuple], Program] = {}  # (kind, signature) -> executable
         self.step: int | None = None  # the training step being issued (for the lazy-compile log line)
         self.compiled_ahead = False  # set by `SectionedStep.compile`: a lazy compile is then a warning
+        self.dry: DryRun | None = None  # an abstract twin's dry run (`abstract`): calls go to it
         self._lock = threading.Lock()
         # `donate` (`compile.donate`; None: on accelerators only): the update program takes the
         # section's params and optimizer state, and the backward programs the grad accumulator, as
@@ -432,10 +416,16 @@ class SectionPrograms:
         with self._lock:
             return self.cache.setdefault((kind, key), entry)
 
+    def abstract(self, run: DryRun) -> SectionPrograms:
+        """This section's programs over abstract values: the same caches (a compile lands in
+        them), every call handed to `run` (traced or compiled, never run)."""
+        twin = copy.copy(self)
+        twin.dry = run
+        return twin
+
     def _call(self, kind: str, key: tuple, *args):
-        run = _DRY_RUN.get()
-        if run is not None:
-            return run.visit(self, kind, key, args)
+        if self.dry is not None:
+            return self.dry.visit(self, kind, key, args)
         entry = self.cache.get((kind, key))
         if entry is None:
             entry = self._compile(kind, key, args, lazily=True)
@@ -540,7 +530,7 @@ class SectionPrograms:
         Every process holds the whole micro-step on the host (the schedule is the same
         everywhere); across processes each one places only its own devices' rows. During a dry run,
         the arrays' abstract values on those devices."""
-        if _DRY_RUN.get() is not None:
+        if self.dry is not None:
             return {
                 k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype), sharding=self.row_sharding)
                 for k, v in batch.items()

@@ -27,7 +27,7 @@ import numpy as np
 
 from maestro_jax.runtime import ahead, compile_cache
 from maestro_jax.runtime.optimizer import current_rate
-from maestro_jax.runtime.programs import SectionState
+from maestro_jax.runtime.programs import DryRun, SectionState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +132,23 @@ class StepMetrics:
 class SectionedStep:
     """The plan's step: each section's programs on its own mesh, in the schedule's order."""
 
-    def __init__(self, rt, on_nonfinite: str | None = None):
+    def __init__(self, rt, on_nonfinite: str | None = None, *, programs=None, executor=None):
         """`rt`: a `runtime.build.Runtime`. `on_nonfinite` (default the config's): "stop" issues
         the update at once and a non-finite step raises when read; "skip" reads the step's
         finiteness before issuing its update, and a bad step leaves every section's params and
-        optimizer state as they were."""
+        optimizer state as they were. `programs` and `executor`: other than the runtime's only
+        in the step's abstract twin (`abstract`)."""
         self.rt = rt
         self.on_nonfinite = on_nonfinite or rt.cfg.on_nonfinite
+        self.programs = rt.programs if programs is None else programs
+        self.executor = rt.executor if executor is None else executor
+
+    def abstract(self, run: DryRun) -> SectionedStep:
+        """This step over abstract values: every program call and transfer it makes is handed to
+        `run` (a `runtime.programs.DryRun`: traced, or compiled into the sections' caches), and
+        nothing runs or waits. `compile` walks it over the run's batches."""
+        programs = {s: prog.abstract(run) for s, prog in self.programs.items()}
+        return SectionedStep(self.rt, "stop", programs=programs, executor=self.executor.abstract(programs, run))
 
     def init(self, seed: int | None = None) -> TrainState:
         """Step 0: each section initialised into its own sharding, pretrained ones loaded
@@ -153,7 +163,7 @@ class SectionedStep:
         sink's summed metrics: the step without its update. Returns (loss, grads, result) where
         `result` is the executor's `StepResult` (host timeline included)."""
         batch = as_batch(batch)
-        result = self.rt.executor.run(
+        result = self.executor.run(
             state.sections,
             batch.samples,
             self.schedule(batch),
@@ -166,11 +176,11 @@ class SectionedStep:
 
     def apply(self, state: TrainState, grads: Mapping, norms_sq: Mapping | None = None) -> TrainState:
         """Every trained section's optimizer update (clipped by the global norm when configured)."""
-        return TrainState(state.step + 1, self.rt.executor.update(state.sections, grads, norms_sq))
+        return TrainState(state.step + 1, self.executor.update(state.sections, grads, norms_sq))
 
     def squared_norms(self, grads: Mapping) -> dict:
         """Each trained section's squared gradient norm, a device array on its own mesh."""
-        return self.rt.executor.squared_norms(grads)
+        return self.executor.squared_norms(grads)
 
     def __call__(self, state: TrainState, batch, check_first: bool | None = None) -> tuple[TrainState, StepMetrics]:
         """Issue one optimizer step without waiting for it. `check_first` (default: under
@@ -183,7 +193,7 @@ class SectionedStep:
             step=state.step + 1,
             sink=rt.graph.sink,
             loss=loss,
-            finite={s: rt.programs[s].all_finite(g) for s, g in grads.items()},
+            finite={s: self.programs[s].all_finite(g) for s, g in grads.items()},
             norms_sq=self.squared_norms(grads),
             sink_metrics=result.metrics,
             norm=result.norm,
@@ -212,14 +222,14 @@ class SectionedStep:
         """Issue `batch`'s ahead work (frozen sections reading only data) before the step that
         trains on it, which then takes it as `StepBatch.ahead` (`Executor.run_ahead`)."""
         batch = as_batch(batch)
-        return self.rt.executor.run_ahead(
+        return self.executor.run_ahead(
             state.sections, batch.samples, self.schedule(batch), batch.host, step=state.step + 1
         )
 
     def evaluate(self, state: TrainState, batch):
         """The batch's loss, forward only (a device scalar; `Executor.evaluate`)."""
         batch = as_batch(batch)
-        return self.rt.executor.evaluate(
+        return self.executor.evaluate(
             state.sections, batch.samples, self.schedule(batch), host=batch.host, norm=batch.loss_count
         )
 
@@ -229,9 +239,7 @@ class SectionedStep:
         throughput."""
         batch = as_batch(batch)
         record: list = []
-        result = self.rt.executor.run(
-            state.sections, batch.samples, self.schedule(batch), host=batch.host, record=record
-        )
+        result = self.executor.run(state.sections, batch.samples, self.schedule(batch), host=batch.host, record=record)
         return result.grads, record
 
     def compile(
@@ -258,13 +266,13 @@ class SectionedStep:
         return report.count
 
     def abstract_state(self) -> TrainState:
-        """`init`'s result as abstract values in each section's layout (inside `programs.dry_run`:
-        the optimizer state from its `init_opt` program; `Runtime.abstract_states` outside one)."""
-        return TrainState(0, ahead.abstract_states(self.rt))
+        """`init`'s result as abstract values in each section's layout, the optimizer state's
+        from its `init_opt` program (traced or compiled by an abstract twin's run)."""
+        return TrainState(0, ahead.abstract_states(self.rt, self.programs))
 
     def memory_analysis(self) -> dict[str, dict[str, int]]:
         """Each section's compiled programs' device memory (XLA's `memory_analysis`), by section."""
-        return {s: prog.memory_analysis() for s, prog in self.rt.programs.items()}
+        return {s: prog.memory_analysis() for s, prog in self.programs.items()}
 
 
 class MonolithicStep:
