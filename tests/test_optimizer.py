@@ -153,7 +153,7 @@ def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
 
 
 def test_kd_logs_its_distillation_metrics_and_the_readmes_schedule(tmp_path):
-    """kd_tiny, 6 steps under the README's cosine example: `train/lr/student` is 0.005, 0.01,
+    """kd_tiny, 6 steps under docs/configuration.md's cosine example: `train/lr/student` is 0.005, 0.01,
     0.00868, 0.0055, 0.00232, 0.001 (the peak once, the final rate at update decay_steps), and
     the step logs the sink's own metrics, KD's `student/kl` and `student/ce`, per loss token as
     the loss is, so that loss = alpha T^2 kl + (1 - alpha) ce (alpha 0.5, T 2) step by step."""
@@ -184,7 +184,7 @@ def test_weight_decay_skips_norms_and_biases():
 def test_schedules_by_kind():
     """The rate of update k (counted from 1; the schedule is read at the k - 1 updates applied
     before it) is optax's own schedule at k: the first warm-up update at peak / warmup_steps, the
-    peak once, at update warmup_steps, the final rate at update decay_steps (README "The optimizer")."""
+    peak once, at update warmup_steps, the final rate at update decay_steps (docs/configuration.md, "The optimizer")."""
     cosine = learning_rate(
         0.01, LRScheduleConfig(kind="cosine", warmup_steps=2, decay_steps=6, final_fraction=0.1), 9, ""
     )
@@ -272,8 +272,8 @@ def test_bad_settings_are_refused_before_compute(override, message):
     assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
 
 
-def test_readme_optimizer_block_is_a_valid_config():
-    text = (ROOT / "README.md").read_text().split("## The optimizer", 1)[1]
+def test_docs_optimizer_block_is_a_valid_config():
+    text = (ROOT / "docs/configuration.md").read_text().split("## The optimizer", 1)[1]
     block = text.split("```yaml", 1)[1].split("```", 1)[0]
     cfg = OptimizerConfig.model_validate(yaml.safe_load(block)["optimizer"])
     assert cfg.clip_norm == 1.0 and cfg.for_section("vision")[0] == 3.0e-5 and cfg.for_section("llm")[0] == 3.0e-4

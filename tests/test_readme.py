@@ -1,4 +1,6 @@
-"""The README's "Your own compound model" example runs as written and does what it says."""
+"""The README's "Your own compound model" example runs as written and does what it says; every command
+of its table runs as written and has the synopsis `docs/commands.md` gives it; and every relative
+link of the README and docs/ resolves."""
 
 import re
 import subprocess
@@ -78,3 +80,42 @@ def test_every_command_of_the_readme_table_runs_as_written(tmp_path):
             cwd=ROOT,
         )
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_the_readme_table_names_each_command_as_docs_commands_does():
+    """The README's short command table and `docs/commands.md`'s full one give every command the
+    same synopsis, so the two cannot drift apart."""
+    row = re.compile(r"^\| `maestro-jax (\S+) ([^`]*)` \|", re.M)
+    readme = row.findall((ROOT / "README.md").read_text())
+    full = row.findall((ROOT / "docs/commands.md").read_text())
+    assert readme and readme == full
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _outside_code(text: str) -> str:
+    """The markdown text without its fenced blocks and inline code spans."""
+    return re.sub(r"`[^`\n]*`", "", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """Each relative link in README.md and docs/*.md names a file of the repository, and an anchor
+    into a markdown file names one of its headings."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _outside_code(page.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", _outside_code(file.read_text()), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken

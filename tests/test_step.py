@@ -2,7 +2,8 @@
 
 The plan's step and the monolithic one take the same state and batch and give the same numbers;
 the state is a pytree that carries the step number; the metrics are read once, with the names the
-README gives; and no file outside `runtime/step.py` assembles a step from the executor's parts."""
+docs give (`docs/training.md`, `docs/configuration.md`); and no file outside `runtime/step.py`
+assembles a step from the executor's parts."""
 
 import re
 

@@ -272,7 +272,7 @@ def build_runtime(
     modalities: tuple = (),
     vocab: int | None = None,
 ) -> Runtime:
-    """Check the whole plan (README, "Configs") before building or compiling anything.
+    """Check the whole plan (`docs/configuration.md`, "Configs") before building or compiling anything.
 
     Without `graph`, the config's workload builds it and supplies the source and sample checks;
     a user's own graph comes with its own `source`. Its samples are validated too: by its own

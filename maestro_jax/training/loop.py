@@ -11,7 +11,7 @@ metrics to the trackers), evaluation, checkpoints, preemption. One `ExitStack` o
 resource of the run (the SIGTERM handler, directory locks, the prefetch thread, the
 checkpointer, the trackers, a profiler trace) and closes them in reverse order, on a fault too.
 
-Faults end the run with an exception the CLI maps to an exit status (README, "Fault behaviour"):
+Faults end the run with an exception the CLI maps to an exit status (`docs/faults.md`):
 `DataError` (a bad sample under `data.on_bad_sample: error`), `NonFiniteError`,
 `CheckpointError` (storage), `PeerError` (a dead or stuck process).
 """
