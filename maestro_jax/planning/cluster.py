@@ -73,6 +73,7 @@ def section_cost(
         trained_sink=is_sink and spec.trained,
         width_per_device=c.width / tensor,
         context=context,
+        precision=sp.precision,
     )
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0

@@ -40,8 +40,13 @@ DEVICES = {
     # Across nodes the planner uses `simulate.link_gbps` (default 50 GB/s per device): DGX H100/H200
     # have one 400 Gb/s ConnectX-7 per GPU ("eight single-port NVIDIA ConnectX-7 VPI, ... up to
     # 400 Gb/s", NVIDIA DGX BasePOD reference architecture) = 50 GB/s each way.
-    "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9, "memory_gb": 80.0},
-    "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9, "memory_gb": 141.0},
+    #   relative_peak: a compute precision's dense peak over bf16's. float32: jax computes float32
+    #     matmuls in TF32 on these GPUs by default ("float32 dot products may be computed with
+    #     reduced-precision arithmetic internally (... TF32 on recent GPUs)", docs.jax.dev
+    #     "Matmul precision"), whose peak both datasheets give as "TF32 Tensor Core 989 teraFLOPS"
+    #     with sparsity: 494.5 dense, half of bf16's.
+    "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9, "memory_gb": 80.0, "relative_peak": {"float32": 0.5}},
+    "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9, "memory_gb": 141.0, "relative_peak": {"float32": 0.5}},
     # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially);
     # not a measurement: rough magnitudes for simulating the CPU test configs
     "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},
@@ -150,15 +155,18 @@ def analytic_section(
     width_per_device: float = 4096.0,
     overhead_s: float = 2e-4,
     context: int = 1,
+    precision: str = "bfloat16",
 ) -> SectionCost:
     """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices,
-    context parallelism its positions over `context` devices (without thinning the weights).
+    context parallelism its positions over `context` devices (without thinning the weights). The
+    section's compute `precision` scales the device's peak (`DEVICES[...]["relative_peak"]`: a
+    float32 section runs at TF32's on a GPU).
 
     Efficiency is evaluated at the section's typical work per device per micro-step, so a
     micro-batch too small for the layout (or a model sliced too thin by tensor parallelism)
     shows up as a lower rate, as measured in practice (paper, Fig. 9).
     """
-    peak = DEVICES[device]["flops"]
+    peak = DEVICES[device]["flops"] * DEVICES[device].get("relative_peak", {}).get(precision, 1.0)
     overhead_s = DEVICES[device].get("overhead_s", overhead_s)
     eff = efficiency(micro_batch * typical_units / (tensor * context), width_per_device)
     rate = peak * eff * tensor * context

@@ -41,6 +41,7 @@ from maestro_jax.core.plan import (
     mesh_shape,
 )
 from maestro_jax.core.stages import stage_name
+from maestro_jax.planning.baselines import user_baselines
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
     cost_model,
@@ -102,6 +103,8 @@ class PlanReport:
     simulated: int  # that the bound did not rule out
     monolithic: dict  # the baseline's best layout on the same devices
     pipelined: dict | None = None  # the 1F1B pipeline-parallel baseline's (Megatron-LM's), `pipeline.pipelined_best`
+    # what users run today on the fair monolithic layout, and the ceiling (`planning.baselines`)
+    user_baselines: dict | None = None
 
 
 def _powers(limit: int) -> list[int]:
@@ -929,7 +932,19 @@ class Planner:
         scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
         if not scored:
             raise InfeasibleError(self._infeasible_message())
-        return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined)
+        users = None
+        if monolithic is not None:
+            users = user_baselines(
+                self.spec,
+                self.metas,
+                monolithic,
+                self.devices,
+                self.global_batch,
+                self.device,
+                self.link_gbps,
+                self.typical_units,
+            )
+        return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined, users)
 
     def _monolithic_point(self, monolithic: dict | None) -> Candidate | None:
         """The monolithic layout as a maestro plan: every section on all devices with its mesh,
