@@ -322,6 +322,8 @@ def _plan(cfg, args) -> int:
     else:
         print("monolithic: no layout fits in memory on these devices")
     print(pipelined_line(report.pipelined, best.step_time_s))
+    from maestro_jax.tools.simulate import user_baseline_lines
+
     for line in user_baseline_lines(report.user_baselines, best.step_time_s):
         print(line)
     if args.write:
@@ -357,32 +359,6 @@ def pipelined_line(pipe: dict | None, maestro_s: float) -> str:
         f"pipelined (1F1B) best layout: {pipelined_layout(pipe)}: predicted {pipe['step_time_s']:.4g} s/step; "
         f"planned maestro: {maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)"
     )
-
-
-USER_BASELINES = {
-    "round_robin": "Megatron-style data order (round robin to ranks, no length sort)",
-    "static_padding": "static image slots (every sample padded to the most items)",
-    "shared_recipe": "shared-recipe KD (the frozen sections in the trained ones' precision)",
-}
-
-
-def user_baseline_lines(users: dict | None, maestro_s: float) -> list[str]:
-    """What users run today (`planning.baselines`), each against the planned maestro, and the
-    share of the ceiling the plan reaches."""
-    if not users:
-        return []
-    lines = [
-        f"users' baseline, {USER_BASELINES[k]}: predicted {v['step_time_s']:.4g} s/step "
-        f"({v['step_time_s'] / maestro_s:.3f}x)"
-        for k, v in users.items()
-        if k in USER_BASELINES
-    ]
-    ceiling = users["ceiling"]["step_time_s"]
-    lines.append(
-        f"ceiling (perfect balance, no padding, every device busy): {ceiling:.4g} s/step; "
-        f"planned maestro reaches {ceiling / maestro_s:.1%} of it"
-    )
-    return lines
 
 
 def best_sections(report) -> list[str]:

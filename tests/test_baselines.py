@@ -142,4 +142,15 @@ def test_plan_json_carries_the_users_baselines(tmp_path, capsys):
     users = json.loads(out.read_text())["user_baselines"]
     assert set(users) == {"round_robin", "static_padding", "shared_recipe", "ceiling"}
     assert all(v["samples_per_s_per_device"] > 0 for v in users.values())
-    assert "users' baseline, Megatron-style data order" in said and "of it" in said.split("ceiling")[-1]
+    assert "users' baseline, Megatron-style data order" in said and "maestro reaches" in said
+
+
+def test_simulate_prices_the_users_baselines_beside_the_configs_plan(tmp_path, capsys):
+    out = tmp_path / "simulate.json"
+    assert cli.main(["simulate", "--config", str(VLM), "--json", str(out), *H100]) == 0
+    said = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    users = report["user_baselines"]
+    assert set(users) == {"round_robin", "static_padding", "ceiling"}  # no frozen section in the VLM
+    assert users["ceiling"]["step_time_s"] <= report["step_time_s"]["wavefront"]
+    assert "users' baseline, static image slots" in said and "maestro reaches" in said

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from maestro_jax import workloads
 from maestro_jax.config import Config
 from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
+from maestro_jax.planning.baselines import user_baselines
 from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.pipeline import pipelined_best
@@ -97,6 +98,16 @@ def simulate_config(
         "layer_remat": mono_remat or mono_sp.layer_remat,
         "chosen": baseline,
     }
+    remat = mono_remat or {s: mono_sp.layer_remat if sec.trained else "none" for s, sec in spec.sections.items()}
+    report["user_baselines"] = user_baselines(
+        spec,
+        metas,
+        {"mesh": dict(mono_sp.axis_sizes), "micro_batch": mono_sp.micro_batch, "layer_remat": remat},
+        len(mono_sp.devices),
+        cfg.global_batch,
+        cfg.simulate.device,
+        cfg.simulate.link_gbps,
+    )
     say("the fastest pipelined (1F1B) layout on the plan's devices")
     report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
     if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
@@ -155,6 +166,32 @@ def pipelined_layout(pipe: dict) -> str:
     )
 
 
+USER_BASELINES = {
+    "round_robin": "Megatron-style data order (round robin to ranks, no length sort)",
+    "static_padding": "static image slots (every sample padded to the most items)",
+    "shared_recipe": "shared-recipe KD (the frozen sections in the trained ones' precision)",
+}
+
+
+def user_baseline_lines(users: dict | None, maestro_s: float) -> list[str]:
+    """What users run today (`planning.baselines`), each against maestro's step time
+    `maestro_s`, and the share of the ceiling maestro reaches."""
+    if not users:
+        return []
+    lines = [
+        f"users' baseline, {USER_BASELINES[k]}: predicted {seconds(v['step_time_s'])}/step "
+        f"({v['step_time_s'] / maestro_s:.3f}x maestro's step time)"
+        for k, v in users.items()
+        if k in USER_BASELINES
+    ]
+    ceiling = users["ceiling"]["step_time_s"]
+    lines.append(
+        f"ceiling (perfect balance, no padding, every device busy): {seconds(ceiling)}/step; "
+        f"maestro reaches {_digits(100 * ceiling / maestro_s)}% of it"
+    )
+    return lines
+
+
 def format_report(r: dict) -> str:
     """`simulate_config`'s report as `maestro-jax simulate` prints it: a table of step times and
     throughput per mode, then the layouts compared and the ratios."""
@@ -187,6 +224,7 @@ def format_report(r: dict) -> str:
     )
     if pipe:
         lines.append(f"pipelined (1F1B) layout: {pipelined_layout(pipe)}")
+    lines += user_baseline_lines(r.get("user_baselines"), r["step_time_s"]["wavefront"])
     vs_pipe = f"   wavefront vs pipelined: {r['speedup_vs_pipelined']:.3f}" if pipe else ""
     lines.append(
         f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "
