@@ -37,7 +37,7 @@ def test_round_robin_waits_for_the_rank_that_drew_the_most_work():
     with 2 ranks and micro-batch 1, rank 0 takes samples 0 and 2, rank 1 samples 1 and 3; each
     pads only its own rows, and the step ends when the heavier rank does."""
     units = [4096, 64, 4096, 64]
-    planner, sp, cost = priced(KD, units, devices=2, mesh={"data": 2})
+    planner, _, cost = priced(KD, units, devices=2, mesh={"data": 2})
     spec, metas = planner.spec, planner.metas[0]
 
     def rank(samples):
