@@ -23,8 +23,9 @@ def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, di
     """The monolithic layout to compare with, on as many devices as the plan uses: the fastest
     that fits the memory budget (`device_memory_gb`, else the device's own), as `plan` finds it,
     so that maestro is never measured against a layout no one would run, with its activation
-    checkpointing per section. Without a budget (a CPU device) the config's `monolithic`
-    section, as written (one policy for every trained section: None)."""
+    checkpointing per section. Without a budget (a CPU device), or where no layout fits it, the
+    config's `monolithic` section, as written (one policy for every trained section: None), and
+    the label says which."""
     n = len({d for sp in plan.sections.values() for d in sp.devices})
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is not None:
@@ -40,6 +41,8 @@ def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, di
         if best is not None:
             sp = SectionPlan(tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"])
             return sp, best["layer_remat"], f"fastest that fits {memory_gb:g} GB"
+        # said, never silent: the layout priced then is one that does not fit either
+        return cfg.monolithic_plan(), None, f"config; no monolithic layout fits {memory_gb:g} GB on {n} devices"
     return cfg.monolithic_plan(), None, "config"
 
 
