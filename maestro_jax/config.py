@@ -540,8 +540,8 @@ class CompileConfig(_Frozen):
     ahead: bool = True  # compile every program the run's batches need before step 1 (`SectionedStep.compile`)
     max_batches: PositiveInt = 256  # global batches scanned for shapes; a longer run is sampled (`runtime.ahead`)
     cache: bool = True  # jax's persistent compilation cache: a resume or a rerun loads its executables
-    # where the cache lives; default JAX_COMPILATION_CACHE_DIR where set, else
-    # <output_dir>/compile_cache (a run without either: no cache)
+    # where the cache lives; default JAX_COMPILATION_CACHE_DIR where set, else the user's cache
+    # ($XDG_CACHE_HOME/maestro_jax/xla, ~/.cache/maestro_jax/xla), shared safely by runs
     cache_dir: str | None = None
     # on NVIDIA GPUs, XLA flags for overlapping collectives with compute (runtime/xla_flags.py
     # GPU_FLAGS), each unless XLA_FLAGS names it already; false: none

@@ -10,6 +10,9 @@ import dataclasses
 import io
 import itertools
 import logging
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -220,3 +223,71 @@ def test_a_garbled_cache_entry_is_moved_aside_and_compiled_again(tmp_path, caplo
     assert len(warned) == 1 and f" {len(entries)} entries without a matching checksum" in warned[0], warned
     assert sorted(p.name for p in (cache / compile_cache.ASIDE).glob("*-cache")) == [e.name for e in entries]
     assert all(e.with_name(e.name + compile_cache.SUM).exists() for e in cache.glob("*-cache")), "recompiled, recorded"
+
+
+def _holder(directory):
+    """Another run holding `directory`'s writer lock (a live process), until its stdin closes."""
+    code = (
+        "import fcntl, os, sys; "
+        f"fd = os.open({str(directory / compile_cache.WRITERS)!r}, os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_runs_share_a_cache_directory_safely(tmp_path, caplog):
+    """While another run holds the directory: an entry it has not recorded yet stays where it is,
+    a damaged one (its checksum differs) is moved aside, and no checksum is written (the other run
+    may still be writing). Once it has ended, the last run records every entry; with no other run,
+    an unrecorded entry is one a killed run left and is moved aside."""
+    cache = tmp_path / "xla"
+    cache.mkdir()
+    (cache / "fresh-cache").write_bytes(b"written by the other run, not recorded yet")
+    (cache / "damaged-cache").write_bytes(b"bit-flipped")
+    (cache / ("damaged-cache" + compile_cache.SUM)).write_text("0" * 64)
+    other = _holder(cache)
+    try:
+        with caplog.at_level(logging.WARNING, logger="maestro_jax"):
+            moved = compile_cache.move_aside_unchecked(cache, unrecorded=False)
+        assert moved == ["damaged-cache"] and (cache / "fresh-cache").exists()
+        mine = compile_cache.Cache(cache)
+        assert not mine.alone()
+        mine.record()
+        assert not (cache / ("fresh-cache" + compile_cache.SUM)).exists(), "checksummed while another writes"
+    finally:
+        other.communicate("")
+    assert mine.alone()
+    mine.close()  # the last run: records them all
+    assert (cache / ("fresh-cache" + compile_cache.SUM)).exists()
+    assert compile_cache.move_aside_unchecked(cache) == []
+    (cache / "left-by-a-killed-run-cache").write_bytes(b"never recorded")
+    assert compile_cache.move_aside_unchecked(cache) == ["left-by-a-killed-run-cache"]
+
+
+@pytest.mark.slow
+def test_the_users_cache_outlives_the_run_and_a_rerun_compiles_nothing(tmp_path):
+    """Without `compile.cache_dir` or JAX_COMPILATION_CACHE_DIR the cache is the user's
+    (`$XDG_CACHE_HOME/maestro_jax/xla`), with or without `output_dir`: a second run of the same
+    command writes no new entry (every program found), and `compile.cache=false` uses none."""
+    from conftest import TINY_KD
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "home-cache")
+    user = tmp_path / "home-cache" / "maestro_jax" / "xla"
+    command = [sys.executable, "-m", "maestro_jax.cli", "train", "--config", str(ROOT / "configs/kd_tiny.yaml")]
+    command += [*TINY_KD, "steps=1"]
+
+    def entries():
+        return sorted(p.name for p in user.glob("*-cache"))
+
+    for run in range(2):
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        if run == 0:
+            first = entries()
+            assert first and all((user / (e + compile_cache.SUM)).exists() for e in first)
+    assert entries() == first, "the rerun compiled programs the cache held"
+    off = subprocess.run([*command, "compile.cache=false"], env=env, capture_output=True, text=True, timeout=600)
+    assert off.returncode == 0 and entries() == first

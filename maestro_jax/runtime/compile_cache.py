@@ -4,7 +4,7 @@ programs (a restart, a resume, the next job on the machine) loads them instead o
 `enable(directory)` turns it on for this process (before or after the first compile; a cache
 already open in another directory is closed first); `using(directory)` turns it on for a block
 and restores the settings it found (a training run in a process that goes on, such as a test
-session or a notebook). By default every program is written,
+session or a notebook), yielding a `Cache`. By default every program is written,
 whatever its compile time and size: jax's defaults skip programs that compile in under a second,
 which is most programs of a small model on CPU.
 
@@ -16,11 +16,19 @@ whose checksum is missing or differs (a disk or copy fault, an entry a killed ru
 written or never recorded), with one warning line: those programs compile again. Do not share
 the directory with users you do not trust all the same (jax's warning,
 `jax.experimental.compilation_cache`): a checksum shows damage, not intent.
+
+Runs may share one directory at the same time (a user-level cache): each run holds a shared lock
+on `<directory>/.writers` (`fcntl.flock`, released by the kernel when a process dies) while it
+may write entries. An entry without a checksum is moved aside only when no other run holds that
+lock (then no one is still writing or about to record it: a killed run left it), and `record`
+writes checksums only then too, so no run checksums an entry another is still writing; the last
+run to close records them all. An entry whose checksum differs is moved aside whatever runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -32,6 +40,48 @@ import jax
 log = logging.getLogger("maestro_jax")
 SUM = ".sha256"  # beside each entry: its SHA-256, hex
 ASIDE = "moved_aside"  # where entries without a matching checksum go
+WRITERS = ".writers"  # every run that may write entries holds a shared lock on it
+
+
+class Cache:
+    """An open cache directory this process may write entries to, with its shared lock on
+    `WRITERS` held until `close` (module docstring)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path / WRITERS, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def alone(self) -> bool:
+        """Whether no other run holds the directory (this one's lock made exclusive, then shared
+        again)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        return True
+
+    def record(self) -> None:
+        """`record` this directory's entries, when no other run is writing to it."""
+        if self.alone():
+            record(self.path)
+
+    def close(self) -> None:
+        self.record()
+        os.close(self._fd)
+
+
+def _others_live(path: Path) -> bool:
+    """Whether another run holds `path`'s writer lock (this process holds none there yet)."""
+    fd = os.open(path / WRITERS, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the lock, if taken
+    return False
 
 
 def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = -1) -> Path:
@@ -45,7 +95,7 @@ def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_
 
     path = Path(directory).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
-    move_aside_unchecked(path)
+    move_aside_unchecked(path, unrecorded=not _others_live(path))
     if jax.config.jax_compilation_cache_dir not in (None, str(path)):
         cc.reset_cache()  # the cache opens its directory once: close the other one
     jax.config.update("jax_enable_compilation_cache", True)
@@ -64,19 +114,21 @@ _SETTINGS = (
 
 
 @contextlib.contextmanager
-def using(directory: str | Path | None) -> Iterator[Path | None]:
-    """`enable(directory)` inside the block (nothing with None), jax's earlier settings after it."""
+def using(directory: str | Path | None) -> Iterator[Cache | None]:
+    """`enable(directory)` inside the block (nothing with None), holding the directory's writer
+    lock (a `Cache`); jax's earlier settings after it, the entries recorded if no other run is
+    writing."""
     if directory is None:
         yield None
         return
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     before = {name: getattr(jax.config, name) for name in _SETTINGS}
-    path = enable(directory)
+    cache = Cache(enable(directory))
     try:
-        yield path
+        yield cache
     finally:
-        record(path)
+        cache.close()
         cc.reset_cache()
         for name, value in before.items():
             jax.config.update(name, value)
@@ -97,14 +149,17 @@ def _digest(entry: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def move_aside_unchecked(path: Path) -> list[str]:
-    """Move every entry of the cache in `path` whose checksum is missing or differs into
+def move_aside_unchecked(path: Path, unrecorded: bool = True) -> list[str]:
+    """Move every entry of the cache in `path` whose checksum differs, and with `unrecorded` every
+    one that has none (only when no other run is writing: module docstring), into
     `path/moved_aside/` (one warning line); returns their names."""
     moved = []
     for entry in _entries(path):
         side = entry.with_name(entry.name + SUM)
         try:
             good = side.read_text().strip() == _digest(entry)
+        except FileNotFoundError:
+            good = not unrecorded
         except OSError:
             good = False
         if not good:
@@ -123,12 +178,10 @@ def move_aside_unchecked(path: Path) -> list[str]:
     return moved
 
 
-def record(path: Path | None = None) -> None:
-    """Write the checksum of every entry in `path` (default: the open cache's directory) that has
-    none yet. Call it when no compile is in flight: jax writes an entry in place."""
-    path = path or directory()
-    if path is None:
-        return
+def record(path: Path) -> None:
+    """Write the checksum of every entry in `path` that has none yet. Call it when no compile is
+    in flight anywhere (jax writes an entry in place): `Cache.record` checks that no other run
+    holds the directory."""
     for entry in _entries(path):
         side = entry.with_name(entry.name + SUM)
         if side.exists():

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from maestro_jax.runtime import ahead, compile_cache
+from maestro_jax.runtime import ahead
 from maestro_jax.runtime.optimizer import current_rate
 from maestro_jax.runtime.programs import DryRun, SectionState
 
@@ -262,7 +262,6 @@ class SectionedStep:
         report = ahead.compile_batches(self, infos, evaluate, say, threads=threads)
         for prog in rt.programs.values():
             prog.compiled_ahead = True
-        compile_cache.record()  # the new entries' checksums, now that no compile is in flight
         return report.count
 
     def abstract_state(self) -> TrainState:

@@ -81,7 +81,7 @@ def train(
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
-        stack.enter_context(compile_cache.using(_cache_dir(cfg, out_dir)))
+        cache = stack.enter_context(compile_cache.using(_cache_dir(cfg)))
         if rt is None:
             devices = len({d for s in cfg.sections.values() for d in s.devices})
             say(
@@ -132,6 +132,8 @@ def train(
                 evaluate=evaluation.samples if evaluation else (),
                 max_batches=cfg.compile.max_batches,
             )
+            if cache is not None:
+                cache.record()  # the new entries' checksums, now that no compile is in flight
         if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
             return []
         if out_dir and jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit
@@ -188,17 +190,23 @@ class _Say:
             tqdm.write(line) if self.progress and self.bar_open else print(line, flush=True)
 
 
-def _cache_dir(cfg: Config, out_dir: Path | None) -> Path | None:
-    """The persistent compilation cache's directory for this process (`compile.cache_dir`, else
-    jax's own `JAX_COMPILATION_CACHE_DIR` where it is set: a cache the user keeps for all runs,
-    else `<output_dir>/compile_cache`), or None. Each process of a multi-process run keeps its
-    own: jax writes an entry in place, so a peer could read one half written."""
-    root = (
-        cfg.compile.cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or (out_dir and out_dir / "compile_cache")
-    )
-    if not cfg.compile.cache or root is None:
+def _cache_dir(cfg: Config) -> Path | None:
+    """The persistent compilation cache's directory for this process, or None (`compile.cache:
+    false`): `compile.cache_dir`, else jax's own `JAX_COMPILATION_CACHE_DIR` where it is set,
+    else the user's cache (`$XDG_CACHE_HOME/maestro_jax/xla`, default `~/.cache/...`), which
+    outlives any one output dir, so a rerun or another run of the same programs loads them. Runs
+    share it safely (`runtime.compile_cache`). Each process of a multi-process run keeps its own:
+    jax writes an entry in place, so a peer could read one half written."""
+    if not cfg.compile.cache:
         return None
+    root = cfg.compile.cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or user_cache_dir()
     return Path(root) / f"process-{jax.process_index()}" if jax.process_count() > 1 else Path(root)
+
+
+def user_cache_dir() -> Path:
+    """The compile cache every run of this user shares by default (the XDG base directory spec's
+    cache home, as pip and jax-based tools keep theirs)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "maestro_jax" / "xla"
 
 
 def config_changes(out_dir: Path, cfg: Config) -> dict[str, tuple]:
