@@ -190,9 +190,15 @@ def test_train_compiles_before_step_one_and_a_rerun_loads_from_the_cache(tmp_pat
     assert any(cache.rglob("*")), "executables were written to compile.cache_dir"
     assert compile_cache.directory() is None or compile_cache.directory() != cache, "the settings came back"
 
-    with cache_events() as counts, contextlib.redirect_stdout(io.StringIO()):
+    said_again = io.StringIO()
+    with cache_events() as counts, contextlib.redirect_stdout(said_again):
         again = train(load_config(ROOT / "configs" / path, [*args, f"output_dir={tmp_path / 'b'}"]), progress=False)
     assert counts["requests"] > 0 and counts["hits"] == counts["requests"], counts
+    done = next(line for line in said_again.getvalue().splitlines() if line.startswith("compiled "))
+    # "compiled N programs in T s (K loaded from the persistent compile cache)": K of the N were found
+    # there (the transfers' programs this process compiled already come from jax's memory instead)
+    n, k = int(done.split()[1]), int(done.rsplit("(", 1)[1].split()[0])
+    assert 0 < k <= n and done.endswith(" loaded from the persistent compile cache)"), done
     assert [r["train/loss"] for r in again] == [r["train/loss"] for r in history]
 
 

@@ -40,6 +40,7 @@ from maestro_jax.runtime.programs import DryRun, SectionState
 log = logging.getLogger("maestro_jax")
 
 MAX_BATCHES = 256  # the default bound on the batches `SectionedStep.compile` scans
+CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax.monitoring's event for a program its persistent cache held
 
 
 def abstract_states(rt, programs) -> dict[str, SectionState]:
@@ -154,6 +155,12 @@ def compile_batches(
     say = say or (lambda _: None)
     rt = step.rt
     t0 = time.perf_counter()
+    loaded: list[None] = []  # one per program jax's persistent cache held (list.append: thread-safe)
+
+    def listen(event: str, **_) -> None:
+        if event == CACHE_HIT:
+            loaded.append(None)
+
     say("tracing the steps' shape buckets to find the programs they call")
     tracer, replay, seen = trace_batches(step, batches, evaluate, replay_all)
     total = len(tracer.new) + len(tracer.transfers)
@@ -161,6 +168,7 @@ def compile_batches(
     say(f"compiling {total} programs for {len(sections)} sections")
     threads = default_threads() if threads is None else threads
     pool = ThreadPoolExecutor(threads, thread_name_prefix="maestro-compile") if threads > 1 and total > 1 else None
+    jax.monitoring.register_event_listener(listen)
     try:
         compiler = DryRun(compile=True, traced=tracer.traced, pool=pool)
         progress = _Progress(say, total)
@@ -173,13 +181,15 @@ def compile_batches(
             compiler.submit(_compile_transfer, program, args, key, rt.executor.compiled_transfers, progress)
         compiler.finish()
     finally:
+        jax.monitoring.unregister_event_listener(listen)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     report = AheadReport(
         len(compiler.new), len(tracer.transfers), len(sections), len(seen), time.perf_counter() - t0, compiler.used
     )
     if total:
-        say(f"compiled {report.count} programs in {report.seconds:.1f} s")
+        cached = f" ({len(loaded)} loaded from the persistent compile cache)" if loaded else ""
+        say(f"compiled {report.count} programs in {report.seconds:.1f} s{cached}")
     return report
 
 
