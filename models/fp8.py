@@ -87,8 +87,12 @@ def fp8_dot(x, w: Fp8Weight, dimension_numbers):
     contract = tuple(a % x.ndim for a in contract)
     x32 = x.astype(jnp.float32)
     x_scale = _scale(jnp.max(jnp.abs(x32), axis=contract, keepdims=True))
-    y = jax.lax.dot_general(
-        (x32 / x_scale).astype(E4M3), w.value, dimension_numbers, preferred_element_type=jnp.float32
+    y = jax.lax.dot_general(  # DEFAULT whatever `jax.default_matmul_precision` says: e4m3 operands are exact
+        (x32 / x_scale).astype(E4M3),
+        w.value,
+        dimension_numbers,
+        precision=jax.lax.Precision.DEFAULT,
+        preferred_element_type=jnp.float32,
     )
     row = jnp.squeeze(x_scale, contract)  # x's free axes, which lead y's
     return (y * row.reshape(row.shape + (1,) * (y.ndim - row.ndim)) * w.scale).astype(x.dtype)
