@@ -71,12 +71,6 @@ def quantize(w, stacked: int = 0) -> Fp8Weight:
     return Fp8Weight((w32 / scale.reshape(scale.shape + (1,) * (w32.ndim - stacked))).astype(E4M3), scale)
 
 
-def dequantize(w: Fp8Weight):
-    """The float32 kernel an `Fp8Weight` stands for."""
-    scale = w.scale.reshape(w.scale.shape + (1,) * (w.value.ndim - w.scale.ndim))
-    return w.value.astype(jnp.float32) * scale
-
-
 def fp8_dot(x, w: Fp8Weight, dimension_numbers):
     """`x` (contracted over its axes named in `dimension_numbers`) times an e4m3 kernel: `x`
     quantized per row, an e4m3 x e4m3 product accumulated in float32, rescaled, in `x`'s dtype.
