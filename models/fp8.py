@@ -21,8 +21,10 @@ precision; a per-tensor scale would move each sample's result with whichever sam
 micro-batch, and would need a reduction across the data-parallel shards in every matmul.
 
 XLA:CPU (jax 0.10.2) has no float8 matmul: it converts both e4m3 operands to float32 and runs a
-float32 dot. Every e4m3 value is exact in float32 and the products accumulate in float32, so the
-CPU computes the values an FP8 tensor core does, up to summation order; only the speed differs.
+float32 dot. Every e4m3 value is exact in float32, so the CPU multiplies the very operands an FP8
+GEMM does and checks the quantization; it does not show the speed, nor a GPU's FP8 accumulator
+keeping fewer bits than float32 (about 14 on Hopper's tensor cores, the DeepSeek-V3 technical
+report finds).
 """
 
 from __future__ import annotations
