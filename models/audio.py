@@ -20,7 +20,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-from maestro_jax.models.layers import ACTIVATIONS, EncoderBlock, layer_stack, partitioned, segment_mask
+from maestro_jax.models.layers import ACTIVATIONS, Dense, EncoderBlock, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -92,7 +92,7 @@ class AudioEncoder(nn.Module):
         if c.stem == "conv":
             self.stem = ConvStem(c.mel, c.width, c.act)
         else:
-            self.frame_embed = nn.Dense(
+            self.frame_embed = Dense(
                 c.width,
                 kernel_init=partitioned(_init, "patch", "embed"),
                 bias_init=partitioned(nn.initializers.zeros, "embed"),
@@ -106,7 +106,7 @@ class AudioEncoder(nn.Module):
             scale_init=partitioned(nn.initializers.ones, "norm"),
             bias_init=partitioned(nn.initializers.zeros, "norm"),
         )
-        self.out_proj = nn.Dense(
+        self.out_proj = Dense(
             c.out_width,
             kernel_init=partitioned(_init, "embed", "mlp"),
             bias_init=partitioned(nn.initializers.zeros, "mlp"),

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from maestro_jax.models.fp8 import Fp8Weight, quantize
 from maestro_jax.models.llm import windowed_layer
 
 from maestro_jax.hf_config import ARCHITECTURES, HFError
@@ -182,8 +183,13 @@ def _mapping(c: dict, with_head: bool, prefix: str = "model.") -> dict[tuple[str
     return out
 
 
-def _put(value: np.ndarray, like) -> jax.Array:
-    """`value` in `like`'s sharding, each device filled with its own slice only."""
+def _put(value: np.ndarray, like) -> jax.Array | Fp8Weight:
+    """`value` in `like`'s sharding and dtype, each device filled with its own slice only; where
+    `like` is a float8 kernel (`fp8.Fp8Weight`, a frozen section at precision fp8), `value`
+    quantized with its own per-tensor scales (per layer where `like` stacks layers) first."""
+    if isinstance(like, Fp8Weight):
+        q = quantize(np.asarray(value, np.float32), like.scale.ndim)
+        return Fp8Weight(_put(q.value, like.value), _put(q.scale, like.scale))
     if tuple(value.shape) != tuple(like.shape):
         raise HFError(f"shape {tuple(value.shape)} does not match the model's {tuple(like.shape)}")
     value = value.astype(like.dtype)

@@ -7,11 +7,13 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from maestro_jax.models import fp8
 
 from maestro_jax.hf_config import ROPE_SCALINGS, yarn_mscale
 
@@ -21,6 +23,22 @@ log = logging.getLogger(__name__)
 def partitioned(init, *axes):
     """An initialiser annotated with logical axis names (mapped to a mesh by `meshes/`)."""
     return nn.with_logical_partitioning(init, axes)
+
+
+class Dense(nn.Dense):
+    """`nn.Dense` that also takes a float8 kernel (`fp8.Fp8Weight`, stored by a frozen section at
+    `precision: fp8`) through Flax's `promote_dtype` and `dot_general` hooks; the same layer,
+    parameters and results as `nn.Dense` for any other kernel."""
+
+    promote_dtype: Callable = fp8.promote_dtype
+    dot_general: Callable | None = fp8.dot_general
+
+
+class DenseGeneral(nn.DenseGeneral):
+    """`nn.DenseGeneral` that also takes a float8 kernel, as `Dense` does."""
+
+    promote_dtype: Callable = fp8.promote_dtype
+    dot_general: Callable | None = fp8.dot_general
 
 
 def apply_with_losses(module: nn.Module, variables, *args, method=None):
@@ -486,7 +504,7 @@ class EncoderBlock(nn.Module):
             bias_init=partitioned(nn.initializers.zeros, "norm"),
         )(x_BPD)
         qkv = [
-            nn.DenseGeneral(
+            DenseGeneral(
                 (self.heads, hd),
                 name=n,
                 kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
@@ -495,7 +513,7 @@ class EncoderBlock(nn.Module):
             for n in ("q", "k", "v")
         ]
         o = attention(*qkv, mask_BPP)
-        x_BPD = x_BPD + nn.DenseGeneral(
+        x_BPD = x_BPD + DenseGeneral(
             self.width,
             axis=(-2, -1),
             name="o",
@@ -508,13 +526,13 @@ class EncoderBlock(nn.Module):
             scale_init=partitioned(nn.initializers.ones, "norm"),
             bias_init=partitioned(nn.initializers.zeros, "norm"),
         )(x_BPD)
-        h = nn.Dense(
+        h = Dense(
             self.mlp,
             name="fc1",
             kernel_init=partitioned(_init, "embed", "mlp"),
             bias_init=partitioned(nn.initializers.zeros, "mlp"),
         )(h)
-        h = nn.Dense(
+        h = Dense(
             self.width,
             name="fc2",
             kernel_init=partitioned(_init, "mlp", "embed"),

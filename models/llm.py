@@ -13,6 +13,8 @@ import numpy as np
 from maestro_jax.models.layers import (
     _ACTIVATION_RULES,
     ACTIVATIONS,
+    Dense,
+    DenseGeneral,
     RMSNorm,
     RopeScaling,
     attention,
@@ -338,21 +340,21 @@ class DecoderBlock(nn.Module):
         else:
             mask_BLL = jnp.where(windowed, mask_BLL & window_BLL, mask_BLL)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
-        q = nn.DenseGeneral(
+        q = DenseGeneral(
             (c.heads, c.head_dim),
             use_bias=c.qkv_bias,
             name="q",
             kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
             bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"),
         )(h)
-        k = nn.DenseGeneral(
+        k = DenseGeneral(
             (c.kv_heads, c.head_dim),
             use_bias=c.qkv_bias,
             name="k",
             kernel_init=partitioned(_init, "embed", "kv_heads", "head_dim"),
             bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"),
         )(h)
-        v = nn.DenseGeneral(
+        v = DenseGeneral(
             (c.kv_heads, c.head_dim),
             use_bias=c.qkv_bias,
             name="v",
@@ -365,7 +367,7 @@ class DecoderBlock(nn.Module):
         q, k = (self._rope(t, positions_BL, windowed) for t in (q, k))
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring", scale=scale, softcap=c.attn_softcap)
-        o = nn.DenseGeneral(
+        o = DenseGeneral(
             c.width,
             axis=(-2, -1),
             use_bias=False,
@@ -377,9 +379,9 @@ class DecoderBlock(nn.Module):
         if c.experts:
             y = MoE(c, name="moe")(h, valid_BL, segments_BL)
         else:
-            gate = nn.Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
-            up = nn.Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
-            down = nn.Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
+            gate = Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
+            up = Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
+            down = Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
             y = down(ACTIVATIONS[c.act](gate) * up)
         y = RMSNorm(c.norm_eps, name="post_mlp_norm")(y) if c.post_norms else y
         return x_BLD + y if c.experts else shard_sequence(x_BLD + y)

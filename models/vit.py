@@ -38,7 +38,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-from maestro_jax.models.layers import EncoderBlock, RMSNorm, layer_stack, partitioned, segment_mask
+from maestro_jax.models.layers import Dense, EncoderBlock, RMSNorm, layer_stack, partitioned, segment_mask
 
 _init = nn.initializers.normal(0.02)
 
@@ -90,7 +90,7 @@ class VisionEncoder(nn.Module):
         c = self.cfg
         if c.class_token and c.pos_embed != "table":
             raise ValueError(f"class_token (CLIP's layout) needs pos_embed='table', not {c.pos_embed!r}")
-        self.patch_embed = nn.Dense(
+        self.patch_embed = Dense(
             c.width,
             use_bias=not c.class_token,
             kernel_init=partitioned(_init, "patch", "embed"),
@@ -119,14 +119,14 @@ class VisionEncoder(nn.Module):
         )
         if c.projector == "avg_pool":
             self.proj_norm = RMSNorm(c.norm_eps)
-            self.proj = nn.Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))
+            self.proj = Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))
         elif c.projector == "merger":
-            self.merger_fc1 = nn.Dense(
+            self.merger_fc1 = Dense(
                 c.out_width * 2,
                 kernel_init=partitioned(_init, "embed", "mlp"),
                 bias_init=partitioned(nn.initializers.zeros, "mlp"),
             )
-            self.merger_fc2 = nn.Dense(
+            self.merger_fc2 = Dense(
                 c.out_width,
                 kernel_init=partitioned(_init, "mlp", "embed"),
                 bias_init=partitioned(nn.initializers.zeros, "embed"),

@@ -21,9 +21,11 @@ from collections.abc import Mapping
 from maestro_jax.core.plan import Plan, SectionPlan, device_groups
 from maestro_jax.meshes import MESH_AXES
 from maestro_jax.planning.cost import (
+    ACTIVATION_BYTES,
     DEVICES,
     GRAD_BYTES,
     NODE_DEVICES,
+    WEIGHT_BYTES,
     CostModel,
     SectionCost,
     analytic_section,
@@ -110,7 +112,8 @@ def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: fl
     backward pays it again plus a reduce-scatter of the gradients: `backward_factor` scales it
     with the compute). What a device receives is its slice before fsdp: the weights divided by
     every other axis that shards them (tensor; expert for the experts' weights), (fsdp - 1) /
-    fsdp of it, in the compute precision (bf16: 2 bytes a value). The fsdp group spans fsdp x
+    fsdp of it, in the compute precision (`WEIGHT_BYTES`: bf16, 2 bytes a value; a frozen fp8
+    section's e4m3 kernels, 1). The fsdp group spans fsdp x
     expert x context x tensor consecutive devices (`meshes.MESH_AXES` order): NVLink when they
     fit in a node (`NODE_DEVICES`), else `link_gbps`. The caller overlaps it with the compute layer by layer
     (`SectionCost.overlapped_s`), as XLA's latency-hiding scheduler runs the next layer's gather
@@ -122,7 +125,7 @@ def fsdp_gather_s(spec: SectionSpec, sp: SectionPlan, device: str, link_gbps: fl
         return 0.0
     routed = getattr(spec, "expert_param_count", 0)
     per_device = ((spec.param_count - routed) + routed / expert) / tensor
-    value = 2 if sp.precision == "bfloat16" else 4
+    value = WEIGHT_BYTES[sp.precision]
     group = fsdp * expert * sizes["context"] * tensor
     return value * per_device * (fsdp - 1) / fsdp / _link(device, link_gbps, group)
 
@@ -197,10 +200,10 @@ def exchange_s_per_unit(spec: SectionSpec, sp: SectionPlan, device: str, link_gb
         (`overlap_moe_expert_parallel_comm`), which no side here models. Note that
         `sparse_experts` itself still sends each token from every tensor rank (its tokens are
         not split over `tensor`): this prices the divided dispatch, on every side alike.
-    Activations move at 2 bytes per value in bfloat16 sections, 4 in float32."""
+    Activations move at 2 bytes per value in bfloat16 and fp8 sections, 4 in float32."""
     c, sizes = spec.cost, sp.axis_sizes
     tensor, context, expert = sizes["tensor"], sizes["context"], sizes["expert"]
-    value = 2 if sp.precision == "bfloat16" else 4
+    value = ACTIVATION_BYTES[sp.precision]
     t = 0.0
     if context > 1 and c.kv_width:
         t += (

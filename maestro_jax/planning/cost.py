@@ -44,9 +44,29 @@ DEVICES = {
     #     matmuls in TF32 on these GPUs by default ("float32 dot products may be computed with
     #     reduced-precision arithmetic internally (... TF32 on recent GPUs)", docs.jax.dev
     #     "Matmul precision"), whose peak both datasheets give as "TF32 Tensor Core 989 teraFLOPS"
-    #     with sparsity: 494.5 dense, half of bf16's.
-    "h100": {"flops": 989e12, "hbm": 3.35e12, "link": 450e9, "memory_gb": 80.0, "relative_peak": {"float32": 0.5}},
-    "h200": {"flops": 989e12, "hbm": 4.8e12, "link": 450e9, "memory_gb": 141.0, "relative_peak": {"float32": 0.5}},
+    #     with sparsity: 494.5 dense, half of bf16's. fp8 (a frozen section's weight matmuls in e4m3,
+    #     `runtime.precision`): the measured end-to-end ratio of NVIDIA's Llama 3.1 70B recipes on
+    #     64 H100, github.com/NVIDIA/dgxc-benchmarking @ 85380ffe02eac74e1d07e556b28cdcf7cce2d2f0
+    #     (tag v25.04.01): llama3.1/README.md, "Llama 3.1 70b BF16 | 64x H100 GPUs ... Throughput in
+    #     tokens per second | 71526" and "Llama 3.1 70b FP8 | 64x H100 GPUs ... | 106346": 1.49.
+    #     Not the peaks' 2x (the same README: "The peak theoretical throughput for H100 FP8 is 1979
+    #     TFLOPS and for H100 BF16 is 989 TFLOPS"): the ratio is of whole steps, so it prices the
+    #     work FP8 does not speed up (attention, norms, communication), which 2x would credit with
+    #     FP8's peak too. The H200 has the H100's compute (989 TFLOP/s above), so the same ratio.
+    "h100": {
+        "flops": 989e12,
+        "hbm": 3.35e12,
+        "link": 450e9,
+        "memory_gb": 80.0,
+        "relative_peak": {"float32": 0.5, "fp8": 1.49},
+    },
+    "h200": {
+        "flops": 989e12,
+        "hbm": 4.8e12,
+        "link": 450e9,
+        "memory_gb": 141.0,
+        "relative_peak": {"float32": 0.5, "fp8": 1.49},
+    },
     # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially);
     # not a measurement: rough magnitudes for simulating the CPU test configs
     "cpu": {"flops": 100e9, "hbm": 20e9, "link": 10e9, "overhead_s": 2e-3, "serial": True},
@@ -70,6 +90,14 @@ NODE_DEVICES = 8
 #     does a few FLOPs per 32 bytes: memory-bound).
 GRAD_BYTES = 4
 UPDATE_BYTES = 32
+
+# Bytes of one value by a section's precision (`runtime.precision`): its activations and edge
+# tensors in its compute dtype (an fp8 section computes everything but its weight matmuls in
+# bf16), and its weights as its forward reads them (an fp8 section's Dense kernels are stored in
+# e4m3, one byte; its embedding and norms, bf16, are priced at that byte too: in an LLM the
+# kernels hold nearly all the weights, and the runtime's own memory check reads the true dtypes).
+ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 2}
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +188,7 @@ def analytic_section(
     """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices,
     context parallelism its positions over `context` devices (without thinning the weights). The
     section's compute `precision` scales the device's peak (`DEVICES[...]["relative_peak"]`: a
-    float32 section runs at TF32's on a GPU).
+    float32 section runs at TF32's on a GPU, an fp8 one at 1.49 times bf16's, a measured ratio).
 
     Efficiency is evaluated at the section's typical work per device per micro-step, so a
     micro-batch too small for the layout (or a model sliced too thin by tensor parallelism)

@@ -30,7 +30,7 @@ from maestro_jax.core.plan import (
     state_bytes_per_device,
 )
 from maestro_jax.meshes import MESH_AXES, RULES, mesh_axes_for
-from maestro_jax.planning.cost import NODE_DEVICES
+from maestro_jax.planning.cost import ACTIVATION_BYTES, NODE_DEVICES, WEIGHT_BYTES
 from maestro_jax.planning.spec import SectionSpec
 
 F32 = 4
@@ -46,16 +46,18 @@ def section_memory(
 ) -> dict[str, float]:
     """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
     (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
-    trained section adds the bf16 copy of its weights its forward computes with. `layer_remat`
+    trained section adds the bf16 copy of its weights its forward computes with; under fp8 (frozen
+    sections) activations take half, the weights a quarter (`cost.WEIGHT_BYTES`). `layer_remat`
     shrinks what each layer keeps for its backward; context parallelism splits every
     activation's positions, expert parallelism the experts' weights (through the mesh rules).
     `weights`: the per-device float32 bytes of the trained and the frozen weights under `sp`'s
     mesh, when the caller has them already (`Planner` computes them once per mesh)."""
-    half = 0.5 if sp.precision == "bfloat16" else 1.0
+    half = ACTIVATION_BYTES[sp.precision] / F32
+    stored = WEIGHT_BYTES[sp.precision] / F32  # frozen weights, as stored
     if weights is None:
         weights = state_bytes_per_device(sec.params, sp, False), state_bytes_per_device(sec.consts, sp, False)
     params, consts = weights
-    state = params * (4 if sec.trained else half) + consts * half
+    state = params * (4 if sec.trained else stored) + consts * stored
     if sec.trained and half < 1:
         state += params * half
     c, tensor = sec.cost, sp.axis_sizes["tensor"]

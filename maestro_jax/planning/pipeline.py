@@ -89,7 +89,7 @@ from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.cluster import _link, section_cost
-from maestro_jax.planning.cost import CostModel, SectionCost
+from maestro_jax.planning.cost import ACTIVATION_BYTES, CostModel, SectionCost
 from maestro_jax.planning.layout import (
     ShardedLeaves,
     divisors,
@@ -390,7 +390,7 @@ def _boundary_bandwidth(device: str, link_gbps: float, devices: int, stages: int
 
 
 def _value_bytes(sec: SectionSpec) -> int:
-    return 2 if sec.precision == "bfloat16" else 4
+    return ACTIVATION_BYTES[sec.precision]
 
 
 def _chunks(spec, metas, rows: int, alone) -> list[list]:

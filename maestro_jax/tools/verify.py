@@ -50,8 +50,8 @@ def matmul_precision(platform: str, cfg: Config) -> str | None:
     "highest" (jax's default there runs float32 matmuls in TF32, 10 mantissa bits, and the two
     sides' different summation orders would then differ by about 1e-3, not float rounding). None
     where the default already computes in full float32 (CPU), or where every section computes in
-    bfloat16 (its own tolerance covers the rounding)."""
-    if platform != "gpu" or all(s.precision == "bfloat16" for s in cfg.sections.values()):
+    bfloat16 or fp8 (their own tolerance covers the rounding; fp8's products name their own)."""
+    if platform != "gpu" or all(s.precision in ("bfloat16", "fp8") for s in cfg.sections.values()):
         return None
     return "highest"
 

@@ -244,12 +244,22 @@ def with_stages(cfg: Config, graph: SectionGraph) -> SectionGraph:
 
 
 def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -> None:
-    """The config names exactly the graph's sections, and only edges the graph has."""
+    """The config names exactly the graph's sections, and only edges the graph has; `precision:
+    fp8` only on a frozen section (fp8 stores its weights in float8, `runtime.precision`, which
+    no optimizer step updates)."""
     if set(cfg.sections) != set(graph.names):
         raise ConfigError(
             f"error: sections={sorted(cfg.sections)}: {owner} has sections {sorted(graph.names)}; "
             f"give each exactly one entry"
         )
+    for name, sc in cfg.sections.items():
+        if sc.precision == "fp8" and graph.section(name).trained:
+            frozen = [s.name for s in graph.sections if not s.trained]
+            raise ConfigError(
+                f"error: sections.{name}.precision=fp8: section {name} is trained, and fp8 stores its weights in "
+                f"float8, which no optimizer step updates; valid: float32, bfloat16 (fp8 only for a frozen "
+                f"section: {', '.join(frozen) or 'none in this graph'})"
+            )
     for e in cfg.edges:
         if e not in {x.name for x in graph.edges}:
             raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
