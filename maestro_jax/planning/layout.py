@@ -5,9 +5,9 @@ imports the other and both price memory and enumerate meshes by one rule.
 Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
 sections, all float32 and sharded by the mesh rules; frozen weights once (bfloat16 sections: frozen
 weights, activations and a compute copy of trained weights in bf16); activations of one
-micro-step (a packing section's: of its packed rows); and, for a trained producer, the residuals stashed for up to
-`schedule.max_in_flight` micro-steps waiting for their backward (only the inputs under
-`residuals: remat`); the sink's logits and their gradient.
+micro-step (a packing section's: of its packed rows); and, for a trained producer, the residuals
+stashed for up to `schedule.max_in_flight` micro-steps waiting for their backward (only the
+inputs under `residuals: remat`); the sink's logits and their gradient.
 
 Which layouts: the divisors of a device count, the micro-batches worth trying for a number of
 data shards (`micro_batches`), and the (tensor, context, expert) degrees a section can use on
