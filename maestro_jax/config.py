@@ -91,6 +91,35 @@ class InitConfig(_Frozen):
         return self
 
 
+class PackTokens(_Frozen):
+    """Token-budget packing (`sections.<name>.pack: {tokens: N}`): a micro-step's samples fill
+    rows of at most N tokens, first-fit decreasing, a sample never split (`schedule.packing`)."""
+
+    tokens: PositiveInt
+
+    def __str__(self) -> str:
+        return f"{{tokens: {self.tokens}}}"
+
+
+PACK_VALID = (
+    "valid: a sample count P >= 1 (P samples per row on average; 1: no packing) or {tokens: N} "
+    "(rows of at most N tokens, N a positive integer)"
+)
+
+
+def _pack(value):
+    """`pack` is a positive int or a `{tokens: N}` mapping; anything else is refused in one line
+    (pydantic's own report of a failed union would name each member's failure)."""
+    if isinstance(value, PackTokens):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    tokens = value.get("tokens") if isinstance(value, dict) and set(value) == {"tokens"} else None
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:
+        return PackTokens(tokens=tokens)
+    raise ValueError(f"neither a sample count nor a token budget; {PACK_VALID}")
+
+
 class SectionConfig(_Frozen):
     init: InitConfig | None = None
     devices: Annotated[list[int], pydantic.BeforeValidator(_devices)]
@@ -103,9 +132,11 @@ class SectionConfig(_Frozen):
     precision: Literal["float32", "bfloat16", "fp8"] = "float32"
     layer_remat: Literal["none", "full", "dots"] = "none"  # per-layer activation checkpointing in the model
     # sequence packing: P samples per row on average (micro_batch x P per shard and micro-step, laid
-    # into rows by length, attention kept within each sample); 1: one sample per row. Sections that pack:
-    # the LLM of vlm/omni/vlm_kd, teachers and students of kd/vlm_kd (`runtime.build.check_packing`)
-    pack: PositiveInt = 1
+    # into rows by length, attention kept within each sample); 1: one sample per row; {tokens: N}:
+    # micro_batch samples per shard and micro-step in as few rows of at most N tokens as first-fit
+    # decreasing finds. Sections that pack: the LLM of vlm/omni/vlm_kd, teachers and students of
+    # kd/vlm_kd (`runtime.build.check_packing`)
+    pack: Annotated[int | PackTokens, pydantic.BeforeValidator(_pack)] = 1
     # pipeline stages: K programs, stage i on the i-th consecutive K-th of `devices`, each running
     # `mesh` with its data axis divided by K (`core.stages`), each a consecutive run of the layers.
     # Sections that split: the LLM of vlm/omni/vlm_kd, teachers and students of kd/vlm_kd; with

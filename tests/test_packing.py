@@ -1,5 +1,6 @@
-"""Sequence packing (`sections.<name>.pack`): rows of several samples give each sample what it gets
-alone, on one device and under ring attention, and a packed run is the unpacked monolithic step."""
+"""Sequence packing (`sections.<name>.pack`, a sample count or a token budget): rows of several
+samples give each sample what it gets alone, on one device and under ring attention, a packed run is
+the unpacked monolithic step and resumes bit for bit, and the planner and simulator price packed rows."""
 
 import dataclasses
 
@@ -12,11 +13,12 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 from maestro_jax.models import DecoderLM, LLMConfig
 
 from maestro_jax.config import ConfigError, load_config
+from maestro_jax.core.buckets import bucket
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
-from maestro_jax.schedule.packing import pack_rows
-from maestro_jax.tools.verify import compare
+from maestro_jax.schedule.packing import TokenBudget, first_fit_decreasing, pack_rows
+from maestro_jax.tools.verify import compare, verify
 
 LLM = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
 
@@ -32,6 +34,37 @@ def test_pack_rows_balances_each_shards_rows_and_keeps_slots_on_their_shard():
     assert loads == [19, 19, 10, 9]  # LPT: 9, 8, 8, 7, 3, 2, 1 -> {9, 7, 2, 1}, {8, 8, 3}
     with pytest.raises(ValueError):
         pack_rows(lengths[:6], shards=2, pack=4)
+
+
+def test_token_budget_rows_hold_every_sample_once_whole_within_the_budget():
+    """Random lengths over several shards, with padding slots: every row holds at most the budget,
+    every sample sits in exactly one row, whole (one slot, one sample), on its own shard, and every
+    shard has as many rows as the fullest one needs."""
+    rng = np.random.default_rng(0)
+    for shards, per_shard, budget in [(1, 9, 40), (2, 8, 32), (4, 6, 64), (3, 5, 13)]:
+        lengths = [None if rng.random() < 0.2 else int(rng.integers(1, budget + 1)) for _ in range(shards * per_shard)]
+        rows = pack_rows(lengths, shards, TokenBudget(budget))
+        assert sorted(x for r in rows for x in r) == [i for i, n in enumerate(lengths) if n is not None]
+        assert all(sum(lengths[x] for x in row) <= budget for row in rows)
+        assert len(rows) % shards == 0
+        per = len(rows) // shards
+        for r, row in enumerate(rows):
+            assert all(x // per_shard == r // per for x in row)  # slots stay on their shard
+        filled = [sum(1 for row in rows[j * per : (j + 1) * per] if row) for j in range(shards)]
+        assert per == max(1, *filled)  # empty rows only pad a shard to the fullest one's
+    with pytest.raises(ValueError, match="does not fit"):  # never split
+        pack_rows([5, 41], 1, TokenBudget(40))
+
+
+def test_first_fit_decreasing_matches_the_hand_worked_rows():
+    """Budget 10, lengths 5, 7, 3, 4, 2, 6: longest first (7, 6, 5, 4, 3, 2), each into the first
+    row with room: 7 -> row 0 (3 left); 6 -> row 1 (4 left); 5 -> row 2 (5 left); 4 -> not row 0,
+    row 1 (0 left); 3 -> row 0 (0 left); 2 -> row 2 (3 left)."""
+    lengths = [5, 7, 3, 4, 2, 6]
+    assert first_fit_decreasing(range(6), lengths, 10) == [[1, 2], [5, 3], [0, 4]]
+    # two shards of 4 slots: shard 0 (9, -, 3, 4) -> [9], [4, 3]; shard 1 (2, 2, 5, 1) -> one row
+    # [5, 2, 2, 1], and an empty row so that both shards have two
+    assert pack_rows([9, None, 3, 4, 2, 2, 5, 1], 2, TokenBudget(10)) == [[0], [3, 2], [6, 4, 5, 7], []]
 
 
 def _packed(lengths, width):
@@ -171,3 +204,152 @@ def test_bench_refuses_a_pack_it_cannot_time(capsys):
 
     assert main(["bench", "--config", str(ROOT / "configs/vlm_tiny.yaml"), "--pack", "1", *TINY_VLM]) == 2
     assert capsys.readouterr().err.startswith("error: --pack=1: must be 2 or more")
+
+
+# packed by tokens: kd's teacher and student, vlm's LLM; each budget holds the longest sample of
+# data.text_len=[3,32] (and vlm's 4 image placeholders) and rows of several samples
+TOKEN_PACKED = {
+    "vlm": ("vlm_tiny.yaml", TINY_VLM, ["sections.llm.micro_batch=4", "sections.llm.pack={tokens: 48}"]),
+    "kd": (
+        "kd_tiny.yaml",
+        TINY_KD,
+        ["sections.teacher.pack={tokens: 64}", "sections.student.micro_batch=2", "sections.student.pack={tokens: 64}"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
+@pytest.mark.parametrize("workload", ["vlm", "kd"])
+def test_token_packed_step_verifies_against_the_monolithic_step(workload, scheduler):
+    """Rows filled to a token budget (fewer rows than samples, several samples in some row, none
+    over the budget): `verify`'s loss, gradients and updated parameters equal the monolithic step's
+    at 1e-5 under both schedulers."""
+    path, tiny, packing = TOKEN_PACKED[workload]
+    cfg = load_config(
+        ROOT / "configs" / path, tiny + ["data.text_len=[3,32]", f"schedule.scheduler={scheduler}"] + packing
+    )
+    rt = build_runtime(cfg)
+    samples = rt.batches()[0]
+    schedule = {"naive": naive, "wavefront": wavefront}[scheduler](sample_metas(rt.graph, samples), rt.problem)
+    host = rt.executor.host_batches(samples, schedule)
+    assert set(rt.executor.pack) == {s for s, sc in cfg.sections.items() if sc.pack != 1}
+    for s, budget in rt.executor.pack.items():
+        segments = [host[(s, st.index)]["segments"] for st in schedule.steps[s]]
+        assert all(seg.shape[1] == bucket(budget.tokens) for seg in segments)
+        assert sum(seg.shape[0] for seg in segments) < sum(len(st.positions) for st in schedule.steps[s])
+        assert max(seg.max() for seg in segments) >= 2  # some row holds several samples
+        for seg in segments:
+            assert all((row > 0).sum() <= budget.tokens for row in seg)
+    diffs = verify(cfg, rt)
+    assert {d.name for d in diffs} >= {"loss", *(f"{s}/grads" for s in rt.graph.names if s in rt.problem.trained)}
+    for d in diffs:
+        assert d.max_rel <= 1e-5, f"{scheduler}: {d.name} differs by {d.max_rel:.3e}"
+
+
+@pytest.mark.slow
+def test_a_token_packed_run_resumes_bit_for_bit(tmp_path):
+    """kd_tiny with its student packed by tokens: 4 steps straight, and 2 steps then a resume to 4
+    in the same output_dir, give the same losses bit for bit."""
+    from maestro_jax.training.loop import train
+
+    base = TINY_KD + ["checkpoint_every=2", "schedule.scheduler=wavefront"] + TOKEN_PACKED["kd"][2][1:]
+    cfg = lambda out, steps: load_config(ROOT / "configs/kd_tiny.yaml", base + [f"output_dir={out}", f"steps={steps}"])
+    straight = train(cfg(tmp_path / "a", 4), progress=False)
+    first = train(cfg(tmp_path / "b", 2), progress=False)
+    resumed = train(cfg(tmp_path / "b", 4), progress=False)
+    assert [r["step"] for r in first + resumed] == [1, 2, 3, 4]
+    assert [r["train/loss"] for r in first + resumed] == [r["train/loss"] for r in straight]
+    assert len({r["train/loss"] for r in straight}) == 4  # it trains: the check compares moving losses
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["{tokens: 0}", "{tokens: -3}", "{tokens: many}", "{tokens: 8, rows: 2}", "{budget: 8}", "0", "[8]", "true"],
+)
+def test_a_pack_that_is_neither_form_is_refused_in_one_line(value):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/kd_tiny.yaml", TINY_KD + [f"sections.student.pack={value}"])
+    (line,) = str(err.value).splitlines()
+    assert line.startswith("error: sections.student.pack=")
+    assert "valid: a sample count P >= 1" in line and "{tokens: N}" in line
+
+
+def test_a_token_budget_below_the_longest_sample_is_refused_before_compiling():
+    """The budget must hold whole the longest sample the section can receive: from the synthetic
+    data's settings (text_len up to 14: 13 tokens of a row), or `data.max_tokens`; data whose
+    longest sample is not known is refused too. `build_runtime` compiles nothing."""
+    from maestro_jax.runtime.build import check_pack_budget
+
+    kd = ROOT / "configs/kd_tiny.yaml"
+    with pytest.raises(ConfigError) as err:
+        build_runtime(load_config(kd, TINY_KD + ["sections.student.pack={tokens: 12}"]))
+    (line,) = str(err.value).splitlines()
+    assert line.startswith("error: sections.student.pack={tokens: 12}: smaller than the longest sample")
+    assert "valid: {tokens: N} with N >= 13" in line
+    build_runtime(load_config(kd, TINY_KD + ["sections.student.pack={tokens: 13}"]))  # the longest fits
+    capped = load_config(kd, TINY_KD + ["data.max_tokens=40", "sections.teacher.pack={tokens: 32}"])
+    with pytest.raises(ConfigError, match=r"^error: sections\.teacher\.pack=\{tokens: 32\}: .* N >= 39$"):
+        build_runtime(capped)
+    cfg = load_config(kd, TINY_KD + ["sections.student.pack={tokens: 64}"])
+    with pytest.raises(ConfigError, match=r"^error: sections\.student\.pack=\{tokens: 64\}: .*set data\.max_tokens"):
+        check_pack_budget(cfg, source=[])  # a source of unknown longest sample
+    vlm = ROOT / "configs/vlm_tiny.yaml"
+    with pytest.raises(ConfigError, match=r"^error: sections\.vision\.pack=\{tokens: 64\}: section vision does not"):
+        build_runtime(load_config(vlm, TINY_VLM + ["sections.vision.pack={tokens: 64}"]))
+
+
+def _toy(pack):
+    """One trained section (the sink) with `pack`, 8 activation bytes a unit and layer, no weights."""
+    from maestro_jax.core.graph import UnitCost
+    from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
+
+    cost = UnitCost(flops=1.0, width=1, layer_bytes=8.0, layers=1)
+    packing = {} if pack == 1 else {"llm": pack}
+    return WorkloadSpec("toy", {"llm": SectionSpec("llm", True, (), cost)}, (), {}, "llm", pack=packing)
+
+
+@pytest.mark.parametrize(
+    "pack,micro_batch,step_s,rows_units",
+    [
+        # unpacked, 2 rows: micro-steps (30, 10) and (20, 4), each 2 rows of bucket 32
+        (1, 2, 2 * (2 * (32e-3 + 32**2 * 1e-5)), 2 * 32),
+        # unpacked, 4 rows: one micro-step of 4 rows of 32
+        (1, 4, 4 * (32e-3 + 32**2 * 1e-5), 4 * 32),
+        # 2 a row, 2 rows: LPT 30 | 20, then 10 -> the 20 row (30), 4 -> row 0 (34): 2 rows of bucket 48;
+        # memory: 2 rows of two 30s (bucket 64)
+        (2, 2, 2 * (48e-3 + 48**2 * 1e-5), 2 * 64),
+        # 64 tokens a row, 4 samples: FFD puts all four (64 tokens) in one row of 64;
+        # memory: two 30s a row of 64, so 2 rows for 4 samples
+        (TokenBudget(64), 4, 64e-3 + 64**2 * 1e-5, 2 * 64),
+        # 40 tokens a row: 30 + 4 | 20 + 10: 2 rows of bucket 48; memory: one 30 a row, 4 rows of 48
+        (TokenBudget(40), 4, 2 * (48e-3 + 48**2 * 1e-5), 4 * 48),
+    ],
+)
+def test_packed_rows_are_priced_as_packed(pack, micro_batch, step_s, rows_units):
+    """Samples of 30, 10, 20 and 4 tokens on one device, 1 ms a unit of a row and 10 µs a pair of
+    positions of a row (attention is masked to each sample but computed over the whole row): the
+    simulated step (the naive schedule, the sink's loss-and-grad at one forward) and the planner's
+    activation memory (a forward's 2 layers' worth and the sink's residuals: 3 x 8 bytes a unit of
+    a row) are those of the packed rows, worked by hand. Packed, the 4 samples take less time than
+    unpacked with as many samples a micro-step (0.169 s): fewer, fuller rows; the count form's
+    micro-step holds twice the samples of its 2 rows, and twice the memory of 2 unpacked rows."""
+    from maestro_jax.core.plan import Plan, SectionPlan, mesh_shape
+    from maestro_jax.planning.cost import CostModel, SectionCost
+    from maestro_jax.planning.planner import Planner
+    from maestro_jax.planning.simulator import simulate
+    from maestro_jax.schedule import SampleMeta
+
+    spec = _toy(pack)
+    metas = [SampleMeta(frozenset({"llm"}), {"llm": u}) for u in (30, 10, 20, 4)]
+    plan = Plan({"llm": SectionPlan((0,), mesh_shape(data=1), micro_batch)}, {}, 4)
+    problem = spec.problem(plan, max_in_flight=4)
+    cost = CostModel({"llm": SectionCost(per_unit_s=1e-3, per_unit2_s=1e-5, sink_factor=1.0)})
+    assert simulate(naive(metas, problem), problem, metas, cost).makespan == pytest.approx(step_s, rel=1e-12)
+    memory = Planner(spec, [metas], 1, 1.0, global_batch=4, device="cpu").check(plan)
+    assert memory["llm"]["activations"] == rows_units * 3 * 8
+    unpacked = Planner(_toy(1), [metas], 1, 1.0, global_batch=4, device="cpu")
+    if pack != 1:  # the planner's own (analytic) price: packed rows are faster than as many samples unpacked
+        alike = Plan({"llm": SectionPlan((0,), mesh_shape(data=1), problem.rows["llm"])}, {}, 4)
+        planner = Planner(spec, [metas], 1, 1.0, global_batch=4, device="cpu")
+        assert planner.step_time(plan) < unpacked.step_time(alike)

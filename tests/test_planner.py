@@ -113,12 +113,18 @@ class ReferencePlanner(Planner):
             return None
         return ()  # not None: the mesh is valid; `_memory` below sums the leaves itself
 
-    def _memory(self, section, sp, weights=None, in_flight=None):
-        return super()._memory(section, sp, None, in_flight)
+    def _memory(self, section, sp, weights=None, in_flight=None, packed=True):
+        return super()._memory(section, sp, None, in_flight, packed)
 
     def _section_cost(self, section, sp):
         return section_cost(
-            self.spec.sections[section], sp, self.metas, self.device, self.link_gbps, section == self.spec.sink
+            self.spec.sections[section],
+            sp,
+            self.metas,
+            self.device,
+            self.link_gbps,
+            section == self.spec.sink,
+            pack=self.spec.pack.get(section, 1),
         )
 
 

@@ -107,9 +107,10 @@ class Section:
     cost: what a work unit costs (`UnitCost`), for the simulator, planner and memory model.
     packed_batch(rows, routes, shards, pack): `host_batch` with sequence packing, or None for
       a section that does not pack. `rows` are then sample slots (shard-major over `shards` data
-      shards, `pack` per row) and the arrays have one row per `pack` slots; `forward` takes
+      shards) and the arrays have the rows `schedule.packing.pack_rows` lays them into under
+      `pack` (P slots a row, or a `TokenBudget` of tokens a row); `forward` takes
       either layout, and its outputs on every edge keep one row per slot (the row contract).
-      The runtime calls it where `sections.<name>.pack` > 1; the monolithic step never does.
+      The runtime calls it where `sections.<name>.pack` is not 1; the monolithic step never does.
     stages(k): the section cut into `k` pipeline stages (a `core.stages.StageSplit`), or None for
       a section that does not split; `sections.<name>.stages` > 1 calls it (`core.stages`).
     reads: the sample parts `host_batch` reads (`"tokens"`, modality names; None: all). A
@@ -125,7 +126,7 @@ class Section:
     work: Callable[[SampleLike], int]
     cost: UnitCost = UnitCost(flops=0.0)
     reads: tuple[str, ...] | None = None
-    packed_batch: Callable[[Sequence[SampleLike | None], Mapping[str, Any], int, int], dict[str, Any]] | None = None
+    packed_batch: Callable[[Sequence[SampleLike | None], Mapping[str, Any], int, Any], dict[str, Any]] | None = None
     stages: Callable[[int], Any] | None = None
 
 

@@ -73,6 +73,14 @@ class SyntheticSource:
                 out[spec.modality.name] = [spec.sizes[int(rng.integers(len(spec.sizes)))] for _ in range(n)]
         return out
 
+    def longest(self) -> int:
+        """The most tokens a sample can hold: the longest text with the most items of each
+        modality, each of its largest size (what a token budget must hold whole)."""
+        items = sum(
+            spec.max_items * max((spec.modality.tokens(s) for s in spec.sizes), default=0) for spec in self.items
+        )
+        return self.text_len[1] + items
+
     def info(self, index: int) -> SampleInfo:
         length = int(np.random.default_rng([self.seed, int(index)]).integers(*self.text_len, endpoint=True))
         shapes = self._item_shapes(index)

@@ -103,7 +103,7 @@ def user_baselines(
         s: dataclasses.replace(sp, precision=sec.precision, layer_remat=layout["layer_remat"][s])
         for s, sec in spec.sections.items()
     }
-    cost = cost_model(spec, plans, metas_all, device, link_gbps, typical)
+    cost = cost_model(spec, plans, metas_all, device, link_gbps, typical, packed=False)
     mb, dp = sp.micro_batch, sp.dp
     most = {s: max(m.work.get(s, 0) for metas in metas_all for m in metas) for s in spec.sections}
     times = {
@@ -114,7 +114,7 @@ def user_baselines(
     if frozen:
         precision = spec.sections[spec.sink].precision
         shared = {s: dataclasses.replace(p, precision=precision) if s in frozen else p for s, p in plans.items()}
-        shared_cost = cost_model(spec, shared, metas_all, device, link_gbps, typical)
+        shared_cost = cost_model(spec, shared, metas_all, device, link_gbps, typical, packed=False)
         times["shared_recipe"] = statistics.mean(monolithic_time(spec, m, shared_cost, mb, sp.rows) for m in metas_all)
     times["ceiling"] = statistics.mean(ceiling_time(spec, m, cost, dp) for m in metas_all)
     return {k: {"step_time_s": t, "samples_per_s_per_device": global_batch / t / devices} for k, t in times.items()}

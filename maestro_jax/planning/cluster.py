@@ -36,6 +36,7 @@ from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
 from maestro_jax.schedule.ops import delivered
+from maestro_jax.schedule.packing import Pack, row_shape
 
 
 def typical_units(name: str, metas_all) -> float:
@@ -53,11 +54,14 @@ def section_cost(
     link_gbps: float,
     is_sink: bool,
     typical: float | None = None,
+    pack: Pack = 1,
 ) -> SectionCost:
     """Analytic coefficients of one section under its plan, from the FLOPs it declares; its
     optimizer step's gradient reduction hides behind one backward micro-step of typical rows
     (`update_time`). `typical`: `typical_units(spec.name, metas_all)`, when the caller has it
-    already (the planner prices thousands of layouts on the same samples)."""
+    already (the planner prices thousands of layouts on the same samples). A section that packs
+    sequences (`pack`) runs packed rows (`schedule.packing.row_shape` of typical samples): its
+    efficiency is rated at their work per device, and the reduction hides behind one of them."""
     c = spec.cost
     linear, attn = c.flops, c.attention_flops
     if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
@@ -65,12 +69,13 @@ def section_cost(
     if typical is None:
         typical = typical_units(spec.name, metas_all)
     tensor, context = sp.axis_sizes["tensor"], sp.axis_sizes["context"]
+    rows, row_units = row_shape(sp.micro_batch, typical, pack)
     a = analytic_section(
         linear,
         attn,
-        sp.micro_batch,
+        rows,
         tensor,
-        int(typical),
+        int(row_units),
         device=device,
         trained_sink=is_sink and spec.trained,
         width_per_device=c.width / tensor,
@@ -90,7 +95,7 @@ def section_cost(
         layers=max(c.layers, 1),
     )
     backward = cost.sink_factor - 1.0 if is_sink else cost.backward_factor
-    hidden = cost.forward_s(int(typical), sp.micro_batch) * backward
+    hidden = cost.forward_s(int(row_units), rows) * backward
     return dataclasses.replace(cost, update_s=update_time(spec, sp, device, link_gbps, hidden))
 
 
@@ -229,11 +234,22 @@ def cost_model(
     device: str,
     link_gbps: float,
     typical: Mapping[str, float] | None = None,
+    packed: bool = True,
 ) -> CostModel:
-    """`typical`: each section's `typical_units`, when the caller has them already."""
+    """`typical`: each section's `typical_units`, when the caller has them already. `packed`: the
+    sections that pack sequences (`spec.pack`) run packed rows (False for the monolithic step,
+    which never packs)."""
+    pack = spec.pack if packed else {}
     sections = {
         s: section_cost(
-            sec, plans[s], metas_all, device, link_gbps, s == spec.sink, None if typical is None else typical[s]
+            sec,
+            plans[s],
+            metas_all,
+            device,
+            link_gbps,
+            s == spec.sink,
+            None if typical is None else typical[s],
+            pack.get(s, 1),
         )
         for s, sec in spec.sections.items()
     }
@@ -347,7 +363,7 @@ def simulate_plan(
         )
         for s, sec in spec.sections.items()
     }  # each section's precision, as `Planner.monolithic_best`
-    mono_cost = cost_model(spec, mono_plans, metas_all, device, link_gbps)
+    mono_cost = cost_model(spec, mono_plans, metas_all, device, link_gbps, packed=False)
     devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}
     sink_alone = []  # the monolithic layout running the sink's work only (the LLM on text alone)

@@ -5,9 +5,9 @@ imports the other and both price memory and enumerate meshes by one rule.
 Memory per device (`section_memory`): params, plus grads and two Adam moments for trained
 sections, all float32 and sharded by the mesh rules; frozen weights once (bfloat16 sections: frozen
 weights, activations and a compute copy of trained weights in bf16); activations of one
-micro-step; and, for a trained producer, the residuals stashed for up to
-`schedule.max_in_flight` micro-steps waiting for their backward (only the inputs under
-`residuals: remat`); the sink's logits and their gradient.
+micro-step (a packing section's: of its packed rows); and, for a trained producer, the residuals
+stashed for up to `schedule.max_in_flight` micro-steps waiting for their backward (only the
+inputs under `residuals: remat`); the sink's logits and their gradient.
 
 Which layouts: the divisors of a device count, the micro-batches worth trying for a number of
 data shards (`micro_batches`), and the (tensor, context, expert) degrees a section can use on
@@ -32,6 +32,7 @@ from maestro_jax.core.plan import (
 from maestro_jax.meshes import MESH_AXES, RULES, mesh_axes_for
 from maestro_jax.planning.cost import ACTIVATION_BYTES, NODE_DEVICES, WEIGHT_BYTES
 from maestro_jax.planning.spec import SectionSpec
+from maestro_jax.schedule.packing import Pack, row_shape
 
 F32 = 4
 
@@ -43,6 +44,7 @@ def section_memory(
     max_units: int,
     max_in_flight: int,
     weights: tuple[float, float] | None = None,
+    pack: Pack = 1,
 ) -> dict[str, float]:
     """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
     (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
@@ -51,7 +53,9 @@ def section_memory(
     shrinks what each layer keeps for its backward; context parallelism splits every
     activation's positions, expert parallelism the experts' weights (through the mesh rules).
     `weights`: the per-device float32 bytes of the trained and the frozen weights under `sp`'s
-    mesh, when the caller has them already (`Planner` computes them once per mesh)."""
+    mesh, when the caller has them already (`Planner` computes them once per mesh). A section that
+    packs sequences (`pack`) holds its packed rows (`schedule.packing.row_shape` at `max_units`,
+    the largest sample, as unpacked rows are sized by it)."""
     half = ACTIVATION_BYTES[sp.precision] / F32
     stored = WEIGHT_BYTES[sp.precision] / F32  # frozen weights, as stored
     if weights is None:
@@ -71,7 +75,8 @@ def section_memory(
         "dots": half * (c.layer_bytes / 2 + c.layer_bytes_sharded / tensor),
     }[sp.layer_remat]
 
-    rows_units = sp.micro_batch * bucket(max_units, 16) / sp.axis_sizes["context"]  # positions split by context
+    rows, length = row_shape(sp.micro_batch, max_units, pack)
+    rows_units = rows * bucket(int(length), 16) / sp.axis_sizes["context"]  # positions split by context
     act = rows_units * working
     held = 0.0  # what outlives the section's own programs: residuals stashed for later backwards
     if sec.trained and not is_sink:  # each forward in flight keeps its residuals (its input under remat)

@@ -65,6 +65,7 @@ from maestro_jax.planning.simulator import simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
+from maestro_jax.schedule.packing import TokenBudget, slots
 
 
 class InfeasibleError(ValueError):
@@ -235,10 +236,16 @@ class Planner:
         self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
 
     def _memory(
-        self, section: str, sp: SectionPlan, weights: tuple[float, float] | None = None, in_flight: int | None = None
+        self,
+        section: str,
+        sp: SectionPlan,
+        weights: tuple[float, float] | None = None,
+        in_flight: int | None = None,
+        packed: bool = True,
     ) -> dict[str, float]:
         """`in_flight`: forwards a trained producer keeps residuals for (default `max_in_flight`,
-        or less for a pipeline stage: 1F1B's bound, `schedule.ops.pipeline_bounds`)."""
+        or less for a pipeline stage: 1F1B's bound, `schedule.ops.pipeline_bounds`); `packed`: a
+        section that packs sequences holds its packed rows (False: the monolithic step's)."""
         return section_memory(
             self.spec.sections[section],
             sp,
@@ -246,6 +253,7 @@ class Planner:
             self.max_units[section],
             in_flight or min(self.max_in_flight, self._stash.get(section, self.max_in_flight)),
             weights,
+            self.spec.pack.get(section, 1) if packed else 1,
         )
 
     def _weights_on(self, section: str, mesh: tuple[int, ...]) -> tuple[float, float] | None:
@@ -485,8 +493,11 @@ class Planner:
     def _shortest(self, section: str, sp: SectionPlan, cost: SectionCost) -> tuple[float, float]:
         """The shortest forward and backward micro-steps of `section`: at the fewest units any
         sample has there. The sink's forward is its loss-and-grad; a section that runs ahead
-        has no forward in the step (computed the step before), a frozen one no backward."""
+        has no forward in the step (computed the step before), a frozen one no backward. Under a
+        token budget (`schedule.packing`) a micro-step runs at least one row of the budget."""
         cm, units, mb = CostModel({section: cost}), [self._min_units[section]], sp.micro_batch
+        if isinstance(budget := self.spec.pack.get(section), TokenBudget):
+            units, mb = [budget.tokens], 1
         if section == self.spec.sink:
             return cm.step_time(section, "L", units, mb), 0.0
         forward = 0.0 if section in self._ahead else cm.step_time(section, "F", units, mb)
@@ -855,6 +866,7 @@ class Planner:
             self.link_gbps,
             section == self.spec.sink,
             self.typical_units[section],
+            self.spec.pack.get(section, 1),
         )
 
     def _section_bound(self, section: str, sp: SectionPlan, cost: SectionCost) -> float:
@@ -863,18 +875,25 @@ class Planner:
         data shards, or each micro-step's overlapped collectives if longer, plus each micro-step's
         overhead; (b) padding: a micro-step costs at least its
         largest row's bucket, and over any packing into micro-steps of `rows` samples the sum of
-        those largest rows is at least that of the sorted packing (every `rows`-th largest)."""
+        those largest rows is at least that of the sorted packing (every `rows`-th largest). A
+        section that packs sequences (`schedule.packing`) takes `slots` samples a micro-step: in the
+        count form still `micro_batch` rows a shard, each at least its largest sample long; under a
+        token budget at least one row of the budget (a packed row's work is at least its samples')."""
         sec, sink = self.spec.sections[section], section == self.spec.sink
         cm = CostModel({section: cost})
         factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if sec.trained else 0.0)
-        bounds, rows, dp, mb = [], sp.rows, sp.dp, sp.micro_batch
+        pack = self.spec.pack.get(section, 1)
+        bounds, rows, dp, mb = [], slots(sp.rows, pack), sp.dp, sp.micro_batch
         linear, quadratic = cost.per_unit_s, cost.per_unit2_s
         for units in self._units_desc[section]:
             steps = math.ceil(len(units) / rows)
             work = steps * cost.overhead_s + max(
                 sum([linear * u + quadratic * u * u for u in units]) / dp, steps * cost.overlapped_s
             )
-            padded = sum(cm.step_time(section, "F", [units[j * rows]], mb) for j in range(steps))
+            if isinstance(pack, TokenBudget):
+                padded = steps * cm.step_time(section, "F", [pack.tokens], 1)
+            else:
+                padded = sum(cm.step_time(section, "F", [units[j * rows]], mb) for j in range(steps))
             bounds.append(factor * max(work, padded))
         return statistics.mean(bounds)
 
@@ -1149,10 +1168,13 @@ class Planner:
                         }
                         # one program per micro-batch: each trained producer keeps one forward's
                         # residuals while the sections after it run, as co-located sections do
-                        mems = [self._memory(s, plans[s], weights[s], in_flight=1) for s in self.spec.order]
+                        # (the monolithic step never packs)
+                        mems = [self._memory(s, plans[s], weights[s], 1, packed=False) for s in self.spec.order]
                         if group_memory(mems) > self.budget:
                             continue
-                        cost = cost_model(self.spec, plans, self.metas, self.device, self.link_gbps, self.typical_units)
+                        cost = cost_model(
+                            self.spec, plans, self.metas, self.device, self.link_gbps, self.typical_units, packed=False
+                        )
                         t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
                         if best is None or t < best["step_time_s"]:
                             best = {

@@ -20,6 +20,7 @@ from maestro_jax.core.stages import edge_stage, stage_edge, stage_name
 from maestro_jax.meshes import RULES, mesh_axes_for
 from maestro_jax.schedule import Problem, SampleMeta
 from maestro_jax.schedule.ops import pipeline_bounds
+from maestro_jax.schedule.packing import Pack, slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,8 @@ class WorkloadSpec:
     stages: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # section -> its pipeline stages
     # section -> stage count -> the section cut into that many stages: what the planner may stage
     splits: Mapping[str, Mapping[int, StagedSection]] = dataclasses.field(default_factory=dict)
+    # section -> how it packs sequences (`sections.<name>.pack`, `schedule.packing`); the rest do not
+    pack: Mapping[str, Pack] = dataclasses.field(default_factory=dict)
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -121,12 +124,13 @@ class WorkloadSpec:
             sink=self.sink,
             trained=frozenset(s for s, spec in self.sections.items() if spec.trained),
             edges=self.edges,
-            rows={s: plan.sections[s].rows for s in self.order},
+            rows={s: slots(plan.sections[s].rows, self.pack.get(s, 1)) for s in self.order},  # packing: sample slots
             dp={s: plan.sections[s].dp for s in self.order},
             max_in_flight=max_in_flight,
             groups=device_groups(plan.sections),
             run_ahead=run_ahead,
             bounds=pipeline_bounds(self.stages),
+            pack=self.pack,
         )
 
 
@@ -159,7 +163,8 @@ def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> Workload
         edges.append(EdgeInfo(e.name, end(e.src, e.name, False), end(e.dst, e.name, True)))
         edge_bytes[e.name] = spec.edge_bytes[e.name]
     sink = end(spec.sink, "", False)
-    return WorkloadSpec(spec.name, sections, tuple(edges), edge_bytes, sink, stages)
+    pack = {s: p for s, p in spec.pack.items() if s in sections}  # a section in stages does not pack
+    return WorkloadSpec(spec.name, sections, tuple(edges), edge_bytes, sink, stages, pack=pack)
 
 
 def staged_metas(metas, spec: WorkloadSpec) -> list:

@@ -12,12 +12,13 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 
-from maestro_jax.config import Config, ConfigError
+from maestro_jax.config import Config, ConfigError, PackTokens
 from maestro_jax.core import plan as plan_lib
 from maestro_jax.core.graph import GraphError, SectionGraph
 from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
 from maestro_jax.data.samples import TOKENS, DataError, parts_of
+from maestro_jax.data.sources import SyntheticSource
 from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
@@ -30,6 +31,7 @@ from maestro_jax.runtime.stages import on_whole, stage_states, whole_params, who
 from maestro_jax.runtime.step import MonolithicStep, SectionedStep
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
 from maestro_jax.schedule.ops import pipeline_bounds
+from maestro_jax.schedule.packing import slots
 
 
 @dataclasses.dataclass
@@ -314,6 +316,8 @@ def build_runtime(
             )
         check_first_batch(cfg, source, check, hint)
     check_packing(cfg, graph)
+    check_pack_budget(cfg, source)
+    packing = workloads.packing(cfg)
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
     abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
@@ -372,12 +376,13 @@ def build_runtime(
         sink=graph.sink,
         trained=trained,
         edges=edges,
-        rows={s: plan.sections[s].rows * cfg.section(s).pack for s in graph.names},  # packing: sample slots
+        rows={s: slots(plan.sections[s].rows, packing.get(s, 1)) for s in graph.names},  # packing: sample slots
         dp={s: plan.sections[s].dp for s in graph.names},
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
         bounds=pipeline_bounds({s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {}),
         groups=plan_lib.device_groups(plan.sections),
+        pack={s: p for s, p in packing.items() if s in graph.names},
     )
     return Runtime(
         cfg,
@@ -387,7 +392,7 @@ def build_runtime(
         meshes,
         shardings,
         programs,
-        Executor(graph, problem, programs, {s: cfg.section(s).pack for s in graph.names}),
+        Executor(graph, problem, programs, problem.pack),
         abstract,
         source,
         check,
@@ -398,13 +403,44 @@ def build_runtime(
 
 
 def check_packing(cfg: Config, graph: SectionGraph) -> None:
-    """`sections.<name>.pack` > 1 only where the section packs (`Section.packed_batch`)."""
+    """`sections.<name>.pack` other than 1 only where the section packs (`Section.packed_batch`)."""
     for name, sc in cfg.sections.items():
-        if sc.pack > 1 and name in graph.names and graph.section(name).packed_batch is None:
+        if sc.pack != 1 and name in graph.names and graph.section(name).packed_batch is None:
             packing = [s.name for s in graph.sections if s.packed_batch is not None]
             raise ConfigError(
                 f"error: sections.{name}.pack={sc.pack}: section {name} does not pack sequences; "
                 f"1, or pack a section that does ({', '.join(packing) or 'none in this workload'})"
+            )
+
+
+def check_pack_budget(cfg: Config, source) -> None:
+    """A token budget (`sections.<name>.pack: {tokens: N}`) holds whole every sample the section can
+    receive (a sample is never split), or the config is refused before anything is compiled. A
+    packed row holds a sample's tokens but its last, which only a target reads
+    (`rows.packed_text_rows`); a sample has at most `data.max_tokens` (a longer one is a bad sample)
+    or, from synthetic data, the most its settings draw (`SyntheticSource.longest`). Other data
+    without `data.max_tokens` has no known longest sample, and is refused too."""
+    budgets = {name: sc.pack.tokens for name, sc in cfg.sections.items() if isinstance(sc.pack, PackTokens)}
+    if not budgets:
+        return
+    if cfg.data.max_tokens is not None:
+        longest, why = cfg.data.max_tokens - 1, f"data.max_tokens={cfg.data.max_tokens}, less the last token"
+    elif isinstance(source, SyntheticSource):
+        longest, why = (
+            source.longest() - 1,
+            "the longest synthetic sample (data.text_len and items), less the last token",
+        )
+    else:
+        name, n = next(iter(budgets.items()))
+        raise ConfigError(
+            f"error: sections.{name}.pack={{tokens: {n}}}: the data's longest sample is not known, so no budget can "
+            f"be shown to hold every sample whole; valid: set data.max_tokens (longer samples are bad samples)"
+        )
+    for name, n in budgets.items():
+        if n < longest:
+            raise ConfigError(
+                f"error: sections.{name}.pack={{tokens: {n}}}: smaller than the longest sample {name} can receive, "
+                f"{longest} tokens of a row ({why}); a sample is never split; valid: {{tokens: N}} with N >= {longest}"
             )
 
 

@@ -33,6 +33,7 @@ from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState
 from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 from maestro_jax.schedule.dispatch import dispatch_order
+from maestro_jax.schedule.packing import Pack, packs
 
 # Programs queued per device before the executor lets other sections' ops pass: half of what XLA's
 # GPU client queues before it blocks the host (32, xla/pjrt/pjrt_stream_executor_client.cc), so
@@ -88,14 +89,15 @@ class Executor:
         graph: SectionGraph,
         problem: Problem,
         programs: Mapping[str, SectionPrograms],
-        pack: Mapping[str, int] | None = None,
+        pack: Mapping[str, Pack] | None = None,
         dry: DryRun | None = None,
     ):
         """`dry`: an abstract twin's dry run (`abstract`): transfers are recorded, not issued,
         and nothing waits."""
         self.graph, self.problem, self.programs, self.dry = graph, problem, programs, dry
-        # sections that pack sequences: samples per row (their `problem.rows` count sample slots)
-        self.pack = {s: p for s, p in (pack or {}).items() if p > 1}
+        # sections that pack sequences: samples per row or a token budget per row
+        # (`schedule.packing`; their `problem.rows` count sample slots)
+        self.pack = {s: p for s, p in (pack or {}).items() if packs(p)}
         # per edge, how a producer micro-step reaches the consumer (each consumer shard gets its
         # feeders' rows: any data-parallel degrees) and how its cotangent goes back (summed)
         self.row_maps = {

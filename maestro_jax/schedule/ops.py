@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from maestro_jax.core.graph import ask, sample_view
 from maestro_jax.core.plan import EdgeInfo
+from maestro_jax.schedule.packing import Pack
 
 
 class ScheduleError(ValueError):
@@ -117,6 +118,9 @@ class Problem:
     # tighter stash bounds by section: stage i of a section in K pipeline stages holds at most K - i
     # micro-steps for their backward, as 1F1B does (`pipeline_bounds`)
     bounds: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # sections that pack sequences (`schedule.packing`): their `rows` count sample slots, and the
+    # cost model prices their micro-steps as the packed rows (`timing.work_time`)
+    pack: Mapping[str, Pack] = dataclasses.field(default_factory=dict)
 
     def in_flight(self, s: str) -> int:
         """How many of section s's forwards may wait for their backward at once."""

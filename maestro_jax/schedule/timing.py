@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 from maestro_jax.schedule.ops import Op, Problem
+from maestro_jax.schedule.packing import packed_shape
 
 
 def work_time(cost, problem: Problem):
-    """(op, work units of the samples in its micro-step) -> seconds, from a CostModel (or unit
-    costs when None: work units, padded to the micro-step's largest row). Separate from reading
-    the units off the batch (`op_units`) so that a caller meeting the same micro-step again and
-    again (the wavefront's candidates) reads them once."""
+    """(op, work units of its micro-step's slots) -> seconds, from a CostModel (or unit costs
+    when None: work units, padded to the micro-step's largest row). The units are listed by
+    slot, shard-major, 0 for padding (`op_units`), so that a packing section's micro-step
+    (`problem.pack`) is priced as the rows `schedule.packing.pack_rows` lays it into: that many
+    rows a shard, each as long as the longest packed row (the count form) or the token budget,
+    attention over the whole row (the runtime masks attention to each sample inside the row but
+    computes every position pair of it). Separate from reading the units off the batch
+    (`op_units`) so that a caller meeting the same micro-step again and again (the wavefront's
+    candidates) reads them once."""
+
+    def rows(op: Op, units) -> tuple[list[int], int]:
+        """The micro-step's (row lengths, rows a shard) as its section runs them."""
+        s = op.section
+        if s not in problem.pack:
+            return units, problem.micro_batch(s)
+        n, length = packed_shape(units, problem.dp[s], problem.micro_batch(s), problem.pack[s])
+        return [length] if any(units) else [], n
+
     if cost is None:
 
         def unit_time(op: Op, units) -> float:
             if op.kind in ("X", "XB", "U"):
                 return 0.0
-            base = problem.micro_batch(op.section) * max(units, default=0)
+            lengths, n = rows(op, units)
+            base = n * max(lengths, default=0)
             return base * (2.0 if op.kind == "B" else 3.0 if op.section == problem.sink else 1.0)
 
         return unit_time
@@ -26,16 +42,18 @@ def work_time(cost, problem: Problem):
         if op.kind in ("X", "XB"):
             return cost.transfer_time(op.edge, units)
         kind = "L" if op.section == problem.sink else op.kind
-        return cost.step_time(op.section, kind, units, problem.micro_batch(op.section))
+        lengths, n = rows(op, units)
+        return cost.step_time(op.section, kind, lengths, n)
 
     return time
 
 
 def op_units(op: Op, steps, metas) -> list[int]:
-    """The work units, in the op's section, of the samples in its micro-step (none for an update)."""
+    """The work units, in the op's section, of its micro-step's slots (0 for padding, shard-major:
+    what a packing section's pricing reads its shards from); none for an update."""
     if op.kind == "U":
         return []
-    return [metas[x].work.get(op.section, 0) for x in steps[op.section][op.step].samples]
+    return [metas[x].work.get(op.section, 0) if x >= 0 else 0 for x in steps[op.section][op.step].positions]
 
 
 def op_duration(cost, problem: Problem):

@@ -72,7 +72,7 @@ class _Batch:
         if key not in self._durations:
             if (op.section, rows) not in self._units:
                 work = self.work[op.section]
-                self._units[(op.section, rows)] = [work[x] for x in rows if x >= 0]
+                self._units[(op.section, rows)] = [work[x] if x >= 0 else 0 for x in rows]  # `op_units`
             self._durations[key] = self._time(op, self._units[(op.section, rows)])
         return self._durations[key]
 

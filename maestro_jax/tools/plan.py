@@ -12,6 +12,7 @@ from maestro_jax import workloads
 from maestro_jax.config import Config
 from maestro_jax.core.stages import stage_edge
 from maestro_jax.planning.planner import Candidate, Planner
+from maestro_jax.runtime.build import check_pack_budget
 
 PLANNING_BATCHES = 2  # global batches of sample sizes the planner scores plans on (`maestro-jax plan`)
 
@@ -31,6 +32,8 @@ def planner_for(
     graph = graph or workloads.build_graph(cfg)
     if graph.staging is not None:  # the planner chooses the stages itself: it plans the whole sections
         graph = graph.staging.whole
+    source = source if source is not None else workloads.source_from_config(cfg)
+    check_pack_budget(cfg, source)  # a packed row prices its samples whole
     spec = workloads.describe(cfg, graph)
     metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
     return Planner(

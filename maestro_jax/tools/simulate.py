@@ -17,6 +17,7 @@ from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.planner import Planner, layer_remat_text
+from maestro_jax.runtime.build import check_pack_budget
 
 
 def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, dict[str, str] | None, str]:
@@ -75,6 +76,8 @@ def simulate_config(
     say = progress or (lambda _: None)
     say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {cfg.simulate.batches} batches")
     graph = graph or workloads.build_graph(cfg)
+    source = source if source is not None else workloads.source_from_config(cfg)
+    check_pack_budget(cfg, source)  # a packed row prices its samples whole
     spec = workloads.describe(cfg, graph)
     plan = cfg.plan()
     check_resources(plan, max(d for sp in plan.sections.values() for d in sp.devices) + 1)

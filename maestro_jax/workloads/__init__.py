@@ -24,9 +24,10 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 
-from maestro_jax.config import MODEL_KINDS, Config, ConfigError, PluginModelConfig, Settings, validate_block
+from maestro_jax.config import MODEL_KINDS, Config, ConfigError, PackTokens, PluginModelConfig, Settings, validate_block
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.data.samples import Modality
+from maestro_jax.schedule.packing import Pack, TokenBudget, packs
 
 BUILTIN = ("vlm", "kd", "omni", "vlm_kd")
 
@@ -243,6 +244,18 @@ def with_stages(cfg: Config, graph: SectionGraph) -> SectionGraph:
         raise ConfigError(str(err)) from None
 
 
+def packing(cfg: Config) -> dict[str, Pack]:
+    """The sections that pack sequences (`sections.<name>.pack` other than 1), each with its form
+    as the scheduler, the executor and the planning half read it (`schedule.packing`: a sample
+    count, or a `TokenBudget` for `{tokens: N}`)."""
+    out: dict[str, Pack] = {}
+    for name, sc in cfg.sections.items():
+        pack = TokenBudget(sc.pack.tokens) if isinstance(sc.pack, PackTokens) else sc.pack
+        if packs(pack):
+            out[name] = pack
+    return out
+
+
 def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -> None:
     """The config names exactly the graph's sections, and only edges the graph has; `precision:
     fp8` only on a frozen section (fp8 stores its weights in float8, `runtime.precision`, which
@@ -396,6 +409,7 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
             s: _splits(graph.section(s), sections[s], cfg.sections[s].stages if s in cfg.sections else 1)
             for s in graph.names
         },
+        {s: p for s, p in packing(cfg).items() if s in sections},
     )
 
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 from maestro_jax.core.buckets import bucket
 from maestro_jax.data.samples import Modality
 from maestro_jax.meshes import BATCH_AXES
-from maestro_jax.schedule.packing import pack_rows
+from maestro_jax.schedule.packing import Pack, TokenBudget, pack_rows
 
 
 def _empty_rows(r: int, length: int, modalities: Sequence[Modality]) -> dict[str, np.ndarray]:
@@ -220,12 +220,13 @@ def packed_text_rows(
     rows,
     routes: Mapping[str, Sequence[int]],
     shards: int,
-    pack: int,
+    pack: Pack,
     modalities: Sequence[Modality] = (),
     unpacks: bool = False,
 ) -> dict[str, np.ndarray]:
     """`text_rows` with several samples per row (sequence packing): `rows` are the micro-step's
-    slots (shard-major, `pack` per row), laid into rows by `schedule.packing.pack_rows`. Each
+    slots (shard-major), laid into rows by `schedule.packing.pack_rows` (`pack` slots a row, as
+    long as the longest row; or rows of a `TokenBudget`, each as long as the budget). Each
     sample keeps its own positions (RoPE restarts), its own `segments` id (attention stays
     inside it), its own loss targets (`carries_loss`) and placeholder indices; for each edge in
     `routes`, `<edge>_row` gives every position its sample's route. With `unpacks` (a section
@@ -233,7 +234,8 @@ def packed_text_rows(
     where each slot's positions sit: `unpack` reads them."""
     lengths = [len(s.tokens) - 1 if s is not None else None for s in rows]
     packed = pack_rows(lengths, shards, pack)
-    length = bucket(max((sum(lengths[x] for x in row) for row in packed), default=1))
+    longest = max((sum(lengths[x] for x in row) for row in packed), default=1)
+    length = bucket(pack.tokens if isinstance(pack, TokenBudget) else longest)
     r = len(packed)
     out = {
         **_empty_rows(r, length, modalities),

@@ -23,6 +23,7 @@ from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 from maestro_jax.models.llm import image_blocks
+from maestro_jax.schedule.packing import Pack
 from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost, vit_cost
@@ -151,7 +152,7 @@ def packed_multimodal_rows(
     rows,
     routes,
     shards: int,
-    pack: int,
+    pack: Pack,
     spliced: Mapping[str, Modality],
     gathered: tuple[str, ...] = (),
     images: bool = False,
