@@ -145,6 +145,16 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
+def first_forward(rt, states, section: str):
+    """`section`'s forward program on its first micro-step of the runtime's first batch (its
+    outputs on its own mesh): what a test reads to see the dtypes an edge carries."""
+    samples = rt.batches()[0]
+    schedule = rt.schedule(samples)
+    step = schedule.steps[section][0]
+    host = rt.executor.host_batches(samples, schedule)[(section, step.index)]
+    return rt.programs[section].forward(states[section], {}, rt.programs[section].put_batch(host))
+
+
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax 0.10: one event per XLA compile request
 
 

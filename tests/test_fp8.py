@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, compiles
+from conftest import ROOT, TINY_KD, compiles, first_forward
 from maestro_jax.models import fp8
 from maestro_jax.models.layers import Dense, DenseGeneral
 
@@ -156,13 +156,7 @@ def test_the_fp8_teacher_stores_e4m3_kernels_with_float32_scales(fp8_kd):
         assert np.max(np.abs(back - np.asarray(w))) <= float(np.max(np.abs(w))) / 28  # half of e4m3's top step, 32/448
         assert compare("w", back, np.asarray(w)).max_rel < 0.05
 
-    samples = rt.batches()[0]
-    schedule = rt.schedule(samples)
-    host = rt.executor.host_batches(samples, schedule)
-    step = schedule.steps["teacher"][0]
-    out = rt.programs["teacher"].forward(
-        states["teacher"], {}, rt.programs["teacher"].put_batch(host[("teacher", step.index)])
-    )
+    out = first_forward(rt, states, "teacher")
     assert {v.dtype for v in out.values()} == {jnp.dtype(jnp.bfloat16)}
     assert all(np.all(np.isfinite(np.asarray(v, np.float32))) for v in out.values())
 

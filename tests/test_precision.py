@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM, first_forward
 
 from maestro_jax.config import load_config
 from maestro_jax.core.graph import UnitCost
@@ -13,7 +13,6 @@ from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.layout import section_memory
 from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.runtime.step import StepBatch
 from maestro_jax.tools.verify import compare, verify
 
 BF16_VLM = TINY_VLM + ["sections.vision.precision=bfloat16", "sections.llm.precision=bfloat16"]
@@ -49,15 +48,9 @@ def test_bf16_dtypes_master_weights_frozen_weights_and_edges():
     assert floats(states["teacher"].consts) == {jnp.dtype(jnp.bfloat16)}  # frozen: bf16 only
     assert floats(states["student"].params) == {jnp.dtype(jnp.float32)}  # master weights
     assert floats(states["student"].opt_state) == {jnp.dtype(jnp.float32)}
-    samples = rt.batches()[0]
-    schedule = rt.schedule(samples)
-    host = rt.executor.host_batches(samples, schedule)
-    step = schedule.steps["teacher"][0]
-    out = rt.programs["teacher"].forward(
-        states["teacher"], {}, rt.programs["teacher"].put_batch(host[("teacher", step.index)])
-    )
+    out = first_forward(rt, states, "teacher")
     assert {v.dtype for v in out.values()} == {jnp.dtype(jnp.bfloat16)}  # edges carry bf16: half the bytes
-    loss, grads, _ = rt.step.gradients(states, StepBatch(samples, schedule))
+    loss, grads, _ = rt.step.gradients(states, rt.batches()[0])
     assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
     assert floats(grads["student"]) == {jnp.dtype(jnp.float32)}
 
