@@ -34,9 +34,10 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from maestro_jax.core.plan import SectionPlan, mesh_shape
-from maestro_jax.planning.cluster import cost_model, monolithic_time
+from maestro_jax.planning.cluster import cost_model, monolithic_time, packed_time
 from maestro_jax.planning.cost import CostModel
 from maestro_jax.planning.spec import WorkloadSpec
+from maestro_jax.schedule.ops import SampleMeta
 
 
 def _factor(spec: WorkloadSpec, cost: CostModel, s: str) -> float:
@@ -51,17 +52,9 @@ def _factor(spec: WorkloadSpec, cost: CostModel, s: str) -> float:
 def round_robin_time(spec: WorkloadSpec, metas: Sequence, cost: CostModel, mb: int, dp: int) -> float:
     """One batch in Megatron-LM's data order (module docstring): the slowest rank's micro-batches,
     each padded to its own rows, then the optimizer steps."""
-    ranks = [0.0] * dp
     rows = mb * dp
-    for i in range(0, len(metas), rows):
-        chunk = metas[i : i + rows]
-        for r in range(dp):
-            mine = chunk[r * mb : (r + 1) * mb]
-            for s in spec.sections:
-                units = [m.work.get(s, 0) for m in mine]
-                if any(units):
-                    ranks[r] += cost.step_time(s, "F", units, mb) * _factor(spec, cost, s)
-    return max(ranks) + sum(cost.update_s.values())
+    ranks = [[m for i in range(0, len(metas), rows) for m in metas[i + r * mb : i + (r + 1) * mb]] for r in range(dp)]
+    return max(packed_time(spec, mine, cost, mb, mb) for mine in ranks) + sum(cost.update_s.values())
 
 
 def static_padding_time(
@@ -69,9 +62,8 @@ def static_padding_time(
 ) -> float:
     """One batch with every sample padded to `most` (each section's largest work) in every
     section, `mb` rows a shard per micro-step, then the optimizer steps."""
-    micro_steps = -(-len(metas) // (mb * dp))
-    per = sum(cost.step_time(s, "F", [most[s]], mb) * _factor(spec, cost, s) for s in spec.sections if most[s])
-    return micro_steps * per + sum(cost.update_s.values())
+    padded = SampleMeta(frozenset(s for s in spec.sections if most[s]), dict(most))
+    return packed_time(spec, [padded] * len(metas), cost, mb, mb * dp) + sum(cost.update_s.values())
 
 
 def ceiling_time(spec: WorkloadSpec, metas: Sequence, cost: CostModel, dp: int) -> float:

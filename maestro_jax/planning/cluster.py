@@ -315,10 +315,13 @@ def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: i
         sorted(metas, key=alone, reverse=True),
     )
     update = sum(t for s, t in cost.update_s.items() if only in (None, s))
-    return min(_packed_time(spec, order, cost, mb, rows, only) for order in orders) + update
+    return min(packed_time(spec, order, cost, mb, rows, only) for order in orders) + update
 
 
-def _packed_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int, only: str | None) -> float:
+def packed_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int, only: str | None = None) -> float:
+    """`metas` in that order, `rows` at a time (`mb` a shard), every section (or `only` that one)
+    one after the other per micro-batch, each padded to its micro-batch's largest work; no
+    optimizer step."""
     total = 0.0
     for i in range(0, len(metas), rows):
         chunk = metas[i : i + rows]

@@ -82,12 +82,12 @@ def _prepare(rt, batch: Sequence, evaluate: bool) -> _Batch:
 
 
 def _walk(step, state, b: _Batch) -> None:
-    """The training step's own calls (`SectionedStep.__call__`, its update issued at once) or
-    its evaluation, over abstract values."""
+    """The training step's own calls or its evaluation, over abstract values (`step`: an abstract
+    twin, whose update is issued at once: `SectionedStep.abstract`)."""
     if b.evaluate:
         step.evaluate(state, b)
     else:
-        step(state, b, check_first=False)
+        step(state, b)
 
 
 def _shapes(batch: Sequence) -> tuple:

@@ -17,7 +17,7 @@ import numpy as np
 from maestro_jax.core.graph import SectionGraph, ask, sample_view
 from maestro_jax.core.plan import SectionPlan
 from maestro_jax.runtime.optimizer import squared_norm, update_fn
-from maestro_jax.runtime.programs import SectionState, tree_add
+from maestro_jax.runtime.programs import SectionState, all_finite, tree_add
 from maestro_jax.runtime.sharding import on_mesh, row_sharding
 
 
@@ -58,16 +58,10 @@ class Monolithic:
             (loss, metrics), grads = jax.value_and_grad(composed, has_aux=True)(params, consts, batches, norm)
             return loss, metrics, tree_add(acc, grads)
 
-        def all_finite(grads):
-            return {
-                s: jnp.all(jnp.array([jnp.isfinite(x).all() for x in jax.tree.leaves(g)] or [True]))
-                for s, g in grads.items()
-            }
-
         p_sh = {s: var_shardings[s]["params"] for s in self.trained}
         self._micro = jax.jit(micro, out_shardings=(None, None, p_sh))
         self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=p_sh)
-        self._all_finite = jax.jit(all_finite)
+        self._all_finite = jax.jit(lambda grads: {s: all_finite(g) for s, g in grads.items()})
         self.clip_norm = clip_norm
         self._updates = {s: jax.jit(update_fn(optimizers[s], clip_norm)) for s in self.trained}
         self._squared_norms = {s: jax.jit((squared_norms or {}).get(s, squared_norm)) for s in self.trained}

@@ -88,6 +88,11 @@ def tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
+def all_finite(tree):
+    """Whether every element of `tree` is finite: one boolean scalar (traced inside a program)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 # -- signatures ---------------------------------------------------------------------------------
 
 
@@ -338,9 +343,6 @@ class SectionPrograms:
 
         def zeros(params):
             return jax.tree.map(jnp.zeros_like, params)
-
-        def all_finite(tree):
-            return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
         def zeros_like(tree):
             return jax.tree.map(jnp.zeros_like, tree)

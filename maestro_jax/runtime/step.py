@@ -90,17 +90,21 @@ class StepMetrics:
     host: dict = dataclasses.field(default_factory=dict)  # the host's timeline of issuing the step
     on_nonfinite: str = "stop"
     record: dict | None = None  # once read
+    bad: list[str] | None = None  # the non-finite sections, once checked (`nonfinite`)
 
     @property
     def was_read(self) -> bool:
         return self.record is not None
 
-    def nonfinite(self, fetch: Callable = np.asarray) -> list[str]:
-        """The sections whose gradients (or the sink's loss) hold NaN or inf (waits for the devices)."""
-        bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
-        if not math.isfinite(float(fetch(self.loss))):
-            bad = [f"{self.sink} (loss)"] + [b for b in bad if b != self.sink]
-        return bad
+    def nonfinite(self, fetch: Callable = np.asarray, loss: float | None = None) -> list[str]:
+        """The sections whose gradients (or the sink's loss) hold NaN or inf (waits for the devices
+        once: the answer is kept). `loss`: the loss, where the caller has read it already."""
+        if self.bad is None:
+            bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
+            if not math.isfinite(float(fetch(self.loss)) if loss is None else loss):
+                bad = [f"{self.sink} (loss)"] + [b for b in bad if b != self.sink]
+            self.bad = bad
+        return self.bad
 
     def read(self, fetch: Callable = np.asarray) -> dict:
         """The step's record (waiting for the devices). `fetch` reads a device value on this host
@@ -111,7 +115,7 @@ class StepMetrics:
         t0 = time.perf_counter()
         values = jax.tree.map(lambda x: np.asarray(fetch(x)), (self.loss, self.norms_sq, self.rates, self.sink_metrics))
         loss, norms_sq, rates, sink_metrics = values
-        bad = self.nonfinite(fetch)
+        bad = self.nonfinite(fetch, float(loss))
         rec = {"step": self.step, "train/loss": float(loss), **self.host}
         rec["device_wait_s"] = time.perf_counter() - t0
         rec.update({f"train/{self.sink}/{k}": float(v) / self.norm for k, v in sorted(sink_metrics.items())})
@@ -148,7 +152,8 @@ class SectionedStep:
         `run` (a `runtime.programs.DryRun`: traced, or compiled into the sections' caches), and
         nothing runs or waits. `compile` walks it over the run's batches."""
         programs = {s: prog.abstract(run) for s, prog in self.programs.items()}
-        return SectionedStep(self.rt, "stop", programs=programs, executor=self.executor.abstract(programs, run))
+        twin = self.executor.abstract(programs, run)
+        return SectionedStep(self.rt, "stop", programs=programs, executor=twin)  # "stop": nothing is read
 
     def init(self, seed: int | None = None) -> TrainState:
         """Step 0: each section initialised into its own sharding, pretrained ones loaded
@@ -182,10 +187,9 @@ class SectionedStep:
         """Each trained section's squared gradient norm, a device array on its own mesh."""
         return self.executor.squared_norms(grads)
 
-    def __call__(self, state: TrainState, batch, check_first: bool | None = None) -> tuple[TrainState, StepMetrics]:
-        """Issue one optimizer step without waiting for it. `check_first` (default: under
-        `on_nonfinite: skip`) reads the step's finiteness before issuing the update."""
-        check_first = self.on_nonfinite == "skip" if check_first is None else check_first
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, StepMetrics]:
+        """Issue one optimizer step without waiting for it (under `on_nonfinite: skip`, after
+        reading the step's finiteness, which the update then depends on)."""
         rt = self.rt
         t0 = time.perf_counter()
         loss, grads, result = self.gradients(state, batch)
@@ -204,7 +208,7 @@ class SectionedStep:
                 "transfer_issue_s": result.transfer_issue_s,
             },
         )
-        if check_first:
+        if self.on_nonfinite == "skip":
             metrics.host["wait_reason"] = "on_nonfinite=skip"
             if metrics.nonfinite(rt.coordinator.fetch):
                 metrics.host["dispatch_s"] = time.perf_counter() - t0
