@@ -231,19 +231,27 @@ class ViTModelConfig(_FromFolder):
     out_width: PositiveInt
     merge: PositiveInt = 2
     max_grid: PositiveInt = 64
-    # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py)
-    pos_embed: Literal["row_col", "table"] = "row_col"
+    # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py);
+    # rope2d: no learned positions, a 2-D rotary embedding of each patch's row and column (Qwen2.5-VL's)
+    pos_embed: Literal["row_col", "table", "rope2d"] = "row_col"
+    # layernorm: LayerNorm and GELU-MLP blocks (SigLIP, CLIP); rmsnorm_glu: RMSNorm and gated-MLP blocks
+    # with biases (Qwen2.5-VL's, with pos_embed rope2d and projector patch_merger)
+    block: Literal["layernorm", "rmsnorm_glu"] = "layernorm"
+    rope_theta: float = Field(10000.0, gt=0.0)  # pos_embed rope2d: the rotary base
+    window: int = Field(0, ge=0)  # > 0: blocks attend within windows of this many patches a side (Qwen2.5-VL)
+    full_layers: tuple[NonNegativeInt, ...] = ()  # with window: the blocks that attend over whole images
     norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
-    # the blocks' MLP activation (HF's names; quick_gelu: CLIP's)
-    act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu"] = "gelu_pytorch_tanh"
+    # the blocks' MLP activation (HF's names; quick_gelu: CLIP's, silu: Qwen2.5-VL's gated MLP)
+    act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu", "silu"] = "gelu_pytorch_tanh"
     # CLIP's layout (LLaVA's tower): a class token per image, dropped before the merger (models/vit.py)
     class_token: bool = False
     # the hidden state the merger reads, HF's numbering (LLaVA's vision_feature_layer, e.g. -2);
     # the blocks after it are not held
     feature_layer: int = -1
     # what maps each merge x merge window to the LLM width: merger (an MLP over the concatenated
-    # window, Qwen2-VL's) or avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's)
-    projector: Literal["merger", "avg_pool"] = "merger"
+    # window, Qwen2-VL's) or avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's) or
+    # patch_merger (Qwen2.5-VL's: RMSNorm per patch, an MLP width * merge**2 wide with an exact GELU)
+    projector: Literal["merger", "avg_pool", "patch_merger"] = "merger"
 
     @classmethod
     def folder_fields(cls, path: str) -> dict:
@@ -350,6 +358,9 @@ class LLMModelConfig(_FromFolder):
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    # Qwen2.5-VL's M-RoPE: each head's rotated pairs in three sections (temporal, row, column), each
+    # turned by its own position axis; image tokens take their grid's (models/llm.py, mrope_positions)
+    mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
     # Mixture of experts: `experts` > 0 replaces every block's FFN by top-k routed experts.
     experts: int = Field(0, ge=0)
     experts_per_token: int = Field(0, ge=0, validate_default=True)

@@ -44,6 +44,10 @@ ARCHITECTURES = {
 # model types whose language model imports from the `text_config` (its tensors under a prefix,
 # `models.hf`); a Gemma 3 of 4B or more is one, its vision tower beside the LLM
 MULTIMODAL = {"gemma3": "gemma3_text"}
+# VLM folders whose language model is Qwen2's with multimodal RoPE (M-RoPE): the Hub's config.json keeps its
+# text fields at the top level, transformers 5 saves them under `text_config`
+QWEN_VL = {"qwen2_5_vl": "qwen2"}
+QWEN_MROPE_SECTION = (16, 24, 24)  # Qwen2_5_VLTextConfig's, where rope_scaling names none
 # Gemma3TextConfig's defaults (transformers), which a Hub config.json, saving only what differs,
 # leaves out (a `gemma3` folder's text_config most of all)
 GEMMA3_DEFAULTS = {
@@ -112,7 +116,7 @@ def _rope_scaling(path, block: dict, max_positions: int | None = None) -> dict |
     config.json's `max_position_embeddings`, yarn's original context where the block names none
     (as transformers reads it)."""
     rope_type = block.get("rope_type", block.get("type")) or "default"
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # mrope: plain RoPE over M-RoPE's sections (`_mrope_section`)
         return None
     if rope_type not in ROPE_SCALINGS:
         raise HFError(f"{path}/config.json: rope_type={rope_type!r}; supported: default, {', '.join(ROPE_SCALINGS)}")
@@ -273,9 +277,28 @@ def llm_fields(path: str | Path) -> dict:
     return _text_fields(path, hf)
 
 
+def _mrope_section(path, hf: dict) -> tuple[int, ...]:
+    """A Qwen-VL text config's `mrope_section`: how many of each head's rotated pairs turn with the
+    temporal, row and column position (`models.layers.rotary`)."""
+    block = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    section = tuple(block.get("mrope_section") or QWEN_MROPE_SECTION)
+    half = (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) // 2
+    if len(section) != 3 or sum(section) != half:
+        raise HFError(
+            f"{path}/config.json: mrope_section={list(section)}; three sections (temporal, row, column) adding up "
+            f"to head_dim / 2 = {half}"
+        )
+    return section
+
+
 def _text_fields(path: str | Path, hf: dict) -> dict:
     """`llm_fields` of the config `hf`: a language model's, or a multimodal one's `text_config`."""
     kind = hf.get("model_type")
+    if kind in QWEN_VL:
+        text = hf.get("text_config") or hf
+        tied = bool(hf.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
+        text = {**text, "model_type": QWEN_VL[kind], "tie_word_embeddings": tied}
+        return {**_text_fields(path, text), "mrope_section": _mrope_section(path, text)}
     if kind in MULTIMODAL:
         text = hf.get("text_config") or {}
         if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
@@ -284,7 +307,9 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
             )
         hf, kind = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}, MULTIMODAL[kind]
     if kind not in ARCHITECTURES:
-        raise HFError(f"{path}/config.json: model_type={kind!r}; supported: {sorted([*ARCHITECTURES, *MULTIMODAL])}")
+        raise HFError(
+            f"{path}/config.json: model_type={kind!r}; supported: {sorted([*ARCHITECTURES, *MULTIMODAL, *QWEN_VL])}"
+        )
     if kind == "gemma3_text":
         return _gemma3_fields(path, hf)
     if kind == "gemma2":
@@ -385,7 +410,60 @@ def _check_act(path, key: str, act, supported: tuple[str, ...] = ACTIVATIONS) ->
         raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(supported)}")
 
 
-VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava")
+VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava", "qwen2_5_vl")
+# Qwen2_5_VLVisionConfig's defaults, which a config.json may leave out
+QWEN2_5_VL_VISION_DEFAULTS = {
+    "depth": 32,
+    "hidden_size": 3584,
+    "hidden_act": "silu",
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "window_size": 112,
+    "out_hidden_size": 3584,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+}
+
+
+def _qwen2_5_vl_vision(path, hf: dict) -> dict:
+    """A Qwen2.5-VL folder's `vision_config` as a tower's fields (models/vit.py: `block: rmsnorm_glu`,
+    `pos_embed: rope2d`, `projector: patch_merger`). A still image is its frame repeated in time,
+    so `temporal_patch_size` needs no field: the patch embedding sums its kernel over time
+    (`models.hf_encoders`). Windows of `window_size` pixels cover whole merged tokens, as
+    transformers counts them; `max_grid` is no part of the checkpoint (no position table) and
+    stays the config's."""
+    v = _with_defaults(hf.get("vision_config") or {}, QWEN2_5_VL_VISION_DEFAULTS)
+    _check_act(path, "vision_config.hidden_act", v["hidden_act"], ("silu", *VIT_ACTIVATIONS))
+    patch, merge, heads = v["patch_size"], v["spatial_merge_size"], v["num_heads"]
+    window = v["window_size"] // merge // patch * merge
+    if v["hidden_size"] % heads or (v["hidden_size"] // heads) % 4 or not window:
+        raise HFError(
+            f"{path}/config.json: vision_config hidden_size={v['hidden_size']}, num_heads={heads}, window_size="
+            f"{v['window_size']}; the heads must divide the width into heads of a multiple of 4 and a window hold "
+            f"at least one merged token (spatial_merge_size * patch_size = {merge * patch} pixels)"
+        )
+    theta = (v.get("rope_parameters") or {}).get("rope_theta", v.get("rope_theta", 10000.0))
+    return {
+        "kind": "vit",
+        "patch": patch,
+        "channels": v.get("in_channels", v.get("in_chans", 3)),
+        "width": v["hidden_size"],
+        "depth": v["depth"],
+        "heads": heads,
+        "mlp": v["intermediate_size"],
+        "out_width": v["out_hidden_size"],
+        "merge": merge,
+        "pos_embed": "rope2d",
+        "block": "rmsnorm_glu",
+        "projector": "patch_merger",
+        "rope_theta": float(theta),
+        "window": window,
+        "full_layers": tuple(v["fullatt_block_indexes"]),
+        "norm_eps": 1e-6,  # every RMSNorm of the tower, transformers' constant
+        "act": v["hidden_act"],
+        "class_token": False,
+    }
 
 
 def _llava_feature_layer(path, hf: dict) -> int:
@@ -425,9 +503,12 @@ def vit_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
     `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`; a `gemma3` one's
     with its projector, `_gemma3_projector`) or CLIP (a `clip_vision_model` config, a `clip` one's
-    `vision_config`, or a `llava` one's, with its `vision_feature_layer`)."""
+    `vision_config`, or a `llava` one's, with its `vision_feature_layer`) or Qwen2.5-VL's
+    (`_qwen2_5_vl_vision`)."""
     hf, extra = read_config(path), {}
     kind = hf.get("model_type")
+    if kind == "qwen2_5_vl":
+        return _qwen2_5_vl_vision(path, hf)
     if kind == "llava":
         extra["feature_layer"] = _llava_feature_layer(path, hf)
         hf = hf.get("vision_config") or {}
@@ -504,7 +585,7 @@ def audio_fields(path: str | Path) -> dict:
 
 
 # Folders that hold more than one model: a config entry names the one it takes with `kind`
-MULTI_MODEL = {"gemma3": ("llm", "vit")}
+MULTI_MODEL = {"gemma3": ("llm", "vit"), "qwen2_5_vl": ("llm", "vit")}
 
 
 def kind_of(path: str | Path) -> str:

@@ -48,6 +48,21 @@ That is exact whatever its trained value: a key bias adds the same q.b to every 
 query's row, which the softmax cancels (its gradient is zero too). Whisper keeps its sinusoidal
 positions frozen; here `pos` is an ordinary parameter and trains with the tower.
 
+Qwen2.5-VL (a `Qwen2_5_VLForConditionalGeneration` folder: the tower under `visual.`, as the Hub
+and transformers 5.24 save it, or `model.visual.`, transformers 5's module names) loads into the
+`rmsnorm_glu` / `rope2d` / `patch_merger` layout (models/vit.py), T = temporal_patch_size:
+  patch_embed.proj.weight [D, C, T, p, p]         -> patch_embed.kernel [p*p*C, D], summed over T
+  blocks.i.norm{1,2}.weight                       -> block_i.{attn,mlp}_norm.scale
+  blocks.i.attn.qkv.{weight [3D, D], bias [3D]}   -> block_i.{q,k,v}.{kernel,bias}, a third each
+  blocks.i.attn.proj                              -> block_i.o.{kernel,bias}
+  blocks.i.mlp.{gate,up,down}_proj                -> block_i.{gate,up,down}.{kernel,bias}
+  merger.ln_q.weight                              -> merge_norm.scale
+  merger.mlp.{0,2}                                -> merger_fc{1,2}.{kernel,bias}
+Its image processor repeats a still image's frame T times, so the Conv3d over T frames is the sum
+of its T kernels over one: exact for images; export writes each of the T kernels as the sum / T
+(what the tower computes on images is unchanged; on a video it would not be, and video is not
+read here).
+
 A scanned encoder (`scan_layers`) stacks every `block_i` leaf under `blocks/layer`, as in `models.hf`.
 
 A Gemma 3 VLM (`save_gemma3_vlm`) is written whole: the tower and its projector as above under the
@@ -165,6 +180,47 @@ def vit_mapping(
     return m | _blocks(f, vit_layers(f), lambda i: f"{prefix}encoder.layers.{i}", names, key_bias=True)
 
 
+QWEN_VL_PREFIXES = ("visual.", "model.visual.")
+
+
+def qwen_vit_mapping(f: dict, prefix: str = "visual.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+    """Flax path -> (HF tensor name, layouts) of a Qwen2.5-VL vision tower with fields `f`. The
+    fused `qkv` tensor appears once for each of q, k and v, each taking its third (export joins
+    the parts in this order, `_tensors`)."""
+    p, c, d, h = f["patch"], f["channels"], f["width"], f["heads"]
+    frames = 2  # the temporal_patch_size export writes (Qwen2.5-VL's)
+    patch: Layout = (
+        lambda w: w.astype(np.float32).sum(axis=2).transpose(2, 3, 1, 0).reshape(p * p * c, d),  # not in fp16
+        lambda w: np.repeat(w.reshape(p, p, c, d).transpose(3, 2, 0, 1)[:, :, None] / np.float32(frames), frames, 2),
+    )
+    qkv, qkv_bias, out = _heads(h, d // h)
+
+    def third(j: int, layout: Layout) -> Layout:
+        return (lambda w: layout[0](w[j * d : (j + 1) * d]), layout[1])
+
+    m = {
+        ("patch_embed", "kernel"): (f"{prefix}patch_embed.proj.weight", patch),
+        ("merge_norm", "scale"): (f"{prefix}merger.ln_q.weight", _SAME),
+        ("merger_fc1", "kernel"): (f"{prefix}merger.mlp.0.weight", _LINEAR),
+        ("merger_fc1", "bias"): (f"{prefix}merger.mlp.0.bias", _SAME),
+        ("merger_fc2", "kernel"): (f"{prefix}merger.mlp.2.weight", _LINEAR),
+        ("merger_fc2", "bias"): (f"{prefix}merger.mlp.2.bias", _SAME),
+    }
+    for i in range(vit_layers(f)):
+        b, layer = f"block_{i}", f"{prefix}blocks.{i}"
+        m[(b, "attn_norm", "scale")] = (f"{layer}.norm1.weight", _SAME)
+        m[(b, "mlp_norm", "scale")] = (f"{layer}.norm2.weight", _SAME)
+        for j, part in enumerate("qkv"):
+            m[(b, part, "kernel")] = (f"{layer}.attn.qkv.weight", third(j, qkv))
+            m[(b, part, "bias")] = (f"{layer}.attn.qkv.bias", third(j, qkv_bias))
+        m[(b, "o", "kernel")] = (f"{layer}.attn.proj.weight", out)
+        m[(b, "o", "bias")] = (f"{layer}.attn.proj.bias", _SAME)
+        for part in ("gate", "up", "down"):
+            m[(b, part, "kernel")] = (f"{layer}.mlp.{part}_proj.weight", _LINEAR)
+            m[(b, part, "bias")] = (f"{layer}.mlp.{part}_proj.bias", _SAME)
+    return m
+
+
 def gemma3_projector_prefix(tower_prefix: str) -> str | None:
     """Where a Gemma 3 checkpoint keeps the projector, given where it keeps the tower (None: a
     tower's own checkpoint, which holds no projector)."""
@@ -232,14 +288,17 @@ def _held_blocks(params: dict) -> int:
 
 
 def load_vit(path: str | Path, target: dict, fields: dict) -> dict:
-    """The SigLIP or CLIP tower's weights in `target`, the `VisionEncoder` params (shaped and
-    sharded): as many of the checkpoint's blocks as `target` holds (those up to its model's
-    `feature_layer`, which the checkpoint's own config need not name); from a Gemma 3 folder,
-    its projector too (`projector: avg_pool`)."""
+    """The SigLIP, CLIP or Qwen2.5-VL tower's weights in `target`, the `VisionEncoder` params
+    (shaped and sharded): as many of the checkpoint's blocks as `target` holds (those up to its
+    model's `feature_layer`, which the checkpoint's own config need not name); from a Gemma 3
+    folder, its projector too (`projector: avg_pool`), from a Qwen2.5-VL one its merger."""
     path, tensors = Path(path), _Tensors(Path(path))
     held = _held_blocks(target)
     if held > fields["depth"]:
         raise HFError(f"{path}: the checkpoint has {fields['depth']} blocks; the model holds {held}")
+    if fields.get("block") == "rmsnorm_glu":
+        prefix = _prefix(path, tensors, "patch_embed.proj.weight", QWEN_VL_PREFIXES)
+        return _load(path, tensors, target, qwen_vit_mapping({**fields, "feature_layer": held}, prefix))
     prefixes = CLIP_PREFIXES if fields.get("class_token") else SIGLIP_PREFIXES
     prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", prefixes)
     projector = gemma3_projector_prefix(prefix) if fields.get("projector") == "avg_pool" else None
@@ -254,7 +313,9 @@ def load_audio(path: str | Path, target: dict, fields: dict) -> dict:
 
 
 def _tensors(params: dict, mapping: dict) -> dict[str, np.ndarray]:
-    """HF name -> array of every mapped leaf of `params` (a scanned tree's layers unstacked)."""
+    """HF name -> array of every mapped leaf of `params` (a scanned tree's layers unstacked); a
+    name several leaves map to (Qwen's fused `qkv`) joins their arrays along its first axis, in
+    the mapping's order."""
     scanned = "blocks" in params
     out = {}
     for flax_path, (name, (_, to_hf)) in mapping.items():
@@ -262,7 +323,8 @@ def _tensors(params: dict, mapping: dict) -> dict[str, np.ndarray]:
             continue
         where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
         w = np.asarray(jax.device_get(_at(params, where)), np.float32)
-        out[name] = np.ascontiguousarray(to_hf(w if layer is None else w[layer]))
+        part = np.ascontiguousarray(to_hf(w if layer is None else w[layer]))
+        out[name] = np.concatenate([out[name], part]) if name in out else part
     return out
 
 

@@ -225,15 +225,32 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
     return yarn_mscale(scaling.factor)
 
 
-def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None):
-    """Rotary position embedding (Llama/Qwen 'rotate half' convention)."""
+def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None, mrope_section=None):
+    """Rotary position embedding (Llama/Qwen 'rotate half' convention).
+
+    With `mrope_section` (Qwen2-VL's multimodal RoPE, M-RoPE) `positions_BL` is `B x L x 3`, a
+    (temporal, row, column) position per token, and the head's frequencies are cut into those
+    three sections in order, each rotated by its own axis (transformers' `mrope_section`)."""
     half = x_BLHK.shape[-1] // 2
     freqs = jnp.asarray(rope_frequencies(half, theta, scaling))
-    angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if (factor := rope_attention_factor(scaling)) != 1.0:  # in float32, as transformers scales them
+    if mrope_section is None:
+        angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
+    else:
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section={tuple(mrope_section)} must add up to head_dim / 2 = {half}")
+        axis_F = np.repeat(np.arange(len(mrope_section)), mrope_section)  # each frequency's position axis
+        angles = positions_BL[..., axis_F].astype(jnp.float32) * freqs
+    return apply_rotary(x_BLHK, angles, rope_attention_factor(scaling))
+
+
+def apply_rotary(x_BLHK, angles_BLF, factor: float = 1.0):
+    """`x` rotated by `angles` (one per pair of the head's halves, float32; 'rotate half'), the
+    cosines and sines times `factor` in float32 as transformers scales them, applied in x's dtype."""
+    half = x_BLHK.shape[-1] // 2
+    cos, sin = jnp.cos(angles_BLF), jnp.sin(angles_BLF)
+    if factor != 1.0:
         cos, sin = cos * np.float32(factor), sin * np.float32(factor)
-    cos = cos[:, :, None, :].astype(x_BLHK.dtype)  # angles in float32, applied in x's dtype
+    cos = cos[:, :, None, :].astype(x_BLHK.dtype)
     sin = sin[:, :, None, :].astype(x_BLHK.dtype)
     x1, x2 = x_BLHK[..., :half], x_BLHK[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -59,6 +59,9 @@ class LLMConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    # Qwen2.5-VL's M-RoPE: the sections of each head's rotated pairs turned by the temporal, row and
+    # column position; positions are then `B x L x 4` (`DecoderLM.body`, `mrope_positions`)
+    mrope_section: tuple[int, ...] | None = None
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
     experts_per_token: int = 0
     expert_mlp: int = 0
@@ -73,8 +76,10 @@ class LLMConfig:
         """From `models.<s>`'s fields as plain data (the config's dump, `hf_config.llm_fields`):
         `kind` and `hf` dropped, `rope_scaling` as the frozen `RopeScaling`."""
         own = {k: v for k, v in fields.items() if k not in ("kind", "hf")} | extra
-        scaling = own.get("rope_scaling")
-        return cls(**own | {"rope_scaling": scaling and RopeScaling(**scaling)})
+        scaling, section = own.get("rope_scaling"), own.get("mrope_section")
+        return cls(
+            **own | {"rope_scaling": scaling and RopeScaling(**scaling), "mrope_section": section and tuple(section)}
+        )
 
     def windowed(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
@@ -389,10 +394,12 @@ class DecoderBlock(nn.Module):
     def _rope(self, x_BLHK, positions_BL, windowed):
         """RoPE at the global layers' base and scaling, or the windowed layers' own base."""
         c = self.cfg
-        full = rotary(x_BLHK, positions_BL, c.rope_theta, c.rope_scaling)
+        if c.mrope_section is not None:  # the three M-RoPE axes after the order (`DecoderLM.body`)
+            positions_BL = positions_BL[..., 1:]
+        full = rotary(x_BLHK, positions_BL, c.rope_theta, c.rope_scaling, c.mrope_section)
         if c.rope_local_theta is None or windowed is False:
             return full
-        local = rotary(x_BLHK, positions_BL, c.rope_local_theta)
+        local = rotary(x_BLHK, positions_BL, c.rope_local_theta, None, c.mrope_section)
         return local if windowed is True else jnp.where(windowed, local, full)
 
 
@@ -450,13 +457,19 @@ class DecoderLM(nn.Module):
         Under ring attention over a `context` split the positions are laid out in
         `balanced_order` for the layers (each device gets an early and a late chunk, so the
         causal work is even) and put back after: every other op is position-wise, and the mask
-        and rotary embeddings follow the positions wherever they sit."""
+        and rotary embeddings follow the positions wherever they sit.
+
+        With `mrope_section` (Qwen2.5-VL's M-RoPE) `positions_BL` is `B x L x 4`: the position in
+        the sample, which orders the causal mask and the windows as everywhere, then the
+        (temporal, row, column) positions RoPE turns by (`mrope_positions`): an image's tokens
+        share one temporal position, so the causal order cannot be read from them."""
         order = balanced_order(x_BLD.shape[1], context_split()) if self.cfg.context_attention == "ring" else None
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
             segments_BL = None if segments_BL is None else segments_BL[:, order]
             images_BL = None if images_BL is None else images_BL[:, order]
-        behind_BLL = positions_BL[:, :, None] - positions_BL[:, None, :]  # how far each key lies back
+        order_BL = positions_BL[..., 0] if self.cfg.mrope_section is not None else positions_BL
+        behind_BLL = order_BL[:, :, None] - order_BL[:, None, :]  # how far each key lies back
         mask_BLL = behind_BLL >= 0
         if images_BL is not None:
             mask_BLL = mask_BLL | ((images_BL[:, :, None] == images_BL[:, None, :]) & (images_BL[:, :, None] > 0))
@@ -499,3 +512,38 @@ def image_blocks(image_BL: np.ndarray) -> np.ndarray:
     image_BL = np.asarray(image_BL, bool)
     starts = image_BL & ~np.pad(image_BL, ((0, 0), (1, 0)))[:, :-1]
     return np.where(image_BL, np.cumsum(starts, axis=1), 0).astype(np.int32)
+
+
+def mrope_positions(ids_L: np.ndarray, image_token: int, grids) -> np.ndarray:
+    """A sample's `L x 4` positions for an M-RoPE model (`DecoderLM.body`): each token's place in
+    the sample, then its (temporal, row, column) position as transformers' Qwen2.5-VL
+    `get_rope_index` computes it. Text tokens count on from the last position, all three axes
+    equal; an image's `rows x columns` tokens (`grids`: each image's merged grid, in order) all
+    take the temporal position where the image starts, s, and rows s + row, columns s + column;
+    the text after it resumes at s + max(rows, columns)."""
+    ids_L = np.asarray(ids_L)
+    n = len(ids_L)
+    out = np.zeros((n, 4), np.int32)
+    out[:, 0] = np.arange(n)
+    is_image = ids_L == image_token
+    at, lag = 0, 0  # the next token; how far positions lag behind token indices from here
+    for rows, cols in grids:
+        if not is_image[at:].any():
+            break
+        start = at + int(np.argmax(is_image[at:]))
+        out[at:start, 1:] = (np.arange(at, start) - lag)[:, None]
+        k = rows * cols
+        if not is_image[start : start + k].all() or start + k > n:
+            raise ValueError(
+                f"an image of {rows}x{cols} tokens at position {start} has {int(is_image[start : start + k].sum())} "
+                f"placeholders there; each image needs rows x columns consecutive placeholders"
+            )
+        s = start - lag
+        r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+        out[start : start + k, 1] = s
+        out[start : start + k, 2] = s + r.reshape(-1)
+        out[start : start + k, 3] = s + c.reshape(-1)
+        lag += k - max(rows, cols)
+        at = start + k
+    out[at:, 1:] = (np.arange(at, n) - lag)[:, None]
+    return out

@@ -28,6 +28,16 @@ projection has no bias. A row's class tokens sit after its patches, one per imag
 blocks, so the merger reads patch features only (LLaVA's `vision_feature_select_strategy:
 default`) and its 2x2 windows stay whole. `merge_norm` is then CLIP's `post_layernorm`.
 
+`block: rmsnorm_glu` with `pos_embed: rope2d` and `projector: patch_merger` is Qwen2.5-VL's
+tower (`Qwen2_5_VisionTransformerPretrainedModel`): blocks of RMSNorm, attention with biases and
+a gated MLP with biases; no learned positions but a 2-D rotary embedding, the first half of each
+head's rotated pairs turned by the patch's row and the second by its column (`rope2d_angles`);
+with `window` > 0, every block but those of `full_layers` attends only within its window of
+`window x window` patches (counted from each image's top-left corner, cut at its edges: Qwen's
+window attention, whose reordering of patches into windows changes nothing here but attention's
+mask), the others over whole images; `merge_norm` is then an RMSNorm (the merger's `ln_q`) and
+the merger's MLP is `width * merge**2` wide with an exact GELU (`Qwen2_5_VLPatchMerger`).
+
 `feature_layer` picks the hidden state the merger reads, numbered as Hugging Face's
 `hidden_states` (LLaVA's `vision_feature_layer`): -1 the last block's output, -2 the one
 before, k > 0 the k-th block's. The blocks after it are neither held nor run (`layers` of the
@@ -38,7 +48,20 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-from maestro_jax.models.layers import Dense, EncoderBlock, RMSNorm, layer_stack, partitioned, segment_mask
+from maestro_jax.models.layers import (
+    ACTIVATIONS,
+    Dense,
+    DenseGeneral,
+    EncoderBlock,
+    RMSNorm,
+    apply_rotary,
+    attention,
+    layer_stack,
+    partitioned,
+    rope_frequencies,
+    segment_mask,
+    shard_sequence,
+)
 
 _init = nn.initializers.normal(0.02)
 
@@ -54,12 +77,16 @@ class ViTConfig:
     out_width: int
     merge: int = 2
     max_grid: int = 64
-    pos_embed: str = "row_col"  # row_col | table (SigLIP): see the module docstring
+    pos_embed: str = "row_col"  # row_col | table (SigLIP) | rope2d (Qwen2.5-VL): see the module docstring
+    block: str = "layernorm"  # layernorm (SigLIP, CLIP) | rmsnorm_glu (Qwen2.5-VL): see the module docstring
+    rope_theta: float = 10000.0  # pos_embed rope2d: the rotary base
+    window: int = 0  # > 0: the side, in patches, of the windows the blocks attend within (Qwen2.5-VL)
+    full_layers: tuple[int, ...] = ()  # with window: the blocks that attend over whole images
     norm_eps: float = 1e-6  # every LayerNorm's epsilon (SigLIP: layer_norm_eps)
     act: str = "gelu_pytorch_tanh"  # the blocks' MLP activation: a key of layers.ACTIVATIONS
     class_token: bool = False  # CLIP's layout: see the module docstring
     feature_layer: int = -1  # the hidden state the merger reads (HF's numbering): see the module docstring
-    projector: str = "merger"  # merger (Qwen2-VL) | avg_pool (Gemma 3): see the module docstring
+    projector: str = "merger"  # merger | avg_pool (Gemma 3) | patch_merger (Qwen2.5-VL): see the module docstring
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
@@ -90,9 +117,17 @@ class VisionEncoder(nn.Module):
         c = self.cfg
         if c.class_token and c.pos_embed != "table":
             raise ValueError(f"class_token (CLIP's layout) needs pos_embed='table', not {c.pos_embed!r}")
+        qwen = (c.block, c.pos_embed, c.projector) == ("rmsnorm_glu", "rope2d", "patch_merger")
+        if c.block not in ("layernorm", "rmsnorm_glu") or (
+            not qwen and (c.block == "rmsnorm_glu" or c.pos_embed == "rope2d" or c.projector == "patch_merger")
+        ):
+            raise ValueError(
+                f"block={c.block!r}, pos_embed={c.pos_embed!r}, projector={c.projector!r}: Qwen2.5-VL's tower "
+                f"takes block='rmsnorm_glu', pos_embed='rope2d' and projector='patch_merger' together"
+            )
         self.patch_embed = Dense(
             c.width,
-            use_bias=not c.class_token,
+            use_bias=not c.class_token and not qwen,
             kernel_init=partitioned(_init, "patch", "embed"),
             bias_init=partitioned(nn.initializers.zeros, "embed"),
         )
@@ -106,23 +141,30 @@ class VisionEncoder(nn.Module):
         if c.pos_embed == "table":
             cells = c.max_grid * c.max_grid + int(c.class_token)
             self.pos = self.param("pos", partitioned(_init, "grid", "embed"), (cells, c.width))
-        else:
+        elif c.pos_embed != "rope2d":
             self.pos_row = self.param("pos_row", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
             self.pos_col = self.param("pos_col", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
-        self.blocks = layer_stack(
-            EncoderBlock, (c.width, c.heads, c.mlp, c.norm_eps, c.act), c.layers, c.remat, c.scan_layers
-        )
-        self.merge_norm = nn.LayerNorm(
-            epsilon=c.norm_eps,
-            scale_init=partitioned(nn.initializers.ones, "norm"),
-            bias_init=partitioned(nn.initializers.zeros, "norm"),
-        )
+        if qwen:
+            full = tuple(not c.window or i in c.full_layers for i in range(c.layers))
+            self.blocks = layer_stack(
+                GatedBlock, (c.width, c.heads, c.mlp, c.norm_eps, c.act), c.layers, c.remat, c.scan_layers, 0, full
+            )
+            self.merge_norm = RMSNorm(c.norm_eps)
+        else:
+            self.blocks = layer_stack(
+                EncoderBlock, (c.width, c.heads, c.mlp, c.norm_eps, c.act), c.layers, c.remat, c.scan_layers
+            )
+            self.merge_norm = nn.LayerNorm(
+                epsilon=c.norm_eps,
+                scale_init=partitioned(nn.initializers.ones, "norm"),
+                bias_init=partitioned(nn.initializers.zeros, "norm"),
+            )
         if c.projector == "avg_pool":
             self.proj_norm = RMSNorm(c.norm_eps)
             self.proj = Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))
-        elif c.projector == "merger":
+        elif c.projector in ("merger", "patch_merger"):
             self.merger_fc1 = Dense(
-                c.out_width * 2,
+                c.out_width * 2 if c.projector == "merger" else c.width * c.merge * c.merge,
                 kernel_init=partitioned(_init, "embed", "mlp"),
                 bias_init=partitioned(nn.initializers.zeros, "mlp"),
             )
@@ -132,7 +174,7 @@ class VisionEncoder(nn.Module):
                 bias_init=partitioned(nn.initializers.zeros, "embed"),
             )
         else:
-            raise ValueError(f"projector={c.projector!r}: one of 'merger', 'avg_pool'")
+            raise ValueError(f"projector={c.projector!r}: one of 'merger', 'avg_pool', 'patch_merger'")
 
     def features(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
         """patches -> (hidden state `feature_layer`, that state through `merge_norm`), `B x P x width`
@@ -141,6 +183,12 @@ class VisionEncoder(nn.Module):
         image of each of the row's K class tokens, 0 for none)."""
         c = self.cfg
         x = self.patch_embed(patches_BPC)
+        if c.pos_embed == "rope2d":
+            mask = segment_mask(segments_BP)
+            window = mask & window_mask(grid_BP2, c.window) if c.window else mask
+            angles = rope2d_angles(grid_BP2, c.width // c.heads, c.rope_theta)
+            x = self.blocks(x, mask, window, angles)
+            return x, self.merge_norm(x)
         if c.pos_embed == "table":
             cell = grid_BP2[..., 0] * c.max_grid + grid_BP2[..., 1] + int(c.class_token)
             x = x + jnp.take(self.pos, cell, axis=0)
@@ -166,4 +214,78 @@ class VisionEncoder(nn.Module):
         if c.projector == "avg_pool":
             pooled = x.reshape(b, p // window, window, d).astype(jnp.float32).mean(axis=2).astype(x.dtype)
             return self.proj(self.proj_norm(pooled))
-        return self.merger_fc2(nn.gelu(self.merger_fc1(x.reshape(b, p // window, window * d))))
+        h = self.merger_fc1(x.reshape(b, p // window, window * d))
+        return self.merger_fc2(nn.gelu(h, approximate=c.projector == "merger"))
+
+
+def rope2d_angles(grid_BP2, head_dim: int, theta: float):
+    """Qwen2.5-VL's 2-D rotary angles, `B x P x head_dim/2` in float32: the head_dim/4
+    frequencies of a head of head_dim/2 (transformers' `Qwen2_5_VLVisionRotaryEmbedding`) times
+    the patch's row, then the same times its column."""
+    freqs = jnp.asarray(rope_frequencies(head_dim // 4, theta))
+    grid = grid_BP2.astype(jnp.float32)
+    return jnp.concatenate([grid[..., :1] * freqs, grid[..., 1:] * freqs], axis=-1)
+
+
+def window_mask(grid_BP2, side: int):
+    """Whether two patches lie in the same `side x side` window of patches (counted from the
+    image's top-left corner; combine with the segments' mask, which keeps images apart)."""
+    cell = grid_BP2 // side
+    same = cell[:, :, None, :] == cell[:, None, :, :]
+    return same[..., 0] & same[..., 1]
+
+
+class GatedBlock(nn.Module):
+    """Qwen2.5-VL's vision block: pre-RMSNorm attention with biases and 2-D rotary queries and
+    keys, then a gated MLP with biases; `full` says whether it attends over whole images (`mask`)
+    or within windows (`window`): a Python bool unrolled, a traced one scanned."""
+
+    width: int
+    heads: int
+    mlp: int
+    norm_eps: float = 1e-6
+    act: str = "silu"  # a key of ACTIVATIONS
+
+    @nn.compact
+    def __call__(self, x_BPD, full, mask_BPP, window_BPP, angles_BPF):
+        hd = self.width // self.heads
+        x_BPD = shard_sequence(x_BPD)
+        if isinstance(full, bool):
+            mask_BPP = mask_BPP if full else window_BPP
+        else:
+            mask_BPP = jnp.where(full, mask_BPP, window_BPP)
+        h = RMSNorm(self.norm_eps, name="attn_norm")(x_BPD)
+        q, k, v = (
+            DenseGeneral(
+                (self.heads, hd),
+                name=n,
+                kernel_init=partitioned(_init, "embed", "heads", "head_dim"),
+                bias_init=partitioned(nn.initializers.zeros, "heads", "head_dim"),
+            )(h)
+            for n in ("q", "k", "v")
+        )
+        o = attention(apply_rotary(q, angles_BPF), apply_rotary(k, angles_BPF), v, mask_BPP)
+        x_BPD = x_BPD + DenseGeneral(
+            self.width,
+            axis=(-2, -1),
+            name="o",
+            kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(o)
+        h = RMSNorm(self.norm_eps, name="mlp_norm")(x_BPD)
+        gate, up = (
+            Dense(
+                self.mlp,
+                name=n,
+                kernel_init=partitioned(_init, "embed", "mlp"),
+                bias_init=partitioned(nn.initializers.zeros, "mlp"),
+            )(h)
+            for n in ("gate", "up")
+        )
+        down = Dense(
+            self.width,
+            name="down",
+            kernel_init=partitioned(_init, "mlp", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )
+        return shard_sequence(x_BPD + down(ACTIVATIONS[self.act](gate) * up))

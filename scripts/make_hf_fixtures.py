@@ -261,6 +261,92 @@ def gemma3_vlm(out: Path) -> None:
     _save(model, out / "gemma3_vlm", pixels=pixels, tokens=GEMMA3_TOKENS, image_features=features, logits=logits)
 
 
+# A Qwen2.5-VL: a three-block tower (head 16, window attention in blocks 0 and 2, block 1 over whole
+# images) on patches of 2 px merged 2x2, windows of 8 px (4x4 patches); a two-layer Qwen2 text model with
+# M-RoPE (one key/value head of 16, sections 2+3+3 of its 8 frequencies)
+QWEN2_5_VL_VISION = {
+    "depth": 3,
+    "hidden_size": 48,
+    "num_heads": 3,
+    "intermediate_size": 40,
+    "hidden_act": "silu",
+    "in_channels": 3,
+    "patch_size": 2,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 8,
+    "fullatt_block_indexes": [1],
+    "out_hidden_size": 32,
+}
+QWEN2_5_VL_TEXT = {
+    **LLM_BASE,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 128,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+QWEN2_5_VL_IMAGE_TOKEN = 7
+# two images (H x W px) of different shapes, each cut by the windows: 8x12 patches (4x6 merged
+# tokens, windows of 4x4 patches: 2x3 of them) and 6x4 (3x2 tokens; a window row of 4 and one of 2)
+QWEN2_5_VL_SIZES = ((16, 24), (12, 8))
+QWEN2_5_VL_TOKENS = np.array(
+    [[5, 17, 94, *[QWEN2_5_VL_IMAGE_TOKEN] * 24, 95, 88, 41, 94, *[QWEN2_5_VL_IMAGE_TOKEN] * 6, 95, 9, 60, 2]],
+    np.int64,
+)
+
+
+def qwen2_5_vl(out: Path) -> None:
+    """A whole `Qwen2_5_VLForConditionalGeneration`: `images` (H x W x C each, `image0`, `image1`),
+    laid out as its image processor does (`pixel_values`: every image's patches in merge-window
+    order, each patch C x T x p x p with the frame repeated in time); `image_features` [30, text
+    width], the tower's merged output of both (`visual(...).pooler_output`); `logits` of `tokens`
+    (one row holding both images, vision start/end tokens around each) with the M-RoPE positions
+    transformers computes from `image_grid_thw`."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(6)
+    v = QWEN2_5_VL_VISION
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=QWEN2_5_VL_TEXT,
+        vision_config=v,
+        image_token_id=QWEN2_5_VL_IMAGE_TOKEN,
+        video_token_id=93,
+        vision_start_token_id=94,
+        vision_end_token_id=95,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    with torch.no_grad():  # queries and keys large enough that where attention looks (positions, windows) shows
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "attn.qkv.weight")):
+                p.normal_(0.0, 0.15)
+        model.model.visual.merger.ln_q.weight.add_(0.1 * torch.randn_like(model.model.visual.merger.ln_q.weight))
+    model = _perturbed(model)
+    rng = np.random.default_rng(6)
+    images = [rng.standard_normal((h, w, v["in_channels"])).astype(np.float32) for h, w in QWEN2_5_VL_SIZES]
+    cut = [
+        Qwen2VLImageProcessorPil().patchify(
+            im.transpose(2, 0, 1), v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"]
+        )
+        for im in images
+    ]
+    pixels = torch.tensor(np.concatenate([p for p, _, _ in cut]))
+    grid = torch.tensor([[1, gh, gw] for _, gh, gw in cut])
+    tokens = torch.tensor(QWEN2_5_VL_TOKENS)
+    with torch.no_grad():
+        features = model.model.visual(pixels, grid_thw=grid).pooler_output
+        logits = model(
+            input_ids=tokens,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=(tokens == QWEN2_5_VL_IMAGE_TOKEN).int(),
+        ).logits
+    arrays = {f"image{i}": im for i, im in enumerate(images)}
+    _save(model, out / "qwen2_5_vl", **arrays, tokens=QWEN2_5_VL_TOKENS, image_features=features, logits=logits)
+
+
 def whisper(out: Path) -> None:
     """A whole `WhisperModel` (its tensors under `encoder.`), features [2, mel, 16] and its
     encoder's `last_hidden_state` [2, 8, d_model]."""
@@ -309,6 +395,7 @@ def main() -> None:
         "whisper": whisper,
         "whisper_features": whisper_features,
         "gemma3_vlm": gemma3_vlm,
+        "qwen2_5_vl": qwen2_5_vl,
     }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()

@@ -1,0 +1,114 @@
+"""Qwen2.5-VL: its vision tower, its language model with M-RoPE and a whole folder, against
+transformers' own numbers stored in `tests/fixtures/hf/qwen2_5_vl` (`scripts/make_hf_fixtures.py`)."""
+
+import dataclasses
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT
+from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
+
+from maestro_jax.workloads.vlm import patchify
+
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+RTOL = 1e-4  # of the reference's largest magnitude, float32
+
+
+def fixture(tmp_path):
+    path = tmp_path / "qwen2_5_vl"
+    shutil.copytree(FIXTURES / "qwen2_5_vl", path)
+    return path, dict(np.load(path / "reference.npz"))
+
+
+def packed(images, cfg: ViTConfig):
+    """Both images' patches in one row (segments 1 and 2), each in the merge-window order."""
+    cuts = [patchify(im, cfg.patch, cfg.merge) for im in images]
+    patches = np.concatenate([p for p, _ in cuts])[None]
+    segments = np.concatenate([np.full(len(p), i + 1, np.int32) for i, (p, _) in enumerate(cuts)])[None]
+    grid = np.concatenate([g for _, g in cuts])[None].astype(np.int32)
+    return jnp.asarray(patches), jnp.asarray(segments), jnp.asarray(grid)
+
+
+def tower(path, ref, scan=False, **change):
+    """The folder's tower loaded into the native ViT, its image tokens for both fixture images."""
+    fields = {k: v for k, v in hf_encoders.vit_fields(path).items() if k != "kind"}
+    cfg = dataclasses.replace(ViTConfig(**fields, scan_layers=scan), **change)
+    model = VisionEncoder(cfg)
+    inputs = packed([ref["image0"], ref["image1"]], cfg)
+    target = nn.unbox(model.init(jax.random.key(0), *inputs)["params"])
+    params = hf_encoders.load_vit(path, target, fields)
+    return np.asarray(model.apply({"params": params}, *inputs)[0]), params, cfg
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.abs(np.asarray(b)).max())
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_tower_equals_transformers_on_two_images_of_different_sizes(tmp_path, scan):
+    """The Qwen2.5-VL tower (2-D rotary, RMSNorm and gated-MLP blocks, window attention in blocks 0
+    and 2 and whole-image attention in block 1, the `ln_q` merger) loaded from the folder gives
+    transformers' `visual(pixel_values, grid_thw)` for an 8x12-patch and a 6x4-patch image packed
+    in one row; without the windows (every block over whole images) the tokens differ."""
+    path, ref = fixture(tmp_path)
+    fields = hf_encoders.vit_fields(path)
+    assert (fields["block"], fields["pos_embed"], fields["projector"]) == ("rmsnorm_glu", "rope2d", "patch_merger")
+    assert (fields["window"], fields["full_layers"], fields["out_width"]) == (4, (1,), 32)
+    tokens, _, _ = tower(path, ref, scan)
+    want = ref["image_features"]
+    assert tokens.shape == want.shape == (30, 32)
+    assert rel_err(tokens, want) < RTOL
+    unwindowed, _, _ = tower(path, ref, scan, window=0)
+    assert rel_err(unwindowed, want) > 10 * RTOL
+
+
+def test_mrope_positions_are_transformers_get_rope_index():
+    """Text counts on, an image's tokens take (s, s + row, s + column) and the text after it resumes
+    at s + max(rows, columns): the positions transformers' `get_rope_index` gives (written out here
+    for a 2x3 image after two tokens, and a 1x2 one after one more)."""
+    from maestro_jax.models.llm import mrope_positions
+
+    ids = np.array([5, 6, *[7] * 6, 8, *[7] * 2, 9])
+    got = mrope_positions(ids, 7, [(2, 3), (1, 2)])
+    assert got[:, 0].tolist() == list(range(12))
+    assert got[:, 1:].T.tolist() == [
+        [0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 6, 8],
+        [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 6, 8],
+        [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 8],
+    ]
+    with pytest.raises(ValueError, match="an image of 2x3 tokens at position 2 has 4 placeholders"):
+        mrope_positions(ids[:6], 7, [(2, 3)])
+
+
+def test_language_model_with_mrope_equals_transformers(tmp_path):
+    """The folder's language model (Qwen2 with M-RoPE, sections 2+3+3) with the tower's image tokens
+    spliced in gives transformers' logits on a row of text and two images of different grids;
+    with plain 1-D positions the logits differ."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+    from maestro_jax.models.llm import mrope_positions
+
+    path, ref = fixture(tmp_path)
+    fields = hf.llm_fields(path)
+    assert fields["mrope_section"] == (2, 3, 3) and fields["qkv_bias"] and not fields["tie_embeddings"]
+    features, _, _ = tower(path, ref)
+    decoder = DecoderLM(LLMConfig.from_fields(fields))
+    ids = jnp.asarray(ref["tokens"], jnp.int32)
+    positions = mrope_positions(ref["tokens"][0], 7, [(4, 6), (3, 2)])[None]
+    valid = jnp.ones(ids.shape, bool)
+    target = nn.unbox(decoder.init(jax.random.key(0), ids, jnp.asarray(positions), valid)["params"])
+    v = {"params": hf.load_llm(path, target, fields)}
+    x = decoder.apply(v, ids, method=DecoderLM.embed)
+    x = x.at[0, np.flatnonzero(ref["tokens"][0] == 7)].set(features)
+
+    def logits(pos):
+        h = decoder.apply(v, x, jnp.asarray(pos), valid, method=DecoderLM.hidden)
+        return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+    want = ref["logits"]
+    assert rel_err(logits(positions), want) < RTOL
+    flat = np.repeat(positions[..., :1], 4, axis=-1)  # every axis the token's index: 1-D RoPE
+    assert rel_err(logits(flat), want) > 10 * RTOL
