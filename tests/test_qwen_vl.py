@@ -112,3 +112,64 @@ def test_language_model_with_mrope_equals_transformers(tmp_path):
     assert rel_err(logits(positions), want) < RTOL
     flat = np.repeat(positions[..., :1], 4, axis=-1)  # every axis the token's index: 1-D RoPE
     assert rel_err(logits(flat), want) > 10 * RTOL
+
+
+def _overrides(path) -> list[str]:
+    return [
+        "global_batch=8",
+        "data.text_len=[6,14]",
+        f"models.vision={{hf: {path}, kind: vit}}",
+        f"models.llm={{hf: {path}, kind: llm}}",
+        "data.modalities.image.sizes=[[16,24],[12,8]]",
+        "sections.llm.mesh={data: 6}",
+    ]
+
+
+def test_a_qwen2_5_vl_folder_gives_both_sections_and_verifies(tmp_path):
+    """`models.vision: {hf: DIR, kind: vit}` and `models.llm: {hf: DIR, kind: llm}` on one Qwen2.5-VL
+    folder: the tower and the M-RoPE language model with no field by hand, the image token from
+    `image_token_id`; the LLM's rows carry each sample's M-RoPE positions (packed rows too, each
+    sample its own) and the sectioned step equals the monolithic one."""
+    from maestro_jax.models.llm import mrope_positions
+
+    from maestro_jax.config import load_config
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.schedule.packing import TokenBudget
+    from maestro_jax.tools.verify import verify
+    from maestro_jax.workloads import settings
+    from maestro_jax.workloads.vlm import packed_multimodal_rows
+
+    path, _ = fixture(tmp_path)
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _overrides(path))
+    assert cfg.models["vision"].block == "rmsnorm_glu" and cfg.models["llm"].mrope_section == (2, 3, 3)
+    assert settings(cfg).image_token == 7
+    rt = build_runtime(cfg)
+    samples = [s for s in rt.batches()[0] if s.has("image")]
+    llm = next(s for s in rt.graph.sections if s.name == "llm")
+    host = llm.host_batch(samples, {})
+    assert host["positions"].shape[-1] == 4
+    for row, s in zip(host["positions"], samples):
+        grids = [(h // 4, w // 4) for h, w, _ in s.shapes("image")]
+        want = mrope_positions(s.tokens[:-1], 7, grids)
+        assert np.array_equal(row[: len(want)], want)
+        assert (want[:, 1] < want[:, 0]).any()  # an image's tokens share a temporal position
+    from maestro_jax.workloads.vlm import image_modality
+
+    image = image_modality(cfg)
+    packed = packed_multimodal_rows(
+        samples, {}, 1, TokenBudget(64), {"image_embeds": image}, positions=llm_positions(cfg)
+    )
+    for row, seg in zip(packed["positions"], packed["segments"]):
+        for k in range(1, seg.max() + 1):
+            own = row[seg == k]
+            assert own[0].tolist() == [0, 0, 0, 0]  # each sample's positions start again
+    diffs = verify(cfg, rt)
+    assert {d.name for d in diffs} >= {"loss", "vision/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
+
+
+def llm_positions(cfg):
+    from maestro_jax.workloads import model
+    from maestro_jax.workloads.vlm import image_modality, sample_positions
+
+    return sample_positions(model(cfg, "llm", "llm"), {"image_embeds": image_modality(cfg)})

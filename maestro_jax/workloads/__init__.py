@@ -131,16 +131,18 @@ def settings(cfg: Config) -> Settings | None:
 
 def _from_checkpoints(cfg: Config, cls: type[Settings]) -> dict[str, tuple[object, str, str]]:
     """The settings a `models.<s>.hf` folder gives (`Settings.checkpoint_fields`: setting -> the
-    config.json field, as a VLM's `image_token` is its folder's `image_token_index`): setting ->
-    (value, folder, field). Two folders that disagree are a ConfigError naming both."""
+    config.json field, as a VLM's `image_token` is its folder's `image_token_index`, or the first
+    of several a family may name it by: Qwen-VL's `image_token_id`): setting -> (value, folder,
+    field). Two folders that disagree are a ConfigError naming both."""
     from maestro_jax import hf_config
 
     fields = getattr(cls, "checkpoint_fields", {})
     out: dict[str, tuple[object, str, str]] = {}
     for folder in dict.fromkeys(m.hf for m in cfg.models.values() if getattr(m, "hf", None)):
         config = hf_config.read_config(folder)
-        for key, field in fields.items():
-            if field not in config:
+        for key, names in fields.items():
+            field = next((f for f in ((names,) if isinstance(names, str) else names) if f in config), None)
+            if field is None:
                 continue
             if key in out and out[key][0] != config[field]:
                 raise ConfigError(

@@ -35,43 +35,56 @@ from maestro_jax.data.samples import Modality
 from maestro_jax.meshes import BATCH_AXES
 from maestro_jax.schedule.packing import Pack, TokenBudget, pack_rows
 
+Positions = Callable[[object], np.ndarray]  # a sample -> its next-token positions' own positions, n x k
 
-def _empty_rows(r: int, length: int, modalities: Sequence[Modality]) -> dict[str, np.ndarray]:
-    """`r` rows of `length` next-token positions, all padding: what `_place` fills per sample."""
+
+def _empty_rows(r: int, length: int, modalities: Sequence[Modality], axes: int = 0) -> dict[str, np.ndarray]:
+    """`r` rows of `length` next-token positions, all padding: what `_place` fills per sample
+    (`axes` > 0: each position has that many coordinates, `Positions`)."""
     return {
         "input_ids": np.zeros((r, length), np.int32),
         "targets": np.zeros((r, length), np.int32),
         "loss_mask": np.zeros((r, length), np.float32),
-        "positions": np.zeros((r, length), np.int32),
+        "positions": np.zeros((r, length, axes) if axes else (r, length), np.int32),
         "valid": np.zeros((r, length), bool),
         **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
     }
 
 
-def text_rows(rows, modalities: Sequence[Modality] = ()) -> dict[str, np.ndarray]:
+def text_rows(rows, modalities: Sequence[Modality] = (), positions: Positions | None = None) -> dict[str, np.ndarray]:
     """Next-token rows: inputs tokens[:-1], targets tokens[1:]; a target carries loss unless it
     is a placeholder or the sample's `loss_mask` clears it (`carries_loss`).
 
     For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
-    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings."""
+    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings.
+    `positions` (an M-RoPE LLM's, `models.llm.mrope_positions`) gives each sample's positions
+    instead of 0, 1, 2, ...: `positions` is then rows x length x k."""
     length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1))
-    out = _empty_rows(len(rows), length, modalities)
+    own, axes = _own_positions(rows, positions)
+    out = _empty_rows(len(rows), length, modalities, axes)
     for i, s in enumerate(rows):
         if s is None:
             continue
-        _place(out, i, slice(0, len(s.tokens) - 1), s, modalities)
+        _place(out, i, slice(0, len(s.tokens) - 1), s, modalities, own[i])
     return out
 
 
-def _place(out: dict, i: int, span: slice, s, modalities: Sequence[Modality]) -> None:
+def _own_positions(rows, positions: Positions | None) -> tuple[list, int]:
+    """Each sample's own positions (None where `positions` is None or the slot empty), and their
+    coordinate count (0: plain positions)."""
+    own = [None if positions is None or s is None else positions(s) for s in rows]
+    return own, next((p.shape[1] for p in own if p is not None), 0 if positions is None else 1)
+
+
+def _place(out: dict, i: int, span: slice, s, modalities: Sequence[Modality], own=None) -> None:
     """Sample `s`'s next-token positions into row `i` at `span`: inputs, targets, loss (per
-    `carries_loss`), positions from 0, validity, and each modality's placeholder indices
-    counted within the sample (where `splice` puts its embeddings)."""
+    `carries_loss`), positions from 0 (or `own`), validity, and each modality's placeholder
+    indices counted within the sample (where `splice` puts its embeddings)."""
     t, n = s.tokens, span.stop - span.start
     out["input_ids"][i, span] = t[:-1]
     out["targets"][i, span] = t[1:]
     out["loss_mask"][i, span] = carries_loss(s, [m.placeholder for m in modalities])
-    out["positions"][i, span] = np.arange(n)
+    out["positions"][i, span] = np.arange(n) if own is None else own
     out["valid"][i, span] = True
     for m in modalities:
         hit = t[:-1] == m.placeholder
@@ -223,6 +236,7 @@ def packed_text_rows(
     pack: Pack,
     modalities: Sequence[Modality] = (),
     unpacks: bool = False,
+    positions: Positions | None = None,
 ) -> dict[str, np.ndarray]:
     """`text_rows` with several samples per row (sequence packing): `rows` are the micro-step's
     slots (shard-major), laid into rows by `schedule.packing.pack_rows` (`pack` slots a row, as
@@ -231,14 +245,15 @@ def packed_text_rows(
     inside it), its own loss targets (`carries_loss`) and placeholder indices; for each edge in
     `routes`, `<edge>_row` gives every position its sample's route. With `unpacks` (a section
     whose outputs go down an edge), `slot_row` and `slot_pos` (slots x the longest sample) say
-    where each slot's positions sit: `unpack` reads them."""
+    where each slot's positions sit: `unpack` reads them. `positions`: as `text_rows`'s."""
     lengths = [len(s.tokens) - 1 if s is not None else None for s in rows]
     packed = pack_rows(lengths, shards, pack)
     longest = max((sum(lengths[x] for x in row) for row in packed), default=1)
     length = bucket(pack.tokens if isinstance(pack, TokenBudget) else longest)
     r = len(packed)
+    own, axes = _own_positions(rows, positions)
     out = {
-        **_empty_rows(r, length, modalities),
+        **_empty_rows(r, length, modalities, axes),
         "segments": np.zeros((r, length), np.int32),
         **{f"{e}_row": np.full((r, length), -1, np.int32) for e in routes},
     }
@@ -252,7 +267,7 @@ def packed_text_rows(
         for seg, x in enumerate(row, start=1):
             n = lengths[x]
             span = slice(at, at + n)
-            _place(out, i, span, rows[x], modalities)
+            _place(out, i, span, rows[x], modalities, own[x])
             out["segments"][i, span] = seg
             for e, route in routes.items():
                 out[f"{e}_row"][i, span] = route[x]

@@ -22,7 +22,7 @@ from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
-from maestro_jax.models.llm import image_blocks
+from maestro_jax.models.llm import image_blocks, mrope_positions
 from maestro_jax.schedule.packing import Pack
 from maestro_jax.workloads import Workload, mean_item_units, model, settings
 from maestro_jax.workloads import rows as R
@@ -35,10 +35,13 @@ EDGE = "image_embeds"
 
 class VLMSettings(Settings):
     """`workload_settings:` of the workloads with images (vlm, vlm_kd; omni adds audio). A model
-    read from a VLM checkpoint folder (`models.<s>: {hf: PATH}`: Gemma 3's, LLaVA's) fills in
-    `image_token` from its config.json (`checkpoint_fields`); a value written beside it must agree."""
+    read from a VLM checkpoint folder (`models.<s>: {hf: PATH}`: Gemma 3's, LLaVA's, Qwen2.5-VL's)
+    fills in `image_token` from its config.json (`checkpoint_fields`); a value written beside it
+    must agree."""
 
-    checkpoint_fields: ClassVar[dict[str, str]] = {"image_token": "image_token_index"}
+    checkpoint_fields: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "image_token": ("image_token_index", "image_token_id")
+    }
     image_token: PositiveInt = IMAGE_TOKEN  # the LLM input id of an image token: the tokenizer's `<image>` id
 
 
@@ -124,7 +127,25 @@ def init_vision(vit: ViTConfig, key):
 
 
 def init_llm(llm: LLMConfig, key):
-    return DecoderLM(llm).init(key, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool))
+    positions = jnp.arange(4)[None]
+    if llm.mrope_section is not None:  # the order and the three M-RoPE axes (`DecoderLM.body`)
+        positions = jnp.repeat(positions[..., None], 4, axis=-1)
+    return DecoderLM(llm).init(key, jnp.zeros((1, 4), jnp.int32), positions, jnp.ones((1, 4), bool))
+
+
+def sample_positions(llm: LLMConfig, spliced: Mapping[str, Modality]) -> R.Positions | None:
+    """An M-RoPE LLM's positions for each sample (`models.llm.mrope_positions`), from the merged
+    grid of each of its images (the image modality's `unit` is patch * merge pixels); None for
+    an LLM with plain positions."""
+    image = next((m for m in spliced.values() if m.name == "image"), None)
+    if llm.mrope_section is None or image is None:
+        return None
+
+    def positions(s):
+        grids = [(h // image.unit[0], w // image.unit[1]) for h, w, *_ in s.shapes("image")]
+        return mrope_positions(s.tokens[:-1], image.placeholder, grids)
+
+    return positions
 
 
 def mean_patches(cfg: Config, vit: ViTConfig) -> float:
@@ -141,10 +162,16 @@ def mean_patches(cfg: Config, vit: ViTConfig) -> float:
     return mean_item_units(cfg, "image", lambda hw: (hw[0] // vit.patch) * (hw[1] // vit.patch), vit.max_grid**2 / 4)
 
 
-def multimodal_rows(rows, routes, spliced: Mapping[str, Modality], images: bool = False) -> dict:
+def multimodal_rows(
+    rows, routes, spliced: Mapping[str, Modality], images: bool = False, positions: R.Positions | None = None
+) -> dict:
     """Text rows with placeholder indices per modality, and a route per spliced edge; with
-    `images` (the LLM's `bidirectional_images`), each token's image block (`with_image_blocks`)."""
-    out = {**R.text_rows(rows, tuple(spliced.values())), **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
+    `images` (the LLM's `bidirectional_images`), each token's image block (`with_image_blocks`);
+    with `positions` (`sample_positions`), each sample's own."""
+    out = {
+        **R.text_rows(rows, tuple(spliced.values()), positions),
+        **{f"{e}_row": R.route(routes, e, rows) for e in spliced},
+    }
     return with_image_blocks(out) if images else out
 
 
@@ -156,11 +183,13 @@ def packed_multimodal_rows(
     spliced: Mapping[str, Modality],
     gathered: tuple[str, ...] = (),
     images: bool = False,
+    positions: R.Positions | None = None,
 ) -> dict:
     """`multimodal_rows` with sequence packing (`rows.packed_text_rows`): each position routes to
-    its own sample's producer row, on every spliced edge and every edge in `gathered`."""
+    its own sample's producer row, on every spliced edge and every edge in `gathered`; each
+    sample keeps its own positions (M-RoPE's too)."""
     edges = {e: R.route(routes, e, rows) for e in (*spliced, *gathered)}
-    out = R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()))
+    out = R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()), positions=positions)
     return with_image_blocks(out) if images else out
 
 
@@ -212,6 +241,7 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost 
     pipeline stages (`workloads.staged`): image embeddings spliced in the first, the loss in the
     last, each stage's cost its share of the decoder's."""
     decoder = DecoderLM(llm)
+    positions = sample_positions(llm, spliced)
 
     def forward(variables, inputs, batch):
         logits, aux = spliced_logits(decoder, variables, inputs, batch, spliced)
@@ -233,9 +263,9 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost 
         "llm",
         trained=True,
         forward=forward,
-        host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced, llm.bidirectional_images),
+        host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced, llm.bidirectional_images, positions),
         packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(
-            rows, routes, shards, pack, spliced, images=llm.bidirectional_images
+            rows, routes, shards, pack, spliced, images=llm.bidirectional_images, positions=positions
         ),
         activates=lambda s: True,
         work=R.next_token_units,
