@@ -247,15 +247,18 @@ def _export(cfg, args) -> int:
 
 
 def _export_vlm(cfg, args, names: list[str]) -> int:
-    """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder."""
+    """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder, or a
+    Qwen2.5-VL one where the tower is Qwen2.5-VL's (`block: rmsnorm_glu`)."""
     from maestro_jax.tools import hf
     from maestro_jax.workloads import settings
 
     kinds = {cfg.models[n].kind: n for n in names}
-    if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, "gemma3"):
+    qwen = "vit" in kinds and getattr(cfg.models[kinds["vit"]], "block", None) == "rmsnorm_glu"
+    model_type = "qwen2_5_vl" if qwen else "gemma3"
+    if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, model_type):
         print(
             f"error: --section={args.section!r} --model-type={args.model_type}: a whole VLM folder is one vit and one "
-            f"llm section (e.g. --section vision,llm), written as gemma3",
+            f"llm section (e.g. --section vision,llm), written as gemma3 (or qwen2_5_vl, a Qwen2.5-VL tower's)",
             file=sys.stderr,
         )
         return 2
@@ -266,14 +269,14 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
         hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
         states, step = _latest_states(cfg)
         vision, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("vit", "llm"))
-        hf.export_gemma3_vlm(args.out, vision, llm, image_token, args.overwrite)
+        (hf.export_qwen2_5_vl if qwen else hf.export_gemma3_vlm)(args.out, vision, llm, image_token, args.overwrite)
     except hf.HFError as err:
         print(
             _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),
             file=sys.stderr,
         )
         return 2
-    print(f"wrote {args.out}: sections {kinds['vit']!r} and {kinds['llm']!r} at step {step} (gemma3)")
+    print(f"wrote {args.out}: sections {kinds['vit']!r} and {kinds['llm']!r} at step {step} ({model_type})")
     return 0
 
 
@@ -589,10 +592,11 @@ COMMANDS: dict[str, Command] = {
                     "clip",
                     "whisper",
                     "gemma3",
+                    "qwen2_5_vl",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
                 "Gemma's block; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
-                "VLM's two sections)",
+                "VLM's two sections, qwen2_5_vl for a Qwen2.5-VL's)",
             ),
             opt(
                 "--overwrite",

@@ -411,6 +411,63 @@ def save_gemma3_vlm(
     _write(path, {**text, **tower}, config, max_shard_bytes)
 
 
+def save_qwen2_5_vl(
+    path: str | Path,
+    vit_params: dict,
+    vit_fields: dict,
+    llm_params: dict,
+    llm_fields: dict,
+    image_token: int,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write a VLM's tower (`block: rmsnorm_glu`, Qwen2.5-VL's) and its M-RoPE language model as one
+    `Qwen2_5_VLForConditionalGeneration` folder with the Hub's tensor names (`visual.`, `model.`,
+    `lm_head.`) and transformers 5's nested `text_config`; `image_token` is the placeholder id
+    the VLM was trained with (`image_token_id`)."""
+    from maestro_jax.models.hf import llm_checkpoint
+
+    if vit_fields.get("block") != "rmsnorm_glu" or not llm_fields.get("mrope_section") or llm_fields["rope_scaling"]:
+        raise HFError(
+            f"block={vit_fields.get('block')!r}, mrope_section={llm_fields.get('mrope_section')}, rope_scaling="
+            f"{llm_fields.get('rope_scaling')}: a Qwen2.5-VL's tower has block='rmsnorm_glu' and its language model "
+            f"an mrope_section and no rope_scaling"
+        )
+    if vit_fields["out_width"] != llm_fields["width"]:
+        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
+    text, text_config = llm_checkpoint(llm_params, llm_fields, "qwen2", prefix="model.")
+    text_config = {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype", "rope_scaling")}
+    text_config |= {
+        "model_type": "qwen2_5_vl_text",
+        "rope_scaling": {"type": "mrope", "mrope_section": list(llm_fields["mrope_section"])},
+    }
+    f = vit_fields
+    config = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "text_config": text_config,
+        "vision_config": {
+            "model_type": "qwen2_5_vl_vision",
+            "depth": vit_layers(f),
+            "hidden_size": f["width"],
+            "hidden_act": f["act"],
+            "intermediate_size": f["mlp"],
+            "num_heads": f["heads"],
+            "in_channels": f["channels"],
+            "patch_size": f["patch"],
+            "spatial_merge_size": f["merge"],
+            "temporal_patch_size": 2,
+            "window_size": f["window"] * f["patch"],
+            "fullatt_block_indexes": list(f["full_layers"]),
+            "out_hidden_size": f["out_width"],
+            "rope_parameters": {"rope_type": "axial", "rope_theta": f["rope_theta"]},
+        },
+        "image_token_id": image_token,
+        "tie_word_embeddings": llm_fields["tie_embeddings"],
+        "torch_dtype": "float32",
+    }
+    _write(path, {**text, **_tensors(vit_params, qwen_vit_mapping(f))}, config, max_shard_bytes)
+
+
 def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:
     """Write a Whisper-layout `AudioEncoder` (`stem: conv`) as a folder that
     `transformers.WhisperEncoder` loads; `out_proj` is not part of Whisper and is left out."""

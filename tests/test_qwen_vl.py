@@ -173,3 +173,39 @@ def llm_positions(cfg):
     from maestro_jax.workloads.vlm import image_modality, sample_positions
 
     return sample_positions(model(cfg, "llm", "llm"), {"image_embeds": image_modality(cfg)})
+
+
+def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads(tmp_path):
+    """`save_qwen2_5_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
+    a folder with the same fields and weights back; transformers loads it with nothing missing
+    and its logits on the fixture's row are the reference's (where torch is installed)."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+
+    path, ref = fixture(tmp_path)
+    _, vparams, _ = tower(path, ref)
+    vfields, lfields = hf_encoders.vit_fields(path), hf.llm_fields(path)
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    ids = jnp.zeros((1, 4), jnp.int32)
+    target = nn.unbox(decoder.init(jax.random.key(0), ids, jnp.zeros((1, 4, 4), jnp.int32), ids > -1)["params"])
+    lparams = hf.load_llm(path, target, lfields)
+    out = tmp_path / "out"
+    hf_encoders.save_qwen2_5_vl(out, vparams, vfields, lparams, lfields, image_token=7)
+    assert hf_encoders.vit_fields(out) == vfields and hf.llm_fields(out) == lfields
+    again = hf_encoders.load_vit(out, vparams, vfields)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), again, vparams))
+    torch = pytest.importorskip("torch", reason="transformers' reload needs torch (the reference extra)")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    cut = [Qwen2VLImageProcessorPil().patchify(ref[f"image{i}"].transpose(2, 0, 1), 2, 2, 2) for i in range(2)]
+    tokens = torch.tensor(ref["tokens"])
+    with torch.no_grad():
+        logits = model.eval()(
+            input_ids=tokens,
+            pixel_values=torch.tensor(np.concatenate([p for p, _, _ in cut])),
+            image_grid_thw=torch.tensor([[1, gh, gw] for _, gh, gw in cut]),
+            mm_token_type_ids=(tokens == 7).int(),
+        ).logits.numpy()
+    assert rel_err(logits, ref["logits"]) < RTOL

@@ -18,13 +18,14 @@ import shutil
 from pathlib import Path
 
 from maestro_jax.models.hf import ARCHITECTURES, HFError, save_llm
-from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_vit
+from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_qwen2_5_vl, save_vit
 
 __all__ = [
     "EXPORT_TYPES",
     "HFError",
     "check_export_folder",
     "export_gemma3_vlm",
+    "export_qwen2_5_vl",
     "export_section",
     "export_type",
     "save_audio",
@@ -66,6 +67,11 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
                 f"an encoder with stem='conv' exports as Whisper"
             )
         own = "whisper"
+    elif fields.get("mrope_section"):
+        raise HFError(
+            f"error: {where}.mrope_section={list(fields['mrope_section'])}: no Hugging Face language model alone has "
+            f"M-RoPE; export it with its tower as one qwen2_5_vl folder (--section vision,llm)"
+        )
     elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
         own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
     elif fields.get("sliding_window") is not None:  # of the other LLM types, only Mistral has the window
@@ -119,6 +125,14 @@ def export_gemma3_vlm(
     """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one Gemma 3
     VLM folder (`save_gemma3_vlm`), owning the folder (`_export_into`)."""
     _export_into(path, lambda staging: save_gemma3_vlm(staging, *vision, *llm, image_token), overwrite)
+
+
+def export_qwen2_5_vl(
+    path: str | Path, vision: tuple[dict, dict], llm: tuple[dict, dict], image_token: int, overwrite: bool = False
+) -> None:
+    """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one
+    Qwen2.5-VL folder (`save_qwen2_5_vl`), owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_qwen2_5_vl(staging, *vision, *llm, image_token), overwrite)
 
 
 def _export_into(path: str | Path, write, overwrite: bool) -> None:
