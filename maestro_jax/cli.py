@@ -551,7 +551,8 @@ COMMANDS: dict[str, Command] = {
         devices=False,
     ),
     "check-hf": Command(
-        "run a Hugging Face LLM folder through transformers and through maestro; compare the logits",
+        "run a Hugging Face folder (an LLM, a tower, a Gemma 3 or Qwen2.5-VL VLM) through transformers and "
+        "through maestro; compare the logits (features)",
         _check_hf,
         (
             opt("--hf", required=True, metavar="DIR", help="the folder (config.json and safetensors)"),

@@ -209,3 +209,44 @@ def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads
             mm_token_type_ids=(tokens == 7).int(),
         ).logits.numpy()
     assert rel_err(logits, ref["logits"]) < RTOL
+    from maestro_jax import cli
+
+    assert cli.main(["check-hf", "--hf", str(out)]) == 0
+
+
+def test_check_hf_compares_a_qwen2_5_vl_folders_image_tokens_and_logits(capsys):
+    """`check-hf` on a Qwen2.5-VL folder: three images of different grids (windows cut at their
+    edges) and two rows of different lengths holding them; the image tokens and the logits, a
+    line each, both within the tolerance."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax import cli
+
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / "qwen2_5_vl")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "(qwen2_5_vl): 3 images of 12x20, 8x12, 16x4; image tokens" in lines[0] and lines[0].endswith("PASS"), lines
+    assert "3 images in 2 rows of [42, 12] tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
+
+
+@pytest.mark.parametrize("side,verdicts", [("vision", ("FAIL", "FAIL")), ("llm", ("PASS", "FAIL"))])
+def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkeypatch, capsys, side, verdicts):
+    """One weight moved on maestro's side only (after its import of the folder; a folder whose
+    weight is moved goes through both sides moved, and passes): check-hf exits 1, the tower's
+    weight failing both comparisons, the language model's the logits alone."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax.models import hf
+
+    from maestro_jax import cli
+
+    module, name = (hf_encoders, "load_vit") if side == "vision" else (hf, "load_llm")
+    load = getattr(module, name)
+
+    def moved(*args, **kwargs):
+        params = load(*args, **kwargs)
+        leaves, tree = jax.tree.flatten(params)
+        leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(0.05)
+        return jax.tree.unflatten(tree, leaves)
+
+    monkeypatch.setattr(module, name, moved)
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / "qwen2_5_vl")]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert tuple(line.rsplit(" ", 1)[-1] for line in lines) == verdicts, lines

@@ -9,7 +9,10 @@ its size, packed in one row as the VLM packs them, and its features are compared
 `last_hidden_state`, CLIP's `hidden_states[feature_layer]` without the class token. A Whisper
 encoder gets two random clips of its length, and its `last_hidden_state` is compared. A whole
 Gemma 3 VLM gets two random images and a row of text holding both: its image tokens (tower and
-projector) and its logits are compared.
+projector) and its logits are compared. A whole Qwen2.5-VL gets three random images of different
+sizes (grids that the tower's attention windows do not divide) and two rows of different lengths,
+the longer holding two of them between text, the shorter the third: the merged image tokens and
+the logits (with each row's M-RoPE positions) are compared.
 transformers runs the PyTorch model (the `reference` extra: torch and transformers, on the CPU,
 float32); maestro loads the folder with the same mappings `init.hf_path` uses (`models.hf`,
 `models.hf_encoders`). The result is the largest absolute difference and that difference
@@ -19,6 +22,7 @@ relative to the largest reference value; within `tolerance` (relative) the check
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 
 import jax
@@ -91,9 +95,12 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
 
 def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
-    Gemma 3 VLM's image tokens and logits."""
-    if read_config(path).get("model_type") == "gemma3":
+    Gemma 3 or Qwen2.5-VL VLM's image tokens and logits."""
+    model_type = read_config(path).get("model_type")
+    if model_type == "gemma3":
         return check_gemma3_vlm(path, tolerance, seed)
+    if model_type == "qwen2_5_vl":
+        return check_qwen2_5_vl(path, tolerance, seed)
     check = {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind_of(path)]
     return [check(path, tolerance, seed)]
 
@@ -139,6 +146,92 @@ def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, see
     ]
 
 
+def check_qwen2_5_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """A Qwen2.5-VL folder: three random images through the tower and the patch merger
+    (transformers' `visual(pixel_values, grid_thw)`), of (w+1)x(2w+1), 2x(w+1) and (w+2)x1 merged
+    tokens for attention windows of w tokens a side, so windows are cut at the images' edges; then
+    two rows of random text of different lengths (right-padded, the padding masked on both sides
+    and left out of the comparison), the first holding two images, the second the third, each
+    image's placeholders between the vision start and end tokens (where the vocabulary holds them),
+    through the whole model with each row's M-RoPE positions (`models.llm.mrope_positions`,
+    transformers' `get_rope_index`); the image tokens and the logits compared."""
+    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
+    from maestro_jax.models.llm import mrope_positions
+
+    path = Path(path)
+    config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
+    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
+    w = max(1, vcfg.window // vcfg.merge)  # the attention window, in merged tokens a side
+    grids = [(w + 1, 2 * w + 1), (2, w + 1), (w + 2, 1)]  # merged tokens, rows x columns
+    side = vcfg.patch * vcfg.merge
+    rng = np.random.default_rng(seed)
+    images = [rng.standard_normal((vcfg.channels, r * side, c * side)).astype(np.float32) for r, c in grids]
+    inputs, _ = packed_images(images, vcfg)
+    tower = VisionEncoder(vcfg)
+    features = np.asarray(
+        tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    )
+    image_token, vocab = config.get("image_token_id", 151655), lfields["vocab"]
+    ids_around = [config.get(k, d) for k, d in (("vision_start_token_id", 151652), ("vision_end_token_id", 151653))]
+    # transformers' defaults, out of a small exported model's vocabulary: then text tokens hold the images
+    start, end = ([t] if t < vocab else [] for t in ids_around)
+    special = {image_token, *ids_around, config.get("video_token_id", 151656)}
+    text = np.array([t for t in range(vocab) if t not in special])
+
+    def image(k):
+        return [*start, *[image_token] * (grids[k][0] * grids[k][1]), *end]
+
+    rows = [
+        np.concatenate([rng.choice(text, 9), image(0), rng.choice(text, 3), image(1), rng.choice(text, 5)]),
+        np.concatenate([rng.choice(text, 4), image(2), rng.choice(text, 2)]),
+    ]
+    lengths = [len(r) for r in rows]
+    ids = np.zeros((len(rows), max(lengths)), np.int64)
+    positions = np.zeros((*ids.shape, 4), np.int32)
+    for i, (row, row_grids) in enumerate(zip(rows, (grids[:2], grids[2:]))):
+        ids[i, : len(row)] = row
+        positions[i, : len(row)] = mrope_positions(row, image_token, row_grids)
+    valid, is_image = np.arange(ids.shape[1])[None] < np.array(lengths)[:, None], ids == image_token
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    args = (jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(valid))
+    v = {"params": hf.load_llm(path, _placed(decoder, args), lfields)}
+    x = decoder.apply(v, args[0], method=DecoderLM.embed).at[np.nonzero(is_image)].set(features)
+    logits = np.asarray(
+        decoder.apply(v, decoder.apply(v, x, *args[1:], method=DecoderLM.hidden), method=DecoderLM.logits)
+    )
+    torch, transformers = _reference_modules()
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
+    temporal = (config.get("vision_config") or {}).get("temporal_patch_size", 2)
+    pixels = torch.tensor(np.concatenate([qwen_pixel_values(im, vcfg.patch, vcfg.merge, temporal) for im in images]))
+    grid_thw = torch.tensor([[1, r * vcfg.merge, c * vcfg.merge] for r, c in grids])
+    kwargs = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(valid.astype(np.int64))}
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # transformers 5 places images by it
+        kwargs["mm_token_type_ids"] = torch.tensor(is_image.astype(np.int64))
+    with torch.no_grad():
+        visual = model.model.visual if hasattr(model.model, "visual") else model.visual  # newer ones nest it
+        out = visual(pixels, grid_thw=grid_thw)
+        want_features = getattr(out, "pooler_output", out).float().numpy()  # transformers 4: the tensor
+        want_logits = model(**kwargs, pixel_values=pixels, image_grid_thw=grid_thw).logits.float().numpy()
+    sizes = ", ".join(f"{r * side}x{c * side}" for r, c in grids)
+    return [
+        _result(path, f"3 images of {sizes}", "image tokens", features, want_features, tolerance),
+        _result(
+            path, f"3 images in 2 rows of {lengths} tokens", "logits", logits[valid], want_logits[valid], tolerance
+        ),
+    ]
+
+
+def qwen_pixel_values(image: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+    """An image C x H x W as Qwen2-VL's image processor lays it out for the tower: the still image
+    repeated `temporal` times in time, one row per patch in merge-window order, each row
+    C x temporal x patch x patch."""
+    c, h, w = image.shape
+    gh, gw = h // patch, w // patch
+    frames = np.broadcast_to(image[None], (temporal, c, h, w))
+    cut = frames.reshape(temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    return cut.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * temporal * patch * patch)
+
+
 def _placed(model, inputs):
     """The model's initialised params on the first device (what the loaders take as target)."""
     import flax.linen as nn
@@ -177,7 +270,7 @@ def check_vision(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
 
 
 def packed_images(pixels: np.ndarray, cfg) -> tuple[tuple, tuple[np.ndarray, np.ndarray]]:
-    """Images [N, C, H, W] packed into one row as the VLM packs them (`workloads.vlm.patchify`:
+    """Images (C x H x W each, of one size or several) packed into one row as the VLM packs them (`workloads.vlm.patchify`:
     each merge window contiguous, image i+1 its segment): the tower's (patches, segments, grid),
     and for each patch its image and its cell in a row-major tower output (transformers')."""
     from maestro_jax.workloads.vlm import patchify
