@@ -7,8 +7,10 @@ A record is a conversation, LLaVA style `{"id", "image": path | [paths], "conver
 `{"messages": [{"role", "content"}]}`, or plain text `{"text": ...}`. Conversations are
 rendered with the tokenizer's chat template; each `<image>` marker becomes that image's
 placeholder tokens (from a Gemma 3 checkpoint's folder, what its processor writes: boi, its
-image tokens, eoi, each image resized to its processor's size), and only the assistant's turns
-carry loss. Image paths are relative to
+image tokens, eoi, each image resized to its processor's size; from a Qwen2.5-VL one,
+<|vision_start|>, one <|image_pad|> per merged token, <|vision_end|>, each image resized by the
+processor's smart_resize within preprocessor_config.json's min_pixels and max_pixels and
+normalised as it normalises), and only the assistant's turns carry loss. Image paths are relative to
 --image-root (default: the input's folder); images are scaled to at most --max-side pixels a
 side (default: the largest the model takes), each side a multiple of patch * merge. Each
 `<audio>` marker (the record's `audio`: path | [paths], or an OpenAI `audio` / `input_audio`

@@ -648,3 +648,159 @@ def test_a_gemma3_folder_the_model_cannot_take_is_refused_in_one_line(images, tm
             C.Converter(C.ChatTokenizer.load(folder), GEMMA3_VLM, images, **kwargs)
         assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
         assert message in str(err.value), str(err.value)
+
+
+# Qwen2.5-VL's chat template, as Qwen/Qwen2.5-VL-7B-Instruct ships it (chat_template.json)
+QWEN_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_VL_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",  # id 5: the model's image token
+    "<|video_pad|>",
+]
+QWEN_VL_VLM = target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=5"])
+
+
+def make_qwen_vl_folder(folder, **preprocessor):
+    """A Qwen2.5-VL checkpoint's tokenizer and processor files (a byte-level BPE trained on
+    CORPUS with Qwen's special tokens, its chat template in chat_template.json, a
+    preprocessor_config.json for patches of 4 merged 2 x 2: one token per 8 x 8 pixels, the
+    vlm_tiny tower's), min_pixels 128 and max_pixels 512 so that small images grow and large ones
+    shrink."""
+    make_tokenizer(folder, QWEN_VL_SPECIALS)
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_VL_TEMPLATE}))
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, "merge_size": 2}
+    pre |= {"temporal_patch_size": 2, "min_pixels": 128, "max_pixels": 512, **preprocessor}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre))
+    return folder
+
+
+def test_qwen_vl_conversations_are_written_as_its_processor_writes_them(images, tmp_path):
+    """From a Qwen2.5-VL folder, each image becomes <|vision_start|>, one <|image_pad|> per merged
+    token of the image as the processor resizes it (`smart_resize`: 8x8 grows to 16x16, 40x20
+    shrinks to 32x16) and <|vision_end|>: the token ids, the pixels (normalised by CLIP's mean and
+    std, in the tower's patch layout) and the grids equal transformers' Qwen2_5_VLProcessor
+    (OpenAI-style parts through `apply_chat_template`, LLaVA's `<image>` where the template puts
+    its vision tokens), and only the assistant's turns carry loss."""
+    pytest.importorskip("torch", reason="transformers' processors need torch (the `reference` extra)")
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from maestro_jax.tools.check_hf import qwen_pixel_values
+
+    folder = make_qwen_vl_folder(tmp_path / "qwen")
+    tok = C.ChatTokenizer.load(folder)
+    assert (tok.image_sequence.family, tok.image_sequence.factor, tok.image_sequence.pixels) == (
+        "qwen_vl",
+        8,
+        (128, 512),
+    )
+    converter = C.Converter(tok, QWEN_VL_VLM, images)
+    # the processor's own __call__ and apply_chat_template, with no video processor: its constructor
+    # insists on one, and Qwen2-VL's video processor needs torchvision (not in the reference extra)
+    processor = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
+    processor.tokenizer, processor.video_processor = AutoTokenizer.from_pretrained(folder), None
+    processor.image_processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, min_pixels=128, max_pixels=512)
+    processor.chat_template, processor.image_token, processor.video_token = QWEN_VL_TEMPLATE, *QWEN_VL_SPECIALS[5:]
+    processor.image_token_id, processor.video_token_id = 5, 6
+    parts = {
+        "messages": [
+            {"role": "system", "content": "describe images."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "im0.png"},
+                    {"type": "text", "text": "compare it with"},
+                    {"type": "image", "image": "im3.png"},
+                    {"type": "image", "image": "im2.png"},
+                ],
+            },
+            {"role": "assistant", "content": "the first image shows a red square."},
+        ]
+    }
+    opened = {f"im{i}.png": Image.open(images / f"im{i}.png").convert("RGB") for i in range(4)}
+    reference = [
+        {
+            **m,
+            "content": [{**p, "image": opened[p["image"]]} if p["type"] == "image" else p for p in m["content"]]
+            if isinstance(m["content"], list)
+            else m["content"],
+        }
+        for m in parts["messages"]
+    ]
+    want = processor.apply_chat_template(reference, tokenize=True, return_dict=True, return_tensors="np")
+    llava = {"image": "im1.png", "conversations": [{"from": "human", "value": "<image>what is in the picture?"}]}
+    llava["conversations"].append({"from": "gpt", "value": "a cat sits on a mat."})
+    text = processor.tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>what is in the picture?"},
+            {"role": "assistant", "content": "a cat sits on a mat."},
+        ],
+        chat_template=QWEN_VL_TEMPLATE,
+        tokenize=False,
+    )
+    want_llava = processor(text=text, images=[[opened["im1.png"]]], return_tensors="np")
+    for record, expected, said, shapes in (
+        (parts, want, ["the first image shows a red square."], [(16, 16), (32, 16), (16, 24)]),
+        (llava, want_llava, ["a cat sits on a mat."], [(16, 8)]),
+    ):
+        s = converter.sample(0, record)
+        np.testing.assert_array_equal(s.tokens, expected["input_ids"][0])
+        assert [x.shape[:2] for x in s.items["image"]] == shapes
+        grids = [(1, h // 4, w // 4) for h, w in shapes]
+        np.testing.assert_array_equal(expected["image_grid_thw"], grids)
+        pixels = np.concatenate([qwen_pixel_values(x.transpose(2, 0, 1), 4, 2, 2) for x in s.items["image"]])
+        np.testing.assert_allclose(pixels, expected["pixel_values"], atol=1e-5)
+        assert [b - a for a, b in runs(s.tokens == 5)] == [h * w // 64 for h, w in shapes]
+        mask = s.loss_mask.astype(bool)
+        decoded = [tok.tokenizer.decode(s.tokens[a:b].tolist(), skip_special_tokens=True) for a, b in runs(mask)]
+        assert decoded == [f"{x}\n" for x in said]  # the answer, its <|im_end|> (special) and newline
+
+
+def test_a_qwen_vl_folder_the_model_cannot_take_is_refused_in_one_line(images, tmp_path):
+    """A Qwen-VL folder is known by its preprocessor_config.json (or its config.json alone, the
+    processor's defaults then: patches of 14 merged 2 x 2); a vision model whose token covers other
+    pixels than patch_size * merge_size, --max-side (the processor sizes images), a tokenizer
+    without Qwen's vision tokens or min_pixels over max_pixels are refused before any record."""
+    bare = make_tokenizer(tmp_path / "bare", QWEN_VL_SPECIALS)
+    (bare / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    sequence = C.ChatTokenizer.load(bare).image_sequence
+    assert (sequence.factor, sequence.pixels, sequence.mean) == (28, (56 * 56, 28 * 28 * 1280), C.OPENAI_CLIP_MEAN)
+    plain = make_tokenizer(tmp_path / "plain")
+    (plain / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}))
+    cases = [
+        (
+            bare,
+            {},
+            "writes one token per 28x28 pixels (preprocessor_config.json patch_size * merge_size), but the model",
+        ),
+        (make_qwen_vl_folder(tmp_path / "a"), {"max_side": 32}, "--max-side=32: the qwen_vl processor"),
+        (make_qwen_vl_folder(tmp_path / "b", min_pixels=1024), {}, "min_pixels=1024; valid: a positive integer"),
+    ]
+    for folder, kwargs, message in cases:
+        with pytest.raises(C.ConvertError) as err:
+            C.Converter(C.ChatTokenizer.load(folder), QWEN_VL_VLM, images, **kwargs)
+        assert str(err.value).startswith("error: ") and "\n" not in str(err.value)
+        assert message in str(err.value), str(err.value)
+    with pytest.raises(
+        C.ConvertError, match=r"^error: --tokenizer=.*plain: a Qwen-VL checkpoint's folder whose tokenizer"
+    ):
+        C.ChatTokenizer.load(plain)

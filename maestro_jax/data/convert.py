@@ -7,7 +7,8 @@ Records are read one at a time and written as they come (a dataset never sits in
                  "text"}`, `{"type": "image" | "image_url", ...}`): rendered with the tokenizer's
                  chat template, each image marker replaced by that image's placeholder tokens
                  (single, several, interleaved; the marker's token id is the config's image
-                 placeholder id, `workload_settings.image_token`), loss only on the assistant's turns
+                 placeholder id, `workload_settings.image_token`; a Gemma 3 or Qwen-VL checkpoint's
+                 folder: its own image tokens, `ImageSequence`), loss only on the assistant's turns
                  (`Sample.loss_mask`), so the model learns to answer, not to write prompts;
   plain text     `{"text": ...}`: every token carries loss (the KD teacher and student read text).
 from JSONL, a JSON array (streamed), or a Hugging Face `datasets` dataset saved to disk.
@@ -28,6 +29,7 @@ import dataclasses
 import datetime
 import io
 import json
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,19 +78,55 @@ class Target:
 class ImageSequence:
     """How a checkpoint family writes an image into its token stream, as its processor does:
     each image marker of the rendered chat becomes `before`, `token` once per image token, then
-    `after`, before the text is tokenised; each image is resized to exactly `size` (height,
-    width) pixels, and the processor writes `count` image tokens for it (the model must take as
-    many for an image of that size)."""
+    `after`, before the text is tokenised. Gemma 3 resizes every image to exactly `size` (height,
+    width) pixels and writes `count` image tokens for it (the model must take as many for an
+    image of that size); Qwen-VL (`size` None) resizes each by `smart_resize` (each side a
+    multiple of `factor`, patch * merge, the area within `pixels`, min and max) and writes one
+    token per `factor` x `factor` pixels. Pixels are resized with `resample` (PIL's filter) and,
+    as values in [0, 1], normalised by the processor's `mean` and `std` per channel."""
 
     family: str
     before: str
     token: str
     after: str
-    size: tuple[int, int]
-    count: int
+    size: tuple[int, int] | None
+    count: int = 0
+    factor: int = 0
+    pixels: tuple[int, int] = (0, 0)
+    resample: str = "bilinear"
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
 
-    def text(self) -> str:
-        return self.before + self.token * self.count + self.after
+    def fit(self, height: int, width: int) -> tuple[int, int]:
+        """The size (height, width) the processor resizes an image of `height` x `width` to."""
+        return self.size or smart_resize(height, width, self.factor, *self.pixels)
+
+    def tokens(self, height: int, width: int) -> int:
+        """How many image tokens the processor writes for an image resized to `height` x `width`."""
+        return self.count if self.size else (height // self.factor) * (width // self.factor)
+
+    def text(self, count: int) -> str:
+        return self.before + self.token * count + self.after
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's image processor's size for an image of `height` x `width` (transformers'
+    `smart_resize`, the same arithmetic): each side rounded to a multiple of `factor`, then both
+    scaled, keeping the aspect, into `min_pixels` to `max_pixels` of area. BadRecord for an aspect
+    over 200, which the processor refuses."""
+    if max(height, width) / min(height, width) > 200:
+        raise BadRecord(
+            f"an image of {height}x{width} pixels: its aspect is over 200, which Qwen-VL's processor refuses"
+        )
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +168,8 @@ class ChatTokenizer:
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if (folder / "chat_template.json").is_file():  # a processor's (Qwen-VL's), over the tokenizer's
+            source = _read_json(folder, "chat_template.json").get("chat_template", source)
         if (folder / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it on its own
             source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         special = {
@@ -138,7 +178,8 @@ class ChatTokenizer:
             if key.endswith("_token") and (isinstance(value, str) or (isinstance(value, dict) and "content" in value))
         }
         template = None if source is None else _compile_template(folder, source)
-        return cls(folder, tok, template, special, _image_sequence(folder, special))
+        sequence = _qwen_vl_sequence(folder, tok) or _image_sequence(folder, special)
+        return cls(folder, tok, template, special, sequence)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -234,6 +275,70 @@ def _image_sequence(folder: Path, special: dict[str, str]) -> ImageSequence | No
     )
 
 
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+QWEN_VL_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
+QWEN_VL_MODELS = ("qwen2_vl", "qwen2_5_vl")
+# Qwen2VLImageProcessor's defaults, where preprocessor_config.json leaves them out
+QWEN_VL_DEFAULTS = {"patch_size": 14, "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen-VL's normalisation (transformers' constants)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _qwen_vl_sequence(folder: Path, tok) -> ImageSequence | None:
+    """Qwen-VL's image tokens, for a folder of a Qwen2-VL or Qwen2.5-VL checkpoint (its
+    preprocessor_config.json names Qwen2-VL's image processor, or its config.json the model)
+    whose tokenizer holds them; None otherwise. As `Qwen2_5_VLProcessor` writes it after the chat
+    template: `<|vision_start|>`, `<|image_pad|>` once per merged token, `<|vision_end|>`; each
+    image `smart_resize`d (min_pixels and max_pixels from preprocessor_config.json, or
+    transformers 5's `size` {shortest_edge, longest_edge}; the processor's defaults where it has
+    none), bicubic, normalised by its image_mean and image_std (CLIP's by default).
+
+    Where it differs from the processor: images are resized by PIL, as `Qwen2VLImageProcessorPil`
+    (and transformers 4's processor) resize them; transformers 5's default, torchvision-backed
+    processor resizes by torch, whose bicubic filter can give slightly different pixels (the tokens
+    are the same). A still image is written once, not repeated `temporal_patch_size` times: the
+    tower sums its patch kernel over time (`models.hf_encoders`). Videos and the template's
+    `add_vision_id` ("Picture k: ") are not written."""
+    pre = _read_json(folder, "preprocessor_config.json")
+    if pre.get("image_processor_type") not in QWEN_VL_PROCESSORS and not (
+        (folder / "config.json").is_file() and _read_json(folder, "config.json").get("model_type") in QWEN_VL_MODELS
+    ):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    missing = [t for t in QWEN_VL_TOKENS if t not in vocab]
+    if missing:
+        raise ConvertError(
+            f"error: --tokenizer={folder}: a Qwen-VL checkpoint's folder whose tokenizer has no {missing[0]!r}; "
+            f"valid: the checkpoint's own tokenizer (it holds {', '.join(QWEN_VL_TOKENS)})"
+        )
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    fields = {
+        **QWEN_VL_DEFAULTS,
+        **{k: v for k, v in (("min_pixels", size.get("shortest_edge")), ("max_pixels", size.get("longest_edge"))) if v},
+        **{k: pre[k] for k in QWEN_VL_DEFAULTS if pre.get(k) is not None},
+    }
+    bad = next((k for k, v in fields.items() if not (isinstance(v, int) and v > 0)), None)
+    if bad or fields["min_pixels"] > fields["max_pixels"]:
+        key = bad or "min_pixels"
+        raise ConvertError(
+            f"error: --tokenizer={folder}: preprocessor_config.json {key}={fields[key]!r}; valid: a positive integer "
+            f"(and min_pixels at most max_pixels={fields['max_pixels']!r})"
+        )
+    start, pad, end = QWEN_VL_TOKENS
+    return ImageSequence(
+        "qwen_vl",
+        start,
+        pad,
+        end,
+        None,
+        factor=fields["patch_size"] * fields["merge_size"],
+        pixels=(fields["min_pixels"], fields["max_pixels"]),
+        resample="bicubic",
+        mean=tuple(pre.get("image_mean", OPENAI_CLIP_MEAN)),
+        std=tuple(pre.get("image_std", OPENAI_CLIP_STD)),
+    )
+
+
 def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAGE_MARKER) -> None:
     """Refuse, before any record is read, a tokenizer whose ids the model cannot take: an id at
     or beyond the vocabulary, no single token for a modality's marker (`<image>`, `<audio>`, where
@@ -280,7 +385,15 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"{m.placeholder} is its {own[m.name]!r} token or unused"
             )
     image, sequence = target.modality("image"), tok.image_sequence
-    if image is not None and sequence is not None:
+    if image is not None and sequence is not None and sequence.size is None:
+        if tuple(image.unit) != (sequence.factor, sequence.factor):
+            raise ConvertError(
+                f"error: --tokenizer={tok.folder}: its {sequence.family} processor writes one token per "
+                f"{sequence.factor}x{sequence.factor} pixels (preprocessor_config.json patch_size * merge_size), but "
+                f"the model takes one per {'x'.join(map(str, image.unit))}; valid: the vision model of that checkpoint "
+                f"(models.<vision>: {{hf: ...}})"
+            )
+    elif image is not None and sequence is not None:
         h, w = sequence.size
         if len(image.unit) != 2 or h % image.unit[0] or w % image.unit[1] or image.tokens((h, w)) != sequence.count:
             took = image.tokens((h, w)) if len(image.unit) == 2 else "no"
@@ -313,13 +426,18 @@ def load_image(image, unit: int, max_side: int) -> np.ndarray:
     return pixels / 127.5 - 1.0
 
 
-def load_image_at(image, size: tuple[int, int]) -> np.ndarray:
-    """An image resized to exactly `size` (height, width) pixels, bilinear, as Gemma 3's image
-    processor resizes it (whatever its aspect), pixels in [-1, 1] (float32)."""
-    from PIL import Image
+RESAMPLE = {"bilinear": 2, "bicubic": 3}  # PIL's filters by name (Image.BILINEAR, Image.BICUBIC)
 
-    pixels = np.asarray(_rgb(image).resize(size[::-1], Image.BILINEAR), np.float32)
-    return pixels / 127.5 - 1.0
+
+def load_image_as(image, sequence: ImageSequence) -> np.ndarray:
+    """An image resized as the checkpoint family's processor resizes it (`ImageSequence.fit`:
+    Gemma 3's fixed size whatever the aspect, bilinear; Qwen-VL's `smart_resize`, bicubic), its
+    pixels as values in [0, 1] normalised by the processor's mean and std (float32; Gemma 3's
+    0.5 and 0.5 give [-1, 1])."""
+    img = _rgb(image)
+    height, width = sequence.fit(img.size[1], img.size[0])
+    pixels = np.asarray(img.resize((width, height), RESAMPLE[sequence.resample]), np.float32) / 255.0
+    return ((pixels - np.float32(sequence.mean)) / np.float32(sequence.std)).astype(np.float32)
 
 
 def _rgb(image):
@@ -453,10 +571,15 @@ class Converter:
         image = self.target.modality("image")
         sequence = self.tok.image_sequence
         if image is not None and sequence is not None and self.max_side is not None:
-            h, w = sequence.size
+            how = (
+                f"every image to {sequence.size[0]}x{sequence.size[1]} pixels"
+                if sequence.size
+                else f"each image to {sequence.pixels[0]} to {sequence.pixels[1]} pixels of area (preprocessor_config.json "
+                f"min_pixels, max_pixels)"
+            )
             raise ConvertError(
                 f"error: --max-side={self.max_side}: the {sequence.family} processor of {self.tok.folder} resizes "
-                f"every image to {h}x{w} pixels; valid: leave it out"
+                f"{how}; valid: leave it out"
             )
         if image is not None and self.max_side is not None:
             top = image.max_shape[0] if image.max_shape else self.max_side
@@ -499,12 +622,24 @@ class Converter:
                 raise BadRecord(
                     f"has {len(items)} {NOUNS[name]}, but the {self.target.workload} workload takes {takes}"
                 )
-        sequence = self.tok.image_sequence if self.target.modality("image") is not None else None
+        image = self.target.modality("image")
+        sequence = self.tok.image_sequence if image is not None else None
+        # a family's own image tokens replace each marker before tokenising, as its processor does:
+        # as many as the processor writes for the image as it resizes it
+        own_images = tuple(self._load("image", image, r) for r in refs["image"]) if sequence else ()
+        pieces = [sequence.text(sequence.tokens(*x.shape[:2])) for x in own_images]
 
         def render(turns: list[dict], add_generation_prompt: bool) -> str:
             text = self.tok.render(turns, add_generation_prompt)
-            # a family's own image tokens replace each marker before tokenising, as its processor does
-            return text if sequence is None else text.replace(self.image_marker, sequence.text())
+            if sequence is None:
+                return text
+            parts = text.split(self.image_marker)
+            if len(parts) > len(pieces) + 1:
+                raise BadRecord(
+                    f"its chat template writes {len(parts) - 1} {self.image_marker} markers, but it has "
+                    f"{len(pieces)} {NOUNS['image']}"
+                )
+            return "".join(part + piece for part, piece in zip(parts, [*pieces[: len(parts) - 1], ""]))
 
         full = render(messages, add_generation_prompt=False)
         spans = []  # each assistant turn's characters: what it says and how it ends its turn
@@ -539,9 +674,10 @@ class Converter:
             if len(at) != len(refs[name]):
                 what = f"runs of {own.token}" if own else f"{marker} markers"
                 raise BadRecord(f"has {len(at)} {what} after its chat template, but {len(refs[name])} {NOUNS[name]}")
-            if own and any(b - a != own.count for a, b in _runs(found)):
-                raise BadRecord(f"holds {own.token} tokens of its own beside its images' {own.count} each")
-            loaded = tuple(self._load(name, m, r) for r in refs[name])
+            counts = [own.tokens(*x.shape[:2]) for x in own_images] if own else []
+            if own and [b - a for a, b in _runs(found)] != counts:
+                raise BadRecord(f"holds {own.token} tokens of its own beside its images' {counts}")
+            loaded = own_images if own else tuple(self._load(name, m, r) for r in refs[name])
             for pos, x in zip(at, loaded) if not own else ():  # the marker stands for its item's tokens
                 repeat[pos] = m.tokens(x.shape[: len(m.unit)])
             mask[found] = False
@@ -561,7 +697,7 @@ class Converter:
         (Whisper's front end, `data.audio`; cut to whole tokens)."""
         if name == "image":
             if self.tok.image_sequence is not None:
-                return load_image_at(self._resolve(ref), self.tok.image_sequence.size)
+                return load_image_as(self._resolve(ref), self.tok.image_sequence)
             return load_image(self._resolve(ref), m.unit[0], self._side(m))
         try:
             source = self._resolve(ref, "audio clip")
