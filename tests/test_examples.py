@@ -122,6 +122,34 @@ def test_omni_towers_frozen_llm_exported(tmp_path):
     assert_export_reloads(out["export"], states["llm"].params)
 
 
+@pytest.mark.extended  # an end-to-end recipe; CI keeps distill_llama3
+def test_qwen_vl_fine_tune_exports_a_folder_transformers_reads(tmp_path):
+    """The Qwen2.5-VL recipe: the converted data frames each image's <|image_pad|>s (one per merged
+    token of the image as Qwen's processor sizes it) by <|vision_start|> and <|vision_end|>; the
+    loss falls; the frozen tower keeps the folder's weights, its merger and the LLM train; the
+    export reads back as the run's checkpoint, and (where transformers is installed) check-hf
+    passes on it."""
+    qwen = recipe("qwen_vl")
+    out = qwen.main(tmp_path)
+    history = out["history"]
+    assert history[-1]["train/loss"] < history[0]["train/loss"], history
+    src = ArrayRecordSource((str(out["data"]),))
+    for i in range(len(src)):
+        s = src[i]
+        spans = runs(s.tokens == qwen.IMAGE_TOKEN)
+        assert [b - a for a, b in spans] == [h * w // 64 for h, w, _ in s.shapes("image")]
+        assert all(s.tokens[a - 1] == 3 and s.tokens[b] == 4 for a, b in spans)  # vision start, vision end
+    states = checkpointed(qwen.CONFIG, out["overrides"])
+    folder, export = out["hf"], out["export"]
+    tower = hf_encoders.load_vit(folder, states["vision"].params, hf_encoders.vit_fields(folder))
+    assert_equal(states["vision"].params, tower, only=lambda p: not p.startswith(("merger_", "merge_norm")))
+    start = hf.load_llm(folder, states["llm"].params, hf.llm_fields(folder))
+    assert not np.array_equal(leaves(states["llm"].params)["embedding"], leaves(start)["embedding"])
+    assert_equal(hf_encoders.load_vit(export, tower, hf_encoders.vit_fields(export)), states["vision"].params)
+    assert_export_reloads(export, states["llm"].params)
+    assert out["checked"] in (0, None) and (out["checked"] == 0) == (importlib.util.find_spec("torch") is not None)
+
+
 def test_distill_llama3_student_exported(tmp_path):
     """The Llama 3 recipe: both models' architecture from their folders (Llama 3.1's RoPE scaling
     read, no field by hand), the student trained from its folder, exported, read back exactly, and
