@@ -339,6 +339,7 @@ def _plan(cfg, args) -> int:
         args.json,
         {
             "best": best.describe(),
+            "stage_layers": {s: list(c) for s, c in best.cuts.items()},
             "step_time_s": best.step_time_s,
             "samples_per_s_per_device": best.samples_per_s_per_device,
             "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb} for c in report.top],

@@ -165,6 +165,24 @@ class SectionConfig(_Frozen):
             raise ValueError(f"not with pack={info.data['pack']} yet; valid: 1, or pack: 1")
         return stages
 
+    # each stage's layer count (default: as even as they come, earlier stages taking the extra ones),
+    # as Megatron-LM's --decoder-first/last-pipeline-num-layers; the first and the last stage may
+    # hold none (the embedding; the final norm, output layer and loss), the others at least one
+    stage_layers: list[NonNegativeInt] | None = None
+
+    @pydantic.field_validator("stage_layers")
+    @classmethod
+    def _one_count_a_stage(cls, layers: list[int] | None, info):
+        stages = info.data.get("stages", 1)
+        if layers is not None and stages == 1:
+            raise ValueError("a cut of an unstaged section; valid: stage_layers with stages > 1, or none")
+        if layers is not None and len(layers) != stages:
+            raise ValueError(
+                f"{len(layers)} layer counts for {stages} stage(s); valid: one count a stage (sections.<s>.stages "
+                f"gives {stages}), or no stage_layers for an even cut"
+            )
+        return layers
+
     def stage_mesh(self) -> tuple[int, ...]:
         """The mesh each of the section's pipeline stages runs: `mesh` with data / stages."""
         return tuple(n // self.stages if a == "data" else n for a, n in zip(MESH_AXES, self.mesh.shape))

@@ -411,22 +411,27 @@ class DecoderLM(nn.Module):
     student section applies the teacher's output layer.
 
     `layers=(a, b)` holds only blocks a..b-1 (a pipeline stage): the embedding only where a is 0,
-    the final norm and the head only where b is the depth. Blocks keep the whole model's names
+    the final norm and the head only where b is the depth (or as `first` and `last` say, for a
+    cut whose first or last stage holds no blocks). Blocks keep the whole model's names
     (`block_<i>`), so a stage's parameters are the matching subtree of the whole model's.
     """
 
     cfg: LLMConfig
     with_head: bool = True  # False: a body whose output layer lives elsewhere (KD teacher section)
     layers: tuple[int, int] | None = None  # the blocks held, [first, end); None: all
+    # whether it holds the embedding / the final norm and head: the first / last pipeline stage
+    # (None: where `layers` starts at 0 / ends at the depth; a cut may leave either stage no blocks)
+    first: bool | None = None
+    last: bool | None = None
 
     def setup(self):
         c = self.cfg
         first, end = self.layers or (0, c.depth)
-        if first == 0:
+        if first == 0 if self.first is None else self.first:
             self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
         windowed = tuple(c.windowed(i) for i in range(c.depth))
         self.blocks = layer_stack(DecoderBlock, (c,), end - first, c.remat, c.scan_layers, first, windowed)
-        if end == c.depth:
+        if end == c.depth if self.last is None else self.last:
             self.final_norm = RMSNorm(c.norm_eps)
             if self.with_head and not c.tie_embeddings:
                 self.lm_head = self.param("lm_head", partitioned(_init, "embed", "vocab"), (c.width, c.vocab))

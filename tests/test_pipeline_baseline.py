@@ -21,6 +21,7 @@ from maestro_jax.planning.cluster import cost_model, monolithic_time, section_co
 from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.pipeline import (
     balanced_layers,
+    layer_moves,
     one_f_one_b,
     pipelined_best,
     pipelined_time,
@@ -120,7 +121,7 @@ def test_the_balanced_cut_evens_the_stages_work(config, overrides):
         assert sum(balanced) == layers and (balanced == even or balanced in others)
         loads = {}
         for c in (even, balanced):
-            slices = stage_plan(p.spec, p.metas, stages, c)
+            slices = stage_plan(p.spec, p.metas, stages, {p.spec.sink: c})
             assert [sum(sl.spec.cost.layers for sl in stage if sl.section == p.spec.sink) for stage in slices] == c
             loads[tuple(c)] = max(stage_flops(p.spec, p.metas, slices))
         assert loads[tuple(balanced)] <= loads[tuple(even)] * (1 + 1e-12)
@@ -165,6 +166,29 @@ def test_the_cut_conserves_work_and_weights(overrides):
             head = sum(math.prod(leaf.shape) for leaf in student.leaves if "head" in leaf.path)
             per_layer = (p.spec.sections["student"].cost.flops - 2 * head) / p.spec.sections["student"].cost.layers
             assert student.cost.flops == pytest.approx(per_layer * student.cost.layers + 2 * head)
+
+
+def test_the_baselines_cut_is_refined_until_no_one_layer_move_is_faster():
+    """Each cut section's layers by stage on their own (`refine_cut`, as Megatron-LM's
+    --pipeline-model-parallel-layout sets them): the best layout's cut conserves every section's
+    layers, and no cut one layer away that fits is faster under the baseline's own 1F1B price."""
+    overrides = [*H100, "models.teacher.depth=6", "models.student.depth=5"]
+    p = planner_for(load_config(KD, overrides), 8, 4.0)
+    best = pipelined_best(p)
+    layers = best["layers_per_stage"]
+    assert sum(layers["teacher"]) == 6 and sum(layers["student"]) == 5
+    sp = layout(best["devices_per_stage"], best["micro_batch"], **best["mesh"])
+    stages, remat = best["stages"], best["layer_remat"]
+    slices = stage_plan(p.spec, p.metas, stages, layers)
+    assert pipelined_time(p, stages, sp, remat, slices) == pytest.approx(best["step_time_s"])
+    moves = 0
+    for cut in layer_moves(layers):
+        slices = stage_plan(p.spec, p.metas, stages, cut)
+        mem = stage_memory(p, stages, sp, remat, best["micro_batches"], slices)
+        if mem is not None and max(mem) <= p.budget:
+            moves += 1
+            assert pipelined_time(p, stages, sp, remat, slices) >= best["step_time_s"] * (1 - 1e-12)
+    assert moves
 
 
 def test_an_encoder_runs_whole_in_the_first_stage():
@@ -267,8 +291,11 @@ def test_plan_cli_prints_the_pipelined_baseline(tmp_path, capsys):
     assert cli.main(["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "1", "--json", str(out)]) == 0
     said = capsys.readouterr().out
     line = next(x for x in said.splitlines() if x.startswith("pipelined (1F1B)"))
-    assert "2 stages x 4 devices" in line and "teacher layers 1/2; student layers 1/1" in line
     r = json.loads(out.read_text())
+    cut = r["pipelined"]["layers_per_stage"]
+    assert sum(cut["teacher"]) == 3 and sum(cut["student"]) == 2
+    said_cut = "; ".join(f"{s} layers {'/'.join(map(str, c))}" for s, c in cut.items())
+    assert "2 stages x 4 devices" in line and said_cut in line
     assert r["pipelined"]["stages"] == 2 and r["pipelined"]["step_time_s"] > 0
     assert f"predicted {r['pipelined']['step_time_s']:.4g} s/step" in line
     assert cli.main(["plan", "--config", str(KD), "--devices", "8", "--memory-gb", "1", *TINY_KD]) == 0

@@ -31,6 +31,40 @@ def test_layer_ranges_cut_the_layers_in_consecutive_runs_the_earlier_stages_long
         layer_ranges(2, 3)
 
 
+def test_a_given_cut_may_leave_the_first_and_last_stage_without_layers_but_no_middle_one():
+    assert layer_ranges(28, 4, (0, 14, 14, 0)) == ((0, 0), (0, 14), (14, 28), (28, 28))
+    assert layer_ranges(5, 2, (1, 4)) == ((0, 1), (1, 5))
+    for bad in ((2, 2), (1, 3, 2), (3, 0, 2), (6, -1)):
+        with pytest.raises(ValueError, match="layer counts"):
+            layer_ranges(5, len(bad), bad)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["sections.student.stages=2", "sections.student.stage_layers=[1,2]"], "adding up to the model's 2"),
+        (["sections.student.stages=2", "sections.student.stage_layers=[2]"], "1 layer counts for 2 stage(s)"),
+        (["sections.student.stage_layers=[2]"], "stage_layers with stages > 1"),
+        (
+            [
+                "sections.teacher.stages=4",
+                "sections.teacher.mesh.data=4",
+                "sections.teacher.mesh.tensor=1",
+                "models.teacher.depth=4",
+                "sections.teacher.stage_layers=[2,0,1,1]",
+            ],
+            "each at least 1 but",
+        ),
+    ],
+)
+def test_a_cut_the_section_cannot_take_is_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        workloads.build_graph(load_config(KD, [*DEEP_KD, *overrides]))
+    cut = next(o for o in overrides if "stage_layers" in o).split("=")[0]
+    assert str(err.value).startswith(f"error: {cut}") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_staged_graph_cuts_the_section_and_its_variables_and_puts_them_back_together():
     cfg = load_config(KD, [*DEEP_KD, "sections.student.stages=2", "sections.teacher.stages=2"])
@@ -148,6 +182,20 @@ def test_a_staged_kd_step_is_the_unstaged_monolithic_step_under_both_schedulers(
     _equal_to_monolithic(cfg)
 
 
+@pytest.mark.slow
+def test_a_kd_step_cut_unevenly_is_the_unstaged_monolithic_step_under_both_schedulers():
+    """`stage_layers`: the teacher's first stage holds only the embedding and the student's last
+    only the final norm, the heads and the loss (Megatron's --decoder-first/last-pipeline-num-layers
+    0): each stage holds its cut's share of the variables, and the step is the monolithic one."""
+    cuts = ["sections.teacher.stage_layers=[0,3]", "sections.student.stage_layers=[2,0]"]
+    cfg = load_config(KD, [*DEEP_KD, "sections.teacher.stages=2", "sections.student.stages=2", *cuts])
+    staged = workloads.build_graph(cfg).init(jax.random.key(0))
+    assert sorted(staged["teacher.0"]["consts"]["llm"]) == ["embedding"]
+    assert sorted(staged["student.1"]["params"]) == ["final_norm", "lm_head"]
+    assert sorted(staged["student.0"]["params"]) == ["block_0", "block_1", "embedding"]
+    _equal_to_monolithic(cfg)
+
+
 MOE_STUDENT = [
     "models.student.experts=4",
     "models.student.experts_per_token=2",
@@ -199,6 +247,19 @@ def test_a_staged_run_resumes_bit_exactly_and_restores_onto_one_stage(tmp_path):
     unstaged = train(load_config(KD, [*base, f"output_dir={tmp_path / 'c'}"]), progress=False)
     assert [r["step"] for r in unstaged] == [3]
     assert unstaged[0]["train/loss"] == pytest.approx(straight[2]["train/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_cut_one_way_resumes_cut_another(tmp_path):
+    """A checkpoint of a student cut 2/0 resumes with it cut evenly (1/1): the section is saved
+    whole, so the cut is the run's to choose (float rounding only)."""
+    base = [*DEEP_KD, "steps=3", "compile.ahead=false", "sections.student.stages=2"]
+    cut = [*base, "sections.student.stage_layers=[2,0]"]
+    straight = train(load_config(KD, [*cut, f"output_dir={tmp_path / 'a'}"]), progress=False)
+    train(load_config(KD, [*cut, "steps=2", f"output_dir={tmp_path / 'b'}"]), progress=False)
+    resumed = train(load_config(KD, [*base, f"output_dir={tmp_path / 'b'}"]), progress=False)
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["train/loss"] == pytest.approx(straight[2]["train/loss"], rel=1e-5)
 
 
 def test_bench_refuses_a_stage_count_no_section_takes(capsys):
@@ -276,4 +337,6 @@ def test_the_pipelined_baselines_layout_is_a_plan_that_runs_as_the_monolithic_st
     assert {s: (w.devices, w.mesh, w.micro_batch) for s, w in written.items()} == {
         s: (sp.devices, sp.mesh, sp.micro_batch) for s, sp in sections.items()
     }
+    for s in pipelined["layers_per_stage"]:  # the cut it was scored with (none written: the even one)
+        assert planned.sections[s].stage_layers == (list(point.cuts[s]) if s in point.cuts else None)
     _equal_to_monolithic(planned)

@@ -111,8 +111,11 @@ class Section:
       `pack` (P slots a row, or a `TokenBudget` of tokens a row); `forward` takes
       either layout, and its outputs on every edge keep one row per slot (the row contract).
       The runtime calls it where `sections.<name>.pack` is not 1; the monolithic step never does.
-    stages(k): the section cut into `k` pipeline stages (a `core.stages.StageSplit`), or None for
-      a section that does not split; `sections.<name>.stages` > 1 calls it (`core.stages`).
+    stages(k, layers=None): the section cut into `k` pipeline stages (a `core.stages.StageSplit`),
+      or None for a section that does not split; `sections.<name>.stages` > 1 calls it
+      (`core.stages`). `layers`, where the function takes it, is each stage's layer count (a cut
+      of `sections.<name>.stage_layers` or the planner's); a section whose `stages` takes only `k`
+      is always cut its own way, and a config that gives it a cut is refused.
     reads: the sample parts `host_batch` reads (`"tokens"`, modality names; None: all). A
       process decodes a part of a sample only where some section that reads it holds a row of
       that sample on the process's devices.

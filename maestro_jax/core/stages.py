@@ -1,9 +1,10 @@
 """Pipeline stages inside a section: one section cut into K consecutive stage sections.
 
-Plain Python (no JAX). A section that can be staged says how through `Section.stages(k)`, which
-returns a `StageSplit`: K stage sections (each a `Section` of its own, named `stage_name`),
-which stage reads each of the section's input edges and writes each of its output edges, and
-which stage holds each of its variables (`owner`). `stage_graph` puts the stages in the
+Plain Python (no JAX). A section that can be staged says how through `Section.stages(k)` (or
+`Section.stages(k, layers)`, given each stage's layer count), which returns a `StageSplit`: K
+stage sections (each a `Section` of its own, named `stage_name`), which stage reads each of the
+section's input edges and writes each of its output edges, and which stage holds each of its
+variables (`owner`). `stage_graph` puts the stages in the
 section's place: stage i sends its activations to stage i + 1 on the edge `stage_edge(section,
 i)`, and cotangents come back on it in the backward, as between any two sections, so the
 scheduler, the transfers, the executor and the monolithic step need nothing new. The staged
@@ -19,6 +20,7 @@ the runtime does the same to optimizer states).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,14 +55,36 @@ def edge_stage(
     return stage_name(section, (consumes if dst else produces).get(edge, 0 if dst else k - 1))
 
 
-def layer_ranges(depth: int, k: int) -> tuple[tuple[int, int], ...]:
-    """`depth` layers cut into `k` consecutive runs, as equal as they come, the earlier stages
-    taking the extra layers (the last holds the output layer and the loss besides)."""
+def layer_ranges(depth: int, k: int, layers: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
+    """`depth` layers cut into `k` consecutive runs: `layers` of them by stage (a cut the config
+    gives, `sections.<s>.stage_layers`, or the planner chose), else as equal as they come, the
+    earlier stages taking the extra layers (the last holds the output layer and the loss
+    besides). A given cut may leave the first stage (which holds the embedding) or the last
+    (the final norm, the output layer, the loss) without layers, as Megatron-LM's
+    `--decoder-first/last-pipeline-num-layers` may; a middle stage holds at least one."""
+    if layers is None:
+        layers = even_layers(depth, k)
+    elif len(layers) != k or sum(layers) != depth or min(layers) < 0 or any(n < 1 for n in layers[1:-1]):
+        raise ValueError(
+            f"a cut of {list(layers)} layers; valid: {k} layer counts (one a stage) adding up to the model's "
+            f"{depth}, each at least 1 but the first's and the last's (at least 0)"
+        )
+    starts = [sum(layers[:i]) for i in range(k)]
+    return tuple((a, a + n) for a, n in zip(starts, layers))
+
+
+def even_layers(depth: int, k: int) -> list[int]:
+    """`depth` layers in `k` runs as equal as they come, the earlier stages taking the extra ones:
+    the cut a section in `k` stages gets without `stage_layers`."""
     if not 1 <= k <= depth:
         raise ValueError(f"{depth} layers cannot make {k} stages")
-    sizes = [depth // k + (i < depth % k) for i in range(k)]
-    starts = [sum(sizes[:i]) for i in range(k)]
-    return tuple((a, a + n) for a, n in zip(starts, sizes))
+    return [depth // k + (i < depth % k) for i in range(k)]
+
+
+def takes_cut(stages: Callable) -> bool:
+    """Whether a section's `stages` accepts an explicit cut (`stages(k, layers=...)`)."""
+    params = inspect.signature(stages).parameters.values()
+    return any(p.name == "layers" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +173,19 @@ def merge_variables(stages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def stage_graph(graph: SectionGraph, counts: Mapping[str, int]) -> SectionGraph:
-    """`graph` with each section of `counts` (section -> stage count > 1) replaced by its stages.
-    StageError (one line naming `sections.<s>.stages`) for a section that does not split or a
-    split that breaks the contract."""
+def stage_graph(
+    graph: SectionGraph, counts: Mapping[str, int], cuts: Mapping[str, Sequence[int]] | None = None
+) -> SectionGraph:
+    """`graph` with each section of `counts` (section -> stage count > 1) replaced by its stages,
+    cut as `cuts` gives (section -> layers by stage, `sections.<s>.stage_layers`) or evenly.
+    StageError (one line naming `sections.<s>.stages` or `.stage_layers`) for a section that does
+    not split or a split that breaks the contract."""
     splits: dict[str, StageSplit] = {}
     for name, k in counts.items():
         if k == 1:
             continue
         section = graph.section(name)
+        cut = (cuts or {}).get(name)
         if section.stages is None:
             splitting = [s.name for s in graph.sections if s.stages is not None]
             raise StageError(
@@ -165,10 +193,16 @@ def stage_graph(graph: SectionGraph, counts: Mapping[str, int]) -> SectionGraph:
                 f"(its Section has no `stages`); valid: 1, or stages on a section that splits "
                 f"({', '.join(splitting) or 'none in this graph'})"
             )
+        if cut is not None and not takes_cut(section.stages):
+            raise StageError(
+                f"error: sections.{name}.stage_layers={list(cut)}: section {name!r} takes no cut of its own (its "
+                f"Section.stages has no `layers` argument); valid: no stage_layers (an even cut)"
+            )
         try:
-            split = section.stages(k)
+            split = section.stages(k) if cut is None else section.stages(k, layers=tuple(cut))
         except ValueError as err:
-            raise StageError(f"error: sections.{name}.stages={k}: {err}") from None
+            key = f"stages={k}" if cut is None else f"stage_layers={list(cut)}"
+            raise StageError(f"error: sections.{name}.{key}: {err}") from None
         names = [s.name for s in split.sections]
         if names != [stage_name(name, i) for i in range(k)]:
             raise StageError(

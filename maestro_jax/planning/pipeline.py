@@ -16,7 +16,9 @@ Which section goes where:
     tries three cuts (`sink_cuts`): the even one (extra layers to the middle stages), one that
     balances the stages' FLOPs with the encoders in the first stage and the head(s) in the last,
     and one that balances the encoders only, as Megatron-LM users set
-    `--decoder-first/last-pipeline-num-layers`. The embedding sits in the first stage, the
+    `--decoder-first/last-pipeline-num-layers`; the best layout's cut is then improved one
+    layer at a time, every cut section's layers by stage on their own (`refine_cut`), as
+    `--pipeline-model-parallel-layout` sets them. The embedding sits in the first stage, the
     output head(s) and the final norm in the last (their FLOPs too: the head's matmuls are
     priced on the last stage only, `_tail_flops`);
   * a producer that reads the sink's own tokens (its work per sample equals the sink's in every
@@ -82,7 +84,7 @@ import dataclasses
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 from maestro_jax.core.buckets import bucket
@@ -290,12 +292,12 @@ def token_aligned(spec, metas_all, name: str) -> bool:
     return bool(samples) and all(m.work[name] == m.work.get(spec.sink) for m in samples)
 
 
-def stage_plan(spec, metas_all, stages: int, sink_layers: Sequence[int] | None = None) -> list[list[_Slice]]:
+def stage_plan(spec, metas_all, stages: int, layers: Mapping[str, Sequence[int]] | None = None) -> list[list[_Slice]]:
     """Each stage's slices, in the order the stage runs them: the first stage's whole
     producers (encoders), then each cut section's layers in graph order (a teacher's before
-    the student's, as its hidden states feed the student's loss). `sink_layers`: the sink's
-    layers by stage (default the even cut, `stage_layers`; `sink_cuts`)."""
-    return _stage_plan(spec, _aligned(spec, metas_all), stages, sink_layers)
+    the student's, as its hidden states feed the student's loss). `layers`: a cut section's
+    layers by stage (default the even cut, `stage_layers`; `sink_cuts`, `refine_cut`)."""
+    return _stage_plan(spec, _aligned(spec, metas_all), stages, layers or {})
 
 
 def _aligned(spec, metas_all) -> frozenset[str]:
@@ -364,13 +366,13 @@ def sink_cuts(spec, metas_all, stages: int) -> list[list[int]]:
     return [c for i, c in enumerate(cuts) if c not in cuts[:i]]
 
 
-def _stage_plan(spec, cut: frozenset[str], stages: int, sink_layers: Sequence[int] | None) -> list[list[_Slice]]:
+def _stage_plan(spec, cut: frozenset[str], stages: int, layers: Mapping[str, Sequence[int]]) -> list[list[_Slice]]:
     out: list[list[_Slice]] = [[] for _ in range(stages)]
     for name, sec in spec.sections.items():
         if name not in cut or not sec.cost.layers:
             out[0].append(_Slice(name, sec, True, True, (ShardedLeaves(sec.params), ShardedLeaves(sec.consts))))
             continue
-        counts = sink_layers if name == spec.sink and sink_layers else stage_layers(sec.cost.layers, stages)
+        counts = layers.get(name) or stage_layers(sec.cost.layers, stages)
         for s, part in enumerate(_cut(sec, counts)):
             if part is not None:
                 out[s].append(
@@ -580,7 +582,57 @@ def pipelined_best(planner: Search, stage_counts: Sequence[int] | None = None) -
     best = None
     for stages in (p for p in divisors(n) if 2 <= p <= layers and (stage_counts is None or p in stage_counts)):
         for counts in sink_cuts(spec, planner.metas, stages):
-            best = _best_on(planner, stages, stage_plan(spec, planner.metas, stages, counts), every, best)
+            best = _best_on(planner, stages, stage_plan(spec, planner.metas, stages, {spec.sink: counts}), every, best)
+    return best and refine_cut(planner, best)
+
+
+def layer_moves(layers: Mapping[str, Sequence[int]]) -> Iterator[dict[str, list[int]]]:
+    """Every cut one layer away from `layers` (section -> its layers by stage): one of a section's
+    layers moved from one stage to another, the first and last stage keeping at least 0 (they
+    hold the embedding, the head), the others at least 1, as `core.stages.layer_ranges` allows."""
+    for name, counts in layers.items():
+        k = len(counts)
+        for i in range(k):
+            for j in range(k):
+                floor = 0 if i in (0, k - 1) else 1
+                if i != j and counts[i] > floor:
+                    moved = list(counts)
+                    moved[i] -= 1
+                    moved[j] += 1
+                    yield {**{n: list(c) for n, c in layers.items()}, name: moved}
+
+
+def refine_cut(planner: Search, best: dict, passes: int = 8) -> dict:
+    """`best` (a layout of `pipelined_best`) with the cut of every cut section improved one
+    layer at a time while its 1F1B step gets faster and its stages fit: each section's layers
+    by stage on their own, as Megatron-LM's `--pipeline-model-parallel-layout` sets any stage's
+    layers (its docs, "Custom Pipeline Model Parallel Layout"), so the baseline gets the cut the
+    planner may give maestro's stages (`Planner._pipelined_point`), searched the same way by its
+    own model. At most `passes` rounds over every one-layer move."""
+    spec, stages = planner.spec, best["stages"]
+    sp = SectionPlan(tuple(range(best["devices_per_stage"])), mesh_shape(**best["mesh"]), best["micro_batch"])
+    remat, layers = best["layer_remat"], best["layers_per_stage"]
+    for _ in range(passes):
+        improved = False
+        for cut in layer_moves(layers):
+            slices = stage_plan(spec, planner.metas, stages, cut)
+            mem = stage_memory(planner, stages, sp, remat, best["micro_batches"], slices)
+            if mem is None or max(mem) > planner.budget:
+                continue
+            t, busiest = _pipelined(planner, stages, sp, remat, slices, best["step_time_s"])
+            if t < best["step_time_s"]:
+                best = {
+                    **best,
+                    "step_time_s": t,
+                    "samples_per_s_per_device": planner.global_batch / t / planner.devices,
+                    **_describe(slices),
+                    "bubble_fraction": 1 - busiest / t,
+                    "peak_gb": max(mem) / 2**30,
+                    "first_stage_gb": mem[0] / 2**30,
+                }
+                layers, improved = best["layers_per_stage"], True
+        if not improved:
+            break
     return best
 
 
@@ -642,6 +694,7 @@ __all__ = [
     "one_f_one_b",
     "pipelined_best",
     "pipelined_time",
+    "refine_cut",
     "sink_cuts",
     "stage_layers",
     "stage_memory",

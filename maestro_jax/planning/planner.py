@@ -40,7 +40,7 @@ from maestro_jax.core.plan import (
     check_plan,
     mesh_shape,
 )
-from maestro_jax.core.stages import stage_name
+from maestro_jax.core.stages import even_layers, stage_name
 from maestro_jax.planning.baselines import user_baselines
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
@@ -82,6 +82,8 @@ class Candidate:
     peak_gb: float  # per device of the fullest device group (co-located sections add up)
     run_ahead: int = 0  # whether frozen sections compute the next batch during the step (`schedule.run_ahead`)
     stages: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # section -> its stages
+    # section -> its layers by stage, where not the even cut (`sections.<s>.stage_layers`)
+    cuts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict:
         return {
@@ -986,28 +988,55 @@ class Planner:
         (a KD teacher's stage i beside the student's, as one Megatron stage holds both); a section
         it runs whole in its first stage co-located with the first stages; every section with its
         stage mesh and micro-batch, the trained ones with its checkpointing; P forwards in flight
-        (1F1B's first stage holds P). Scored like any plan, by maestro's own schedule: the stages
-        are cut as `sections.<s>.stages` cuts them (even runs of layers), not the baseline's
-        balanced cut. None when there is no pipelined layout, a section it cuts cannot take P
-        stages (`WorkloadSpec.splits`), or the plan breaks a constraint."""
+        (1F1B's first stage holds P). Scored like any plan, by maestro's own schedule, cut as the
+        baseline cuts it (`sections.<s>.stage_layers`) and evenly, the faster kept. None when
+        there is no pipelined layout, a section it cuts cannot take P stages
+        (`WorkloadSpec.splits`), or the plan breaks a constraint."""
         if pipelined is None:
             return None
         k, per = pipelined["stages"], pipelined["devices_per_stage"]
-        cut = set(pipelined["layers_per_stage"])
-        if any(k not in self.spec.splits.get(s, {}) for s in cut):
+        layers = {s: tuple(c) for s, c in pipelined["layers_per_stage"].items()}
+        if any(k not in self.spec.splits.get(s, {}) for s in layers):
             return None
         mesh = mesh_shape(**pipelined["mesh"])
         sections = {}
         for s, sec in self.spec.sections.items():
             remat = pipelined["layer_remat"] if sec.trained else "none"
             sp = SectionPlan((), mesh, pipelined["micro_batch"], precision=sec.precision, layer_remat=remat)
-            if s not in cut:
+            if s not in layers:
                 sections[s] = dataclasses.replace(sp, devices=tuple(range(per)))
-            for i in range(k) if s in cut else ():
+            for i in range(k) if s in layers else ():
                 sections[stage_name(s, i)] = dataclasses.replace(sp, devices=tuple(range(i * per, (i + 1) * per)))
-        edges = self.spec.staged(dict.fromkeys(cut, k)).edges
-        fanout = {e.name: sections[e.dst].dp // sections[e.src].dp for e in edges}
-        return self._point(Plan(sections, fanout, self.global_batch), k)
+        edges = self.spec.staged(dict.fromkeys(layers, k)).edges
+        plan = Plan(sections, {e.name: sections[e.dst].dp // sections[e.src].dp for e in edges}, self.global_batch)
+        even = {s: tuple(even_layers(self.spec.sections[s].cost.layers, k)) for s in layers}
+        scored = [c for c in (self._cut_point(plan, k, layers), self._cut_point(plan, k, even)) if c is not None]
+        return min(scored, key=lambda c: c.step_time_s, default=None)
+
+    def _cut_point(self, plan: Plan, k: int, cuts: Mapping[str, tuple[int, ...]]) -> Candidate | None:
+        """`plan` (sections in `k` pipeline stages) scored with those sections cut as `cuts` give
+        (section -> its layers by stage), `k` forwards in flight; None where a section cannot be
+        cut so or the plan breaks a constraint. The even cut is recorded as none."""
+        spec = self.spec.with_cuts(cuts)
+        if spec is None:
+            return None
+        planner = Planner(
+            spec,
+            self.metas,
+            self.devices,
+            self.budget / 2**30,
+            global_batch=self.global_batch,
+            device=self.device,
+            link_gbps=self.link_gbps,
+            max_in_flight=self.max_in_flight,
+            residuals=self.residuals,
+            layer_remat=self.layer_remat,
+            contexts=self.contexts,
+            tolerance=self.tolerance,
+        )
+        point = planner._point(plan, k)
+        uneven = {s: c for s, c in cuts.items() if list(c) != even_layers(self.spec.sections[s].cost.layers, k)}
+        return point and dataclasses.replace(point, cuts=uneven)
 
     def _point(self, plan: Plan, max_in_flight: int) -> Candidate | None:
         """A baseline's layout as a scored maestro plan with `max_in_flight` and no run-ahead;
@@ -1339,9 +1368,10 @@ def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) ->
         ]
         fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items()) or "-"  # whole ones; the rest uneven
         mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
+        cuts = "".join(f"; {s} layers {'/'.join(map(str, n))}" for s, n in c.cuts.items())
         lines.append(
             f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
-            f"{' | '.join(parts)}; fanouts {fan}; in flight {c.max_in_flight}"
+            f"{' | '.join(parts)}; fanouts {fan}{cuts}; in flight {c.max_in_flight}"
             f"{'; run ahead' if c.run_ahead else ''}  {mem}"
         )
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
@@ -95,6 +95,11 @@ class WorkloadSpec:
     splits: Mapping[str, Mapping[int, StagedSection]] = dataclasses.field(default_factory=dict)
     # section -> how it packs sequences (`sections.<name>.pack`, `schedule.packing`); the rest do not
     pack: Mapping[str, Pack] = dataclasses.field(default_factory=dict)
+    # section -> (k, layers) -> the section in k stages of `layers` blocks each (None where it cannot
+    # be cut so): the cuts other than `splits`' even ones that the planner tries (`with_cuts`)
+    stagers: Mapping[str, Callable[[int, tuple[int, ...]], StagedSection | None]] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -105,6 +110,19 @@ class WorkloadSpec:
 
     def consumers_of(self, name: str) -> tuple[EdgeInfo, ...]:
         return tuple(e for e in self.edges if e.src == name)
+
+    def with_cuts(self, cuts: Mapping[str, tuple[int, ...]]) -> WorkloadSpec | None:
+        """This workload with each section of `cuts` (section -> its layers by stage) split so at
+        that many stages (`splits[s][len(layers)]`, which `staged` then reads), or None where a
+        section cannot be cut so."""
+        splits = {s: dict(by_count) for s, by_count in self.splits.items()}
+        for s, layers in cuts.items():
+            stager = self.stagers.get(s)
+            split = stager(len(layers), tuple(layers)) if stager else None
+            if split is None:
+                return None
+            splits.setdefault(s, {})[len(layers)] = split
+        return dataclasses.replace(self, splits=splits)
 
     def staged(self, counts: Mapping[str, int]) -> WorkloadSpec:
         """This workload with each section of `counts` (section -> a stage count of `splits`) in

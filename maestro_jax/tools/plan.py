@@ -55,7 +55,8 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
     """Config keys that set a candidate's plan (for `--write` and `key=value` overrides): a
     section in pipeline stages as `sections.<s>.stages` with its devices from the first stage's
     first to the last's last and its mesh over all of them (the stages' data axis times their
-    count), as `Config.plan` cuts it again; every other section planned `stages: 1`."""
+    count), as `Config.plan` cuts it again, and its layers by stage where the cut is not the even
+    one (`stage_layers`); every other section planned `stages: 1`."""
     out: dict[str, object] = {}
     described = c.describe()
     of = {stage: s for s, order in c.stages.items() for stage in order}
@@ -68,6 +69,8 @@ def plan_overrides(c: Candidate) -> dict[str, object]:
         out[f"sections.{s}.residuals"] = first["residuals"]
         out[f"sections.{s}.layer_remat"] = first["layer_remat"]
         out[f"sections.{s}.stages"] = len(order)
+        if s in c.cuts:
+            out[f"sections.{s}.stage_layers"] = list(c.cuts[s])
     inner = {stage_edge(s, i) for s, order in c.stages.items() for i in range(len(order) - 1)}  # stage to stage
     out.update({f"edges.{e}.fanout": f for e, f in c.plan.fanout.items() if e not in inner})  # derived, where whole
     out["schedule.max_in_flight"] = c.max_in_flight

@@ -237,11 +237,14 @@ def build_graph(cfg: Config) -> SectionGraph:
 
 def with_stages(cfg: Config, graph: SectionGraph) -> SectionGraph:
     """`graph` with each section the config puts in `stages` > 1 cut into its pipeline stages
-    (`core.stages.stage_graph`); a section that cannot be is a ConfigError of one line."""
+    (`core.stages.stage_graph`), as `stage_layers` cuts it; a section that cannot be is a
+    ConfigError of one line."""
     from maestro_jax.core.stages import StageError, stage_graph
 
+    staged = {n: s for n, s in cfg.sections.items() if s.stages > 1}
+    cuts = {n: s.stage_layers for n, s in staged.items() if s.stage_layers is not None}
     try:
-        return stage_graph(graph, {n: s.stages for n, s in cfg.sections.items() if s.stages > 1})
+        return stage_graph(graph, {n: s.stages for n, s in staged.items()}, cuts)
     except StageError as err:
         raise ConfigError(str(err)) from None
 
@@ -398,6 +401,14 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
             tuple(param_infos(abstract[s]["consts"])),
             cfg.section(s).precision if cfg.section_of(s) in cfg.sections else "float32",
         )
+    # the planner cuts whole sections (a staged graph's stages are priced as its sections)
+    stagers = {} if graph.staging else {s: _stager(graph.section(s), sections[s]) for s in graph.names}
+    stagers = {s: stager for s, stager in stagers.items() if stager is not None}
+
+    def configured(s: str) -> tuple[int, list[int] | None]:
+        own = cfg.sections.get(s)
+        return (own.stages, own.stage_layers) if own else (1, None)
+
     return WorkloadSpec(
         cfg.workload or "+".join(graph.names),
         sections,
@@ -405,40 +416,40 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
         {e.name: e.bytes_per_unit for e in graph.edges},
         graph.sink,
         {s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {},
-        {}
-        if graph.staging
-        else {
-            s: _splits(graph.section(s), sections[s], cfg.sections[s].stages if s in cfg.sections else 1)
-            for s in graph.names
-        },
+        {s: _splits(stager, *configured(s)) for s, stager in stagers.items()},
         {s: p for s, p in packing(cfg).items() if s in sections},
+        stagers,
     )
 
 
 STAGE_COUNTS = (2, 4, 8, 16)  # the stage counts `describe` offers the planner for a section that splits
 
 
-def _splits(section, spec, configured: int) -> dict:
-    """`section` (described as `spec`) cut into each of `STAGE_COUNTS` stages it takes (and the
-    `configured` count, which the planner checks a config's plan with), for the planner (`planning.spec.StagedSection`): each stage's leaves are the section's that its
-    split's `owner` gives it, its cost the stage section's own."""
+def _stager(section, spec):
+    """`section` (described as `spec`) cut for the planner (`planning.spec.StagedSection`): a
+    function `(k, layers=None)` giving it in `k` stages, `layers` blocks each (where its `stages`
+    takes a cut) or its own even cut, or None where it cannot be; each stage's leaves are the
+    section's that its split's `owner` gives it, its cost the stage section's own. None for a
+    section that does not split."""
     import dataclasses
     import re
 
+    from maestro_jax.core.stages import takes_cut
     from maestro_jax.planning.spec import StagedSection
 
     if section.stages is None:
-        return {}
+        return None
 
     def keys(info, top: str) -> tuple[str, ...]:
         return (top, *re.findall(r"\['([^']*)'\]", info.path))
 
-    out = {}
-    for k in sorted({*STAGE_COUNTS, configured} - {1}):
+    def stager(k: int, layers: tuple[int, ...] | None = None):
+        if layers is not None and not takes_cut(section.stages):
+            return None
         try:
-            split = section.stages(k)
+            split = section.stages(k) if layers is None else section.stages(k, layers=tuple(layers))
         except ValueError:
-            break  # more stages than layers, or a model that does not split: nor will more
+            return None  # more stages than layers, a cut of the wrong size, a model that does not split
         stages = tuple(
             dataclasses.replace(
                 spec,
@@ -450,8 +461,21 @@ def _splits(section, spec, configured: int) -> dict:
             for i, st in enumerate(split.sections)
         )
         if sum(len(st.leaves) for st in stages) != len(spec.leaves):
-            break  # a leaf no stage owns: the split would not be priced whole
-        out[k] = StagedSection(stages, dict(split.consumes), dict(split.produces), split.bytes_per_unit)
+            return None  # a leaf no stage owns: the split would not be priced whole
+        return StagedSection(stages, dict(split.consumes), dict(split.produces), split.bytes_per_unit)
+
+    return stager
+
+
+def _splits(stager, configured: int, cut: list[int] | None) -> dict:
+    """A section's splits into each of `STAGE_COUNTS` stages it takes, evenly, and into the
+    `configured` count as the config cuts it (which the planner checks a config's plan with)."""
+    out = {}
+    for k in sorted({*STAGE_COUNTS, configured} - {1}):
+        split = stager(k, tuple(cut) if cut is not None and k == configured else None)
+        if split is None:
+            break  # more stages than layers, or a model that does not split: nor will more
+        out[k] = split
     return out
 
 

@@ -38,11 +38,12 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
         h = body.apply(v, x, batch["positions"], batch["valid"], batch["segments"], method=DecoderLM.hidden)
         return {edge: R.unpack(h, batch)}  # packed: back to one row per sample, as the edge carries it
 
-    def stages(k: int):
+    def stages(k: int, layers: tuple[int, ...] | None = None):
         return decoder_stages(
             section,
             teacher,
             k,
+            layers=layers,
             finish=lambda module, variables, v, inputs, batch, h: {edge: h},
             cost=lambda c, last: llm_cost(c, head=False),
             at=("consts", "llm"),
@@ -85,14 +86,23 @@ def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: f
 
 
 def student_stages(
-    section: Section, student: LLMConfig, teacher: LLMConfig, k: int, alpha: float, temperature: float, **embed
+    section: Section,
+    student: LLMConfig,
+    teacher: LLMConfig,
+    k: int,
+    alpha: float,
+    temperature: float,
+    layers: tuple[int, ...] | None = None,
+    **embed,
 ):
-    """A KD student (`section`) cut into `k` pipeline stages: the teacher's hidden states and
-    output layer go to the last, which holds the loss; `embed` (optional) the first's inputs."""
+    """A KD student (`section`) cut into `k` pipeline stages (`layers` blocks each, or evenly):
+    the teacher's hidden states and output layer go to the last, which holds the loss; `embed`
+    (optional) the first's inputs."""
     return decoder_stages(
         section,
         student,
         k,
+        layers=layers,
         finish=lambda module, variables, v, inputs, batch, h: distill_loss(
             module.apply(v, h, method=DecoderLM.logits),
             softcap(teacher_hidden(inputs, batch, EDGE) @ variables["consts"]["teacher_head"], teacher.final_softcap),
@@ -177,7 +187,7 @@ def build(cfg: Config) -> SectionGraph:
         work=R.next_token_units,
         cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
         reads=(TOKENS,),
-        stages=lambda k: student_stages(student_section, student, teacher, k, alpha, temperature),
+        stages=lambda k, layers=None: student_stages(student_section, student, teacher, k, alpha, temperature, layers),
     )
     return SectionGraph(
         sections=(teacher_section(teacher), student_section),

@@ -1,7 +1,8 @@
 """Pipeline stages of the built-in decoder sections (`Section.stages`; `core.stages`).
 
 A decoder section (a VLM's `llm`, a KD `student` or `teacher`) cut into K stages: each stage a
-`DecoderLM` holding a consecutive run of blocks (`core.stages.layer_ranges`); the first also the
+`DecoderLM` holding a consecutive run of blocks (`core.stages.layer_ranges`: an even cut, or the
+config's `stage_layers`); the first also the
 embedding and whatever comes before the blocks (a VLM's image embeddings spliced in), the last
 the final norm, the output layer and the loss (or, for a KD teacher, the hidden states it sends).
 Every stage reads its rows' token layout from the section's own `host_batch` (positions, masks,
@@ -43,6 +44,7 @@ def decoder_stages(
     last_keys: tuple[str, ...] = (),
     consumes: Mapping[str, int] | None = None,
     with_head: bool = True,
+    layers: tuple[int, ...] | None = None,
 ) -> StageSplit:
     """`section` (a decoder of config `llm`) cut into `k` stages.
 
@@ -51,14 +53,15 @@ def decoder_stages(
       decoder's parameters sit in the section's variables (a frozen teacher's under consts/llm).
     last_keys: other variables the last stage holds (a KD student's `teacher_head`); consumes: the
       section's input edges the last stage reads (edge -> stage). cost(stage config, is last): a
-      stage's `UnitCost` (the stage config's depth is its block count).
+      stage's `UnitCost` (the stage config's depth is its block count). layers: each stage's block
+      count (`sections.<s>.stage_layers`), default as even as they come (`core.stages.layer_ranges`).
     ValueError naming the model setting when the decoder cannot be staged."""
     if llm.scan_layers:
         raise ValueError(
             "the model's layers are scanned (scan_layers: true); a stage holds a run of unrolled layers; valid: 1, "
             "or the model with scan_layers: false"
         )
-    if not 1 <= k <= llm.depth:
+    if layers is None and not 1 <= k <= llm.depth:
         raise ValueError(f"the model has {llm.depth} layers; valid: 1 to {llm.depth}")
     if with_head and llm.tie_embeddings and section.trained:
         raise ValueError(
@@ -67,7 +70,7 @@ def decoder_stages(
         )
     # an MoE balance loss: each stage's rows' terms travel on with the rows to the last stage
     aux = bool(llm.experts and llm.router_aux_loss and section.trained)
-    ranges = layer_ranges(llm.depth, k)
+    ranges = layer_ranges(llm.depth, k, layers)
 
     def owner(path: tuple[str, ...]) -> int | None:
         for key in path:
@@ -81,7 +84,7 @@ def decoder_stages(
         return None
 
     def stage(i: int) -> Section:
-        module = DecoderLM(llm, with_head=with_head, layers=ranges[i])
+        module = DecoderLM(llm, with_head=with_head, layers=ranges[i], first=i == 0, last=i == k - 1)
         prev = stage_edge(section.name, i - 1) if i else None
         out = stage_edge(section.name, i) if i < k - 1 else None
         prev_aux = stage_aux_edge(section.name, i - 1) if i else None

@@ -247,11 +247,12 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost 
         logits, aux = spliced_logits(decoder, variables, inputs, batch, spliced)
         return next_token_loss(logits, batch, aux)
 
-    def stages(k: int):
+    def stages(k: int, layers: tuple[int, ...] | None = None):
         return decoder_stages(
             section,
             llm,
             k,
+            layers=layers,
             embed=lambda module, v, inputs, batch: spliced_embeddings(module, v, inputs, batch, spliced),
             finish=lambda module, variables, v, inputs, batch, h: next_token_loss(
                 module.apply(v, h, method=DecoderLM.logits), batch

@@ -89,7 +89,9 @@ def build(cfg: Config) -> SectionGraph:
         work=R.next_token_units,
         cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
         reads=(TOKENS,),
-        stages=lambda k: student_stages(student_section, student, teacher, k, alpha, temperature, embed=embed),
+        stages=lambda k, layers=None: student_stages(
+            student_section, student, teacher, k, alpha, temperature, layers, embed=embed
+        ),
     )
     return SectionGraph(
         sections=(
