@@ -750,12 +750,16 @@ def _command(command: Command, args) -> int:
 
 
 def _run(command: Command, cfg, args) -> int:
-    """The command; a config or plan it finds wrong ends with one `error:` line and status 2."""
+    """The command, its shape buckets the config's (`compile.buckets_per_octave`: what the
+    planner and simulator price, as the runtime pads); a config or plan it finds wrong ends with
+    one `error:` line and status 2."""
+    from maestro_jax.core.buckets import granularity
     from maestro_jax.core.graph import GraphError
     from maestro_jax.core.plan import PlanError
 
     try:
-        return command.run(cfg, args)
+        with granularity(cfg.compile.buckets_per_octave):
+            return command.run(cfg, args)
     except (ConfigError, PlanError, GraphError) as err:
         print(_error_line(err), file=sys.stderr)
         return 2

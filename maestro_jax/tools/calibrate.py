@@ -13,7 +13,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
-from maestro_jax.core.buckets import bucket
+from maestro_jax.core.buckets import bucket, granularity
 from maestro_jax.planning.cost import CostModel, SectionCost
 from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import sample_metas
@@ -88,7 +88,8 @@ def fit(rt, measurements) -> CostModel:
             continue
         kind = "L" if op.section == p.sink else op.kind
         mb = p.micro_batch(op.section)
-        b = bucket(max(units, default=0), 16)
+        with granularity(rt.executor.buckets_per_octave):  # the buckets the measured steps ran at
+            b = bucket(max(units, default=0), 16)
         points[(op.section, kind)].append((1.0, mb * b, mb * b * b, t))
     coefs = {}
     for key, rows in points.items():
