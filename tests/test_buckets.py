@@ -96,3 +96,20 @@ def test_the_runtime_packs_batches_to_the_configs_buckets():
     lengths |= {b["llm"]["input_ids"].shape[1] for b in mono}
     patches = {b["patches"].shape[1] for (s, _), b in host.items() if s == "vision"}
     assert lengths and patches and all(n & (n - 1) == 0 for n in lengths | patches), (lengths, patches)
+
+
+QUICK_START_PROGRAMS = 30  # configs/vlm_tiny.yaml's 8 steps at one bucket an octave (56 at eight)
+
+
+def test_the_quick_start_compiles_at_most_its_measured_program_count():
+    """The README's first command (`train --config configs/vlm_tiny.yaml`): the programs its
+    steps need, counted by tracing them as `train` does before compiling (its "compiling N
+    programs" line), stay within the count its coarse buckets gave."""
+    from maestro_jax.runtime import ahead
+    from maestro_jax.runtime.build import build_runtime
+
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml")
+    rt = build_runtime(cfg)
+    rt.step.init()  # as `train` does: init's own programs are compiled before
+    tracer, _, _ = ahead.trace_batches(rt.step, rt.batch_infos(ahead.bounded(range(cfg.steps))))
+    assert len(tracer.new) + len(tracer.transfers) <= QUICK_START_PROGRAMS
