@@ -14,7 +14,10 @@ a small model, whose run is mostly compiling). `bucket` reads the granularity in
 (`Executor.host_batches`, the monolithic model's) and the command line around every command, so
 the runtime pads and the planner and simulator price (`planning.cost`, `planning.layout`,
 `planning.pipeline`) with the one setting, and the packing code (`workloads.rows`, a user's own
-`host_batch`) calls `bucket` without passing it around.
+`host_batch`) calls `bucket` without passing it around. `tools.simulate.simulate_config` enters
+the config's granularity itself; a Python caller of the planner (`tools.plan.planner_for`,
+`planning.planner.Planner`) prices at the one in force, so enters
+`granularity(cfg.compile.buckets_per_octave)` around its use.
 """
 
 from __future__ import annotations
