@@ -750,16 +750,12 @@ def _command(command: Command, args) -> int:
 
 
 def _run(command: Command, cfg, args) -> int:
-    """The command, its shape buckets the config's (`compile.buckets_per_octave`: what the
-    planner and simulator price, as the runtime pads); a config or plan it finds wrong ends with
-    one `error:` line and status 2."""
-    from maestro_jax.core.buckets import granularity
+    """The command; a config or plan it finds wrong ends with one `error:` line and status 2."""
     from maestro_jax.core.graph import GraphError
     from maestro_jax.core.plan import PlanError
 
     try:
-        with granularity(cfg.compile.buckets_per_octave):
-            return command.run(cfg, args)
+        return command.run(cfg, args)
     except (ConfigError, PlanError, GraphError) as err:
         print(_error_line(err), file=sys.stderr)
         return 2

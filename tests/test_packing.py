@@ -13,7 +13,7 @@ from conftest import ROOT, TINY_KD, TINY_VLM
 from maestro_jax.models import DecoderLM, LLMConfig
 
 from maestro_jax.config import ConfigError, load_config
-from maestro_jax.core.buckets import bucket, granularity
+from maestro_jax.core.buckets import bucket
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
@@ -236,8 +236,7 @@ def test_token_packed_step_verifies_against_the_monolithic_step(workload, schedu
     assert set(rt.executor.pack) == {s for s, sc in cfg.sections.items() if sc.pack != 1}
     for s, budget in rt.executor.pack.items():
         segments = [host[(s, st.index)]["segments"] for st in schedule.steps[s]]
-        with granularity(cfg.compile.buckets_per_octave):  # the config's buckets, as the runtime's
-            assert all(seg.shape[1] == bucket(budget.tokens) for seg in segments)
+        assert all(seg.shape[1] == bucket(budget.tokens, per_octave=cfg.compile.buckets_per_octave) for seg in segments)
         assert sum(seg.shape[0] for seg in segments) < sum(len(st.positions) for st in schedule.steps[s])
         assert max(seg.max() for seg in segments) >= 2  # some row holds several samples
         for seg in segments:

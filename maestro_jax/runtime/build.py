@@ -392,7 +392,7 @@ def build_runtime(
         meshes,
         shardings,
         programs,
-        Executor(graph, problem, programs, problem.pack, buckets_per_octave=cfg.compile.buckets_per_octave),
+        Executor(graph, problem, programs, problem.pack),
         abstract,
         source,
         check,
@@ -516,9 +516,7 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
     norms = {s: section_squared_norm(cfg.optimizer, cfg.section_of(s)) for s in trained}
     hf_paths = {s: sc.init.hf_path for s, sc in cfg.sections.items() if sc.init is not None and sc.init.hf_path}
     return MonolithicRuntime(
-        Monolithic(
-            graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms, cfg.compile.buckets_per_octave
-        ),
+        Monolithic(graph, sp, mesh, shardings, optimizers, cfg.optimizer.clip_norm, norms),
         cfg,
         mesh,
         shardings,

@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from maestro_jax.core import buckets
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState
 from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
@@ -92,13 +91,10 @@ class Executor:
         programs: Mapping[str, SectionPrograms],
         pack: Mapping[str, Pack] | None = None,
         dry: DryRun | None = None,
-        buckets_per_octave: int = buckets.PER_OCTAVE,
     ):
         """`dry`: an abstract twin's dry run (`abstract`): transfers are recorded, not issued,
-        and nothing waits. `buckets_per_octave`: the shape buckets batches are packed to
-        (`compile.buckets_per_octave`, `core.buckets`)."""
+        and nothing waits."""
         self.graph, self.problem, self.programs, self.dry = graph, problem, programs, dry
-        self.buckets_per_octave = buckets_per_octave
         # sections that pack sequences: samples per row or a token budget per row
         # (`schedule.packing`; their `problem.rows` count sample slots)
         self.pack = {s: p for s, p in (pack or {}).items() if packs(p)}
@@ -122,26 +118,22 @@ class Executor:
         """This executor over the sections' abstract twins (`SectionPrograms.abstract(run)`): the
         same walk, every program call and transfer handed to `run`; the transfers it compiles
         are recorded in this executor's `compiled_transfers`."""
-        twin = Executor(
-            self.graph, self.problem, programs, self.pack, dry=run, buckets_per_octave=self.buckets_per_octave
-        )
+        twin = Executor(self.graph, self.problem, programs, self.pack, dry=run)
         twin.compiled_transfers = self.compiled_transfers
         return twin
 
     def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
-        """Numpy inputs of every micro-step (host work, done before any dispatch), sizes padded
-        to this executor's shape buckets."""
+        """Numpy inputs of every micro-step (host work, done before any dispatch)."""
         out = {}
-        with buckets.granularity(self.buckets_per_octave):
-            for s, steps in schedule.steps.items():
-                section = self.graph.section(s)
-                for st in steps:
-                    row_samples = [samples[i] if i >= 0 else None for i in st.positions]
-                    routes = schedule.routes(self.problem, s, st.index)
-                    if s in self.pack:
-                        out[(s, st.index)] = section.packed_batch(row_samples, routes, self.problem.dp[s], self.pack[s])
-                    else:
-                        out[(s, st.index)] = section.host_batch(row_samples, routes)
+        for s, steps in schedule.steps.items():
+            section = self.graph.section(s)
+            for st in steps:
+                row_samples = [samples[i] if i >= 0 else None for i in st.positions]
+                routes = schedule.routes(self.problem, s, st.index)
+                if s in self.pack:
+                    out[(s, st.index)] = section.packed_batch(row_samples, routes, self.problem.dp[s], self.pack[s])
+                else:
+                    out[(s, st.index)] = section.host_batch(row_samples, routes)
         return out
 
     def _start(self, states, samples, schedule, host, norm, sections=None, grads: bool = True) -> _StepState:

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maestro_jax.core import buckets
 from maestro_jax.core.graph import SectionGraph, ask, sample_view
 from maestro_jax.core.plan import SectionPlan
 from maestro_jax.runtime.optimizer import squared_norm, update_fn
@@ -32,13 +31,10 @@ class Monolithic:
         optimizers: Mapping[str, object],
         clip_norm: float | None = None,
         squared_norms: Mapping[str, Callable] | None = None,
-        buckets_per_octave: int = buckets.PER_OCTAVE,
     ):
         """`squared_norms`: section -> its gradients' squared norm for clipping (default
-        `runtime.optimizer.squared_norm`; `section_squared_norm` leaves frozen parameters out).
-        `buckets_per_octave`: the shape buckets batches are packed to (`core.buckets`)."""
+        `runtime.optimizer.squared_norm`; `section_squared_norm` leaves frozen parameters out)."""
         self.graph, self.plan, self.mesh = graph, plan, mesh
-        self.buckets_per_octave = buckets_per_octave
         self.row_sharding = row_sharding(mesh)
         self.trained = tuple(s.name for s in graph.sections if s.trained)
         self.optimizers = optimizers
@@ -72,10 +68,6 @@ class Monolithic:
 
     def host_batches(self, samples: Sequence) -> list[dict]:
         """Arrival-order micro-batches; every section sees the same rows (None: section idle)."""
-        with buckets.granularity(self.buckets_per_octave):
-            return self._host_batches(samples)
-
-    def _host_batches(self, samples: Sequence) -> list[dict]:
         rows = self.plan.rows
         out = []
         for i in range(0, len(samples), rows):

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from maestro_jax import workloads
 from maestro_jax.config import Config
-from maestro_jax.core.buckets import granularity
 from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
 from maestro_jax.planning.baselines import user_baselines
 from maestro_jax.planning.cluster import simulate_plan
@@ -72,14 +71,8 @@ def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
 def simulate_config(
     cfg: Config, gantt: str | None = None, graph=None, source=None, progress: Callable[[str], None] | None = None
 ) -> dict:
-    """The prediction for `cfg`'s workload, or for a user's `graph` and `source`, priced at the
-    config's shape buckets (`compile.buckets_per_octave`); `progress`, when given, receives one
-    line before each phase."""
-    with granularity(cfg.compile.buckets_per_octave):
-        return _simulate(cfg, gantt, graph, source, progress)
-
-
-def _simulate(cfg: Config, gantt: str | None, graph, source, progress: Callable[[str], None] | None) -> dict:
+    """The prediction for `cfg`'s workload, or for a user's `graph` and `source`; `progress`,
+    when given, receives one line before each phase."""
     say = progress or (lambda _: None)
     say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {cfg.simulate.batches} batches")
     graph = graph or workloads.build_graph(cfg)

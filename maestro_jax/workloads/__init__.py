@@ -410,6 +410,7 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
             for s in graph.names
         },
         {s: p for s, p in packing(cfg).items() if s in sections},
+        buckets_per_octave=cfg.compile.buckets_per_octave,
     )
 
 
