@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from maestro_jax import hf_config
+from maestro_jax.core.buckets import PER_OCTAVE
+from maestro_jax.core.buckets import VALID as BUCKET_GRANULARITIES
 from maestro_jax.core.plan import Plan, SectionPlan
 from maestro_jax.core.stages import stage_name
 from maestro_jax.meshes import MESH_AXES
@@ -601,6 +603,21 @@ class CompileConfig(_Frozen):
 
     ahead: bool = True  # compile every program the run's batches need before step 1 (`SectionedStep.compile`)
     max_batches: PositiveInt = 256  # global batches scanned for shapes; a longer run is sampled (`runtime.ahead`)
+    # shape buckets per octave (`core.buckets`): each section compiles one program per bucket (per
+    # combination of its producers' buckets); 8 pads at most 12.5% past the smallest buckets, 1
+    # pads to powers of two: fewer programs where compiling dominates (a small model). The
+    # planner and simulator price the same buckets
+    buckets_per_octave: Annotated[int, Field(strict=True)] = PER_OCTAVE
+
+    @pydantic.field_validator("buckets_per_octave")
+    @classmethod
+    def _a_granularity(cls, v):
+        if v not in BUCKET_GRANULARITIES:
+            raise ValueError(
+                f"valid: one of {', '.join(map(str, BUCKET_GRANULARITIES))} (a power of two: buckets per octave of size)"
+            )
+        return v
+
     cache: bool = True  # jax's persistent compilation cache: a resume or a rerun loads its executables
     # where the cache lives; default JAX_COMPILATION_CACHE_DIR where set, else the user's cache
     # ($XDG_CACHE_HOME/maestro_jax/xla, ~/.cache/maestro_jax/xla), shared safely by runs

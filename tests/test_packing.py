@@ -236,7 +236,7 @@ def test_token_packed_step_verifies_against_the_monolithic_step(workload, schedu
     assert set(rt.executor.pack) == {s for s, sc in cfg.sections.items() if sc.pack != 1}
     for s, budget in rt.executor.pack.items():
         segments = [host[(s, st.index)]["segments"] for st in schedule.steps[s]]
-        assert all(seg.shape[1] == bucket(budget.tokens) for seg in segments)
+        assert all(seg.shape[1] == bucket(budget.tokens, per_octave=cfg.compile.buckets_per_octave) for seg in segments)
         assert sum(seg.shape[0] for seg in segments) < sum(len(st.positions) for st in schedule.steps[s])
         assert max(seg.max() for seg in segments) >= 2  # some row holds several samples
         for seg in segments:

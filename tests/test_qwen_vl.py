@@ -157,7 +157,13 @@ def test_a_qwen2_5_vl_folder_gives_both_sections_and_verifies(tmp_path):
 
     image = image_modality(cfg)
     packed = packed_multimodal_rows(
-        samples, {}, 1, TokenBudget(64), {"image_embeds": image}, positions=llm_positions(cfg)
+        samples,
+        {},
+        1,
+        TokenBudget(64),
+        {"image_embeds": image},
+        positions=llm_positions(cfg),
+        per_octave=cfg.compile.buckets_per_octave,
     )
     for row, seg in zip(packed["positions"], packed["segments"]):
         for k in range(1, seg.max() + 1):

@@ -66,7 +66,7 @@ def small_llm(cfg) -> LLMConfig:
 def build(cfg) -> SectionGraph:
     llm = small_llm(cfg)
     return SectionGraph(
-        sections=(llm_section(llm, {}, llm_cost(llm, head=True)),),
+        sections=(llm_section(llm, {}, llm_cost(llm, head=True), per_octave=cfg.compile.buckets_per_octave),),
         edges=(),
         init=lambda key: {"llm": {"params": init_llm(llm, key)["params"], "consts": {}}},
         loss_count=R.loss_tokens(),

@@ -18,6 +18,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
+from maestro_jax.core.buckets import PER_OCTAVE
 from maestro_jax.core.plan import Plan, SectionPlan, device_groups
 from maestro_jax.meshes import MESH_AXES
 from maestro_jax.planning.cost import (
@@ -55,13 +56,16 @@ def section_cost(
     is_sink: bool,
     typical: float | None = None,
     pack: Pack = 1,
+    per_octave: int = PER_OCTAVE,
 ) -> SectionCost:
     """Analytic coefficients of one section under its plan, from the FLOPs it declares; its
     optimizer step's gradient reduction hides behind one backward micro-step of typical rows
     (`update_time`). `typical`: `typical_units(spec.name, metas_all)`, when the caller has it
     already (the planner prices thousands of layouts on the same samples). A section that packs
     sequences (`pack`) runs packed rows (`schedule.packing.row_shape` of typical samples): its
-    efficiency is rated at their work per device, and the reduction hides behind one of them."""
+    efficiency is rated at their work per device, and the reduction hides behind one of them.
+    `per_octave`: the shape buckets its micro-steps are padded to (the `WorkloadSpec`'s
+    `buckets_per_octave`, `SectionCost.padded`)."""
     c = spec.cost
     linear, attn = c.flops, c.attention_flops
     if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
@@ -93,6 +97,7 @@ def section_cost(
         bucket_min=256,
         overlapped_s=fsdp_gather_s(spec, sp, device, link_gbps),
         layers=max(c.layers, 1),
+        per_octave=per_octave,
     )
     backward = cost.sink_factor - 1.0 if is_sink else cost.backward_factor
     hidden = cost.forward_s(int(row_units), rows) * backward
@@ -250,6 +255,7 @@ def cost_model(
             s == spec.sink,
             None if typical is None else typical[s],
             pack.get(s, 1),
+            spec.buckets_per_octave,
         )
         for s, sec in spec.sections.items()
     }

@@ -3,10 +3,12 @@
 A micro-step runs all data shards in lockstep, every row padded to the micro-step's bucket, so
 its compute is
     c = micro_batch * (per_unit * B + per_unit2 * B**2),   B = bucket(max row work)
-(the quadratic term is attention). Collectives that XLA's latency-hiding scheduler runs beside
-the compute (the fsdp all-gather of the next layer's weights, `overlapped_s` for the whole
-micro-step) hide behind it layer by layer: with L layers the first layer's gather waits, and
-each layer then takes the longer of its compute and the next layer's gather, so
+(the quadratic term is attention; B at the section's granularity, `SectionCost.padded`: the
+config's `compile.buckets_per_octave`, as the runtime pads). Collectives that XLA's
+latency-hiding scheduler runs beside the compute (the fsdp all-gather of the next layer's
+weights, `overlapped_s` for the whole micro-step) hide behind it layer by layer: with L layers
+the first layer's gather waits, and each layer then takes the longer of its compute and the
+next layer's gather, so
     t(F) = overhead + (c + g) / L + (L - 1) / L * max(c, g),   g = overlapped_s
 (c + g with one layer: nothing to overlap), plus the host time to issue it (`dispatch_s`), which
 overlaps the device work of earlier ops. Backward costs `backward_factor` forwards; the sink's
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from maestro_jax.core.buckets import bucket
+from maestro_jax.core.buckets import PER_OCTAVE, bucket
 
 DEVICES = {
     # peak dense bf16 FLOP/s and HBM bandwidth of one device; interconnect bytes/s per device (one
@@ -111,6 +113,12 @@ class SectionCost:
     overlapped_s: float = 0.0  # per forward micro-step: collectives that overlap the compute
     layers: int = 1  # the layers `overlapped_s` is spread over (one gather per layer)
     update_s: float = 0.0  # per step: gradient reduction and optimizer update (`cluster.update_time`)
+    per_octave: int = PER_OCTAVE  # shape buckets an octave (`core.buckets`): the spec's `buckets_per_octave`
+
+    def padded(self, units: int) -> int:
+        """The bucket a micro-step whose largest row has `units` work runs at (0: none, it does
+        not run): every pricing site pads through this, at the section's granularity."""
+        return bucket(units, self.bucket_min, self.per_octave) if units else 0
 
     def forward_s(self, bucket_units: int, micro_batch: int) -> float:
         """A forward micro-step of `micro_batch` rows padded to `bucket_units` (module docstring)."""
@@ -135,7 +143,7 @@ class CostModel:
 
     def step_time(self, section: str, kind: str, units: Sequence[int], micro_batch: int) -> float:
         c = self.sections[section]
-        b = bucket(max(units, default=0), c.bucket_min) if any(units) else 0
+        b = c.padded(max(units, default=0))
         return c.forward_s(b, micro_batch) * {"F": 1.0, "B": c.backward_factor, "L": c.sink_factor}[kind]
 
     def transfer_time(self, edge: str, units: Sequence[int]) -> float:

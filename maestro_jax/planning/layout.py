@@ -20,7 +20,7 @@ import functools
 import math
 from collections.abc import Iterator, Sequence
 
-from maestro_jax.core.buckets import bucket
+from maestro_jax.core.buckets import PER_OCTAVE, bucket
 from maestro_jax.core.plan import (
     ParamInfo,
     Plan,
@@ -45,6 +45,7 @@ def section_memory(
     max_in_flight: int,
     weights: tuple[float, float] | None = None,
     pack: Pack = 1,
+    per_octave: int = PER_OCTAVE,
 ) -> dict[str, float]:
     """Per-device bytes of a section under a plan (see the module docstring). Under bfloat16
     (`runtime.precision`) activations and frozen weights take half their float32 bytes, and a
@@ -55,7 +56,8 @@ def section_memory(
     `weights`: the per-device float32 bytes of the trained and the frozen weights under `sp`'s
     mesh, when the caller has them already (`Planner` computes them once per mesh). A section that
     packs sequences (`pack`) holds its packed rows (`schedule.packing.row_shape` at `max_units`,
-    the largest sample, as unpacked rows are sized by it)."""
+    the largest sample, as unpacked rows are sized by it), padded to its shape bucket at
+    `per_octave` buckets an octave (the `WorkloadSpec`'s `buckets_per_octave`)."""
     half = ACTIVATION_BYTES[sp.precision] / F32
     stored = WEIGHT_BYTES[sp.precision] / F32  # frozen weights, as stored
     if weights is None:
@@ -76,7 +78,7 @@ def section_memory(
     }[sp.layer_remat]
 
     rows, length = row_shape(sp.micro_batch, max_units, pack)
-    rows_units = rows * bucket(int(length), 16) / sp.axis_sizes["context"]  # positions split by context
+    rows_units = rows * bucket(int(length), 16, per_octave) / sp.axis_sizes["context"]  # positions split by context
     act = rows_units * working
     held = 0.0  # what outlives the section's own programs: residuals stashed for later backwards
     if sec.trained and not is_sink:  # each forward in flight keeps its residuals (its input under remat)

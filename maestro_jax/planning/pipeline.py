@@ -87,7 +87,6 @@ import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
-from maestro_jax.core.buckets import bucket
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.cluster import _link, section_cost
@@ -456,6 +455,7 @@ def _pipelined(
                         link,
                         sl.section == spec.sink,
                         planner.typical_units[sl.section],
+                        per_octave=spec.buckets_per_octave,
                     ),
                 )
             )
@@ -470,6 +470,7 @@ def _pipelined(
                 link,
                 s == spec.sink,
                 planner.typical_units[s],
+                per_octave=spec.buckets_per_octave,
             )
             for s, sec in spec.sections.items()
         }
@@ -492,7 +493,7 @@ def _pipelined(
             padded = {}
             for s, c in whole.sections.items():
                 top = max((m.work.get(s, 0) for m in chunk), default=0)
-                padded[s] = bucket(top, c.bucket_min) if top else 0
+                padded[s] = c.padded(top)
             for st, row in enumerate(costs):
                 for s, c in row:
                     units = padded[s]
@@ -559,7 +560,8 @@ def stage_memory(
                 return None
             plan = dataclasses.replace(sp, precision=sec.precision, layer_remat=layer_remat if sec.trained else "none")
             loss = sl.section == spec.sink and sl.last  # the loss, its logits: one micro-batch, as 1F1B's last stage
-            mems.append(section_memory(sl.spec, plan, loss, planner.max_units[sl.section], in_flight, (params, consts)))
+            units, per_octave = planner.max_units[sl.section], spec.buckets_per_octave
+            mems.append(section_memory(sl.spec, plan, loss, units, in_flight, (params, consts), per_octave=per_octave))
         out.append(group_memory(mems) if mems else 0.0)
     return out
 

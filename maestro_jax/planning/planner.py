@@ -256,6 +256,7 @@ class Planner:
             in_flight or min(self.max_in_flight, self._stash.get(section, self.max_in_flight)),
             weights,
             self.spec.pack.get(section, 1) if packed else 1,
+            self.spec.buckets_per_octave,
         )
 
     def _weights_on(self, section: str, mesh: tuple[int, ...]) -> tuple[float, float] | None:
@@ -869,6 +870,7 @@ class Planner:
             section == self.spec.sink,
             self.typical_units[section],
             self.spec.pack.get(section, 1),
+            self.spec.buckets_per_octave,
         )
 
     def _section_bound(self, section: str, sp: SectionPlan, cost: SectionCost) -> float:

@@ -14,6 +14,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 
+from maestro_jax.core.buckets import PER_OCTAVE
 from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import EdgeInfo, ParamInfo, Plan, device_groups
 from maestro_jax.core.stages import edge_stage, stage_edge, stage_name
@@ -100,6 +101,7 @@ class WorkloadSpec:
     stagers: Mapping[str, Callable[[int, tuple[int, ...]], StagedSection | None]] = dataclasses.field(
         default_factory=dict
     )
+    buckets_per_octave: int = PER_OCTAVE  # the shape buckets the runtime pads to (`compile.buckets_per_octave`)
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -182,7 +184,8 @@ def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> Workload
         edge_bytes[e.name] = spec.edge_bytes[e.name]
     sink = end(spec.sink, "", False)
     pack = {s: p for s, p in spec.pack.items() if s in sections}  # a section in stages does not pack
-    return WorkloadSpec(spec.name, sections, tuple(edges), edge_bytes, sink, stages, pack=pack)
+    staged = WorkloadSpec(spec.name, sections, tuple(edges), edge_bytes, sink, stages, pack=pack)
+    return dataclasses.replace(staged, buckets_per_octave=spec.buckets_per_octave)  # the same shape buckets
 
 
 def staged_metas(metas, spec: WorkloadSpec) -> list:

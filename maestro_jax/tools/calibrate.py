@@ -69,6 +69,7 @@ def fit(rt, measurements) -> CostModel:
     points = defaultdict(list)
     transfers = defaultdict(list)
     host, updates, dispatch = [], defaultdict(list), defaultdict(list)
+    per_octave = rt.cfg.compile.buckets_per_octave  # the buckets the measured steps ran at
     for op, schedule, metas, t in measurements:
         if not isinstance(op, tuple):
             t, issue = t
@@ -88,7 +89,7 @@ def fit(rt, measurements) -> CostModel:
             continue
         kind = "L" if op.section == p.sink else op.kind
         mb = p.micro_batch(op.section)
-        b = bucket(max(units, default=0), 16)
+        b = bucket(max(units, default=0), 16, per_octave)
         points[(op.section, kind)].append((1.0, mb * b, mb * b * b, t))
     coefs = {}
     for key, rows in points.items():
@@ -104,7 +105,12 @@ def fit(rt, measurements) -> CostModel:
         fwd_t = o + u * typical
         factor = float((back[0] + back[1] * typical) / fwd_t) if back is not None and fwd_t > 0 else 2.0
         sections[s] = SectionCost(
-            per_unit_s=float(u), per_unit2_s=float(u2), overhead_s=float(o), backward_factor=factor, sink_factor=1.0
+            per_unit_s=float(u),
+            per_unit2_s=float(u2),
+            overhead_s=float(o),
+            backward_factor=factor,
+            sink_factor=1.0,
+            per_octave=per_octave,
         )
     per_unit, overhead = {}, []
     for edge, rows in transfers.items():

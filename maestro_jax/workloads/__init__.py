@@ -419,6 +419,7 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
         {s: _splits(stager, *configured(s)) for s, stager in stagers.items()},
         {s: p for s, p in packing(cfg).items() if s in sections},
         stagers,
+        buckets_per_octave=cfg.compile.buckets_per_octave,
     )
 
 

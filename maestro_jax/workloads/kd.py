@@ -25,8 +25,9 @@ from maestro_jax.workloads.staged import decoder_stages
 EDGE = "teacher_hidden"
 
 
-def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Section:
-    """A frozen LLM body: token rows in, final-normed hidden states out (its head runs downstream).
+def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_octave: int) -> Section:
+    """A frozen LLM body: token rows in (bucketed at `per_octave`, `compile.buckets_per_octave`),
+    final-normed hidden states out (its head runs downstream).
     It splits into pipeline stages (`workloads.staged`), forward only, the last sending `edge`."""
     body = DecoderLM(teacher, with_head=False)
 
@@ -54,9 +55,9 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE) -> Sect
         "teacher",
         trained=False,
         forward=forward,
-        host_batch=lambda rows, routes: R.text_rows(rows, modalities),
+        host_batch=lambda rows, routes: R.text_rows(rows, modalities, per_octave=per_octave),
         packed_batch=lambda rows, routes, shards, pack: R.packed_text_rows(
-            rows, {}, shards, pack, modalities, unpacks=True
+            rows, {}, shards, pack, modalities, unpacks=True, per_octave=per_octave
         ),
         activates=lambda s: True,
         work=R.next_token_units,
@@ -153,12 +154,13 @@ def build(cfg: Config) -> SectionGraph:
     check_vocab(teacher, student)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
     s_model = DecoderLM(student)
+    per_octave = cfg.compile.buckets_per_octave
 
     def student_batch(rows, routes):
-        return {**R.text_rows(rows), "teacher_row": R.route(routes, EDGE, rows)}
+        return {**R.text_rows(rows, per_octave=per_octave), "teacher_row": R.route(routes, EDGE, rows)}
 
     def student_packed_batch(rows, routes, shards, pack):
-        return R.packed_text_rows(rows, {EDGE: R.route(routes, EDGE, rows)}, shards, pack)
+        return R.packed_text_rows(rows, {EDGE: R.route(routes, EDGE, rows)}, shards, pack, per_octave=per_octave)
 
     def student_forward(variables, inputs, batch):
         segments = (batch["segments"],) if "segments" in batch else ()
@@ -190,7 +192,7 @@ def build(cfg: Config) -> SectionGraph:
         stages=lambda k, layers=None: student_stages(student_section, student, teacher, k, alpha, temperature, layers),
     )
     return SectionGraph(
-        sections=(teacher_section(teacher), student_section),
+        sections=(teacher_section(teacher, per_octave=per_octave), student_section),
         edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
         init=init,
         loss_count=R.loss_tokens(),

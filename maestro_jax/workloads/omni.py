@@ -54,13 +54,17 @@ def frame_groups(clip: np.ndarray, frames_per_token: int) -> tuple[np.ndarray, n
     return clip[: n * frames_per_token].reshape(n, -1), np.arange(n)[:, None]
 
 
-def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float) -> Section:
+def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float, *, per_octave: int) -> Section:
+    """The audio encoder section: a sample's clips packed per row (the frame-group count bucketed
+    at `per_octave`, `compile.buckets_per_octave`), audio tokens out."""
     if a.out_width != llm_width:
         raise ValueError(f"models.audio.out_width ({a.out_width}) must equal the LLM width ({llm_width})")
     encoder = AudioEncoder(a)
 
     def host_batch(rows, routes):
-        b = R.pack_items(rows, "audio", lambda clip: frame_groups(clip, a.frames_per_token), a.token_features)
+        b = R.pack_items(
+            rows, "audio", lambda clip: frame_groups(clip, a.frames_per_token), a.token_features, per_octave=per_octave
+        )
         return {"frames": b["pieces"], "segments": b["segments"], "positions": b["positions"]}
 
     def forward(variables, inputs, batch):
@@ -101,11 +105,12 @@ def build(cfg: Config) -> SectionGraph:
         }
 
     mean_tokens = mean_item_units(cfg, "audio", lambda t: t[0] // aud.frames_per_token, aud.max_tokens / 4)
+    per_octave = cfg.compile.buckets_per_octave
     return SectionGraph(
         sections=(
-            vision_section(vit, llm.width, mean_patches(cfg, vit), edges=(IMAGES,)),
-            audio_section(aud, llm.width, mean_tokens),
-            llm_section(llm, dict(zip((IMAGES, AUDIO), modalities))),
+            vision_section(vit, llm.width, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
+            audio_section(aud, llm.width, mean_tokens, per_octave=per_octave),
+            llm_section(llm, dict(zip((IMAGES, AUDIO), modalities)), per_octave=per_octave),
         ),
         edges=(
             Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),

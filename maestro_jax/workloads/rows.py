@@ -12,7 +12,9 @@ micro-steps it depends on, joined along rows; -1: none). These helpers hide that
                       `splice_tokens` (embeddings into placeholder positions), `unpack`
                       (a packed section's outputs back to one row per sample).
 Every size is padded to a shape bucket (`core.buckets.bucket`), so a section compiles a few
-programs, not one per batch.
+programs, not one per batch: at `per_octave` buckets an octave, which a built-in workload's
+sections pass from the config (`compile.buckets_per_octave`) and a user's section may pass or
+leave at the default (`core.buckets.PER_OCTAVE`).
 
 A route points at a row on the consumer row's own data shard (the runtime delivers each consumer
 shard the rows of the producer shards that feed it, `runtime.transfer.deliver_rows`, and the
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from maestro_jax.core.buckets import bucket
+from maestro_jax.core.buckets import PER_OCTAVE, bucket
 from maestro_jax.data.samples import Modality
 from maestro_jax.meshes import BATCH_AXES
 from maestro_jax.schedule.packing import Pack, TokenBudget, pack_rows
@@ -51,15 +53,18 @@ def _empty_rows(r: int, length: int, modalities: Sequence[Modality], axes: int =
     }
 
 
-def text_rows(rows, modalities: Sequence[Modality] = (), positions: Positions | None = None) -> dict[str, np.ndarray]:
+def text_rows(
+    rows, modalities: Sequence[Modality] = (), positions: Positions | None = None, *, per_octave: int = PER_OCTAVE
+) -> dict[str, np.ndarray]:
     """Next-token rows: inputs tokens[:-1], targets tokens[1:]; a target carries loss unless it
-    is a placeholder or the sample's `loss_mask` clears it (`carries_loss`).
+    is a placeholder or the sample's `loss_mask` clears it (`carries_loss`). The length is
+    bucketed at `per_octave` buckets an octave.
 
     For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
     row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings.
     `positions` (an M-RoPE LLM's, `models.llm.mrope_positions`) gives each sample's positions
     instead of 0, 1, 2, ...: `positions` is then rows x length x k."""
-    length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1))
+    length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1), per_octave=per_octave)
     own, axes = _own_positions(rows, positions)
     out = _empty_rows(len(rows), length, modalities, axes)
     for i, s in enumerate(rows):
@@ -117,13 +122,20 @@ def route(routes: Mapping[str, Sequence[int]], edge: str, rows) -> np.ndarray:
 
 
 def pack_items(
-    rows, modality: str, cut: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], features: int, minimum: int = 16
+    rows,
+    modality: str,
+    cut: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    features: int,
+    minimum: int = 16,
+    *,
+    per_octave: int = PER_OCTAVE,
 ) -> dict[str, np.ndarray]:
     """All items of `modality` of a row packed into that row: `cut(item)` gives its pieces
     (N x features) and each piece's position (N x k); `segments` numbers the items from 1 (0:
-    padding), so attention can stay within each item. The piece count is bucketed."""
+    padding), so attention can stay within each item. The piece count is bucketed (from
+    `minimum`, `per_octave` buckets an octave)."""
     cuts = [[cut(x) for x in s.of(modality)] if s is not None else [] for s in rows]
-    n = bucket(max((sum(len(p) for p, _ in c) for c in cuts), default=0), minimum=minimum)
+    n = bucket(max((sum(len(p) for p, _ in c) for c in cuts), default=0), minimum, per_octave)
     k = max((pos.shape[1] for c in cuts for _, pos in c), default=1)
     out = {
         "pieces": np.zeros((len(rows), n, features), np.float32),
@@ -237,6 +249,8 @@ def packed_text_rows(
     modalities: Sequence[Modality] = (),
     unpacks: bool = False,
     positions: Positions | None = None,
+    *,
+    per_octave: int = PER_OCTAVE,
 ) -> dict[str, np.ndarray]:
     """`text_rows` with several samples per row (sequence packing): `rows` are the micro-step's
     slots (shard-major), laid into rows by `schedule.packing.pack_rows` (`pack` slots a row, as
@@ -245,11 +259,12 @@ def packed_text_rows(
     inside it), its own loss targets (`carries_loss`) and placeholder indices; for each edge in
     `routes`, `<edge>_row` gives every position its sample's route. With `unpacks` (a section
     whose outputs go down an edge), `slot_row` and `slot_pos` (slots x the longest sample) say
-    where each slot's positions sit: `unpack` reads them. `positions`: as `text_rows`'s."""
+    where each slot's positions sit: `unpack` reads them. `positions`: as `text_rows`'s. Lengths
+    are bucketed at `per_octave`."""
     lengths = [len(s.tokens) - 1 if s is not None else None for s in rows]
     packed = pack_rows(lengths, shards, pack)
     longest = max((sum(lengths[x] for x in row) for row in packed), default=1)
-    length = bucket(pack.tokens if isinstance(pack, TokenBudget) else longest)
+    length = bucket(pack.tokens if isinstance(pack, TokenBudget) else longest, per_octave=per_octave)
     r = len(packed)
     own, axes = _own_positions(rows, positions)
     out = {
@@ -258,7 +273,7 @@ def packed_text_rows(
         **{f"{e}_row": np.full((r, length), -1, np.int32) for e in routes},
     }
     if unpacks:
-        slot_len = bucket(max((n for n in lengths if n is not None), default=1))
+        slot_len = bucket(max((n for n in lengths if n is not None), default=1), per_octave=per_octave)
         first_row = np.arange(len(rows)) // (len(rows) // shards) * (r // shards)  # of each slot's shard
         out["slot_row"] = np.repeat(first_row[:, None], slot_len, axis=1).astype(np.int32)  # padding: never read
         out["slot_pos"] = np.zeros((len(rows), slot_len), np.int32)

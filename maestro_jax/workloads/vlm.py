@@ -18,7 +18,7 @@ import optax
 from pydantic import PositiveInt
 
 from maestro_jax.config import Config, ConfigError, Settings
-from maestro_jax.core.buckets import bucket
+from maestro_jax.core.buckets import PER_OCTAVE, bucket
 from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
@@ -67,9 +67,16 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
 
 
 def vision_section(
-    vit: ViTConfig, llm_width: int, mean_patches: float, name: str = "vision", edges: tuple[str, ...] = (EDGE,)
+    vit: ViTConfig,
+    llm_width: int,
+    mean_patches: float,
+    name: str = "vision",
+    edges: tuple[str, ...] = (EDGE,),
+    *,
+    per_octave: int,
 ) -> Section:
-    """The ViT section: packed patches of a sample's images in, merged image tokens out on `edges`."""
+    """The ViT section: packed patches of a sample's images in, merged image tokens out on `edges`;
+    its patch and class-slot counts bucketed at `per_octave` (`compile.buckets_per_octave`)."""
     if vit.out_width != llm_width:
         raise ValueError(f"models.{name}.out_width ({vit.out_width}) must equal the LLM width ({llm_width})")
     encoder = VisionEncoder(vit)
@@ -77,11 +84,16 @@ def vision_section(
 
     def host_batch(rows, routes):
         b = R.pack_items(
-            rows, "image", lambda im: patchify(im, vit.patch, vit.merge), vit.patch_features, minimum=4 * window
+            rows,
+            "image",
+            lambda im: patchify(im, vit.patch, vit.merge),
+            vit.patch_features,
+            minimum=4 * window,
+            per_octave=per_octave,
         )
         out = {"patches": b["pieces"], "segments": b["segments"], "grid": b["positions"]}
         if vit.class_token:  # a class token per image (models/vit.py), the slot count bucketed
-            out["class_segments"] = class_segments(b["segments"])
+            out["class_segments"] = class_segments(b["segments"], per_octave)
         return out
 
     def forward(variables, inputs, batch):
@@ -106,11 +118,11 @@ def vision_section(
     )
 
 
-def class_segments(segments_BP: np.ndarray) -> np.ndarray:
+def class_segments(segments_BP: np.ndarray, per_octave: int = PER_OCTAVE) -> np.ndarray:
     """The images of each row's class token slots (`models.vit` `class_token`): slot i holds
     image i + 1 where the row has one, else 0; the slot count is bucketed from 8, so a row's
-    patches plus slots stay a multiple of 8 for a split sequence."""
-    k = bucket(int(segments_BP.max(initial=0)), minimum=8)
+    patches plus slots stay a multiple of 8 for a split sequence (`per_octave` buckets an octave)."""
+    k = bucket(int(segments_BP.max(initial=0)), 8, per_octave)
     slots = np.arange(1, k + 1, dtype=np.int32)
     return np.where(slots[None] <= segments_BP.max(axis=1, keepdims=True), slots[None], 0).astype(np.int32)
 
@@ -163,15 +175,20 @@ def mean_patches(cfg: Config, vit: ViTConfig) -> float:
 
 
 def multimodal_rows(
-    rows, routes, spliced: Mapping[str, Modality], images: bool = False, positions: R.Positions | None = None
+    rows,
+    routes,
+    spliced: Mapping[str, Modality],
+    images: bool = False,
+    positions: R.Positions | None = None,
+    *,
+    per_octave: int,
 ) -> dict:
     """Text rows with placeholder indices per modality, and a route per spliced edge; with
     `images` (the LLM's `bidirectional_images`), each token's image block (`with_image_blocks`);
-    with `positions` (`sample_positions`), each sample's own."""
-    out = {
-        **R.text_rows(rows, tuple(spliced.values()), positions),
-        **{f"{e}_row": R.route(routes, e, rows) for e in spliced},
-    }
+    with `positions` (`sample_positions`), each sample's own. Lengths bucketed at `per_octave`
+    (`R.text_rows`)."""
+    text = R.text_rows(rows, tuple(spliced.values()), positions, per_octave=per_octave)
+    out = {**text, **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
     return with_image_blocks(out) if images else out
 
 
@@ -184,12 +201,16 @@ def packed_multimodal_rows(
     gathered: tuple[str, ...] = (),
     images: bool = False,
     positions: R.Positions | None = None,
+    *,
+    per_octave: int,
 ) -> dict:
     """`multimodal_rows` with sequence packing (`rows.packed_text_rows`): each position routes to
     its own sample's producer row, on every spliced edge and every edge in `gathered`; each
     sample keeps its own positions (M-RoPE's too)."""
     edges = {e: R.route(routes, e, rows) for e in (*spliced, *gathered)}
-    out = R.packed_text_rows(rows, edges, shards, pack, tuple(spliced.values()), positions=positions)
+    out = R.packed_text_rows(
+        rows, edges, shards, pack, tuple(spliced.values()), positions=positions, per_octave=per_octave
+    )
     return with_image_blocks(out) if images else out
 
 
@@ -235,11 +256,14 @@ def next_token_loss(logits, batch, aux=0.0):
     return jnp.sum(ce * mask) + aux, {"tokens": jnp.sum(mask)}
 
 
-def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost | None = None) -> Section:
+def llm_section(
+    llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost | None = None, *, per_octave: int
+) -> Section:
     """The `llm` sink of a multimodal LLM: encoder outputs spliced in, next-token cross-entropy;
     `cost` its declared cost (default: the decoder's with its head, `llm_cost`). It splits into
     pipeline stages (`workloads.staged`): image embeddings spliced in the first, the loss in the
-    last, each stage's cost its share of the decoder's."""
+    last, each stage's cost its share of the decoder's. Its rows are bucketed at `per_octave`
+    (`compile.buckets_per_octave`)."""
     decoder = DecoderLM(llm)
     positions = sample_positions(llm, spliced)
 
@@ -264,9 +288,18 @@ def llm_section(llm: LLMConfig, spliced: Mapping[str, Modality], cost: UnitCost 
         "llm",
         trained=True,
         forward=forward,
-        host_batch=lambda rows, routes: multimodal_rows(rows, routes, spliced, llm.bidirectional_images, positions),
+        host_batch=lambda rows, routes: multimodal_rows(
+            rows, routes, spliced, llm.bidirectional_images, positions, per_octave=per_octave
+        ),
         packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(
-            rows, routes, shards, pack, spliced, images=llm.bidirectional_images, positions=positions
+            rows,
+            routes,
+            shards,
+            pack,
+            spliced,
+            images=llm.bidirectional_images,
+            positions=positions,
+            per_octave=per_octave,
         ),
         activates=lambda s: True,
         work=R.next_token_units,
@@ -290,8 +323,8 @@ def build(cfg: Config) -> SectionGraph:
 
     return SectionGraph(
         sections=(
-            vision_section(vit, llm.width, mean_patches(cfg, vit)),
-            llm_section(llm, {EDGE: image}),
+            vision_section(vit, llm.width, mean_patches(cfg, vit), per_octave=cfg.compile.buckets_per_octave),
+            llm_section(llm, {EDGE: image}, per_octave=cfg.compile.buckets_per_octave),
         ),
         edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
         init=init,

@@ -50,14 +50,22 @@ def build(cfg: Config) -> SectionGraph:
     image = image_modality(cfg)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
     s_model = DecoderLM(student)
+    per_octave = cfg.compile.buckets_per_octave
 
     def student_batch(rows, routes):
-        rows_ = multimodal_rows(rows, routes, {IMAGES: image}, student.bidirectional_images)
+        rows_ = multimodal_rows(rows, routes, {IMAGES: image}, student.bidirectional_images, per_octave=per_octave)
         return {**rows_, "teacher_row": R.route(routes, TEACHER, rows)}
 
     def student_packed_batch(rows, routes, shards, pack):
         return packed_multimodal_rows(
-            rows, routes, shards, pack, {IMAGES: image}, gathered=(TEACHER,), images=student.bidirectional_images
+            rows,
+            routes,
+            shards,
+            pack,
+            {IMAGES: image},
+            gathered=(TEACHER,),
+            images=student.bidirectional_images,
+            per_octave=per_octave,
         )
 
     def student_forward(variables, inputs, batch):
@@ -95,8 +103,8 @@ def build(cfg: Config) -> SectionGraph:
     )
     return SectionGraph(
         sections=(
-            teacher_section(teacher, (image,), edge=TEACHER),
-            vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,)),
+            teacher_section(teacher, (image,), edge=TEACHER, per_octave=per_octave),
+            vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
             student_section,
         ),
         edges=(
