@@ -97,9 +97,10 @@ class WorkloadSpec:
     # section -> how it packs sequences (`sections.<name>.pack`, `schedule.packing`); the rest do not
     pack: Mapping[str, Pack] = dataclasses.field(default_factory=dict)
     # section -> (k, layers) -> the section in k stages of `layers` blocks each (None where it cannot
-    # be cut so): the cuts other than `splits`' even ones that the planner tries (`with_cuts`)
+    # be cut so): the cuts other than `splits`' even ones that the planner tries (`with_cuts`);
+    # functions of the graph, so two descriptions of one workload compare equal without them
     stagers: Mapping[str, Callable[[int, tuple[int, ...]], StagedSection | None]] = dataclasses.field(
-        default_factory=dict
+        default_factory=dict, compare=False
     )
     buckets_per_octave: int = PER_OCTAVE  # the shape buckets the runtime pads to (`compile.buckets_per_octave`)
 
