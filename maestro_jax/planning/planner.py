@@ -307,21 +307,7 @@ class Planner:
         key = (counted, self.max_in_flight)
         if key not in self._staged_planners:
             spec = self.spec.staged(counts)
-            planner = self._staged_planners[key] = Planner(
-                spec,
-                staged_metas(self.metas, spec),
-                self.devices,
-                self.budget / 2**30,
-                global_batch=self.global_batch,
-                device=self.device,
-                link_gbps=self.link_gbps,
-                max_in_flight=self.max_in_flight,
-                residuals=self.residuals,
-                layer_remat=self.layer_remat,
-                contexts=self.contexts,
-                tolerance=self.tolerance,
-                stage_counts=(),
-            )
+            planner = self._staged_planners[key] = self._of(spec, staged_metas(self.metas, spec))
             # prices and weights do not depend on the stash bound: shared by every such planner
             twin = self._staged_planners.setdefault((counted, None), planner)
             planner._prices, planner._weights_by_mesh = twin._prices, twin._weights_by_mesh
@@ -1015,16 +1001,12 @@ class Planner:
         scored = [c for c in (self._cut_point(plan, k, layers), self._cut_point(plan, k, even)) if c is not None]
         return min(scored, key=lambda c: c.step_time_s, default=None)
 
-    def _cut_point(self, plan: Plan, k: int, cuts: Mapping[str, tuple[int, ...]]) -> Candidate | None:
-        """`plan` (sections in `k` pipeline stages) scored with those sections cut as `cuts` give
-        (section -> its layers by stage), `k` forwards in flight; None where a section cannot be
-        cut so or the plan breaks a constraint. The even cut is recorded as none."""
-        spec = self.spec.with_cuts(cuts)
-        if spec is None:
-            return None
-        planner = Planner(
+    def _of(self, spec: WorkloadSpec, metas: Sequence) -> Planner:
+        """A planner of `spec` (this workload staged or cut otherwise) on `metas`, with this one's
+        devices, budget, pricing and search settings, no stage search and no run-ahead."""
+        return Planner(
             spec,
-            self.metas,
+            metas,
             self.devices,
             self.budget / 2**30,
             global_batch=self.global_batch,
@@ -1036,7 +1018,15 @@ class Planner:
             contexts=self.contexts,
             tolerance=self.tolerance,
         )
-        point = planner._point(plan, k)
+
+    def _cut_point(self, plan: Plan, k: int, cuts: Mapping[str, tuple[int, ...]]) -> Candidate | None:
+        """`plan` (sections in `k` pipeline stages) scored with those sections cut as `cuts` give
+        (section -> its layers by stage), `k` forwards in flight; None where a section cannot be
+        cut so or the plan breaks a constraint. The even cut is recorded as none."""
+        spec = self.spec.with_cuts(cuts)
+        if spec is None:
+            return None
+        point = self._of(spec, self.metas)._point(plan, k)
         uneven = {s: c for s, c in cuts.items() if list(c) != even_layers(self.spec.sections[s].cost.layers, k)}
         return point and dataclasses.replace(point, cuts=uneven)
 
