@@ -222,12 +222,13 @@ def stageable(cfg: Config, graph, stages: int) -> list[str]:
 
 def bench_stages(cfg: Config, stages: int, rt, batches, reps: int, say: Callable[[str], None]) -> dict:
     """Pipeline stages side by side: the config's scheduler over the same batches with every
-    section that `stageable` names in `stages` stages and with the config's own plan,
+    section that `stageable` names in `stages` stages (cut evenly) and with the config's own plan,
     repetitions interleaved after a warm-up of each."""
     staged = stageable(cfg, rt.graph, stages)
     if not staged:
         raise ValueError(f"no section of workload {cfg.workload!r} splits into {stages} stages")
-    sections = {n: sc.model_copy(update={"stages": stages}) if n in staged else sc for n, sc in cfg.sections.items()}
+    evenly = {"stages": stages, "stage_layers": None}  # the config's own cut is for its own stage count
+    sections = {n: sc.model_copy(update=evenly) if n in staged else sc for n, sc in cfg.sections.items()}
     runtimes = {"unstaged": rt, "staged": build_runtime(cfg.model_copy(update={"sections": sections}))}
     tps = _side_by_side(cfg, runtimes, batches, reps, say, "stages")
     return {
