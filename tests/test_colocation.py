@@ -54,6 +54,12 @@ def test_sections_share_exactly_the_same_devices_or_none():
         check_resources(_plan(a=range(4), b=range(2, 6)), 8)
     with pytest.raises(ResourceError, match="each device may appear once"):
         check_resources(_plan(a=[0, 0]), 8)
+    with pytest.raises(ResourceError) as err:  # thousands of devices: one readable line
+        check_resources(_plan(a=range(512), b=range(256, 4096)), 4096)
+    assert str(err.value) == (
+        "sections.b.devices='256:4096': device 256 is also used by section 'a' on 0:512; sections share "
+        "either exactly the same devices (co-located) or none"
+    )
 
 
 def test_co_located_sections_share_the_memory_budget():

@@ -110,6 +110,15 @@ def device_groups(sections: Mapping[str, SectionPlan]) -> dict[str, str]:
     return {name: first.setdefault(frozenset(sp.devices), name) for name, sp in sections.items()}
 
 
+def devices_value(devices: Sequence[int]) -> list[int] | str:
+    """Devices as an error line names them: a long consecutive run as the config's range
+    ("0:512"), so a line stays one readable line on thousands of devices; else the list."""
+    devices = list(devices)
+    if len(devices) > 8 and devices == list(range(devices[0], devices[0] + len(devices))):
+        return f"{devices[0]}:{devices[-1] + 1}"
+    return devices
+
+
 def check_resources(plan: Plan, num_devices: int) -> None:
     """Device ids exist; two sections either share exactly the same devices (co-located: each
     keeps its own mesh, micro-batch and precision) or none. A partial overlap is refused: the
@@ -124,16 +133,18 @@ def check_resources(plan: Plan, num_devices: int) -> None:
         for d in sp.devices:
             if not 0 <= d < num_devices:
                 raise ResourceError(
-                    key, list(sp.devices), f"device {d} does not exist; valid device ids are 0..{num_devices - 1}"
+                    key,
+                    devices_value(sp.devices),
+                    f"device {d} does not exist; valid device ids are 0..{num_devices - 1}",
                 )
         for d in sp.devices:
             other = owner.get(d)
             if other is not None and set(plan.sections[other].devices) != set(sp.devices):
                 raise ResourceError(
                     key,
-                    list(sp.devices),
+                    devices_value(sp.devices),
                     f"device {d} is also used by section {other!r} on "
-                    f"{list(plan.sections[other].devices)}; sections share either exactly the same "
+                    f"{devices_value(plan.sections[other].devices)}; sections share either exactly the same "
                     f"devices (co-located) or none",
                 )
             owner.setdefault(d, name)
