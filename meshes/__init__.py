@@ -19,6 +19,13 @@ The order puts `tensor` innermost, where consecutive devices (one node's NVLink)
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
+# An edge array laid out rows x positions x features (tokens, patches or frames, each a feature
+# vector) has its positions split over these axes, in this order, as far as their sizes' product
+# divides the positions (`core.plan.position_axes`): each device then sends and receives only its
+# own slice, as Megatron-LM's stage-to-stage sends do under context and sequence parallelism
+# (their shape is seq / (tp x cp) x micro_batch x hidden), and the receiving program gathers the
+# `tensor` slices over the node's own links.
+POSITION_AXES = ("context", "tensor")
 
 RULES: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {
     # Megatron-style tensor parallelism + ZeRO-3 style fsdp over the embedding dimension.

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import ROOT, TINY_KD, TINY_VLM
+from maestro_jax.meshes import BATCH_AXES
 
 from maestro_jax import workloads
 from maestro_jax.config import ConfigError, load_config
@@ -170,6 +171,7 @@ def _equal_to_monolithic(cfg):
         diffs += [compare(f"{s}/grads", grads[s], m_grads[s]) for s in m_grads]
         for d in diffs:
             assert d.max_rel <= 1e-5, f"{schedule.name}: {d.name} differs by {d.max_rel:.3e}"
+    return rt
 
 
 @pytest.mark.slow
@@ -194,6 +196,27 @@ def test_a_kd_step_cut_unevenly_is_the_unstaged_monolithic_step_under_both_sched
     assert sorted(staged["student.1"]["params"]) == ["final_norm", "lm_head"]
     assert sorted(staged["student.0"]["params"]) == ["block_0", "block_1", "embedding"]
     _equal_to_monolithic(cfg)
+
+
+@pytest.mark.slow
+def test_stage_and_section_edges_move_their_positions_split_and_the_step_is_the_monolithic_one():
+    """Teacher on context 2 x tensor 2, the student in 2 stages of context 2: the teacher's hidden
+    states leave it split over both axes and the stage edge over context (`edge_sharding`: what
+    the compiled forwards return), and the step still equals the monolithic one."""
+    meshes = ["sections.teacher.mesh={context: 2, tensor: 2}", "sections.student.mesh={data: 2, context: 2}"]
+    cfg = load_config(KD, [*DEEP_KD, *meshes, "sections.student.stages=2"])
+    rt = _equal_to_monolithic(cfg)
+    specs = {
+        s: {e: tuple(sh.spec) for e, sh in (out[0] if kind == "forward_vjp" else out).items()}
+        for s in ("teacher", "student.0")
+        for (kind, _), entry in rt.step.programs[s].cache.items()
+        if kind in ("forward", "forward_vjp")
+        for out in [entry.executable.output_shardings]
+    }
+    assert specs == {
+        "teacher": {"teacher_hidden": (BATCH_AXES, ("context", "tensor"))},
+        "student.0": {stage_edge("student", 0): (BATCH_AXES, "context")},
+    }
 
 
 MOE_STUDENT = [

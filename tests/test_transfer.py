@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from maestro_jax.meshes import BATCH_AXES
 
 from maestro_jax.core.plan import SectionPlan, mesh_shape
-from maestro_jax.runtime.sharding import row_sharding, section_mesh
+from maestro_jax.runtime.sharding import edge_sharding, row_sharding, section_mesh
 from maestro_jax.runtime.transfer import plan_transfer, transfer
 
 
@@ -164,3 +165,34 @@ def test_edge_row_maps_are_device_to_device_and_exact(case, monkeypatch):
     for shard in out.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), expect[shard.index])
     np.testing.assert_array_equal(np.asarray(returned), back)  # each row times the consumer shards holding it
+
+
+def test_edge_arrays_split_their_positions_and_every_device_receives_only_its_own_slice():
+    """`edge_sharding`: an array of rows x positions x features has its positions over `context`,
+    then `tensor`, as far as they divide. Along an edge between such layouts (producer data 2 x
+    tensor 2, consumer context 2 x tensor 2) the delivered rows and the returned cotangent are
+    exact, and each destination device assembles only its quarter of the rows: no tile is copied
+    on to replicas."""
+    from maestro_jax.runtime.transfer import deliver_rows, return_rows
+
+    produce = section_mesh(SectionPlan((0, 1, 2, 3), mesh_shape(data=2, tensor=2), 1))
+    consume = section_mesh(SectionPlan((4, 5, 6, 7), mesh_shape(context=2, tensor=2), 1))
+    assert edge_sharding(consume, (4, 8, 3)).spec == P(BATCH_AXES, ("context", "tensor"))
+    assert edge_sharding(consume, (4, 6, 3)).spec == P(BATCH_AXES, ("context",))  # 4 does not divide 6
+    assert edge_sharding(consume, (4, 5, 3)) == edge_sharding(consume, (4, 8)) == row_sharding(consume)
+    assert edge_sharding(produce, (4, 8, 3)).spec == P(BATCH_AXES, ("tensor",))  # context 1 is left out
+    mb, shape = 2, (4, 8, 3)
+    deliver, give_back = deliver_rows(2, 1, mb), return_rows(2, 1, mb)
+    src, dst = edge_sharding(produce, shape), edge_sharding(consume, (deliver.out_rows, *shape[1:]))
+    x, arr = source(src, shape)
+    out = transfer(arr, dst, deliver)
+    returned = transfer(out, src, give_back)
+    expect, back = edge_reference(x, 2, 1, mb)
+    assert arr._npy_value is None and out._npy_value is None, "transfers must not copy through host memory"
+    assert out.sharding == dst and returned.sharding == src
+    np.testing.assert_array_equal(np.asarray(out), expect)
+    np.testing.assert_array_equal(np.asarray(returned), back)
+    tiles = plan_transfer(src, dst, shape, deliver)
+    assert all(not replicas for _, replicas in tiles.heads)
+    for _, pieces in tiles.tiles:
+        assert sum(np.prod([hi - lo for lo, hi in p.bounds]) for p in pieces) == np.prod(expect.shape) // 4

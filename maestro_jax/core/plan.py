@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-from maestro_jax.meshes import BATCH_AXES, MESH_AXES, RULES, mesh_axes_for
+from maestro_jax.meshes import BATCH_AXES, MESH_AXES, POSITION_AXES, RULES, mesh_axes_for
 
 
 class PlanError(ValueError):
@@ -76,6 +76,25 @@ class SectionPlan:
     @functools.cached_property
     def rows(self) -> int:
         return self.dp * self.micro_batch
+
+    def position_shards(self, positions: int) -> int:
+        """Into how many slices this section's mesh splits an edge array of `positions` positions
+        (`position_axes`)."""
+        return math.prod(self.axis_sizes[a] for a in position_axes(self.axis_sizes, positions))
+
+
+def position_axes(sizes: Mapping[str, int], positions: int) -> tuple[str, ...]:
+    """The mesh axes (sizes by name) an edge array's `positions` are split over: `POSITION_AXES`
+    in turn while the product of their sizes divides `positions`; axes of size 1 left out."""
+    axes, n = [], 1
+    for a in POSITION_AXES:
+        if sizes[a] == 1:
+            continue
+        if positions % (n * sizes[a]):
+            break
+        axes.append(a)
+        n *= sizes[a]
+    return tuple(axes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -217,6 +217,18 @@ class Executor:
                 run.transfers.setdefault(key, program)
         return out
 
+    def _deliver(self, e, x):
+        """A producer micro-step's array of edge `e` onto its consumer's mesh (`deliver_rows`)."""
+        row_map = self.row_maps[e.name][0]
+        return self._move(x, self.programs[e.dst].edge_sharding((row_map.out_rows, *x.shape[1:])), row_map)
+
+    def _return(self, e, cotangent):
+        """The cotangent of edge `e`'s delivered array back onto its producer's mesh (`return_rows`)."""
+        row_map = self.row_maps[e.name][1]
+        return self._move(
+            cotangent, self.programs[e.src].edge_sharding((row_map.out_rows, *cotangent.shape[1:])), row_map
+        )
+
     def run(
         self,
         states: Mapping[str, SectionState],
@@ -339,9 +351,7 @@ class Executor:
             elif op.kind == "X":
                 e = self.graph.edge(op.edge)
                 key = (e.src, op.step)
-                ctx.moved[(e.name, op.step)] = self._move(
-                    ctx.outputs[key][e.name], self.programs[e.dst].row_sharding, self.row_maps[e.name][0]
-                )
+                ctx.moved[(e.name, op.step)] = self._deliver(e, ctx.outputs[key][e.name])
                 uses[key] -= 1
                 if not uses[key]:
                     del ctx.outputs[key]  # every consumer has its copy
@@ -422,16 +432,12 @@ class Executor:
             return ctx.outputs[(op.section, op.step)]
         if op.kind == "X":
             e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved[(e.name, op.step)] = self._move(
-                ctx.outputs[(e.src, op.step)][e.name], self.programs[e.dst].row_sharding, self.row_maps[e.name][0]
-            )
+            ctx.moved[(e.name, op.step)] = self._deliver(e, ctx.outputs[(e.src, op.step)][e.name])
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved[(e.name, op.step)]
         if op.kind == "XB":
             e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved_back[(op.edge, op.step)] = self._move(
-                ctx.cotangents.pop((op.edge, op.step)), self.programs[e.src].row_sharding, self.row_maps[e.name][1]
-            )
+            ctx.moved_back[(op.edge, op.step)] = self._return(e, ctx.cotangents.pop((op.edge, op.step)))
             ctx.transfer_issue_s += time.perf_counter() - t0
             return ctx.moved_back[(op.edge, op.step)]
         if op.kind == "B":

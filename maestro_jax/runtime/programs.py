@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maestro_jax.core.graph import GraphError, Section
 from maestro_jax.runtime.optimizer import squared_norm, update_fn
-from maestro_jax.runtime.sharding import on_mesh, row_sharding
+from maestro_jax.runtime.sharding import edge_sharding, on_mesh, row_sharding
 
 log = logging.getLogger("maestro_jax")
 
@@ -347,16 +347,21 @@ class SectionPrograms:
         def zeros_like(tree):
             return jax.tree.map(jnp.zeros_like, tree)
 
-        outs = dict.fromkeys(out_edges, self.row_sharding)
+        def edges(tree):
+            """Each edge array's layout (`edge_sharding`), from its abstract value."""
+            return jax.tree.map(lambda x: edge_sharding(mesh, x.shape), tree)
+
         p_sh = var_shardings["params"]
-        rows, rep = self.row_sharding, self.replicated
-        # kind -> (function, donated arguments, out_shardings from the abstract arguments)
+        rep = self.replicated
+        # kind -> (function, donated arguments, out_shardings from the abstract arguments). Edge
+        # arrays (out-edges, the cotangents of in-edges) are laid out by shape: a forward's are
+        # known by tracing it for shapes first, the cotangents of inputs from the inputs
         self._kinds = {
-            "forward": (forward, (), lambda a: outs),
-            "forward_vjp": (forward_vjp, (), lambda a: (outs, None)),
-            "backward": (backward, (2,), lambda a: (p_sh, rows)),
-            "backward_remat": (backward_remat, (4,), lambda a: (p_sh, rows)),
-            "loss_and_grad": (loss_and_grad, (4,), lambda a: (rep, rep, p_sh, rows)),
+            "forward": (forward, (), lambda a: edges(jax.eval_shape(forward, *a))),
+            "forward_vjp": (forward_vjp, (), lambda a: (edges(jax.eval_shape(forward, *a)), None)),
+            "backward": (backward, (2,), lambda a: (p_sh, edges(jax.eval_shape(backward, *a)[1]))),
+            "backward_remat": (backward_remat, (4,), lambda a: (p_sh, edges(split_inputs(a[1])[0]))),
+            "loss_and_grad": (loss_and_grad, (4,), lambda a: (rep, rep, p_sh, edges(split_inputs(a[1])[0]))),
             "loss": (loss, (), lambda a: (rep, rep)),
             # the updated state keeps the layout it came in with: the next update's signature
             "update": (update_fn(optimizer, clip_norm), (0, 1), lambda a: (p_sh, _shardings_of(a[1]))),
@@ -525,6 +530,11 @@ class SectionPrograms:
             "update", (state_key(state), signature((grads, norms_sq))), state.params, state.opt_state, grads, norms_sq
         )
         return SectionState(params, state.consts, opt_state)
+
+    def edge_sharding(self, shape: tuple[int, ...]):
+        """The layout an edge array of `shape` takes on this section's mesh (`edge_sharding`): where
+        a transfer delivers an input or returns a cotangent."""
+        return edge_sharding(self.mesh, tuple(shape))
 
     def put_batch(self, batch: dict):
         """Host arrays of one micro-step onto the section's devices, rows over data shards.

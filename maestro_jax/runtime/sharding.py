@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maestro_jax.core.plan import SectionPlan
+from maestro_jax.core.plan import SectionPlan, position_axes
 from maestro_jax.meshes import BATCH_AXES, MESH_AXES, RULES
 from maestro_jax.models.layers import activation_rules
 
@@ -39,6 +39,18 @@ def on_mesh(mesh: Mesh, rules_name: str):
 def row_sharding(mesh: Mesh) -> NamedSharding:
     """Batch rows over the data-parallel axes, everything else replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def edge_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """An edge array's layout on a section's mesh (a producer's output, a consumer's input, their
+    cotangents): rows over the data-parallel axes and, for an array laid out rows x positions x
+    features, its positions over `POSITION_AXES` as far as they divide (`core.plan.position_axes`).
+    The producer's activations already hold their positions split over `context`, so it cuts its
+    own slice without a collective; a transfer then moves each device's slice, not whole rows to
+    every replica (`runtime.transfer`), and the receiving program gathers the `tensor` slices over
+    the node's links. Arrays of another rank keep whole rows."""
+    axes = position_axes(dict(mesh.shape), shape[1]) if len(shape) == 3 else ()
+    return NamedSharding(mesh, P(BATCH_AXES, axes)) if axes else row_sharding(mesh)
 
 
 @functools.lru_cache(maxsize=4096)
