@@ -13,9 +13,11 @@ from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import ParamInfo, SectionPlan, mesh_shape
 from maestro_jax.planning.cluster import (
     cost_model,
+    edge_positions,
     exchange_s_per_unit,
     monolithic_time,
     section_cost,
+    transfer_s_per_unit,
     update_time,
 )
 from maestro_jax.planning.cost import DEVICES, optimizer_update_s, ring_allreduce_s
@@ -147,3 +149,36 @@ def test_every_side_pays_the_same_step():
     base = one_f_one_b(f, b)
     assert one_f_one_b(f, b, update=[0.5, 0.0]) == pytest.approx(base + 0.5)  # the first stage drains last
     assert one_f_one_b(f, b, update=[0.0, 0.5]) == pytest.approx(base)  # hidden behind the first's drain
+
+
+def test_an_edge_of_positions_moves_each_devices_slice_and_an_undeclared_one_whole_rows():
+    """Between two 16-device groups of data 2 x context 2 x tensor 4 (`transfer_s_per_unit`): an
+    edge declaring a rows x positions x features layout whose positions the meshes split 8 ways
+    sends an eighth of a shard's rows from every device over the inter-node link, then each
+    destination device gathers its 3 other `tensor` slices over the node's links; positions that
+    only `context` divides split 2 ways, each received tile copied to its 3 `tensor` replicas;
+    an undeclared edge (0 positions) sends whole rows, each tile copied to its 7 replicas."""
+    src = SectionPlan(tuple(range(16)), mesh_shape(data=2, context=2, tensor=4), 1)
+    dst = dataclasses.replace(src, devices=tuple(range(16, 32)))
+    link, node = 50.0e9, DEVICES["h100"]["link"]
+
+    def price(positions: int) -> float:
+        return transfer_s_per_unit(1.0, src, dst, False, "h100", 50.0, positions)
+
+    assert price(0) == pytest.approx(1 / (2 * link) + (1 / 2) * 7 / node)
+    assert price(6) == pytest.approx(1 / (2 * 2 * link) + (1 / 4) * 3 / node)
+    assert price(256) == pytest.approx(1 / (2 * 8 * link) + (1 / 16) * 3 / node)
+    assert price(256) < price(6) < price(0)
+
+
+def test_the_planner_credits_the_split_only_to_edges_whose_buckets_divide():
+    """`edge_positions`: a ViT edge sends a quarter position per patch (2 x 2 merger), so its
+    micro-steps hold multiples of 64 positions at the analytic buckets of 256; an edge that
+    declares no positions gets no split."""
+    spec = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 64, 80.0).spec
+    assert spec.edge_positions == {"image_embeds": 0.25}
+    assert edge_positions(spec, "image_embeds", 256) == 64
+    assert edge_positions(spec, "image_embeds", 2) == 0  # half a position: no whole number
+    assert edge_positions(dataclasses.replace(spec, edge_positions={}), "image_embeds", 256) == 0
+    staged = spec.staged({"llm": 2})
+    assert staged.edge_positions == {"image_embeds": 0.25, "llm.0>1": 1.0}

@@ -50,12 +50,18 @@ def ask(section: Section, callback: str, info: SampleLike):
 class Edge:
     """A named tensor `src` produces for `dst`, laid out `rows x ...` (row-major on batch).
 
-    `bytes_per_unit`: bytes it carries per work unit of the producer (prices the transfer)."""
+    `bytes_per_unit`: bytes it carries per work unit of the producer (prices the transfer).
+    `positions_per_unit`: for an array laid out rows x positions x features (tokens, patches or
+    frames), the positions per work unit of the producer (a ViT's 2 x 2 merger sends one per 4
+    patches: 0.25). The runtime splits the positions over the meshes' context and tensor axes
+    where they divide (`runtime.sharding.edge_sharding`); the planner credits that split only to
+    an edge that declares it (0: none declared, whole rows priced)."""
 
     name: str
     src: str
     dst: str
     bytes_per_unit: float = 0.0
+    positions_per_unit: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,7 +98,8 @@ class StageSplit:
     owner(path): the stage that holds a variable leaf, from the dict keys on its way down from
       the section's variables (`("params", "block_3", "q", "kernel")`), or None for a leaf that is
       no parameter's (an optimizer's step count): every parameter and constant has one owner.
-    bytes_per_unit: what a stage-to-stage edge carries per work unit (prices its transfer).
+    bytes_per_unit: what a stage-to-stage edge carries per work unit (prices its transfer);
+      positions_per_unit: its positions per work unit (`Edge.positions_per_unit`).
     aux: stage i also sends its rows' auxiliary loss terms to stage i + 1 on `stage_aux_edge`
       (one value per row, adding up those of every stage so far), and the last adds them to its
       loss: a loss term of each stage's own layers (an MoE balance loss) reaches the sink.
@@ -109,6 +110,7 @@ class StageSplit:
     consumes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     produces: Mapping[str, int] = dataclasses.field(default_factory=dict)
     bytes_per_unit: float = 0.0
+    positions_per_unit: float = 0.0
     aux: bool = False
 
 
@@ -230,12 +232,11 @@ def stage_graph(
             continue
         sections.extend(split.sections)
         for i in range(len(split.sections) - 1):
-            edges.append(
-                Edge(stage_edge(s.name, i), stage_name(s.name, i), stage_name(s.name, i + 1), split.bytes_per_unit)
-            )
+            name, src, dst = stage_edge(s.name, i), stage_name(s.name, i), stage_name(s.name, i + 1)
+            edges.append(Edge(name, src, dst, split.bytes_per_unit, split.positions_per_unit))
             if split.aux:  # one float32 a row: priced as nothing next to the activations
                 edges.append(Edge(stage_aux_edge(s.name, i), stage_name(s.name, i), stage_name(s.name, i + 1), 0.0))
-    edges.extend(Edge(e.name, stage(e, "src"), stage(e, "dst"), e.bytes_per_unit) for e in graph.edges)
+    edges.extend(dataclasses.replace(e, src=stage(e, "src"), dst=stage(e, "dst")) for e in graph.edges)
 
     def init(key):
         whole = graph.init(key)

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Mapping
 
 from maestro_jax.core.buckets import PER_OCTAVE
-from maestro_jax.core.plan import Plan, SectionPlan, device_groups
+from maestro_jax.core.plan import Plan, SectionPlan, device_groups, position_axes
 from maestro_jax.meshes import MESH_AXES
 from maestro_jax.planning.cost import (
     ACTIVATION_BYTES,
@@ -262,7 +262,13 @@ def cost_model(
     transfer, in_place, groups = {}, set(), device_groups(plans)
     for e in spec.edges:
         per_unit = transfer_s_per_unit(
-            spec.edge_bytes[e.name], plans[e.src], plans[e.dst], groups[e.src] == groups[e.dst], device, link_gbps
+            spec.edge_bytes[e.name],
+            plans[e.src],
+            plans[e.dst],
+            groups[e.src] == groups[e.dst],
+            device,
+            link_gbps,
+            edge_positions(spec, e.name, sections[e.src].bucket_min),
         )
         if per_unit is None:
             in_place.add(e.name)
@@ -281,8 +287,23 @@ def cost_model(
 TRANSFER_OVERHEAD_S = 20e-6  # per transfer: an assumed launch latency of a device-to-device copy, not fitted to data
 
 
+def edge_positions(spec: WorkloadSpec, edge: str, bucket_min: int) -> int:
+    """The positions every micro-step's array of `edge` holds a multiple of: its producer's
+    smallest bucket (`SectionCost.bucket_min`; every bucket is a multiple of it, `core.buckets`)
+    times the edge's positions per unit; 0 where the edge declares none or that is no whole
+    number (no split credited)."""
+    n = spec.edge_positions.get(edge, 0.0) * bucket_min
+    return int(n) if n >= 1 and float(n).is_integer() else 0
+
+
 def transfer_s_per_unit(
-    bytes_per_unit: float, src: SectionPlan, dst: SectionPlan, same_group: bool, device: str, link_gbps: float
+    bytes_per_unit: float,
+    src: SectionPlan,
+    dst: SectionPlan,
+    same_group: bool,
+    device: str,
+    link_gbps: float,
+    positions: int = 0,
 ) -> float | None:
     """Seconds per producer work unit of an edge from `src` to `dst`, or None when its rows stay
     where they are (co-located sections with one layout: no transfer at all).
@@ -294,14 +315,30 @@ def transfer_s_per_unit(
     slowest device sets the time. A consumer shard receives the whole rows of every producer
     shard that feeds it (`delivered`: `width` of them), and a producer shard sends its rows to
     every consumer shard it feeds, the sends spread over its replicas
-    (`runtime.transfer.plan_transfer` reads them in turn); of the micro-step's DP(p) shards of rows."""
+    (`runtime.transfer.plan_transfer` reads them in turn); of the micro-step's DP(p) shards of rows.
+
+    `positions`: the fewest positions the edge's rows x positions x features array has in a
+    micro-step (0: the edge declares no such layout). Where a mesh splits them
+    (`runtime.sharding.edge_sharding`, `SectionPlan.position_shards`), a source device holds and
+    sends only its slice of its shard's rows and a destination device receives only its own.
+    Then the destination's devices that keep one slice whole share it over the node's links
+    (`DEVICES[...]["link"]`): the transfer copies each tile from the device that assembled it to
+    its replicas, and a program that received `tensor` slices gathers them (its activations are
+    whole over `tensor`)."""
     if same_group and src.mesh == dst.mesh:
         return None
     local = same_group and dst.dp % src.dp == 0
     per_device = DEVICES[device]["link"] if local else link_gbps * 1e9
+    split_src = src.position_shards(positions) if positions else 1
+    split_dst = dst.position_shards(positions) if positions else 1
     width = delivered(src.dp, dst.dp)[1]  # producer shards per consumer shard, at most
-    sends = -(-delivered(dst.dp, src.dp)[1] // (len(src.devices) // src.dp))  # consumer shards per replica
-    return bytes_per_unit * max(width, 1 if local else sends) / (per_device * src.dp)
+    replicas = len(src.devices) // (src.dp * split_src)  # devices holding one slice of a producer shard
+    sends = -(-delivered(dst.dp, src.dp)[1] // replicas)  # consumer shards per replica
+    moved = bytes_per_unit * max(width / split_dst, (1 if local else sends) / split_src) / (per_device * src.dp)
+    tile = bytes_per_unit * width / (src.dp * split_dst)  # what one destination device receives
+    gathered = dst.axis_sizes["tensor"] - 1 if "tensor" in position_axes(dst.axis_sizes, positions or 1) else 0
+    copies = len(dst.devices) // (dst.dp * split_dst) - 1
+    return moved + tile * (copies + gathered) / DEVICES[device]["link"]
 
 
 def monolithic_time(spec: WorkloadSpec, metas, cost: CostModel, mb: int, rows: int, only: str | None = None) -> float:
@@ -423,4 +460,4 @@ def simulate_plan(
     return report, timelines[0]
 
 
-__all__ = ["DEVICES", "cost_model", "monolithic_time", "simulate_plan", "transfer_s_per_unit"]
+__all__ = ["DEVICES", "cost_model", "edge_positions", "monolithic_time", "simulate_plan", "transfer_s_per_unit"]

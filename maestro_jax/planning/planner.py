@@ -45,6 +45,7 @@ from maestro_jax.planning.baselines import user_baselines
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
     cost_model,
+    edge_positions,
     monolithic_time,
     section_cost,
     transfer_s_per_unit,
@@ -546,6 +547,7 @@ class Planner:
                     group_of[e.src] == group_of[e.dst],
                     self.device,
                     self.link_gbps,
+                    edge_positions(self.spec, e.name, src.cost.bucket_min),
                 )
                 out[e.name] = 0.0 if per_unit is None else TRANSFER_OVERHEAD_S + per_unit * self._min_units[e.src]
             elif group_of[e.src] != group_of[e.dst]:

@@ -76,12 +76,13 @@ class StagedSection:
     """A section cut into `len(stages)` pipeline stages, as its `Section.stages(k)` cuts it
     (`core.stages.StageSplit`): each stage's `SectionSpec` (its own leaves and declared cost),
     the section's input edges read by a stage other than the first and output edges written by
-    one other than the last, and the bytes per unit a stage-to-stage edge carries."""
+    one other than the last, and the bytes and positions per unit a stage-to-stage edge carries."""
 
     stages: tuple[SectionSpec, ...]
     consumes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     produces: Mapping[str, int] = dataclasses.field(default_factory=dict)
     bytes_per_unit: float = 0.0
+    positions_per_unit: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,9 @@ class WorkloadSpec:
         default_factory=dict, compare=False
     )
     buckets_per_octave: int = PER_OCTAVE  # the shape buckets the runtime pads to (`compile.buckets_per_octave`)
+    # edge -> positions per producer work unit of a rows x positions x features array
+    # (`core.graph.Edge.positions_per_unit`); an edge not here declares none
+    edge_positions: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -161,6 +165,7 @@ def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> Workload
         return spec
     sections: dict[str, SectionSpec] = {}
     edges, edge_bytes, stages = [], {}, dict(spec.stages)
+    positions = dict(spec.edge_positions)
     for name, sec in spec.sections.items():
         split = splits.get(name)
         if split is None:
@@ -173,6 +178,7 @@ def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> Workload
             e = stage_edge(name, i)
             edges.append(EdgeInfo(e, stage_name(name, i), stage_name(name, i + 1)))
             edge_bytes[e] = split.bytes_per_unit
+            positions[e] = split.positions_per_unit
 
     def end(section: str, edge: str, dst: bool) -> str:
         split = splits.get(section)
@@ -186,7 +192,8 @@ def _staged(spec: WorkloadSpec, counts: tuple[tuple[str, int], ...]) -> Workload
     sink = end(spec.sink, "", False)
     pack = {s: p for s, p in spec.pack.items() if s in sections}  # a section in stages does not pack
     staged = WorkloadSpec(spec.name, sections, tuple(edges), edge_bytes, sink, stages, pack=pack)
-    return dataclasses.replace(staged, buckets_per_octave=spec.buckets_per_octave)  # the same shape buckets
+    # the same shape buckets
+    return dataclasses.replace(staged, buckets_per_octave=spec.buckets_per_octave, edge_positions=positions)
 
 
 def staged_metas(metas, spec: WorkloadSpec) -> list:

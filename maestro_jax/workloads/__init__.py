@@ -420,6 +420,7 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
         {s: p for s, p in packing(cfg).items() if s in sections},
         stagers,
         buckets_per_octave=cfg.compile.buckets_per_octave,
+        edge_positions={e.name: e.positions_per_unit for e in graph.edges if e.positions_per_unit},
     )
 
 
@@ -463,7 +464,9 @@ def _stager(section, spec):
         )
         if sum(len(st.leaves) for st in stages) != len(spec.leaves):
             return None  # a leaf no stage owns: the split would not be priced whole
-        return StagedSection(stages, dict(split.consumes), dict(split.produces), split.bytes_per_unit)
+        return StagedSection(
+            stages, dict(split.consumes), dict(split.produces), split.bytes_per_unit, split.positions_per_unit
+        )
 
     return stager
 

@@ -138,5 +138,6 @@ def decoder_stages(
         owner=owner,
         consumes=dict(consumes or {}),
         bytes_per_unit=2 * llm.width,
+        positions_per_unit=1.0,
         aux=aux,
     )
