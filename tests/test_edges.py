@@ -14,7 +14,7 @@ from maestro_jax import cli
 from maestro_jax.config import load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh
+from maestro_jax.runtime.sharding import edge_sharding, on_mesh, row_sharding, section_mesh
 from maestro_jax.tools.verify import verify
 from maestro_jax.workloads import rows as R
 
@@ -168,3 +168,28 @@ def test_padded_last_sink_step_and_odd_micro_batch_verify(scheduler):
     schedule = rt.schedule(rt.batches()[0])
     assert any(-1 in st.positions for st in schedule.steps[sink]), "a sink micro-step is padded"
     check(cfg, rt)
+
+
+def test_gather_takes_rows_of_split_positions_slice_by_slice():
+    """Producer parts of the consumer's length arrive with their positions split over context x
+    tensor (`edge_sharding`): `mj.rows.gather` takes the rows slice by slice, exact and with no
+    collective, and the rows it returns keep the split."""
+    mesh = section_mesh(SectionPlan(tuple(range(8)), mesh_shape(data=2, context=2, tensor=2), 1))
+    rng = np.random.default_rng(1)
+    parts = [rng.standard_normal((4, 8, 5)).astype(np.float32), rng.standard_normal((6, 8, 5)).astype(np.float32)]
+    joined = np.concatenate(parts)
+    # consumer rows 0-3 (shard 0) read joined rows 0-1 or 4-6, rows 4-7 (shard 1) rows 2-3 or 7-9
+    route = np.array([1, -1, 4, 5, 3, 9, 8, 2], np.int32)
+    dev_parts = tuple(jax.device_put(p, edge_sharding(mesh, p.shape)) for p in parts)
+    dev_route = jax.device_put(route, row_sharding(mesh))
+
+    def take(ps, rt):
+        return R.gather({"e": ps}, "e", rt, length=8)
+
+    with on_mesh(mesh, "default"):
+        out = jax.jit(take)(dev_parts, dev_route)
+        fwd = jax.jit(take).lower(dev_parts, dev_route).compile().as_text()
+    used = route >= 0
+    np.testing.assert_array_equal(np.asarray(out)[used], joined[route[used]])
+    assert out.sharding.is_equivalent_to(edge_sharding(mesh, out.shape), 3)
+    assert not COLLECTIVE.search(fwd), [line for line in fwd.splitlines() if COLLECTIVE.search(line)]

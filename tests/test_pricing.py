@@ -171,14 +171,18 @@ def test_an_edge_of_positions_moves_each_devices_slice_and_an_undeclared_one_who
     assert price(256) < price(6) < price(0)
 
 
-def test_the_planner_credits_the_split_only_to_edges_whose_buckets_divide():
-    """`edge_positions`: a ViT edge sends a quarter position per patch (2 x 2 merger), so its
-    micro-steps hold multiples of 64 positions at the analytic buckets of 256; an edge that
-    declares no positions gets no split."""
-    spec = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 64, 80.0).spec
-    assert spec.edge_positions == {"image_embeds": 0.25}
-    assert edge_positions(spec, "image_embeds", 256) == 64
-    assert edge_positions(spec, "image_embeds", 2) == 0  # half a position: no whole number
-    assert edge_positions(dataclasses.replace(spec, edge_positions={}), "image_embeds", 256) == 0
-    staged = spec.staged({"llm": 2})
-    assert staged.edge_positions == {"image_embeds": 0.25, "llm.0>1": 1.0}
+def test_the_planner_credits_the_split_only_to_edges_that_take_slices_whose_buckets_divide():
+    """`edge_positions`: a stage edge sends one position a token, so its micro-steps hold
+    multiples of the analytic bucket's 256 positions; the image edge declares none (the LLM picks
+    single positions of it into its rows, gathering them whole), and neither does a KD teacher's
+    (the student joins teacher micro-steps of other lengths); a declared fraction of a position
+    per bucket credits nothing."""
+    for config, edge in (("vlm", "image_embeds"), ("kd", "teacher_hidden")):
+        spec = planner_for(load_config(ROOT / f"configs/{config}_paper_scale.yaml"), 64, 80.0).spec
+        assert spec.edge_positions == {}
+        assert edge_positions(spec, edge, 256) == 0
+        staged = spec.staged({spec.sink: 2})
+        stage = f"{spec.sink}.0>1"
+        assert staged.edge_positions == {stage: 1.0}
+        assert edge_positions(staged, stage, 256) == 256
+        assert edge_positions(dataclasses.replace(staged, edge_positions={stage: 0.25}), stage, 2) == 0

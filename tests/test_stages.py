@@ -206,6 +206,10 @@ def test_stage_and_section_edges_move_their_positions_split_and_the_step_is_the_
     meshes = ["sections.teacher.mesh={context: 2, tensor: 2}", "sections.student.mesh={data: 2, context: 2}"]
     cfg = load_config(KD, [*DEEP_KD, *meshes, "sections.student.stages=2"])
     rt = _equal_to_monolithic(cfg)
+    metas = sample_metas(rt.graph, rt.batches()[0])
+    for schedule in (naive(metas, rt.problem), wavefront(metas, rt.problem)):  # the stages' rows, one bucket
+        stage_rows = [[st.positions for st in schedule.steps[stage_name("student", i)]] for i in (0, 1)]
+        assert stage_rows[0] == stage_rows[1]
     specs = {
         s: {e: tuple(sh.spec) for e, sh in (out[0] if kind == "forward_vjp" else out).items()}
         for s in ("teacher", "student.0")

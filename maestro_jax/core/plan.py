@@ -85,15 +85,17 @@ class SectionPlan:
 
 def position_axes(sizes: Mapping[str, int], positions: int) -> tuple[str, ...]:
     """The mesh axes (sizes by name) an edge array's `positions` are split over: `POSITION_AXES`
-    in turn while the product of their sizes divides `positions`; axes of size 1 left out."""
+    in turn while the product of their sizes divides `positions`; axes of size 1 (or absent)
+    left out."""
     axes, n = [], 1
     for a in POSITION_AXES:
-        if sizes[a] == 1:
+        size = sizes.get(a, 1)
+        if size == 1:
             continue
-        if positions % (n * sizes[a]):
+        if positions % (n * size):
             break
         axes.append(a)
-        n *= sizes[a]
+        n *= size
     return tuple(axes)
 
 

@@ -193,7 +193,7 @@ def build(cfg: Config) -> SectionGraph:
     )
     return SectionGraph(
         sections=(teacher_section(teacher, per_octave=per_octave), student_section),
-        edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width, positions_per_unit=1.0),),
+        edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
         init=init,
         loss_count=R.loss_tokens(),
     )

@@ -113,14 +113,8 @@ def build(cfg: Config) -> SectionGraph:
             llm_section(llm, dict(zip((IMAGES, AUDIO), modalities)), per_octave=per_octave),
         ),
         edges=(
-            Edge(
-                IMAGES,
-                "vision",
-                "llm",
-                bytes_per_unit=2 * llm.width / (vit.merge * vit.merge),
-                positions_per_unit=1 / (vit.merge * vit.merge),
-            ),
-            Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width, positions_per_unit=1.0),
+            Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),
+            Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width),
         ),
         init=init,
         loss_count=R.loss_tokens(modalities),

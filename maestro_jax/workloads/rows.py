@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from maestro_jax.core.buckets import PER_OCTAVE, bucket
+from maestro_jax.core.plan import position_axes
 from maestro_jax.data.samples import Modality
 from maestro_jax.meshes import BATCH_AXES
 from maestro_jax.schedule.packing import Pack, TokenBudget, pack_rows
@@ -171,10 +172,14 @@ def gather(inputs: Mapping, edge: str, route_B, length: int | None = None):
     row on the consumer row's own shard, as the runtime guarantees: every shard then takes its
     rows from its own blocks (global index -> index into the shard's blocks joined), so the
     gather compiles to no collective; a plain `jnp.take` would all-gather every producer row to
-    every device and all-reduce the gathered tensor. Without such a mesh, a plain take."""
+    every device and all-reduce the gathered tensor. Producer rows x positions x features arrays
+    of `length` positions arrive with their positions split over the mesh's context and tensor
+    axes (`runtime.sharding.edge_sharding`) and are taken so, slice by slice: the rows taken keep
+    that split (parts of other lengths are padded or cut whole). Without such a mesh, a plain
+    take."""
     parts = tuple(inputs[edge])
     length = length or max(p.shape[1] for p in parts)
-    return _take_local(parts, length, route_B, lambda joined, index: jnp.take(joined, index, axis=0))
+    return _take_local(parts, length, route_B, lambda joined, index: jnp.take(joined, index, axis=0), whole_rows=True)
 
 
 def gather_tokens(inputs: Mapping, edge: str, route_BL, index_BL):
@@ -191,15 +196,20 @@ def gather_tokens(inputs: Mapping, edge: str, route_BL, index_BL):
     return _take_local(parts, length, route_BL, pick, index_BL)
 
 
-def _take_local(parts, length: int, route, pick, *extra):
+def _take_local(parts, length: int, route, pick, *extra, whole_rows: bool = False):
     """`pick(join(parts, length), row index, *extra)` with `route` the global row indices (-1:
     none): on each data shard from its own blocks when the batch axes split the rows (see
-    `gather`), else over the whole join."""
+    `gather`), else over the whole join. `whole_rows`: `pick` takes whole rows, so parts of
+    `length` positions split over the mesh (`edge_sharding`) are taken slice by slice."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
     shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
-    if shards == 1 or route.shape[0] % shards or any(p.shape[0] % shards for p in parts):
+    split = ()
+    if whole_rows and not mesh.empty and all(p.ndim == 3 and p.shape[1] == length for p in parts):
+        split = position_axes(dict(mesh.shape), length)
+    if (shards == 1 and not split) or route.shape[0] % shards or any(p.shape[0] % shards for p in parts):
         return pick(join(parts, length), jnp.maximum(route, 0), *extra)
+    local_length = length // math.prod(mesh.shape[a] for a in split)
     starts, local_starts, g, loc = [], [], 0, 0
     for p in parts:  # where each part starts, in the global join and in a shard's join
         starts.append(g)
@@ -211,10 +221,10 @@ def _take_local(parts, length: int, route, pick, *extra):
         for p, start, at in zip(parts, starts, local_starts):
             mine = (route >= start) & (route < start + p.shape[0])
             index = jnp.where(mine, at + (route - start) % (p.shape[0] // shards), index)
-        return pick(join(blocks, length), index, *extra)
+        return pick(join(blocks, local_length), index, *extra)
 
-    spec = PartitionSpec(axes)
-    run = jax.shard_map(local, in_specs=(spec, (spec,) * len(extra)) + (spec,) * len(parts), out_specs=spec)
+    spec, slices = PartitionSpec(axes), PartitionSpec(axes, split) if split else PartitionSpec(axes)
+    run = jax.shard_map(local, in_specs=(spec, (spec,) * len(extra)) + (slices,) * len(parts), out_specs=slices)
     return run(route, extra, *parts)
 
 

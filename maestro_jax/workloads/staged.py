@@ -138,6 +138,8 @@ def decoder_stages(
         owner=owner,
         consumes=dict(consumes or {}),
         bytes_per_unit=2 * llm.width,
+        # a stage runs its neighbour's micro-steps (the same rows, so the same bucket): the next
+        # stage takes the hidden states' position slices as they arrive (`mj.rows.gather`)
         positions_per_unit=1.0,
         aux=aux,
     )

@@ -326,15 +326,7 @@ def build(cfg: Config) -> SectionGraph:
             vision_section(vit, llm.width, mean_patches(cfg, vit), per_octave=cfg.compile.buckets_per_octave),
             llm_section(llm, {EDGE: image}, per_octave=cfg.compile.buckets_per_octave),
         ),
-        edges=(
-            Edge(
-                EDGE,
-                "vision",
-                "llm",
-                bytes_per_unit=2 * llm.width / (vit.merge * vit.merge),
-                positions_per_unit=1 / (vit.merge * vit.merge),
-            ),
-        ),
+        edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
         init=init,
         loss_count=R.loss_tokens((image,)),
     )

@@ -108,14 +108,8 @@ def build(cfg: Config) -> SectionGraph:
             student_section,
         ),
         edges=(
-            Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width, positions_per_unit=1.0),
-            Edge(
-                IMAGES,
-                "vision",
-                "student",
-                bytes_per_unit=2 * student.width / (vit.merge * vit.merge),
-                positions_per_unit=1 / (vit.merge * vit.merge),
-            ),
+            Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
+            Edge(IMAGES, "vision", "student", bytes_per_unit=2 * student.width / (vit.merge * vit.merge)),
         ),
         init=init,
         loss_count=R.loss_tokens((image,)),
