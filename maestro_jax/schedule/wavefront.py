@@ -278,7 +278,7 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
       when it is the bottleneck), in several orders.
     List scheduling starts every section's work as early as dependencies allow and keeps stashed
     forwards within the in-flight bound (a plan with pipeline stages is list-scheduled twice, the
-    second time in 1F1B's order, oldest micro-step first, and the faster kept); a variant whose dependencies cannot keep the bound is
+    second and third time in two of 1F1B's orders, `_list_schedule`, and the fastest kept); a variant whose dependencies cannot keep the bound is
     dropped (the sink-first variant with nested micro-steps always keeps it: see `_derive`).
     The naive operation order over each variant's micro-steps, and the arrival-order micro-steps
     (`_arrival`), compete too when they respect the bound and the placement rule (`validate`,
@@ -647,9 +647,9 @@ class _Search:
             return self.seen[key]
         steps = link(problem, {s: rows[s] for s in problem.order})
         found = []
-        for oldest in (False, True) if problem.bounds else (False,):  # pipeline stages: 1F1B's order too
+        for priority in ("earliest", "oldest", "1f1b") if problem.bounds else ("earliest",):  # pipeline stages
             try:
-                found.append(_list_schedule(batch, steps, oldest))
+                found.append(_list_schedule(batch, steps, priority))
             except ScheduleError:
                 pass
         if not found:
@@ -675,14 +675,30 @@ def list_schedule(problem: Problem, steps, metas, cost=None) -> tuple[tuple[Op, 
     return _list_schedule(_Batch(metas, problem, cost), steps)
 
 
-def _list_schedule(batch: _Batch, steps, oldest: bool = False) -> tuple[tuple[Op, ...], float]:
+def _one_f_one_b_age(op: Op, problem: Problem) -> float:
+    """An op's place in 1F1B's sequence, for the `order="1f1b"` list schedule: stage i of K runs
+    K - i - 1 warm-up forwards, then forward k + K - i - 1 just before backward k. A forward's age
+    is its micro-step less its stage's warm-up (`Problem.bounds`: K - i), a backward's its
+    micro-step and a half; a co-located section's (a ViT beside the first stage) by its own
+    micro-steps, so its backward follows the first stage's backward of the same micro-step."""
+    if op.kind == "F":
+        return op.step - (problem.bounds.get(op.section, 1) - 1)
+    if op.kind == "B":
+        return op.step + 0.5
+    return op.step
+
+
+def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tuple[Op, ...], float]:
     """`list_schedule` with the batch's memoised durations.
 
-    `oldest`: 1F1B's order for pipeline stages. Of the ops that could start at once, the one of
-    the earliest micro-step goes first (a co-located teacher stage's next forward no longer runs
-    ahead of the student stage's forward of an earlier micro-step, which the stages after it
-    wait on), and an update waits until its device group has run every forward and backward (a
-    stage's gradient reduction would hold up the backwards of sections sharing its devices)."""
+    `priority` breaks ties among the ops that could start at once. "earliest": the sink's first, then
+    forwards. Two orders for pipeline stages, in both of which an update waits until its device
+    group has run every forward and backward (a stage's gradient reduction would hold up the
+    backwards of sections sharing its devices): "oldest", the op of the earliest micro-step
+    first (a co-located teacher stage's next forward no longer runs ahead of the student stage's
+    forward of an earlier micro-step, which the stages after it wait on); "1f1b", the op
+    earliest in 1F1B's sequence (`_one_f_one_b_age`: a first stage's last forward, which every
+    later stage waits on, no longer waits behind the backwards of earlier micro-steps)."""
     problem = batch.problem
     req = required_ops(Schedule(steps, (), len(batch.metas)), problem)
     ops = list(req)
@@ -705,8 +721,12 @@ def _list_schedule(batch: _Batch, steps, oldest: bool = False) -> tuple[tuple[Op
     f_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "F"}
     b_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "B"}
     order: list[tuple[float, int, Op]] = []
-    age = [op.step if oldest else 0 for op in ops]
-    left = Counter(resource_of(op, problem) for op in ops if oldest and op.kind in ("F", "B"))  # by device group
+    staged = priority != "earliest"
+    ages = {"earliest": lambda op: 0, "oldest": lambda op: op.step}.get(priority) or functools.partial(
+        _one_f_one_b_age, problem=problem
+    )
+    age = [ages(op) for op in ops]
+    left = Counter(resource_of(op, problem) for op in ops if staged and op.kind in ("F", "B"))  # by device group
 
     def start_of(i):
         return max(free.get(resource_of(ops[i], problem), 0.0), dep_done[i])
@@ -738,7 +758,7 @@ def _list_schedule(batch: _Batch, steps, oldest: bool = False) -> tuple[tuple[Op
         t0 = start_of(i)
         finish[i] = t0 + batch.duration(op, steps)
         free[resource_of(op, problem)] = finish[i]
-        left[resource_of(op, problem)] -= oldest and op.kind in ("F", "B")
+        left[resource_of(op, problem)] -= staged and op.kind in ("F", "B")
         if op.kind == "F":
             next_f[op.section] += 1
             stashed[op.section] += problem.needs_backward(op.section)
