@@ -1,5 +1,6 @@
-"""Qwen2.5-VL: its vision tower, its language model with M-RoPE and a whole folder, against
-transformers' own numbers stored in `tests/fixtures/hf/qwen2_5_vl` (`scripts/make_hf_fixtures.py`)."""
+"""Qwen2.5-VL and Qwen3-VL: their vision towers, their language models with M-RoPE (Qwen3-VL's
+interleaved, with DeepStack) and whole folders, against transformers' own numbers stored in
+`tests/fixtures/hf/qwen2_5_vl` and `tests/fixtures/hf/qwen3_vl` (`scripts/make_hf_fixtures.py`)."""
 
 import dataclasses
 import shutil
@@ -18,9 +19,9 @@ FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 RTOL = 1e-4  # of the reference's largest magnitude, float32
 
 
-def fixture(tmp_path):
-    path = tmp_path / "qwen2_5_vl"
-    shutil.copytree(FIXTURES / "qwen2_5_vl", path)
+def fixture(tmp_path, name: str = "qwen2_5_vl"):
+    path = tmp_path / name
+    shutil.copytree(FIXTURES / name, path)
     return path, dict(np.load(path / "reference.npz"))
 
 
@@ -33,14 +34,16 @@ def packed(images, cfg: ViTConfig):
     return jnp.asarray(patches), jnp.asarray(segments), jnp.asarray(grid)
 
 
-def tower(path, ref, scan=False, **change):
-    """The folder's tower loaded into the native ViT, its image tokens for both fixture images."""
+def tower(path, ref, scan=False, moved=None, **change):
+    """The folder's tower loaded into the native ViT, its image tokens for both fixture images
+    (`moved`: a change to the loaded params first)."""
     fields = {k: v for k, v in hf_encoders.vit_fields(path).items() if k != "kind"}
     cfg = dataclasses.replace(ViTConfig(**fields, scan_layers=scan), **change)
     model = VisionEncoder(cfg)
     inputs = packed([ref["image0"], ref["image1"]], cfg)
     target = nn.unbox(model.init(jax.random.key(0), *inputs)["params"])
     params = hf_encoders.load_vit(path, target, fields)
+    params = params if moved is None else moved(params)
     return np.asarray(model.apply({"params": params}, *inputs)[0]), params, cfg
 
 
@@ -182,7 +185,7 @@ def llm_positions(cfg):
 
 
 def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads(tmp_path):
-    """`save_qwen2_5_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
+    """`save_qwen_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
     a folder with the same fields and weights back; transformers loads it with nothing missing
     and its logits on the fixture's row are the reference's (where torch is installed)."""
     from maestro_jax.models import DecoderLM, LLMConfig, hf
@@ -195,7 +198,7 @@ def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads
     target = nn.unbox(decoder.init(jax.random.key(0), ids, jnp.zeros((1, 4, 4), jnp.int32), ids > -1)["params"])
     lparams = hf.load_llm(path, target, lfields)
     out = tmp_path / "out"
-    hf_encoders.save_qwen2_5_vl(out, vparams, vfields, lparams, lfields, image_token=7)
+    hf_encoders.save_qwen_vl(out, vparams, vfields, lparams, lfields, image_token=7)
     assert hf_encoders.vit_fields(out) == vfields and hf.llm_fields(out) == lfields
     again = hf_encoders.load_vit(out, vparams, vfields)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), again, vparams))
@@ -256,3 +259,59 @@ def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkey
     assert cli.main(["check-hf", "--hf", str(FIXTURES / "qwen2_5_vl")]) == 1
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert tuple(line.rsplit(" ", 1)[-1] for line in lines) == verdicts, lines
+
+
+def test_qwen3_vl_tower_equals_transformers_with_its_deepstack_features(tmp_path):
+    """The Qwen3-VL tower (LayerNorm and GELU blocks with 2-D rotary, a 4x4 position table
+    resampled to an 8x12-patch and a 6x4-patch image packed in one row, the LayerNorm merger) gives
+    transformers' `pooler_output`, and its two DeepStack mergers (after blocks 0 and 2) its
+    `deepstack_features`, each after the tokens' own features; without the position table the
+    tokens differ."""
+    path, ref = fixture(tmp_path, "qwen3_vl")
+    fields = hf_encoders.vit_fields(path)
+    assert (fields["block"], fields["pos_embed"], fields["projector"]) == ("layernorm", "table_rope2d", "patch_merger")
+    assert (fields["table_grid"], fields["deepstack_layers"], fields["out_width"]) == (4, (0, 2), 32)
+    tokens, _, cfg = tower(path, ref)
+    assert tokens.shape == (30, cfg.token_width) == (30, 96)
+    want = [ref["image_features"], *ref["deepstack_features"]]
+    for k, part in enumerate(want):
+        assert rel_err(tokens[:, 32 * k : 32 * (k + 1)], part) < RTOL, k
+    unplaced, _, _ = tower(path, ref, moved=lambda p: {**p, "pos": p["pos"] * 0})
+    assert rel_err(unplaced[:, :32], want[0]) > 10 * RTOL
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_qwen3_vl_language_model_with_interleaved_mrope_and_deepstack_equals_transformers(tmp_path, scan):
+    """The Qwen3-VL folder's language model (Qwen3 with query/key norms, M-RoPE sections 4+2+2
+    interleaved, DeepStack) with the tower's image tokens spliced in and its two DeepStack feature
+    sets added after blocks 0 and 1 gives transformers' logits (unrolled, and scanned: each block
+    finds its features by its traced index); with the sections in runs (Qwen2.5-VL's), or without
+    DeepStack, the logits differ."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+    from maestro_jax.models.llm import mrope_positions
+
+    path, ref = fixture(tmp_path, "qwen3_vl")
+    fields = hf.llm_fields(path)
+    assert (fields["mrope_section"], fields["mrope_interleaved"], fields["deepstack_layers"]) == ((4, 2, 2), True, 2)
+    assert fields["qk_norm"] and fields["head_dim"] == 16 != fields["width"] // fields["heads"]
+    features, _, _ = tower(path, ref)
+    ids = jnp.asarray(ref["tokens"], jnp.int32)
+    positions = jnp.asarray(mrope_positions(ref["tokens"][0], 7, [(4, 6), (3, 2)])[None])
+    valid = jnp.ones(ids.shape, bool)
+    at = np.flatnonzero(ref["tokens"][0] == 7)
+
+    def logits(**change):
+        decoder = DecoderLM(LLMConfig.from_fields({**fields, "scan_layers": scan, **change}))
+        target = nn.unbox(decoder.init(jax.random.key(0), ids, positions, valid)["params"])
+        v = {"params": hf.load_llm(path, target, fields)}
+        x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, at].set(features[:, :32])
+        sets = features[:, 32:].reshape(len(at), 2, 32).transpose(1, 0, 2)
+        deepstack = jnp.zeros((2, *x.shape)).at[:, 0, at].set(sets) if change.get("deepstack_layers", 2) else None
+        h = decoder.apply(v, x, positions, valid, None, None, deepstack, method=DecoderLM.hidden)
+        return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+    want = ref["logits"]
+    assert rel_err(logits(), want) < RTOL
+    if not scan:
+        assert rel_err(logits(mrope_interleaved=False), want) > 10 * RTOL
+        assert rel_err(logits(deepstack_layers=0), want) > 10 * RTOL
