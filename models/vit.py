@@ -260,7 +260,7 @@ class VisionEncoder(nn.Module):
         return x[:, :p], ()
 
     def _runs(self, x, *rest):
-        """The blocks run after run, with the output of each run but the last (a DeepStack tap)."""
+        """The blocks run after run (each DeepStack tap ends one), with the outputs of the taps."""
         taps = []
         for run in self.runs:
             x = run(x, *rest)

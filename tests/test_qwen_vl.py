@@ -266,8 +266,8 @@ def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkey
     def moved(*args, **kwargs):
         params = load(*args, **kwargs)
         if side == "deepstack":
-            bias = params["deepstack_1"]["fc2"]["bias"]
-            return {**params, "deepstack_1": {**params["deepstack_1"], "fc2": {"bias": bias + 0.05}}}
+            fc2 = params["deepstack_1"]["fc2"]
+            return {**params, "deepstack_1": {**params["deepstack_1"], "fc2": {**fc2, "bias": fc2["bias"] + 0.05}}}
         leaves, tree = jax.tree.flatten(params)
         leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(0.05)
         return jax.tree.unflatten(tree, leaves)
