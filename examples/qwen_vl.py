@@ -5,7 +5,7 @@ own image tokens, a few steps with the tower frozen, the VLM exported whole.
 
 What it does, each step through the project's public tools (config: examples/qwen_vl.yaml):
 1. `hf/qwen2_5_vl`: a random `Qwen2_5_VLForConditionalGeneration` folder of tiny shapes (`SHAPES`,
-   written with the project's exporter, `save_qwen2_5_vl`), with what a checkpoint ships beside
+   written with the project's exporter, `save_qwen_vl`), with what a checkpoint ships beside
    its weights: a tokenizer (a byte-level BPE trained offline with Qwen's special tokens,
    `<|image_pad|>` at the folder's image_token_id), its chat template (chat_template.json) and
    preprocessor_config.json (patches of 4 merged 2 x 2; min_pixels and max_pixels). Put a real
@@ -117,7 +117,7 @@ def make_folder(folder: Path, texts: list[str]) -> None:
     cfg = mj.load_config(CONFIG, [*shaped, "data.kind=synthetic", f"workload_settings.image_token={IMAGE_TOKEN}"])
     params = jax.device_get(nn.meta.unbox(mj.Trainer(cfg).graph.init(jax.random.key(0))))
     vision, llm = ((params[s]["params"], cfg.models[s].model_dump()) for s in ("vision", "llm"))
-    hf_encoders.save_qwen2_5_vl(folder, *vision, *llm, image_token=IMAGE_TOKEN)
+    hf_encoders.save_qwen_vl(folder, *vision, *llm, image_token=IMAGE_TOKEN)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

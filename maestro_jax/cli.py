@@ -248,17 +248,19 @@ def _export(cfg, args) -> int:
 
 def _export_vlm(cfg, args, names: list[str]) -> int:
     """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder, or a
-    Qwen2.5-VL one where the tower is Qwen2.5-VL's (`block: rmsnorm_glu`)."""
+    Qwen2.5-VL or Qwen3-VL one where the tower is of that layout (`hf_encoders.qwen_vl_type`)."""
+    from maestro_jax.models.hf_encoders import qwen_vl_type
     from maestro_jax.tools import hf
     from maestro_jax.workloads import settings
 
     kinds = {cfg.models[n].kind: n for n in names}
-    qwen = "vit" in kinds and getattr(cfg.models[kinds["vit"]], "block", None) == "rmsnorm_glu"
-    model_type = "qwen2_5_vl" if qwen else "gemma3"
+    qwen = qwen_vl_type(cfg.models[kinds["vit"]].model_dump()) if "vit" in kinds else None
+    model_type = qwen or "gemma3"
     if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, model_type):
         print(
             f"error: --section={args.section!r} --model-type={args.model_type}: a whole VLM folder is one vit and one "
-            f"llm section (e.g. --section vision,llm), written as gemma3 (or qwen2_5_vl, a Qwen2.5-VL tower's)",
+            f"llm section (e.g. --section vision,llm), written as {model_type} (gemma3; qwen2_5_vl or qwen3_vl for a "
+            f"Qwen2.5-VL or Qwen3-VL tower)",
             file=sys.stderr,
         )
         return 2
@@ -269,7 +271,7 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
         hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
         states, step = _latest_states(cfg)
         vision, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("vit", "llm"))
-        (hf.export_qwen2_5_vl if qwen else hf.export_gemma3_vlm)(args.out, vision, llm, image_token, args.overwrite)
+        (hf.export_qwen_vl if qwen else hf.export_gemma3_vlm)(args.out, vision, llm, image_token, args.overwrite)
     except hf.HFError as err:
         print(
             _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),
@@ -595,10 +597,11 @@ COMMANDS: dict[str, Command] = {
                     "whisper",
                     "gemma3",
                     "qwen2_5_vl",
+                    "qwen3_vl",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
                 "Gemma's block; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
-                "VLM's two sections, qwen2_5_vl for a Qwen2.5-VL's)",
+                "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's)",
             ),
             opt(
                 "--overwrite",

@@ -252,12 +252,14 @@ class ViTModelConfig(_FromFolder):
     merge: PositiveInt = 2
     max_grid: PositiveInt = 64
     # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py);
-    # rope2d: no learned positions, a 2-D rotary embedding of each patch's row and column (Qwen2.5-VL's)
-    pos_embed: Literal["row_col", "table", "rope2d"] = "row_col"
-    # layernorm: LayerNorm and GELU-MLP blocks (SigLIP, CLIP); rmsnorm_glu: RMSNorm and gated-MLP blocks
-    # with biases (Qwen2.5-VL's, with pos_embed rope2d and projector patch_merger)
+    # rope2d: no learned positions, a 2-D rotary embedding of each patch's row and column (Qwen2.5-VL's);
+    # table_rope2d: a learned table of table_grid x table_grid resampled to each image's grid, and rope2d (Qwen3-VL's)
+    pos_embed: Literal["row_col", "table", "rope2d", "table_rope2d"] = "row_col"
+    table_grid: int = Field(0, ge=0)  # pos_embed table_rope2d: the learned table's side (num_position_embeddings**0.5)
+    # layernorm: LayerNorm and GELU-MLP blocks (SigLIP, CLIP, Qwen3-VL's); rmsnorm_glu: RMSNorm and gated-MLP
+    # blocks with biases (Qwen2.5-VL's, with pos_embed rope2d and projector patch_merger)
     block: Literal["layernorm", "rmsnorm_glu"] = "layernorm"
-    rope_theta: float = Field(10000.0, gt=0.0)  # pos_embed rope2d: the rotary base
+    rope_theta: float = Field(10000.0, gt=0.0)  # pos_embed rope2d / table_rope2d: the rotary base
     window: int = Field(0, ge=0)  # > 0: blocks attend within windows of this many patches a side (Qwen2.5-VL)
     full_layers: tuple[NonNegativeInt, ...] = ()  # with window: the blocks that attend over whole images
     norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
@@ -272,6 +274,9 @@ class ViTModelConfig(_FromFolder):
     # window, Qwen2-VL's) or avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's) or
     # patch_merger (Qwen2.5-VL's: RMSNorm per patch, an MLP width * merge**2 wide with an exact GELU)
     projector: Literal["merger", "avg_pool", "patch_merger"] = "merger"
+    # Qwen3-VL's DeepStack (deepstack_visual_indexes): blocks whose outputs go, each through a merger of its
+    # own, to the LLM beside the image tokens (models/vit.py); the LLM's deepstack_layers counts them
+    deepstack_layers: tuple[NonNegativeInt, ...] = ()
 
     @classmethod
     def folder_fields(cls, path: str) -> dict:
@@ -381,6 +386,11 @@ class LLMModelConfig(_FromFolder):
     # Qwen2.5-VL's M-RoPE: each head's rotated pairs in three sections (temporal, row, column), each
     # turned by its own position axis; image tokens take their grid's (models/llm.py, mrope_positions)
     mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
+    # Qwen3-VL's: the three sections' frequencies interleaved (row, column every third), not in runs
+    mrope_interleaved: bool = False
+    # Qwen3-VL's DeepStack: the image tokens carry this many more feature sets (models.vision.deepstack_layers),
+    # the j-th added to the image positions after block j
+    deepstack_layers: int = Field(0, ge=0)
     # Mixture of experts: `experts` > 0 replaces every block's FFN by top-k routed experts.
     experts: int = Field(0, ge=0)
     experts_per_token: int = Field(0, ge=0, validate_default=True)

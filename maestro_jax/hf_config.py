@@ -46,8 +46,9 @@ ARCHITECTURES = {
 MULTIMODAL = {"gemma3": "gemma3_text"}
 # VLM folders whose language model is Qwen2's with multimodal RoPE (M-RoPE): the Hub's config.json keeps its
 # text fields at the top level, transformers 5 saves them under `text_config`
-QWEN_VL = {"qwen2_5_vl": "qwen2"}
-QWEN_MROPE_SECTION = (16, 24, 24)  # Qwen2_5_VLTextConfig's, where rope_scaling names none
+QWEN_VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+# where rope_scaling (rope_parameters) names none: Qwen2_5_VLTextConfig's, Qwen3VLTextRotaryEmbedding's
+QWEN_MROPE_SECTION = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20)}
 # Gemma3TextConfig's defaults (transformers), which a Hub config.json, saving only what differs,
 # leaves out (a `gemma3` folder's text_config most of all)
 GEMMA3_DEFAULTS = {
@@ -277,11 +278,11 @@ def llm_fields(path: str | Path) -> dict:
     return _text_fields(path, hf)
 
 
-def _mrope_section(path, hf: dict) -> tuple[int, ...]:
-    """A Qwen-VL text config's `mrope_section`: how many of each head's rotated pairs turn with the
-    temporal, row and column position (`models.layers.rotary`)."""
+def _mrope_section(path, hf: dict, kind: str) -> tuple[int, ...]:
+    """A `kind` (Qwen-VL) text config's `mrope_section`: how many of each head's rotated pairs turn
+    with the temporal, row and column position (`models.layers.mrope_axes`)."""
     block = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    section = tuple(block.get("mrope_section") or QWEN_MROPE_SECTION)
+    section = tuple(block.get("mrope_section") or QWEN_MROPE_SECTION[kind])
     half = (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) // 2
     if len(section) != 3 or sum(section) != half:
         raise HFError(
@@ -298,7 +299,15 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         text = hf.get("text_config") or hf
         tied = bool(hf.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
         text = {**text, "model_type": QWEN_VL[kind], "tie_word_embeddings": tied}
-        return {**_text_fields(path, text), "mrope_section": _mrope_section(path, text)}
+        qwen3 = kind == "qwen3_vl"
+        return {
+            **_text_fields(path, text),
+            "mrope_section": _mrope_section(path, text, kind),
+            # Qwen3-VL's text model interleaves its sections whatever `mrope_interleaved` says (transformers
+            # reads no flag), and adds one DeepStack feature set per tapped vision block
+            "mrope_interleaved": qwen3,
+            "deepstack_layers": len(_qwen3_vl_vision_config(hf)["deepstack_visual_indexes"]) if qwen3 else 0,
+        }
     if kind in MULTIMODAL:
         text = hf.get("text_config") or {}
         if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
@@ -410,7 +419,7 @@ def _check_act(path, key: str, act, supported: tuple[str, ...] = ACTIVATIONS) ->
         raise HFError(f"{path}/config.json: {key}={act!r}; the encoder blocks support {list(supported)}")
 
 
-VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava", "qwen2_5_vl")
+VISION_TOWERS = ("siglip_vision_model", "siglip", "clip_vision_model", "clip", "llava", "qwen2_5_vl", "qwen3_vl")
 # Qwen2_5_VLVisionConfig's defaults, which a config.json may leave out
 QWEN2_5_VL_VISION_DEFAULTS = {
     "depth": 32,
@@ -466,6 +475,72 @@ def _qwen2_5_vl_vision(path, hf: dict) -> dict:
     }
 
 
+# Qwen3VLVisionConfig's defaults, which a config.json may leave out
+QWEN3_VL_VISION_DEFAULTS = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 3584,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+
+
+def _qwen3_vl_vision_config(hf: dict) -> dict:
+    """A Qwen3-VL folder's `vision_config` over `Qwen3VLVisionConfig`'s defaults."""
+    return _with_defaults(hf.get("vision_config") or {}, QWEN3_VL_VISION_DEFAULTS) | {
+        "rope_parameters": (hf.get("vision_config") or {}).get("rope_parameters") or {}
+    }
+
+
+def _qwen3_vl_vision(path, hf: dict) -> dict:
+    """A Qwen3-VL folder's `vision_config` as a tower's fields (models/vit.py: `block: layernorm`,
+    `pos_embed: table_rope2d`, `projector: patch_merger`, `deepstack_layers`). The learned position
+    table is `num_position_embeddings` cells, a square (`table_grid` a side); a still image is its
+    frame repeated in time, as for Qwen2.5-VL (`_qwen2_5_vl_vision`); `max_grid` is no part of the
+    checkpoint (the table is resampled to any grid) and stays the config's."""
+    v = _qwen3_vl_vision_config(hf)
+    _check_act(path, "vision_config.hidden_act", v["hidden_act"], VIT_ACTIVATIONS)
+    heads, cells, taps = v["num_heads"], v["num_position_embeddings"], list(v["deepstack_visual_indexes"])
+    side = math.isqrt(cells)
+    if v["hidden_size"] % heads or (v["hidden_size"] // heads) % 4 or side * side != cells or side < 2:
+        raise HFError(
+            f"{path}/config.json: vision_config hidden_size={v['hidden_size']}, num_heads={heads}, "
+            f"num_position_embeddings={cells}; the heads must divide the width into heads of a multiple of 4 and the "
+            f"position table be a square of 2 or more a side"
+        )
+    if taps != sorted(set(taps)) or not all(0 <= i < v["depth"] for i in taps):
+        raise HFError(
+            f"{path}/config.json: vision_config deepstack_visual_indexes={taps}; increasing blocks of 0..{v['depth'] - 1}"
+        )
+    theta = v["rope_parameters"].get("rope_theta", 10000.0)
+    return {
+        "kind": "vit",
+        "patch": v["patch_size"],
+        "channels": v["in_channels"],
+        "width": v["hidden_size"],
+        "depth": v["depth"],
+        "heads": heads,
+        "mlp": v["intermediate_size"],
+        "out_width": v["out_hidden_size"],
+        "merge": v["spatial_merge_size"],
+        "pos_embed": "table_rope2d",
+        "table_grid": side,
+        "block": "layernorm",
+        "projector": "patch_merger",
+        "rope_theta": float(theta),
+        "deepstack_layers": tuple(taps),
+        "norm_eps": 1e-6,  # every LayerNorm of the tower and its mergers, transformers' constant
+        "act": v["hidden_act"],
+        "class_token": False,
+    }
+
+
 def _llava_feature_layer(path, hf: dict) -> int:
     """A LLaVA config's `vision_feature_layer`: one layer, its features without the class token."""
     layer, strategy = hf.get("vision_feature_layer", -2), hf.get("vision_feature_select_strategy", "default")
@@ -504,11 +579,13 @@ def vit_fields(path: str | Path) -> dict:
     `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`; a `gemma3` one's
     with its projector, `_gemma3_projector`) or CLIP (a `clip_vision_model` config, a `clip` one's
     `vision_config`, or a `llava` one's, with its `vision_feature_layer`) or Qwen2.5-VL's
-    (`_qwen2_5_vl_vision`)."""
+    (`_qwen2_5_vl_vision`) or Qwen3-VL's (`_qwen3_vl_vision`)."""
     hf, extra = read_config(path), {}
     kind = hf.get("model_type")
     if kind == "qwen2_5_vl":
         return _qwen2_5_vl_vision(path, hf)
+    if kind == "qwen3_vl":
+        return _qwen3_vl_vision(path, hf)
     if kind == "llava":
         extra["feature_layer"] = _llava_feature_layer(path, hf)
         hf = hf.get("vision_config") or {}
@@ -585,7 +662,7 @@ def audio_fields(path: str | Path) -> dict:
 
 
 # Folders that hold more than one model: a config entry names the one it takes with `kind`
-MULTI_MODEL = {"gemma3": ("llm", "vit"), "qwen2_5_vl": ("llm", "vit")}
+MULTI_MODEL = {"gemma3": ("llm", "vit"), "qwen2_5_vl": ("llm", "vit"), "qwen3_vl": ("llm", "vit")}
 
 
 def kind_of(path: str | Path) -> str:

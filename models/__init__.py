@@ -9,6 +9,7 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
   H  query heads   G  key/value heads   K  head dimension
   F  MLP hidden width                   C  patch feature size (patch*patch*channels)
   N  audio tokens (frame groups, packed per row)   F  features of a frame group
+  J  DeepStack feature sets (Qwen3-VL's image features from intermediate vision blocks)
 """
 
 from maestro_jax.models.audio import AudioConfig, AudioEncoder

@@ -68,6 +68,19 @@ A scanned encoder (`scan_layers`) stacks every `block_i` leaf under `blocks/laye
 A Gemma 3 VLM (`save_gemma3_vlm`) is written whole: the tower and its projector as above under the
 Hub's `vision_tower.vision_model.` and `multi_modal_projector.`, the language model as
 `gemma3_text` (`models.hf`) under `language_model.model.`.
+
+Qwen3-VL (a `Qwen3VLForConditionalGeneration` folder, the tower under `model.visual.` or `visual.`)
+loads into the `layernorm` / `table_rope2d` / `patch_merger` layout with `deepstack_layers`
+(models/vit.py), its patch embedding as Qwen2.5-VL's (summed over T) plus its bias, J = its
+`deepstack_visual_indexes`:
+  pos_embed.weight [G*G, D]                       -> pos (G = table_grid)
+  blocks.i.norm{1,2}.{weight,bias}                -> block_i.{attn,mlp}_norm.{scale,bias}
+  blocks.i.attn.{qkv,proj}                        -> block_i.{q,k,v,o} as Qwen2.5-VL's
+  blocks.i.mlp.linear_fc{1,2}                     -> block_i.fc{1,2}.{kernel,bias}
+  merger.norm, merger.linear_fc{1,2}              -> merge_norm, merger_fc{1,2}
+  deepstack_merger_list.j.{norm,linear_fc1,linear_fc2} -> deepstack_j.{norm,fc1,fc2} (j < len(J))
+`save_qwen_vl` writes either whole folder, the language model (`models.hf`) under `model.` beside
+Qwen2.5-VL's tower, under `model.language_model.` beside Qwen3-VL's.
 """
 
 from __future__ import annotations
@@ -183,41 +196,88 @@ def vit_mapping(
 QWEN_VL_PREFIXES = ("visual.", "model.visual.")
 
 
-def qwen_vit_mapping(f: dict, prefix: str = "visual.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
-    """Flax path -> (HF tensor name, layouts) of a Qwen2.5-VL vision tower with fields `f`. The
-    fused `qkv` tensor appears once for each of q, k and v, each taking its third (export joins
-    the parts in this order, `_tensors`)."""
-    p, c, d, h = f["patch"], f["channels"], f["width"], f["heads"]
-    frames = 2  # the temporal_patch_size export writes (Qwen2.5-VL's)
-    patch: Layout = (
+def _qwen_patch(f: dict) -> Layout:
+    """A Qwen-VL tower's Conv3d patch kernel [D, C, T, p, p] <-> the patch embedding's [p*p*C, D]: summed
+    over time on import (a still image is its frame repeated T times), each of the T kernels the
+    sum / T on export."""
+    p, c, d = f["patch"], f["channels"], f["width"]
+    frames = 2  # the temporal_patch_size export writes (Qwen2.5-VL's and Qwen3-VL's)
+    return (
         lambda w: w.astype(np.float32).sum(axis=2).transpose(2, 3, 1, 0).reshape(p * p * c, d),  # not in fp16
         lambda w: np.repeat(w.reshape(p, p, c, d).transpose(3, 2, 0, 1)[:, :, None] / np.float32(frames), frames, 2),
     )
+
+
+def _qwen_attention(f: dict, block: str, layer: str) -> dict:
+    """A Qwen-VL vision block's attention entries: the fused `qkv` tensor once for each of q, k
+    and v, each taking its third (export joins the parts in this order, `_tensors`), and `proj`."""
+    d, h = f["width"], f["heads"]
     qkv, qkv_bias, out = _heads(h, d // h)
 
     def third(j: int, layout: Layout) -> Layout:
         return (lambda w: layout[0](w[j * d : (j + 1) * d]), layout[1])
 
+    m = {}
+    for j, part in enumerate("qkv"):
+        m[(block, part, "kernel")] = (f"{layer}.attn.qkv.weight", third(j, qkv))
+        m[(block, part, "bias")] = (f"{layer}.attn.qkv.bias", third(j, qkv_bias))
+    m[(block, "o", "kernel")] = (f"{layer}.attn.proj.weight", out)
+    m[(block, "o", "bias")] = (f"{layer}.attn.proj.bias", _SAME)
+    return m
+
+
+def _linear(m: dict, path: tuple[str, ...], name: str) -> None:
+    """A Linear with a bias: `name`.{weight, bias} <-> `path`.{kernel, bias}."""
+    m[(*path, "kernel")] = (f"{name}.weight", _LINEAR)
+    m[(*path, "bias")] = (f"{name}.bias", _SAME)
+
+
+def _layer_norm(m: dict, path: tuple[str, ...], name: str) -> None:
+    m[(*path, "scale")] = (f"{name}.weight", _SAME)
+    m[(*path, "bias")] = (f"{name}.bias", _SAME)
+
+
+def qwen_vit_mapping(f: dict, prefix: str = "visual.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+    """Flax path -> (HF tensor name, layouts) of a Qwen2.5-VL vision tower with fields `f`."""
     m = {
-        ("patch_embed", "kernel"): (f"{prefix}patch_embed.proj.weight", patch),
+        ("patch_embed", "kernel"): (f"{prefix}patch_embed.proj.weight", _qwen_patch(f)),
         ("merge_norm", "scale"): (f"{prefix}merger.ln_q.weight", _SAME),
-        ("merger_fc1", "kernel"): (f"{prefix}merger.mlp.0.weight", _LINEAR),
-        ("merger_fc1", "bias"): (f"{prefix}merger.mlp.0.bias", _SAME),
-        ("merger_fc2", "kernel"): (f"{prefix}merger.mlp.2.weight", _LINEAR),
-        ("merger_fc2", "bias"): (f"{prefix}merger.mlp.2.bias", _SAME),
     }
+    _linear(m, ("merger_fc1",), f"{prefix}merger.mlp.0")
+    _linear(m, ("merger_fc2",), f"{prefix}merger.mlp.2")
     for i in range(vit_layers(f)):
         b, layer = f"block_{i}", f"{prefix}blocks.{i}"
         m[(b, "attn_norm", "scale")] = (f"{layer}.norm1.weight", _SAME)
         m[(b, "mlp_norm", "scale")] = (f"{layer}.norm2.weight", _SAME)
-        for j, part in enumerate("qkv"):
-            m[(b, part, "kernel")] = (f"{layer}.attn.qkv.weight", third(j, qkv))
-            m[(b, part, "bias")] = (f"{layer}.attn.qkv.bias", third(j, qkv_bias))
-        m[(b, "o", "kernel")] = (f"{layer}.attn.proj.weight", out)
-        m[(b, "o", "bias")] = (f"{layer}.attn.proj.bias", _SAME)
+        m |= _qwen_attention(f, b, layer)
         for part in ("gate", "up", "down"):
-            m[(b, part, "kernel")] = (f"{layer}.mlp.{part}_proj.weight", _LINEAR)
-            m[(b, part, "bias")] = (f"{layer}.mlp.{part}_proj.bias", _SAME)
+            _linear(m, (b, part), f"{layer}.mlp.{part}_proj")
+    return m
+
+
+def qwen3_vit_mapping(f: dict, prefix: str = "model.visual.") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+    """Flax path -> (HF tensor name, layouts) of a Qwen3-VL vision tower with fields `f`: its blocks,
+    its learned position table, the merger and each DeepStack merger (`deepstack_merger_list`)."""
+    m = {
+        ("patch_embed", "kernel"): (f"{prefix}patch_embed.proj.weight", _qwen_patch(f)),
+        ("patch_embed", "bias"): (f"{prefix}patch_embed.proj.bias", _SAME),
+        ("pos",): (f"{prefix}pos_embed.weight", _SAME),
+    }
+    _layer_norm(m, ("merge_norm",), f"{prefix}merger.norm")
+    _linear(m, ("merger_fc1",), f"{prefix}merger.linear_fc1")
+    _linear(m, ("merger_fc2",), f"{prefix}merger.linear_fc2")
+    for j in range(len(f.get("deepstack_layers", ()))):
+        merger = f"{prefix}deepstack_merger_list.{j}"
+        _layer_norm(m, (f"deepstack_{j}", "norm"), f"{merger}.norm")
+        _linear(m, (f"deepstack_{j}", "fc1"), f"{merger}.linear_fc1")
+        _linear(m, (f"deepstack_{j}", "fc2"), f"{merger}.linear_fc2")
+    for i in range(vit_layers(f)):
+        b, layer = f"block_{i}", f"{prefix}blocks.{i}"
+        _layer_norm(m, (b, "attn_norm"), f"{layer}.norm1")
+        _layer_norm(m, (b, "mlp_norm"), f"{layer}.norm2")
+        m |= _qwen_attention(f, b, layer)
+        _linear(m, (b, "fc1"), f"{layer}.mlp.linear_fc1")
+        _linear(m, (b, "fc2"), f"{layer}.mlp.linear_fc2")
     return m
 
 
@@ -288,17 +348,19 @@ def _held_blocks(params: dict) -> int:
 
 
 def load_vit(path: str | Path, target: dict, fields: dict) -> dict:
-    """The SigLIP, CLIP or Qwen2.5-VL tower's weights in `target`, the `VisionEncoder` params
-    (shaped and sharded): as many of the checkpoint's blocks as `target` holds (those up to its
-    model's `feature_layer`, which the checkpoint's own config need not name); from a Gemma 3
-    folder, its projector too (`projector: avg_pool`), from a Qwen2.5-VL one its merger."""
+    """The SigLIP, CLIP, Qwen2.5-VL or Qwen3-VL tower's weights in `target`, the `VisionEncoder`
+    params (shaped and sharded): as many of the checkpoint's blocks as `target` holds (those up to
+    its model's `feature_layer`, which the checkpoint's own config need not name); from a Gemma 3
+    folder, its projector too (`projector: avg_pool`), from a Qwen-VL one its merger (and
+    Qwen3-VL's DeepStack mergers)."""
     path, tensors = Path(path), _Tensors(Path(path))
     held = _held_blocks(target)
     if held > fields["depth"]:
         raise HFError(f"{path}: the checkpoint has {fields['depth']} blocks; the model holds {held}")
-    if fields.get("block") == "rmsnorm_glu":
+    if fields.get("block") == "rmsnorm_glu" or fields.get("pos_embed") == "table_rope2d":
         prefix = _prefix(path, tensors, "patch_embed.proj.weight", QWEN_VL_PREFIXES)
-        return _load(path, tensors, target, qwen_vit_mapping({**fields, "feature_layer": held}, prefix))
+        mapping = qwen_vit_mapping if fields.get("block") == "rmsnorm_glu" else qwen3_vit_mapping
+        return _load(path, tensors, target, mapping({**fields, "feature_layer": held}, prefix))
     prefixes = CLIP_PREFIXES if fields.get("class_token") else SIGLIP_PREFIXES
     prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", prefixes)
     projector = gemma3_projector_prefix(prefix) if fields.get("projector") == "avg_pool" else None
@@ -411,7 +473,23 @@ def save_gemma3_vlm(
     _write(path, {**text, **tower}, config, max_shard_bytes)
 
 
-def save_qwen2_5_vl(
+# what each Qwen-VL folder's architecture is: its tower's block and position layout, its text model
+QWEN_VL_TYPES = {
+    "qwen2_5_vl": {"block": "rmsnorm_glu", "pos_embed": "rope2d", "text": "qwen2", "interleaved": False},
+    "qwen3_vl": {"block": "layernorm", "pos_embed": "table_rope2d", "text": "qwen3", "interleaved": True},
+}
+
+
+def qwen_vl_type(vit_fields: dict) -> str | None:
+    """The Qwen-VL folder type a tower with `vit_fields` exports in (None: not a Qwen-VL tower)."""
+    layout = (vit_fields.get("block"), vit_fields.get("pos_embed"), vit_fields.get("projector"))
+    return next(
+        (t for t, v in QWEN_VL_TYPES.items() if layout == (v["block"], v["pos_embed"], "patch_merger")),
+        None,
+    )
+
+
+def save_qwen_vl(
     path: str | Path,
     vit_params: dict,
     vit_fields: dict,
@@ -420,52 +498,86 @@ def save_qwen2_5_vl(
     image_token: int,
     max_shard_bytes: int = 4 << 30,
 ) -> None:
-    """Write a VLM's tower (`block: rmsnorm_glu`, Qwen2.5-VL's) and its M-RoPE language model as one
-    `Qwen2_5_VLForConditionalGeneration` folder with the Hub's tensor names (`visual.`, `model.`,
-    `lm_head.`) and transformers 5's nested `text_config`; `image_token` is the placeholder id
+    """Write a VLM's Qwen-VL tower and its M-RoPE language model as one folder of the tower's type
+    (`qwen_vl_type`): a `Qwen2_5_VLForConditionalGeneration` with the Hub's tensor names (`visual.`,
+    `model.`, `lm_head.`), or a `Qwen3VLForConditionalGeneration` with transformers 5's
+    (`model.visual.`, `model.language_model.`, `lm_head.`), its DeepStack mergers and interleaved
+    M-RoPE; transformers 5's nested `text_config` either way. `image_token` is the placeholder id
     the VLM was trained with (`image_token_id`)."""
     from maestro_jax.models.hf import llm_checkpoint
 
-    if vit_fields.get("block") != "rmsnorm_glu" or not llm_fields.get("mrope_section") or llm_fields["rope_scaling"]:
+    model_type, f = qwen_vl_type(vit_fields), vit_fields
+    own = QWEN_VL_TYPES.get(model_type or "", {})
+    qwen3 = model_type == "qwen3_vl"
+    if (
+        model_type is None
+        or not llm_fields.get("mrope_section")
+        or llm_fields["rope_scaling"]
+        or bool(llm_fields.get("mrope_interleaved")) != own["interleaved"]
+        or (qwen3 and (not llm_fields["qk_norm"] or llm_fields["qkv_bias"]))
+        or llm_fields.get("deepstack_layers", 0) != len(f.get("deepstack_layers", ()))
+    ):
         raise HFError(
-            f"block={vit_fields.get('block')!r}, mrope_section={llm_fields.get('mrope_section')}, rope_scaling="
-            f"{llm_fields.get('rope_scaling')}: a Qwen2.5-VL's tower has block='rmsnorm_glu' and its language model "
-            f"an mrope_section and no rope_scaling"
+            f"block={f.get('block')!r}, pos_embed={f.get('pos_embed')!r}, projector={f.get('projector')!r}, "
+            f"mrope_section={llm_fields.get('mrope_section')}, mrope_interleaved={llm_fields.get('mrope_interleaved')}, "
+            f"rope_scaling={llm_fields.get('rope_scaling')}: a Qwen2.5-VL's tower has block='rmsnorm_glu' and "
+            f"pos_embed='rope2d', a Qwen3-VL's block='layernorm' and pos_embed='table_rope2d' (and as many "
+            f"deepstack_layers as its language model, which has qk_norm and no qkv_bias), both projector="
+            f"'patch_merger'; the language model an mrope_section (interleaved for Qwen3-VL) and no rope_scaling"
         )
-    if vit_fields["out_width"] != llm_fields["width"]:
-        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
-    text, text_config = llm_checkpoint(llm_params, llm_fields, "qwen2", prefix="model.")
+    if f["out_width"] != llm_fields["width"]:
+        raise HFError(f"the tower's out_width={f['out_width']} is not the LLM's width={llm_fields['width']}")
+    text, text_config = llm_checkpoint(
+        llm_params, llm_fields, own["text"], prefix="model.language_model." if qwen3 else "model."
+    )
     text_config = {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype", "rope_scaling")}
-    text_config |= {
-        "model_type": "qwen2_5_vl_text",
-        "rope_scaling": {"type": "mrope", "mrope_section": list(llm_fields["mrope_section"])},
+    section = list(llm_fields["mrope_section"])
+    if qwen3:
+        theta = text_config.pop("rope_theta")
+        text_config |= {
+            "model_type": "qwen3_vl_text",
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": theta,
+                "mrope_section": section,
+                "mrope_interleaved": True,
+            },
+        }
+    else:
+        text_config |= {"model_type": "qwen2_5_vl_text", "rope_scaling": {"type": "mrope", "mrope_section": section}}
+    vision = {
+        "model_type": f"{model_type}_vision",
+        "depth": vit_layers(f),
+        "hidden_size": f["width"],
+        "hidden_act": f["act"],
+        "intermediate_size": f["mlp"],
+        "num_heads": f["heads"],
+        "in_channels": f["channels"],
+        "patch_size": f["patch"],
+        "spatial_merge_size": f["merge"],
+        "temporal_patch_size": 2,
+        "out_hidden_size": f["out_width"],
+        "rope_parameters": {"rope_type": "axial", "rope_theta": f["rope_theta"]},
     }
-    f = vit_fields
+    if qwen3:
+        vision |= {
+            "num_position_embeddings": f["table_grid"] ** 2,
+            "deepstack_visual_indexes": list(f["deepstack_layers"]),
+        }
+        tower = _tensors(vit_params, qwen3_vit_mapping(f))
+    else:
+        vision |= {"window_size": f["window"] * f["patch"], "fullatt_block_indexes": list(f["full_layers"])}
+        tower = _tensors(vit_params, qwen_vit_mapping(f))
     config = {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
+        "architectures": ["Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"],
+        "model_type": model_type,
         "text_config": text_config,
-        "vision_config": {
-            "model_type": "qwen2_5_vl_vision",
-            "depth": vit_layers(f),
-            "hidden_size": f["width"],
-            "hidden_act": f["act"],
-            "intermediate_size": f["mlp"],
-            "num_heads": f["heads"],
-            "in_channels": f["channels"],
-            "patch_size": f["patch"],
-            "spatial_merge_size": f["merge"],
-            "temporal_patch_size": 2,
-            "window_size": f["window"] * f["patch"],
-            "fullatt_block_indexes": list(f["full_layers"]),
-            "out_hidden_size": f["out_width"],
-            "rope_parameters": {"rope_type": "axial", "rope_theta": f["rope_theta"]},
-        },
+        "vision_config": vision,
         "image_token_id": image_token,
         "tie_word_embeddings": llm_fields["tie_embeddings"],
         "torch_dtype": "float32",
     }
-    _write(path, {**text, **_tensors(vit_params, qwen_vit_mapping(f))}, config, max_shard_bytes)
+    _write(path, {**text, **tower}, config, max_shard_bytes)
 
 
 def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:

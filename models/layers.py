@@ -225,22 +225,40 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
     return yarn_mscale(scaling.factor)
 
 
-def rotary(x_BLHK, positions_BL, theta: float, scaling: RopeScaling | None = None, mrope_section=None):
+def rotary(
+    x_BLHK,
+    positions_BL,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
+):
     """Rotary position embedding (Llama/Qwen 'rotate half' convention).
 
     With `mrope_section` (Qwen2-VL's multimodal RoPE, M-RoPE) `positions_BL` is `B x L x 3`, a
-    (temporal, row, column) position per token, and the head's frequencies are cut into those
-    three sections in order, each rotated by its own axis (transformers' `mrope_section`)."""
+    (temporal, row, column) position per token, and each of the head's frequencies is turned by
+    one of those axes (`mrope_axes`)."""
     half = x_BLHK.shape[-1] // 2
     freqs = jnp.asarray(rope_frequencies(half, theta, scaling))
     if mrope_section is None:
         angles = positions_BL[..., None].astype(jnp.float32) * freqs  # B L K/2
     else:
-        if sum(mrope_section) != half:
-            raise ValueError(f"mrope_section={tuple(mrope_section)} must add up to head_dim / 2 = {half}")
-        axis_F = np.repeat(np.arange(len(mrope_section)), mrope_section)  # each frequency's position axis
-        angles = positions_BL[..., axis_F].astype(jnp.float32) * freqs
+        angles = positions_BL[..., mrope_axes(mrope_section, half, mrope_interleaved)].astype(jnp.float32) * freqs
     return apply_rotary(x_BLHK, angles, rope_attention_factor(scaling))
+
+
+def mrope_axes(section, half: int, interleaved: bool = False) -> np.ndarray:
+    """Which position axis (0 temporal, 1 row, 2 column) turns each of a head's `half` frequencies
+    under M-RoPE: Qwen2.5-VL's three runs of `section` frequencies in order; `interleaved`
+    (Qwen3-VL's `mrope_interleaved`) every third frequency from the second on the row's and from
+    the third on the column's, up to 3 x their sections, the rest the temporal axis'
+    (transformers' `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`)."""
+    if sum(section) != half:
+        raise ValueError(f"mrope_section={tuple(section)} must add up to head_dim / 2 = {half}")
+    if not interleaved:
+        return np.repeat(np.arange(len(section)), section)
+    f = np.arange(half)
+    return np.select([(f % 3 == 1) & (f < 3 * section[1]), (f % 3 == 2) & (f < 3 * section[2])], [1, 2], 0)
 
 
 def apply_rotary(x_BLHK, angles_BLF, factor: float = 1.0):
@@ -502,7 +520,9 @@ class EncoderBlock(nn.Module):
     """Pre-LayerNorm bidirectional transformer block (GELU MLP), used by the ViT and audio encoders.
 
     Biases on every projection and LayerNorm with `norm_eps`: the block of SigLIP's vision tower
-    and Whisper's encoder, so their checkpoints load weight for weight (`models.hf_encoders`)."""
+    and Whisper's encoder, so their checkpoints load weight for weight (`models.hf_encoders`).
+    With `angles_BPF` (Qwen3-VL's tower, `models.vit.rope2d_angles`) queries and keys are turned by
+    them first, as Qwen3-VL's vision block does; without, the block has no positions of its own."""
 
     width: int
     heads: int
@@ -511,7 +531,7 @@ class EncoderBlock(nn.Module):
     act: str = "gelu_pytorch_tanh"  # a key of ACTIVATIONS
 
     @nn.compact
-    def __call__(self, x_BPD, mask_BPP):
+    def __call__(self, x_BPD, mask_BPP, angles_BPF=None):
         hd = self.width // self.heads
         x_BPD = shard_sequence(x_BPD)
         h = nn.LayerNorm(
@@ -529,6 +549,8 @@ class EncoderBlock(nn.Module):
             )(h)
             for n in ("q", "k", "v")
         ]
+        if angles_BPF is not None:
+            qkv[0], qkv[1] = apply_rotary(qkv[0], angles_BPF), apply_rotary(qkv[1], angles_BPF)
         o = attention(*qkv, mask_BPP)
         x_BPD = x_BPD + DenseGeneral(
             self.width,

@@ -62,6 +62,10 @@ class LLMConfig:
     # Qwen2.5-VL's M-RoPE: the sections of each head's rotated pairs turned by the temporal, row and
     # column position; positions are then `B x L x 4` (`DecoderLM.body`, `mrope_positions`)
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's: the sections' frequencies interleaved (layers.mrope_axes)
+    # Qwen3-VL's DeepStack: image tokens arrive with this many more feature sets, the j-th added to the
+    # image positions' hidden states after block j (`DecoderLM.body`)
+    deepstack_layers: int = 0
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
     experts_per_token: int = 0
     expert_mlp: int = 0
@@ -333,13 +337,16 @@ class DecoderBlock(nn.Module):
     cfg: LLMConfig
 
     @nn.compact
-    def __call__(self, x_BLD, windowed, positions_BL, mask_BLL, window_BLL, valid_BL, segments_BL=None):
-        """`windowed`: whether this layer attends through `window_BLL` (`LLMConfig.windowed`;
-        a Python bool in an unrolled stack, a traced one in a scanned stack of mixed layers)."""
+    def __call__(
+        self, x_BLD, layer, positions_BL, mask_BLL, window_BLL, valid_BL, segments_BL=None, deepstack_JBLD=None
+    ):
+        """`layer`: this block's index in the whole model (a Python int in an unrolled stack, a
+        traced one in a scanned stack), which says whether it attends through `window_BLL`
+        (`LLMConfig.windowed`) and which DeepStack features (`deepstack_JBLD[layer]`, where
+        `layer` < K) it adds to its output."""
         c = self.cfg
         x_BLD = shard_sequence(x_BLD)
-        if not c.global_every:  # every layer alike: decided here, whatever the stack passes
-            windowed = c.sliding_window is not None
+        windowed = c.windowed(layer)  # a Python bool where `layer` is an int or every layer is alike
         if isinstance(windowed, bool):
             mask_BLL = mask_BLL & window_BLL if windowed else mask_BLL
         else:
@@ -389,17 +396,23 @@ class DecoderBlock(nn.Module):
             down = Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
             y = down(ACTIVATIONS[c.act](gate) * up)
         y = RMSNorm(c.norm_eps, name="post_mlp_norm")(y) if c.post_norms else y
-        return x_BLD + y if c.experts else shard_sequence(x_BLD + y)
+        x_BLD = x_BLD + y
+        j = 0 if deepstack_JBLD is None else deepstack_JBLD.shape[0]
+        if isinstance(layer, int) and layer < j:  # DeepStack: features zero at text positions
+            x_BLD = x_BLD + deepstack_JBLD[layer].astype(x_BLD.dtype)
+        elif j and not isinstance(layer, int):
+            x_BLD = x_BLD + jnp.where(layer < j, deepstack_JBLD[jnp.minimum(layer, j - 1)], 0).astype(x_BLD.dtype)
+        return x_BLD if c.experts else shard_sequence(x_BLD)
 
     def _rope(self, x_BLHK, positions_BL, windowed):
         """RoPE at the global layers' base and scaling, or the windowed layers' own base."""
         c = self.cfg
         if c.mrope_section is not None:  # the three M-RoPE axes after the order (`DecoderLM.body`)
             positions_BL = positions_BL[..., 1:]
-        full = rotary(x_BLHK, positions_BL, c.rope_theta, c.rope_scaling, c.mrope_section)
+        full = rotary(x_BLHK, positions_BL, c.rope_theta, c.rope_scaling, c.mrope_section, c.mrope_interleaved)
         if c.rope_local_theta is None or windowed is False:
             return full
-        local = rotary(x_BLHK, positions_BL, c.rope_local_theta, None, c.mrope_section)
+        local = rotary(x_BLHK, positions_BL, c.rope_local_theta, None, c.mrope_section, c.mrope_interleaved)
         return local if windowed is True else jnp.where(windowed, local, full)
 
 
@@ -429,8 +442,7 @@ class DecoderLM(nn.Module):
         first, end = self.layers or (0, c.depth)
         if first == 0 if self.first is None else self.first:
             self.embedding = self.param("embedding", partitioned(_init, "vocab", "embed"), (c.vocab, c.width))
-        windowed = tuple(c.windowed(i) for i in range(c.depth))
-        self.blocks = layer_stack(DecoderBlock, (c,), end - first, c.remat, c.scan_layers, first, windowed)
+        self.blocks = layer_stack(DecoderBlock, (c,), end - first, c.remat, c.scan_layers, first, range(c.depth))
         if end == c.depth if self.last is None else self.last:
             self.final_norm = RMSNorm(c.norm_eps)
             if self.with_head and not c.tie_embeddings:
@@ -442,7 +454,7 @@ class DecoderLM(nn.Module):
             x = x * jnp.asarray(self.cfg.width**0.5, x.dtype)
         return x
 
-    def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None):
+    def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None, deepstack_JBLD=None):
         """The held blocks applied to input embeddings (or the previous stage's output), causal
         and padding masked, without the final norm.
 
@@ -467,12 +479,18 @@ class DecoderLM(nn.Module):
         With `mrope_section` (Qwen2.5-VL's M-RoPE) `positions_BL` is `B x L x 4`: the position in
         the sample, which orders the causal mask and the windows as everywhere, then the
         (temporal, row, column) positions RoPE turns by (`mrope_positions`): an image's tokens
-        share one temporal position, so the causal order cannot be read from them."""
+        share one temporal position, so the causal order cannot be read from them.
+
+        With `deepstack_JBLD` (Qwen3-VL's DeepStack, `deepstack_layers`: J image feature sets at
+        their image positions, zero elsewhere) block k adds the k-th to its output, as
+        transformers' `Qwen3VLTextModel` adds them after its first K layers; a pipeline stage
+        passes them where it holds those blocks."""
         order = balanced_order(x_BLD.shape[1], context_split()) if self.cfg.context_attention == "ring" else None
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
             segments_BL = None if segments_BL is None else segments_BL[:, order]
             images_BL = None if images_BL is None else images_BL[:, order]
+            deepstack_JBLD = None if deepstack_JBLD is None else deepstack_JBLD[:, :, order]
         order_BL = positions_BL[..., 0] if self.cfg.mrope_section is not None else positions_BL
         behind_BLL = order_BL[:, :, None] - order_BL[:, None, :]  # how far each key lies back
         mask_BLL = behind_BLL >= 0
@@ -483,13 +501,15 @@ class DecoderLM(nn.Module):
         window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
         if segments_BL is not None:
             mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
-        packed = () if segments_BL is None else (segments_BL,)  # the MoE balancing loss is per sample
-        h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, window_BLL, valid_BL, *packed)
+        # the MoE balancing loss is per sample (segments); DeepStack's features after them
+        extra = (segments_BL,) if segments_BL is not None else ()
+        extra = extra if deepstack_JBLD is None else (segments_BL, deepstack_JBLD)
+        h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, window_BLL, valid_BL, *extra)
         return h_BLD if order is None else h_BLD[:, np.argsort(order)]
 
-    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None):
+    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None, deepstack_JBLD=None):
         """Final-normed hidden states from input embeddings (`body`, then the final norm)."""
-        return self.final_norm(self.body(x_BLD, positions_BL, valid_BL, segments_BL, images_BL))
+        return self.final_norm(self.body(x_BLD, positions_BL, valid_BL, segments_BL, images_BL, deepstack_JBLD))
 
     def final(self, h_BLD):
         """The final norm alone (the last pipeline stage applies it after its `body`)."""

@@ -38,6 +38,19 @@ window attention, whose reordering of patches into windows changes nothing here 
 mask), the others over whole images; `merge_norm` is then an RMSNorm (the merger's `ln_q`) and
 the merger's MLP is `width * merge**2` wide with an exact GELU (`Qwen2_5_VLPatchMerger`).
 
+`block: layernorm` with `pos_embed: table_rope2d` and `projector: patch_merger` is Qwen3-VL's
+tower (`Qwen3VLVisionModel`): SigLIP's blocks (LayerNorm, attention and a GELU MLP, biases
+everywhere) whose queries and keys are also turned by the 2-D rotary embedding, after a learned
+`table_grid x table_grid` position table resampled to each image's patch grid (bilinear, corners
+aligned, as transformers' `get_vision_interpolation_indices_and_weights`: an image of any size
+takes the whole table) and added to the patch embeddings; the merger's norm is a LayerNorm.
+`deepstack_layers` (Qwen3-VL's `deepstack_visual_indexes`) names blocks whose outputs each go
+through a merger of their own (`DeepstackMerger`: its LayerNorm over a window's concatenated
+patches, then the same MLP); the image tokens then carry, after their `out_width` features, each
+such block's merged features in order (`B x T x (1 + len(deepstack_layers)) * out_width`), so one
+edge brings all of them to the language model, which adds the k-th to its image positions after
+its block k (`models.llm`, `deepstack_layers`).
+
 `feature_layer` picks the hidden state the merger reads, numbered as Hugging Face's
 `hidden_states` (LLaVA's `vision_feature_layer`): -1 the last block's output, -2 the one
 before, k > 0 the k-th block's. The blocks after it are neither held nor run (`layers` of the
@@ -47,6 +60,7 @@ before, k > 0 the k-th block's. The blocks after it are neither held nor run (`l
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from maestro_jax.models.layers import (
     ACTIVATIONS,
@@ -77,22 +91,32 @@ class ViTConfig:
     out_width: int
     merge: int = 2
     max_grid: int = 64
-    pos_embed: str = "row_col"  # row_col | table (SigLIP) | rope2d (Qwen2.5-VL): see the module docstring
-    block: str = "layernorm"  # layernorm (SigLIP, CLIP) | rmsnorm_glu (Qwen2.5-VL): see the module docstring
-    rope_theta: float = 10000.0  # pos_embed rope2d: the rotary base
+    # row_col | table (SigLIP) | rope2d (Qwen2.5-VL) | table_rope2d (Qwen3-VL): see the module docstring
+    pos_embed: str = "row_col"
+    block: str = "layernorm"  # layernorm (SigLIP, CLIP, Qwen3-VL) | rmsnorm_glu (Qwen2.5-VL): see the module docstring
+    rope_theta: float = 10000.0  # pos_embed rope2d / table_rope2d: the rotary base
+    table_grid: int = 0  # pos_embed table_rope2d: the learned table's side, resampled to each image's grid
     window: int = 0  # > 0: the side, in patches, of the windows the blocks attend within (Qwen2.5-VL)
     full_layers: tuple[int, ...] = ()  # with window: the blocks that attend over whole images
     norm_eps: float = 1e-6  # every LayerNorm's epsilon (SigLIP: layer_norm_eps)
     act: str = "gelu_pytorch_tanh"  # the blocks' MLP activation: a key of layers.ACTIVATIONS
     class_token: bool = False  # CLIP's layout: see the module docstring
     feature_layer: int = -1  # the hidden state the merger reads (HF's numbering): see the module docstring
-    projector: str = "merger"  # merger | avg_pool (Gemma 3) | patch_merger (Qwen2.5-VL): see the module docstring
+    # merger | avg_pool (Gemma 3) | patch_merger (Qwen2.5-VL, Qwen3-VL): see the module docstring
+    projector: str = "merger"
+    deepstack_layers: tuple[int, ...] = ()  # Qwen3-VL's DeepStack: the blocks merged on their own (module docstring)
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
 
     @property
     def patch_features(self) -> int:
         return self.patch * self.patch * self.channels
+
+    @property
+    def token_width(self) -> int:
+        """The width of each image token the tower sends: `out_width`, and as much again for each
+        DeepStack block."""
+        return self.out_width * (1 + len(self.deepstack_layers))
 
     @property
     def layers(self) -> int:
@@ -117,17 +141,30 @@ class VisionEncoder(nn.Module):
         c = self.cfg
         if c.class_token and c.pos_embed != "table":
             raise ValueError(f"class_token (CLIP's layout) needs pos_embed='table', not {c.pos_embed!r}")
-        qwen = (c.block, c.pos_embed, c.projector) == ("rmsnorm_glu", "rope2d", "patch_merger")
+        layout = (c.block, c.pos_embed, c.projector)
+        qwen = layout in (QWEN2_5_VL, QWEN3_VL)
         if c.block not in ("layernorm", "rmsnorm_glu") or (
-            not qwen and (c.block == "rmsnorm_glu" or c.pos_embed == "rope2d" or c.projector == "patch_merger")
+            not qwen
+            and (c.block == "rmsnorm_glu" or c.pos_embed in ("rope2d", "table_rope2d") or c.projector == "patch_merger")
         ):
             raise ValueError(
-                f"block={c.block!r}, pos_embed={c.pos_embed!r}, projector={c.projector!r}: Qwen2.5-VL's tower "
-                f"takes block='rmsnorm_glu', pos_embed='rope2d' and projector='patch_merger' together"
+                f"block={c.block!r}, pos_embed={c.pos_embed!r}, projector={c.projector!r}: Qwen2.5-VL's tower takes "
+                f"{QWEN2_5_VL} and Qwen3-VL's {QWEN3_VL} (block, pos_embed, projector) together"
+            )
+        taps = c.deepstack_layers
+        if taps and (
+            layout != QWEN3_VL
+            or c.scan_layers
+            or list(taps) != sorted(set(taps))
+            or not 0 <= taps[0] <= taps[-1] < c.layers
+        ):
+            raise ValueError(
+                f"deepstack_layers={list(taps)}: DeepStack taps increasing blocks 0..{c.layers - 1} of Qwen3-VL's tower "
+                f"{QWEN3_VL} with scan_layers false (a scanned stack runs its blocks as one)"
             )
         self.patch_embed = Dense(
             c.width,
-            use_bias=not c.class_token and not qwen,
+            use_bias=not c.class_token and layout != QWEN2_5_VL,
             kernel_init=partitioned(_init, "patch", "embed"),
             bias_init=partitioned(nn.initializers.zeros, "embed"),
         )
@@ -141,24 +178,34 @@ class VisionEncoder(nn.Module):
         if c.pos_embed == "table":
             cells = c.max_grid * c.max_grid + int(c.class_token)
             self.pos = self.param("pos", partitioned(_init, "grid", "embed"), (cells, c.width))
+        elif c.pos_embed == "table_rope2d":
+            if c.table_grid < 2:
+                raise ValueError(
+                    f"table_grid={c.table_grid}: pos_embed 'table_rope2d' resamples a table of 2 or more a side"
+                )
+            self.pos = self.param("pos", partitioned(_init, "grid", "embed"), (c.table_grid**2, c.width))
         elif c.pos_embed != "rope2d":
             self.pos_row = self.param("pos_row", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
             self.pos_col = self.param("pos_col", partitioned(_init, "grid", "embed"), (c.max_grid, c.width))
-        if qwen:
+        if layout == QWEN2_5_VL:
             full = tuple(not c.window or i in c.full_layers for i in range(c.layers))
             self.blocks = layer_stack(
                 GatedBlock, (c.width, c.heads, c.mlp, c.norm_eps, c.act), c.layers, c.remat, c.scan_layers, 0, full
             )
             self.merge_norm = RMSNorm(c.norm_eps)
         else:
-            self.blocks = layer_stack(
-                EncoderBlock, (c.width, c.heads, c.mlp, c.norm_eps, c.act), c.layers, c.remat, c.scan_layers
+            block = (c.width, c.heads, c.mlp, c.norm_eps, c.act)
+            ends = sorted({*(i + 1 for i in taps), c.layers})  # runs of blocks, the DeepStack taps ending theirs
+            self.runs = tuple(
+                layer_stack(EncoderBlock, block, end - start, c.remat, c.scan_layers, start)
+                for start, end in zip((0, *ends[:-1]), ends)
             )
             self.merge_norm = nn.LayerNorm(
                 epsilon=c.norm_eps,
                 scale_init=partitioned(nn.initializers.ones, "norm"),
                 bias_init=partitioned(nn.initializers.zeros, "norm"),
             )
+        self.deepstack = tuple(DeepstackMerger(c, name=f"deepstack_{j}") for j in range(len(taps)))
         if c.projector == "avg_pool":
             self.proj_norm = RMSNorm(c.norm_eps)
             self.proj = Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))
@@ -181,14 +228,21 @@ class VisionEncoder(nn.Module):
         each, in the patches' order: SigLIP's `hidden_states[-1]` and `last_hidden_state`; with
         `class_token`, CLIP's `hidden_states[feature_layer][:, 1:]` (`class_segments_BK`: the
         image of each of the row's K class tokens, 0 for none)."""
+        x, _ = self._encode(patches_BPC, segments_BP, grid_BP2, class_segments_BK)
+        return x, self.merge_norm(x)
+
+    def _encode(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
+        """patches -> (hidden state `feature_layer`, the outputs of the `deepstack_layers` blocks)."""
         c = self.cfg
         x = self.patch_embed(patches_BPC)
         if c.pos_embed == "rope2d":
             mask = segment_mask(segments_BP)
             window = mask & window_mask(grid_BP2, c.window) if c.window else mask
             angles = rope2d_angles(grid_BP2, c.width // c.heads, c.rope_theta)
-            x = self.blocks(x, mask, window, angles)
-            return x, self.merge_norm(x)
+            return self.blocks(x, mask, window, angles), ()
+        if c.pos_embed == "table_rope2d":
+            x = x + resized_table(self.pos, grid_BP2, segments_BP, c.table_grid).astype(x.dtype)
+            return self._runs(x, segment_mask(segments_BP), rope2d_angles(grid_BP2, c.width // c.heads, c.rope_theta))
         if c.pos_embed == "table":
             cell = grid_BP2[..., 0] * c.max_grid + grid_BP2[..., 1] + int(c.class_token)
             x = x + jnp.take(self.pos, cell, axis=0)
@@ -202,20 +256,86 @@ class VisionEncoder(nn.Module):
             cls = jnp.broadcast_to(self.class_embed + self.pos[0], (x.shape[0], k, c.width)).astype(x.dtype)
             x = self.pre_norm(jnp.concatenate([x, cls], axis=1))
             segments_BP = jnp.concatenate([segments_BP, class_segments_BK], axis=1)
-        x = self.blocks(x, segment_mask(segments_BP))[:, :p]
-        return x, self.merge_norm(x)
+        x, _ = self._runs(x, segment_mask(segments_BP))
+        return x[:, :p], ()
+
+    def _runs(self, x, *rest):
+        """The blocks run after run (each DeepStack tap ends one), with the outputs of the taps."""
+        taps = []
+        for run in self.runs:
+            x = run(x, *rest)
+            taps.append(x)
+        return x, tuple(taps[: len(self.cfg.deepstack_layers)])
 
     def __call__(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
-        """patches -> image tokens `B x P/merge**2 x out_width`, one per merge x merge window."""
+        """patches -> image tokens `B x P/merge**2 x token_width`, one per merge x merge window: the
+        projector's `out_width` features, then each DeepStack block's."""
         c = self.cfg
-        _, x = self.features(patches_BPC, segments_BP, grid_BP2, class_segments_BK)
+        x, taps = self._encode(patches_BPC, segments_BP, grid_BP2, class_segments_BK)
+        x = self.merge_norm(x)
         b, p, d = x.shape
         window = c.merge * c.merge
         if c.projector == "avg_pool":
             pooled = x.reshape(b, p // window, window, d).astype(jnp.float32).mean(axis=2).astype(x.dtype)
             return self.proj(self.proj_norm(pooled))
         h = self.merger_fc1(x.reshape(b, p // window, window * d))
-        return self.merger_fc2(nn.gelu(h, approximate=c.projector == "merger"))
+        tokens = self.merger_fc2(nn.gelu(h, approximate=c.projector == "merger"))
+        if not taps:
+            return tokens
+        extra = [merger(t.reshape(b, p // window, window * d)) for merger, t in zip(self.deepstack, taps)]
+        return jnp.concatenate([tokens, *extra], axis=-1)
+
+
+class DeepstackMerger(nn.Module):
+    """One DeepStack block's merger (Qwen3-VL's `deepstack_merger_list` entry, its
+    `use_postshuffle_norm`): a LayerNorm over each window's concatenated patches, then the patch
+    merger's MLP (`width * merge**2` wide, exact GELU) to `out_width`."""
+
+    cfg: ViTConfig
+
+    @nn.compact
+    def __call__(self, windows_BTW):
+        c = self.cfg
+        h = nn.LayerNorm(
+            epsilon=c.norm_eps,
+            name="norm",
+            scale_init=partitioned(nn.initializers.ones, "norm"),
+            bias_init=partitioned(nn.initializers.zeros, "norm"),
+        )(windows_BTW)
+        h = Dense(
+            windows_BTW.shape[-1],
+            name="fc1",
+            kernel_init=partitioned(_init, "embed", "mlp"),
+            bias_init=partitioned(nn.initializers.zeros, "mlp"),
+        )(h)
+        return Dense(
+            c.out_width,
+            name="fc2",
+            kernel_init=partitioned(_init, "mlp", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
+        )(nn.gelu(h, approximate=False))
+
+
+QWEN2_5_VL = ("rmsnorm_glu", "rope2d", "patch_merger")  # (block, pos_embed, projector) of Qwen2.5-VL's tower
+QWEN3_VL = ("layernorm", "table_rope2d", "patch_merger")  # and of Qwen3-VL's
+
+
+def resized_table(table_GD, grid_BP2, segments_BP, side: int):
+    """Each patch's position embedding from a learned `side x side` table (`table_GD`, row-major)
+    resampled to its image's patch grid, bilinear with the corners aligned, in float32: Qwen3-VL's
+    (transformers' `get_vision_interpolation_indices_and_weights`, `align_corners=True`). An image's
+    grid is read off its patches (`segments_BP`: one id per image of the row), its last row and
+    column mapping to the table's."""
+    b, p = segments_BP.shape
+    image = (jnp.arange(b)[:, None] * (p + 1) + segments_BP).reshape(-1)  # (row, image), one id each
+    last = jax.ops.segment_max(grid_BP2.reshape(-1, 2), image, num_segments=b * (p + 1))[image].reshape(b, p, 2)
+    src = grid_BP2.astype(jnp.float32) * (side - 1) / jnp.maximum(last, 1).astype(jnp.float32)
+    taps = jnp.floor(src)[..., None] + jnp.arange(2, dtype=jnp.float32)  # B P 2(axis) 2(tap)
+    weight = jnp.clip(1 - jnp.abs(src[..., None] - taps), 0)
+    taps = jnp.clip(taps, 0, side - 1).astype(jnp.int32)
+    cell = taps[..., 0, :, None] * side + taps[..., 1, None, :]  # B P 2 2: (row tap, column tap)
+    both = weight[..., 0, :, None] * weight[..., 1, None, :]
+    return jnp.sum(jnp.take(table_GD, cell, axis=0) * both[..., None], axis=(2, 3))
 
 
 def rope2d_angles(grid_BP2, head_dim: int, theta: float):

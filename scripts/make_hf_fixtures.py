@@ -347,6 +347,98 @@ def qwen2_5_vl(out: Path) -> None:
     _save(model, out / "qwen2_5_vl", **arrays, tokens=QWEN2_5_VL_TOKENS, image_features=features, logits=logits)
 
 
+# A Qwen3-VL: a four-block tower (LayerNorm and GELU blocks, head 16) on patches of 2 px merged 2x2, a
+# 4x4 learned position table resampled to each image's grid (both images larger than it on one side
+# and the second smaller on the other), DeepStack taps after blocks 0 and 2; a four-layer Qwen3 text
+# model (query/key norms, one key/value head of 16, not width / heads) with interleaved M-RoPE sections
+# 4+2+2 of its 8 frequencies, the two DeepStack feature sets added after its layers 0 and 1
+QWEN3_VL_VISION = {
+    "depth": 4,
+    "hidden_size": 48,
+    "num_heads": 3,
+    "intermediate_size": 40,
+    "hidden_act": "gelu_pytorch_tanh",
+    "in_channels": 3,
+    "patch_size": 2,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 32,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0, 2],
+}
+QWEN3_VL_TEXT = {
+    **LLM_BASE,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    },
+}
+
+
+def qwen3_vl(out: Path) -> None:
+    """A whole `Qwen3VLForConditionalGeneration`, as `qwen2_5_vl`'s fixture (the same images, sizes
+    and token row): `image_features` [30, text width], the tower's merged output of both images
+    (`visual(...).pooler_output`), `deepstack_features` [2, 30, text width] (its DeepStack mergers'
+    outputs), `logits` of `tokens` with the interleaved M-RoPE positions and DeepStack features
+    transformers computes."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(7)
+    v = QWEN3_VL_VISION
+    config = transformers.Qwen3VLConfig(
+        text_config=QWEN3_VL_TEXT,
+        vision_config=v,
+        image_token_id=QWEN2_5_VL_IMAGE_TOKEN,
+        video_token_id=93,
+        vision_start_token_id=94,
+        vision_end_token_id=95,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():  # queries, keys and the position table large enough that where attention looks shows
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "attn.qkv.weight", "pos_embed.weight")):
+                p.normal_(0.0, 0.3 if "pos_embed" in name else 0.15)
+    model = _perturbed(model)
+    rng = np.random.default_rng(7)
+    images = [rng.standard_normal((h, w, v["in_channels"])).astype(np.float32) for h, w in QWEN2_5_VL_SIZES]
+    cut = [
+        Qwen2VLImageProcessorPil().patchify(
+            im.transpose(2, 0, 1), v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"]
+        )
+        for im in images
+    ]
+    pixels = torch.tensor(np.concatenate([p for p, _, _ in cut]))
+    grid = torch.tensor([[1, gh, gw] for _, gh, gw in cut])
+    tokens = torch.tensor(QWEN2_5_VL_TOKENS)
+    with torch.no_grad():
+        visual = model.model.visual(pixels, grid_thw=grid)
+        logits = model(
+            input_ids=tokens,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=(tokens == QWEN2_5_VL_IMAGE_TOKEN).int(),
+        ).logits
+    arrays = {f"image{i}": im for i, im in enumerate(images)}
+    deepstack = torch.stack(visual.deepstack_features)
+    _save(
+        model,
+        out / "qwen3_vl",
+        **arrays,
+        tokens=QWEN2_5_VL_TOKENS,
+        image_features=visual.pooler_output,
+        deepstack_features=deepstack,
+        logits=logits,
+    )
+
+
 def whisper(out: Path) -> None:
     """A whole `WhisperModel` (its tensors under `encoder.`), features [2, mel, 16] and its
     encoder's `last_hidden_state` [2, 8, d_model]."""
@@ -396,6 +488,7 @@ def main() -> None:
         "whisper_features": whisper_features,
         "gemma3_vlm": gemma3_vlm,
         "qwen2_5_vl": qwen2_5_vl,
+        "qwen3_vl": qwen3_vl,
     }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()

@@ -693,20 +693,26 @@ def make_qwen_vl_folder(folder, **preprocessor):
     return folder
 
 
-def test_qwen_vl_conversations_are_written_as_its_processor_writes_them(images, tmp_path):
-    """From a Qwen2.5-VL folder, each image becomes <|vision_start|>, one <|image_pad|> per merged
-    token of the image as the processor resizes it (`smart_resize`: 8x8 grows to 16x16, 40x20
-    shrinks to 32x16) and <|vision_end|>: the token ids, the pixels (normalised by CLIP's mean and
-    std, in the tower's patch layout) and the grids equal transformers' Qwen2_5_VLProcessor
-    (OpenAI-style parts through `apply_chat_template`, LLaVA's `<image>` where the template puts
-    its vision tokens), and only the assistant's turns carry loss."""
+@pytest.mark.parametrize("processor_class", ["Qwen2_5_VLProcessor", "Qwen3VLProcessor"])
+def test_qwen_vl_conversations_are_written_as_its_processor_writes_them(images, tmp_path, processor_class):
+    """From a Qwen2.5-VL or Qwen3-VL folder, each image becomes <|vision_start|>, one <|image_pad|>
+    per merged token of the image as the processor resizes it (`smart_resize`: 8x8 grows to 16x16,
+    40x20 shrinks to 32x16) and <|vision_end|>: the token ids, the pixels (normalised by the
+    folder's mean and std: CLIP's, Qwen3-VL's 0.5, in the tower's patch layout) and the grids equal
+    transformers' processor (OpenAI-style parts through `apply_chat_template`, LLaVA's `<image>`
+    where the template puts its vision tokens), and only the assistant's turns carry loss."""
     pytest.importorskip("torch", reason="transformers' processors need torch (the `reference` extra)")
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+    import transformers
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from maestro_jax.tools.check_hf import qwen_pixel_values
 
-    folder = make_qwen_vl_folder(tmp_path / "qwen")
+    qwen3 = processor_class == "Qwen3VLProcessor"
+    normalised = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {}
+    folder = make_qwen_vl_folder(tmp_path / "qwen", **normalised)
+    if qwen3:  # its config.json names the model (the converter reads the processor's files either way)
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
     tok = C.ChatTokenizer.load(folder)
     assert (tok.image_sequence.family, tok.image_sequence.factor, tok.image_sequence.pixels) == (
         "qwen_vl",
@@ -716,9 +722,12 @@ def test_qwen_vl_conversations_are_written_as_its_processor_writes_them(images, 
     converter = C.Converter(tok, QWEN_VL_VLM, images)
     # the processor's own __call__ and apply_chat_template, with no video processor: its constructor
     # insists on one, and Qwen2-VL's video processor needs torchvision (not in the reference extra)
-    processor = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
+    cls = getattr(transformers, processor_class)
+    processor = cls.__new__(cls)
     processor.tokenizer, processor.video_processor = AutoTokenizer.from_pretrained(folder), None
-    processor.image_processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, min_pixels=128, max_pixels=512)
+    processor.image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, min_pixels=128, max_pixels=512, **normalised
+    )
     processor.chat_template, processor.image_token, processor.video_token = QWEN_VL_TEMPLATE, *QWEN_VL_SPECIALS[5:]
     processor.image_token_id, processor.video_token_id = 5, 6
     parts = {

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL: its vision tower, its language model with M-RoPE and a whole folder, against
-transformers' own numbers stored in `tests/fixtures/hf/qwen2_5_vl` (`scripts/make_hf_fixtures.py`)."""
+"""Qwen2.5-VL and Qwen3-VL: their vision towers, their language models with M-RoPE (Qwen3-VL's
+interleaved, with DeepStack) and whole folders, against transformers' own numbers stored in
+`tests/fixtures/hf/qwen2_5_vl` and `tests/fixtures/hf/qwen3_vl` (`scripts/make_hf_fixtures.py`)."""
 
 import dataclasses
 import shutil
@@ -18,9 +19,9 @@ FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 RTOL = 1e-4  # of the reference's largest magnitude, float32
 
 
-def fixture(tmp_path):
-    path = tmp_path / "qwen2_5_vl"
-    shutil.copytree(FIXTURES / "qwen2_5_vl", path)
+def fixture(tmp_path, name: str = "qwen2_5_vl"):
+    path = tmp_path / name
+    shutil.copytree(FIXTURES / name, path)
     return path, dict(np.load(path / "reference.npz"))
 
 
@@ -33,14 +34,16 @@ def packed(images, cfg: ViTConfig):
     return jnp.asarray(patches), jnp.asarray(segments), jnp.asarray(grid)
 
 
-def tower(path, ref, scan=False, **change):
-    """The folder's tower loaded into the native ViT, its image tokens for both fixture images."""
+def tower(path, ref, scan=False, moved=None, **change):
+    """The folder's tower loaded into the native ViT, its image tokens for both fixture images
+    (`moved`: a change to the loaded params first)."""
     fields = {k: v for k, v in hf_encoders.vit_fields(path).items() if k != "kind"}
     cfg = dataclasses.replace(ViTConfig(**fields, scan_layers=scan), **change)
     model = VisionEncoder(cfg)
     inputs = packed([ref["image0"], ref["image1"]], cfg)
     target = nn.unbox(model.init(jax.random.key(0), *inputs)["params"])
     params = hf_encoders.load_vit(path, target, fields)
+    params = params if moved is None else moved(params)
     return np.asarray(model.apply({"params": params}, *inputs)[0]), params, cfg
 
 
@@ -181,13 +184,18 @@ def llm_positions(cfg):
     return sample_positions(model(cfg, "llm", "llm"), {"image_embeds": image_modality(cfg)})
 
 
-def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads(tmp_path):
-    """`save_qwen2_5_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
-    a folder with the same fields and weights back; transformers loads it with nothing missing
-    and its logits on the fixture's row are the reference's (where torch is installed)."""
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tmp_path, name):
+    """`save_qwen_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
+    a folder of the tower's type (Qwen2.5-VL's or Qwen3-VL's, DeepStack mergers and interleaved
+    M-RoPE included) with the same fields and weights back; transformers loads it with nothing
+    missing, its logits on the fixture's row are the reference's, and check-hf passes it (where
+    torch is installed)."""
     from maestro_jax.models import DecoderLM, LLMConfig, hf
 
-    path, ref = fixture(tmp_path)
+    from maestro_jax.tools.check_hf import QWEN_VL_MODELS
+
+    path, ref = fixture(tmp_path, name)
     _, vparams, _ = tower(path, ref)
     vfields, lfields = hf_encoders.vit_fields(path), hf.llm_fields(path)
     decoder = DecoderLM(LLMConfig.from_fields(lfields))
@@ -195,7 +203,8 @@ def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads
     target = nn.unbox(decoder.init(jax.random.key(0), ids, jnp.zeros((1, 4, 4), jnp.int32), ids > -1)["params"])
     lparams = hf.load_llm(path, target, lfields)
     out = tmp_path / "out"
-    hf_encoders.save_qwen2_5_vl(out, vparams, vfields, lparams, lfields, image_token=7)
+    hf_encoders.save_qwen_vl(out, vparams, vfields, lparams, lfields, image_token=7)
+    assert hf.read_config(out)["model_type"] == name
     assert hf_encoders.vit_fields(out) == vfields and hf.llm_fields(out) == lfields
     again = hf_encoders.load_vit(out, vparams, vfields)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), again, vparams))
@@ -203,7 +212,7 @@ def test_export_writes_a_qwen2_5_vl_folder_that_reimports_and_transformers_loads
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    model, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    model, info = getattr(transformers, QWEN_VL_MODELS[name]).from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     cut = [Qwen2VLImageProcessorPil().patchify(ref[f"image{i}"].transpose(2, 0, 1), 2, 2, 2) for i in range(2)]
     tokens = torch.tensor(ref["tokens"])
@@ -233,26 +242,165 @@ def test_check_hf_compares_a_qwen2_5_vl_folders_image_tokens_and_logits(capsys):
     assert "3 images in 2 rows of [42, 12] tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
 
 
-@pytest.mark.parametrize("side,verdicts", [("vision", ("FAIL", "FAIL")), ("llm", ("PASS", "FAIL"))])
-def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkeypatch, capsys, side, verdicts):
+@pytest.mark.parametrize(
+    "name,side,verdicts",
+    [
+        ("qwen2_5_vl", "vision", ("FAIL", "FAIL")),
+        ("qwen2_5_vl", "llm", ("PASS", "FAIL")),
+        ("qwen3_vl", "deepstack", ("FAIL", "FAIL")),
+    ],
+)
+def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkeypatch, capsys, name, side, verdicts):
     """One weight moved on maestro's side only (after its import of the folder; a folder whose
     weight is moved goes through both sides moved, and passes): check-hf exits 1, the tower's
-    weight failing both comparisons, the language model's the logits alone."""
+    weight failing both comparisons, the language model's the logits alone; a Qwen3-VL DeepStack
+    merger's weight both (its features are image tokens' and reach the logits)."""
     pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
     from maestro_jax.models import hf
 
     from maestro_jax import cli
 
-    module, name = (hf_encoders, "load_vit") if side == "vision" else (hf, "load_llm")
-    load = getattr(module, name)
+    module, load_name = (hf, "load_llm") if side == "llm" else (hf_encoders, "load_vit")
+    load = getattr(module, load_name)
 
     def moved(*args, **kwargs):
         params = load(*args, **kwargs)
+        if side == "deepstack":
+            fc2 = params["deepstack_1"]["fc2"]
+            return {**params, "deepstack_1": {**params["deepstack_1"], "fc2": {**fc2, "bias": fc2["bias"] + 0.05}}}
         leaves, tree = jax.tree.flatten(params)
         leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(0.05)
         return jax.tree.unflatten(tree, leaves)
 
-    monkeypatch.setattr(module, name, moved)
-    assert cli.main(["check-hf", "--hf", str(FIXTURES / "qwen2_5_vl")]) == 1
+    monkeypatch.setattr(module, load_name, moved)
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / name)]) == 1
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert tuple(line.rsplit(" ", 1)[-1] for line in lines) == verdicts, lines
+
+
+def test_qwen3_vl_tower_equals_transformers_with_its_deepstack_features(tmp_path):
+    """The Qwen3-VL tower (LayerNorm and GELU blocks with 2-D rotary, a 4x4 position table
+    resampled to an 8x12-patch and a 6x4-patch image packed in one row, the LayerNorm merger) gives
+    transformers' `pooler_output`, and its two DeepStack mergers (after blocks 0 and 2) its
+    `deepstack_features`, each after the tokens' own features; without the position table the
+    tokens differ."""
+    path, ref = fixture(tmp_path, "qwen3_vl")
+    fields = hf_encoders.vit_fields(path)
+    assert (fields["block"], fields["pos_embed"], fields["projector"]) == ("layernorm", "table_rope2d", "patch_merger")
+    assert (fields["table_grid"], fields["deepstack_layers"], fields["out_width"]) == (4, (0, 2), 32)
+    tokens, _, cfg = tower(path, ref)
+    assert tokens.shape == (30, cfg.token_width) == (30, 96)
+    want = [ref["image_features"], *ref["deepstack_features"]]
+    for k, part in enumerate(want):
+        assert rel_err(tokens[:, 32 * k : 32 * (k + 1)], part) < RTOL, k
+    unplaced, _, _ = tower(path, ref, moved=lambda p: {**p, "pos": p["pos"] * 0})
+    assert rel_err(unplaced[:, :32], want[0]) > 10 * RTOL
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_qwen3_vl_language_model_with_interleaved_mrope_and_deepstack_equals_transformers(tmp_path, scan):
+    """The Qwen3-VL folder's language model (Qwen3 with query/key norms, M-RoPE sections 4+2+2
+    interleaved, DeepStack) with the tower's image tokens spliced in and its two DeepStack feature
+    sets added after blocks 0 and 1 gives transformers' logits (unrolled, and scanned: each block
+    finds its features by its traced index); with the sections in runs (Qwen2.5-VL's), or without
+    DeepStack, the logits differ."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+    from maestro_jax.models.llm import mrope_positions
+
+    path, ref = fixture(tmp_path, "qwen3_vl")
+    fields = hf.llm_fields(path)
+    assert (fields["mrope_section"], fields["mrope_interleaved"], fields["deepstack_layers"]) == ((4, 2, 2), True, 2)
+    assert fields["qk_norm"] and fields["head_dim"] == 16 != fields["width"] // fields["heads"]
+    features, _, _ = tower(path, ref)
+    ids = jnp.asarray(ref["tokens"], jnp.int32)
+    positions = jnp.asarray(mrope_positions(ref["tokens"][0], 7, [(4, 6), (3, 2)])[None])
+    valid = jnp.ones(ids.shape, bool)
+    at = np.flatnonzero(ref["tokens"][0] == 7)
+
+    def logits(**change):
+        decoder = DecoderLM(LLMConfig.from_fields({**fields, "scan_layers": scan, **change}))
+        target = nn.unbox(decoder.init(jax.random.key(0), ids, positions, valid)["params"])
+        v = {"params": hf.load_llm(path, target, fields)}
+        x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, at].set(features[:, :32])
+        sets = features[:, 32:].reshape(len(at), 2, 32).transpose(1, 0, 2)
+        deepstack = jnp.zeros((2, *x.shape)).at[:, 0, at].set(sets) if change.get("deepstack_layers", 2) else None
+        h = decoder.apply(v, x, positions, valid, None, None, deepstack, method=DecoderLM.hidden)
+        return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+    want = ref["logits"]
+    assert rel_err(logits(), want) < RTOL
+    if not scan:
+        assert rel_err(logits(mrope_interleaved=False), want) > 10 * RTOL
+        assert rel_err(logits(deepstack_layers=0), want) > 10 * RTOL
+
+
+def _qwen3_overrides(path, *more) -> list[str]:
+    return [
+        *_overrides(path),
+        "data.modalities.image.sizes=[[16,24],[12,8],[8,8]]",
+        *more,
+    ]
+
+
+@pytest.mark.extended  # ~40 s on 2 cores: two sections and the monolithic step compiled
+def test_a_qwen3_vl_folder_gives_both_sections_whose_deepstack_crosses_the_edge_and_verifies(tmp_path):
+    """`models.vision` and `models.llm` from one Qwen3-VL folder: the tower with its position table
+    and DeepStack taps, the language model with interleaved M-RoPE and two DeepStack layers, no
+    field by hand; the image edge carries each token's three feature sets (its own and DeepStack's,
+    priced so), the LLM adds the DeepStack ones at its image positions, and the sectioned step
+    (the LLM's rows packed too) equals the monolithic one."""
+    from maestro_jax.config import load_config
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools.verify import verify
+    from maestro_jax.workloads import build_graph, settings
+
+    path, _ = fixture(tmp_path, "qwen3_vl")
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _qwen3_overrides(path, "sections.llm.pack=2"))
+    vision, llm = cfg.models["vision"], cfg.models["llm"]
+    assert (vision.pos_embed, vision.table_grid, vision.deepstack_layers) == ("table_rope2d", 4, (0, 2))
+    assert (llm.mrope_interleaved, llm.deepstack_layers, settings(cfg).image_token) == (True, 2, 7)
+    edge = next(e for e in build_graph(cfg).edges if e.name == "image_embeds")
+    assert edge.bytes_per_unit == 2 * 3 * 32 / 4
+    diffs = verify(cfg, build_runtime(cfg))
+    assert {d.name for d in diffs} >= {"loss", "vision/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
+
+
+@pytest.mark.parametrize(
+    "more,message",
+    [
+        (
+            ["sections.llm.stages=2", "sections.llm.stage_layers=[1,3]"],
+            "error: sections.llm.stage_layers=[1, 3]: the model adds DeepStack image features in blocks 0..1 "
+            "(deepstack_layers: 2) and the first stage, which alone receives the images, holds 1 blocks; valid: a "
+            "first stage of at least 2 blocks (stage_layers)",
+        ),
+        (
+            [
+                "models.vision={patch: 2, width: 32, depth: 3, heads: 2, mlp: 64, out_width: 32, kind: vit, pos_embed: "
+                "table_rope2d, table_grid: 4, projector: patch_merger, deepstack_layers: [0, 1]}"
+            ],
+            "error: workload='vlm': models.vision.deepstack_layers=[0, 1]: the tower sends 2 DeepStack feature sets "
+            "and the LLM takes deepstack_layers=1; valid: as many",
+        ),
+    ],
+)
+def test_a_qwen3_vl_llm_whose_deepstack_does_not_fit_is_refused_in_one_line(tmp_path, more, message):
+    """DeepStack's features reach the LLM's first pipeline stage only: a cut whose first stage
+    holds fewer blocks than `deepstack_layers` is refused naming the stages, before anything
+    compiles; so is an LLM taking another number of DeepStack sets than the tower sends."""
+    from maestro_jax.config import ConfigError, load_config
+    from maestro_jax.workloads import build_graph
+
+    path, _ = fixture(tmp_path, "qwen3_vl")
+    llm = (
+        [
+            "models.llm={vocab: 96, width: 32, depth: 2, heads: 2, kv_heads: 1, head_dim: 16, mlp: 64, kind: llm, "
+            "mrope_section: [4, 2, 2], deepstack_layers: 1}"
+        ]
+        if "models.vision" in more[0]
+        else []
+    )
+    with pytest.raises(ConfigError) as err:
+        build_graph(load_config(ROOT / "configs/vlm_tiny.yaml", [*_qwen3_overrides(path, *more), *llm]))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -277,7 +277,7 @@ def _image_sequence(folder: Path, special: dict[str, str]) -> ImageSequence | No
 
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 QWEN_VL_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
-QWEN_VL_MODELS = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # Qwen3-VL's processor writes images as Qwen2.5-VL's
 # Qwen2VLImageProcessor's defaults, where preprocessor_config.json leaves them out
 QWEN_VL_DEFAULTS = {"patch_size": 14, "merge_size": 2, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen-VL's normalisation (transformers' constants)
@@ -285,9 +285,10 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def _qwen_vl_sequence(folder: Path, tok) -> ImageSequence | None:
-    """Qwen-VL's image tokens, for a folder of a Qwen2-VL or Qwen2.5-VL checkpoint (its
+    """Qwen-VL's image tokens, for a folder of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (its
     preprocessor_config.json names Qwen2-VL's image processor, or its config.json the model)
-    whose tokenizer holds them; None otherwise. As `Qwen2_5_VLProcessor` writes it after the chat
+    whose tokenizer holds them; None otherwise. As `Qwen2_5_VLProcessor` (and `Qwen3VLProcessor`,
+    on Qwen3-VL's patches of 16 and mean and std of 0.5, read from its files) writes it after the chat
     template: `<|vision_start|>`, `<|image_pad|>` once per merged token, `<|vision_end|>`; each
     image `smart_resize`d (min_pixels and max_pixels from preprocessor_config.json, or
     transformers 5's `size` {shortest_edge, longest_edge}; the processor's defaults where it has

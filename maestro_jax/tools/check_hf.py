@@ -9,10 +9,11 @@ its size, packed in one row as the VLM packs them, and its features are compared
 `last_hidden_state`, CLIP's `hidden_states[feature_layer]` without the class token. A Whisper
 encoder gets two random clips of its length, and its `last_hidden_state` is compared. A whole
 Gemma 3 VLM gets two random images and a row of text holding both: its image tokens (tower and
-projector) and its logits are compared. A whole Qwen2.5-VL gets three random images of different
-sizes (grids that the tower's attention windows do not divide) and two rows of different lengths,
-the longer holding two of them between text, the shorter the third: the merged image tokens and
-the logits (with each row's M-RoPE positions) are compared.
+projector) and its logits are compared. A whole Qwen2.5-VL or Qwen3-VL gets three random images of
+different sizes (grids that Qwen2.5-VL's attention windows do not divide) and two rows of
+different lengths, the longer holding two of them between text, the shorter the third: the merged
+image tokens (Qwen3-VL's DeepStack features too) and the logits (with each row's M-RoPE positions,
+and Qwen3-VL's DeepStack features added in its first layers) are compared.
 transformers runs the PyTorch model (the `reference` extra: torch and transformers, on the CPU,
 float32); maestro loads the folder with the same mappings `init.hf_path` uses (`models.hf`,
 `models.hf_encoders`). The result is the largest absolute difference and that difference
@@ -95,12 +96,12 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
 
 def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
-    Gemma 3 or Qwen2.5-VL VLM's image tokens and logits."""
+    Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits."""
     model_type = read_config(path).get("model_type")
     if model_type == "gemma3":
         return check_gemma3_vlm(path, tolerance, seed)
-    if model_type == "qwen2_5_vl":
-        return check_qwen2_5_vl(path, tolerance, seed)
+    if model_type in QWEN_VL_MODELS:
+        return check_qwen_vl(path, tolerance, seed)
     check = {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind_of(path)]
     return [check(path, tolerance, seed)]
 
@@ -146,15 +147,24 @@ def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, see
     ]
 
 
-def check_qwen2_5_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
-    """A Qwen2.5-VL folder: three random images through the tower and the patch merger
-    (transformers' `visual(pixel_values, grid_thw)`), of (w+1)x(2w+1), 2x(w+1) and (w+2)x1 merged
-    tokens for attention windows of w tokens a side, so windows are cut at the images' edges; then
-    two rows of random text of different lengths (right-padded, the padding masked on both sides
-    and left out of the comparison), the first holding two images, the second the third, each
-    image's placeholders between the vision start and end tokens (where the vocabulary holds them),
-    through the whole model with each row's M-RoPE positions (`models.llm.mrope_positions`,
-    transformers' `get_rope_index`); the image tokens and the logits compared."""
+# the Qwen-VL folders check-hf runs whole, by model_type: transformers' class of each
+QWEN_VL_MODELS = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+
+
+def check_qwen_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """A Qwen2.5-VL or Qwen3-VL folder: three random images through the tower and the patch merger
+    (transformers' `visual(pixel_values, grid_thw)`: its merged tokens, and Qwen3-VL's DeepStack
+    features after each token's own), of (w+1)x(2w+1), 2x(w+1) and (w+2)x1 merged tokens for
+    attention windows of w tokens a side (w = 1 without windows), so windows are cut at the
+    images' edges; then two rows of random text of different lengths (right-padded, the padding
+    masked on both sides and left out of the comparison), the first holding two images, the second
+    the third, each image's placeholders between the vision start and end tokens (where the
+    vocabulary holds them), through the whole model with each row's M-RoPE positions
+    (`models.llm.mrope_positions`, transformers' `get_rope_index`) and Qwen3-VL's DeepStack
+    features at the image positions; the image tokens and the logits compared."""
     from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
     from maestro_jax.models.llm import mrope_positions
 
@@ -195,12 +205,17 @@ def check_qwen2_5_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, see
     decoder = DecoderLM(LLMConfig.from_fields(lfields))
     args = (jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(valid))
     v = {"params": hf.load_llm(path, _placed(decoder, args), lfields)}
-    x = decoder.apply(v, args[0], method=DecoderLM.embed).at[np.nonzero(is_image)].set(features)
-    logits = np.asarray(
-        decoder.apply(v, decoder.apply(v, x, *args[1:], method=DecoderLM.hidden), method=DecoderLM.logits)
-    )
+    width, sets = lfields["width"], lfields["deepstack_layers"]
+    x = decoder.apply(v, args[0], method=DecoderLM.embed).at[np.nonzero(is_image)].set(features[:, :width])
+    deepstack = None
+    if sets:  # DeepStack's feature sets at the image positions, zero elsewhere
+        own = features[:, width:].reshape(len(features), sets, width).transpose(1, 0, 2)
+        deepstack = jnp.zeros((sets, *x.shape), x.dtype).at[(slice(None), *np.nonzero(is_image))].set(own)
+    h = decoder.apply(v, x, *args[1:], None, None, deepstack, method=DecoderLM.hidden)
+    logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
     torch, transformers = _reference_modules()
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
+    reference = getattr(transformers, QWEN_VL_MODELS[config["model_type"]])
+    model = reference.from_pretrained(path, torch_dtype=torch.float32).eval()
     temporal = (config.get("vision_config") or {}).get("temporal_patch_size", 2)
     pixels = torch.tensor(np.concatenate([qwen_pixel_values(im, vcfg.patch, vcfg.merge, temporal) for im in images]))
     grid_thw = torch.tensor([[1, r * vcfg.merge, c * vcfg.merge] for r, c in grids])
@@ -210,7 +225,8 @@ def check_qwen2_5_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, see
     with torch.no_grad():
         visual = model.model.visual if hasattr(model.model, "visual") else model.visual  # newer ones nest it
         out = visual(pixels, grid_thw=grid_thw)
-        want_features = getattr(out, "pooler_output", out).float().numpy()  # transformers 4: the tensor
+        merged = [getattr(out, "pooler_output", out), *(getattr(out, "deepstack_features", None) or [])]
+        want_features = torch.cat(merged, dim=-1).float().numpy()  # transformers 4: the tensor
         want_logits = model(**kwargs, pixel_values=pixels, image_grid_thw=grid_thw).logits.float().numpy()
     sizes = ", ".join(f"{r * side}x{c * side}" for r, c in grids)
     return [

@@ -4,7 +4,8 @@ or Gemma 3 (`--model-type`; one with a `sliding_window` as Mistral only, one wit
 `gemma3_text` with query and key norms, else `gemma2`),
 a vision section as SigLIP or CLIP (the layout its model has: `class_token` is CLIP's), an audio
 section as Whisper's encoder; a VLM's vision and llm sections together as one Gemma 3 VLM folder
-(`gemma3`: a SigLIP tower with `projector: avg_pool` and a Gemma 3 language model).
+(`gemma3`: a SigLIP tower with `projector: avg_pool` and a Gemma 3 language model), or one
+Qwen2.5-VL or Qwen3-VL folder (`qwen2_5_vl`, `qwen3_vl`: the tower's layout says which).
 
 The weight mappings themselves (import and export) live beside the models they convert, in
 `models/hf.py` and `models/hf_encoders.py`; the workloads' `init.hf_path` loaders import them from
@@ -18,14 +19,14 @@ import shutil
 from pathlib import Path
 
 from maestro_jax.models.hf import ARCHITECTURES, HFError, save_llm
-from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_qwen2_5_vl, save_vit
+from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_qwen_vl, save_vit
 
 __all__ = [
     "EXPORT_TYPES",
     "HFError",
     "check_export_folder",
     "export_gemma3_vlm",
-    "export_qwen2_5_vl",
+    "export_qwen_vl",
     "export_section",
     "export_type",
     "save_audio",
@@ -70,7 +71,7 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
     elif fields.get("mrope_section"):
         raise HFError(
             f"error: {where}.mrope_section={list(fields['mrope_section'])}: no Hugging Face language model alone has "
-            f"M-RoPE; export it with its tower as one qwen2_5_vl folder (--section vision,llm)"
+            f"M-RoPE; export it with its tower as one qwen2_5_vl or qwen3_vl folder (--section vision,llm)"
         )
     elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
         own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
@@ -127,12 +128,12 @@ def export_gemma3_vlm(
     _export_into(path, lambda staging: save_gemma3_vlm(staging, *vision, *llm, image_token), overwrite)
 
 
-def export_qwen2_5_vl(
+def export_qwen_vl(
     path: str | Path, vision: tuple[dict, dict], llm: tuple[dict, dict], image_token: int, overwrite: bool = False
 ) -> None:
     """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one
-    Qwen2.5-VL folder (`save_qwen2_5_vl`), owning the folder (`_export_into`)."""
-    _export_into(path, lambda staging: save_qwen2_5_vl(staging, *vision, *llm, image_token), overwrite)
+    Qwen2.5-VL or Qwen3-VL folder, as its tower is (`save_qwen_vl`), owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_qwen_vl(staging, *vision, *llm, image_token), overwrite)
 
 
 def _export_into(path: str | Path, write, overwrite: bool) -> None:

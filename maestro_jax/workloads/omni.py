@@ -23,6 +23,7 @@ from maestro_jax.workloads.costs import audio_cost
 from maestro_jax.workloads.pretrained import load_audio_section, load_llm_section, load_vision_section
 from maestro_jax.workloads.vlm import (
     VLMSettings,
+    image_bytes_per_patch,
     image_modality,
     init_llm,
     init_vision,
@@ -108,12 +109,12 @@ def build(cfg: Config) -> SectionGraph:
     per_octave = cfg.compile.buckets_per_octave
     return SectionGraph(
         sections=(
-            vision_section(vit, llm.width, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
+            vision_section(vit, llm, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
             audio_section(aud, llm.width, mean_tokens, per_octave=per_octave),
             llm_section(llm, dict(zip((IMAGES, AUDIO), modalities)), per_octave=per_octave),
         ),
         edges=(
-            Edge(IMAGES, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),
+            Edge(IMAGES, "vision", "llm", bytes_per_unit=image_bytes_per_patch(vit)),
             Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width),
         ),
         init=init,

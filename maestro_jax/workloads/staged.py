@@ -3,7 +3,9 @@
 A decoder section (a VLM's `llm`, a KD `student` or `teacher`) cut into K stages: each stage a
 `DecoderLM` holding a consecutive run of blocks (`core.stages.layer_ranges`: an even cut, or the
 config's `stage_layers`); the first also the
-embedding and whatever comes before the blocks (a VLM's image embeddings spliced in), the last
+embedding and whatever comes before the blocks (a VLM's image embeddings spliced in, and the
+DeepStack features of a Qwen3-VL language model: its first stage must hold every block that adds
+them, as the image features reach the first stage only), the last
 the final norm, the output layer and the loss (or, for a KD teacher, the hidden states it sends).
 Every stage reads its rows' token layout from the section's own `host_batch` (positions, masks,
 targets) and the previous stage's activations from the stage edge, so a stage's rows need not
@@ -23,13 +25,15 @@ from maestro_jax.core.stages import StageSplit, layer_ranges, stage_aux_edge, st
 from maestro_jax.models import DecoderLM, LLMConfig, apply_with_row_losses
 from maestro_jax.workloads import rows as R
 
-Embed = Callable  # (module, v, inputs, batch) -> x_BLD: stage 0's input embeddings
+# (module, v, inputs, batch) -> (x_BLD, deepstack_JBLD or None): stage 0's input embeddings and the
+# DeepStack features its blocks add (`DecoderLM.body`)
+Embed = Callable
 Finish = Callable  # (module, variables, v, inputs, batch, h_BLD) -> the section's forward output
 
 
 def token_embeddings(module: DecoderLM, v, inputs, batch):
-    """The plain input embeddings of the rows' token ids."""
-    return module.apply(v, batch["input_ids"], method=DecoderLM.embed)
+    """The plain input embeddings of the rows' token ids (no DeepStack features)."""
+    return module.apply(v, batch["input_ids"], method=DecoderLM.embed), None
 
 
 def decoder_stages(
@@ -71,6 +75,12 @@ def decoder_stages(
     # an MoE balance loss: each stage's rows' terms travel on with the rows to the last stage
     aux = bool(llm.experts and llm.router_aux_loss and section.trained)
     ranges = layer_ranges(llm.depth, k, layers)
+    if llm.deepstack_layers > ranges[0][1]:  # only the first stage receives the image features
+        raise ValueError(
+            f"the model adds DeepStack image features in blocks 0..{llm.deepstack_layers - 1} (deepstack_layers: "
+            f"{llm.deepstack_layers}) and the first stage, which alone receives the images, holds "
+            f"{ranges[0][1]} blocks; valid: a first stage of at least {llm.deepstack_layers} blocks (stage_layers)"
+        )
 
     def owner(path: tuple[str, ...]) -> int | None:
         for key in path:
@@ -100,19 +110,17 @@ def decoder_stages(
                 v = v[key]
             v = {"params": v}
             if prev is None:
-                x = embed(module, v, inputs, batch)
+                x, deepstack = embed(module, v, inputs, batch)
             else:
                 x = R.gather(inputs, prev, batch[f"{prev}_row"], length=batch["input_ids"].shape[1])
+                deepstack = None  # every DeepStack block sits in the first stage (checked above)
+            body = (batch["positions"], batch["valid"], None, batch.get("images"), deepstack)
             if not aux:
-                h = module.apply(
-                    v, x, batch["positions"], batch["valid"], None, batch.get("images"), method=DecoderLM.body
-                )
+                h = module.apply(v, x, *body, method=DecoderLM.body)
                 if out is not None:
                     return {out: h}
                 return finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
-            h, terms = apply_with_row_losses(
-                module, v, x, batch["positions"], batch["valid"], None, batch.get("images"), method=DecoderLM.body
-            )
+            h, terms = apply_with_row_losses(module, v, x, *body, method=DecoderLM.body)
             if prev is not None:  # the stages' before it, of the same rows (none on a padding row)
                 row = batch[f"{prev}_row"]
                 terms = terms + R.gather(inputs, prev_aux, row, length=1)[:, 0] * (row >= 0)

@@ -68,17 +68,24 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
 
 def vision_section(
     vit: ViTConfig,
-    llm_width: int,
+    llm: LLMConfig,
     mean_patches: float,
     name: str = "vision",
     edges: tuple[str, ...] = (EDGE,),
     *,
     per_octave: int,
 ) -> Section:
-    """The ViT section: packed patches of a sample's images in, merged image tokens out on `edges`;
-    its patch and class-slot counts bucketed at `per_octave` (`compile.buckets_per_octave`)."""
-    if vit.out_width != llm_width:
-        raise ValueError(f"models.{name}.out_width ({vit.out_width}) must equal the LLM width ({llm_width})")
+    """The ViT section: packed patches of a sample's images in, merged image tokens out on `edges`
+    (with a DeepStack tower's feature sets after each token's own, `ViTConfig.token_width`: the
+    language model `llm` takes them apart, `spliced_embeddings`); its patch and class-slot counts
+    bucketed at `per_octave` (`compile.buckets_per_octave`)."""
+    if vit.out_width != llm.width:
+        raise ValueError(f"models.{name}.out_width ({vit.out_width}) must equal the LLM width ({llm.width})")
+    if len(vit.deepstack_layers) != llm.deepstack_layers:
+        raise ValueError(
+            f"models.{name}.deepstack_layers={list(vit.deepstack_layers)}: the tower sends {len(vit.deepstack_layers)} "
+            f"DeepStack feature sets and the LLM takes deepstack_layers={llm.deepstack_layers}; valid: as many"
+        )
     encoder = VisionEncoder(vit)
     window = vit.merge * vit.merge
 
@@ -116,6 +123,12 @@ def vision_section(
         cost=vit_cost(vit, mean_patches),
         reads=("image",),
     )
+
+
+def image_bytes_per_patch(vit: ViTConfig) -> float:
+    """What the image edge carries per patch, in bf16: a merged token's features (DeepStack's too)
+    over the merge window's patches."""
+    return 2 * vit.token_width / (vit.merge * vit.merge)
 
 
 def class_segments(segments_BP: np.ndarray, per_octave: int = PER_OCTAVE) -> np.ndarray:
@@ -229,22 +242,33 @@ def _mask_inputs(batch) -> tuple:
 
 def spliced_embeddings(decoder: DecoderLM, v, inputs, batch, spliced: Mapping[str, Modality]):
     """The LLM's input embeddings with each edge's embeddings in its modality's placeholder
-    positions (per position in a packed batch, with `segments`)."""
+    positions (per position in a packed batch, with `segments`), and, for an LLM with
+    `deepstack_layers` J, its DeepStack features `J x B x L x D` (None without): what the image
+    edge carries after each image token's own D features, at the same positions, zero elsewhere."""
     x = decoder.apply(v, batch["input_ids"], method=DecoderLM.embed)
-    packed = "segments" in batch
+    j, (b, length, d) = decoder.cfg.deepstack_layers, x.shape
+    splice = R.splice_tokens if "segments" in batch else R.splice
     for edge, m in spliced.items():
-        x = (R.splice_tokens if packed else R.splice)(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
-    return x
+        if not (j and m.name == "image"):
+            x = splice(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
+    if not j:
+        return x, None
+    x = jnp.concatenate([x, jnp.zeros((b, length, j * d), x.dtype)], axis=-1)  # DeepStack's sets ride along
+    for edge, m in spliced.items():
+        if m.name == "image":
+            x = splice(x, inputs, edge, batch[f"{edge}_row"], batch[f"{m.name}_tok"])
+    return x[..., :d], jnp.moveaxis(x[..., d:].reshape(b, length, j, d), 2, 0)
 
 
 def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mapping[str, Modality]):
-    """The LLM's logits with each edge's embeddings in its modality's placeholder positions, and
-    the sum of its auxiliary losses (MoE load balancing). A packed batch (with `segments`)
-    splices per position and keeps attention inside each sample."""
+    """The LLM's logits with each edge's embeddings in its modality's placeholder positions (and
+    DeepStack's features added in its first blocks), and the sum of its auxiliary losses (MoE
+    load balancing). A packed batch (with `segments`) splices per position and keeps attention
+    inside each sample."""
     v = {"params": variables["params"]}
-    x = spliced_embeddings(decoder, v, inputs, batch, spliced)
+    x, deepstack = spliced_embeddings(decoder, v, inputs, batch, spliced)
     h, aux = apply_with_losses(
-        decoder, v, x, batch["positions"], batch["valid"], *_mask_inputs(batch), method=DecoderLM.hidden
+        decoder, v, x, batch["positions"], batch["valid"], *_mask_inputs(batch), deepstack, method=DecoderLM.hidden
     )
     return decoder.apply(v, h, method=DecoderLM.logits), aux
 
@@ -323,10 +347,10 @@ def build(cfg: Config) -> SectionGraph:
 
     return SectionGraph(
         sections=(
-            vision_section(vit, llm.width, mean_patches(cfg, vit), per_octave=cfg.compile.buckets_per_octave),
+            vision_section(vit, llm, mean_patches(cfg, vit), per_octave=cfg.compile.buckets_per_octave),
             llm_section(llm, {EDGE: image}, per_octave=cfg.compile.buckets_per_octave),
         ),
-        edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=2 * llm.width / (vit.merge * vit.merge)),),
+        edges=(Edge(EDGE, "vision", "llm", bytes_per_unit=image_bytes_per_patch(vit)),),
         init=init,
         loss_count=R.loss_tokens((image,)),
     )

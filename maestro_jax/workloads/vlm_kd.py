@@ -31,6 +31,7 @@ from maestro_jax.workloads.kd import (
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section, load_vision_section
 from maestro_jax.workloads.vlm import (
     VLMSettings,
+    image_bytes_per_patch,
     image_modality,
     init_vision,
     mean_patches,
@@ -104,12 +105,12 @@ def build(cfg: Config) -> SectionGraph:
     return SectionGraph(
         sections=(
             teacher_section(teacher, (image,), edge=TEACHER, per_octave=per_octave),
-            vision_section(vit, student.width, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
+            vision_section(vit, student, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
             student_section,
         ),
         edges=(
             Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
-            Edge(IMAGES, "vision", "student", bytes_per_unit=2 * student.width / (vit.merge * vit.merge)),
+            Edge(IMAGES, "vision", "student", bytes_per_unit=image_bytes_per_patch(vit)),
         ),
         init=init,
         loss_count=R.loss_tokens((image,)),
