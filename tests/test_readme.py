@@ -119,3 +119,18 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
                 if anchor not in {_slug(h) for h in headings}:
                     broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_the_readme_model_table_names_every_model_type_that_loads_and_existing_tests():
+    """The README's "Hugging Face models" table: every `model_type` in its first column is one a
+    folder may hold (`hf_config`), every one that loads is named there, and each row's tests exist."""
+    from maestro_jax.hf_config import ARCHITECTURES, MULTI_MODEL, MULTIMODAL, QWEN_VL, VISION_TOWERS
+
+    section = (ROOT / "README.md").read_text().split("## Hugging Face models", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")][1:]  # past the header
+    named = {t for row in rows for t in re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", row[0]))}  # not in brackets
+    loads = {*ARCHITECTURES, *MULTIMODAL, *QWEN_VL, *VISION_TOWERS, *MULTI_MODEL, "whisper"}
+    assert named == loads, (sorted(loads - named), sorted(named - loads))
+    for row in rows:
+        for test in re.findall(r"`(tests/\S+\.py)`", row[-1]):
+            assert (ROOT / test).is_file(), test

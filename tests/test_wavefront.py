@@ -698,3 +698,96 @@ def test_pipeline_stages_are_also_scheduled_in_1f1b_order():
     assert simulate(chosen, problem, metas, cost).makespan < 0.95 * earliest_first
     assert all(peak <= problem.in_flight(s) for s, peak in stash_peaks(chosen, problem).items())
     validate(chosen, metas, problem, in_flight=True)
+
+
+def test_a_first_stage_beside_an_encoder_keeps_1f1b_sequence():
+    """A ViT beside the first of 4 LLM stages (the pipelined VLM layout as a plan), a third of
+    the samples text only. Earliest start first or oldest micro-step first, the first stage's
+    last forwards wait behind the backwards of earlier micro-steps (the ViT's among them), and
+    every later stage waits on them; in 1F1B's sequence (a forward's age is its micro-step less
+    its stage's warm-up) they do not. The wavefront keeps that schedule, within the bounds."""
+    from maestro_jax.schedule.ops import pipeline_bounds
+    from maestro_jax.schedule.wavefront import _Batch, _list_schedule
+
+    k = 4
+    llm = [f"llm.{i}" for i in range(k)]
+    order = ("vision", *llm)
+    edges = [EdgeInfo("image", "vision", llm[0])] + [
+        EdgeInfo(f"{s}>{i + 1}", s, llm[i + 1]) for i, s in enumerate(llm[:-1])
+    ]
+    problem = Problem(
+        order=order,
+        sink=llm[-1],
+        trained=frozenset(order),
+        edges=tuple(edges),
+        rows=dict.fromkeys(order, 2),
+        dp=dict.fromkeys(order, 1),
+        max_in_flight=2 * k,
+        groups={"vision": "stage0", **{s: f"stage{i}" for i, s in enumerate(llm)}},
+        bounds=pipeline_bounds({"llm": llm}),
+    )
+    cost = CostModel({**dict.fromkeys(llm, SectionCost(1e-3)), "vision": SectionCost(4e-3)})
+    rng = random.Random(0)
+    metas = []
+    for i in range(20):
+        work = dict.fromkeys(llm, rng.choice([32, 48, 64, 96, 128]))
+        if i % 3:
+            work["vision"] = rng.choice([16, 32])
+        metas.append(SampleMeta(frozenset(work), work))
+    chosen = wavefront(metas, problem, cost)
+    batch = _Batch(metas, problem, cost)
+    spans = {p: _list_schedule(batch, chosen.steps, p)[1] for p in ("earliest", "oldest", "1f1b")}
+    assert spans["1f1b"] < 0.95 * min(spans["earliest"], spans["oldest"]), spans
+    assert simulate(chosen, problem, metas, cost).makespan == pytest.approx(spans["1f1b"])
+    assert all(peak <= problem.in_flight(s) for s, peak in stash_peaks(chosen, problem).items())
+    validate(chosen, metas, problem, in_flight=True)
+
+
+def test_the_sink_rows_deal_an_encoders_work_evenly_over_its_shards():
+    """`_balanced`: a ViT and an LLM co-located on 4 data shards each (one row a shard), a quarter
+    of the samples holding images, the heaviest among the longest texts. Sorted by the LLM's
+    tokens alone the image samples crowd the first shards; dealt anew inside each of the sink's
+    micro-steps (which costs the LLM nothing: its rows are padded to the longest either way),
+    every ViT shard gets the same number of them, and the ViT's micro-steps fall from 2 to 1.
+    The wavefront keeps the faster schedule, which is this one, and it is valid."""
+    from maestro_jax.schedule.wavefront import _balanced, _Batch, _pack
+
+    order = ("vision", "llm")
+    problem = Problem(
+        order=order,
+        sink="llm",
+        trained=frozenset(order),
+        edges=(EdgeInfo("image", "vision", "llm"),),
+        rows=dict.fromkeys(order, 4),
+        dp=dict.fromkeys(order, 4),
+        groups=dict.fromkeys(order, "all"),
+    )
+    cost = CostModel({"vision": SectionCost(2e-3), "llm": SectionCost(1e-3)})
+    metas = []
+    for i in range(16):
+        work = {"llm": 256 - 8 * i}
+        if i in (0, 1, 4, 5):  # two images in each of the first two micro-steps' first two rows
+            work["vision"] = 96
+        metas.append(SampleMeta(frozenset(work), work))
+    batch = _Batch(metas, problem, cost)
+    sorted_columns = _pack(batch.active, 4, 4, batch.work["llm"].__getitem__)
+    dealt = _balanced(batch, sorted_columns)
+    assert [sorted(c) for c in dealt] == [sorted(c) for c in sorted_columns]  # the same micro-steps
+    for columns, shards in ((sorted_columns, [2, 2, 0, 0]), (dealt, [1, 1, 1, 1])):
+        placed = [sum(1 for c in columns for x in batch.placed(c, "vision")[j]) for j in range(4)]
+        assert placed == shards
+    chosen = wavefront(metas, problem, cost)
+    assert len(chosen.steps["vision"]) == 1
+    assert (
+        simulate(chosen, problem, metas, cost).makespan
+        < list_schedule(
+            problem, link(problem, {"llm": sorted_columns, "vision": _vision_rows(batch, sorted_columns)}), metas, cost
+        )[1]
+    )
+    validate(chosen, metas, problem, in_flight=True)
+
+
+def _vision_rows(batch, columns):
+    """The ViT's micro-steps of the sink's `columns`: each shard's samples in column order, one a step."""
+    streams = [[x for c in columns for x in batch.placed(c, "vision")[j]] for j in range(4)]
+    return [tuple(s[k] if k < len(s) else -1 for s in streams) for k in range(max(map(len, streams)))]

@@ -35,6 +35,7 @@ from maestro_jax.schedule.ops import (
     required_ops,
     shard_of,
 )
+from maestro_jax.schedule.packing import packs
 from maestro_jax.schedule.timing import resource_of, steady_order, work_time
 from maestro_jax.schedule.validate import validate
 
@@ -64,6 +65,12 @@ class _Batch:
         # cost of a program): the key a monolithic trainer may pack by, so maestro may too
         base = {s: self._time(Op("F", s), []) for s in problem.order}
         self.alone = [sum(self._time(Op("F", s), [u]) - base[s] for s, u in w.items() if s in base) for w in works]
+        # the same, of the sections besides the sink only: what a sample costs the producers
+        # (`_balanced`)
+        self.producing = [
+            sum(self._time(Op("F", s), [u]) - base[s] for s, u in w.items() if s in base and s != problem.sink)
+            for w in works
+        ]
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
 
     def duration(self, op: Op, steps) -> float:
@@ -125,6 +132,40 @@ def _lpt(ordered: Sequence[int], bins: int, capacity: int, weight) -> list[list[
         else:
             heapq.heappop(open_bins)
     return slots
+
+
+def _balanced(batch: _Batch, columns: Rows) -> Rows | None:
+    """The sink's micro-steps `columns` with each one's samples dealt anew to the sink's shards so
+    that the producers' shards get even work (DistTrain's reordering within a micro-step): a
+    sample's shard in a producer whose degree divides the sink's follows from its sink shard
+    (`placed`), so the producers are balanced through the sink's rows. Which sink shard holds
+    which row costs the sink nothing (every row of a micro-step is padded to its longest), so a
+    column's samples go, heaviest for the producers first (`_Batch.producing`), each to the
+    group of sink rows, one group a shard of the finest such producer, whose producer work so far
+    (over the columns before too) is least and that has a free row; samples no producer reads
+    fill the rows left, in order. None where nothing can be balanced so: no producer's degree
+    divides the sink's (and exceeds 1), or the sink packs (a row's samples share it)."""
+    problem = batch.problem
+    sink = problem.sink
+    dp_sink = problem.dp[sink]
+    degrees = [problem.dp[s] for s in problem.order if s != sink and 1 < problem.dp[s] and dp_sink % problem.dp[s] == 0]
+    if not degrees or packs(problem.pack.get(sink, 1)):
+        return None
+    bins = max(degrees)
+    span = len(columns[0]) // bins  # sink rows per group (a producer shard of the finest degree)
+    weight = batch.producing.__getitem__
+    load = [0.0] * bins
+    out = []
+    for column in columns:
+        samples = [x for x in column if x >= 0]
+        groups: list[list[int]] = [[] for _ in range(bins)]
+        for x in _longest_first([x for x in samples if weight(x) > 0], weight):
+            b = min((b for b in range(bins) if len(groups[b]) < span), key=lambda b: (load[b], b))
+            groups[b].append(x)
+            load[b] += weight(x)
+        rest = iter([x for x in samples if weight(x) <= 0] + [-1] * (len(column) - len(samples)))
+        out.append(tuple(x for g in groups for x in g + [next(rest) for _ in range(span - len(g))]))
+    return out
 
 
 def _pack(samples: Sequence[int], rows: int, dp: int, weight) -> Rows:
@@ -439,6 +480,8 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
         packings.append(whole)  # by the sample's whole modelled time: the sink's padding is not all of it
     if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
+    if not arrival:  # the producers' shards balanced through the sink's rows
+        packings += [b for p in list(packings) if (b := _balanced(batch, p)) is not None and b not in packings]
     tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)
     out = []
     for packed in packings:
