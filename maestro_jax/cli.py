@@ -426,6 +426,7 @@ def _bench(cfg, args) -> int:
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         pack=args.pack,
         stages=args.stages,
+        balance=args.balance,
     )
     print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
     for m in MODES:
@@ -464,6 +465,15 @@ def _bench(cfg, args) -> int:
             f"pipeline stages ({', '.join(p['sections'])} stages={p['stages']}, {p['scheduler']}): tokens/s staged "
             f"{p['tokens_per_s']['staged']:.1f} vs unstaged {p['tokens_per_s']['unstaged']:.1f} "
             f"({p['staged_vs_unstaged']:.3f}x)"
+        )
+    if "balance" in r:
+        p = r["balance"]
+        units = ", ".join(
+            f"{s} {n} vs {p['padded_units']['unbalanced'][s]}" for s, n in p["padded_units"]["balanced"].items()
+        )
+        print(
+            f"balanced shards (wavefront): tokens/s balanced {p['tokens_per_s']['balanced']:.1f} vs unbalanced "
+            f"{p['tokens_per_s']['unbalanced']:.1f} ({p['balanced_vs_unbalanced']:.3f}x); padded work units {units}"
         )
     _write_json(args.json, r)
     return 0
@@ -504,6 +514,12 @@ COMMANDS: dict[str, Command] = {
                 metavar="K",
                 help="also time pipeline stages: every section that splits (and whose mesh's data axis K divides) "
                 "in K stages vs the config's plan (default: not timed)",
+            ),
+            opt(
+                "--balance",
+                action="store_true",
+                help="also time the wavefront with and without dealing the sink's rows to balance its producers' "
+                "shards (schedule.balance_shards) (default: not timed)",
             ),
             JSON,
             opt(

@@ -662,6 +662,10 @@ class ScheduleConfig(_Frozen):
     # 1: frozen sections that read only data (a teacher, a frozen encoder) compute the next global
     # batch while this step's trained sections run; 0: each step computes its own (schedule.ops.Problem.ahead)
     run_ahead: Literal[0, 1] = 0
+    # the wavefront's sink-first schedules also deal each sink micro-step's samples to its shards
+    # so that the producers' shards get even work (`schedule.wavefront._balanced`); false leaves
+    # that variant out (`maestro-jax bench --balance` times both)
+    balance_shards: bool = True
 
 
 class DistributedConfig(_Frozen):

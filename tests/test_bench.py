@@ -4,7 +4,7 @@ says what it is doing while it runs, and leaves the runtime it is given as it fo
 import json
 
 import pytest
-from conftest import ROOT, TINY_KD, TINY_OMNI
+from conftest import ROOT, TINY_KD, TINY_OMNI, TINY_VLM
 
 from maestro_jax.cli import main
 from maestro_jax.config import load_config
@@ -74,3 +74,27 @@ def test_bench_leaves_the_runtime_as_it_found_it():
     r = trainer.bench(reps=1, batches=1)
     assert r["simulator"]["cost_source"] == "calibrated", "the bench did calibrate"
     assert trainer.runtime.schedule(samples).ops == before
+
+
+@pytest.mark.slow
+def test_bench_balance_times_the_wavefront_both_ways_on_one_runtime():
+    """`bench --balance` (`bench_balance`): the wavefront with and without its producer-balancing
+    variant on the same runtime and batches; the report's ratio is its tokens/s ratio, and each
+    way's padded work counts every section's rows (none of it zero: both ways run every section)."""
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools.bench import bench_balance
+
+    skewed = ["data.modalities.image.fraction=0.25", "data.modalities.image.max_items=4"]
+    cfg = load_config(ROOT / "configs" / "vlm_tiny.yaml", [*TINY_VLM, *skewed])
+    rt = build_runtime(cfg)
+    said = []
+    r = bench_balance(cfg, rt, [rt.batches()[0]], 1, said.append)
+    assert set(r["tokens_per_s"]) == {"unbalanced", "balanced"} and all(v > 0 for v in r["tokens_per_s"].values())
+    assert r["balanced_vs_unbalanced"] == pytest.approx(r["tokens_per_s"]["balanced"] / r["tokens_per_s"]["unbalanced"])
+    assert {way: sorted(units) for way, units in r["padded_units"].items()} == {
+        "unbalanced": ["llm", "vision"],
+        "balanced": ["llm", "vision"],
+    }
+    assert all(n > 0 for units in r["padded_units"].values() for n in units.values())
+    assert [line.split(":")[0] for line in said] == ["balance", "balance", "balance repetition 1/1"]
+    assert rt.problem.balance, "the runtime's own problem is left as it was"

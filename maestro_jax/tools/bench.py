@@ -13,6 +13,7 @@ each repetition), since a bench compiles and runs for minutes.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -40,11 +41,13 @@ def bench(
     progress: Callable[[str], None] | None = None,
     pack: int | None = None,
     stages: int | None = None,
+    balance: bool = False,
 ) -> dict:
     """Side-by-side throughput of `cfg`'s workload (or of the runtime `rt` of a user's graph,
     left as it was given: the calibrated cost model is not stored on it). With `pack`, also
     packed vs unpacked sequences (`bench_packing`), with `stages` the plan with its decoder
-    sections in pipeline stages vs without (`bench_stages`), on the same batches."""
+    sections in pipeline stages vs without (`bench_stages`), with `balance` the wavefront with and
+    without its producer-balancing variant (`bench_balance`), on the same batches."""
     start = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -170,6 +173,8 @@ def bench(
         report["packing"] = bench_packing(cfg, pack, rt, batches, reps, say)
     if stages is not None:
         report["stages"] = bench_stages(cfg, stages, rt, batches, reps, say)
+    if balance:
+        report["balance"] = bench_balance(cfg, rt, batches, reps, say)
     if trace_dir:
         say(f"writing traces to {trace_dir}")
         report["traces"] = _traces(rt, cost, states["wavefront"], batches[0], trace_dir)
@@ -240,26 +245,56 @@ def bench_stages(cfg: Config, stages: int, rt, batches, reps: int, say: Callable
     }
 
 
+def bench_balance(cfg: Config, rt, batches, reps: int, say: Callable[[str], None]) -> dict:
+    """The wavefront side by side with and without dealing the sink's rows to balance its
+    producers' shards (`schedule.balance_shards`, `schedule.wavefront._balanced`): one runtime, its
+    schedules made both ways, repetitions interleaved after a warm-up of each. Also each way's
+    padded work per section over the batches, free of timing noise: per micro-step its rows times
+    the work of its largest row (what lockstep shards run), summed."""
+    problems = {way: dataclasses.replace(rt.problem, balance=way == "balanced") for way in ("unbalanced", "balanced")}
+    padded = {way: dict.fromkeys(rt.problem.order, 0) for way in problems}
+    for samples in batches:
+        metas = sample_metas(rt.graph, samples)
+        for way, p in problems.items():
+            for s, steps in wavefront(metas, p).steps.items():
+                padded[way][s] += sum(
+                    len(st.positions) * max((metas[x].work.get(s, 0) for x in st.positions if x >= 0), default=0)
+                    for st in steps
+                )
+    tps = _side_by_side(cfg, dict.fromkeys(problems, rt), batches, reps, say, "balance", problems=problems)
+    return {"tokens_per_s": tps, "balanced_vs_unbalanced": tps["balanced"] / tps["unbalanced"], "padded_units": padded}
+
+
 def _schedule(cfg: Config, r, samples):
     metas = sample_metas(r.graph, samples)
     return wavefront(metas, r.problem) if cfg.schedule.scheduler == "wavefront" else naive(metas, r.problem)
 
 
-def _side_by_side(cfg: Config, runtimes: dict, batches, reps: int, say, what: str, warmed=None) -> dict[str, float]:
+def _side_by_side(
+    cfg: Config, runtimes: dict, batches, reps: int, say, what: str, warmed=None, problems: dict | None = None
+) -> dict[str, float]:
     """Tokens per second of each runtime (mode -> runtime) on the same batches under the config's
-    scheduler: a warm-up of each that compiles every shape bucket (then `warmed(mode, runtime)`),
-    then `reps` repetitions interleaved; tokens count the samples', not padding."""
+    scheduler (or, with `problems`, mode -> the `Problem` the wavefront schedules each mode's
+    batches by): a warm-up of each that compiles every shape bucket (then `warmed(mode,
+    runtime)`), then `reps` repetitions interleaved; tokens count the samples', not padding."""
     states = {m: r.step.init() for m, r in runtimes.items()}
     tokens = sum(len(s.tokens) - 1 for b in batches for s in b)
 
+    def schedule(mode, r, samples):
+        if problems is None:
+            return _schedule(cfg, r, samples)
+        return wavefront(sample_metas(r.graph, samples), problems[mode])
+
     def step(mode, samples) -> float:
         r, t0 = runtimes[mode], time.perf_counter()
-        states[mode], metrics = r.step(states[mode], StepBatch(samples, _schedule(cfg, r, samples)))
+        states[mode], metrics = r.step(states[mode], StepBatch(samples, schedule(mode, r, samples)))
         jax.block_until_ready((metrics.loss, states[mode]))
         return time.perf_counter() - t0
 
     for mode, r in runtimes.items():
-        say(f"{what}: warm-up {mode} ({cfg.schedule.scheduler}), compiling every shape bucket")
+        say(
+            f"{what}: warm-up {mode} ({'wavefront' if problems else cfg.schedule.scheduler}), compiling every shape bucket"
+        )
         for samples in batches * 2:
             step(mode, samples)
         if warmed is not None:
