@@ -1,7 +1,8 @@
 """1 process x 8 devices, 2 processes x 4 and 4 x 2 (real jax.distributed on localhost, gloo,
 socket transfers) give the same per-step losses: the shipped plans unchanged (only the models
 shrunk), sections alone in one process feeding sections of other device counts, sections
-spanning processes, gradients crossing back, stop and resume."""
+spanning processes, pipeline stages whose edges cross processes, gradients crossing back, stop
+and resume."""
 
 import json
 import os
@@ -100,6 +101,21 @@ def test_kd_sections_spanning_both_processes(tmp_path, kd_one):
     config = ROOT / "configs/kd_tiny.yaml"
     overrides = TINY_KD + KD_PLANS["sections_span_both_processes"] + ["steps=2"]
     same(kd_one[:2], run_two(config, overrides, tmp_path / "two"))
+
+
+def test_kd_pipeline_stages_across_processes(tmp_path, kd_one):
+    """Teacher and student each in 2 pipeline stages, every stage edge crossing from process 0 to
+    process 1, the teacher's hidden states split over `tensor` and the student's over `context`
+    on the way (`runtime.sharding.edge_sharding`): the unstaged one-process losses."""
+    config = ROOT / "configs/kd_tiny.yaml"
+    staged = [
+        "sections.teacher.devices=[0,1,6,7]",
+        "sections.teacher.stages=2",
+        "sections.student.devices=[2,3,4,5]",
+        "sections.student.mesh={data: 2, context: 2}",
+        "sections.student.stages=2",
+    ]
+    same(kd_one[:2], run_two(config, TINY_KD + staged + ["steps=2"], tmp_path / "two"))
 
 
 @pytest.fixture(scope="module")
