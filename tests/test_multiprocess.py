@@ -103,19 +103,26 @@ def test_kd_sections_spanning_both_processes(tmp_path, kd_one):
     same(kd_one[:2], run_two(config, overrides, tmp_path / "two"))
 
 
-def test_kd_pipeline_stages_across_processes(tmp_path, kd_one):
+@pytest.mark.extended  # CI keeps stages in one process (tests/test_stages.py) and KD across two
+def test_kd_pipeline_stages_across_processes(tmp_path):
     """Teacher and student each in 2 pipeline stages, every stage edge crossing from process 0 to
     process 1, the teacher's hidden states split over `tensor` and the student's over `context`
-    on the way (`runtime.sharding.edge_sharding`): the unstaged one-process losses."""
+    on the way (`runtime.sharding.edge_sharding`): the losses of the same plan in one process
+    (which is the unstaged monolithic step, `tests/test_stages.py`)."""
     config = ROOT / "configs/kd_tiny.yaml"
     staged = [
+        *TINY_KD,
+        "models.teacher.depth=2",
+        "models.student.depth=2",
         "sections.teacher.devices=[0,1,6,7]",
         "sections.teacher.stages=2",
         "sections.student.devices=[2,3,4,5]",
         "sections.student.mesh={data: 2, context: 2}",
         "sections.student.stages=2",
+        "steps=2",
+        "keep_checkpoints=0",
     ]
-    same(kd_one[:2], run_two(config, TINY_KD + staged + ["steps=2"], tmp_path / "two"))
+    same(run_single(config, staged, tmp_path / "one"), run_two(config, staged, tmp_path / "two"))
 
 
 @pytest.fixture(scope="module")
