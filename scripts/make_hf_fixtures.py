@@ -297,6 +297,24 @@ QWEN2_5_VL_TOKENS = np.array(
 )
 
 
+def _qwen_vl_inputs(v: dict, seed: int):
+    """Images, pixels, grids and token ids of a Qwen-VL fixture: the `QWEN2_5_VL_SIZES` images drawn from
+    `seed` and cut into patches as the processor does (`v`: the vision config's fields)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = np.random.default_rng(seed)
+    images = [rng.standard_normal((h, w, v["in_channels"])).astype(np.float32) for h, w in QWEN2_5_VL_SIZES]
+    cut = [
+        Qwen2VLImageProcessorPil().patchify(
+            im.transpose(2, 0, 1), v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"]
+        )
+        for im in images
+    ]
+    pixels = torch.tensor(np.concatenate([p for p, _, _ in cut]))
+    grid = torch.tensor([[1, gh, gw] for _, gh, gw in cut])
+    return images, pixels, grid, torch.tensor(QWEN2_5_VL_TOKENS)
+
+
 def qwen2_5_vl(out: Path) -> None:
     """A whole `Qwen2_5_VLForConditionalGeneration`: `images` (H x W x C each, `image0`, `image1`),
     laid out as its image processor does (`pixel_values`: every image's patches in merge-window
@@ -304,8 +322,6 @@ def qwen2_5_vl(out: Path) -> None:
     width], the tower's merged output of both (`visual(...).pooler_output`); `logits` of `tokens`
     (one row holding both images, vision start/end tokens around each) with the M-RoPE positions
     transformers computes from `image_grid_thw`."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     torch.manual_seed(6)
     v = QWEN2_5_VL_VISION
     config = transformers.Qwen2_5_VLConfig(
@@ -324,17 +340,7 @@ def qwen2_5_vl(out: Path) -> None:
                 p.normal_(0.0, 0.15)
         model.model.visual.merger.ln_q.weight.add_(0.1 * torch.randn_like(model.model.visual.merger.ln_q.weight))
     model = _perturbed(model)
-    rng = np.random.default_rng(6)
-    images = [rng.standard_normal((h, w, v["in_channels"])).astype(np.float32) for h, w in QWEN2_5_VL_SIZES]
-    cut = [
-        Qwen2VLImageProcessorPil().patchify(
-            im.transpose(2, 0, 1), v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"]
-        )
-        for im in images
-    ]
-    pixels = torch.tensor(np.concatenate([p for p, _, _ in cut]))
-    grid = torch.tensor([[1, gh, gw] for _, gh, gw in cut])
-    tokens = torch.tensor(QWEN2_5_VL_TOKENS)
+    images, pixels, grid, tokens = _qwen_vl_inputs(v, seed=6)
     with torch.no_grad():
         features = model.model.visual(pixels, grid_thw=grid).pooler_output
         logits = model(
@@ -388,8 +394,6 @@ def qwen3_vl(out: Path) -> None:
     (`visual(...).pooler_output`), `deepstack_features` [2, 30, text width] (its DeepStack mergers'
     outputs), `logits` of `tokens` with the interleaved M-RoPE positions and DeepStack features
     transformers computes."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     torch.manual_seed(7)
     v = QWEN3_VL_VISION
     config = transformers.Qwen3VLConfig(
@@ -407,17 +411,7 @@ def qwen3_vl(out: Path) -> None:
             if any(k in name for k in ("q_proj.weight", "k_proj.weight", "attn.qkv.weight", "pos_embed.weight")):
                 p.normal_(0.0, 0.3 if "pos_embed" in name else 0.15)
     model = _perturbed(model)
-    rng = np.random.default_rng(7)
-    images = [rng.standard_normal((h, w, v["in_channels"])).astype(np.float32) for h, w in QWEN2_5_VL_SIZES]
-    cut = [
-        Qwen2VLImageProcessorPil().patchify(
-            im.transpose(2, 0, 1), v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"]
-        )
-        for im in images
-    ]
-    pixels = torch.tensor(np.concatenate([p for p, _, _ in cut]))
-    grid = torch.tensor([[1, gh, gw] for _, gh, gw in cut])
-    tokens = torch.tensor(QWEN2_5_VL_TOKENS)
+    images, pixels, grid, tokens = _qwen_vl_inputs(v, seed=7)
     with torch.no_grad():
         visual = model.model.visual(pixels, grid_thw=grid)
         logits = model(
