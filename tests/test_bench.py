@@ -97,4 +97,4 @@ def test_bench_balance_times_the_wavefront_both_ways_on_one_runtime():
     }
     assert all(n > 0 for units in r["padded_units"].values() for n in units.values())
     assert [line.split(":")[0] for line in said] == ["balance", "balance", "balance repetition 1/1"]
-    assert rt.problem.balance, "the runtime's own problem is left as it was"
+    assert rt.problem.balance_shards, "the runtime's own problem is left as it was"

@@ -586,7 +586,7 @@ def test_schedules_identical_to_the_reference():
 
     rng = random.Random(5)
     for make, problem in reference_cases():
-        problem = dataclasses.replace(problem, balance=False)
+        problem = dataclasses.replace(problem, balance_shards=False)
         for _ in range(6):
             metas = make(rng)
             for cost in (None, DAG_COST) if set(problem.order) <= set(DAG_COST.sections) else (None,):

@@ -394,13 +394,13 @@ def simulate_plan(
     max_in_flight: int,
     run_ahead: int = 0,
     mono_remat: Mapping[str, str] | None = None,
-    balance: bool = True,
+    balance_shards: bool = True,
 ):
     """Naive, wavefront and monolithic step times of `plan` on `metas_all`, and what they imply;
     returns the report and the first batch's simulated wavefront timeline. The monolithic layout
     is `mono_sp` with each section's precision, and activation checkpointing by section from
     `mono_remat` (`Planner.monolithic_best`'s), else `mono_sp.layer_remat` for every trained one."""
-    problem = spec.problem(plan, max_in_flight, run_ahead, balance)
+    problem = spec.problem(plan, max_in_flight, run_ahead, balance_shards)
     cost = cost_model(spec, dict(plan.sections), metas_all, device, link_gbps)
     mono_plans = {
         s: dataclasses.replace(

@@ -186,7 +186,7 @@ class Planner:
         layer_remat: Sequence[str] = ("none", "dots", "full"),
         contexts: Sequence[int] = (1, 2, 4, 8),
         run_ahead: int = 0,
-        balance: bool = True,
+        balance_shards: bool = True,
         tolerance: float = TOLERANCE,
         stage_counts: Sequence[int] = (),
         progress: Callable[[str], None] | None = None,
@@ -194,7 +194,7 @@ class Planner:
         self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
         self.progress = progress or (lambda line: None)
         self.tolerance = max(tolerance, _TIE)
-        self.run_ahead, self.balance = run_ahead, balance
+        self.run_ahead, self.balance_shards = run_ahead, balance_shards
         trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
         ahead = ahead_sections(spec.order, trained, spec.edges) if run_ahead else frozenset()
         # edges whose producer runs ahead into a consumer that does not: the consumer holds the
@@ -910,7 +910,7 @@ class Planner:
             cost = cost_model(
                 self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps, self.typical_units
             )
-            problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead, self.balance)
+            problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead, self.balance_shards)
             devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
             self._times[key] = statistics.mean(
                 simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices, serial=self.serial).makespan
@@ -1019,7 +1019,7 @@ class Planner:
             residuals=self.residuals,
             layer_remat=self.layer_remat,
             contexts=self.contexts,
-            balance=self.balance,
+            balance_shards=self.balance_shards,
             tolerance=self.tolerance,
         )
 
@@ -1228,7 +1228,7 @@ class Planner:
             layer_remat=self.layer_remat,
             contexts=self.contexts,
             run_ahead=self.run_ahead if run_ahead is None else run_ahead,
-            balance=self.balance,
+            balance_shards=self.balance_shards,
             tolerance=self.tolerance,
             stage_counts=self.stage_counts,
             progress=self.progress,

@@ -143,7 +143,7 @@ class WorkloadSpec:
             cache[key] = _staged(self, key)
         return cache[key]
 
-    def problem(self, plan: Plan, max_in_flight: int, run_ahead: int = 0, balance: bool = True) -> Problem:
+    def problem(self, plan: Plan, max_in_flight: int, run_ahead: int = 0, balance_shards: bool = True) -> Problem:
         return Problem(
             order=self.order,
             sink=self.sink,
@@ -154,7 +154,7 @@ class WorkloadSpec:
             max_in_flight=max_in_flight,
             groups=device_groups(plan.sections),
             run_ahead=run_ahead,
-            balance=balance,
+            balance_shards=balance_shards,
             bounds=pipeline_bounds(self.stages),
             pack=self.pack,
         )

@@ -380,7 +380,7 @@ def build_runtime(
         dp={s: plan.sections[s].dp for s in graph.names},
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
-        balance=cfg.schedule.balance_shards,
+        balance_shards=cfg.schedule.balance_shards,
         bounds=pipeline_bounds({s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {}),
         groups=plan_lib.device_groups(plan.sections),
         pack={s: p for s, p in packing.items() if s in graph.names},

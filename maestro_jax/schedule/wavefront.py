@@ -480,7 +480,7 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
         packings.append(whole)  # by the sample's whole modelled time: the sink's padding is not all of it
     if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
-    if not arrival and problem.balance:  # the producers' shards balanced through the sink's rows
+    if not arrival and problem.balance_shards:  # the producers' shards balanced through the sink's rows
         packings += [b for p in list(packings) if (b := _balanced(batch, p)) is not None and b not in packings]
     tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)
     out = []

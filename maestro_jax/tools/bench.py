@@ -251,7 +251,9 @@ def bench_balance(cfg: Config, rt, batches, reps: int, say: Callable[[str], None
     schedules made both ways, repetitions interleaved after a warm-up of each. Also each way's
     padded work per section over the batches, free of timing noise: per micro-step its rows times
     the work of its largest row (what lockstep shards run), summed."""
-    problems = {way: dataclasses.replace(rt.problem, balance=way == "balanced") for way in ("unbalanced", "balanced")}
+    problems = {
+        way: dataclasses.replace(rt.problem, balance_shards=way == "balanced") for way in ("unbalanced", "balanced")
+    }
     padded = {way: dict.fromkeys(rt.problem.order, 0) for way in problems}
     for samples in batches:
         metas = sample_metas(rt.graph, samples)

@@ -46,7 +46,7 @@ def planner_for(
         link_gbps=cfg.simulate.link_gbps,
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
-        balance=cfg.schedule.balance_shards,
+        balance_shards=cfg.schedule.balance_shards,
         progress=progress,
         **kwargs,
     )

@@ -97,7 +97,7 @@ def simulate_config(
         link_gbps=cfg.simulate.link_gbps,
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
-        balance=cfg.schedule.balance_shards,
+        balance_shards=cfg.schedule.balance_shards,
     )
     report["monolithic_layout"] = {
         "mesh": dict(mono_sp.axis_sizes),
