@@ -366,6 +366,26 @@ def test_a_qwen3_vl_folder_gives_both_sections_whose_deepstack_crosses_the_edge_
     assert all(d.max_rel <= 1e-4 for d in diffs), diffs
 
 
+@pytest.mark.extended  # ~40 s on 2 cores, as the unstaged one above
+def test_a_qwen3_vl_llm_in_pipeline_stages_adds_deepstack_in_its_first_and_verifies(tmp_path):
+    """The Qwen3-VL language model in 2 pipeline stages cut 2/2: its first stage, which receives
+    the image edge, holds both DeepStack blocks and adds the features there; the second takes the
+    hidden states over the stage edge; the step equals the unstaged monolithic one."""
+    from maestro_jax.config import load_config
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools.verify import verify
+
+    path, _ = fixture(tmp_path, "qwen3_vl")
+    cfg = load_config(
+        ROOT / "configs/vlm_tiny.yaml",
+        _qwen3_overrides(path, "sections.llm.stages=2", "sections.llm.stage_layers=[2,2]"),
+    )
+    assert list(cfg.plan().sections) == ["vision", "llm.0", "llm.1"]
+    diffs = verify(cfg, build_runtime(cfg))
+    assert {d.name for d in diffs} >= {"loss", "vision/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
+
+
 @pytest.mark.parametrize(
     "more,message",
     [
