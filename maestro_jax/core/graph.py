@@ -52,10 +52,12 @@ class Edge:
 
     `bytes_per_unit`: bytes it carries per work unit of the producer (prices the transfer).
     `positions_per_unit`: for an array laid out rows x positions x features (tokens, patches or
-    frames), the positions per work unit of the producer (a ViT's 2 x 2 merger sends one per 4
-    patches: 0.25). The runtime splits the positions over the meshes' context and tensor axes
+    frames) whose consumer takes whole rows of the micro-steps it is sent (`mj.rows.gather`), the
+    positions per work unit of the producer (a decoder's pipeline stage sends one a token: 1.0).
+    The runtime splits every such array's positions over the meshes' context and tensor axes
     where they divide (`runtime.sharding.edge_sharding`); the planner credits that split only to
-    an edge that declares it (0: none declared, whole rows priced)."""
+    an edge that declares it (0: none declared, whole rows priced, as for an image edge whose
+    consumer picks single positions and so gathers them whole)."""
 
     name: str
     src: str

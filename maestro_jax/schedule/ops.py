@@ -121,9 +121,8 @@ class Problem:
     # sections that pack sequences (`schedule.packing`): their `rows` count sample slots, and the
     # cost model prices their micro-steps as the packed rows (`timing.work_time`)
     pack: Mapping[str, Pack] = dataclasses.field(default_factory=dict)
-    balance_shards: bool = (
-        True  # the wavefront may deal the sink's rows to balance its producers (`schedule.balance_shards`)
-    )
+    # the wavefront may deal the sink's rows to balance its producers (`schedule.balance_shards`)
+    balance_shards: bool = True
 
     def in_flight(self, s: str) -> int:
         """How many of section s's forwards may wait for their backward at once."""
