@@ -41,6 +41,7 @@ def row_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+@functools.lru_cache(maxsize=4096)  # asked for on every transfer: one object per (mesh, shape)
 def edge_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     """An edge array's layout on a section's mesh (a producer's output, a consumer's input, their
     cotangents): rows over the data-parallel axes and, for an array laid out rows x positions x
