@@ -159,10 +159,14 @@ def _balanced(batch: _Batch, columns: Rows) -> Rows | None:
     for column in columns:
         samples = [x for x in column if x >= 0]
         groups: list[list[int]] = [[] for _ in range(bins)]
+        open_groups = [(load[b], b) for b in range(bins)]  # (work so far, group): a heap, as `_lpt`'s
+        heapq.heapify(open_groups)
         for x in _longest_first([x for x in samples if weight(x) > 0], weight):
-            b = min((b for b in range(bins) if len(groups[b]) < span), key=lambda b: (load[b], b))
+            _, b = heapq.heappop(open_groups)
             groups[b].append(x)
             load[b] += weight(x)
+            if len(groups[b]) < span:
+                heapq.heappush(open_groups, (load[b], b))
         rest = iter([x for x in samples if weight(x) <= 0] + [-1] * (len(column) - len(samples)))
         out.append(tuple(x for g in groups for x in g + [next(rest) for _ in range(span - len(g))]))
     return out
@@ -480,8 +484,8 @@ def _sink_first(batch: _Batch, arrival: bool, search: _Search) -> list:
         packings.append(whole)  # by the sample's whole modelled time: the sink's padding is not all of it
     if _caps(problem) and (capped := _pack_columns(batch.active, problem, batch.metas, w_c)) != packings[0]:
         packings.append(capped)  # full sink micro-steps first; then ones that always keep the bound
-    if not arrival and problem.balance_shards:  # the producers' shards balanced through the sink's rows
-        packings += [b for p in list(packings) if (b := _balanced(batch, p)) is not None and b not in packings]
+    if not arrival and problem.balance_shards:  # each packing with the producers' shards balanced
+        packings += [d for p in list(packings) if (d := _balanced(batch, p)) is not None and d not in packings]
     tail = _pack_columns(batch.orphans, problem, batch.metas, w_c)
     out = []
     for packed in packings:
