@@ -117,3 +117,24 @@ def test_donated_update_reuses_the_state_and_trains_the_same():
     assert results[True][0] == results[False][0]
     for a, b in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1])):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_bench_donates_as_an_accelerator_does(tmp_path):
+    """`bench` with `compile.donate=true` (an accelerator's default) never hands a program a
+    buffer an earlier update consumed: calibration goes on from the state its timed updates
+    return, and every mode from its own latest state (on an H200, calibration once timed two
+    updates of one state and stopped with "Array has been deleted")."""
+    from maestro_jax.tools import calibrate
+    from maestro_jax.tools.bench import bench
+
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", [*TINY_KD, "compile.donate=true"])
+    rt = build_runtime(cfg)
+    assert all(p.donate for p in rt.programs.values())
+    start = rt.step.init()
+    _, after = calibrate.measure(rt, start, rt.batches()[:1], repeats=1)
+    assert jax.tree.leaves(start["student"].params)[0].is_deleted(), "the timed updates donated"
+    assert not jax.tree.leaves(after["student"].params)[0].is_deleted()
+    report = bench(cfg, reps=1, num_batches=1, trace_dir=str(tmp_path), rt=rt)
+    assert all(v > 0 for v in report["samples_per_s"].values())
+    assert report["simulator"]["cost_source"] == "calibrated"

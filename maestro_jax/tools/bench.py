@@ -66,7 +66,7 @@ def bench(
 
     # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
     say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
-    measured = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
+    measured, states["naive"] = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
     cost = calibrate.fit(rt, measured)  # this bench's own: not stored on `rt`
     schedulers = {
         "naive": lambda metas: naive(metas, rt.problem),

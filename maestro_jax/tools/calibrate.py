@@ -7,6 +7,7 @@ over the shape buckets B that occurred, by non-negative least squares.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -15,13 +16,16 @@ import numpy as np
 
 from maestro_jax.core.buckets import bucket
 from maestro_jax.planning.cost import CostModel, SectionCost
-from maestro_jax.runtime.step import StepBatch
+from maestro_jax.runtime.step import StepBatch, TrainState
 from maestro_jax.schedule import sample_metas
 
 
-def measure(rt, state, batches, repeats: int = 2) -> list[tuple]:
+def measure(rt, state, batches, repeats: int = 2) -> tuple[list[tuple], TrainState]:
     """(op, schedule, metas, seconds) for every op of `batches`, best of `repeats` (after a warm-up),
-    from the step's measured timeline (`SectionedStep.timeline`) at `state` (a `TrainState`).
+    from the step's measured timeline (`SectionedStep.timeline`) starting at `state` (a
+    `TrainState`), and the state after the timed updates: each update takes the state it follows
+    (with `compile.donate`, as on accelerators, it consumes its input's buffers, so the caller
+    goes on from the returned state, never the one it passed in).
 
     Host work is measured too: ("host", n_samples, seconds) for packing a batch's micro-steps,
     and ("update", section, seconds) for each optimizer update.
@@ -36,11 +40,14 @@ def measure(rt, state, batches, repeats: int = 2) -> list[tuple]:
             host = rt.executor.host_batches(samples, schedule)
             t_host = time.perf_counter() - t0
             grads, record = rt.step.timeline(state, StepBatch(samples, schedule, host=host))
+            sections = dict(state.sections)
             for s, g in grads.items():
                 t0 = time.perf_counter()
-                jax.block_until_ready(rt.programs[s].update(state[s], g).params)
+                sections[s] = rt.programs[s].update(sections[s], g)
+                jax.block_until_ready(sections[s].params)
                 if i:
                     best[("update", s)] = min(best.get(("update", s), np.inf), time.perf_counter() - t0)
+            state = dataclasses.replace(state, sections=sections)
             if i == 0:
                 continue  # compiles
             best[("host", len(samples))] = min(best.get(("host", len(samples)), np.inf), t_host)
@@ -49,7 +56,7 @@ def measure(rt, state, batches, repeats: int = 2) -> list[tuple]:
                 prev = best.get(op, (np.inf, np.inf))
                 best[op] = (min(prev[0], t1 - t0 - issue), min(prev[1], issue))
         out += [(op, schedule, metas, t) for op, t in best.items()]
-    return out
+    return out, state
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
