@@ -327,9 +327,11 @@ def _plan(cfg, args) -> int:
     else:
         print("monolithic: no layout fits in memory on these devices")
     print(pipelined_line(report.pipelined, best.step_time_s))
-    from maestro_jax.tools.simulate import user_baseline_lines
+    from maestro_jax.tools.simulate import device_time_line, user_baseline_lines
 
     for line in user_baseline_lines(report.user_baselines, best.step_time_s):
+        print(line)
+    if line := device_time_line(report.device_time):
         print(line)
     if args.write:
         write_plan(args.config, args.overrides, best, args.memory_gb, args.write)
@@ -348,6 +350,7 @@ def _plan(cfg, args) -> int:
             "monolithic": mono,
             "pipelined": report.pipelined,
             "user_baselines": report.user_baselines,
+            "device_time": report.device_time,
             "considered": report.considered,
             "simulated": report.simulated,
         },

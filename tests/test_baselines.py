@@ -13,6 +13,7 @@ from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.planning.baselines import ceiling_time, round_robin_time, static_padding_time, user_baselines
 from maestro_jax.planning.cluster import cost_model, monolithic_time
 from maestro_jax.planning.planner import Planner
+from maestro_jax.planning.simulator import DEVICE_TIME
 from maestro_jax.schedule.ops import SampleMeta
 from maestro_jax.tools.plan import planner_for
 
@@ -143,6 +144,10 @@ def test_plan_json_carries_the_users_baselines(tmp_path, capsys):
     assert set(users) == {"round_robin", "static_padding", "shared_recipe", "ceiling"}
     assert all(v["samples_per_s_per_device"] > 0 for v in users.values())
     assert "users' baseline, Megatron-style data order" in said and "maestro reaches" in said
+    spent = json.loads(out.read_text())["device_time"]  # the best plan's device time, by what it is spent on
+    assert set(spent) == set(DEVICE_TIME) and sum(spent.values()) == pytest.approx(1.0)
+    assert all(v >= -1e-12 for v in spent.values()) and spent["work"] > 0
+    assert "maestro's device time (wavefront): " in said
 
 
 def test_simulate_prices_the_users_baselines_beside_the_configs_plan(tmp_path, capsys):
@@ -154,3 +159,8 @@ def test_simulate_prices_the_users_baselines_beside_the_configs_plan(tmp_path, c
     assert set(users) == {"round_robin", "static_padding", "ceiling"}  # no frozen section in the VLM
     assert users["ceiling"]["step_time_s"] <= report["step_time_s"]["wavefront"]
     assert "users' baseline, static image slots" in said and "maestro reaches" in said
+    spent = report["device_time"]  # the config's plan, priced the same way as `plan`'s best
+    assert set(spent) == set(DEVICE_TIME) and sum(spent.values()) == pytest.approx(1.0)
+    # idle is the bubble ratio, counted apart
+    assert spent["idle"] == pytest.approx(report["bubble_ratio"], abs=1e-9)
+    assert "maestro's device time (wavefront): " in said

@@ -33,7 +33,7 @@ from maestro_jax.planning.cost import (
     optimizer_update_s,
     ring_allreduce_s,
 )
-from maestro_jax.planning.simulator import simulate
+from maestro_jax.planning.simulator import DEVICE_TIME, device_time, simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
 from maestro_jax.schedule.ops import delivered
@@ -414,13 +414,14 @@ def simulate_plan(
     devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}
     sink_alone = []  # the monolithic layout running the sink's work only (the LLM on text alone)
-    timelines = []
+    timelines, spent = [], []  # the wavefront's timelines, and where their device time goes
     for metas in metas_all:
         for name, sched in (("naive", naive(metas, problem)), ("wavefront", wavefront(metas, problem, cost))):
             t = simulate(sched, problem, metas, cost, devices=devices)
             runs[name].append(t.makespan)
             if name == "wavefront":
                 timelines.append(t)
+                spent.append(device_time(t, sched, problem, metas, cost))
         runs["monolithic"].append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows))
         sink_alone.append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows, only=spec.sink))
     n = plan.global_batch
@@ -457,6 +458,7 @@ def simulate_plan(
         },
         "bubble_ratio": statistics.mean(t.bubble_ratio for t in timelines),
         "busy_s": {s: statistics.mean(t.busy[s] for t in timelines) for s in spec.sections},
+        "device_time": {k: statistics.mean(d[k] for d in spent) for k in DEVICE_TIME},
     }
     return report, timelines[0]
 

@@ -62,7 +62,7 @@ from maestro_jax.planning.layout import (
     section_memory,
 )
 from maestro_jax.planning.pipeline import pipelined_best
-from maestro_jax.planning.simulator import simulate
+from maestro_jax.planning.simulator import DEVICE_TIME, device_time, simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
@@ -109,6 +109,8 @@ class PlanReport:
     pipelined: dict | None = None  # the 1F1B pipeline-parallel baseline's (Megatron-LM's), `pipeline.pipelined_best`
     # what users run today on the fair monolithic layout, and the ceiling (`planning.baselines`)
     user_baselines: dict | None = None
+    # where the best plan's device time goes (`Planner.device_time`: shares of DEVICE_TIME)
+    device_time: dict | None = None
 
 
 def _powers(limit: int) -> list[int]:
@@ -907,16 +909,27 @@ class Planner:
             return self._staged(counts).step_time(plan)
         key = _key(plan)
         if key not in self._times:
-            cost = cost_model(
-                self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps, self.typical_units
-            )
-            problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead, self.balance_shards)
-            devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
-            self._times[key] = statistics.mean(
-                simulate(wavefront(m, problem, cost), problem, m, cost, devices=devices, serial=self.serial).makespan
-                for m in self.metas
-            )
+            self._times[key] = statistics.mean(t.makespan for t, *_ in self._simulated(plan))
         return self._times[key]
+
+    def device_time(self, plan: Plan) -> dict[str, float]:
+        """Where `plan`'s device time goes (`simulator.device_time`: work, padding, overheads,
+        collectives, optimizer, idle), shares averaged over the planning batches."""
+        counts = self._stage_counts(plan)
+        if counts:
+            return self._staged(counts).device_time(plan)
+        shares = [device_time(*sim) for sim in self._simulated(plan)]
+        return {k: statistics.mean(d[k] for d in shares) for k in DEVICE_TIME}
+
+    def _simulated(self, plan: Plan) -> Iterator[tuple]:
+        """(timeline, schedule, problem, metas, cost) of `plan`'s wavefront step on each planning
+        batch, priced by the analytic model."""
+        cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps, self.typical_units)
+        problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead, self.balance_shards)
+        devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
+        for m in self.metas:
+            schedule = wavefront(m, problem, cost)
+            yield simulate(schedule, problem, m, cost, devices=devices, serial=self.serial), schedule, problem, m, cost
 
     # -- search -------------------------------------------------------------------------------
     def search(self, top: int = 10) -> PlanReport:
@@ -956,7 +969,14 @@ class Planner:
                 self.link_gbps,
                 self.typical_units,
             )
-        return PlanReport(scored[0], scored[:top], considered, simulated, monolithic, pipelined, users)
+        best = scored[0]
+        return PlanReport(best, scored[:top], considered, simulated, monolithic, pipelined, users, self._spent(best))
+
+    def _spent(self, c: Candidate) -> dict[str, float]:
+        """Where candidate `c`'s device time goes (`device_time`), priced as it was scored: its
+        stash bound and run-ahead, its sections cut as it cuts them."""
+        cut = self._of(self.spec.with_cuts(c.cuts), self.metas) if c.cuts else self
+        return cut._with(self.devices, c.max_in_flight, c.run_ahead).device_time(c.plan)
 
     def _monolithic_point(self, monolithic: dict | None) -> Candidate | None:
         """The monolithic layout as a maestro plan: every section on all devices with its mesh,

@@ -17,7 +17,9 @@ from maestro_jax.schedule import (
     Problem,
     SampleMeta,
     Schedule,
+    micro_step_rows,
     op_duration,
+    op_units,
     required_ops,
     resource_of,
     steady_order,
@@ -109,3 +111,72 @@ def simulate(
         out.append(Interval(op, res, start, end))
     devices = devices or {s: problem.dp[s] for s in problem.order}
     return Timeline(tuple(out), dict(devices), {s: problem.group(s) for s in problem.order})
+
+
+# where a step's device time goes (`device_time`), in the order a report lists them
+DEVICE_TIME = ("work", "row_padding", "empty_rows", "bucket_padding", "overhead", "collectives", "optimizer", "idle")
+
+
+def device_time(timeline: Timeline, schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], cost) -> dict:
+    """Each device's time over one simulated step (`timeline` of `schedule`, priced by the
+    `CostModel` `cost`), split by what it is spent on, as shares of the makespan times every
+    device (a device group counted once: co-located sections take turns on its devices):
+
+    - `work`: each sample's own compute in each section at the op's per-unit rates, as if its
+      rows held nothing else (what the `ceiling` baseline counts);
+    - `row_padding`: rows computed at the micro-step's longest row (shards run in lockstep, so a
+      shard with lighter rows waits for the heaviest); a packing section's packed rows and its
+      empty ones count here too;
+    - `empty_rows`: rows no sample fills (a micro-step with fewer samples than rows);
+    - `bucket_padding`: the longest row rounded up to its shape bucket (`core.buckets`);
+    - `overhead`: each program's fixed cost (`SectionCost.overhead_s`, the per-micro-step price);
+    - `collectives`: the per-layer collectives a forward's compute does not hide;
+    - `optimizer`: the updates (gradient reduction and the optimizer step, `cost.update_s`);
+    - `idle`: no op runs (waiting on a dependency, a transfer or the host).
+
+    Transfers run on links beside the devices (`resource_of`); where a device waits for one, the
+    wait is idle. The shares sum to 1."""
+    size = {timeline.groups.get(s, s): n for s, n in timeline.devices.items()}
+    total = timeline.makespan * sum(size.values())
+    out = dict.fromkeys(DEVICE_TIME, 0.0)
+    if not total:
+        return out
+    for i in timeline.intervals:
+        op = i.op
+        if op.kind in ("X", "XB"):
+            continue
+        n, t = timeline.devices[op.section], i.end - i.start
+        if op.kind == "U":
+            out["optimizer"] += n * t
+            continue
+        c = cost.sections[op.section]
+        factor = c.sink_factor if op.section == problem.sink else {"F": 1.0, "B": c.backward_factor}[op.kind]
+        parts = _forward_parts(op, op_units(op, schedule.steps, metas), problem, c)
+        for k, v in parts.items():
+            out[k] += n * factor * v
+        out["collectives"] += n * (t - factor * sum(parts.values()))
+    out["idle"] = max(0.0, total - sum(out.values()))  # max: float rounding of an idle-free step
+    return {k: v / total for k, v in out.items()}
+
+
+def _forward_parts(op: Op, units: Sequence[int], problem: Problem, c) -> dict[str, float]:
+    """One shard's forward of `op`'s micro-step (slots of `units` work, shard-major) as the cost
+    model prices it (`SectionCost.forward_s`) less its hidden and exposed collectives, split into
+    the samples' work, the padding (`device_time`) and the fixed overhead."""
+    lengths, rows = micro_step_rows(op, units, problem)
+    dp = problem.dp[op.section]
+
+    def compute(u: float) -> float:
+        return c.per_unit_s * u + c.per_unit2_s * u * u
+
+    longest = max(lengths, default=0)
+    computed, at_longest = rows * compute(c.padded(longest)), rows * compute(longest)
+    work = sum(compute(u) for u in units) / dp
+    empty = 0.0 if op.section in problem.pack else sum(u == 0 for u in units) / dp * compute(longest)
+    return {
+        "work": work,
+        "row_padding": at_longest - empty - work,
+        "empty_rows": empty,
+        "bucket_padding": computed - at_longest,
+        "overhead": c.overhead_s,
+    }

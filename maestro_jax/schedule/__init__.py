@@ -12,7 +12,7 @@ from maestro_jax.schedule.ops import (
     required_ops,
     sample_metas,
 )
-from maestro_jax.schedule.timing import op_duration, resource_of, steady_order
+from maestro_jax.schedule.timing import micro_step_rows, op_duration, op_units, resource_of, steady_order
 from maestro_jax.schedule.validate import validate
 from maestro_jax.schedule.wavefront import list_schedule, wavefront
 
@@ -24,8 +24,10 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "list_schedule",
+    "micro_step_rows",
     "naive",
     "op_duration",
+    "op_units",
     "required_ops",
     "resource_of",
     "sample_metas",

@@ -6,6 +6,16 @@ from maestro_jax.schedule.ops import Op, Problem
 from maestro_jax.schedule.packing import packed_shape
 
 
+def micro_step_rows(op: Op, units, problem: Problem) -> tuple[list[int], int]:
+    """`op`'s micro-step as its section runs it, from its slots' work units (`op_units`): (row
+    lengths, rows a shard); a packing section's as `schedule.packing` packs them."""
+    s = op.section
+    if s not in problem.pack:
+        return units, problem.micro_batch(s)
+    n, length = packed_shape(units, problem.dp[s], problem.micro_batch(s), problem.pack[s])
+    return [length] if any(units) else [], n
+
+
 def work_time(cost, problem: Problem):
     """(op, work units of its micro-step's slots) -> seconds, from a CostModel (or unit costs
     when None: work units, padded to the micro-step's largest row). The units are listed by
@@ -17,20 +27,12 @@ def work_time(cost, problem: Problem):
     (`op_units`) so that a caller meeting the same micro-step again and again (the wavefront's
     candidates) reads them once."""
 
-    def rows(op: Op, units) -> tuple[list[int], int]:
-        """The micro-step's (row lengths, rows a shard) as its section runs them."""
-        s = op.section
-        if s not in problem.pack:
-            return units, problem.micro_batch(s)
-        n, length = packed_shape(units, problem.dp[s], problem.micro_batch(s), problem.pack[s])
-        return [length] if any(units) else [], n
-
     if cost is None:
 
         def unit_time(op: Op, units) -> float:
             if op.kind in ("X", "XB", "U"):
                 return 0.0
-            lengths, n = rows(op, units)
+            lengths, n = micro_step_rows(op, units, problem)
             base = n * max(lengths, default=0)
             return base * (2.0 if op.kind == "B" else 3.0 if op.section == problem.sink else 1.0)
 
@@ -42,7 +44,7 @@ def work_time(cost, problem: Problem):
         if op.kind in ("X", "XB"):
             return cost.transfer_time(op.edge, units)
         kind = "L" if op.section == problem.sink else op.kind
-        lengths, n = rows(op, units)
+        lengths, n = micro_step_rows(op, units, problem)
         return cost.step_time(op.section, kind, lengths, n)
 
     return time

@@ -201,6 +201,28 @@ def user_baseline_lines(users: dict | None, maestro_s: float) -> list[str]:
     return lines
 
 
+# how `device_time_line` names each share of `simulator.device_time`
+DEVICE_TIME_TEXT = {
+    "work": "the samples' own work",
+    "row_padding": "rows padded to their micro-step's longest",
+    "empty_rows": "empty rows",
+    "bucket_padding": "shape buckets",
+    "overhead": "per-program overhead",
+    "collectives": "collectives the compute does not hide",
+    "optimizer": "optimizer steps",
+    "idle": "idle (dependencies, transfers)",
+}
+
+
+def device_time_line(shares: dict | None) -> str | None:
+    """Where maestro's step's device time goes (`simulator.device_time`, shares), in one line."""
+    if not shares:
+        return None
+    return "maestro's device time (wavefront): " + ", ".join(
+        f"{_digits(100 * shares[k])}% {text}" for k, text in DEVICE_TIME_TEXT.items()
+    )
+
+
 def format_report(r: dict) -> str:
     """`simulate_config`'s report as `maestro-jax simulate` prints it: a table of step times and
     throughput per mode, then the layouts compared and the ratios."""
@@ -234,6 +256,8 @@ def format_report(r: dict) -> str:
     if pipe:
         lines.append(f"pipelined (1F1B) layout: {pipelined_layout(pipe)}")
     lines += user_baseline_lines(r.get("user_baselines"), r["step_time_s"]["wavefront"])
+    if spent := device_time_line(r.get("device_time")):
+        lines.append(spent)
     vs_pipe = f"   wavefront vs pipelined: {r['speedup_vs_pipelined']:.3f}" if pipe else ""
     lines.append(
         f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "
