@@ -351,6 +351,7 @@ def _plan(cfg, args) -> int:
             "pipelined": report.pipelined,
             "user_baselines": report.user_baselines,
             "device_time": report.device_time,
+            "device_time_by_section": report.section_time,
             "considered": report.considered,
             "simulated": report.simulated,
         },

@@ -147,6 +147,9 @@ def test_plan_json_carries_the_users_baselines(tmp_path, capsys):
     spent = json.loads(out.read_text())["device_time"]  # the best plan's device time, by what it is spent on
     assert set(spent) == set(DEVICE_TIME) and sum(spent.values()) == pytest.approx(1.0)
     assert all(v >= -1e-12 for v in spent.values()) and spent["work"] > 0
+    by_section = json.loads(out.read_text())["device_time_by_section"]
+    assert set(by_section) == {"teacher", "student"}
+    assert sum(sum(d.values()) for d in by_section.values()) + spent["idle"] == pytest.approx(1.0)
     assert "maestro's device time (wavefront): " in said
 
 

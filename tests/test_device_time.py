@@ -6,7 +6,7 @@ import pytest
 
 from maestro_jax.core.plan import EdgeInfo
 from maestro_jax.planning.cost import CostModel, SectionCost
-from maestro_jax.planning.simulator import DEVICE_TIME, device_time, simulate
+from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
 from maestro_jax.schedule import Problem, SampleMeta, wavefront
 
 TEACHER = SectionCost(per_unit_s=1e-3, overhead_s=1e-2)
@@ -37,6 +37,10 @@ def spent(problem, units, teacher=TEACHER, devices=None):
     shares = device_time(timeline, schedule, problem, metas, cost)
     assert set(shares) == set(DEVICE_TIME) and sum(shares.values()) == pytest.approx(1.0)
     assert shares["idle"] == pytest.approx(timeline.bubble_ratio)  # the timeline's own idle, counted apart
+    by_section = section_time(timeline, schedule, problem, metas, cost)
+    for k in DEVICE_TIME[:-1]:  # the sections' shares add up to the step's
+        assert sum(d[k] for d in by_section.values()) == pytest.approx(shares[k], abs=1e-12), k
+    assert by_section["teacher"]["optimizer"] == 0, "a frozen teacher takes no update"
     return {k: v * total for k, v in shares.items()}, total, timeline, schedule
 
 

@@ -33,7 +33,7 @@ from maestro_jax.planning.cost import (
     optimizer_update_s,
     ring_allreduce_s,
 )
-from maestro_jax.planning.simulator import DEVICE_TIME, device_time, simulate
+from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.schedule import naive, wavefront
 from maestro_jax.schedule.ops import delivered
@@ -421,7 +421,9 @@ def simulate_plan(
             runs[name].append(t.makespan)
             if name == "wavefront":
                 timelines.append(t)
-                spent.append(device_time(t, sched, problem, metas, cost))
+                spent.append(
+                    (device_time(t, sched, problem, metas, cost), section_time(t, sched, problem, metas, cost))
+                )
         runs["monolithic"].append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows))
         sink_alone.append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows, only=spec.sink))
     n = plan.global_batch
@@ -458,7 +460,10 @@ def simulate_plan(
         },
         "bubble_ratio": statistics.mean(t.bubble_ratio for t in timelines),
         "busy_s": {s: statistics.mean(t.busy[s] for t in timelines) for s in spec.sections},
-        "device_time": {k: statistics.mean(d[k] for d in spent) for k in DEVICE_TIME},
+        "device_time": {k: statistics.mean(d[k] for d, _ in spent) for k in DEVICE_TIME},
+        "device_time_by_section": {
+            s: {k: statistics.mean(d[s][k] for _, d in spent) for k in DEVICE_TIME[:-1]} for s in spec.sections
+        },
     }
     return report, timelines[0]
 

@@ -62,7 +62,7 @@ from maestro_jax.planning.layout import (
     section_memory,
 )
 from maestro_jax.planning.pipeline import pipelined_best
-from maestro_jax.planning.simulator import DEVICE_TIME, device_time, simulate
+from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
 from maestro_jax.planning.spec import SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
@@ -109,8 +109,10 @@ class PlanReport:
     pipelined: dict | None = None  # the 1F1B pipeline-parallel baseline's (Megatron-LM's), `pipeline.pipelined_best`
     # what users run today on the fair monolithic layout, and the ceiling (`planning.baselines`)
     user_baselines: dict | None = None
-    # where the best plan's device time goes (`Planner.device_time`: shares of DEVICE_TIME)
+    # where the best plan's device time goes (`Planner.device_time`: shares of DEVICE_TIME), in all
+    # and by section
     device_time: dict | None = None
+    section_time: dict | None = None
 
 
 def _powers(limit: int) -> list[int]:
@@ -912,14 +914,20 @@ class Planner:
             self._times[key] = statistics.mean(t.makespan for t, *_ in self._simulated(plan))
         return self._times[key]
 
-    def device_time(self, plan: Plan) -> dict[str, float]:
+    def device_time(self, plan: Plan) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """Where `plan`'s device time goes (`simulator.device_time`: work, padding, overheads,
-        collectives, optimizer, idle), shares averaged over the planning batches."""
+        collectives, optimizer, idle) and the same by section (`simulator.section_time`),
+        shares averaged over the planning batches."""
         counts = self._stage_counts(plan)
         if counts:
             return self._staged(counts).device_time(plan)
-        shares = [device_time(*sim) for sim in self._simulated(plan)]
-        return {k: statistics.mean(d[k] for d in shares) for k in DEVICE_TIME}
+        sims = list(self._simulated(plan))
+        shares = [device_time(*sim) for sim in sims]
+        by_section = [section_time(*sim) for sim in sims]
+        return (
+            {k: statistics.mean(d[k] for d in shares) for k in DEVICE_TIME},
+            {s: {k: statistics.mean(d[s][k] for d in by_section) for k in DEVICE_TIME[:-1]} for s in by_section[0]},
+        )
 
     def _simulated(self, plan: Plan) -> Iterator[tuple]:
         """(timeline, schedule, problem, metas, cost) of `plan`'s wavefront step on each planning
@@ -970,9 +978,9 @@ class Planner:
                 self.typical_units,
             )
         best = scored[0]
-        return PlanReport(best, scored[:top], considered, simulated, monolithic, pipelined, users, self._spent(best))
+        return PlanReport(best, scored[:top], considered, simulated, monolithic, pipelined, users, *self._spent(best))
 
-    def _spent(self, c: Candidate) -> dict[str, float]:
+    def _spent(self, c: Candidate) -> tuple[dict, dict]:
         """Where candidate `c`'s device time goes (`device_time`), priced as it was scored: its
         stash bound and run-ahead, its sections cut as it cuts them."""
         cut = self._of(self.spec.with_cuts(c.cuts), self.metas) if c.cuts else self

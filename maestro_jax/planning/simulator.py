@@ -136,27 +136,36 @@ def device_time(timeline: Timeline, schedule: Schedule, problem: Problem, metas:
 
     Transfers run on links beside the devices (`resource_of`); where a device waits for one, the
     wait is idle. The shares sum to 1."""
+    by_section = section_time(timeline, schedule, problem, metas, cost)
+    out = {k: sum(d[k] for d in by_section.values()) for k in DEVICE_TIME[:-1]}
+    idle = 1.0 - sum(out.values())
+    out["idle"] = idle if idle > 1e-9 else 0.0  # an idle-free step's float rounding is no idle
+    return out
+
+
+def section_time(timeline: Timeline, schedule: Schedule, problem: Problem, metas: Sequence[SampleMeta], cost) -> dict:
+    """`device_time` by section: {section: {share: value}} of the same total (every share but
+    idle, which belongs to no section), so that the sections' shares and idle sum to 1."""
     size = {timeline.groups.get(s, s): n for s, n in timeline.devices.items()}
     total = timeline.makespan * sum(size.values())
-    out = dict.fromkeys(DEVICE_TIME, 0.0)
+    out = {s: dict.fromkeys(DEVICE_TIME[:-1], 0.0) for s in timeline.devices}
     if not total:
         return out
     for i in timeline.intervals:
         op = i.op
         if op.kind in ("X", "XB"):
             continue
-        n, t = timeline.devices[op.section], i.end - i.start
+        mine, n, t = out[op.section], timeline.devices[op.section], (i.end - i.start) / total
         if op.kind == "U":
-            out["optimizer"] += n * t
+            mine["optimizer"] += n * t
             continue
         c = cost.sections[op.section]
         factor = c.sink_factor if op.section == problem.sink else {"F": 1.0, "B": c.backward_factor}[op.kind]
         parts = _forward_parts(op, op_units(op, schedule.steps, metas), problem, c)
         for k, v in parts.items():
-            out[k] += n * factor * v
-        out["collectives"] += n * (t - factor * sum(parts.values()))
-    out["idle"] = max(0.0, total - sum(out.values()))  # max: float rounding of an idle-free step
-    return {k: v / total for k, v in out.items()}
+            mine[k] += n * factor * v / total
+        mine["collectives"] += n * (t - factor * sum(parts.values()) / total)
+    return out
 
 
 def _forward_parts(op: Op, units: Sequence[int], problem: Problem, c) -> dict[str, float]:

@@ -18,6 +18,7 @@ models, which price a packing section's micro-steps as the packed rows the runti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections.abc import Sequence
 
@@ -100,7 +101,8 @@ def first_fit_decreasing(items: Sequence[int], lengths: Sequence[int | None], bu
     return rows
 
 
-def packed_shape(units: Sequence[int], shards: int, per_shard: int, pack: Pack) -> tuple[int, int]:
+@functools.lru_cache(maxsize=1 << 16)  # the wavefront prices the same micro-steps again and again
+def packed_shape(units: tuple[int, ...], shards: int, per_shard: int, pack: Pack) -> tuple[int, int]:
     """(rows per shard, tokens a row is padded to before bucketing) of a packing section's
     micro-step whose slots hold `units` (shard-major, `per_shard` slots a shard, 0 for padding),
     as `pack_rows` lays them: the count form's fixed rows and its longest row; a token budget's

@@ -12,7 +12,7 @@ def micro_step_rows(op: Op, units, problem: Problem) -> tuple[list[int], int]:
     s = op.section
     if s not in problem.pack:
         return units, problem.micro_batch(s)
-    n, length = packed_shape(units, problem.dp[s], problem.micro_batch(s), problem.pack[s])
+    n, length = packed_shape(tuple(units), problem.dp[s], problem.micro_batch(s), problem.pack[s])
     return [length] if any(units) else [], n
 
 
