@@ -28,6 +28,7 @@ import wavefront_reference
 
 from maestro_jax import workloads
 from maestro_jax.config import load_config
+from maestro_jax.core.plan import check_meshes
 from maestro_jax.planning.cluster import cost_model, simulate_plan
 from maestro_jax.schedule import wavefront
 
@@ -42,6 +43,7 @@ def weak_scaled(k: int):
             f"sections.vision.mesh.data={8 * k}",
             f"sections.llm.devices={8 * k}:{72 * k}",
             f"sections.llm.mesh.data={16 * k}",
+            "sections.llm.mesh.fsdp=1",  # the config's own plan shards the LLM over fsdp: here data alone
             f"monolithic.devices=0:{72 * k}",
             f"monolithic.mesh.data={18 * k}",
         ],
@@ -63,6 +65,7 @@ def measure(k: int, reference: bool) -> dict:
     cfg = weak_scaled(k)
     graph = workloads.build_graph(cfg)
     spec, plan = workloads.describe(cfg, graph), cfg.plan()
+    check_meshes(plan)  # every mesh covers its devices: the scaled plan is the one described
     problem = spec.problem(plan, cfg.schedule.max_in_flight)
     batches = workloads.planning_batches(cfg, graph, cfg.simulate.batches)
     cost = cost_model(spec, dict(plan.sections), batches, cfg.simulate.device, cfg.simulate.link_gbps)

@@ -2,7 +2,8 @@
 per backend and dtype, the XLA GPU flags (added only on a GPU, the user's own winning, and
 every name known to the installed XLA), verify's float32 matmul precision, and buffer donation
 (the update program reuses the state's buffers: compiled memory shows it, and a run that donates
-trains the same losses as one that does not)."""
+trains the same losses as one that does not; `bench` and a run checkpointed and resumed donate
+as an accelerator does)."""
 
 import os
 import subprocess
@@ -138,3 +139,25 @@ def test_bench_donates_as_an_accelerator_does(tmp_path):
     report = bench(cfg, reps=1, num_batches=1, trace_dir=str(tmp_path), rt=rt)
     assert all(v > 0 for v in report["samples_per_s"].values())
     assert report["simulator"]["cost_source"] == "calibrated"
+
+
+@pytest.mark.slow
+def test_donating_run_checkpoints_and_resumes_like_one_that_does_not(tmp_path):
+    """An accelerator's run donates each step's state to the next while Orbax saves it
+    asynchronously: the checkpoint must hold the saved step's values, not buffers a later step
+    consumed. Three donating steps, checkpointed every step, resumed to five, give the losses of
+    five steps straight through without donation."""
+    import json
+
+    from maestro_jax.cli import main
+
+    def run(out, steps, donate):
+        args = ["train", "--config", str(ROOT / "configs/kd_tiny.yaml"), *TINY_KD, f"steps={steps}"]
+        args += [f"output_dir={out}", "checkpoint_every=1", "async_checkpoint=true", f"compile.donate={donate}"]
+        assert main(args) == 0
+        return [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    run(tmp_path / "donated", 3, "true")
+    resumed = run(tmp_path / "donated", 5, "true")
+    assert resumed == run(tmp_path / "kept", 5, "false")
+    assert len(resumed) == 5
