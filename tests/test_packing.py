@@ -17,7 +17,7 @@ from maestro_jax.core.buckets import bucket
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
-from maestro_jax.schedule.packing import TokenBudget, first_fit_decreasing, pack_rows
+from maestro_jax.schedule.packing import TokenBudget, first_fit_decreasing, pack_rows, packed_shape
 from maestro_jax.tools.verify import compare, verify
 
 LLM = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64)
@@ -34,6 +34,23 @@ def test_pack_rows_balances_each_shards_rows_and_keeps_slots_on_their_shard():
     assert loads == [19, 19, 10, 9]  # LPT: 9, 8, 8, 7, 3, 2, 1 -> {9, 7, 2, 1}, {8, 8, 3}
     with pytest.raises(ValueError):
         pack_rows(lengths[:6], shards=2, pack=4)
+
+
+@pytest.mark.parametrize("shards,pack", [(1, 2), (4, 2), (3, 3), (8, 4)])
+def test_packed_shape_of_one_row_a_shard_is_what_pack_rows_lays(shards, pack):
+    """The count form with one row a shard (every shard's slots in that row, the pricing's fast
+    path) against `pack_rows` itself, on random micro-steps with padding slots, and one with
+    fewer units than slots; two rows a shard take `pack_rows`' path and agree too."""
+    import random
+
+    rng = random.Random(shards * 10 + pack)
+    for per_shard in (pack, 2 * pack):
+        for n in (shards * per_shard, shards * per_shard - 1):
+            units = tuple(rng.choice([0, 1, 5, 17, 40]) for _ in range(n))
+            lengths = [u or None for u in units] + [None] * (shards * per_shard - n)
+            rows = pack_rows(lengths, shards, pack)
+            longest = max((sum(lengths[x] for x in row) for row in rows), default=0)
+            assert packed_shape(units, shards, per_shard, pack) == (len(rows) // shards, longest)
 
 
 def test_token_budget_rows_hold_every_sample_once_whole_within_the_budget():

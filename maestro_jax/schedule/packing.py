@@ -111,6 +111,8 @@ def packed_shape(units: tuple[int, ...], shards: int, per_shard: int, pack: Pack
     per = pack if isinstance(pack, int) else 1
     per_shard = max(per_shard, -(-len(units) // shards))
     per_shard = -(-per_shard // per) * per
+    if per_shard == per and not isinstance(pack, TokenBudget):  # one row a shard holds all its slots
+        return 1, max(sum(units[j * per : (j + 1) * per]) for j in range(shards))
     lengths = [u or None for u in units] + [None] * (shards * per_shard - len(units))
     rows = pack_rows(lengths, shards, pack)
     if isinstance(pack, TokenBudget):
