@@ -100,3 +100,21 @@ def test_co_located_sections_count_their_devices_once():
     )
     assert total == pytest.approx(2 * timeline.makespan)
     assert got["work"] == pytest.approx(2 * (2 * 0.032 + 2 * 3 * 0.064))
+
+
+def test_a_staged_plan_is_accounted_stage_by_stage():
+    """The pipelined baseline's layout as a maestro plan (sections in pipeline stages, priced by
+    the staged planner): its device time sums to 1, and by section it names the stages."""
+    from conftest import ROOT
+
+    from maestro_jax.config import load_config
+    from maestro_jax.planning.pipeline import pipelined_best
+    from maestro_jax.tools.plan import planner_for
+
+    planner = planner_for(load_config(ROOT / "configs/kd_tiny.yaml", ["simulate.device=h100"]), 8, 1.0)
+    staged = planner._pipelined_point(pipelined_best(planner))
+    shares, by_section = planner._spent(staged)
+    assert set(by_section) == set(staged.plan.sections) == {"teacher.0", "teacher.1", "student.0", "student.1"}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert sum(sum(d.values()) for d in by_section.values()) + shares["idle"] == pytest.approx(1.0)
+    assert by_section["teacher.0"]["optimizer"] == 0 < by_section["student.1"]["optimizer"]
