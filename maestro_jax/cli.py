@@ -439,6 +439,10 @@ def _bench(cfg, args) -> int:
             f"{m:12s} {r['samples_per_s'][m]:10.2f} {r['tokens_per_s'][m]:10.1f} {t['median']:14.4f} "
             f"{t['min']:8.4f} {t['max']:8.4f}"
         )
+    orders = ", ".join(f"{o} {v:.2f}" for o, v in r["monolithic_orders"].items())
+    print(f"monolithic: the fastest of its orders, {r['monolithic_order']} (samples/s by order: {orders})")
+    rr = r["user_baselines"]["round_robin"]["samples_per_s"]
+    print(f"users' baseline, Megatron-style data order (the monolithic step in arrival order): {rr:.2f} samples/s")
     for k, v in r["ratios"].items():
         print(f"{k}: {v:.3f}")
     for m, v in r["host_overhead_fraction"].items():

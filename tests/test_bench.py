@@ -8,7 +8,7 @@ from conftest import ROOT, TINY_KD, TINY_OMNI, TINY_VLM
 
 from maestro_jax.cli import main
 from maestro_jax.config import load_config
-from maestro_jax.tools.bench import MODES
+from maestro_jax.tools.bench import MODES, ORDERS
 
 
 @pytest.mark.slow
@@ -49,6 +49,12 @@ def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", override
     assert "wavefront_vs_naive" in said.out and "bench [" not in said.out, "progress on stderr, the report on stdout"
     r = json.loads(out.read_text())
     assert set(r["samples_per_s"]) == {"monolithic", "naive", "wavefront"}
+    # the fair monolithic is the fastest of its orders; arrival order is the users' Megatron order
+    assert set(r["monolithic_orders"]) == set(ORDERS) and r["monolithic_order"] in ORDERS
+    assert r["samples_per_s"]["monolithic"] == pytest.approx(max(r["monolithic_orders"].values()), rel=1e-12)
+    assert r["user_baselines"]["round_robin"]["samples_per_s"] == r["monolithic_orders"]["arrival"]
+    assert r["ratios"]["wavefront_vs_round_robin"] >= r["ratios"]["wavefront_vs_monolithic"] * (1 - 1e-12)
+    assert "users' baseline, Megatron-style data order" in said.out
     assert all(v > 0 for v in r["samples_per_s"].values())
     assert set(r["ratios"]) >= {"wavefront_vs_monolithic", "wavefront_vs_naive"}
     assert abs(r["ratios"]["wavefront_vs_naive"] - r["samples_per_s"]["wavefront"] / r["samples_per_s"]["naive"]) < 1e-9
@@ -98,3 +104,43 @@ def test_bench_balance_times_the_wavefront_both_ways_on_one_runtime():
     assert all(n > 0 for units in r["padded_units"].values() for n in units.values())
     assert [line.split(":")[0] for line in said] == ["balance", "balance", "balance repetition 1/1"]
     assert rt.problem.balance_shards, "the runtime's own problem is left as it was"
+
+
+@pytest.mark.slow
+def test_the_monolithic_orders_are_sorts_of_one_batch_with_one_loss():
+    """`monolithic_orders`: each order is a permutation of the batch, the sorted ones longest
+    first by their key with ties in arrival order, and the monolithic step's loss and gradients
+    are the same in every order (up to the rounding of their sums): the order is a fair
+    baseline's free choice, never a change of what it trains."""
+    import jax
+    import numpy as np
+
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.schedule import sample_metas
+    from maestro_jax.tools.bench import monolithic_orders
+    from maestro_jax.tools.calibrate import fit, measure
+
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM)
+    rt = build_runtime(cfg)
+    samples = rt.batches()[0]
+    measured, _ = measure(rt, rt.step.init(), [samples], repeats=1)
+    orders = monolithic_orders(rt, fit(rt, measured))
+    assert set(orders) == set(ORDERS)
+    sink = [m.work.get(rt.graph.sink, 0) for m in sample_metas(rt.graph, samples)]
+    by_id = {s.id: u for s, u in zip(samples, sink)}
+    results = {}
+    for name, order in orders.items():
+        got = order(list(samples))
+        assert sorted(s.id for s in got) == sorted(s.id for s in samples)
+        if name == "sink_longest":
+            keys = [(-by_id[s.id], [x.id for x in samples].index(s.id)) for s in got]
+            assert keys == sorted(keys), "longest first, ties in arrival order"
+        loss, grads, _ = rt.monolithic.step.gradients(rt.monolithic.step.init(), got)
+        results[name] = float(loss), jax.tree.map(np.asarray, grads)
+    assert orders["arrival"](list(samples)) == list(samples)
+    assert orders["sink_longest"](list(samples)) != list(samples), "the batch does arrive unsorted"
+    loss, grads = results["arrival"]
+    for name, (other_loss, other_grads) in results.items():
+        assert other_loss == pytest.approx(loss, rel=1e-5), name
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(other_grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
