@@ -370,3 +370,23 @@ def test_packed_rows_are_priced_as_packed(pack, micro_batch, step_s, rows_units)
         alike = Plan({"llm": SectionPlan((0,), mesh_shape(data=1), problem.rows["llm"])}, {}, 4)
         planner = Planner(spec, [metas], 1, 1.0, global_batch=4, device="cpu")
         assert planner.step_time(plan) < unpacked.step_time(alike)
+
+
+def test_a_section_that_packs_is_never_planned_in_stages():
+    """The runtime's pipeline stages do not pack (`sections.<s>.stages` refuses `pack`), so the
+    planner never offers a plan that cuts a packing section: neither its stage search nor the
+    pipelined baseline's layout as a maestro plan. The pipelined baseline is still priced."""
+    from maestro_jax.planning.pipeline import pipelined_best
+    from maestro_jax.planning.planner import STAGE_COUNTS
+    from maestro_jax.tools.plan import planner_for
+
+    h100 = ["simulate.device=h100"]
+    plain = planner_for(load_config(ROOT / "configs/kd_tiny.yaml", h100), 8, 1.0, stage_counts=STAGE_COUNTS)
+    assert plain._pipelined_point(pipelined_best(plain)) is not None, "unpacked, the layout is a maestro plan"
+    cfg = load_config(ROOT / "configs/kd_tiny.yaml", [*h100, "sections.student.pack=2"])
+    planner = planner_for(cfg, 8, 1.0, stage_counts=STAGE_COUNTS)
+    assert planner._pipelined_point(pipelined_best(planner)) is None
+    report = planner.search(top=5)
+    assert report.pipelined is not None
+    for c in report.top:
+        assert not any(name.startswith("student.") for name in c.plan.sections), c.plan.sections

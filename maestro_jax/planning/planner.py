@@ -297,7 +297,10 @@ class Planner:
             # part of one, or whole nodes): the search prices every stage count on every such
             # device count, and each costs as much as pricing the section K times
             per_stage = n // k
-            if k in self.spec.splits.get(section, {}) and n % k == 0 and per_stage & (per_stage - 1) == 0:
+            # a section that packs is never offered in stages: the runtime's stages do not pack
+            # (`sections.<s>.stages` refuses `pack`), so no config could run the plan
+            cuttable = k in self.spec.splits.get(section, {}) and section not in self.spec.pack
+            if cuttable and n % k == 0 and per_stage & (per_stage - 1) == 0:
                 staged = self._staged_options(section, k, n, budget, lightest)
                 kept += staged if lightest else self._undominated(section, staged)
         self._options[key] = sorted(kept, key=lambda o: o.bound)  # the search stops at the first too slow
@@ -1010,13 +1013,14 @@ class Planner:
         (1F1B's first stage holds P). Scored like any plan, by maestro's own schedule, cut as the
         baseline cuts it (`sections.<s>.stage_layers`) and evenly, the faster kept. None when
         there is no pipelined layout, a section it cuts cannot take P stages
-        (`WorkloadSpec.splits`), or the plan breaks a constraint."""
+        (`WorkloadSpec.splits`) or packs (the runtime's stages do not pack), or the plan breaks a
+        constraint."""
         if pipelined is None:
             return None
         k, per = pipelined["stages"], pipelined["devices_per_stage"]
         layers = {s: tuple(c) for s, c in pipelined["layers_per_stage"].items()}
-        if any(k not in self.spec.splits.get(s, {}) for s in layers):
-            return None
+        if any(k not in self.spec.splits.get(s, {}) or s in self.spec.pack for s in layers):
+            return None  # a section that packs never runs in stages (`sections.<s>.stages`)
         mesh = mesh_shape(**pipelined["mesh"])
         sections = {}
         for s, sec in self.spec.sections.items():
