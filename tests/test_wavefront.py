@@ -546,12 +546,17 @@ def test_column_heap_places_as_the_linear_scan(monkeypatch):
 
 
 def reference_cases():
-    """(batch maker, problem): the VLM problems, one shaped like configs/vlm_paper_scale.yaml
-    (vision data 8, LLM data 16, fanout 2, micro-batches 2 and 1: no section capped, one row per
-    sink shard), every DAG case (`chain_small_producer_b2` is capped) and random DAGs."""
+    """(batch maker, problem): the VLM problems, two shaped like configs/vlm_paper_scale.yaml
+    (vision data 8, LLM data 16, fanout 2, one row per sink shard; the ViT's micro-batch 2, no
+    section capped, as the config was, and 1, capped, as it is), every DAG case
+    (`chain_small_producer_b2` is capped) and random DAGs."""
     cases = [(lambda r, p=p: random_batch(r, r.choice([8, 16, 24, 32]), r.random()), p) for p in PROBLEMS]
     paper = vlm_problem(dp_v=8, fanout=2, mb_v=2, mb_l=1)
     cases.append((lambda r: random_batch(r, r.choice([48, 144]), 0.5), paper))
+    # the config's plan today: one image a ViT shard, so the sink's columns are capped
+    # (`wavefront._OneRowColumn`)
+    capped = vlm_problem(dp_v=8, fanout=2, mb_v=1, mb_l=1)
+    cases.append((lambda r: random_batch(r, r.choice([48, 144]), r.choice([0.3, 0.5, 0.8])), capped))
     cases += [
         (lambda r, s=s, p=p: dag_batch(r, p, s, r.choice([8, 16, 32]), r.random()), p) for s, p in DAG_CASES.values()
     ]
@@ -796,3 +801,26 @@ def _vision_rows(batch, columns):
     """The ViT's micro-steps of the sink's `columns`: each shard's samples in column order, one a step."""
     streams = [[x for c in columns for x in batch.placed(c, "vision")[j]] for j in range(4)]
     return [tuple(s[k] if k < len(s) else -1 for s in streams) for k in range(max(map(len, streams)))]
+
+
+def test_one_row_columns_are_the_heaps_columns():
+    """The sink's capped columns with one row a sink shard and one capped section
+    (`_OneRowColumn`, O(1) a sample) are `_Column`'s, sample for sample, over random batches,
+    fan-outs, caps and orders."""
+    import functools
+
+    from maestro_jax.schedule.wavefront import _caps, _Column, _columns, _OneRowColumn
+
+    rng = random.Random(3)
+    for _ in range(200):
+        dp_v, fanout, mb_v = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]), rng.choice([1, 2])
+        problem = vlm_problem(dp_v, fanout, mb_v, 1)
+        caps = _caps(problem)
+        if not caps:
+            continue
+        metas = random_batch(rng, rng.randint(1, 80), rng.random())
+        ordered = rng.sample(range(len(metas)), len(metas))
+        sections = [m.sections for m in metas]
+        fast = _columns(ordered, functools.partial(_OneRowColumn, sections, "vision", fanout, mb_v, dp_v * fanout))
+        weight = [m.work.get("llm", 0) for m in metas].__getitem__
+        assert fast == _columns(ordered, functools.partial(_Column, problem, metas, weight, caps))

@@ -17,7 +17,7 @@ import functools
 import heapq
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 
 from maestro_jax.schedule.ops import (
@@ -274,6 +274,9 @@ class _Column:
             used[key] = used.get(key, 0) + 1
         return True
 
+    def rows(self) -> tuple[int, ...]:
+        return _flatten(self.shards, self.mb)
+
 
 def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[SampleMeta], weight) -> Rows:
     """`_pack` for the sink, except that a sample that would overfill some section's shard waits
@@ -284,16 +287,63 @@ def _pack_columns(samples: Sequence[int], problem: Problem, metas: Sequence[Samp
     caps = _caps(problem)
     if not caps:
         return _pack(samples, problem.rows[problem.sink], problem.dp[problem.sink], weight)
-    ordered, out, waiting, i = _longest_first(samples, weight), [], [], 0
+    ordered, dp = _longest_first(samples, weight), problem.dp[problem.sink]
+    if problem.micro_batch(problem.sink) == 1 and len(caps) == 1:
+        ((capped, (cap, _, _)),) = caps.items()
+        if dp % problem.dp[capped] == 0:
+            sections = [m.sections for m in metas]
+            ratio = dp // problem.dp[capped]
+            return _columns(ordered, functools.partial(_OneRowColumn, sections, capped, ratio, cap, dp))
+    return _columns(ordered, functools.partial(_Column, problem, metas, weight, caps))
+
+
+def _columns(ordered: Sequence[int], column: Callable[[], _Column | _OneRowColumn]) -> Rows:
+    """Columns (`column()` makes an empty one) filled with the samples in `ordered` order; a
+    sample that does not fit waits for the next column, and is tried first there."""
+    out, waiting, i = [], [], 0
     while waiting or i < len(ordered):
-        col = _Column(problem, metas, weight, caps)
+        col = column()
         waiting = [x for x in waiting if not col.place(x)]
         while i < len(ordered) and col.free:
             if not col.place(ordered[i]):
                 waiting.append(ordered[i])
             i += 1
-        out.append(_flatten(col.shards, col.mb))
+        out.append(col.rows())
     return out
+
+
+class _OneRowColumn:
+    """`_Column` where the sink takes one sample a shard and one section is capped, whose shards
+    each feed `ratio` consecutive sink shards (a group) and take `cap` samples a micro-step: the
+    common case at scale, O(1) a sample. There every free shard has load 0, so `_Column.place`
+    puts a sample on the lowest free shard (one that activates `capped`: the lowest free shard
+    of a group with room), and a group's shards are taken lowest first; both lowest groups only
+    move up within a column (shards and room only run out). The same rows, sample for sample
+    (`tests/test_wavefront.py`)."""
+
+    def __init__(self, sections: Sequence[frozenset], capped: str, ratio: int, cap: int, dp: int):
+        self.sections, self.capped, self.ratio, self.cap = sections, capped, ratio, cap
+        self.taken, self.used, self.row = [0] * (dp // ratio), [0] * (dp // ratio), [-1] * dp
+        self.free, self.lowest = dp, [0, 0]  # the lowest group with a free shard; with room as well
+
+    def place(self, x: int) -> bool:
+        if not self.free:
+            return False
+        needs, taken, used = self.capped in self.sections[x], self.taken, self.used
+        g = self.lowest[needs]
+        while g < len(taken) and (taken[g] == self.ratio or (needs and used[g] >= self.cap)):
+            g += 1
+        self.lowest[needs] = g
+        if g == len(taken):
+            return False
+        self.row[g * self.ratio + taken[g]] = x
+        taken[g] += 1
+        used[g] += needs
+        self.free -= 1
+        return True
+
+    def rows(self) -> tuple[int, ...]:
+        return tuple(self.row)
 
 
 def _flatten(shards: Sequence[Sequence[int]], micro_batch: int) -> tuple[int, ...]:
