@@ -63,14 +63,20 @@ class _Batch:
         self._time, self._durations, self._units = work_time(cost, problem), {}, {}
         # each sample's modelled time alone, every section's forward (one row, less the fixed
         # cost of a program): the key a monolithic trainer may pack by, so maestro may too
-        base = {s: self._time(Op("F", s), []) for s in problem.order}
-        self.alone = [sum(self._time(Op("F", s), [u]) - base[s] for s, u in w.items() if s in base) for w in works]
+        forward = {s: Op("F", s) for s in problem.order}
+        base = {s: self._time(op, []) for s, op in forward.items()}
+        memo: dict[tuple[str, int], float] = {}  # (section, units): many samples share a size
+
+        def single(s: str, u: int) -> float:
+            if (s, u) not in memo:
+                memo[(s, u)] = self._time(forward[s], [u]) - base[s]
+            return memo[(s, u)]
+
+        singles = [[(s, single(s, u)) for s, u in w.items() if s in base] for w in works]
+        self.alone = [sum(t for _, t in one) for one in singles]
         # the same, of the sections besides the sink only: what a sample costs the producers
         # (`_balanced`)
-        self.producing = [
-            sum(self._time(Op("F", s), [u]) - base[s] for s, u in w.items() if s in base and s != problem.sink)
-            for w in works
-        ]
+        self.producing = [sum(t for s, t in one if s != problem.sink) for one in singles]
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
 
     def duration(self, op: Op, steps) -> float:
