@@ -300,14 +300,15 @@ def _plan(cfg, args) -> int:
 
     say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {PLANNING_BATCHES} batches")
     try:
-        report = planner_for(
+        planner = planner_for(
             cfg,
             args.devices,
             args.memory_gb,
             tolerance=args.tolerance,
             progress=say,
             stage_counts=STAGE_COUNTS if args.stages else (),
-        ).search(top=args.top)
+        )
+        report = planner.search(top=args.top)
     except InfeasibleError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
@@ -327,11 +328,13 @@ def _plan(cfg, args) -> int:
     else:
         print("monolithic: no layout fits in memory on these devices")
     print(pipelined_line(report.pipelined, best.step_time_s))
-    from maestro_jax.tools.simulate import device_time_line, user_baseline_lines
+    from maestro_jax.tools.simulate import device_time_line, empty_rows_note, user_baseline_lines
 
     for line in user_baseline_lines(report.user_baselines, best.step_time_s):
         print(line)
     if line := device_time_line(report.device_time):
+        print(line)
+    if line := empty_rows_note(report.section_time, best.plan, planner.spec.sink, cfg.global_batch):
         print(line)
     if args.write:
         write_plan(args.config, args.overrides, best, args.memory_gb, args.write)

@@ -118,3 +118,30 @@ def test_a_staged_plan_is_accounted_stage_by_stage():
     assert sum(shares.values()) == pytest.approx(1.0)
     assert sum(sum(d.values()) for d in by_section.values()) + shares["idle"] == pytest.approx(1.0)
     assert by_section["teacher.0"]["optimizer"] == 0 < by_section["student.1"]["optimizer"]
+
+
+def test_the_sinks_empty_rows_are_named_with_the_global_batches_that_fill_them():
+    """`plan`'s note: over 2% of the device time in the sink's empty rows (its stages' summed)
+    names the sink's rows a micro-step and the nearest global batches they divide; under it, or
+    for another section's empty rows, nothing is said."""
+    from maestro_jax.core.plan import Plan, SectionPlan, mesh_shape
+    from maestro_jax.tools.simulate import empty_rows_note
+
+    def plan(*names):
+        return Plan({n: SectionPlan(tuple(range(32)), mesh_shape(data=32), 1) for n in names}, {}, 144)
+
+    spent = {"vision": {"empty_rows": 0.05}, "llm": {"empty_rows": 0.072}}
+    note = empty_rows_note(spent, plan("vision", "llm"), "llm", 144)
+    assert note is not None and "7.20% of the device time is the llm's empty rows" in note
+    assert "takes 32 rows a micro-step" in note and "global_batch=128 or 160" in note
+    assert (
+        empty_rows_note(
+            {"vision": {"empty_rows": 0.05}, "llm": {"empty_rows": 0.01}}, plan("vision", "llm"), "llm", 144
+        )
+        is None
+    )
+    staged = {"llm.0": {"empty_rows": 0.015}, "llm.1": {"empty_rows": 0.015}}
+    assert "3.00%" in empty_rows_note(staged, plan("llm.0", "llm.1"), "llm", 144)
+    assert empty_rows_note({"llm": {"empty_rows": 0.5}}, plan("llm"), "llm", 16).endswith(
+        "global_batch=32 fills them (a change of the training recipe, not of the plan)"
+    )
