@@ -93,8 +93,8 @@ def bench(
         stats["dispatch_s"].append(t2 - t1)
         stats["step_s"].append(t3 - t0)
 
-    ordered = monolithic_orders(rt, cost)  # the batch in each order (the orders' work, computed once)
-    ordered = {o: [ordered[o](b) for b in batches] for o in ORDERS}
+    orders = monolithic_orders(rt, cost)
+    ordered = {o: [orders[o](b) for b in batches] for o in ORDERS}  # each batch in each order, once
     fair = ORDERS[0]  # the monolithic step's fastest order so far: what the text-only step uses
 
     def mono_step(samples, stats):
@@ -142,6 +142,7 @@ def bench(
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
+    by_order = {o: samples_per_rep / statistics.median(per_rep[f"monolithic:{o}"]) for o in ORDERS}
     report = {
         "config": {
             "workload": cfg.workload,
@@ -157,20 +158,16 @@ def bench(
         "samples_per_s": sps,
         # the fair monolithic baseline is the fastest of its orders; each order's throughput
         "monolithic_order": fair,
-        "monolithic_orders": {o: samples_per_rep / statistics.median(per_rep[f"monolithic:{o}"]) for o in ORDERS},
+        "monolithic_orders": by_order,
         # what users run today, measured: the monolithic step in arrival order (Megatron-LM's data order)
-        "user_baselines": {
-            "round_robin": {"samples_per_s": samples_per_rep / statistics.median(per_rep["monolithic:arrival"])}
-        },
+        "user_baselines": {"round_robin": {"samples_per_s": by_order["arrival"]}},
         "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},
         "step_time_s": {m: summary([t / num_batches for t in per_rep[m]]) for m in MODES},
         "ratios": {
             "wavefront_vs_monolithic": sps["wavefront"] / sps["monolithic"],
             "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
             "naive_vs_monolithic": sps["naive"] / sps["monolithic"],
-            "wavefront_vs_round_robin": sps["wavefront"]
-            * statistics.median(per_rep["monolithic:arrival"])
-            / samples_per_rep,
+            "wavefront_vs_round_robin": sps["wavefront"] / by_order["arrival"],
         },
         "host_overhead_fraction": {
             m: statistics.median(
@@ -201,7 +198,7 @@ def bench(
             per_rep,
             reps,
             maestro_step,
-            lambda samples, st: mono_step(monolithic_orders(rt, cost)[fair](samples), st),
+            lambda samples, st: mono_step(orders[fair](samples), st),
             say,
         )
     report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
