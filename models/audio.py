@@ -20,7 +20,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-from maestro_jax.models.layers import ACTIVATIONS, Dense, EncoderBlock, layer_stack, partitioned, segment_mask
+from maestro_jax.models.layers import ACTIVATIONS, Dense, EncoderBlock, item_mask, layer_stack, partitioned
 
 _init = nn.initializers.normal(0.02)
 
@@ -112,13 +112,14 @@ class AudioEncoder(nn.Module):
             bias_init=partitioned(nn.initializers.zeros, "mlp"),
         )
 
-    def features(self, frames_BNF, segments_BN, positions_BN1):
+    def features(self, frames_BNF, segments_BN, positions_BN1, segment_lengths_BM=None):
         """Frame groups -> the last block's output through `out_norm`, `B x N x width` (Whisper's
-        `last_hidden_state`)."""
+        `last_hidden_state`); `segment_lengths_BM`: the host's per-clip token counts
+        (`models.attention.segment_lengths`), where it sent them."""
         x = self.stem(frames_BNF, segments_BN) if self.cfg.stem == "conv" else self.frame_embed(frames_BNF)
         x = x + jnp.take(self.pos, positions_BN1[..., 0], axis=0)
-        return self.out_norm(self.blocks(x, segment_mask(segments_BN)))
+        return self.out_norm(self.blocks(x, item_mask(segments_BN, segment_lengths_BM)))
 
-    def __call__(self, frames_BNF, segments_BN, positions_BN1):
+    def __call__(self, frames_BNF, segments_BN, positions_BN1, segment_lengths_BM=None):
         """Frame groups -> audio tokens `B x N x out_width`."""
-        return self.out_proj(self.features(frames_BNF, segments_BN, positions_BN1))
+        return self.out_proj(self.features(frames_BNF, segments_BN, positions_BN1, segment_lengths_BM))

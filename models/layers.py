@@ -4,8 +4,6 @@ embeddings, attention."""
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import logging
 import math
 from collections.abc import Callable
 
@@ -14,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from maestro_jax.models import fp8
+from maestro_jax.models.attention import Mask, fast_attention, kernel_for
 
 from maestro_jax.hf_config import ROPE_SCALINGS, yarn_mscale
-
-log = logging.getLogger(__name__)
 
 
 def partitioned(init, *axes):
@@ -324,41 +321,48 @@ def balanced_order(length: int, split: int) -> np.ndarray | None:
 
 
 def attention(
-    q_BLHK, k_BLGK, v_BLGK, mask_BQL, ring: bool = False, scale: float | None = None, softcap: float | None = None
+    q_BLHK, k_BLGK, v_BLGK, mask: Mask | jax.Array, ring: bool = False, scale: float | None = None, softcap=None
 ):
     """Grouped-query attention (each of G key/value heads serves H/G query heads); scores are
     scaled by `scale` (default 1/sqrt(head_dim)) and, with `softcap` (Gemma 2's), capped as
     softcap * tanh(s / softcap) before the mask, which no fused kernel does: XLA's einsums then,
     the softmax in float32 as transformers' eager attention takes it.
 
-    Without context parallelism (or with `ring` off) it is `jax.nn.dot_product_attention`, in
-    the implementation `attention_implementation` picks: cuDNN's fused flash attention on NVIDIA
-    GPUs for bfloat16 and float16 where its shape rules hold, XLA's otherwise. A query
-    row its mask leaves empty (a padding patch or token) attends to every key instead: cuDNN's
-    kernel returns NaN for an empty row (seen on an H200, jax 0.11.2), and that NaN, times the
-    zero cotangent a padding row gets, would poison every gradient; no row with a key reads
-    such a row, so the loss and gradients are those of the mask as given. Queries (and the output) keep their positions
-    sharded over `context` while keys and values are gathered whole: one all-gather of K and V
-    per layer, and every device computes its queries against every key.
+    `mask`: a `models.attention.Mask` (the dense mask and, where the rows have one, the structure
+    a fused kernel takes without it) or a bare B x Q x K boolean array. Without context
+    parallelism (or with `ring` off) it is `jax.nn.dot_product_attention` in the implementation
+    and form `models.attention.choose_kernel` picks: cuDNN's fused flash attention on NVIDIA GPUs
+    for bfloat16 and float16 where its shape rules hold, XLA's otherwise; a causal, padded or
+    packed form where the rows offer one and the kernel takes it, the dense mask otherwise.
+
+    On the mask path, a query row its mask leaves empty (a padding patch or token) attends to
+    every key instead: cuDNN's kernel returns NaN for an empty row (seen on an H200, jax 0.11.2),
+    and that NaN, times the zero cotangent a padding row gets, would poison every gradient; no row
+    with a key reads such a row, so the loss and gradients are those of the mask as given. Queries
+    (and the output) keep their positions sharded over `context` while keys and values are
+    gathered whole: one all-gather of K and V per layer, and every device computes its queries
+    against every key.
 
     With `ring` and a sequence split over `context`, `ring_attention` runs instead: it skips
     blocks the mask leaves empty, which with a causal mask in `balanced_order` is nearly half of
     the work, spread evenly over the devices."""
+    mask = Mask.of(mask)
     split = context_split()
     if ring and split > 1 and q_BLHK.shape[1] % split == 0:
-        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale, softcap)
+        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask.dense, scale, softcap)
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
-    mask_BQL = constrain(rows_with_keys(mask_BQL), ("batch", "length", None))
     if softcap is not None:
-        return constrain(
-            _capped_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale, softcap), ("batch", "length", "heads", None)
-        )
-    implementation = attention_implementation(
-        jax.default_backend(), q_BLHK.dtype, q_BLHK.shape[-1], q_BLHK.shape[1], k_BLGK.shape[1], _compute_capability()
-    )
+        dense = constrain(rows_with_keys(mask.dense), ("batch", "length", None))
+        out = _capped_attention(q_BLHK, k_BLGK, v_BLGK, dense, scale, softcap)
+        return constrain(out, ("batch", "length", "heads", None))
+    kernel = kernel_for(q_BLHK, k_BLGK, mask, split)
+    if kernel.form != "mask":
+        out = fast_attention(q_BLHK, k_BLGK, v_BLGK, mask, kernel, scale)
+        return constrain(out, ("batch", "length", "heads", None))
+    dense = constrain(rows_with_keys(mask.dense), ("batch", "length", None))
     out = jax.nn.dot_product_attention(
-        q_BLHK, k_BLGK, v_BLGK, mask=mask_BQL[:, None], scale=scale, implementation=implementation
+        q_BLHK, k_BLGK, v_BLGK, mask=dense[:, None], scale=scale, implementation=kernel.implementation
     )
     return constrain(out, ("batch", "length", "heads", None))
 
@@ -368,47 +372,6 @@ def rows_with_keys(mask_BQL):
     that no attention implementation sees a row it would turn into NaN (cuDNN's does); rows with
     a key are unchanged, and no such row reads an opened row's output."""
     return mask_BQL | ~jnp.any(mask_BQL, axis=-1, keepdims=True)
-
-
-CUDNN_DTYPES = ("bfloat16", "float16")
-
-
-def attention_implementation(
-    platform: str, dtype, head_dim: int, q_len: int, kv_len: int, compute_capability: float = 0.0
-) -> str:
-    """Which `jax.nn.dot_product_attention` implementation runs: `"cudnn"` (the fused flash
-    attention kernel) on an NVIDIA GPU for bfloat16 or float16 inputs whose head dimension is a
-    multiple of 8 up to 128 (256 from Hopper, compute capability 9.0, on) and whose query and key
-    lengths are even (cuDNN's rule for a masked backward); `"xla"` otherwise (float32 included,
-    which cuDNN's kernel does not take).
-
-    jax leaves the choice to the caller (without `implementation=` it takes XLA's path on GPUs
-    too, jax 0.10 and 0.11), so it is made here, in one place, and logged once per choice. The
-    mask (causal, padding, the packing's segments, bidirectional image spans) goes to cuDNN as
-    its additive bias, `jax.nn.dot_product_attention`'s own conversion; the public API of jax
-    0.10 and 0.11 takes no segment ids, so packed rows use that mask too."""
-    head_max = 256 if compute_capability >= 9.0 else 128
-    cudnn = (
-        platform in ("gpu", "cuda")
-        and np.dtype(dtype).name in CUDNN_DTYPES
-        and head_dim % 8 == 0
-        and head_dim <= head_max
-        and q_len % 2 == 0
-        and kv_len % 2 == 0
-    )
-    choice = "cudnn" if cudnn else "xla"
-    _log_choice(platform, np.dtype(dtype).name, head_dim, choice)
-    return choice
-
-
-@functools.cache
-def _log_choice(platform: str, dtype: str, head_dim: int, choice: str) -> None:
-    log.info("attention on %s, %s, head_dim %d: %s", platform, dtype, head_dim, choice)
-
-
-def _compute_capability() -> float:
-    """The default device's CUDA compute capability (9.0 for Hopper); 0 elsewhere."""
-    return float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
 
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # jax.nn.dot_product_attention's mask value
@@ -584,3 +547,10 @@ def segment_mask(segments_BP):
     """Attention within each packed item (segment ids > 0); padding attends to nothing (`attention`
     then lets such a row read every key, which no other row reads back)."""
     return (segments_BP[:, :, None] == segments_BP[:, None, :]) & (segments_BP[:, None, :] > 0)
+
+
+def item_mask(segments_BP, segment_lengths_BM=None) -> Mask:
+    """`segment_mask` as a `Mask`, with the host's `segment_lengths` (`models.attention
+    .segment_lengths`, where the row builder sent them: its items laid one after another from
+    position 0) as the structure a fused kernel takes instead."""
+    return Mask(segment_mask(segments_BP), segment_lengths=segment_lengths_BM)

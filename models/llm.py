@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from maestro_jax.models.attention import Mask
 from maestro_jax.models.layers import (
     _ACTIVATION_RULES,
     ACTIVATIONS,
@@ -338,7 +339,7 @@ class DecoderBlock(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BLD, layer, positions_BL, mask_BLL, window_BLL, valid_BL, segments_BL=None, deepstack_JBLD=None
+        self, x_BLD, layer, positions_BL, mask: Mask, window_BLL, valid_BL, segments_BL=None, deepstack_JBLD=None
     ):
         """`layer`: this block's index in the whole model (a Python int in an unrolled stack, a
         traced one in a scanned stack), which says whether it attends through `window_BLL`
@@ -348,9 +349,9 @@ class DecoderBlock(nn.Module):
         x_BLD = shard_sequence(x_BLD)
         windowed = c.windowed(layer)  # a Python bool where `layer` is an int or every layer is alike
         if isinstance(windowed, bool):
-            mask_BLL = mask_BLL & window_BLL if windowed else mask_BLL
+            mask = mask.windowed(window_BLL, c.sliding_window) if windowed else mask
         else:
-            mask_BLL = jnp.where(windowed, mask_BLL & window_BLL, mask_BLL)
+            mask = mask.windowed_where(windowed, window_BLL)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
         q = DenseGeneral(
             (c.heads, c.head_dim),
@@ -378,7 +379,7 @@ class DecoderBlock(nn.Module):
             k = RMSNorm(c.norm_eps, name="k_norm")(k)
         q, k = (self._rope(t, positions_BL, windowed) for t in (q, k))
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-        o = attention(q, k, v, mask_BLL, ring=c.context_attention == "ring", scale=scale, softcap=c.attn_softcap)
+        o = attention(q, k, v, mask, ring=c.context_attention == "ring", scale=scale, softcap=c.attn_softcap)
         o = DenseGeneral(
             c.width,
             axis=(-2, -1),
@@ -454,7 +455,16 @@ class DecoderLM(nn.Module):
             x = x * jnp.asarray(self.cfg.width**0.5, x.dtype)
         return x
 
-    def body(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None, deepstack_JBLD=None):
+    def body(
+        self,
+        x_BLD,
+        positions_BL,
+        valid_BL,
+        segments_BL=None,
+        images_BL=None,
+        deepstack_JBLD=None,
+        segment_lengths_BM=None,
+    ):
         """The held blocks applied to input embeddings (or the previous stage's output), causal
         and padding masked, without the final norm.
 
@@ -484,7 +494,14 @@ class DecoderLM(nn.Module):
         With `deepstack_JBLD` (Qwen3-VL's DeepStack, `deepstack_layers`: J image feature sets at
         their image positions, zero elsewhere) block k adds the k-th to its output, as
         transformers' `Qwen3VLTextModel` adds them after its first K layers; a pipeline stage
-        passes them where it holds those blocks."""
+        passes them where it holds those blocks.
+
+        The mask goes to attention with the rows' structure (`models.attention.Mask`): rows
+        without `segments_BL` hold one sample from position 0 with padding after it (as
+        `workloads.rows.text_rows` lays them, `valid_BL` a prefix, positions 0, 1, 2, ...), so
+        causal attention with key lengths says the same; packed rows with the host's
+        `segment_lengths_BM` (`models.attention.segment_lengths`) say it per segment. Image
+        blocks, and positions reordered for ring attention, leave only the dense mask."""
         order = balanced_order(x_BLD.shape[1], context_split()) if self.cfg.context_attention == "ring" else None
         if order is not None:
             x_BLD, positions_BL, valid_BL = (t[:, order] for t in (x_BLD, positions_BL, valid_BL))
@@ -492,24 +509,28 @@ class DecoderLM(nn.Module):
             images_BL = None if images_BL is None else images_BL[:, order]
             deepstack_JBLD = None if deepstack_JBLD is None else deepstack_JBLD[:, :, order]
         order_BL = positions_BL[..., 0] if self.cfg.mrope_section is not None else positions_BL
-        behind_BLL = order_BL[:, :, None] - order_BL[:, None, :]  # how far each key lies back
-        mask_BLL = behind_BLL >= 0
-        if images_BL is not None:
-            mask_BLL = mask_BLL | ((images_BL[:, :, None] == images_BL[:, None, :]) & (images_BL[:, :, None] > 0))
-        mask_BLL = mask_BLL & valid_BL[:, None, :]
-        window = self.cfg.sliding_window or behind_BLL.shape[-1]  # transformers' `kv_idx > q_idx - sliding_window`
-        window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
-        if segments_BL is not None:
-            mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
+        mask, window_BLL = decoder_mask(
+            order_BL, valid_BL, self.cfg.sliding_window, segments_BL, images_BL, segment_lengths_BM, order is None
+        )
         # the MoE balancing loss is per sample (segments); DeepStack's features after them
         extra = (segments_BL,) if segments_BL is not None else ()
         extra = extra if deepstack_JBLD is None else (segments_BL, deepstack_JBLD)
-        h_BLD = self.blocks(x_BLD, positions_BL, mask_BLL, window_BLL, valid_BL, *extra)
+        h_BLD = self.blocks(x_BLD, positions_BL, mask, window_BLL, valid_BL, *extra)
         return h_BLD if order is None else h_BLD[:, np.argsort(order)]
 
-    def hidden(self, x_BLD, positions_BL, valid_BL, segments_BL=None, images_BL=None, deepstack_JBLD=None):
+    def hidden(
+        self,
+        x_BLD,
+        positions_BL,
+        valid_BL,
+        segments_BL=None,
+        images_BL=None,
+        deepstack_JBLD=None,
+        segment_lengths_BM=None,
+    ):
         """Final-normed hidden states from input embeddings (`body`, then the final norm)."""
-        return self.final_norm(self.body(x_BLD, positions_BL, valid_BL, segments_BL, images_BL, deepstack_JBLD))
+        h_BLD = self.body(x_BLD, positions_BL, valid_BL, segments_BL, images_BL, deepstack_JBLD, segment_lengths_BM)
+        return self.final_norm(h_BLD)
 
     def final(self, h_BLD):
         """The final norm alone (the last pipeline stage applies it after its `body`)."""
@@ -521,8 +542,34 @@ class DecoderLM(nn.Module):
     def logits(self, h_BLD):
         return softcap(h_BLD @ self.output_weights(), self.cfg.final_softcap)
 
-    def __call__(self, ids_BL, positions_BL, valid_BL, segments_BL=None, images_BL=None):
-        return self.logits(self.hidden(self.embed(ids_BL), positions_BL, valid_BL, segments_BL, images_BL))
+    def __call__(self, ids_BL, positions_BL, valid_BL, segments_BL=None, images_BL=None, segment_lengths_BM=None):
+        x_BLD = self.embed(ids_BL)
+        return self.logits(self.hidden(x_BLD, positions_BL, valid_BL, segments_BL, images_BL, None, segment_lengths_BM))
+
+
+def decoder_mask(
+    order_BL, valid_BL, sliding_window=None, segments_BL=None, images_BL=None, segment_lengths_BM=None, plain=True
+) -> tuple[Mask, jax.Array]:
+    """The decoder's attention mask and its windowed layers' window (`DecoderLM.body`): causal in
+    `order_BL` (each position's place in its sample), image blocks bidirectional, padding keys
+    masked, each packed sample to itself; with the rows' structure (`models.attention.Mask`)
+    where no image blocks are given and the positions are in their own order (`plain`): one
+    sample a row (its length, the count of valid positions) or the host's segment lengths of
+    packed rows."""
+    behind_BLL = order_BL[:, :, None] - order_BL[:, None, :]  # how far each key lies back
+    mask_BLL = behind_BLL >= 0
+    if images_BL is not None:
+        mask_BLL = mask_BLL | ((images_BL[:, :, None] == images_BL[:, None, :]) & (images_BL[:, :, None] > 0))
+    mask_BLL = mask_BLL & valid_BL[:, None, :]
+    window = sliding_window or behind_BLL.shape[-1]  # transformers' `kv_idx > q_idx - sliding_window`
+    window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
+    if segments_BL is not None:
+        mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
+    if not plain or images_BL is not None:
+        return Mask(mask_BLL), window_BLL
+    if segments_BL is None:
+        return Mask(mask_BLL, lengths=jnp.sum(valid_BL, axis=1, dtype=jnp.int32), causal=True), window_BLL
+    return Mask(mask_BLL, segment_lengths=segment_lengths_BM, causal=True), window_BLL
 
 
 def softcap(x, cap: float | None):

@@ -62,6 +62,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from maestro_jax.models.attention import Mask
 from maestro_jax.models.layers import (
     ACTIVATIONS,
     Dense,
@@ -70,6 +71,7 @@ from maestro_jax.models.layers import (
     RMSNorm,
     apply_rotary,
     attention,
+    item_mask,
     layer_stack,
     partitioned,
     rope_frequencies,
@@ -223,26 +225,28 @@ class VisionEncoder(nn.Module):
         else:
             raise ValueError(f"projector={c.projector!r}: one of 'merger', 'avg_pool', 'patch_merger'")
 
-    def features(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
+    def features(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None, segment_lengths_BM=None):
         """patches -> (hidden state `feature_layer`, that state through `merge_norm`), `B x P x width`
         each, in the patches' order: SigLIP's `hidden_states[-1]` and `last_hidden_state`; with
         `class_token`, CLIP's `hidden_states[feature_layer][:, 1:]` (`class_segments_BK`: the
-        image of each of the row's K class tokens, 0 for none)."""
-        x, _ = self._encode(patches_BPC, segments_BP, grid_BP2, class_segments_BK)
+        image of each of the row's K class tokens, 0 for none; `segment_lengths_BM`: the host's
+        per-image patch counts, `models.attention.segment_lengths`, where it sent them)."""
+        x, _ = self._encode(patches_BPC, segments_BP, grid_BP2, class_segments_BK, segment_lengths_BM)
         return x, self.merge_norm(x)
 
-    def _encode(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
+    def _encode(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None, segment_lengths_BM=None):
         """patches -> (hidden state `feature_layer`, the outputs of the `deepstack_layers` blocks)."""
         c = self.cfg
         x = self.patch_embed(patches_BPC)
         if c.pos_embed == "rope2d":
-            mask = segment_mask(segments_BP)
-            window = mask & window_mask(grid_BP2, c.window) if c.window else mask
+            mask = item_mask(segments_BP, segment_lengths_BM)
+            window = mask.dense & window_mask(grid_BP2, c.window) if c.window else mask
             angles = rope2d_angles(grid_BP2, c.width // c.heads, c.rope_theta)
             return self.blocks(x, mask, window, angles), ()
         if c.pos_embed == "table_rope2d":
             x = x + resized_table(self.pos, grid_BP2, segments_BP, c.table_grid).astype(x.dtype)
-            return self._runs(x, segment_mask(segments_BP), rope2d_angles(grid_BP2, c.width // c.heads, c.rope_theta))
+            angles = rope2d_angles(grid_BP2, c.width // c.heads, c.rope_theta)
+            return self._runs(x, item_mask(segments_BP, segment_lengths_BM), angles)
         if c.pos_embed == "table":
             cell = grid_BP2[..., 0] * c.max_grid + grid_BP2[..., 1] + int(c.class_token)
             x = x + jnp.take(self.pos, cell, axis=0)
@@ -256,7 +260,8 @@ class VisionEncoder(nn.Module):
             cls = jnp.broadcast_to(self.class_embed + self.pos[0], (x.shape[0], k, c.width)).astype(x.dtype)
             x = self.pre_norm(jnp.concatenate([x, cls], axis=1))
             segments_BP = jnp.concatenate([segments_BP, class_segments_BK], axis=1)
-        x, _ = self._runs(x, segment_mask(segments_BP))
+        # class tokens sit after the padding: only the dense mask says where they attend
+        x, _ = self._runs(x, segment_mask(segments_BP) if c.class_token else item_mask(segments_BP, segment_lengths_BM))
         return x[:, :p], ()
 
     def _runs(self, x, *rest):
@@ -267,11 +272,11 @@ class VisionEncoder(nn.Module):
             taps.append(x)
         return x, tuple(taps[: len(self.cfg.deepstack_layers)])
 
-    def __call__(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None):
+    def __call__(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None, segment_lengths_BM=None):
         """patches -> image tokens `B x P/merge**2 x token_width`, one per merge x merge window: the
         projector's `out_width` features, then each DeepStack block's."""
         c = self.cfg
-        x, taps = self._encode(patches_BPC, segments_BP, grid_BP2, class_segments_BK)
+        x, taps = self._encode(patches_BPC, segments_BP, grid_BP2, class_segments_BK, segment_lengths_BM)
         x = self.merge_norm(x)
         b, p, d = x.shape
         window = c.merge * c.merge
@@ -372,8 +377,8 @@ class GatedBlock(nn.Module):
         x_BPD = shard_sequence(x_BPD)
         if isinstance(full, bool):
             mask_BPP = mask_BPP if full else window_BPP
-        else:
-            mask_BPP = jnp.where(full, mask_BPP, window_BPP)
+        else:  # a traced flag: only the dense masks can be chosen between
+            mask_BPP = jnp.where(full, Mask.of(mask_BPP).dense, Mask.of(window_BPP).dense)
         h = RMSNorm(self.norm_eps, name="attn_norm")(x_BPD)
         q, k, v = (
             DenseGeneral(

@@ -94,7 +94,7 @@ def test_scanned_layers_compute_what_unrolled_layers_do_and_trace_once():
     )
     assert np.allclose(l1, l2, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(_stacked(g1, cfg.depth)), jax.tree.leaves(g2)):
-        assert np.allclose(a, b, rtol=1e-4, atol=1e-7)
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-6)  # summation order: an embedding row of ~7 sums 40 terms
 
     def size(depth, scan):
         vit = ViTConfig(patch=2, channels=3, width=16, depth=depth, heads=2, mlp=32, out_width=16, scan_layers=scan)

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maestro_jax.models import LLMConfig, ViTConfig
-from maestro_jax.models import layers as model_layers
+from maestro_jax.models import attention as attention_forms
 from maestro_jax.models.layers import EncoderBlock, attention
 from maestro_jax.models.llm import DecoderBlock
 from maestro_jax.planning import cost
@@ -272,15 +272,19 @@ def estimate_bytes(shape: Shape, itemsize: int) -> int:
 
 
 def _project_attention(dtype, head_dim: int, length: int) -> str:
-    """The implementation `models.layers.attention` takes for these inputs: its own chooser where
-    the installed version has one, else jax's default (XLA's path on every backend)."""
-    choose = getattr(model_layers, "attention_implementation", None)
-    if choose is None:
-        return "xla"
-    try:
-        return str(choose(jax.default_backend(), dtype, head_dim, length, length))
-    except TypeError:  # another signature than the one known here: report it as unknown
-        return "unknown"
+    """The implementation `models.layers.attention` takes for a causal decoder row of these
+    inputs (`models.attention.choose_kernel`), with the form: e.g. "cudnn/causal"."""
+    k = attention_forms.choose_kernel(
+        jax.default_backend(),
+        dtype,
+        head_dim,
+        length,
+        length,
+        attention_forms.compute_capability(),
+        jax.__version_info__,
+        "causal",
+    )
+    return f"{k.implementation}/{k.form}"
 
 
 @dataclasses.dataclass(frozen=True)

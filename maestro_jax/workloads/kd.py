@@ -36,7 +36,8 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_
         x = body.apply(v, batch["input_ids"], method=DecoderLM.embed)
         if "segments" not in batch:
             return {edge: body.apply(v, x, batch["positions"], batch["valid"], method=DecoderLM.hidden)}
-        h = body.apply(v, x, batch["positions"], batch["valid"], batch["segments"], method=DecoderLM.hidden)
+        packed = (batch["segments"], None, None, batch.get("segment_lengths"))
+        h = body.apply(v, x, batch["positions"], batch["valid"], *packed, method=DecoderLM.hidden)
         return {edge: R.unpack(h, batch)}  # packed: back to one row per sample, as the edge carries it
 
     def stages(k: int, layers: tuple[int, ...] | None = None):
@@ -163,7 +164,7 @@ def build(cfg: Config) -> SectionGraph:
         return R.packed_text_rows(rows, {EDGE: R.route(routes, EDGE, rows)}, shards, pack, per_octave=per_octave)
 
     def student_forward(variables, inputs, batch):
-        segments = (batch["segments"],) if "segments" in batch else ()
+        segments = (batch["segments"], None, batch.get("segment_lengths")) if "segments" in batch else ()
         s_logits, aux = apply_with_losses(
             s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"], *segments
         )

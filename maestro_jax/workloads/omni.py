@@ -66,12 +66,17 @@ def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float, *, per_oct
         b = R.pack_items(
             rows, "audio", lambda clip: frame_groups(clip, a.frames_per_token), a.token_features, per_octave=per_octave
         )
-        return {"frames": b["pieces"], "segments": b["segments"], "positions": b["positions"]}
+        out = {"frames": b["pieces"], "segments": b["segments"], "positions": b["positions"]}
+        return {**out, "segment_lengths": b["segment_lengths"]} if "segment_lengths" in b else out
 
     def forward(variables, inputs, batch):
         return {
             AUDIO: encoder.apply(
-                {"params": variables["params"]}, batch["frames"], batch["segments"], batch["positions"]
+                {"params": variables["params"]},
+                batch["frames"],
+                batch["segments"],
+                batch["positions"],
+                batch.get("segment_lengths"),
             )
         }
 

@@ -36,6 +36,7 @@ from maestro_jax.core.buckets import PER_OCTAVE, bucket
 from maestro_jax.core.plan import position_axes
 from maestro_jax.data.samples import Modality
 from maestro_jax.meshes import BATCH_AXES
+from maestro_jax.models.attention import segment_lengths, segment_lengths_wanted
 from maestro_jax.schedule.packing import Pack, TokenBudget, pack_rows
 
 Positions = Callable[[object], np.ndarray]  # a sample -> its next-token positions' own positions, n x k
@@ -133,8 +134,9 @@ def pack_items(
 ) -> dict[str, np.ndarray]:
     """All items of `modality` of a row packed into that row: `cut(item)` gives its pieces
     (N x features) and each piece's position (N x k); `segments` numbers the items from 1 (0:
-    padding), so attention can stay within each item. The piece count is bucketed (from
-    `minimum`, `per_octave` buckets an octave)."""
+    padding), so attention can stay within each item, and, where a fused kernel may take them
+    (`models.attention.segment_lengths_wanted`), `segment_lengths` gives each row's item sizes.
+    The piece count is bucketed (from `minimum`, `per_octave` buckets an octave)."""
     cuts = [[cut(x) for x in s.of(modality)] if s is not None else [] for s in rows]
     n = bucket(max((sum(len(p) for p, _ in c) for c in cuts), default=0), minimum, per_octave)
     k = max((pos.shape[1] for c in cuts for _, pos in c), default=1)
@@ -150,7 +152,15 @@ def pack_items(
             out["segments"][r, off : off + len(pieces)] = i + 1
             out["positions"][r, off : off + len(pieces)] = pos
             off += len(pieces)
-    return out
+    return with_segment_lengths(out)
+
+
+def with_segment_lengths(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`rows` with `segment_lengths` (`models.attention.segment_lengths`) from their `segments`
+    where a fused attention kernel may take them; as they are elsewhere."""
+    if not segment_lengths_wanted():
+        return rows
+    return {**rows, "segment_lengths": segment_lengths(rows["segments"])}
 
 
 def join(parts, length: int | None = None):
@@ -270,7 +280,7 @@ def packed_text_rows(
     `routes`, `<edge>_row` gives every position its sample's route. With `unpacks` (a section
     whose outputs go down an edge), `slot_row` and `slot_pos` (slots x the longest sample) say
     where each slot's positions sit: `unpack` reads them. `positions`: as `text_rows`'s. Lengths
-    are bucketed at `per_octave`."""
+    are bucketed at `per_octave`. `segment_lengths`: as `pack_items` gives them."""
     lengths = [len(s.tokens) - 1 if s is not None else None for s in rows]
     packed = pack_rows(lengths, shards, pack)
     longest = max((sum(lengths[x] for x in row) for row in packed), default=1)
@@ -300,7 +310,7 @@ def packed_text_rows(
                 out["slot_row"][x] = i
                 out["slot_pos"][x] = np.minimum(at + np.arange(slot_len), length - 1)
             at += n
-    return out
+    return with_segment_lengths(out)
 
 
 def unpack(h_BLD, batch: Mapping):

@@ -99,6 +99,8 @@ def vision_section(
             per_octave=per_octave,
         )
         out = {"patches": b["pieces"], "segments": b["segments"], "grid": b["positions"]}
+        if "segment_lengths" in b:
+            out["segment_lengths"] = b["segment_lengths"]
         if vit.class_token:  # a class token per image (models/vit.py), the slot count bucketed
             out["class_segments"] = class_segments(b["segments"], per_octave)
         return out
@@ -110,6 +112,7 @@ def vision_section(
             batch["segments"],
             batch["grid"],
             batch.get("class_segments"),
+            batch.get("segment_lengths"),
         )
         return dict.fromkeys(edges, out)
 
@@ -268,7 +271,15 @@ def spliced_logits(decoder: DecoderLM, variables, inputs, batch, spliced: Mappin
     v = {"params": variables["params"]}
     x, deepstack = spliced_embeddings(decoder, v, inputs, batch, spliced)
     h, aux = apply_with_losses(
-        decoder, v, x, batch["positions"], batch["valid"], *_mask_inputs(batch), deepstack, method=DecoderLM.hidden
+        decoder,
+        v,
+        x,
+        batch["positions"],
+        batch["valid"],
+        *_mask_inputs(batch),
+        deepstack,
+        batch.get("segment_lengths"),
+        method=DecoderLM.hidden,
     )
     return decoder.apply(v, h, method=DecoderLM.logits), aux
 
