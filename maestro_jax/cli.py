@@ -726,6 +726,18 @@ def _error_line(err) -> str:
     return text if text.startswith("error:") else f"error: {text}"
 
 
+def _command_flags(command: Command, cfg) -> dict[str, str]:
+    """The XLA GPU flags this command adds to the run's (`runtime.xla_flags`): CUDA graphs as
+    `compile.cuda_graph_min_thunks` says, and for `verify` of a float32 section no GEMM
+    autotuning (`VERIFY_FLOAT32_FLAGS`)."""
+    from maestro_jax.runtime.xla_flags import VERIFY_FLOAT32_FLAGS, graph_flags
+
+    flags = graph_flags(cfg.compile.cuda_graph_min_thunks)
+    if command.run is _verify and any(s.precision == "float32" for s in cfg.sections.values()):
+        flags.update(VERIFY_FLOAT32_FLAGS)
+    return flags
+
+
 def _command(command: Command, args) -> int:
     if not command.config:
         return command.run(None, args)
@@ -739,7 +751,7 @@ def _command(command: Command, args) -> int:
     _ensure_host_devices(cfg.host_devices)
     from maestro_jax.runtime.xla_flags import set_gpu_flags
 
-    added = set_gpu_flags(cfg.compile.gpu_flags)  # before JAX starts, as the host device count
+    added = set_gpu_flags(cfg.compile.gpu_flags, extra=_command_flags(command, cfg))  # before JAX starts
     if added:
         print(f"XLA GPU flags: {' '.join(added)} (compile.gpu_flags=false: none)", flush=True)
     if args.coordinator and (args.num_processes is None or args.process_id is None):

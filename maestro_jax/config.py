@@ -396,7 +396,9 @@ class LLMModelConfig(_FromFolder):
     experts_per_token: int = Field(0, ge=0, validate_default=True)
     expert_mlp: int = Field(0, ge=0, validate_default=True)
     router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
-    moe_dispatch: Literal["dense", "ragged", "sparse"] = "dense"  # what each computes: models.llm.MoE
+    # what each computes: models.llm.MoE; auto: the fastest measured on the backend that builds the
+    # workload (models.llm.AUTO_DISPATCH: sparse on an NVIDIA GPU, dense elsewhere)
+    moe_dispatch: Literal["auto", "dense", "ragged", "sparse", "grouped"] = "auto"
     # Attention over a `context` split: ring (keys and values pass round the devices, causal
     # work balanced, empty blocks skipped) or gather (one all-gather of keys and values).
     context_attention: Literal["ring", "gather"] = "ring"
@@ -635,6 +637,10 @@ class CompileConfig(_Frozen):
     # on NVIDIA GPUs, XLA flags for overlapping collectives with compute (runtime/xla_flags.py
     # GPU_FLAGS), each unless XLA_FLAGS names it already; false: none
     gpu_flags: bool = True
+    # on NVIDIA GPUs, a program of at least this many thunks runs as one CUDA graph
+    # (`xla_gpu_graph_min_graph_size`; 1: every program, for launch-bound small ones); null:
+    # XLA's default (5). runtime/xla_flags.py graph_flags
+    cuda_graph_min_thunks: PositiveInt | None = None
     # the update program reuses the params' and optimizer state's buffers for its outputs (and
     # backward the grad accumulator's); null: on accelerators only (on CPU a state stays readable)
     donate: bool | None = None

@@ -3,6 +3,7 @@ attention, a gated MLP (SwiGLU, or Gemma's GeGLU), sliding windows on all or som
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable
 
@@ -27,6 +28,8 @@ from maestro_jax.models.layers import (
     rotary,
     shard_sequence,
 )
+
+log = logging.getLogger(__name__)
 
 _init = nn.initializers.normal(0.02)
 
@@ -71,10 +74,14 @@ class LLMConfig:
     experts_per_token: int = 0
     expert_mlp: int = 0
     router_aux_loss: float = 0.001  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE's default)
-    moe_dispatch: str = "dense"  # dense | ragged | sparse: see MoE
+    moe_dispatch: str = "dense"  # dense | ragged | sparse | grouped (`auto` resolved by `moe_dispatch_for`): see MoE
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
     context_attention: str = "ring"  # over a `context` split: ring (balanced, skips masked blocks) | gather
+
+    def __post_init__(self):
+        if self.moe_dispatch == "auto":  # every config holds the dispatch that runs: the cost model reads it
+            object.__setattr__(self, "moe_dispatch", moe_dispatch_for("auto", jax.default_backend()))
 
     @classmethod
     def from_fields(cls, fields: dict, **extra) -> "LLMConfig":
@@ -100,7 +107,7 @@ def windowed_layer(layer: int, sliding_window: int | None, global_every: int) ->
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE style: softmax router, top-k weights renormalised).
 
-    Three dispatches (`moe_dispatch`), all dropless and equal up to float rounding; parameter
+    Four dispatches (`moe_dispatch`), all dropless and equal up to float rounding; parameter
     shapes (what the planner reads) are the same:
       dense: every expert sees every token and the router's combine weights (zero outside a
         token's top k) select the result: `experts / experts_per_token` times the sparse FFN
@@ -115,6 +122,10 @@ class MoE(nn.Module):
         FLOPs on every backend, and expert parallel: under an `expert` axis > 1 tokens travel
         to their experts' devices and back with all-to-alls (`sparse_experts`, whose buffers and
         per-device FLOPs are sized for the worst case); without one it is `ragged_experts`.
+      grouped: `sparse` with each device's experts through a grouped GEMM (`grouped_ffn`:
+        tokamax's `ragged_dot`, its Mosaic GPU kernels for the forward and both gradients on
+        Hopper), which reads each expert's weights once where `tiled_ffn` gathers them per tile.
+    `auto` (the config's default) is resolved where the workload is built (`moe_dispatch_for`).
 
     Load balancing: with `router_aux_loss` > 0 each layer sows, into the `losses` collection,
     the Switch-Transformer balance loss `experts * sum_e f_e * P_e` computed per sequence over
@@ -146,8 +157,9 @@ class MoE(nn.Module):
             )
         if c.moe_dispatch == "ragged":
             return shard_sequence(ragged_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
-        if c.moe_dispatch == "sparse":
-            return shard_sequence(sparse_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down))
+        if c.moe_dispatch in ("sparse", "grouped"):
+            ffn = grouped_ffn if c.moe_dispatch == "grouped" else tiled_ffn
+            return shard_sequence(sparse_experts(h_BLD, index, weights.astype(h_BLD.dtype), gate, up, down, ffn))
         group = ("expert_batch", "length", "act_embed")
         h_BLD = constrain(h_BLD, group)
         combine_BLE = constrain(combine_BLE, ("expert_batch", "length", "expert"))
@@ -196,6 +208,58 @@ def tiled_ffn(
     return y.at[slot_R].get(mode="fill", fill_value=0)
 
 
+def grouped_ffn(
+    x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array, down_GFD: jax.Array
+) -> jax.Array:
+    """`ragged_dot_ffn` through tokamax's grouped GEMM (`implementation="mosaic"`: Pallas Mosaic
+    GPU kernels for the forward, the input gradient and the weight gradient on Hopper; tokamax
+    0.0.17 needs jax >= 0.11.1). `moe_dispatch_for` only resolves to it where `grouped_gemm_missing`
+    finds nothing missing."""
+    import tokamax  # the gpu extra; absent on CPU machines and CI's jax
+
+    def dot(lhs, rhs):
+        return tokamax.ragged_dot(lhs, rhs, sizes_G, implementation="mosaic")
+
+    return dot(nn.silu(dot(x_RD, gate_GDF)) * dot(x_RD, up_GDF), down_GFD)
+
+
+def grouped_gemm_missing(platform: str, compute_capability: float, jax_version: tuple[int, ...]) -> str | None:
+    """What the grouped dispatch lacks here (None: nothing): tokamax, jax >= 0.11.1, an NVIDIA
+    GPU of compute capability >= 9.0 (its Mosaic kernels are Hopper's)."""
+    import importlib.util
+
+    if platform not in ("gpu", "cuda") or compute_capability < 9.0:
+        return f"an NVIDIA GPU of compute capability >= 9.0 (this is {platform}, capability {compute_capability})"
+    if tuple(jax_version) < (0, 11, 1):
+        return f"jax >= 0.11.1 (installed: {'.'.join(map(str, jax_version))})"
+    if importlib.util.find_spec("tokamax") is None:
+        return "tokamax (pip install 'maestro-jax[gpu]')"
+    return None
+
+
+# What `moe_dispatch: auto` runs on each backend: the fastest dispatch measured there. An NVIDIA GPU
+# (an H200, 128 experts, top 8, width 2048: the `sparse` MoE layer at 12-15% of the bfloat16 peak,
+# benchmarks/RESULTS.md "Running on a GPU"; `ragged` is XLA:GPU's dense expansion of ragged_dot,
+# 128x the FLOPs there, xla ragged_dot_rewriter.cc; `dense` computes every expert): `sparse`, until
+# a GPU check has timed `grouped` beside it (scripts/gpu_check.py's moe rows). Elsewhere `dense`:
+# exact, and on the CPU's small test models the simplest program.
+AUTO_DISPATCH = {"gpu": "sparse", "cuda": "sparse"}
+
+
+def moe_dispatch_for(requested: str, platform: str) -> str:
+    """The dispatch that runs: `requested`, or for `auto` this backend's entry of AUTO_DISPATCH
+    (`dense` where it has none), logged once."""
+    choice = requested if requested != "auto" else AUTO_DISPATCH.get(platform, "dense")
+    _log_dispatch(requested, platform, choice)
+    return choice
+
+
+@functools.cache
+def _log_dispatch(requested: str, platform: str, choice: str) -> None:
+    if requested == "auto":
+        log.info("moe_dispatch auto on %s: %s (models.llm.AUTO_DISPATCH)", platform, choice)
+
+
 def ragged_experts(
     h_ND: jax.Array,
     index_NK: jax.Array,
@@ -230,8 +294,10 @@ def sparse_experts(
     gate_EDF: jax.Array,
     up_EDF: jax.Array,
     down_EFD: jax.Array,
+    ffn: GroupedFFN = tiled_ffn,
 ) -> jax.Array:
-    """The sparse dispatch: expert parallel over the `expert` mesh axis, dropless.
+    """The sparse dispatch: expert parallel over the `expert` mesh axis, dropless; each device's
+    experts run through `ffn` (`tiled_ffn`; `grouped_ffn` for the grouped dispatch).
 
     A `shard_map` over the section's mesh. Each device keeps its tokens; a token goes once to
     every device holding one of its experts (with its local expert ids and router weights)
@@ -251,7 +317,7 @@ def sparse_experts(
     `expert` axis (or when the layout does not divide evenly) it is `ragged_experts` with
     `tiled_ffn`: exactly the chosen experts' rows."""
     rules, mesh = _ACTIVATION_RULES.get(), jax.sharding.get_abstract_mesh()
-    local_experts = functools.partial(ragged_experts, ffn=tiled_ffn)
+    local_experts = functools.partial(ragged_experts, ffn=ffn)
     if not rules or mesh.empty:
         return local_experts(h_BLD, index_BLK, weights_BLK, gate_EDF, up_EDF, down_EFD)
 

@@ -18,7 +18,14 @@ from maestro_jax.models.attention import cudnn_takes
 
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.runtime.xla_flags import GPU_FLAGS, gpu_expected, set_gpu_flags, with_gpu_flags
+from maestro_jax.runtime.xla_flags import (
+    GPU_FLAGS,
+    VERIFY_FLOAT32_FLAGS,
+    gpu_expected,
+    graph_flags,
+    set_gpu_flags,
+    with_gpu_flags,
+)
 from maestro_jax.tools.verify import matmul_precision
 
 
@@ -61,9 +68,31 @@ def test_gpu_flags_only_on_a_gpu_and_the_users_own_win():
     assert gpu_expected({"JAX_PLATFORMS": "cuda,cpu"}, has_plugin)
 
 
+def test_verify_of_a_float32_section_autotunes_no_gemm_and_cuda_graphs_follow_the_config():
+    """`verify` compiles its float32 programs without GEMM autotuning (the H200's 420 s compile),
+    other commands and bfloat16 verifies keep XLA's autotuner; `compile.cuda_graph_min_thunks`
+    reaches XLA as `xla_gpu_graph_min_graph_size`; both only where JAX starts on a GPU, and
+    `compile.gpu_flags: false` leaves them (the command's own) in."""
+    from maestro_jax.cli import COMMANDS, _command_flags
+
+    f32 = load_config(ROOT / "configs/kd_tiny.yaml", [])
+    bf16 = load_config(
+        ROOT / "configs/kd_tiny.yaml", ["sections.student.precision=bfloat16", "sections.teacher.precision=bfloat16"]
+    )
+    assert _command_flags(COMMANDS["verify"], f32) == VERIFY_FLOAT32_FLAGS
+    assert _command_flags(COMMANDS["verify"], bf16) == {} and _command_flags(COMMANDS["train"], f32) == {}
+    graphs = load_config(ROOT / "configs/kd_tiny.yaml", ["compile.cuda_graph_min_thunks=1"])
+    assert _command_flags(COMMANDS["train"], graphs) == {"xla_gpu_graph_min_graph_size": "1"}
+    has_plugin = lambda name: name == "jax-cuda13-plugin"
+    env = {}
+    assert set_gpu_flags(False, env, has_plugin, VERIFY_FLOAT32_FLAGS) == ["--xla_gpu_autotune_level=0"]
+    assert set_gpu_flags(True, {"JAX_PLATFORMS": "cpu"}, has_plugin, VERIFY_FLOAT32_FLAGS) == []
+
+
 def test_every_gpu_flag_is_known_to_the_installed_xla():
     """XLA aborts at start-up on a flag it does not know; these parse even on CPU."""
-    flags = " ".join(f"--{k}={v}" for k, v in GPU_FLAGS.items())
+    every = {**GPU_FLAGS, **VERIFY_FLOAT32_FLAGS, **graph_flags(1)}
+    flags = " ".join(f"--{k}={v}" for k, v in every.items())
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(2).sum()))"],

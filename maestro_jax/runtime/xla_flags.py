@@ -43,6 +43,23 @@ GPU_FLAGS: Mapping[str, str] = {
     "xla_gpu_enable_reduce_scatter_combine_by_dim": "false",
 }
 
+# `verify` where a section computes in float32 (matmuls at precision `highest`): every dot is then a
+# GEMM-fusion autotuning candidate, and vlm_tiny's float32 verify was still compiling after 420 s
+# on an H200 (bfloat16: 123 s; benchmarks/RESULTS.md "Running on a GPU"); the GEMM autotuner took
+# 3.7 of 7 minutes of a MaxText compile (openxla/xla PR #13108). Level 0 autotunes nothing: both
+# sides of the comparison then take XLA's default kernels, the same ones, so no autotuning noise
+# separates them either (openxla/xla#37902: per-fusion autotune results vary between runs).
+VERIFY_FLOAT32_FLAGS: Mapping[str, str] = {"xla_gpu_autotune_level": "0"}
+
+
+def graph_flags(min_thunks: int | None) -> dict[str, str]:
+    """`compile.cuda_graph_min_thunks` as XLA flags: a program of at least that many thunks runs
+    as one CUDA graph (XLA's default: 5), so a short, launch-bound program pays one launch; None:
+    XLA's default. A third-party launch-bound JAX step ran 1.71x faster with 1 (the GPU check times
+    it on the 256- and 1024-token layers before any default changes)."""
+    return {} if min_thunks is None else {"xla_gpu_graph_min_graph_size": str(min_thunks)}
+
+
 CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 
 
@@ -72,11 +89,15 @@ def with_gpu_flags(xla_flags: str, flags: Mapping[str, str] = GPU_FLAGS) -> tupl
     return " ".join([xla_flags.strip(), *added]).strip(), added
 
 
-def set_gpu_flags(enabled: bool, env: MutableMapping[str, str] | None = None, installed=None) -> list[str]:
-    """Add `GPU_FLAGS` to `env["XLA_FLAGS"]` (default `os.environ`) when `enabled` and JAX will
-    start on a GPU; returns the flags added (none on CPU, or when the user set them all)."""
+def set_gpu_flags(
+    enabled: bool, env: MutableMapping[str, str] | None = None, installed=None, extra: Mapping[str, str] = {}
+) -> list[str]:
+    """Add `GPU_FLAGS` to `env["XLA_FLAGS"]` (default `os.environ`) when `enabled`, and `extra`
+    (the command's own: `VERIFY_FLOAT32_FLAGS`, `graph_flags`) whatever `enabled` says, when JAX
+    will start on a GPU; returns the flags added (none on CPU, or when the user set them all)."""
     env = os.environ if env is None else env
-    if not enabled or not gpu_expected(env, installed):
+    flags = {**(GPU_FLAGS if enabled else {}), **extra}
+    if not flags or not gpu_expected(env, installed):
         return []
-    env["XLA_FLAGS"], added = with_gpu_flags(env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"], added = with_gpu_flags(env.get("XLA_FLAGS", ""), flags)
     return added

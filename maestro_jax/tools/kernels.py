@@ -306,7 +306,7 @@ class _Kernel:
             flat = jnp.asarray(np.random.default_rng(0).standard_normal(self.size, np.float32).astype(dtype))
         else:
             flat = jax.jit(lambda key: jax.random.normal(key, (self.size,), dtype))(jax.random.key(0))
-        return _compile(self.make, (flat,), dry_run)(flat)
+        return compile_program(self.make, (flat,), dry_run)(flat)
 
     def abstract_arguments(self, dtype) -> tuple:
         return jax.eval_shape(self.make, jax.ShapeDtypeStruct((self.size,), dtype))
@@ -367,7 +367,7 @@ def _causal(rows: int, length: int):
     return jnp.broadcast_to(i[:, None] >= i[None, :], (rows, length, length))
 
 
-def _passes(fn: Callable, n_diff: int) -> dict[str, Callable]:
+def passes(fn: Callable, n_diff: int) -> dict[str, Callable]:
     def forward_backward(*args):
         def loss(diff):
             return jnp.sum(fn(*diff, *args[n_diff:]).astype(jnp.float32))
@@ -382,12 +382,12 @@ def _passes(fn: Callable, n_diff: int) -> dict[str, Callable]:
 DRY_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def _compile(f: Callable, args, dry_run: bool):
+def compile_program(f: Callable, args, dry_run: bool):
     lowered = jax.jit(f).lower(*args)
     return lowered.compile(compiler_options=DRY_COMPILER_OPTIONS) if dry_run else lowered.compile()
 
 
-def _time(compiled, args, repeats: int, min_sample_s: float) -> tuple[float, int]:
+def time_program(compiled, args, repeats: int, min_sample_s: float) -> tuple[float, int]:
     """(median seconds per call, calls per sample): module docstring."""
     jax.block_until_ready(compiled(*args))  # warm-up, waited for: the timing starts on an idle device
     t0 = time.perf_counter()
@@ -473,11 +473,11 @@ def _measure_shape(shape: Shape, device: str, dtype, repeats: int, min_sample_s:
     fwd = forward_flops(shape)
     s = shape.sliced()
     out = []
-    for name, f in _passes(kernel.fn, kernel.n_diff).items():
+    for name, f in passes(kernel.fn, kernel.n_diff).items():
         t0 = time.perf_counter()
-        compiled = _compile(f, args, dry_run)
+        compiled = compile_program(f, args, dry_run)
         compile_s = time.perf_counter() - t0
-        measured, inner = _time(compiled, args, repeats, min_sample_s)
+        measured, inner = time_program(compiled, args, repeats, min_sample_s)
         flops = fwd * (1.0 if name == "forward" else 1.0 + BACKWARD_FACTOR)
         peak = cost.DEVICES[device]["flops"]
         eff = cost.efficiency(shape.tokens / shape.tensor, shape.width_per_device)
@@ -560,7 +560,7 @@ def attention_implementations(dry_run: bool, repeats: int | None = None) -> list
                 def fn(q, kk, v, impl=impl, kw=kw):
                     return jax.nn.dot_product_attention(q, kk, v, implementation=impl, **kw)
 
-                for pass_name, f in _passes(fn, 3).items():
+                for pass_name, f in passes(fn, 3).items():
                     row = {
                         "shape": name,
                         "rows": b,
@@ -576,8 +576,8 @@ def attention_implementations(dry_run: bool, repeats: int | None = None) -> list
                         "flops": fwd_flops * (1.0 if pass_name == "forward" else 1.0 + BACKWARD_FACTOR),
                     }
                     try:
-                        compiled = _compile(f, (q, kk, v), dry_run)
-                        measured, inner = _time(compiled, (q, kk, v), repeats, min_sample_s)
+                        compiled = compile_program(f, (q, kk, v), dry_run)
+                        measured, inner = time_program(compiled, (q, kk, v), repeats, min_sample_s)
                         diff = None
                         if pass_name == "forward":
                             y = np.asarray(compiled(q, kk, v), np.float32)
@@ -629,8 +629,8 @@ def memory_rows(dry_run: bool) -> list[dict]:
     for shape in shapes:
         kernel = _builder(shape, dtype)
         diff, const = kernel.abstract_arguments(dtype)
-        for name, f in _passes(kernel.fn, kernel.n_diff).items():
-            compiled = _compile(f, (*diff, *const), dry_run)
+        for name, f in passes(kernel.fn, kernel.n_diff).items():
+            compiled = compile_program(f, (*diff, *const), dry_run)
             m = compiled.memory_analysis()
             total = (
                 None

@@ -216,8 +216,26 @@ def model(cfg: Config, name: str, kind: str):
     if name in cfg.sections:  # the section that runs this model sets its activation checkpointing
         fields["remat"] = cfg.sections[name].layer_remat
     if kind == "llm":
-        return LLMConfig.from_fields(fields)
+        return _with_runnable_dispatch(LLMConfig.from_fields(fields), name)
     return {"vit": ViTConfig, "audio": AudioConfig}[kind](**fields)
+
+
+def _with_runnable_dispatch(llm, name: str):
+    """`llm` where its MoE dispatch can run on this process's backend; ConfigError naming
+    `models.<name>.moe_dispatch` where `grouped` lacks its kernel here."""
+    import jax
+
+    from maestro_jax.models.attention import compute_capability
+    from maestro_jax.models.llm import grouped_gemm_missing
+
+    if llm.experts and llm.moe_dispatch == "grouped":
+        missing = grouped_gemm_missing(jax.default_backend(), compute_capability(), jax.__version_info__)
+        if missing:
+            raise ConfigError(
+                f"error: models.{name}.moe_dispatch='grouped': tokamax's grouped GEMM needs {missing}; "
+                "valid here: auto, dense, ragged, sparse"
+            )
+    return llm
 
 
 def build_graph(cfg: Config) -> SectionGraph:

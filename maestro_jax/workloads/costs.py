@@ -20,11 +20,14 @@ def _encoder_layer(width: int, mlp: int) -> float:
 
 def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0) -> UnitCost:
     """A decoder token; `head`: the output layer runs here (the sink). A mixture-of-experts FFN
-    counts what its dispatch runs, plus the router: `dense` every expert on every token,
-    `ragged` and `sparse` the token's experts_per_token experts (the sparse dispatch's tile
+    counts what its dispatch runs, plus the router: `dense` every expert on every token, and so
+    does `ragged` (XLA:CPU and XLA:GPU expand jax.lax.ragged_dot into a product masked per
+    expert, xla ragged_dot_rewriter.cc); `sparse` and `grouped` the token's experts_per_token
+    experts (the sparse dispatch's tile
     padding and, under an `expert` axis, its worst-case buffers are left out)."""
     moe = c.experts > 0
-    mlp = (c.experts if c.moe_dispatch == "dense" else c.experts_per_token) * c.expert_mlp if moe else c.mlp
+    every = c.moe_dispatch in ("dense", "ragged")
+    mlp = (c.experts if every else c.experts_per_token) * c.expert_mlp if moe else c.mlp
     proj = 2 * c.width * (c.heads + 2 * c.kv_heads) * c.head_dim + 2 * c.heads * c.head_dim * c.width
     ffn = 3 * 2 * c.width * mlp + (2 * c.width * c.experts if moe else 0)
     linear = c.depth * (proj + ffn) + (2 * c.width * c.vocab if head else 0)
