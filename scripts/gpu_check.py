@@ -6,18 +6,24 @@ its log, and no process here holds GPU memory that another needs (`XLA_PYTHON_CL
 is off for all). `DIR/gpu_check.json` is rewritten after every step, so a check cut short by the
 machine's time limit still leaves what it measured, and no step starts or runs past
 `--deadline-s` (default DEADLINE_S), so the whole check ends inside one device call. Steps, in
-order, what no GPU run has measured yet first (benchmarks/RESULTS.md, "Running on a GPU": two
-H200 runs passed verify of both configs in bfloat16 and kd_tiny in float32, and timed the
-kernels; vlm_tiny in float32 compiles past 420 s there):
+order, what no GPU run has measured yet first (benchmarks/RESULTS.md, "Running on a GPU": four
+H200 runs passed verify of both configs in bfloat16 and kd_tiny in float32, benched the tiny
+configs and timed the kernels; vlm_tiny in float32 compiled past 420 s there, before `verify`
+turned GEMM autotuning off for float32 sections):
 
-  env       jax, jaxlib, the CUDA plugin, CUDA, cuDNN, the driver, the device and its memory;
-  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
-  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm;
+  env       jax, jaxlib, the CUDA plugin, CUDA, cuDNN, the driver, the device and its memory,
+            whether tokamax imports (the gpu extra);
+  levers    attention in each fast form (causal, packed, a ViT's padded and packed rows) against
+            the mask path, the MoE layer in every dispatch (grouped: tokamax's GEMM), small
+            decoder layers with and without CUDA graphs, each ratio in the summary
+            (`maestro_jax.tools.levers`);
   verify    the tiny configs (vlm_tiny and kd_tiny by default; `--configs` takes omni_tiny and
             vlm_kd_tiny too) with all sections on device 0 (each section its own one-device
             mesh, co-located), maestro vs the monolithic step, in float32 (matmuls at precision
             `highest`, tolerance 1e-5) and in bfloat16 (its documented 2e-2); run side by side,
             since they are compiles more than compute;
+  bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
+  compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm;
   kernels   decoder (dense, MoE), ViT and attention blocks at realistic widths and token counts,
             forward and forward+backward, beside the cost model's prediction for each shape;
             cuDNN against XLA attention; compiled against measured peak memory
@@ -84,6 +90,11 @@ try:
     out["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
 except (OSError, subprocess.TimeoutExpired) as err:
     out["nvidia_smi"] = f"unavailable: {err}"
+try:
+    import tokamax
+    out["tokamax"] = tokamax.__version__
+except Exception as err:  # noqa: BLE001 - the gpu extra may be absent or fail to import: say which
+    out["tokamax"] = f"unavailable: {type(err).__name__}: {err}"[:300]
 print(json.dumps(out))
 """
 
@@ -96,6 +107,15 @@ report = kernels.kernel_report(dry_run={dry_run}, device=device, progress=lambda
 json.dump(report, open({path!r}, "w"), indent=1)
 """
 
+LEVERS = r"""
+import json
+import jax
+from maestro_jax.planning import cost
+from maestro_jax.tools import kernels, levers
+peak = None if {dry_run} else cost.DEVICES.get(kernels.device_key(jax.devices()[0].device_kind), {{}}).get("flops")
+json.dump(levers.lever_report(dry_run={dry_run}, peak_flops=peak), open({path!r}, "w"), indent=1)
+"""
+
 
 class Check:
     """The check's state: where it writes, what it found so far, how it runs a step."""
@@ -103,7 +123,8 @@ class Check:
     def __init__(self, out: Path, dry_run: bool, deadline_s: float = DEADLINE_S):
         self.out, self.dry_run = out, dry_run
         self.deadline = time.perf_counter() + deadline_s
-        self.report: dict = {"dry_run": dry_run, "env": {}, "verify": [], "bench": [], "compile": {}, "kernels": []}
+        self.report: dict = {"dry_run": dry_run, "env": {}, "levers": {}, "verify": [], "bench": [], "compile": {}}
+        self.report["kernels"] = []
         self.failures: list[str] = []
         self.env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
         if dry_run:  # the configs' 8 virtual CPU devices (the CLI sets them; the probes here too)
@@ -249,6 +270,12 @@ class Check:
                 row["step_time_s"] = {m: t["median"] for m, t in r.get("step_time_s", {}).items()}
             self.report["bench"].append(row)
 
+    def levers(self) -> None:
+        path = self.out / "levers.json"
+        self.run("levers", [sys.executable, "-c", LEVERS.format(dry_run=self.dry_run, path=str(path))])
+        if path.exists():
+            self.report["levers"] = json.loads(path.read_text())
+
     def kernels(self) -> None:
         path = self.out / "kernels.json"
         code = KERNELS.format(dry_run=self.dry_run, path=str(path))
@@ -264,12 +291,14 @@ class Check:
         env = self.report["env"]
         lines = [
             f"device: {env.get('device_count')} x {env.get('device_kind')} ({env.get('backend')}), "
-            f"jax {env.get('packages', {}).get('jax')}, cuDNN {env.get('cudnn')}, driver/smi: {env.get('nvidia_smi')}"
+            f"jax {env.get('packages', {}).get('jax')}, cuDNN {env.get('cudnn')}, driver/smi: {env.get('nvidia_smi')}, "
+            f"tokamax {env.get('tokamax')}"
         ]
         for v in self.report["verify"]:
             verdict = "PASS" if v.get("passed") else f"FAIL (status {v['status']})"
             rel = f"max rel {v['max_rel']:.2e} (tolerance {v['tolerance']:g})" if "max_rel" in v else "no result"
             lines.append(f"verify {v['config']} {v['precision']}: {verdict}, {rel}, {v['seconds']} s")
+        lines += self.report["levers"].get("summary", [])
         c = self.report["compile"]
         if c:
             lines.append(
@@ -342,9 +371,10 @@ def main(argv=None) -> int:
     # the unmeasured first: a deadline cuts the tail (see the docstring)
     steps = [
         check.probe_env,
+        check.levers,
+        lambda: check.verify(configs, precisions, args.workers),
         lambda: check.bench(benches),
         lambda: check.compile_times(configs[0]),
-        lambda: check.verify(configs, precisions, args.workers),
         check.kernels,
     ]
     for step in steps:

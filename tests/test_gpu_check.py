@@ -54,6 +54,17 @@ def test_dry_run_writes_every_section(tmp_path):
     assert checks["memory"] and all(
         r["compiled_bytes"] > 0 and r["measured_peak_bytes"] is None for r in checks["memory"]
     )
+    levers = report["levers"]  # every lever's rows on CPU: XLA's run, cuDNN's and tokamax's say why not
+    forms = {
+        (r["shape"], r["form"], r["implementation"]): r for r in levers["attention_forms"] if r["pass"] == "forward"
+    }
+    assert {"causal", "padded", "packed"} <= {form for _, form, _ in forms}
+    assert forms["causal", "causal", "xla"]["available"] and forms["causal", "causal", "xla"]["max_abs_diff"] < 1e-5
+    assert forms["vit_padded", "padded", "xla"]["finite"] and not forms["packed", "packed", "cudnn"]["available"]
+    moe = {(r["dispatch"], r["pass"]): r for r in levers["moe_dispatches"]}
+    assert all(moe[d, "forward"]["max_abs_diff"] < 1e-4 for d in ("ragged", "sparse"))
+    assert "needs" in moe["grouped", "forward"]["error"]
+    assert [r["available"] for r in levers["cuda_graphs"]] == [True, False]
     assert report["summary"][-1] == "gpu check: ok"
     assert proc.stdout.rstrip().endswith("gpu check: ok")  # the summary is printed last
 
@@ -67,7 +78,7 @@ def test_past_its_deadline_the_check_starts_no_step_and_still_writes_its_report(
     report = json.loads((out / "gpu_check.json").read_text())
     skipped = [f for f in report["failures"] if "skipped" in f]
     verifies = {f"verify_{c}_{p}" for c in ("vlm_tiny", "kd_tiny") for p in ("float32", "bfloat16")}
-    rest = {"env", "kernels", "bench_vlm_tiny", "bench_kd_tiny", "train_vlm_tiny_cold", "train_vlm_tiny_warm"}
+    rest = {"env", "levers", "kernels", "bench_vlm_tiny", "bench_kd_tiny", "train_vlm_tiny_cold", "train_vlm_tiny_warm"}
     assert sorted(f.split(":")[0] for f in skipped) == sorted(verifies | rest)
     assert len(skipped) == len(report["failures"])
     assert not report["verify"][0].get("passed") and report["verify"][0]["status"] == 124
