@@ -254,3 +254,40 @@ def test_sparse_dispatch_is_dropless_under_skewed_routing(skew):
         got_loss, got_grads = step(jax.device_put(params, shard), h)
     assert float(got_loss) == pytest.approx(float(ref_loss), rel=1e-5)
     assert l2_rel(got_grads, ref_grads) < 1e-5
+
+
+def test_auto_dispatch_is_the_fastest_measured_per_backend_and_priced_as_it_runs():
+    """`moe_dispatch: auto` resolves where the config is built: `dense` on CPU, `sparse` on an
+    NVIDIA GPU (models.llm.AUTO_DISPATCH); the cost model then prices what runs, and prices
+    `ragged` as the dense expansion XLA makes of it."""
+    import dataclasses
+
+    from maestro_jax.models.llm import moe_dispatch_for
+
+    from maestro_jax.workloads.costs import llm_cost
+
+    assert jax.default_backend() == "cpu" and dataclasses.replace(CFG, moe_dispatch="auto").moe_dispatch == "dense"
+    assert moe_dispatch_for("auto", "gpu") == "sparse" and moe_dispatch_for("ragged", "gpu") == "ragged"
+    flops = {d: llm_cost(dataclasses.replace(CFG, moe_dispatch=d), head=False).flops for d in ("dense", "ragged")}
+    sparse = {d: llm_cost(dataclasses.replace(CFG, moe_dispatch=d), head=False).flops for d in ("sparse", "grouped")}
+    assert flops["dense"] == flops["ragged"] > sparse["sparse"] == sparse["grouped"]
+
+
+def test_the_grouped_dispatch_is_refused_in_one_line_where_its_kernel_is_missing(capsys):
+    import importlib.util
+
+    from conftest import ROOT
+    from maestro_jax.models.llm import grouped_gemm_missing
+
+    from maestro_jax import cli
+
+    assert "capability" in grouped_gemm_missing("cpu", 0.0, (0, 11, 2))
+    assert "jax >= 0.11.1" in grouped_gemm_missing("gpu", 9.0, (0, 10, 2))
+    assert "compute capability" in grouped_gemm_missing("gpu", 8.0, (0, 11, 2))
+    has_tokamax = importlib.util.find_spec("tokamax") is not None
+    assert (grouped_gemm_missing("gpu", 9.0, (0, 11, 2)) is None) == has_tokamax
+    moe = ["models.llm.experts=4", "models.llm.experts_per_token=2", "models.llm.expert_mlp=16"]
+    argv = ["verify", "--config", str(ROOT / "configs/vlm_tiny.yaml"), *moe, "models.llm.moe_dispatch=grouped"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: models.llm.moe_dispatch='grouped'") and "valid here" in err[0]

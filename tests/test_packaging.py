@@ -60,3 +60,18 @@ def test_the_test_extra_needs_no_torch():
     }
     assert "pytest" in names
     assert not names & {"torch", "transformers", "jax[cuda12]", "jax[cuda13]"}, names
+
+
+def test_the_gpu_kernels_are_an_extra_of_their_own():
+    """tokamax (the grouped GEMM of `moe_dispatch: grouped`) needs jax >= 0.11.1: only the `gpu`
+    extra asks for it, so the default install, the test extra and CI's jax 0.10.2 never meet it,
+    and `scripts/gpu_wheels.sh` carries it to a GPU image."""
+
+    def names(reqs):
+        return {r.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().lower() for r in reqs}
+
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert names(extras["gpu"]) == {"tokamax"}
+    assert all("tokamax" not in names(reqs) for name, reqs in extras.items() if name != "gpu")
+    assert "tokamax" not in names(PYPROJECT["project"]["dependencies"])
+    assert "tokamax==" in (ROOT / "scripts/gpu_wheels.sh").read_text()
