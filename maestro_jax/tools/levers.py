@@ -170,36 +170,11 @@ def _timed(f: Callable, args: tuple, dry_run: bool, repeats: int | None, options
 
 
 def moe_config(dry_run: bool) -> tuple[LLMConfig, int]:
-    """The MoE layer timed and its token count: Qwen3-30B-A3B's (128 experts, top 8, width 2048,
-    expert MLP 768; the kernels step's `decoder_moe` arch) at 4096 tokens, or a tiny one."""
-    if dry_run:
-        return LLMConfig(
-            vocab=8,
-            width=64,
-            depth=1,
-            heads=4,
-            kv_heads=4,
-            head_dim=16,
-            mlp=64,
-            experts=8,
-            experts_per_token=2,
-            expert_mlp=32,
-            router_aux_loss=0.0,
-        ), 256
-    a = GPU_ARCHS["decoder_moe", 2048]
-    return LLMConfig(
-        vocab=8,
-        width=a.width,
-        depth=1,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        mlp=a.mlp,
-        experts=a.experts,
-        experts_per_token=a.experts_per_token,
-        expert_mlp=a.mlp,
-        router_aux_loss=0.0,
-    ), 4096
+    """The MoE layer timed and its token count: the kernels step's `decoder_moe` arch (Qwen3-30B-A3B's:
+    128 experts, top 8, width 2048, expert MLP 768) at 4096 tokens, or its tiny one at 256."""
+    arch, tokens = (DRY_ARCHS["decoder_moe", 64], 256) if dry_run else (GPU_ARCHS["decoder_moe", 2048], 4096)
+    cfg = Shape("decoder_moe", arch, 1, tokens, tokens).llm_config()
+    return dataclasses.replace(cfg, router_aux_loss=0.0), tokens
 
 
 def moe_dispatches(dry_run: bool, repeats: int | None = None, peak_flops: float | None = None) -> list[dict]:
