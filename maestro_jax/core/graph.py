@@ -98,6 +98,12 @@ class UnitCost:
     kv_width: int = 0
     routed_width: int = 0
 
+    def forward_flops(self, units: float) -> float:
+        """Forward FLOPs of a sample's `units` units: the per-unit work plus attention over the
+        sample's units (or the `attention_span` window)."""
+        span = self.attention_span if self.attention_span is not None else units
+        return (self.flops + self.attention_flops * span) * units
+
 
 @dataclasses.dataclass(frozen=True)
 class Section:

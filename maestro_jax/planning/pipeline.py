@@ -303,11 +303,6 @@ def _aligned(spec, metas_all) -> frozenset[str]:
     return frozenset(s for s in spec.order if s == spec.sink or token_aligned(spec, metas_all, s))
 
 
-def _flops(c: UnitCost, units: float) -> float:
-    """Forward FLOPs of `units` units of a section (attention over the sample's units, or its window)."""
-    return (c.flops + c.attention_flops * (c.attention_span if c.attention_span is not None else units)) * units
-
-
 def balanced_layers(spec, metas_all, stages: int, head: bool = True) -> list[int]:
     """The sink's layers cut so that the stages' work is as even as it gets: the first stage
     also runs the encoders, the last the head(s), so they get fewer layers (as Megatron-LM users
@@ -321,7 +316,7 @@ def balanced_layers(spec, metas_all, stages: int, head: bool = True) -> list[int
 
     def work(c: UnitCost, section: str) -> float:
         factor = 3 if spec.sections[section].trained else 1
-        return sum(_flops(c, m.work[section]) for m in samples if section in m.work) * factor
+        return sum(c.forward_flops(m.work[section]) for m in samples if section in m.work) * factor
 
     load = [0.0] * stages
     for name, sec in spec.sections.items():

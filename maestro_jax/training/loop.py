@@ -42,6 +42,7 @@ from maestro_jax.runtime.step import StepBatch, StepMetrics, TrainState
 from maestro_jax.training.checkpoint import Checkpointer, check_start_points, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
+from maestro_jax.training.mfu import MfuMeter
 from maestro_jax.training.preemption import Preemption, raise_if_interrupted
 from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.profile import ProfileWindow
@@ -150,7 +151,10 @@ def train(
         )
         say.bar_open = True
         window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
-        step_log = _StepLog(tracked, bar, evaluation, rt.coordinator.fetch, hooks)
+        devices = {s: sp.devices for s, sp in rt.plan.sections.items()}
+        meter = MfuMeter.for_run(rt.graph, devices, cfg.peak_flops)
+        say(meter.describe())
+        step_log = _StepLog(tracked, bar, evaluation, rt.coordinator.fetch, hooks, meter)
         history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(state)
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
@@ -270,8 +274,9 @@ class _StepLog:
 
     RECENT = 10
 
-    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, fetch, hooks=()):
+    def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, fetch, hooks=(), meter=None):
         self.trackers, self.bar, self.evaluation, self.history = trackers, bar, evaluation, []
+        self.meter: MfuMeter | None = meter  # perf/mfu and perf/mfu/<section> in each record
         self.fetch = fetch  # `Coordinator.fetch`: a device value on this host
         self.hooks = tuple(hooks)
         self.last_read = time.perf_counter()
@@ -300,6 +305,8 @@ class _StepLog:
                 "data_decoded_bytes": batch.decoded_bytes,
             }
         )
+        if self.meter is not None:
+            rec.update(self.meter.record(samples, dt))
         if wait_reason and "wait_reason" not in rec:
             rec["wait_reason"] = wait_reason
         if prepared.skipped is not None:
@@ -308,7 +315,8 @@ class _StepLog:
         self.bar.update(1)
         self.recent.append((len(samples), dt))
         recent = sum(n for n, _ in self.recent) / sum(t for _, t in self.recent)
-        self.bar.set_postfix(loss=f"{rec['train/loss']:.4f}", samples_per_s=f"{recent:.1f}")
+        mfu = {"mfu": f"{100 * rec['perf/mfu']:.1f}%"} if "perf/mfu" in rec else {}
+        self.bar.set_postfix(loss=f"{rec['train/loss']:.4f}", samples_per_s=f"{recent:.1f}", **mfu)
         self.trackers.write(rec)
         for hook in self.hooks:
             hook(rec["step"], rec)

@@ -74,7 +74,7 @@ class JsonlTracker:
 
 def tensorboard_tag(key: str) -> str:
     """A record's key as a TensorBoard tag: named metrics as they are, the host's under `perf/`."""
-    return key if key.startswith(("train/", "eval/")) else f"perf/{key}"
+    return key if key.startswith(("train/", "eval/", "perf/")) else f"perf/{key}"
 
 
 class TensorBoardTracker:
