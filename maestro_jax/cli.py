@@ -450,6 +450,11 @@ def _bench(cfg, args) -> int:
         print(f"{k}: {v:.3f}")
     for m, v in r["host_overhead_fraction"].items():
         print(f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})")
+    u = r["mfu"]
+    for m in MODES:
+        sections = ", ".join(f"{s} {v:.1%}" for s, v in u["by_section"].get(m, {}).items())
+        print(f"MFU {m}: {u[m]:.1%}" + (f" ({sections})" if sections else ""))
+    print(f"MFU against {u['peak'] / 1e12:.3g} TFLOP/s a device ({u['peak_source']})")
     if "efficiency_vs_text_only" in r:
         e = r["efficiency_vs_text_only"]
         print(

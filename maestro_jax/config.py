@@ -692,7 +692,7 @@ class Config(_Frozen):
     host_devices: PositiveInt = 8
     device_memory_gb: float | None = Field(None, gt=0.0)
     # one device's peak FLOP/s for the records' MFU (perf/mfu, planning/mfu.py); null: the card's
-    # datasheet dense bf16 peak, or on a CPU one float32 matmul timed at the start (training/mfu.py)
+    # datasheet dense bf16 peak, or on a CPU one float32 matmul timed at the start (runtime/mfu.py)
     peak_flops: float | None = Field(None, gt=0.0)
     output_dir: str | None = None  # metrics.jsonl, TensorBoard events, checkpoints/; re-running resumes
     checkpoint_dir: str | None = None  # default <output_dir>/checkpoints; may be other storage

@@ -60,6 +60,11 @@ def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", override
     assert abs(r["ratios"]["wavefront_vs_naive"] - r["samples_per_s"]["wavefront"] / r["samples_per_s"]["naive"]) < 1e-9
     assert 0 < r["host_overhead_fraction"]["wavefront"] < 1
     assert r["simulator"]["cost_source"] == "calibrated"
+    # MFU per mode, maestro's by section too: the same FLOPs over each mode's devices and time
+    u = r["mfu"]
+    assert all(u[m] > 0 for m in MODES) and set(u["by_section"]["wavefront"]) == set(r["config"]["sections"])
+    assert u["wavefront"] / u["naive"] == pytest.approx(r["samples_per_s"]["wavefront"] / r["samples_per_s"]["naive"])
+    assert "timed" in u["peak_source"] and "MFU wavefront: " in said.out
     assert set(r["efficiency_vs_text_only"]) == {"wavefront", "monolithic"}
     assert all(0 < v < 2 for v in r["efficiency_vs_text_only"].values())  # ratios of timings, not constants
     for f in ("measured_trace", "measured_gantt", "simulated_trace", "simulated_gantt"):

@@ -1,4 +1,4 @@
-"""MFU (planning/mfu.py, training/mfu.py): a step's model FLOPs agree with MaxText's
+"""MFU (planning/mfu.py, runtime/mfu.py): a step's model FLOPs agree with MaxText's
 `calculate_tflops_training_per_device` for a Llama 3 8B-shaped model, each section's MFU is over
 its own devices, the peaks come from the datasheets (or the config, or a CPU's timed matmul), and
 every training run's metrics.jsonl carries `perf/mfu` and `perf/mfu/<section>`."""
@@ -15,7 +15,7 @@ from maestro_jax import cli
 from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import Sample
 from maestro_jax.planning.mfu import datasheet_peak, step_flops, utilization
-from maestro_jax.training.mfu import peak_of
+from maestro_jax.runtime.mfu import peak_of
 from maestro_jax.training.trackers import tensorboard_tag
 from maestro_jax.workloads.costs import llm_cost
 

@@ -27,8 +27,10 @@ import jax
 
 from maestro_jax.config import Config
 from maestro_jax.data.samples import Sample
+from maestro_jax.planning.mfu import step_flops, utilization
 from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.mfu import peak_of
 from maestro_jax.runtime.step import StepBatch
 from maestro_jax.schedule import naive, sample_metas, wavefront
 from maestro_jax.tools import calibrate
@@ -38,6 +40,28 @@ MODES = ("monolithic", "naive", "wavefront")
 # the orders the monolithic step is timed in: arrival (Megatron-LM's), longest first by the sink's
 # work, longest first by the sample's whole modelled time alone
 ORDERS = ("arrival", "sink_longest", "alone_longest")
+
+
+def _mfu(cfg: Config, rt, batches, per_rep) -> dict:
+    """Each mode's MFU over its median repetition (`planning.mfu`): maestro's step and sections
+    on the plan's devices, the monolithic step on `monolithic.devices`, against the peak
+    `runtime.mfu.peak_of` finds (`peak`, `peak_source`)."""
+    flops = {}
+    for b in batches:
+        for s, f in step_flops(rt.graph, b).items():
+            flops[s] = flops.get(s, 0.0) + f
+    peak, source = peak_of(cfg.peak_flops, jax.devices()[0].device_kind)
+    devices = {s: sp.devices for s, sp in rt.plan.sections.items()}
+    mono = {"all": list(cfg.monolithic.devices)}
+    out = {"peak": peak, "peak_source": source, "by_section": {}}
+    for m in MODES:
+        seconds = statistics.median(per_rep[m])
+        u = utilization({"all": sum(flops.values())}, mono, seconds, peak) if m == "monolithic" else None
+        u = u or utilization(flops, devices, seconds, peak)
+        out[m] = u.step
+        if m != "monolithic":
+            out["by_section"][m] = dict(u.sections)
+    return out
 
 
 def bench(
@@ -201,6 +225,7 @@ def bench(
             lambda samples, st: mono_step(orders[fair](samples), st),
             say,
         )
+    report["mfu"] = _mfu(cfg, rt, batches, per_rep)
     report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
     if pack is not None:
         report["packing"] = bench_packing(cfg, pack, rt, batches, reps, say)

@@ -38,11 +38,11 @@ from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
 from maestro_jax.runtime.distributed import Coordinator, PeerError
+from maestro_jax.runtime.mfu import MfuMeter
 from maestro_jax.runtime.step import StepBatch, StepMetrics, TrainState
 from maestro_jax.training.checkpoint import Checkpointer, check_start_points, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
 from maestro_jax.training.evaluate import Evaluation, evaluation_for
-from maestro_jax.training.mfu import MfuMeter
 from maestro_jax.training.preemption import Preemption, raise_if_interrupted
 from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.profile import ProfileWindow
