@@ -74,7 +74,9 @@ class LLMConfig:
     experts_per_token: int = 0
     expert_mlp: int = 0
     router_aux_loss: float = 0.001  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE's default)
-    moe_dispatch: str = "dense"  # dense | ragged | sparse | grouped (`auto` resolved by `moe_dispatch_for`): see MoE
+    moe_dispatch: str = (
+        "auto"  # auto (resolved at construction, `moe_dispatch_for`) | dense | ragged | sparse | grouped: see MoE
+    )
     remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
     scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
     context_attention: str = "ring"  # over a `context` split: ring (balanced, skips masked blocks) | gather

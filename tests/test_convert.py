@@ -637,6 +637,9 @@ def test_a_gemma3_folder_the_model_cannot_take_is_refused_in_one_line(images, tm
     """Gemma 3's processor writes image_seq_length tokens an image of its size; a vision model that
     takes another count, a normalisation other than [-1, 1], pan and scan, or --max-side (the
     processor fixes the size) are refused before any record is read."""
+    pytest.importorskip(
+        "transformers", reason="the folders' tokenizers are written with transformers (the `reference` extra)"
+    )
     cases = [
         (make_gemma3_folder(tmp_path / "a", count=16), {}, "writes 16 tokens for an image of 16x16 pixels"),
         (make_gemma3_folder(tmp_path / "b", image_mean=[0.48, 0.45, 0.4]), {}, "image_mean=[0.48, 0.45, 0.4]"),
