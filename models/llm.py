@@ -505,6 +505,11 @@ class DecoderLM(nn.Module):
     # (None: where `layers` starts at 0 / ends at the depth; a cut may leave either stage no blocks)
     first: bool | None = None
     last: bool | None = None
+    # True: the rows are laid as `workloads.rows.text_rows` lays them (one sample a row from position
+    # 0, positions 0, 1, 2, ..., padding after it), so causal attention with key lengths says what
+    # the mask says and a fused kernel may take that form; False (rows a caller builds any other
+    # way, left padding included): the dense mask always
+    rows_from_zero: bool = False
 
     def setup(self):
         c = self.cfg
@@ -578,7 +583,14 @@ class DecoderLM(nn.Module):
             deepstack_JBLD = None if deepstack_JBLD is None else deepstack_JBLD[:, :, order]
         order_BL = positions_BL[..., 0] if self.cfg.mrope_section is not None else positions_BL
         mask, window_BLL = decoder_mask(
-            order_BL, valid_BL, self.cfg.sliding_window, segments_BL, images_BL, segment_lengths_BM, order is None
+            order_BL,
+            valid_BL,
+            self.cfg.sliding_window,
+            segments_BL,
+            images_BL,
+            segment_lengths_BM,
+            plain=order is None,
+            from_zero=self.rows_from_zero,
         )
         # the MoE balancing loss is per sample (segments); DeepStack's features after them
         extra = (segments_BL,) if segments_BL is not None else ()
@@ -616,14 +628,21 @@ class DecoderLM(nn.Module):
 
 
 def decoder_mask(
-    order_BL, valid_BL, sliding_window=None, segments_BL=None, images_BL=None, segment_lengths_BM=None, plain=True
+    order_BL,
+    valid_BL,
+    sliding_window=None,
+    segments_BL=None,
+    images_BL=None,
+    segment_lengths_BM=None,
+    plain=True,
+    from_zero=False,
 ) -> tuple[Mask, jax.Array]:
     """The decoder's attention mask and its windowed layers' window (`DecoderLM.body`): causal in
     `order_BL` (each position's place in its sample), image blocks bidirectional, padding keys
     masked, each packed sample to itself; with the rows' structure (`models.attention.Mask`)
-    where no image blocks are given and the positions are in their own order (`plain`): one
-    sample a row (its length, the count of valid positions) or the host's segment lengths of
-    packed rows."""
+    where no image blocks are given and the positions are in their own order (`plain`): the
+    host's segment lengths of packed rows, or, for rows of one sample each laid from position 0
+    (`from_zero`: `DecoderLM.rows_from_zero`), each row's length (its valid positions)."""
     behind_BLL = order_BL[:, :, None] - order_BL[:, None, :]  # how far each key lies back
     mask_BLL = behind_BLL >= 0
     if images_BL is not None:
@@ -633,7 +652,7 @@ def decoder_mask(
     window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
     if segments_BL is not None:
         mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
-    if not plain or images_BL is not None:
+    if not plain or images_BL is not None or (segments_BL is None and not from_zero):
         return Mask(mask_BLL), window_BLL
     if segments_BL is None:
         return Mask(mask_BLL, lengths=jnp.sum(valid_BL, axis=1, dtype=jnp.int32), causal=True), window_BLL

@@ -95,7 +95,9 @@ def _same_where_read(mask: Mask, form: str, read_BQ):
 @pytest.mark.parametrize("window", [None, 3])
 def test_the_causal_form_means_the_decoders_mask_on_text_rows(window):
     batch = R.text_rows(_text_samples([7, 3, None, 12]))
-    mask, window_BLL = decoder_mask(jnp.asarray(batch["positions"]), jnp.asarray(batch["valid"]), window)
+    mask, window_BLL = decoder_mask(
+        jnp.asarray(batch["positions"]), jnp.asarray(batch["valid"]), window, from_zero=True
+    )
     mask = mask.windowed(window_BLL, window) if window else mask
     assert mask.offered == "causal"
     _same_where_read(mask, "causal", batch["valid"])
@@ -166,7 +168,7 @@ def test_xlas_fast_forms_give_the_mask_paths_loss_and_gradients(cfg):
     ids, pos, valid = (jnp.asarray(batch[k]) for k in ("input_ids", "positions", "valid"))
     noise = np.random.default_rng(3).integers(1, cfg.vocab, ids.shape)
     ids = jnp.where(valid, ids, jnp.asarray(noise, jnp.int32))  # padding the loss never reads
-    model = DecoderLM(cfg)
+    model = DecoderLM(cfg, rows_from_zero=True)
     params = nn.meta.unbox(model.init(jax.random.key(0), ids, pos, valid)["params"])
     read = jnp.asarray(batch["loss_mask"])
 
@@ -182,7 +184,7 @@ def test_xlas_fast_forms_give_the_mask_paths_loss_and_gradients(cfg):
     masked = jax.value_and_grad(loss)(params), hidden(params)
     with fast_forms_forced():
         q = jnp.zeros((4, ids.shape[1], cfg.heads, cfg.head_dim))
-        m, _ = decoder_mask(pos, valid, cfg.sliding_window)
+        m, _ = decoder_mask(pos, valid, cfg.sliding_window, from_zero=True)
         assert kernel_for(q, q[:, :, : cfg.kv_heads], m, 1).form == "causal"
         fast = jax.value_and_grad(loss)(params), hidden(params)
     (l1, g1), h1 = masked
@@ -224,3 +226,15 @@ def test_xlas_padded_form_gives_the_towers_mask_path_features_and_gradients():
         assert np.allclose(a, b, rtol=1e-5, atol=1e-6)
     assert np.allclose(np.asarray(f1)[read], np.asarray(f2)[read], atol=1e-5)
     assert not np.allclose(np.asarray(f1)[~read], np.asarray(f2)[~read], atol=1e-3)  # padding: another path
+
+
+def test_rows_a_caller_builds_keep_the_dense_mask_unless_laid_from_position_zero():
+    """Left padding (valid positions at a row's end) is not what `is_causal` with lengths says: a
+    DecoderLM the caller builds takes the dense mask; the workloads' decoders, fed `text_rows`'
+    rows, say `rows_from_zero` and offer the causal form."""
+    valid = jnp.asarray(np.arange(8)[None] >= np.array([[3], [0]]))  # row 0 left-padded by 3
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    assert decoder_mask(positions, valid)[0].offered == "mask"
+    laid, _ = decoder_mask(jnp.broadcast_to(jnp.arange(8), (2, 8)), valid[:, ::-1], from_zero=True)
+    assert laid.offered == "causal"
+    assert not DecoderLM(LLM).rows_from_zero

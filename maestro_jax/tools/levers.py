@@ -59,7 +59,7 @@ class AttentionShape:
             return item_mask(jnp.asarray(seg), jnp.asarray(segment_lengths(seg)))
         valid = jnp.asarray(seg > 0)
         if all(len(row) == 1 for row in self.items):
-            return decoder_mask(jnp.broadcast_to(jnp.arange(self.length), seg.shape), valid)[0]
+            return decoder_mask(jnp.broadcast_to(jnp.arange(self.length), seg.shape), valid, from_zero=True)[0]
         starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1, axis=1) != 0, np.arange(self.length), 0), 1)
         positions = jnp.asarray(np.arange(self.length)[None] - starts)  # each sample's own, from 0
         return decoder_mask(positions, valid, None, jnp.asarray(seg), None, jnp.asarray(segment_lengths(seg)))[0]

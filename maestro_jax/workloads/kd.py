@@ -29,7 +29,7 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_
     """A frozen LLM body: token rows in (bucketed at `per_octave`, `compile.buckets_per_octave`),
     final-normed hidden states out (its head runs downstream).
     It splits into pipeline stages (`workloads.staged`), forward only, the last sending `edge`."""
-    body = DecoderLM(teacher, with_head=False)
+    body = DecoderLM(teacher, with_head=False, rows_from_zero=True)  # text_rows' rows
 
     def forward(variables, inputs, batch):
         v = {"params": variables["consts"]["llm"]}
@@ -154,7 +154,7 @@ def build(cfg: Config) -> SectionGraph:
     teacher, student = model(cfg, "teacher", "llm"), model(cfg, "student", "llm")
     check_vocab(teacher, student)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
-    s_model = DecoderLM(student)
+    s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
     per_octave = cfg.compile.buckets_per_octave
 
     def student_batch(rows, routes):

@@ -94,7 +94,9 @@ def decoder_stages(
         return None
 
     def stage(i: int) -> Section:
-        module = DecoderLM(llm, with_head=with_head, layers=ranges[i], first=i == 0, last=i == k - 1)
+        module = DecoderLM(
+            llm, with_head=with_head, layers=ranges[i], first=i == 0, last=i == k - 1, rows_from_zero=True
+        )
         prev = stage_edge(section.name, i - 1) if i else None
         out = stage_edge(section.name, i) if i < k - 1 else None
         prev_aux = stage_aux_edge(section.name, i - 1) if i else None

@@ -299,7 +299,7 @@ def llm_section(
     pipeline stages (`workloads.staged`): image embeddings spliced in the first, the loss in the
     last, each stage's cost its share of the decoder's. Its rows are bucketed at `per_octave`
     (`compile.buckets_per_octave`)."""
-    decoder = DecoderLM(llm)
+    decoder = DecoderLM(llm, rows_from_zero=True)  # text_rows' rows
     positions = sample_positions(llm, spliced)
 
     def forward(variables, inputs, batch):

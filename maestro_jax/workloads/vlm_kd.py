@@ -50,7 +50,7 @@ def build(cfg: Config) -> SectionGraph:
     check_vocab(teacher, student)
     image = image_modality(cfg)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
-    s_model = DecoderLM(student)
+    s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
     per_octave = cfg.compile.buckets_per_octave
 
     def student_batch(rows, routes):
