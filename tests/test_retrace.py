@@ -1,0 +1,59 @@
+"""After the first step nothing is traced or compiled again: every program a step launches is
+compiled ahead (`SectionedStep.compile`) and later steps of the same shapes call it as it is
+(issue 57's dispatch at the C++ fast path starts from this). Checked with jax's own
+`jax_explain_cache_misses`, which logs every tracing cache miss, and the persistent compilation
+cache's misses, on the tiny configs under both schedulers."""
+
+import logging
+
+import jax
+import pytest
+from conftest import ROOT, TINY_KD, TINY_VLM
+
+from maestro_jax.config import load_config
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.step import StepBatch
+
+MISSES = ("TRACING CACHE MISS", "never seen function", "COMPILATION CACHE MISS", "Compiling ")
+
+
+class _Misses(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if any(m in text for m in MISSES):
+            self.messages.append(text.splitlines()[0][:300])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["wavefront", "naive"])
+@pytest.mark.parametrize(
+    ("config", "overrides"), [("kd_tiny", TINY_KD), ("vlm_tiny", TINY_VLM)], ids=["kd_tiny", "vlm_tiny"]
+)
+def test_no_step_after_the_first_traces_or_compiles(config, overrides, scheduler):
+    """Steps issued one at a time (each waited for), as the loop issues them after compiling ahead;
+    the misses are counted from the second step's issue on."""
+    cfg = load_config(ROOT / f"configs/{config}.yaml", [*overrides, "steps=4", f"schedule.scheduler={scheduler}"])
+    rt = build_runtime(cfg)
+    step, batches = rt.step, rt.batches()
+    misses, jax_log = _Misses(), logging.getLogger("jax")
+    before = jax_log.level
+    jax_log.addHandler(misses)
+    jax_log.setLevel(logging.DEBUG)
+    jax.config.update("jax_explain_cache_misses", True)
+    try:
+        step.compile(range(cfg.steps), say=lambda _: None)
+        state, marks = step.init(), []
+        for i in range(cfg.steps):
+            marks.append(len(misses.messages))
+            state, metrics = step(state, StepBatch(batches[i]))
+            jax.block_until_ready((metrics.loss, state))
+    finally:
+        jax.config.update("jax_explain_cache_misses", False)
+        jax_log.removeHandler(misses)
+        jax_log.setLevel(before)
+    assert marks[0] > 0, "the check sees the ahead compiles (the log is wired)"
+    assert misses.messages[marks[1] :] == [], misses.messages[marks[1] :]
