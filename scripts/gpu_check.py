@@ -22,6 +22,8 @@ turned GEMM autotuning off for float32 sections):
             mesh, co-located), maestro vs the monolithic step, in float32 (matmuls at precision
             `highest`, tolerance 1e-5) and in bfloat16 (its documented 2e-2); run side by side,
             since they are compiles more than compute;
+  real-size `--real-size kd_one_gpu,vlm_one_gpu` (none by default): scripts/real_size_bench.py on
+            the real-size configs, MFU per section, host share, peak memory;
   bench     monolithic vs naive vs wavefront on the one device, with host overhead per step;
   compile   `train` of vlm_tiny for 2 steps twice on one compile cache: cold, then warm;
   kernels   decoder (dense, MoE), ViT and attention blocks at realistic widths and token counts,
@@ -53,6 +55,7 @@ CONFIGS = ("vlm_tiny", "kd_tiny", "omni_tiny", "vlm_kd_tiny")
 VERIFY_CONFIGS = ("vlm_tiny", "kd_tiny")  # the default: see DEADLINE_S
 PRECISIONS = ("float32", "bfloat16")
 BENCH_CONFIGS = ("vlm_tiny", "kd_tiny")
+REAL_SIZE = ("kd_one_gpu", "vlm_one_gpu")  # scripts/real_size_bench.py, one config a call of its own
 STEP_TIMEOUT_S = 420  # one process
 # The whole check stops starting steps past this (a step then runs to the deadline at most), so
 # that it ends inside one device call (10 minutes, the machine's start aside). Measured on an
@@ -123,7 +126,8 @@ class Check:
     def __init__(self, out: Path, dry_run: bool, deadline_s: float = DEADLINE_S):
         self.out, self.dry_run = out, dry_run
         self.deadline = time.perf_counter() + deadline_s
-        self.report: dict = {"dry_run": dry_run, "env": {}, "levers": {}, "verify": [], "bench": [], "compile": {}}
+        self.report: dict = {"dry_run": dry_run, "env": {}, "levers": {}, "verify": [], "real_size": [], "bench": []}
+        self.report["compile"] = {}
         self.report["kernels"] = []
         self.failures: list[str] = []
         self.env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
@@ -270,6 +274,26 @@ class Check:
                 row["step_time_s"] = {m: t["median"] for m, t in r.get("step_time_s", {}).items()}
             self.report["bench"].append(row)
 
+    def real_size(self, configs) -> None:
+        """scripts/real_size_bench.py on each real-size config (`--dry-run` in the dry run)."""
+        for config in configs:
+            cmd = [
+                sys.executable,
+                str(ROOT / "scripts/real_size_bench.py"),
+                "--config",
+                str(ROOT / f"configs/{config}.yaml"),
+            ]
+            cmd += ["--out", str(self.out), *(["--dry-run", "--reps", "1", "--batches", "1"] if self.dry_run else [])]
+            status, _, seconds = self.run(f"real_size_{config}", cmd)
+            path = self.out / f"{config}.json"
+            row = {"config": config, "status": status, "seconds": round(seconds, 1)}
+            if path.exists():
+                r = json.loads(path.read_text())
+                row.update(
+                    {k: r[k] for k in ("ratios", "mfu", "host_overhead_fraction", "memory", "samples_per_s") if k in r}
+                )
+            self.report["real_size"].append(row)
+
     def levers(self) -> None:
         path = self.out / "levers.json"
         self.run("levers", [sys.executable, "-c", LEVERS.format(dry_run=self.dry_run, path=str(path))])
@@ -305,6 +329,16 @@ class Check:
                 f"compile {c['config']}: cold {c['cold']['programs']} programs in {c['cold']['compile_s']} s, "
                 f"warm {c['warm']['programs']} in {c['warm']['compile_s']} s"
             )
+        for r in self.report["real_size"]:
+            if "ratios" in r:
+                u = r["mfu"]
+                lines.append(
+                    f"real size {r['config']}: wavefront {r['ratios']['wavefront_vs_monolithic']:.3f}x the fair "
+                    f"monolithic; MFU wavefront {u['wavefront']:.1%}, monolithic {u['monolithic']:.1%}; "
+                    f"{', '.join(f'{s} {v:.1%}' for s, v in u['by_section']['wavefront'].items())}"
+                )
+            else:
+                lines.append(f"real size {r['config']}: status {r['status']}")
         for b in self.report["bench"]:
             ratios = ", ".join(f"{k} {v:.3f}" for k, v in b.get("ratios", {}).items()) or f"status {b['status']}"
             host = b.get("host_time_s", {}).get("wavefront")
@@ -352,11 +386,20 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(VERIFY_CONFIGS), help="tiny configs to verify (comma-separated)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="verify's precisions (comma-separated)")
     ap.add_argument("--bench-configs", default=",".join(BENCH_CONFIGS), help="tiny configs to bench")
+    ap.add_argument("--real-size", default="", help="real-size configs to benchmark (kd_one_gpu, vlm_one_gpu)")
     ap.add_argument("--workers", type=int, default=4, help="verify processes side by side")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="no step starts, or runs, past this")
     args = ap.parse_args(argv)
     configs, benches = args.configs.split(","), [c for c in args.bench_configs.split(",") if c]
     precisions = args.precisions.split(",")
+    real = [c for c in args.real_size.split(",") if c]
+    for name in real:
+        if name not in REAL_SIZE:
+            print(
+                f"error: --real-size: {name!r} is not a real-size config; valid: {', '.join(REAL_SIZE)}",
+                file=sys.stderr,
+            )
+            return 2
     for p in precisions:
         if p not in PRECISIONS:
             print(f"error: --precisions: {p!r} is not a precision; valid: {', '.join(PRECISIONS)}", file=sys.stderr)
@@ -373,6 +416,7 @@ def main(argv=None) -> int:
         check.probe_env,
         check.levers,
         lambda: check.verify(configs, precisions, args.workers),
+        lambda: check.real_size(real),
         lambda: check.bench(benches),
         lambda: check.compile_times(configs[0]),
         check.kernels,

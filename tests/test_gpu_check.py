@@ -73,12 +73,15 @@ def test_past_its_deadline_the_check_starts_no_step_and_still_writes_its_report(
     """`--deadline-s`: a GPU call has a hard limit, so the check ends inside it, every step it
     could not start named in the report's failures and the summary."""
     out = tmp_path / "gc"
-    proc = _check(tmp_path, "--dry-run", "--out", str(out), "--deadline-s", "0", timeout=300)
+    proc = _check(
+        tmp_path, "--dry-run", "--out", str(out), "--deadline-s", "0", "--real-size", "kd_one_gpu", timeout=300
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((out / "gpu_check.json").read_text())
     skipped = [f for f in report["failures"] if "skipped" in f]
     verifies = {f"verify_{c}_{p}" for c in ("vlm_tiny", "kd_tiny") for p in ("float32", "bfloat16")}
     rest = {"env", "levers", "kernels", "bench_vlm_tiny", "bench_kd_tiny", "train_vlm_tiny_cold", "train_vlm_tiny_warm"}
+    rest |= {"real_size_kd_one_gpu"}
     assert sorted(f.split(":")[0] for f in skipped) == sorted(verifies | rest)
     assert len(skipped) == len(report["failures"])
     assert not report["verify"][0].get("passed") and report["verify"][0]["status"] == 124
@@ -114,6 +117,7 @@ def test_refusals_are_one_line(tmp_path):
         ((), "--out"),
         (("--out", str(tmp_path / "o"), "--configs", "nope"), "--configs"),
         (("--out", str(tmp_path / "o"), "--wheels", str(tmp_path)), "--wheels"),
+        (("--out", str(tmp_path / "o"), "--real-size", "kd_tiny"), "--real-size"),
     ]:
         proc = _check(tmp_path, *args, timeout=120)
         assert proc.returncode == 2, proc.stderr
