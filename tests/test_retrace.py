@@ -28,10 +28,18 @@ class _Misses(logging.Handler):
             self.messages.append(text.splitlines()[0][:300])
 
 
+EXTENDED = pytest.mark.extended  # the same check on the other paths: kd_tiny's wavefront run stays in CI
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scheduler", ["wavefront", "naive"])
 @pytest.mark.parametrize(
-    ("config", "overrides"), [("kd_tiny", TINY_KD), ("vlm_tiny", TINY_VLM)], ids=["kd_tiny", "vlm_tiny"]
+    ("config", "overrides", "scheduler"),
+    [
+        ("kd_tiny", TINY_KD, "wavefront"),
+        pytest.param("kd_tiny", TINY_KD, "naive", marks=EXTENDED),
+        pytest.param("vlm_tiny", TINY_VLM, "wavefront", marks=EXTENDED),
+        pytest.param("vlm_tiny", TINY_VLM, "naive", marks=EXTENDED),
+    ],
 )
 def test_no_step_after_the_first_traces_or_compiles(config, overrides, scheduler):
     """Steps issued one at a time (each waited for), as the loop issues them after compiling ahead;
