@@ -67,6 +67,7 @@ def test_the_real_size_benchmark_dry_run_kd(tmp_path):
     _dry_run(tmp_path, KD)
 
 
+@pytest.mark.slow
 @pytest.mark.extended
 def test_the_real_size_benchmark_dry_run_vlm(tmp_path):
     _dry_run(tmp_path, VLM)
