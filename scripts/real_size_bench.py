@@ -21,46 +21,23 @@ import sys
 import time
 from pathlib import Path
 
-# each workload's models cut to tiny widths (the real vocabularies kept where the KD pair shares one)
+
+def _tiny_llm(name: str) -> list[str]:
+    """`models.<name>` cut to a one-layer decoder of width 32 (vocabulary 512)."""
+    shape = (("vocab", 512), ("width", 32), ("depth", 1), ("heads", 4), ("kv_heads", 2), ("head_dim", 8), ("mlp", 64))
+    return [f"models.{name}.{k}={v}" for k, v in shape]
+
+
+# each workload's models cut to tiny widths (the KD pair keeps one vocabulary)
 DRY_RUN = {
-    "kd": [
-        "global_batch=4",
-        "data.text_len=[6,14]",
-        *(
-            f"models.{m}.{k}={v}"
-            for m in ("teacher", "student")
-            for k, v in (
-                ("vocab", 512),
-                ("width", 32),
-                ("depth", 1),
-                ("heads", 4),
-                ("kv_heads", 2),
-                ("head_dim", 8),
-                ("mlp", 64),
-            )
-        ),
-    ],
+    "kd": ["global_batch=4", "data.text_len=[6,14]", *_tiny_llm("teacher"), *_tiny_llm("student")],
     "vlm": [
         "global_batch=4",
         "data.text_len=[6,14]",
         "data.modalities.image.sizes=[[28,28]]",
-        "models.vision.width=32",
-        "models.vision.depth=1",
-        "models.vision.heads=2",
-        "models.vision.mlp=64",
+        *(f"models.vision.{k}={v}" for k, v in (("width", 32), ("depth", 1), ("heads", 2), ("mlp", 64))),
         "models.vision.out_width=32",
-        *(
-            f"models.llm.{k}={v}"
-            for k, v in (
-                ("vocab", 512),
-                ("width", 32),
-                ("depth", 1),
-                ("heads", 4),
-                ("kv_heads", 2),
-                ("head_dim", 8),
-                ("mlp", 64),
-            )
-        ),
+        *_tiny_llm("llm"),
     ],
 }
 
