@@ -641,6 +641,10 @@ class CompileConfig(_Frozen):
     # (`xla_gpu_graph_min_graph_size`; 1: every program, for launch-bound small ones); null:
     # XLA's default (5). runtime/xla_flags.py graph_flags
     cuda_graph_min_thunks: PositiveInt | None = None
+    # the most consecutive micro-steps of one shape a frozen producer's forward or the sink's
+    # loss-and-grad runs as one program (a scan: one launch instead of k, for launch-bound small
+    # micro-steps); a consumer of the first waits for the whole run. 1: one program each
+    scan_micro_steps: PositiveInt = 1
     # the update program reuses the params' and optimizer state's buffers for its outputs (and
     # backward the grad accumulator's); null: on accelerators only (on CPU a state stays readable)
     donate: bool | None = None

@@ -15,7 +15,8 @@ turned GEMM autotuning off for float32 sections):
             whether tokamax imports (the gpu extra);
   levers    attention in each fast form (causal, packed, a ViT's padded and packed rows) against
             the mask path, the MoE layer in every dispatch (grouped: tokamax's GEMM), small
-            decoder layers with and without CUDA graphs, each ratio in the summary
+            decoder layers with and without CUDA graphs, 8 micro-steps of one as 8 launches
+            against one scanned program (`compile.scan_micro_steps`), each ratio in the summary
             (`maestro_jax.tools.levers`);
   verify    the tiny configs (vlm_tiny and kd_tiny by default; `--configs` takes omni_tiny and
             vlm_kd_tiny too) with all sections on device 0 (each section its own one-device

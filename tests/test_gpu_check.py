@@ -65,6 +65,9 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(moe[d, "forward"]["max_abs_diff"] < 1e-4 for d in ("ragged", "sparse"))
     assert "needs" in moe["grouped", "forward"]["error"]
     assert [r["available"] for r in levers["cuda_graphs"]] == [True, False]
+    scan = {r["issue"]: r for r in levers["scanned_micro_steps"]}  # the same layer, k launches or one scan
+    assert set(scan) == {"launches", "scanned"} and scan["scanned"]["max_abs_diff"] < 1e-5
+    assert any("one scanned program" in line for line in levers["summary"])
     assert report["summary"][-1] == "gpu check: ok"
     assert proc.stdout.rstrip().endswith("gpu check: ok")  # the summary is printed last
 

@@ -393,7 +393,7 @@ def build_runtime(
         meshes,
         shardings,
         programs,
-        Executor(graph, problem, programs, problem.pack),
+        Executor(graph, problem, programs, problem.pack, scan=cfg.compile.scan_micro_steps),
         abstract,
         source,
         check,

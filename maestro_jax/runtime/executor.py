@@ -15,6 +15,16 @@ compiled executables (`runtime.programs`), the sums of losses, metrics and cotan
 or a transfer's cut and join programs. An abstract twin (`Executor.abstract`, over the sections'
 abstract twins) walks the same way over abstract values and compiles instead of running
 (`runtime.ahead`, `SectionedStep.compile`).
+
+With `scan` above 1 (`compile.scan_micro_steps`), a frozen producer's forward or the sink's
+loss-and-grad takes with it, in one program (`forward_run`, `loss_and_grad_run`: a scan), up to
+`scan - 1` of the section's next micro-steps that are not issued yet, have the same signature and
+whose producers' micro-steps are computed (their pending transfers issued first): one launch
+instead of k, the later micro-steps' work issued
+earlier on the same devices, each micro-step's results kept apart as if issued alone. A consumer
+of the first micro-step's outputs then waits for the whole run: the bound is the trade between
+launches and that wait. Timed (`record`) and threaded steps, evaluation and trained producers
+(whose backward reads per-micro-step residuals) issue one program per micro-step.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import jax
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState
+from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState, signature
 from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 from maestro_jax.schedule.dispatch import dispatch_order
@@ -61,6 +71,10 @@ class _StepState:
     in_flight_wait_s: float = 0.0
     transfer_issue_s: float = 0.0
     launch_waits: int = 0
+    # with `scan`: per section that may scan, its forwards in issue order, and the results of
+    # those already issued inside an earlier micro-step's run (op -> what it produced)
+    forwards: dict | None = None
+    ran: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +105,12 @@ class Executor:
         programs: Mapping[str, SectionPrograms],
         pack: Mapping[str, Pack] | None = None,
         dry: DryRun | None = None,
+        scan: int = 1,
     ):
         """`dry`: an abstract twin's dry run (`abstract`): transfers are recorded, not issued,
-        and nothing waits."""
+        and nothing waits. `scan`: the most micro-steps one program runs (1: one each)."""
         self.graph, self.problem, self.programs, self.dry = graph, problem, programs, dry
+        self.scan = scan
         # sections that pack sequences: samples per row or a token budget per row
         # (`schedule.packing`; their `problem.rows` count sample slots)
         self.pack = {s: p for s, p in (pack or {}).items() if packs(p)}
@@ -118,7 +134,7 @@ class Executor:
         """This executor over the sections' abstract twins (`SectionPrograms.abstract(run)`): the
         same walk, every program call and transfer handed to `run`; the transfers it compiles
         are recorded in this executor's `compiled_transfers`."""
-        twin = Executor(self.graph, self.problem, programs, self.pack, dry=run)
+        twin = Executor(self.graph, self.problem, programs, self.pack, dry=run, scan=self.scan)
         twin.compiled_transfers = self.compiled_transfers
         return twin
 
@@ -177,9 +193,10 @@ class Executor:
         step's loss and gradients are those it would compute itself, bit for bit."""
         self._at_step(step)
         ctx = self._start(states, samples, schedule, host, 0, sections=self.problem.ahead)
-        for op in schedule.ops:
-            if self.problem.is_ahead(op):
-                self._execute(op, ctx)
+        ops = [op for op in schedule.ops if self.problem.is_ahead(op)]
+        ctx.forwards = self._scannable_forwards(ops)
+        for op in ops:
+            self._execute(op, ctx)
         return Ahead(ctx.moved)
 
     def _summed(self, losses: list, metrics: list):
@@ -260,6 +277,8 @@ class Executor:
         if ahead is not None:
             ctx.moved.update(ahead.moved)
         ops = schedule.ops if ahead is None else [op for op in schedule.ops if not self.problem.is_ahead(op)]
+        if record is None:
+            ctx.forwards = self._scannable_forwards(ops)
         if record is None and self.dry is None and self.launch_window is not None:
             self._issue(ops, ctx)
             return self._finish(ctx)
@@ -407,10 +426,90 @@ class Executor:
             raise errors[0]
         return self._finish(ctx)
 
+    def _scannable_forwards(self, ops: Sequence[Op]) -> dict[str, list[Op]] | None:
+        """Per section whose forwards may scan (`scan` > 1; frozen producers and the sink), its
+        forwards among `ops` in their order; None without scanning."""
+        if self.scan < 2:
+            return None
+        p, out = self.problem, {}
+        for op in ops:
+            if op.kind == "F" and (op.section == p.sink or not p.needs_backward(op.section)):
+                out.setdefault(op.section, []).append(op)
+        return {s: f for s, f in out.items() if len(f) > 1}
+
+    def _ready_inputs(self, section: str, step, ctx: _StepState) -> dict | None:
+        """`_inputs`, issuing first the transfers still pending of producer micro-steps already
+        computed (each then skipped where the schedule has it); None while a producer micro-step
+        is not computed yet."""
+        edges = self.problem.in_edges(section)
+        wanted = [(e, k) for e in edges for k in step.deps.get(e.name, ()) if (e.name, k) not in ctx.moved]
+        if any((e.src, k) not in ctx.outputs for e, k in wanted):
+            return None
+        for e, k in wanted:
+            op = Op("X", e.src, k, e.name)
+            ctx.ran[op] = self._execute(op, ctx)
+        return self._inputs(section, step, ctx)
+
+    def _run_of(self, op: Op, ctx: _StepState) -> list[tuple[Op, dict, dict]]:
+        """`op` and the section's next forwards that may run in its program: (op, inputs,
+        batch) each, at most `scan`, up to the first one issued already, not ready, or of
+        another signature (nothing is taken out of order; an issued forward's batch is gone)."""
+        steps = ctx.schedule.steps[op.section]
+        first = (op, self._inputs(op.section, steps[op.step], ctx), ctx.batches[(op.section, op.step)])
+        run, forwards = [first], (ctx.forwards or {}).get(op.section, ())
+        if not forwards:
+            return run
+        key = signature(first[1:])
+        for later in forwards[forwards.index(op) + 1 :]:
+            if len(run) == self.scan:
+                break
+            inputs = self._ready_inputs(op.section, steps[later.step], ctx)
+            batch = ctx.batches.get((op.section, later.step))
+            if inputs is None or batch is None or signature((inputs, batch)) != key:
+                break
+            run.append((later, inputs, batch))
+        return run
+
+    def _forward_run(self, run: list[tuple[Op, dict, dict]], ctx: _StepState):
+        """A frozen producer's forwards of `run` in one program; each micro-step's outputs stored
+        as its own forward's would be."""
+        s = run[0][0].section
+        for op, _, _ in run:
+            del ctx.batches[(s, op.step)]
+        _, inputs_k, batches_k = (tuple(x) for x in zip(*run))
+        outs = self.programs[s].forward_run(ctx.states[s], inputs_k, batches_k)
+        for (op, _, _), out in zip(run, outs):
+            ctx.outputs[(s, op.step)] = out
+            ctx.ran[op] = out
+        return outs
+
+    def _loss_and_grad_run(self, run: list[tuple[Op, dict, dict]], ctx: _StepState):
+        """The sink's loss-and-grad of `run` in one program, the accumulator carried through;
+        losses, metrics and input cotangents recorded per micro-step, in order."""
+        s, prog = run[0][0].section, self.programs[run[0][0].section]
+        for op, _, _ in run:
+            del ctx.batches[(s, op.step)]
+        _, inputs_k, batches_k = (tuple(x) for x in zip(*run))
+        losses, metrics, ctx.acc[s], d_inputs = prog.loss_and_grad_run(
+            ctx.states[s], inputs_k, batches_k, ctx.norm, ctx.acc[s]
+        )
+        for (op, _, _), loss, m, d in zip(run, losses, metrics, d_inputs):
+            ctx.losses.append(loss)
+            ctx.metrics.append(m)
+            self._collect_cotangents(prog, ctx.schedule.steps[s][op.step], d, ctx.cotangents)
+            ctx.ran[op] = (loss, ctx.acc[s], d)
+        return losses, ctx.acc[s], d_inputs
+
     def _execute(self, op: Op, ctx: _StepState):
         """Dispatch one operation; returns what it produced (for callers that wait on it)."""
+        if op in ctx.ran:  # issued inside an earlier micro-step's run
+            return ctx.ran.pop(op)
         p, g, prog = self.problem, self.graph, self.programs[op.section]
         states, schedule = ctx.states, ctx.schedule
+        if op.kind == "F" and ctx.forwards and op.section in ctx.forwards:
+            run = self._run_of(op, ctx)
+            if len(run) > 1:
+                return self._loss_and_grad_run(run, ctx) if op.section == p.sink else self._forward_run(run, ctx)
         if op.kind == "F":
             step = schedule.steps[op.section][op.step]
             inputs = self._inputs(op.section, step, ctx)

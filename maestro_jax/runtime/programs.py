@@ -7,6 +7,11 @@ A section's program family (docs/ARCHITECTURE.md, "Runtime"):
   backward       takes the summed output cotangent, adds parameter grads into the accumulator;
   loss_and_grad  the sink: loss, parameter grads (accumulated) and cotangents of its inputs;
   loss           the sink in evaluation: the loss alone, forward only;
+  forward_run    `forward` over k consecutive micro-steps of one signature, one launch (a scan:
+                 `compile.scan_micro_steps`), each micro-step's outputs returned apart;
+  loss_and_grad_run  `loss_and_grad` over k such micro-steps, the grad accumulator carried
+                 through the scan (MaxText's gradient accumulation), each one's loss, metrics and
+                 input cotangents returned apart;
   update         optax on the section's params and optimizer state, its grads clipped by the
                  global norm over every trained section (`runtime.optimizer`);
   squared_norm   its grads' squared norm, replicated on its mesh: its share of that global norm;
@@ -66,6 +71,8 @@ MEASURED = {
     "backward": "backward",
     "backward_remat": "backward",
     "loss_and_grad": "loss_and_grad",
+    "forward_run": "forward",  # a run holds its k micro-steps' outputs at once: its peak counts
+    "loss_and_grad_run": "loss_and_grad",
     "update": "update",
 }
 
@@ -239,7 +246,54 @@ class DryRun:
             f.result()
 
 
-_TAKES_INPUTS = ("forward", "forward_vjp", "backward_remat", "loss_and_grad", "loss")  # (variables, inputs, batch, ...)
+_TAKES_INPUTS = (
+    "forward",
+    "forward_vjp",
+    "backward_remat",
+    "loss_and_grad",
+    "loss",
+    "forward_run",
+    "loss_and_grad_run",
+)
+
+
+def _stacked(trees):
+    """k pytrees of one structure and shapes as one, each leaf stacked on a new leading axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _apart(tree, k: int) -> tuple:
+    """`_stacked`'s inverse: the k pytrees along the leading axis."""
+    return tuple(jax.tree.map(lambda x, i=i: x[i], tree) for i in range(k))
+
+
+def scanned_forward(forward):
+    """`forward(variables, inputs, batch)` over k micro-steps in one program: a `lax.scan` over
+    their stacked inputs and batches (one compiled body, whatever k), the outputs apart again."""
+
+    def run(variables, inputs_k, batches_k):
+        _, out = jax.lax.scan(
+            lambda _, xs: (None, forward(variables, *xs)), None, _stacked(list(zip(inputs_k, batches_k)))
+        )
+        return _apart(out, len(batches_k))
+
+    return run
+
+
+def scanned_loss_and_grad(loss_and_grad):
+    """`loss_and_grad(variables, inputs, batch, norm, acc)` over k micro-steps in one program, the
+    accumulator carried from one to the next as the unfused calls pass it on."""
+
+    def run(variables, inputs_k, batches_k, norm, acc):
+        def body(acc, xs):
+            loss, metrics, acc, d_inputs = loss_and_grad(variables, *xs, norm, acc)
+            return acc, (loss, metrics, d_inputs)
+
+        acc, (losses, metrics, d_inputs) = jax.lax.scan(body, acc, _stacked(list(zip(inputs_k, batches_k))))
+        k = len(batches_k)
+        return _apart(losses, k), _apart(metrics, k), acc, _apart(d_inputs, k)
+
+    return run
 
 
 def _shape_text(tree) -> str:
@@ -363,6 +417,16 @@ class SectionPrograms:
             "backward_remat": (backward_remat, (4,), lambda a: (p_sh, edges(split_inputs(a[1])[0]))),
             "loss_and_grad": (loss_and_grad, (4,), lambda a: (rep, rep, p_sh, edges(split_inputs(a[1])[0]))),
             "loss": (loss, (), lambda a: (rep, rep)),
+            "forward_run": (
+                scanned_forward(forward),
+                (),
+                lambda a: (edges(jax.eval_shape(forward, a[0], a[1][0], a[2][0])),) * len(a[2]),
+            ),
+            "loss_and_grad_run": (
+                scanned_loss_and_grad(loss_and_grad),
+                (4,),
+                lambda a: (rep, rep, p_sh, tuple(edges(split_inputs(i)[0]) for i in a[1])),
+            ),
             # the updated state keeps the layout it came in with: the next update's signature
             "update": (update_fn(optimizer, clip_norm), (0, 1), lambda a: (p_sh, _shardings_of(a[1]))),
             "squared_norm": (squared_norm, (), lambda a: rep),
@@ -491,6 +555,25 @@ class SectionPrograms:
             state.variables,
             inputs,
             batch,
+            norm,
+            acc,
+        )
+
+    def forward_run(self, state: SectionState, inputs_k: tuple, batches_k: tuple) -> tuple:
+        """`forward` of k micro-steps of one signature in one launch: their outputs, in order."""
+        return self._call(
+            "forward_run", (state_key(state), signature((inputs_k, batches_k))), state.variables, inputs_k, batches_k
+        )
+
+    def loss_and_grad_run(self, state: SectionState, inputs_k: tuple, batches_k: tuple, norm, acc):
+        """`loss_and_grad` of k micro-steps of one signature in one launch: their losses, metrics
+        and input cotangents (each a k-tuple, in order) and the accumulator after the last."""
+        return self._call(
+            "loss_and_grad_run",
+            (state_key(state), signature((inputs_k, batches_k, norm))),
+            state.variables,
+            inputs_k,
+            batches_k,
             norm,
             acc,
         )

@@ -1,6 +1,7 @@
 """What the GPU check times for a section program's speed, beside the cost model's kernel rows
 (`tools.kernels`): attention in each fast form against the mask path it replaces, the MoE layer in
-each dispatch, and small decoder layers with and without CUDA graphs.
+each dispatch, small decoder layers with and without CUDA graphs, and k micro-steps of a small
+layer issued as k launches against one scanned program (`compile.scan_micro_steps`).
 
 Every row says whether it ran (`available`, else the `error`: cuDNN's kernels are absent on the
 CPU, tokamax is absent where it is not installed), its median time, and for attention and the MoE
@@ -25,6 +26,7 @@ from maestro_jax.models import LLMConfig
 from maestro_jax.models.attention import Kernel, Mask, compute_capability, fast_attention, segment_lengths
 from maestro_jax.models.layers import item_mask, rows_with_keys
 from maestro_jax.models.llm import MoE, decoder_mask, grouped_gemm_missing
+from maestro_jax.runtime.programs import scanned_forward
 from maestro_jax.tools.kernels import DRY_ARCHS, GPU_ARCHS, Shape, _builder, compile_program, passes, time_program
 
 # ---- attention ------------------------------------------------------------------------------
@@ -243,6 +245,48 @@ def cuda_graphs(dry_run: bool, repeats: int | None = None) -> list[dict]:
     return out
 
 
+SCAN_MICRO_STEPS = 8  # micro-steps a section issues back to back in the scan rows
+
+
+def scanned_micro_steps(dry_run: bool, repeats: int | None = None) -> list[dict]:
+    """The CUDA-graph rows' decoder layer, forward, over SCAN_MICRO_STEPS micro-steps: issued as
+    one launch each (the executor without `compile.scan_micro_steps`) and as the one scanned
+    program the executor issues with it (`runtime.programs.scanned_forward`, the same function).
+    `max_abs_diff`: the scanned outputs against the launches'."""
+    arch = DRY_ARCHS["decoder", 128] if dry_run else GPU_ARCHS["decoder", 2048]
+    out = []
+    for tokens in (256, 1024) if not dry_run else (64,):
+        row = {"kernel": "decoder", "width": arch.width, "tokens": tokens, "micro_steps": SCAN_MICRO_STEPS}
+        row["pass"] = "forward"
+        try:
+            times, diff = _launches_and_scan(Shape("decoder", arch, 1, tokens, tokens), dry_run, repeats)
+        except Exception as e:  # noqa: BLE001 - a shape a backend refuses: say so, go on
+            out.append(row | {"available": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            continue
+        for issue, t in times.items():
+            out.append(row | {"issue": issue, "available": True, "measured_s": t, "max_abs_diff": diff})
+    return out
+
+
+def _launches_and_scan(shape: Shape, dry_run: bool, repeats: int | None) -> tuple[dict[str, float], float]:
+    """{"launches": s, "scanned": s} for SCAN_MICRO_STEPS forwards of `shape`'s layer, and the
+    largest difference between the two ways' outputs."""
+    dtype = jnp.float32 if dry_run else jnp.bfloat16
+    kernel = _builder(shape, dtype)
+    (params, x), const = kernel.arguments(dtype, dry_run)
+    k = SCAN_MICRO_STEPS
+    xs, nones = tuple(x + i for i in range(k)), (None,) * k  # k micro-steps of one shape
+    one = compile_program(lambda p, x: kernel.fn(p, x, *const), (params, x), dry_run)
+    run = compile_program(scanned_forward(lambda p, _, x: kernel.fn(p, x, *const)), (params, nones, xs), dry_run)
+    repeats, min_s = repeats or (3 if dry_run else 5), 0.002 if dry_run else 0.01
+    times = {
+        "launches": time_program(lambda p, xs: [one(p, x) for x in xs], (params, xs), repeats, min_s)[0],
+        "scanned": time_program(run, (params, nones, xs), repeats, min_s)[0],
+    }
+    diff = max(float(jnp.max(jnp.abs(a - one(params, x)))) for a, x in zip(run(params, nones, xs), xs))
+    return times, diff
+
+
 # ---- the ratios -----------------------------------------------------------------------------
 
 
@@ -250,10 +294,10 @@ def _times(rows: list[dict], *keys: str) -> dict[tuple, float]:
     return {tuple(r[k] for k in keys): r["measured_s"] for r in rows if r.get("available")}
 
 
-def summary(attention: list[dict], moe: list[dict], graphs: list[dict]) -> list[str]:
+def summary(attention: list[dict], moe: list[dict], graphs: list[dict], scan: list[dict]) -> list[str]:
     """The ratios the goals name, one line each: each fast form against the mask path on cuDNN
-    (and a packed form against plain `is_causal`), each MoE dispatch's share of the peak, and
-    CUDA graphs on against off."""
+    (and a packed form against plain `is_causal`), each MoE dispatch's share of the peak, CUDA
+    graphs on against off, and scanned micro-steps against one launch each."""
     lines = []
     t = _times(attention, "shape", "form", "implementation", "pass")
     for (shape, form, impl, pass_name), s in sorted(t.items()):
@@ -270,6 +314,12 @@ def summary(attention: list[dict], moe: list[dict], graphs: list[dict]) -> list[
     for (tokens, graphs_), s in sorted(g.items()):
         if graphs_ != "default" and (tokens, "default") in g:
             lines.append(f"decoder {tokens} tokens forward: CUDA graphs {g[tokens, 'default'] / s:.2f}x")
+    t = _times(scan, "tokens", "issue")
+    for (tokens, issue), s in sorted(t.items()):
+        if issue == "scanned" and (tokens, "launches") in t:
+            lines.append(
+                f"decoder {tokens} tokens forward x{SCAN_MICRO_STEPS}: one scanned program {t[tokens, 'launches'] / s:.2f}x"
+            )
     return lines
 
 
@@ -280,6 +330,7 @@ def lever_report(dry_run: bool, peak_flops: float | None = None) -> dict:
         ("attention_forms", lambda: attention_forms(dry_run)),
         ("moe_dispatches", lambda: moe_dispatches(dry_run, peak_flops=peak_flops)),
         ("cuda_graphs", lambda: cuda_graphs(dry_run)),
+        ("scanned_micro_steps", lambda: scanned_micro_steps(dry_run)),
     ):
         t0 = time.perf_counter()
         parts[name] = run()
