@@ -9,6 +9,7 @@ from conftest import ROOT, TINY_VLM
 
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
+from maestro_jax.runtime.executor import LAUNCH_WINDOW
 from maestro_jax.schedule import Op
 from maestro_jax.schedule.dispatch import dispatch_order
 
@@ -49,18 +50,25 @@ def test_no_full_lane_keeps_the_schedule_order():
 
 @pytest.mark.slow
 def test_executor_with_a_tiny_launch_window_computes_the_same_step():
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", TINY_VLM)
+    # the wavefront: its micro-steps share shapes, so the sink's two scan
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", [*TINY_VLM, "schedule.scheduler=wavefront"])
     rt = build_runtime(cfg)
     samples = rt.batches()[0]
     schedule = rt.schedule(samples)
     results = {}
-    for window in (None, 1):  # None: the schedule's order, as on CPU by default
-        rt.executor.launch_window = window
+    # None: the schedule's order, as on CPU by default; "scan": the issuing walk accelerators take
+    # (their window) with the sink's micro-steps scanned (`compile.scan_micro_steps`)
+    for window, scan in ((None, 1), (1, 1), ("scan", 4)):
+        rt.executor.launch_window, rt.executor.scan = LAUNCH_WINDOW if window == "scan" else window, scan
         r = rt.executor.run(rt.init_states(), samples, schedule)
         results[window] = (float(r.loss), jax.tree.map(np.asarray, r.grads), r.launch_waits)
     assert results[1][0] == results[None][0]
     for x, y in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[None][1])):
         np.testing.assert_array_equal(x, y)
+    np.testing.assert_allclose(results["scan"][0], results[None][0], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(results["scan"][1]), jax.tree.leaves(results[None][1])):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert any(kind == "loss_and_grad_run" for kind, _ in rt.programs["llm"].cache)
     # one queued program per lane: the host waited (a lane's program is not done the instant
     # after it is issued); the schedule's own order never does
     assert results[None][2] == 0 and results[1][2] > 0

@@ -269,6 +269,7 @@ def test_a_second_run_on_one_output_dir_is_refused(tmp_path, capsys):
         (["edges.teacher_hidden.fanout=3"], "edges.teacher_hidden.fanout"),
         (["device_memory_gb=0.00001"], "exceeds device_memory_gb"),
         (["global_batch=0"], "global_batch"),
+        (["compile.scan_micro_steps=0"], "error: compile.scan_micro_steps=0: Input should be greater than 0"),
         (["steps=["], "override 'steps=[': the value is not valid YAML"),
         (["=5"], "error: override '=5': the key before '=' is empty; write key=value"),
         (["progress=1"], "error: progress: unknown key; valid keys: "),
