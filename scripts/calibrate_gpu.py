@@ -25,6 +25,20 @@ fits the kernel rows alone (the published rows are then only reported).
 The halves are searched on a log grid over [1, 65536] and refined by Nelder-Mead (the published
 script's own `_nelder_mead`); for given halves the peak is the weighted mean shift.
 
+Besides the one-curve refit it fits a model with a term per kind of work and reports its
+held-out error (`per_kind`): the dense curve exactly as cost.py has it, times a fitted rate
+factor per kernel kind other than the dense decoder (attention, the MoE layer, the ViT block:
+each kind's own kernels' efficiency relative to the dense curve), and one fitted per-program
+floor (small programs are launch-bound: the H200's 256-token layers took 0.18-0.26 ms forward
+whatever their FLOPs; an added constant instead of a floor fitted worse, held out):
+    predicted_s = max(launch_s, flops / (peak_flops * efficiency(...) * factor[kind]))
+The published runs' micro-steps are far above the floor and their layers are dense decoders, so
+their predictions are the one-curve model's.
+Held out by leave-one-out: every row is predicted by the model fitted to all the other rows, so
+each error is of a row the fit did not see; the report gives the median and worst of those beside
+the one-curve model's on the same rows. The attention rows timed so far are the mask path's (the
+fast forms' rows come with the next GPU check), so `factor["attention"]` prices that path only.
+
 It does not change cost.py: it prints the refitted constants and the exact lines to change, which a
 human applies in a commit that cites the run. Outputs: by default benchmarks/calibration_gpu.json
 and .md (the published calibration, benchmarks/calibration.{json,md}, stays what its own script
@@ -207,6 +221,95 @@ def fit(published: list, kernels: list[dict], device: str, kernel_weight: float 
     }
 
 
+# ---- the per-kind model -------------------------------------------------------------------
+
+DENSE_KIND = "decoder"  # the kind the dense curve prices as it is (factor 1)
+LAUNCH_GRID = [0.0] + [1e-6 * 2 ** (k / 4) for k in range(41)]  # 1 us .. 1 ms, quarter octaves
+
+
+def _dense_s(row: dict, device: str) -> float:
+    """A row's time on the dense curve as cost.py has it, no launch term."""
+    return kernel_predicted_s(row, device, cp.current_params())
+
+
+def per_kind_fit(rows: list[dict], device: str) -> dict:
+    """`launch_s` (the floor) and each kind's rate factor minimising the squared log error over
+    `rows`: for a given floor, each kind's best factor is searched on a log grid (its rows alone
+    set it); the floor is searched on LAUNCH_GRID."""
+    return _fit_timed([(r["kernel"], r["measured_s"], _dense_s(r, device)) for r in rows])
+
+
+FACTOR_GRID = [2 ** (k / 16) for k in range(-96, 33)]  # 1/64 .. 4
+
+
+def _fit_timed(timed: list[tuple[str, float, float]]) -> dict:
+    """`per_kind_fit` over (kind, measured_s, dense-curve s) triples."""
+    kinds = sorted({k for k, _, _ in timed} - {DENSE_KIND})
+
+    def sse(of_kind, launch, factor):
+        return sum(math.log(m / max(launch, d / factor)) ** 2 for m, d in of_kind)
+
+    def fitted(launch):
+        factors, total = {}, sse([(m, d) for k, m, d in timed if k == DENSE_KIND], launch, 1.0)
+        for kind in kinds:
+            of_kind = [(m, d) for k, m, d in timed if k == kind]
+            factors[kind] = min(FACTOR_GRID, key=lambda f: sse(of_kind, launch, f))
+            total += sse(of_kind, launch, factors[kind])
+        return total, factors
+
+    launch = min(LAUNCH_GRID, key=lambda t: fitted(t)[0])
+    return {"launch_s": launch, "factors": {DENSE_KIND: 1.0, **fitted(launch)[1]}}
+
+
+def per_kind_predicted_s(row: dict, device: str, model: dict) -> float:
+    factor = model["factors"].get(row["kernel"])
+    if factor is None:  # a kind the fit had no other row of: the dense curve's rate
+        factor = 1.0
+    return max(model["launch_s"], _dense_s(row, device) / factor)
+
+
+def _abs_errors(errors: list[float]) -> dict:
+    return {
+        "n": len(errors),
+        "median_abs_log_error": statistics.median(abs(e) for e in errors),
+        "max_abs_log_error": max(abs(e) for e in errors),
+    }
+
+
+def per_kind_report(rows: list[dict], device: str) -> dict:
+    """The per-kind model fitted to every row, and its leave-one-out errors beside the one-curve
+    model's (cost.py's constants) on the same rows, over all rows and per kind."""
+    held, curve, timed = [], [], [(r["kernel"], r["measured_s"], _dense_s(r, device)) for r in rows]
+    for i, r in enumerate(rows):
+        model = _fit_timed(timed[:i] + timed[i + 1 :])
+        held.append(math.log(r["measured_s"] / per_kind_predicted_s(r, device, model)))
+        curve.append(math.log(r["measured_s"] / _dense_s(r, device)))
+    groups = {"all": range(len(rows))}
+    for i, r in enumerate(rows):
+        groups.setdefault(r["kernel"], []).append(i)
+    return {
+        "model": per_kind_fit(rows, device),
+        "held_out": {
+            k: {"one_curve": _abs_errors([curve[i] for i in ix]), "per_kind": _abs_errors([held[i] for i in ix])}
+            for k, ix in groups.items()
+        },
+    }
+
+
+def per_kind_table(rep: dict) -> list[str]:
+    lines = [
+        "| kernels | n | one curve (cost.py): median (max) abs log error | per kind, held out: median (max) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for k, e in sorted(rep["per_kind"]["held_out"].items(), key=lambda kv: (kv[0] != "all", kv[0])):
+        a, b = e["one_curve"], e["per_kind"]
+        lines.append(
+            f"| {k} | {a['n']} | {a['median_abs_log_error']:.3f} ({a['max_abs_log_error']:.3f}) | "
+            f"{b['median_abs_log_error']:.3f} ({b['max_abs_log_error']:.3f}) |"
+        )
+    return lines
+
+
 # ---- what to change in cost.py -------------------------------------------------------------
 
 
@@ -287,6 +390,7 @@ def report(
         "cost_py_change": [{"now": a, "new": b} for a, b in cost_py_change(after)],
         "kernel_rows": kernel_rows,
         "published_rows": published_rows,
+        "per_kind": per_kind_report(kernels, device),
     }
 
 
@@ -336,6 +440,14 @@ def markdown(rep: dict) -> str:
         "Kernel rows (log error = log(measured / predicted time); 0.1 is about 10%):",
         "",
         *error_table(rep),
+        "",
+        "A term per kind of work, held out: the dense curve as cost.py has it, a fitted per-program floor "
+        f"({1e6 * rep['per_kind']['model']['launch_s']:.1f} us: launch-bound small programs) and a rate factor per kind ("
+        + ", ".join(f"{k} {v:.3g}" for k, v in rep["per_kind"]["model"]["factors"].items())
+        + "), fitted to every kernel row; the errors are leave-one-out (each row predicted by the fit to the "
+        "others). The attention rows are the mask path's. cost.py prices with one curve until this is applied.",
+        "",
+        *per_kind_table(rep),
         "",
         "Published rows, median |error| (max) of the predicted per-GPU throughput:",
         "",

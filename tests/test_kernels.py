@@ -205,3 +205,22 @@ def test_refuses_bad_rows(tmp_path, cg, capsys):
     assert cg.main([str(src)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: kernels[3].measured_s=0.0: a positive finite number"]
+
+
+def test_the_per_kind_model_recovers_a_kind_factor_and_a_launch_floor_held_out(cg):
+    """Rows timed as the dense curve would, but attention at 0.3 of its rate and no program under
+    a 200 us floor: the per-kind fit finds both (grids of 2^(1/16) and 2^(1/4)) and its
+    leave-one-out errors are small where the one curve's are not."""
+    rows = []
+    for r in _synthetic(cg.cp.current_params()):
+        if r["width"] == 4096 and r["tensor"] == 1:
+            r = r | {"kernel": "attention", "measured_s": r["measured_s"] / 0.3}
+        rows.append(r | {"measured_s": max(2e-4, r["measured_s"])})
+    rep = cg.per_kind_report(rows, "h100")
+    model = rep["model"]
+    assert model["factors"]["attention"] == pytest.approx(0.3, rel=0.05)
+    assert model["launch_s"] == pytest.approx(2e-4, rel=0.2)
+    held = rep["held_out"]
+    assert held["all"]["per_kind"]["max_abs_log_error"] < 0.25
+    assert held["attention"]["one_curve"]["median_abs_log_error"] > 1.0  # log(1 / 0.3)
+    assert held["attention"]["per_kind"]["median_abs_log_error"] < 0.05
