@@ -723,16 +723,27 @@ def test_qwen_vl_conversations_are_written_as_its_processor_writes_them(images, 
         (128, 512),
     )
     converter = C.Converter(tok, QWEN_VL_VLM, images)
-    # the processor's own __call__ and apply_chat_template, with no video processor: its constructor
-    # insists on one, and Qwen2-VL's video processor needs torchvision (not in the reference extra)
-    cls = getattr(transformers, processor_class)
-    processor = cls.__new__(cls)
-    processor.tokenizer, processor.video_processor = AutoTokenizer.from_pretrained(folder), None
-    processor.image_processor = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, min_pixels=128, max_pixels=512, **normalised
+
+    # the processor built by its own constructor, which reads the vision tokens and their ids from
+    # the tokenizer: the folder's tokenizer, the image processor its preprocessor_config describes
+    # (the PIL one) and no video processor (these records hold no video). transformers checks each
+    # sub-processor's class, and the video processors' base class needs torchvision, which the
+    # reference extra leaves out: that one check lets an absent video processor through.
+    class ImageOnly(getattr(transformers, processor_class)):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    processor = ImageOnly(
+        image_processor=Qwen2VLImageProcessorPil(
+            patch_size=4, merge_size=2, min_pixels=128, max_pixels=512, **normalised
+        ),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        video_processor=None,
+        chat_template=QWEN_VL_TEMPLATE,
     )
-    processor.chat_template, processor.image_token, processor.video_token = QWEN_VL_TEMPLATE, *QWEN_VL_SPECIALS[5:]
-    processor.image_token_id, processor.video_token_id = 5, 6
+    assert (processor.image_token, processor.image_token_id, processor.video_token_id) == ("<|image_pad|>", 5, 6)
     parts = {
         "messages": [
             {"role": "system", "content": "describe images."},
