@@ -1,7 +1,9 @@
 """Every test runs on 8 virtual CPU devices; the flag must be set before JAX starts."""
 
+import atexit
 import contextlib
 import os
+import shutil
 
 # The tests' programs are tiny, so compiling them costs far more than running them: XLA:CPU's
 # LLVM backend runs unoptimised (its HLO passes, sharding and buffer assignment, which the tests
@@ -31,8 +33,14 @@ import pytest
 # is read while another process writes it. Training runs (`train`, the CLI, every subprocess)
 # use `runs/`, named by JAX_COMPILATION_CACHE_DIR, which `train` honours and the subprocesses
 # inherit; a run moves aside the entries it cannot check (training/loop.py), so programs this
-# process compiles outside a run (builds, verify) go to `jit/`, where no run looks.
-_ROOT_CACHE = pathlib.Path(os.environ.get("MAESTRO_TEST_CACHE") or tempfile.mkdtemp("-xla"))
+# process compiles outside a run (builds, verify) go to `jit/`, where no run looks. The cache is
+# this process's temporary folder, removed when it exits (a run of the suite leaves no cache
+# behind in /tmp); MAESTRO_TEST_CACHE names a folder to keep and reuse across runs instead.
+if os.environ.get("MAESTRO_TEST_CACHE"):
+    _ROOT_CACHE = pathlib.Path(os.environ["MAESTRO_TEST_CACHE"])
+else:
+    _ROOT_CACHE = pathlib.Path(tempfile.mkdtemp("-xla"))
+    atexit.register(shutil.rmtree, _ROOT_CACHE, ignore_errors=True)
 _CACHE = str(_ROOT_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main") / "jit")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_ROOT_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main") / "runs")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -209,10 +217,13 @@ EXTENDED_VARIANTS = {
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The README's test command (CI's) leaves out the `extended` tier; `--extended` runs it too, and
-    an explicit `-m` expression chooses for itself (`-m extended`: that tier alone)."""
+    an explicit `-m` expression chooses for itself (`-m extended`: that tier alone). An extended
+    test counts as `slow` too, so the quick check (`-m "not slow"`) holds none."""
     for item in items:
         if item.nodeid in EXTENDED_VARIANTS:
             item.add_marker(pytest.mark.extended)
+        if item.get_closest_marker("extended"):  # never in the quick check (`-m "not slow"`)
+            item.add_marker(pytest.mark.slow)
     if config.getoption("--extended") or config.getoption("markexpr"):
         return
     extended = [item for item in items if item.get_closest_marker("extended")]
