@@ -634,6 +634,9 @@ class CompileConfig(_Frozen):
     # where the cache lives; default JAX_COMPILATION_CACHE_DIR where set, else the user's cache
     # ($XDG_CACHE_HOME/maestro_jax/xla, ~/.cache/maestro_jax/xla), shared safely by runs
     cache_dir: str | None = None
+    # the cache's size cap in GB: past it jax removes the least recently used entries
+    # (`jax_compilation_cache_max_size`), so the user's cache never grows without bound; null: no cap
+    cache_max_gb: pydantic.PositiveFloat | None = 10.0
     # on NVIDIA GPUs, XLA flags for overlapping collectives with compute (runtime/xla_flags.py
     # GPU_FLAGS), each unless XLA_FLAGS names it already; false: none
     gpu_flags: bool = True

@@ -297,3 +297,32 @@ def test_the_users_cache_outlives_the_run_and_a_rerun_compiles_nothing(tmp_path)
     assert entries() == first, "the rerun compiled programs the cache held"
     off = subprocess.run([*command, "compile.cache=false"], env=env, capture_output=True, text=True, timeout=600)
     assert off.returncode == 0 and entries() == first
+
+
+def test_the_cache_is_held_to_its_size_cap_and_forgets_the_checksums_of_what_it_removed(tmp_path):
+    """Under `max_size_bytes` (`compile.cache_max_gb`), jax removes the least recently used
+    entries as it writes new ones: after ten programs, each of them written, the entries left sum
+    to no more than the cap and fewer than ten remain; `record` writes a checksum for each entry
+    left and keeps none for an entry removed."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    with compile_cache.using(tmp_path / "xla") as probe:  # one entry's size, measured without a cap
+        scale = float(np.random.default_rng().integers(2, 1 << 30))
+        jax.jit(lambda x: x * scale - 1.0)(np.arange(4.0)).block_until_ready()
+        entry = max(p.stat().st_size for p in probe.path.glob("*-cache"))
+    assert jax.config.jax_compilation_cache_max_size == -1, "the settings before the block come back"
+    cap = 3 * entry + entry // 2  # room for three entries of about that size
+    path = tmp_path / "capped"
+    with compile_cache.using(path, max_size_bytes=cap):
+        for i in range(10):
+            scale = float(np.random.default_rng().integers(2, 1 << 30)) + i  # programs no cache holds
+            jax.jit(lambda x, s=scale: x * s + 1.0)(np.arange(4.0)).block_until_ready()
+        assert jax.config.jax_compilation_cache_max_size == cap
+        written = sorted(path.glob("*-cache"))
+        assert 0 < len(written) < 10, [p.name for p in written]
+        assert sum(p.stat().st_size for p in written) <= cap
+        (path / f"gone-cache{compile_cache.SUM}").write_text("0" * 64)  # a checksum whose entry jax removed
+    cc.reset_cache()
+    left = {p.name for p in path.glob("*-cache")}
+    sums = {p.name.removesuffix(compile_cache.SUM) for p in path.glob(f"*-cache{compile_cache.SUM}")}
+    assert sums == left, (sums, left)

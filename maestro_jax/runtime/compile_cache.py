@@ -84,13 +84,20 @@ def _others_live(path: Path) -> bool:
     return False
 
 
-def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_size_bytes: int = -1) -> Path:
+def enable(
+    directory: str | Path,
+    *,
+    min_compile_time_s: float = 0.0,
+    min_entry_size_bytes: int = -1,
+    max_size_bytes: int = -1,
+) -> Path:
     """Cache compiled executables in `directory` (created if missing); returns its path.
 
     `min_compile_time_s`: programs that compile faster are not written
     (`jax_persistent_cache_min_compile_time_secs`; jax's default is 1 s). `min_entry_size_bytes`:
     smaller executables are not written (`jax_persistent_cache_min_entry_size_bytes`; -1: no
-    limit, and no platform override of it)."""
+    limit, and no platform override of it). `max_size_bytes`: past it, jax removes the least
+    recently used entries as it writes new ones (`jax_compilation_cache_max_size`; -1: no cap)."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     path = Path(directory).expanduser().resolve()
@@ -102,6 +109,7 @@ def enable(directory: str | Path, *, min_compile_time_s: float = 0.0, min_entry_
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
+    jax.config.update("jax_compilation_cache_max_size", int(max_size_bytes))
     return path
 
 
@@ -110,21 +118,22 @@ _SETTINGS = (
     "jax_compilation_cache_dir",
     "jax_persistent_cache_min_compile_time_secs",
     "jax_persistent_cache_min_entry_size_bytes",
+    "jax_compilation_cache_max_size",
 )
 
 
 @contextlib.contextmanager
-def using(directory: str | Path | None) -> Iterator[Cache | None]:
-    """`enable(directory)` inside the block (nothing with None), holding the directory's writer
-    lock (a `Cache`); jax's earlier settings after it, the entries recorded if no other run is
-    writing."""
+def using(directory: str | Path | None, max_size_bytes: int = -1) -> Iterator[Cache | None]:
+    """`enable(directory, max_size_bytes=...)` inside the block (nothing with None), holding the
+    directory's writer lock (a `Cache`); jax's earlier settings after it, the entries recorded if
+    no other run is writing."""
     if directory is None:
         yield None
         return
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     before = {name: getattr(jax.config, name) for name in _SETTINGS}
-    cache = Cache(enable(directory))
+    cache = Cache(enable(directory, max_size_bytes=max_size_bytes))
     try:
         yield cache
     finally:
@@ -179,9 +188,12 @@ def move_aside_unchecked(path: Path, unrecorded: bool = True) -> list[str]:
 
 
 def record(path: Path) -> None:
-    """Write the checksum of every entry in `path` that has none yet. Call it when no compile is
-    in flight anywhere (jax writes an entry in place): `Cache.record` checks that no other run
-    holds the directory."""
+    """Write the checksum of every entry in `path` that has none yet, and remove the checksums of
+    entries jax has removed (past the size cap). Call it when no compile is in flight anywhere
+    (jax writes an entry in place): `Cache.record` checks that no other run holds the directory."""
+    for side in path.glob(f"*-cache{SUM}"):
+        if not side.with_name(side.name.removesuffix(SUM)).exists():
+            side.unlink(missing_ok=True)
     for entry in _entries(path):
         side = entry.with_name(entry.name + SUM)
         if side.exists():

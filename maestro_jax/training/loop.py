@@ -82,7 +82,7 @@ def train(
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
-        cache = stack.enter_context(compile_cache.using(_cache_dir(cfg)))
+        cache = stack.enter_context(compile_cache.using(_cache_dir(cfg), _cache_max_bytes(cfg)))
         if rt is None:
             devices = len({d for s in cfg.sections.values() for d in s.devices})
             say(
@@ -205,6 +205,13 @@ def _cache_dir(cfg: Config) -> Path | None:
         return None
     root = cfg.compile.cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or user_cache_dir()
     return Path(root) / f"process-{jax.process_index()}" if jax.process_count() > 1 else Path(root)
+
+
+def _cache_max_bytes(cfg: Config) -> int:
+    """`compile.cache_max_gb` in bytes (-1: no cap). Each process of a multi-process run has its
+    own directory (`_cache_dir`) and so its own cap."""
+    gb = cfg.compile.cache_max_gb
+    return -1 if gb is None else int(gb * 1e9)
 
 
 def user_cache_dir() -> Path:
