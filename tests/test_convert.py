@@ -562,6 +562,7 @@ def make_gemma3_folder(folder, size=16, count=4, **preprocessor):
 GEMMA3_VLM = target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=8"])
 
 
+@pytest.mark.reference
 def test_gemma3_conversations_are_written_as_its_processor_writes_them(images, tmp_path):
     """From a Gemma 3 folder, each image becomes "\\n\\n<start_of_image>", its image_seq_length
     `<image_soft_token>`s and "<end_of_image>\\n\\n", resized to the processor's square: the token
@@ -633,6 +634,7 @@ def test_gemma3_conversations_are_written_as_its_processor_writes_them(images, t
         assert decoded == [f"{x}\n" for x in said]  # the answer, its <end_of_turn> (special) and newline
 
 
+@pytest.mark.reference
 def test_a_gemma3_folder_the_model_cannot_take_is_refused_in_one_line(images, tmp_path):
     """Gemma 3's processor writes image_seq_length tokens an image of its size; a vision model that
     takes another count, a normalisation other than [-1, 1], pan and scan, or --max-side (the
@@ -696,6 +698,7 @@ def make_qwen_vl_folder(folder, **preprocessor):
     return folder
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("processor_class", ["Qwen2_5_VLProcessor", "Qwen3VLProcessor"])
 def test_qwen_vl_conversations_are_written_as_its_processor_writes_them(images, tmp_path, processor_class):
     """From a Qwen2.5-VL or Qwen3-VL folder, each image becomes <|vision_start|>, one <|image_pad|>

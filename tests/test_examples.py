@@ -122,6 +122,7 @@ def test_omni_towers_frozen_llm_exported(tmp_path):
     assert_export_reloads(out["export"], states["llm"].params)
 
 
+@pytest.mark.reference
 @pytest.mark.extended  # an end-to-end recipe; CI keeps distill_llama3
 def test_qwen_vl_fine_tune_exports_a_folder_transformers_reads(tmp_path):
     """The Qwen2.5-VL recipe: the converted data frames each image's <|image_pad|>s (one per merged
@@ -150,6 +151,7 @@ def test_qwen_vl_fine_tune_exports_a_folder_transformers_reads(tmp_path):
     assert out["checked"] in (0, None) and (out["checked"] == 0) == (importlib.util.find_spec("torch") is not None)
 
 
+@pytest.mark.reference
 def test_distill_llama3_student_exported(tmp_path):
     """The Llama 3 recipe: both models' architecture from their folders (Llama 3.1's RoPE scaling
     read, no field by hand), the student trained from its folder, exported, read back exactly, and

@@ -293,6 +293,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
     assert all(s.data.shape == shard for s in gate.addressable_shards)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize(
     "case,model_type,scan",
     [
@@ -468,6 +469,7 @@ def test_mismatched_model_config_is_rejected_before_compiling(tmp_path):
         build_runtime(_teacher_cfg(path, **moe))
 
 
+@pytest.mark.reference
 @pytest.mark.slow
 def test_distilled_student_exports_to_transformers(tmp_path):
     """Distil one step from a Hugging Face teacher, then `maestro-jax export` the student:
@@ -547,6 +549,7 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "gemma3_text", "gemma2"])
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
@@ -569,6 +572,7 @@ def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, c
     assert err.startswith("error: --hf=") and "model_type='bert'; supported:" in err and "\n" not in err
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize(
     "case,inputs",
     [("siglip", "2 images of 16x16"), ("clip", "2 images of 16x16"), ("whisper", "2 clips of 16 frames")],

@@ -203,6 +203,7 @@ def test_export_reimports_without_torch(tmp_path, scan):
     assert max_err(whisper_features(tmp_path / "whisper_out", ref, scan)[0], out) == 0
 
 
+@pytest.mark.reference
 def test_export_round_trip_in_transformers(tmp_path):
     """Exported towers load in transformers (`SiglipVisionModel`, `WhisperEncoder`) with nothing
     missing or left over, and give the references' features again."""
@@ -486,6 +487,7 @@ def test_a_gemma3_vlm_folder_gives_both_sections_and_verifies(tmp_path):
     assert all(d.max_rel <= 1e-4 for d in diffs), diffs
 
 
+@pytest.mark.reference
 @pytest.mark.slow
 def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     """`check-hf` on a Gemma 3 VLM folder: its image tokens and the logits of a row holding both
@@ -530,6 +532,7 @@ def _gemma3_vlm_overrides(path) -> list[str]:
     ]
 
 
+@pytest.mark.reference
 @pytest.mark.slow
 def test_gemma3_vlm_exports_whole_and_reimports(tmp_path, capsys):
     """`maestro-jax export --section vision,llm` writes a VLM trained from a Gemma 3 folder back as
@@ -584,6 +587,7 @@ def test_gemma3_projector_kernel_must_divide_the_grid(tmp_path):
         hf_encoders.vit_fields(path)
 
 
+@pytest.mark.reference
 def test_check_hf_compares_a_llava_folders_tower(tmp_path, capsys):
     """`check-hf` on a LLaVA folder checks its CLIP tower at the folder's feature layer."""
     pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
@@ -607,6 +611,7 @@ def test_clip_export_reimports_without_torch(tmp_path):
     assert max_err(again[0], hidden) == 0 and max_err(again[1], post) == 0
 
 
+@pytest.mark.reference
 def test_clip_export_round_trip_in_transformers(tmp_path):
     """An exported CLIP tower loads in `CLIPVisionModel` with nothing missing or left over: every
     hidden state and the pooled output (the class token through `post_layernorm`) are the

@@ -7,6 +7,7 @@ them and nothing generic lands in site-packages.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -75,3 +76,73 @@ def test_the_gpu_kernels_are_an_extra_of_their_own():
     assert all("tokamax" not in names(reqs) for name, reqs in extras.items() if name != "gpu")
     assert "tokamax" not in names(PYPROJECT["project"]["dependencies"])
     assert "tokamax==" in (ROOT / "scripts/gpu_wheels.sh").read_text()
+
+
+REFERENCE_PACKAGES = ("torch", "transformers")
+
+
+def _reaches_the_reference(node: ast.AST) -> bool:
+    """Whether this code imports, skips on or looks up torch or transformers itself."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Import) and any(a.name.split(".")[0] in REFERENCE_PACKAGES for a in sub.names):
+            return True
+        if isinstance(sub, ast.ImportFrom) and (sub.module or "").split(".")[0] in REFERENCE_PACKAGES:
+            return True
+        if (
+            isinstance(sub, ast.Call)
+            and isinstance(sub.func, ast.Attribute)
+            and sub.func.attr in ("importorskip", "find_spec")
+            and sub.args
+            and isinstance(sub.args[0], ast.Constant)
+            and sub.args[0].value in REFERENCE_PACKAGES
+        ):
+            return True
+    return False
+
+
+def _tests_reaching_the_reference(tree: ast.Module) -> dict[str, bool]:
+    """Each test function of a module: whether it, or a module function it calls (at any depth),
+    reaches the live reference, and whether it carries `@pytest.mark.reference`."""
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    calls = {
+        name: {c.func.id for c in ast.walk(f) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        & set(functions)
+        for name, f in functions.items()
+    }
+    reaches = {name: _reaches_the_reference(f) for name, f in functions.items()}
+    changed = True
+    while changed:
+        changed = False
+        for name in functions:
+            if not reaches[name] and any(reaches[c] for c in calls[name]):
+                reaches[name] = changed = True
+    return {
+        name: "pytest.mark.reference" in {ast.unparse(d).split("(")[0] for d in f.decorator_list}
+        for name, f in functions.items()
+        if name.startswith("test_") and reaches[name]
+    }
+
+
+def test_every_test_of_the_live_reference_is_marked_so_ci_runs_it_where_torch_is():
+    """CI runs the whole suite on Python 3.12, where torch's CPU wheel is missing and these tests
+    skip, and `-m "not slow or reference"` on Python 3.11 with torch (.ci/run): a test that reaches
+    torch or transformers without the `reference` mark would run nowhere with the reference."""
+    unmarked, marked = [], 0
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for name, has_mark in _tests_reaching_the_reference(ast.parse(path.read_text())).items():
+            marked += has_mark
+            if not has_mark and path.name != "test_packaging.py":
+                unmarked.append(f"{path.name}::{name}")
+    assert not unmarked, f"reach torch or transformers without @pytest.mark.reference: {unmarked}"
+    assert marked >= 15  # the exports' round trips, check-hf and the processors' conversations
+
+
+def test_the_reference_search_sees_a_helper_two_calls_away():
+    tree = ast.parse(
+        "def inner():\n    import transformers\n"
+        "def middle():\n    inner()\n"
+        "def test_a():\n    middle()\n"
+        "@pytest.mark.reference\ndef test_b():\n    pytest.importorskip('torch')\n"
+        "def test_c():\n    pass\n"
+    )
+    assert _tests_reaching_the_reference(tree) == {"test_a": False, "test_b": True}

@@ -184,6 +184,7 @@ def llm_positions(cfg):
     return sample_positions(model(cfg, "llm", "llm"), {"image_embeds": image_modality(cfg)})
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
 def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tmp_path, name):
     """`save_qwen_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
@@ -229,6 +230,7 @@ def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tm
     assert cli.main(["check-hf", "--hf", str(out)]) == 0
 
 
+@pytest.mark.reference
 def test_check_hf_compares_a_qwen2_5_vl_folders_image_tokens_and_logits(capsys):
     """`check-hf` on a Qwen2.5-VL folder: three images of different grids (windows cut at their
     edges) and two rows of different lengths holding them; the image tokens and the logits, a
@@ -242,6 +244,7 @@ def test_check_hf_compares_a_qwen2_5_vl_folders_image_tokens_and_logits(capsys):
     assert "3 images in 2 rows of [42, 12] tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize(
     "name,side,verdicts",
     [
