@@ -210,17 +210,24 @@ def tiled_ffn(
     return y.at[slot_R].get(mode="fill", fill_value=0)
 
 
+# Which of tokamax's implementations `grouped_ffn` runs: "mosaic", its Pallas Mosaic GPU kernels.
+# The CPU tests set "xla", tokamax's reference implementation, where tokamax installs (Python
+# 3.12, jax >= 0.11.1: CI's newer interpreter), so the dispatch's wiring is checked against
+# `dense` before any GPU runs the kernel.
+GROUPED_GEMM_IMPLEMENTATION = "mosaic"
+
+
 def grouped_ffn(
     x_RD: jax.Array, sizes_G: jax.Array, gate_GDF: jax.Array, up_GDF: jax.Array, down_GFD: jax.Array
 ) -> jax.Array:
-    """`ragged_dot_ffn` through tokamax's grouped GEMM (`implementation="mosaic"`: Pallas Mosaic
-    GPU kernels for the forward, the input gradient and the weight gradient on Hopper; tokamax
-    0.0.17 needs jax >= 0.11.1). `moe_dispatch_for` only resolves to it where `grouped_gemm_missing`
-    finds nothing missing."""
-    import tokamax  # the gpu extra; absent on CPU machines and CI's jax
+    """`ragged_dot_ffn` through tokamax's grouped GEMM (`GROUPED_GEMM_IMPLEMENTATION`, "mosaic":
+    Pallas Mosaic GPU kernels for the forward, the input gradient and the weight gradient on
+    Hopper; tokamax 0.0.17 needs jax >= 0.11.1). `moe_dispatch_for` only resolves to it where
+    `grouped_gemm_missing` finds nothing missing."""
+    import tokamax  # the gpu extra; absent where jax is older than 0.11.1 (Python 3.11)
 
     def dot(lhs, rhs):
-        return tokamax.ragged_dot(lhs, rhs, sizes_G, implementation="mosaic")
+        return tokamax.ragged_dot(lhs, rhs, sizes_G, implementation=GROUPED_GEMM_IMPLEMENTATION)
 
     return dot(nn.silu(dot(x_RD, gate_GDF)) * dot(x_RD, up_GDF), down_GFD)
 

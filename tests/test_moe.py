@@ -135,16 +135,27 @@ def l2_rel(got, ref) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["sparse", "grouped"])
 @pytest.mark.parametrize("axes", [None, {"expert": 2, "data": 2}, {"expert": 2, "tensor": 2}])
-def test_sparse_dispatch_equals_the_dense_one_and_is_expert_parallel(axes):
+def test_sparse_dispatch_equals_the_dense_one_and_is_expert_parallel(axes, dispatch, monkeypatch):
     """`moe_dispatch: sparse` gives the dense dispatch's loss (balance loss included) and
     gradients; under an `expert` axis it is a shard_map exchanging tokens with all-to-alls, the
     expert weights (and their gradients) sharded by expert; over `tensor` each device holds a
-    slice of the experts' hidden width. Without a mesh it is the local computation."""
+    slice of the experts' hidden width. Without a mesh it is the local computation.
+
+    `grouped` is the same dispatch with each device's experts through tokamax's grouped GEMM:
+    on the CPU its reference ("xla") implementation stands in for the Mosaic GPU kernel, so the
+    sizes, the expert order and the three products' wiring are checked wherever tokamax installs
+    (Python 3.12 with jax >= 0.11.1, CI's newer interpreter)."""
     import dataclasses
 
+    from maestro_jax.models import llm
+
+    if dispatch == "grouped":
+        pytest.importorskip("tokamax", reason="tokamax needs Python >= 3.12 and jax >= 0.11.1 (the gpu extra)")
+        monkeypatch.setattr(llm, "GROUPED_GEMM_IMPLEMENTATION", "xla")
     ids, positions, valid = inputs(seed=2)
-    dense, sparse = DecoderLM(CFG), DecoderLM(dataclasses.replace(CFG, moe_dispatch="sparse"))
+    dense, sparse = DecoderLM(CFG), DecoderLM(dataclasses.replace(CFG, moe_dispatch=dispatch))
     boxed = jax.eval_shape(lambda: dense.init(jax.random.key(2), ids, positions, valid))
     params = nn.meta.unbox(dense.init(jax.random.key(2), ids, positions, valid)["params"])
 
