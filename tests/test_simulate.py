@@ -2,8 +2,6 @@
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import ROOT, TINY_KD
@@ -36,31 +34,21 @@ def test_paper_scale_predictions(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_simulate_cli_json(tmp_path):
+def test_simulate_cli_json(tmp_path, capsys):
+    """`maestro-jax simulate --json` (in this process, `cli.main`) on the paper-scale KD config:
+    the report's speedups, and what it says first, one line per step."""
+    from maestro_jax import cli
+
     out = tmp_path / "sim.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "maestro_jax.cli",
-            "simulate",
-            "--config",
-            str(ROOT / "configs/kd_paper_scale.yaml"),
-            "--json",
-            str(out),
-            "simulate.batches=1",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    argv = ["simulate", "--config", str(ROOT / "configs/kd_paper_scale.yaml"), "--json", str(out), "simulate.batches=1"]
+    status = cli.main(argv)
+    said_out = capsys.readouterr().out
+    assert status == 0
     r = json.loads(out.read_text())
     for key in ("per_device_speedup", "end_to_end_speedup", "makespan_over_lower_bound", "wavefront_vs_naive"):
         assert isinstance(r[key], float) and r[key] > 0
-    assert "per-device speedup" in proc.stdout
-    said = [line.removeprefix("simulate: ").split()[:2] for line in proc.stdout.splitlines()[:4]]
+    assert "per-device speedup" in said_out
+    said = [line.removeprefix("simulate: ").split()[:2] for line in said_out.splitlines()[:4]]
     assert said == [["describing", "workload"], ["the", "fastest"], ["the", "config's"], ["the", "fastest"]], said
 
 
