@@ -193,8 +193,7 @@ def pytest_addoption(parser):
 # Variants of a parametrised test in the extended tier, their siblings (another layout, the other
 # process, the other precision) kept in CI; whole tests carry `@pytest.mark.extended` themselves.
 EXTENDED_VARIANTS = {
-    "tests/test_workloads.py::test_new_workloads_match_the_monolithic_step[naive-vlm_kd]",
-    "tests/test_workloads.py::test_new_workloads_match_the_monolithic_step[wavefront-vlm_kd]",
+    "tests/test_workloads.py::test_each_workload_matches_the_monolithic_step[naive-vlm_kd]",
     "tests/test_planner.py::test_memory_model_tracks_the_compiled_programs[vlm]",
     "tests/test_planner.py::test_pruned_search_returns_the_exhaustive_optimum[kd6]",
     "tests/test_equivalence.py::test_kd_plans[fsdp_student_6dev]",

@@ -74,6 +74,7 @@ def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", override
     assert set(r["config"]["sections"]) <= rows, "every section has its row in the trace"
 
 
+@pytest.mark.slow
 def test_bench_leaves_the_runtime_as_it_found_it():
     """A `Trainer`'s bench calibrates a cost model for its own schedules; the runtime schedules
     a batch after the bench exactly as before it (training orders by work units)."""

@@ -42,7 +42,10 @@ def is_transfer(name: str) -> bool:
     return any(t in name for t in TRANSFER_PROGRAMS)
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# vlm_kd (three sections) is slow; vlm keeps the contract in the quick tier
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "vlm_kd" else n for n in CONFIGS]
+)
 def ahead(request):
     path, overrides = CONFIGS[request.param]
     cfg = load_config(ROOT / "configs" / path, overrides + [f"steps={STEPS}"])

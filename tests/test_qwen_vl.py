@@ -128,6 +128,7 @@ def _overrides(path) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # two sections and the monolithic step compiled (the quick tier verifies each workload: test_workloads.py)
 def test_a_qwen2_5_vl_folder_gives_both_sections_and_verifies(tmp_path):
     """`models.vision: {hf: DIR, kind: vit}` and `models.llm: {hf: DIR, kind: llm}` on one Qwen2.5-VL
     folder: the tower and the M-RoPE language model with no field by hand, the image token from
@@ -185,7 +186,7 @@ def llm_positions(cfg):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tmp_path, name):
     """`save_qwen_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
     a folder of the tower's type (Qwen2.5-VL's or Qwen3-VL's, DeepStack mergers and interleaved
