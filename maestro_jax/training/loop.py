@@ -104,21 +104,8 @@ def train(
                     coordinator=coordinator,
                 )
             )
-            if (latest := ckpt.latest_step()) is not None:
-                say(f"checkpoint: restoring the newest good one of {ckpt.directory} (committed up to step {latest})")
-            # another config's checkpoint stops here; a staged section is saved whole (`runtime.stages`)
-            if (restored := ckpt.restore_latest(rt.whole_states(state.sections))) is not None:
-                start, whole, data_state, _ = restored
-                state = TrainState(start, rt.stage_states(whole, state.sections))
-                data.set_state(data_state)
-                say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
-                if out_dir and (changes := config_changes(out_dir, cfg)):
-                    say(
-                        "changed since the run that saved it (applied from this config): "
-                        + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
-                    )
-                    if jax.process_index() == 0:
-                        _record_changes(out_dir, start, changes)
+            state = _resume(cfg, rt, ckpt, state, data, say)
+            start = state.step
         if start == 0:  # a fresh run: sections that start from another run's checkpoint
             start_from = functools.partial(start_from_checkpoints, cfg, coordinator=coordinator)
             state = TrainState(0, rt.on_whole(state.sections, start_from))  # a staged section starts whole
@@ -160,6 +147,29 @@ def train(
     if skipped:
         say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
     return history
+
+
+def _resume(cfg: Config, rt: Runtime, ckpt: Checkpointer, state: TrainState, data: Prefetcher, say) -> TrainState:
+    """The newest good checkpoint's state, the reader moved to its data position (`state` itself
+    where there is none); what changed in the config since the run that saved it is said and, on
+    process 0, recorded in the output_dir."""
+    if (latest := ckpt.latest_step()) is not None:
+        say(f"checkpoint: restoring the newest good one of {ckpt.directory} (committed up to step {latest})")
+    # another config's checkpoint stops here; a staged section is saved whole (`runtime.stages`)
+    if (restored := ckpt.restore_latest(rt.whole_states(state.sections))) is None:
+        return state
+    start, whole, data_state, _ = restored
+    data.set_state(data_state)
+    say(f"resuming from the checkpoint of step {start} in {ckpt.directory}")
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else None
+    if out_dir and (changes := config_changes(out_dir, cfg)):
+        say(
+            "changed since the run that saved it (applied from this config): "
+            + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+        )
+        if jax.process_index() == 0:
+            _record_changes(out_dir, start, changes)
+    return TrainState(start, rt.stage_states(whole, state.sections))
 
 
 def _refuse_unkept_checkpoints(cfg: Config, out_dir: Path, coordinator: Coordinator) -> None:
