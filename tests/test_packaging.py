@@ -66,8 +66,8 @@ def test_the_test_extra_needs_no_torch():
 def test_the_gpu_kernels_are_an_extra_of_their_own():
     """tokamax (the grouped GEMM of `moe_dispatch: grouped`) needs jax >= 0.11.1: only the `gpu`
     extra asks for it, so the default install, the test extra and jax 0.10.2 never meet it (CI's
-    Python 3.12 run installs the extra to test the grouped dispatch),
-    and `scripts/gpu_wheels.sh` carries it to a GPU image."""
+    Python 3.12 run installs the extra to test the grouped dispatch), and `scripts/gpu_wheels.sh`
+    carries it to a GPU image."""
 
     def names(reqs):
         return {r.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().lower() for r in reqs}
@@ -126,8 +126,9 @@ def _tests_reaching_the_reference(tree: ast.Module) -> dict[str, bool]:
 
 def test_every_test_of_the_live_reference_is_marked_so_ci_runs_it_where_torch_is():
     """CI runs the whole suite on Python 3.12, where torch's CPU wheel is missing and these tests
-    skip, and `-m "(not slow or reference) and not extended"` on Python 3.11 with torch (.ci/run): a test that reaches
-    torch or transformers without the `reference` mark would run nowhere with the reference."""
+    skip, and `-m "(not slow or reference) and not extended"` on Python 3.11 with torch (.ci/run):
+    a test that reaches torch or transformers without the `reference` mark would run nowhere with
+    the reference."""
     unmarked, marked = [], 0
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         for name, has_mark in _tests_reaching_the_reference(ast.parse(path.read_text())).items():
