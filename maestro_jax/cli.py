@@ -216,9 +216,20 @@ def _latest_states(cfg) -> tuple[dict, int]:
 def _export(cfg, args) -> int:
     """The section's weights from the latest checkpoint in `output_dir` (else its initial ones)."""
     from maestro_jax.tools import hf
+    from maestro_jax.workloads import build_graph
 
     valid = sorted(s for s in cfg.sections if s in cfg.models)
     names = args.section.split(",")
+    sections = build_graph(cfg).sections
+    frozen = [s.name for s in sections if not s.trained and s.name in names]
+    if frozen:  # a KD teacher: what export would write is what models.<name> loaded
+        print(
+            f"error: --section={args.section!r}: {frozen[0]!r} is a frozen section (training never changes its "
+            f"weights: they are the ones models.{frozen[0]} names); trained sections: "
+            f"{sorted(s.name for s in sections if s.trained)}",
+            file=sys.stderr,
+        )
+        return 2
     for name in names:
         if name not in valid:
             which = "" if len(names) == 1 else f"{name!r} is "

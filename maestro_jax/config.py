@@ -466,9 +466,22 @@ ModelConfig = Annotated[
 ]
 
 
+class CombineConfig(_Frozen):
+    """How several teachers' distributions make the one the student learns from: `mean`, their
+    tempered distributions averaged with `weights` (teacher -> weight; a teacher left out weighs
+    1, so the default is the plain mean; normalised to sum to 1)."""
+
+    mode: Literal["mean"] = "mean"
+    weights: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = {}
+
+
 class DistillConfig(_Frozen):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     temperature: float = Field(2.0, gt=0.0)
+    # the teacher models' names, in order; empty: the one `models.teacher`. Written by
+    # `models.teachers: {name: {...}}` (`Config._teachers_group`), which is how a config says it
+    teachers: tuple[str, ...] = ()
+    combine: CombineConfig = CombineConfig()
 
 
 class LRScheduleConfig(_Frozen):
@@ -734,7 +747,9 @@ class Config(_Frozen):
     def _from_folders(cls, data):
         """`models.<s>: {hf: PATH}`: its kind from the folder when not written, and section <s>
         (the section that runs the model of its name) starts from the folder's weights unless
-        its `init` is written (`init: null`: random weights of the folder's architecture)."""
+        its `init` is written (`init: null`: random weights of the folder's architecture).
+        A `models.teachers` group is first read as the models it names (`_teachers_group`)."""
+        data = _teachers_group(data)
         if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
             return data
         models, sections = dict(data["models"]), dict(data.get("sections") or {})
@@ -750,6 +765,26 @@ class Config(_Frozen):
             if isinstance(section, dict) and "init" not in section:
                 sections[name] = {**section, "init": {"hf_path": m["hf"]}}
         return {**data, "models": models, **({"sections": sections} if "sections" in data else {})}
+
+    @pydantic.model_validator(mode="after")
+    def _teacher_weights(self):
+        """`distill.combine.weights` weighs teachers the config has, with a positive sum."""
+        names = self.distill.teachers or ("teacher",)
+        if len(set(names)) < len(names):
+            raise ValueError(f"distill.teachers={list(names)}: a name given twice; valid: each teacher once")
+        weights = self.distill.combine.weights
+        for name in weights:
+            if name not in names:
+                raise ValueError(
+                    f"distill.combine.weights.{name}: not a teacher; valid: {', '.join(names)} (the names under "
+                    f"models.teachers)"
+                )
+        if sum(weights.get(n, 1.0) for n in names) <= 0:
+            raise ValueError(
+                f"distill.combine.weights={dict(weights)}: they sum to 0; valid: weights >= 0 with a positive sum "
+                f"(a teacher left out weighs 1)"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _held_out(self):
@@ -867,6 +902,37 @@ def set_dotted(tree: dict, key: str, value) -> None:
 
 # the built-in model kinds; a plug-in workload may declare others (`Workload.model_kinds`)
 MODEL_KINDS = {"vit": ViTModelConfig, "audio": AudioModelConfig, "llm": LLMModelConfig}
+
+
+def _teachers_group(data):
+    """`models.teachers: {name: {model}, ...}` (distillation from several teachers) as the models it
+    names, each `models.<name>` as any model is, and their order as `distill.teachers`, so every
+    reader of `models` and `sections` sees a teacher as a model and a section of its own."""
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict) or "teachers" not in data["models"]:
+        return data
+    models = dict(data["models"])
+    group = models.pop("teachers")
+    if not isinstance(group, dict) or not group or not all(isinstance(k, str) for k in group):
+        raise ValueError(
+            f"models.teachers={group!r}: not a mapping of teacher names to models; valid: {{name: {{kind: llm, ...}}, "
+            f"...}}, one entry per teacher"
+        )
+    for name in group:
+        if name in models:
+            raise ValueError(f"models.teachers.{name}: models.{name} is another model; valid: a name of its own")
+    if "teacher" in models:
+        raise ValueError(
+            "models.teacher and models.teachers: both given; valid: one teacher as models.teacher, or each one "
+            "under models.teachers"
+        )
+    distill = data.get("distill")
+    distill = dict(distill) if isinstance(distill, dict) else {}
+    if distill.get("teachers") not in (None, list(group)):
+        raise ValueError(
+            f"distill.teachers={distill['teachers']!r}: differs from the names under models.teachers "
+            f"({', '.join(group)}); valid: leave distill.teachers out"
+        )
+    return {**data, "models": {**models, **group}, "distill": {**distill, "teachers": list(group)}}
 
 
 def _format_error(err: pydantic.ValidationError, root: type[BaseModel] | None = None, prefix: str = "") -> str:

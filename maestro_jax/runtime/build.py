@@ -289,7 +289,7 @@ def build_runtime(
         from maestro_jax.workloads.pretrained import check_pretrained
 
         graph = workloads.build_graph(cfg)
-        pretrained = workloads.resolve(cfg.workload).pretrained
+        pretrained = workloads.resolve(cfg.workload).loaders(cfg)
         check_pretrained(cfg, pretrained)
         source = source if source is not None else workloads.source_from_config(cfg)
         check = check if check is not None else workloads.sample_check(cfg)

@@ -42,7 +42,9 @@ class Workload:
       embedding table the ids index).
     pretrained: section -> loader(section, path, states, programs) -> states, for sections that
       can start from a Hugging Face folder (`sections.<s>.init.hf_path`); checked before compiling
-      by `pretrained.check_pretrained`, called by the runtime after its sections initialise.
+      by `pretrained.check_pretrained`, called by the runtime after its sections initialise. Or a
+      function of the config giving that mapping, for sections the config names (KD's teachers);
+      `loaders(cfg)` reads either.
     settings: the class (a `config.Settings`) the config's `workload_settings:` block is validated
       against; its defaults apply where the block leaves a field out. `settings(cfg)` reads it.
       None: the workload takes no settings.
@@ -56,7 +58,9 @@ class Workload:
     build: Callable[[Config], SectionGraph]
     vocab: Callable[[Config], int]
     modalities: Callable[[Config], tuple[Modality, ...]] = lambda cfg: ()
-    pretrained: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    pretrained: Mapping[str, Callable] | Callable[[Config], Mapping[str, Callable]] = dataclasses.field(
+        default_factory=dict
+    )
     settings: type[Settings] | None = None
     model_kinds: Mapping[str, type[Settings]] = dataclasses.field(default_factory=dict)
     source: Callable[[Config], object] | None = None
@@ -74,6 +78,10 @@ class Workload:
         clash = sorted(set(self.model_kinds) & set(MODEL_KINDS))
         if clash:
             raise TypeError(f"Workload {self.name!r}: model_kinds {clash} are built-in kinds; name the plug-in's own")
+
+    def loaders(self, cfg: Config) -> Mapping[str, Callable]:
+        """The Hugging Face loader of each section that has one, under `cfg`."""
+        return self.pretrained(cfg) if callable(self.pretrained) else self.pretrained
 
 
 def resolve(name: str | None) -> Workload:

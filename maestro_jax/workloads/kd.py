@@ -1,11 +1,19 @@
-"""Knowledge distillation: frozen `teacher` -> trained `student` (holds the loss).
+"""Knowledge distillation: frozen teachers -> a trained `student` (holds the loss).
 
-As in production KD the teacher section sends its final hidden states (hidden << vocabulary)
+As in production KD each teacher section sends its final hidden states (hidden << vocabulary)
 and the teacher's output layer runs inside the student section, as a frozen constant there.
 loss = alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE, summed over target tokens.
+
+One teacher is `models.teacher` (section `teacher`). Several are `models.teachers: {name:
+{...}}` (`config.DistillConfig`): each its own frozen section `<name>` with its own devices,
+mesh, micro-batch and precision, sending edge `<name>_hidden`; the student holds each one's
+output layer (`<name>_head`) and learns from their tempered distributions mixed by
+`distill.combine.weights` (`teacher_log_probs`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -22,12 +30,57 @@ from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
 from maestro_jax.workloads.staged import decoder_stages
 
-EDGE = "teacher_hidden"
+EDGE = "teacher_hidden"  # the edge of the one teacher named `teacher`
 
 
-def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_octave: int) -> Section:
-    """A frozen LLM body: token rows in (bucketed at `per_octave`, `compile.buckets_per_octave`),
-    final-normed hidden states out (its head runs downstream).
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """One frozen teacher: the model and the section of its name, the hidden states it sends
+    (edge `<name>_hidden`), the output layer the student holds for it (`<name>_head`) and its
+    share of the mixed distribution (the weights normalised to sum to 1)."""
+
+    name: str
+    model: LLMConfig
+    weight: float = 1.0
+
+    @property
+    def edge(self) -> str:
+        return f"{self.name}_hidden"
+
+    @property
+    def head(self) -> str:
+        return f"{self.name}_head"
+
+    @property
+    def row(self) -> str:
+        """The student batch's key holding each row's index into this teacher's outputs."""
+        return f"{self.edge}_row"
+
+
+def teachers_of(cfg: Config) -> tuple[Teacher, ...]:
+    """The config's teachers in order (`distill.teachers`, else the one `models.teacher`), each
+    with its normalised weight; a ConfigError of one line for a vocabulary that differs from the
+    first teacher's."""
+    names = cfg.distill.teachers or ("teacher",)
+    weights = cfg.distill.combine.weights
+    raw = [float(weights.get(n, 1.0)) for n in names]
+    out = tuple(Teacher(n, model(cfg, n, "llm"), w / sum(raw)) for n, w in zip(names, raw))
+    first = out[0]
+    for t in out[1:]:
+        if t.model.vocab != first.model.vocab:
+            raise ConfigError(
+                f"error: models.{t.name}.vocab={t.model.vocab}: differs from models.{first.name}.vocab="
+                f"{first.model.vocab} (the teachers' distributions are mixed token by token); valid: "
+                f"{first.model.vocab}"
+            )
+    return out
+
+
+def teacher_section(
+    teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_octave: int, name: str = "teacher"
+) -> Section:
+    """A frozen LLM body `name`: token rows in (bucketed at `per_octave`, `compile.buckets_per_octave`),
+    final-normed hidden states out on `edge` (its head runs downstream).
     It splits into pipeline stages (`workloads.staged`), forward only, the last sending `edge`."""
     body = DecoderLM(teacher, with_head=False, rows_from_zero=True)  # text_rows' rows
 
@@ -53,7 +106,7 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_
         )
 
     section = Section(
-        "teacher",
+        name,
         trained=False,
         forward=forward,
         host_batch=lambda rows, routes: R.text_rows(rows, modalities, per_octave=per_octave),
@@ -70,16 +123,30 @@ def teacher_section(teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_
 
 
 def teacher_hidden(inputs, batch, edge: str):
-    """The teacher's hidden state at each student position: its row's (`teacher_row`), or in a
-    packed student row each position's own sample's (`<edge>_row`) at the sample's position."""
+    """The teacher's hidden state at each student position: its row's (`<edge>_row`), or in a
+    packed student row each position's own sample's at the sample's position."""
     if "segments" in batch:
         return R.gather_tokens(inputs, edge, batch[f"{edge}_row"], batch["positions"])
-    return R.gather(inputs, edge, batch["teacher_row"], length=batch["input_ids"].shape[1])
+    return R.gather(inputs, edge, batch[f"{edge}_row"], length=batch["input_ids"].shape[1])
 
 
-def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: float):
-    """Summed per-token KD loss over loss-carrying targets, with KL and CE as metrics."""
-    t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32) / temperature)
+def teacher_log_probs(variables, inputs, batch, teachers: tuple[Teacher, ...], temperature: float):
+    """Log-probabilities of the teachers' tempered distributions mixed by weight, at each student
+    position: log sum_i w_i softmax(z_i / T), with z_i teacher i's logits (its hidden states
+    through the output layer the student holds). One teacher: its log_softmax(z / T) itself."""
+    logps = []
+    for t in teachers:
+        logits = softcap(teacher_hidden(inputs, batch, t.edge) @ variables["consts"][t.head], t.model.final_softcap)
+        logps.append(jax.nn.log_softmax(logits.astype(jnp.float32) / temperature))
+    if len(logps) == 1:
+        return logps[0]
+    log_w = jnp.log(jnp.asarray([t.weight for t in teachers], jnp.float32))
+    return jax.nn.logsumexp(jnp.stack(logps) + log_w[:, None, None, None], axis=0)
+
+
+def distill_loss(s_logits, t_logp, targets, mask, alpha: float, temperature: float):
+    """Summed per-token KD loss over loss-carrying targets, with KL and CE as metrics; `t_logp`
+    the teachers' tempered log-probabilities (`teacher_log_probs`)."""
     s_logp = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature)
     kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
     ce = optax.softmax_cross_entropy_with_integer_labels(s_logits.astype(jnp.float32), targets)
@@ -87,10 +154,15 @@ def distill_loss(s_logits, t_logits, targets, mask, alpha: float, temperature: f
     return jnp.sum(per_token * mask), {"kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
 
 
+def head_flops(teachers: tuple[Teacher, ...]) -> float:
+    """FLOPs per student token of the teachers' output layers, which run in the student."""
+    return sum(2.0 * t.model.width * t.model.vocab for t in teachers)
+
+
 def student_stages(
     section: Section,
     student: LLMConfig,
-    teacher: LLMConfig,
+    teachers: tuple[Teacher, ...],
     k: int,
     alpha: float,
     temperature: float,
@@ -98,7 +170,7 @@ def student_stages(
     **embed,
 ):
     """A KD student (`section`) cut into `k` pipeline stages (`layers` blocks each, or evenly):
-    the teacher's hidden states and output layer go to the last, which holds the loss; `embed`
+    the teachers' hidden states and output layers go to the last, which holds the loss; `embed`
     (optional) the first's inputs."""
     return decoder_stages(
         section,
@@ -107,15 +179,15 @@ def student_stages(
         layers=layers,
         finish=lambda module, variables, v, inputs, batch, h: distill_loss(
             module.apply(v, h, method=DecoderLM.logits),
-            softcap(teacher_hidden(inputs, batch, EDGE) @ variables["consts"]["teacher_head"], teacher.final_softcap),
+            teacher_log_probs(variables, inputs, batch, teachers, temperature),
             batch["targets"],
             batch["loss_mask"],
             alpha,
             temperature,
         ),
-        cost=lambda c, last: llm_cost(c, head=last, extra_flops=2 * teacher.width * teacher.vocab if last else 0.0),
-        last_keys=("teacher_head",),
-        consumes={EDGE: k - 1},
+        cost=lambda c, last: llm_cost(c, head=last, extra_flops=head_flops(teachers) if last else 0.0),
+        last_keys=tuple(t.head for t in teachers),
+        consumes={t.edge: k - 1 for t in teachers},
         **embed,
     )
 
@@ -123,62 +195,92 @@ def student_stages(
 def init_teacher_and_student(teacher: LLMConfig, student: LLMConfig, key):
     """Teacher body params (frozen) and the student's params plus the teacher's output layer."""
     kt, ks = jax.random.split(key)
-    ids, pos, valid = jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool)
-    t = dict(DecoderLM(teacher).init(kt, ids, pos, valid)["params"])
+    s = DecoderLM(student).init(ks, *_dummy_rows())["params"]
+    t, head = init_teacher(teacher, kt)
+    return t, s, head
+
+
+def _dummy_rows():
+    return jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], jnp.ones((1, 4), bool)
+
+
+def init_teacher(teacher: LLMConfig, key):
+    """A teacher's body params (frozen, in its section) and its output layer (in the student's)."""
+    t = dict(DecoderLM(teacher).init(key, *_dummy_rows())["params"])
     if teacher.tie_embeddings:
         head = nn.LogicallyPartitioned(t["embedding"].value.T, names=("embed", "vocab"))
     else:
         head = t.pop("lm_head")
-    s = DecoderLM(student).init(ks, ids, pos, valid)["params"]
-    return t, s, head
+    return t, head
 
 
-def check_vocab(teacher: LLMConfig, student: LLMConfig) -> None:
-    """Distillation compares the two models' logits token by token: one vocabulary."""
-    if teacher.vocab != student.vocab:
-        raise ConfigError(
-            f"error: models.teacher.vocab={teacher.vocab}: differs from models.student.vocab={student.vocab} "
-            f"(distillation compares their logits token by token); valid: {student.vocab}"
-        )
+def init_teachers(teachers: tuple[Teacher, ...], student: LLMConfig, key):
+    """Each teacher's section variables, and the student's params with every teacher's output
+    layer. The first teacher takes the key split a one-teacher run always took, so a config of
+    one teacher starts from the same weights as before teachers could be several."""
+    first, student_params, head = init_teacher_and_student(teachers[0].model, student, key)
+    sections = {teachers[0].name: {"params": {}, "consts": {"llm": first}}}
+    heads = {teachers[0].head: head}
+    for i, t in enumerate(teachers[1:], start=1):
+        body, heads[t.head] = init_teacher(t.model, jax.random.fold_in(key, i))
+        sections[t.name] = {"params": {}, "consts": {"llm": body}}
+    return sections, {"params": student_params, "consts": heads}
 
 
 def shared_vocab(cfg: Config) -> int:
-    """The ids samples must stay inside: both the teacher's and the student's embedding tables
-    take them, so the two vocabularies must be one."""
-    teacher, student = model(cfg, "teacher", "llm"), model(cfg, "student", "llm")
-    check_vocab(teacher, student)
+    """The ids samples must stay inside: every teacher's and the student's embedding tables take
+    them, so the vocabularies must be one."""
+    return check_vocab(teachers_of(cfg), model(cfg, "student", "llm"))
+
+
+def check_vocab(teachers: tuple[Teacher, ...], student: LLMConfig) -> int:
+    """Distillation compares the models' logits token by token: one vocabulary (`teachers_of`
+    has held the teachers to the first one's)."""
+    t = teachers[0]
+    if t.model.vocab != student.vocab:
+        raise ConfigError(
+            f"error: models.{t.name}.vocab={t.model.vocab}: differs from models.student.vocab={student.vocab} "
+            f"(distillation compares their logits token by token); valid: {student.vocab}"
+        )
     return student.vocab
 
 
+def teacher_edges(teachers: tuple[Teacher, ...]) -> tuple[Edge, ...]:
+    """Each teacher's hidden states to the student: 2 bytes (bf16) per unit of width."""
+    return tuple(Edge(t.edge, t.name, "student", bytes_per_unit=2 * t.model.width) for t in teachers)
+
+
+def teacher_rows(routes, rows, teachers: tuple[Teacher, ...]) -> dict:
+    """The student batch's index of each row into each teacher's outputs."""
+    return {t.row: R.route(routes, t.edge, rows) for t in teachers}
+
+
 def build(cfg: Config) -> SectionGraph:
-    teacher, student = model(cfg, "teacher", "llm"), model(cfg, "student", "llm")
-    check_vocab(teacher, student)
+    teachers, student = teachers_of(cfg), model(cfg, "student", "llm")
+    check_vocab(teachers, student)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
     s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
     per_octave = cfg.compile.buckets_per_octave
 
     def student_batch(rows, routes):
-        return {**R.text_rows(rows, per_octave=per_octave), "teacher_row": R.route(routes, EDGE, rows)}
+        return {**R.text_rows(rows, per_octave=per_octave), **teacher_rows(routes, rows, teachers)}
 
     def student_packed_batch(rows, routes, shards, pack):
-        return R.packed_text_rows(rows, {EDGE: R.route(routes, EDGE, rows)}, shards, pack, per_octave=per_octave)
+        edges = {t.edge: R.route(routes, t.edge, rows) for t in teachers}
+        return R.packed_text_rows(rows, edges, shards, pack, per_octave=per_octave)
 
     def student_forward(variables, inputs, batch):
         segments = (batch["segments"], None, batch.get("segment_lengths")) if "segments" in batch else ()
         s_logits, aux = apply_with_losses(
             s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"], *segments
         )
-        t_hidden = teacher_hidden(inputs, batch, EDGE)
-        t_logits = softcap(t_hidden @ variables["consts"]["teacher_head"], teacher.final_softcap)
-        loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+        t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature)
+        loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
 
     def init(key):
-        t, s, head = init_teacher_and_student(teacher, student, key)
-        return {
-            "teacher": {"params": {}, "consts": {"llm": t}},
-            "student": {"params": s, "consts": {"teacher_head": head}},
-        }
+        sections, student_vars = init_teachers(teachers, student, key)
+        return {**sections, "student": student_vars}
 
     student_section = Section(
         "student",
@@ -188,18 +290,24 @@ def build(cfg: Config) -> SectionGraph:
         packed_batch=student_packed_batch,
         activates=lambda s: True,
         work=R.next_token_units,
-        cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
+        cost=llm_cost(student, head=True, extra_flops=head_flops(teachers)),
         reads=(TOKENS,),
-        stages=lambda k, layers=None: student_stages(student_section, student, teacher, k, alpha, temperature, layers),
+        stages=lambda k, layers=None: student_stages(student_section, student, teachers, k, alpha, temperature, layers),
     )
     return SectionGraph(
-        sections=(teacher_section(teacher, per_octave=per_octave), student_section),
-        edges=(Edge(EDGE, "teacher", "student", bytes_per_unit=2 * teacher.width),),
+        sections=(
+            *(teacher_section(t.model, edge=t.edge, per_octave=per_octave, name=t.name) for t in teachers),
+            student_section,
+        ),
+        edges=teacher_edges(teachers),
         init=init,
         loss_count=R.loss_tokens(),
     )
 
 
-WORKLOAD = Workload(
-    "kd", build, vocab=shared_vocab, pretrained={"teacher": load_teacher_section, "student": load_llm_section}
-)
+def loaders(cfg: Config) -> dict:
+    """Every teacher's section and the student start from Hugging Face folders alike."""
+    return {**{t.name: load_teacher_section for t in teachers_of(cfg)}, "student": load_llm_section}
+
+
+WORKLOAD = Workload("kd", build, vocab=shared_vocab, pretrained=loaders)

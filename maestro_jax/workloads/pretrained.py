@@ -58,17 +58,18 @@ def load_llm_section(section: str, path: str, states: dict, programs) -> dict:
 
 
 def load_teacher_section(section: str, path: str, states: dict, programs, head_in: str = "student") -> dict:
-    """A KD teacher: its body in the teacher section, its output layer in the student section."""
+    """A KD teacher: its body in its own section, its output layer (`<section>_head`, as
+    `workloads.kd.Teacher.head` names it) in the student section."""
     from maestro_jax.models import hf
 
     fields = hf.llm_fields(path)
-    st, student = states[section], states[head_in]
+    st, student, key = states[section], states[head_in], f"{section}_head"
     body = hf.load_llm(path, st.consts["llm"], fields, with_head=False)
-    head = hf.output_layer(path, fields, student.consts["teacher_head"])
+    head = hf.output_layer(path, fields, student.consts[key])
     return {
         **states,
         section: dataclasses.replace(st, consts={**st.consts, "llm": body}),
-        head_in: dataclasses.replace(student, consts={**student.consts, "teacher_head": head}),
+        head_in: dataclasses.replace(student, consts={**student.consts, key: head}),
     }
 
 

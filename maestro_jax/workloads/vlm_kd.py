@@ -1,9 +1,10 @@
-"""VLM distillation: a frozen `teacher` LLM and a trained `vision` encoder both feed a trained
+"""VLM distillation: frozen teacher LLMs and a trained `vision` encoder all feed a trained
 `student` VLM (holds the loss).
 
 The teacher reads the same token sequence (image placeholders as ordinary ids: a text-only
 teacher distilling language ability) and sends its final hidden states; its output layer runs
-in the student section. The student splices the image embeddings into its input, and learns
+in the student section. Several teachers (`models.teachers`) each send their own, mixed as in
+`workloads.kd` (`teacher_log_probs`). The student splices the image embeddings into its input, and learns
 from alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE over text targets. A sink
 with a frozen and a trained producer: only the vision edge carries gradients back.
 """
@@ -15,20 +16,25 @@ import jax
 from maestro_jax.config import Config
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS
-from maestro_jax.models import DecoderLM, softcap
+from maestro_jax.models import DecoderLM
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.kd import (
     check_vocab,
     distill_loss,
-    init_teacher_and_student,
+    head_flops,
+    init_teachers,
+    loaders,
     shared_vocab,
     student_stages,
-    teacher_hidden,
+    teacher_edges,
+    teacher_log_probs,
+    teacher_rows,
     teacher_section,
+    teachers_of,
 )
-from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section, load_vision_section
+from maestro_jax.workloads.pretrained import load_vision_section
 from maestro_jax.workloads.vlm import (
     VLMSettings,
     image_bytes_per_patch,
@@ -42,12 +48,12 @@ from maestro_jax.workloads.vlm import (
     vision_section,
 )
 
-TEACHER, IMAGES = "teacher_hidden", "image_embeds"
+IMAGES = "image_embeds"
 
 
 def build(cfg: Config) -> SectionGraph:
-    teacher, vit, student = model(cfg, "teacher", "llm"), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
-    check_vocab(teacher, student)
+    teachers, vit, student = teachers_of(cfg), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
+    check_vocab(teachers, student)
     image = image_modality(cfg)
     alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
     s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
@@ -55,7 +61,7 @@ def build(cfg: Config) -> SectionGraph:
 
     def student_batch(rows, routes):
         rows_ = multimodal_rows(rows, routes, {IMAGES: image}, student.bidirectional_images, per_octave=per_octave)
-        return {**rows_, "teacher_row": R.route(routes, TEACHER, rows)}
+        return {**rows_, **teacher_rows(routes, rows, teachers)}
 
     def student_packed_batch(rows, routes, shards, pack):
         return packed_multimodal_rows(
@@ -64,26 +70,21 @@ def build(cfg: Config) -> SectionGraph:
             shards,
             pack,
             {IMAGES: image},
-            gathered=(TEACHER,),
+            gathered=tuple(t.edge for t in teachers),
             images=student.bidirectional_images,
             per_octave=per_octave,
         )
 
     def student_forward(variables, inputs, batch):
         s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
-        t_hidden = teacher_hidden(inputs, batch, TEACHER)
-        t_logits = softcap(t_hidden @ variables["consts"]["teacher_head"], teacher.final_softcap)
-        loss, metrics = distill_loss(s_logits, t_logits, batch["targets"], batch["loss_mask"], alpha, temperature)
+        t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature)
+        loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
 
     def init(key):
         kt, kv = jax.random.split(key)
-        t, s, head = init_teacher_and_student(teacher, student, kt)
-        return {
-            "teacher": {"params": {}, "consts": {"llm": t}},
-            "vision": {"params": init_vision(vit, kv)["params"], "consts": {}},
-            "student": {"params": s, "consts": {"teacher_head": head}},
-        }
+        sections, student_vars = init_teachers(teachers, student, kt)
+        return {**sections, "vision": {"params": init_vision(vit, kv)["params"], "consts": {}}, "student": student_vars}
 
     def embed(module, v, inputs, batch):
         return spliced_embeddings(module, v, inputs, batch, {IMAGES: image})
@@ -96,20 +97,20 @@ def build(cfg: Config) -> SectionGraph:
         packed_batch=student_packed_batch,
         activates=lambda s: True,
         work=R.next_token_units,
-        cost=llm_cost(student, head=True, extra_flops=2 * teacher.width * teacher.vocab),
+        cost=llm_cost(student, head=True, extra_flops=head_flops(teachers)),
         reads=(TOKENS,),
         stages=lambda k, layers=None: student_stages(
-            student_section, student, teacher, k, alpha, temperature, layers, embed=embed
+            student_section, student, teachers, k, alpha, temperature, layers, embed=embed
         ),
     )
     return SectionGraph(
         sections=(
-            teacher_section(teacher, (image,), edge=TEACHER, per_octave=per_octave),
+            *(teacher_section(t.model, (image,), edge=t.edge, per_octave=per_octave, name=t.name) for t in teachers),
             vision_section(vit, student, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
             student_section,
         ),
         edges=(
-            Edge(TEACHER, "teacher", "student", bytes_per_unit=2 * teacher.width),
+            *teacher_edges(teachers),
             Edge(IMAGES, "vision", "student", bytes_per_unit=image_bytes_per_patch(vit)),
         ),
         init=init,
@@ -122,7 +123,7 @@ WORKLOAD = Workload(
     build,
     vocab=shared_vocab,
     modalities=lambda cfg: (image_modality(cfg),),
-    pretrained={"teacher": load_teacher_section, "vision": load_vision_section, "student": load_llm_section},
+    pretrained=lambda cfg: {**loaders(cfg), "vision": load_vision_section},
     settings=VLMSettings,
 )
 

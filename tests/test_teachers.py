@@ -1,0 +1,267 @@
+"""Distillation from several teachers (`models.teachers`, `distill.combine`): each teacher is a
+frozen section of its own, the student learns from the weighted mean of their tempered
+distributions, the step equals the monolithic one, and every bad input is one `error:` line."""
+
+import copy
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from conftest import ROOT, TINY_VLM_KD
+from maestro_jax.models import DecoderLM
+
+from maestro_jax.config import load_config
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.tools.verify import verify
+from maestro_jax.workloads import model
+from maestro_jax.workloads.kd import teachers_of
+
+TWO = ROOT / "configs" / "kd_two_teachers_tiny.yaml"
+TINY_TWO = ["global_batch=8", "data.text_len=[6,14]", "models.teachers.big.depth=2", "models.student.depth=1"]
+
+
+def two(*extra):
+    return load_config(TWO, [*TINY_TWO, *extra])
+
+
+def written(tmp_path, path, edit, name="edited.yaml"):
+    """The config file at `path` with `edit(raw)` applied to its YAML mapping, written beside the test."""
+    raw = copy.deepcopy(yaml.safe_load(path.read_text()))
+    edit(raw)
+    out = tmp_path / name
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+@pytest.mark.parametrize("scheduler", ["wavefront", pytest.param("naive", marks=pytest.mark.slow)])
+def test_two_teachers_on_their_own_devices_match_the_monolithic_step(scheduler):
+    """Two teachers of other depths, widths, devices and micro-batches: the sectioned step's loss,
+    gradient norm, the student's gradients and updated parameters equal the monolithic step's,
+    which runs both teachers inside its one program."""
+    cfg = two(f"schedule.scheduler={scheduler}")
+    rt = build_runtime(cfg)
+    assert set(rt.graph.names) == {"big", "small", "student"}
+    assert {(e.name, e.src, e.dst) for e in rt.graph.edges} == {
+        ("big_hidden", "big", "student"),
+        ("small_hidden", "small", "student"),
+    }
+    assert [cfg.sections[t].micro_batch for t in ("big", "small")] == [4, 2]
+    diffs = verify(cfg, rt)
+    assert {d.name for d in diffs} == {"loss", "grad_norm", "student/grads", "student/params_after_update"}
+    assert all(d.max_rel < 1e-5 for d in diffs), diffs
+
+
+def _by_hand(cfg, states, samples, mixed=None) -> float:
+    """The batch's loss from each model's whole forward pass (body and output layer) on the batch
+    right-padded (causal: a sample's logits are its own alone), in float64 numpy from there: the
+    sum over targets of alpha*T^2*KL(mix_T || student_T) + (1-alpha)*CE, over the target count,
+    with mix_T = sum_i w_i softmax(z_i / T) (`mixed(sample)`, where given: a teacher name -> weight
+    mapping for that sample alone)."""
+    alpha, temp = cfg.distill.alpha, cfg.distill.temperature
+    student = states["student"]
+    longest = max(len(s.tokens) for s in samples) - 1
+    ids = np.zeros((len(samples), longest), np.int32)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.tokens) - 1] = s.tokens[:-1]
+    pos, valid = np.broadcast_to(np.arange(longest), ids.shape), ids != 0
+
+    def logits(m, params):
+        return np.asarray(DecoderLM(m).apply({"params": params}, ids, pos, valid), np.float64)
+
+    def tempered(z):
+        return np.exp(z / temp - np.logaddexp.reduce(z / temp, axis=-1, keepdims=True))
+
+    teachers = teachers_of(cfg)
+    probs = {
+        t.name: tempered(logits(t.model, {**states[t.name].consts["llm"], "lm_head": student.consts[t.head]}))
+        for t in teachers
+    }
+    z = logits(model(cfg, "student", "llm"), student.params)
+    total, count = 0.0, 0
+    for i, s in enumerate(samples):
+        n = len(s.tokens) - 1
+        weights = mixed(s) if mixed else {t.name: t.weight for t in teachers}
+        mix = sum(w * probs[name][i, :n] for name, w in weights.items())
+        s_logp = z[i, :n] / temp - np.logaddexp.reduce(z[i, :n] / temp, axis=-1, keepdims=True)
+        kl = np.sum(mix * (np.log(mix) - s_logp), axis=-1)
+        logp = z[i, :n] - np.logaddexp.reduce(z[i, :n], axis=-1, keepdims=True)
+        ce = -logp[np.arange(n), s.tokens[1:]]
+        total += float(np.sum(alpha * temp**2 * kl + (1 - alpha) * ce))
+        count += n
+    return total / count
+
+
+def test_the_loss_is_the_weighted_mean_of_the_teachers_distributions_by_hand():
+    """Weights 2:1 (the shipped config's): the step's loss on a batch is the one computed by hand
+    from each teacher's and the student's whole model on each sample alone."""
+    cfg = two()
+    rt = build_runtime(cfg)
+    state, samples = rt.step.init(), rt.batches()[0]
+    assert [t.weight for t in teachers_of(cfg)] == pytest.approx([2 / 3, 1 / 3])
+    loss = float(rt.step.evaluate(state, samples))
+    host = {s: jax.device_get(st) for s, st in state.sections.items()}
+    assert loss == pytest.approx(_by_hand(cfg, host, samples), rel=1e-5)
+
+
+def test_a_teacher_of_weight_0_leaves_the_step_to_the_other(tmp_path):
+    """`weights: {small: 0}` is distillation from `big` alone: the same loss and student
+    gradients as a config whose only teacher is `big` (the first teacher and the student start
+    from the same weights however many teachers follow)."""
+
+    def big_alone(raw):
+        del raw["models"]["teachers"]["small"], raw["sections"]["small"]
+        raw["distill"]["combine"] = {"mode": "mean"}
+
+    both = build_runtime(two("distill.combine.weights={small: 0}"))
+    alone = build_runtime(load_config(written(tmp_path, TWO, big_alone), TINY_TWO))
+    assert set(alone.graph.names) == {"big", "student"}
+    samples = both.batches()[0]
+    (loss, grads), (alone_loss, alone_grads) = [
+        (float(r[0]), jax.device_get(r[1]["student"]))
+        for r in (rt.step.gradients(rt.step.init(), samples) for rt in (both, alone))
+    ]
+    assert loss == pytest.approx(alone_loss, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(alone_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_one_teacher_is_the_teacher_section_it_always_was():
+    """`models.teacher` (the shipped kd configs) is a list of one: section `teacher`, edge
+    `teacher_hidden`, its output layer `teacher_head` in the student, weight 1."""
+    cfg = load_config(ROOT / "configs" / "kd_tiny.yaml")
+    (t,) = teachers_of(cfg)
+    assert (t.name, t.edge, t.head, t.weight) == ("teacher", "teacher_hidden", "teacher_head", 1.0)
+    assert cfg.distill.teachers == ()
+
+
+def test_the_teachers_group_reads_as_one_model_and_section_each():
+    """`models.teachers: {big, small}` is `models.big`, `models.small` and `distill.teachers`,
+    which is what the resolved config (config.yaml of a run) holds and loads back as."""
+    from maestro_jax.config import Config, dump_config
+
+    cfg = two()
+    assert cfg.distill.teachers == ("big", "small") and {"big", "small", "student"} == set(cfg.models)
+    assert Config.model_validate(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+@pytest.mark.slow  # test_workloads verifies vlm_kd in the quick tier; this adds its second teacher
+def test_vlm_kd_distils_from_two_teachers(tmp_path):
+    """`vlm_kd` with two teachers (the shipped one and a shallower copy sharing the vision
+    section's devices) verifies under the wavefront scheduler."""
+
+    def two_teachers(raw):
+        teacher = raw["models"].pop("teacher")
+        raw["models"]["teachers"] = {"t1": teacher, "t2": {**teacher, "depth": 1}}
+        raw["sections"]["t1"] = raw["sections"].pop("teacher")
+        raw["sections"]["t2"] = {"devices": "2:4", "mesh": {"data": 2}, "micro_batch": 2}
+
+    tiny = [o.replace(".teacher.", ".t1.").replace("models.t1.", "models.teachers.t1.") for o in TINY_VLM_KD]
+    cfg = load_config(written(tmp_path, ROOT / "configs" / "vlm_kd_tiny.yaml", two_teachers), tiny)
+    assert [t.name for t in teachers_of(cfg)] == ["t1", "t2"]
+    diffs = verify(cfg)
+    assert {d.name.split("/")[0] for d in diffs} == {"loss", "grad_norm", "vision", "student"}
+    assert all(d.max_rel < 1e-5 for d in diffs), diffs
+
+
+def _no_section_small(raw):
+    del raw["sections"]["small"]
+
+
+def _also_models_teacher(raw):
+    raw["models"]["teacher"] = dict(raw["models"]["student"])
+
+
+def _a_teacher_named_like_the_student(raw):
+    raw["models"]["teachers"]["student"] = raw["models"]["teachers"].pop("small")
+
+
+@pytest.mark.parametrize(
+    "edit, overrides, said",
+    [
+        (_no_section_small, [], "error: sections"),
+        (
+            None,
+            ["distill.combine.weights={large: 1}"],
+            "error: distill.combine.weights.large: not a teacher; valid: big, small",
+        ),
+        (
+            None,
+            ["distill.combine.weights={big: 0, small: 0}"],
+            "error: distill.combine.weights={'big': 0.0, 'small': 0.0}: they sum to 0",
+        ),
+        (None, ["distill.combine.weights={big: -1}"], "error: distill.combine.weights.big=-1"),
+        (None, ["models.teachers.small.vocab=300"], "error: models.small.vocab=300: differs from models.big.vocab=256"),
+        (
+            None,
+            ["models.teachers.big.vocab=300", "models.teachers.small.vocab=300"],
+            "error: models.big.vocab=300: differs from models.student.vocab=256",
+        ),
+        (_also_models_teacher, [], "error: models.teacher and models.teachers: both given"),
+        (_a_teacher_named_like_the_student, [], "error: models.teachers.student: models.student is another model"),
+        (None, ["distill.combine.mode=route"], "error: distill.combine.mode='route'"),
+    ],
+    ids=[
+        "no-section",
+        "unknown-weight",
+        "zero-sum",
+        "negative",
+        "teachers-vocab",
+        "student-vocab",
+        "both",
+        "clash",
+        "mode",
+    ],
+)
+def test_bad_teacher_settings_are_one_line_before_compute(tmp_path, edit, overrides, said, capsys):
+    from maestro_jax import cli
+
+    config = TWO if edit is None else written(tmp_path, TWO, edit)
+    assert cli.main(["verify", "--config", str(config), *TINY_TWO, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_eight_steps_with_two_teachers_resume_bit_exact(tmp_path):
+    """`train` 8 steps with two teachers; a run stopped after step 4 and resumed gives the
+    uninterrupted run's losses and data order bit for bit (the teachers are frozen: their
+    weights come from the seed, as for one teacher, not from the checkpoint)."""
+    from maestro_jax.training.loop import train
+
+    cfg = lambda out, steps: two("checkpoint_every=4", f"output_dir={out}", f"steps={steps}")
+    straight = train(cfg(tmp_path / "a", 8), progress=False)
+    first = train(cfg(tmp_path / "b", 4), progress=False)
+    resumed = train(cfg(tmp_path / "b", 8), progress=False)
+    assert [r["step"] for r in straight] == list(range(1, 9)) and [r["step"] for r in resumed] == [5, 6, 7, 8]
+    for got, want in zip(first + resumed, straight, strict=True):
+        assert (got["train/loss"], got["sample_ids"]) == (want["train/loss"], want["sample_ids"]), got["step"]
+    assert straight[-1]["train/loss"] < straight[0]["train/loss"]
+
+
+def test_plan_and_simulate_price_each_teacher(capsys):
+    """`plan --devices 16` places each teacher on its own, and `simulate` prices the config's
+    plan: both name the sections `big`, `small` and `student`."""
+    from maestro_jax import cli
+
+    assert cli.main(["plan", "--config", str(TWO), "--devices", "16", "--memory-gb", "80", "--top", "3"]) == 0
+    planned = capsys.readouterr().out
+    assert "workload kd: sections big, small, student;" in planned
+    best = next(line for line in planned.splitlines() if line.startswith(" 1 "))
+    assert all(f"{name} " in best for name in ("big", "small", "student")), best
+    assert cli.main(["simulate", "--config", str(TWO)]) == 0
+    simulated = capsys.readouterr().out
+    assert "big on 2 devices, small on 2 devices, student on 4 devices" in simulated
+
+
+@pytest.mark.parametrize("config, section", [(TWO, "small"), (ROOT / "configs" / "kd_tiny.yaml", "teacher")])
+def test_export_of_a_frozen_teacher_is_refused(tmp_path, capsys, config, section):
+    """A teacher is frozen: `export --section` of it is one line naming the trained sections,
+    and nothing is written (the weights are the ones `models.<name>` loads)."""
+    from maestro_jax import cli
+
+    out = tmp_path / "out"
+    assert cli.main(["export", "--config", str(config), "--section", section, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --section='{section}': '{section}' is a frozen section") and err.count("\n") == 1
+    assert "trained sections: ['student']" in err and not out.exists()
