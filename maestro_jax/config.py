@@ -467,12 +467,21 @@ ModelConfig = Annotated[
 
 
 class CombineConfig(_Frozen):
-    """How several teachers' distributions make the one the student learns from: `mean`, their
-    tempered distributions averaged with `weights` (teacher -> weight; a teacher left out weighs
-    1, so the default is the plain mean; normalised to sum to 1)."""
+    """How several teachers' distributions make the one the student learns from.
 
-    mode: Literal["mean"] = "mean"
+    `mean`: their tempered distributions averaged with `weights` (teacher -> weight; a teacher
+    left out weighs 1, so the default is the plain mean; normalised to sum to 1).
+    `route`: each sample learns from one teacher, the one its tag `field` names
+    (`data.samples.Sample.tags`): through `routes` (tag value -> teacher) where the value is
+    listed there, else the teacher of that name; a sample without the tag goes to `default`
+    (None: such a sample is a bad sample). A teacher no sample of a batch routes to runs nothing
+    for that batch."""
+
+    mode: Literal["mean", "route"] = "mean"
     weights: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = {}
+    field: str | None = None
+    routes: dict[str, str] = {}
+    default: str | None = None
 
 
 class DistillConfig(_Frozen):
@@ -567,6 +576,8 @@ class DataConfig(_Frozen):
     num_samples: PositiveInt = 4096
     text_len: tuple[PositiveInt, PositiveInt] = (8, 48)
     modalities: dict[str, ModalityDataConfig] = {}  # synthetic items by modality name (image, audio, ...)
+    # synthetic: tag name -> the values it takes, one drawn per sample (`data.samples.Sample.tags`)
+    tags: dict[str, Annotated[list[str], Field(min_length=1)]] = {}
     shuffle: bool = True
     max_tokens: PositiveInt | None = None  # the largest sequence bucket; longer samples are bad samples
     on_bad_sample: Literal["error", "skip"] = "error"  # skip: drop, count and report bad samples (never train on them)
@@ -784,7 +795,31 @@ class Config(_Frozen):
                 f"distill.combine.weights={dict(weights)}: they sum to 0; valid: weights >= 0 with a positive sum "
                 f"(a teacher left out weighs 1)"
             )
+        if self.distill.combine.mode == "route":
+            self._check_routes(names)
         return self
+
+    def _check_routes(self, names: tuple[str, ...]) -> None:
+        """`route` names a tag the data has and sends each value to a teacher the config has."""
+        combine, valid = self.distill.combine, ", ".join(names)
+        if combine.weights:
+            raise ValueError("distill.combine.weights: mode 'route' takes no weights; valid: mode: mean with weights")
+        if combine.field is None:
+            raise ValueError("distill.combine.field: missing; mode 'route' needs the sample tag naming each teacher")
+        for key, teacher in [*((f"routes.{v}", t) for v, t in combine.routes.items()), ("default", combine.default)]:
+            if teacher is not None and teacher not in names:
+                raise ValueError(f"distill.combine.{key}={teacher!r}: not a teacher; valid: {valid}")
+        if self.data.kind == "synthetic" and combine.field not in self.data.tags:
+            raise ValueError(
+                f"distill.combine.field={combine.field!r}: the synthetic data gives no such tag; valid: "
+                f"{', '.join(self.data.tags) or 'a tag of data.tags (none given)'}"
+            )
+        for value in self.data.tags.get(combine.field, ()) if self.data.kind == "synthetic" else ():
+            if combine.routes.get(value, value) not in names:
+                raise ValueError(
+                    f"data.tags.{combine.field}: {value!r} routes to no teacher; valid: {valid}, or a value "
+                    f"distill.combine.routes sends to one"
+                )
 
     @pydantic.model_validator(mode="after")
     def _held_out(self):

@@ -3,6 +3,8 @@ frozen section of its own, the student learns from the weighted mean of their te
 distributions, the step equals the monolithic one, and every bad input is one `error:` line."""
 
 import copy
+import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -18,6 +20,11 @@ from maestro_jax.workloads import model
 from maestro_jax.workloads.kd import teachers_of
 
 TWO = ROOT / "configs" / "kd_two_teachers_tiny.yaml"
+# distill.combine mode route: each sample's `task` tag names its teacher
+ROUTE = [
+    "distill.combine={mode: route, field: task, routes: {code: big, chat: small}}",
+    "data.tags={task: [code, chat]}",
+]
 TINY_TWO = ["global_batch=8", "data.text_len=[6,14]", "models.teachers.big.depth=2", "models.student.depth=1"]
 
 
@@ -146,9 +153,11 @@ def test_the_teachers_group_reads_as_one_model_and_section_each():
 
 
 @pytest.mark.slow  # test_workloads verifies vlm_kd in the quick tier; this adds its second teacher
-def test_vlm_kd_distils_from_two_teachers(tmp_path):
+@pytest.mark.parametrize("combine", [[], ["distill.combine={mode: route, field: lang}", "data.tags={lang: [t1, t2]}"]])
+def test_vlm_kd_distils_from_two_teachers(tmp_path, combine):
     """`vlm_kd` with two teachers (the shipped one and a shallower copy sharing the vision
-    section's devices) verifies under the wavefront scheduler."""
+    section's devices), mixed or routed by a `lang` tag naming the teacher, verifies under the
+    wavefront scheduler."""
 
     def two_teachers(raw):
         teacher = raw["models"].pop("teacher")
@@ -157,7 +166,7 @@ def test_vlm_kd_distils_from_two_teachers(tmp_path):
         raw["sections"]["t2"] = {"devices": "2:4", "mesh": {"data": 2}, "micro_batch": 2}
 
     tiny = [o.replace(".teacher.", ".t1.").replace("models.t1.", "models.teachers.t1.") for o in TINY_VLM_KD]
-    cfg = load_config(written(tmp_path, ROOT / "configs" / "vlm_kd_tiny.yaml", two_teachers), tiny)
+    cfg = load_config(written(tmp_path, ROOT / "configs" / "vlm_kd_tiny.yaml", two_teachers), [*tiny, *combine])
     assert [t.name for t in teachers_of(cfg)] == ["t1", "t2"]
     diffs = verify(cfg)
     assert {d.name.split("/")[0] for d in diffs} == {"loss", "grad_norm", "vision", "student"}
@@ -199,7 +208,13 @@ def _a_teacher_named_like_the_student(raw):
         ),
         (_also_models_teacher, [], "error: models.teacher and models.teachers: both given"),
         (_a_teacher_named_like_the_student, [], "error: models.teachers.student: models.student is another model"),
-        (None, ["distill.combine.mode=route"], "error: distill.combine.mode='route'"),
+        (None, ["distill.combine.mode=max"], "error: distill.combine.mode='max'"),
+        (None, ["distill.combine={mode: route}"], "error: distill.combine.field: missing"),
+        (None, [*ROUTE, "distill.combine.routes={code: large}"], "error: distill.combine.routes.code='large': not a"),
+        (None, [*ROUTE, "distill.combine.default=large"], "error: distill.combine.default='large': not a teacher"),
+        (None, [*ROUTE, "distill.combine.weights={big: 1}"], "error: distill.combine.weights: mode 'route' takes"),
+        (None, [*ROUTE, "distill.combine.field=lang"], "error: distill.combine.field='lang': the synthetic data"),
+        (None, [*ROUTE, "distill.combine.routes={code: big}"], "error: data.tags.task: 'chat' routes to no teacher"),
     ],
     ids=[
         "no-section",
@@ -211,6 +226,12 @@ def _a_teacher_named_like_the_student(raw):
         "both",
         "clash",
         "mode",
+        "route-no-field",
+        "route-unknown-teacher",
+        "route-unknown-default",
+        "route-weights",
+        "route-unknown-field",
+        "route-unrouted-value",
     ],
 )
 def test_bad_teacher_settings_are_one_line_before_compute(tmp_path, edit, overrides, said, capsys):
@@ -223,13 +244,14 @@ def test_bad_teacher_settings_are_one_line_before_compute(tmp_path, edit, overri
 
 
 @pytest.mark.slow
-def test_eight_steps_with_two_teachers_resume_bit_exact(tmp_path):
-    """`train` 8 steps with two teachers; a run stopped after step 4 and resumed gives the
-    uninterrupted run's losses and data order bit for bit (the teachers are frozen: their
-    weights come from the seed, as for one teacher, not from the checkpoint)."""
+@pytest.mark.parametrize("combine", [[], ROUTE], ids=["mean", "route"])
+def test_eight_steps_with_two_teachers_resume_bit_exact(tmp_path, combine):
+    """`train` 8 steps with two teachers, mixed or routed; a run stopped after step 4 and
+    resumed gives the uninterrupted run's losses and data order bit for bit (the teachers are
+    frozen: their weights come from the seed, as for one teacher, not from the checkpoint)."""
     from maestro_jax.training.loop import train
 
-    cfg = lambda out, steps: two("checkpoint_every=4", f"output_dir={out}", f"steps={steps}")
+    cfg = lambda out, steps: two(*combine, "checkpoint_every=4", f"output_dir={out}", f"steps={steps}")
     straight = train(cfg(tmp_path / "a", 8), progress=False)
     first = train(cfg(tmp_path / "b", 4), progress=False)
     resumed = train(cfg(tmp_path / "b", 8), progress=False)
@@ -265,3 +287,124 @@ def test_export_of_a_frozen_teacher_is_refused(tmp_path, capsys, config, section
     err = capsys.readouterr().err
     assert err.startswith(f"error: --section='{section}': '{section}' is a frozen section") and err.count("\n") == 1
     assert "trained sections: ['student']" in err and not out.exists()
+
+
+@pytest.mark.parametrize("scheduler", ["wavefront", pytest.param("naive", marks=pytest.mark.slow)])
+def test_routed_teachers_match_the_monolithic_step(scheduler):
+    """`mode: route`: each sample's teacher is the one its `task` tag routes to; the sectioned
+    step (each teacher's section running only its own samples) equals the monolithic one."""
+    cfg = two(*ROUTE, f"schedule.scheduler={scheduler}")
+    diffs = verify(cfg)
+    assert all(d.max_rel < 1e-5 for d in diffs), diffs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [["sections.student.pack=2", "sections.small.pack=2"], ["sections.student.stages=2", "models.student.depth=2"]],
+    ids=["packed", "staged"],
+)
+def test_routing_holds_in_packed_rows_and_pipeline_stages(layout):
+    """Routed teachers with the student's rows packed (each position takes its own sample's
+    teacher) or the student cut into two stages (the last holds every teacher's layer)."""
+    diffs = verify(two(*ROUTE, *layout))
+    assert all(d.max_rel < 1e-5 for d in diffs), diffs
+
+
+def test_a_routed_sample_learns_from_its_teacher_alone():
+    """The routed step's loss is, sample by sample, the one-teacher loss of the sample's own
+    teacher, computed by hand; each teacher's section holds exactly the samples routed to it."""
+    cfg = two(*ROUTE)
+    rt = build_runtime(cfg)
+    state, samples = rt.step.init(), rt.batches()[0]
+    teacher = {"code": "big", "chat": "small"}
+    assert {s.tags["task"] for s in samples} == {"code", "chat"}, "the batch holds samples of both teachers"
+    schedule = rt.schedule(samples)
+    for name in ("big", "small"):
+        held = sorted(samples[p].id for m in schedule.steps[name] for p in m.samples)
+        assert held == sorted(s.id for s in samples if teacher[s.tags["task"]] == name)
+    loss = float(rt.step.evaluate(state, samples))
+    host = {s: jax.device_get(st) for s, st in state.sections.items()}
+    assert loss == pytest.approx(_by_hand(cfg, host, samples, lambda s: {teacher[s.tags["task"]]: 1.0}), rel=1e-5)
+
+
+def test_a_teacher_no_sample_routes_to_runs_nothing():
+    """Every sample tagged `code` (routed to `big`): `small` has no micro-step and no program
+    runs for it, and the step is distillation from `big` alone (weight 0 on `small`)."""
+    routed = build_runtime(two(*ROUTE, "data.tags={task: [code]}"))
+    samples = routed.batches()[0]
+    schedule = routed.schedule(samples)
+    assert schedule.steps["small"] == () and not [op for op in schedule.ops if op.section == "small"]
+    mixed = build_runtime(two("distill.combine.weights={small: 0}"))
+    assert [s.id for s in mixed.batches()[0]] == [s.id for s in samples]
+    (loss, grads), (want, want_grads) = [
+        (float(r[0]), jax.device_get(r[1]["student"]))
+        for r in (rt.step.gradients(rt.step.init(), samples) for rt in (routed, mixed))
+    ]
+    assert loss == pytest.approx(want, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_tags_in_records_route_and_an_untagged_sample_takes_the_default(tmp_path):
+    """Samples read from ArrayRecord files carry their tags (in the record and in its index):
+    with `default: small`, an untagged sample learns from `small`; without a default it is a bad
+    sample, refused with one line naming it, or skipped under `data.on_bad_sample: skip`."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from maestro_jax.data.pipeline import BadSamples
+    from maestro_jax.data.samples import DataError, encode_sample
+    from maestro_jax.data.sources import ArrayRecordSource, SyntheticSource, write_index
+
+    plain = SyntheticSource(num_samples=16, vocab=256, text_len=(6, 14), seed=3)
+    tagged = [
+        dataclasses.replace(plain[i], tags={} if i % 4 == 0 else {"task": ["code", "chat"][i % 2]}) for i in range(16)
+    ]
+    path = tmp_path / "tagged.array_record"
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for s in tagged:
+        writer.write(encode_sample(s))
+    writer.close()
+    unindexed = ArrayRecordSource((str(path),))
+    assert [unindexed.info(i).tags for i in range(4)] == [{}, {"task": "chat"}, {"task": "code"}, {"task": "chat"}]
+    write_index(str(path))
+    assert [ArrayRecordSource((str(path),)).info(i).tags for i in range(16)] == [s.tags for s in tagged]
+
+    records = ["data.kind=array_record", f"data.paths=[{path}]", "data.shuffle=false"]
+    route = "distill.combine={mode: route, field: task, routes: {code: big, chat: small}, default: small}"
+    cfg = two(route, *records)
+    rt = build_runtime(cfg)
+    samples = rt.batches()[0]
+    schedule = rt.schedule(samples)
+    small = sorted(samples[p].id for m in schedule.steps["small"] for p in m.samples)
+    assert small == sorted(s.id for s in samples if s.tags.get("task", "chat") == "chat")
+    assert any(not s.tags for s in samples), "the batch holds an untagged sample"
+    assert all(d.max_rel < 1e-5 for d in verify(cfg, rt))
+
+    no_default = route.replace(", default: small", "")
+    strict = build_runtime(two(no_default, *records))
+    with pytest.raises(DataError, match=r"sample id=0: has no tag 'task' \(distill.combine.field\)"):
+        next(strict.reader())
+    bad = BadSamples()
+    skipping = next(strict.reader(bad)).samples
+    assert all(s.tags for s in skipping) and len(skipping) == 8 and bad.total == 3  # ids 0, 4, 8
+
+
+def test_the_simulator_prices_a_teacher_by_the_samples_routed_to_it(tmp_path):
+    """`simulate` of routing: a teacher no sample routes to costs no device time, one that every
+    sample routes to costs what it costs when mixed (it then runs every sample too), and split
+    between them each teacher's work is the work of its own samples."""
+    from maestro_jax import cli
+
+    def simulated(name, *overrides):
+        out = tmp_path / f"{name}.json"
+        assert cli.main(["simulate", "--config", str(TWO), *TINY_TWO, *overrides, "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        total = got["step_time_s"]["wavefront"] * sum(got["devices"]["maestro"].values())  # device seconds
+        return got["busy_s"], {s: t["work"] * total for s, t in got["device_time_by_section"].items()}
+
+    (mixed, mixed_work), (routed, _) = simulated("mean"), simulated("route", *ROUTE, "data.tags={task: [code]}")
+    assert routed["small"] == 0.0 < mixed["small"]
+    assert routed["big"] == pytest.approx(mixed["big"], rel=1e-9)
+    _, split = simulated("split", *ROUTE)
+    assert all(0.0 < split[t] < mixed_work[t] for t in ("big", "small")), (split, mixed_work)

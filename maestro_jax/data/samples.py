@@ -56,6 +56,7 @@ class SampleInfo:
     id: int
     length: int  # tokens, placeholders included
     item_shapes: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
+    tags: Mapping[str, str] = dataclasses.field(default_factory=dict)  # `Sample.tags`
 
     def shapes(self, modality: str) -> tuple[tuple[int, ...], ...]:
         return self.item_shapes.get(modality, ())
@@ -74,6 +75,10 @@ class Sample:
     carries loss. Placeholders never do, whatever the mask says. It is part of the `tokens`
     part: whoever decodes the ids decodes it too.
 
+    `tags` (optional): short strings naming what the sample is (a task, a language, a source),
+    which a workload may route by (KD's `distill.combine.mode: route` picks each sample's teacher
+    by one). They are metadata: the `SampleInfo` carries them, so planning sees them.
+
     Section callbacks `activates(sample)` and `work(sample)` receive the sample's `SampleInfo`
     on every path (`core.graph.sample_view`): `length`, `shapes(modality)` and `has(modality)`.
     """
@@ -82,6 +87,7 @@ class Sample:
     tokens: np.ndarray
     items: Mapping[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
     loss_mask: np.ndarray | None = None
+    tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -97,7 +103,9 @@ class Sample:
         return bool(self.of(modality))
 
     def info(self) -> SampleInfo:
-        return SampleInfo(self.id, self.length, {m: self.shapes(m) for m in self.items if self.items[m]})
+        return SampleInfo(
+            self.id, self.length, {m: self.shapes(m) for m in self.items if self.items[m]}, dict(self.tags)
+        )
 
 
 def image_tokens(image_hw: tuple[int, int], patch: int, merge: int) -> int:
@@ -111,6 +119,7 @@ class DataError(ValueError):
 
 TOKENS = "tokens"  # the part of a sample holding its token ids; other parts are named by modality
 LOSS_MASK = "loss_mask"  # the record key of `Sample.loss_mask` (stored and decoded with the tokens)
+TAG = "tag."  # the record key of each of `Sample.tags` is this prefix and the tag's name
 
 
 def parts_of(s) -> frozenset[str]:
@@ -136,6 +145,7 @@ def hollow_sample(info: SampleInfo, parts: dict[str, object] | None = None) -> S
             for m, shapes in info.item_shapes.items()
         },
         parts.get(LOSS_MASK),
+        info.tags,
     )
 
 
@@ -259,6 +269,8 @@ def encode_sample(s: Sample) -> bytes:
     if s.loss_mask is not None:
         _check_loss_mask(f"sample id={s.id}", s)  # a cast to uint8 must not turn a bad mask into a valid one
         arrays[LOSS_MASK] = s.loss_mask.astype(np.uint8)
+    for name, value in s.tags.items():
+        arrays[TAG + name] = np.asarray(str(value))
     for name, items in s.items.items():
         for i, x in enumerate(items):
             arrays[f"{name}_{i}"] = (
@@ -271,7 +283,12 @@ def encode_sample(s: Sample) -> bytes:
 
 
 def _item_keys(files) -> list[str]:
-    return sorted((k for k in files if k not in ("id", "tokens", LOSS_MASK)), key=lambda k: int(k.rsplit("_", 1)[1]))
+    items = (k for k in files if k not in ("id", "tokens", LOSS_MASK) and not k.startswith(TAG))
+    return sorted(items, key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
+def _tags(z) -> dict[str, str]:
+    return {k.removeprefix(TAG): str(z[k]) for k in z.files if k.startswith(TAG)}
 
 
 def record_info(record: bytes) -> SampleInfo:
@@ -289,7 +306,7 @@ def record_info(record: bytes) -> SampleInfo:
                 length = shape[0] if shape else 0
             else:
                 shapes.setdefault(key.rsplit("_", 1)[0], []).append(shape)
-        return SampleInfo(int(z["id"]), length, {k: tuple(v) for k, v in shapes.items()})
+        return SampleInfo(int(z["id"]), length, {k: tuple(v) for k, v in shapes.items()}, _tags(z))
 
 
 def decode_sample(record: bytes, parts: frozenset[str] | None = None) -> Sample:
@@ -309,7 +326,7 @@ def decode_sample(record: bytes, parts: frozenset[str] | None = None) -> Sample:
             decoded[TOKENS] = z["tokens"]
             decoded[LOSS_MASK] = z[LOSS_MASK] if LOSS_MASK in z.files else None
         if parts is None:
-            return Sample(int(z["id"]), decoded.pop(TOKENS), decoded, decoded.pop(LOSS_MASK))
+            return Sample(int(z["id"]), decoded.pop(TOKENS), decoded, decoded.pop(LOSS_MASK), _tags(z))
     return hollow_sample(record_info(record), decoded)
 
 

@@ -60,6 +60,15 @@ class SyntheticSource:
     items: tuple[SyntheticItems, ...] = ()
     seed: int = 0
     reserved: tuple[int, ...] = ()  # ids text never takes: every placeholder of the workload, items or not
+    tags: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, values): each sample takes one value, uniformly
+
+    def _tags(self, index: int) -> dict[str, str]:
+        """Each tag's value for sample `index`, from a random stream of its own (so that adding a
+        tag leaves the text and items as they were)."""
+        out = {}
+        for k, (name, values) in enumerate(self.tags):
+            out[name] = values[int(np.random.default_rng([self.seed, int(index), 1000 + k]).integers(len(values)))]
+        return out
 
     def __len__(self) -> int:
         return self.num_samples
@@ -87,7 +96,10 @@ class SyntheticSource:
         for spec in self.items:
             length += sum(spec.modality.tokens(s) for s in shapes.get(spec.modality.name, ()))
         return SampleInfo(
-            int(index), length, {m: tuple(tuple(s) + (self._channels(m),) for s in v) for m, v in shapes.items()}
+            int(index),
+            length,
+            {m: tuple(tuple(s) + (self._channels(m),) for s in v) for m, v in shapes.items()},
+            self._tags(index),
         )
 
     def _channels(self, name: str) -> int:
@@ -115,7 +127,7 @@ class SyntheticSource:
                     item_rng.standard_normal((*sh, m.channels)).astype(np.float32) for sh in shapes[m.name]
                 )
         if parts is None:
-            return Sample(index, out.pop(TOKENS), out), 0
+            return Sample(index, out.pop(TOKENS), out, tags=self._tags(index)), 0
         return hollow_sample(self.info(index), out), 0
 
     def _tokens(self, rng, length: int, shapes) -> np.ndarray:
@@ -202,8 +214,9 @@ class ArrayRecordSource:
     def info(self, index: int) -> SampleInfo:
         f, record = self._locate(int(index))
         if self._indexes[f] is not None:
-            sample_id, length, shapes = self._indexes[f][record]
-            return SampleInfo(sample_id, length, {m: tuple(tuple(s) for s in v) for m, v in shapes.items()})
+            sample_id, length, shapes, *tags = self._indexes[f][record]  # older indexes hold no tags
+            shapes = {m: tuple(tuple(s) for s in v) for m, v in shapes.items()}
+            return SampleInfo(sample_id, length, shapes, tags[0] if tags else {})
         return self._decode(index, record_info, self._record(index))
 
 
@@ -251,15 +264,16 @@ def _first_line(err: Exception) -> str:
 
 
 def write_index(path: str) -> Path:
-    """Write `<path>.index.json`: each record's sample id, token count and item shapes, in record order,
-    so that every process reads all samples' metadata without reading their records."""
+    """Write `<path>.index.json`: each record's sample id, token count, item shapes and tags, in
+    record order, so that every process reads all samples' metadata without reading their records."""
     import grain
 
     source = grain.sources.ArrayRecordDataSource([path])
     rows = []
     for i in range(len(source)):
         info = record_info(source[i])
-        rows.append([info.id, info.length, {m: [list(s) for s in v] for m, v in info.item_shapes.items()}])
+        shapes = {m: [list(s) for s in v] for m, v in info.item_shapes.items()}
+        rows.append([info.id, info.length, shapes, dict(info.tags)])
     out = Path(f"{path}.index.json")
     out.write_text(json.dumps(rows))
     return out

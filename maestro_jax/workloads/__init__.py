@@ -52,6 +52,11 @@ class Workload:
       entries of kinds of the plug-in's own; `model(cfg, name, kind)` reads one.
     source: cfg -> a random-access sample source (`data.sources`), used for `data.kind: workload`
       (it reads `cfg.data`; under `eval`, that is `eval.data`, with `seed + 1`).
+    sample_rule: cfg -> a check of a sample's metadata (its `SampleInfo`, or the `Sample`) of the
+      workload's own, raising `data.samples.DataError` naming the sample, or None where the
+      config needs none; run beside `validate_info` on every sample (KD routing by tag: every
+      sample's tag must name a teacher), so a bad one is refused or skipped by
+      `data.on_bad_sample` before any section sees it.
     """
 
     name: str
@@ -64,6 +69,7 @@ class Workload:
     settings: type[Settings] | None = None
     model_kinds: Mapping[str, type[Settings]] = dataclasses.field(default_factory=dict)
     source: Callable[[Config], object] | None = None
+    sample_rule: Callable[[Config], Callable[[object], None] | None] = lambda cfg: None
 
     def __post_init__(self):
         """A settings or model class that let unknown keys through would drop a misspelt key silently."""
@@ -353,6 +359,7 @@ def source_from_config(cfg: Config):
         items=tuple(items),
         seed=cfg.seed,
         reserved=tuple(m.placeholder for m in modalities),
+        tags=tuple((name, tuple(values)) for name, values in cfg.data.tags.items()),
     )
 
 
@@ -365,12 +372,13 @@ def sample_check(cfg: Config):
     from maestro_jax.data.samples import validate_sample
 
     workload = check_config(cfg)
-    return functools.partial(
+    check = functools.partial(
         validate_sample,
         modalities=modalities_of(cfg, workload),
         max_tokens=cfg.data.max_tokens,
         vocab=workload.vocab(cfg),
     )
+    return _with_rule(check, workload.sample_rule(cfg))
 
 
 def info_check(cfg: Config):
@@ -380,9 +388,22 @@ def info_check(cfg: Config):
 
     from maestro_jax.data.samples import validate_info
 
-    return functools.partial(
-        validate_info, modalities=modalities_of(cfg, check_config(cfg)), max_tokens=cfg.data.max_tokens
-    )
+    workload = check_config(cfg)
+    check = functools.partial(validate_info, modalities=modalities_of(cfg, workload), max_tokens=cfg.data.max_tokens)
+    return _with_rule(check, workload.sample_rule(cfg))
+
+
+def _with_rule(check, rule):
+    """`check` followed by the workload's `rule` (`Workload.sample_rule`) on the same sample."""
+    if rule is None:
+        return check
+
+    def checked(sample, *args, **kwargs):
+        out = check(sample, *args, **kwargs)
+        rule(sample)
+        return out
+
+    return checked
 
 
 def mean_item_units(cfg: Config, modality: str, per_item: Callable[[tuple[int, ...]], float], default: float) -> float:

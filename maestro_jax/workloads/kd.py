@@ -8,7 +8,10 @@ One teacher is `models.teacher` (section `teacher`). Several are `models.teacher
 {...}}` (`config.DistillConfig`): each its own frozen section `<name>` with its own devices,
 mesh, micro-batch and precision, sending edge `<name>_hidden`; the student holds each one's
 output layer (`<name>_head`) and learns from their tempered distributions mixed by
-`distill.combine.weights` (`teacher_log_probs`).
+`distill.combine.weights` (`teacher_log_probs`), or each sample from the one teacher its tag
+names (`distill.combine.mode: route`, `Routing`): a teacher section then activates only for the
+samples routed to it, as a vision section does only for samples with images, so a teacher no
+sample of a batch routes to runs nothing for it, and the planner prices it so.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import optax
 
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core.graph import Edge, Section, SectionGraph
-from maestro_jax.data.samples import TOKENS
+from maestro_jax.data.samples import TOKENS, DataError
 from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses, softcap
 from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
@@ -76,11 +79,63 @@ def teachers_of(cfg: Config) -> tuple[Teacher, ...]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """`distill.combine.mode: route`: the teacher of a sample is the one its tag `field` names,
+    through `routes` (tag value -> teacher) where listed, else by the teacher's own name; a
+    sample without the tag goes to `default`."""
+
+    field: str
+    routes: dict[str, str]
+    default: str | None
+    names: tuple[str, ...]
+
+    def teacher(self, sample) -> str:
+        """The name of `sample`'s teacher (a `Sample` or its `SampleInfo`); DataError naming the
+        sample when its tag names none (a bad sample: `data.on_bad_sample` refuses or skips it)."""
+        value = sample.tags.get(self.field)
+        if value is None:
+            if self.default is None:
+                raise DataError(
+                    f"sample id={sample.id}: has no tag {self.field!r} (distill.combine.field), and "
+                    f"distill.combine.default is not set; valid: a tag naming one of {', '.join(self.names)}"
+                )
+            return self.default
+        name = self.routes.get(value, value)
+        if name not in self.names:
+            raise DataError(
+                f"sample id={sample.id}: tag {self.field}={value!r} routes to no teacher; valid: "
+                f"{', '.join(self.names)}, or a value distill.combine.routes sends to one"
+            )
+        return name
+
+
+def routing_of(cfg: Config) -> Routing | None:
+    """The config's `Routing` (None: the teachers' distributions are mixed, `mode: mean`)."""
+    c = cfg.distill.combine
+    if c.mode != "route":
+        return None
+    return Routing(c.field, dict(c.routes), c.default, tuple(t.name for t in teachers_of(cfg)))
+
+
+def sample_rule(cfg: Config):
+    """Every sample's tag names a teacher (routing only): `Workload.sample_rule`."""
+    routing = routing_of(cfg)
+    return None if routing is None else routing.teacher
+
+
 def teacher_section(
-    teacher: LLMConfig, modalities=(), edge: str = EDGE, *, per_octave: int, name: str = "teacher"
+    teacher: LLMConfig,
+    modalities=(),
+    edge: str = EDGE,
+    *,
+    per_octave: int,
+    name: str = "teacher",
+    routing: Routing | None = None,
 ) -> Section:
     """A frozen LLM body `name`: token rows in (bucketed at `per_octave`, `compile.buckets_per_octave`),
-    final-normed hidden states out on `edge` (its head runs downstream).
+    final-normed hidden states out on `edge` (its head runs downstream); under `routing`, only
+    for the samples routed to `name`.
     It splits into pipeline stages (`workloads.staged`), forward only, the last sending `edge`."""
     body = DecoderLM(teacher, with_head=False, rows_from_zero=True)  # text_rows' rows
 
@@ -113,7 +168,7 @@ def teacher_section(
         packed_batch=lambda rows, routes, shards, pack: R.packed_text_rows(
             rows, {}, shards, pack, modalities, unpacks=True, per_octave=per_octave
         ),
-        activates=lambda s: True,
+        activates=(lambda s: True) if routing is None else (lambda s: routing.teacher(s) == name),
         work=R.next_token_units,
         cost=llm_cost(teacher, head=False),
         reads=(TOKENS,),
@@ -130,18 +185,38 @@ def teacher_hidden(inputs, batch, edge: str):
     return R.gather(inputs, edge, batch[f"{edge}_row"], length=batch["input_ids"].shape[1])
 
 
-def teacher_log_probs(variables, inputs, batch, teachers: tuple[Teacher, ...], temperature: float):
-    """Log-probabilities of the teachers' tempered distributions mixed by weight, at each student
-    position: log sum_i w_i softmax(z_i / T), with z_i teacher i's logits (its hidden states
-    through the output layer the student holds). One teacher: its log_softmax(z / T) itself."""
-    logps = []
+def teacher_log_probs(
+    variables, inputs, batch, teachers: tuple[Teacher, ...], temperature: float, routed: bool = False
+):
+    """Log-probabilities of the teachers' tempered distributions at each student position, with
+    z_i teacher i's logits (its hidden states through the output layer the student holds).
+
+    Mixed (`mode: mean`): log sum_i w_i softmax(z_i / T); one teacher: its log_softmax(z_i / T)
+    itself. `routed`: each row's own teacher's log_softmax(z_i / T), the teacher whose edge routes
+    to the row (`<edge>_row` >= 0); a teacher no row routes to (its input None) is left out."""
+    logps = {}
     for t in teachers:
+        if inputs.get(t.edge) is None:
+            continue
         logits = softcap(teacher_hidden(inputs, batch, t.edge) @ variables["consts"][t.head], t.model.final_softcap)
-        logps.append(jax.nn.log_softmax(logits.astype(jnp.float32) / temperature))
+        logps[t] = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
+    if routed:
+        return _routed(logps, batch)
     if len(logps) == 1:
-        return logps[0]
-    log_w = jnp.log(jnp.asarray([t.weight for t in teachers], jnp.float32))
-    return jax.nn.logsumexp(jnp.stack(logps) + log_w[:, None, None, None], axis=0)
+        return next(iter(logps.values()))
+    log_w = jnp.log(jnp.asarray([t.weight for t in logps], jnp.float32))
+    return jax.nn.logsumexp(jnp.stack(list(logps.values())) + log_w[:, None, None, None], axis=0)
+
+
+def _routed(logps: dict, batch):
+    """Each row's (a packed row: each position's) log-probabilities from the teacher routed to it;
+    rows no teacher routes to (padding) keep the first one's, which their mask zeroes."""
+    out = None
+    for t, logp in logps.items():
+        mine = batch[t.row] >= 0
+        mine = mine.reshape(mine.shape + (1,) * (logp.ndim - mine.ndim))
+        out = logp if out is None else jnp.where(mine, logp, out)
+    return out
 
 
 def distill_loss(s_logits, t_logp, targets, mask, alpha: float, temperature: float):
@@ -167,6 +242,7 @@ def student_stages(
     alpha: float,
     temperature: float,
     layers: tuple[int, ...] | None = None,
+    routed: bool = False,
     **embed,
 ):
     """A KD student (`section`) cut into `k` pipeline stages (`layers` blocks each, or evenly):
@@ -179,7 +255,7 @@ def student_stages(
         layers=layers,
         finish=lambda module, variables, v, inputs, batch, h: distill_loss(
             module.apply(v, h, method=DecoderLM.logits),
-            teacher_log_probs(variables, inputs, batch, teachers, temperature),
+            teacher_log_probs(variables, inputs, batch, teachers, temperature, routed),
             batch["targets"],
             batch["loss_mask"],
             alpha,
@@ -256,9 +332,9 @@ def teacher_rows(routes, rows, teachers: tuple[Teacher, ...]) -> dict:
 
 
 def build(cfg: Config) -> SectionGraph:
-    teachers, student = teachers_of(cfg), model(cfg, "student", "llm")
+    teachers, student, routing = teachers_of(cfg), model(cfg, "student", "llm"), routing_of(cfg)
     check_vocab(teachers, student)
-    alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
+    alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
     s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
     per_octave = cfg.compile.buckets_per_octave
 
@@ -274,7 +350,7 @@ def build(cfg: Config) -> SectionGraph:
         s_logits, aux = apply_with_losses(
             s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"], *segments
         )
-        t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature)
+        t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature, routed)
         loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
 
@@ -292,11 +368,16 @@ def build(cfg: Config) -> SectionGraph:
         work=R.next_token_units,
         cost=llm_cost(student, head=True, extra_flops=head_flops(teachers)),
         reads=(TOKENS,),
-        stages=lambda k, layers=None: student_stages(student_section, student, teachers, k, alpha, temperature, layers),
+        stages=lambda k, layers=None: student_stages(
+            student_section, student, teachers, k, alpha, temperature, layers, routed
+        ),
     )
     return SectionGraph(
         sections=(
-            *(teacher_section(t.model, edge=t.edge, per_octave=per_octave, name=t.name) for t in teachers),
+            *(
+                teacher_section(t.model, edge=t.edge, per_octave=per_octave, name=t.name, routing=routing)
+                for t in teachers
+            ),
             student_section,
         ),
         edges=teacher_edges(teachers),
@@ -310,4 +391,4 @@ def loaders(cfg: Config) -> dict:
     return {**{t.name: load_teacher_section for t in teachers_of(cfg)}, "student": load_llm_section}
 
 
-WORKLOAD = Workload("kd", build, vocab=shared_vocab, pretrained=loaders)
+WORKLOAD = Workload("kd", build, vocab=shared_vocab, pretrained=loaders, sample_rule=sample_rule)

@@ -26,6 +26,8 @@ from maestro_jax.workloads.kd import (
     head_flops,
     init_teachers,
     loaders,
+    routing_of,
+    sample_rule,
     shared_vocab,
     student_stages,
     teacher_edges,
@@ -54,8 +56,8 @@ IMAGES = "image_embeds"
 def build(cfg: Config) -> SectionGraph:
     teachers, vit, student = teachers_of(cfg), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
     check_vocab(teachers, student)
-    image = image_modality(cfg)
-    alpha, temperature = cfg.distill.alpha, cfg.distill.temperature
+    image, routing = image_modality(cfg), routing_of(cfg)
+    alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
     s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
     per_octave = cfg.compile.buckets_per_octave
 
@@ -77,7 +79,7 @@ def build(cfg: Config) -> SectionGraph:
 
     def student_forward(variables, inputs, batch):
         s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
-        t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature)
+        t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature, routed)
         loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature)
         return loss + aux, metrics
 
@@ -100,12 +102,15 @@ def build(cfg: Config) -> SectionGraph:
         cost=llm_cost(student, head=True, extra_flops=head_flops(teachers)),
         reads=(TOKENS,),
         stages=lambda k, layers=None: student_stages(
-            student_section, student, teachers, k, alpha, temperature, layers, embed=embed
+            student_section, student, teachers, k, alpha, temperature, layers, routed, embed=embed
         ),
     )
     return SectionGraph(
         sections=(
-            *(teacher_section(t.model, (image,), edge=t.edge, per_octave=per_octave, name=t.name) for t in teachers),
+            *(
+                teacher_section(t.model, (image,), edge=t.edge, per_octave=per_octave, name=t.name, routing=routing)
+                for t in teachers
+            ),
             vision_section(vit, student, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
             student_section,
         ),
@@ -125,6 +130,7 @@ WORKLOAD = Workload(
     modalities=lambda cfg: (image_modality(cfg),),
     pretrained=lambda cfg: {**loaders(cfg), "vision": load_vision_section},
     settings=VLMSettings,
+    sample_rule=sample_rule,
 )
 
 
