@@ -408,3 +408,15 @@ def test_the_simulator_prices_a_teacher_by_the_samples_routed_to_it(tmp_path):
     assert routed["big"] == pytest.approx(mixed["big"], rel=1e-9)
     _, split = simulated("split", *ROUTE)
     assert all(0.0 < split[t] < mixed_work[t] for t in ("big", "small")), (split, mixed_work)
+
+
+@pytest.mark.slow
+def test_the_readmes_two_teacher_command_passes_as_written(capsys):
+    """README, "What to try next": `maestro-jax verify --config configs/kd_two_teachers_tiny.yaml`
+    (the shipped config, no override) passes."""
+    from maestro_jax import cli
+
+    readme = (ROOT / "README.md").read_text()
+    assert "`maestro-jax verify --config configs/kd_two_teachers_tiny.yaml`" in readme
+    assert cli.main(["verify", "--config", str(TWO)]) == 0
+    assert "PASS: relative tolerance" in capsys.readouterr().out
