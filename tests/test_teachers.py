@@ -111,6 +111,7 @@ def test_the_loss_is_the_weighted_mean_of_the_teachers_distributions_by_hand():
     assert loss == pytest.approx(_by_hand(cfg, host, samples), rel=1e-5)
 
 
+@pytest.mark.slow  # 8.6 s alone; the idle routed teacher's test compares with weight 0 in the quick tier
 def test_a_teacher_of_weight_0_leaves_the_step_to_the_other(tmp_path):
     """`weights: {small: 0}` is distillation from `big` alone: the same loss and student
     gradients as a config whose only teacher is `big` (the first teacher and the student start
