@@ -390,6 +390,13 @@ def test_tags_in_records_route_and_an_untagged_sample_takes_the_default(tmp_path
     skipping = next(strict.reader(bad)).samples
     assert all(s.tags for s in skipping) and len(skipping) == 8 and bad.total == 3  # ids 0, 4, 8
 
+    index = path.with_name(path.name + ".index.json")
+    rows = json.loads(index.read_text())
+    rows[1][3] = {"task": "code"}  # a stale index: the record says chat
+    index.write_text(json.dumps(rows))
+    with pytest.raises(DataError, match=r"sample id=1: its payload does not match its metadata .* tags \{'task': 'ch"):
+        next(build_runtime(cfg).reader())
+
 
 def test_the_simulator_prices_a_teacher_by_the_samples_routed_to_it(tmp_path):
     """`simulate` of routing: a teacher no sample routes to costs no device time, one that every

@@ -87,14 +87,16 @@ def first_batches(
 
 
 def _matches_info(sample: Sample, info: SampleInfo) -> None:
-    """The payload has the length and item shapes its metadata promised (what was scheduled)."""
-    if sample.length != info.length or any(
-        sample.shapes(m) != tuple(map(tuple, v)) for m, v in info.item_shapes.items()
+    """The payload has the length, item shapes and tags its metadata promised (what was scheduled)."""
+    if (
+        sample.length != info.length
+        or any(sample.shapes(m) != tuple(map(tuple, v)) for m, v in info.item_shapes.items())
+        or dict(sample.tags) != dict(info.tags)
     ):
         raise DataError(
             f"sample id={info.id}: its payload does not match its metadata (length {sample.length} "
-            f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}); "
-            f"rebuild the source's index"
+            f"vs {info.length}, items {sample.info().item_shapes} vs {dict(info.item_shapes)}, tags "
+            f"{dict(sample.tags)} vs {dict(info.tags)}); rebuild the source's index"
         )
 
 

@@ -91,10 +91,16 @@ def _walk(step, state, b: _Batch) -> None:
 
 
 def _shapes(batch: Sequence) -> tuple:
-    """What a batch's programs depend on: its samples' shapes, in order."""
+    """What a batch's programs depend on: its samples' shapes and tags (a tag may decide which
+    sections a sample activates: KD's routing), in order."""
     infos = [x if isinstance(x, SampleInfo) else x.info() for x in batch]
     return tuple(
-        (i.length, tuple(sorted((m, tuple(map(tuple, v))) for m, v in i.item_shapes.items() if v))) for i in infos
+        (
+            i.length,
+            tuple(sorted((m, tuple(map(tuple, v))) for m, v in i.item_shapes.items() if v)),
+            tuple(sorted(i.tags.items())),
+        )
+        for i in infos
     )
 
 
