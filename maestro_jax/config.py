@@ -809,16 +809,24 @@ class Config(_Frozen):
         for key, teacher in [*((f"routes.{v}", t) for v, t in combine.routes.items()), ("default", combine.default)]:
             if teacher is not None and teacher not in names:
                 raise ValueError(f"distill.combine.{key}={teacher!r}: not a teacher; valid: {valid}")
-        if self.data.kind == "synthetic" and combine.field not in self.data.tags:
+        held_out = self.eval.data if self.eval is not None else None
+        for key, data in [("data", self.data), ("eval.data", held_out)]:
+            if data is not None and data.kind == "synthetic":
+                self._check_synthetic_tags(key, data, names)
+
+    def _check_synthetic_tags(self, key: str, data: DataConfig, names: tuple[str, ...]) -> None:
+        """Synthetic data (`key`) draws the routing tag, and each of its values routes to a teacher."""
+        combine = self.distill.combine
+        if combine.field not in data.tags:
             raise ValueError(
-                f"distill.combine.field={combine.field!r}: the synthetic data gives no such tag; valid: "
-                f"{', '.join(self.data.tags) or 'a tag of data.tags (none given)'}"
+                f"distill.combine.field={combine.field!r}: the synthetic {key} gives no such tag; valid: "
+                f"{', '.join(data.tags) or f'a tag of {key}.tags (none given)'}"
             )
-        for value in self.data.tags.get(combine.field, ()) if self.data.kind == "synthetic" else ():
+        for value in data.tags[combine.field]:
             if combine.routes.get(value, value) not in names:
                 raise ValueError(
-                    f"data.tags.{combine.field}: {value!r} routes to no teacher; valid: {valid}, or a value "
-                    f"distill.combine.routes sends to one"
+                    f"{key}.tags.{combine.field}: {value!r} routes to no teacher; valid: {', '.join(names)}, or a "
+                    f"value distill.combine.routes sends to one"
                 )
 
     @pydantic.model_validator(mode="after")

@@ -215,6 +215,7 @@ def _a_teacher_named_like_the_student(raw):
         (None, [*ROUTE, "distill.combine.default=large"], "error: distill.combine.default='large': not a teacher"),
         (None, [*ROUTE, "distill.combine.weights={big: 1}"], "error: distill.combine.weights: mode 'route' takes"),
         (None, [*ROUTE, "distill.combine.field=lang"], "error: distill.combine.field='lang': the synthetic data"),
+        (None, [*ROUTE, "eval.data={num_samples: 16}"], "error: distill.combine.field='task': the synthetic eval.data"),
         (None, [*ROUTE, "distill.combine.routes={code: big}"], "error: data.tags.task: 'chat' routes to no teacher"),
     ],
     ids=[
@@ -232,6 +233,7 @@ def _a_teacher_named_like_the_student(raw):
         "route-unknown-default",
         "route-weights",
         "route-unknown-field",
+        "route-eval-data-untagged",
         "route-unrouted-value",
     ],
 )
