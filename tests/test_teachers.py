@@ -111,6 +111,18 @@ def test_the_loss_is_the_weighted_mean_of_the_teachers_distributions_by_hand():
     assert loss == pytest.approx(_by_hand(cfg, host, samples), rel=1e-5)
 
 
+def assert_same_student_step(rt, other, samples):
+    """The two runtimes' steps on `samples`, each from its own initial state, give one loss and
+    one gradient of the student."""
+    (loss, grads), (want, want_grads) = [
+        (float(r[0]), jax.device_get(r[1]["student"]))
+        for r in (x.step.gradients(x.step.init(), samples) for x in (rt, other))
+    ]
+    assert loss == pytest.approx(want, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow  # 8.6 s alone; the idle routed teacher's test compares with weight 0 in the quick tier
 def test_a_teacher_of_weight_0_leaves_the_step_to_the_other(tmp_path):
     """`weights: {small: 0}` is distillation from `big` alone: the same loss and student
@@ -125,13 +137,7 @@ def test_a_teacher_of_weight_0_leaves_the_step_to_the_other(tmp_path):
     alone = build_runtime(load_config(written(tmp_path, TWO, big_alone), TINY_TWO))
     assert set(alone.graph.names) == {"big", "student"}
     samples = both.batches()[0]
-    (loss, grads), (alone_loss, alone_grads) = [
-        (float(r[0]), jax.device_get(r[1]["student"]))
-        for r in (rt.step.gradients(rt.step.init(), samples) for rt in (both, alone))
-    ]
-    assert loss == pytest.approx(alone_loss, rel=1e-6)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(alone_grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert_same_student_step(both, alone, samples)
 
 
 def test_one_teacher_is_the_teacher_section_it_always_was():
@@ -340,13 +346,7 @@ def test_a_teacher_no_sample_routes_to_runs_nothing():
     assert schedule.steps["small"] == () and not [op for op in schedule.ops if op.section == "small"]
     mixed = build_runtime(two("distill.combine.weights={small: 0}"))
     assert [s.id for s in mixed.batches()[0]] == [s.id for s in samples]
-    (loss, grads), (want, want_grads) = [
-        (float(r[0]), jax.device_get(r[1]["student"]))
-        for r in (rt.step.gradients(rt.step.init(), samples) for rt in (routed, mixed))
-    ]
-    assert loss == pytest.approx(want, rel=1e-6)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert_same_student_step(routed, mixed, samples)
 
 
 def test_tags_in_records_route_and_an_untagged_sample_takes_the_default(tmp_path):
