@@ -177,6 +177,15 @@ def teacher_section(
     return section
 
 
+def teacher_sections(teachers: tuple[Teacher, ...], routing: Routing | None, modalities=(), *, per_octave: int):
+    """One frozen `teacher_section` per teacher, each sending its own edge (and, under `routing`,
+    running only its samples)."""
+    return tuple(
+        teacher_section(t.model, modalities, edge=t.edge, per_octave=per_octave, name=t.name, routing=routing)
+        for t in teachers
+    )
+
+
 def teacher_hidden(inputs, batch, edge: str):
     """The teacher's hidden state at each student position: its row's (`<edge>_row`), or in a
     packed student row each position's own sample's at the sample's position."""
@@ -374,10 +383,7 @@ def build(cfg: Config) -> SectionGraph:
     )
     return SectionGraph(
         sections=(
-            *(
-                teacher_section(t.model, edge=t.edge, per_octave=per_octave, name=t.name, routing=routing)
-                for t in teachers
-            ),
+            *teacher_sections(teachers, routing, per_octave=per_octave),
             student_section,
         ),
         edges=teacher_edges(teachers),

@@ -33,7 +33,7 @@ from maestro_jax.workloads.kd import (
     teacher_edges,
     teacher_log_probs,
     teacher_rows,
-    teacher_section,
+    teacher_sections,
     teachers_of,
 )
 from maestro_jax.workloads.pretrained import load_vision_section
@@ -107,10 +107,7 @@ def build(cfg: Config) -> SectionGraph:
     )
     return SectionGraph(
         sections=(
-            *(
-                teacher_section(t.model, (image,), edge=t.edge, per_octave=per_octave, name=t.name, routing=routing)
-                for t in teachers
-            ),
+            *teacher_sections(teachers, routing, (image,), per_octave=per_octave),
             vision_section(vit, student, mean_patches(cfg, vit), edges=(IMAGES,), per_octave=per_octave),
             student_section,
         ),
