@@ -213,14 +213,44 @@ EXTENDED_VARIANTS = {
 }
 
 
+# Variants of a parametrised test in the slow tier, a sibling kept in the quick check (its
+# contract: the other size, scheduler or layout runs the same code); each names that sibling.
+SLOW_VARIANTS = {
+    # the [32] variants: the declared flops at one width
+    "tests/test_workloads.py::test_llm_declared_flops_match_xla[128]",
+    "tests/test_workloads.py::test_moe_declared_flops_match_xla[128-dense]",
+    "tests/test_workloads.py::test_moe_declared_flops_match_xla[128-sparse]",
+    # [unrolled]: the same weights, the layers scanned
+    "tests/test_qwen_vl.py::test_tower_equals_transformers_on_two_images_of_different_sizes[scan]",
+    "tests/test_qwen_vl.py::test_qwen3_vl_language_model_with_interleaved_mrope_and_deepstack_equals_transformers[scan]",
+    # [kd_tiny.yaml-tiny0]: the executor's threads on the other workload
+    "tests/test_executor.py::test_threaded_equals_sequential[vlm_tiny.yaml-tiny1]",
+    # [vlm_paper_scale.yaml-overrides1]: the balanced cut at paper scale
+    "tests/test_pipeline_baseline.py::test_the_balanced_cut_evens_the_stages_work[kd_paper_scale.yaml-overrides0]",
+}
+
+
+def _check_variants_exist(items):
+    """A listed variant whose test was collected must be one of its variants: a renamed test or
+    parameter would otherwise leave its variant in the faster tier without a word."""
+    ids = {item.nodeid for item in items}
+    functions = {item.nodeid.split("[")[0] for item in items}
+    stale = sorted(v for v in EXTENDED_VARIANTS | SLOW_VARIANTS if v.split("[")[0] in functions and v not in ids)
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py lists variants no test has: {stale}")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The README's test command (CI's) leaves out the `extended` tier; `--extended` runs it too, and
     an explicit `-m` expression chooses for itself (`-m extended`: that tier alone). An extended
     test counts as `slow` too, so the quick check (`-m "not slow"`) holds none."""
+    _check_variants_exist(items)
     for item in items:
         if item.nodeid in EXTENDED_VARIANTS:
             item.add_marker(pytest.mark.extended)
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("extended"):  # never in the quick check (`-m "not slow"`)
             item.add_marker(pytest.mark.slow)
     if config.getoption("--extended") or config.getoption("markexpr"):

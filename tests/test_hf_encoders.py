@@ -204,6 +204,7 @@ def test_export_reimports_without_torch(tmp_path, scan):
 
 
 @pytest.mark.reference
+@pytest.mark.slow  # the export's quick check: test_clip_export_round_trip_in_transformers
 def test_export_round_trip_in_transformers(tmp_path):
     """Exported towers load in transformers (`SiglipVisionModel`, `WhisperEncoder`) with nothing
     missing or left over, and give the references' features again."""

@@ -186,7 +186,8 @@ def llm_positions(cfg):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("name", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the export's quick check: test_hf.py::test_export_round_trip_in_transformers
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
 def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tmp_path, name):
     """`save_qwen_vl` (what `maestro-jax export --section vision,llm` writes for this tower) gives
     a folder of the tower's type (Qwen2.5-VL's or Qwen3-VL's, DeepStack mergers and interleaved
