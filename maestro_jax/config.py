@@ -491,6 +491,9 @@ class DistillConfig(_Frozen):
     # `models.teachers: {name: {...}}` (`Config._teachers_group`), which is how a config says it
     teachers: tuple[str, ...] = ()
     combine: CombineConfig = CombineConfig()
+    # the KL over the teachers' k likeliest tokens and the rest as one outcome (`kd.sparse_kl`,
+    # what a teacher cache holds); unset: over the whole vocabulary
+    top_k: PositiveInt | None = None
 
 
 class LRScheduleConfig(_Frozen):

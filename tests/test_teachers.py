@@ -41,7 +41,8 @@ def written(tmp_path, path, edit, name="edited.yaml"):
     return out
 
 
-@pytest.mark.parametrize("scheduler", ["wavefront", pytest.param("naive", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the quick tier's two-teacher step: test_routed_teachers_match_the_monolithic_step[wavefront]
+@pytest.mark.parametrize("scheduler", ["wavefront", "naive"])
 def test_two_teachers_on_their_own_devices_match_the_monolithic_step(scheduler):
     """Two teachers of other depths, widths, devices and micro-batches: the sectioned step's loss,
     gradient norm, the student's gradients and updated parameters equal the monolithic step's,
@@ -71,7 +72,8 @@ def _by_hand(cfg, states, samples, mixed=None) -> float:
     right-padded (causal: a sample's logits are its own alone), in float64 numpy from there: the
     sum over targets of alpha*T^2*KL(mix_T || student_T) + (1-alpha)*CE, over the target count,
     with mix_T = sum_i w_i softmax(z_i / T) (`mixed(sample)`, where given: a teacher name -> weight
-    mapping for that sample alone)."""
+    mapping for that sample alone). With `distill.top_k` the KL is between both distributions
+    coarsened to mix_T's k likeliest tokens and one outcome for the rest (`_coarsened_kl`)."""
     alpha, temp = cfg.distill.alpha, cfg.distill.temperature
     student = states["student"]
     longest = max(len(s.tokens) for s in samples) - 1
@@ -98,12 +100,24 @@ def _by_hand(cfg, states, samples, mixed=None) -> float:
         weights = mixed(s) if mixed else {t.name: t.weight for t in teachers}
         mix = sum(w * probs[name][i, :n] for name, w in weights.items())
         s_logp = z[i, :n] / temp - np.logaddexp.reduce(z[i, :n] / temp, axis=-1, keepdims=True)
-        kl = np.sum(mix * (np.log(mix) - s_logp), axis=-1)
+        if cfg.distill.top_k is None:
+            kl = np.sum(mix * (np.log(mix) - s_logp), axis=-1)
+        else:
+            kl = _coarsened_kl(mix, np.exp(s_logp), cfg.distill.top_k)
         logp = z[i, :n] - np.logaddexp.reduce(z[i, :n], axis=-1, keepdims=True)
         ce = -logp[np.arange(n), s.tokens[1:]]
         total += float(np.sum(alpha * temp**2 * kl + (1 - alpha) * ce))
         count += n
     return total / count
+
+
+def _coarsened_kl(p, q, k: int):
+    """KL(p || q) per row [n, vocab] over k + 1 outcomes: p's k likeliest tokens, the rest as one."""
+    order = np.argsort(-p, axis=-1)
+    top, rest = order[:, :k], order[:, k:]
+    p_top, q_top = np.take_along_axis(p, top, -1), np.take_along_axis(q, top, -1)
+    p_tail, q_tail = np.take_along_axis(p, rest, -1).sum(-1), np.take_along_axis(q, rest, -1).sum(-1)
+    return np.sum(p_top * np.log(p_top / q_top), -1) + p_tail * np.log(p_tail / q_tail)
 
 
 def test_the_loss_is_the_weighted_mean_of_the_teachers_distributions_by_hand():
@@ -231,6 +245,8 @@ def _a_teacher_named_like_the_student(raw):
         (None, [*ROUTE, "distill.combine.field=lang"], "error: distill.combine.field='lang': the synthetic data"),
         (None, [*ROUTE, "eval.data={num_samples: 16}"], "error: distill.combine.field='task': the synthetic eval.data"),
         (None, [*ROUTE, "distill.combine.routes={code: big}"], "error: data.tags.task: 'chat' routes to no teacher"),
+        (None, ["distill.top_k=256"], "error: distill.top_k=256: keeps the whole vocabulary of 256 tokens"),
+        (None, ["distill.top_k=0"], "error: distill.top_k=0"),
     ],
     ids=[
         "no-section",
@@ -249,6 +265,8 @@ def _a_teacher_named_like_the_student(raw):
         "route-unknown-field",
         "route-eval-data-untagged",
         "route-unrouted-value",
+        "top-k-whole-vocabulary",
+        "top-k-zero",
     ],
 )
 def test_bad_teacher_settings_are_one_line_before_compute(tmp_path, edit, overrides, said, capsys):
@@ -345,6 +363,7 @@ def test_a_routed_sample_learns_from_its_teacher_alone():
     assert loss == pytest.approx(_by_hand(cfg, host, samples, lambda s: {teacher[s.tags["task"]]: 1.0}), rel=1e-5)
 
 
+@pytest.mark.slow  # quick: test_a_routed_sample_learns_from_its_teacher_alone (each section holds its samples)
 def test_a_teacher_no_sample_routes_to_runs_nothing():
     """Every sample tagged `code` (routed to `big`): `small` has no micro-step and no program
     runs for it, and the step is distillation from `big` alone (weight 0 on `small`)."""

@@ -228,11 +228,52 @@ def _routed(logps: dict, batch):
     return out
 
 
-def distill_loss(s_logits, t_logp, targets, mask, alpha: float, temperature: float):
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """The teacher's distribution kept to its `k` likeliest tokens at each position: their ids and
+    log-probabilities, and the log of the mass left to every other token (the tail)."""
+
+    ids: jax.Array  # [..., k] int32
+    log_probs: jax.Array  # [..., k] float32
+    log_tail: jax.Array  # [...] float32
+
+
+def top_k_of(t_logp, k: int) -> TopK:
+    """`t_logp`'s `k` likeliest tokens per position and its tail's log-mass; `k` below the
+    vocabulary (`distill.top_k` is checked so), so the tail holds at least one token."""
+    log_probs, ids = jax.lax.top_k(t_logp, k)
+    held = _held(ids, t_logp.shape[-1])
+    return TopK(ids, log_probs, jax.nn.logsumexp(jnp.where(held, -jnp.inf, t_logp), axis=-1))
+
+
+def _held(ids, vocab: int):
+    """[..., vocab] booleans: the tokens `ids` [..., k] names."""
+    return jnp.any(ids[..., :, None] == jnp.arange(vocab, dtype=ids.dtype), axis=-2)
+
+
+def sparse_kl(top: TopK, s_logp):
+    """KL between the teacher's and the student's distributions coarsened to k + 1 outcomes, the
+    teacher's top-k tokens and the rest of the vocabulary as one (MaxText's and DistillKit's
+    offline distillation with the "other" bucket): sum_j p_j (log p_j - log q_j) over the top-k, plus
+    p_tail (log p_tail - log q_tail). The full KL is this plus p_tail times the KL between the two
+    distributions within the tail, so it is never more, and equal where the student spreads its
+    tail as the teacher does (a tail of one token); `s_logp` is the student's tempered
+    log-probabilities over the vocabulary."""
+    s_top = jnp.take_along_axis(s_logp, top.ids, axis=-1)
+    s_tail = jax.nn.logsumexp(jnp.where(_held(top.ids, s_logp.shape[-1]), -jnp.inf, s_logp), axis=-1)
+    head = jnp.sum(jnp.exp(top.log_probs) * (top.log_probs - s_top), axis=-1)
+    return head + jnp.exp(top.log_tail) * (top.log_tail - s_tail)
+
+
+def distill_loss(s_logits, t_logp, targets, mask, alpha: float, temperature: float, top_k: int | None = None):
     """Summed per-token KD loss over loss-carrying targets, with KL and CE as metrics; `t_logp`
-    the teachers' tempered log-probabilities (`teacher_log_probs`)."""
+    the teachers' tempered log-probabilities (`teacher_log_probs`), kept to their `top_k` tokens
+    and a tail when given (`distill.top_k`: `sparse_kl`), the full vocabulary's KL otherwise."""
     s_logp = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature)
-    kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
+    if top_k is None:
+        kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
+    else:
+        kl = sparse_kl(top_k_of(t_logp, top_k), s_logp)
     ce = optax.softmax_cross_entropy_with_integer_labels(s_logits.astype(jnp.float32), targets)
     per_token = alpha * temperature**2 * kl + (1.0 - alpha) * ce
     return jnp.sum(per_token * mask), {"kl": jnp.sum(kl * mask), "ce": jnp.sum(ce * mask)}
@@ -252,6 +293,7 @@ def student_stages(
     temperature: float,
     layers: tuple[int, ...] | None = None,
     routed: bool = False,
+    top_k: int | None = None,
     **embed,
 ):
     """A KD student (`section`) cut into `k` pipeline stages (`layers` blocks each, or evenly):
@@ -269,6 +311,7 @@ def student_stages(
             batch["loss_mask"],
             alpha,
             temperature,
+            top_k,
         ),
         cost=lambda c, last: llm_cost(c, head=last, extra_flops=head_flops(teachers) if last else 0.0),
         last_keys=tuple(t.head for t in teachers),
@@ -330,6 +373,15 @@ def check_vocab(teachers: tuple[Teacher, ...], student: LLMConfig) -> int:
     return student.vocab
 
 
+def check_top_k(top_k: int | None, vocab: int) -> None:
+    """`distill.top_k` keeps fewer tokens than the vocabulary (all of it is the full KL: unset)."""
+    if top_k is not None and top_k >= vocab:
+        raise ConfigError(
+            f"error: distill.top_k={top_k}: keeps the whole vocabulary of {vocab} tokens or more; "
+            f"valid: 1 to {vocab - 1}, or unset for the full vocabulary's KL"
+        )
+
+
 def teacher_edges(teachers: tuple[Teacher, ...]) -> tuple[Edge, ...]:
     """Each teacher's hidden states to the student: 2 bytes (bf16) per unit of width."""
     return tuple(Edge(t.edge, t.name, "student", bytes_per_unit=2 * t.model.width) for t in teachers)
@@ -342,8 +394,9 @@ def teacher_rows(routes, rows, teachers: tuple[Teacher, ...]) -> dict:
 
 def build(cfg: Config) -> SectionGraph:
     teachers, student, routing = teachers_of(cfg), model(cfg, "student", "llm"), routing_of(cfg)
-    check_vocab(teachers, student)
+    check_top_k(cfg.distill.top_k, check_vocab(teachers, student))
     alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
+    top_k = cfg.distill.top_k
     s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
     per_octave = cfg.compile.buckets_per_octave
 
@@ -360,7 +413,7 @@ def build(cfg: Config) -> SectionGraph:
             s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"], *segments
         )
         t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature, routed)
-        loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature)
+        loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature, top_k)
         return loss + aux, metrics
 
     def init(key):
@@ -378,7 +431,7 @@ def build(cfg: Config) -> SectionGraph:
         cost=llm_cost(student, head=True, extra_flops=head_flops(teachers)),
         reads=(TOKENS,),
         stages=lambda k, layers=None: student_stages(
-            student_section, student, teachers, k, alpha, temperature, layers, routed
+            student_section, student, teachers, k, alpha, temperature, layers, routed, top_k
         ),
     )
     return SectionGraph(

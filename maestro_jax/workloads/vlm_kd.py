@@ -21,6 +21,7 @@ from maestro_jax.workloads import Workload, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.kd import (
+    check_top_k,
     check_vocab,
     distill_loss,
     head_flops,
@@ -55,7 +56,7 @@ IMAGES = "image_embeds"
 
 def build(cfg: Config) -> SectionGraph:
     teachers, vit, student = teachers_of(cfg), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
-    check_vocab(teachers, student)
+    check_top_k(cfg.distill.top_k, check_vocab(teachers, student))
     image, routing = image_modality(cfg), routing_of(cfg)
     alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
     s_model = DecoderLM(student, rows_from_zero=True)  # text_rows' rows
@@ -80,7 +81,9 @@ def build(cfg: Config) -> SectionGraph:
     def student_forward(variables, inputs, batch):
         s_logits, aux = spliced_logits(s_model, variables, inputs, batch, {IMAGES: image})
         t_logp = teacher_log_probs(variables, inputs, batch, teachers, temperature, routed)
-        loss, metrics = distill_loss(s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature)
+        loss, metrics = distill_loss(
+            s_logits, t_logp, batch["targets"], batch["loss_mask"], alpha, temperature, cfg.distill.top_k
+        )
         return loss + aux, metrics
 
     def init(key):
@@ -102,7 +105,7 @@ def build(cfg: Config) -> SectionGraph:
         cost=llm_cost(student, head=True, extra_flops=head_flops(teachers)),
         reads=(TOKENS,),
         stages=lambda k, layers=None: student_stages(
-            student_section, student, teachers, k, alpha, temperature, layers, routed, embed=embed
+            student_section, student, teachers, k, alpha, temperature, layers, routed, cfg.distill.top_k, embed=embed
         ),
     )
     return SectionGraph(
