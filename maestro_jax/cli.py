@@ -1,4 +1,4 @@
-"""`maestro-jax {train,verify,eval,bench,simulate,plan,export} --config FILE [options] [key=value ...]`; check-hf --hf DIR.
+"""`maestro-jax {train,verify,eval,bench,simulate,plan,teacher-cache,export} --config FILE [options] [key=value ...]`; check-hf --hf DIR.
 
 The command line, and only it: parse, validate the config (before JAX starts: it sets the CPU
 device count), call the library, and turn each kind of fault into its `error:` line and status
@@ -97,6 +97,15 @@ class Command:
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default, `(default: off)` for a flag, or `(required)`."""
 
+    def add_argument(self, action: argparse.Action) -> None:
+        """argparse measures the commands' names without the indent it prints them at, so a name
+        as long as `teacher-cache` would push its help to the next line; count the indent too."""
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction) and action.help is not argparse.SUPPRESS:
+            longest = max(len(self._format_action_invocation(a)) for a in action._get_subactions())
+            indent = self._current_indent + self._indent_increment
+            self._action_max_length = max(self._action_max_length, longest + indent)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if not text or text == argparse.SUPPRESS or "(default" in text or "(required" in text:
@@ -170,6 +179,19 @@ def _simulate(cfg, args) -> int:
     r = simulate_config(cfg, gantt=args.gantt, progress=lambda msg: print(f"simulate: {msg}", flush=True))
     print(format_report(r))
     _write_json(args.json, r)
+    return 0
+
+
+def _teacher_cache(cfg, args) -> int:
+    """The teacher's top-k outputs over the config's data, written (or finished) in --out."""
+    from maestro_jax.tools.teacher_cache import DEFAULT_K, write_cache
+
+    k = args.top_k if args.top_k is not None else (cfg.distill.top_k or DEFAULT_K)
+    if args.shard_batches < 1:
+        print(f"error: --shard-batches={args.shard_batches}: must be at least 1", file=sys.stderr)
+        return 2
+    manifest = write_cache(cfg, args.out, k, args.shard_batches, say=lambda line: print(line, flush=True))
+    print(f"wrote {args.out}: {manifest.identity.num_samples} samples, top {k}, {len(manifest.shards)} shards")
     return 0
 
 
@@ -612,6 +634,25 @@ COMMANDS: dict[str, Command] = {
         ),
         devices=False,
         config=False,
+    ),
+    "teacher-cache": Command(
+        "run a kd config's teacher over its data once and write its top-k log-probabilities per "
+        "position (ArrayRecord shards and a manifest; resumes a killed run)",
+        _teacher_cache,
+        (
+            opt(
+                "--out", required=True, metavar="DIR", help="the cache folder (created; a cache of this config resumes)"
+            ),
+            opt(
+                "--top-k",
+                type=int,
+                default=None,
+                help="tokens kept per position (default: distill.top_k, else 64)",
+            ),
+            opt(
+                "--shard-batches", type=int, default=4, help="global batches per shard (the unit a rerun resumes from)"
+            ),
+        ),
     ),
     "export": Command(
         "write a trained section (LLM, vision or audio tower) as a Hugging Face folder",

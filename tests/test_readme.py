@@ -55,6 +55,7 @@ def _command_lines(tmp_path) -> dict[str, list[str]]:
         "check-hf": ["--hf", str(ROOT / "tests/fixtures/hf/llama_untied")],
         "export": ["--config", KD, *tiny, f"output_dir={run}", "--section", "student", "--out", str(tmp_path / "hf")],
         "simulate": ["--config", KD, "--json", str(tmp_path / "simulate.json")],
+        "teacher-cache": ["--config", KD, "--out", str(tmp_path / "tc"), "--top-k", "8", *tiny, "data.num_samples=16"],
     }
 
 

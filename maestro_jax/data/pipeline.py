@@ -66,6 +66,19 @@ def global_batches(source, global_batch: int, seed: int, shuffle: bool = True, c
     )
 
 
+def every_sample_once(source, global_batch: int, check=None) -> grain.MapDataset:
+    """Every sample of `source` once, in index order, in batches of `global_batch` (the last may
+    be shorter): what a pass over the whole data set reads (`tools.teacher_cache`). A bad sample
+    raises `DataError` with its id."""
+    import grain
+
+    return (
+        grain.MapDataset.range(len(source))
+        .map(functools.partial(_read, source, check, False))
+        .batch(global_batch, drop_remainder=False, batch_fn=list)
+    )
+
+
 def first_batches(
     source, global_batch: int, batches: int, check=None, skip: bool = False
 ) -> tuple[list[list], list[str]]:

@@ -17,6 +17,7 @@ sample of a batch routes to runs nothing for it, and the planner prices it so.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -207,14 +208,21 @@ def teacher_log_probs(
     for t in teachers:
         if inputs.get(t.edge) is None:
             continue
-        logits = softcap(teacher_hidden(inputs, batch, t.edge) @ variables["consts"][t.head], t.model.final_softcap)
-        logps[t] = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
+        hidden = teacher_hidden(inputs, batch, t.edge)
+        logps[t] = tempered_log_probs(hidden, variables["consts"][t.head], t.model, temperature)
     if routed:
         return _routed(logps, batch)
     if len(logps) == 1:
         return next(iter(logps.values()))
     log_w = jnp.log(jnp.asarray([t.weight for t in logps], jnp.float32))
     return jax.nn.logsumexp(jnp.stack(list(logps.values())) + log_w[:, None, None, None], axis=0)
+
+
+def tempered_log_probs(hidden, head, teacher: LLMConfig, temperature: float):
+    """log_softmax(z / T) of one teacher's logits z: its hidden states through its output layer
+    `head` (and its final soft-cap), in float32."""
+    logits = softcap(hidden @ head, teacher.final_softcap)
+    return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
 
 
 def _routed(logps: dict, batch):
@@ -228,8 +236,7 @@ def _routed(logps: dict, batch):
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class TopK:
+class TopK(NamedTuple):
     """The teacher's distribution kept to its `k` likeliest tokens at each position: their ids and
     log-probabilities, and the log of the mass left to every other token (the tail)."""
 

@@ -1,0 +1,347 @@
+"""A teacher's outputs computed once and kept as data (`maestro-jax teacher-cache`).
+
+A KD config's teacher runs alone, on its own section's plan (devices, mesh, micro-batch,
+precision), over every sample of the config's data once, and for each sample writes, at every
+target position, the teacher's `k` likeliest tokens, their tempered log-probabilities and the log
+of the mass left to the rest of the vocabulary (`workloads.kd.TopK`: what `distill.top_k` trains
+with). Records go to ArrayRecord shards in the data's index order, one record per sample (its id
+inside), `shard_batches` global batches a shard; `manifest.json` says what the cache was made
+from (the teacher's identity, the tokenizer, k, the dtype, the data's fingerprint) and lists
+the complete shards with their SHA-256. A shard is written under a temporary name and renamed
+once complete, and the manifest rewritten after it (atomically), so a killed run resumes from
+its last complete shard: the batches of a shard are always the same samples, so a resumed cache
+is the uninterrupted one byte for byte.
+
+What it runs today: one teacher (`models.teacher`, or `models.teachers` with a single entry),
+unstaged and unpacked, on one process; other layouts are refused before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from maestro_jax.config import Config, ConfigError
+
+FORMAT = "maestro_jax.teacher_cache/1"
+MANIFEST = "manifest.json"
+DEFAULT_K = 64
+DTYPE = "float32"  # the log-probabilities as stored (the online loss computes them in float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheIdentity:
+    """What a cache was made from: training from it holds a config to each field."""
+
+    teacher: str  # SHA-256 of the teacher's model, its weights' origin and the temperature (`teacher_identity`)
+    tokenizer: (
+        str | None
+    )  # SHA-256 of the teacher folder's tokenizer files; None: no folder (ids as the data holds them)
+    k: int
+    dtype: str
+    data: str  # SHA-256 of every sample's id and length, in index order (`data_fingerprint`)
+    num_samples: int
+    shard_samples: int  # samples per shard (the last may hold fewer)
+    temperature: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    file: str
+    samples: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    identity: CacheIdentity
+    shards: tuple[Shard, ...]
+
+    @property
+    def complete(self) -> bool:
+        return sum(s.samples for s in self.shards) == self.identity.num_samples
+
+    def to_json(self) -> str:
+        body = {
+            "format": FORMAT,
+            **dataclasses.asdict(self.identity),
+            "complete": self.complete,
+            "shards": [dataclasses.asdict(s) for s in self.shards],
+        }
+        return json.dumps(body, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        body = json.loads(text)
+        fields = {f.name for f in dataclasses.fields(CacheIdentity)}
+        identity = CacheIdentity(**{k: v for k, v in body.items() if k in fields})
+        return cls(identity, tuple(Shard(**s) for s in body["shards"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRecord:
+    """One sample's cached teacher outputs: `ids` and `log_probs` [positions, k], `log_tail` [positions]."""
+
+    sample_id: int
+    ids: np.ndarray
+    log_probs: np.ndarray
+    log_tail: np.ndarray
+
+    def encode(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, id=np.int64(self.sample_id), ids=self.ids, log_probs=self.log_probs, log_tail=self.log_tail)
+        return buf.getvalue()
+
+    @classmethod
+    def decode(cls, data: bytes) -> CacheRecord:
+        with np.load(io.BytesIO(data)) as z:
+            return cls(int(z["id"]), z["ids"], z["log_probs"], z["log_tail"])
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.arrayrecord"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cached_teacher(cfg: Config):
+    """The one teacher a cache is written for (`kd.Teacher`), or a ConfigError naming what the
+    cache cannot run yet."""
+    from maestro_jax.workloads.kd import teachers_of
+
+    if cfg.workload != "kd":
+        raise ConfigError(f"error: workload={cfg.workload!r}: teacher-cache runs a kd config's teacher; valid: kd")
+    teachers = teachers_of(cfg)
+    if len(teachers) != 1:
+        names = ", ".join(t.name for t in teachers)
+        raise ConfigError(
+            f"error: models.teachers: {len(teachers)} teachers ({names}); teacher-cache runs one teacher "
+            "(models.teacher, or models.teachers with one entry)"
+        )
+    (teacher,) = teachers
+    section = cfg.sections[teacher.name]
+    if section.stages > 1:
+        raise ConfigError(
+            f"error: sections.{teacher.name}.stages={section.stages}: teacher-cache runs the teacher unstaged; valid: 1"
+        )
+    if section.pack > 1:
+        raise ConfigError(
+            f"error: sections.{teacher.name}.pack={section.pack}: teacher-cache runs the teacher unpacked; valid: 1"
+        )
+    return teacher
+
+
+def teacher_identity(cfg: Config, teacher) -> str:
+    """SHA-256 of what fixes the teacher's tempered distribution: its model, where its weights
+    come from (its Hugging Face folder, or the seed it is drawn from) and the temperature."""
+    path = _hf_path(cfg, teacher)
+    origin = {"hf_path": path} if path else {"seed": cfg.seed}
+    body = {
+        "model": cfg.models[teacher.name].model_dump(mode="json"),
+        "origin": origin,
+        "temperature": cfg.distill.temperature,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _hf_path(cfg: Config, teacher) -> str | None:
+    init = cfg.sections[teacher.name].init
+    return init.hf_path if init is not None else None
+
+
+def tokenizer_identity(cfg: Config, teacher) -> str | None:
+    """SHA-256 of the teacher folder's tokenizer files (those it holds, by name), or None."""
+    path = _hf_path(cfg, teacher)
+    if not path:
+        return None
+    h = hashlib.sha256()
+    found = False
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+            found = True
+    return h.hexdigest() if found else None
+
+
+def data_fingerprint(source) -> str:
+    """SHA-256 over every sample's id and length in index order, from metadata alone."""
+    from maestro_jax.data.sources import sample_info
+
+    h = hashlib.sha256()
+    for i in range(len(source)):
+        info = sample_info(source, i)
+        h.update(f"{info.id}:{info.length}\n".encode())
+    return h.hexdigest()
+
+
+def identity_of(cfg: Config, source, k: int, shard_samples: int) -> CacheIdentity:
+    teacher = cached_teacher(cfg)
+    return CacheIdentity(
+        teacher=teacher_identity(cfg, teacher),
+        tokenizer=tokenizer_identity(cfg, teacher),
+        k=k,
+        dtype=DTYPE,
+        data=data_fingerprint(source),
+        num_samples=len(source),
+        shard_samples=shard_samples,
+        temperature=cfg.distill.temperature,
+    )
+
+
+def check_k(k: int, vocab: int) -> None:
+    if not 1 <= k < vocab:
+        raise ConfigError(f"error: --top-k={k}: the teacher's vocabulary has {vocab} tokens; valid: 1 to {vocab - 1}")
+
+
+def read_manifest(out: Path) -> Manifest | None:
+    path = out / MANIFEST
+    return Manifest.from_json(path.read_text()) if path.exists() else None
+
+
+def _write_manifest(out: Path, manifest: Manifest) -> None:
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, out / MANIFEST)
+
+
+def resumable_shards(out: Path, identity: CacheIdentity) -> tuple[Shard, ...]:
+    """The complete shards a cache in `out` already holds for `identity`, each still matching its
+    checksum (a shard that does not is written again, with every one after it); a cache of
+    anything else in `out` is refused (ConfigError naming the field that differs)."""
+    manifest = read_manifest(out)
+    if manifest is None:
+        return ()
+    if manifest.identity != identity:
+        theirs, ours = dataclasses.asdict(manifest.identity), dataclasses.asdict(identity)
+        field = next(f for f in ours if theirs[f] != ours[f])
+        raise ConfigError(
+            f"error: --out={out}: holds a teacher cache of another {field} ({theirs[field]!r}, this run's "
+            f"{ours[field]!r}); valid: an empty folder, or this cache's own"
+        )
+    kept = []
+    for shard in manifest.shards:
+        if not (out / shard.file).is_file() or sha256_of(out / shard.file) != shard.sha256:
+            break
+        kept.append(shard)
+    return tuple(kept)
+
+
+def _top_k_program(teacher, temperature: float, k: int):
+    """hidden [rows, positions, width], head [width, vocab] -> `kd.TopK` of the tempered
+    distribution, on the teacher section's devices."""
+    import jax
+
+    from maestro_jax.workloads.kd import tempered_log_probs, top_k_of
+
+    return jax.jit(lambda hidden, head: top_k_of(tempered_log_probs(hidden, head, teacher.model, temperature), k))
+
+
+def _records(rt, states, samples, teacher, top_k) -> list[CacheRecord]:
+    """`samples`' records: the teacher section's micro-steps of their schedule, each through the
+    output layer and the top-k on the teacher's devices, read back per sample."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    program = rt.programs[teacher.name]
+    head = jax.device_put(states["student"].consts[teacher.head], NamedSharding(program.mesh, PartitionSpec()))
+    schedule = rt.schedule(samples)
+    section = rt.graph.section(teacher.name)
+    out = {}
+    for st in schedule.steps[teacher.name]:
+        rows = [samples[i] if i >= 0 else None for i in st.positions]
+        batch = program.put_batch(section.host_batch(rows, schedule.routes(rt.problem, teacher.name, st.index)))
+        hidden = program.forward(states[teacher.name], {}, batch)[teacher.edge]
+        top = jax.device_get(top_k(hidden, head))
+        for r, i in enumerate(st.positions):
+            if i >= 0:
+                n = len(samples[i].tokens) - 1
+                out[i] = CacheRecord(samples[i].id, top.ids[r, :n], top.log_probs[r, :n], top.log_tail[r, :n])
+    return [out[i] for i in range(len(samples))]
+
+
+def write_cache(
+    cfg: Config,
+    out: str | os.PathLike,
+    k: int = DEFAULT_K,
+    shard_batches: int = 4,
+    say: Callable[[str], None] = print,
+) -> Manifest:
+    """Write (or finish) the teacher cache of `cfg` in `out`; returns its manifest. Checks come
+    first (the teacher, `k`, `out`'s own cache), then the teacher's programs compile."""
+    import jax
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from maestro_jax.data.pipeline import every_sample_once
+    from maestro_jax.runtime.build import build_runtime
+
+    teacher = cached_teacher(cfg)
+    check_k(k, teacher.model.vocab)
+    if jax.process_count() > 1:
+        raise ConfigError(f"error: distributed: {jax.process_count()} processes; teacher-cache runs on one process")
+    out = Path(out)
+    rt = build_runtime(cfg)
+    shard_samples = shard_batches * cfg.global_batch
+    identity = identity_of(cfg, rt.source, k, shard_samples)
+    shards = list(resumable_shards(out, identity))
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(identity, tuple(shards))
+    if manifest.complete:
+        say(f"teacher-cache: {out} is complete ({len(shards)} shards, {identity.num_samples} samples)")
+        return manifest
+    total = -(-identity.num_samples // shard_samples)
+    say(
+        f"teacher-cache: {identity.num_samples} samples in {total} shards of {shard_samples}, top {k}; "
+        f"{len(shards)} complete already"
+    )
+    states = rt.step.init().sections
+    top_k = _top_k_program(teacher, cfg.distill.temperature, k)
+    batches = every_sample_once(rt.source, cfg.global_batch, rt.check)
+    start, done = time.perf_counter(), 0
+    for index in range(len(shards), total):
+        path = out / shard_name(index)
+        tmp = out / (path.name + ".tmp")
+        writer = ArrayRecordWriter(str(tmp), "group_size:1")
+        count = 0
+        for b in range(index * shard_batches, min((index + 1) * shard_batches, len(batches))):
+            for record in _records(rt, states, batches[b], teacher, top_k):
+                writer.write(record.encode())
+                count += 1
+        writer.close()
+        os.replace(tmp, path)
+        shards.append(Shard(path.name, count, sha256_of(path)))
+        manifest = Manifest(identity, tuple(shards))
+        _write_manifest(out, manifest)
+        done += count
+        rate = done / max(time.perf_counter() - start, 1e-9)
+        say(f"teacher-cache: shard {index + 1}/{total} written ({done} samples this run, {rate:.1f} samples/s)")
+    return manifest
+
+
+def read_records(out: str | os.PathLike, manifest: Manifest | None = None) -> list[CacheRecord]:
+    """Every record of the cache in `out`, in the data's index order (a reader for tests and tools;
+    training reads shards by index)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    out = Path(out)
+    manifest = manifest or read_manifest(out)
+    records = []
+    for shard in manifest.shards:
+        reader = ArrayRecordReader(str(out / shard.file))
+        records += [CacheRecord.decode(b) for b in reader.read_all()]
+        reader.close()
+    return records

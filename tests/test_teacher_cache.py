@@ -1,0 +1,162 @@
+"""`maestro-jax teacher-cache`: a KD config's teacher run once over its data, its top-k
+log-probabilities per position written as ArrayRecord shards with a manifest; a stopped run
+resumes to the same bytes, and what the cache cannot run is one `error:` line before compute."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_KD, compiles
+from maestro_jax.models import DecoderLM
+
+from maestro_jax import cli
+from maestro_jax.config import load_config
+from maestro_jax.runtime.build import build_runtime
+from maestro_jax.tools.teacher_cache import MANIFEST, read_manifest, read_records, write_cache
+from maestro_jax.workloads import model
+
+KD = ROOT / "configs" / "kd_tiny.yaml"
+SMALL = [*TINY_KD, "data.num_samples=20"]  # 20 samples in batches of 8: the last batch holds 4
+
+
+def kd(*extra):
+    return load_config(KD, [*SMALL, *extra])
+
+
+def _by_hand_top_k(cfg, k):
+    """Each sample's teacher top-k ids, tempered log-probabilities and tail log-mass, from the
+    teacher's whole model (its body and output layer) on the sample alone, in float64 numpy."""
+    rt = build_runtime(cfg)
+    states = jax.device_get(rt.step.init().sections)
+    params = {**states["teacher"].consts["llm"], "lm_head": states["student"].consts["teacher_head"]}
+    body = DecoderLM(model(cfg, "teacher", "llm"))
+    samples = [rt.source[i] for i in range(len(rt.source))]
+    lengths = [len(s.tokens) - 1 for s in samples]
+    ids = np.zeros((len(samples), max(lengths)), np.int32)  # right-padded: causal, so each row is its sample's alone
+    for row, s in enumerate(samples):
+        ids[row, : lengths[row]] = s.tokens[:-1]
+    pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    z = np.asarray(body.apply({"params": params}, ids, pos, pos < np.asarray(lengths)[:, None]), np.float64)
+    z = z / cfg.distill.temperature
+    out = []
+    for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        logp = z[row, :n] - np.logaddexp.reduce(z[row, :n], axis=-1, keepdims=True)
+        order = np.argsort(-logp, axis=-1)
+        top, rest = order[:, :k], np.take_along_axis(logp, order[:, k:], -1)
+        out.append((s.id, top, np.take_along_axis(logp, top, -1), np.logaddexp.reduce(rest, axis=-1)))
+    return out
+
+
+def test_the_cache_holds_each_samples_top_k_of_the_teacher(tmp_path):
+    """Every sample once, in the data's order, one record each: at every target position the
+    teacher's 8 likeliest tokens, their tempered log-probabilities and the log of the rest's mass,
+    as the teacher's whole model gives them on the sample alone; the manifest lists the shards
+    (2 global batches each: 16 and 4 samples) with their SHA-256."""
+    cfg = kd()
+    manifest = write_cache(cfg, tmp_path / "cache", k=8, shard_batches=2, say=lambda _: None)
+    assert manifest.complete and [s.samples for s in manifest.shards] == [16, 4]
+    assert (manifest.identity.k, manifest.identity.num_samples, manifest.identity.temperature) == (8, 20, 2.0)
+    on_disk = json.loads((tmp_path / "cache" / MANIFEST).read_text())
+    assert on_disk["complete"] and on_disk["format"] == "maestro_jax.teacher_cache/1"
+    records = read_records(tmp_path / "cache")
+    want = _by_hand_top_k(cfg, 8)
+    assert [r.sample_id for r in records] == [w[0] for w in want]
+    for r, (_, ids, log_probs, log_tail) in zip(records, want, strict=True):
+        assert r.ids.shape == ids.shape and r.log_probs.dtype == np.float32
+        np.testing.assert_array_equal(r.ids, ids)
+        np.testing.assert_allclose(r.log_probs, log_probs, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(r.log_tail, log_tail, rtol=1e-4, atol=1e-5)
+
+
+def test_a_stopped_run_resumes_to_the_same_bytes(tmp_path):
+    """A run stopped after its first shard (a half-written second shard left behind), and a
+    cache whose second shard was corrupted since, each finish on a rerun with the checksums of
+    the uninterrupted run; a rerun of a complete cache computes nothing."""
+    cfg = kd()
+    whole = write_cache(cfg, tmp_path / "whole", k=8, shard_batches=1, say=lambda _: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(line):
+        if "shard 1/3 written" in line:
+            (tmp_path / "cut" / "shard-00001.arrayrecord.tmp").write_bytes(b"half a shard")
+            raise Stop
+
+    with pytest.raises(Stop):
+        write_cache(cfg, tmp_path / "cut", k=8, shard_batches=1, say=stop_after_first)
+    assert [s.file for s in read_manifest(tmp_path / "cut").shards] == ["shard-00000.arrayrecord"]
+    resumed = write_cache(cfg, tmp_path / "cut", k=8, shard_batches=1, say=lambda _: None)
+    assert resumed.shards == whole.shards
+
+    shard = tmp_path / "cut" / "shard-00001.arrayrecord"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert write_cache(cfg, tmp_path / "cut", k=8, shard_batches=1, say=lambda _: None).shards == whole.shards
+    said = []
+    with compiles() as compiled:
+        write_cache(cfg, tmp_path / "cut", k=8, shard_batches=1, say=said.append)
+    assert compiled == [] and said == [f"teacher-cache: {tmp_path / 'cut'} is complete (3 shards, 20 samples)"]
+
+
+@pytest.mark.slow
+def test_kill_9_during_teacher_cache_and_a_rerun_give_the_same_cache(tmp_path):
+    """`kill -9` of the command once its first shard is in the manifest; the rerun's manifest
+    (every shard's SHA-256) equals an uninterrupted run's."""
+    args = ["--top-k", "8", "--shard-batches", "1", *TINY_KD, "data.num_samples=160"]  # 20 shards
+    assert cli.main(["teacher-cache", "--config", str(KD), "--out", str(tmp_path / "whole"), *args]) == 0
+    command = [sys.executable, "-m", "maestro_jax.cli", "teacher-cache", "--config", str(KD)]
+    proc = subprocess.Popen([*command, "--out", str(tmp_path / "cut"), *args], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        manifest = read_manifest(tmp_path / "cut") if (tmp_path / "cut" / MANIFEST).exists() else None
+        if manifest and manifest.shards:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it was killed"
+    assert not read_manifest(tmp_path / "cut").complete
+    assert cli.main(["teacher-cache", "--config", str(KD), "--out", str(tmp_path / "cut"), *args]) == 0
+    assert read_manifest(tmp_path / "cut") == read_manifest(tmp_path / "whole")
+
+
+@pytest.mark.parametrize(
+    "config, overrides, said",
+    [
+        (KD, ["--top-k", "256"], "error: --top-k=256: the teacher's vocabulary has 256 tokens; valid: 1 to 255"),
+        (
+            KD,
+            ["sections.teacher.stages=2"],
+            "error: sections.teacher.stages=2: teacher-cache runs the teacher unstaged",
+        ),
+        (
+            ROOT / "configs" / "kd_two_teachers_tiny.yaml",
+            [],
+            "error: models.teachers: 2 teachers (big, small); teacher-cache runs one teacher",
+        ),
+        (ROOT / "configs" / "vlm_tiny.yaml", [], "error: workload='vlm': teacher-cache runs a kd config's teacher"),
+    ],
+    ids=["k", "stages", "two-teachers", "workload"],
+)
+def test_what_the_cache_cannot_run_is_one_line_before_compute(tmp_path, capsys, config, overrides, said):
+    with compiles() as compiled:
+        status = cli.main(["teacher-cache", "--config", str(config), "--out", str(tmp_path / "c"), *overrides])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(said) and err.count("\n") == 1, err
+    assert compiled == [] and not (tmp_path / "c").exists()
+
+
+def test_a_folder_holding_another_cache_is_refused_naming_what_differs(tmp_path, capsys):
+    """`--out` with a cache of k=8: a run asking for k=4 is refused, the folder left as it was."""
+    write_cache(kd(), tmp_path / "c", k=8, shard_batches=2, say=lambda _: None)
+    before = (tmp_path / "c" / MANIFEST).read_text()
+    args = ["teacher-cache", "--config", str(KD), "--out", str(tmp_path / "c"), "--top-k", "4", "--shard-batches", "2"]
+    assert cli.main([*args, *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out={tmp_path / 'c'}: holds a teacher cache of another k (8, this run's 4)"), err
+    assert (tmp_path / "c" / MANIFEST).read_text() == before
