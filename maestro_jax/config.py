@@ -494,6 +494,9 @@ class DistillConfig(_Frozen):
     # the KL over the teachers' k likeliest tokens and the rest as one outcome (`kd.sparse_kl`,
     # what a teacher cache holds); unset: over the whole vocabulary
     top_k: PositiveInt | None = None
+    # a teacher cache (`maestro-jax teacher-cache --out DIR`) to train from instead of running the
+    # teacher: no teacher section then; models.teacher names the teacher the cache must hold
+    cache: str | None = None
 
 
 class LRScheduleConfig(_Frozen):
@@ -763,7 +766,7 @@ class Config(_Frozen):
         (the section that runs the model of its name) starts from the folder's weights unless
         its `init` is written (`init: null`: random weights of the folder's architecture).
         A `models.teachers` group is first read as the models it names (`_teachers_group`)."""
-        data = _teachers_group(data)
+        data = _cached_teachers_run_nowhere(_teachers_group(data))
         if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
             return data
         models, sections = dict(data["models"]), dict(data.get("sections") or {})
@@ -948,6 +951,19 @@ def set_dotted(tree: dict, key: str, value) -> None:
 
 # the built-in model kinds; a plug-in workload may declare others (`Workload.model_kinds`)
 MODEL_KINDS = {"vit": ViTModelConfig, "audio": AudioModelConfig, "llm": LLMModelConfig}
+
+
+def _cached_teachers_run_nowhere(data):
+    """With `distill.cache` the teachers run nowhere: their `sections.<name>` entries (a config
+    written for the online run keeps them) are left out, their `models.<name>` kept (what the
+    cache is checked against)."""
+    if not isinstance(data, dict) or not isinstance(data.get("distill"), dict) or not data["distill"].get("cache"):
+        return data
+    names = data["distill"].get("teachers") or ["teacher"]
+    sections = data.get("sections")
+    if not isinstance(sections, dict):
+        return data
+    return {**data, "sections": {k: v for k, v in sections.items() if k not in names}}
 
 
 def _teachers_group(data):

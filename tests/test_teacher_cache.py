@@ -17,8 +17,10 @@ from maestro_jax.models import DecoderLM
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
+from maestro_jax.data.teacher_cache import MANIFEST, read_manifest, read_records
 from maestro_jax.runtime.build import build_runtime
-from maestro_jax.tools.teacher_cache import MANIFEST, read_manifest, read_records, write_cache
+from maestro_jax.tools.teacher_cache import write_cache
+from maestro_jax.tools.verify import verify
 from maestro_jax.workloads import model
 
 KD = ROOT / "configs" / "kd_tiny.yaml"
@@ -160,3 +162,104 @@ def test_a_folder_holding_another_cache_is_refused_naming_what_differs(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out={tmp_path / 'c'}: holds a teacher cache of another k (8, this run's 4)"), err
     assert (tmp_path / "c" / MANIFEST).read_text() == before
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The teacher cache (top 8) of `kd()`'s config: 20 samples, 3 shards."""
+    out = tmp_path_factory.mktemp("teacher_cache") / "cache"
+    write_cache(kd(), out, k=8, shard_batches=1, say=lambda _: None)
+    return out
+
+
+@pytest.mark.parametrize("scheduler", ["wavefront", pytest.param("naive", marks=pytest.mark.slow)])
+def test_training_from_the_cache_is_the_online_top_k_run(cache, scheduler):
+    """`distill.cache` (no teacher section: the student alone, on its own devices) trains 3
+    steps with the per-step losses of the online run of `distill.top_k: 8` (equal to float
+    rounding: the cache's log-probabilities come from the teacher's devices, the online ones from
+    the student's)."""
+    from maestro_jax.training.loop import train
+
+    common = ["steps=3", f"schedule.scheduler={scheduler}"]
+    online = train(kd("distill.top_k=8", *common), progress=False)
+    cfg = kd(f"distill.cache={cache}", *common)
+    assert set(cfg.sections) == {"student"} and set(build_runtime(cfg).graph.names) == {"student"}
+    cached = train(cfg, progress=False)
+    assert [r["step"] for r in cached] == [1, 2, 3]
+    for got, want in zip(cached, online, strict=True):
+        assert got["sample_ids"] == want["sample_ids"]
+        assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5), got["step"]
+
+
+def test_the_cached_step_matches_the_monolithic_step(cache):
+    diffs = verify(kd(f"distill.cache={cache}"))
+    assert {d.name for d in diffs} == {"loss", "grad_norm", "student/grads", "student/params_after_update"}
+    assert all(d.max_rel < 1e-5 for d in diffs), diffs
+
+
+def _corrupt_second_shard(out):
+    shard = out / "shard-00001.arrayrecord"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _truncate_last_shard(out):
+    shard = out / "shard-00002.arrayrecord"
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+
+def _incomplete(out):
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["shards"] = manifest["shards"][:1]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "damage, overrides, said",
+    [
+        (None, ["distill.temperature=1.0"], "error: distill.temperature=1.0: the cache in {cache} holds the teacher"),
+        (None, ["distill.top_k=4"], "error: distill.top_k=4: the cache in {cache} holds the top 8"),
+        (None, ["models.teacher.depth=2"], "error: models.teacher: not the teacher the cache in {cache} was made from"),
+        (None, ["seed=1"], "error: models.teacher: not the teacher the cache in {cache} was made from"),
+        (None, ["data.num_samples=24"], "error: distill.cache={cache}: the cache holds 20 samples, the data 24"),
+        (None, ["data.text_len=[6,15]"], "error: distill.cache={cache}: the data's samples (ids and lengths"),
+        (_corrupt_second_shard, [], "error: distill.cache={cache}: shard-00001.arrayrecord: its SHA-256 is not"),
+        (_truncate_last_shard, [], "error: distill.cache={cache}: shard-00002.arrayrecord: its SHA-256 is not"),
+        (_incomplete, [], "error: distill.cache={cache}: the cache is incomplete (8 of 20 samples)"),
+        ("empty", [], "error: distill.cache={cache}: no manifest.json there"),
+        (None, ["eval={batches: 1}"], "error: eval: a run from a teacher cache (distill.cache={cache})"),
+        (None, ["sections.student.pack=2"], "error: sections.student.pack=2: a student trained from a teacher cache"),
+    ],
+    ids=[
+        "temperature",
+        "top-k",
+        "teacher",
+        "teacher-seed",
+        "extra-samples",
+        "changed-samples",
+        "corrupt",
+        "truncated",
+        "incomplete",
+        "no-cache",
+        "eval",
+        "packed",
+    ],
+)
+def test_a_cache_that_does_not_fit_the_config_is_one_line_before_compute(
+    tmp_path, cache, capsys, damage, overrides, said
+):
+    import shutil
+
+    copy = tmp_path / "cache"
+    if damage == "empty":
+        copy.mkdir()
+    else:
+        shutil.copytree(cache, copy)
+        if damage is not None:
+            damage(copy)
+    with compiles() as compiled:
+        status = cli.main(["train", "--config", str(KD), *SMALL, f"distill.cache={copy}", *overrides])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(said.format(cache=copy)) and err.count("\n") == 1, err
+    assert compiled == []

@@ -79,6 +79,10 @@ class Sample:
     which a workload may route by (KD's `distill.combine.mode: route` picks each sample's teacher
     by one). They are metadata: the `SampleInfo` carries them, so planning sees them.
 
+    `extras` (optional): arrays a source attaches beside the data for a workload to read, by
+    name: a teacher cache's top-k outputs of the sample (`data.teacher_cache`). They are not
+    stored with the sample and planning never sees them.
+
     Section callbacks `activates(sample)` and `work(sample)` receive the sample's `SampleInfo`
     on every path (`core.graph.sample_view`): `length`, `shapes(modality)` and `has(modality)`.
     """
@@ -88,6 +92,7 @@ class Sample:
     items: Mapping[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
     loss_mask: np.ndarray | None = None
     tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    extras: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def length(self) -> int:

@@ -19,103 +19,27 @@ unstaged and unpacked, on one process; other layouts are refused before any comp
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
-import json
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from maestro_jax.config import Config, ConfigError
-
-FORMAT = "maestro_jax.teacher_cache/1"
-MANIFEST = "manifest.json"
-DEFAULT_K = 64
-DTYPE = "float32"  # the log-probabilities as stored (the online loss computes them in float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheIdentity:
-    """What a cache was made from: training from it holds a config to each field."""
-
-    teacher: str  # SHA-256 of the teacher's model, its weights' origin and the temperature (`teacher_identity`)
-    tokenizer: (
-        str | None
-    )  # SHA-256 of the teacher folder's tokenizer files; None: no folder (ids as the data holds them)
-    k: int
-    dtype: str
-    data: str  # SHA-256 of every sample's id and length, in index order (`data_fingerprint`)
-    num_samples: int
-    shard_samples: int  # samples per shard (the last may hold fewer)
-    temperature: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    file: str
-    samples: int
-    sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    identity: CacheIdentity
-    shards: tuple[Shard, ...]
-
-    @property
-    def complete(self) -> bool:
-        return sum(s.samples for s in self.shards) == self.identity.num_samples
-
-    def to_json(self) -> str:
-        body = {
-            "format": FORMAT,
-            **dataclasses.asdict(self.identity),
-            "complete": self.complete,
-            "shards": [dataclasses.asdict(s) for s in self.shards],
-        }
-        return json.dumps(body, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        body = json.loads(text)
-        fields = {f.name for f in dataclasses.fields(CacheIdentity)}
-        identity = CacheIdentity(**{k: v for k, v in body.items() if k in fields})
-        return cls(identity, tuple(Shard(**s) for s in body["shards"]))
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheRecord:
-    """One sample's cached teacher outputs: `ids` and `log_probs` [positions, k], `log_tail` [positions]."""
-
-    sample_id: int
-    ids: np.ndarray
-    log_probs: np.ndarray
-    log_tail: np.ndarray
-
-    def encode(self) -> bytes:
-        buf = io.BytesIO()
-        np.savez(buf, id=np.int64(self.sample_id), ids=self.ids, log_probs=self.log_probs, log_tail=self.log_tail)
-        return buf.getvalue()
-
-    @classmethod
-    def decode(cls, data: bytes) -> CacheRecord:
-        with np.load(io.BytesIO(data)) as z:
-            return cls(int(z["id"]), z["ids"], z["log_probs"], z["log_tail"])
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.arrayrecord"
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from maestro_jax.data.teacher_cache import (
+    DEFAULT_K,
+    DTYPE,
+    MANIFEST,
+    CacheIdentity,
+    CacheRecord,
+    Manifest,
+    Shard,
+    data_fingerprint,
+    read_manifest,
+    sha256_of,
+    shard_name,
+    teacher_identity,
+    tokenizer_identity,
+)
 
 
 def cached_teacher(cfg: Config):
@@ -123,6 +47,11 @@ def cached_teacher(cfg: Config):
     cache cannot run yet."""
     from maestro_jax.workloads.kd import teachers_of
 
+    if cfg.distill.cache is not None:
+        raise ConfigError(
+            f"error: distill.cache={cfg.distill.cache}: this config trains from a teacher cache; teacher-cache "
+            "writes one from a config that runs the teacher (leave distill.cache out)"
+        )
     if cfg.workload != "kd":
         raise ConfigError(f"error: workload={cfg.workload!r}: teacher-cache runs a kd config's teacher; valid: kd")
     teachers = teachers_of(cfg)
@@ -145,50 +74,6 @@ def cached_teacher(cfg: Config):
     return teacher
 
 
-def teacher_identity(cfg: Config, teacher) -> str:
-    """SHA-256 of what fixes the teacher's tempered distribution: its model, where its weights
-    come from (its Hugging Face folder, or the seed it is drawn from) and the temperature."""
-    path = _hf_path(cfg, teacher)
-    origin = {"hf_path": path} if path else {"seed": cfg.seed}
-    body = {
-        "model": cfg.models[teacher.name].model_dump(mode="json"),
-        "origin": origin,
-        "temperature": cfg.distill.temperature,
-    }
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _hf_path(cfg: Config, teacher) -> str | None:
-    init = cfg.sections[teacher.name].init
-    return init.hf_path if init is not None else None
-
-
-def tokenizer_identity(cfg: Config, teacher) -> str | None:
-    """SHA-256 of the teacher folder's tokenizer files (those it holds, by name), or None."""
-    path = _hf_path(cfg, teacher)
-    if not path:
-        return None
-    h = hashlib.sha256()
-    found = False
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        f = Path(path) / name
-        if f.is_file():
-            h.update(name.encode() + b"\0" + f.read_bytes())
-            found = True
-    return h.hexdigest() if found else None
-
-
-def data_fingerprint(source) -> str:
-    """SHA-256 over every sample's id and length in index order, from metadata alone."""
-    from maestro_jax.data.sources import sample_info
-
-    h = hashlib.sha256()
-    for i in range(len(source)):
-        info = sample_info(source, i)
-        h.update(f"{info.id}:{info.length}\n".encode())
-    return h.hexdigest()
-
-
 def identity_of(cfg: Config, source, k: int, shard_samples: int) -> CacheIdentity:
     teacher = cached_teacher(cfg)
     return CacheIdentity(
@@ -206,11 +91,6 @@ def identity_of(cfg: Config, source, k: int, shard_samples: int) -> CacheIdentit
 def check_k(k: int, vocab: int) -> None:
     if not 1 <= k < vocab:
         raise ConfigError(f"error: --top-k={k}: the teacher's vocabulary has {vocab} tokens; valid: 1 to {vocab - 1}")
-
-
-def read_manifest(out: Path) -> Manifest | None:
-    path = out / MANIFEST
-    return Manifest.from_json(path.read_text()) if path.exists() else None
 
 
 def _write_manifest(out: Path, manifest: Manifest) -> None:
@@ -330,18 +210,3 @@ def write_cache(
         rate = done / max(time.perf_counter() - start, 1e-9)
         say(f"teacher-cache: shard {index + 1}/{total} written ({done} samples this run, {rate:.1f} samples/s)")
     return manifest
-
-
-def read_records(out: str | os.PathLike, manifest: Manifest | None = None) -> list[CacheRecord]:
-    """Every record of the cache in `out`, in the data's index order (a reader for tests and tools;
-    training reads shards by index)."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    out = Path(out)
-    manifest = manifest or read_manifest(out)
-    records = []
-    for shard in manifest.shards:
-        reader = ArrayRecordReader(str(out / shard.file))
-        records += [CacheRecord.decode(b) for b in reader.read_all()]
-        reader.close()
-    return records

@@ -316,11 +316,21 @@ def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -
 
 
 def source_from_config(cfg: Config):
-    """The configured sample source (`data.kind`): the ArrayRecord files as they are, the
-    workload's own source (`workload`: `Workload.source`), or a seeded synthetic source over the
-    workload's vocabulary whose items are the workload's modalities that `data.modalities` gives
-    sizes to (each name and size checked against the workload); its text avoids every
-    placeholder id of the workload."""
+    """The configured sample source (`data.kind`), each sample with its cached teacher outputs
+    where the config trains from a teacher cache (`distill.cache`: `data.teacher_cache`)."""
+    source = _data_source(cfg)
+    if cfg.distill.cache is None:
+        return source
+    from maestro_jax.data.teacher_cache import checked_source
+
+    return checked_source(source, cfg.distill.cache)
+
+
+def _data_source(cfg: Config):
+    """The ArrayRecord files as they are, the workload's own source (`workload`:
+    `Workload.source`), or a seeded synthetic source over the workload's vocabulary whose items
+    are the workload's modalities that `data.modalities` gives sizes to (each name and size
+    checked against the workload); its text avoids every placeholder id of the workload."""
     from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource
 
     if cfg.data.kind == "array_record":

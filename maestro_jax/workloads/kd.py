@@ -27,8 +27,9 @@ import optax
 from maestro_jax.config import Config, ConfigError
 from maestro_jax.core.graph import Edge, Section, SectionGraph
 from maestro_jax.data.samples import TOKENS, DataError
+from maestro_jax.data.teacher_cache import TEACHER_PART
 from maestro_jax.models import DecoderLM, LLMConfig, apply_with_losses, softcap
-from maestro_jax.workloads import Workload, model
+from maestro_jax.workloads import Workload, kd_cached, model
 from maestro_jax.workloads import rows as R
 from maestro_jax.workloads.costs import llm_cost
 from maestro_jax.workloads.pretrained import load_llm_section, load_teacher_section
@@ -275,9 +276,12 @@ def sparse_kl(top: TopK, s_logp):
 def distill_loss(s_logits, t_logp, targets, mask, alpha: float, temperature: float, top_k: int | None = None):
     """Summed per-token KD loss over loss-carrying targets, with KL and CE as metrics; `t_logp`
     the teachers' tempered log-probabilities (`teacher_log_probs`), kept to their `top_k` tokens
-    and a tail when given (`distill.top_k`: `sparse_kl`), the full vocabulary's KL otherwise."""
+    and a tail when given (`distill.top_k`: `sparse_kl`), the full vocabulary's KL otherwise; or
+    already a `TopK` (a teacher cache's)."""
     s_logp = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature)
-    if top_k is None:
+    if isinstance(t_logp, TopK):
+        kl = sparse_kl(t_logp, s_logp)
+    elif top_k is None:
         kl = jnp.sum(jnp.exp(t_logp) * (t_logp - s_logp), axis=-1)
     else:
         kl = sparse_kl(top_k_of(t_logp, top_k), s_logp)
@@ -400,6 +404,8 @@ def teacher_rows(routes, rows, teachers: tuple[Teacher, ...]) -> dict:
 
 
 def build(cfg: Config) -> SectionGraph:
+    if cfg.distill.cache is not None:
+        return build_cached(cfg)
     teachers, student, routing = teachers_of(cfg), model(cfg, "student", "llm"), routing_of(cfg)
     check_top_k(cfg.distill.top_k, check_vocab(teachers, student))
     alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
@@ -452,9 +458,46 @@ def build(cfg: Config) -> SectionGraph:
     )
 
 
+def build_cached(cfg: Config) -> SectionGraph:
+    """The student alone, its loss the top-k one over each row's cached teacher outputs
+    (`kd_cached`: the cache's checks and the rows' layout)."""
+    teacher, student = kd_cached.one_teacher(cfg, teachers_of(cfg)), model(cfg, "student", "llm")
+    check_vocab((teacher,), student)
+    kd_cached.check_student_layout(cfg)
+    k = kd_cached.checked_manifest(cfg, teacher).identity.k
+    alpha, temperature, per_octave = cfg.distill.alpha, cfg.distill.temperature, cfg.compile.buckets_per_octave
+    s_model = DecoderLM(student, rows_from_zero=True)
+
+    def forward(variables, inputs, batch):
+        s_logits, aux = apply_with_losses(
+            s_model, {"params": variables["params"]}, batch["input_ids"], batch["positions"], batch["valid"]
+        )
+        top = TopK(*(batch[key] for key in kd_cached.TOP_K_KEYS))
+        loss, metrics = distill_loss(s_logits, top, batch["targets"], batch["loss_mask"], alpha, temperature)
+        return loss + aux, metrics
+
+    def init(key):  # the online run's student: the same key split, the teacher's share left unused
+        _, params, _ = init_teacher_and_student(teacher.model, student, key)
+        return {"student": {"params": params, "consts": {}}}
+
+    section = Section(
+        "student",
+        trained=True,
+        forward=forward,
+        host_batch=lambda rows, routes: kd_cached.cached_rows(rows, k, per_octave),
+        activates=lambda s: True,
+        work=R.next_token_units,
+        cost=llm_cost(student, head=True),
+        reads=(TOKENS, TEACHER_PART),
+    )
+    return SectionGraph(sections=(section,), edges=(), init=init, loss_count=R.loss_tokens())
+
+
 def loaders(cfg: Config) -> dict:
-    """Every teacher's section and the student start from Hugging Face folders alike."""
-    return {**{t.name: load_teacher_section for t in teachers_of(cfg)}, "student": load_llm_section}
+    """Every teacher's section and the student start from Hugging Face folders alike (a cached
+    teacher has no section)."""
+    teachers = () if cfg.distill.cache is not None else teachers_of(cfg)
+    return {**{t.name: load_teacher_section for t in teachers}, "student": load_llm_section}
 
 
 WORKLOAD = Workload("kd", build, vocab=shared_vocab, pretrained=loaders, sample_rule=sample_rule)
