@@ -263,3 +263,43 @@ def test_a_cache_that_does_not_fit_the_config_is_one_line_before_compute(
     err = capsys.readouterr().err
     assert status == 2 and err.startswith(said.format(cache=copy)) and err.count("\n") == 1, err
     assert compiled == []
+
+
+def test_simulate_prices_the_student_alone_on_every_device_against_the_teacher_online(cache, capsys):
+    """`simulate` on an online KD config adds the step of the student alone (its teacher read
+    from a cache) on all the plan's devices, the layout the planner gives a cached config of it on
+    as many devices, and the cache bytes a step reads (k int32 ids and float32 log-probabilities
+    and a float32 tail a position: 8 * k + 4 bytes)."""
+    from maestro_jax.tools.plan import planner_for
+    from maestro_jax.tools.simulate import format_report, simulate_config
+
+    reports = {k: simulate_config(kd(f"distill.top_k={k}")) for k in (8, 16)}
+    cached = reports[8]["teacher_cache"]
+    assert cached["devices"] == 8 and cached["k"] == 8 and 0 < cached["step_time_s"]
+    positions = cached["cache_bytes_per_step"] / (8 * 8 + 4)
+    assert positions == pytest.approx(reports[16]["teacher_cache"]["cache_bytes_per_step"] / (16 * 8 + 4))
+    assert 8 * 5 <= positions <= 8 * 13  # a global batch of 8 samples of 6 to 14 tokens
+    from_cache = kd(f"distill.cache={cache}")
+    planned = planner_for(from_cache, 8, float("inf"), batches=from_cache.simulate.batches).search(top=1).best
+    assert planned.step_time_s == pytest.approx(cached["step_time_s"], rel=1e-9)
+    assert len(planned.plan.sections["student"].devices) == 8
+    line = next(x for x in format_report(reports[8]).splitlines() if x.startswith("from a teacher cache"))
+    assert "the student alone on 8 devices" in line and "(wavefront)" in line
+    assert simulate_config(from_cache).get("teacher_cache") is None  # a cached run prices the student alone already
+
+
+@pytest.mark.slow
+def test_the_readmes_two_commands_run_as_written(tmp_path, monkeypatch):
+    """README, "What to try next": the cache, then training from it, each command as written
+    (from a folder whose `configs` is the repository's)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [
+        "`maestro-jax teacher-cache --config configs/kd_tiny.yaml --out teacher_cache --top-k 16`",
+        "`maestro-jax train --config configs/kd_tiny.yaml distill.cache=teacher_cache`",
+    ]
+    assert all(line in readme for line in lines)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    for line in lines:
+        assert cli.main(line.strip("`").split()[1:]) == 0, line
+    assert read_manifest(tmp_path / "teacher_cache").identity.k == 16

@@ -119,12 +119,52 @@ def simulate_config(
     report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
     if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
         report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]
+    if cached := teacher_cache_alternative(cfg, source, len(mono_sp.devices)):
+        say("the student alone on every device, its teacher's outputs read from a teacher cache")
+        report["teacher_cache"] = cached
     if gantt:
         from maestro_jax.tools.trace import write_gantt  # here: matplotlib only when asked
 
         write_gantt(timeline.intervals, gantt, f"{spec.name} wavefront, simulated on {cfg.simulate.device}")
         report["gantt"] = gantt
     return report
+
+
+def teacher_cache_alternative(cfg: Config, source, devices: int) -> dict | None:
+    """For KD with one teacher run online: the step of the student alone on all `devices` (the
+    teacher's outputs read from a `maestro-jax teacher-cache` cache: `distill.cache`), laid out
+    by the planner, and the cache bytes a step reads (its I/O, which the step time leaves out:
+    int32 ids and float32 log-probabilities for k tokens and a float32 tail a position). None
+    for other configs (a cached run prices the student alone already)."""
+    from maestro_jax.data.teacher_cache import DEFAULT_K
+    from maestro_jax.workloads import kd
+
+    if cfg.workload != "kd" or cfg.distill.cache is not None or len(teachers := kd.teachers_of(cfg)) != 1:
+        return None
+    k = cfg.distill.top_k or DEFAULT_K
+    graph = kd.student_alone(cfg, teachers[0], k)
+    spec = workloads.describe(cfg, graph)
+    metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
+    memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb") or float("inf")
+    planner = Planner(
+        spec,
+        metas,
+        devices,
+        memory_gb,
+        global_batch=cfg.global_batch,
+        device=cfg.simulate.device,
+        link_gbps=cfg.simulate.link_gbps,
+    )
+    best = planner.search(top=1).best
+    positions = sum(m.work.get("student", 0) for batch in metas for m in batch) / max(len(metas), 1)
+    student = best.plan.sections["student"]
+    return {
+        "k": k,
+        "devices": devices,
+        "step_time_s": best.step_time_s,
+        "layout": {"mesh": dict(student.axis_sizes), "micro_batch": student.micro_batch},
+        "cache_bytes_per_step": positions * (k * 8 + 4),
+    }
 
 
 def seconds(t: float) -> str:
@@ -280,6 +320,14 @@ def format_report(r: dict) -> str:
     lines += user_baseline_lines(r.get("user_baselines"), r["step_time_s"]["wavefront"])
     if spent := device_time_line(r.get("device_time")):
         lines.append(spent)
+    if cached := r.get("teacher_cache"):
+        lines.append(
+            f"from a teacher cache (top {cached['k']}; no teacher section): the student alone on {cached['devices']} "
+            f"devices ({mesh_text(cached['layout']['mesh'])}, micro_batch {cached['layout']['micro_batch']}) "
+            f"{seconds(cached['step_time_s'])} a step against the teacher online's "
+            f"{seconds(r['step_time_s']['wavefront'])} (wavefront), {cached['cache_bytes_per_step'] / 1e6:.2f} MB "
+            f"of cache read a step (not priced)"
+        )
     vs_pipe = f"   wavefront vs pipelined: {r['speedup_vs_pipelined']:.3f}" if pipe else ""
     lines.append(
         f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "

@@ -461,10 +461,16 @@ def build(cfg: Config) -> SectionGraph:
 def build_cached(cfg: Config) -> SectionGraph:
     """The student alone, its loss the top-k one over each row's cached teacher outputs
     (`kd_cached`: the cache's checks and the rows' layout)."""
-    teacher, student = kd_cached.one_teacher(cfg, teachers_of(cfg)), model(cfg, "student", "llm")
-    check_vocab((teacher,), student)
+    teacher = kd_cached.one_teacher(cfg, teachers_of(cfg))
+    check_vocab((teacher,), model(cfg, "student", "llm"))
     kd_cached.check_student_layout(cfg)
-    k = kd_cached.checked_manifest(cfg, teacher).identity.k
+    return student_alone(cfg, teacher, kd_cached.checked_manifest(cfg, teacher).identity.k)
+
+
+def student_alone(cfg: Config, teacher: Teacher, k: int) -> SectionGraph:
+    """The KD student without its teacher: its rows carry `teacher`'s top-`k` outputs (a teacher
+    cache's), its loss the top-k one; what `simulate` prices against running the teacher online."""
+    student = model(cfg, "student", "llm")
     alpha, temperature, per_octave = cfg.distill.alpha, cfg.distill.temperature, cfg.compile.buckets_per_octave
     s_model = DecoderLM(student, rows_from_zero=True)
 
