@@ -303,3 +303,51 @@ def test_the_readmes_two_commands_run_as_written(tmp_path, monkeypatch):
     for line in lines:
         assert cli.main(line.strip("`").split()[1:]) == 0, line
     assert read_manifest(tmp_path / "teacher_cache").identity.k == 16
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda d: (d / "tokenizer.json").write_text('{"model": "another"}'), "its tokenizer is not the one"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"x" * 10), "not the teacher the cache in"),
+        (
+            lambda d: (d / "config.json").write_text((d / "config.json").read_text() + " "),
+            "not the teacher the cache in",
+        ),
+    ],
+    ids=["tokenizer", "weights", "config"],
+)
+def test_a_cache_of_a_teacher_folder_is_refused_once_the_folder_changed(tmp_path, capsys, change, said):
+    """A teacher from a Hugging Face folder (`models.teacher: {hf: DIR}`): its tokenizer files,
+    config.json and weight files (names and sizes) are part of what the cache was made from."""
+    from test_hf import _from_folder, make_hf
+
+    _, path = make_hf(tmp_path, "llama_untied")
+    (path / "tokenizer.json").write_text('{"model": "one"}')
+    overrides = [f"models.student.vocab={model(_from_folder(path, f'{{hf: {path}}}'), 'teacher', 'llm').vocab}"]
+    cfg = _from_folder(path, f"{{hf: {path}}}", *overrides, "data.num_samples=8")
+    write_cache(cfg, tmp_path / "c", k=4, shard_batches=1, say=lambda _: None)
+    own = [o for o in TINY_KD if not o.startswith("models.teacher")]
+    args = [*own, f"models.teacher={{hf: {path}}}", *overrides, "data.num_samples=8", f"distill.cache={tmp_path / 'c'}"]
+    assert build_runtime(load_config(KD, args)).graph.names == ("student",)  # the folder as the cache saw it
+    change(path)
+    with compiles() as compiled:
+        assert cli.main(["train", "--config", str(KD), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: models.teacher: ") and said in err and err.count("\n") == 1, err
+    assert compiled == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bfloat16", "fp8"])
+def test_a_cache_of_a_low_precision_teacher_trains_as_it_does_online(tmp_path, precision):
+    """The teacher section's own precision holds in the cache: from a bfloat16 or fp8 teacher's
+    cache, 2 steps give the losses of the online top-k run with that teacher."""
+    from maestro_jax.training.loop import train
+
+    teacher = [f"sections.teacher.precision={precision}"]
+    write_cache(kd(*teacher), tmp_path / "c", k=8, shard_batches=1, say=lambda _: None)
+    online = train(kd(*teacher, "distill.top_k=8", "steps=2"), progress=False)
+    cached = train(kd(*teacher, f"distill.cache={tmp_path / 'c'}", "steps=2"), progress=False)
+    for got, want in zip(cached, online, strict=True):
+        assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5), got["step"]

@@ -110,15 +110,29 @@ def sha256_of(path: Path) -> str:
 
 def teacher_identity(cfg: Config, teacher) -> str:
     """SHA-256 of what fixes the teacher's tempered distribution: its model, where its weights
-    come from (its Hugging Face folder, or the seed it is drawn from) and the temperature."""
+    come from (a Hugging Face folder: its config.json and its weight files' names and sizes; else
+    the seed they are drawn from) and the temperature."""
     path = _hf_path(cfg, teacher)
-    origin = {"hf_path": path} if path else {"seed": cfg.seed}
+    origin = _folder_identity(Path(path)) if path else {"seed": cfg.seed}
     body = {
         "model": cfg.models[teacher.name].model_dump(mode="json"),
         "origin": origin,
         "temperature": cfg.distill.temperature,
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _folder_identity(path: Path) -> dict:
+    """A Hugging Face folder as the weights it holds: its config.json's SHA-256 and each weight
+    file's name and size (hashing every weight byte of a large teacher at each start would cost
+    minutes; a file rewritten at its very size goes unseen)."""
+    config = path / "config.json"
+    weights = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
+    return {
+        "hf_path": str(path),
+        "config": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+        "weights": weights,
+    }
 
 
 def _hf_path(cfg: Config, teacher) -> str | None:
