@@ -164,7 +164,6 @@ def write_cache(
     """Write (or finish) the teacher cache of `cfg` in `out`; returns its manifest. Checks come
     first (the teacher, `k`, `out`'s own cache), then the teacher's programs compile."""
     import jax
-    from array_record.python.array_record_module import ArrayRecordWriter
 
     from maestro_jax.data.pipeline import every_sample_once
     from maestro_jax.runtime.build import build_runtime
@@ -193,20 +192,28 @@ def write_cache(
     batches = every_sample_once(rt.source, cfg.global_batch, rt.check)
     start, done = time.perf_counter(), 0
     for index in range(len(shards), total):
-        path = out / shard_name(index)
-        tmp = out / (path.name + ".tmp")
-        writer = ArrayRecordWriter(str(tmp), "group_size:1")
-        count = 0
-        for b in range(index * shard_batches, min((index + 1) * shard_batches, len(batches))):
-            for record in _records(rt, states, batches[b], teacher, top_k):
-                writer.write(record.encode())
-                count += 1
-        writer.close()
-        os.replace(tmp, path)
-        shards.append(Shard(path.name, count, sha256_of(path)))
+        span = range(index * shard_batches, min((index + 1) * shard_batches, len(batches)))
+        records = (r for b in span for r in _records(rt, states, batches[b], teacher, top_k))
+        shards.append(_write_shard(out / shard_name(index), records))
         manifest = Manifest(identity, tuple(shards))
         _write_manifest(out, manifest)
-        done += count
+        done += shards[-1].samples
         rate = done / max(time.perf_counter() - start, 1e-9)
         say(f"teacher-cache: shard {index + 1}/{total} written ({done} samples this run, {rate:.1f} samples/s)")
     return manifest
+
+
+def _write_shard(path: Path, records) -> Shard:
+    """`records` as the ArrayRecord file `path`: written under a temporary name and renamed once
+    complete, so a shard under its own name is always whole."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    tmp = path.with_name(path.name + ".tmp")
+    writer = ArrayRecordWriter(str(tmp), "group_size:1")  # one record a group: read one at a time
+    count = 0
+    for record in records:
+        writer.write(record.encode())
+        count += 1
+    writer.close()
+    os.replace(tmp, path)
+    return Shard(path.name, count, sha256_of(path))

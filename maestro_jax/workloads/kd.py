@@ -12,6 +12,10 @@ output layer (`<name>_head`) and learns from their tempered distributions mixed 
 names (`distill.combine.mode: route`, `Routing`): a teacher section then activates only for the
 samples routed to it, as a vision section does only for samples with images, so a teacher no
 sample of a batch routes to runs nothing for it, and the planner prices it so.
+
+`distill.top_k: K` keeps the teachers' distribution to its K likeliest tokens and the rest as one
+outcome (`sparse_kl`); `distill.cache: DIR` reads those top-k outputs from a teacher cache
+instead of running any teacher (`build_cached`, `kd_cached`): the student alone, the same loss.
 """
 
 from __future__ import annotations
