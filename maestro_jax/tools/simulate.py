@@ -142,21 +142,13 @@ def teacher_cache_alternative(cfg: Config, source, devices: int) -> dict | None:
     if cfg.workload != "kd" or cfg.distill.cache is not None or len(teachers := kd.teachers_of(cfg)) != 1:
         return None
     k = cfg.distill.top_k or DEFAULT_K
-    graph = kd.student_alone(cfg, teachers[0], k)
-    spec = workloads.describe(cfg, graph)
-    metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
+    from maestro_jax.tools.plan import planner_for
+
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb") or float("inf")
-    planner = Planner(
-        spec,
-        metas,
-        devices,
-        memory_gb,
-        global_batch=cfg.global_batch,
-        device=cfg.simulate.device,
-        link_gbps=cfg.simulate.link_gbps,
-    )
+    graph = kd.student_alone(cfg, teachers[0], k)
+    planner = planner_for(cfg, devices, memory_gb, cfg.simulate.batches, graph=graph, source=source)
     best = planner.search(top=1).best
-    positions = sum(m.work.get("student", 0) for batch in metas for m in batch) / max(len(metas), 1)
+    positions = sum(m.work.get("student", 0) for batch in planner.metas for m in batch) / max(len(planner.metas), 1)
     student = best.plan.sections["student"]
     return {
         "k": k,
@@ -285,6 +277,17 @@ def empty_rows_note(by_section: dict | None, plan, sink: str, global_batch: int)
     )
 
 
+def teacher_cache_line(cached: dict, online_s: float) -> str:
+    """`teacher_cache_alternative`'s step beside the config's own (the teacher online)."""
+    layout = cached["layout"]
+    return (
+        f"from a teacher cache (top {cached['k']}; no teacher section): the student alone on {cached['devices']} "
+        f"devices ({mesh_text(layout['mesh'])}, micro_batch {layout['micro_batch']}) "
+        f"{seconds(cached['step_time_s'])} a step against the teacher online's {seconds(online_s)} (wavefront), "
+        f"{cached['cache_bytes_per_step'] / 1e6:.2f} MB of cache read a step (not priced)"
+    )
+
+
 def format_report(r: dict) -> str:
     """`simulate_config`'s report as `maestro-jax simulate` prints it: a table of step times and
     throughput per mode, then the layouts compared and the ratios."""
@@ -321,13 +324,7 @@ def format_report(r: dict) -> str:
     if spent := device_time_line(r.get("device_time")):
         lines.append(spent)
     if cached := r.get("teacher_cache"):
-        lines.append(
-            f"from a teacher cache (top {cached['k']}; no teacher section): the student alone on {cached['devices']} "
-            f"devices ({mesh_text(cached['layout']['mesh'])}, micro_batch {cached['layout']['micro_batch']}) "
-            f"{seconds(cached['step_time_s'])} a step against the teacher online's "
-            f"{seconds(r['step_time_s']['wavefront'])} (wavefront), {cached['cache_bytes_per_step'] / 1e6:.2f} MB "
-            f"of cache read a step (not priced)"
-        )
+        lines.append(teacher_cache_line(cached, r["step_time_s"]["wavefront"]))
     vs_pipe = f"   wavefront vs pipelined: {r['speedup_vs_pipelined']:.3f}" if pipe else ""
     lines.append(
         f"per-device speedup (wavefront vs monolithic): {r['per_device_speedup']:.3f}   end-to-end: "
