@@ -784,6 +784,16 @@ class Config(_Frozen):
         return {**data, "models": models, **({"sections": sections} if "sections" in data else {})}
 
     @pydantic.model_validator(mode="after")
+    def _cache_is_kds(self):
+        """`distill.cache` replaces kd's teacher sections; no other workload reads a teacher cache."""
+        if self.distill.cache is not None and self.workload != "kd":
+            raise ValueError(
+                f"distill.cache={self.distill.cache}: workload {self.workload!r} does not train from a teacher "
+                "cache; valid: workload kd, or leave distill.cache out"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
     def _teacher_weights(self):
         """`distill.combine.weights` weighs teachers the config has, with a positive sum."""
         names = self.distill.teachers or ("teacher",)

@@ -153,6 +153,14 @@ def test_what_the_cache_cannot_run_is_one_line_before_compute(tmp_path, capsys, 
     assert compiled == [] and not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("config", ["vlm_kd_tiny.yaml", "vlm_tiny.yaml"])
+def test_a_teacher_cache_is_kds_alone(capsys, config):
+    """vlm_kd runs its teachers, vlm has none: `distill.cache` there is one line naming it."""
+    assert cli.main(["verify", "--config", str(ROOT / "configs" / config), "distill.cache=/nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: distill.cache=/nowhere: workload ") and err.count("\n") == 1, err
+
+
 def test_a_folder_holding_another_cache_is_refused_naming_what_differs(tmp_path, capsys):
     """`--out` with a cache of k=8: a run asking for k=4 is refused, the folder left as it was."""
     write_cache(kd(), tmp_path / "c", k=8, shard_batches=2, say=lambda _: None)
