@@ -230,9 +230,13 @@ SLOW_VARIANTS = {
 }
 
 
-def _check_variants_exist(items):
+def _check_variants_exist(config, items):
     """A listed variant whose test was collected must be one of its variants: a renamed test or
-    parameter would otherwise leave its variant in the faster tier without a word."""
+    parameter would otherwise leave its variant in the faster tier without a word. Not checked
+    when the command line names single tests (`file::test[variant]`): their siblings are not
+    collected then."""
+    if any("::" in arg for arg in config.args):
+        return
     ids = {item.nodeid for item in items}
     functions = {item.nodeid.split("[")[0] for item in items}
     stale = sorted(v for v in EXTENDED_VARIANTS | SLOW_VARIANTS if v.split("[")[0] in functions and v not in ids)
@@ -245,7 +249,7 @@ def pytest_collection_modifyitems(config, items):
     """The README's test command (CI's) leaves out the `extended` tier; `--extended` runs it too, and
     an explicit `-m` expression chooses for itself (`-m extended`: that tier alone). An extended
     test counts as `slow` too, so the quick check (`-m "not slow"`) holds none."""
-    _check_variants_exist(items)
+    _check_variants_exist(config, items)
     for item in items:
         if item.nodeid in EXTENDED_VARIANTS:
             item.add_marker(pytest.mark.extended)
