@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, compiles
+from conftest import ROOT, TINY_KD, compiles, free_ports
 from maestro_jax.models import DecoderLM
 
 from maestro_jax import cli
@@ -359,3 +359,57 @@ def test_a_cache_of_a_low_precision_teacher_trains_as_it_does_online(tmp_path, p
     cached = train(kd(*teacher, f"distill.cache={tmp_path / 'c'}", "steps=2"), progress=False)
     for got, want in zip(cached, online, strict=True):
         assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-5), got["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "devices, writers",
+    [
+        pytest.param(["sections.teacher.devices=[2,3,4,5]", "sections.student.devices=[0,1,6,7]"], [0, 1], id="span"),
+        pytest.param(["sections.teacher.devices=[4,5,6,7]", "sections.student.devices=[0,1,2,3]"], [1], id="apart"),
+    ],
+)
+def test_two_processes_write_the_one_process_cache(tmp_path, devices, writers):
+    """`scripts/launch_local.sh 2` (real jax.distributed on localhost, 4 CPU devices a process):
+    the teacher spanning both processes (each writes every other shard) or on process 1 alone
+    (process 0, which holds no teacher device, runs the same steps and writes the manifest); the
+    cache is the one a single process writes with the same plan: the same manifest identity and
+    shards, each sample's record equal (ids exactly, log-probabilities to float rounding: the
+    collectives differ)."""
+    overrides = [*SMALL, *devices]
+    one = write_cache(kd(*devices), tmp_path / "one", k=8, shard_batches=1, say=lambda _: None)
+    env = {
+        **os.environ,
+        "MAESTRO_PORT": str(free_ports(3)),
+        "MAESTRO_JAX": f"{sys.executable} -m maestro_jax.cli",
+        "MAESTRO_COMMAND": "teacher-cache",
+    }
+    env.pop("XLA_FLAGS", None)
+    args = ["--out", str(tmp_path / "two"), "--top-k", "8", "--shard-batches", "1", *overrides]
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/launch_local.sh"), "2", str(KD), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two = read_manifest(tmp_path / "two")
+    assert two.complete and two.identity == one.identity
+    assert (
+        [(s.file, s.samples) for s in two.shards]
+        == [(s.file, s.samples) for s in one.shards]
+        == [
+            ("shard-00000.arrayrecord", 8),
+            ("shard-00001.arrayrecord", 8),
+            ("shard-00002.arrayrecord", 4),
+        ]
+    )
+    for index in range(3):
+        assert f"shard {index + 1}/3 written by process {writers[index % len(writers)]}" in proc.stdout, proc.stdout
+    for a, b in zip(read_records(tmp_path / "two"), read_records(tmp_path / "one"), strict=True):
+        assert a.sample_id == b.sample_id
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.log_tail, b.log_tail, rtol=1e-5, atol=1e-6)

@@ -12,12 +12,20 @@ once complete, and the manifest rewritten after it (atomically), so a killed run
 its last complete shard: the batches of a shard are always the same samples, so a resumed cache
 is the uninterrupted one byte for byte.
 
+Across processes (`--coordinator`, `--num-processes`, `--process-id`, as `train`), every process
+runs the same steps (the teacher's programs are SPMD over its section's devices), and the
+processes that hold a teacher device take turns writing: shard `i` is written by the `i % n`-th
+of them, on a folder every process sees (a shared file system); each shard's name, count and
+checksum then reach every process, and process 0 rewrites the manifest. Resuming, process 0
+reads the manifest and checks the shards, and every process starts from what it found.
+
 What it runs today: one teacher (`models.teacher`, or `models.teachers` with a single entry),
-unstaged and unpacked, on one process; other layouts are refused before any compute.
+unstaged and unpacked; other layouts are refused before any compute.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -121,37 +129,79 @@ def resumable_shards(out: Path, identity: CacheIdentity) -> tuple[Shard, ...]:
     return tuple(kept)
 
 
-def _top_k_program(teacher, temperature: float, k: int):
-    """hidden [rows, positions, width], head [width, vocab] -> `kd.TopK` of the tempered
-    distribution, on the teacher section's devices."""
+@dataclasses.dataclass(frozen=True)
+class _TeacherRun:
+    """What a micro-step of the teacher needs: its section's states and program, the output layer
+    on the teacher's devices, and the top-k program, whose result every device of the teacher's
+    mesh holds whole (so each process that holds one reads it without a gather)."""
+
+    rt: object
+    states: dict
+    teacher: object
+    head: object
+    top_k: Callable
+
+    @classmethod
+    def start(cls, rt, teacher, temperature: float, k: int) -> _TeacherRun:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from maestro_jax.runtime.transfer import transfer
+        from maestro_jax.workloads.kd import tempered_log_probs, top_k_of
+
+        states = rt.step.init().sections
+        everywhere = NamedSharding(rt.programs[teacher.name].mesh, PartitionSpec())
+        head = transfer(states["student"].consts[teacher.head], everywhere)  # the student's devices may be elsewhere
+        top_k = jax.jit(
+            lambda hidden, head: top_k_of(tempered_log_probs(hidden, head, teacher.model, temperature), k),
+            out_shardings=everywhere,
+        )
+        return cls(rt, states, teacher, head, top_k)
+
+    @property
+    def readers(self) -> list[int]:
+        """The processes holding a device of the teacher's section: those that read its results."""
+        return sorted({d.process_index for d in self.rt.programs[self.teacher.name].mesh.devices.flat})
+
+    def records(self, samples) -> list[CacheRecord]:
+        """`samples`' records: the teacher section's micro-steps of their schedule, each through
+        the output layer and the top-k, read back per sample (empty on a process that holds no
+        teacher device: it runs the same steps, as every process of an SPMD program must)."""
+        import jax
+
+        rt, name = self.rt, self.teacher.name
+        program, section = rt.programs[name], rt.graph.section(name)
+        reads = jax.process_index() in self.readers
+        schedule = rt.schedule(samples)
+        out = {}
+        for st in schedule.steps[name]:
+            rows = [samples[i] if i >= 0 else None for i in st.positions]
+            batch = program.put_batch(section.host_batch(rows, schedule.routes(rt.problem, name, st.index)))
+            top = self.top_k(program.forward(self.states[name], {}, batch)[self.teacher.edge], self.head)
+            if not reads:
+                continue
+            top = jax.device_get(top)
+            for r, i in enumerate(st.positions):
+                if i >= 0:
+                    n = len(samples[i].tokens) - 1
+                    out[i] = CacheRecord(samples[i].id, top.ids[r, :n], top.log_probs[r, :n], top.log_tail[r, :n])
+        return [out[i] for i in sorted(out)]
+
+
+def _agreed_shards(rt, out: Path, identity: CacheIdentity) -> tuple[Shard, ...]:
+    """`resumable_shards` as process 0 finds them, on every process (its refusal too)."""
     import jax
 
-    from maestro_jax.workloads.kd import tempered_log_probs, top_k_of
-
-    return jax.jit(lambda hidden, head: top_k_of(tempered_log_probs(hidden, head, teacher.model, temperature), k))
-
-
-def _records(rt, states, samples, teacher, top_k) -> list[CacheRecord]:
-    """`samples`' records: the teacher section's micro-steps of their schedule, each through the
-    output layer and the top-k on the teacher's devices, read back per sample."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    program = rt.programs[teacher.name]
-    head = jax.device_put(states["student"].consts[teacher.head], NamedSharding(program.mesh, PartitionSpec()))
-    schedule = rt.schedule(samples)
-    section = rt.graph.section(teacher.name)
-    out = {}
-    for st in schedule.steps[teacher.name]:
-        rows = [samples[i] if i >= 0 else None for i in st.positions]
-        batch = program.put_batch(section.host_batch(rows, schedule.routes(rt.problem, teacher.name, st.index)))
-        hidden = program.forward(states[teacher.name], {}, batch)[teacher.edge]
-        top = jax.device_get(top_k(hidden, head))
-        for r, i in enumerate(st.positions):
-            if i >= 0:
-                n = len(samples[i].tokens) - 1
-                out[i] = CacheRecord(samples[i].id, top.ids[r, :n], top.log_probs[r, :n], top.log_tail[r, :n])
-    return [out[i] for i in range(len(samples))]
+    found = None
+    if jax.process_index() == 0:
+        try:
+            found = {"shards": [dataclasses.asdict(s) for s in resumable_shards(out, identity)]}
+        except ConfigError as err:
+            found = {"error": str(err)}
+    found = rt.coordinator.agree("teacher-cache resume", found)
+    if "error" in found:
+        raise ConfigError(found["error"])
+    return tuple(Shard(**s) for s in found["shards"])
 
 
 def write_cache(
@@ -170,37 +220,51 @@ def write_cache(
 
     teacher = cached_teacher(cfg)
     check_k(k, teacher.model.vocab)
-    if jax.process_count() > 1:
-        raise ConfigError(f"error: distributed: {jax.process_count()} processes; teacher-cache runs on one process")
     out = Path(out)
     rt = build_runtime(cfg)
     shard_samples = shard_batches * cfg.global_batch
     identity = identity_of(cfg, rt.source, k, shard_samples)
-    shards = list(resumable_shards(out, identity))
+    shards = list(_agreed_shards(rt, out, identity))
     out.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(identity, tuple(shards))
     if manifest.complete:
         say(f"teacher-cache: {out} is complete ({len(shards)} shards, {identity.num_samples} samples)")
         return manifest
     total = -(-identity.num_samples // shard_samples)
+    run = _TeacherRun.start(rt, teacher, cfg.distill.temperature, k)
+    writers = run.readers
     say(
         f"teacher-cache: {identity.num_samples} samples in {total} shards of {shard_samples}, top {k}; "
-        f"{len(shards)} complete already"
+        f"{len(shards)} complete already" + (f"; processes {writers} write in turn" if jax.process_count() > 1 else "")
     )
-    states = rt.step.init().sections
-    top_k = _top_k_program(teacher, cfg.distill.temperature, k)
     batches = every_sample_once(rt.source, cfg.global_batch, rt.check)
     start, done = time.perf_counter(), 0
     for index in range(len(shards), total):
         span = range(index * shard_batches, min((index + 1) * shard_batches, len(batches)))
-        records = (r for b in span for r in _records(rt, states, batches[b], teacher, top_k))
-        shards.append(_write_shard(out / shard_name(index), records))
+        records = (r for b in span for r in run.records(batches[b]))
+        writer = writers[index % len(writers)]
+        shards.append(_shard_in_turn(rt, out / shard_name(index), records, writer))
         manifest = Manifest(identity, tuple(shards))
-        _write_manifest(out, manifest)
+        if jax.process_index() == 0:
+            _write_manifest(out, manifest)
         done += shards[-1].samples
         rate = done / max(time.perf_counter() - start, 1e-9)
-        say(f"teacher-cache: shard {index + 1}/{total} written ({done} samples this run, {rate:.1f} samples/s)")
+        by = f" by process {writer}" if jax.process_count() > 1 else ""
+        say(f"teacher-cache: shard {index + 1}/{total} written{by} ({done} samples this run, {rate:.1f} samples/s)")
     return manifest
+
+
+def _shard_in_turn(rt, path: Path, records, writer: int) -> Shard:
+    """The shard of `records` at `path`, written by process `writer` (the others run the same
+    steps and keep nothing), then its name, count and checksum on every process."""
+    import jax
+
+    written = None
+    if jax.process_index() == writer:
+        written = dataclasses.asdict(_write_shard(path, records))
+    else:
+        collections.deque(records, maxlen=0)
+    return Shard(**next(w for w in rt.coordinator.gather("teacher-cache shard", written) if w))
 
 
 def _write_shard(path: Path, records) -> Shard:
