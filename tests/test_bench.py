@@ -66,7 +66,10 @@ def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", override
     assert u["wavefront"] / u["naive"] == pytest.approx(r["samples_per_s"]["wavefront"] / r["samples_per_s"]["naive"])
     assert "timed" in u["peak_source"] and "MFU wavefront: " in said.out
     assert set(r["efficiency_vs_text_only"]) == {"wavefront", "monolithic"}
-    assert all(0 < v < 2 for v in r["efficiency_vs_text_only"].values())  # ratios of timings, not constants
+    # ratios of the timings reported beside them, not constants (their size is the machine's: no bound)
+    for m, v in r["efficiency_vs_text_only"].items():
+        assert r["text_only_step_s"][m] > 0
+        assert v == pytest.approx(r["text_only_step_s"][m] / r["step_time_s"][m]["median"], rel=1e-12)
     for f in ("measured_trace", "measured_gantt", "simulated_trace", "simulated_gantt"):
         assert (tmp_path / "trace").joinpath(r["traces"][f].split("/")[-1]).exists()
     trace = json.loads((tmp_path / "trace" / "measured_trace.json").read_text())
