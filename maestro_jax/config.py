@@ -1036,8 +1036,24 @@ def _format_error(err: pydantic.ValidationError, root: type[BaseModel] | None = 
     if not parts:  # a check across keys: the message names them
         return f"error: {prefix + ': ' if prefix else ''}{message}"
     if e["type"] == "missing":  # its input is the block around the key, not a value of it
-        return f"error: {loc}: missing; this key is required"
+        folder = _folder_kind(e.get("input"), ".".join(parts[:2])) if tagged else ""
+        return f"error: {loc}: missing; this key is required{folder}"
     return f"error: {loc}={e.get('input')!r}: {message}"
+
+
+def _folder_kind(block, key: str) -> str:
+    """For a `models` entry with `hf`: the kind its folder holds, so that a folder of the wrong
+    kind for the model (a vision tower as a KD student) reads as such, not as a key left out."""
+    if not isinstance(block, dict) or not block.get("hf"):
+        return ""
+    try:
+        model_type = hf_config.read_config(block["hf"]).get("model_type")
+    except hf_config.HFError:
+        model_type = None
+    return (
+        f" of kind {block.get('kind')!r}, which {key}.hf={block['hf']!r} holds (config.json model_type "
+        f"{model_type!r}); a model of another kind needs a folder of its kind"
+    )
 
 
 def validate_block(model: type[BaseModel], raw: dict, key: str) -> BaseModel:

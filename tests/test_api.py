@@ -222,6 +222,26 @@ def test_a_user_graphs_samples_are_validated_by_default(mistake, message):
         assert int(found) == int(need) - 1
 
 
+def test_a_source_of_dicts_is_named_before_anything_compiles():
+    """A source returning each sample's fields as a dict, not `mj.Sample`: one DataError naming
+    the index, what it returned and the constructor (it used to be `AttributeError: 'dict' object
+    has no attribute 'id'` from inside the data checks)."""
+    from conftest import compiles
+
+    class Dicts(PictureCaptions):
+        def __getitem__(self, i):
+            s = super().__getitem__(i)
+            return {"id": s.id, "tokens": s.tokens, "items": s.items}
+
+    with compiles() as compiled, pytest.raises(mj.DataError) as err:
+        mj.Trainer(user_config(), user_graph(), Dicts(), **DECLARED)
+    assert str(err.value) == (
+        "source[0] is a dict with keys ['id', 'items', 'tokens'], not a Sample; a source's items are "
+        "maestro_jax.Sample(id, tokens, items) (maestro_jax.data.Sample)"
+    )
+    assert compiled == []
+
+
 def test_undeclared_modalities_are_refused_before_anything_compiles_naming_where_to_declare():
     """A user graph whose samples hold pictures, built without `modalities`: the first batch is
     checked when the Trainer is built, and the error says what was declared and where."""
@@ -319,6 +339,19 @@ def _mistakes():
     def missing_init(key):
         return {k: v for k, v in graph.init(key).items() if k != "projector"}
 
+    decoder = graph.section("decoder")
+
+    def ragged(rows, routes):  # each row's ids as long as its sample: a list of lists
+        batch = decoder.host_batch(rows, routes)
+        return {**batch, "input_ids": [list(r[: 3 + i]) for i, r in enumerate(batch["input_ids"])]}
+
+    def objects(rows, routes):
+        batch = decoder.host_batch(rows, routes)
+        return {**batch, "input_ids": batch["input_ids"].astype(object)}
+
+    def loss_alone(variables, inputs, batch):  # the sink's loss without its metrics
+        return decoder.forward(variables, inputs, batch)[0]
+
     return [
         (
             "wrong width",
@@ -340,12 +373,39 @@ def _mistakes():
             dataclasses.replace(graph, init=missing_init),
             r"^error: section 'projector': the graph's init returns nothing for it",
         ),
+        (
+            "ragged host_batch",
+            _with(graph, "decoder", host_batch=ragged),
+            r"^error: section 'decoder': host_batch returns 'input_ids' as no array of one shape \(setting an array "
+            r"element with a sequence.*; host_batch returns numpy arrays, each row of a key the same shape",
+        ),
+        (
+            "object host_batch",
+            _with(graph, "decoder", host_batch=objects),
+            r"^error: section 'decoder': host_batch returns 'input_ids' of dtype object; host_batch returns bool, "
+            r"integer or float arrays$",
+        ),
+        (
+            "sink without metrics",
+            _with(graph, "decoder", forward=loss_alone),
+            r"^error: section 'decoder': forward returns one array \(float32\[\]\); the sink section returns "
+            r"\(loss summed over the batch, \{metric name: array\}\), an empty dict for no metrics",
+        ),
     ]
 
 
-@pytest.mark.parametrize(
-    "mistake", range(4), ids=["wrong width", "wrong output key", "missing batch key", "missing init entry"]
-)
+MISTAKES = [
+    "wrong width",
+    "wrong output key",
+    "missing batch key",
+    "missing init entry",
+    "ragged host_batch",
+    "object host_batch",
+    "sink without metrics",
+]
+
+
+@pytest.mark.parametrize("mistake", range(len(MISTAKES)), ids=MISTAKES)
 def test_a_user_graphs_mistakes_are_named_before_any_compile(mistake):
     """Each mistake is one GraphError naming the section (and the edge or key), raised by the
     abstract walk of the first batch before anything compiles (they used to surface after
@@ -354,7 +414,8 @@ def test_a_user_graphs_mistakes_are_named_before_any_compile(mistake):
 
     from maestro_jax.core.graph import GraphError
 
-    _, graph, message = _mistakes()[mistake]
+    name, graph, message = _mistakes()[mistake]
+    assert name == MISTAKES[mistake]
     with compiles() as compiled, pytest.raises(GraphError, match=message):
         mj.Trainer(user_config(), graph, PictureCaptions(), **DECLARED).verify()
     assert compiled == [], compiled

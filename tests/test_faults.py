@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM, free_ports
+from conftest import ROOT, TINY_KD, TINY_VLM, compiles, free_ports
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
@@ -992,6 +992,65 @@ def test_output_dir_that_is_a_file_exits_2_before_compiling(tmp_path, inside, ca
     err = capsys.readouterr().err.strip()
     assert status == 2 and err.startswith("error: ") and "\n" not in err, err
     assert f"output_dir={str(out)!r}" in err and "is a file, not a directory" in err, err
+    assert COUNTER.count == before, "refused before any compilation"
+
+
+@pytest.mark.parametrize("tracker, folder", [("tensorboard", "tb"), ("wandb", "wandb")])
+def test_a_trackers_folder_that_cannot_be_one_exits_2_before_compiling(tmp_path, tracker, folder, capsys):
+    """A file where a tracker writes its folder (`<output_dir>/tb`, `<output_dir>/wandb`): one line
+    naming the tracker and the path, status 2, nothing compiled (W&B's used to be a
+    NotADirectoryError traceback after 16 compiles, no step trained)."""
+    from test_plan import COUNTER
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / folder).write_text("a file, not a directory")
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={out}", f"trackers=[jsonl,{tracker}]"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: trackers[{tracker}]={str(out / folder)!r}: is a file, not a directory"), err
+    assert COUNTER.count == before, "refused before any compilation"
+
+
+def test_a_users_tracker_refuses_in_its_check_before_compiling(tmp_path):
+    """A tracker of the user's own (`train(..., trackers=[...])`) with a `check()`: called before
+    anything compiles, and its ConfigError ends the run there, nothing written to it."""
+    from maestro_jax.config import ConfigError
+
+    class Unreachable:
+        def __init__(self):
+            self.records = []
+
+        def check(self):
+            raise ConfigError("error: my_tracker.url='http://nowhere': unreachable")
+
+        def write(self, record):
+            self.records.append(record)
+
+        def flush(self): ...
+
+        def close(self): ...
+
+    tracker = Unreachable()
+    cfg = load_config(KD, [*TINY_KD, f"output_dir={tmp_path / 'out'}", "steps=1"])
+    with compiles() as compiled, pytest.raises(ConfigError, match=r"my_tracker\.url"):
+        train(cfg, progress=False, trackers=[tracker])
+    assert compiled == [] and tracker.records == []
+
+
+def test_a_missing_eval_data_file_is_named_by_its_key_before_compiling(tmp_path, capsys):
+    """`eval.data.paths` naming a file that is not there: one line naming `eval.data.paths` (the key
+    the user wrote; it used to say `data.paths`, after 6 compiles), status 2, nothing compiled."""
+    from test_plan import COUNTER
+
+    missing = tmp_path / "eval" / "val.array_record"
+    held_out = f"eval={{data: {{kind: array_record, paths: [{missing}]}}}}"
+    before = COUNTER.count
+    status = cli.main(["train", "--config", str(KD), *TINY_KD, f"output_dir={tmp_path / 'out'}", held_out])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: eval.data.paths: {missing} is missing"), err
     assert COUNTER.count == before, "refused before any compilation"
 
 

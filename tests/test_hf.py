@@ -549,6 +549,81 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
+@pytest.mark.parametrize(
+    "damage,text",
+    [
+        ("cut_short", "model.safetensors: not a readable safetensors file (SafetensorError"),
+        ("no_weights", "no *.safetensors files; expected the weights beside config.json"),
+        ("index_names_a_missing_shard", "model-00002-of-00002.safetensors: not a readable safetensors file"),
+    ],
+)
+def test_check_hf_on_a_damaged_folder_is_one_line_before_compute(tmp_path, damage, text, capsys):
+    """`check-hf` on weights cut short, no weights file, or an index naming a shard that is not
+    there: status 2, one `error:` line naming the file, nothing compiled and no model built (it
+    used to print safetensors' or transformers' traceback, status 1, after 12 s)."""
+    from test_plan import COUNTER
+
+    from maestro_jax import cli
+
+    path = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "llama3_rope", path)
+    weights = path / "model.safetensors"
+    if damage == "cut_short":
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    elif damage == "no_weights":
+        weights.unlink()
+    else:
+        index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    before = COUNTER.count
+    assert cli.main(["check-hf", "--hf", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --hf={path}: ") and err.count("\n") == 1 and text in err, err
+    assert COUNTER.count == before, "refused before any compilation"
+
+
+@pytest.mark.parametrize(
+    "config,name,folder,said",
+    [
+        (
+            "kd_tiny.yaml",
+            "student",
+            "siglip",
+            "error: models.student.out_width: missing; this key is required of kind 'vit', which "
+            "models.student.hf='{path}' holds (config.json model_type 'siglip_vision_model')",
+        ),
+        (
+            "vlm_tiny.yaml",
+            "vision",
+            "llama3_rope",
+            "error: models.vision.hf='{path}': holds a model of kind 'llm'; workload 'vlm' needs kind 'vit' for "
+            "models.vision",
+        ),
+    ],
+    ids=["vision-tower-as-student", "decoder-as-vision-tower"],
+)
+def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, config, name, folder, said):
+    """`models.<s>: {hf: DIR}` with a folder of another kind than the workload needs there: one
+    line naming the folder and the kind it holds, status 2, nothing compiled (a vision tower as a
+    KD student used to read `models.student.out_width: missing`, as if a key were left out)."""
+    import yaml
+    from test_plan import COUNTER
+
+    from maestro_jax import cli
+
+    raw = yaml.safe_load((ROOT / "configs" / config).read_text())
+    raw["models"][name] = {"hf": str(FIXTURES / folder)}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    before = COUNTER.count
+    assert cli.main(["train", "--config", str(tmp_path / "c.yaml"), "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said.format(path=FIXTURES / folder)) and err.count("\n") == 1, err
+    assert COUNTER.count == before, "refused before any compilation"
+
+
 @pytest.mark.reference
 @pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "gemma3_text", "gemma2"])
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):

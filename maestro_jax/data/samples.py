@@ -170,6 +170,18 @@ def validate_info(info: SampleInfo, modalities: tuple[Modality, ...] = (), max_t
     return info
 
 
+def require_sample(x, where: str = "a sample of the source") -> None:
+    """A DataError where a source gave something other than a `Sample` (a dict of its fields,
+    say), naming what it gave and the constructor to use."""
+    if isinstance(x, Sample):
+        return
+    got = f"a dict with keys {sorted(map(str, x))}" if isinstance(x, dict) else f"a {type(x).__name__}"
+    raise DataError(
+        f"{where} is {got}, not a Sample; a source's items are maestro_jax.Sample(id, tokens, items) "
+        f"(maestro_jax.data.Sample)"
+    )
+
+
 def validate_sample(
     s: Sample,
     modalities: tuple[Modality, ...] = (),
@@ -183,6 +195,7 @@ def validate_sample(
 
     `parts`: the parts this process decoded (None: all); the others are hollow and unchecked
     here (the process that decodes them checks them)."""
+    require_sample(s)
     where = f"sample id={s.id}"
     if not (isinstance(s.tokens, np.ndarray) and s.tokens.ndim == 1 and np.issubdtype(s.tokens.dtype, np.integer)):
         tokens = np.asarray(s.tokens)

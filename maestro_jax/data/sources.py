@@ -160,16 +160,17 @@ class ArrayRecordSource:
     no record read. Without an index it reads the record and decodes its npy headers only."""
 
     paths: tuple[str, ...]
+    key: str = "data.paths"  # the config key that named the paths, for the errors (`eval.data.paths`)
 
     def __post_init__(self):
         files, indexes = [], []
         for p in self.paths:
-            files.append(_open_array_record(p))
+            files.append(_open_array_record(p, self.key))
             index = Path(f"{p}.index.json")
             rows = json.loads(index.read_text()) if index.is_file() else None
             if rows is not None and len(rows) != len(files[-1]):
                 raise DataError(
-                    f"data.paths: {index} lists {len(rows)} records but {p} holds {len(files[-1])}; "
+                    f"{self.key}: {index} lists {len(rows)} records but {p} holds {len(files[-1])}; "
                     f"rewrite it with write_index"
                 )
             indexes.append(rows)
@@ -237,7 +238,7 @@ _DAMAGED = (
 )
 
 
-def _open_array_record(path: str):
+def _open_array_record(path: str, key: str = "data.paths"):
     """One ArrayRecord file as a Grain source; a missing, empty, truncated or otherwise
     unopenable file is a DataError naming it (its records cannot even be counted, so no policy
     can skip them one by one)."""
@@ -245,14 +246,14 @@ def _open_array_record(path: str):
 
     if not Path(path).is_file() or Path(path).stat().st_size == 0:
         raise DataError(
-            f"data.paths: {path} is {'empty' if Path(path).is_file() else 'missing'}; give ArrayRecord "
+            f"{key}: {path} is {'empty' if Path(path).is_file() else 'missing'}; give ArrayRecord "
             f"files written by scripts/convert_images.py"
         )
     try:
         return grain.sources.ArrayRecordDataSource([path])
     except (RuntimeError, ValueError, OSError) as err:  # Riegeli reports a damaged file as RuntimeError
         raise DataError(
-            f"data.paths: {path} cannot be opened as ArrayRecord (truncated or damaged: {_first_line(err)})"
+            f"{key}: {path} cannot be opened as ArrayRecord (truncated or damaged: {_first_line(err)})"
         ) from err
 
 

@@ -17,7 +17,7 @@ from maestro_jax.core import plan as plan_lib
 from maestro_jax.core.graph import GraphError, SectionGraph
 from maestro_jax.data import BadSamples, global_batches
 from maestro_jax.data.pipeline import BatchReader, ReadPlan
-from maestro_jax.data.samples import TOKENS, DataError, parts_of
+from maestro_jax.data.samples import TOKENS, DataError, parts_of, require_sample
 from maestro_jax.data.sources import SyntheticSource
 from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import Coordinator
@@ -253,8 +253,10 @@ def check_first_batch(cfg: Config, source, check, hint: str = "") -> None:
         n = cfg.global_batch
     first = None
     for i in range(n):
+        sample = source[i]
+        require_sample(sample, f"source[{i}]")  # the source's contract, whatever the check declares
         try:
-            check(source[i])
+            check(sample)
         except DataError as err:
             if cfg.data.on_bad_sample == "error":
                 raise DataError(f"{err}{hint}") from err

@@ -49,7 +49,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -358,6 +358,16 @@ class SectionPrograms:
                 )
             return out
 
+        def sink_result(out):
+            """The sink returns (its loss summed over the batch, {metric name: array})."""
+            if isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], Mapping):
+                return out
+            got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, tuple | list) else _value_text(out)
+            raise GraphError(
+                f"error: section {section.name!r}: forward returns {got}; the sink section returns (loss summed "
+                f"over the batch, {{metric name: array}}), an empty dict for no metrics"
+            )
+
         def forward(variables, inputs, batch):
             return outputs(fwd(variables, inputs, batch))
 
@@ -383,7 +393,7 @@ class SectionPrograms:
             diff, rest = split_inputs(inputs)
 
             def loss_fn(p, d):
-                loss_sum, metrics = fwd({**variables, "params": p}, {**rest, **d}, batch)
+                loss_sum, metrics = sink_result(fwd({**variables, "params": p}, {**rest, **d}, batch))
                 return loss_sum / norm, metrics
 
             (loss, metrics), (grads, d_inputs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
@@ -392,7 +402,7 @@ class SectionPrograms:
             return loss, metrics, tree_add(acc, grads), d_inputs
 
         def loss(variables, inputs, batch, norm):
-            loss_sum, metrics = fwd(variables, inputs, batch)
+            loss_sum, metrics = sink_result(fwd(variables, inputs, batch))
             return loss_sum / norm, metrics
 
         def zeros(params):
@@ -624,7 +634,9 @@ class SectionPrograms:
 
         Every process holds the whole micro-step on the host (the schedule is the same
         everywhere); across processes each one places only its own devices' rows. During a dry run,
-        the arrays' abstract values on those devices."""
+        the arrays' abstract values on those devices. What is no numeric array of one shape (a
+        ragged list, objects, strings) is a `GraphError` naming the section and the key."""
+        batch = host_arrays(self.name, batch)
         if self.dry is not None:
             return {
                 k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype), sharding=self.row_sharding)
@@ -636,3 +648,36 @@ class SectionPrograms:
             k: jax.make_array_from_callback(v.shape, self.row_sharding, lambda idx, v=v: v[idx], dtype=v.dtype)
             for k, v in batch.items()
         }
+
+
+def _value_text(x) -> str:
+    """A value as an error names it: an array by its dtype and shape, anything else by its type."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    return f"one array ({dtype}{list(shape)})" if shape is not None and dtype is not None else type(x).__name__
+
+
+def host_arrays(section: str, batch) -> dict[str, np.ndarray]:
+    """A section's `host_batch` result as numpy arrays, or a `GraphError` naming the section and
+    the key that is no numeric array of one shape (the contract: {key: array}, bool, integer or
+    float, every row of a key the same shape)."""
+    if not isinstance(batch, Mapping):
+        raise GraphError(
+            f"error: section {section!r}: host_batch returns {type(batch).__name__}; it returns {{key: numpy array}}"
+        )
+    out = {}
+    for key, value in batch.items():
+        try:
+            array = np.asarray(value)
+        except ValueError as err:
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise GraphError(
+                f"error: section {section!r}: host_batch returns {key!r} as no array of one shape ({first}); "
+                f"host_batch returns numpy arrays, each row of a key the same shape (pad ragged rows)"
+            ) from None
+        if array.dtype.kind not in "biuf":
+            raise GraphError(
+                f"error: section {section!r}: host_batch returns {key!r} of dtype {array.dtype}; host_batch returns "
+                f"bool, integer or float arrays"
+            )
+        out[key] = array
+    return out

@@ -96,14 +96,15 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
 
 def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
-    Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits."""
+    Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits. A folder whose weights are
+    missing, cut short or unreadable is an `HFError` naming the file, before anything runs."""
+    from maestro_jax.models.hf import weight_files
+
     model_type = read_config(path).get("model_type")
-    if model_type == "gemma3":
-        return check_gemma3_vlm(path, tolerance, seed)
-    if model_type in QWEN_VL_MODELS:
-        return check_qwen_vl(path, tolerance, seed)
-    check = {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind_of(path)]
-    return [check(path, tolerance, seed)]
+    whole = {"gemma3": check_gemma3_vlm, **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl)}.get(model_type)
+    check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind_of(path)]
+    weight_files(path)  # the model type first: a folder of an unsupported one is named as such
+    return check(path, tolerance, seed) if whole else [check(path, tolerance, seed)]
 
 
 def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:

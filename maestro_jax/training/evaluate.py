@@ -58,18 +58,24 @@ class Evaluation:
         return sum(float(self.rt.coordinator.fetch(loss)) * tokens for loss, tokens in issued) / max(total, 1)
 
 
+def held_out_source(cfg: Config):
+    """The `eval` block's samples from the config: `eval.data` (its errors name `eval.data`), or
+    the training data's settings drawn with `seed + 1`. Built before anything compiles, so a
+    missing file is refused first."""
+    from maestro_jax import workloads
+
+    if cfg.workload is None:
+        raise ConfigError("error: eval: a user graph evaluates on its own source; pass eval_source to Trainer")
+    held_out = cfg.model_copy(update={"data": cfg.eval.data or cfg.data, "seed": cfg.seed + 1})
+    return workloads.source_from_config(held_out, "eval.data" if cfg.eval.data is not None else "data")
+
+
 def evaluation_for(cfg: Config, rt: Runtime, source=None) -> Evaluation | None:
     """The run's `Evaluation`, or None without an `eval` block. `source`: a user graph's own eval
     source; else the config's `eval.data` (synthetic with `seed + 1`)."""
     if cfg.eval is None:
         return None
-    if source is None:
-        from maestro_jax import workloads
-
-        if cfg.workload is None:
-            raise ConfigError("error: eval: a user graph evaluates on its own source; pass eval_source to Trainer")
-        held_out = cfg.model_copy(update={"data": cfg.eval.data or cfg.data, "seed": cfg.seed + 1})
-        source = workloads.source_from_config(held_out)
+    source = source if source is not None else held_out_source(cfg)
     skip = (cfg.eval.data or cfg.data).on_bad_sample == "skip"
     return Evaluation(rt, source, cfg.eval.batches, skip)
 

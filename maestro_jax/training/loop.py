@@ -42,12 +42,12 @@ from maestro_jax.runtime.mfu import MfuMeter
 from maestro_jax.runtime.step import StepBatch, StepMetrics, TrainState
 from maestro_jax.training.checkpoint import Checkpointer, check_start_points, start_from_checkpoints
 from maestro_jax.training.dirlock import hold_directories
-from maestro_jax.training.evaluate import Evaluation, evaluation_for
+from maestro_jax.training.evaluate import Evaluation, evaluation_for, held_out_source
 from maestro_jax.training.preemption import Preemption, raise_if_interrupted
 from maestro_jax.training.prefetch import Prefetcher, PreparedBatch
 from maestro_jax.training.profile import ProfileWindow
 from maestro_jax.training.storage import check_directories, write_error
-from maestro_jax.training.trackers import Trackers, check_trackers, flat_config, output_trackers
+from maestro_jax.training.trackers import Trackers, check_trackers, flat_config, output_trackers, tracker_directories
 
 log = logging.getLogger("maestro_jax")
 
@@ -76,13 +76,15 @@ def train(
     say = _Say(progress)
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(Preemption())
-        check_directories(dirs, coordinator)
-        check_trackers(cfg)
+        check_directories({**dirs, **tracker_directories(cfg, out_dir)}, coordinator)
+        check_trackers(cfg, trackers)
         check_start_points(cfg)
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
         cache = stack.enter_context(compile_cache.using(_cache_dir(cfg), _cache_max_bytes(cfg)))
+        if eval_source is None and cfg.eval is not None and cfg.eval.data is not None:
+            eval_source = held_out_source(cfg)  # its own files are checked before anything compiles
         if rt is None:
             devices = len({d for s in cfg.sections.values() for d in s.devices})
             say(

@@ -34,6 +34,10 @@ log = logging.getLogger("maestro_jax")
 
 
 class Tracker(Protocol):
+    """A metrics sink. A tracker may also have `check()`, called before anything compiles, where
+    it refuses what it cannot write to (raise `ConfigError` with one `error:` line naming the
+    setting), so a run never compiles only to fail at its first record."""
+
     def write(self, record: dict) -> None: ...
 
     def flush(self) -> None: ...
@@ -152,9 +156,26 @@ class WandbTracker:
         self.run.finish()
 
 
-def check_trackers(cfg: Config) -> None:
-    """Before anything compiles: a tracker whose package is missing (W&B is an optional extra)."""
+# where each built-in tracker writes, inside output_dir (W&B makes its own `wandb/` there)
+TRACKER_FOLDERS = {"jsonl": ".", "tensorboard": "tb", "wandb": "wandb"}
+
+
+def tracker_directories(cfg: Config, out_dir: Path | None) -> dict[str, Path]:
+    """The folder each of the config's trackers writes to, by the key that names it in errors
+    (`trackers[tensorboard]`): checked with output_dir before anything compiles."""
+    if out_dir is None:
+        return {}
+    return {f"trackers[{name}]": out_dir / TRACKER_FOLDERS[name] for name in cfg.trackers if name != "jsonl"}
+
+
+def check_trackers(cfg: Config, extra=()) -> None:
+    """Before anything compiles: a tracker whose package is missing (W&B is an optional extra),
+    and each of the `extra` trackers' own `check()` where it has one."""
     import importlib.util
+
+    for tracker in extra:
+        if callable(getattr(tracker, "check", None)):
+            tracker.check()
 
     if "wandb" in cfg.trackers and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
@@ -217,7 +238,7 @@ def output_trackers(cfg: Config, out_dir: Path | None, start: int, extra=()) -> 
         config = cfg.model_dump(mode="json")
         made = {
             "jsonl": lambda: JsonlTracker(out_dir / "metrics.jsonl", start),
-            "tensorboard": lambda: TensorBoardTracker(out_dir / "tb", start, config),
+            "tensorboard": lambda: TensorBoardTracker(out_dir / TRACKER_FOLDERS["tensorboard"], start, config),
             "wandb": lambda: WandbTracker(out_dir, cfg.wandb, config),
         }
         trackers += [made[name]() for name in cfg.trackers]

@@ -216,6 +216,11 @@ def model(cfg: Config, name: str, kind: str):
         raise ConfigError(
             f"error: models.{name}: missing; workload {cfg.workload!r} needs a model of kind {kind!r} named {name!r}"
         )
+    if m.kind != kind and getattr(m, "hf", None) is not None:  # the kind came from the folder, or agrees with it
+        raise ConfigError(
+            f"error: models.{name}.hf={m.hf!r}: holds a model of kind {m.kind!r}; workload {cfg.workload!r} needs "
+            f"kind {kind!r} for models.{name}"
+        )
     if m.kind != kind:
         raise ConfigError(f"error: models.{name}.kind={m.kind!r}: workload {cfg.workload!r} needs kind {kind!r} here")
     fields = {k: v for k, v in m.model_dump().items() if k not in ("kind", "hf")}
@@ -315,10 +320,11 @@ def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -
             raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
 
 
-def source_from_config(cfg: Config):
+def source_from_config(cfg: Config, key: str = "data"):
     """The configured sample source (`data.kind`), each sample with its cached teacher outputs
-    where the config trains from a teacher cache (`distill.cache`: `data.teacher_cache`)."""
-    source = _data_source(cfg)
+    where the config trains from a teacher cache (`distill.cache`: `data.teacher_cache`). `key`:
+    where the config holds `cfg.data` (`eval.data` for a held-out source), for the errors."""
+    source = _data_source(cfg, key)
     if cfg.distill.cache is None:
         return source
     from maestro_jax.data.teacher_cache import checked_source
@@ -326,7 +332,7 @@ def source_from_config(cfg: Config):
     return checked_source(source, cfg.distill.cache)
 
 
-def _data_source(cfg: Config):
+def _data_source(cfg: Config, key: str = "data"):
     """The ArrayRecord files as they are, the workload's own source (`workload`:
     `Workload.source`), or a seeded synthetic source over the workload's vocabulary whose items
     are the workload's modalities that `data.modalities` gives sizes to (each name and size
@@ -334,7 +340,7 @@ def _data_source(cfg: Config):
     from maestro_jax.data.sources import ArrayRecordSource, SyntheticItems, SyntheticSource
 
     if cfg.data.kind == "array_record":
-        return ArrayRecordSource(tuple(cfg.data.paths))
+        return ArrayRecordSource(tuple(cfg.data.paths), key=f"{key}.paths")
     workload = check_config(cfg)
     if cfg.data.kind == "workload":
         if workload.source is None:
