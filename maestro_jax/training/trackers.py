@@ -156,8 +156,9 @@ class WandbTracker:
         self.run.finish()
 
 
-# where each built-in tracker writes, inside output_dir (W&B makes its own `wandb/` there)
-TRACKER_FOLDERS = {"jsonl": ".", "tensorboard": "tb", "wandb": "wandb"}
+# the folder each built-in tracker makes inside output_dir (W&B makes its own `wandb/`; JSONL
+# writes output_dir's metrics.jsonl, checked with output_dir itself)
+TRACKER_FOLDERS = {"tensorboard": "tb", "wandb": "wandb"}
 
 
 def tracker_directories(cfg: Config, out_dir: Path | None) -> dict[str, Path]:
@@ -165,7 +166,7 @@ def tracker_directories(cfg: Config, out_dir: Path | None) -> dict[str, Path]:
     (`trackers[tensorboard]`): checked with output_dir before anything compiles."""
     if out_dir is None:
         return {}
-    return {f"trackers[{name}]": out_dir / TRACKER_FOLDERS[name] for name in cfg.trackers if name != "jsonl"}
+    return {f"trackers[{name}]": out_dir / TRACKER_FOLDERS[name] for name in cfg.trackers if name in TRACKER_FOLDERS}
 
 
 def check_trackers(cfg: Config, extra=()) -> None:
