@@ -34,7 +34,11 @@ def cli_args(config, overrides, hold=()):
 
 
 def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The complete lines of metrics.jsonl. Polled while the run writes, or read after a kill,
+    the last line may be cut short (no newline yet); the run that resumes drops such a line
+    itself (trackers.JsonlTracker), so a reader skips it too."""
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 def final_losses(out):
