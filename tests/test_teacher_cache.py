@@ -23,8 +23,6 @@ from maestro_jax.tools.teacher_cache import write_cache
 from maestro_jax.tools.verify import verify
 from maestro_jax.workloads import model
 
-_JAXLIB = tuple(map(int, jax.lib.__version__.split(".")[:2]))
-
 KD = ROOT / "configs" / "kd_tiny.yaml"
 SMALL = [*TINY_KD, "data.num_samples=20"]  # 20 samples in batches of 8: the last batch holds 4
 
@@ -372,12 +370,6 @@ def test_a_cache_of_a_low_precision_teacher_trains_as_it_does_online(tmp_path, p
             ["sections.teacher.devices=[2,3,4,5]", "sections.student.devices=[0,1,6,7]"],
             [0, 1],
             id="span",
-            # jaxlib 0.12.1 on CPU: both processes wait forever reading the first top-k result
-            # (py-spy: ArrayImpl._value in _TeacherRun.records) when the teacher's mesh spans
-            # them; it passes on 0.10.2. Open: docs/training.md, "teacher-cache on several processes"
-            marks=pytest.mark.skipif(
-                _JAXLIB >= (0, 11), reason="teacher mesh across processes hangs on jaxlib>=0.11 CPU"
-            ),
         ),
         pytest.param(["sections.teacher.devices=[4,5,6,7]", "sections.student.devices=[0,1,2,3]"], [1], id="apart"),
     ],

@@ -25,7 +25,6 @@ unstaged and unpacked; other layouts are refused before any compute.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import time
@@ -241,7 +240,10 @@ def write_cache(
     start, done = time.perf_counter(), 0
     for index in range(len(shards), total):
         span = range(index * shard_batches, min((index + 1) * shard_batches, len(batches)))
-        records = (r for b in span for r in run.records(batches[b]))
+        # the shard's teacher steps all run before its file opens: on jaxlib 0.12's CPU client a
+        # cross-process collective issued while the writing process held the shard's
+        # ArrayRecordWriter open never completed (teacher spanning both processes; 0.10.2 passes)
+        records = [r for b in span for r in run.records(batches[b])]
         writer = writers[index % len(writers)]
         shards.append(_shard_in_turn(rt, out / shard_name(index), records, writer))
         manifest = Manifest(identity, tuple(shards))
@@ -254,16 +256,12 @@ def write_cache(
     return manifest
 
 
-def _shard_in_turn(rt, path: Path, records, writer: int) -> Shard:
-    """The shard of `records` at `path`, written by process `writer` (the others run the same
-    steps and keep nothing), then its name, count and checksum on every process."""
+def _shard_in_turn(rt, path: Path, records: list[CacheRecord], writer: int) -> Shard:
+    """The shard of `records` at `path`, written by process `writer` (the others ran the same
+    steps and drop theirs), then its name, count and checksum on every process."""
     import jax
 
-    written = None
-    if jax.process_index() == writer:
-        written = dataclasses.asdict(_write_shard(path, records))
-    else:
-        collections.deque(records, maxlen=0)
+    written = dataclasses.asdict(_write_shard(path, records)) if jax.process_index() == writer else None
     return Shard(**next(w for w in rt.coordinator.gather("teacher-cache shard", written) if w))
 
 
