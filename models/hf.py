@@ -83,6 +83,27 @@ def weight_files(path: str | Path) -> list[Path]:
     return [path / n for n in names]
 
 
+def require_tensors(path: str | Path, names) -> None:
+    """Every one of `names` (None: a leaf the checkpoint does not hold) is in the folder's
+    safetensors headers, read without loading a tensor: a folder that lacks some is an `HFError`
+    naming how many and the first, before anything is built or compiled."""
+    tensors = _Tensors(Path(path))
+    wanted = [n for n in names if n is not None]
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise HFError(
+            f"{path}: {len(missing)} of the {len(wanted)} tensors the model reads are missing from its "
+            f"safetensors files: {shown}"
+        )
+
+
+def llm_tensors(path: str | Path, fields: dict) -> list[str]:
+    """The tensors a decoder with `fields` reads from the folder (`load_llm` with the output layer,
+    what a KD teacher's body and head read too)."""
+    return [name for name, _ in _mapping(fields, True, text_prefix(path)).values()]
+
+
 class _Tensors:
     """Lazy, memory-mapped access to every tensor of the folder's safetensors files."""
 

@@ -357,14 +357,33 @@ def load_vit(path: str | Path, target: dict, fields: dict) -> dict:
     held = _held_blocks(target)
     if held > fields["depth"]:
         raise HFError(f"{path}: the checkpoint has {fields['depth']} blocks; the model holds {held}")
+    return _load(path, tensors, target, _tower_mapping(path, tensors, fields, held))
+
+
+def _tower_mapping(path: Path, tensors: _Tensors, fields: dict, held: int) -> dict:
+    """What `load_vit` reads for a tower of `held` blocks: the mapping of its kind (SigLIP, CLIP,
+    Qwen2.5-VL, Qwen3-VL) under the prefix the folder's tensors are saved with."""
     if fields.get("block") == "rmsnorm_glu" or fields.get("pos_embed") == "table_rope2d":
         prefix = _prefix(path, tensors, "patch_embed.proj.weight", QWEN_VL_PREFIXES)
         mapping = qwen_vit_mapping if fields.get("block") == "rmsnorm_glu" else qwen3_vit_mapping
-        return _load(path, tensors, target, mapping({**fields, "feature_layer": held}, prefix))
+        return mapping({**fields, "feature_layer": held}, prefix)
     prefixes = CLIP_PREFIXES if fields.get("class_token") else SIGLIP_PREFIXES
     prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", prefixes)
     projector = gemma3_projector_prefix(prefix) if fields.get("projector") == "avg_pool" else None
-    return _load(path, tensors, target, vit_mapping({**fields, "feature_layer": held}, prefix, projector))
+    return vit_mapping({**fields, "feature_layer": held}, prefix, projector)
+
+
+def vit_tensors(path: str | Path, fields: dict, held: int) -> list[str | None]:
+    """The tensors `load_vit` reads from the folder for a tower of `held` blocks."""
+    path = Path(path)
+    return [name for name, _ in _tower_mapping(path, _Tensors(path), fields, held).values()]
+
+
+def audio_tensors(path: str | Path, fields: dict) -> list[str | None]:
+    """The tensors `load_audio` reads from the folder."""
+    path = Path(path)
+    prefix = _prefix(path, _Tensors(path), "conv1.weight", WHISPER_PREFIXES)
+    return [name for name, _ in audio_mapping(fields, prefix).values()]
 
 
 def load_audio(path: str | Path, target: dict, fields: dict) -> dict:

@@ -522,10 +522,16 @@ def test_distilled_student_exports_to_transformers(tmp_path):
         ("config_not_json", "config.json: not a readable JSON file (JSONDecodeError"),
         ("no_safetensors", "no *.safetensors files"),
         ("bad_safetensors", "model.safetensors: not a readable safetensors file"),
+        (
+            "missing_tensor",
+            "1 of the 21 tensors the model reads are missing from its safetensors files: "
+            "'model.layers.0.mlp.up_proj.weight'",
+        ),
     ],
 )
 def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, capsys):
-    """A config.json that is not JSON, or no (readable) weights: one line, status 2, nothing
+    """A config.json that is not JSON, no (readable) weights, or weights short of a tensor the
+    model reads (the safetensors headers, no tensor loaded): one line, status 2, nothing
     compiled (it used to fail after 5 compilations)."""
     from test_plan import COUNTER
 
@@ -538,6 +544,8 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     elif damage == "no_safetensors":
         for f in path.glob("*.safetensors"):
             f.unlink()
+    elif damage == "missing_tensor":
+        _drop_tensor(path / "model.safetensors", "model.layers.0.mlp.up_proj.weight")
     else:
         (path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not js")
     capsys.readouterr()
@@ -549,18 +557,33 @@ def test_damaged_hf_folder_exits_2_before_compiling(tmp_path, damage, text, caps
     assert COUNTER.count == before, "rejected before any compilation"
 
 
+def _drop_tensor(weights, name):
+    """`weights` (a safetensors file) rewritten without the tensor `name`."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(weights))
+    del tensors[name]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize(
     "damage,text",
     [
         ("cut_short", "model.safetensors: not a readable safetensors file (SafetensorError"),
         ("no_weights", "no *.safetensors files; expected the weights beside config.json"),
         ("index_names_a_missing_shard", "model-00002-of-00002.safetensors: not a readable safetensors file"),
+        (
+            "missing_tensor",
+            "2 of the 21 tensors the model reads are missing from its safetensors files: "
+            "'model.norm.weight', 'lm_head.weight'",
+        ),
     ],
 )
 def test_check_hf_on_a_damaged_folder_is_one_line_before_compute(tmp_path, damage, text, capsys):
-    """`check-hf` on weights cut short, no weights file, or an index naming a shard that is not
-    there: status 2, one `error:` line naming the file, nothing compiled and no model built (it
-    used to print safetensors' or transformers' traceback, status 1, after 12 s)."""
+    """`check-hf` on weights cut short, no weights file, an index naming a shard that is not
+    there, or weights short of tensors the model reads: status 2, one `error:` line naming the
+    file, nothing compiled and no model built (it used to print safetensors' or transformers'
+    traceback, status 1, after 12 s)."""
     from test_plan import COUNTER
 
     from maestro_jax import cli
@@ -573,6 +596,9 @@ def test_check_hf_on_a_damaged_folder_is_one_line_before_compute(tmp_path, damag
             f.truncate(weights.stat().st_size // 2)
     elif damage == "no_weights":
         weights.unlink()
+    elif damage == "missing_tensor":
+        _drop_tensor(weights, "model.norm.weight")
+        _drop_tensor(weights, "lm_head.weight")
     else:
         index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -581,6 +607,34 @@ def test_check_hf_on_a_damaged_folder_is_one_line_before_compute(tmp_path, damag
     assert cli.main(["check-hf", "--hf", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --hf={path}: ") and err.count("\n") == 1 and text in err, err
+    assert COUNTER.count == before, "refused before any compilation"
+
+
+@pytest.mark.parametrize(
+    "folder,dropped",
+    [
+        ("siglip", "encoder.layers.0.mlp.fc1.weight"),
+        ("whisper", "encoder.layers.0.fc1.weight"),
+        ("qwen2_5_vl", "visual.blocks.0.mlp.up_proj.weight"),  # a whole VLM: its tower's tensors
+        ("qwen2_5_vl", "model.layers.1.mlp.up_proj.weight"),  # and its decoder's
+    ],
+)
+def test_check_hf_names_a_tensor_a_tower_or_vlm_folder_lacks(tmp_path, folder, dropped, capsys):
+    """A vision tower, an audio encoder or a whole VLM whose weights lack a tensor its model reads:
+    `check-hf` names it in one line, status 2, before anything is built or compiled."""
+    from test_plan import COUNTER
+
+    from maestro_jax import cli
+
+    path = tmp_path / folder
+    shutil.copytree(FIXTURES / folder, path)
+    _drop_tensor(path / "model.safetensors", dropped)
+    capsys.readouterr()
+    before = COUNTER.count
+    assert cli.main(["check-hf", "--hf", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --hf={path}: ") and err.count("\n") == 1, err
+    assert "1 of the " in err and f"tensors the model reads are missing from its safetensors files: {dropped!r}" in err
     assert COUNTER.count == before, "refused before any compilation"
 
 

@@ -97,14 +97,33 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
 def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
     Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits. A folder whose weights are
-    missing, cut short or unreadable is an `HFError` naming the file, before anything runs."""
+    missing, cut short, unreadable or short of a tensor the model reads is an `HFError` naming the
+    file, before anything runs."""
     from maestro_jax.models.hf import weight_files
 
     model_type = read_config(path).get("model_type")
     whole = {"gemma3": check_gemma3_vlm, **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl)}.get(model_type)
-    check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kind_of(path)]
+    kinds = ("llm", "vit") if whole else (kind_of(path),)  # a whole VLM: a decoder and a tower
+    check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kinds[0]]
     weight_files(path)  # the model type first: a folder of an unsupported one is named as such
+    _require_tensors(path, kinds)
     return check(path, tolerance, seed) if whole else [check(path, tolerance, seed)]
+
+
+def _require_tensors(path: str | Path, kinds: tuple[str, ...]) -> None:
+    """Every tensor the folder's models of `kinds` read is in its safetensors headers (no tensor is
+    loaded): a folder short of one is named before transformers or maestro builds anything."""
+    from maestro_jax.models import hf, hf_encoders
+
+    for kind in kinds:
+        if kind == "llm":
+            names = hf.llm_tensors(path, llm_fields(path))
+        elif kind == "vit":
+            fields = vit_fields(path)
+            names = hf_encoders.vit_tensors(path, fields, hf_encoders.vit_layers(fields))
+        else:
+            names = hf_encoders.audio_tensors(path, audio_fields(path))
+        hf.require_tensors(path, names)
 
 
 def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
