@@ -44,6 +44,7 @@ from maestro_jax.data.convert import (
     Converter,
     ConvertError,
     Target,
+    check_paths,
     convert,
 )
 
@@ -84,6 +85,7 @@ def main() -> int:
     ap.add_argument("--strict", action="store_true", help="stop at the first bad record (status 2)")
     args = ap.parse_args()
     try:
+        check_paths(args.inputs, args.out, args.image_root)
         target = target_of(args.config, args.set)
         if args.max_tokens is not None:
             top = target.max_tokens

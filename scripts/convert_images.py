@@ -41,7 +41,7 @@ from maestro_jax.data import (
     write_index,
 )
 from maestro_jax.data.convert import BadRecord as BadFile  # names the file at fault and why
-from maestro_jax.data.convert import load_image
+from maestro_jax.data.convert import ConvertError, check_input, check_out, load_image
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 
@@ -124,8 +124,8 @@ def convert(folder: Path, out: Path, image: Modality, max_side: int, strict: boo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folder", type=Path)
-    ap.add_argument("out", type=Path)
+    ap.add_argument("folder", type=Path, metavar="FOLDER")
+    ap.add_argument("out", type=Path, metavar="OUT")
     ap.add_argument("--patch", type=int, help="the ViT's patch side (default 4; not with --config)")
     ap.add_argument(
         "--merge", type=int, help="patches merged a side into one image token (default 2; not with --config)"
@@ -141,6 +141,8 @@ def main() -> int:
         print("error: --patch/--merge: the config sets them (models.vision); valid: leave them out", file=sys.stderr)
         return 2
     try:
+        check_input(args.folder, "FOLDER", folder=True)
+        check_out(args.out)
         if args.config is not None:
             image = image_of(args.config, args.set)
             if args.max_side is None and image.max_shape is None:
@@ -150,7 +152,7 @@ def main() -> int:
             unit = (args.patch or 4) * (args.merge or 2)
             image, max_side = Modality("image", IMAGE_TOKEN, (unit, unit), 3), args.max_side or 32
         n, skipped = convert(args.folder, args.out, image, max_side, args.strict)
-    except ConfigError as err:
+    except (ConfigError, ConvertError) as err:
         print(str(err), file=sys.stderr)
         return 2
     except BadFile as err:

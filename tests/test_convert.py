@@ -214,10 +214,51 @@ def test_bad_records_are_named_and_skipped_and_strict_stops(tokenizer, images, t
     assert not out.exists() and not (tmp_path / "out.array_record.partial").exists()
 
 
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("missing_input", "error: INPUT={tmp}/none.jsonl: no such file or folder"),
+        (
+            "no_out_folder",
+            "error: OUT={tmp}/nowhere/out.array_record: its folder {tmp}/nowhere does not exist; create it first",
+        ),
+        ("out_is_a_folder", "error: OUT={tmp}: is a folder; valid: the name of the ArrayRecord file to write"),
+        (
+            "no_image_root",
+            "error: --image-root={tmp}/pics: not a folder; valid: the folder relative image paths start in",
+        ),
+    ],
+)
+def test_the_converters_paths_are_named_by_argument_before_any_work(tokenizer, tmp_path, case, said):
+    """An INPUT that is not there, an OUT in a folder that is not there or that is a folder, an
+    `--image-root` that is no folder: one `error:` line naming the argument as written, status 2,
+    before the tokenizer loads or a record is read, and nothing written (an OUT in a missing folder
+    used to end in ArrayRecord's RuntimeError traceback, status 1)."""
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps(llava(0)) + "\n")
+    paths = {
+        "missing_input": [tmp_path / "none.jsonl", tmp_path / "out.array_record"],
+        "no_out_folder": [data, tmp_path / "nowhere" / "out.array_record"],
+        "out_is_a_folder": [data, tmp_path],
+        "no_image_root": [data, tmp_path / "out.array_record", "--image-root", tmp_path / "pics"],
+    }[case]
+    cmd = (
+        SCRIPT
+        + [str(p) for p in paths]
+        + ["--tokenizer", str(tokenizer), "--config", str(ROOT / "configs/vlm_tiny.yaml")]
+    )
+    before = sorted(tmp_path.iterdir())
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [said.format(tmp=tmp_path)], proc.stderr
+    assert sorted(tmp_path.iterdir()) == before, "nothing written"
+
+
 def test_a_tokenizer_the_model_cannot_take_is_refused_before_any_record(tokenizer, tmp_path):
-    cmd = SCRIPT + [str(tmp_path / "none.jsonl"), str(tmp_path / "o"), "--tokenizer", str(tokenizer)]
+    unread = tmp_path / "unread.jsonl"
+    unread.write_text("not JSON\n")  # had it been read, its line would be named as skipped
+    cmd = SCRIPT + [str(unread), str(tmp_path / "o"), "--tokenizer", str(tokenizer)]
     cmd += ["--config", str(ROOT / "configs/vlm_tiny.yaml"), "--set", "models.llm.vocab=256"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)  # the input does not even exist: never read
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: models.llm.vocab=256: the tokenizer in {tokenizer} has ids up to 299 (token "
@@ -319,9 +360,11 @@ def test_image_placeholder_id_is_the_tokenizers_own(images, tmp_path):
     data = tmp_path / "llava.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "seven.array_record"
-    cmd = SCRIPT + [str(tmp_path / "none.jsonl"), str(out), "--tokenizer", str(folder)]
+    unread = tmp_path / "unread.jsonl"
+    unread.write_text("not JSON\n")  # had it been read, its line would be named as skipped
+    cmd = SCRIPT + [str(unread), str(out), "--tokenizer", str(folder)]
     cmd += ["--config", str(ROOT / "configs/vlm_tiny.yaml"), "--image-root", str(images), "--max-side", "32"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)  # the input does not exist: never read
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: workload_settings.image_token=1: the tokenizer in {folder} has '<image>' at id 7, and image "

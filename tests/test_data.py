@@ -536,6 +536,44 @@ def test_unopenable_file_stops_with_one_line_naming_it(tmp_path, capsys, damage,
 
 
 # -- scripts/convert_images.py: bad input files are skipped and named, or stop it with --strict -----
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("missing_folder", "error: FOLDER={tmp}/none: no such folder"),
+        (
+            "folder_is_a_file",
+            "error: FOLDER={tmp}/caption.txt: not a folder; valid: a folder of images and their captions",
+        ),
+        (
+            "no_out_folder",
+            "error: OUT={tmp}/nowhere/out.array_record: its folder {tmp}/nowhere does not exist; create it first",
+        ),
+        ("out_is_a_folder", "error: OUT={tmp}/imgs: is a folder; valid: the name of the ArrayRecord file to write"),
+    ],
+)
+def test_convert_images_names_a_path_that_is_not_there_before_any_work(tmp_path, case, said):
+    """FOLDER missing or a file, OUT in a missing folder or a folder itself: one `error:` line naming
+    the argument, status 2, nothing written (each used to end in a traceback, status 1; an OUT in
+    a missing folder only after converting every image)."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "good.png")
+    (folder / "good.txt").write_text("a good caption")
+    (tmp_path / "caption.txt").write_text("a caption")
+    out = tmp_path / "out.array_record"
+    args = {
+        "missing_folder": [tmp_path / "none", out],
+        "folder_is_a_file": [tmp_path / "caption.txt", out],
+        "no_out_folder": [folder, tmp_path / "nowhere" / "out.array_record"],
+        "out_is_a_folder": [folder, folder],
+    }[case]
+    before = sorted(tmp_path.rglob("*"))
+    script = [sys.executable, str(ROOT / "scripts/convert_images.py"), *map(str, args), "--max-side", "16"]
+    proc = subprocess.run(script, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [said.format(tmp=tmp_path)], proc.stderr
+    assert sorted(tmp_path.rglob("*")) == before, "nothing written"
+
+
 def test_convert_skips_bad_files_and_names_them(tmp_path):
     folder = tmp_path / "imgs"
     folder.mkdir()

@@ -55,6 +55,39 @@ class ConvertError(Exception):
     cannot be read at all); the message is one `error:` line."""
 
 
+def check_paths(inputs: list[Path], out: Path, image_root: Path | None = None) -> None:
+    """The paths a conversion reads and writes, before a tokenizer loads or a record is read: each
+    INPUT there, `--image-root` a folder, OUT a file name in a folder that exists and can be
+    written. A `ConvertError` naming the argument as the user wrote it."""
+    for path in inputs:
+        check_input(path, "INPUT")
+    if image_root is not None and not image_root.is_dir():
+        raise ConvertError(
+            f"error: --image-root={image_root}: not a folder; valid: the folder relative image paths start in"
+        )
+    check_out(out)
+
+
+def check_input(path: Path, name: str, folder: bool = False) -> None:
+    """A converter's input `name` (as its usage line writes it) is there (and a folder, with `folder`)."""
+    if not path.exists():
+        raise ConvertError(f"error: {name}={path}: no such {'folder' if folder else 'file or folder'}")
+    if folder and not path.is_dir():
+        raise ConvertError(f"error: {name}={path}: not a folder; valid: a folder of images and their captions")
+
+
+def check_out(out: Path) -> None:
+    """A converter's OUT names a file to write in a folder that exists and can be written."""
+    import os
+
+    if out.is_dir():
+        raise ConvertError(f"error: OUT={out}: is a folder; valid: the name of the ArrayRecord file to write")
+    if not out.parent.is_dir():
+        raise ConvertError(f"error: OUT={out}: its folder {out.parent} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ConvertError(f"error: OUT={out}: its folder {out.parent} is not writable")
+
+
 class BadRecord(Exception):
     """One input record that cannot become a sample; the message names the record and why."""
 
