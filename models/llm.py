@@ -680,33 +680,49 @@ def image_blocks(image_BL: np.ndarray) -> np.ndarray:
     return np.where(image_BL, np.cumsum(starts, axis=1), 0).astype(np.int32)
 
 
-def mrope_positions(ids_L: np.ndarray, image_token: int, grids) -> np.ndarray:
+def mrope_positions(
+    ids_L: np.ndarray, image_token: int, grids, video_token: int | None = None, video_grids=()
+) -> np.ndarray:
     """A sample's `L x 4` positions for an M-RoPE model (`DecoderLM.body`): each token's place in
     the sample, then its (temporal, row, column) position as transformers' Qwen2.5-VL
-    `get_rope_index` computes it. Text tokens count on from the last position, all three axes
-    equal; an image's `rows x columns` tokens (`grids`: each image's merged grid, in order) all
-    take the temporal position where the image starts, s, and rows s + row, columns s + column;
-    the text after it resumes at s + max(rows, columns)."""
+    `get_rope_index` computes it (transformers 5.25). Text tokens count on from the last position,
+    all three axes equal; an image's `rows x columns` tokens (`grids`: each image's merged grid,
+    in order) all take the temporal position where the image starts, s, and rows s + row, columns
+    s + column; the text after it resumes at s + max(rows, columns). A video's tokens
+    (`video_grids`: each clip's `(frames, rows, columns, interval)` in order, `frames` its
+    temporal patches, `interval` its `tokens_per_second * second_per_grid_t`) run frame by frame,
+    frame f at temporal position s + floor(f * interval) (in float32), rows and columns as an image's; the
+    text after it resumes at s + max(rows, columns) too, however long the clip. Images and videos
+    are taken in the order their placeholders come."""
     ids_L = np.asarray(ids_L)
     n = len(ids_L)
     out = np.zeros((n, 4), np.int32)
     out[:, 0] = np.arange(n)
-    is_image = ids_L == image_token
+    kinds = {image_token: ("an image", iter((1, r, c, 0.0) for r, c in grids))}
+    if video_token is not None:
+        kinds[video_token] = ("a video", iter(video_grids))
+    is_item = np.isin(ids_L, list(kinds))
     at, lag = 0, 0  # the next token; how far positions lag behind token indices from here
-    for rows, cols in grids:
-        if not is_image[at:].any():
+    while is_item[at:].any():
+        start = at + int(np.argmax(is_item[at:]))
+        what, grids_left = kinds[int(ids_L[start])]
+        grid = next(grids_left, None)
+        if grid is None:
             break
-        start = at + int(np.argmax(is_image[at:]))
-        out[at:start, 1:] = (np.arange(at, start) - lag)[:, None]
-        k = rows * cols
-        if not is_image[start : start + k].all() or start + k > n:
+        frames, rows, cols, interval = grid
+        k = frames * rows * cols
+        if not (ids_L[start : start + k] == ids_L[start]).all() or start + k > n:
+            held = int((ids_L[start : start + k] == ids_L[start]).sum())
+            size = f"{frames}x{rows}x{cols}" if what == "a video" else f"{rows}x{cols}"
             raise ValueError(
-                f"an image of {rows}x{cols} tokens at position {start} has {int(is_image[start : start + k].sum())} "
-                f"placeholders there; each image needs rows x columns consecutive placeholders"
+                f"{what} of {size} tokens at position {start} has {held} placeholders there; each "
+                f"{'clip' if what == 'a video' else 'image'} needs that many consecutive placeholders"
             )
+        out[at:start, 1:] = (np.arange(at, start) - lag)[:, None]
         s = start - lag
-        r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-        out[start : start + k, 1] = s
+        f, r, c = np.meshgrid(np.arange(frames), np.arange(rows), np.arange(cols), indexing="ij")
+        # in float32 and truncated, as transformers computes it (`second_per_grid_ts` is float32)
+        out[start : start + k, 1] = s + (f.reshape(-1).astype(np.float32) * np.float32(interval)).astype(np.int32)
         out[start : start + k, 2] = s + r.reshape(-1)
         out[start : start + k, 3] = s + c.reshape(-1)
         lag += k - max(rows, cols)

@@ -87,6 +87,49 @@ def test_mrope_positions_are_transformers_get_rope_index():
         mrope_positions(ids[:6], 7, [(2, 3)])
 
 
+@pytest.mark.reference
+def test_video_mrope_positions_are_transformers_get_rope_index():
+    """A row of text, an image, a clip, text, a second clip and text, each clip with its own
+    seconds per temporal patch (0.5 s, and 0.3 s whose 0.6 token steps truncate): the positions
+    are those transformers' Qwen2.5-VL `get_rope_index` computes for the same ids and grids (its
+    own method, run on a config of spatial merge 2 and 2 tokens per second)."""
+    import types
+
+    from maestro_jax.models.llm import mrope_positions
+    from test_hf import live_transformers
+
+    torch, transformers = live_transformers()
+    model = transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLModel
+    image, video, merge, per_second = 7, 9, 2, 2
+    images = [(2, 3)]  # merged grids
+    videos = [(3, 2, 2), (5, 1, 3)]  # temporal patches, merged rows, merged columns
+    seconds = [0.5, 0.3]
+    ids = [5, 6, *[image] * 6, 8, *[video] * 12, 4, 3, *[video] * 15, 2]
+    types_ = [1 if t == image else 2 if t == video else 0 for t in ids]
+    me = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            vision_config=types.SimpleNamespace(spatial_merge_size=merge, tokens_per_second=per_second)
+        )
+    )
+    me.get_vision_position_ids = lambda *a, **k: model.get_vision_position_ids(me, *a, **k)
+    want, _ = model.get_rope_index(
+        me,
+        torch.tensor([ids]),
+        torch.tensor([types_]),
+        image_grid_thw=torch.tensor([(1, r * merge, c * merge) for r, c in images]),
+        video_grid_thw=torch.tensor([(t, r * merge, c * merge) for t, r, c in videos]),
+        second_per_grid_ts=torch.tensor(seconds, dtype=torch.float32),
+    )
+    clips = [(t, r, c, per_second * s) for (t, r, c), s in zip(videos, seconds, strict=True)]
+    got = mrope_positions(np.array(ids), image, images, video, clips)
+    assert got[:, 0].tolist() == list(range(len(ids)))
+    np.testing.assert_array_equal(got[:, 1:].T, want[:, 0].numpy())
+    frames = (got[23:38:3, 1] - got[23, 1]).tolist()  # the second clip: one entry per temporal patch
+    assert frames == [0, 0, 1, 1, 2]  # 0, 0.6, 1.2, 1.8, 2.4 tokens, truncated
+    with pytest.raises(ValueError, match="a video of 3x2x2 tokens at position 9 has 11 placeholders"):
+        mrope_positions(np.array(ids[:20]), image, images, video, clips)
+
+
 def test_language_model_with_mrope_equals_transformers(tmp_path):
     """The folder's language model (Qwen2 with M-RoPE, sections 2+3+3) with the tower's image tokens
     spliced in gives transformers' logits on a row of text and two images of different grids;
