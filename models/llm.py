@@ -680,6 +680,14 @@ def image_blocks(image_BL: np.ndarray) -> np.ndarray:
     return np.where(image_BL, np.cumsum(starts, axis=1), 0).astype(np.int32)
 
 
+def frame_by_frame(video_grids) -> list[tuple[int, int, int, float]]:
+    """Qwen3-VL's clips as `mrope_positions` takes them: its processor writes a timestamp and
+    vision markers before each temporal patch, so each is positioned as a clip of its own (one
+    temporal patch at the block's start, as its `get_rope_index` splits `video_grid_thw`):
+    `(frames, rows, columns)` per clip -> `frames` entries of `(1, rows, columns, 0.0)`."""
+    return [(1, rows, cols, 0.0) for frames, rows, cols in video_grids for _ in range(frames)]
+
+
 def mrope_positions(
     ids_L: np.ndarray, image_token: int, grids, video_token: int | None = None, video_grids=()
 ) -> np.ndarray:

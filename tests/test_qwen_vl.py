@@ -130,6 +130,38 @@ def test_video_mrope_positions_are_transformers_get_rope_index():
         mrope_positions(np.array(ids[:20]), image, images, video, clips)
 
 
+@pytest.mark.reference
+def test_qwen3_vl_video_positions_are_its_get_rope_index_frame_by_frame():
+    """Qwen3-VL: a clip of 3 temporal patches written with a timestamp before each (its processor's
+    `<t> <|vision_start|> frame <|vision_end|>`), beside an image: `frame_by_frame`'s grids give
+    the positions transformers' Qwen3-VL `get_rope_index` computes (its own method; it splits the
+    clip's grid into one temporal patch a block)."""
+    import types
+
+    from maestro_jax.models.llm import frame_by_frame, mrope_positions
+    from test_hf import live_transformers
+
+    torch, transformers = live_transformers()
+    model = transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLModel
+    image, video, merge = 7, 9, 2
+    frame = [3, 4, *[video] * 4, 5]  # a timestamp token, <|vision_start|>, a 2x2 frame, <|vision_end|>
+    ids = [1, 2, *[image] * 6, 8, *frame, *frame, *frame, 6]
+    kinds = [1 if t == image else 2 if t == video else 0 for t in ids]
+    me = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=merge))
+    )
+    me.get_vision_position_ids = lambda *a, **k: model.get_vision_position_ids(me, *a, **k)
+    want, _ = model.get_rope_index(
+        me,
+        torch.tensor([ids]),
+        torch.tensor([kinds]),
+        image_grid_thw=torch.tensor([(1, 2 * merge, 3 * merge)]),
+        video_grid_thw=torch.tensor([(3, 2 * merge, 2 * merge)]),
+    )
+    got = mrope_positions(np.array(ids), image, [(2, 3)], video, frame_by_frame([(3, 2, 2)]))
+    np.testing.assert_array_equal(got[:, 1:].T, want[:, 0].numpy())
+
+
 def test_language_model_with_mrope_equals_transformers(tmp_path):
     """The folder's language model (Qwen2 with M-RoPE, sections 2+3+3) with the tower's image tokens
     spliced in gives transformers' logits on a row of text and two images of different grids;
