@@ -1,5 +1,8 @@
-"""Hugging Face checkpoints of encoder towers: SigLIP's and CLIP's vision towers into
-`models.vit.VisionEncoder` and Whisper's encoder into `models.audio.AudioEncoder`, and back.
+"""Hugging Face checkpoints of encoder towers: SigLIP's, CLIP's and Qwen2.5-VL's and Qwen3-VL's
+vision towers (with their mergers, and Qwen3-VL's DeepStack mergers) and a Gemma 3 VLM's tower and
+projector into `models.vit.VisionEncoder`, Whisper's encoder into `models.audio.AudioEncoder`, and
+back (whole Gemma 3, Qwen2.5-VL and Qwen3-VL folders with their language model: `save_gemma3_vlm`,
+`save_qwen_vl`).
 
 It reuses `models.hf`'s safetensors access and sharded placement. A tower's config fields
 (`vit_fields`, `audio_fields`, from `maestro_jax.hf_config`, which the config reads too) set

@@ -1,6 +1,6 @@
 """Starting sections from Hugging Face folders (`sections.<s>.init.hf_path`), for the LLM-backed
-sections of the built-in workloads and their vision (SigLIP, CLIP) and audio (Whisper) towers; the model
-named like the section describes the checkpoint.
+sections of the built-in workloads and their vision (SigLIP, CLIP, a Gemma 3 VLM's, Qwen2.5-VL's and
+Qwen3-VL's) and audio (Whisper) towers; the model named like the section describes the checkpoint.
 
 The weight mappings are `models.hf` (decoders) and `models.hf_encoders` (towers), beside the
 models they convert. A loader is called by the runtime
@@ -92,8 +92,9 @@ def load_teacher_section(section: str, path: str, states: dict, programs, head_i
 
 
 def load_vision_section(section: str, path: str, states: dict, programs) -> dict:
-    """A vision section takes a SigLIP or CLIP tower (the blocks up to its `feature_layer`); its merger
-    keeps its initial values, its optimizer restarts."""
+    """A vision section takes a SigLIP, CLIP, Gemma 3 or Qwen-VL tower (the blocks up to its
+    `feature_layer`); its merger keeps its initial values unless the folder holds it (a Gemma 3
+    VLM's projector, a Qwen-VL merger), its optimizer restarts."""
     from maestro_jax.models import hf_encoders
 
     params = hf_encoders.load_vit(path, states[section].params, hf_encoders.vit_fields(path))
