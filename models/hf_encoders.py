@@ -382,6 +382,19 @@ def vit_tensors(path: str | Path, fields: dict, held: int) -> list[str | None]:
     return [name for name, _ in _tower_mapping(path, _Tensors(path), fields, held).values()]
 
 
+def tensors_read(kind: str, path: str | Path, fields: dict, model: dict | None = None) -> list[str | None]:
+    """The tensors the loader of a model of `kind` ('llm', 'vit', 'audio') reads from the folder,
+    `fields` the folder's own; `model`: the fields of the model it loads into (a tower holds the
+    blocks up to its `feature_layer`), the folder's by default."""
+    from maestro_jax.models.hf import llm_tensors
+
+    if kind == "llm":
+        return llm_tensors(path, fields)
+    if kind == "vit":
+        return vit_tensors(path, fields, vit_layers(model or fields))
+    return audio_tensors(path, fields)
+
+
 def audio_tensors(path: str | Path, fields: dict) -> list[str | None]:
     """The tensors `load_audio` reads from the folder."""
     path = Path(path)

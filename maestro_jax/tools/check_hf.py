@@ -115,15 +115,9 @@ def _require_tensors(path: str | Path, kinds: tuple[str, ...]) -> None:
     loaded): a folder short of one is named before transformers or maestro builds anything."""
     from maestro_jax.models import hf, hf_encoders
 
+    fields_of = {"llm": llm_fields, "vit": vit_fields, "audio": audio_fields}
     for kind in kinds:
-        if kind == "llm":
-            names = hf.llm_tensors(path, llm_fields(path))
-        elif kind == "vit":
-            fields = vit_fields(path)
-            names = hf_encoders.vit_tensors(path, fields, hf_encoders.vit_layers(fields))
-        else:
-            names = hf_encoders.audio_tensors(path, audio_fields(path))
-        hf.require_tensors(path, names)
+        hf.require_tensors(path, hf_encoders.tensors_read(kind, path, fields_of[kind](path)))
 
 
 def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:

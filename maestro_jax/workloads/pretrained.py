@@ -48,24 +48,14 @@ def check_pretrained(cfg: Config, pretrained) -> None:
                     f"error: models.{s}.{k}={mine.get(k)!r}: the checkpoint {sc.init.hf_path} has "
                     f"{k}={v!r}; set models.{s} to the checkpoint's shape ({fields})"
                 )
-        try:
-            _require_tensors(cfg.models[s].kind, sc.init.hf_path, fields, mine)
+        if cfg.models[s].kind not in fields_of:  # a plug-in's own model kind: its loader reads the folder
+            continue
+        try:  # every tensor the loader reads is in the safetensors headers
+            hf.require_tensors(
+                sc.init.hf_path, hf_encoders.tensors_read(cfg.models[s].kind, sc.init.hf_path, fields, mine)
+            )
         except hf.HFError as err:
             raise ConfigError(f"error: sections.{s}.init.hf_path={sc.init.hf_path!r}: {err}") from None
-
-
-def _require_tensors(kind: str, path: str, fields: dict, model: dict) -> None:
-    """Every tensor the section's loader reads is in the folder's safetensors headers (a plug-in's
-    own model kind: its loader reads the folder, so nothing is known here)."""
-    from maestro_jax.models import hf, hf_encoders
-
-    names = {
-        "llm": lambda: hf.llm_tensors(path, fields),
-        "vit": lambda: hf_encoders.vit_tensors(path, fields, hf_encoders.vit_layers(model)),
-        "audio": lambda: hf_encoders.audio_tensors(path, fields),
-    }.get(kind)
-    if names is not None:
-        hf.require_tensors(path, names())
 
 
 def load_llm_section(section: str, path: str, states: dict, programs) -> dict:
