@@ -94,7 +94,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from maestro_jax.models.hf import _at, _put, _scanned_path, _set, _Tensors, write_weights
+from maestro_jax.models.hf import _at, _put, _scanned_path, _set, _Tensors, llm_tensors, write_weights
 from maestro_jax.models.vit import held_layers
 
 from maestro_jax.hf_config import VIT_ACTIVATIONS, WHISPER_LAYER_NORM_EPS, HFError
@@ -386,8 +386,6 @@ def tensors_read(kind: str, path: str | Path, fields: dict, model: dict | None =
     """The tensors the loader of a model of `kind` ('llm', 'vit', 'audio') reads from the folder,
     `fields` the folder's own; `model`: the fields of the model it loads into (a tower holds the
     blocks up to its `feature_layer`), the folder's by default."""
-    from maestro_jax.models.hf import llm_tensors
-
     if kind == "llm":
         return llm_tensors(path, fields)
     if kind == "vit":
