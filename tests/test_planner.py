@@ -73,7 +73,9 @@ def assert_valid(p, plan):
 def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices, staged):
     """Against every plan, each simulated (without `dots` checkpointing, which only multiplies
     the layouts: thousands of plans here, three times over). With a 2-layer student and
-    teacher, the plans include either or both in 2 pipeline stages."""
+    teacher, the plans include either or both in 2 pipeline stages. On one planning batch: a
+    plan's time is its batches' mean makespan and its bound their mean bound, so the bound's
+    exactness holds batch by batch (two batches only doubled the simulations: 55 s -> 13 s)."""
     p = planner(
         config,
         overrides,
@@ -81,6 +83,7 @@ def test_pruned_search_returns_the_exhaustive_optimum(config, overrides, devices
         tolerance=0.0,
         layer_remat=("none", "full"),
         stage_counts=STAGE_COUNTS if staged else (),
+        batches=1,
     )
     everything = list(p.candidates())
     if staged:  # the plan space holds each section in stages, and both
