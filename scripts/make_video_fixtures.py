@@ -1,0 +1,140 @@
+"""Write tests/fixtures/hf/qwen_video/cases.json: what transformers' Qwen2.5-VL and Qwen3-VL
+processors make of a video clip, the reference of `maestro_jax.data.video` (tests/test_video.py).
+
+For each family and each clip (its frame count, frame rate and frame size) under tiny processor
+settings (patches of 4 merged 2 x 2, two frames a temporal patch, small pixel budgets, with and
+without the per-frame pixel cap): the frame indices the video processor samples at 2 frames a
+second, the clip's grid (t, h, w), the size each frame is resized to, Qwen2.5-VL's seconds per
+temporal patch (`second_per_grid_ts`) and the text the processor expands the chat template's
+`<|vision_start|><|video_pad|><|vision_end|>` into (Qwen3-VL: a timestamp before each temporal
+patch). The tests read the JSON and so need neither torch nor transformers; rerun this (it needs
+both, and torchvision, which the video processors import) only to change a case.
+
+torchvision's PyPI wheel is a CUDA build: beside torch's CPU build its C++ operators do not load,
+and its import then fails registering fake kernels for two of them (`nms`, `qnms`), which the
+video processors never call. This script declares those two so that the import goes through;
+the resizing the processors do is torch's own.
+
+    pip install torchvision --no-deps   # beside the `reference` extra
+    python scripts/make_video_fixtures.py [--out tests/fixtures/hf/qwen_video]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+SPECIALS += ["<|image_pad|>", "<|video_pad|>"]
+WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
+
+# (frames, frames per second, height, width): a short clip below the frame minimum, an odd frame
+# count (the last frame repeated to fill a temporal patch), a long clip past the frame cap, frames
+# smaller than a merged patch, a wide clip the pixel budget shrinks, a clip whose count at 2 fps
+# is fractional (7.67: Qwen3-VL truncates it)
+CLIPS = [(5, 10.0, 16, 24), (7, 2.0, 20, 30), (96, 24.0, 48, 64), (12, 4.0, 6, 10), (30, 30.0, 40, 160)]
+CLIPS += [(23, 6.0, 24, 32)]
+FAMILIES = {
+    # the video processor's settings; `size` is transformers' pixel budget (Qwen2-VL: per frame;
+    # Qwen3-VL: the whole clip, frames included)
+    "qwen2_5_vl": {"size": {"shortest_edge": 128, "longest_edge": 1024}, "max_video_tokens": 16},
+    "qwen3_vl": {"size": {"shortest_edge": 256, "longest_edge": 4096}, "max_video_tokens": 6},
+}
+COMMON = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_frames": 4, "max_frames": 16}
+
+
+def _import_torchvision() -> None:
+    """torchvision's Python transforms beside torch's CPU build (module docstring)."""
+    try:
+        import torchvision
+    except RuntimeError:
+        lib = torch.library.Library("torchvision", "DEF")  # kept alive below: the ops live as long as it
+        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        lib.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
+        _import_torchvision.lib = lib
+        import torchvision  # noqa: F401
+
+
+def _tokenizer(folder: Path):
+    """A byte-level BPE holding Qwen's special tokens (the timestamps are plain text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["<0.5 seconds> a clip of 12.3 seconds"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _processor(family: str, capped: bool, tokenizer):
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    settings = {**COMMON, **FAMILIES[family], "cap_pixels_per_frame": capped, "do_sample_frames": True, "fps": 2}
+    video = (transformers.Qwen2VLVideoProcessor if family == "qwen2_5_vl" else transformers.Qwen3VLVideoProcessor)(
+        **settings
+    )
+    cls = transformers.Qwen2_5_VLProcessor if family == "qwen2_5_vl" else transformers.Qwen3VLProcessor
+    image = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, min_pixels=128, max_pixels=512)
+    return cls(image_processor=image, tokenizer=tokenizer, video_processor=video), settings
+
+
+def _case(processor, clip: tuple, seed: int) -> dict:
+    from transformers.video_utils import VideoMetadata
+
+    frames, fps, height, width = clip
+    video = np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+    meta = VideoMetadata(total_num_frames=frames, fps=fps, width=width, height=height)
+    out = processor(text=[WRAPPER], videos=[video], video_metadata=[meta], return_metadata=True, return_tensors="np")
+    sampled = out["video_metadata"][0]
+    case = {
+        "frames": frames,
+        "fps": fps,
+        "height": height,
+        "width": width,
+        "indices": [int(i) for i in sampled.frames_indices],
+        "grid": [int(g) for g in out["video_grid_thw"][0]],
+        "text": processor.tokenizer.decode(out["input_ids"][0], skip_special_tokens=False),
+    }
+    if "second_per_grid_ts" in out:
+        case["second_per_grid_ts"] = float(out["second_per_grid_ts"][0])
+    patches = out["pixel_values_videos"]
+    assert patches.shape[0] == int(np.prod(case["grid"])), (patches.shape, case["grid"])
+    return case
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf" / "qwen_video")
+    args = parser.parse_args()
+    _import_torchvision()
+    import transformers
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = _tokenizer(Path(folder))
+        cases = []
+        for family in FAMILIES:
+            for capped in (False, True):
+                processor, settings = _processor(family, capped, tokenizer)
+                for i, clip in enumerate(CLIPS):
+                    cases.append({"family": family, "settings": settings, **_case(processor, clip, seed=i)})
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"transformers": transformers.__version__, "wrapper": WRAPPER, "cases": cases}
+    (args.out / "cases.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {len(cases)} cases to {args.out / 'cases.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""A clip's frames, grid, tokens and placeholder text as Qwen2.5-VL's and Qwen3-VL's processors
+make them (`data.video`), against what transformers 5.25's processors wrote for 24 clips
+(tests/fixtures/hf/qwen_video/cases.json, `scripts/make_video_fixtures.py`): frame sampling at
+2 frames a second, the frame size within the pixel budget with and without the per-frame cap,
+the temporal patches, Qwen2.5-VL's seconds per temporal patch and Qwen3-VL's timestamps."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from maestro_jax.models.llm import frame_by_frame, mrope_positions
+
+from maestro_jax.data.video import VideoError, VideoSampling
+
+FIXTURE = json.loads((ROOT / "tests/fixtures/hf/qwen_video/cases.json").read_text())
+START, TOKEN, END = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
+
+
+def _id(case) -> str:
+    capped = "capped" if case["settings"]["cap_pixels_per_frame"] else "uncapped"
+    return f"{case['family']}-{capped}-{case['frames']}x{case['height']}x{case['width']}@{case['fps']:g}"
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=_id)
+def test_a_clip_is_what_the_processor_makes_of_it(case):
+    sampling = VideoSampling.from_processor(case["family"], case["settings"])
+    clip = sampling.clip(case["frames"], case["fps"], case["height"], case["width"])
+    assert list(clip.indices) == case["indices"]
+    assert list(clip.grid) == case["grid"]
+    assert clip.size == (case["grid"][1] * sampling.patch, case["grid"][2] * sampling.patch)
+    assert sampling.text(clip, START, TOKEN, END) == case["text"]
+    assert sampling.tokens(clip) == case["text"].count(TOKEN)
+    if "second_per_grid_ts" in case:  # Qwen2.5-VL's M-RoPE temporal step
+        assert clip.seconds_per_patch == pytest.approx(case["second_per_grid_ts"], rel=1e-12)
+
+
+def test_the_cases_reach_each_branch_of_the_arithmetic():
+    """The fixture's clips are not all alike: some are sampled below their frame count and some
+    lifted to min_frames, an odd count is padded to a whole temporal patch, the per-frame cap
+    changes some grids and not others, small frames grow and wide ones shrink."""
+    cases = FIXTURE["cases"]
+    assert any(len(c["indices"]) < c["frames"] for c in cases), "a clip sampled below its frames"
+    assert any(len(c["indices"]) > c["frames"] / c["fps"] * 2 for c in cases), "min_frames lifting the count"
+    assert any(len(c["indices"]) % 2 for c in cases), "an odd frame count"
+    by_clip = {}
+    for c in cases:
+        by_clip.setdefault((c["family"], c["frames"], c["height"], c["width"]), set()).add(tuple(c["grid"]))
+    assert any(len(g) == 2 for g in by_clip.values()) and any(len(g) == 1 for g in by_clip.values())
+    sizes = [(c["grid"][1] * 4, c["grid"][2] * 4, c["height"], c["width"]) for c in cases]
+    assert any(h * w > ch * cw for h, w, ch, cw in sizes) and any(h * w < ch * cw for h, w, ch, cw in sizes)
+
+
+def test_qwen3_vl_writes_each_temporal_patch_with_its_time_and_positions_it_alone():
+    """Qwen3-VL: 7 frames at 2 fps sampled whole, padded to 4 temporal patches, each written as
+    `<t seconds>` + markers + its tokens, and positioned frame by frame (`models.llm.frame_by_frame`):
+    the text after the clip resumes past the last patch's block."""
+    sampling = VideoSampling("qwen3_vl", patch=4, merge=2, temporal=2, min_pixels=256, max_pixels=4096)
+    clip = sampling.clip(7, 2.0, 20, 30)
+    assert clip.timestamps == (0.25, 1.25, 2.25, 3.0)
+    assert sampling.position_grids(clip) == frame_by_frame([(4, clip.grid[1] // 2, clip.grid[2] // 2)])
+    assert sampling.text(clip, "S", "v", "E").startswith("<0.2 seconds>S")
+
+
+def test_qwen2_5_vl_positions_a_clip_by_its_seconds_per_temporal_patch():
+    """Qwen2.5-VL: 8 frames of a 24 fps clip sampled at 2 fps, one temporal patch a second;
+    with the model's `tokens_per_second` 2, each temporal patch moves the temporal position by 2."""
+    sampling = VideoSampling("qwen2_5_vl", patch=4, merge=2, temporal=2, min_pixels=128, max_pixels=1024)
+    clip = sampling.clip(96, 24.0, 48, 64)
+    assert clip.seconds_per_patch == 1.0
+    (grid,) = sampling.position_grids(clip, tokens_per_second=2)
+    t, rows, cols, interval = grid
+    ids = np.array([1] + [9] * (t * rows * cols) + [2])
+    positions = mrope_positions(ids, image_token=8, grids=[], video_token=9, video_grids=[grid])
+    firsts = positions[1 : 1 + t * rows * cols : rows * cols, 1]
+    assert list(firsts) == [1 + 2 * f for f in range(t)] and interval == 2.0
+
+
+@pytest.mark.parametrize(
+    "family,frames,fps,height,width,said",
+    [
+        ("qwen2_5_vl", 1, 2.0, 16, 16, "a video of 1 frame(s): fewer than one temporal patch of the tower (2 frames)"),
+        ("qwen3_vl", 1, 2.0, 16, 16, "a video of 1 frame(s): fewer than one temporal patch of the tower (2 frames)"),
+        ("qwen3_vl", 8, 0.0, 16, 16, "a video at 0.0 frames per second: its frame rate must be positive"),
+        ("qwen2_5_vl", 8, 2.0, 8, 2000, "a video of 8x2000 frames: its aspect is over 200, which Qwen-VL refuses"),
+    ],
+)
+def test_a_clip_the_processor_cannot_take_is_named(family, frames, fps, height, width, said):
+    sampling = VideoSampling(family, patch=4, merge=2, temporal=2, min_pixels=128, max_pixels=1024)
+    with pytest.raises(VideoError) as err:
+        sampling.clip(frames, fps, height, width)
+    assert str(err.value) == said
+
+
+def test_an_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="video family 'llava': valid: qwen2_5_vl, qwen3_vl"):
+        VideoSampling("llava", patch=4, merge=2, temporal=2, min_pixels=128, max_pixels=1024)
