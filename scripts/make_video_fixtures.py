@@ -7,8 +7,10 @@ without the per-frame pixel cap): the frame indices the video processor samples 
 second, the clip's grid (t, h, w), the size each frame is resized to, Qwen2.5-VL's seconds per
 temporal patch (`second_per_grid_ts`) and the text the processor expands the chat template's
 `<|vision_start|><|video_pad|><|vision_end|>` into (Qwen3-VL: a timestamp before each temporal
-patch). The tests read the JSON and so need neither torch nor transformers; rerun this (it needs
-both, and torchvision, which the video processors import) only to change a case.
+patch). For the clips in PIXELS, pixels.npz holds the clip's frames and the processor's
+`pixel_values_videos` (`<name>-frames`, `<name>-pixels`, the case's `pixels` naming them). The tests read these files and so
+need neither torch nor transformers; rerun this (it needs both, and torchvision, which the video
+processors import) only to change a case.
 
 torchvision's PyPI wheel is a CUDA build: beside torch's CPU build its C++ operators do not load,
 and its import then fails registering fake kernels for two of them (`nms`, `qnms`), which the
@@ -40,6 +42,9 @@ WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
 # is fractional (7.67: Qwen3-VL truncates it)
 CLIPS = [(5, 10.0, 16, 24), (7, 2.0, 20, 30), (96, 24.0, 48, 64), (12, 4.0, 6, 10), (30, 30.0, 40, 160)]
 CLIPS += [(23, 6.0, 24, 32)]
+# the clips whose pixels are stored (uncapped): one shrunk on one side and grown on the other, one
+# grown, one shrunk (Qwen3-VL) and one kept (Qwen2.5-VL)
+PIXELS = {("qwen2_5_vl", 1), ("qwen2_5_vl", 3), ("qwen2_5_vl", 5), ("qwen3_vl", 1), ("qwen3_vl", 5)}
 FAMILIES = {
     # the video processor's settings; `size` is transformers' pixel budget (Qwen2-VL: per frame;
     # Qwen3-VL: the whole clip, frames included)
@@ -91,7 +96,7 @@ def _processor(family: str, capped: bool, tokenizer):
     return cls(image_processor=image, tokenizer=tokenizer, video_processor=video), settings
 
 
-def _case(processor, clip: tuple, seed: int) -> dict:
+def _case(processor, clip: tuple, seed: int, pixels: dict | None) -> dict:
     from transformers.video_utils import VideoMetadata
 
     frames, fps, height, width = clip
@@ -112,6 +117,8 @@ def _case(processor, clip: tuple, seed: int) -> dict:
         case["second_per_grid_ts"] = float(out["second_per_grid_ts"][0])
     patches = out["pixel_values_videos"]
     assert patches.shape[0] == int(np.prod(case["grid"])), (patches.shape, case["grid"])
+    if pixels is not None:
+        pixels["frames"], pixels["pixels"] = video, patches.astype(np.float32)
     return case
 
 
@@ -124,13 +131,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = _tokenizer(Path(folder))
-        cases = []
+        cases, arrays = [], {}
         for family in FAMILIES:
             for capped in (False, True):
                 processor, settings = _processor(family, capped, tokenizer)
                 for i, clip in enumerate(CLIPS):
-                    cases.append({"family": family, "settings": settings, **_case(processor, clip, seed=i)})
+                    pixels = {} if (family, i) in PIXELS and not capped else None
+                    case = {"family": family, "settings": settings, **_case(processor, clip, i, pixels)}
+                    if pixels is not None:  # the case names its arrays
+                        case["pixels"] = f"{family}-{i}"
+                        arrays |= {f"{family}-{i}-{k}": v for k, v in pixels.items()}
+                    cases.append(case)
     args.out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(args.out / "pixels.npz", **arrays)
     record = {"transformers": transformers.__version__, "wrapper": WRAPPER, "cases": cases}
     (args.out / "cases.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {len(cases)} cases to {args.out / 'cases.json'}")

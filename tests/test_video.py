@@ -13,7 +13,9 @@ from maestro_jax.models.llm import frame_by_frame, mrope_positions
 
 from maestro_jax.data.video import VideoError, VideoSampling
 
-FIXTURE = json.loads((ROOT / "tests/fixtures/hf/qwen_video/cases.json").read_text())
+FOLDER = ROOT / "tests/fixtures/hf/qwen_video"
+FIXTURE = json.loads((FOLDER / "cases.json").read_text())
+PIXELS = np.load(FOLDER / "pixels.npz")
 START, TOKEN, END = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
 
 
@@ -33,6 +35,23 @@ def test_a_clip_is_what_the_processor_makes_of_it(case):
     assert sampling.tokens(clip) == case["text"].count(TOKEN)
     if "second_per_grid_ts" in case:  # Qwen2.5-VL's M-RoPE temporal step
         assert clip.seconds_per_patch == pytest.approx(case["second_per_grid_ts"], rel=1e-12)
+
+
+@pytest.mark.parametrize("case", [c for c in FIXTURE["cases"] if "pixels" in c], ids=_id)
+def test_a_clips_patches_are_the_processors_pixel_values(case):
+    """The sampled frames resized, normalised and laid out in the tower's patch order as the
+    processor's `pixel_values_videos` (frames shrunk on one side and grown on the other, grown,
+    shrunk and kept; an odd frame count's last patch filled): equal up to one uint8 level of
+    the resize's rounding (torchvision's fixed point against PIL's), and almost all exactly."""
+    key, family = case["pixels"], case["family"]
+    sampling = VideoSampling.from_processor(family, case["settings"])
+    clip = sampling.clip(case["frames"], case["fps"], case["height"], case["width"])
+    got, want = sampling.patches(PIXELS[f"{key}-frames"], clip), PIXELS[f"{key}-pixels"]
+    assert got.shape == want.shape and got.dtype == np.float32
+    level = 1 / 255 / min(sampling.std)
+    diff = np.abs(got - want)
+    assert diff.max() <= level * 1.001, diff.max()
+    assert np.mean(diff < 1e-5) > 0.99
 
 
 def test_the_cases_reach_each_branch_of_the_arithmetic():

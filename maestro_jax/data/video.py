@@ -4,7 +4,7 @@ A clip of `frames` frames recorded at `video_fps` is sampled at the family's `fp
 `min_frames`, at most `max_frames` and the clip's own frames), each sampled frame is resized to
 one size for the whole clip (each side a multiple of `patch * merge`, within a pixel budget), and
 `temporal` consecutive frames make one temporal patch (the last frame repeated to fill the last
-one): the clip's grid `(t, h, w)` in patches, `t * h * w / merge**2` tokens. The two families
+one; `patches` lays out the tower's input): the clip's grid `(t, h, w)` in patches, `t * h * w / merge**2` tokens. The two families
 differ in each step, and `VideoSampling` follows each one's video processor (transformers 5.25,
 read from its source; tests/test_video.py compares with what the processors wrote for 24 clips,
 `scripts/make_video_fixtures.py`):
@@ -35,6 +35,12 @@ import math
 import numpy as np
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+# each family's video processor default normalisation (transformers 5.25): Qwen2-VL's CLIP
+# statistics, Qwen3-VL's 0.5 for every channel
+MEAN_STD = {
+    "qwen2_5_vl": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+}
 # each family's video processor default for `max_video_tokens` (transformers 5.25): Qwen2-VL's is
 # the whole clip's (a context of 128k tokens), Qwen3-VL's one frame's (qwen-vl-utils' VIDEO_MAX_TOKEN_NUM)
 MAX_VIDEO_TOKENS = {"qwen2_5_vl": 128_000, "qwen3_vl": 768}
@@ -64,7 +70,8 @@ class VideoSampling:
     `from_processor`): `patch` pixels a side, `merge` x `merge` patches a token, `temporal` frames
     a temporal patch, the pixel budget (`min_pixels`, `max_pixels`: per frame for Qwen2.5-VL, per
     clip for Qwen3-VL), frames sampled at `fps` within `min_frames` and `max_frames`, and the
-    per-frame cap (`cap_pixels_per_frame`, `max_video_tokens`)."""
+    per-frame cap (`cap_pixels_per_frame`, `max_video_tokens`), and the normalisation (`mean`,
+    `std` per channel, of values in [0, 1]; None: the family's default)."""
 
     family: str
     patch: int
@@ -77,10 +84,15 @@ class VideoSampling:
     max_frames: int = 768
     cap_pixels_per_frame: bool = False
     max_video_tokens: int | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"video family {self.family!r}: valid: {', '.join(FAMILIES)}")
+        mean, std = MEAN_STD[self.family]
+        object.__setattr__(self, "mean", tuple(self.mean or mean))
+        object.__setattr__(self, "std", tuple(self.std or std))
 
     @classmethod
     def from_processor(cls, family: str, settings: dict) -> VideoSampling:
@@ -102,6 +114,8 @@ class VideoSampling:
             max_frames=settings.get("max_frames", 768),
             cap_pixels_per_frame=bool(settings.get("cap_pixels_per_frame")),
             max_video_tokens=settings.get("max_video_tokens"),
+            mean=settings.get("image_mean"),
+            std=settings.get("image_std"),
         )
 
     @property
@@ -125,6 +139,30 @@ class VideoSampling:
         grid = (t, size[0] // self.patch, size[1] // self.patch)
         sampled_fps = len(indices) / frames * video_fps
         return Clip(indices, size, grid, self.temporal / sampled_fps, self._timestamps(indices, video_fps))
+
+    def patches(self, frames: np.ndarray, clip: Clip) -> np.ndarray:
+        """The tower's input for `clip` of `frames` (the whole clip, frames x height x width x 3,
+        uint8 RGB): the sampled frames resized to `clip.size` (bicubic with antialiasing, the
+        width first, then the height, each pass rounded to uint8, as torchvision resizes the
+        processor's uint8 frames), scaled to [0, 1] and normalised, the last one repeated to fill
+        the last temporal patch, laid out as the processor does: one row per patch in merge-window
+        order, each row channels x `temporal` frames x patch x patch (float32). Within one uint8
+        level of the processor's values (their fixed-point rounding and PIL's differ)."""
+        from PIL import Image
+
+        height, width = clip.size
+        resized = []
+        for i in clip.indices:
+            image = Image.fromarray(np.asarray(frames[i], np.uint8))
+            image = image.resize((width, image.height), Image.BICUBIC).resize((width, height), Image.BICUBIC)
+            resized.append(np.asarray(image, np.float32))
+        x = (np.stack(resized) / 255.0 - np.float32(self.mean)) / np.float32(self.std)
+        x = x.astype(np.float32).transpose(0, 3, 1, 2)  # frames, channels, height, width
+        x = np.concatenate([x, np.repeat(x[-1:], -len(x) % self.temporal, 0)])
+        t, h, w = clip.grid
+        p, m, tp = self.patch, self.merge, self.temporal
+        cut = x.reshape(t, tp, x.shape[1], h // m, m, p, w // m, m, p)
+        return cut.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, x.shape[1] * tp * p * p)
 
     def tokens(self, clip: Clip) -> int:
         """The LLM tokens of `clip`: one per merged patch of every temporal patch."""
