@@ -248,7 +248,7 @@ def grouped_gemm_missing(platform: str, compute_capability: float, jax_version: 
 
 # What `moe_dispatch: auto` runs on each backend: the fastest dispatch measured there. An NVIDIA GPU
 # (an H200, 128 experts, top 8, width 2048: the `sparse` MoE layer at 12-15% of the bfloat16 peak,
-# benchmarks/RESULTS.md "Running on a GPU"; `ragged` is XLA:GPU's dense expansion of ragged_dot,
+# benchmarks/log/gpu.md "Running on a GPU"; `ragged` is XLA:GPU's dense expansion of ragged_dot,
 # 128x the FLOPs there, xla ragged_dot_rewriter.cc; `dense` computes every expert): `sparse`, until
 # a GPU check has timed `grouped` beside it (scripts/gpu_check.py's moe rows). Elsewhere `dense`:
 # exact, and on the CPU's small test models the simplest program.

@@ -6,7 +6,7 @@ its log, and no process here holds GPU memory that another needs (`XLA_PYTHON_CL
 is off for all). `DIR/gpu_check.json` is rewritten after every step, so a check cut short by the
 machine's time limit still leaves what it measured, and no step starts or runs past
 `--deadline-s` (default DEADLINE_S), so the whole check ends inside one device call. Steps, in
-order, what no GPU run has measured yet first (benchmarks/RESULTS.md, "Running on a GPU": four
+order, what no GPU run has measured yet first (benchmarks/log/gpu.md, "Running on a GPU": four
 H200 runs passed verify of both configs in bfloat16 and kd_tiny in float32, benched the tiny
 configs and timed the kernels; vlm_tiny in float32 compiled past 420 s there, before `verify`
 turned GEMM autotuning off for float32 sections):
@@ -60,7 +60,7 @@ REAL_SIZE = ("kd_one_gpu", "vlm_one_gpu")  # scripts/real_size_bench.py, one con
 STEP_TIMEOUT_S = 420  # one process
 # The whole check stops starting steps past this (a step then runs to the deadline at most), so
 # that it ends inside one device call (10 minutes, the machine's start aside). Measured on an
-# H200 (RESULTS, "Running on a GPU"): one `verify` of vlm_tiny takes about 3 minutes beside a
+# H200 (benchmarks/log/gpu.md, "Running on a GPU"): one `verify` of vlm_tiny takes about 3 minutes beside a
 # second one, and eight side by side ran past 7 minutes; hence two configs and four workers.
 DEADLINE_S = 480
 # the dry run's configs: one layer per model, short rows, small batches (compiles dominate on CPU)

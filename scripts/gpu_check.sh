@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first thing to run when a machine with an NVIDIA GPU is lent: one command, ending by its
 # --deadline-s (default 480 s), everything under --out, a summary printed last
-# (benchmarks/RESULTS.md, "Running on a GPU", says what to bring and the command line).
+# (benchmarks/log/gpu.md, "Running on a GPU", says what to bring and the command line).
 #
 #   bash scripts/gpu_check.sh --out DIR [--wheels WHEELS] [--dry-run] [gpu_check.py options]
 #

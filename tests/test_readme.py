@@ -154,3 +154,22 @@ def test_the_readme_model_table_names_every_model_type_that_loads_and_existing_t
     for row in rows:
         for test in re.findall(r"`(tests/\S+\.py)`", row[-1]):
             assert (ROOT / test).is_file(), test
+
+
+def test_results_headline_rows_hold_the_figures_of_the_json_they_link():
+    """benchmarks/RESULTS.md opens with its headline table, and each CPU bench row's figures are
+    those of the JSON it links (wavefront vs the fair monolithic, vs Megatron's order, rounded
+    to 3 decimals as written): a rerun that rewrites the JSON shows the row stale."""
+    import json
+    import re
+
+    text = (ROOT / "benchmarks/RESULTS.md").read_text()
+    headline = text.split("## Headline", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^## (.+)$", text, re.M)[0] == "Headline", "the page opens with its headline table"
+    rows = [r for r in headline.splitlines() if r.startswith("| measured on CPU")]
+    assert len(rows) == 2, rows
+    for row in rows:
+        (name,) = re.findall(r"\]\((\w+_bench\.json)\)", row)
+        ratios = json.loads((ROOT / "benchmarks" / name).read_text())["ratios"]
+        want = f"**{ratios['wavefront_vs_monolithic']:.3f}** and {ratios['wavefront_vs_round_robin']:.3f}"
+        assert want in row, (name, want, row)

@@ -45,7 +45,7 @@ GPU_FLAGS: Mapping[str, str] = {
 
 # `verify` where a section computes in float32 (matmuls at precision `highest`): every dot is then a
 # GEMM-fusion autotuning candidate, and vlm_tiny's float32 verify was still compiling after 420 s
-# on an H200 (bfloat16: 123 s; benchmarks/RESULTS.md "Running on a GPU"); the GEMM autotuner took
+# on an H200 (bfloat16: 123 s; benchmarks/log/gpu.md "Running on a GPU"); the GEMM autotuner took
 # 3.7 of 7 minutes of a MaxText compile (openxla/xla PR #13108). Level 0 autotunes nothing: both
 # sides of the comparison then take XLA's default kernels, the same ones, so no autotuning noise
 # separates them either (openxla/xla#37902: per-fusion autotune results vary between runs).
