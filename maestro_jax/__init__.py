@@ -13,7 +13,7 @@ Architecture: docs/ARCHITECTURE.md.
 
 import importlib
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "Section": "maestro_jax.core.graph",

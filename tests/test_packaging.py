@@ -148,3 +148,24 @@ def test_the_reference_search_sees_a_helper_two_calls_away():
         "def test_c():\n    pass\n"
     )
     assert _tests_reaching_the_reference(tree) == {"test_a": False, "test_b": True}
+
+
+def test_the_package_version_is_the_changelogs_newest_release():
+    """CHANGELOG.md's newest released entry (`## [x.y.z] - YYYY-MM-DD`, below `## [Unreleased]`)
+    names the version pyproject.toml and `maestro_jax.__version__` carry, and the installed
+    distribution's metadata agrees: a release bumps all of them together."""
+    import importlib.metadata
+    import re
+
+    import maestro_jax
+
+    headings = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert headings[0] == ("Unreleased", ""), "the newest heading is [Unreleased]"
+    newest, date = headings[1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", newest) and date, headings[1]
+    assert newest == PYPROJECT["project"]["version"] == maestro_jax.__version__
+    installed = importlib.metadata.version("maestro_jax")
+    assert installed == newest, f"installed metadata says {installed}: reinstall (pip install -e .) after a bump"
+    released = [v for v, _ in headings[1:]]
+    as_tuples = [tuple(map(int, v.split("."))) for v in released]
+    assert as_tuples == sorted(as_tuples, reverse=True), f"releases newest first: {released}"
