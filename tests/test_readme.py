@@ -173,3 +173,23 @@ def test_results_headline_rows_hold_the_figures_of_the_json_they_link():
         ratios = json.loads((ROOT / "benchmarks" / name).read_text())["ratios"]
         want = f"**{ratios['wavefront_vs_monolithic']:.3f}** and {ratios['wavefront_vs_round_robin']:.3f}"
         assert want in row, (name, want, row)
+
+
+def test_the_readme_opens_as_a_front_door_and_its_results_are_results_figures():
+    """Within its first 60 lines the README says what it is and holds the two commands, the
+    workloads/models table and the results table; it states no test timing (docs/testing.md
+    holds those); each figure of its results table is one benchmarks/RESULTS.md states."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    first = "\n".join(text.splitlines()[:60])
+    for part in ("## Quick start", "## Workloads and models", "## Results", "| `kd` |", "| `vlm` |"):
+        assert part in first, part
+    assert "maestro-jax train --config configs/vlm_tiny.yaml" in first
+    assert 'pip install -e ".[dev]" && python -m pytest -q' in first
+    assert not re.search(r"\d+ passed|\d+ min \d+ s|\btests? in \d", text), "a test timing in the README"
+    results = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    figures = re.findall(r"\b\d+\.\d{3}x?", results)
+    assert len(figures) >= 10, figures
+    page = (ROOT / "benchmarks/RESULTS.md").read_text()
+    assert all(f.rstrip("x") in page for f in figures), [f for f in figures if f.rstrip("x") not in page]
