@@ -114,3 +114,79 @@ def test_a_clip_the_processor_cannot_take_is_named(family, frames, fps, height, 
 def test_an_unknown_family_is_refused():
     with pytest.raises(ValueError, match="video family 'llava': valid: qwen2_5_vl, qwen3_vl"):
         VideoSampling("llava", patch=4, merge=2, temporal=2, min_pixels=128, max_pixels=1024)
+
+
+def _write_video(path, frames, fps, codec="png", pix_fmt="rgb24"):
+    """`frames` (N x H x W x 3 uint8) as a video file through PyAV (PNG frames in a .mov: lossless)."""
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+def test_a_video_file_decodes_to_its_frames_and_rate(tmp_path):
+    """PyAV reads back every frame of a lossless clip exactly, and its frame rate; a clip whose
+    container states no frame count (FFV1 in Matroska) is counted by its decoded frames, and a
+    lossy one (MPEG-4) keeps its count, size and rate."""
+    from maestro_jax.data.video import read_video
+
+    frames = np.random.default_rng(0).integers(0, 256, (5, 24, 32, 3), dtype=np.uint8)
+    _write_video(tmp_path / "clip.mov", frames, 6)
+    got, fps = read_video(tmp_path / "clip.mov")
+    assert fps == 6.0 and got.dtype == np.uint8 and np.array_equal(got, frames)
+    _write_video(tmp_path / "clip.mkv", frames, 12, codec="ffv1", pix_fmt="bgr0")
+    got, fps = read_video(tmp_path / "clip.mkv")
+    assert fps == 12.0 and np.array_equal(got, frames)
+    _write_video(tmp_path / "clip.mp4", frames, 25, codec="mpeg4", pix_fmt="yuv420p")
+    got, fps = read_video(tmp_path / "clip.mp4")
+    assert fps == 25.0 and got.shape == frames.shape
+
+
+def test_a_folder_of_frames_is_a_clip_in_name_order(tmp_path):
+    from PIL import Image
+
+    from maestro_jax.data.video import read_frames
+
+    frames = np.random.default_rng(1).integers(0, 256, (3, 8, 10, 3), dtype=np.uint8)
+    for i, name in enumerate(["a_00.png", "a_01.png", "a_02.png"]):
+        Image.fromarray(frames[i]).save(tmp_path / name)
+    (tmp_path / "notes.txt").write_text("not a frame")
+    got, fps = read_frames(tmp_path, 2.0)
+    assert fps == 2.0 and np.array_equal(got, frames)
+    Image.fromarray(frames[0][:4]).save(tmp_path / "a_03.png")
+    with pytest.raises(VideoError, match=r"a_03.png: a frame of 10x4 pixels in a clip of 10x8: every frame"):
+        read_frames(tmp_path, 2.0)
+
+
+@pytest.mark.parametrize(
+    "make,said",
+    [
+        (lambda p: p.write_bytes(b"\x00\x01 not a video" * 50), "cannot be decoded as a video (InvalidDataError"),
+        (lambda p: None, "cannot be decoded as a video (FileNotFoundError"),
+    ],
+    ids=["garbage", "missing"],
+)
+def test_a_file_that_is_no_video_is_one_video_error_naming_it(tmp_path, make, said):
+    from maestro_jax.data.video import read_video
+
+    path = tmp_path / "clip.mp4"
+    make(path)
+    with pytest.raises(VideoError) as err:
+        read_video(path)
+    assert str(err.value).startswith(f"{path}: {said}") and "\n" not in str(err.value)
+
+
+def test_without_pyav_reading_a_video_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from maestro_jax.data.video import read_video
+
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
+    with pytest.raises(VideoError, match=r"needs PyAV, the `video` extra: pip install 'maestro-jax\[video\]'"):
+        read_video(tmp_path / "clip.mp4")

@@ -25,6 +25,12 @@ read from its source; tests/test_video.py compares with what the processors wrot
 
 A clip these arithmetics cannot take (fewer frames than one temporal patch, an aspect over 200, a
 frame rate that is not positive) is a `VideoError` naming it; the converter makes it a bad record.
+
+`read_video` decodes a video file with PyAV (the optional `video` extra; without it, one line
+naming the extra) into its RGB frames and frame rate; `read_frames` reads a folder of frame
+images, in name order, at a frame rate the caller gives. Either counts the frames it decoded (a
+container's own frame count is often missing or wrong), and a file that cannot be decoded is a
+`VideoError` naming it.
 """
 
 from __future__ import annotations
@@ -48,6 +54,64 @@ MAX_VIDEO_TOKENS = {"qwen2_5_vl": 128_000, "qwen3_vl": 768}
 
 class VideoError(ValueError):
     """A clip that cannot become a tower's patches; the message says which and why."""
+
+
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def read_video(path) -> tuple[np.ndarray, float]:
+    """A video file's frames (frames x height x width x 3, uint8 RGB) and frames per second, every
+    frame of its first video stream decoded by PyAV (FFmpeg)."""
+    try:
+        import av
+    except ImportError:
+        raise VideoError(
+            f"{path}: reading a video file needs PyAV, the `video` extra: pip install 'maestro-jax[video]'"
+        ) from None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise VideoError(f"{path}: holds no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    except (av.FFmpegError, OSError, ValueError) as err:
+        if isinstance(err, VideoError):
+            raise
+        raise VideoError(f"{path}: cannot be decoded as a video ({type(err).__name__}: {err})") from None
+    if not frames:
+        raise VideoError(f"{path}: its video stream holds no frame")
+    if not rate or rate <= 0:
+        raise VideoError(f"{path}: its video stream states no frame rate")
+    return np.stack(frames), float(rate)
+
+
+def read_frames(folder, fps: float) -> tuple[np.ndarray, float]:
+    """A clip stored as a folder of frame images (PNG, JPEG, WebP, BMP), in file-name order, at
+    `fps` frames per second: its frames (frames x height x width x 3, uint8 RGB) and `fps`."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    folder = Path(folder)
+    if fps <= 0:
+        raise VideoError(f"{folder}: a folder of frames at {fps} frames per second: the rate must be positive")
+    names = sorted(p for p in folder.iterdir() if p.suffix.lower() in FRAME_SUFFIXES) if folder.is_dir() else []
+    if not names:
+        raise VideoError(f"{folder}: no frame images ({', '.join(FRAME_SUFFIXES)}) in this folder")
+    frames = []
+    for name in names:
+        try:
+            with Image.open(name) as image:
+                frames.append(np.asarray(image.convert("RGB")))
+        except OSError as err:
+            raise VideoError(f"{name}: cannot be read as a frame ({err})") from None
+        if frames[-1].shape != frames[0].shape:
+            raise VideoError(
+                f"{name}: a frame of {frames[-1].shape[1]}x{frames[-1].shape[0]} pixels in a clip of "
+                f"{frames[0].shape[1]}x{frames[0].shape[0]}: every frame of a clip has one size"
+            )
+    return np.stack(frames), float(fps)
 
 
 @dataclasses.dataclass(frozen=True)
