@@ -251,6 +251,9 @@ class ViTModelConfig(_FromFolder):
     out_width: PositiveInt
     merge: PositiveInt = 2
     max_grid: PositiveInt = 64
+    # frames one patch spans in time (Qwen-VL's temporal_patch_size; read from its folder): a still image is
+    # its frame repeated, a video clip's temporal patch its own frames (models/vit.py)
+    frames: PositiveInt = 1
     # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py);
     # rope2d: no learned positions, a 2-D rotary embedding of each patch's row and column (Qwen2.5-VL's);
     # table_rope2d: a learned table of table_grid x table_grid resampled to each image's grid, and rope2d (Qwen3-VL's)

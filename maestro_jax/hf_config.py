@@ -437,9 +437,9 @@ QWEN2_5_VL_VISION_DEFAULTS = {
 
 def _qwen2_5_vl_vision(path, hf: dict) -> dict:
     """A Qwen2.5-VL folder's `vision_config` as a tower's fields (models/vit.py: `block: rmsnorm_glu`,
-    `pos_embed: rope2d`, `projector: patch_merger`). A still image is its frame repeated in time,
-    so `temporal_patch_size` needs no field: the patch embedding sums its kernel over time
-    (`models.hf_encoders`). Windows of `window_size` pixels cover whole merged tokens, as
+    `pos_embed: rope2d`, `projector: patch_merger`). A patch spans `temporal_patch_size` frames
+    (`frames`: a still image's frame repeated, a clip's own; the patch embedding keeps each
+    frame's kernel, `models.hf_encoders`). Windows of `window_size` pixels cover whole merged tokens, as
     transformers counts them; `max_grid` is no part of the checkpoint (no position table) and
     stays the config's."""
     v = _with_defaults(hf.get("vision_config") or {}, QWEN2_5_VL_VISION_DEFAULTS)
@@ -463,6 +463,7 @@ def _qwen2_5_vl_vision(path, hf: dict) -> dict:
         "mlp": v["intermediate_size"],
         "out_width": v["out_hidden_size"],
         "merge": merge,
+        "frames": v.get("temporal_patch_size", 2),
         "pos_embed": "rope2d",
         "block": "rmsnorm_glu",
         "projector": "patch_merger",
@@ -501,8 +502,8 @@ def _qwen3_vl_vision_config(hf: dict) -> dict:
 def _qwen3_vl_vision(path, hf: dict) -> dict:
     """A Qwen3-VL folder's `vision_config` as a tower's fields (models/vit.py: `block: layernorm`,
     `pos_embed: table_rope2d`, `projector: patch_merger`, `deepstack_layers`). The learned position
-    table is `num_position_embeddings` cells, a square (`table_grid` a side); a still image is its
-    frame repeated in time, as for Qwen2.5-VL (`_qwen2_5_vl_vision`); `max_grid` is no part of the
+    table is `num_position_embeddings` cells, a square (`table_grid` a side); a patch spans
+    `temporal_patch_size` frames, as for Qwen2.5-VL (`_qwen2_5_vl_vision`); `max_grid` is no part of the
     checkpoint (the table is resampled to any grid) and stays the config's."""
     v = _qwen3_vl_vision_config(hf)
     _check_act(path, "vision_config.hidden_act", v["hidden_act"], VIT_ACTIVATIONS)
@@ -529,6 +530,7 @@ def _qwen3_vl_vision(path, hf: dict) -> dict:
         "mlp": v["intermediate_size"],
         "out_width": v["out_hidden_size"],
         "merge": v["spatial_merge_size"],
+        "frames": v.get("temporal_patch_size", 2),
         "pos_embed": "table_rope2d",
         "table_grid": side,
         "block": "layernorm",

@@ -54,17 +54,16 @@ positions frozen; here `pos` is an ordinary parameter and trains with the tower.
 Qwen2.5-VL (a `Qwen2_5_VLForConditionalGeneration` folder: the tower under `visual.`, as the Hub
 and transformers 5.24 save it, or `model.visual.`, transformers 5's module names) loads into the
 `rmsnorm_glu` / `rope2d` / `patch_merger` layout (models/vit.py), T = temporal_patch_size:
-  patch_embed.proj.weight [D, C, T, p, p]         -> patch_embed.kernel [p*p*C, D], summed over T
+  patch_embed.proj.weight [D, C, T, p, p]         -> patch_embed.kernel [T*p*p*C, D] (`frames` T)
   blocks.i.norm{1,2}.weight                       -> block_i.{attn,mlp}_norm.scale
   blocks.i.attn.qkv.{weight [3D, D], bias [3D]}   -> block_i.{q,k,v}.{kernel,bias}, a third each
   blocks.i.attn.proj                              -> block_i.o.{kernel,bias}
   blocks.i.mlp.{gate,up,down}_proj                -> block_i.{gate,up,down}.{kernel,bias}
   merger.ln_q.weight                              -> merge_norm.scale
   merger.mlp.{0,2}                                -> merger_fc{1,2}.{kernel,bias}
-Its image processor repeats a still image's frame T times, so the Conv3d over T frames is the sum
-of its T kernels over one: exact for images; export writes each of the T kernels as the sum / T
-(what the tower computes on images is unchanged; on a video it would not be, and video is not
-read here).
+Each of the T frames' kernels is kept (and exported as it was read): a still image's patch is
+its frame repeated T times, as its image processor writes it (`workloads.vlm.patchify`), and a
+video clip's temporal patch is its own T frames (`data.video.VideoSampling.patches`).
 
 A scanned encoder (`scan_layers`) stacks every `block_i` leaf under `blocks/layer`, as in `models.hf`.
 
@@ -74,7 +73,7 @@ Hub's `vision_tower.vision_model.` and `multi_modal_projector.`, the language mo
 
 Qwen3-VL (a `Qwen3VLForConditionalGeneration` folder, the tower under `model.visual.` or `visual.`)
 loads into the `layernorm` / `table_rope2d` / `patch_merger` layout with `deepstack_layers`
-(models/vit.py), its patch embedding as Qwen2.5-VL's (summed over T) plus its bias, J = its
+(models/vit.py), its patch embedding as Qwen2.5-VL's (each of T frames' kernels) plus its bias, J = its
 `deepstack_visual_indexes`:
   pos_embed.weight [G*G, D]                       -> pos (G = table_grid)
   blocks.i.norm{1,2}.{weight,bias}                -> block_i.{attn,mlp}_norm.{scale,bias}
@@ -200,14 +199,12 @@ QWEN_VL_PREFIXES = ("visual.", "model.visual.")
 
 
 def _qwen_patch(f: dict) -> Layout:
-    """A Qwen-VL tower's Conv3d patch kernel [D, C, T, p, p] <-> the patch embedding's [p*p*C, D]: summed
-    over time on import (a still image is its frame repeated T times), each of the T kernels the
-    sum / T on export."""
-    p, c, d = f["patch"], f["channels"], f["width"]
-    frames = 2  # the temporal_patch_size export writes (Qwen2.5-VL's and Qwen3-VL's)
+    """A Qwen-VL tower's Conv3d patch kernel [D, C, T, p, p] <-> the patch embedding's [T*p*p*C, D],
+    rows in patchify's (frame, y, x, channel) order: each of the T frames' kernels kept, both ways."""
+    p, c, d, t = f["patch"], f["channels"], f["width"], f["frames"]
     return (
-        lambda w: w.astype(np.float32).sum(axis=2).transpose(2, 3, 1, 0).reshape(p * p * c, d),  # not in fp16
-        lambda w: np.repeat(w.reshape(p, p, c, d).transpose(3, 2, 0, 1)[:, :, None] / np.float32(frames), frames, 2),
+        lambda w: w.transpose(2, 3, 4, 1, 0).reshape(t * p * p * c, d),
+        lambda w: w.reshape(t, p, p, c, d).transpose(4, 3, 0, 1, 2),
     )
 
 
@@ -588,7 +585,7 @@ def save_qwen_vl(
         "in_channels": f["channels"],
         "patch_size": f["patch"],
         "spatial_merge_size": f["merge"],
-        "temporal_patch_size": 2,
+        "temporal_patch_size": f["frames"],
         "out_hidden_size": f["out_width"],
         "rope_parameters": {"rope_type": "axial", "rope_theta": f["rope_theta"]},
     }

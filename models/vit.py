@@ -93,6 +93,9 @@ class ViTConfig:
     out_width: int
     merge: int = 2
     max_grid: int = 64
+    # frames one patch spans in time (Qwen-VL's temporal_patch_size, 2; 1 elsewhere): a patch's features
+    # are `frames` frames of it, a still image's frame repeated (workloads.vlm.patchify), a clip's its own
+    frames: int = 1
     # row_col | table (SigLIP) | rope2d (Qwen2.5-VL) | table_rope2d (Qwen3-VL): see the module docstring
     pos_embed: str = "row_col"
     block: str = "layernorm"  # layernorm (SigLIP, CLIP, Qwen3-VL) | rmsnorm_glu (Qwen2.5-VL): see the module docstring
@@ -112,7 +115,8 @@ class ViTConfig:
 
     @property
     def patch_features(self) -> int:
-        return self.patch * self.patch * self.channels
+        """A patch's input features: `frames` x patch x patch x channels, in that order."""
+        return self.frames * self.patch * self.patch * self.channels
 
     @property
     def token_width(self) -> int:

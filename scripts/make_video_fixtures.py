@@ -12,6 +12,13 @@ patch). For the clips in PIXELS, pixels.npz holds the clip's frames and the proc
 need neither torch nor transformers; rerun this (it needs both, and torchvision, which the video
 processors import) only to change a case.
 
+towers.npz holds what each family's tower makes of one clip (TOWER_CLIP: 5 frames, so the last
+temporal patch repeats the last frame; frames already a multiple of the merged patch, so nothing
+is resized): the tiny Qwen2.5-VL and Qwen3-VL of tests/fixtures/hf (their stored weights, read by
+transformers in float32) on the video processor's `pixel_values_videos` and `video_grid_thw`:
+`<family>-frames`, `-pixels`, `-grid`, `-features` (`visual(...).pooler_output`) and for Qwen3-VL
+`-deepstack` (its DeepStack mergers' outputs).
+
 torchvision's PyPI wheel is a CUDA build: beside torch's CPU build its C++ operators do not load,
 and its import then fails registering fake kernels for two of them (`nms`, `qnms`), which the
 video processors never call. This script declares those two so that the import goes through;
@@ -122,6 +129,35 @@ def _case(processor, clip: tuple, seed: int, pixels: dict | None) -> dict:
     return case
 
 
+TOWER_CLIP = (5, 8, 16)  # frames, height, width: 2 x 2 merged patches of 2 pixels, 4 x 8 patches a frame
+TOWER_MODELS = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+
+
+def _towers(fixtures: Path) -> dict:
+    """Each family's tower on TOWER_CLIP (module docstring)."""
+    import transformers
+
+    arrays = {}
+    frames = np.random.default_rng(11).integers(0, 256, (*TOWER_CLIP, 3), dtype=np.uint8)
+    for family, cls in TOWER_MODELS.items():
+        model = getattr(transformers, cls).from_pretrained(fixtures / family, dtype=torch.float32).eval()
+        video = (transformers.Qwen2VLVideoProcessor if family == "qwen2_5_vl" else transformers.Qwen3VLVideoProcessor)(
+            **{**COMMON, "patch_size": 2, "do_resize": False, "do_sample_frames": False, "cap_pixels_per_frame": False}
+        )
+        out = video(videos=[frames], return_tensors="pt")
+        with torch.no_grad():
+            visual = model.model.visual(out["pixel_values_videos"], grid_thw=out["video_grid_thw"])
+        arrays |= {
+            f"{family}-frames": frames,
+            f"{family}-pixels": out["pixel_values_videos"].numpy().astype(np.float32),
+            f"{family}-grid": out["video_grid_thw"].numpy()[0],
+            f"{family}-features": visual.pooler_output.numpy().astype(np.float32),
+        }
+        if getattr(visual, "deepstack_features", None):
+            arrays[f"{family}-deepstack"] = torch.stack(visual.deepstack_features).numpy().astype(np.float32)
+    return arrays
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf" / "qwen_video")
@@ -144,6 +180,7 @@ def main() -> None:
                     cases.append(case)
     args.out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out / "pixels.npz", **arrays)
+    np.savez_compressed(args.out / "towers.npz", **_towers(args.out.parent))
     record = {"transformers": transformers.__version__, "wrapper": WRAPPER, "cases": cases}
     (args.out / "cases.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {len(cases)} cases to {args.out / 'cases.json'}")

@@ -27,7 +27,7 @@ def fixture(tmp_path, name: str = "qwen2_5_vl"):
 
 def packed(images, cfg: ViTConfig):
     """Both images' patches in one row (segments 1 and 2), each in the merge-window order."""
-    cuts = [patchify(im, cfg.patch, cfg.merge) for im in images]
+    cuts = [patchify(im, cfg.patch, cfg.merge, cfg.frames) for im in images]
     patches = np.concatenate([p for p, _ in cuts])[None]
     segments = np.concatenate([np.full(len(p), i + 1, np.int32) for i, (p, _) in enumerate(cuts)])[None]
     grid = np.concatenate([g for _, g in cuts])[None].astype(np.int32)
@@ -286,6 +286,16 @@ def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tm
     assert hf_encoders.vit_fields(out) == vfields and hf.llm_fields(out) == lfields
     again = hf_encoders.load_vit(out, vparams, vfields)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), again, vparams))
+    # the patch kernel goes back as the checkpoint holds it, each of its frames' own (not their mean)
+    from safetensors.numpy import load_file
+
+    key = "model.visual.patch_embed.proj.weight"
+    read = {k.removeprefix("model."): v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    written = {k.removeprefix("model."): v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    kernel = key.removeprefix("model.")
+    assert written[kernel].shape[2] == vfields["frames"] == 2
+    assert np.array_equal(written[kernel].astype(np.float32), read[kernel].astype(np.float32))
+    assert not np.allclose(read[kernel][:, :, 0], read[kernel][:, :, 1]), "the fixture's frames differ"
     torch = pytest.importorskip("torch", reason="transformers' reload needs torch (the reference extra)")
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -504,3 +514,47 @@ def test_a_qwen3_vl_llm_whose_deepstack_does_not_fit_is_refused_in_one_line(tmp_
     with pytest.raises(ConfigError) as err:
         build_graph(load_config(ROOT / "configs/vlm_tiny.yaml", [*_qwen3_overrides(path, *more), *llm]))
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_tower_on_a_clip_equals_transformers_video_features(tmp_path, name):
+    """A 5-frame clip through the folder's tower, each temporal patch a segment of its own (as
+    transformers' `visual` attends within each frame's patches, windows included) and its rows
+    laid out by `data.video` (each of the 2 frames' kernels on its own frame; the last patch
+    repeating the last frame): the tokens, and Qwen3-VL's DeepStack sets, equal transformers'
+    `visual(pixel_values_videos, video_grid_thw)` (tests/fixtures/hf/qwen_video/towers.npz), and the
+    rows its video processor's. With the frames' kernels summed (the still-image shortcut) they differ."""
+    from maestro_jax.data.video import Clip, VideoSampling
+
+    ref = np.load(FIXTURES / "qwen_video" / "towers.npz")
+    path, _ = fixture(tmp_path, name)
+    fields = {k: v for k, v in hf_encoders.vit_fields(path).items() if k != "kind"}
+    cfg = ViTConfig(**fields)
+    frames, (t, h, w) = ref[f"{name}-frames"], ref[f"{name}-grid"].tolist()
+    assert (cfg.frames, t) == (2, 3) and len(frames) == 5
+    sampling = VideoSampling(name, patch=cfg.patch, merge=cfg.merge, temporal=cfg.frames, min_pixels=1, max_pixels=1)
+    clip = Clip(tuple(range(len(frames))), (h * cfg.patch, w * cfg.patch), (t, h, w), 1.0, ())
+    rows = sampling.patches(frames, clip)
+    processor = ref[f"{name}-pixels"].reshape(len(rows), cfg.channels, cfg.frames, cfg.patch, cfg.patch)
+    np.testing.assert_allclose(rows, processor.transpose(0, 2, 3, 4, 1).reshape(len(rows), -1), rtol=0, atol=1e-6)
+    _, grid = patchify(np.zeros((h * cfg.patch, w * cfg.patch, cfg.channels)), cfg.patch, cfg.merge)
+    segments = np.repeat(np.arange(1, t + 1, dtype=np.int32), h * w)
+    inputs = (jnp.asarray(rows)[None], jnp.asarray(segments)[None], jnp.asarray(np.tile(grid, (t, 1)), jnp.int32)[None])
+    model = VisionEncoder(cfg)
+    params = hf_encoders.load_vit(path, nn.unbox(model.init(jax.random.key(0), *inputs)["params"]), fields)
+    tokens = np.asarray(model.apply({"params": params}, *inputs)[0])
+    want = (
+        [ref[f"{name}-features"], *ref.get(f"{name}-deepstack", [])]
+        if f"{name}-deepstack" in ref
+        else [ref[f"{name}-features"]]
+    )
+    assert tokens.shape == (t * h * w // 4, cfg.token_width)
+    for k, part in enumerate(want):
+        assert rel_err(tokens[:, 32 * k : 32 * (k + 1)], part) < RTOL, k
+    kernel = params["patch_embed"]["kernel"]
+    half = kernel.shape[0] // 2
+    summed = {
+        **params,
+        "patch_embed": {**params["patch_embed"], "kernel": jnp.concatenate([kernel[:half] + kernel[half:]] * 2) / 2},
+    }
+    assert rel_err(np.asarray(model.apply({"params": summed}, *inputs)[0])[:, :32], want[0]) > 10 * RTOL

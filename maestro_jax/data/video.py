@@ -209,9 +209,11 @@ class VideoSampling:
         uint8 RGB): the sampled frames resized to `clip.size` (bicubic with antialiasing, the
         width first, then the height, each pass rounded to uint8, as torchvision resizes the
         processor's uint8 frames), scaled to [0, 1] and normalised, the last one repeated to fill
-        the last temporal patch, laid out as the processor does: one row per patch in merge-window
-        order, each row channels x `temporal` frames x patch x patch (float32). Within one uint8
-        level of the processor's values (their fixed-point rounding and PIL's differ)."""
+        the last temporal patch, one row per patch in merge-window order as the processor orders
+        them, each row `temporal` frames x patch x patch x channels: the tower's own order
+        (`workloads.vlm.patchify`'s, frame by frame; the processor's rows hold the same values as
+        channels x frames x patch x patch). Float32, within one uint8 level of the processor's
+        values (their fixed-point rounding and PIL's differ)."""
         from PIL import Image
 
         height, width = clip.size
@@ -221,12 +223,12 @@ class VideoSampling:
             image = image.resize((width, image.height), Image.BICUBIC).resize((width, height), Image.BICUBIC)
             resized.append(np.asarray(image, np.float32))
         x = (np.stack(resized) / 255.0 - np.float32(self.mean)) / np.float32(self.std)
-        x = x.astype(np.float32).transpose(0, 3, 1, 2)  # frames, channels, height, width
+        x = x.astype(np.float32)  # frames, height, width, channels
         x = np.concatenate([x, np.repeat(x[-1:], -len(x) % self.temporal, 0)])
         t, h, w = clip.grid
-        p, m, tp = self.patch, self.merge, self.temporal
-        cut = x.reshape(t, tp, x.shape[1], h // m, m, p, w // m, m, p)
-        return cut.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, x.shape[1] * tp * p * p)
+        p, m, tp, c = self.patch, self.merge, self.temporal, x.shape[-1]
+        cut = x.reshape(t, tp, h // m, m, p, w // m, m, p, c)
+        return cut.transpose(0, 2, 5, 3, 6, 1, 4, 7, 8).reshape(t * h * w, tp * p * p * c)
 
     def tokens(self, clip: Clip) -> int:
         """The LLM tokens of `clip`: one per merged patch of every temporal patch."""

@@ -307,7 +307,7 @@ def packed_images(pixels: np.ndarray, cfg) -> tuple[tuple, tuple[np.ndarray, np.
 
     patches, grids, segments = [], [], []
     for i, image in enumerate(pixels):
-        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge)
+        p, g = patchify(image.transpose(1, 2, 0), cfg.patch, cfg.merge, cfg.frames)
         patches.append(p)
         grids.append(g)
         segments.append(np.full(len(p), i + 1, np.int32))

@@ -52,8 +52,10 @@ def image_modality(cfg: Config) -> Modality:
     return Modality("image", settings(cfg).image_token, (unit, unit), vit.channels, (vit.max_grid * vit.patch,) * 2)
 
 
-def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """Image H x W x C -> (patches N x C', grid N x 2), each merge x merge window contiguous."""
+def patchify(image: np.ndarray, patch: int, merge: int, frames: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Image H x W x C -> (patches N x C', grid N x 2), each merge x merge window contiguous; with
+    `frames` > 1 (a tower whose patch spans frames in time, `ViTConfig.frames`) each patch is the
+    still image's frame repeated, C' = frames x patch x patch x C."""
     h, w, c = image.shape
     if h % (patch * merge) or w % (patch * merge):
         raise ValueError(f"image of size {h}x{w} is not a multiple of patch*merge = {patch * merge}")
@@ -61,6 +63,7 @@ def patchify(image: np.ndarray, patch: int, merge: int) -> tuple[np.ndarray, np.
     order = (0, 3, 1, 4, 2, 5, 6)
     blocks = image.reshape(gh // merge, merge, patch, gw // merge, merge, patch, c)
     patches = blocks.transpose(order).reshape(-1, patch * patch * c)
+    patches = np.tile(patches, (1, frames)) if frames > 1 else patches
     rr, cc = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
     grid = np.stack([rr, cc], -1).reshape(gh // merge, merge, 1, gw // merge, merge, 1, 2)
     return patches, grid.transpose(order).reshape(-1, 2)
@@ -93,7 +96,7 @@ def vision_section(
         b = R.pack_items(
             rows,
             "image",
-            lambda im: patchify(im, vit.patch, vit.merge),
+            lambda im: patchify(im, vit.patch, vit.merge, vit.frames),
             vit.patch_features,
             minimum=4 * window,
             per_octave=per_octave,
