@@ -402,6 +402,9 @@ class LLMModelConfig(_FromFolder):
     # what each computes: models.llm.MoE; auto: the fastest measured on the backend that builds the
     # workload (models.llm.AUTO_DISPATCH: sparse on an NVIDIA GPU, dense elsewhere)
     moe_dispatch: Literal["auto", "dense", "ragged", "sparse", "grouped"] = "auto"
+    # grouped where its kernel is missing here (no NVIDIA Hopper GPU, jax < 0.11.1, no tokamax) runs
+    # sparse, the same dispatch without the kernel, said in one log line; true: refused instead
+    moe_dispatch_strict: bool = False
     # Attention over a `context` split: ring (keys and values pass round the devices, causal
     # work balanced, empty blocks skipped) or gather (one all-gather of keys and values).
     context_attention: Literal["ring", "gather"] = "ring"

@@ -238,3 +238,53 @@ def test_rows_a_caller_builds_keep_the_dense_mask_unless_laid_from_position_zero
     laid, _ = decoder_mask(jnp.broadcast_to(jnp.arange(8), (2, 8)), valid[:, ::-1], from_zero=True)
     assert laid.offered == "causal"
     assert not DecoderLM(LLM).rows_from_zero
+
+
+def test_each_distinct_attention_choice_is_logged_once(caplog):
+    """`kernel_for` says its choice in one log line per distinct (backend, dtype, head size,
+    offered form, choice): a second layer or step with the same arrays says nothing again, rows
+    offering another form say their own line once."""
+    import logging
+
+    from maestro_jax.models import attention
+
+    attention._log_choice.cache_clear()  # once a process: as if nothing had been said yet
+    q, k = jnp.zeros((2, 8, 4, 16), jnp.float32), jnp.zeros((2, 8, 2, 16), jnp.float32)
+    causal = attention.Mask(jnp.ones((2, 8, 8), bool), lengths=jnp.array([8, 5]), causal=True)
+    padded = attention.Mask(jnp.ones((2, 8, 8), bool), lengths=jnp.array([8, 5]))
+    with caplog.at_level(logging.INFO, logger="maestro_jax"):
+        for mask in (causal, causal, padded, causal, padded):
+            attention.kernel_for(q, k, mask, context_split=1)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention on ")]
+    assert len(said) == 2, said
+    assert "rows offering causal: xla with the mask form" in said[0] and "rows offering padded" in said[1]
+
+
+def test_a_softcapped_attention_stays_on_the_mask_path_even_with_fast_forms_forced(monkeypatch):
+    """Gemma 2's score cap (c * tanh(s / c), before the mask) is something no fused kernel does:
+    with rows offering the causal form and fast forms forced, `layers.attention` never asks the
+    chooser for a kernel and gives the capped scores' attention over the dense mask, computed
+    here by hand; the uncapped call does ask, and differs."""
+    from maestro_jax.models import attention as A
+    from maestro_jax.models import layers
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) * 3 for s in ((2, 6, 4, 8), (2, 6, 2, 8), (2, 6, 2, 8)))
+    lengths = jnp.array([6, 4])
+    causal = jnp.tril(jnp.ones((6, 6), bool))[None] & (jnp.arange(6)[None, None, :] < lengths[:, None, None])
+    mask = A.Mask(causal, lengths=lengths, causal=True)
+    asked = []
+    chooser = A.kernel_for
+    monkeypatch.setattr(layers, "kernel_for", lambda *a: asked.append(1) or chooser(*a))
+    with A.fast_forms_forced():
+        capped = layers.attention(q, k, v, mask, softcap=2.0)
+        assert asked == []
+        plain = layers.attention(q, k, v, mask)
+        assert asked == [1]
+    kq = jnp.repeat(k, 2, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kq) / np.sqrt(8)
+    s = jnp.where(causal[:, None], 2.0 * jnp.tanh(s / 2.0), -jnp.inf)
+    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v, 2, axis=2))
+    rows = np.arange(6)[None, :] < np.asarray(lengths)[:, None]  # the rows the loss reads
+    np.testing.assert_allclose(np.asarray(capped)[rows], np.asarray(want)[rows], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(plain)[rows], np.asarray(want)[rows], atol=1e-3)

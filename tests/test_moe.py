@@ -284,7 +284,37 @@ def test_auto_dispatch_is_the_fastest_measured_per_backend_and_priced_as_it_runs
     assert flops["dense"] == flops["ragged"] > sparse["sparse"] == sparse["grouped"]
 
 
-def test_the_grouped_dispatch_is_refused_in_one_line_where_its_kernel_is_missing(capsys):
+def test_the_grouped_dispatch_runs_sparse_where_its_kernel_is_missing_said_once(caplog):
+    """`moe_dispatch: grouped` without its kernel here (the CPU) builds the `sparse` dispatch, the
+    same one without tokamax's grouped GEMM, and says so in one warning however often the model is
+    built; the dispatch asked for elsewhere is untouched."""
+    import logging
+
+    from conftest import ROOT
+
+    from maestro_jax import workloads
+    from maestro_jax.config import load_config
+    from maestro_jax.workloads import model
+
+    moe = ["models.llm.experts=4", "models.llm.experts_per_token=2", "models.llm.expert_mlp=16"]
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", [*moe, "models.llm.moe_dispatch=grouped"])
+    workloads._said_grouped_fallback.cache_clear()  # said once a process: as if none had said it yet
+    with caplog.at_level(logging.WARNING, logger="maestro_jax"):
+        built = [model(cfg, "llm", "llm") for _ in range(3)]
+    assert [m.moe_dispatch for m in built] == ["sparse"] * 3
+    said = [r.getMessage() for r in caplog.records if "moe_dispatch" in r.getMessage()]
+    assert (
+        len(said) == 1 and said[0].startswith("models.llm.moe_dispatch: grouped needs ") and "running sparse" in said[0]
+    )
+    assert (
+        model(
+            load_config(ROOT / "configs/vlm_tiny.yaml", [*moe, "models.llm.moe_dispatch=ragged"]), "llm", "llm"
+        ).moe_dispatch
+        == "ragged"
+    )
+
+
+def test_the_grouped_dispatch_asked_for_strictly_is_refused_in_one_line_where_its_kernel_is_missing(capsys):
     import importlib.util
 
     from conftest import ROOT
@@ -299,6 +329,24 @@ def test_the_grouped_dispatch_is_refused_in_one_line_where_its_kernel_is_missing
     assert (grouped_gemm_missing("gpu", 9.0, (0, 11, 2)) is None) == has_tokamax
     moe = ["models.llm.experts=4", "models.llm.experts_per_token=2", "models.llm.expert_mlp=16"]
     argv = ["verify", "--config", str(ROOT / "configs/vlm_tiny.yaml"), *moe, "models.llm.moe_dispatch=grouped"]
-    assert cli.main(argv) == 2
+    assert cli.main([*argv, "models.llm.moe_dispatch_strict=true"]) == 2  # asked for strictly: refused
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: models.llm.moe_dispatch='grouped'") and "valid here" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: models.llm.moe_dispatch='grouped' with moe_dispatch_strict")
+    assert "valid here: auto, dense, ragged, sparse" in err[0]
+
+
+def test_the_auto_dispatch_says_its_choice_once_a_backend(caplog):
+    import logging
+
+    from maestro_jax.models import llm
+
+    llm._log_dispatch.cache_clear()  # once a process: as if nothing had been said yet
+    with caplog.at_level(logging.INFO, logger="maestro_jax"):
+        chosen = [llm.moe_dispatch_for("auto", p) for p in ("gpu", "gpu", "cpu", "gpu", "cpu")]
+        llm.moe_dispatch_for("sparse", "gpu")  # asked for by name: nothing to say
+    assert chosen == ["sparse", "sparse", "dense", "sparse", "dense"]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("moe_dispatch auto")]
+    assert said == [
+        "moe_dispatch auto on gpu: sparse (models.llm.AUTO_DISPATCH)",
+        "moe_dispatch auto on cpu: dense (models.llm.AUTO_DISPATCH)",
+    ]

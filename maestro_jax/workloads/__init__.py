@@ -21,13 +21,17 @@ the runtime imports them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import logging
 from collections.abc import Callable, Mapping
 
 from maestro_jax.config import MODEL_KINDS, Config, ConfigError, PackTokens, PluginModelConfig, Settings, validate_block
 from maestro_jax.core.graph import SectionGraph
 from maestro_jax.data.samples import Modality
 from maestro_jax.schedule.packing import Pack, TokenBudget, packs
+
+log = logging.getLogger("maestro_jax")
 
 BUILTIN = ("vlm", "kd", "omni", "vlm_kd")
 
@@ -235,13 +239,16 @@ def model(cfg: Config, name: str, kind: str):
     if name in cfg.sections:  # the section that runs this model sets its activation checkpointing
         fields["remat"] = cfg.sections[name].layer_remat
     if kind == "llm":
-        return _with_runnable_dispatch(LLMConfig.from_fields(fields), name)
+        strict = fields.pop("moe_dispatch_strict", False)
+        return _with_runnable_dispatch(LLMConfig.from_fields(fields), name, strict)
     return {"vit": ViTConfig, "audio": AudioConfig}[kind](**fields)
 
 
-def _with_runnable_dispatch(llm, name: str):
-    """`llm` where its MoE dispatch can run on this process's backend; ConfigError naming
-    `models.<name>.moe_dispatch` where `grouped` lacks its kernel here."""
+def _with_runnable_dispatch(llm, name: str, strict: bool = False):
+    """`llm` with an MoE dispatch that runs on this process's backend: `grouped` where its kernel
+    is missing here becomes `sparse` (the same dispatch, each device's experts through tiled
+    matmuls instead of tokamax's grouped GEMM), said in one log line; with `strict`
+    (`models.<name>.moe_dispatch_strict`), a ConfigError naming `models.<name>.moe_dispatch`."""
     import jax
 
     from maestro_jax.models.attention import compute_capability
@@ -249,12 +256,27 @@ def _with_runnable_dispatch(llm, name: str):
 
     if llm.experts and llm.moe_dispatch == "grouped":
         missing = grouped_gemm_missing(jax.default_backend(), compute_capability(), jax.__version_info__)
-        if missing:
+        if missing and strict:
             raise ConfigError(
-                f"error: models.{name}.moe_dispatch='grouped': tokamax's grouped GEMM needs {missing}; "
-                "valid here: auto, dense, ragged, sparse"
+                f"error: models.{name}.moe_dispatch='grouped' with moe_dispatch_strict: tokamax's grouped GEMM "
+                f"needs {missing}; valid here: auto, dense, ragged, sparse (or moe_dispatch_strict: false, which "
+                "runs sparse)"
             )
+        if missing:
+            _said_grouped_fallback(name, missing)
+            return dataclasses.replace(llm, moe_dispatch="sparse")
     return llm
+
+
+@functools.cache
+def _said_grouped_fallback(name: str, missing: str) -> None:
+    """One log line a section and reason, however often the model is built."""
+    log.warning(
+        "models.%s.moe_dispatch: grouped needs %s; running sparse, the same dispatch without tokamax's "
+        "grouped GEMM (moe_dispatch_strict: true refuses instead)",
+        name,
+        missing,
+    )
 
 
 def build_graph(cfg: Config) -> SectionGraph:
