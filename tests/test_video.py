@@ -200,3 +200,34 @@ def test_without_pyav_reading_a_video_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
     with pytest.raises(VideoError, match=r"needs PyAV, the `video` extra: pip install 'maestro-jax\[video\]'"):
         read_video(tmp_path / "clip.mp4")
+
+
+def test_a_checkpoint_folder_names_its_video_processor(tmp_path):
+    """`from_folder`: the family from config.json, the settings from the saved video processor
+    (or the older preprocessor_config.json); Qwen2-VL's processor takes every frame unless told
+    to sample at a rate, Qwen3-VL's samples at 2 fps by default; another model type is refused
+    in one line naming it."""
+    import json
+
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    assert VideoSampling.from_folder(folder).clip(12, 4.0, 56, 56).indices == tuple(range(12))
+    settings = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "do_sample_frames": True, "fps": 2}
+    (folder / "preprocessor_config.json").write_text(json.dumps({**settings, "min_pixels": 128, "max_pixels": 1024}))
+    older = VideoSampling.from_folder(folder)
+    assert (older.patch, older.min_pixels, older.max_pixels, older.sample) == (4, 128, 1024, True)
+    assert older.clip(12, 4.0, 16, 16).indices == (0, 2, 4, 6, 8, 10)
+    saved = {**settings, "size": {"shortest_edge": 256, "longest_edge": 4096}}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(saved))
+    assert (VideoSampling.from_folder(folder).min_pixels, VideoSampling.from_folder(folder).max_pixels) == (256, 4096)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        (folder / name).unlink()
+    qwen3 = VideoSampling.from_folder(folder)
+    assert (qwen3.patch, qwen3.fps, qwen3.sample, qwen3.mean) == (16, 2.0, True, (0.5, 0.5, 0.5))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(
+        VideoError, match=r"config.json: model_type='llava' has no video processor here; valid: qwen2_5_vl, qwen3_vl"
+    ):
+        VideoSampling.from_folder(folder)

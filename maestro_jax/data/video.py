@@ -150,6 +150,7 @@ class VideoSampling:
     max_video_tokens: int | None = None
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    sample: bool = True  # False: every frame of the clip (the processor's `do_sample_frames: false`)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -173,14 +174,42 @@ class VideoSampling:
             temporal=settings.get("temporal_patch_size", 2),
             min_pixels=settings.get("min_pixels", size.get("shortest_edge", 128 * factor * factor)),
             max_pixels=settings.get("max_pixels", size.get("longest_edge", 768 * factor * factor)),
-            fps=settings.get("fps") or 2.0,
+            fps=settings.get("fps") or 2.0,  # unread where `sample` is off
             min_frames=settings.get("min_frames", 4),
             max_frames=settings.get("max_frames", 768),
             cap_pixels_per_frame=bool(settings.get("cap_pixels_per_frame")),
             max_video_tokens=settings.get("max_video_tokens"),
             mean=settings.get("image_mean"),
             std=settings.get("image_std"),
+            # Qwen2-VL's processor samples only when told to (its default False, kept for older
+            # callers) and given a rate (none by default: every frame); Qwen3-VL's by default, at 2
+            sample=bool(settings.get("do_sample_frames", qwen3)) and bool(settings.get("fps") or qwen3),
         )
+
+    @classmethod
+    def from_folder(cls, folder) -> VideoSampling:
+        """A Qwen2.5-VL or Qwen3-VL checkpoint folder's video processor: the family from
+        `config.json`'s `model_type`, the settings from `video_preprocessor_config.json` (older
+        folders keep them in `preprocessor_config.json`), each missing one at its class default."""
+        import json
+        from pathlib import Path
+
+        folder = Path(folder)
+        try:
+            family = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError) as err:
+            raise VideoError(f"{folder}/config.json: cannot be read ({err})") from None
+        if family not in FAMILIES:
+            raise VideoError(
+                f"{folder}/config.json: model_type={family!r} has no video processor here; valid: {', '.join(FAMILIES)}"
+            )
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if (folder / name).is_file():
+                try:
+                    return cls.from_processor(family, json.loads((folder / name).read_text()))
+                except ValueError as err:
+                    raise VideoError(f"{folder}/{name}: cannot be read ({err})") from None
+        return cls.from_processor(family, {})
 
     @property
     def factor(self) -> int:
@@ -257,6 +286,8 @@ class VideoSampling:
 
     # -- each family's arithmetic, as its processor's --------------------------------------------
     def _indices(self, frames: int, video_fps: float) -> tuple[int, ...]:
+        if not self.sample:
+            return tuple(range(frames))
         if self.family == "qwen2_5_vl":
             cap = math.floor(min(self.max_frames, frames) / self.temporal) * self.temporal
             n = min(max(frames / video_fps * self.fps, self.min_frames), cap, frames)
