@@ -417,3 +417,17 @@ def test_two_processes_write_the_one_process_cache(tmp_path, devices, writers):
         np.testing.assert_array_equal(a.ids, b.ids)
         np.testing.assert_allclose(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(a.log_tail, b.log_tail, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_teacher_run_holds_no_optimizer_state():
+    """`teacher-cache` runs forwards only: the states it holds have no optimizer state (a large
+    student's moments are never allocated), and the student's consts, which hold the teacher's
+    output layer, are there."""
+    from maestro_jax.tools.teacher_cache import _TeacherRun, cached_teacher
+
+    cfg = kd()
+    rt = build_runtime(cfg)
+    run = _TeacherRun.start(rt, cached_teacher(cfg), cfg.distill.temperature, 8)
+    assert {s: st.opt_state for s, st in run.states.items()} == dict.fromkeys(rt.graph.names)
+    assert run.teacher.head in run.states["student"].consts

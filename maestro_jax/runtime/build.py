@@ -51,13 +51,15 @@ class Runtime:
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
     coordinator: Coordinator = dataclasses.field(default_factory=Coordinator)  # exchanges between processes
 
-    def init_states(self, seed: int | None = None) -> dict[str, SectionState]:
+    def init_states(self, seed: int | None = None, optimizer: bool = True) -> dict[str, SectionState]:
         """Each section initialises straight into its own sharding (never a full copy on one
         device); sections with `init.hf_path` then take their weights from that checkpoint
-        (`init.checkpoint_dir` is the training loop's: `training.checkpoint.start_from_checkpoints`)."""
+        (`init.checkpoint_dir` is the training loop's: `training.checkpoint.start_from_checkpoints`).
+        Without `optimizer`, no optimizer state (`opt` None): for a caller that only runs
+        forwards (`teacher-cache`), which then never holds a trained section's moments."""
         key = jax.random.key(self.cfg.seed if seed is None else seed)
         states = {
-            s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key)
+            s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key, optimizer)
             for s in self.graph.names
         }
         for s, sc in self.cfg.sections.items():
@@ -165,11 +167,11 @@ class Runtime:
         return build_monolithic(self)
 
 
-def _init_section(graph, name, mesh, shardings, programs, key) -> SectionState:
+def _init_section(graph, name, mesh, shardings, programs, key, optimizer: bool = True) -> SectionState:
     init = jax.jit(lambda k: nn.meta.unbox(graph.init(k)[name]), out_shardings=shardings)
     with jax.set_mesh(mesh):
         v = init(key)
-    opt = programs.init_optimizer(v["params"]) if graph.section(name).trained else None
+    opt = programs.init_optimizer(v["params"]) if optimizer and graph.section(name).trained else None
     return SectionState(v["params"], v["consts"], opt)
 
 

@@ -148,7 +148,7 @@ class _TeacherRun:
         from maestro_jax.runtime.transfer import transfer
         from maestro_jax.workloads.kd import tempered_log_probs, top_k_of
 
-        states = rt.step.init().sections
+        states = rt.init_states(optimizer=False)  # forwards only: no student optimizer state held
         everywhere = NamedSharding(rt.programs[teacher.name].mesh, PartitionSpec())
         head = transfer(states["student"].consts[teacher.head], everywhere)  # the student's devices may be elsewhere
         top_k = jax.jit(
