@@ -63,7 +63,7 @@ from maestro_jax.planning.layout import (
 )
 from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
-from maestro_jax.planning.spec import SectionSpec, WorkloadSpec, staged_metas
+from maestro_jax.planning.spec import SPLIT_COUNTS, SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
 from maestro_jax.schedule.packing import TokenBudget, slots
@@ -119,8 +119,10 @@ def _powers(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-# pipeline stage counts `plan --stages` tries for a section that splits (`WorkloadSpec.splits`)
-STAGE_COUNTS = (2, 4, 8)
+# pipeline stage counts `plan --stages` tries for a section that splits (`WorkloadSpec.splits`): the
+# first three of the counts it is cut into (`spec.SPLIT_COUNTS`, which a config's own count of 16
+# stages is checked with)
+STAGE_COUNTS = SPLIT_COUNTS[:3]
 _TIE = 1e-9  # relative: a plan whose bound is this close to the K-th best time can at best tie it
 TOLERANCE = 0.01  # default relative gap: plans that could beat the K-th best by less are not simulated
 _GROWTH = 1.02  # the search's threshold, from the smallest bound up, grows by this factor per pass (a pass

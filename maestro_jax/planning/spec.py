@@ -23,6 +23,10 @@ from maestro_jax.schedule import Problem, SampleMeta
 from maestro_jax.schedule.ops import pipeline_bounds
 from maestro_jax.schedule.packing import Pack, slots
 
+# the stage counts a section that splits is cut into for planning (`WorkloadSpec.splits`, which
+# `workloads.describe` fills): what `plan --stages` may try (`planner.STAGE_COUNTS`, a prefix)
+SPLIT_COUNTS = (2, 4, 8, 16)
+
 
 @dataclasses.dataclass(frozen=True)
 class SectionSpec:

@@ -509,9 +509,6 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
     )
 
 
-STAGE_COUNTS = (2, 4, 8, 16)  # the stage counts `describe` offers the planner for a section that splits
-
-
 def _stager(section, spec):
     """`section` (described as `spec`) cut for the planner (`planning.spec.StagedSection`): a
     function `(k, layers=None)` giving it in `k` stages, `layers` blocks each (where its `stages`
@@ -557,10 +554,12 @@ def _stager(section, spec):
 
 
 def _splits(stager, configured: int, cut: list[int] | None) -> dict:
-    """A section's splits into each of `STAGE_COUNTS` stages it takes, evenly, and into the
-    `configured` count as the config cuts it (which the planner checks a config's plan with)."""
+    """A section's splits into each of `planning.spec.SPLIT_COUNTS` stages it takes, evenly, and
+    into the `configured` count as the config cuts it (which the planner checks a config's plan with)."""
+    from maestro_jax.planning.spec import SPLIT_COUNTS
+
     out = {}
-    for k in sorted({*STAGE_COUNTS, configured} - {1}):
+    for k in sorted({*SPLIT_COUNTS, configured} - {1}):
         split = stager(k, tuple(cut) if cut is not None and k == configured else None)
         if split is None:
             break  # more stages than layers, or a model that does not split: nor will more
