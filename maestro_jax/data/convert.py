@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import io
 import json
-import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 from maestro_jax.data.audio import AudioError, log_mel, read_audio
 from maestro_jax.data.samples import DataError, Modality, Sample, encode_sample, validate_sample
 from maestro_jax.data.sources import write_index
+from maestro_jax.data.video import fit_pixels
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker of where an image goes in a turn's text
 AUDIO_MARKER = "<audio>"  # and of where an audio clip goes
@@ -151,15 +151,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         raise BadRecord(
             f"an image of {height}x{width} pixels: its aspect is over 200, which Qwen-VL's processor refuses"
         )
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
+    return fit_pixels(height, width, factor, min_pixels, max_pixels)
 
 
 @dataclasses.dataclass(frozen=True)

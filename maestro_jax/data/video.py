@@ -70,15 +70,13 @@ def read_video(path) -> tuple[np.ndarray, float]:
         ) from None
     try:
         with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise VideoError(f"{path}: holds no video stream")
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate
-            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+            streams = container.streams.video
+            rate = streams[0].average_rate or streams[0].guessed_rate if streams else None
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(streams[0])] if streams else None
     except (av.FFmpegError, OSError, ValueError) as err:
-        if isinstance(err, VideoError):
-            raise
         raise VideoError(f"{path}: cannot be decoded as a video ({type(err).__name__}: {err})") from None
+    if frames is None:
+        raise VideoError(f"{path}: holds no video stream")
     if not frames:
         raise VideoError(f"{path}: its video stream holds no frame")
     if not rate or rate <= 0:
@@ -307,7 +305,7 @@ class VideoSampling:
             if self.cap_pixels_per_frame:
                 total = int((self.max_video_tokens or MAX_VIDEO_TOKENS[self.family]) * factor * factor * 0.9)
                 budget = max(min(budget, total * self.temporal // sampled), int(self.min_pixels * 1.05))
-            return _fit(height, width, factor, self.min_pixels, budget, frames=1, rounded_frames=1)
+            return fit_pixels(height, width, factor, self.min_pixels, budget, frames=1, rounded_frames=1)
         if self.cap_pixels_per_frame:
             frame_cap = (self.max_video_tokens or MAX_VIDEO_TOKENS[self.family]) * factor * factor
             budget = max(min(frame_cap, budget // sampled), int(self.min_pixels * 1.05)) * sampled
@@ -315,7 +313,7 @@ class VideoSampling:
             scale = max(factor / height, factor / width)
             height, width = int(height * scale), int(width * scale)
         rounded = round(sampled / self.temporal) * self.temporal
-        return _fit(height, width, factor, self.min_pixels, budget, frames=sampled, rounded_frames=rounded)
+        return fit_pixels(height, width, factor, self.min_pixels, budget, frames=sampled, rounded_frames=rounded)
 
     def _timestamps(self, indices: tuple[int, ...], video_fps: float) -> tuple[float, ...]:
         """Each temporal patch's time: the mean of its first and last frame's (the last frame
@@ -325,9 +323,11 @@ class VideoSampling:
         return tuple((times[i] + times[i + self.temporal - 1]) / 2 for i in range(0, len(times), self.temporal))
 
 
-def _fit(height, width, factor, min_pixels, max_pixels, frames, rounded_frames) -> tuple[int, int]:
-    """transformers' `smart_resize` (the image one with `frames` 1, Qwen3-VL's video one
-    otherwise): each side rounded to a multiple of `factor`, then both scaled, keeping the
+def fit_pixels(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1, rounded_frames: int = 1
+) -> tuple[int, int]:
+    """transformers' `smart_resize` (the image one with `frames` 1, as `data.convert.smart_resize`
+    calls it; Qwen3-VL's video one otherwise): each side rounded to a multiple of `factor`, then both scaled, keeping the
     aspect, so that `rounded_frames` frames of that size hold `min_pixels` to `max_pixels`."""
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if rounded_frames * h * w > max_pixels:
