@@ -394,6 +394,11 @@ class LLMModelConfig(_FromFolder):
     # Qwen3-VL's DeepStack: the image tokens carry this many more feature sets (models.vision.deepstack_layers),
     # the j-th added to the image positions after block j
     deepstack_layers: int = Field(0, ge=0)
+    # A video clip's M-RoPE temporal positions (models/llm.py, mrope_positions): Qwen2.5-VL's temporal
+    # patch f sits at f * video_tokens_per_second * its seconds per patch (vision_config.tokens_per_second,
+    # transformers' default 4); with video_timestamps (Qwen3-VL, whose text stamps each temporal patch) each patch starts afresh
+    video_tokens_per_second: float = Field(4.0, gt=0)
+    video_timestamps: bool = False
     # Mixture of experts: `experts` > 0 replaces every block's FFN by top-k routed experts.
     experts: int = Field(0, ge=0)
     experts_per_token: int = Field(0, ge=0, validate_default=True)
@@ -577,7 +582,8 @@ class ModalityDataConfig(_Frozen):
 
     fraction: float = Field(0.5, ge=0.0, le=1.0)
     max_items: PositiveInt = 2
-    sizes: list[list[PositiveInt]] = []  # spatial sizes: (height, width) of images, (frames,) of audio clips
+    # spatial sizes: (height, width) of images, (frames, height, width) of video clips, (frames,) of audio clips
+    sizes: list[list[PositiveInt]] = []
 
 
 class DataConfig(_Frozen):

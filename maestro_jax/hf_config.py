@@ -292,6 +292,15 @@ def _mrope_section(path, hf: dict, kind: str) -> tuple[int, ...]:
     return section
 
 
+def _tokens_per_second(path, hf: dict) -> dict:
+    """Qwen2.5-VL's `vision_config.tokens_per_second` (its class default, 4, where the folder
+    omits it) as `video_tokens_per_second`; not a positive number: one line naming it."""
+    value = (hf.get("vision_config") or {}).get("tokens_per_second", 4)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise HFError(f"{path}/config.json: vision_config.tokens_per_second={value!r}; valid: a positive number")
+    return {"video_tokens_per_second": float(value)}
+
+
 def _text_fields(path: str | Path, hf: dict) -> dict:
     """`llm_fields` of the config `hf`: a language model's, or a multimodal one's `text_config`."""
     kind = hf.get("model_type")
@@ -307,6 +316,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
             # reads no flag), and adds one DeepStack feature set per tapped vision block
             "mrope_interleaved": qwen3,
             "deepstack_layers": len(_qwen3_vl_vision_config(hf)["deepstack_visual_indexes"]) if qwen3 else 0,
+            # get_rope_index's video positions: Qwen2.5-VL's step per second of video, Qwen3-VL's timestamps
+            **({"video_timestamps": True} if qwen3 else _tokens_per_second(path, hf)),
         }
     if kind in MULTIMODAL:
         text = hf.get("text_config") or {}

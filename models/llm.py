@@ -70,6 +70,10 @@ class LLMConfig:
     # Qwen3-VL's DeepStack: image tokens arrive with this many more feature sets, the j-th added to the
     # image positions' hidden states after block j (`DecoderLM.body`)
     deepstack_layers: int = 0
+    # a video's M-RoPE temporal step (`mrope_positions`): Qwen2.5-VL's positions per second of video;
+    # Qwen3-VL (`video_timestamps`) positions each temporal patch on its own after its text timestamp
+    video_tokens_per_second: float = 4.0
+    video_timestamps: bool = False
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
     experts_per_token: int = 0
     expert_mlp: int = 0

@@ -73,6 +73,7 @@ TINY_VLM = [
     "models.llm.mlp=96",
     "data.modalities.image.sizes=[[8,8],[16,8]]",
     "data.modalities.image.max_items=2",
+    "data.modalities.video.sizes=[[2,8,8],[4,8,16]]",  # each frame a segment of the tower (frames: 1)
 ]
 TINY_KD = [
     "global_batch=8",

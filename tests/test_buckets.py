@@ -138,7 +138,9 @@ def test_every_built_in_section_pads_at_the_configs_buckets(config):
     assert any(n & (n - 1) for n in sizes(8))
 
 
-QUICK_START_PROGRAMS = 30  # configs/vlm_tiny.yaml's 8 steps at one bucket an octave (56 at eight)
+# configs/vlm_tiny.yaml's 8 steps at one bucket an octave (56 at eight); 30 before its data mixed in
+# video clips (2026-12-07), whose temporal patches give the tower more patch and segment counts
+QUICK_START_PROGRAMS = 35
 
 
 def test_the_quick_start_compiles_at_most_its_measured_program_count():

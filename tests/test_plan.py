@@ -134,8 +134,8 @@ def test_image_sizes_are_checked_against_the_vit_at_their_key():
             continue
         with pytest.raises(
             ConfigError,
-            match=r"^error: data\.modalities\.image\.sizes=.* must be a multiple of "
-            r"models\.vision patch\*merge=8 and at most max_grid\*patch=256",
+            match=r"^error: data\.modalities\.image\.sizes=.*; valid: height x width, each side a multiple of "
+            r"models\.vision patch\*merge=8 and at most max_grid\*patch=256$",
         ):
             build_graph(cfg)
 

@@ -199,6 +199,8 @@ def _overrides(path) -> list[str]:
         f"models.vision={{hf: {path}, kind: vit}}",
         f"models.llm={{hf: {path}, kind: llm}}",
         "data.modalities.image.sizes=[[16,24],[12,8]]",
+        "workload_settings.video_token=93",  # the folder's video_token_id (vlm_tiny's own is 3)
+        "data.modalities.video.sizes=[[2,8,8],[4,8,12]]",
         "sections.llm.mesh={data: 6}",
     ]
 
@@ -222,25 +224,27 @@ def test_a_qwen2_5_vl_folder_gives_both_sections_and_verifies(tmp_path):
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _overrides(path))
     assert cfg.models["vision"].block == "rmsnorm_glu" and cfg.models["llm"].mrope_section == (2, 3, 3)
     assert settings(cfg).image_token == 7
+    assert settings(cfg).video_token == 93 and cfg.models["llm"].video_tokens_per_second == 4.0
     rt = build_runtime(cfg)
-    samples = [s for s in rt.batches()[0] if s.has("image")]
+    assert any(s.has("video") for s in rt.batches()[0])
+    samples = [s for s in rt.batches()[0] if s.has("image") or s.has("video")]
     llm = next(s for s in rt.graph.sections if s.name == "llm")
     host = llm.host_batch(samples, {})
     assert host["positions"].shape[-1] == 4
     for row, s in zip(host["positions"], samples):
         grids = [(h // 4, w // 4) for h, w, _ in s.shapes("image")]
-        want = mrope_positions(s.tokens[:-1], 7, grids)
+        clips = [(t // 2, h // 4, w // 4, 4.0) for t, h, w, _ in s.shapes("video")]  # 4 tokens a second, 1 s a patch
+        want = mrope_positions(s.tokens[:-1], 7, grids, 93, clips)
         assert np.array_equal(row[: len(want)], want)
-        assert (want[:, 1] < want[:, 0]).any()  # an image's tokens share a temporal position
-    from maestro_jax.workloads.vlm import image_modality
+        assert (want[:, 1] < want[:, 0]).any()  # an image's (a clip's) tokens share a temporal position
+    from maestro_jax.workloads.vlm import visual_modalities
 
-    image = image_modality(cfg)
     packed = packed_multimodal_rows(
         samples,
         {},
         1,
         TokenBudget(64),
-        {"image_embeds": image},
+        {"image_embeds": visual_modalities(cfg)},
         positions=llm_positions(cfg),
         per_octave=cfg.compile.buckets_per_octave,
     )
@@ -255,9 +259,9 @@ def test_a_qwen2_5_vl_folder_gives_both_sections_and_verifies(tmp_path):
 
 def llm_positions(cfg):
     from maestro_jax.workloads import model
-    from maestro_jax.workloads.vlm import image_modality, sample_positions
+    from maestro_jax.workloads.vlm import sample_positions, visual_modalities
 
-    return sample_positions(model(cfg, "llm", "llm"), {"image_embeds": image_modality(cfg)})
+    return sample_positions(model(cfg, "llm", "llm"), {"image_embeds": visual_modalities(cfg)})
 
 
 @pytest.mark.reference

@@ -159,7 +159,8 @@ def test_plugin_settings_errors_are_one_line(override, message):
             "vlm_tiny.yaml",
             TINY_VLM,
             "workload_settings.image_tokn=7",
-            "error: workload_settings.image_tokn: unknown key; did you mean 'image_token'? valid keys: image_token",
+            "error: workload_settings.image_tokn: unknown key; did you mean 'image_token'? valid keys: image_token, "
+            "video_max_frames, video_token",
         ),
         (
             "vlm_tiny.yaml",
@@ -221,17 +222,19 @@ def test_plugin_kinds_and_settings_need_a_plugin_workload():
 # -- the built-in workloads' placeholder ids ------------------------------------------------------
 @pytest.mark.slow
 def test_vlm_with_its_own_image_id_makes_checks_and_verifies():
-    """Image id 7: synthetic text skips 7, every sample's 7s are exactly its image tokens, and the
-    section runtime matches the monolithic step."""
+    """Image id 7: synthetic text skips 7, every sample's 7s are exactly its image tokens (and its
+    2s, vlm_tiny's video id, its clips' tokens), and the section runtime matches the monolithic step."""
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=7"])
-    (image,) = workloads.modalities_of(cfg)
-    assert image.placeholder == 7
+    image, video = workloads.modalities_of(cfg)
+    assert (image.placeholder, video.placeholder) == (7, 2)
     source, check = workloads.source_from_config(cfg), workloads.sample_check(cfg)
     samples = [check(source[i]) for i in range(32)]
     assert any(s.has("image") for s in samples) and any(not s.has("image") for s in samples)
+    assert any(s.has("video") for s in samples)
     for s in samples:
         assert np.count_nonzero(s.tokens == 7) == sum(image.tokens(x.shape[:2]) for x in s.of("image"))
-        assert not np.isin(s.tokens, [1, 2]).any()  # the default ids are not placeholders here, nor used as text
+        assert np.count_nonzero(s.tokens == 2) == sum(video.tokens(x.shape[:3]) for x in s.of("video"))
+        assert not np.isin(s.tokens, [1]).any()  # the default image id is no placeholder here, nor used as text
     for d in verify(cfg):
         assert d.max_rel < 1e-5, d
 

@@ -403,7 +403,13 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"tokenizer of at most {target.vocab} tokens"
             )
     for m in target.modalities:
-        taken = sorted(t for t, i in vocab.items() if i == m.placeholder and t != own[m.name])
+        taken = sorted(t for t, i in vocab.items() if i == m.placeholder and t != own.get(m.name))
+        if taken and m.name not in own:  # video: the converter writes no clips yet, so any id will do
+            raise ConvertError(
+                f"error: workload_settings.{m.name}_token={m.placeholder}: the tokenizer in {tok.folder} has token "
+                f"{taken[0]!r} at that id, which the {target.workload} workload reserves for {m.name} placeholders; "
+                f"valid: an id the tokenizer leaves unused, or null (a model without {m.name})"
+            )
         if taken:
             raise ConvertError(
                 f"error: --tokenizer={tok.folder}: token {taken[0]!r} has id {m.placeholder}, which the "

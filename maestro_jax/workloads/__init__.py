@@ -373,10 +373,12 @@ def _data_source(cfg: Config, key: str = "data"):
         return workload.source(cfg)
     modalities = modalities_of(cfg, workload)
     known = {m.name: m for m in modalities}
+    fields = workload.settings.model_fields if workload.settings is not None else {}
     for name in cfg.data.modalities:
         if name not in known:
+            hint = f" (with workload_settings.{name}_token set, {name} too)" if f"{name}_token" in fields else ""
             raise ConfigError(
-                f"error: data.modalities.{name}: workload {cfg.workload!r} takes {sorted(known) or 'text only'}"
+                f"error: data.modalities.{name}: workload {cfg.workload!r} takes {sorted(known) or 'text only'}{hint}"
             )
     items = []
     for name, m in known.items():

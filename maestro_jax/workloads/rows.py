@@ -40,9 +40,27 @@ from maestro_jax.models.attention import segment_lengths, segment_lengths_wanted
 from maestro_jax.schedule.packing import Pack, TokenBudget, pack_rows
 
 Positions = Callable[[object], np.ndarray]  # a sample -> its next-token positions' own positions, n x k
+# A modality, or the modalities one edge carries in the order its producer packs a sample's items
+# (a VLM's tower sends a sample's image tokens, then its video tokens): each one's placeholder
+# indices count on from the tokens of those before it.
+Carried = Modality | tuple[Modality, ...]
 
 
-def _empty_rows(r: int, length: int, modalities: Sequence[Modality], axes: int = 0) -> dict[str, np.ndarray]:
+def flat(modalities: Sequence[Carried]) -> tuple[Modality, ...]:
+    """Every modality of `modalities`, groups opened."""
+    return tuple(m for c in modalities for m in (c if isinstance(c, tuple) else (c,)))
+
+
+def _after(modalities: Sequence[Carried]) -> list[tuple[Modality, tuple[Modality, ...]]]:
+    """Each modality with those before it on its edge (`Carried`)."""
+    out = []
+    for c in modalities:
+        group = c if isinstance(c, tuple) else (c,)
+        out += [(m, group[:k]) for k, m in enumerate(group)]
+    return out
+
+
+def _empty_rows(r: int, length: int, modalities: Sequence[Carried], axes: int = 0) -> dict[str, np.ndarray]:
     """`r` rows of `length` next-token positions, all padding: what `_place` fills per sample
     (`axes` > 0: each position has that many coordinates, `Positions`)."""
     return {
@@ -51,19 +69,20 @@ def _empty_rows(r: int, length: int, modalities: Sequence[Modality], axes: int =
         "loss_mask": np.zeros((r, length), np.float32),
         "positions": np.zeros((r, length, axes) if axes else (r, length), np.int32),
         "valid": np.zeros((r, length), bool),
-        **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in modalities},
+        **{f"{m.name}_tok": np.full((r, length), -1, np.int32) for m in flat(modalities)},
     }
 
 
 def text_rows(
-    rows, modalities: Sequence[Modality] = (), positions: Positions | None = None, *, per_octave: int = PER_OCTAVE
+    rows, modalities: Sequence[Carried] = (), positions: Positions | None = None, *, per_octave: int = PER_OCTAVE
 ) -> dict[str, np.ndarray]:
     """Next-token rows: inputs tokens[:-1], targets tokens[1:]; a target carries loss unless it
     is a placeholder or the sample's `loss_mask` clears it (`carries_loss`). The length is
     bucketed at `per_octave` buckets an octave.
 
     For each modality, `<name>_tok[i, t]` is the index of position t's placeholder among the
-    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings.
+    row's placeholder tokens of that modality (-1 elsewhere): where `splice` puts embeddings;
+    a modality in a group (`Carried`) counts on from the placeholders of those before it.
     `positions` (an M-RoPE LLM's, `models.llm.mrope_positions`) gives each sample's positions
     instead of 0, 1, 2, ...: `positions` is then rows x length x k."""
     length = bucket(max((len(s.tokens) - 1 for s in rows if s is not None), default=1), per_octave=per_octave)
@@ -83,19 +102,21 @@ def _own_positions(rows, positions: Positions | None) -> tuple[list, int]:
     return own, next((p.shape[1] for p in own if p is not None), 0 if positions is None else 1)
 
 
-def _place(out: dict, i: int, span: slice, s, modalities: Sequence[Modality], own=None) -> None:
+def _place(out: dict, i: int, span: slice, s, modalities: Sequence[Carried], own=None) -> None:
     """Sample `s`'s next-token positions into row `i` at `span`: inputs, targets, loss (per
     `carries_loss`), positions from 0 (or `own`), validity, and each modality's placeholder
-    indices counted within the sample (where `splice` puts its embeddings)."""
+    indices counted within the sample, after those of the modalities before it on its edge
+    (where `splice` puts its embeddings)."""
     t, n = s.tokens, span.stop - span.start
     out["input_ids"][i, span] = t[:-1]
     out["targets"][i, span] = t[1:]
-    out["loss_mask"][i, span] = carries_loss(s, [m.placeholder for m in modalities])
+    out["loss_mask"][i, span] = carries_loss(s, [m.placeholder for m in flat(modalities)])
     out["positions"][i, span] = np.arange(n) if own is None else own
     out["valid"][i, span] = True
-    for m in modalities:
+    for m, before in _after(modalities):
         hit = t[:-1] == m.placeholder
-        out[f"{m.name}_tok"][i, span] = np.where(hit, np.cumsum(hit) - 1, -1)
+        first = sum(int(np.count_nonzero(t == b.placeholder)) for b in before)
+        out[f"{m.name}_tok"][i, span] = np.where(hit, np.cumsum(hit) - 1 + first, -1)
 
 
 def carries_loss(sample, placeholders: Sequence[int]) -> np.ndarray:
@@ -107,9 +128,9 @@ def carries_loss(sample, placeholders: Sequence[int]) -> np.ndarray:
     return keep if sample.loss_mask is None else keep & (sample.loss_mask[1:] != 0)
 
 
-def loss_tokens(modalities: Sequence[Modality] = ()) -> Callable[[Sequence], int]:
+def loss_tokens(modalities: Sequence[Carried] = ()) -> Callable[[Sequence], int]:
     """The sink's normaliser: the global count of target tokens that carry loss."""
-    placeholders = [m.placeholder for m in modalities]
+    placeholders = [m.placeholder for m in flat(modalities)]
     return lambda samples: int(sum(np.count_nonzero(carries_loss(s, placeholders)) for s in samples))
 
 
@@ -137,7 +158,21 @@ def pack_items(
     padding), so attention can stay within each item, and, where a fused kernel may take them
     (`models.attention.segment_lengths_wanted`), `segment_lengths` gives each row's item sizes.
     The piece count is bucketed (from `minimum`, `per_octave` buckets an octave)."""
-    cuts = [[cut(x) for x in s.of(modality)] if s is not None else [] for s in rows]
+    return pack_segments(rows, lambda s: [cut(x) for x in s.of(modality)], features, minimum, per_octave=per_octave)
+
+
+def pack_segments(
+    rows,
+    cut: Callable[[object], list[tuple[np.ndarray, np.ndarray]]],
+    features: int,
+    minimum: int = 16,
+    *,
+    per_octave: int = PER_OCTAVE,
+) -> dict[str, np.ndarray]:
+    """`pack_items` where a sample's segments are not one per item: `cut(sample)` gives each of
+    its segments' pieces and positions in order (a VLM's tower: each image, then each temporal
+    patch of each clip)."""
+    cuts = [cut(s) if s is not None else [] for s in rows]
     n = bucket(max((sum(len(p) for p, _ in c) for c in cuts), default=0), minimum, per_octave)
     k = max((pos.shape[1] for c in cuts for _, pos in c), default=1)
     out = {
@@ -266,7 +301,7 @@ def packed_text_rows(
     routes: Mapping[str, Sequence[int]],
     shards: int,
     pack: Pack,
-    modalities: Sequence[Modality] = (),
+    modalities: Sequence[Carried] = (),
     unpacks: bool = False,
     positions: Positions | None = None,
     *,
