@@ -19,6 +19,13 @@ transformers in float32) on the video processor's `pixel_values_videos` and `vid
 `<family>-frames`, `-pixels`, `-grid`, `-features` (`visual(...).pooler_output`) and for Qwen3-VL
 `-deepstack` (its DeepStack mergers' outputs).
 
+whole.npz holds each family's whole model on one row of text, an image and a clip (`_whole`): the
+row's ids (`<family>-tokens`; Qwen3-VL's with a timestamp token and markers before each temporal
+patch), the image and the clip as a sample holds them (`image`, `clip`: normalised pixels, H x W x
+C and T x H x W x C), Qwen2.5-VL's seconds per temporal patch (`seconds`) and the logits
+(`<family>-logits`); the processors' rows are made from them as the Qwen2-VL video processor lays
+them out (`_processor_rows`). It needs no torchvision: `python -c "..._whole(...)"` writes it alone.
+
 torchvision's PyPI wheel is a CUDA build: beside torch's CPU build its C++ operators do not load,
 and its import then fails registering fake kernels for two of them (`nms`, `qnms`), which the
 video processors never call. This script declares those two so that the import goes through;
@@ -158,6 +165,70 @@ def _towers(fixtures: Path) -> dict:
     return arrays
 
 
+# The whole model on one row of text, an image and a clip (whole.npz): ids of the tiny fixtures'
+# tokenizer (image 7, video 93, vision start 94 and end 95), the image 8x8 (2 x 2 merged tokens),
+# the clip 4 frames of 8x12 (2 temporal patches of 2 x 3 tokens), Qwen2.5-VL's clip at 0.5 s a
+# temporal patch (so its positions step by tokens_per_second x 0.5, not the default 1 s)
+WHOLE_IMAGE, WHOLE_CLIP, WHOLE_SECONDS = (8, 8), (4, 8, 12), 0.5
+IMAGE_ID, VIDEO_ID, START, END = 7, 93, 94, 95
+
+
+def _whole_ids(family: str) -> list[int]:
+    """Text, the image's 4 tokens, text, the clip (Qwen2.5-VL: one run of 12 tokens; Qwen3-VL: a
+    timestamp token and markers before each temporal patch's 6, as its processor writes it), text."""
+    image = [START, *[IMAGE_ID] * 4, END]
+    if family == "qwen2_5_vl":
+        clip = [START, *[VIDEO_ID] * 12, END]
+    else:
+        clip = [30, START, *[VIDEO_ID] * 6, END, 31, START, *[VIDEO_ID] * 6, END]
+    return [11, 12, 13, *image, 14, 15, *clip, 16, 17, 18]
+
+
+def _processor_rows(frames_TCHW: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+    """A clip's (or a still image's, its frame repeated) `pixel_values` rows as transformers' Qwen2-VL
+    video processor lays them out (video_processing_qwen2_vl.py, `_preprocess`: the view and
+    permute (0, 1, 4, 7, 5, 8, 3, 2, 6, 9) without the batch axis)."""
+    t, c, h, w = frames_TCHW.shape
+    gh, gw = h // patch, w // patch
+    x = frames_TCHW.reshape(t // temporal, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(t // temporal * gh * gw, c * temporal * patch * patch))
+
+
+def _whole(fixtures: Path) -> dict:
+    """Each family's whole model (its stored tiny weights in float32) on `_whole_ids`, the image
+    and the clip given as the processors' rows of normalised pixels: the logits, with the inputs
+    (the image H x W x C, the clip T x H x W x C) as a sample holds them."""
+    import transformers
+
+    rng = np.random.default_rng(21)
+    image = rng.standard_normal((*WHOLE_IMAGE, 3)).astype(np.float32)
+    clip = rng.standard_normal((*WHOLE_CLIP, 3)).astype(np.float32)
+    arrays = {"image": image, "clip": clip, "seconds": np.float32(WHOLE_SECONDS)}
+    for family, cls in TOWER_MODELS.items():
+        model = getattr(transformers, cls).from_pretrained(fixtures / family, dtype=torch.float32).eval()
+        ids = _whole_ids(family)
+        still = np.repeat(image.transpose(2, 0, 1)[None], 2, axis=0)
+        kinds = [1 if i == IMAGE_ID else 2 if i == VIDEO_ID else 0 for i in ids]
+        inputs = {
+            "input_ids": torch.tensor([ids]),
+            "mm_token_type_ids": torch.tensor([kinds]),
+            "pixel_values": torch.from_numpy(_processor_rows(still, 2, 2, 2)),
+            "image_grid_thw": torch.tensor([[1, WHOLE_IMAGE[0] // 2, WHOLE_IMAGE[1] // 2]]),
+            "pixel_values_videos": torch.from_numpy(_processor_rows(clip.transpose(0, 3, 1, 2), 2, 2, 2)),
+            "video_grid_thw": torch.tensor([[WHOLE_CLIP[0] // 2, WHOLE_CLIP[1] // 2, WHOLE_CLIP[2] // 2]]),
+        }
+        if family == "qwen2_5_vl":
+            inputs["second_per_grid_ts"] = torch.tensor([WHOLE_SECONDS])
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        arrays |= {
+            f"{family}-tokens": np.array(ids, np.int32),
+            f"{family}-logits": logits[0].numpy().astype(np.float32),
+        }
+    return arrays
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf" / "qwen_video")
@@ -181,6 +252,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out / "pixels.npz", **arrays)
     np.savez_compressed(args.out / "towers.npz", **_towers(args.out.parent))
+    np.savez_compressed(args.out / "whole.npz", **_whole(args.out.parent))
     record = {"transformers": transformers.__version__, "wrapper": WRAPPER, "cases": cases}
     (args.out / "cases.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {len(cases)} cases to {args.out / 'cases.json'}")

@@ -562,3 +562,51 @@ def test_the_tower_on_a_clip_equals_transformers_video_features(tmp_path, name):
         "patch_embed": {**params["patch_embed"], "kernel": jnp.concatenate([kernel[:half] + kernel[half:]] * 2) / 2},
     }
     assert rel_err(np.asarray(model.apply({"params": summed}, *inputs)[0])[:, :32], want[0]) > 10 * RTOL
+
+
+def _whole_logits(path, name: str, tags: dict) -> np.ndarray:
+    """The vlm workload's two sections, as the folder's config builds them and with its weights, on
+    one sample holding the fixture row's text, image and clip: the tower's host batch and forward
+    (the image, then each temporal patch a segment), then the LLM's host batch (its M-RoPE
+    positions, the video tokens indexed after the image's) and its logits with the tokens spliced in."""
+    from maestro_jax.models import DecoderLM, hf
+
+    from maestro_jax.config import load_config
+    from maestro_jax.data import Sample
+    from maestro_jax.workloads import build_graph, model
+    from maestro_jax.workloads.vlm import EDGE, spliced_logits, visual_modalities
+
+    ref = np.load(FIXTURES / "qwen_video" / "whole.npz")
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _overrides(path))
+    graph = build_graph(cfg)
+    vision, llm = (next(s for s in graph.sections if s.name == n) for n in ("vision", "llm"))
+    tokens = np.append(ref[f"{name}-tokens"], 11).astype(np.int32)  # the inputs are tokens[:-1]: the fixture's row
+    sample = Sample(0, tokens, {"image": (ref["image"],), "video": (ref["clip"],)}, tags=tags)
+    init = nn.unbox(graph.init(jax.random.key(0)))
+    vit_fields = {k: v for k, v in hf_encoders.vit_fields(path).items() if k != "kind"}
+    vparams = hf_encoders.load_vit(path, init["vision"]["params"], vit_fields)
+    lparams = hf.load_llm(path, init["llm"]["params"], hf.llm_fields(path))
+    edge = vision.forward({"params": vparams}, {}, vision.host_batch([sample], {}))[EDGE]
+    batch = llm.host_batch([sample], {EDGE: [0]})
+    decoder = DecoderLM(model(cfg, "llm", "llm"), rows_from_zero=True)
+    logits, _ = spliced_logits(decoder, {"params": lparams}, {EDGE: (edge,)}, batch, {EDGE: visual_modalities(cfg)})
+    return np.asarray(logits)[0, : len(tokens) - 1]
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_whole_model_on_text_an_image_and_a_clip_equals_transformers(tmp_path, name):
+    """The vlm workload on a Qwen2.5-VL / Qwen3-VL folder, one sample of text, an 8x8 image and a
+    4-frame clip of 8x12 (tests/fixtures/hf/qwen_video/whole.npz, `scripts/make_video_fixtures.py`):
+    its logits are transformers' on the same row (Qwen2.5-VL's clip at 0.5 s a temporal patch,
+    the sample's `video_seconds_per_patch` tag; Qwen3-VL's written with a timestamp before each
+    temporal patch, DeepStack on the image and video tokens). Qwen2.5-VL's without the tag (1 s a
+    patch: other temporal positions) differ."""
+    from maestro_jax.workloads.vlm import SECONDS_PER_PATCH
+
+    ref = np.load(FIXTURES / "qwen_video" / "whole.npz")
+    path, _ = fixture(tmp_path, name)
+    tags = {SECONDS_PER_PATCH: str(float(ref["seconds"]))} if name == "qwen2_5_vl" else {}
+    want = ref[f"{name}-logits"]
+    assert rel_err(_whole_logits(path, name, tags), want) < RTOL
+    if name == "qwen2_5_vl":
+        assert rel_err(_whole_logits(path, name, {}), want) > 10 * RTOL
