@@ -304,7 +304,11 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
         hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
         states, step = _latest_states(cfg)
         vision, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("vit", "llm"))
-        (hf.export_qwen_vl if qwen else hf.export_gemma3_vlm)(args.out, vision, llm, image_token, args.overwrite)
+        if qwen:  # the clips' placeholder too, where the VLM took video
+            video_token = getattr(settings(cfg), "video_token", None)
+            hf.export_qwen_vl(args.out, vision, llm, image_token, args.overwrite, video_token=video_token)
+        else:
+            hf.export_gemma3_vlm(args.out, vision, llm, image_token, args.overwrite)
     except hf.HFError as err:
         print(
             _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),

@@ -526,6 +526,7 @@ def save_qwen_vl(
     llm_params: dict,
     llm_fields: dict,
     image_token: int,
+    video_token: int | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> None:
     """Write a VLM's Qwen-VL tower and its M-RoPE language model as one folder of the tower's type
@@ -533,7 +534,9 @@ def save_qwen_vl(
     `model.`, `lm_head.`), or a `Qwen3VLForConditionalGeneration` with transformers 5's
     (`model.visual.`, `model.language_model.`, `lm_head.`), its DeepStack mergers and interleaved
     M-RoPE; transformers 5's nested `text_config` either way. `image_token` is the placeholder id
-    the VLM was trained with (`image_token_id`)."""
+    the VLM was trained with (`image_token_id`), `video_token` its clips' (`video_token_id`; None:
+    the VLM took no video, and the folder keeps transformers' default id); Qwen2.5-VL's
+    `tokens_per_second` is the LLM's `video_tokens_per_second`."""
     from maestro_jax.models.hf import llm_checkpoint
 
     model_type, f = qwen_vl_type(vit_fields), vit_fields
@@ -597,6 +600,8 @@ def save_qwen_vl(
         tower = _tensors(vit_params, qwen3_vit_mapping(f))
     else:
         vision |= {"window_size": f["window"] * f["patch"], "fullatt_block_indexes": list(f["full_layers"])}
+        step = llm_fields.get("video_tokens_per_second", 4.0)  # an int in transformers' config class
+        vision["tokens_per_second"] = int(step) if float(step).is_integer() else step
         tower = _tensors(vit_params, qwen_vit_mapping(f))
     config = {
         "architectures": ["Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"],
@@ -604,6 +609,7 @@ def save_qwen_vl(
         "text_config": text_config,
         "vision_config": vision,
         "image_token_id": image_token,
+        **({} if video_token is None else {"video_token_id": video_token}),
         "tie_word_embeddings": llm_fields["tie_embeddings"],
         "torch_dtype": "float32",
     }

@@ -92,8 +92,9 @@ class LLMConfig:
     @classmethod
     def from_fields(cls, fields: dict, **extra) -> "LLMConfig":
         """From `models.<s>`'s fields as plain data (the config's dump, `hf_config.llm_fields`):
-        `kind` and `hf` dropped, `rope_scaling` as the frozen `RopeScaling`."""
-        own = {k: v for k, v in fields.items() if k not in ("kind", "hf")} | extra
+        `kind` and `hf` dropped, and `moe_dispatch_strict` (how the config resolves `moe_dispatch`,
+        no part of the model), `rope_scaling` as the frozen `RopeScaling`."""
+        own = {k: v for k, v in fields.items() if k not in ("kind", "hf", "moe_dispatch_strict")} | extra
         scaling, section = own.get("rope_scaling"), own.get("mrope_section")
         return cls(
             **own | {"rope_scaling": scaling and RopeScaling(**scaling), "mrope_section": section and tuple(section)}

@@ -529,6 +529,7 @@ def _gemma3_vlm_overrides(path) -> list[str]:
         f"models.vision={{hf: {path}, kind: vit}}",
         f"models.llm={{hf: {path}, kind: llm}}",
         "data.modalities.image.sizes=[[16,16],[8,16]]",
+        "data.modalities.video.sizes=[[2,16,16]]",  # vlm_tiny's clips, each frame an image of the tower's size
         "sections.llm.mesh={data: 3, tensor: 2}",
     ]
 

@@ -285,8 +285,8 @@ def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tm
     target = nn.unbox(decoder.init(jax.random.key(0), ids, jnp.zeros((1, 4, 4), jnp.int32), ids > -1)["params"])
     lparams = hf.load_llm(path, target, lfields)
     out = tmp_path / "out"
-    hf_encoders.save_qwen_vl(out, vparams, vfields, lparams, lfields, image_token=7)
-    assert hf.read_config(out)["model_type"] == name
+    hf_encoders.save_qwen_vl(out, vparams, vfields, lparams, lfields, image_token=7, video_token=93)
+    assert hf.read_config(out)["model_type"] == name and hf.read_config(out)["video_token_id"] == 93
     assert hf_encoders.vit_fields(out) == vfields and hf.llm_fields(out) == lfields
     again = hf_encoders.load_vit(out, vparams, vfields)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), again, vparams))
@@ -318,7 +318,7 @@ def test_export_writes_a_qwen_vl_folder_that_reimports_and_transformers_loads(tm
     assert rel_err(logits, ref["logits"]) < RTOL
     from maestro_jax import cli
 
-    assert cli.main(["check-hf", "--hf", str(out)]) == 0
+    assert cli.main(["check-hf", "--hf", str(out)]) == 0  # the clip in its row too: the video id is the VLM's
 
 
 @pytest.mark.reference
@@ -330,18 +330,19 @@ def test_check_hf_compares_a_qwen2_5_vl_folders_image_tokens_and_logits(capsys):
     from maestro_jax import cli
 
     assert cli.main(["check-hf", "--hf", str(FIXTURES / "qwen2_5_vl")]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    lines = capsys.readouterr().out.strip().splitlines()[-3:]
     assert "(qwen2_5_vl): 3 images of 12x20, 8x12, 16x4; image tokens" in lines[0] and lines[0].endswith("PASS"), lines
-    assert "3 images in 2 rows of [42, 12] tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
+    assert "a clip of 4 frames of 12x8; video tokens" in lines[1] and lines[1].endswith("PASS"), lines
+    assert "3 images and a clip in 2 rows of [42, 29] tokens; logits" in lines[2] and lines[2].endswith("PASS"), lines
 
 
 @pytest.mark.reference
 @pytest.mark.parametrize(
     "name,side,verdicts",
     [
-        ("qwen2_5_vl", "vision", ("FAIL", "FAIL")),
-        ("qwen2_5_vl", "llm", ("PASS", "FAIL")),
-        ("qwen3_vl", "deepstack", ("FAIL", "FAIL")),
+        ("qwen2_5_vl", "vision", ("FAIL", "FAIL", "FAIL")),
+        ("qwen2_5_vl", "llm", ("PASS", "PASS", "FAIL")),
+        ("qwen3_vl", "deepstack", ("FAIL", "FAIL", "FAIL")),
     ],
 )
 def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkeypatch, capsys, name, side, verdicts):
@@ -368,7 +369,7 @@ def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkey
 
     monkeypatch.setattr(module, load_name, moved)
     assert cli.main(["check-hf", "--hf", str(FIXTURES / name)]) == 1
-    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    lines = capsys.readouterr().out.strip().splitlines()[-3:]
     assert tuple(line.rsplit(" ", 1)[-1] for line in lines) == verdicts, lines
 
 

@@ -10,10 +10,12 @@ its size, packed in one row as the VLM packs them, and its features are compared
 encoder gets two random clips of its length, and its `last_hidden_state` is compared. A whole
 Gemma 3 VLM gets two random images and a row of text holding both: its image tokens (tower and
 projector) and its logits are compared. A whole Qwen2.5-VL or Qwen3-VL gets three random images of
-different sizes (grids that Qwen2.5-VL's attention windows do not divide) and two rows of
-different lengths, the longer holding two of them between text, the shorter the third: the merged
-image tokens (Qwen3-VL's DeepStack features too) and the logits (with each row's M-RoPE positions,
-and Qwen3-VL's DeepStack features added in its first layers) are compared.
+different sizes (grids that Qwen2.5-VL's attention windows do not divide), a random clip of two
+temporal patches, and two rows of different lengths, the longer holding two of the images between
+text, the shorter the third and the clip: the merged image tokens and video tokens (Qwen3-VL's
+DeepStack features too) and the logits (with each row's M-RoPE positions, the clip's as
+`get_rope_index` gives them, and Qwen3-VL's DeepStack features added in its first layers) are
+compared.
 transformers runs the PyTorch model (the `reference` extra: torch and transformers, on the CPU,
 float32); maestro loads the folder with the same mappings `init.hf_path` uses (`models.hf`,
 `models.hf_encoders`). The result is the largest absolute difference and that difference
@@ -176,11 +178,14 @@ def check_qwen_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: 
     images' edges; then two rows of random text of different lengths (right-padded, the padding
     masked on both sides and left out of the comparison), the first holding two images, the second
     the third, each image's placeholders between the vision start and end tokens (where the
-    vocabulary holds them), through the whole model with each row's M-RoPE positions
-    (`models.llm.mrope_positions`, transformers' `get_rope_index`) and Qwen3-VL's DeepStack
-    features at the image positions; the image tokens and the logits compared."""
+    vocabulary holds them), and the second a clip of two temporal patches after its image (Qwen3-VL:
+    a text token as its timestamp before each patch's markers, as its processor writes them), through
+    the whole model with each row's M-RoPE positions (`models.llm.mrope_positions`, transformers'
+    `get_rope_index`; the clip at 1 s a temporal patch) and Qwen3-VL's DeepStack features at the
+    image and video positions; the image tokens, the clip's video tokens (the tower on each temporal
+    patch, transformers' `visual(pixel_values_videos, video_grid_thw)`) and the logits compared."""
     from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
-    from maestro_jax.models.llm import mrope_positions
+    from maestro_jax.models.llm import frame_by_frame, mrope_positions
 
     path = Path(path)
     config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
@@ -192,39 +197,55 @@ def check_qwen_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: 
     images = [rng.standard_normal((vcfg.channels, r * side, c * side)).astype(np.float32) for r, c in grids]
     inputs, _ = packed_images(images, vcfg)
     tower = VisionEncoder(vcfg)
-    features = np.asarray(
-        tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
-    )
+    tower_params = hf_encoders.load_vit(path, _placed(tower, inputs), vfields)
+    features = np.asarray(tower.apply({"params": tower_params}, *inputs)[0])
+    clip_grid = (2, w + 1, 2)  # temporal patches, merged rows x columns
+    clip = rng.standard_normal((clip_grid[0] * vcfg.frames, vcfg.channels, clip_grid[1] * side, clip_grid[2] * side))
+    clip = clip.astype(np.float32)
+    clip_features = np.asarray(tower.apply({"params": tower_params}, *packed_clip(clip, vcfg))[0])
     image_token, vocab = config.get("image_token_id", 151655), lfields["vocab"]
+    video_token = config.get("video_token_id", 151656)
     ids_around = [config.get(k, d) for k, d in (("vision_start_token_id", 151652), ("vision_end_token_id", 151653))]
     # transformers' defaults, out of a small exported model's vocabulary: then text tokens hold the images
     start, end = ([t] if t < vocab else [] for t in ids_around)
-    special = {image_token, *ids_around, config.get("video_token_id", 151656)}
+    special = {image_token, *ids_around, video_token}
     text = np.array([t for t in range(vocab) if t not in special])
 
     def image(k):
         return [*start, *[image_token] * (grids[k][0] * grids[k][1]), *end]
 
+    t, r, c = clip_grid
+    if video_token >= vocab:  # a folder whose clips' id its vocabulary lacks: transformers embeds no clip
+        video, clips = [], []
+    elif lfields.get("video_timestamps"):  # Qwen3-VL: each temporal patch after its timestamp, positioned alone
+        video = [x for _ in range(t) for x in (*rng.choice(text, 1), *start, *[video_token] * (r * c), *end)]
+        clips = frame_by_frame([clip_grid])
+    else:
+        video, clips = [*start, *[video_token] * (t * r * c), *end], [(*clip_grid, lfields["video_tokens_per_second"])]
     rows = [
         np.concatenate([rng.choice(text, 9), image(0), rng.choice(text, 3), image(1), rng.choice(text, 5)]),
-        np.concatenate([rng.choice(text, 4), image(2), rng.choice(text, 2)]),
+        np.concatenate([rng.choice(text, 4), image(2), rng.choice(text, 2), video, rng.choice(text, 3)]),
     ]
     lengths = [len(r) for r in rows]
     ids = np.zeros((len(rows), max(lengths)), np.int64)
     positions = np.zeros((*ids.shape, 4), np.int32)
-    for i, (row, row_grids) in enumerate(zip(rows, (grids[:2], grids[2:]))):
+    for i, (row, row_grids, row_clips) in enumerate(zip(rows, (grids[:2], grids[2:]), ([], clips))):
         ids[i, : len(row)] = row
-        positions[i, : len(row)] = mrope_positions(row, image_token, row_grids)
+        positions[i, : len(row)] = mrope_positions(row, image_token, row_grids, video_token, row_clips)
     valid, is_image = np.arange(ids.shape[1])[None] < np.array(lengths)[:, None], ids == image_token
+    is_video = ids == video_token
     decoder = DecoderLM(LLMConfig.from_fields(lfields))
     args = (jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(valid))
     v = {"params": hf.load_llm(path, _placed(decoder, args), lfields)}
     width, sets = lfields["width"], lfields["deepstack_layers"]
-    x = decoder.apply(v, args[0], method=DecoderLM.embed).at[np.nonzero(is_image)].set(features[:, :width])
+    x = decoder.apply(v, args[0], method=DecoderLM.embed)
+    x = x.at[np.nonzero(is_image)].set(features[:, :width]).at[np.nonzero(is_video)].set(clip_features[:, :width])
     deepstack = None
-    if sets:  # DeepStack's feature sets at the image positions, zero elsewhere
-        own = features[:, width:].reshape(len(features), sets, width).transpose(1, 0, 2)
-        deepstack = jnp.zeros((sets, *x.shape), x.dtype).at[(slice(None), *np.nonzero(is_image))].set(own)
+    if sets:  # DeepStack's feature sets at the image and video positions, zero elsewhere
+        deepstack = jnp.zeros((sets, *x.shape), x.dtype)
+        for where, tokens in ((is_image, features), (is_video, clip_features)):
+            own = tokens[:, width:].reshape(len(tokens), sets, width).transpose(1, 0, 2)
+            deepstack = deepstack.at[(slice(None), *np.nonzero(where))].set(own)
     h = decoder.apply(v, x, *args[1:], None, None, deepstack, method=DecoderLM.hidden)
     logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
     torch, transformers = _reference_modules()
@@ -233,33 +254,78 @@ def check_qwen_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: 
     temporal = (config.get("vision_config") or {}).get("temporal_patch_size", 2)
     pixels = torch.tensor(np.concatenate([qwen_pixel_values(im, vcfg.patch, vcfg.merge, temporal) for im in images]))
     grid_thw = torch.tensor([[1, r * vcfg.merge, c * vcfg.merge] for r, c in grids])
+    video_pixels = torch.tensor(qwen_video_pixel_values(clip, vcfg.patch, vcfg.merge, temporal))
+    video_thw = torch.tensor([[t, r * vcfg.merge, c * vcfg.merge]])
     kwargs = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(valid.astype(np.int64))}
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # transformers 5 places images by it
-        kwargs["mm_token_type_ids"] = torch.tensor(is_image.astype(np.int64))
+    kwargs |= {"pixel_values": pixels, "image_grid_thw": grid_thw}
+    if video:
+        kwargs |= {"pixel_values_videos": video_pixels, "video_grid_thw": video_thw}
+    forward = inspect.signature(model.forward).parameters
+    if video and "second_per_grid_ts" in forward:  # Qwen2.5-VL's clip at 1 s a temporal patch
+        kwargs["second_per_grid_ts"] = torch.tensor([1.0])
+    if "mm_token_type_ids" in forward:  # transformers 5 places images and clips by it
+        kwargs["mm_token_type_ids"] = torch.tensor(is_image.astype(np.int64) + 2 * is_video.astype(np.int64))
     with torch.no_grad():
         visual = model.model.visual if hasattr(model.model, "visual") else model.visual  # newer ones nest it
-        out = visual(pixels, grid_thw=grid_thw)
-        merged = [getattr(out, "pooler_output", out), *(getattr(out, "deepstack_features", None) or [])]
-        want_features = torch.cat(merged, dim=-1).float().numpy()  # transformers 4: the tensor
-        want_logits = model(**kwargs, pixel_values=pixels, image_grid_thw=grid_thw).logits.float().numpy()
+        want_features, want_clip = (
+            _merged(visual(p, grid_thw=g)) for p, g in ((pixels, grid_thw), (video_pixels, video_thw))
+        )
+        want_logits = model(**kwargs).logits.float().numpy()
     sizes = ", ".join(f"{r * side}x{c * side}" for r, c in grids)
+    clip_size = f"a clip of {len(clip)} frames of {r * side}x{c * side}"
     return [
         _result(path, f"3 images of {sizes}", "image tokens", features, want_features, tolerance),
+        _result(path, clip_size, "video tokens", clip_features, want_clip, tolerance),
         _result(
-            path, f"3 images in 2 rows of {lengths} tokens", "logits", logits[valid], want_logits[valid], tolerance
+            path,
+            f"3 images{' and a clip' if video else ''} in 2 rows of {lengths} tokens",
+            "logits",
+            logits[valid],
+            want_logits[valid],
+            tolerance,
         ),
     ]
+
+
+def _merged(out) -> np.ndarray:
+    """A Qwen-VL `visual`'s merged tokens, with Qwen3-VL's DeepStack features after each token's own
+    (transformers 4 returns the tensor itself)."""
+    import torch
+
+    merged = [getattr(out, "pooler_output", out), *(getattr(out, "deepstack_features", None) or [])]
+    return torch.cat(merged, dim=-1).float().numpy()
+
+
+def packed_clip(clip: np.ndarray, cfg) -> tuple:
+    """A clip (T x C x H x W) as the VLM's tower takes it (`workloads.vlm.segments_of`): each
+    temporal patch of `cfg.frames` frames a segment, its patches' features the frames' in order."""
+    from maestro_jax.workloads.vlm import patchify
+
+    cuts = [
+        patchify(clip[k : k + cfg.frames].transpose(0, 2, 3, 1), cfg.patch, cfg.merge, cfg.frames)
+        for k in range(0, len(clip), cfg.frames)
+    ]
+    patches = np.concatenate([p for p, _ in cuts])
+    segments = np.concatenate([np.full(len(p), i + 1, np.int32) for i, (p, _) in enumerate(cuts)])
+    grid = np.concatenate([g for _, g in cuts])
+    return tuple(jnp.asarray(x)[None] for x in (patches, segments, grid))
 
 
 def qwen_pixel_values(image: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
     """An image C x H x W as Qwen2-VL's image processor lays it out for the tower: the still image
     repeated `temporal` times in time, one row per patch in merge-window order, each row
     C x temporal x patch x patch."""
-    c, h, w = image.shape
+    return qwen_video_pixel_values(np.broadcast_to(image[None], (temporal, *image.shape)), patch, merge, temporal)
+
+
+def qwen_video_pixel_values(clip: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+    """A clip T x C x H x W as Qwen2-VL's video processor lays it out (video_processing_qwen2_vl.py,
+    its view and permute): one row per patch, temporal patch by temporal patch, each in
+    merge-window order, each row C x temporal x patch x patch."""
+    t, c, h, w = clip.shape
     gh, gw = h // patch, w // patch
-    frames = np.broadcast_to(image[None], (temporal, c, h, w))
-    cut = frames.reshape(temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
-    return cut.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * temporal * patch * patch)
+    cut = clip.reshape(t // temporal, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    return cut.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t // temporal * gh * gw, c * temporal * patch * patch)
 
 
 def _placed(model, inputs):

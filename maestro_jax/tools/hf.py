@@ -129,11 +129,16 @@ def export_gemma3_vlm(
 
 
 def export_qwen_vl(
-    path: str | Path, vision: tuple[dict, dict], llm: tuple[dict, dict], image_token: int, overwrite: bool = False
+    path: str | Path,
+    vision: tuple[dict, dict],
+    llm: tuple[dict, dict],
+    image_token: int,
+    overwrite: bool = False,
+    video_token: int | None = None,
 ) -> None:
     """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one
     Qwen2.5-VL or Qwen3-VL folder, as its tower is (`save_qwen_vl`), owning the folder (`_export_into`)."""
-    _export_into(path, lambda staging: save_qwen_vl(staging, *vision, *llm, image_token), overwrite)
+    _export_into(path, lambda staging: save_qwen_vl(staging, *vision, *llm, image_token, video_token), overwrite)
 
 
 def _export_into(path: str | Path, write, overwrite: bool) -> None:
