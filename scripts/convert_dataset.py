@@ -11,7 +11,7 @@ image tokens, eoi, each image resized to its processor's size; from a Qwen2.5-VL
 <|vision_start|>, one <|image_pad|> per merged token, <|vision_end|>, each image resized by the
 processor's smart_resize within preprocessor_config.json's min_pixels and max_pixels and
 normalised as it normalises), and only the assistant's turns carry loss. Image paths are relative to
---image-root (default: the input's folder); images are scaled to at most --max-side pixels a
+--image-root (default: the input's folder; videos too); images are scaled to at most --max-side pixels a
 side (default: the largest the model takes), each side a multiple of patch * merge. Each
 `<audio>` marker (the record's `audio`: path | [paths], or an OpenAI `audio` / `input_audio`
 part) becomes a 16 kHz WAV clip's Whisper log-mel frames (maestro_jax/data/audio.py) and one

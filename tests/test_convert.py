@@ -65,7 +65,8 @@ TINY_CONFIG = ["--config", str(ROOT / "configs/vlm_tiny.yaml"), "--set", NO_VIDE
 
 
 def target(config, overrides):
-    cfg = load_config(ROOT / "configs" / config, [*overrides, *NO_VIDEO] if config == "vlm_tiny.yaml" else overrides)
+    video = config == "vlm_tiny.yaml" and not any(o.startswith("workload_settings.video_token=") for o in overrides)
+    cfg = load_config(ROOT / "configs" / config, [*overrides, *NO_VIDEO] if video else overrides)
     w = resolve(cfg.workload)
     return C.Target(w.vocab(cfg), "vocab", modalities_of(cfg), cfg.data.max_tokens, cfg.workload)
 
@@ -876,3 +877,132 @@ def test_a_qwen_vl_folder_the_model_cannot_take_is_refused_in_one_line(images, t
         C.ConvertError, match=r"^error: --tokenizer=.*plain: a Qwen-VL checkpoint's folder whose tokenizer"
     ):
         C.ChatTokenizer.load(plain)
+
+
+VIDEO_CASES = json.loads((ROOT / "tests/fixtures/hf/qwen_video/cases.json").read_text())["cases"]
+VIDEO_VLM = [*TINY_VLM, "workload_settings.image_token=5", "workload_settings.video_token=6", "models.vision.frames=2"]
+
+
+def _video_folder(tmp_path, family: str, settings: dict):
+    """A Qwen2.5-VL or Qwen3-VL checkpoint's tokenizer and processor files (`make_qwen_vl_folder`),
+    its config.json naming the model and its video processor's `settings`."""
+    normalised = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3_vl" else {}
+    folder = make_qwen_vl_folder(tmp_path / "qwen", **normalised)
+    (folder / "config.json").write_text(json.dumps({"model_type": family}))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def _clip_file(path, frames, fps):
+    from fractions import Fraction
+
+    from test_video import _write_video
+
+    _write_video(path, frames, Fraction(fps).limit_denominator(1000))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_video_record_is_written_as_its_processor_writes_it(tmp_path, family):
+    """A LLaVA-style record whose turn holds `<video>` and a Qwen-style one with a `video` part,
+    the clip a lossless video file of the stored case's 7 frames at 2 fps (20x30): the clip's
+    text is what transformers' processor wrote for it (tests/fixtures/hf/qwen_video/cases.json:
+    Qwen2.5-VL one run of 24 <|video_pad|>, Qwen3-VL a timestamp and markers before each temporal
+    patch), the sample's clip is the sampled frames resized and normalised as `VideoSampling`
+    gives them (equal to the processor's pixel values within one uint8 level: tests/test_video.py),
+    its `video_seconds_per_patch` the processor's second_per_grid_ts, its M-RoPE positions
+    `get_rope_index`'s for that grid, and only the assistant's answer carries loss."""
+    pytest.importorskip("av", reason="decoding a video file needs PyAV (the video extra)")
+    from maestro_jax.models import LLMConfig
+    from maestro_jax.models.llm import mrope_positions
+
+    from maestro_jax.data.video import SECONDS_PER_PATCH, VideoSampling
+    from maestro_jax.workloads.vlm import EDGE, sample_positions
+
+    case = next(c for c in VIDEO_CASES if c.get("pixels") == f"{family}-1")
+    frames = np.load(ROOT / "tests/fixtures/hf/qwen_video/pixels.npz")[f"{family}-1-frames"]
+    folder = _video_folder(tmp_path, family, case["settings"])
+    _clip_file(tmp_path / "clip.mov", frames, case["fps"])
+    tok = C.ChatTokenizer.load(folder)
+    target = target_of = globals()["target"]("vlm_tiny.yaml", VIDEO_VLM)
+    converter = C.Converter(tok, target_of, tmp_path)
+    llava = {
+        "video": "clip.mov",
+        "conversations": [{"from": "human", "value": "<video>\nwhat moves?"}, {"from": "gpt", "value": "a ball"}],
+    }
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "video", "video": "clip.mov"}, {"type": "text", "text": "what moves?"}],
+            },
+            {"role": "assistant", "content": "a ball"},
+        ]
+    }
+    sampling = VideoSampling.from_processor(family, case["settings"])
+    clip = sampling.clip(case["frames"], case["fps"], case["height"], case["width"])
+    for record in (llava, parts):
+        s = converter.sample(0, record)
+        (item,) = s.of("video")
+        np.testing.assert_array_equal(item, sampling.pixels(frames, clip))
+        assert item.shape[:3] == (case["grid"][0] * 2, case["grid"][1] * 4, case["grid"][2] * 4)
+        text = tok.tokenizer.encode(case["text"], add_special_tokens=False).ids
+        ids = s.tokens.tolist()
+        assert any(ids[i : i + len(text)] == text for i in range(len(ids))), "the processor's text for the clip"
+        assert np.count_nonzero(s.tokens == 6) == case["text"].count("<|video_pad|>")
+        assert not s.loss_mask[s.tokens == 6].any() and s.loss_mask.any()
+        if family == "qwen2_5_vl":
+            assert float(s.tags[SECONDS_PER_PATCH]) == pytest.approx(case["second_per_grid_ts"], rel=1e-12)
+        llm = LLMConfig(
+            vocab=300,
+            width=8,
+            depth=1,
+            heads=1,
+            kv_heads=1,
+            head_dim=8,
+            mlp=8,
+            mrope_section=(2, 1, 1),
+            video_tokens_per_second=2.0,
+            video_timestamps=family == "qwen3_vl",
+        )
+        positions = sample_positions(llm, {EDGE: target.modalities})(s)
+        grids = sampling.position_grids(clip, tokens_per_second=2.0)
+        np.testing.assert_array_equal(positions, mrope_positions(s.tokens[:-1], 5, [], 6, grids))
+
+
+def test_a_video_the_converter_cannot_take_is_a_bad_record(tmp_path):
+    """A file that is no video, a folder of frames without the record's video_fps, a missing file
+    and a video for a model without video are bad records naming what is wrong (skipped, or the
+    conversion stopped under --strict); a folder of frames with video_fps converts."""
+    case = next(c for c in VIDEO_CASES if c.get("pixels") == "qwen2_5_vl-1")
+    folder = _video_folder(tmp_path, "qwen2_5_vl", case["settings"])
+    (tmp_path / "junk.mp4").write_bytes(b"not a video")
+    frames_dir = tmp_path / "frames"
+    frames_dir.mkdir()
+    frames = np.load(ROOT / "tests/fixtures/hf/qwen_video/pixels.npz")["qwen2_5_vl-1-frames"]
+    for i, frame in enumerate(frames):
+        Image.fromarray(frame).save(frames_dir / f"{i:03d}.png")
+    tok = C.ChatTokenizer.load(folder)
+    converter = C.Converter(tok, target("vlm_tiny.yaml", VIDEO_VLM), tmp_path)
+
+    def record(ref, **more):
+        return {
+            "video": ref,
+            "conversations": [{"from": "human", "value": "<video> hi"}, {"from": "gpt", "value": "ok"}],
+            **more,
+        }
+
+    for ref, more, said in (
+        ("junk.mp4", {}, "junk.mp4: cannot be decoded as a video"),
+        ("frames", {}, "is a folder of frames, and the record gives no video_fps"),
+        ("gone.mp4", {}, "gone.mp4 does not exist"),
+    ):
+        if ref == "junk.mp4":
+            pytest.importorskip("av", reason="decoding a video file needs PyAV (the video extra)")
+        with pytest.raises(C.BadRecord, match=said):
+            converter.sample(0, record(ref, **more))
+    s = converter.sample(0, record("frames", video_fps=case["fps"]))
+    assert s.of("video")[0].shape == (6, 16, 32, 3)
+    no_video = C.Converter(tok, target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=5"]), tmp_path)
+    with pytest.raises(C.BadRecord, match="has 1 video\\(s\\), but the vlm workload takes no video"):
+        no_video.sample(0, record("frames", video_fps=2))

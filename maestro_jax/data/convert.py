@@ -9,7 +9,9 @@ Records are read one at a time and written as they come (a dataset never sits in
                  (single, several, interleaved; the marker's token id is the config's image
                  placeholder id, `workload_settings.image_token`; a Gemma 3 or Qwen-VL checkpoint's
                  folder: its own image tokens, `ImageSequence`), loss only on the assistant's turns
-                 (`Sample.loss_mask`), so the model learns to answer, not to write prompts;
+                 (`Sample.loss_mask`), so the model learns to answer, not to write prompts; with a
+                 Qwen2.5-VL or Qwen3-VL folder, `<video>` markers (`video` lists, `video` parts)
+                 become its processor's clip tokens and the clip its sampled frames (`data.video`);
   plain text     `{"text": ...}`: every token carries loss (the KD teacher and student read text).
 from JSONL, a JSON array (streamed), or a Hugging Face `datasets` dataset saved to disk.
 
@@ -38,12 +40,26 @@ import numpy as np
 from maestro_jax.data.audio import AudioError, log_mel, read_audio
 from maestro_jax.data.samples import DataError, Modality, Sample, encode_sample, validate_sample
 from maestro_jax.data.sources import write_index
-from maestro_jax.data.video import fit_pixels
+from maestro_jax.data.video import FAMILIES as VIDEO_FAMILIES
+from maestro_jax.data.video import (
+    SECONDS_PER_PATCH,
+    Clip,
+    VideoError,
+    VideoSampling,
+    fit_pixels,
+    read_frames,
+    read_video,
+)
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker of where an image goes in a turn's text
 AUDIO_MARKER = "<audio>"  # and of where an audio clip goes
-LISTED = {"image": ("image", "images"), "audio": ("audio", "audios")}  # a record's list of each
-NOUNS = {"image": "image(s)", "audio": "audio clip(s)"}
+VIDEO_MARKER = "<video>"  # and of where a video clip goes (LLaVA-Video's)
+LISTED = {
+    "image": ("image", "images"),
+    "audio": ("audio", "audios"),
+    "video": ("video", "videos"),
+}  # a record's list of each
+NOUNS = {"image": "image(s)", "audio": "audio clip(s)", "video": "video(s)"}
 ON_LONG = ("skip", "truncate")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 CHUNK = 1 << 20  # characters a JSON array is read by
@@ -165,6 +181,7 @@ class ChatTokenizer:
     template: object  # jinja2.Template | None
     special: dict[str, str]
     image_sequence: ImageSequence | None = None
+    video: VideoSampling | None = None  # a Qwen2.5-VL / Qwen3-VL folder's video processor (`_qwen_video`)
 
     @classmethod
     def load(cls, folder: str | Path) -> ChatTokenizer:
@@ -204,7 +221,8 @@ class ChatTokenizer:
         }
         template = None if source is None else _compile_template(folder, source)
         sequence = _qwen_vl_sequence(folder, tok) or _image_sequence(folder, special)
-        return cls(folder, tok, template, special, sequence)
+        video = _qwen_video(folder, tok) if sequence is not None and sequence.family == "qwen_vl" else None
+        return cls(folder, tok, template, special, sequence, video)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -323,8 +341,8 @@ def _qwen_vl_sequence(folder: Path, tok) -> ImageSequence | None:
     (and transformers 4's processor) resize them; transformers 5's default, torchvision-backed
     processor resizes by torch, whose bicubic filter can give slightly different pixels (the tokens
     are the same). A still image is written once, not repeated `temporal_patch_size` times: the
-    tower sums its patch kernel over time (`models.hf_encoders`). Videos and the template's
-    `add_vision_id` ("Picture k: ") are not written."""
+    tower repeats it (`workloads.vlm.patchify`). Clips: `_qwen_video`. The template's
+    `add_vision_id` ("Picture k: ") is not written."""
     pre = _read_json(folder, "preprocessor_config.json")
     if pre.get("image_processor_type") not in QWEN_VL_PROCESSORS and not (
         (folder / "config.json").is_file() and _read_json(folder, "config.json").get("model_type") in QWEN_VL_MODELS
@@ -363,6 +381,22 @@ def _qwen_vl_sequence(folder: Path, tok) -> ImageSequence | None:
         mean=tuple(pre.get("image_mean", OPENAI_CLIP_MEAN)),
         std=tuple(pre.get("image_std", OPENAI_CLIP_STD)),
     )
+
+
+QWEN_VIDEO_TOKEN = "<|video_pad|>"
+
+
+def _qwen_video(folder: Path, tok) -> VideoSampling | None:
+    """A Qwen2.5-VL or Qwen3-VL checkpoint folder's video processor (`VideoSampling.from_folder`:
+    config.json's model_type, video_preprocessor_config.json), where its tokenizer holds
+    `<|video_pad|>`; None for another folder (Qwen2-VL's included: its clips are not written)."""
+    config = _read_json(folder, "config.json") if (folder / "config.json").is_file() else {}
+    if config.get("model_type") not in VIDEO_FAMILIES or QWEN_VIDEO_TOKEN not in tok.get_vocab(with_added_tokens=True):
+        return None
+    try:
+        return VideoSampling.from_folder(folder)
+    except VideoError as err:
+        raise ConvertError(f"error: --tokenizer={folder}: {err}") from None
 
 
 def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAGE_MARKER) -> None:
@@ -416,6 +450,18 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"{target.workload} workload reserves for {m.name} placeholders; valid: a tokenizer whose id "
                 f"{m.placeholder} is its {own[m.name]!r} token or unused"
             )
+    video, sampling = target.modality("video"), tok.video
+    if (
+        video is not None
+        and sampling is not None
+        and video.unit != (sampling.temporal, sampling.factor, sampling.factor)
+    ):
+        raise ConvertError(
+            f"error: --tokenizer={tok.folder}: its {sampling.family} video processor writes one token per "
+            f"{sampling.temporal} frames of {sampling.factor}x{sampling.factor} pixels (temporal_patch_size, patch_size "
+            f"* merge_size), but the model takes one per {'x'.join(map(str, video.unit))}; valid: the vision model of "
+            f"that checkpoint (models.<vision>: {{hf: ...}})"
+        )
     image, sequence = target.modality("image"), tok.image_sequence
     if image is not None and sequence is not None and sequence.size is None:
         if tuple(image.unit) != (sequence.factor, sequence.factor):
@@ -441,7 +487,7 @@ def _placeholder_tokens(tok: ChatTokenizer, image_marker: str) -> dict[str, str]
     """The token each modality's placeholders are: the image marker itself, or the family's own
     image token where it has one (`ChatTokenizer.image_sequence`); `<audio>` for audio."""
     image = image_marker if tok.image_sequence is None else tok.image_sequence.token
-    return {"image": image, "audio": AUDIO_MARKER}
+    return {"image": image, "audio": AUDIO_MARKER, **({"video": QWEN_VIDEO_TOKEN} if tok.video else {})}
 
 
 def load_image(image, unit: int, max_side: int) -> np.ndarray:
@@ -644,7 +690,7 @@ class Converter:
             raise BadRecord(str(err)) from None
 
     def _markers(self) -> dict[str, str]:
-        return {"image": self.image_marker, "audio": AUDIO_MARKER}
+        return {"image": self.image_marker, "audio": AUDIO_MARKER, "video": VIDEO_MARKER}
 
     def _chat(self, index: int, record: dict) -> Sample:
         messages, refs = self._messages(record)
@@ -657,21 +703,18 @@ class Converter:
         image = self.target.modality("image")
         sequence = self.tok.image_sequence if image is not None else None
         # a family's own image tokens replace each marker before tokenising, as its processor does:
-        # as many as the processor writes for the image as it resizes it
+        # as many as the processor writes for the image as it resizes it; a clip's likewise
         own_images = tuple(self._load("image", image, r) for r in refs["image"]) if sequence else ()
-        pieces = [sequence.text(sequence.tokens(*x.shape[:2])) for x in own_images]
+        clips = [self._load_clip(r, record) for r in refs["video"]]
+        pieces = (
+            {self.image_marker: [sequence.text(sequence.tokens(*x.shape[:2])) for x in own_images]} if sequence else {}
+        )
+        if clips:
+            start, _, end = QWEN_VL_TOKENS
+            pieces[VIDEO_MARKER] = [self.tok.video.text(clip, start, QWEN_VIDEO_TOKEN, end) for _, clip in clips]
 
         def render(turns: list[dict], add_generation_prompt: bool) -> str:
-            text = self.tok.render(turns, add_generation_prompt)
-            if sequence is None:
-                return text
-            parts = text.split(self.image_marker)
-            if len(parts) > len(pieces) + 1:
-                raise BadRecord(
-                    f"its chat template writes {len(parts) - 1} {self.image_marker} markers, but it has "
-                    f"{len(pieces)} {NOUNS['image']}"
-                )
-            return "".join(part + piece for part, piece in zip(parts, [*pieces[: len(parts) - 1], ""]))
+            return _expand(self.tok.render(turns, add_generation_prompt), pieces)
 
         full = render(messages, add_generation_prompt=False)
         spans = []  # each assistant turn's characters: what it says and how it ends its turn
@@ -696,9 +739,13 @@ class Converter:
         repeat = np.ones(len(ids), np.int64)
         items = {}
         placeholders = _placeholder_tokens(self.tok, self.image_marker)
+        if clips:
+            self._check_clip_tokens(ids, [clip for _, clip in clips])
+            items["video"] = tuple(pixels for pixels, _ in clips)
+            mask[ids == self.tok.tokenizer.token_to_id(QWEN_VIDEO_TOKEN)] = False
         for name, marker in self._markers().items():
             m = self.target.modality(name)
-            if m is None:
+            if m is None or name == "video":
                 continue
             own = sequence if name == "image" else None
             found = ids == self.tok.tokenizer.token_to_id(placeholders[name])  # the placeholder id (`check_tokenizer`)
@@ -717,12 +764,57 @@ class Converter:
                 items[name] = loaded
         if not mask.any():
             raise BadRecord("its assistant turns hold no token")
+        seconds = " ".join(repr(clip.seconds_per_patch) for _, clip in clips)
         return Sample(
             index,
             np.repeat(ids, repeat).astype(np.int32),
             items,
             loss_mask=np.repeat(mask, repeat).astype(np.uint8),
+            tags={SECONDS_PER_PATCH: seconds} if clips else {},
         )
+
+    def _load_clip(self, ref, record: dict) -> tuple[np.ndarray, Clip]:
+        """A video as its sample holds it (`VideoSampling.pixels`: the frames the folder's video
+        processor samples, resized and normalised) and its `Clip`: a file decoded by PyAV, or a
+        folder of frame images at the record's `video_fps`."""
+        sampling = self.tok.video
+        if sampling is None:
+            raise BadRecord(
+                f"has a video, but the tokenizer folder {self.tok.folder} has no Qwen2.5-VL or Qwen3-VL video "
+                f"processor (config.json model_type, video_preprocessor_config.json): only such a folder writes clips"
+            )
+        if not isinstance(ref, str):
+            raise BadRecord(f"a video is a {type(ref).__name__}; valid: a file path or a folder of frames")
+        path = Path(ref) if Path(ref).is_absolute() else self.image_root / ref
+        try:
+            if path.is_dir():
+                fps = record.get("video_fps")
+                if not isinstance(fps, int | float) or isinstance(fps, bool):
+                    raise BadRecord(f"video {path} is a folder of frames, and the record gives no video_fps (a number)")
+                frames, rate = read_frames(path, float(fps))
+            elif path.is_file():
+                _require_pyav()
+                frames, rate = read_video(path)
+            else:
+                raise BadRecord(f"video {path} does not exist")
+            clip = sampling.clip(len(frames), rate, frames.shape[1], frames.shape[2])
+            return sampling.pixels(frames, clip), clip
+        except VideoError as err:
+            raise BadRecord(str(err)) from None
+
+    def _check_clip_tokens(self, ids: np.ndarray, clips: list[Clip]) -> None:
+        """The clips' `<|video_pad|>` tokens as the processor writes them: a run per clip (Qwen3-VL:
+        a run per temporal patch), each as long as its share of the clip's tokens."""
+        sampling = self.tok.video
+        runs = [b - a for a, b in _runs(ids == self.tok.tokenizer.token_to_id(QWEN_VIDEO_TOKEN))]
+        if sampling.family == "qwen2_5_vl":
+            want = [sampling.tokens(clip) for clip in clips]
+        else:
+            want = [sampling.tokens(clip) // clip.grid[0] for clip in clips for _ in range(clip.grid[0])]
+        if runs != want:
+            raise BadRecord(
+                f"holds runs of {QWEN_VIDEO_TOKEN} tokens {runs} after its chat template, but its clips' are {want}"
+            )
 
     def _load(self, name: str, m: Modality, ref) -> np.ndarray:
         """One item as its section takes it: an image's pixels, an audio clip's log-mel frames
@@ -776,14 +868,14 @@ class Converter:
                     kind = part.get("type") if isinstance(part, dict) else None
                     if kind == "text":
                         text += str(part.get("text", ""))
-                    elif kind in ("image", "image_url", "audio", "input_audio"):
-                        name = "image" if kind.startswith("image") else "audio"
+                    elif kind in ("image", "image_url", "audio", "input_audio", "video"):
+                        name = "image" if kind.startswith("image") else "video" if kind == "video" else "audio"
                         own = _part_item(kind, part)
                         refs[name].append(own if own is not None else next_listed(name))
                         text += markers[name]
                     else:
                         raise BadRecord(
-                            f"turn {k} has a part of type {kind!r}; valid: text, image, image_url, audio, input_audio"
+                            f"turn {k} has a part of type {kind!r}; valid: text, image, image_url, audio, input_audio, video"
                         )
                 content = text
             elif isinstance(content, str):
@@ -857,6 +949,35 @@ def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
     """(start, stop) of each run of True in `flags`."""
     edges = np.diff(np.concatenate([[0], flags.astype(np.int8), [0]]))
     return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
+
+
+def _require_pyav() -> None:
+    """Stop the conversion (every video file would fail alike) where PyAV is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("av") is None:
+        raise ConvertError(
+            "error: a record holds a video file: decoding it needs PyAV, the `video` extra: pip install 'maestro-jax[video]'"
+        )
+
+
+def _expand(text: str, pieces: dict[str, list[str]]) -> str:
+    """`text` with its k-th occurrence of each marker in `pieces` replaced by that marker's k-th
+    piece (a family's own image or video tokens); a marker with no piece left: BadRecord."""
+    if not pieces:
+        return text
+    import re
+
+    used = dict.fromkeys(pieces, 0)
+
+    def piece(match) -> str:
+        marker = match.group(0)
+        if used[marker] >= len(pieces[marker]):
+            raise BadRecord(f"its chat template writes more {marker} markers than its {len(pieces[marker])} items")
+        used[marker] += 1
+        return pieces[marker][used[marker] - 1]
+
+    return re.sub("|".join(re.escape(m) for m in pieces), piece, text)
 
 
 def _find_all(text: str, marker: str) -> list[int]:

@@ -57,6 +57,10 @@ class VideoError(ValueError):
 
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# a sample tag giving each clip's seconds per temporal patch (space-separated, in clip order: the
+# processor's `second_per_grid_ts`), which the converter writes and Qwen2.5-VL's M-RoPE reads
+# (`workloads.vlm.video_grids`; without it, 1.0: 2 frames a patch sampled at 2 fps)
+SECONDS_PER_PATCH = "video_seconds_per_patch"
 
 
 def read_video(path) -> tuple[np.ndarray, float]:
@@ -231,16 +235,14 @@ class VideoSampling:
         sampled_fps = len(indices) / frames * video_fps
         return Clip(indices, size, grid, self.temporal / sampled_fps, self._timestamps(indices, video_fps))
 
-    def patches(self, frames: np.ndarray, clip: Clip) -> np.ndarray:
-        """The tower's input for `clip` of `frames` (the whole clip, frames x height x width x 3,
-        uint8 RGB): the sampled frames resized to `clip.size` (bicubic with antialiasing, the
-        width first, then the height, each pass rounded to uint8, as torchvision resizes the
-        processor's uint8 frames), scaled to [0, 1] and normalised, the last one repeated to fill
-        the last temporal patch, one row per patch in merge-window order as the processor orders
-        them, each row `temporal` frames x patch x patch x channels: the tower's own order
-        (`workloads.vlm.patchify`'s, frame by frame; the processor's rows hold the same values as
-        channels x frames x patch x patch). Float32, within one uint8 level of the processor's
-        values (their fixed-point rounding and PIL's differ)."""
+    def pixels(self, frames: np.ndarray, clip: Clip) -> np.ndarray:
+        """The clip as a sample holds it (a `video` item): of `frames` (the whole clip, frames x
+        height x width x 3, uint8 RGB), the sampled ones resized to `clip.size` (bicubic with
+        antialiasing, the width first, then the height, each pass rounded to uint8, as torchvision
+        resizes the processor's uint8 frames), scaled to [0, 1] and normalised, the last one
+        repeated to fill the last temporal patch: float32, `t * temporal` x height x width x 3,
+        within one uint8 level of the processor's values (their fixed-point rounding and PIL's
+        differ)."""
         from PIL import Image
 
         height, width = clip.size
@@ -251,7 +253,14 @@ class VideoSampling:
             resized.append(np.asarray(image, np.float32))
         x = (np.stack(resized) / 255.0 - np.float32(self.mean)) / np.float32(self.std)
         x = x.astype(np.float32)  # frames, height, width, channels
-        x = np.concatenate([x, np.repeat(x[-1:], -len(x) % self.temporal, 0)])
+        return np.concatenate([x, np.repeat(x[-1:], -len(x) % self.temporal, 0)])
+
+    def patches(self, frames: np.ndarray, clip: Clip) -> np.ndarray:
+        """The tower's input for `clip` of `frames` (`pixels`), one row per patch in merge-window
+        order as the processor orders them, each row `temporal` frames x patch x patch x channels:
+        the tower's own order (`workloads.vlm.patchify`'s, frame by frame; the processor's rows
+        hold the same values as channels x frames x patch x patch)."""
+        x = self.pixels(frames, clip)
         t, h, w = clip.grid
         p, m, tp, c = self.patch, self.merge, self.temporal, x.shape[-1]
         cut = x.reshape(t, tp, h // m, m, p, w // m, m, p, c)

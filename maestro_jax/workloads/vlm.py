@@ -25,6 +25,7 @@ from maestro_jax.config import Config, ConfigError, Settings
 from maestro_jax.core.buckets import PER_OCTAVE, bucket
 from maestro_jax.core.graph import Edge, Section, SectionGraph, UnitCost
 from maestro_jax.data.samples import IMAGE_TOKEN, TOKENS, Modality
+from maestro_jax.data.video import SECONDS_PER_PATCH
 from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, apply_with_losses
 from maestro_jax.models.llm import frame_by_frame, image_blocks, mrope_positions
 from maestro_jax.schedule.packing import Pack
@@ -36,10 +37,6 @@ from maestro_jax.workloads.staged import decoder_stages
 
 EDGE = "image_embeds"  # the tower's tokens: a sample's image tokens, then its video tokens
 VISUAL = ("image", "video")  # the modalities the tower reads (and a DeepStack LLM adds its sets to)
-# a sample tag giving each clip's seconds per temporal patch (space-separated, in clip order: the
-# processor's `second_per_grid_ts`); without it, 1.0 (2 frames a patch sampled at 2 fps, the
-# Qwen-VL processors' defaults). Only Qwen2.5-VL's M-RoPE reads it (`sample_positions`).
-SECONDS_PER_PATCH = "video_seconds_per_patch"
 
 
 class VLMSettings(Settings):
