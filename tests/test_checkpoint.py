@@ -14,6 +14,7 @@ from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.step import TrainState
 from maestro_jax.training.checkpoint import Checkpointer
 from maestro_jax.training.loop import train
+from maestro_jax.workloads import source_from_config
 
 
 def read_metrics(out):
@@ -27,7 +28,8 @@ BF16 = ["sections.vision.precision=bfloat16", "sections.llm.precision=bfloat16",
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_resume_is_exact(tmp_path, precision):
     """Stopping after step 2 and resuming gives the uninterrupted run's losses bit for bit, in
-    float32 and in bf16 (float32 master weights and Adam state saved, bf16 compute)."""
+    float32 and in bf16 (float32 master weights and Adam state saved, bf16 compute), on
+    vlm_tiny's mix of text, images and video clips."""
     base = TINY_VLM + ["checkpoint_every=2", "schedule.scheduler=wavefront"] + (BF16 if precision == "bfloat16" else [])
     cfg = lambda out, steps: load_config(ROOT / "configs/vlm_tiny.yaml", base + [f"output_dir={out}", f"steps={steps}"])
     straight = train(cfg(tmp_path / "a", 4), progress=False)
@@ -42,6 +44,9 @@ def test_resume_is_exact(tmp_path, precision):
         )
         assert r["sample_ids"] == ref[r["step"]]["sample_ids"], "data order must continue exactly"
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [1, 2, 3, 4]
+    source = source_from_config(cfg(tmp_path / "a", 4))
+    seen = [source[i] for r in straight for i in r["sample_ids"]]
+    assert any(s.has("video") for s in seen) and any(s.has("image") for s in seen), "the mix holds clips and images"
     if precision == "bfloat16":
         assert straight[-1]["train/loss"] < straight[0]["train/loss"] - 0.05, [r["train/loss"] for r in straight]
     ck = tmp_path / "b" / "checkpoints"
