@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
@@ -355,7 +356,7 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         "mlp": hf["intermediate_size"],
         "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         "rope_scaling": rope_scaling,
-        "sliding_window": hf.get("sliding_window") if kind == "mistral" else None,
+        "sliding_window": hf.get("sliding_window") if kind in ("mistral", "mixtral") else None,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -372,6 +373,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         "attn_softcap": None,
         "final_softcap": None,
     }
+    if kind == "mixtral":
+        return {**fields, **_mixtral_experts(path, hf)}
     if kind == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise HFError(
@@ -386,6 +389,22 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
             expert_mlp=hf["moe_intermediate_size"],
         )
     return fields
+
+
+def _mixtral_experts(path, hf: dict) -> dict:
+    """Mixtral's MoE: every layer `num_local_experts` SwiGLU experts of `intermediate_size`, the
+    router's softmax over all of them cut to the top `num_experts_per_tok` and renormalised (as
+    Qwen3-MoE's with `norm_topk_prob`); a router that adds training noise is refused."""
+    if hf.get("router_jitter_noise", 0.0):
+        raise HFError(
+            f"{path}/config.json: router_jitter_noise={hf['router_jitter_noise']}; valid: 0 (the router's "
+            f"training noise is not implemented)"
+        )
+    return {
+        "experts": hf.get("num_local_experts", 8),
+        "experts_per_token": hf.get("num_experts_per_tok", 2),
+        "expert_mlp": hf["intermediate_size"],
+    }
 
 
 ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")  # models.layers.ACTIVATIONS the audio encoder takes, by HF's names

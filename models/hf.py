@@ -27,6 +27,11 @@ Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on 
   layers.i.mlp.gate.weight [E, D]                 -> block_i.moe.router [D, E]
   layers.i.mlp.experts.j.{gate,up}_proj.weight    -> block_i.moe.{gate,up}[j] [D, F]
   layers.i.mlp.experts.j.down_proj.weight         -> block_i.moe.down[j] [F, D]
+Mixtral (`mixtral`) names the same tensors as the Hub's checkpoints do (transformers 5 saves them
+so too, fusing them only in memory):
+  layers.i.block_sparse_moe.gate.weight [E, D]    -> block_i.moe.router [D, E]
+  layers.i.block_sparse_moe.experts.j.w1/w3.weight -> block_i.moe.gate[j] / up[j] [D, F]
+  layers.i.block_sparse_moe.experts.j.w2.weight   -> block_i.moe.down[j] [F, D]
 Gemma 2 (`gemma2`, without query and key norms) and Gemma 3 (`gemma3_text`, and the language
 model of a multimodal `gemma3` folder, whose tensors
 sit under `language_model.model.` or `model.language_model.`) norm each block's input, the
@@ -101,7 +106,13 @@ def require_tensors(path: str | Path, names) -> None:
 def llm_tensors(path: str | Path, fields: dict) -> list[str]:
     """The tensors a decoder with `fields` reads from the folder (`load_llm` with the output layer,
     what a KD teacher's body and head read too)."""
-    return [name for name, _ in _mapping(fields, True, text_prefix(path)).values()]
+    prefix = text_prefix(path)
+    return [name for name, _ in _mapping(fields, True, prefix, _mixtral_names(path, prefix)).values()]
+
+
+def _mixtral_names(path: str | Path, prefix: str) -> bool:
+    """Whether the folder names its experts as Mixtral's do (`block_sparse_moe`, `w1`/`w2`/`w3`)."""
+    return f"{prefix}layers.0.block_sparse_moe.gate.weight" in _Tensors(Path(path))
 
 
 class _Tensors:
@@ -139,6 +150,11 @@ def text_prefix(path: str | Path) -> str:
     )
 
 
+QWEN_EXPERTS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # an expert's tensors, by family
+MIXTRAL_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
+MOE_TYPES = ("qwen3_moe", "mixtral")  # the model types a mixture-of-experts model exports as
+
+
 def _head_name(prefix: str) -> str:
     return "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
 
@@ -147,8 +163,11 @@ def _norm_in(w: np.ndarray) -> np.ndarray:  # Gemma's `1 + weight`
     return w.astype(np.float32) + np.float32(1)
 
 
-def _mapping(c: dict, with_head: bool, prefix: str = "model.") -> dict[tuple[str, ...], tuple[str, Callable]]:
-    """Flax path -> (HF tensor name, HF array -> Flax array)."""
+def _mapping(
+    c: dict, with_head: bool, prefix: str = "model.", mixtral: bool = False
+) -> dict[tuple[str, ...], tuple[str, Callable]]:
+    """Flax path -> (HF tensor name, HF array -> Flax array); `mixtral`: the experts under
+    Mixtral's names."""
     h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
     proj = lambda n: lambda w: w.T.reshape(d, n, k)
     same = lambda w: w
@@ -185,10 +204,11 @@ def _mapping(c: dict, with_head: bool, prefix: str = "model.") -> dict[tuple[str
             }
         )
         if c.get("experts"):  # a trailing int: that expert's slice of the stacked leaf
-            out[(b, "moe", "router")] = (f"{hf}.mlp.gate.weight", np.transpose)
+            moe, own = (f"{hf}.block_sparse_moe", MIXTRAL_EXPERTS) if mixtral else (f"{hf}.mlp", QWEN_EXPERTS)
+            out[(b, "moe", "router")] = (f"{moe}.gate.weight", np.transpose)
             for j in range(c["experts"]):
                 for name in ("gate", "up", "down"):
-                    out[(b, "moe", name, j)] = (f"{hf}.mlp.experts.{j}.{name}_proj.weight", np.transpose)
+                    out[(b, "moe", name, j)] = (f"{moe}.experts.{j}.{own[name]}.weight", np.transpose)
         else:
             out.update(
                 {(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose) for name in ("gate", "up", "down")}
@@ -244,7 +264,8 @@ def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = Tru
     scanned = "blocks" in target
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # unrolled paths; experts stacked
     experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
-    for flax_path, (name, convert) in _mapping(fields, with_head, text_prefix(path)).items():
+    prefix = text_prefix(path)
+    for flax_path, (name, convert) in _mapping(fields, with_head, prefix, _mixtral_names(path, prefix)).items():
         try:
             value = convert(tensors.get(name))
         except HFError as err:
@@ -331,9 +352,14 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
     unproj = {"q": h, "k": g, "v": g}
     tensors = {}
     scanned = "blocks" in params
-    if fields.get("experts") and model_type != "qwen3_moe":
-        raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe'")
-    if fields.get("sliding_window") is not None and model_type not in ("mistral", *GEMMAS):
+    if fields.get("experts") and model_type not in MOE_TYPES:
+        raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe' or 'mixtral'")
+    if model_type == "mixtral" and (not fields.get("experts") or fields["qkv_bias"] or fields["qk_norm"]):
+        raise HFError(
+            f"experts={fields.get('experts')}, qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}: a mixtral "
+            f"checkpoint has experts and neither q/k/v biases nor query/key norms"
+        )
+    if fields.get("sliding_window") is not None and model_type not in ("mistral", "mixtral", *GEMMAS):
         raise HFError(
             f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral' (or Gemma's as 'gemma2' "
             f"or 'gemma3_text')"
@@ -352,7 +378,7 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
             f"exports as 'gemma2' or 'gemma3_text'"
         )
-    for flax_path, (name, _) in _mapping(fields, with_head=True, prefix=prefix).items():
+    for flax_path, (name, _) in _mapping(fields, True, prefix, model_type == "mixtral").items():
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
         flax_path = flax_path[:-1] if expert is not None else flax_path
         where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
@@ -432,7 +458,15 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             mlp_only_layers=[],
             router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
         )
-    if model_type == "mistral":
+    if model_type == "mixtral":
+        config.update(
+            num_local_experts=fields["experts"],
+            num_experts_per_tok=fields["experts_per_token"],
+            intermediate_size=fields["expert_mlp"],
+            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
+            router_jitter_noise=0.0,
+        )
+    if model_type in ("mistral", "mixtral"):
         config["sliding_window"] = fields.get("sliding_window")
     if model_type == "llama":
         config["attention_bias"] = fields["qkv_bias"]

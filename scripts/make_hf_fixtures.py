@@ -135,6 +135,19 @@ LLM_CASES = {
             "norm_topk_prob": True,
         },
     ),
+    # Mixtral: 4 experts of 16, top 2, the Hub's tensor names (block_sparse_moe, w1/w2/w3), no window
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 16,
+            "sliding_window": None,
+        },
+    ),
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 

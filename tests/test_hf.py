@@ -33,6 +33,7 @@ TIED = {
     "qwen2_tied": True,
     "qwen3": False,
     "qwen3_moe": False,
+    "mixtral": False,  # Mixtral: 4 experts, top 2, the Hub's block_sparse_moe / w1 w2 w3 names
     "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
     "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
     "gemma3_tied": True,  # both layers windowed (the default pattern of 6), one key/value head
@@ -304,6 +305,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("qwen2_tied", "qwen2", False),
         ("qwen3", "qwen3", True),
         ("qwen3_moe", "qwen3_moe", True),
+        ("mixtral", "mixtral", False),
         ("qwen3_yarn", "qwen3", False),
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
@@ -320,6 +322,10 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
     np.testing.assert_allclose(torch_logits(back), reference, atol=1e-4, rtol=0)
+    if model_type == "mixtral":  # the export under the Hub's names, as check-hf reads it
+        from maestro_jax import cli
+
+        assert cli.main(["check-hf", "--hf", str(out)]) == 0
 
 
 def test_cli_export_names_are_the_models_mapping():
@@ -679,7 +685,7 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "gemma3_text", "gemma2"])
+@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "mixtral", "gemma3_text", "gemma2"])
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
     0 within the tolerance, 1 over it (a tolerance below float32 rounding), 2 with one `error:`
@@ -746,3 +752,62 @@ def test_an_export_owns_its_folder(tmp_path, capsys):
         assert (other / p.name).read_bytes() == p.read_bytes(), p.name
     assert (other / "tokenizer.json").read_text() == "another model's tokenizer.json"
     assert not [p for p in tmp_path.iterdir() if ".export-" in p.name]
+
+
+@pytest.mark.reference
+def test_check_hf_fails_a_mixtral_whose_expert_maestro_reads_moved(monkeypatch, capsys):
+    """One expert's weight moved on maestro's side only (after its import of the folder): the
+    logits differ from transformers' and check-hf exits 1."""
+    live_transformers()
+    from maestro_jax import cli
+
+    load = hf.load_llm
+
+    def moved(*args, **kwargs):
+        params = load(*args, **kwargs)
+        moe = params["block_1"]["moe"]
+        return {**params, "block_1": {**params["block_1"], "moe": {**moe, "up": moe["up"].at[3].add(0.05)}}}
+
+    monkeypatch.setattr(hf, "load_llm", moved)
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / "mixtral")]) == 1
+    assert capsys.readouterr().out.strip().endswith("FAIL")
+
+
+def test_a_mixtral_whose_router_adds_noise_is_refused_in_one_line(tmp_path):
+    """`router_jitter_noise` (the router's training noise) is not implemented: the folder is
+    refused naming the field and what is valid; an MoE model exports as mixtral by default."""
+    from maestro_jax.tools.hf import export_type
+
+    path = tmp_path / "mixtral"
+    shutil.copytree(FIXTURES / "mixtral", path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "router_jitter_noise": 0.01}))
+    with pytest.raises(hf.HFError, match=r"config.json: router_jitter_noise=0.01; valid: 0 \(the router's training"):
+        hf.llm_fields(path)
+    fields = hf.llm_fields(FIXTURES / "mixtral")
+    assert export_type(fields, None) == "mixtral" and export_type({**fields, "qk_norm": True}, None) == "qwen3_moe"
+
+
+@pytest.mark.slow  # two sections and the monolithic step compiled
+def test_a_mixtral_teacher_with_its_experts_on_the_expert_axis_verifies(tmp_path):
+    """`models.teacher: {hf: <a Mixtral folder>}` beside a Llama-style student, the teacher on
+    data 2 x expert 2 (each device holding 2 of the 4 experts of every layer): the teacher starts
+    from the folder (its experts split over the expert axis) and the sectioned step equals the
+    monolithic one (data 2 x expert 2 x fsdp 2)."""
+    from maestro_jax.tools.verify import verify
+
+    path = FIXTURES / "mixtral"
+    cfg = _from_folder(
+        path,
+        f"{{hf: {path}}}",
+        "models.student.vocab=96",
+        "sections.teacher.mesh={data: 2, expert: 2}",
+        "monolithic.mesh={data: 2, expert: 2, fsdp: 2}",
+    )
+    assert cfg.models["teacher"].experts == 4 and cfg.sections["teacher"].init.hf_path == str(path)
+    rt = build_runtime(cfg)
+    up = rt.step.init()["teacher"].consts["llm"]["block_0"]["moe"]["up"]
+    assert up.shape[0] == 4 and up.sharding.shard_shape(up.shape)[0] == 2, "two experts a device"
+    diffs = verify(cfg, rt)
+    assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
+    assert all(d.max_rel <= 1e-5 for d in diffs), diffs

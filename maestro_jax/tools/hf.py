@@ -50,7 +50,8 @@ EXPORT_TYPES = {
 def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> str:
     """The Hugging Face type a model with `fields` (the `models.<section>` entry) exports as:
     `model_type` if given and fitting, else the model's own (an LLM: llama, mistral with a
-    sliding window, gemma3_text or gemma2 with Gemma's block; a tower: its layout).
+    sliding window, gemma3_text or gemma2 with Gemma's block, qwen3_moe or mixtral with experts;
+    a tower: its layout).
     Raises HFError with the `error:` line, before any weight is read, for a combination no
     exporter writes."""
     kind, where = fields["kind"], f"models.{section}"
@@ -75,6 +76,8 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
         )
     elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
         own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
+    elif fields.get("experts"):  # a mixture of experts: Qwen3-MoE's block (query and key norms) or Mixtral's
+        own = "qwen3_moe" if fields.get("qk_norm") else "mixtral"
     elif fields.get("sliding_window") is not None:  # of the other LLM types, only Mistral has the window
         own = "mistral"
     else:
