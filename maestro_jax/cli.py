@@ -678,6 +678,7 @@ COMMANDS: dict[str, Command] = {
                     "qwen2",
                     "qwen3",
                     "qwen3_moe",
+                    "qwen2_moe",
                     "mixtral",
                     "gemma2",
                     "gemma3_text",

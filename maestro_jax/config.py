@@ -404,6 +404,11 @@ class LLMModelConfig(_FromFolder):
     experts_per_token: int = Field(0, ge=0, validate_default=True)
     expert_mlp: int = Field(0, ge=0, validate_default=True)
     router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
+    # the router's top-k weights renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob, Mixtral's);
+    # false: the softmax's own weights (Qwen2-MoE's default)
+    moe_renormalize: bool = True
+    # > 0: a dense SwiGLU expert of this width beside the routed ones, behind a sigmoid gate (Qwen2-MoE)
+    shared_expert_mlp: int = Field(0, ge=0)
     # what each computes: models.llm.MoE; auto: the fastest measured on the backend that builds the
     # workload (models.llm.AUTO_DISPATCH: sparse on an NVIDIA GPU, dense elsewhere)
     moe_dispatch: Literal["auto", "dense", "ragged", "sparse", "grouped"] = "auto"

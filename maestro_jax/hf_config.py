@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -359,11 +360,13 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         "sliding_window": hf.get("sliding_window") if kind in ("mistral", "mixtral") else None,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2" or bool(hf.get("attention_bias", False)),
+        "qkv_bias": kind in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
         "qk_norm": kind in ("qwen3", "qwen3_moe"),
         "experts": 0,
         "experts_per_token": 0,
         "expert_mlp": 0,
+        "moe_renormalize": True,
+        "shared_expert_mlp": 0,
         "global_every": 0,
         "rope_local_theta": None,
         "act": "silu",
@@ -375,18 +378,18 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
     }
     if kind == "mixtral":
         return {**fields, **_mixtral_experts(path, hf)}
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen2_moe"):
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise HFError(
                 f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
                 f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer"
             )
-        if not hf.get("norm_topk_prob", False):
-            raise HFError(f"{path}/config.json: norm_topk_prob=false; the router renormalises its top-k weights")
         fields.update(
             experts=hf.get("num_local_experts") or hf["num_experts"],
             experts_per_token=hf["num_experts_per_tok"],
             expert_mlp=hf["moe_intermediate_size"],
+            moe_renormalize=bool(hf.get("norm_topk_prob", False)),
+            shared_expert_mlp=hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0,
         )
     return fields
 

@@ -27,6 +27,9 @@ Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on 
   layers.i.mlp.gate.weight [E, D]                 -> block_i.moe.router [D, E]
   layers.i.mlp.experts.j.{gate,up}_proj.weight    -> block_i.moe.{gate,up}[j] [D, F]
   layers.i.mlp.experts.j.down_proj.weight         -> block_i.moe.down[j] [F, D]
+Qwen2-MoE (`qwen2_moe`) names its experts as Qwen3-MoE does, and adds a shared expert and its gate:
+  layers.i.mlp.shared_expert.{gate,up,down}_proj  -> block_i.shared_{gate,up,down}.kernel
+  layers.i.mlp.shared_expert_gate.weight [1, D]   -> block_i.shared_expert_gate.kernel [D, 1]
 Mixtral (`mixtral`) names the same tensors as the Hub's checkpoints do (transformers 5 saves them
 so too, fusing them only in memory):
   layers.i.block_sparse_moe.gate.weight [E, D]    -> block_i.moe.router [D, E]
@@ -152,7 +155,7 @@ def text_prefix(path: str | Path) -> str:
 
 QWEN_EXPERTS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # an expert's tensors, by family
 MIXTRAL_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
-MOE_TYPES = ("qwen3_moe", "mixtral")  # the model types a mixture-of-experts model exports as
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")  # the model types a mixture-of-experts model exports as
 
 
 def _head_name(prefix: str) -> str:
@@ -209,6 +212,10 @@ def _mapping(
             for j in range(c["experts"]):
                 for name in ("gate", "up", "down"):
                     out[(b, "moe", name, j)] = (f"{moe}.experts.{j}.{own[name]}.weight", np.transpose)
+            if c.get("shared_expert_mlp"):
+                for name in ("gate", "up", "down"):
+                    out[(b, f"shared_{name}", "kernel")] = (f"{hf}.mlp.shared_expert.{name}_proj.weight", np.transpose)
+                out[(b, "shared_expert_gate", "kernel")] = (f"{hf}.mlp.shared_expert_gate.weight", np.transpose)
         else:
             out.update(
                 {(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose) for name in ("gate", "up", "down")}
@@ -353,7 +360,16 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
     tensors = {}
     scanned = "blocks" in params
     if fields.get("experts") and model_type not in MOE_TYPES:
-        raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as 'qwen3_moe' or 'mixtral'")
+        raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as {' or '.join(MOE_TYPES)}")
+    if bool(fields.get("shared_expert_mlp")) != (model_type == "qwen2_moe") or (
+        model_type == "qwen2_moe" and not fields["qkv_bias"]
+    ):
+        raise HFError(
+            f"shared_expert_mlp={fields.get('shared_expert_mlp')}, qkv_bias={fields['qkv_bias']}: a qwen2_moe "
+            f"checkpoint (and only it) has a shared expert, and q/k/v biases"
+        )
+    if model_type == "mixtral" and not fields.get("moe_renormalize", True):
+        raise HFError("moe_renormalize=false: a mixtral router renormalises its top-k weights")
     if model_type == "mixtral" and (not fields.get("experts") or fields["qkv_bias"] or fields["qk_norm"]):
         raise HFError(
             f"experts={fields.get('experts')}, qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}: a mixtral "
@@ -448,16 +464,18 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             config["rope_parameters"].update({k: scaling[k] for k in keep})
         else:
             config["rope_scaling"] = {k: scaling[k] for k in keep}
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         config.update(
             num_experts=fields["experts"],
             num_experts_per_tok=fields["experts_per_token"],
             moe_intermediate_size=fields["expert_mlp"],
-            norm_topk_prob=True,
+            norm_topk_prob=fields.get("moe_renormalize", True),
             decoder_sparse_step=1,
             mlp_only_layers=[],
             router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
         )
+    if model_type == "qwen2_moe":
+        config.update(shared_expert_intermediate_size=fields["shared_expert_mlp"], qkv_bias=True)
     if model_type == "mixtral":
         config.update(
             num_local_experts=fields["experts"],

@@ -75,6 +75,12 @@ class LLMConfig:
     video_tokens_per_second: float = 4.0
     video_timestamps: bool = False
     experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
+    # the router's top-k weights renormalised to sum to 1 (Qwen3-MoE's `norm_topk_prob`, Mixtral's);
+    # False: the softmax's own weights (Qwen2-MoE's default)
+    moe_renormalize: bool = True
+    # > 0: beside the routed experts, a dense SwiGLU expert of this width every token takes, its output
+    # scaled by sigmoid(h @ shared_expert_gate) (Qwen2-MoE's shared expert)
+    shared_expert_mlp: int = 0
     experts_per_token: int = 0
     expert_mlp: int = 0
     router_aux_loss: float = 0.001  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE's default)
@@ -152,7 +158,7 @@ class MoE(nn.Module):
         down = self.param("down", partitioned(_init, "expert", "mlp", "embed"), (c.experts, c.expert_mlp, c.width))
         probs_BLE = jax.nn.softmax((h_BLD @ router).astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs_BLE, c.experts_per_token)
-        weights = top / jnp.sum(top, axis=-1, keepdims=True)
+        weights = top / jnp.sum(top, axis=-1, keepdims=True) if c.moe_renormalize else top
         chosen_BLE = jnp.sum(jax.nn.one_hot(index, c.experts), axis=-2)
         combine_BLE = jnp.sum(jax.nn.one_hot(index, c.experts) * weights[..., None], axis=-2).astype(h_BLD.dtype)
         if c.router_aux_loss:
@@ -471,6 +477,17 @@ class DecoderBlock(nn.Module):
         h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
         if c.experts:
             y = MoE(c, name="moe")(h, valid_BL, segments_BL)
+            if c.shared_expert_mlp:  # Qwen2-MoE: a dense SwiGLU expert every token takes, behind a sigmoid gate
+                f, embed_mlp = c.shared_expert_mlp, partitioned(_init, "embed", "mlp")
+                gate = Dense(f, use_bias=False, name="shared_gate", kernel_init=embed_mlp)(h)
+                up = Dense(f, use_bias=False, name="shared_up", kernel_init=embed_mlp)(h)
+                down = Dense(
+                    c.width, use_bias=False, name="shared_down", kernel_init=partitioned(_init, "mlp", "embed")
+                )
+                door = Dense(
+                    1, use_bias=False, name="shared_expert_gate", kernel_init=partitioned(_init, "embed", None)
+                )
+                y = y + jax.nn.sigmoid(door(h)) * down(nn.silu(gate) * up)
         else:
             gate = Dense(c.mlp, use_bias=False, name="gate", kernel_init=partitioned(_init, "embed", "mlp"))(h)
             up = Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)

@@ -135,6 +135,21 @@ LLM_CASES = {
             "norm_topk_prob": True,
         },
     ),
+    # Qwen2-MoE (Qwen1.5-MoE): 4 experts of 16, top 2 without renormalising, a shared expert of 24
+    # behind its sigmoid gate, Qwen2's q/k/v biases
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+            "norm_topk_prob": False,
+            "use_sliding_window": False,
+        },
+    ),
     # Mixtral: 4 experts of 16, top 2, the Hub's tensor names (block_sparse_moe, w1/w2/w3), no window
     "mixtral": (
         "MixtralConfig",

@@ -33,6 +33,7 @@ TIED = {
     "qwen2_tied": True,
     "qwen3": False,
     "qwen3_moe": False,
+    "qwen2_moe": False,  # Qwen2-MoE: top 2 of 4 not renormalised, a shared expert behind its gate, q/k/v biases
     "mixtral": False,  # Mixtral: 4 experts, top 2, the Hub's block_sparse_moe / w1 w2 w3 names
     "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
     "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
@@ -306,6 +307,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("qwen3", "qwen3", True),
         ("qwen3_moe", "qwen3_moe", True),
         ("mixtral", "mixtral", False),
+        ("qwen2_moe", "qwen2_moe", True),
         ("qwen3_yarn", "qwen3", False),
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
@@ -322,7 +324,7 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
     np.testing.assert_allclose(torch_logits(back), reference, atol=1e-4, rtol=0)
-    if model_type == "mixtral":  # the export under the Hub's names, as check-hf reads it
+    if model_type in ("mixtral", "qwen2_moe"):  # the export under the Hub's names, as check-hf reads it
         from maestro_jax import cli
 
         assert cli.main(["check-hf", "--hf", str(out)]) == 0
@@ -685,7 +687,9 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window", "qwen3_moe", "mixtral", "gemma3_text", "gemma2"])
+@pytest.mark.parametrize(
+    "case", ["llama3_rope", "mistral_window", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma2"]
+)
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
     0 within the tolerance, 1 over it (a tolerance below float32 rounding), 2 with one `error:`
@@ -786,6 +790,7 @@ def test_a_mixtral_whose_router_adds_noise_is_refused_in_one_line(tmp_path):
         hf.llm_fields(path)
     fields = hf.llm_fields(FIXTURES / "mixtral")
     assert export_type(fields, None) == "mixtral" and export_type({**fields, "qk_norm": True}, None) == "qwen3_moe"
+    assert export_type(hf.llm_fields(FIXTURES / "qwen2_moe"), None) == "qwen2_moe"
 
 
 @pytest.mark.slow  # two sections and the monolithic step compiled

@@ -350,3 +350,38 @@ def test_the_auto_dispatch_says_its_choice_once_a_backend(caplog):
         "moe_dispatch auto on gpu: sparse (models.llm.AUTO_DISPATCH)",
         "moe_dispatch auto on cpu: dense (models.llm.AUTO_DISPATCH)",
     ]
+
+
+def test_a_qwen2_moe_layer_keeps_its_router_weights_and_adds_its_gated_shared_expert():
+    """Qwen2-MoE's block (`moe_renormalize: false`, a `shared_expert_mlp`): the sparse dispatch
+    gives the dense one's logits and gradients; the top-k weights are the softmax's own (with them
+    renormalised the logits differ), and the shared expert adds to the routed ones (with its output
+    projection zero, the routed experts' logits return)."""
+    import dataclasses
+
+    qwen2 = dataclasses.replace(CFG, moe_renormalize=False, shared_expert_mlp=24)
+    ids, positions, valid = inputs(seed=2)
+    dense, sparse = DecoderLM(qwen2), DecoderLM(dataclasses.replace(qwen2, moe_dispatch="sparse"))
+    params = nn.meta.unbox(dense.init(jax.random.key(2), ids, positions, valid)["params"])
+    assert params["block_0"]["shared_expert_gate"]["kernel"].shape == (32, 1)
+
+    def loss(model, p):
+        logits, aux = apply_with_losses(model, {"params": p}, ids, positions, valid)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * valid) + aux, logits
+
+    (l1, z1), g1 = jax.value_and_grad(lambda p: loss(dense, p), has_aux=True)(params)
+    (l2, z2), g2 = jax.value_and_grad(lambda p: loss(sparse, p), has_aux=True)(params)
+    np.testing.assert_allclose(np.asarray(z1), np.asarray(z2), rtol=1e-4, atol=1e-5)
+    assert float(l1) == pytest.approx(float(l2), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+    renormalised = DecoderLM(dataclasses.replace(qwen2, moe_renormalize=True))
+    assert not np.allclose(np.asarray(loss(renormalised, params)[1]), np.asarray(z1), atol=1e-4)
+    shut = jax.tree.map(lambda x: x, params)
+    for b in ("block_0", "block_1"):
+        shut[b]["shared_down"]["kernel"] = jnp.zeros_like(shut[b]["shared_down"]["kernel"])
+    routed = DecoderLM(dataclasses.replace(CFG, moe_renormalize=False))
+    alone = {b: {k: v for k, v in shut[b].items() if not k.startswith("shared_")} for b in ("block_0", "block_1")}
+    np.testing.assert_allclose(
+        np.asarray(loss(dense, shut)[1]), np.asarray(loss(routed, {**shut, **alone})[1]), rtol=1e-5, atol=1e-5
+    )

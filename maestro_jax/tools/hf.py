@@ -76,8 +76,9 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
         )
     elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
         own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
-    elif fields.get("experts"):  # a mixture of experts: Qwen3-MoE's block (query and key norms) or Mixtral's
-        own = "qwen3_moe" if fields.get("qk_norm") else "mixtral"
+    elif fields.get("experts"):  # a mixture of experts: Qwen3-MoE's (query and key norms), Qwen2-MoE's (a
+        # shared expert) or Mixtral's block
+        own = "qwen3_moe" if fields.get("qk_norm") else "qwen2_moe" if fields.get("shared_expert_mlp") else "mixtral"
     elif fields.get("sliding_window") is not None:  # of the other LLM types, only Mistral has the window
         own = "mistral"
     else:

@@ -28,8 +28,10 @@ def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0) -> UnitCost:
     moe = c.experts > 0
     every = c.moe_dispatch in ("dense", "ragged")
     mlp = (c.experts if every else c.experts_per_token) * c.expert_mlp if moe else c.mlp
+    mlp += c.shared_expert_mlp if moe else 0  # Qwen2-MoE's shared expert, every token's
     proj = 2 * c.width * (c.heads + 2 * c.kv_heads) * c.head_dim + 2 * c.heads * c.head_dim * c.width
-    ffn = 3 * 2 * c.width * mlp + (2 * c.width * c.experts if moe else 0)
+    router = 2 * c.width * (c.experts + (1 if c.shared_expert_mlp else 0)) if moe else 0  # and its gate
+    ffn = 3 * 2 * c.width * mlp + router
     linear = c.depth * (proj + ffn) + (2 * c.width * c.vocab if head else 0)
     return UnitCost(
         flops=float(linear + extra_flops),
