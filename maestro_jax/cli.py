@@ -680,6 +680,7 @@ COMMANDS: dict[str, Command] = {
                     "qwen3_moe",
                     "qwen2_moe",
                     "mixtral",
+                    "phi3",
                     "gemma2",
                     "gemma3_text",
                     "siglip",

@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
@@ -343,6 +344,9 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
             f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
             f"the LLM is SwiGLU (silu) without MLP biases"
         )
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # Phi-3's (and others'): RoPE over part of each head
+        raise HFError(f"{path}/config.json: partial_rotary_factor={partial}; valid: 1.0 (RoPE over the whole head)")
     if hf.get("use_sliding_window"):  # Qwen2's, with its per-layer max_window_layers
         raise HFError(f"{path}/config.json: use_sliding_window=true is not supported (Mistral's sliding_window is)")
     heads = hf["num_attention_heads"]
@@ -357,7 +361,7 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         "mlp": hf["intermediate_size"],
         "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         "rope_scaling": rope_scaling,
-        "sliding_window": hf.get("sliding_window") if kind in ("mistral", "mixtral") else None,
+        "sliding_window": hf.get("sliding_window") if kind in ("mistral", "mixtral", "phi3") else None,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": kind in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),

@@ -30,6 +30,10 @@ Qwen3-MoE (`qwen3_moe`) replaces each layer's MLP by routed experts, stacked on 
 Qwen2-MoE (`qwen2_moe`) names its experts as Qwen3-MoE does, and adds a shared expert and its gate:
   layers.i.mlp.shared_expert.{gate,up,down}_proj  -> block_i.shared_{gate,up,down}.kernel
   layers.i.mlp.shared_expert_gate.weight [1, D]   -> block_i.shared_expert_gate.kernel [D, 1]
+Phi-3 (`phi3`) fuses the projections of each attention and each MLP (q, k, v in that order; the
+gate, then the up projection), otherwise Llama's (found in the folder; export fuses them back):
+  layers.i.self_attn.qkv_proj.weight [(H+2G)K, D] -> block_i.{q,k,v}.kernel
+  layers.i.mlp.gate_up_proj.weight [2F, D]        -> block_i.{gate,up}.kernel
 Mixtral (`mixtral`) names the same tensors as the Hub's checkpoints do (transformers 5 saves them
 so too, fusing them only in memory):
   layers.i.block_sparse_moe.gate.weight [E, D]    -> block_i.moe.router [D, E]
@@ -110,7 +114,13 @@ def llm_tensors(path: str | Path, fields: dict) -> list[str]:
     """The tensors a decoder with `fields` reads from the folder (`load_llm` with the output layer,
     what a KD teacher's body and head read too)."""
     prefix = text_prefix(path)
-    return [name for name, _ in _mapping(fields, True, prefix, _mixtral_names(path, prefix)).values()]
+    mapping = _mapping(fields, True, prefix, _mixtral_names(path, prefix), _fused(path, prefix))
+    return list(dict.fromkeys(name for name, _ in mapping.values()))
+
+
+def _fused(path: str | Path, prefix: str) -> bool:
+    """Whether the folder fuses q/k/v and gate/up projections as Phi-3's do (`qkv_proj`, `gate_up_proj`)."""
+    return f"{prefix}layers.0.self_attn.qkv_proj.weight" in _Tensors(Path(path))
 
 
 def _mixtral_names(path: str | Path, prefix: str) -> bool:
@@ -167,10 +177,10 @@ def _norm_in(w: np.ndarray) -> np.ndarray:  # Gemma's `1 + weight`
 
 
 def _mapping(
-    c: dict, with_head: bool, prefix: str = "model.", mixtral: bool = False
+    c: dict, with_head: bool, prefix: str = "model.", mixtral: bool = False, fused: bool = False
 ) -> dict[tuple[str, ...], tuple[str, Callable]]:
     """Flax path -> (HF tensor name, HF array -> Flax array); `mixtral`: the experts under
-    Mixtral's names."""
+    Mixtral's names; `fused`: Phi-3's fused projections, each path reading its rows of one tensor."""
     h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
     proj = lambda n: lambda w: w.T.reshape(d, n, k)
     same = lambda w: w
@@ -206,6 +216,14 @@ def _mapping(
                 (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
             }
         )
+        if fused:  # Phi-3: q, k and v are rows of one tensor
+            rows = {"q": (0, h * k), "k": (h * k, (h + g) * k), "v": ((h + g) * k, (h + 2 * g) * k)}
+            for name, (lo, hi) in rows.items():
+                n = h if name == "q" else g
+                out[(b, name, "kernel")] = (
+                    f"{hf}.self_attn.qkv_proj.weight",
+                    lambda w, lo=lo, hi=hi, n=n: proj(n)(w[lo:hi]),
+                )
         if c.get("experts"):  # a trailing int: that expert's slice of the stacked leaf
             moe, own = (f"{hf}.block_sparse_moe", MIXTRAL_EXPERTS) if mixtral else (f"{hf}.mlp", QWEN_EXPERTS)
             out[(b, "moe", "router")] = (f"{moe}.gate.weight", np.transpose)
@@ -220,6 +238,10 @@ def _mapping(
             out.update(
                 {(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose) for name in ("gate", "up", "down")}
             )
+            if fused:  # Phi-3: the gate's rows, then the up projection's, of one tensor
+                f = c["mlp"]
+                out[(b, "gate", "kernel")] = (f"{hf}.mlp.gate_up_proj.weight", lambda w, f=f: w[:f].T)
+                out[(b, "up", "kernel")] = (f"{hf}.mlp.gate_up_proj.weight", lambda w, f=f: w[f:].T)
         if c["qkv_bias"]:
             for name, n in (("q", h), ("k", g), ("v", g)):
                 out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
@@ -272,7 +294,8 @@ def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = Tru
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # unrolled paths; experts stacked
     experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
     prefix = text_prefix(path)
-    for flax_path, (name, convert) in _mapping(fields, with_head, prefix, _mixtral_names(path, prefix)).items():
+    mapping = _mapping(fields, with_head, prefix, _mixtral_names(path, prefix), _fused(path, prefix))
+    for flax_path, (name, convert) in mapping.items():
         try:
             value = convert(tensors.get(name))
         except HFError as err:
@@ -338,6 +361,16 @@ def write_weights(path: Path, tensors: dict[str, np.ndarray], max_shard_bytes: i
         )
 
 
+def _fuse_phi3(tensors: dict, fields: dict, prefix: str) -> None:
+    """Llama's per-projection tensors fused as Phi-3 holds them (`qkv_proj`, `gate_up_proj`)."""
+    for i in range(fields["depth"]):
+        at = f"{prefix}layers.{i}"
+        qkv = [tensors.pop(f"{at}.self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+        tensors[f"{at}.self_attn.qkv_proj.weight"] = np.concatenate(qkv)
+        gate_up = [tensors.pop(f"{at}.mlp.{n}_proj.weight") for n in ("gate", "up")]
+        tensors[f"{at}.mlp.gate_up_proj.weight"] = np.concatenate(gate_up)
+
+
 def save_llm(
     path: str | Path, params: dict, fields: dict, model_type: str = "llama", max_shard_bytes: int = 4 << 30
 ) -> None:
@@ -375,7 +408,7 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             f"experts={fields.get('experts')}, qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}: a mixtral "
             f"checkpoint has experts and neither q/k/v biases nor query/key norms"
         )
-    if fields.get("sliding_window") is not None and model_type not in ("mistral", "mixtral", *GEMMAS):
+    if fields.get("sliding_window") is not None and model_type not in ("mistral", "mixtral", "phi3", *GEMMAS):
         raise HFError(
             f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral' (or Gemma's as 'gemma2' "
             f"or 'gemma3_text')"
@@ -484,8 +517,16 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
             router_jitter_noise=0.0,
         )
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         config["sliding_window"] = fields.get("sliding_window")
+    if model_type == "phi3":
+        if fields["qkv_bias"] or fields["qk_norm"] or fields.get("experts"):
+            raise HFError(
+                f"qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}, experts={fields.get('experts')}: a phi3 "
+                f"checkpoint has no q/k/v biases, query/key norms or experts"
+            )
+        _fuse_phi3(tensors, fields, prefix)
+        config["pad_token_id"] = None  # Phi3Config's default (32000) is past a smaller vocabulary's embedding
     if model_type == "llama":
         config["attention_bias"] = fields["qkv_bias"]
     elif not fields["qkv_bias"] and model_type == "qwen2":

@@ -135,6 +135,12 @@ LLM_CASES = {
             "norm_topk_prob": True,
         },
     ),
+    # Phi-3: fused q/k/v and gate/up projections (qkv_proj, gate_up_proj), a sliding window of 4
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"tie_word_embeddings": False, "sliding_window": 4, "pad_token_id": 0},
+    ),
     # Qwen2-MoE (Qwen1.5-MoE): 4 experts of 16, top 2 without renormalising, a shared expert of 24
     # behind its sigmoid gate, Qwen2's q/k/v biases
     "qwen2_moe": (

@@ -33,6 +33,7 @@ TIED = {
     "qwen2_tied": True,
     "qwen3": False,
     "qwen3_moe": False,
+    "phi3": False,  # Phi-3: fused qkv_proj and gate_up_proj, a sliding window of 4
     "qwen2_moe": False,  # Qwen2-MoE: top 2 of 4 not renormalised, a shared expert behind its gate, q/k/v biases
     "mixtral": False,  # Mixtral: 4 experts, top 2, the Hub's block_sparse_moe / w1 w2 w3 names
     "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
@@ -153,8 +154,8 @@ def test_llama3_and_yarn_fixtures_reach_every_band_and_other_scalings_are_refuse
 
 def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
     """The fixture's window (4 of 12 tokens) changes transformers' logits, so matching them
-    checks the window; a model with a window exports as Mistral, and is refused as another type
-    (no silent full attention in the folder)."""
+    checks the window; a model with a window exports as Mistral (or Phi-3, whose attention has the
+    window too), and is refused as another type (no silent full attention in the folder)."""
     from maestro_jax.tools.hf import export_type
 
     reference, path = make_hf(tmp_path, "mistral_window")
@@ -166,7 +167,7 @@ def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
     assert np.abs(full - reference).max() > 1e-2  # without the window: other logits
     assert export_type(fields, None) == "mistral"
-    with pytest.raises(hf.HFError, match="does not export as it; valid: \\['mistral'\\]"):
+    with pytest.raises(hf.HFError, match="does not export as it; valid: \\['mistral', 'phi3'\\]"):
         export_type(fields, "llama")
     with pytest.raises(hf.HFError, match="a model with a sliding_window exports as 'mistral'"):
         hf.save_llm(tmp_path / "out", params, fields, model_type="llama")
@@ -308,6 +309,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("qwen3_moe", "qwen3_moe", True),
         ("mixtral", "mixtral", False),
         ("qwen2_moe", "qwen2_moe", True),
+        ("phi3", "phi3", False),
         ("qwen3_yarn", "qwen3", False),
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
@@ -324,7 +326,7 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
     np.testing.assert_allclose(torch_logits(back), reference, atol=1e-4, rtol=0)
-    if model_type in ("mixtral", "qwen2_moe"):  # the export under the Hub's names, as check-hf reads it
+    if model_type in ("mixtral", "qwen2_moe", "phi3"):  # the export under the Hub's names, as check-hf reads it
         from maestro_jax import cli
 
         assert cli.main(["check-hf", "--hf", str(out)]) == 0
@@ -688,7 +690,7 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
 
 @pytest.mark.reference
 @pytest.mark.parametrize(
-    "case", ["llama3_rope", "mistral_window", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma2"]
+    "case", ["llama3_rope", "mistral_window", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma2"]
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
@@ -759,9 +761,11 @@ def test_an_export_owns_its_folder(tmp_path, capsys):
 
 
 @pytest.mark.reference
-def test_check_hf_fails_a_mixtral_whose_expert_maestro_reads_moved(monkeypatch, capsys):
-    """One expert's weight moved on maestro's side only (after its import of the folder): the
-    logits differ from transformers' and check-hf exits 1."""
+@pytest.mark.parametrize("case", ["mixtral", "phi3"])
+def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, capsys, case):
+    """One weight moved on maestro's side only (after its import of the folder: a Mixtral expert's,
+    the up projection Phi-3 fuses with its gate): the logits differ from transformers' and check-hf
+    exits 1."""
     live_transformers()
     from maestro_jax import cli
 
@@ -769,11 +773,13 @@ def test_check_hf_fails_a_mixtral_whose_expert_maestro_reads_moved(monkeypatch, 
 
     def moved(*args, **kwargs):
         params = load(*args, **kwargs)
-        moe = params["block_1"]["moe"]
-        return {**params, "block_1": {**params["block_1"], "moe": {**moe, "up": moe["up"].at[3].add(0.05)}}}
+        block = params["block_1"]
+        if case == "mixtral":
+            return {**params, "block_1": {**block, "moe": {**block["moe"], "up": block["moe"]["up"].at[3].add(0.05)}}}
+        return {**params, "block_1": {**block, "up": {"kernel": block["up"]["kernel"].at[0].add(0.05)}}}
 
     monkeypatch.setattr(hf, "load_llm", moved)
-    assert cli.main(["check-hf", "--hf", str(FIXTURES / "mixtral")]) == 1
+    assert cli.main(["check-hf", "--hf", str(FIXTURES / case)]) == 1
     assert capsys.readouterr().out.strip().endswith("FAIL")
 
 
@@ -816,3 +822,26 @@ def test_a_mixtral_teacher_with_its_experts_on_the_expert_axis_verifies(tmp_path
     diffs = verify(cfg, rt)
     assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
     assert all(d.max_rel <= 1e-5 for d in diffs), diffs
+
+
+def test_a_phi3_folder_fuses_its_projections_and_refuses_partial_rotary(tmp_path):
+    """Phi-3's fused tensors: each of q, k, v (and gate, up) reads its rows of qkv_proj (gate_up_proj),
+    and export writes them fused again, no per-projection tensor left; a partial rotary factor (RoPE
+    over part of each head) is refused naming the field."""
+    from safetensors.numpy import load_file
+
+    ours, params, fields = flax_logits(FIXTURES / "phi3")
+    out = tmp_path / "exported"
+    hf.save_llm(out, params, fields, model_type="phi3")
+    names = set(load_file(out / "model.safetensors"))
+    assert "model.layers.1.self_attn.qkv_proj.weight" in names and "model.layers.1.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight")) for n in names)
+    back, _, _ = flax_logits(out)
+    np.testing.assert_allclose(back, ours, rtol=0, atol=1e-6)
+    path = tmp_path / "phi3"
+    shutil.copytree(FIXTURES / "phi3", path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.5
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf.HFError, match=r"config.json: partial_rotary_factor=0.5; valid: 1.0"):
+        hf.llm_fields(path)

@@ -84,7 +84,7 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
     else:
         own = "llama"
     llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text"))
-    fits = llama_like if kind == "llm" and own == "llama" else (own,)
+    fits = llama_like if kind == "llm" and own == "llama" else ("mistral", "phi3") if own == "mistral" else (own,)
     if model_type is not None and model_type not in fits:
         raise HFError(
             f"error: --model-type={model_type}: section {section!r} ({kind}) does not export as it; valid: {list(fits)}"
