@@ -361,6 +361,32 @@ def write_weights(path: Path, tensors: dict[str, np.ndarray], max_shard_bytes: i
         )
 
 
+def _moe_config(fields: dict, model_type: str) -> dict:
+    """The config.json fields of an MoE `model_type`'s experts (none for another type)."""
+    config: dict = {}
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        config.update(
+            num_experts=fields["experts"],
+            num_experts_per_tok=fields["experts_per_token"],
+            moe_intermediate_size=fields["expert_mlp"],
+            norm_topk_prob=fields.get("moe_renormalize", True),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
+        )
+    if model_type == "qwen2_moe":
+        config.update(shared_expert_intermediate_size=fields["shared_expert_mlp"], qkv_bias=True)
+    if model_type == "mixtral":
+        config.update(
+            num_local_experts=fields["experts"],
+            num_experts_per_tok=fields["experts_per_token"],
+            intermediate_size=fields["expert_mlp"],
+            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
+            router_jitter_noise=0.0,
+        )
+    return config
+
+
 def _fuse_phi3(tensors: dict, fields: dict, prefix: str) -> None:
     """Llama's per-projection tensors fused as Phi-3 holds them (`qkv_proj`, `gate_up_proj`)."""
     for i in range(fields["depth"]):
@@ -386,12 +412,18 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
     """`params` (a Flax LLM param tree) as a Hugging Face checkpoint of `model_type`: its tensors
     by name (the body's under `prefix`; the head, when untied, as `_head_name` names it) and its
     config.json."""
+    _check_exportable(fields, model_type)
+    tensors = _checkpoint_tensors(params, fields, model_type, prefix)
+    if model_type == "phi3":
+        _fuse_phi3(tensors, fields, prefix)
+    return tensors, _checkpoint_config(fields, model_type)
+
+
+def _check_exportable(fields: dict, model_type: str) -> None:
+    """HFError where `model_type`'s checkpoint cannot hold a model with `fields`, before any weight
+    is read (a window, experts, a shared expert, biases, norms or Gemma's block it lacks)."""
     if model_type not in ARCHITECTURES:
         raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
-    h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
-    unproj = {"q": h, "k": g, "v": g}
-    tensors = {}
-    scanned = "blocks" in params
     if fields.get("experts") and model_type not in MOE_TYPES:
         raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as {' or '.join(MOE_TYPES)}")
     if bool(fields.get("shared_expert_mlp")) != (model_type == "qwen2_moe") or (
@@ -427,6 +459,21 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
             f"exports as 'gemma2' or 'gemma3_text'"
         )
+    if model_type == "phi3" and (fields["qkv_bias"] or fields["qk_norm"] or fields.get("experts")):
+        raise HFError(
+            f"qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}, experts={fields.get('experts')}: a phi3 "
+            f"checkpoint has no q/k/v biases, query/key norms or experts"
+        )
+    if not fields["qkv_bias"] and model_type == "qwen2":
+        raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
+
+
+def _checkpoint_tensors(params: dict, fields: dict, model_type: str, prefix: str) -> dict[str, np.ndarray]:
+    """Each tensor of `model_type`'s checkpoint by name, from `params` (`_mapping` read backwards)."""
+    h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
+    unproj = {"q": h, "k": g, "v": g}
+    tensors = {}
+    scanned = "blocks" in params
     for flax_path, (name, _) in _mapping(fields, True, prefix, model_type == "mixtral").items():
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
         flax_path = flax_path[:-1] if expert is not None else flax_path
@@ -448,6 +495,12 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
         elif flax_path[-1] == "scale" and model_type in GEMMAS:
             w = w - np.float32(1)  # Gemma's norms scale by 1 + weight
         tensors[name] = np.ascontiguousarray(w)
+    return tensors
+
+
+def _checkpoint_config(fields: dict, model_type: str) -> dict:
+    """`model_type`'s config.json for a model with `fields`."""
+    h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
     config = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -497,38 +550,11 @@ def llm_checkpoint(params: dict, fields: dict, model_type: str = "llama", prefix
             config["rope_parameters"].update({k: scaling[k] for k in keep})
         else:
             config["rope_scaling"] = {k: scaling[k] for k in keep}
-    if model_type in ("qwen3_moe", "qwen2_moe"):
-        config.update(
-            num_experts=fields["experts"],
-            num_experts_per_tok=fields["experts_per_token"],
-            moe_intermediate_size=fields["expert_mlp"],
-            norm_topk_prob=fields.get("moe_renormalize", True),
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
-        )
-    if model_type == "qwen2_moe":
-        config.update(shared_expert_intermediate_size=fields["shared_expert_mlp"], qkv_bias=True)
-    if model_type == "mixtral":
-        config.update(
-            num_local_experts=fields["experts"],
-            num_experts_per_tok=fields["experts_per_token"],
-            intermediate_size=fields["expert_mlp"],
-            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
-            router_jitter_noise=0.0,
-        )
+    config.update(_moe_config(fields, model_type))
     if model_type in ("mistral", "mixtral", "phi3"):
         config["sliding_window"] = fields.get("sliding_window")
     if model_type == "phi3":
-        if fields["qkv_bias"] or fields["qk_norm"] or fields.get("experts"):
-            raise HFError(
-                f"qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}, experts={fields.get('experts')}: a phi3 "
-                f"checkpoint has no q/k/v biases, query/key norms or experts"
-            )
-        _fuse_phi3(tensors, fields, prefix)
         config["pad_token_id"] = None  # Phi3Config's default (32000) is past a smaller vocabulary's embedding
     if model_type == "llama":
         config["attention_bias"] = fields["qkv_bias"]
-    elif not fields["qkv_bias"] and model_type == "qwen2":
-        raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
-    return tensors, config
+    return config
