@@ -113,19 +113,17 @@ def require_tensors(path: str | Path, names) -> None:
 def llm_tensors(path: str | Path, fields: dict) -> list[str]:
     """The tensors a decoder with `fields` reads from the folder (`load_llm` with the output layer,
     what a KD teacher's body and head read too)."""
-    prefix = text_prefix(path)
-    mapping = _mapping(fields, True, prefix, _mixtral_names(path, prefix), _fused(path, prefix))
+    mapping = _folder_mapping(Path(path), _Tensors(Path(path)), fields, with_head=True)
     return list(dict.fromkeys(name for name, _ in mapping.values()))
 
 
-def _fused(path: str | Path, prefix: str) -> bool:
-    """Whether the folder fuses q/k/v and gate/up projections as Phi-3's do (`qkv_proj`, `gate_up_proj`)."""
-    return f"{prefix}layers.0.self_attn.qkv_proj.weight" in _Tensors(Path(path))
-
-
-def _mixtral_names(path: str | Path, prefix: str) -> bool:
-    """Whether the folder names its experts as Mixtral's do (`block_sparse_moe`, `w1`/`w2`/`w3`)."""
-    return f"{prefix}layers.0.block_sparse_moe.gate.weight" in _Tensors(Path(path))
+def _folder_mapping(path: Path, tensors: _Tensors, fields: dict, with_head: bool) -> dict:
+    """`_mapping` as the folder lays its tensors out, read off the headers it already opened
+    (`tensors`): where the language model sits, Mixtral's expert names, Phi-3's fused projections."""
+    prefix = _prefix_in(tensors, path)
+    mixtral = f"{prefix}layers.0.block_sparse_moe.gate.weight" in tensors
+    fused = f"{prefix}layers.0.self_attn.qkv_proj.weight" in tensors
+    return _mapping(fields, with_head, prefix, mixtral, fused)
 
 
 class _Tensors:
@@ -154,7 +152,11 @@ PREFIXES = ("model.", "model.language_model.", "language_model.model.")  # where
 
 def text_prefix(path: str | Path) -> str:
     """The prefix of the folder's language-model tensors (`model.`, or a multimodal folder's)."""
-    tensors = _Tensors(Path(path))
+    return _prefix_in(_Tensors(Path(path)), path)
+
+
+def _prefix_in(tensors: _Tensors, path) -> str:
+    """`text_prefix` of a folder whose headers are open (`tensors`)."""
     for prefix in PREFIXES:
         if f"{prefix}embed_tokens.weight" in tensors:
             return prefix
@@ -293,9 +295,7 @@ def load_llm(path: str | Path, target: dict, fields: dict, with_head: bool = Tru
     scanned = "blocks" in target
     leaves: dict[tuple[str, ...], np.ndarray] = {}  # unrolled paths; experts stacked
     experts: dict[tuple[str, ...], dict[int, np.ndarray]] = {}
-    prefix = text_prefix(path)
-    mapping = _mapping(fields, with_head, prefix, _mixtral_names(path, prefix), _fused(path, prefix))
-    for flax_path, (name, convert) in mapping.items():
+    for flax_path, (name, convert) in _folder_mapping(path, tensors, fields, with_head).items():
         try:
             value = convert(tensors.get(name))
         except HFError as err:
@@ -327,7 +327,8 @@ def _placed(value: np.ndarray, target: dict, where: tuple[str, ...], path: Path)
 
 def output_layer(path: str | Path, fields: dict, like) -> jax.Array:
     """The checkpoint's output layer as a [D, V] matrix (the embedding's transpose when tied)."""
-    tensors, prefix = _Tensors(Path(path)), text_prefix(path)
+    tensors = _Tensors(Path(path))
+    prefix = _prefix_in(tensors, path)
     w = tensors.get(f"{prefix}embed_tokens.weight" if fields["tie_embeddings"] else _head_name(prefix))
     return _put(np.ascontiguousarray(w.T), like)
 

@@ -24,7 +24,7 @@ row's ids (`<family>-tokens`; Qwen3-VL's with a timestamp token and markers befo
 patch), the image and the clip as a sample holds them (`image`, `clip`: normalised pixels, H x W x
 C and T x H x W x C), Qwen2.5-VL's seconds per temporal patch (`seconds`) and the logits
 (`<family>-logits`); the processors' rows are made from them as the Qwen2-VL video processor lays
-them out (`_processor_rows`). It needs no torchvision: `python -c "..._whole(...)"` writes it alone.
+them out (`maestro_jax.tools.check_hf.qwen_video_pixel_values`). It needs no torchvision: `python -c "..._whole(...)"` writes it alone.
 
 torchvision's PyPI wheel is a CUDA build: beside torch's CPU build its C++ operators do not load,
 and its import then fails registering fake kernels for two of them (`nms`, `qnms`), which the
@@ -184,22 +184,13 @@ def _whole_ids(family: str) -> list[int]:
     return [11, 12, 13, *image, 14, 15, *clip, 16, 17, 18]
 
 
-def _processor_rows(frames_TCHW: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
-    """A clip's (or a still image's, its frame repeated) `pixel_values` rows as transformers' Qwen2-VL
-    video processor lays them out (video_processing_qwen2_vl.py, `_preprocess`: the view and
-    permute (0, 1, 4, 7, 5, 8, 3, 2, 6, 9) without the batch axis)."""
-    t, c, h, w = frames_TCHW.shape
-    gh, gw = h // patch, w // patch
-    x = frames_TCHW.reshape(t // temporal, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x.reshape(t // temporal * gh * gw, c * temporal * patch * patch))
-
-
 def _whole(fixtures: Path) -> dict:
     """Each family's whole model (its stored tiny weights in float32) on `_whole_ids`, the image
     and the clip given as the processors' rows of normalised pixels: the logits, with the inputs
     (the image H x W x C, the clip T x H x W x C) as a sample holds them."""
     import transformers
+
+    from maestro_jax.tools.check_hf import qwen_video_pixel_values  # the Qwen2-VL video processor's layout
 
     rng = np.random.default_rng(21)
     image = rng.standard_normal((*WHOLE_IMAGE, 3)).astype(np.float32)
@@ -213,9 +204,9 @@ def _whole(fixtures: Path) -> dict:
         inputs = {
             "input_ids": torch.tensor([ids]),
             "mm_token_type_ids": torch.tensor([kinds]),
-            "pixel_values": torch.from_numpy(_processor_rows(still, 2, 2, 2)),
+            "pixel_values": torch.from_numpy(qwen_video_pixel_values(still, 2, 2, 2)),
             "image_grid_thw": torch.tensor([[1, WHOLE_IMAGE[0] // 2, WHOLE_IMAGE[1] // 2]]),
-            "pixel_values_videos": torch.from_numpy(_processor_rows(clip.transpose(0, 3, 1, 2), 2, 2, 2)),
+            "pixel_values_videos": torch.from_numpy(qwen_video_pixel_values(clip.transpose(0, 3, 1, 2), 2, 2, 2)),
             "video_grid_thw": torch.tensor([[WHOLE_CLIP[0] // 2, WHOLE_CLIP[1] // 2, WHOLE_CLIP[2] // 2]]),
         }
         if family == "qwen2_5_vl":

@@ -924,8 +924,8 @@ def test_a_video_record_is_written_as_its_processor_writes_it(tmp_path, family):
     folder = _video_folder(tmp_path, family, case["settings"])
     _clip_file(tmp_path / "clip.mov", frames, case["fps"])
     tok = C.ChatTokenizer.load(folder)
-    target = target_of = globals()["target"]("vlm_tiny.yaml", VIDEO_VLM)
-    converter = C.Converter(tok, target_of, tmp_path)
+    video_target = target("vlm_tiny.yaml", VIDEO_VLM)
+    converter = C.Converter(tok, video_target, tmp_path)
     llava = {
         "video": "clip.mov",
         "conversations": [{"from": "human", "value": "<video>\nwhat moves?"}, {"from": "gpt", "value": "a ball"}],
@@ -965,7 +965,7 @@ def test_a_video_record_is_written_as_its_processor_writes_it(tmp_path, family):
             video_tokens_per_second=2.0,
             video_timestamps=family == "qwen3_vl",
         )
-        positions = sample_positions(llm, {EDGE: target.modalities})(s)
+        positions = sample_positions(llm, {EDGE: video_target.modalities})(s)
         grids = sampling.position_grids(clip, tokens_per_second=2.0)
         np.testing.assert_array_equal(positions, mrope_positions(s.tokens[:-1], 5, [], 6, grids))
 
