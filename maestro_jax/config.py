@@ -16,7 +16,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
-from maestro_jax import hf_config
+from maestro_jax import fast_paths, hf_config
 from maestro_jax.core.buckets import PER_OCTAVE
 from maestro_jax.core.buckets import VALID as BUCKET_GRANULARITIES
 from maestro_jax.core.plan import Plan, SectionPlan
@@ -689,12 +689,13 @@ class CompileConfig(_Frozen):
     gpu_flags: bool = True
     # on NVIDIA GPUs, a program of at least this many thunks runs as one CUDA graph
     # (`xla_gpu_graph_min_graph_size`; 1: every program, for launch-bound small ones); null:
-    # XLA's default (5). runtime/xla_flags.py graph_flags
-    cuda_graph_min_thunks: PositiveInt | None = None
+    # XLA's default (5). runtime/xla_flags.py graph_flags; its default: maestro_jax/fast_paths.py
+    cuda_graph_min_thunks: PositiveInt | None = fast_paths.default("compile.cuda_graph_min_thunks")
     # the most consecutive micro-steps of one shape a frozen producer's forward or the sink's
     # loss-and-grad runs as one program (a scan: one launch instead of k, for launch-bound small
-    # micro-steps); a consumer of the first waits for the whole run. 1: one program each
-    scan_micro_steps: PositiveInt = 1
+    # micro-steps); a consumer of the first waits for the whole run. 1: one program each;
+    # its default: maestro_jax/fast_paths.py
+    scan_micro_steps: PositiveInt = fast_paths.default("compile.scan_micro_steps")
     # the update program reuses the params' and optimizer state's buffers for its outputs (and
     # backward the grad accumulator's); null: on accelerators only (on CPU a state stays readable)
     donate: bool | None = None

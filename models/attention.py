@@ -27,7 +27,11 @@ runs, the dense mask is not computed: XLA removes what nothing reads.
 Rows past a sample's end (padding) get other values from a fast form than from the mask (their
 keys differ), but no row the loss reads attends to them, so loss and gradients are the mask's up to
 float rounding; each form keeps every query row at least one key, so no kernel returns NaN there
-(cuDNN does for a row without keys, seen on an H200)."""
+(cuDNN does for a row without keys, seen on an H200). That is why the causal and padded forms
+pass `key_value_seq_lengths` and never `query_seq_lengths`: query lengths would leave the padding
+queries with no key (NaN under cuDNN) and change no row the loss reads. Rows padded on the left
+(valid positions at the end) are not laid from position 0: they offer no fast form and keep the
+dense mask (`tests/test_attention_forms.py`)."""
 
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from maestro_jax import fast_paths
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +240,9 @@ def choose_kernel(
     """The implementation (`cudnn_takes`, else XLA's) and the form: the offered fast form where
     the implementation takes it, else the mask. XLA builds the same mask from any form, so it
     keeps the mask unless `forced`; a sequence split over `context` keeps it too (a kernel's
-    causal and length forms would count from each device's first query); the packed form needs
-    jax >= 0.11.2 and compute capability >= 9.0."""
+    causal and length forms would count from each device's first query); a form the fast-path
+    table (`maestro_jax.fast_paths`, decided by GPU measurement) keeps off takes the mask unless
+    `forced`; the packed form needs jax >= 0.11.2 and compute capability >= 9.0."""
     impl = "cudnn" if cudnn_takes(platform, dtype, head_dim, q_len, kv_len, compute_capability) else "xla"
     if offered == "mask":
         return Kernel(impl, "mask", "the rows offer no fast form")
@@ -243,6 +250,10 @@ def choose_kernel(
         return Kernel(impl, "mask", f"the sequence is split over {context_split} context devices")
     if impl == "xla" and not forced:
         return Kernel(impl, "mask", "XLA builds the same mask from any form")
+    if not forced and fast_paths.default(f"attention.{offered}") != offered:
+        return Kernel(
+            impl, "mask", f"the fast-path table keeps the mask for the {offered} form (maestro_jax.fast_paths)"
+        )
     if offered != "packed":
         return Kernel(impl, offered, f"{impl} takes the {offered} form")
     if impl != "cudnn":

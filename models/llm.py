@@ -29,6 +29,8 @@ from maestro_jax.models.layers import (
     shard_sequence,
 )
 
+from maestro_jax import fast_paths
+
 log = logging.getLogger(__name__)
 
 _init = nn.initializers.normal(0.02)
@@ -257,13 +259,12 @@ def grouped_gemm_missing(platform: str, compute_capability: float, jax_version: 
     return None
 
 
-# What `moe_dispatch: auto` runs on each backend: the fastest dispatch measured there. An NVIDIA GPU
-# (an H200, 128 experts, top 8, width 2048: the `sparse` MoE layer at 12-15% of the bfloat16 peak,
-# benchmarks/log/gpu.md "Running on a GPU"; `ragged` is XLA:GPU's dense expansion of ragged_dot,
-# 128x the FLOPs there, xla ragged_dot_rewriter.cc; `dense` computes every expert): `sparse`, until
-# a GPU check has timed `grouped` beside it (scripts/gpu_check.py's moe rows). Elsewhere `dense`:
-# exact, and on the CPU's small test models the simplest program.
-AUTO_DISPATCH = {"gpu": "sparse", "cuda": "sparse"}
+# What `moe_dispatch: auto` runs on each backend. On an NVIDIA GPU the fast-path table's choice
+# (`maestro_jax.fast_paths`, "moe_dispatch auto (NVIDIA)": `sparse` until a GPU check times `grouped` at
+# 1.1x it; `ragged` is XLA:GPU's dense expansion of ragged_dot, 128x the FLOPs there, xla
+# ragged_dot_rewriter.cc; `dense` computes every expert). Elsewhere `dense`: exact, and on the
+# CPU's small test models the simplest program.
+AUTO_DISPATCH = dict.fromkeys(("gpu", "cuda"), fast_paths.default("moe_dispatch auto (NVIDIA)"))
 
 
 def moe_dispatch_for(requested: str, platform: str) -> str:

@@ -12,6 +12,8 @@ import sysconfig
 import pytest
 from conftest import ROOT
 
+from maestro_jax import fast_paths
+
 
 def _check(tmp_path, *args, timeout=1200):
     env = {**os.environ, "PYTHON": sys.executable}
@@ -68,6 +70,10 @@ def test_dry_run_writes_every_section(tmp_path):
     scan = {r["issue"]: r for r in levers["scanned_micro_steps"]}  # the same layer, k launches or one scan
     assert set(scan) == {"launches", "scanned"} and scan["scanned"]["max_abs_diff"] < 1e-5
     assert any("one scanned program" in line for line in levers["summary"])
+    made = {d["lever"]: d for d in levers["decisions"]}  # the fast-path table: a CPU figure decides nothing
+    assert set(made) == set(fast_paths.BY_NAME) and not any(d["applies"] or d["changes"] for d in made.values())
+    assert made["compile.scan_micro_steps"]["speedup"] > 0 and made["attention.causal"]["speedup"] is None
+    assert sum(line.startswith("default ") for line in levers["summary"]) == len(fast_paths.LEVERS)
     assert report["summary"][-1] == "gpu check: ok"
     assert proc.stdout.rstrip().endswith("gpu check: ok")  # the summary is printed last
 

@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("schedule", ("maestro_jax.schedule",)),
     ("planning", ("maestro_jax.planning",)),
     # the typed config, and a Hugging Face folder's config.json read as its fields (JAX-free)
-    ("config", ("maestro_jax.config", "maestro_jax.hf_config")),
+    # and the fast paths' defaults as a table decided by GPU measurement (plain values)
+    ("config", ("maestro_jax.config", "maestro_jax.hf_config", "maestro_jax.fast_paths")),
     ("data", ("maestro_jax.data",)),
     ("models", ("maestro_jax.models",)),  # Flax: above the JAX-free half, below everything that runs them
     ("workloads", ("maestro_jax.workloads",)),
@@ -229,10 +230,12 @@ def test_planning_half_imports_no_jax():
 
 
 def test_models_and_meshes_import_nothing_from_maestro_jax():
-    """...but `hf_config`, for models: a Hugging Face folder's config.json read as fields (JSON
-    only), which the config reads too (`models.<s>: {hf: DIR}`), so it cannot sit in models/."""
+    """...but two plain-value modules the config reads too, so they cannot sit in models/:
+    `hf_config`, a Hugging Face folder's config.json read as fields (JSON only; `models.<s>: {hf:
+    DIR}`), and `fast_paths`, the fast paths' defaults (the attention chooser's and the MoE's, and
+    `compile.*` defaults)."""
     may_import = {"meshes": {"meshes"}, "models": {"meshes", "models"}}
-    modules = {"models": {"maestro_jax.hf_config"}}
+    modules = {"models": {"maestro_jax.hf_config", "maestro_jax.fast_paths"}}
     bad = [
         f"{where(m, line)}: {m} imports {t}"
         for m, imports in GRAPH.items()

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maestro_jax.fast_paths import LEVERS
 from maestro_jax.models import LLMConfig
 from maestro_jax.models.attention import Kernel, Mask, compute_capability, fast_attention, segment_lengths
 from maestro_jax.models.layers import item_mask, rows_with_keys
@@ -323,8 +324,79 @@ def summary(attention: list[dict], moe: list[dict], graphs: list[dict], scan: li
     return lines
 
 
+def _slowest_ratio(times: dict[tuple, float], baseline: str, candidate: str) -> float | None:
+    """baseline time / candidate time at the shape where the candidate gains least, over the
+    shapes (the keys' first fields) where both ran; None where none did."""
+    ratios = [
+        t / times[(*key, candidate)] for (*key, v), t in times.items() if v == baseline and (*key, candidate) in times
+    ]
+    return min(ratios) if ratios else None
+
+
+def measured_speedups(attention: list[dict], moe: list[dict], graphs: list[dict], scan: list[dict]) -> dict:
+    """Each fast-path lever's (`maestro_jax.fast_paths`) candidate against its baseline in these rows,
+    forward+backward where the rows hold it: `Lever.name` -> speedup, or None where the rows do
+    not hold both sides (cuDNN, tokamax or CUDA graphs absent)."""
+    cudnn = {
+        (r["shape"], r["form"]): r["measured_s"]
+        for r in attention
+        if r.get("available") and r["implementation"] == "cudnn" and r["pass"] == "forward_backward"
+    }
+    out = {}
+    for form in ("causal", "padded", "packed"):
+        pairs = {(shape, v): t for (shape, v), t in cudnn.items() if v in ("mask", form)}
+        pairs = {k: t for k, t in pairs.items() if (k[0], form) in cudnn}  # only shapes that offer the form
+        out[f"attention.{form}"] = _slowest_ratio(pairs, "mask", form)
+    moe_t = {(r["pass"], r["dispatch"]): r["measured_s"] for r in moe if r.get("available") and r["pass"] != "forward"}
+    out["moe_dispatch auto (NVIDIA)"] = _slowest_ratio(moe_t, "sparse", "grouped")
+    out["compile.cuda_graph_min_thunks"] = _slowest_ratio(
+        _times(graphs, "tokens", "graphs"), "default", "min_graph_size_1"
+    )
+    out["compile.scan_micro_steps"] = _slowest_ratio(_times(scan, "tokens", "issue"), "launches", "scanned")
+    return out
+
+
+def decisions(speedups: dict, backend: str) -> list[dict]:
+    """For each lever of the fast-path table: the speedup measured here, the rule, the default the
+    code runs now and the one this measurement implies (`changes`: the table's entry would change,
+    so `maestro_jax/fast_paths.py` wants this run's `Measured`). A measurement off a GPU decides nothing
+    (`applies` false): the table holds GPU figures only."""
+    gpu = backend in ("gpu", "cuda")
+    out = []
+    for lever in LEVERS:
+        speedup = speedups.get(lever.name)
+        implied = lever.decide(speedup) if gpu and speedup is not None else lever.default
+        out.append(
+            {
+                "lever": lever.name,
+                "speedup": speedup,
+                "applies": gpu and speedup is not None,
+                "rule": lever.rule,
+                "default": lever.default,
+                "implied": implied,
+                "changes": implied != lever.default,
+                "now": lever.why(),
+            }
+        )
+    return out
+
+
+def decision_lines(rows: list[dict]) -> list[str]:
+    """One summary line a lever: the default, and what this run's measurement says of it."""
+    lines = []
+    for r in rows:
+        if r["speedup"] is None:
+            seen = "not timed here"
+        else:
+            seen = f"{r['speedup']:.2f}x here" + ("" if r["applies"] else " (not a GPU: decides nothing)")
+        verdict = f"-> {r['implied']!r}: update maestro_jax/fast_paths.py" if r["changes"] else "(unchanged)"
+        lines.append(f"default {r['lever']} = {r['default']!r}; {seen} {verdict}")
+    return lines
+
+
 def lever_report(dry_run: bool, peak_flops: float | None = None) -> dict:
-    """Every row and the summary, with each part's wall time."""
+    """Every row, the summary, the fast-path table's decisions (`decisions`) and each part's wall
+    time."""
     wall, parts = {}, {}
     for name, run in (
         ("attention_forms", lambda: attention_forms(dry_run)),
@@ -335,4 +407,6 @@ def lever_report(dry_run: bool, peak_flops: float | None = None) -> dict:
         t0 = time.perf_counter()
         parts[name] = run()
         wall[name] = time.perf_counter() - t0
-    return parts | {"summary": summary(*parts.values()), "wall_s": wall}
+    made = decisions(measured_speedups(*parts.values()), jax.default_backend())
+    lines = summary(*parts.values()) + decision_lines(made)
+    return parts | {"summary": lines, "decisions": made, "wall_s": wall}
