@@ -328,9 +328,9 @@ def _plan(cfg, args) -> int:
         return 2
     if args.measure:
         _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
-    from maestro_jax.planning.planner import STAGE_COUNTS, InfeasibleError, format_table, layer_remat_text
+    from maestro_jax.planning.baselines import baseline_lines, baselines_json
+    from maestro_jax.planning.planner import STAGE_COUNTS, InfeasibleError, format_table
     from maestro_jax.tools.plan import PLANNING_BATCHES, planner_for, write_plan
-    from maestro_jax.tools.simulate import mesh_text
 
     def say(msg: str) -> None:  # on stdout: stderr holds nothing but a failure's `error:` line
         print(f"plan: {msg}", flush=True)
@@ -355,20 +355,11 @@ def _plan(cfg, args) -> int:
         f"lower bound); cost model: {cfg.simulate.device}"
     )
     print(format_table(report))
-    mono, best = report.monolithic, report.best
-    if mono:
-        print(
-            f"monolithic best layout: mesh {mesh_text(mono['mesh'])}, micro_batch {mono['micro_batch']}, "
-            f"layer_remat {layer_remat_text(mono['layer_remat'])}: predicted {mono['step_time_s']:.4g} s/step; planned maestro: "
-            f"{best.step_time_s:.4g} s/step ({mono['step_time_s'] / best.step_time_s:.3f}x)"
-        )
-    else:
-        print("monolithic: no layout fits in memory on these devices")
-    print(pipelined_line(report.pipelined, best.step_time_s))
-    from maestro_jax.tools.simulate import device_time_line, empty_rows_note, user_baseline_lines
-
-    for line in user_baseline_lines(report.user_baselines, best.step_time_s):
+    best = report.best
+    for line in baseline_lines(report.baselines, best.step_time_s):
         print(line)
+    from maestro_jax.tools.simulate import device_time_line, empty_rows_note
+
     if line := device_time_line(report.device_time):
         print(line)
     if line := empty_rows_note(report.section_time, best.plan, planner.spec.sink, cfg.global_batch):
@@ -387,9 +378,7 @@ def _plan(cfg, args) -> int:
             "step_time_s": best.step_time_s,
             "samples_per_s_per_device": best.samples_per_s_per_device,
             "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb} for c in report.top],
-            "monolithic": mono,
-            "pipelined": report.pipelined,
-            "user_baselines": report.user_baselines,
+            **baselines_json(report.baselines),
             "device_time": report.device_time,
             "device_time_by_section": report.section_time,
             "considered": report.considered,
@@ -397,18 +386,6 @@ def _plan(cfg, args) -> int:
         },
     )
     return 0
-
-
-def pipelined_line(pipe: dict | None, maestro_s: float) -> str:
-    """The 1F1B pipeline-parallel baseline (Megatron-LM's layout, `planning.pipeline`) in one line."""
-    if not pipe:
-        return "pipelined (1F1B): no layout fits in memory on these devices (or the sink has too few layers)"
-    from maestro_jax.tools.simulate import pipelined_layout
-
-    return (
-        f"pipelined (1F1B) best layout: {pipelined_layout(pipe)}: predicted {pipe['step_time_s']:.4g} s/step; "
-        f"planned maestro: {maestro_s:.4g} s/step ({pipe['step_time_s'] / maestro_s:.3f}x)"
-    )
 
 
 def best_sections(report) -> list[str]:

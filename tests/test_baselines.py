@@ -10,7 +10,19 @@ from conftest import ROOT
 from maestro_jax import cli
 from maestro_jax.config import load_config
 from maestro_jax.core.plan import SectionPlan, mesh_shape
-from maestro_jax.planning.baselines import ceiling_time, round_robin_time, static_padding_time, user_baselines
+from maestro_jax.planning import baselines
+from maestro_jax.planning.baselines import (
+    BASELINES,
+    USERS,
+    BaselineResult,
+    baseline_lines,
+    baselines_json,
+    ceiling_time,
+    price_baselines,
+    round_robin_time,
+    static_padding_time,
+    user_baselines,
+)
 from maestro_jax.planning.cluster import cost_model, monolithic_time
 from maestro_jax.planning.planner import Planner
 from maestro_jax.planning.simulator import DEVICE_TIME
@@ -167,3 +179,61 @@ def test_simulate_prices_the_users_baselines_beside_the_configs_plan(tmp_path, c
     # idle is the bubble ratio, counted apart
     assert spent["idle"] == pytest.approx(report["bubble_ratio"], abs=1e-9)
     assert "maestro's device time (wavefront): " in said
+
+
+def test_every_baseline_is_one_plug_in_priced_into_a_typed_result():
+    """`BASELINES` lists each baseline once, the fair monolithic first (the users' baselines run
+    on its layout); the search's typed results are what `plan --json` writes, and one baseline
+    priced alone (as `simulate` prices it, no search) is the same figure."""
+    names = [b.name for b in BASELINES]
+    assert names[0] == "monolithic" and len(set(names)) == len(names)
+    assert set(names) >= {"monolithic", "pipelined", "round_robin", "static_padding", "shared_recipe", "ceiling"}
+    planner = planner_for(load_config(KD, H100), 8, 1.0)
+    report = planner.search(top=1)
+    results = report.baselines
+    assert list(results) == names and all(isinstance(r, BaselineResult) for r in results.values())
+    mono = results["monolithic"]
+    assert mono.step_time_s == report.monolithic["step_time_s"] and mono.mesh == report.monolithic["mesh"]
+    assert {k: r.step_time_s for k, r in results.items() if k in USERS} == {
+        k: v["step_time_s"] for k, v in report.user_baselines.items()
+    }
+    alone = price_baselines(planner, ["round_robin"])
+    assert list(alone) == ["monolithic", "round_robin"]  # what it is priced on, then itself
+    assert alone["round_robin"] == results["round_robin"]
+    written = baselines_json(results)
+    assert set(written) == {"monolithic", "pipelined", "user_baselines"} and written["monolithic"] == mono.to_json()
+    lines = baseline_lines(results, report.best.step_time_s)
+    assert (
+        lines[0].startswith("monolithic best layout: mesh ")
+        and f"({mono.ratio(report.best.step_time_s):.3f}x)" in lines[0]
+    )
+    assert lines[-1].startswith("ceiling of the monolithic layout")
+
+
+def test_a_new_baseline_is_one_class_and_one_registry_line(monkeypatch):
+    """A baseline a user adds (here: the fair monolithic's layout with every sample's work doubled)
+    is priced after what it reads and printed in its place, nothing else changed."""
+
+    class Doubled:
+        name = "doubled"
+
+        def price(self, planner, priced):
+            mono = priced["monolithic"]
+            return BaselineResult(self.name, 2 * mono.step_time_s, mono.samples_per_s_per_device / 2)
+
+        def lines(self, result, maestro_s):
+            return [f"doubled: {result.ratio(maestro_s):.3f}x"]
+
+    monkeypatch.setattr(baselines, "BASELINES", (*baselines.BASELINES, Doubled()))
+    planner = planner_for(load_config(KD, H100), 8, 1.0)
+    priced = baselines.price_baselines(planner)
+    assert priced["doubled"].step_time_s == 2 * priced["monolithic"].step_time_s
+    assert baselines.baseline_lines(priced, priced["monolithic"].step_time_s)[-1] == "doubled: 2.000x"
+
+
+def test_without_a_monolithic_layout_the_users_baselines_are_not_priced():
+    planner = planner_for(load_config(KD, H100), 8, 1e-6)  # nothing fits a micro-gigabyte
+    priced = price_baselines(planner, ["ceiling"])
+    assert priced == {"monolithic": None, "ceiling": None}
+    assert baseline_lines(priced, 1.0) == ["monolithic: no layout fits in memory on these devices"]
+    assert baselines_json(priced) == {"monolithic": None, "pipelined": None, "user_baselines": None}

@@ -24,7 +24,15 @@ cost model, so that only the named difference changes:
   No schedule beats it on this cost model; `share` = ceiling time / a plan's time.
 
 Each entry has `step_time_s` and `samples_per_s_per_device`, averaged over the planner's batches
-as every other price is. Plain Python, no JAX.
+as every other price is.
+
+Every baseline, these and the two layouts searched on their own (the fair monolithic,
+`Planner.monolithic_best`, and Megatron-LM's 1F1B pipeline, `pipeline.pipelined_best`), is a
+plug-in behind one protocol (`Baseline`: `price` and `lines`), listed once in `BASELINES` in the
+order they are priced (the users' baselines run on the fair monolithic one's layout, so after
+it), and priced into a typed `BaselineResult`. A new baseline is one class and one entry there;
+`plan` and `simulate` print `baseline_lines` and write `baselines_json`, reading no result by key.
+Plain Python, no JAX.
 """
 
 from __future__ import annotations
@@ -32,11 +40,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.planning.cluster import cost_model, monolithic_time, packed_time
 from maestro_jax.planning.cost import CostModel
+from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.spec import WorkloadSpec
+from maestro_jax.planning.text import digits, layer_remat_text, mesh_text, seconds
 from maestro_jax.schedule.ops import SampleMeta
 
 
@@ -89,24 +100,298 @@ def user_baselines(
 ) -> dict[str, dict[str, float]]:
     """`round_robin`, `static_padding`, `shared_recipe` (with a frozen section) and `ceiling` on
     the fair monolithic baseline's `layout` (`Planner.monolithic_best`: mesh, micro-batch,
-    checkpointing by section) over all `devices`, each as {step_time_s, samples_per_s_per_device}."""
-    sp = SectionPlan(tuple(range(devices)), mesh_shape(**layout["mesh"]), layout["micro_batch"])
-    plans = {
-        s: dataclasses.replace(sp, precision=sec.precision, layer_remat=layout["layer_remat"][s])
-        for s, sec in spec.sections.items()
-    }
-    cost = cost_model(spec, plans, metas_all, device, link_gbps, typical, packed=False)
-    mb, dp = sp.micro_batch, sp.dp
-    most = {s: max(m.work.get(s, 0) for metas in metas_all for m in metas) for s in spec.sections}
-    times = {
-        "round_robin": statistics.mean(round_robin_time(spec, m, cost, mb, dp) for m in metas_all),
-        "static_padding": statistics.mean(static_padding_time(spec, m, most, cost, mb, dp) for m in metas_all),
-    }
-    frozen = [s for s in spec.order if not spec.sections[s].trained]
-    if frozen:
-        precision = spec.sections[spec.sink].precision
-        shared = {s: dataclasses.replace(p, precision=precision) if s in frozen else p for s, p in plans.items()}
-        shared_cost = cost_model(spec, shared, metas_all, device, link_gbps, typical, packed=False)
-        times["shared_recipe"] = statistics.mean(monolithic_time(spec, m, shared_cost, mb, sp.rows) for m in metas_all)
-    times["ceiling"] = statistics.mean(ceiling_time(spec, m, cost, dp) for m in metas_all)
-    return {k: {"step_time_s": t, "samples_per_s_per_device": global_batch / t / devices} for k, t in times.items()}
+    checkpointing by section) over all `devices`, each as {step_time_s, samples_per_s_per_device}
+    (the plug-ins' records; `BASELINES` prices them typed)."""
+    on = OnLayout(spec, metas_all, layout, devices, global_batch, device, link_gbps, typical)
+    priced = {b.name: b.price_on(on) for b in BASELINES if isinstance(b, UsersBaseline)}
+    return {k: r.to_json() for k, r in priced.items() if r is not None}
+
+
+# ---- typed results and the registry ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineResult:
+    """One baseline priced on the planner's devices: its step time and per-device rate (averaged
+    over the planning batches), the layout it runs where it has one of its own (mesh,
+    micro-batch, checkpointing: one policy, or a policy a section), its peak memory where priced,
+    the layout in words (`layout`), and `record`: the JSON object `plan --json` and `simulate`
+    write for it (keys unchanged since 0.3.0)."""
+
+    name: str
+    step_time_s: float
+    samples_per_s_per_device: float
+    mesh: Mapping[str, int] | None = None
+    micro_batch: int | None = None
+    layer_remat: str | Mapping[str, str] | None = None
+    peak_gb: float | None = None
+    layout: str = ""
+    record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def ratio(self, maestro_s: float) -> float:
+        """This baseline's step time over maestro's `maestro_s` (above 1: maestro is faster)."""
+        return self.step_time_s / maestro_s
+
+    def to_json(self) -> dict:
+        return dict(self.record)
+
+    @classmethod
+    def of_record(cls, name: str, record: Mapping[str, Any]) -> BaselineResult:
+        """A users' baseline (or the ceiling) back from the record `to_json` wrote (a `simulate`
+        report's `user_baselines`)."""
+        return cls(name, record["step_time_s"], record["samples_per_s_per_device"], record=record)
+
+
+class Baseline(Protocol):
+    """A way users train the workload today, priced on the planner's devices and cost model."""
+
+    name: str
+
+    def price(self, planner, priced: Mapping[str, BaselineResult | None]) -> BaselineResult | None:
+        """The result on `planner`'s devices, memory budget and batches (None: no layout fits),
+        given the baselines priced before it (`priced`, by name)."""
+
+    def lines(self, result: BaselineResult | None, maestro_s: float) -> list[str]:
+        """What `plan` and `simulate` print of `result` beside maestro's step time `maestro_s`."""
+
+
+def _rate(planner, t: float) -> float:
+    return planner.global_batch / t / planner.devices
+
+
+class FairMonolithic:
+    """Every section on every device with one layout: the best mesh, micro-batch and per-section
+    checkpointing that fit (`Planner.monolithic_best`)."""
+
+    name = "monolithic"
+
+    def price(self, planner, priced) -> BaselineResult | None:
+        best = planner.monolithic_best()
+        if best is None:
+            return None
+        mesh, mb, remat = best["mesh"], best["micro_batch"], best["layer_remat"]
+        words = f"mesh {mesh_text(mesh)}, micro_batch {mb}, layer_remat {layer_remat_text(remat)}"
+        t = best["step_time_s"]
+        return BaselineResult(self.name, t, best["samples_per_s_per_device"], mesh, mb, remat, None, words, best)
+
+    def lines(self, result, maestro_s) -> list[str]:
+        if result is None:
+            return ["monolithic: no layout fits in memory on these devices"]
+        return [
+            f"monolithic best layout: {result.layout}: predicted {result.step_time_s:.4g} s/step; planned maestro: "
+            f"{maestro_s:.4g} s/step ({result.ratio(maestro_s):.3f}x)"
+        ]
+
+
+def pipelined_words(pipe: Mapping) -> str:
+    """A 1F1B pipeline-parallel layout (`pipeline.pipelined_best`'s record) in words: stages,
+    mesh, micro-batches and where each section's layers sit."""
+    where = "; ".join(
+        [f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
+        + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]]
+    )
+    return (
+        f"{pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh {mesh_text(pipe['mesh'])}, "
+        f"micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step), layer_remat "
+        f"{pipe['layer_remat']}; {where}"
+    )
+
+
+class Pipelined1F1B:
+    """Megatron-LM's layout: the sink (and a teacher reading its tokens) cut into pipeline stages
+    under the 1F1B schedule, encoders whole in the first stage (`planning.pipeline`)."""
+
+    name = "pipelined"
+
+    def price(self, planner, priced) -> BaselineResult | None:
+        best = pipelined_best(planner)
+        if best is None:
+            return None
+        return BaselineResult(
+            self.name,
+            best["step_time_s"],
+            best["samples_per_s_per_device"],
+            best["mesh"],
+            best["micro_batch"],
+            best["layer_remat"],
+            best["peak_gb"],
+            pipelined_words(best),
+            best,
+        )
+
+    def lines(self, result, maestro_s) -> list[str]:
+        if result is None:
+            return ["pipelined (1F1B): no layout fits in memory on these devices (or the sink has too few layers)"]
+        return [
+            f"pipelined (1F1B) best layout: {result.layout}: predicted {result.step_time_s:.4g} s/step; "
+            f"planned maestro: {maestro_s:.4g} s/step ({result.ratio(maestro_s):.3f}x)"
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnLayout:
+    """What the users' baselines are priced on: the fair monolithic layout (`layout`: mesh,
+    micro-batch, checkpointing by section) over all `devices`, and its cost model."""
+
+    spec: WorkloadSpec
+    metas_all: Sequence[Sequence]
+    layout: Mapping
+    devices: int
+    global_batch: int
+    device: str
+    link_gbps: float
+    typical: Mapping[str, float] | None = None
+
+    @property
+    def plan(self) -> SectionPlan:
+        return SectionPlan(tuple(range(self.devices)), mesh_shape(**self.layout["mesh"]), self.layout["micro_batch"])
+
+    def plans(self, precision: str | None = None, only: Sequence[str] = ()) -> dict[str, SectionPlan]:
+        """Each section on the layout in its own precision (or `precision`, for the sections in
+        `only`)."""
+        sp = self.plan
+        return {
+            s: dataclasses.replace(
+                sp,
+                precision=precision if s in only else sec.precision,
+                layer_remat=self.layout["layer_remat"][s],
+            )
+            for s, sec in self.spec.sections.items()
+        }
+
+    def cost(self, plans: Mapping[str, SectionPlan] | None = None) -> CostModel:
+        plans = self.plans() if plans is None else plans
+        return cost_model(self.spec, plans, self.metas_all, self.device, self.link_gbps, self.typical, packed=False)
+
+    def result(self, name: str, times: Sequence[float]) -> BaselineResult:
+        t = statistics.mean(times)
+        rate = self.global_batch / t / self.devices
+        return BaselineResult(name, t, rate, record={"step_time_s": t, "samples_per_s_per_device": rate})
+
+
+class UsersBaseline:
+    """A baseline priced on the fair monolithic baseline's layout (module docstring): `price_on`
+    one `OnLayout`; none where the fair monolithic baseline found no layout."""
+
+    name = ""
+    text = ""  # how `lines` names it
+
+    def price(self, planner, priced) -> BaselineResult | None:
+        mono = priced.get("monolithic")
+        if mono is None:
+            return None
+        layout = {"mesh": mono.mesh, "micro_batch": mono.micro_batch, "layer_remat": mono.layer_remat}
+        return self.price_on(
+            OnLayout(
+                planner.spec,
+                planner.metas,
+                layout,
+                planner.devices,
+                planner.global_batch,
+                planner.device,
+                planner.link_gbps,
+                planner.typical_units,
+            )
+        )
+
+    def price_on(self, on: OnLayout) -> BaselineResult | None:
+        raise NotImplementedError
+
+    def lines(self, result, maestro_s) -> list[str]:
+        if result is None:
+            return []
+        return [
+            f"users' baseline, {self.text}: predicted {seconds(result.step_time_s)}/step "
+            f"({result.ratio(maestro_s):.3f}x maestro's step time)"
+        ]
+
+
+class RoundRobin(UsersBaseline):
+    name, text = "round_robin", "Megatron-style data order (round robin to ranks, no length sort)"
+
+    def price_on(self, on: OnLayout) -> BaselineResult:
+        cost, sp = on.cost(), on.plan
+        return on.result(self.name, [round_robin_time(on.spec, m, cost, sp.micro_batch, sp.dp) for m in on.metas_all])
+
+
+class StaticPadding(UsersBaseline):
+    name, text = "static_padding", "static image slots (every sample padded to the most items)"
+
+    def price_on(self, on: OnLayout) -> BaselineResult:
+        cost, sp, spec = on.cost(), on.plan, on.spec
+        most = {s: max(m.work.get(s, 0) for metas in on.metas_all for m in metas) for s in spec.sections}
+        times = [static_padding_time(spec, m, most, cost, sp.micro_batch, sp.dp) for m in on.metas_all]
+        return on.result(self.name, times)
+
+
+class SharedRecipe(UsersBaseline):
+    name, text = "shared_recipe", "shared-recipe KD (the frozen sections in the trained ones' precision)"
+
+    def price_on(self, on: OnLayout) -> BaselineResult | None:
+        spec = on.spec
+        frozen = [s for s in spec.order if not spec.sections[s].trained]
+        if not frozen:
+            return None
+        shared = on.cost(on.plans(spec.sections[spec.sink].precision, frozen))
+        sp = on.plan
+        return on.result(self.name, [monolithic_time(spec, m, shared, sp.micro_batch, sp.rows) for m in on.metas_all])
+
+
+class Ceiling(UsersBaseline):
+    name = "ceiling"
+
+    def price_on(self, on: OnLayout) -> BaselineResult:
+        cost, sp = on.cost(), on.plan
+        return on.result(self.name, [ceiling_time(on.spec, m, cost, sp.dp) for m in on.metas_all])
+
+    def lines(self, result, maestro_s) -> list[str]:
+        if result is None:
+            return []
+        ceiling = result.step_time_s
+        beyond = " (its own layouts do better than the monolithic one's)" if maestro_s < ceiling else ""
+        return [
+            f"ceiling of the monolithic layout (perfect balance, no padding, every device busy): {seconds(ceiling)}/step; "
+            f"maestro reaches {digits(100 * ceiling / maestro_s)}% of it{beyond}"
+        ]
+
+
+# in pricing order: the users' baselines and the ceiling run on the fair monolithic one's layout
+BASELINES: tuple[Baseline, ...] = (
+    FairMonolithic(),
+    Pipelined1F1B(),
+    RoundRobin(),
+    StaticPadding(),
+    SharedRecipe(),
+    Ceiling(),
+)
+USERS = tuple(b.name for b in BASELINES if isinstance(b, UsersBaseline))
+
+
+def price_baselines(planner, names: Sequence[str] | None = None) -> dict[str, BaselineResult | None]:
+    """Every baseline of `BASELINES` (or those `names`, with what they are priced on) on
+    `planner`, in order: name -> result (None: no layout)."""
+    wanted = None if names is None else set(names) | _needs(names)
+    priced: dict[str, BaselineResult | None] = {}
+    for b in BASELINES:
+        if wanted is None or b.name in wanted:
+            priced[b.name] = b.price(planner, priced)
+    return priced
+
+
+def _needs(names: Sequence[str]) -> set[str]:
+    """The baselines those `names` are priced on: the users' baselines need the fair monolithic one."""
+    return {"monolithic"} if set(names) & set(USERS) else set()
+
+
+def baseline_lines(priced: Mapping[str, BaselineResult | None], maestro_s: float) -> list[str]:
+    """What `plan` prints of the baselines: each one's lines in `BASELINES` order."""
+    return [line for b in BASELINES if b.name in priced for line in b.lines(priced[b.name], maestro_s)]
+
+
+def baselines_json(priced: Mapping[str, BaselineResult | None]) -> dict:
+    """The baselines as `plan --json` writes them: `monolithic` and `pipelined` (null where none
+    fits), the users' baselines and the ceiling under `user_baselines` (null without a monolithic
+    layout)."""
+    users = {k: r.to_json() for k, r in priced.items() if k in USERS and r is not None}
+    out = {k: None if priced.get(k) is None else priced[k].to_json() for k in ("monolithic", "pipelined")}
+    return out | {"user_baselines": users or None}

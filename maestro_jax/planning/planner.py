@@ -41,7 +41,7 @@ from maestro_jax.core.plan import (
     mesh_shape,
 )
 from maestro_jax.core.stages import even_layers, stage_name
-from maestro_jax.planning.baselines import user_baselines
+from maestro_jax.planning.baselines import BaselineResult, baselines_json, price_baselines
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
     cost_model,
@@ -61,9 +61,9 @@ from maestro_jax.planning.layout import (
     peak_memory,
     section_memory,
 )
-from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
 from maestro_jax.planning.spec import SPLIT_COUNTS, SectionSpec, WorkloadSpec, staged_metas
+from maestro_jax.planning.text import layer_remat_text  # noqa: F401 - its old home (cli, plug-ins)
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
 from maestro_jax.schedule.packing import TokenBudget, slots
@@ -105,14 +105,27 @@ class PlanReport:
     top: list[Candidate]
     considered: int  # candidate plans that pass every constraint
     simulated: int  # that the bound did not rule out
-    monolithic: dict  # the baseline's best layout on the same devices
-    pipelined: dict | None = None  # the 1F1B pipeline-parallel baseline's (Megatron-LM's), `pipeline.pipelined_best`
-    # what users run today on the fair monolithic layout, and the ceiling (`planning.baselines`)
-    user_baselines: dict | None = None
+    # every baseline of `planning.baselines.BASELINES` on the same devices, by name (None: no layout
+    # fits): the fair monolithic, the 1F1B pipeline (Megatron-LM's), what users run today on the
+    # fair monolithic layout, and the ceiling; `baseline_lines` and `baselines_json` render them
+    baselines: Mapping[str, BaselineResult | None]
     # where the best plan's device time goes (`Planner.device_time`: shares of DEVICE_TIME), in all
     # and by section
     device_time: dict | None = None
     section_time: dict | None = None
+
+    # the records of 0.3.0's fields, for callers that read them by key (`plan --json` writes them)
+    @property
+    def monolithic(self) -> dict | None:
+        return baselines_json(self.baselines)["monolithic"]
+
+    @property
+    def pipelined(self) -> dict | None:
+        return baselines_json(self.baselines)["pipelined"]
+
+    @property
+    def user_baselines(self) -> dict | None:
+        return baselines_json(self.baselines)["user_baselines"]
 
 
 def _powers(limit: int) -> list[int]:
@@ -962,28 +975,18 @@ class Planner:
                 kth = sorted(fastest.values())[top - 1] if len(fastest) >= top else math.inf
                 found, count, ran = (self if same else self._with(self.devices, f, ahead))._search(top, kth)
                 scored, considered, simulated = scored + found, considered + count, simulated + ran
-        monolithic, pipelined = self.monolithic_best(), pipelined_best(self)
+        priced = price_baselines(self)
+        monolithic, pipelined = priced["monolithic"], priced["pipelined"]
         # both baselines' layouts are in the plan space: the search within `tolerance` never does worse
-        scored += [p for p in (self._monolithic_point(monolithic), self._pipelined_point(pipelined)) if p is not None]
+        points = (self._monolithic_point(monolithic), self._pipelined_point(pipelined and pipelined.to_json()))
+        scored += [p for p in points if p is not None]
         scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured settings first
         seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
         scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
         if not scored:
             raise InfeasibleError(self._infeasible_message())
-        users = None
-        if monolithic is not None:
-            users = user_baselines(
-                self.spec,
-                self.metas,
-                monolithic,
-                self.devices,
-                self.global_batch,
-                self.device,
-                self.link_gbps,
-                self.typical_units,
-            )
         best = scored[0]
-        return PlanReport(best, scored[:top], considered, simulated, monolithic, pipelined, users, *self._spent(best))
+        return PlanReport(best, scored[:top], considered, simulated, priced, *self._spent(best))
 
     def _spent(self, c: Candidate) -> tuple[dict, dict]:
         """Where candidate `c`'s device time goes (`device_time`), priced as it was scored: its
@@ -991,15 +994,15 @@ class Planner:
         cut = self._of(self.spec.with_cuts(c.cuts), self.metas) if c.cuts else self
         return cut._with(self.devices, c.max_in_flight, c.run_ahead).device_time(c.plan)
 
-    def _monolithic_point(self, monolithic: dict | None) -> Candidate | None:
+    def _monolithic_point(self, monolithic: BaselineResult | None) -> Candidate | None:
         """The monolithic layout as a maestro plan: every section on all devices with its mesh,
         micro-batch and checkpointing, one forward in flight (the monolithic step's memory), no
         run-ahead; scored like any plan. None when there is no monolithic layout."""
         if monolithic is None:
             return None
-        sp = SectionPlan(tuple(range(self.devices)), mesh_shape(**monolithic["mesh"]), monolithic["micro_batch"])
+        sp = SectionPlan(tuple(range(self.devices)), mesh_shape(**monolithic.mesh), monolithic.micro_batch)
         sections = {
-            s: dataclasses.replace(sp, precision=sec.precision, layer_remat=monolithic["layer_remat"][s])
+            s: dataclasses.replace(sp, precision=sec.precision, layer_remat=monolithic.layer_remat[s])
             for s, sec in self.spec.sections.items()
         }
         plan = Plan(sections, {e.name: 1 for e in self.spec.edges}, self.global_batch)
@@ -1339,14 +1342,6 @@ def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
             ):
                 out.append((sections, edges, False, frozenset(back), s))
     return out
-
-
-def layer_remat_text(remat: str | dict[str, str]) -> str:
-    """A monolithic layout's activation checkpointing for a line of text: one policy, or each
-    section's (`Planner.monolithic_best` chooses per section)."""
-    if isinstance(remat, str):
-        return remat
-    return ", ".join(f"{s} {r}" for s, r in remat.items())
 
 
 def _finite(x: float) -> float:

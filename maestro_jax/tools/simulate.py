@@ -12,11 +12,18 @@ from collections.abc import Callable
 from maestro_jax import workloads
 from maestro_jax.config import Config
 from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
-from maestro_jax.planning.baselines import user_baselines
+from maestro_jax.planning.baselines import (
+    BaselineResult,
+    FairMonolithic,
+    Pipelined1F1B,
+    baseline_lines,
+    pipelined_words,
+    user_baselines,
+)
 from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
-from maestro_jax.planning.pipeline import pipelined_best
 from maestro_jax.planning.planner import Planner, layer_remat_text
+from maestro_jax.planning.text import digits, mesh_text, rate, seconds
 from maestro_jax.runtime.build import check_pack_budget
 
 
@@ -30,18 +37,10 @@ def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, di
     n = len({d for sp in plan.sections.values() for d in sp.devices})
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is not None:
-        best = Planner(
-            spec,
-            metas,
-            n,
-            memory_gb,
-            global_batch=cfg.global_batch,
-            device=cfg.simulate.device,
-            link_gbps=cfg.simulate.link_gbps,
-        ).monolithic_best()
+        best = FairMonolithic().price(_planner(cfg, spec, metas, n, memory_gb), {})
         if best is not None:
-            sp = SectionPlan(tuple(range(n)), mesh_shape(**best["mesh"]), best["micro_batch"])
-            return sp, best["layer_remat"], f"fastest that fits {memory_gb:g} GB"
+            sp = SectionPlan(tuple(range(n)), mesh_shape(**best.mesh), best.micro_batch)
+            return sp, best.layer_remat, f"fastest that fits {memory_gb:g} GB"
         # said, never silent: the layout priced then is one that does not fit either
         return cfg.monolithic_plan(), None, f"config; no monolithic layout fits {memory_gb:g} GB on {n} devices"
     return cfg.monolithic_plan(), None, "config"
@@ -55,16 +54,20 @@ def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is None:
         return None
-    return pipelined_best(
-        Planner(
-            spec,
-            metas,
-            n,
-            memory_gb,
-            global_batch=cfg.global_batch,
-            device=cfg.simulate.device,
-            link_gbps=cfg.simulate.link_gbps,
-        )
+    best = Pipelined1F1B().price(_planner(cfg, spec, metas, n, memory_gb), {})
+    return best and best.to_json()
+
+
+def _planner(cfg: Config, spec, metas, devices: int, memory_gb: float) -> Planner:
+    """A planner for pricing one baseline on `devices` (no search runs)."""
+    return Planner(
+        spec,
+        metas,
+        devices,
+        memory_gb,
+        global_batch=cfg.global_batch,
+        device=cfg.simulate.device,
+        link_gbps=cfg.simulate.link_gbps,
     )
 
 
@@ -159,78 +162,18 @@ def teacher_cache_alternative(cfg: Config, source, devices: int) -> dict | None:
     }
 
 
-def seconds(t: float) -> str:
-    """A duration in the unit that keeps 3 significant digits in view (`5.32 s`, `12.4 ms`,
-    `812 µs`), so that a tiny config's step does not print as `0.00`."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):  # noqa: B007 - `unit` is read after the loop
-        if abs(t) >= scale * (1 - 5e-4):  # 0.9997 s is `1.00 s`, not `1000 ms`
-            break
-    else:
-        unit, scale = ("ns", 1e-9) if t else ("s", 1.0)
-    return f"{_digits(t / scale)} {unit}"
-
-
-def rate(x: float) -> str:
-    """A throughput with 3 significant digits (thousands grouped: `13,269`, `24.4`, `0.381`)."""
-    return _digits(x) if abs(x) < 1000 else f"{x:,.0f}"
-
-
-def _digits(x: float) -> str:
-    a = abs(x)
-    if a == 0 or a >= 100:
-        return f"{x:.0f}"
-    if a >= 10:
-        return f"{x:.1f}"
-    if a >= 1:
-        return f"{x:.2f}"
-    return f"{x:#.3g}"
-
-
-def mesh_text(mesh: dict) -> str:
-    """A mesh as `data=4 tensor=2` (axes of size 1 left out; `data=1` for one device)."""
-    return " ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "data=1"
-
-
-def pipelined_layout(pipe: dict) -> str:
-    """The 1F1B pipeline-parallel layout (`planning.pipeline`) in words: stages, mesh, micro-batches
-    and where each section's layers sit."""
-    where = "; ".join(
-        [f"{s} layers {'/'.join(map(str, n))}" for s, n in pipe["layers_per_stage"].items()]
-        + [f"{s} whole in stage 1" for s in pipe["first_stage_whole"]]
-    )
-    return (
-        f"{pipe['stages']} stages x {pipe['devices_per_stage']} devices, mesh {mesh_text(pipe['mesh'])}, "
-        f"micro_batch {pipe['micro_batch']} ({pipe['micro_batches']} per step), layer_remat "
-        f"{pipe['layer_remat']}; {where}"
-    )
-
-
-USER_BASELINES = {
-    "round_robin": "Megatron-style data order (round robin to ranks, no length sort)",
-    "static_padding": "static image slots (every sample padded to the most items)",
-    "shared_recipe": "shared-recipe KD (the frozen sections in the trained ones' precision)",
-}
+pipelined_layout = pipelined_words  # its old name
 
 
 def user_baseline_lines(users: dict | None, maestro_s: float) -> list[str]:
-    """What users run today (`planning.baselines`), each against maestro's step time
-    `maestro_s`, and the share of the monolithic layout's ceiling maestro reaches (over 100%
-    where maestro's own layouts beat anything that layout can do)."""
+    """What users run today (`planning.baselines`: each plug-in's own lines), each against
+    maestro's step time `maestro_s`, and the share of the monolithic layout's ceiling maestro
+    reaches (over 100% where maestro's own layouts beat anything that layout can do); `users`:
+    their records as `simulate` writes them."""
     if not users:
         return []
-    lines = [
-        f"users' baseline, {USER_BASELINES[k]}: predicted {seconds(v['step_time_s'])}/step "
-        f"({v['step_time_s'] / maestro_s:.3f}x maestro's step time)"
-        for k, v in users.items()
-        if k in USER_BASELINES
-    ]
-    ceiling = users["ceiling"]["step_time_s"]
-    beyond = " (its own layouts do better than the monolithic one's)" if maestro_s < ceiling else ""
-    lines.append(
-        f"ceiling of the monolithic layout (perfect balance, no padding, every device busy): {seconds(ceiling)}/step; "
-        f"maestro reaches {_digits(100 * ceiling / maestro_s)}% of it{beyond}"
-    )
-    return lines
+    priced = {name: BaselineResult.of_record(name, record) for name, record in users.items()}
+    return baseline_lines(priced, maestro_s)
 
 
 # how `device_time_line` names each share of `simulator.device_time`
@@ -251,7 +194,7 @@ def device_time_line(shares: dict | None) -> str | None:
     if not shares:
         return None
     return "maestro's device time (wavefront): " + ", ".join(
-        f"{_digits(100 * shares[k])}% {text}" for k, text in DEVICE_TIME_TEXT.items()
+        f"{digits(100 * shares[k])}% {text}" for k, text in DEVICE_TIME_TEXT.items()
     )
 
 
@@ -271,7 +214,7 @@ def empty_rows_note(by_section: dict | None, plan, sink: str, global_batch: int)
     rows = plan.sections[mine[0]].rows
     fits = sorted({n for n in (global_batch // rows * rows, -(-global_batch // rows) * rows) if n})
     return (
-        f"note: {_digits(100 * share)}% of the device time is the {sink}'s empty rows: it takes {rows} rows a "
+        f"note: {digits(100 * share)}% of the device time is the {sink}'s empty rows: it takes {rows} rows a "
         f"micro-step and a step has {global_batch} samples; where every sample reaches the {sink}, "
         f"global_batch={' or '.join(map(str, fits))} fills them (a change of the training recipe, not of the plan)"
     )
