@@ -61,6 +61,7 @@ from maestro_jax.planning.layout import (
     peak_memory,
     section_memory,
 )
+from maestro_jax.planning.problem import PlanningProblem
 from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
 from maestro_jax.planning.spec import SPLIT_COUNTS, SectionSpec, WorkloadSpec, staged_metas
 from maestro_jax.planning.text import layer_remat_text  # noqa: F401 - its old home (cli, plug-ins)
@@ -183,37 +184,44 @@ class Planner:
     layout for every section is the monolithic layout's point in this space). An edge joins any
     data-parallel degrees (fan-out, fan-in, uneven). Candidates are scored with the
     wavefront scheduler and the simulator, which runs a group's sections one at a time.
-    `tolerance`: the relative gap to the optimum the search may leave (module docstring).
-    `stage_counts`: the pipeline stage counts a section that splits may also take (`plan
-    --stages` gives `STAGE_COUNTS`; none by default). `progress`, when given, receives one line
+    `problem` (`planning.problem.PlanningProblem`): the workload, batches, devices, budget and
+    search space (its `stage_counts`: the pipeline stage counts a section that splits may also
+    take; `plan --stages` gives `STAGE_COUNTS`, none by default); a planner with other settings
+    (`_with`, `_of`) is one of `problem.replace(...)`. `tolerance`: the relative gap to the
+    optimum the search may leave (module docstring). `progress`, when given, receives one line
     per pass of the search (`search` runs one per stash bound and run-ahead setting) and one
     before the baselines.
     """
 
     def __init__(
         self,
-        spec: WorkloadSpec,
-        metas: Sequence,
-        devices: int,
-        memory_gb: float,
+        problem: PlanningProblem | WorkloadSpec,
+        metas: Sequence | None = None,
+        devices: int | None = None,
+        memory_gb: float | None = None,
         *,
-        global_batch: int,
-        device: str = "h100",
-        link_gbps: float = 50.0,
-        max_in_flight: int = 4,
-        residuals: Sequence[str] = ("vjp", "remat"),
-        layer_remat: Sequence[str] = ("none", "dots", "full"),
-        contexts: Sequence[int] = (1, 2, 4, 8),
-        run_ahead: int = 0,
-        balance_shards: bool = True,
         tolerance: float = TOLERANCE,
-        stage_counts: Sequence[int] = (),
         progress: Callable[[str], None] | None = None,
+        **settings,
     ):
-        self.spec, self.metas, self.devices, self.budget = spec, list(metas), devices, memory_gb * 2**30
+        """`Planner(problem)`; 0.3.0's form, `Planner(spec, metas, devices, memory_gb,
+        global_batch=..., ...)` with `PlanningProblem`'s fields as keywords, builds the problem."""
+        if not isinstance(problem, PlanningProblem):
+            problem = PlanningProblem.of(problem, metas, devices, memory_gb, **settings)
+        elif metas is not None or devices is not None or memory_gb is not None or settings:
+            raise TypeError("Planner(problem) takes the problem alone (change it with problem.replace)")
+        self.problem = problem
+        spec = problem.spec
+        self.spec, self.metas, self.devices, self.budget = (
+            spec,
+            list(problem.metas),
+            problem.devices,
+            problem.budget_bytes,
+        )
         self.progress = progress or (lambda line: None)
         self.tolerance = max(tolerance, _TIE)
-        self.run_ahead, self.balance_shards = run_ahead, balance_shards
+        run_ahead = problem.run_ahead
+        self.run_ahead, self.balance_shards = run_ahead, problem.balance_shards
         trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
         ahead = ahead_sections(spec.order, trained, spec.edges) if run_ahead else frozenset()
         # edges whose producer runs ahead into a consumer that does not: the consumer holds the
@@ -223,10 +231,14 @@ class Planner:
             for e in spec.edges
             if e.src in ahead and e.dst not in ahead
         ]
-        self.global_batch, self.device, self.link_gbps = global_batch, device, link_gbps
-        self.max_in_flight, self.residuals, self.layer_remat = max_in_flight, tuple(residuals), tuple(layer_remat)
-        self.contexts = tuple(contexts)
-        self.stage_counts = tuple(stage_counts)
+        self.global_batch, self.device, self.link_gbps = problem.global_batch, problem.device, problem.link_gbps
+        self.max_in_flight, self.residuals, self.layer_remat = (
+            problem.max_in_flight,
+            problem.residuals,
+            problem.layer_remat,
+        )
+        self.contexts = problem.contexts
+        self.stage_counts = problem.stage_counts
         self._stash = pipeline_bounds(spec.stages)  # a pipeline stage's 1F1B bound on forwards in flight
         # planners of the workload with sections in stages (`_staged`), shared with `_with`'s
         self._staged_planners: dict[tuple, Planner] = {}
@@ -237,7 +249,7 @@ class Planner:
             s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True) for metas in self.metas]
             for s in spec.order
         }
-        self.serial = DEVICES[device].get("serial", False)
+        self.serial = DEVICES[problem.device].get("serial", False)
         self._ahead = ahead
         self._min_units = {
             s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0) for s in spec.order
@@ -1045,18 +1057,7 @@ class Planner:
         """A planner of `spec` (this workload staged or cut otherwise) on `metas`, with this one's
         devices, budget, pricing and search settings, no stage search and no run-ahead."""
         return Planner(
-            spec,
-            metas,
-            self.devices,
-            self.budget / 2**30,
-            global_batch=self.global_batch,
-            device=self.device,
-            link_gbps=self.link_gbps,
-            max_in_flight=self.max_in_flight,
-            residuals=self.residuals,
-            layer_remat=self.layer_remat,
-            contexts=self.contexts,
-            balance_shards=self.balance_shards,
+            self.problem.replace(spec=spec, metas=tuple(metas), run_ahead=0, stage_counts=()),
             tolerance=self.tolerance,
         )
 
@@ -1253,21 +1254,12 @@ class Planner:
         """This planner with other settings; the layouts' costs and weights, which none of them
         change, are shared."""
         other = Planner(
-            self.spec,
-            self.metas,
-            devices,
-            self.budget / 2**30,
-            global_batch=self.global_batch,
-            device=self.device,
-            link_gbps=self.link_gbps,
-            max_in_flight=max_in_flight or self.max_in_flight,
-            residuals=self.residuals,
-            layer_remat=self.layer_remat,
-            contexts=self.contexts,
-            run_ahead=self.run_ahead if run_ahead is None else run_ahead,
-            balance_shards=self.balance_shards,
+            self.problem.replace(
+                devices=devices,
+                max_in_flight=max_in_flight or self.max_in_flight,
+                run_ahead=self.run_ahead if run_ahead is None else run_ahead,
+            ),
             tolerance=self.tolerance,
-            stage_counts=self.stage_counts,
             progress=self.progress,
         )
         other._prices, other._weights_by_mesh = self._prices, self._weights_by_mesh

@@ -11,32 +11,35 @@ from collections.abc import Callable
 from maestro_jax import workloads
 from maestro_jax.config import Config
 from maestro_jax.core.stages import stage_edge
-from maestro_jax.planning.planner import Candidate, Planner
+from maestro_jax.planning.planner import TOLERANCE, Candidate, Planner
+from maestro_jax.planning.problem import PlanningProblem
 from maestro_jax.runtime.build import check_pack_budget
 
 PLANNING_BATCHES = 2  # global batches of sample sizes the planner scores plans on (`maestro-jax plan`)
 
 
-def planner_for(
+def problem_for(
     cfg: Config,
     devices: int,
     memory_gb: float,
     batches: int = PLANNING_BATCHES,
     graph=None,
     source=None,
-    progress: Callable[[str], None] | None = None,
-    **kwargs,
-) -> Planner:
-    """A planner for `cfg`'s workload, or for a user's `graph` and `source`; `progress` as
-    `Planner`'s."""
+    metas=None,
+    **settings,
+) -> PlanningProblem:
+    """The planning question of `cfg`'s workload (or of a user's `graph` and `source`) on
+    `devices` devices of `memory_gb` each: its spec, `batches` planning batches (or `metas`), and
+    the config's global batch, cost model device, links and schedule settings; `settings`: other
+    `PlanningProblem` fields (`stage_counts`, ...)."""
     graph = graph or workloads.build_graph(cfg)
     if graph.staging is not None:  # the planner chooses the stages itself: it plans the whole sections
         graph = graph.staging.whole
     source = source if source is not None else workloads.source_from_config(cfg)
     check_pack_budget(cfg, source)  # a packed row prices its samples whole
     spec = workloads.describe(cfg, graph)
-    metas = kwargs.pop("metas", None) or workloads.planning_batches(cfg, graph, batches, source)
-    return Planner(
+    metas = metas or workloads.planning_batches(cfg, graph, batches, source)
+    return PlanningProblem.of(
         spec,
         metas,
         devices,
@@ -47,9 +50,23 @@ def planner_for(
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
         balance_shards=cfg.schedule.balance_shards,
-        progress=progress,
-        **kwargs,
-    )
+    ).replace(**settings)
+
+
+def planner_for(
+    cfg: Config,
+    devices: int,
+    memory_gb: float,
+    batches: int = PLANNING_BATCHES,
+    graph=None,
+    source=None,
+    progress: Callable[[str], None] | None = None,
+    tolerance: float = TOLERANCE,
+    **settings,
+) -> Planner:
+    """A planner of `problem_for(cfg, ...)`; `progress` and `tolerance` as `Planner`'s."""
+    problem = problem_for(cfg, devices, memory_gb, batches, graph, source, **settings)
+    return Planner(problem, tolerance=tolerance, progress=progress)
 
 
 def plan_overrides(c: Candidate) -> dict[str, object]:

@@ -23,52 +23,54 @@ from maestro_jax.planning.baselines import (
 from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.planner import Planner, layer_remat_text
+from maestro_jax.planning.problem import PlanningProblem
 from maestro_jax.planning.text import digits, mesh_text, rate, seconds
 from maestro_jax.runtime.build import check_pack_budget
 
 
-def monolithic_baseline(cfg: Config, spec, plan, metas) -> tuple[SectionPlan, dict[str, str] | None, str]:
-    """The monolithic layout to compare with, on as many devices as the plan uses: the fastest
-    that fits the memory budget (`device_memory_gb`, else the device's own), as `plan` finds it,
-    so that maestro is never measured against a layout no one would run, with its activation
-    checkpointing per section. Without a budget (a CPU device), or where no layout fits it, the
-    config's `monolithic` section, as written (one policy for every trained section: None), and
-    the label says which."""
-    n = len({d for sp in plan.sections.values() for d in sp.devices})
-    memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
-    if memory_gb is not None:
-        best = FairMonolithic().price(_planner(cfg, spec, metas, n, memory_gb), {})
-        if best is not None:
-            sp = SectionPlan(tuple(range(n)), mesh_shape(**best.mesh), best.micro_batch)
-            return sp, best.layer_remat, f"fastest that fits {memory_gb:g} GB"
-        # said, never silent: the layout priced then is one that does not fit either
-        return cfg.monolithic_plan(), None, f"config; no monolithic layout fits {memory_gb:g} GB on {n} devices"
-    return cfg.monolithic_plan(), None, "config"
-
-
-def pipelined_baseline(cfg: Config, spec, plan, metas) -> dict | None:
-    """The fastest 1F1B pipeline-parallel layout (Megatron-LM's, `planning.pipeline`) on as many
-    devices as the plan uses, within the memory budget `monolithic_baseline` uses; None without
-    a budget (a CPU device) or when nothing fits."""
+def baseline_problem(cfg: Config, spec, plan, metas) -> PlanningProblem | None:
+    """The planning problem the baselines are priced on: as many devices as the plan uses, the
+    memory budget `device_memory_gb`, else the device's own; None without one (a CPU device)."""
     n = len({d for sp in plan.sections.values() for d in sp.devices})
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb")
     if memory_gb is None:
         return None
-    best = Pipelined1F1B().price(_planner(cfg, spec, metas, n, memory_gb), {})
-    return best and best.to_json()
-
-
-def _planner(cfg: Config, spec, metas, devices: int, memory_gb: float) -> Planner:
-    """A planner for pricing one baseline on `devices` (no search runs)."""
-    return Planner(
+    return PlanningProblem.of(
         spec,
         metas,
-        devices,
+        n,
         memory_gb,
         global_batch=cfg.global_batch,
         device=cfg.simulate.device,
         link_gbps=cfg.simulate.link_gbps,
     )
+
+
+def monolithic_baseline(cfg: Config, problem: PlanningProblem | None) -> tuple[SectionPlan, dict[str, str] | None, str]:
+    """The monolithic layout to compare with, on the problem's devices: the fastest that fits its
+    memory budget, as `plan` finds it, so that maestro is never measured against a layout no one
+    would run, with its activation checkpointing per section. Without a budget (`problem` None:
+    a CPU device), or where no layout fits it, the config's `monolithic` section, as written (one
+    policy for every trained section: None), and the label says which."""
+    if problem is None:
+        return cfg.monolithic_plan(), None, "config"
+    best = FairMonolithic().price(Planner(problem), {})
+    if best is None:  # said, never silent: the layout priced then is one that does not fit either
+        return (
+            cfg.monolithic_plan(),
+            None,
+            f"config; no monolithic layout fits {problem.memory_gb:g} GB on {problem.devices} devices",
+        )
+    sp = SectionPlan(tuple(range(problem.devices)), mesh_shape(**best.mesh), best.micro_batch)
+    return sp, best.layer_remat, f"fastest that fits {problem.memory_gb:g} GB"
+
+
+def pipelined_baseline(problem: PlanningProblem | None) -> dict | None:
+    """The fastest 1F1B pipeline-parallel layout (Megatron-LM's, `planning.pipeline`) on the
+    problem's devices within its memory budget, as simulate's report records it; None without a
+    budget (a CPU device) or when nothing fits."""
+    best = None if problem is None else Pipelined1F1B().price(Planner(problem), {})
+    return best and best.to_json()
 
 
 def simulate_config(
@@ -88,7 +90,8 @@ def simulate_config(
     check_fanout(plan, spec.edges)
     metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
     say("the fastest monolithic layout on the plan's devices")
-    mono_sp, mono_remat, baseline = monolithic_baseline(cfg, spec, plan, metas)
+    problem = baseline_problem(cfg, spec, plan, metas)  # one per call: both baselines read it
+    mono_sp, mono_remat, baseline = monolithic_baseline(cfg, problem)
     say(f"the config's plan under the naive and wavefront schedules ({cfg.simulate.device})")
     report, timeline = simulate_plan(
         spec,
@@ -119,7 +122,7 @@ def simulate_config(
         cfg.simulate.link_gbps,
     )
     say("the fastest pipelined (1F1B) layout on the plan's devices")
-    report["pipelined"] = pipelined_baseline(cfg, spec, plan, metas)
+    report["pipelined"] = pipelined_baseline(problem)
     if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
         report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]
     if cached := teacher_cache_alternative(cfg, source, len(mono_sp.devices)):
