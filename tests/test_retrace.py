@@ -2,13 +2,13 @@
 compiled ahead (`SectionedStep.compile`) and later steps of the same shapes call it as it is
 (issue 57's dispatch at the C++ fast path starts from this). Checked with jax's own
 `jax_explain_cache_misses`, which logs every tracing cache miss, and the persistent compilation
-cache's misses, on the tiny configs under both schedulers."""
+cache's misses, on every tiny config (kd, vlm, omni, vlm_kd) under both schedulers, in CI's tier."""
 
 import logging
 
 import jax
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_OMNI, TINY_VLM, TINY_VLM_KD
 
 from maestro_jax.config import load_config
 from maestro_jax.runtime.build import build_runtime
@@ -28,18 +28,11 @@ class _Misses(logging.Handler):
             self.messages.append(text.splitlines()[0][:300])
 
 
-EXTENDED = pytest.mark.extended  # the same check on the other paths: kd_tiny's wavefront run stays in CI
-
-
 @pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["wavefront", "naive"])
 @pytest.mark.parametrize(
-    ("config", "overrides", "scheduler"),
-    [
-        ("kd_tiny", TINY_KD, "wavefront"),
-        pytest.param("kd_tiny", TINY_KD, "naive", marks=EXTENDED),
-        pytest.param("vlm_tiny", TINY_VLM, "wavefront", marks=EXTENDED),
-        pytest.param("vlm_tiny", TINY_VLM, "naive", marks=EXTENDED),
-    ],
+    ("config", "overrides"),
+    [("kd_tiny", TINY_KD), ("vlm_tiny", TINY_VLM), ("omni_tiny", TINY_OMNI), ("vlm_kd_tiny", TINY_VLM_KD)],
 )
 def test_no_step_after_the_first_traces_or_compiles(config, overrides, scheduler):
     """Steps issued one at a time (each waited for), as the loop issues them after compiling ahead;

@@ -1,6 +1,7 @@
 """The CLI trains the shipped VLM config and the loss falls."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -43,7 +44,14 @@ def test_train_cli_loss_falls(tmp_path):
     assert sum(r["data_wait_s"] + r["dispatch_s"] + r["device_wait_s"] for r in rows) <= total * 1.01 + 1e-3
 
 
-def test_cli_bad_config_exits_2_with_one_line():
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    """Overlapping devices: one `error:` line, before anything else speaks, even where the compile
+    cache holds an entry a killed run left unrecorded (which a run that opens the cache moves aside
+    with a warning line of its own)."""
+    cache = tmp_path / "xla"
+    cache.mkdir()
+    (cache / "jit_left_by_a_killed_run-0123-cache").write_bytes(b"half written")
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache)}
     cmd = [
         sys.executable,
         "-m",
@@ -53,7 +61,8 @@ def test_cli_bad_config_exits_2_with_one_line():
         str(ROOT / "configs/vlm_tiny.yaml"),
         "sections.llm.devices=1:7",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: sections.llm.devices")
+    assert proc.stderr.strip().startswith("error: sections.llm.devices"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr

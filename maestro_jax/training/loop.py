@@ -34,6 +34,7 @@ import yaml
 from tqdm import tqdm
 
 from maestro_jax.config import Config, ConfigError, dump_config
+from maestro_jax.core.plan import check_resources
 from maestro_jax.data import BadSamples
 from maestro_jax.runtime import compile_cache
 from maestro_jax.runtime.build import Runtime, build_runtime
@@ -82,6 +83,8 @@ def train(
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
+        if rt is None:  # a plan on devices that do not exist or overlap: one error line, before the
+            check_resources(cfg.plan(), len(jax.devices()))  # compile cache opens (and logs what it moves aside)
         cache = stack.enter_context(compile_cache.using(_cache_dir(cfg), _cache_max_bytes(cfg)))
         if eval_source is None and cfg.eval is not None and cfg.eval.data is not None:
             eval_source = held_out_source(cfg)  # its own files are checked before anything compiles
