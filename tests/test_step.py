@@ -89,3 +89,52 @@ def test_no_step_is_assembled_outside_the_step_module():
                 if ASSEMBLED.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_both_steps_implement_one_protocol_with_the_same_signatures_and_types(kd):
+    """Every method of `Step` is on both steps with its signature; `gradients` gives both the
+    executor's `StepResult` third (the sink's metrics and the loss normaliser); what the monolithic
+    step cannot offer raises `StepUnsupported` naming the method."""
+    import inspect
+
+    from maestro_jax.runtime.executor import StepResult
+    from maestro_jax.runtime.step import Step, StepUnsupported
+
+    methods = [m for m in vars(Step) if not m.startswith("_") or m == "__call__"]
+    assert {"gradients", "apply", "compile", "run_ahead", "evaluate", "timeline"} <= set(methods)
+    for cls in (SectionedStep, MonolithicStep):
+        for m in methods:
+            want = list(inspect.signature(getattr(Step, m)).parameters)
+            assert list(inspect.signature(getattr(cls, m)).parameters) == want, (cls.__name__, m)
+    samples = kd.batches()[0]
+    results = {}
+    for step in (kd.step, kd.monolithic.step):
+        loss, _, result = step.gradients(step.init(), samples)
+        assert isinstance(result, StepResult) and set(result.metrics) == {"kl", "ce"}
+        results[type(step).__name__] = (float(loss), result.norm, float(result.metrics["kl"]))
+    (a_loss, a_norm, a_kl), (b_loss, b_norm, b_kl) = results.values()
+    assert a_norm == b_norm > 1 and a_loss == pytest.approx(b_loss, rel=1e-5) and a_kl == pytest.approx(b_kl, rel=1e-5)
+    state = kd.monolithic.step.init()
+    for call in (
+        lambda s: s.compile(range(1)),
+        lambda s: s.run_ahead(state, samples),
+        lambda s: s.timeline(state, samples),
+        lambda s: s.memory_analysis(),
+        lambda s: s.abstract_state(),
+    ):
+        with pytest.raises(StepUnsupported, match=r"^MonolithicStep\.\w+: .*SectionedStep offers it"):
+            call(kd.monolithic.step)
+
+
+def test_the_monolithic_update_clips_with_the_norms_it_is_given(kd):
+    """`apply(state, grads, norms_sq)`: global-norm clipping (0.5 here) reads the given squared
+    norms (the step's own, once), as the sectioned update does: the same update as without them,
+    and another one from other norms."""
+    step = kd.monolithic.step
+    state = step.init()
+    _, grads, _ = step.gradients(state, kd.batches()[0])
+    norms = step.squared_norms(grads)
+    plain, given = step.apply(state, grads), step.apply(state, grads, norms)
+    assert compare("student", plain["student"].params, given["student"].params).max_rel == 0.0
+    doubled = step.apply(state, grads, {s: 4 * v for s, v in norms.items()})  # a norm twice as large
+    assert compare("student", plain["student"].params, doubled["student"].params).max_rel > 1e-6

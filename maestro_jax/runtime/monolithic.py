@@ -122,12 +122,13 @@ class Monolithic:
         with on_mesh(self.mesh, self.plan.rules):
             return {s: self._squared_norms[s](grads[s]) for s in self.trained}
 
-    def update(self, states: Mapping[str, SectionState], grads) -> dict[str, SectionState]:
+    def update(self, states: Mapping[str, SectionState], grads, norms_sq=None) -> dict[str, SectionState]:
         """Every section's optimizer step, clipped by the norm over all of them (`runtime.optimizer`:
-        the same sums in the same order as the sections' updates)."""
+        the same sums in the same order as the sections' updates); `norms_sq`:
+        `squared_norms(grads)`, where the caller has them."""
         here = ()
         if self.clip_norm is not None:
-            norms = self.squared_norms(grads)
+            norms = self.squared_norms(grads) if norms_sq is None else norms_sq
             here = tuple(norms[s] for s in sorted(self.trained))
         new = dict(states)
         with on_mesh(self.mesh, self.plan.rules):

@@ -21,11 +21,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from maestro_jax.runtime import ahead
+from maestro_jax.runtime.executor import StepResult
 from maestro_jax.runtime.optimizer import current_rate
 from maestro_jax.runtime.programs import DryRun, SectionState
 
@@ -65,6 +67,45 @@ def as_batch(batch) -> StepBatch:
 
 class NonFiniteError(RuntimeError):
     """NaN or inf in the loss or a section's gradients, with `on_nonfinite: stop`."""
+
+
+class StepUnsupported(NotImplementedError):
+    """A part of the `Step` interface one step cannot offer, asked of it: the message names the
+    step, the method and why."""
+
+
+class Step(Protocol):
+    """What every training step offers (`SectionedStep`, `MonolithicStep`): the same methods, the
+    same arguments and the same return types. A method a step cannot offer raises
+    `StepUnsupported` naming itself."""
+
+    def init(self, seed: int | None = None) -> TrainState: ...
+
+    def gradients(self, state: TrainState, batch) -> tuple[object, dict, StepResult]:
+        """(loss, grads, result): the step without its update; `result` the executor's
+        `StepResult` (the sink's summed metrics, the loss normaliser, the host's waits)."""
+
+    def squared_norms(self, grads: Mapping) -> dict: ...
+
+    def apply(self, state: TrainState, grads: Mapping, norms_sq: Mapping | None = None) -> TrainState:
+        """The optimizer update; `norms_sq` (`squared_norms(grads)`), where the caller has them,
+        is what global-norm clipping reads instead of computing them again."""
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, StepMetrics]: ...
+
+    def read(self, metrics: StepMetrics) -> dict: ...
+
+    def evaluate(self, state: TrainState, batch): ...
+
+    def run_ahead(self, state: TrainState, batch): ...
+
+    def timeline(self, state: TrainState, batch) -> tuple[dict, list]: ...
+
+    def compile(self, steps, say=print, *, evaluate=(), max_batches: int = ..., threads: int | None = None) -> int: ...
+
+    def abstract_state(self) -> TrainState: ...
+
+    def memory_analysis(self) -> dict[str, dict[str, int]]: ...
 
 
 @dataclasses.dataclass
@@ -163,7 +204,7 @@ class SectionedStep:
     def schedule(self, batch: StepBatch):
         return batch.schedule if batch.schedule is not None else self.rt.schedule(batch.samples)
 
-    def gradients(self, state: TrainState, batch) -> tuple[object, dict, dict]:
+    def gradients(self, state: TrainState, batch) -> tuple[object, dict, StepResult]:
         """The batch's loss, each trained section's accumulated gradients (on its mesh) and the
         sink's summed metrics: the step without its update. Returns (loss, grads, result) where
         `result` is the executor's `StepResult` (host timeline included)."""
@@ -291,21 +332,24 @@ class MonolithicStep:
         weights (`MonolithicRuntime.init_states`)."""
         return TrainState(0, self.mono.init_states(seed))
 
-    def gradients(self, state: TrainState, batch) -> tuple[object, dict, dict]:
-        """(loss, grads, metrics): the sink's metrics summed over the batch."""
-        loss, metrics, grads = self.mono.model.run(state.sections, as_batch(batch).samples)
-        return loss, grads, metrics
+    def gradients(self, state: TrainState, batch) -> tuple[object, dict, StepResult]:
+        """(loss, grads, result) as `SectionedStep.gradients`: `result.metrics`, the sink's
+        metrics summed over the batch; `result.norm`, the loss normaliser (one program: no host
+        waits)."""
+        samples = as_batch(batch).samples
+        model = self.mono.model
+        loss, metrics, grads = model.run(state.sections, samples)
+        return loss, grads, StepResult(loss, grads, metrics, norm=float(max(model.graph.loss_count(samples), 1)))
 
     def squared_norms(self, grads: Mapping) -> dict:
         return self.mono.model.squared_norms(grads)
 
     def apply(self, state: TrainState, grads: Mapping, norms_sq: Mapping | None = None) -> TrainState:
-        return TrainState(state.step + 1, self.mono.model.update(state.sections, grads))
+        return TrainState(state.step + 1, self.mono.model.update(state.sections, grads, norms_sq))
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, StepMetrics]:
         t0 = time.perf_counter()
-        samples = as_batch(batch).samples
-        loss, grads, sink_metrics = self.gradients(state, samples)
+        loss, grads, result = self.gradients(state, batch)
         model = self.mono.model
         metrics = StepMetrics(
             step=state.step + 1,
@@ -313,13 +357,13 @@ class MonolithicStep:
             loss=loss,
             finite=model.all_finite(grads),
             norms_sq=self.squared_norms(grads),
-            sink_metrics=sink_metrics,
-            norm=float(max(model.graph.loss_count(samples), 1)),
+            sink_metrics=result.metrics,
+            norm=result.norm,
             on_nonfinite=self.on_nonfinite,
         )
         if self.on_nonfinite == "skip" and metrics.nonfinite():
             return TrainState(state.step + 1, state.sections), metrics
-        new = self.apply(state, grads)
+        new = self.apply(state, grads, metrics.norms_sq)
         metrics.rates = {s: current_rate(new.sections[s].opt_state) for s in grads}
         metrics.host["dispatch_s"] = time.perf_counter() - t0
         return new, metrics
@@ -330,3 +374,21 @@ class MonolithicStep:
     def evaluate(self, state: TrainState, batch):
         """The batch's loss (the monolithic program computes its gradients too; only the loss is kept)."""
         return self.gradients(state, batch)[0]
+
+    def _unsupported(self, method: str, why: str):
+        raise StepUnsupported(f"MonolithicStep.{method}: {why}; the plan's SectionedStep offers it")
+
+    def run_ahead(self, state: TrainState, batch):
+        self._unsupported("run_ahead", "one program computes every section of a step, none ahead of it")
+
+    def timeline(self, state: TrainState, batch) -> tuple[dict, list]:
+        self._unsupported("timeline", "one program has no operations between sections to time")
+
+    def compile(self, steps, say=print, *, evaluate=(), max_batches: int = ahead.MAX_BATCHES, threads=None) -> int:
+        self._unsupported("compile", "the reference compiles each batch shape when it first runs")
+
+    def abstract_state(self) -> TrainState:
+        self._unsupported("abstract_state", "its state is laid out when `init` places it on the monolithic mesh")
+
+    def memory_analysis(self) -> dict[str, dict[str, int]]:
+        self._unsupported("memory_analysis", "its programs are compiled when they first run, not ahead")
