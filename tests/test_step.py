@@ -5,6 +5,7 @@ the state is a pytree that carries the step number; the metrics are read once, w
 docs give (`docs/training.md`, `docs/configuration.md`); and no file outside `runtime/step.py`
 assembles a step from the executor's parts."""
 
+import dataclasses
 import re
 
 import jax
@@ -138,3 +139,26 @@ def test_the_monolithic_update_clips_with_the_norms_it_is_given(kd):
     assert compare("student", plain["student"].params, given["student"].params).max_rel == 0.0
     doubled = step.apply(state, grads, {s: 4 * v for s, v in norms.items()})  # a norm twice as large
     assert compare("student", plain["student"].params, doubled["student"].params).max_rel > 1e-6
+
+
+def test_a_steps_metrics_are_read_in_one_transfer(kd, monkeypatch):
+    """`read` fetches the step's device values (loss, norms, rates, the sink's metrics, the
+    finiteness flags) as one pytree: one `jax.device_get` through `Coordinator.fetch_all`, and
+    the record is the one a read value by value gives."""
+    step = kd.step
+    _, metrics = step(step.init(), kd.batches()[0])
+    twin = dataclasses.replace(metrics)
+    calls, real = [], jax.device_get
+
+    def counted(tree):
+        calls.append(len(jax.tree.leaves(tree)))
+        return real(tree)
+
+    monkeypatch.setattr(jax, "device_get", counted)
+    record = step.read(metrics)
+    # loss; student's norm, rate and finiteness; KD's kl and ce
+    assert calls == [6], calls
+    monkeypatch.setattr(jax, "device_get", real)
+    by_value = twin.read(kd.coordinator.fetch)  # 0.3.0's read: one value at a time
+    assert by_value.keys() == record.keys()
+    assert all(by_value[k] == record[k] for k in record if not k.endswith("_s")), (by_value, record)

@@ -352,7 +352,7 @@ class Coordinator:
         it in the key-value store and the others read it; every process must call this in the same
         order (the driver is the same everywhere, so it does).
         """
-        if jax.process_count() == 1 or (x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count()):
+        if self._held_whole(x):
             return np.asarray(x)
         key = self._next_key("fetch")
         owner = min(d.process_index for d in x.sharding.device_set)
@@ -362,6 +362,20 @@ class Coordinator:
             return value
         dtype, data = self._get(key, owner, "publish a step result").split(";")
         return np.frombuffer(bytes.fromhex(data), np.dtype(dtype)).reshape(np.shape(x))
+
+    def fetch_all(self, tree):
+        """`fetch` of every array in `tree`, as one read: those this process holds whole in one
+        `jax.device_get` (one device-to-host transfer for the lot), each other one from the
+        process that publishes it (`fetch`, in the tree's order, the same on every process)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        here = [i for i, x in enumerate(leaves) if not isinstance(x, jax.Array) or self._held_whole(x)]
+        got = dict(zip(here, jax.device_get([leaves[i] for i in here])))
+        return jax.tree.unflatten(treedef, [got[i] if i in got else self.fetch(x) for i, x in enumerate(leaves)])
+
+    @staticmethod
+    def _held_whole(x: jax.Array) -> bool:
+        """Whether this process reads `x` without another's help (`fetch`'s plain read)."""
+        return jax.process_count() == 1 or (x.is_fully_addressable and len(x.sharding.device_set) == jax.device_count())
 
     def step_barrier(self, step: int, preempted: bool = False) -> list[int]:
         """Every process checks in before step `step`; a peer that does not within the timeout is

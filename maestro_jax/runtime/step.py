@@ -18,6 +18,7 @@ program of the given batches before the first step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -137,26 +138,33 @@ class StepMetrics:
     def was_read(self) -> bool:
         return self.record is not None
 
-    def nonfinite(self, fetch: Callable = np.asarray, loss: float | None = None) -> list[str]:
+    def nonfinite(self, fetch: Callable = np.asarray, loss: float | None = None, finite=None) -> list[str]:
         """The sections whose gradients (or the sink's loss) hold NaN or inf (waits for the devices
-        once: the answer is kept). `loss`: the loss, where the caller has read it already."""
+        once: the answer is kept). `loss` and `finite` (section -> flag): what the caller has read
+        already."""
         if self.bad is None:
-            bad = sorted(s for s, ok in self.finite.items() if not bool(fetch(ok)))
+            flags = finite if finite is not None else {s: fetch(ok) for s, ok in self.finite.items()}
+            bad = sorted(s for s, ok in flags.items() if not bool(ok))
             if not math.isfinite(float(fetch(self.loss)) if loss is None else loss):
                 bad = [f"{self.sink} (loss)"] + [b for b in bad if b != self.sink]
             self.bad = bad
         return self.bad
 
-    def read(self, fetch: Callable = np.asarray) -> dict:
-        """The step's record (waiting for the devices). `fetch` reads a device value on this host
-        (`Coordinator.fetch`: a value another process holds too). A non-finite step raises
-        `NonFiniteError` under `on_nonfinite: stop`, else is marked `skipped_nonfinite`."""
+    def read(self, fetch: Callable = np.asarray, *, fetch_all: Callable | None = None) -> dict:
+        """The step's record (waiting for the devices). Every device value it reads (loss, norms,
+        rates, the sink's metrics, the finiteness flags) is one pytree read at once: `fetch_all`
+        (`Coordinator.fetch_all`: one transfer of what this process holds, a value another process
+        holds from its owner), else `jax.device_get`, else, given only a per-value `fetch`
+        (`Coordinator.fetch`), each value through it. A non-finite step raises `NonFiniteError`
+        under `on_nonfinite: stop`, else is marked `skipped_nonfinite`."""
         if self.record is not None:
             return self.record
         t0 = time.perf_counter()
-        values = jax.tree.map(lambda x: np.asarray(fetch(x)), (self.loss, self.norms_sq, self.rates, self.sink_metrics))
-        loss, norms_sq, rates, sink_metrics = values
-        bad = self.nonfinite(fetch, float(loss))
+        if fetch_all is None:
+            fetch_all = jax.device_get if fetch is np.asarray else functools.partial(jax.tree.map, fetch)
+        device = (self.loss, self.norms_sq, self.rates, self.sink_metrics, self.finite if self.bad is None else {})
+        loss, norms_sq, rates, sink_metrics, finite = jax.tree.map(np.asarray, fetch_all(device))
+        bad = self.nonfinite(fetch, float(loss), finite if self.bad is None else None)
         rec = {"step": self.step, "train/loss": float(loss), **self.host}
         rec["device_wait_s"] = time.perf_counter() - t0
         rec.update({f"train/{self.sink}/{k}": float(v) / self.norm for k, v in sorted(sink_metrics.items())})
@@ -260,8 +268,8 @@ class SectionedStep:
         return new, metrics
 
     def read(self, metrics: StepMetrics) -> dict:
-        """`metrics.read` through this runtime's `Coordinator.fetch`."""
-        return metrics.read(self.rt.coordinator.fetch)
+        """`metrics.read` through this runtime's `Coordinator.fetch_all`."""
+        return metrics.read(fetch_all=self.rt.coordinator.fetch_all)
 
     def run_ahead(self, state: TrainState, batch):
         """Issue `batch`'s ahead work (frozen sections reading only data) before the step that

@@ -146,7 +146,7 @@ def train(
         devices = {s: sp.devices for s, sp in rt.plan.sections.items()}
         meter = MfuMeter.for_run(rt.graph, devices, cfg.peak_flops)
         say(meter.describe())
-        step_log = _StepLog(tracked, bar, evaluation, rt.coordinator.fetch, hooks, meter)
+        step_log = _StepLog(tracked, bar, evaluation, rt.coordinator.fetch_all, hooks, meter)
         history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(state)
     skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
     if skipped:
@@ -299,13 +299,13 @@ class _StepLog:
     def __init__(self, trackers: Trackers, bar, evaluation: Evaluation | None, fetch, hooks=(), meter=None):
         self.trackers, self.bar, self.evaluation, self.history = trackers, bar, evaluation, []
         self.meter: MfuMeter | None = meter  # perf/mfu and perf/mfu/<section> in each record
-        self.fetch = fetch  # `Coordinator.fetch`: a device value on this host
+        self.fetch = fetch  # `Coordinator.fetch_all`: a step's device values on this host, one read
         self.hooks = tuple(hooks)
         self.last_read = time.perf_counter()
         self.recent: deque[tuple[int, float]] = deque(maxlen=self.RECENT)  # (samples, seconds) of each step
 
     def read(self, issued: _Issued, wait_reason: str | None = None) -> None:
-        rec = issued.metrics.read(self.fetch)
+        rec = issued.metrics.read(fetch_all=self.fetch)
         if issued.evaluated:
             rec["eval/loss"] = self.evaluation.read(issued.evaluated)
         prepared = issued.prepared
