@@ -285,46 +285,97 @@ def build_runtime(
     `check`, else against the `modalities` and `vocab` it declares (`data.samples.validate_sample`:
     a token list instead of an array, placeholders that do not match the items, items of an
     undeclared modality, ids beyond the vocabulary, a malformed loss mask), so that no graph
-    trains silently on what its sections cannot read."""
+    trains silently on what its sections cannot read. In named steps: the workload's parts
+    (`_workload_parts`), the sections' abstract state (`_abstract_state`), the plan checked against
+    them (`_check_whole_plan`), then each section's mesh, shardings and programs
+    (`_section_programs`) and the executor's problem (`_executor_problem`)."""
+    parts = _workload_parts(cfg, graph, source, check, modalities, vocab)
+    graph, source = parts.graph, parts.source
+    check_packing(cfg, graph)
+    check_pack_budget(cfg, source)
+    packing = _packing(cfg)
+    plan = cfg.plan()
+    graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
+    abstract = _abstract_state(cfg, graph)
+    _check_whole_plan(cfg, graph, plan, abstract, source)
+    meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
+    shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
+    programs = _section_programs(cfg, graph, plan, abstract, meshes, shardings)
+    problem = _executor_problem(cfg, graph, plan, packing)
+    return Runtime(
+        cfg,
+        graph,
+        plan,
+        problem,
+        meshes,
+        shardings,
+        programs,
+        Executor(graph, problem, programs, problem.pack, scan=cfg.compile.scan_micro_steps),
+        abstract,
+        source,
+        parts.check,
+        parts.info_check,
+        dict(parts.pretrained),
+        coordinator=coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _WorkloadParts:
+    """What a runtime is built from besides the config: the graph, its sample source, the check of
+    each sample (and of its metadata alone: `info_check`), and the Hugging Face loaders."""
+
+    graph: SectionGraph
+    source: object
+    check: Callable | None
+    info_check: Callable | None = None
+    pretrained: dict = dataclasses.field(default_factory=dict)
+
+
+def _workload_parts(cfg: Config, graph, source, check, modalities, vocab) -> _WorkloadParts:
+    """The config's workload's parts, checked (its pretrained folders), or a user graph's, checked
+    against the config (its sections) and its first batch against what it declares."""
     from maestro_jax import workloads  # workloads import the runtime's users
 
-    pretrained, info_check = {}, None
     if graph is None:
         from maestro_jax.workloads.pretrained import check_pretrained
 
         graph = workloads.build_graph(cfg)
         pretrained = workloads.resolve(cfg.workload).loaders(cfg)
         check_pretrained(cfg, pretrained)
-        source = source if source is not None else workloads.source_from_config(cfg)
-        check = check if check is not None else workloads.sample_check(cfg)
-        info_check = workloads.info_check(cfg)
-    else:
-        workloads.check_sections(cfg, graph)
-        graph = workloads.with_stages(cfg, graph)
-        if source is None:
-            raise ConfigError(
-                "error: source: a user graph needs a sample source (any random-access source of "
-                "maestro_jax.data.Sample)"
-            )
-        hint = ""
-        if check is None:
-            from maestro_jax.data.samples import validate_info, validate_sample
+        return _WorkloadParts(
+            graph,
+            source if source is not None else workloads.source_from_config(cfg),
+            check if check is not None else workloads.sample_check(cfg),
+            workloads.info_check(cfg),
+            pretrained,
+        )
+    workloads.check_sections(cfg, graph)
+    graph = workloads.with_stages(cfg, graph)
+    if source is None:
+        raise ConfigError(
+            "error: source: a user graph needs a sample source (any random-access source of maestro_jax.data.Sample)"
+        )
+    info_check, hint = None, ""
+    if check is None:
+        from maestro_jax.data.samples import validate_info, validate_sample
 
-            declared = {"modalities": tuple(modalities), "max_tokens": cfg.data.max_tokens}
-            check = functools.partial(validate_sample, vocab=vocab, **declared)
-            info_check = functools.partial(validate_info, **declared)
-            hint = (
-                f" (checked against what Trainer(modalities=..., vocab=...) declares: modalities "
-                f"{[m.name for m in modalities] or 'none, text only'}, vocab {vocab or 'not declared'}; declare what "
-                "your samples carry)"
-            )
-        check_first_batch(cfg, source, check, hint)
-    check_packing(cfg, graph)
-    check_pack_budget(cfg, source)
-    packing = workloads.packing(cfg)
-    plan = cfg.plan()
-    graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
-    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))  # traced only: no compile
+        declared = {"modalities": tuple(modalities), "max_tokens": cfg.data.max_tokens}
+        check = functools.partial(validate_sample, vocab=vocab, **declared)
+        info_check = functools.partial(validate_info, **declared)
+        hint = (
+            f" (checked against what Trainer(modalities=..., vocab=...) declares: modalities "
+            f"{[m.name for m in modalities] or 'none, text only'}, vocab {vocab or 'not declared'}; declare what "
+            "your samples carry)"
+        )
+    check_first_batch(cfg, source, check, hint)
+    return _WorkloadParts(graph, source, check, info_check)
+
+
+def _abstract_state(cfg: Config, graph: SectionGraph) -> dict:
+    """Every section's params and constants as shapes (traced only: nothing compiles), each
+    section's entry checked to hold both."""
+    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
     for s in graph.names:
         entry = abstract.get(s) if isinstance(abstract, dict) else None
         if not (isinstance(entry, dict) and {"params", "consts"} <= set(entry)):
@@ -333,8 +384,13 @@ def build_runtime(
                 f"error: section {s!r}: the graph's init returns {got} for it; return "
                 f'{{"{s}": {{"params": ..., "consts": ...}}}} for every section (empty dicts where it has none)'
             )
+    return abstract
+
+
+def _check_whole_plan(cfg: Config, graph: SectionGraph, plan, abstract: dict, source) -> None:
+    """Every constraint of the plan (`core.plan.check_plan`) on the sections' parameters and
+    state, the devices' memory, and a global batch the data can fill."""
     infos = {s: param_infos(abstract[s]) for s in graph.names}
-    edges = tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)
     state = {
         s: plan_lib.state_bytes_per_device(infos[s], plan.sections[s], graph.section(s).trained)
         for s in graph.names
@@ -344,7 +400,7 @@ def build_runtime(
     plan_lib.check_plan(
         plan,
         num_devices=len(jax.devices()),
-        edges=edges,
+        edges=_edge_infos(graph),
         sink=graph.sink,
         params=infos,
         budget_bytes=budget,
@@ -353,8 +409,15 @@ def build_runtime(
     if budget is None:
         check_device_memory(plan, state)
     check_batch_fits_data(cfg, source)
-    meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
-    shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
+
+
+def _edge_infos(graph: SectionGraph) -> tuple:
+    return tuple(plan_lib.EdgeInfo(e.name, e.src, e.dst) for e in graph.edges)
+
+
+def _section_programs(cfg: Config, graph: SectionGraph, plan, abstract, meshes, shardings) -> dict:
+    """Each section's programs on its mesh (`SectionPrograms`), with its optimizer; the optimizer
+    config's sections checked against the trained parameters first."""
     trained = frozenset(s.name for s in graph.sections if s.trained)
     whole = whole_params(graph, {s: abstract[s]["params"] for s in trained})
     check_sections(cfg.optimizer, sorted(whole), whole)
@@ -375,35 +438,34 @@ def build_runtime(
             squared_norm=section_squared_norm(cfg.optimizer, cfg.section_of(s)),
             donate=cfg.compile.donate,
         )
-    problem = Problem(
+    return programs
+
+
+def _packing(cfg: Config) -> dict:
+    """Each packing section's samples (or tokens) a row (`workloads.packing`)."""
+    from maestro_jax import workloads  # workloads import the runtime's users
+
+    return workloads.packing(cfg)
+
+
+def _executor_problem(cfg: Config, graph: SectionGraph, plan, packing) -> Problem:
+    """What the scheduler and executor plan a step with: the graph's order and edges, each
+    section's rows (sample slots, under `packing`) and data-parallel degree, the schedule's
+    settings, the pipeline stages' stash bounds and the co-located device groups."""
+    stages = {s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {}
+    return Problem(
         order=graph.topological_order(),
         sink=graph.sink,
-        trained=trained,
-        edges=edges,
+        trained=frozenset(s.name for s in graph.sections if s.trained),
+        edges=_edge_infos(graph),
         rows={s: slots(plan.sections[s].rows, packing.get(s, 1)) for s in graph.names},  # packing: sample slots
         dp={s: plan.sections[s].dp for s in graph.names},
         max_in_flight=cfg.schedule.max_in_flight,
         run_ahead=cfg.schedule.run_ahead,
         balance_shards=cfg.schedule.balance_shards,
-        bounds=pipeline_bounds({s: graph.staging.stages_of(s) for s in graph.staging.splits} if graph.staging else {}),
+        bounds=pipeline_bounds(stages),
         groups=plan_lib.device_groups(plan.sections),
         pack={s: p for s, p in packing.items() if s in graph.names},
-    )
-    return Runtime(
-        cfg,
-        graph,
-        plan,
-        problem,
-        meshes,
-        shardings,
-        programs,
-        Executor(graph, problem, programs, problem.pack, scan=cfg.compile.scan_micro_steps),
-        abstract,
-        source,
-        check,
-        info_check,
-        dict(pretrained),
-        coordinator=coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s),
     )
 
 
