@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from maestro_jax.config import load_config
+from maestro_jax.planning.baselines import BaselineResult
 from maestro_jax.planning.planner import InfeasibleError, Planner
 from maestro_jax.tools.plan import planner_for
 
@@ -143,12 +144,12 @@ def short_plan(describe: dict, idle: frozenset = frozenset()) -> str:
     return "; ".join(parts)
 
 
-def short_mono(mono: dict | None) -> str:
+def short_mono(mono: BaselineResult | None) -> str:
     if not mono:
         return "-"
-    mesh = " ".join(f"{a[0]}{n}" for a, n in mono["mesh"].items() if n > 1) or "d1"
-    remat = " ".join(f"{s}:{r}" for s, r in mono["layer_remat"].items() if r != "none")
-    return f"{mesh} mb{mono['micro_batch']}" + (f" {remat}" if remat else "")
+    mesh = " ".join(f"{a[0]}{n}" for a, n in mono.mesh.items() if n > 1) or "d1"
+    remat = " ".join(f"{s}:{r}" for s, r in mono.layer_remat.items() if r != "none")
+    return f"{mesh} mb{mono.micro_batch}" + (f" {remat}" if remat else "")
 
 
 def shape(planner: Planner) -> dict:
@@ -189,8 +190,8 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
     t0 = time.perf_counter()
     planner = planner_for(cfg, p.devices, p.memory_gb, batches=batches)
     report = planner.search(top=1)
-    best, mono = report.best, report.monolithic
-    pipe = getattr(report, "pipelined", None)  # the 1F1B baseline, where the planner reports one
+    best, mono = report.best, report.baselines["monolithic"]
+    pipe = report.baselines.get("pipelined")  # the 1F1B baseline, where one fits
     sections = shape(planner)
     idle = frozenset(s for s, d in sections.items() if not d["active_share"])
     row = {
@@ -202,17 +203,17 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
         "overrides": p.overrides,
         "maestro_step_s": best.step_time_s,
         "maestro_samples_per_s_per_device": best.samples_per_s_per_device,
-        "monolithic_step_s": mono["step_time_s"] if mono else None,
-        "monolithic_samples_per_s_per_device": mono["samples_per_s_per_device"] if mono else None,
-        "ratio": mono["step_time_s"] / best.step_time_s if mono else None,
+        "monolithic_step_s": mono.step_time_s if mono else None,
+        "monolithic_samples_per_s_per_device": mono.samples_per_s_per_device if mono else None,
+        "ratio": mono.ratio(best.step_time_s) if mono else None,
         "maestro_plan": best.describe(),
         "maestro_plan_short": short_plan(best.describe(), idle),
         "colocated": len({d["devices"] for d in best.describe().values()}) == 1,
         "same_as_monolithic": _is_monolithic(best.describe(), mono, idle),
-        "monolithic": mono,
+        "monolithic": mono and mono.to_json(),
         "monolithic_short": short_mono(mono),
-        "pipelined_step_s": pipe["step_time_s"] if pipe else None,
-        "pipelined": pipe,
+        "pipelined_step_s": pipe.step_time_s if pipe else None,
+        "pipelined": pipe and pipe.to_json(),
         "sections": sections,
     }
     if split:
@@ -227,11 +228,11 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
     return row
 
 
-def _is_monolithic(describe: dict, mono: dict | None, idle: frozenset) -> bool:
+def _is_monolithic(describe: dict, mono: BaselineResult | None, idle: frozenset) -> bool:
     """Every working section on all the devices with the monolithic mesh and micro-batch."""
     return bool(mono) and all(
-        d["mesh"] == mono["mesh"]
-        and d["micro_batch"] == mono["micro_batch"]
+        d["mesh"] == mono.mesh
+        and d["micro_batch"] == mono.micro_batch
         and len({x["devices"] for x in describe.values()}) == 1
         for s, d in describe.items()
         if s not in idle

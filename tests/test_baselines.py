@@ -237,3 +237,18 @@ def test_without_a_monolithic_layout_the_users_baselines_are_not_priced():
     assert priced == {"monolithic": None, "ceiling": None}
     assert baseline_lines(priced, 1.0) == ["monolithic: no layout fits in memory on these devices"]
     assert baselines_json(priced) == {"monolithic": None, "pipelined": None, "user_baselines": None}
+
+
+def test_a_written_baseline_reads_back_as_its_typed_result():
+    """`result_of(name, record)`: what `simulate` and `plan --json` wrote comes back through the
+    baseline's own plug-in, the layout in words included, so no caller reads a record by key."""
+    report = planner_for(load_config(VLM, H100), 8, 1.0).search(top=1)
+    for name, result in report.baselines.items():
+        if result is None:
+            continue
+        back = baselines.result_of(name, json.loads(json.dumps(result.to_json())))
+        assert back.step_time_s == result.step_time_s and back.layout == result.layout, name
+        assert back.mesh == result.mesh and back.micro_batch == result.micro_batch, name
+        if name == "pipelined":
+            assert back.devices == result.devices == 8
+    assert baselines.result_of("pipelined", None) is None

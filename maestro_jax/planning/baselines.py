@@ -127,6 +127,7 @@ class BaselineResult:
     peak_gb: float | None = None
     layout: str = ""
     record: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    devices: int | None = None  # the devices its layout spans, where it says
 
     def ratio(self, maestro_s: float) -> float:
         """This baseline's step time over maestro's `maestro_s` (above 1: maestro is faster)."""
@@ -142,6 +143,12 @@ class BaselineResult:
         return cls(name, record["step_time_s"], record["samples_per_s_per_device"], record=record)
 
 
+def result_of(name: str, record: Mapping[str, Any] | None) -> BaselineResult | None:
+    """Baseline `name`'s result back from the record `to_json` wrote (a `simulate` or `plan
+    --json` report), by its own plug-in; None for none."""
+    return None if record is None else next(b for b in BASELINES if b.name == name).from_record(record)
+
+
 class Baseline(Protocol):
     """A way users train the workload today, priced on the planner's devices and cost model."""
 
@@ -153,6 +160,9 @@ class Baseline(Protocol):
 
     def lines(self, result: BaselineResult | None, maestro_s: float) -> list[str]:
         """What `plan` and `simulate` print of `result` beside maestro's step time `maestro_s`."""
+
+    def from_record(self, record: Mapping[str, Any]) -> BaselineResult:
+        """The result whose `to_json` is `record`."""
 
 
 def _rate(planner, t: float) -> float:
@@ -167,12 +177,13 @@ class FairMonolithic:
 
     def price(self, planner, priced) -> BaselineResult | None:
         best = planner.monolithic_best()
-        if best is None:
-            return None
-        mesh, mb, remat = best["mesh"], best["micro_batch"], best["layer_remat"]
+        return None if best is None else dataclasses.replace(self.from_record(best), devices=planner.devices)
+
+    def from_record(self, record) -> BaselineResult:
+        mesh, mb, remat = record["mesh"], record["micro_batch"], record["layer_remat"]
         words = f"mesh {mesh_text(mesh)}, micro_batch {mb}, layer_remat {layer_remat_text(remat)}"
-        t = best["step_time_s"]
-        return BaselineResult(self.name, t, best["samples_per_s_per_device"], mesh, mb, remat, None, words, best)
+        t, rate = record["step_time_s"], record["samples_per_s_per_device"]
+        return BaselineResult(self.name, t, rate, mesh, mb, remat, None, words, record)
 
     def lines(self, result, maestro_s) -> list[str]:
         if result is None:
@@ -205,18 +216,20 @@ class Pipelined1F1B:
 
     def price(self, planner, priced) -> BaselineResult | None:
         best = pipelined_best(planner)
-        if best is None:
-            return None
+        return None if best is None else self.from_record(best)
+
+    def from_record(self, record) -> BaselineResult:
         return BaselineResult(
             self.name,
-            best["step_time_s"],
-            best["samples_per_s_per_device"],
-            best["mesh"],
-            best["micro_batch"],
-            best["layer_remat"],
-            best["peak_gb"],
-            pipelined_words(best),
-            best,
+            record["step_time_s"],
+            record["samples_per_s_per_device"],
+            record["mesh"],
+            record["micro_batch"],
+            record["layer_remat"],
+            record["peak_gb"],
+            pipelined_words(record),
+            record,
+            devices=record["stages"] * record["devices_per_stage"],
         )
 
     def lines(self, result, maestro_s) -> list[str]:
@@ -296,6 +309,9 @@ class UsersBaseline:
 
     def price_on(self, on: OnLayout) -> BaselineResult | None:
         raise NotImplementedError
+
+    def from_record(self, record) -> BaselineResult:
+        return BaselineResult.of_record(self.name, record)
 
     def lines(self, result, maestro_s) -> list[str]:
         if result is None:

@@ -18,6 +18,7 @@ from maestro_jax.planning.baselines import (
     Pipelined1F1B,
     baseline_lines,
     pipelined_words,
+    result_of,
     user_baselines,
 )
 from maestro_jax.planning.cluster import simulate_plan
@@ -65,12 +66,11 @@ def monolithic_baseline(cfg: Config, problem: PlanningProblem | None) -> tuple[S
     return sp, best.layer_remat, f"fastest that fits {problem.memory_gb:g} GB"
 
 
-def pipelined_baseline(problem: PlanningProblem | None) -> dict | None:
+def pipelined_baseline(problem: PlanningProblem | None) -> BaselineResult | None:
     """The fastest 1F1B pipeline-parallel layout (Megatron-LM's, `planning.pipeline`) on the
-    problem's devices within its memory budget, as simulate's report records it; None without a
-    budget (a CPU device) or when nothing fits."""
-    best = None if problem is None else Pipelined1F1B().price(Planner(problem), {})
-    return best and best.to_json()
+    problem's devices within its memory budget; None without a budget (a CPU device) or when
+    nothing fits."""
+    return None if problem is None else Pipelined1F1B().price(Planner(problem), {})
 
 
 def simulate_config(
@@ -122,9 +122,10 @@ def simulate_config(
         cfg.simulate.link_gbps,
     )
     say("the fastest pipelined (1F1B) layout on the plan's devices")
-    report["pipelined"] = pipelined_baseline(problem)
-    if report["pipelined"]:  # on as many devices as the plan: a ratio of step times is one of per-device rates
-        report["speedup_vs_pipelined"] = report["pipelined"]["step_time_s"] / report["step_time_s"]["wavefront"]
+    pipelined = pipelined_baseline(problem)
+    report["pipelined"] = pipelined and pipelined.to_json()
+    if pipelined:  # on as many devices as the plan: a ratio of step times is one of per-device rates
+        report["speedup_vs_pipelined"] = pipelined.ratio(report["step_time_s"]["wavefront"])
     if cached := teacher_cache_alternative(cfg, source, len(mono_sp.devices)):
         say("the student alone on every device, its teacher's outputs read from a teacher cache")
         report["teacher_cache"] = cached
@@ -175,7 +176,7 @@ def user_baseline_lines(users: dict | None, maestro_s: float) -> list[str]:
     their records as `simulate` writes them."""
     if not users:
         return []
-    priced = {name: BaselineResult.of_record(name, record) for name, record in users.items()}
+    priced = {name: result_of(name, record) for name, record in users.items()}
     return baseline_lines(priced, maestro_s)
 
 
@@ -248,16 +249,9 @@ def format_report(r: dict) -> str:
         (m, r["step_time_s"][m], r["samples_per_s"][m], r["samples_per_s_per_device"][m])
         for m in ("monolithic", "naive", "wavefront")
     ]
-    if pipe := r.get("pipelined"):
-        n = pipe["stages"] * pipe["devices_per_stage"]
-        rows.append(
-            (
-                "pipelined (1F1B)",
-                pipe["step_time_s"],
-                pipe["samples_per_s_per_device"] * n,
-                pipe["samples_per_s_per_device"],
-            )
-        )
+    if pipe := result_of("pipelined", r.get("pipelined")):
+        per_device = pipe.samples_per_s_per_device
+        rows.append(("pipelined (1F1B)", pipe.step_time_s, per_device * pipe.devices, per_device))
     lines += [f"{m:18s} {seconds(t):>10s} {rate(sps):>10s} {rate(per):>11s}" for m, t, sps, per in rows]
     lay = r["monolithic_layout"]
     lines.append(
@@ -265,7 +259,7 @@ def format_report(r: dict) -> str:
         f"{lay['micro_batch']}, layer_remat {layer_remat_text(lay['layer_remat'])}"
     )
     if pipe:
-        lines.append(f"pipelined (1F1B) layout: {pipelined_layout(pipe)}")
+        lines.append(f"pipelined (1F1B) layout: {pipe.layout}")
     lines += user_baseline_lines(r.get("user_baselines"), r["step_time_s"]["wavefront"])
     if spent := device_time_line(r.get("device_time")):
         lines.append(spent)
