@@ -229,3 +229,14 @@ def test_config_sections_must_match_the_workload():
                 ],
             )
         )
+
+
+def test_one_build_checks_the_config_once(monkeypatch):
+    """`build_runtime` runs the workload's config check (`workloads.check_config`) once and hands
+    the checked workload to the graph, the source and the sample checks (each checked it again)."""
+    from maestro_jax.runtime.build import build_runtime
+
+    calls, check = [], workloads.check_config
+    monkeypatch.setattr(workloads, "check_config", lambda cfg: calls.append(cfg.workload) or check(cfg))
+    build_runtime(cfg_of("kd"))
+    assert calls == ["kd"]

@@ -340,14 +340,15 @@ def _workload_parts(cfg: Config, graph, source, check, modalities, vocab) -> _Wo
     if graph is None:
         from maestro_jax.workloads.pretrained import check_pretrained
 
-        graph = workloads.build_graph(cfg)
-        pretrained = workloads.resolve(cfg.workload).loaders(cfg)
+        workload = workloads.check_config(cfg)  # once: the steps below take it checked
+        graph = workloads.build_graph(cfg, workload)
+        pretrained = workload.loaders(cfg)
         check_pretrained(cfg, pretrained)
         return _WorkloadParts(
             graph,
-            source if source is not None else workloads.source_from_config(cfg),
-            check if check is not None else workloads.sample_check(cfg),
-            workloads.info_check(cfg),
+            source if source is not None else workloads.source_from_config(cfg, checked=workload),
+            check if check is not None else workloads.sample_check(cfg, workload),
+            workloads.info_check(cfg, workload),
             pretrained,
         )
     workloads.check_sections(cfg, graph)

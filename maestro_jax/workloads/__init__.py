@@ -279,11 +279,12 @@ def _said_grouped_fallback(name: str, missing: str) -> None:
     )
 
 
-def build_graph(cfg: Config) -> SectionGraph:
+def build_graph(cfg: Config, checked: Workload | None = None) -> SectionGraph:
     """The workload's graph, checked against the config's sections and edges (a `ValueError` the
     workload raises while building becomes a ConfigError naming the workload), with the pipeline
-    stages the config asks for (`with_stages`)."""
-    workload = check_config(cfg)
+    stages the config asks for (`with_stages`). `checked`: `check_config(cfg)`'s workload, where
+    the caller has checked the config already (`runtime.build` checks it once)."""
+    workload = checked or check_config(cfg)
     try:
         graph = workload.build(cfg)
     except ValueError as err:
@@ -342,11 +343,12 @@ def check_sections(cfg: Config, graph: SectionGraph, owner: str = "the graph") -
             raise ConfigError(f"error: edges.{e}: unknown edge; edges are {[x.name for x in graph.edges]}")
 
 
-def source_from_config(cfg: Config, key: str = "data"):
+def source_from_config(cfg: Config, key: str = "data", checked: Workload | None = None):
     """The configured sample source (`data.kind`), each sample with its cached teacher outputs
     where the config trains from a teacher cache (`distill.cache`: `data.teacher_cache`). `key`:
-    where the config holds `cfg.data` (`eval.data` for a held-out source), for the errors."""
-    source = _data_source(cfg, key)
+    where the config holds `cfg.data` (`eval.data` for a held-out source), for the errors;
+    `checked` as `build_graph`'s."""
+    source = _data_source(cfg, key, checked)
     if cfg.distill.cache is None:
         return source
     from maestro_jax.data.teacher_cache import checked_source
@@ -354,7 +356,7 @@ def source_from_config(cfg: Config, key: str = "data"):
     return checked_source(source, cfg.distill.cache)
 
 
-def _data_source(cfg: Config, key: str = "data"):
+def _data_source(cfg: Config, key: str = "data", checked: Workload | None = None):
     """The ArrayRecord files as they are, the workload's own source (`workload`:
     `Workload.source`), or a seeded synthetic source over the workload's vocabulary whose items
     are the workload's modalities that `data.modalities` gives sizes to (each name and size
@@ -363,7 +365,7 @@ def _data_source(cfg: Config, key: str = "data"):
 
     if cfg.data.kind == "array_record":
         return ArrayRecordSource(tuple(cfg.data.paths), key=f"{key}.paths")
-    workload = check_config(cfg)
+    workload = checked or check_config(cfg)
     if cfg.data.kind == "workload":
         if workload.source is None:
             raise ConfigError(
@@ -403,7 +405,7 @@ def _data_source(cfg: Config, key: str = "data"):
     )
 
 
-def sample_check(cfg: Config):
+def sample_check(cfg: Config, checked: Workload | None = None):
     """`check(sample, parts=None)`: the validation every sample passes before it is trained on
     (`data.samples.validate_sample` against the workload's modalities, its vocabulary and
     `data.max_tokens`)."""
@@ -411,7 +413,7 @@ def sample_check(cfg: Config):
 
     from maestro_jax.data.samples import validate_sample
 
-    workload = check_config(cfg)
+    workload = checked or check_config(cfg)
     check = functools.partial(
         validate_sample,
         modalities=modalities_of(cfg, workload),
@@ -421,14 +423,14 @@ def sample_check(cfg: Config):
     return _with_rule(check, workload.sample_rule(cfg))
 
 
-def info_check(cfg: Config):
+def info_check(cfg: Config, checked: Workload | None = None):
     """The metadata half of `sample_check` (`data.samples.validate_info`: length, modalities, item
     shapes; no vocabulary, which needs the tokens), run on every process before scheduling."""
     import functools
 
     from maestro_jax.data.samples import validate_info
 
-    workload = check_config(cfg)
+    workload = checked or check_config(cfg)
     check = functools.partial(validate_info, modalities=modalities_of(cfg, workload), max_tokens=cfg.data.max_tokens)
     return _with_rule(check, workload.sample_rule(cfg))
 
