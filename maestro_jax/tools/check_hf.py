@@ -184,32 +184,68 @@ def check_qwen_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: 
     `get_rope_index`; the clip at 1 s a temporal patch) and Qwen3-VL's DeepStack features at the
     image and video positions; the image tokens, the clip's video tokens (the tower on each temporal
     patch, transformers' `visual(pixel_values_videos, video_grid_thw)`) and the logits compared."""
-    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
-    from maestro_jax.models.llm import frame_by_frame, mrope_positions
+    from maestro_jax.models import ViTConfig
 
     path = Path(path)
     config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
     vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
+    case = _qwen_vl_case(config, vcfg, lfields, np.random.default_rng(seed))
+    features, clip_features, logits = _qwen_vl_ours(path, case, vcfg, vfields, lfields)
+    want_features, want_clip, want_logits = _qwen_vl_reference(path, config, case, vcfg)
+    side, (_, r, c) = vcfg.patch * vcfg.merge, case.clip_grid
+    sizes = ", ".join(f"{r * side}x{c * side}" for r, c in case.grids)
+    clip_size = f"a clip of {len(case.clip)} frames of {r * side}x{c * side}"
+    valid = case.valid
+    return [
+        _result(path, f"3 images of {sizes}", "image tokens", features, want_features, tolerance),
+        _result(path, clip_size, "video tokens", clip_features, want_clip, tolerance),
+        _result(
+            path,
+            f"3 images{' and a clip' if case.video else ''} in 2 rows of {case.lengths} tokens",
+            "logits",
+            logits[valid],
+            want_logits[valid],
+            tolerance,
+        ),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _QwenVLCase:
+    """What `check_qwen_vl` feeds both sides: the images (channels x height x width) and their
+    merged-token grids, the clip (frames x channels x height x width) and its grid (temporal
+    patches, rows, columns), and the two rows: ids, M-RoPE positions, what is valid, image and
+    video placeholders, whether a clip is in them (`video`) and their lengths."""
+
+    images: list
+    grids: list
+    clip: np.ndarray
+    clip_grid: tuple
+    ids: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    is_image: np.ndarray
+    is_video: np.ndarray
+    video: bool
+    lengths: list
+
+
+def _qwen_vl_case(config: dict, vcfg, lfields: dict, rng) -> _QwenVLCase:
+    """`check_qwen_vl`'s images, clip and rows (its docstring), drawn from `rng`."""
+    from maestro_jax.models.llm import frame_by_frame, mrope_positions
+
     w = max(1, vcfg.window // vcfg.merge)  # the attention window, in merged tokens a side
     grids = [(w + 1, 2 * w + 1), (2, w + 1), (w + 2, 1)]  # merged tokens, rows x columns
     side = vcfg.patch * vcfg.merge
-    rng = np.random.default_rng(seed)
     images = [rng.standard_normal((vcfg.channels, r * side, c * side)).astype(np.float32) for r, c in grids]
-    inputs, _ = packed_images(images, vcfg)
-    tower = VisionEncoder(vcfg)
-    tower_params = hf_encoders.load_vit(path, _placed(tower, inputs), vfields)
-    features = np.asarray(tower.apply({"params": tower_params}, *inputs)[0])
     clip_grid = (2, w + 1, 2)  # temporal patches, merged rows x columns
     clip = rng.standard_normal((clip_grid[0] * vcfg.frames, vcfg.channels, clip_grid[1] * side, clip_grid[2] * side))
-    clip = clip.astype(np.float32)
-    clip_features = np.asarray(tower.apply({"params": tower_params}, *packed_clip(clip, vcfg))[0])
     image_token, vocab = config.get("image_token_id", 151655), lfields["vocab"]
     video_token = config.get("video_token_id", 151656)
     ids_around = [config.get(k, d) for k, d in (("vision_start_token_id", 151652), ("vision_end_token_id", 151653))]
     # transformers' defaults, out of a small exported model's vocabulary: then text tokens hold the images
     start, end = ([t] if t < vocab else [] for t in ids_around)
-    special = {image_token, *ids_around, video_token}
-    text = np.array([t for t in range(vocab) if t not in special])
+    text = np.array([t for t in range(vocab) if t not in {image_token, *ids_around, video_token}])
 
     def image(k):
         return [*start, *[image_token] * (grids[k][0] * grids[k][1]), *end]
@@ -232,59 +268,81 @@ def check_qwen_vl(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: 
     for i, (row, row_grids, row_clips) in enumerate(zip(rows, (grids[:2], grids[2:]), ([], clips))):
         ids[i, : len(row)] = row
         positions[i, : len(row)] = mrope_positions(row, image_token, row_grids, video_token, row_clips)
-    valid, is_image = np.arange(ids.shape[1])[None] < np.array(lengths)[:, None], ids == image_token
-    is_video = ids == video_token
+    valid = np.arange(ids.shape[1])[None] < np.array(lengths)[:, None]
+    return _QwenVLCase(
+        images,
+        grids,
+        clip.astype(np.float32),
+        clip_grid,
+        ids,
+        positions,
+        valid,
+        ids == image_token,
+        ids == video_token,
+        bool(video),
+        lengths,
+    )
+
+
+def _qwen_vl_ours(path: Path, case: _QwenVLCase, vcfg, vfields: dict, lfields: dict) -> tuple:
+    """The folder loaded here: the tower's image and clip tokens, and the whole model's logits on
+    the case's rows (the tokens spliced in at their placeholders, Qwen3-VL's DeepStack sets at the
+    image and video positions)."""
+    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, hf, hf_encoders
+
+    inputs, _ = packed_images(case.images, vcfg)
+    tower = VisionEncoder(vcfg)
+    tower_params = hf_encoders.load_vit(path, _placed(tower, inputs), vfields)
+    features = np.asarray(tower.apply({"params": tower_params}, *inputs)[0])
+    clip_features = np.asarray(tower.apply({"params": tower_params}, *packed_clip(case.clip, vcfg))[0])
     decoder = DecoderLM(LLMConfig.from_fields(lfields))
-    args = (jnp.asarray(ids, jnp.int32), jnp.asarray(positions), jnp.asarray(valid))
+    args = (jnp.asarray(case.ids, jnp.int32), jnp.asarray(case.positions), jnp.asarray(case.valid))
     v = {"params": hf.load_llm(path, _placed(decoder, args), lfields)}
     width, sets = lfields["width"], lfields["deepstack_layers"]
+    is_image, is_video = np.nonzero(case.is_image), np.nonzero(case.is_video)
     x = decoder.apply(v, args[0], method=DecoderLM.embed)
-    x = x.at[np.nonzero(is_image)].set(features[:, :width]).at[np.nonzero(is_video)].set(clip_features[:, :width])
+    x = x.at[is_image].set(features[:, :width]).at[is_video].set(clip_features[:, :width])
     deepstack = None
     if sets:  # DeepStack's feature sets at the image and video positions, zero elsewhere
         deepstack = jnp.zeros((sets, *x.shape), x.dtype)
         for where, tokens in ((is_image, features), (is_video, clip_features)):
             own = tokens[:, width:].reshape(len(tokens), sets, width).transpose(1, 0, 2)
-            deepstack = deepstack.at[(slice(None), *np.nonzero(where))].set(own)
+            deepstack = deepstack.at[(slice(None), *where)].set(own)
     h = decoder.apply(v, x, *args[1:], None, None, deepstack, method=DecoderLM.hidden)
-    logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+    return features, clip_features, np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+
+def _qwen_vl_reference(path: Path, config: dict, case: _QwenVLCase, vcfg) -> tuple:
+    """transformers' model of the folder on the same case: `visual` on the images and on the clip,
+    and the logits of the rows (positions from its own `get_rope_index`)."""
     torch, transformers = _reference_modules()
     reference = getattr(transformers, QWEN_VL_MODELS[config["model_type"]])
     model = reference.from_pretrained(path, torch_dtype=torch.float32).eval()
     temporal = (config.get("vision_config") or {}).get("temporal_patch_size", 2)
-    pixels = torch.tensor(np.concatenate([qwen_pixel_values(im, vcfg.patch, vcfg.merge, temporal) for im in images]))
-    grid_thw = torch.tensor([[1, r * vcfg.merge, c * vcfg.merge] for r, c in grids])
-    video_pixels = torch.tensor(qwen_video_pixel_values(clip, vcfg.patch, vcfg.merge, temporal))
+    pixels = torch.tensor(
+        np.concatenate([qwen_pixel_values(im, vcfg.patch, vcfg.merge, temporal) for im in case.images])
+    )
+    grid_thw = torch.tensor([[1, r * vcfg.merge, c * vcfg.merge] for r, c in case.grids])
+    t, r, c = case.clip_grid
+    video_pixels = torch.tensor(qwen_video_pixel_values(case.clip, vcfg.patch, vcfg.merge, temporal))
     video_thw = torch.tensor([[t, r * vcfg.merge, c * vcfg.merge]])
-    kwargs = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(valid.astype(np.int64))}
+    kwargs = {"input_ids": torch.tensor(case.ids), "attention_mask": torch.tensor(case.valid.astype(np.int64))}
     kwargs |= {"pixel_values": pixels, "image_grid_thw": grid_thw}
-    if video:
+    if case.video:
         kwargs |= {"pixel_values_videos": video_pixels, "video_grid_thw": video_thw}
     forward = inspect.signature(model.forward).parameters
-    if video and "second_per_grid_ts" in forward:  # Qwen2.5-VL's clip at 1 s a temporal patch
+    if case.video and "second_per_grid_ts" in forward:  # Qwen2.5-VL's clip at 1 s a temporal patch
         kwargs["second_per_grid_ts"] = torch.tensor([1.0])
     if "mm_token_type_ids" in forward:  # transformers 5 places images and clips by it
-        kwargs["mm_token_type_ids"] = torch.tensor(is_image.astype(np.int64) + 2 * is_video.astype(np.int64))
+        types = case.is_image.astype(np.int64) + 2 * case.is_video.astype(np.int64)
+        kwargs["mm_token_type_ids"] = torch.tensor(types)
     with torch.no_grad():
         visual = model.model.visual if hasattr(model.model, "visual") else model.visual  # newer ones nest it
         want_features, want_clip = (
             _merged(visual(p, grid_thw=g)) for p, g in ((pixels, grid_thw), (video_pixels, video_thw))
         )
         want_logits = model(**kwargs).logits.float().numpy()
-    sizes = ", ".join(f"{r * side}x{c * side}" for r, c in grids)
-    clip_size = f"a clip of {len(clip)} frames of {r * side}x{c * side}"
-    return [
-        _result(path, f"3 images of {sizes}", "image tokens", features, want_features, tolerance),
-        _result(path, clip_size, "video tokens", clip_features, want_clip, tolerance),
-        _result(
-            path,
-            f"3 images{' and a clip' if video else ''} in 2 rows of {lengths} tokens",
-            "logits",
-            logits[valid],
-            want_logits[valid],
-            tolerance,
-        ),
-    ]
+    return want_features, want_clip, want_logits
 
 
 def _merged(out) -> np.ndarray:
