@@ -426,43 +426,67 @@ def _pipelined(
     best: float = math.inf,
 ) -> tuple[float, float]:
     """`pipelined_time`, and the mean busy time of the busiest stage in the packings chosen
-    (what the step would take without a bubble)."""
-    spec, device, link = planner.spec, planner.device, planner.link_gbps
+    (what the step would take without a bubble). Each batch's packings are priced as bounds
+    (`_stage_ops`), most promising first; none is played out where the mean bound already loses to
+    `best`."""
+    spec = planner.spec
     slices = slices or stage_plan(spec, planner.metas, stages)
-    devices = stages * len(sp.devices)
-    sizes = sp.axis_sizes
-    shard = sizes["tensor"] * sizes["context"]
-    mb = sp.micro_batch
-    costs: list[list[tuple[str, SectionCost]]] = []
+    costs = _stage_costs(planner, slices, sp, layer_remat)
+    whole = _whole_costs(planner, sp)
+
+    def alone(m) -> float:
+        return sum(whole.step_time(s, "F", [u], 1) - whole.sections[s].overhead_s for s, u in m.work.items())
+
+    update = [sum(c.update_s for _, c in row) for row in costs]  # each stage's optimizer step
+    crossing = _Crossing.of(planner, slices, sp, stages)
+    batches = []  # per batch: (bound, ops) of each packing, most promising first
+    for metas in planner.metas:
+        packings = []
+        for chunks in _chunks(spec, metas, sp.rows, alone):
+            f, b, sf, sb = _stage_ops(chunks, spec, costs, whole, sp.micro_batch, crossing)
+            busy = [sum(f[s]) + sum(b[s]) + sum(sf[s]) + sum(sb[s]) + update[s] for s in range(stages)]
+            packings.append((sum(busy) if planner.serial else max(busy), (f, b, sf, sb)))
+        batches.append(sorted(packings, key=lambda p: p[0]))
+    if statistics.mean(p[0][0] for p in batches) >= best:
+        return math.inf, math.inf
+    return _played_out(batches, planner.serial, update)
+
+
+def _stage_costs(planner: Search, slices, sp: SectionPlan, layer_remat: str) -> list[list[tuple[str, SectionCost]]]:
+    """Each stage's slices priced on the stage mesh `sp`, each in its section's precision, the
+    trained ones under `layer_remat`."""
+    spec, costs = planner.spec, []
     for stage in slices:
         row = []
         for sl in stage:
             sec = spec.sections[sl.section]
             plan = dataclasses.replace(sp, precision=sec.precision, layer_remat=layer_remat if sec.trained else "none")
-            row.append(
-                (
-                    sl.section,
-                    section_cost(
-                        sl.spec,
-                        plan,
-                        planner.metas,
-                        device,
-                        link,
-                        sl.section == spec.sink,
-                        planner.typical_units[sl.section],
-                        per_octave=spec.buckets_per_octave,
-                    ),
-                )
+            cost = section_cost(
+                sl.spec,
+                plan,
+                planner.metas,
+                planner.device,
+                planner.link_gbps,
+                sl.section == spec.sink,
+                planner.typical_units[sl.section],
+                per_octave=spec.buckets_per_octave,
             )
+            row.append((sl.section, cost))
         costs.append(row)
-    whole = CostModel(
+    return costs
+
+
+def _whole_costs(planner: Search, sp: SectionPlan) -> CostModel:
+    """Every whole section on the stage mesh: what packs the micro-batches and pads their rows."""
+    spec = planner.spec
+    return CostModel(
         {
             s: section_cost(
                 sec,
                 dataclasses.replace(sp, precision=sec.precision),
                 planner.metas,
-                device,
-                link,
+                planner.device,
+                planner.link_gbps,
                 s == spec.sink,
                 planner.typical_units[s],
                 per_octave=spec.buckets_per_octave,
@@ -471,60 +495,67 @@ def _pipelined(
         }
     )
 
-    def alone(m) -> float:
-        return sum(whole.step_time(s, "F", [u], 1) - whole.sections[s].overhead_s for s, u in m.work.items())
 
-    update = [sum(c.update_s for _, c in row) for row in costs]  # each stage's optimizer step
-    bandwidth = [_boundary_bandwidth(device, link, devices, stages, s) for s in range(stages - 1)]
-    # what crosses a boundary per padded unit of a micro-batch row, per device: each cut
-    # section's hidden states (forward), the trained ones' gradients (backward)
-    cut = [s for s in spec.order if any(sl.section == s for stage in slices[1:] for sl in stage)]
-    forward_bytes = {s: spec.sections[s].cost.width * _value_bytes(spec.sections[s]) / shard for s in cut}
-    backward_bytes = {s: v for s, v in forward_bytes.items() if spec.sections[s].trained}
+@dataclasses.dataclass(frozen=True)
+class _Crossing:
+    """What crosses each stage boundary per padded unit of a micro-batch row, per device: each cut
+    section's hidden states forward, the trained ones' gradients backward; and each boundary's
+    bandwidth."""
 
-    def ops(chunks) -> tuple[list, list, list, list]:
-        f, b, sf, sb = ([[0.0] * len(chunks) for _ in range(stages)] for _ in range(4))
-        for i, chunk in enumerate(chunks):
-            padded = {}
-            for s, c in whole.sections.items():
-                top = max((m.work.get(s, 0) for m in chunk), default=0)
-                padded[s] = c.padded(top)
-            for st, row in enumerate(costs):
-                for s, c in row:
-                    units = padded[s]
-                    if not units:  # no sample of the micro-batch needs it: not run (`monolithic_time`)
-                        continue
-                    t = c.forward_s(units, mb)
-                    f[st][i] += t
-                    if s == spec.sink:
-                        b[st][i] += t * (c.sink_factor - 1)
-                    elif spec.sections[s].trained:
-                        b[st][i] += t * c.backward_factor
-            fw = sum(mb * padded[s] * v for s, v in forward_bytes.items())
-            bw = sum(mb * padded[s] * v for s, v in backward_bytes.items())
-            for st in range(stages - 1):
-                sf[st][i] = fw / bandwidth[st]
-                sb[st + 1][i] = bw / bandwidth[st]
-        return f, b, sf, sb
+    forward_bytes: dict[str, float]
+    backward_bytes: dict[str, float]
+    bandwidth: list[float]
 
-    batches = []  # per batch: (bound, ops) of each packing, most promising first
-    for metas in planner.metas:
-        packings = []
-        for chunks in _chunks(spec, metas, sp.rows, alone):
-            f, b, sf, sb = ops(chunks)
-            busy = [sum(f[s]) + sum(b[s]) + sum(sf[s]) + sum(sb[s]) + update[s] for s in range(stages)]
-            packings.append((sum(busy) if planner.serial else max(busy), (f, b, sf, sb)))
-        batches.append(sorted(packings, key=lambda p: p[0]))
-    if statistics.mean(p[0][0] for p in batches) >= best:
-        return math.inf, math.inf
+    @classmethod
+    def of(cls, planner: Search, slices, sp: SectionPlan, stages: int) -> _Crossing:
+        spec, sizes = planner.spec, sp.axis_sizes
+        shard = sizes["tensor"] * sizes["context"]
+        devices = stages * len(sp.devices)
+        bandwidth = [
+            _boundary_bandwidth(planner.device, planner.link_gbps, devices, stages, s) for s in range(stages - 1)
+        ]
+        cut = [s for s in spec.order if any(sl.section == s for stage in slices[1:] for sl in stage)]
+        forward = {s: spec.sections[s].cost.width * _value_bytes(spec.sections[s]) / shard for s in cut}
+        return cls(forward, {s: v for s, v in forward.items() if spec.sections[s].trained}, bandwidth)
+
+
+def _stage_ops(chunks, spec, costs, whole: CostModel, mb: int, crossing: _Crossing) -> tuple[list, list, list, list]:
+    """Each stage's forward, backward, forward-send and backward-send time of each micro-batch
+    (`chunks`), every row padded to the micro-batch's bucket of each section."""
+    stages = len(costs)
+    f, b, sf, sb = ([[0.0] * len(chunks) for _ in range(stages)] for _ in range(4))
+    for i, chunk in enumerate(chunks):
+        padded = {s: c.padded(max((m.work.get(s, 0) for m in chunk), default=0)) for s, c in whole.sections.items()}
+        for st, row in enumerate(costs):
+            for s, c in row:
+                units = padded[s]
+                if not units:  # no sample of the micro-batch needs it: not run (`monolithic_time`)
+                    continue
+                t = c.forward_s(units, mb)
+                f[st][i] += t
+                if s == spec.sink:
+                    b[st][i] += t * (c.sink_factor - 1)
+                elif spec.sections[s].trained:
+                    b[st][i] += t * c.backward_factor
+        fw = sum(mb * padded[s] * v for s, v in crossing.forward_bytes.items())
+        bw = sum(mb * padded[s] * v for s, v in crossing.backward_bytes.items())
+        for st in range(stages - 1):
+            sf[st][i] = fw / crossing.bandwidth[st]
+            sb[st + 1][i] = bw / crossing.bandwidth[st]
+    return f, b, sf, sb
+
+
+def _played_out(batches, serial: bool, update: list[float]) -> tuple[float, float]:
+    """Each batch's fastest packing under 1F1B (`one_f_one_b`; a serial client runs one program at
+    a time, nothing overlaps, the bound is the time), tried in bound order until a bound cannot
+    beat the fastest; the mean time and the mean busy time of the busiest stage."""
     times, busiest = [], []
     for packings in batches:
         fastest, work = math.inf, math.inf
         for bound, (f, b, sf, sb) in packings:
             if bound >= fastest:
                 break
-            # a serial client runs one program at a time: nothing overlaps, the bound is the time
-            t = bound if planner.serial else one_f_one_b(f, b, sf, sb, update)
+            t = bound if serial else one_f_one_b(f, b, sf, sb, update)
             if t < fastest:
                 fastest, work = t, bound
         times.append(fastest)
