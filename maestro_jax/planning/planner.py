@@ -211,26 +211,21 @@ class Planner:
         elif metas is not None or devices is not None or memory_gb is not None or settings:
             raise TypeError("Planner(problem) takes the problem alone (change it with problem.replace)")
         self.problem = problem
-        spec = problem.spec
+        self.progress = progress or (lambda line: None)
+        self.tolerance = max(tolerance, _TIE)
+        self._settings(problem)
+        self._index_batches()
+        self._empty_memos()
+
+    def _settings(self, problem: PlanningProblem) -> None:
+        """The problem's fields as the planner reads them."""
         self.spec, self.metas, self.devices, self.budget = (
-            spec,
+            problem.spec,
             list(problem.metas),
             problem.devices,
             problem.budget_bytes,
         )
-        self.progress = progress or (lambda line: None)
-        self.tolerance = max(tolerance, _TIE)
-        run_ahead = problem.run_ahead
-        self.run_ahead, self.balance_shards = run_ahead, problem.balance_shards
-        trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
-        ahead = ahead_sections(spec.order, trained, spec.edges) if run_ahead else frozenset()
-        # edges whose producer runs ahead into a consumer that does not: the consumer holds the
-        # next batch's rows of them through the step (`ahead_stash`), the most units a batch sends
-        self._ahead_edges = [
-            (e, max(sum(m.work.get(e.src, 0) for m in b) for b in self.metas))
-            for e in spec.edges
-            if e.src in ahead and e.dst not in ahead
-        ]
+        self.run_ahead, self.balance_shards = problem.run_ahead, problem.balance_shards
         self.global_batch, self.device, self.link_gbps = problem.global_batch, problem.device, problem.link_gbps
         self.max_in_flight, self.residuals, self.layer_remat = (
             problem.max_in_flight,
@@ -239,9 +234,21 @@ class Planner:
         )
         self.contexts = problem.contexts
         self.stage_counts = problem.stage_counts
+        self.serial = DEVICES[problem.device].get("serial", False)
+
+    def _index_batches(self) -> None:
+        """What the bounds and prices read of the workload and its planning batches, computed once."""
+        spec = self.spec
+        trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
+        self._ahead = ahead_sections(spec.order, trained, spec.edges) if self.run_ahead else frozenset()
+        # edges whose producer runs ahead into a consumer that does not: the consumer holds the
+        # next batch's rows of them through the step (`ahead_stash`), the most units a batch sends
+        self._ahead_edges = [
+            (e, max(sum(m.work.get(e.src, 0) for m in b) for b in self.metas))
+            for e in spec.edges
+            if e.src in self._ahead and e.dst not in self._ahead
+        ]
         self._stash = pipeline_bounds(spec.stages)  # a pipeline stage's 1F1B bound on forwards in flight
-        # planners of the workload with sections in stages (`_staged`), shared with `_with`'s
-        self._staged_planners: dict[tuple, Planner] = {}
         self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
         self.typical_units = {s: typical_units(s, self.metas) for s in spec.order}
         # each section's work units per sample, largest first, by batch: what its bound reads
@@ -249,8 +256,6 @@ class Planner:
             s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True) for metas in self.metas]
             for s in spec.order
         }
-        self.serial = DEVICES[problem.device].get("serial", False)
-        self._ahead = ahead
         self._min_units = {
             s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0) for s in spec.order
         }
@@ -260,6 +265,13 @@ class Planner:
         self._patterns = sorted({tuple(s for s in spec.order if s in m.work) for b in self.metas for m in b})
         self._producers = {s: tuple(e.src for e in spec.producers_of(s)) for s in spec.order}
         self._consumers = {s: tuple(e.dst for e in spec.consumers_of(s)) for s in spec.order}
+        self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
+
+    def _empty_memos(self) -> None:
+        """The search's memo tables (`_with` shares `_prices`, `_weights_by_mesh` and the staged
+        planners with the planner it derives from)."""
+        # planners of the workload with sections in stages (`_staged`), shared with `_with`'s
+        self._staged_planners: dict[tuple, Planner] = {}
         self._options: dict[tuple, list[_Option]] = {}
         self._layouts_by_count: dict[tuple, list] = {}
         self._priced: dict[tuple, _Option] = {}
@@ -267,7 +279,6 @@ class Planner:
         self._shared: dict[tuple, list[_Option]] = {}
         self._floors: dict[tuple, list[_Option]] = {}
         self._times: dict[tuple, float] = {}
-        self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
         self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
 
     def _memory(
