@@ -38,7 +38,9 @@ Plain Python, no JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -273,13 +275,44 @@ class OnLayout:
         }
 
     def cost(self, plans: Mapping[str, SectionPlan] | None = None) -> CostModel:
-        plans = self.plans() if plans is None else plans
+        """The cost model of `plans`, by default the layout's own (computed once: every users'
+        baseline but the shared recipe prices on it)."""
+        if plans is None:
+            return self._layout_cost
         return cost_model(self.spec, plans, self.metas_all, self.device, self.link_gbps, self.typical, packed=False)
+
+    @functools.cached_property
+    def _layout_cost(self) -> CostModel:
+        return self.cost(self.plans())
 
     def result(self, name: str, times: Sequence[float]) -> BaselineResult:
         t = statistics.mean(times)
         rate = self.global_batch / t / self.devices
         return BaselineResult(name, t, rate, record={"step_time_s": t, "samples_per_s_per_device": rate})
+
+
+_ON_LAYOUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # planner -> (its monolithic result, OnLayout)
+
+
+def _on_layout(planner, mono: BaselineResult) -> OnLayout:
+    """The fair monolithic layout `mono` on `planner`, one per pair: the users' baselines priced
+    on it share its cost model."""
+    held = _ON_LAYOUT.get(planner)
+    if held is not None and held[0] is mono:
+        return held[1]
+    layout = {"mesh": mono.mesh, "micro_batch": mono.micro_batch, "layer_remat": mono.layer_remat}
+    on = OnLayout(
+        planner.spec,
+        planner.metas,
+        layout,
+        planner.devices,
+        planner.global_batch,
+        planner.device,
+        planner.link_gbps,
+        planner.typical_units,
+    )
+    _ON_LAYOUT[planner] = (mono, on)
+    return on
 
 
 class UsersBaseline:
@@ -293,19 +326,7 @@ class UsersBaseline:
         mono = priced.get("monolithic")
         if mono is None:
             return None
-        layout = {"mesh": mono.mesh, "micro_batch": mono.micro_batch, "layer_remat": mono.layer_remat}
-        return self.price_on(
-            OnLayout(
-                planner.spec,
-                planner.metas,
-                layout,
-                planner.devices,
-                planner.global_batch,
-                planner.device,
-                planner.link_gbps,
-                planner.typical_units,
-            )
-        )
+        return self.price_on(_on_layout(planner, mono))
 
     def price_on(self, on: OnLayout) -> BaselineResult | None:
         raise NotImplementedError
