@@ -8,6 +8,7 @@ from conftest import ROOT
 
 from maestro_jax.config import load_config
 from maestro_jax.planning.planner import Planner
+from maestro_jax.planning.pricer import Pricer
 from maestro_jax.planning.problem import PlanningProblem
 from maestro_jax.tools.plan import planner_for, problem_for
 
@@ -55,3 +56,41 @@ def test_planners_with_other_settings_share_the_commands_problem():
     cut = planner._of(planner.spec, planner.metas)
     assert cut.problem == planner.problem.replace(run_ahead=0, stage_counts=())
     assert isinstance(cut.problem, PlanningProblem)
+
+
+def test_a_pricer_for_a_changed_problem_keeps_the_prices_it_leaves_valid():
+    """`Pricer.for_problem`: a stash bound or device count leaves every layout's cost and bound
+    valid (shared, and equal to a fresh pricer's); other batches leave only the weights; the step
+    time is the changed problem's own. A planner refuses a pricer of another problem."""
+    problem = problem_for(load_config(KD, H100), 8, 1.0)
+    base = Pricer(problem)
+    plan = Planner(problem, pricer=base).search(top=1).best.plan
+    t = base.step_time(plan)
+    tighter = problem.replace(max_in_flight=1)
+    kept = base.for_problem(tighter)
+    assert kept._prices is base._prices and kept._weights is base._weights
+    fresh = Pricer(tighter)
+    assert kept.step_time(plan) == fresh.step_time(plan)
+    assert kept.check(plan) == fresh.check(plan)
+    for s, sp in plan.sections.items():
+        assert kept.price(s, sp) == fresh.price(s, sp)
+    assert base.step_time(plan) == t  # its own answer, not the changed problem's
+    fewer = base.for_problem(problem.replace(metas=problem.metas[:1]))
+    assert fewer._weights is base._weights and fewer._prices is not base._prices
+    with pytest.raises(ValueError, match="another problem"):
+        Planner(tighter, pricer=base)
+
+
+def test_the_staged_pricer_prices_each_stage_as_a_section():
+    """`Pricer.staged`: the workload with a section in stages, its prices shared by every stash
+    bound's pricer of the same batches, and a staged plan's step time the staged pricer's."""
+    problem = problem_for(load_config(KD, H100), 8, 4.0, stage_counts=(2,))
+    base = Pricer(problem)
+    staged = base.staged({"student": 2})
+    assert set(staged.problem.spec.sections) == {"teacher", "student.0", "student.1"}
+    assert staged.problem.run_ahead == 0 and staged.problem.stage_counts == ()
+    other = base.for_problem(problem.replace(max_in_flight=1)).staged({"student": 2})
+    assert other._prices is staged._prices and other.problem.max_in_flight == 1
+    planner = Planner(problem, pricer=base)
+    plan = next(p for p, _, _ in planner.candidates() if base.stage_counts(p))
+    assert base.step_time(plan) == staged.step_time(plan)

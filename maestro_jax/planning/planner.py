@@ -37,7 +37,6 @@ from maestro_jax.core.plan import (
     Plan,
     PlanError,
     SectionPlan,
-    check_plan,
     mesh_shape,
 )
 from maestro_jax.core.stages import even_layers, stage_name
@@ -47,27 +46,21 @@ from maestro_jax.planning.cluster import (
     cost_model,
     edge_positions,
     monolithic_time,
-    section_cost,
     transfer_s_per_unit,
-    typical_units,
 )
-from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
+from maestro_jax.planning.cost import DEVICES, SectionCost
 from maestro_jax.planning.layout import (
-    ShardedLeaves,
     divisors,
     group_memory,
     mesh_degrees,
     micro_batches,
     peak_memory,
-    section_memory,
 )
+from maestro_jax.planning.pricer import Pricer, plan_key
 from maestro_jax.planning.problem import PlanningProblem
-from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
-from maestro_jax.planning.spec import SPLIT_COUNTS, SectionSpec, WorkloadSpec, staged_metas
+from maestro_jax.planning.simulator import DEVICE_TIME  # noqa: F401 - its old home (tools)
+from maestro_jax.planning.spec import SPLIT_COUNTS, SectionSpec, WorkloadSpec
 from maestro_jax.planning.text import layer_remat_text  # noqa: F401 - its old home (cli, plug-ins)
-from maestro_jax.schedule import wavefront
-from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
-from maestro_jax.schedule.packing import TokenBudget, slots
 
 
 class InfeasibleError(ValueError):
@@ -202,15 +195,20 @@ class Planner:
         *,
         tolerance: float = TOLERANCE,
         progress: Callable[[str], None] | None = None,
+        pricer: Pricer | None = None,
         **settings,
     ):
         """`Planner(problem)`; 0.3.0's form, `Planner(spec, metas, devices, memory_gb,
-        global_batch=..., ...)` with `PlanningProblem`'s fields as keywords, builds the problem."""
+        global_batch=..., ...)` with `PlanningProblem`'s fields as keywords, builds the problem.
+        `pricer`: the problem's (`Pricer.for_problem` of another's keeps the prices it can)."""
         if not isinstance(problem, PlanningProblem):
             problem = PlanningProblem.of(problem, metas, devices, memory_gb, **settings)
         elif metas is not None or devices is not None or memory_gb is not None or settings:
             raise TypeError("Planner(problem) takes the problem alone (change it with problem.replace)")
+        if pricer is not None and pricer.problem is not problem:
+            raise ValueError("Planner(problem, pricer=...): the pricer prices another problem")
         self.problem = problem
+        self.pricer = pricer or Pricer(problem)
         self.progress = progress or (lambda line: None)
         self.tolerance = max(tolerance, _TIE)
         self._settings(problem)
@@ -237,81 +235,37 @@ class Planner:
         self.serial = DEVICES[problem.device].get("serial", False)
 
     def _index_batches(self) -> None:
-        """What the bounds and prices read of the workload and its planning batches, computed once."""
+        """What the bounds read of the workload and its planning batches, computed once (the
+        prices' share: `Pricer`)."""
         spec = self.spec
-        trained = frozenset(s for s, sec in spec.sections.items() if sec.trained)
-        self._ahead = ahead_sections(spec.order, trained, spec.edges) if self.run_ahead else frozenset()
-        # edges whose producer runs ahead into a consumer that does not: the consumer holds the
-        # next batch's rows of them through the step (`ahead_stash`), the most units a batch sends
-        self._ahead_edges = [
-            (e, max(sum(m.work.get(e.src, 0) for m in b) for b in self.metas))
-            for e in spec.edges
-            if e.src in self._ahead and e.dst not in self._ahead
-        ]
-        self._stash = pipeline_bounds(spec.stages)  # a pipeline stage's 1F1B bound on forwards in flight
-        self.max_units = {s: max((m.work.get(s, 0) for b in self.metas for m in b), default=1) for s in spec.order}
-        self.typical_units = {s: typical_units(s, self.metas) for s in spec.order}
-        # each section's work units per sample, largest first, by batch: what its bound reads
-        self._units_desc = {
-            s: [sorted((m.work[s] for m in metas if s in m.work), reverse=True) for metas in self.metas]
-            for s in spec.order
-        }
-        self._min_units = {
-            s: min((m.work[s] for b in self.metas for m in b if s in m.work), default=0) for s in spec.order
-        }
+        self._ahead, self._ahead_edges = self.pricer.ahead, self.pricer.ahead_edges
         self._paths = _chains(spec, self.metas)
         # the sets of sections one sample has work in, and each section's producers and
         # consumers among the sections: what the turn bound (`_turns`) follows
         self._patterns = sorted({tuple(s for s in spec.order if s in m.work) for b in self.metas for m in b})
         self._producers = {s: tuple(e.src for e in spec.producers_of(s)) for s in spec.order}
         self._consumers = {s: tuple(e.dst for e in spec.consumers_of(s)) for s in spec.order}
-        self._leaves = {s: (ShardedLeaves(sec.params), ShardedLeaves(sec.consts)) for s, sec in spec.sections.items()}
+
+    @property
+    def max_units(self) -> dict[str, int]:
+        """Each section's most work units in any planning sample (`Pricer.max_units`)."""
+        return self.pricer.max_units
+
+    @property
+    def typical_units(self) -> dict[str, float]:
+        """Each section's typical work units a sample (`Pricer.typical_units`)."""
+        return self.pricer.typical_units
 
     def _empty_memos(self) -> None:
-        """The search's memo tables (`_with` shares `_prices`, `_weights_by_mesh` and the staged
-        planners with the planner it derives from)."""
+        """The search's memo tables (`_with` shares the staged planners with the planner it
+        derives from; the prices are the pricer's)."""
         # planners of the workload with sections in stages (`_staged`), shared with `_with`'s
         self._staged_planners: dict[tuple, Planner] = {}
         self._options: dict[tuple, list[_Option]] = {}
         self._layouts_by_count: dict[tuple, list] = {}
         self._priced: dict[tuple, _Option] = {}
-        self._prices: dict[tuple, tuple[SectionCost, float]] = {}  # shared with `_with`'s planners
         self._shared: dict[tuple, list[_Option]] = {}
         self._floors: dict[tuple, list[_Option]] = {}
-        self._times: dict[tuple, float] = {}
-        self._weights_by_mesh: dict[tuple, tuple[float, float] | None] = {}
-
-    def _memory(
-        self,
-        section: str,
-        sp: SectionPlan,
-        weights: tuple[float, float] | None = None,
-        in_flight: int | None = None,
-        packed: bool = True,
-    ) -> dict[str, float]:
-        """`in_flight`: forwards a trained producer keeps residuals for (default `max_in_flight`,
-        or less for a pipeline stage: 1F1B's bound, `schedule.ops.pipeline_bounds`); `packed`: a
-        section that packs sequences holds its packed rows (False: the monolithic step's)."""
-        return section_memory(
-            self.spec.sections[section],
-            sp,
-            section == self.spec.sink,
-            self.max_units[section],
-            in_flight or min(self.max_in_flight, self._stash.get(section, self.max_in_flight)),
-            weights,
-            self.spec.pack.get(section, 1) if packed else 1,
-            self.spec.buckets_per_octave,
-        )
-
-    def _weights_on(self, section: str, mesh: tuple[int, ...]) -> tuple[float, float] | None:
-        """Per-device bytes of `section`'s trained and frozen weights on `mesh`, or None when the
-        mesh does not divide a sharded dimension. Once per mesh: a section's options on one mesh
-        differ only in micro-batch and checkpointing, which leave the weights alone."""
-        key = (section, mesh)
-        if key not in self._weights_by_mesh:
-            params, consts = (leaves.per_device(mesh) for leaves in self._leaves[section])
-            self._weights_by_mesh[key] = None if params is None or consts is None else (params, consts)
-        return self._weights_by_mesh[key]
 
     # -- enumeration --------------------------------------------------------------------------
     def options(
@@ -353,11 +307,8 @@ class Planner:
         counted = tuple(sorted(counts.items()))
         key = (counted, self.max_in_flight)
         if key not in self._staged_planners:
-            spec = self.spec.staged(counts)
-            planner = self._staged_planners[key] = self._of(spec, staged_metas(self.metas, spec))
-            # prices and weights do not depend on the stash bound: shared by every such planner
-            twin = self._staged_planners.setdefault((counted, None), planner)
-            planner._prices, planner._weights_by_mesh = twin._prices, twin._weights_by_mesh
+            pricer = self.pricer.staged(counts)  # its prices shared by every stash bound's
+            self._staged_planners[key] = Planner(pricer.problem, tolerance=self.tolerance, pricer=pricer)
         return self._staged_planners[key]
 
     def _staged_options(self, section: str, k: int, n: int, budget: float, lightest: bool) -> list[_Option]:
@@ -480,7 +431,7 @@ class Planner:
             meshes = []  # by fsdp degree, smallest first: each mesh that can shard the weights, with their bytes
             for fsdp in divisors(dp // expert):
                 mesh = mesh_shape(data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor)
-                weights = self._weights_on(section, mesh)
+                weights = self.pricer.weights_on(section, mesh)
                 if weights is not None:
                     meshes.append((mesh, weights))
             for mb in choices:
@@ -491,7 +442,7 @@ class Planner:
                     variants = []
                     for mesh, weights in meshes:
                         sp = SectionPlan(devices, mesh, mb, res, precision=sec.precision, layer_remat=remat)
-                        variants.append((sp, self._memory(section, sp, weights)))
+                        variants.append((sp, self.pricer.memory(section, sp, weights)))
                     if variants:
                         out.append(variants)
         self._layouts_by_count[key] = out
@@ -509,35 +460,19 @@ class Planner:
             sp.layer_remat,
         )  # hashing devices is slow
         if key not in self._priced:
-            if key not in self._prices:
-                cost = self._section_cost(section, sp)
-                self._prices[key] = cost, self._section_bound(section, sp, cost)
-            cost, work = self._prices[key]
+            cost, work = self.pricer.price(section, sp)
             back = work * cost.backward_factor / (1.0 + cost.backward_factor) if self._backs(section) else 0.0
             self._priced[key] = _Option(
                 sp,
                 mem,
                 cost,
                 work + cost.update_s,
-                *self._shortest(section, sp, cost),
+                *self.pricer.shortest(section, sp, cost),
                 work - back,
                 back,
                 cost.update_s,
             )
         return self._priced[key]
-
-    def _shortest(self, section: str, sp: SectionPlan, cost: SectionCost) -> tuple[float, float]:
-        """The shortest forward and backward micro-steps of `section`: at the fewest units any
-        sample has there. The sink's forward is its loss-and-grad; a section that runs ahead
-        has no forward in the step (computed the step before), a frozen one no backward. Under a
-        token budget (`schedule.packing`) a micro-step runs at least one row of the budget."""
-        cm, units, mb = CostModel({section: cost}), [self._min_units[section]], sp.micro_batch
-        if isinstance(budget := self.spec.pack.get(section), TokenBudget):
-            units, mb = [budget.tokens], 1
-        if section == self.spec.sink:
-            return cm.step_time(section, "L", units, mb), 0.0
-        forward = 0.0 if section in self._ahead else cm.step_time(section, "F", units, mb)
-        return forward, cm.step_time(section, "B", units, mb) if self.spec.sections[section].trained else 0.0
 
     def _chain(self, values: dict[str, _Option], group_of: dict | None = None) -> float:
         """A lower bound from dependencies. Along a path of edges into the sink that one sample
@@ -595,7 +530,7 @@ class Planner:
                     self.link_gbps,
                     edge_positions(self.spec, e.name, src.cost.bucket_min),
                 )
-                out[e.name] = 0.0 if per_unit is None else TRANSFER_OVERHEAD_S + per_unit * self._min_units[e.src]
+                out[e.name] = 0.0 if per_unit is None else TRANSFER_OVERHEAD_S + per_unit * self.pricer.min_units[e.src]
             elif group_of[e.src] != group_of[e.dst]:
                 out[e.name] = TRANSFER_OVERHEAD_S
         return out
@@ -788,7 +723,7 @@ class Planner:
                 if bound > limit.value:
                     return
                 plan = self._assemble(chosen, groups)
-                memory = self._with_stash(plan, _memories(chosen))
+                memory = self.pricer.with_stash(plan, _memories(chosen))
                 if not (self._ahead_edges and peak_memory(plan, memory) > budget):
                     yield plan, memory, bound
                 return
@@ -854,131 +789,21 @@ class Planner:
         }
         return Plan(sections=sections, fanout=fanout, global_batch=self.global_batch)
 
-    def _with_stash(self, plan: Plan, memory: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-        """`memory` with, under run-ahead, each consumer of a section that runs ahead holding the
-        next batch's rows of that edge through the step: per device, what its shard receives
-        (`delivered`: the whole rows of each producer shard that feeds it, `width` of the DP(p)
-        shards of the batch), at the most units any planning batch sends."""
-        if not self._ahead_edges:
-            return memory
-        out = dict(memory)
-        for e, units in self._ahead_edges:
-            p, c = plan.sections[e.src], plan.sections[e.dst]
-            extra = self.run_ahead * self.spec.edge_bytes[e.name] * units * delivered(p.dp, c.dp)[1] / p.dp
-            m = out[e.dst]
-            out[e.dst] = {
-                **m,
-                "activations": m["activations"] + extra,
-                "held": m["held"] + extra,
-                "total": m["total"] + extra,
-            }
-        return out
-
+    # -- prices (the pricer's; kept here for the callers of 0.3.0) ------------------------------
     def check(self, plan: Plan) -> dict[str, dict[str, float]]:
-        """The runtime's constraint checks on a whole plan; raises PlanError. Returns the memory."""
-        counts = self._stage_counts(plan)
-        if counts:
-            return self._staged(counts).check(plan)
-        mem = self._with_stash(plan, {s: self._memory(s, sp) for s, sp in plan.sections.items()})
-        check_plan(
-            plan,
-            num_devices=self.devices,
-            edges=self.spec.edges,
-            sink=self.spec.sink,
-            params={s: sec.leaves for s, sec in self.spec.sections.items()},
-            budget_bytes=self.budget,
-            state={s: m["state"] for s, m in mem.items()},
-            activations={s: m["activations"] for s, m in mem.items()},
-            held={s: m["held"] for s, m in mem.items()},
-        )
-        return mem
-
-    # -- scoring ------------------------------------------------------------------------------
-    def _section_cost(self, section: str, sp: SectionPlan) -> SectionCost:
-        return section_cost(
-            self.spec.sections[section],
-            sp,
-            self.metas,
-            self.device,
-            self.link_gbps,
-            section == self.spec.sink,
-            self.typical_units[section],
-            self.spec.pack.get(section, 1),
-            self.spec.buckets_per_octave,
-        )
-
-    def _section_bound(self, section: str, sp: SectionPlan, cost: SectionCost) -> float:
-        """No section finishes before its own micro-steps are done, however its samples are
-        packed. Two valid floors, the larger is kept: (a) the rows' unpadded work spread over the
-        data shards, or each micro-step's overlapped collectives if longer, plus each micro-step's
-        overhead; (b) padding: a micro-step costs at least its
-        largest row's bucket, and over any packing into micro-steps of `rows` samples the sum of
-        those largest rows is at least that of the sorted packing (every `rows`-th largest). A
-        section that packs sequences (`schedule.packing`) takes `slots` samples a micro-step: in the
-        count form still `micro_batch` rows a shard, each at least its largest sample long; under a
-        token budget at least one row of the budget (a packed row's work is at least its samples')."""
-        sec, sink = self.spec.sections[section], section == self.spec.sink
-        cm = CostModel({section: cost})
-        factor = cost.sink_factor if sink else 1.0 + (cost.backward_factor if sec.trained else 0.0)
-        pack = self.spec.pack.get(section, 1)
-        bounds, rows, dp, mb = [], slots(sp.rows, pack), sp.dp, sp.micro_batch
-        linear, quadratic = cost.per_unit_s, cost.per_unit2_s
-        for units in self._units_desc[section]:
-            steps = math.ceil(len(units) / rows)
-            work = steps * cost.overhead_s + max(
-                sum([linear * u + quadratic * u * u for u in units]) / dp, steps * cost.overlapped_s
-            )
-            if isinstance(pack, TokenBudget):
-                padded = steps * cm.step_time(section, "F", [pack.tokens], 1)
-            else:
-                padded = sum(cm.step_time(section, "F", [units[j * rows]], mb) for j in range(steps))
-            bounds.append(factor * max(work, padded))
-        return statistics.mean(bounds)
-
-    def _stage_counts(self, plan: Plan) -> dict[str, int]:
-        """The sections `plan` holds in pipeline stages, with their stage counts."""
-        out = {}
-        for s in self.spec.splits:
-            k = 0
-            while stage_name(s, k) in plan.sections:
-                k += 1
-            if k:
-                out[s] = k
-        return out
+        """The runtime's constraint checks on a whole plan (`Pricer.check`); raises PlanError."""
+        return self.pricer.check(plan)
 
     def step_time(self, plan: Plan) -> float:
-        counts = self._stage_counts(plan)
-        if counts:  # simulated with each stage a section of its own
-            return self._staged(counts).step_time(plan)
-        key = _key(plan)
-        if key not in self._times:
-            self._times[key] = statistics.mean(t.makespan for t, *_ in self._simulated(plan))
-        return self._times[key]
+        """`plan`'s simulated step time (`Pricer.step_time`)."""
+        return self.pricer.step_time(plan)
 
     def device_time(self, plan: Plan) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-        """Where `plan`'s device time goes (`simulator.device_time`: work, padding, overheads,
-        collectives, optimizer, idle) and the same by section (`simulator.section_time`),
-        shares averaged over the planning batches."""
-        counts = self._stage_counts(plan)
-        if counts:
-            return self._staged(counts).device_time(plan)
-        sims = list(self._simulated(plan))
-        shares = [device_time(*sim) for sim in sims]
-        by_section = [section_time(*sim) for sim in sims]
-        return (
-            {k: statistics.mean(d[k] for d in shares) for k in DEVICE_TIME},
-            {s: {k: statistics.mean(d[s][k] for d in by_section) for k in DEVICE_TIME[:-1]} for s in by_section[0]},
-        )
+        """Where `plan`'s device time goes (`Pricer.device_time`)."""
+        return self.pricer.device_time(plan)
 
-    def _simulated(self, plan: Plan) -> Iterator[tuple]:
-        """(timeline, schedule, problem, metas, cost) of `plan`'s wavefront step on each planning
-        batch, priced by the analytic model."""
-        cost = cost_model(self.spec, dict(plan.sections), self.metas, self.device, self.link_gbps, self.typical_units)
-        problem = self.spec.problem(plan, self.max_in_flight, self.run_ahead, self.balance_shards)
-        devices = {s: len(sp.devices) for s, sp in plan.sections.items()}
-        for m in self.metas:
-            schedule = wavefront(m, problem, cost)
-            yield simulate(schedule, problem, m, cost, devices=devices, serial=self.serial), schedule, problem, m, cost
+    def _stage_counts(self, plan: Plan) -> dict[str, int]:
+        return self.pricer.stage_counts(plan)
 
     # -- search -------------------------------------------------------------------------------
     def search(self, top: int = 10) -> PlanReport:
@@ -994,7 +819,7 @@ class Planner:
                 same = f == self.max_in_flight and ahead == self.run_ahead
                 fastest: dict = {}  # each plan found so far at its fastest: what a later search must beat
                 for c in scored:
-                    fastest[_key(c.plan)] = min(fastest.get(_key(c.plan), math.inf), c.step_time_s)
+                    fastest[plan_key(c.plan)] = min(fastest.get(plan_key(c.plan), math.inf), c.step_time_s)
                 kth = sorted(fastest.values())[top - 1] if len(fastest) >= top else math.inf
                 found, count, ran = (self if same else self._with(self.devices, f, ahead))._search(top, kth)
                 scored, considered, simulated = scored + found, considered + count, simulated + ran
@@ -1005,7 +830,7 @@ class Planner:
         scored += [p for p in points if p is not None]
         scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured settings first
         seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
-        scored = [c for c in scored if not (_key(c.plan) in seen or seen.add(_key(c.plan)))]
+        scored = [c for c in scored if not (plan_key(c.plan) in seen or seen.add(plan_key(c.plan)))]
         if not scored:
             raise InfeasibleError(self._infeasible_message())
         best = scored[0]
@@ -1100,7 +925,7 @@ class Planner:
             max_in_flight,
             peak_memory(plan, mem) / 2**30,
             0,
-            self.spec.staged(self._stage_counts(plan)).stages,
+            self.spec.staged(self.pricer.stage_counts(plan)).stages,
         )
 
     def _search(self, top: int, incumbent: float = math.inf) -> tuple[list[Candidate], int, int]:
@@ -1160,7 +985,7 @@ class Planner:
                     self.max_in_flight,
                     peak_memory(plan, mem) / 2**30,
                     self.run_ahead,
-                    self.spec.staged(self._stage_counts(plan)).stages,
+                    self.spec.staged(self.pricer.stage_counts(plan)).stages,
                 ),
             )
             if len(scored) >= top:
@@ -1233,7 +1058,7 @@ class Planner:
                             ),
                             mb,
                         )
-                        weights = {s: self._weights_on(s, sp.mesh) for s in self.spec.order}
+                        weights = {s: self.pricer.weights_on(s, sp.mesh) for s in self.spec.order}
                         if None in weights.values():
                             continue
                         plans = {
@@ -1243,7 +1068,7 @@ class Planner:
                         # one program per micro-batch: each trained producer keeps one forward's
                         # residuals while the sections after it run, as co-located sections do
                         # (the monolithic step never packs)
-                        mems = [self._memory(s, plans[s], weights[s], 1, packed=False) for s in self.spec.order]
+                        mems = [self.pricer.memory(s, plans[s], weights[s], 1, packed=False) for s in self.spec.order]
                         if group_memory(mems) > self.budget:
                             continue
                         cost = cost_model(
@@ -1264,16 +1089,14 @@ class Planner:
     def _with(self, devices: int, max_in_flight: int | None = None, run_ahead: int | None = None) -> Planner:
         """This planner with other settings; the layouts' costs and weights, which none of them
         change, are shared."""
-        other = Planner(
-            self.problem.replace(
-                devices=devices,
-                max_in_flight=max_in_flight or self.max_in_flight,
-                run_ahead=self.run_ahead if run_ahead is None else run_ahead,
-            ),
-            tolerance=self.tolerance,
-            progress=self.progress,
+        problem = self.problem.replace(
+            devices=devices,
+            max_in_flight=max_in_flight or self.max_in_flight,
+            run_ahead=self.run_ahead if run_ahead is None else run_ahead,
         )
-        other._prices, other._weights_by_mesh = self._prices, self._weights_by_mesh
+        other = Planner(
+            problem, tolerance=self.tolerance, progress=self.progress, pricer=self.pricer.for_problem(problem)
+        )
         other._staged_planners = self._staged_planners
         return other
 
@@ -1356,11 +1179,6 @@ def _ceil_significant(x: float, digits: int = 3) -> float:
     """`x` rounded up to `digits` significant digits (a request that surely fits)."""
     scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
     return math.ceil(x * scale) / scale
-
-
-def _key(plan: Plan) -> tuple:
-    """A plan's sections as a hashable value."""
-    return tuple(plan.sections.items())
 
 
 def _tiebreak(plan: Plan):
