@@ -444,8 +444,7 @@ def test_monolithic_checkpoints_each_section_its_own_way():
     assert all(r == "none" for s, r in best["layer_remat"].items() if not p.spec.sections[s].trained)
     uniform = []
     for policy in p.layer_remat:
-        one = p._with(p.devices)
-        one.layer_remat = (policy,)  # one policy for every section: the baseline as it was
+        one = Planner(p.problem.replace(layer_remat=(policy,)))  # one policy for every section: the baseline as it was
         uniform.append(one.monolithic_best())
     fastest = min(u["step_time_s"] for u in uniform if u is not None)
     assert best["step_time_s"] < fastest

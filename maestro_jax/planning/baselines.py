@@ -39,16 +39,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import statistics
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import SectionPlan, mesh_shape
 from maestro_jax.planning.cluster import cost_model, monolithic_time, packed_time
 from maestro_jax.planning.cost import CostModel
+from maestro_jax.planning.layout import divisors, group_memory, mesh_degrees, micro_batches
 from maestro_jax.planning.pipeline import pipelined_best
-from maestro_jax.planning.spec import WorkloadSpec
+from maestro_jax.planning.pricer import Pricer
+from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 from maestro_jax.planning.text import digits, layer_remat_text, mesh_text, seconds
 from maestro_jax.schedule.ops import SampleMeta
 
@@ -151,6 +155,74 @@ def result_of(name: str, record: Mapping[str, Any] | None) -> BaselineResult | N
     return None if record is None else next(b for b in BASELINES if b.name == name).from_record(record)
 
 
+def monolithic_best(pricer: Pricer) -> dict | None:
+    """The monolithic baseline's best layout, micro-batch and per-layer activation
+    checkpointing on the problem's devices (every section's state on every device, the smallest
+    fsdp that fits), with each section's own precision, and the same context and expert
+    parallelism choices as the sections get, applied to all of it at once.
+
+    Activation checkpointing is chosen per trained section (`layer_remat`: section -> policy,
+    "none" for frozen ones): one program can checkpoint its ViT blocks and not its LLM
+    blocks, as `jax.checkpoint` wraps each block kind with its own policy (MaxText's
+    per-decoder-layer `remat_policy`), so the fair baseline gets the same freedom the
+    sections get."""
+    problem, spec = pricer.problem, pricer.problem.spec
+    best, gb, n = None, problem.global_batch, problem.devices
+    trained = [s for s in spec.order if spec.sections[s].trained]
+    for tensor, context, expert in mesh_degrees(_all_in_one(spec), n, problem.contexts):
+        dp = n // (tensor * context)
+        for mb in micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
+            for remats in itertools.product(problem.layer_remat, repeat=len(trained)):
+                remat = dict.fromkeys(spec.order, "none") | dict(zip(trained, remats))
+                for fsdp in divisors(dp // expert):
+                    mesh = mesh_shape(
+                        data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor
+                    )
+                    sp = SectionPlan(tuple(range(n)), mesh, mb)
+                    t = _monolithic_time(pricer, sp, remat)
+                    if t is None:
+                        continue
+                    if best is None or t < best["step_time_s"]:
+                        best = {
+                            "mesh": dict(sp.axis_sizes),
+                            "micro_batch": mb,
+                            "layer_remat": remat,
+                            "step_time_s": t,
+                            "samples_per_s_per_device": gb / t / n,
+                        }
+                    break  # the smallest fsdp that fits
+    return best
+
+
+def _all_in_one(spec: WorkloadSpec) -> SectionSpec:
+    """Every section's leaves as one section: what the monolithic layout's meshes must shard."""
+    return SectionSpec(
+        "all",
+        True,
+        tuple(p for sec in spec.sections.values() for p in sec.leaves),
+        UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in spec.sections.values())),
+    )
+
+
+def _monolithic_time(pricer: Pricer, sp: SectionPlan, remat: Mapping[str, str]) -> float | None:
+    """The monolithic step's mean time with every section on `sp` (each with its precision and
+    `remat[s]`), or None where a sharded dimension does not divide or it does not fit. One
+    program per micro-batch: each trained producer keeps one forward's residuals while the
+    sections after it run, as co-located sections do (the monolithic step never packs)."""
+    problem, spec = pricer.problem, pricer.problem.spec
+    weights = {s: pricer.weights_on(s, sp.mesh) for s in spec.order}
+    if None in weights.values():
+        return None
+    plans = {
+        s: dataclasses.replace(sp, precision=sec.precision, layer_remat=remat[s]) for s, sec in spec.sections.items()
+    }
+    mems = [pricer.memory(s, plans[s], weights[s], 1, packed=False) for s in spec.order]
+    if group_memory(mems) > problem.budget_bytes:
+        return None
+    cost = cost_model(spec, plans, problem.metas, problem.device, problem.link_gbps, pricer.typical_units, packed=False)
+    return statistics.mean(monolithic_time(spec, m, cost, sp.micro_batch, sp.rows) for m in problem.metas)
+
+
 class Baseline(Protocol):
     """A way users train the workload today, priced on the planner's devices and cost model."""
 
@@ -178,7 +250,7 @@ class FairMonolithic:
     name = "monolithic"
 
     def price(self, planner, priced) -> BaselineResult | None:
-        best = planner.monolithic_best()
+        best = planner.monolithic_best()  # its progress line, then `monolithic_best`
         return None if best is None else dataclasses.replace(self.from_record(best), devices=planner.devices)
 
     def from_record(self, record) -> BaselineResult:

@@ -29,10 +29,8 @@ import dataclasses
 import heapq
 import itertools
 import math
-import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from maestro_jax.core.graph import UnitCost
 from maestro_jax.core.plan import (
     Plan,
     PlanError,
@@ -40,12 +38,10 @@ from maestro_jax.core.plan import (
     mesh_shape,
 )
 from maestro_jax.core.stages import even_layers, stage_name
-from maestro_jax.planning.baselines import BaselineResult, baselines_json, price_baselines
+from maestro_jax.planning.baselines import BaselineResult, baselines_json, monolithic_best, price_baselines
 from maestro_jax.planning.cluster import (
     TRANSFER_OVERHEAD_S,
-    cost_model,
     edge_positions,
-    monolithic_time,
     transfer_s_per_unit,
 )
 from maestro_jax.planning.cost import DEVICES, SectionCost
@@ -59,7 +55,7 @@ from maestro_jax.planning.layout import (
 from maestro_jax.planning.pricer import Pricer, plan_key
 from maestro_jax.planning.problem import PlanningProblem
 from maestro_jax.planning.simulator import DEVICE_TIME  # noqa: F401 - its old home (tools)
-from maestro_jax.planning.spec import SPLIT_COUNTS, SectionSpec, WorkloadSpec
+from maestro_jax.planning.spec import SPLIT_COUNTS, WorkloadSpec
 from maestro_jax.planning.text import layer_remat_text  # noqa: F401 - its old home (cli, plug-ins)
 
 
@@ -1026,65 +1022,10 @@ class Planner:
         return known[most]
 
     def monolithic_best(self) -> dict | None:
-        """The monolithic baseline's best layout, micro-batch and per-layer activation
-        checkpointing on the same devices (every section's state on every device, the smallest
-        fsdp that fits), with each section's own precision, and the same context and expert
-        parallelism choices as the sections get, applied to all of it at once.
-
-        Activation checkpointing is chosen per trained section (`layer_remat`: section -> policy,
-        "none" for frozen ones): one program can checkpoint its ViT blocks and not its LLM
-        blocks, as `jax.checkpoint` wraps each block kind with its own policy (MaxText's
-        per-decoder-layer `remat_policy`), so the fair baseline gets the same freedom the
-        sections get."""
+        """The fair monolithic baseline's best layout on this planner's devices
+        (`baselines.monolithic_best`)."""
         self.progress(f"baselines on {self.devices} devices: the monolithic layout and the pipelined (1F1B) one")
-        best, gb = None, self.global_batch
-        every = SectionSpec(
-            "all",
-            True,
-            tuple(p for sec in self.spec.sections.values() for p in sec.leaves),
-            UnitCost(flops=0.0, kv_width=max(sec.cost.kv_width for sec in self.spec.sections.values())),
-        )
-        trained = [s for s in self.spec.order if self.spec.sections[s].trained]
-        for tensor, context, expert in mesh_degrees(every, self.devices, self.contexts):
-            dp = self.devices // (tensor * context)
-            for mb in micro_batches(gb, dp):  # the same micro-batches and padding as the sections get
-                for remats in itertools.product(self.layer_remat, repeat=len(trained)):
-                    remat = dict.fromkeys(self.spec.order, "none") | dict(zip(trained, remats))
-                    for fsdp in divisors(dp // expert):
-                        sp = SectionPlan(
-                            tuple(range(self.devices)),
-                            mesh_shape(
-                                data=dp // expert // fsdp, fsdp=fsdp, expert=expert, context=context, tensor=tensor
-                            ),
-                            mb,
-                        )
-                        weights = {s: self.pricer.weights_on(s, sp.mesh) for s in self.spec.order}
-                        if None in weights.values():
-                            continue
-                        plans = {
-                            s: dataclasses.replace(sp, precision=sec.precision, layer_remat=remat[s])
-                            for s, sec in self.spec.sections.items()
-                        }
-                        # one program per micro-batch: each trained producer keeps one forward's
-                        # residuals while the sections after it run, as co-located sections do
-                        # (the monolithic step never packs)
-                        mems = [self.pricer.memory(s, plans[s], weights[s], 1, packed=False) for s in self.spec.order]
-                        if group_memory(mems) > self.budget:
-                            continue
-                        cost = cost_model(
-                            self.spec, plans, self.metas, self.device, self.link_gbps, self.typical_units, packed=False
-                        )
-                        t = statistics.mean(monolithic_time(self.spec, m, cost, mb, sp.rows) for m in self.metas)
-                        if best is None or t < best["step_time_s"]:
-                            best = {
-                                "mesh": dict(sp.axis_sizes),
-                                "micro_batch": mb,
-                                "layer_remat": remat,
-                                "step_time_s": t,
-                                "samples_per_s_per_device": gb / t / self.devices,
-                            }
-                        break
-        return best
+        return monolithic_best(self.pricer)
 
     def _with(self, devices: int, max_in_flight: int | None = None, run_ahead: int | None = None) -> Planner:
         """This planner with other settings; the layouts' costs and weights, which none of them
