@@ -10,10 +10,10 @@ its bound shows it cannot beat the K-th best simulated time by more than `tolera
 1%; 0 finds the exact optimum, which `tests/test_planner.py` checks against exhaustive
 search). The bounds: no section finishes before its own work (its micro-steps, then its
 optimizer step) is done, co-located sections take turns, along a path of edges into the sink a
-sample's forwards, the sink's loss and the backwards run one after another (`Planner._chain`),
+sample's forwards, the sink's loss and the backwards run one after another (`bounds.Bounds.chain`),
 and each device group runs its sections' forwards, backwards and optimizer steps one at a time,
 none before the least time any of them waits for nor later than the least time still to follow
-(`Planner._turns`). A partial plan is bounded with
+(`bounds.Bounds.turns`). A partial plan is bounded with
 every section not chosen yet at its floor on the devices left to it, so whole subtrees go at
 once. Candidates are generated under a threshold that starts at the floor of every plan and
 rises in small steps, falling to the best times found so far, so large clusters, many sections
@@ -39,12 +39,8 @@ from maestro_jax.core.plan import (
 )
 from maestro_jax.core.stages import even_layers, stage_name
 from maestro_jax.planning.baselines import BaselineResult, baselines_json, monolithic_best, price_baselines
-from maestro_jax.planning.cluster import (
-    TRANSFER_OVERHEAD_S,
-    edge_positions,
-    transfer_s_per_unit,
-)
-from maestro_jax.planning.cost import DEVICES, SectionCost
+from maestro_jax.planning.bounds import FLOORED, Bounds, Option
+from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.layout import (
     divisors,
     group_memory,
@@ -140,26 +136,6 @@ class _Limit:
     value: float
 
 
-@dataclasses.dataclass(frozen=True)
-class _Option:
-    """One section's layout on `n` devices, with its memory, its cost coefficients and its share
-    of the step-time bound."""
-
-    plan: SectionPlan
-    memory: dict
-    cost: SectionCost
-    bound: float
-    forward: float = 0.0  # its shortest forward micro-step (the sink: loss-and-grad)
-    backward: float = 0.0  # its shortest backward micro-step (trained producers)
-    forwards: float = 0.0  # the forwards' share of `bound` (the sink: its losses)
-    backwards: float = 0.0  # the backwards' share of `bound`
-    update: float = 0.0  # the rest of `bound`: its optimizer step (`SectionCost.update_s`)
-    parts: tuple = ()  # in pipeline stages: each stage's option, in order (`Planner._staged_options`)
-
-
-_FLOORED = ("bound", "forward", "backward", "forwards", "backwards")  # what a floor of options keeps, in order
-
-
 class Planner:
     """Search over plans of a workload (any section DAG) on `devices` devices with `memory_gb` each.
 
@@ -231,16 +207,11 @@ class Planner:
         self.serial = DEVICES[problem.device].get("serial", False)
 
     def _index_batches(self) -> None:
-        """What the bounds read of the workload and its planning batches, computed once (the
-        prices' share: `Pricer`)."""
-        spec = self.spec
+        """What the bounds read of the workload and its planning batches, computed once
+        (`bounds.Bounds`; the prices' share: `Pricer`)."""
+        self.bounds = Bounds(self.pricer)
         self._ahead, self._ahead_edges = self.pricer.ahead, self.pricer.ahead_edges
-        self._paths = _chains(spec, self.metas)
-        # the sets of sections one sample has work in, and each section's producers and
-        # consumers among the sections: what the turn bound (`_turns`) follows
-        self._patterns = sorted({tuple(s for s in spec.order if s in m.work) for b in self.metas for m in b})
-        self._producers = {s: tuple(e.src for e in spec.producers_of(s)) for s in spec.order}
-        self._consumers = {s: tuple(e.dst for e in spec.consumers_of(s)) for s in spec.order}
+        self._paths = self.bounds.paths
 
     @property
     def max_units(self) -> dict[str, int]:
@@ -257,16 +228,16 @@ class Planner:
         derives from; the prices are the pricer's)."""
         # planners of the workload with sections in stages (`_staged`), shared with `_with`'s
         self._staged_planners: dict[tuple, Planner] = {}
-        self._options: dict[tuple, list[_Option]] = {}
+        self._options: dict[tuple, list[Option]] = {}
         self._layouts_by_count: dict[tuple, list] = {}
-        self._priced: dict[tuple, _Option] = {}
-        self._shared: dict[tuple, list[_Option]] = {}
-        self._floors: dict[tuple, list[_Option]] = {}
+        self._priced: dict[tuple, Option] = {}
+        self._shared: dict[tuple, list[Option]] = {}
+        self._floors: dict[tuple, list[Option]] = {}
 
     # -- enumeration --------------------------------------------------------------------------
     def options(
         self, section: str, n: int, budget: float | None = None, lightest: bool = False, alone: bool = True
-    ) -> list[_Option]:
+    ) -> list[Option]:
         """Every layout of `section` on `n` devices that passes its own constraints and fits;
         `lightest`: with the fsdp degree that needs the least memory instead of the smallest that fits;
         `alone`: with the layouts in pipeline stages (a section in stages has its devices alone)."""
@@ -307,7 +278,7 @@ class Planner:
             self._staged_planners[key] = Planner(pricer.problem, tolerance=self.tolerance, pricer=pricer)
         return self._staged_planners[key]
 
-    def _staged_options(self, section: str, k: int, n: int, budget: float, lightest: bool) -> list[_Option]:
+    def _staged_options(self, section: str, k: int, n: int, budget: float, lightest: bool) -> list[Option]:
         """`section` in `k` pipeline stages on `n` devices: stage i on the i-th consecutive
         `n / k` of them, every stage with one mesh, micro-batch and checkpointing (as the config
         gives them: `sections.<s>.stages`), the smallest fsdp degree at which every stage fits
@@ -359,7 +330,7 @@ class Planner:
                 out.append(self._staged_option(section, n, parts))
         return out
 
-    def _staged_option(self, section: str, n: int, parts: tuple[_Option, ...]) -> _Option:
+    def _staged_option(self, section: str, n: int, parts: tuple[Option, ...]) -> Option:
         """One option of a section from its stages' options. Its plan: the section's mesh over
         all `n` devices (the stages' data axis times their count, as `sections.<s>.mesh` states
         it). Its bound: each stage's own (on its own devices), after the shortest forwards of the
@@ -397,7 +368,7 @@ class Planner:
             )
             for j, part in enumerate(parts)
         )
-        return _Option(
+        return Option(
             plan,
             memory,
             None,
@@ -444,7 +415,7 @@ class Planner:
         self._layouts_by_count[key] = out
         return out
 
-    def _option(self, section: str, sp: SectionPlan, mem: dict) -> _Option:
+    def _option(self, section: str, sp: SectionPlan, mem: dict) -> Option:
         """`sp` priced: its cost, bound and shortest micro-steps (once per layout, whatever the
         budget; the cost and bound once for every stash bound and run-ahead setting, `_with`)."""
         key = (
@@ -457,8 +428,8 @@ class Planner:
         )  # hashing devices is slow
         if key not in self._priced:
             cost, work = self.pricer.price(section, sp)
-            back = work * cost.backward_factor / (1.0 + cost.backward_factor) if self._backs(section) else 0.0
-            self._priced[key] = _Option(
+            back = work * cost.backward_factor / (1.0 + cost.backward_factor) if self.bounds.backs(section) else 0.0
+            self._priced[key] = Option(
                 sp,
                 mem,
                 cost,
@@ -470,158 +441,14 @@ class Planner:
             )
         return self._priced[key]
 
-    def _chain(self, values: dict[str, _Option], group_of: dict | None = None) -> float:
-        """A lower bound from dependencies. Along a path of edges into the sink that one sample
-        of every batch takes whole, that sample's forwards and transfers run one after another,
-        then the sink's loss, then the cotangents and backwards of the trained producers that
-        gradients reach, in reverse. When every sample the sink gets takes the path, all of the
-        sink's work waits for the path's forwards and precedes those backwards. And when every
-        sample of a frozen section on the path goes on along it to the sink (a teacher), all of
-        that section's forwards precede the last of the sink's losses that reads them (a pivot:
-        its whole bound, the path's shortest forwards before and after it). The sink's optimizer
-        step is left out: it may run beside the producers' backwards. `values`: an option
-        or a floor for each section counted (a partial plan's bound bounds every completion);
-        `group_of`, each section's device group, for the transfers (`_hops`)."""
-        hops = self._hops(values, group_of)
-        best = 0.0
-        for sections, edges, whole, back, pivot in self._paths:
-            if pivot in self._ahead:
-                continue  # its forwards ran the step before
-            t = 0.0
-            for s in sections:
-                if s in values:
-                    o = values[s]
-                    if s == pivot:
-                        t += o.forwards
-                    elif s == self.spec.sink:
-                        t += o.forwards if whole and pivot is None else o.forward
-                    else:
-                        t += o.forward + (o.backward if s in back else 0.0)
-            for e in edges:
-                one = hops.get(e.name, 0.0)
-                t += (0.0 if e.src in self._ahead else one) + (one if e.src in back else 0.0)
-            best = max(best, t)
-        return best
-
-    def _hops(self, values: dict[str, _Option], group_of: dict | None) -> dict[str, float]:
-        """Each edge's shortest transfer (either way): at the fewest units any sample sends when
-        both ends have an option in `values`, else its fixed latency between device groups (and
-        nothing known within one)."""
-        if group_of is None:
-            return {}
-        out = {}
-        for e in self.spec.edges:
-            src, dst = values.get(e.src), values.get(e.dst)
-            if (src is not None and src.parts) or (dst is not None and dst.parts):
-                # an end in stages: its stage's mesh and devices are not the option's; the
-                # fixed latency between groups bounds the transfer
-                out[e.name] = TRANSFER_OVERHEAD_S if group_of[e.src] != group_of[e.dst] else 0.0
-            elif src is not None and dst is not None and src.plan is not None and dst.plan is not None:
-                per_unit = transfer_s_per_unit(
-                    self.spec.edge_bytes[e.name],
-                    src.plan,
-                    dst.plan,
-                    group_of[e.src] == group_of[e.dst],
-                    self.device,
-                    self.link_gbps,
-                    edge_positions(self.spec, e.name, src.cost.bucket_min),
-                )
-                out[e.name] = 0.0 if per_unit is None else TRANSFER_OVERHEAD_S + per_unit * self.pricer.min_units[e.src]
-            elif group_of[e.src] != group_of[e.dst]:
-                out[e.name] = TRANSFER_OVERHEAD_S
-        return out
-
-    def _turns(self, values: dict[str, _Option], groups: Sequence[Sequence[str]], group_of: dict) -> float:
-        """A lower bound from each device group's turns: its sections' forwards, losses and
-        backwards all run on its devices one at a time, and no op starts before what it depends on
-        or ends the step before what depends on it. For each kind of op of a section in the group
-        (its forwards, its backwards), a head (the least time before any of them can start: the
-        shortest forwards of the producers a sample passes first) and a tail (the least time after
-        any of them: the shortest forwards on to the sink, its loss, and the backwards back down,
-        including the section's own backward) from the shortest micro-steps in `values`, at the
-        sample whose path is shortest (`_patterns`), and its optimizer step (after its shortest
-        backward at the earliest, nothing after it); then for any set of those kinds, the smallest
-        head, their whole work (the bound's shares) and the smallest tail run one after another
-        (the one-machine bound of job-shop scheduling). `values` holds an option or a floor for
-        every section; `groups`, the device groups to bound."""
-        spec, sink = self.spec, self.spec.sink
-        hops = self._hops(values, group_of)
-        x = {}  # (producer, consumer) -> the shortest transfer between them
-        for e in spec.edges:
-            x[e.src, e.dst] = min(x.get((e.src, e.dst), math.inf), hops.get(e.name, 0.0))
-        f = {s: o.forward for s, o in values.items()}
-        b = {s: o.backward if self._backs(s) else 0.0 for s, o in values.items()}
-        inf = math.inf
-        head_f, tail_f, head_b, tail_b = (dict.fromkeys(spec.order, inf) for _ in range(4))
-        for pattern in self._patterns:
-            hf, tb, tf, hb = {}, {}, {}, {}
-            for s in pattern:  # graph order: producers first
-                hf[s] = max((hf[p] + f[p] + x[p, s] for p in self._producers[s] if p in hf), default=0.0)
-                tb[s] = max(
-                    (x[p, s] + b[p] + tb[p] for p in self._producers[s] if p in tb and self._backs(p)), default=0.0
-                )
-            for s in reversed(pattern):
-                tf[s] = (
-                    tb[s]
-                    if s == sink
-                    else max((x[s, c] + f[c] + tf[c] for c in self._consumers[s] if c in tf), default=0.0)
-                )
-                if self._backs(s):
-                    hb[s] = max(
-                        [
-                            hf[s] + f[s],
-                            *(
-                                (hf[c] + f[c] if c == sink else hb[c] + b[c]) + x[s, c]
-                                for c in self._consumers[s]
-                                if c in hb or (c == sink and c in hf)
-                            ),
-                        ]
-                    )
-            for s in pattern:
-                head_f[s], tail_f[s] = min(head_f[s], hf[s]), min(tail_f[s], tf[s])
-                if s in hb:
-                    head_b[s], tail_b[s] = min(head_b[s], hb[s]), min(tail_b[s], tb[s])
-        best = 0.0
-        for group in groups:
-            kinds = []  # (head, work, tail)
-            for s in group:
-                o = values[s]
-                split = self.spec.splits[s][len(o.parts)] if o.parts else None
-                if split is not None and (split.consumes or split.produces):
-                    # an edge in or out at a middle stage: its busiest stage need not wait for it
-                    kinds.append((0.0, o.forwards, 0.0))
-                    if self._backs(s):
-                        kinds.append((0.0, o.backwards, 0.0))
-                    continue
-                if s in self._ahead:  # its forwards are the next batch's: nothing in this step waits on them
-                    kinds.append((0.0, o.forwards, 0.0))
-                else:
-                    kinds.append((_finite(head_f[s]), o.forwards, _finite(tail_f[s])))
-                if self._backs(s):
-                    kinds.append((_finite(head_b[s]), o.backwards, _finite(tail_b[s])))
-                if o.update and not o.parts:  # after its last backward (the sink: loss-and-grad), the
-                    # last op of its own (in stages: of its busiest stage, whose turn this bound does not follow)
-                    last = head_b[s] + b[s] if self._backs(s) else head_f[s] + f[s]
-                    kinds.append((_finite(last), o.update, 0.0))
-            for a in {k[0] for k in kinds}:
-                for z in {k[2] for k in kinds}:
-                    work = sum(k[1] for k in kinds if k[0] >= a and k[2] >= z)
-                    if work:
-                        best = max(best, a + work + z)
-        return best
-
-    def _backs(self, section: str) -> bool:
-        """Whether `section` runs backwards (a trained producer)."""
-        return section != self.spec.sink and self.spec.sections[section].trained
-
-    def _undominated(self, section: str, options: list[_Option]) -> list[_Option]:
+    def _undominated(self, section: str, options: list[Option]) -> list[Option]:
         """Drop an option when another with the same data-parallel degree and micro-batch (all
         that fanouts and the schedule see of it; and the same stage count) costs no more in every coefficient of the cost
         model and needs no more memory of each kind: it can only tie or lose, alone or sharing
         devices with other sections. Keeps the search from simulating the many layouts (tensor vs
         context, expert degrees, checkpointing) that differ in name only."""
 
-        def coefficients(o: _Option) -> tuple:
+        def coefficients(o: Option) -> tuple:
             m = o.memory
             costs = [p.cost for p in o.parts] or [o.cost]  # in stages: every stage's
             return (
@@ -643,7 +470,7 @@ class Planner:
                 m["held"],
             )
 
-        groups: dict[tuple, list[tuple[tuple, _Option]]] = {}
+        groups: dict[tuple, list[tuple[tuple, Option]]] = {}
         for o in options:
             groups.setdefault((len(o.parts), o.plan.dp, o.plan.micro_batch), []).append((coefficients(o), o))
         kept = set()  # ids: the options are distinct, and comparing dataclasses is slow
@@ -655,10 +482,6 @@ class Planner:
                     front.append((coef, o))
             kept.update(id(o) for _, o in front)
         return [o for o in options if id(o) in kept]
-
-    def _combine(self, bounds) -> float:
-        """A plan's bound from its sections': their sum on a serial client, else the largest."""
-        return sum(bounds) if self.serial else max(bounds, default=0.0)
 
     def placements(self) -> list[tuple[tuple[str, ...], ...]]:
         """Every way to put the sections into device groups (set partitions): a group's sections
@@ -674,7 +497,7 @@ class Planner:
             (tuple(tuple(g) for g in p) for p in out), key=lambda p: (len(p) != 1, len(p) != len(order), -len(p))
         )
 
-    def _shared_options(self, section: str, n: int, budget: float, lightest: bool, members: int) -> list[_Option]:
+    def _shared_options(self, section: str, n: int, budget: float, lightest: bool, members: int) -> list[Option]:
         """`section`'s options when it shares its `n` devices with `members - 1` other sections:
         the layouts that fit some share of the budget (eighths, up to all of it: one section's
         working activations may reuse another's, `group_bytes`), each the cheapest for its
@@ -707,15 +530,15 @@ class Planner:
         budget = self.budget if budget is None else budget
         limit = threshold if isinstance(threshold, _Limit) else _Limit(threshold)
 
-        def floor(s: str, most: int) -> _Option:
+        def floor(s: str, most: int) -> Option:
             return self._floor(s, most, budget, lightest)
 
         def extend(groups, i: int, left: int, chosen: dict, bounds: list) -> Iterator:
             if i == len(groups):
-                bound = max(self._combine(bounds), self._chain(chosen, group_of))
+                bound = max(self.bounds.combine(bounds), self.bounds.chain(chosen, group_of))
                 if bound > limit.value:
                     return
-                bound = max(bound, self._turns(chosen, groups, group_of))
+                bound = max(bound, self.bounds.turns(chosen, groups, group_of))
                 if bound > limit.value:
                     return
                 plan = self._assemble(chosen, groups)
@@ -726,7 +549,7 @@ class Planner:
             after = len(groups) - i - 1
             if i:  # the groups chosen so far take their turns, the others at their floors
                 fill = {r: floor(r, left - after) for g in groups[i:] for r in g}
-                if self._turns({**fill, **chosen}, groups[:i], group_of) > limit.value:
+                if self.bounds.turns({**fill, **chosen}, groups[:i], group_of) > limit.value:
                     return
             sizes = [left] if after == 0 else range(1, left - after + 1)
             for n in sizes:
@@ -746,12 +569,12 @@ class Planner:
             fill = {**later, **unchosen}
             for opt in self._shared_options(s, n, budget, lightest, len(group)):  # by bound, smallest first
                 total = group_bound + opt.bound
-                if self._combine(bounds + [total + waiting] + rest) > limit.value:
+                if self.bounds.combine(bounds + [total + waiting] + rest) > limit.value:
                     break
                 if len(group) > 1 and group_memory(memories + [opt.memory]) > budget:
                     continue
                 now = {**chosen, s: opt}
-                if self._paths and self._chain({**fill, **now}, group_of) > limit.value:
+                if self._paths and self.bounds.chain({**fill, **now}, group_of) > limit.value:
                     continue
                 yield from members(groups, i, n, left, j + 1, now, bounds, rest, total, memories + [opt.memory], later)
 
@@ -944,7 +767,7 @@ class Planner:
         if next(self.candidates(), None) is None:  # no plan at all: the passes below would never end early
             return [], 0, 0
         floors = {s: self._floor(s, self.devices, self.budget, False) for s in self.spec.order}
-        first = max(self._combine([o.bound for o in floors.values()]), self._chain(floors))
+        first = max(self.bounds.combine([o.bound for o in floors.values()]), self.bounds.chain(floors))
         threshold = first / (1 - self.tolerance)
         while True:
             scored, considered = self._scored_under(threshold, top, incumbent)
@@ -999,7 +822,7 @@ class Planner:
             score(*heapq.heappop(pending)[2:])
         return scored, considered
 
-    def _floor(self, section: str, most: int, budget: float, lightest: bool) -> _Option:
+    def _floor(self, section: str, most: int, budget: float, lightest: bool) -> Option:
         """The smallest bound and shortest micro-steps (each on its own) that any option of
         `section` reaches on at most `most` devices: a floor for every option a plan could give
         it there. Also when it shares them (`_shared_options`): a share of the budget only
@@ -1010,14 +833,14 @@ class Planner:
         step out. Grown one device count at a time and kept (linear in devices; the minimum over
         1..m each time would be quadratic)."""
 
-        def value(o: _Option, field: str) -> float:
+        def value(o: Option, field: str) -> float:
             return o.bound - o.update if field == "bound" else getattr(o, field)
 
-        known = self._floors.setdefault((section, budget, lightest), [_Option(None, {}, None, *[math.inf] * 5)])
+        known = self._floors.setdefault((section, budget, lightest), [Option(None, {}, None, *[math.inf] * 5)])
         while len(known) <= most:
             last, found = known[-1], self.options(section, len(known), budget, lightest)
             known.append(
-                _Option(None, {}, None, *(min([getattr(last, f), *(value(o, f) for o in found)]) for f in _FLOORED))
+                Option(None, {}, None, *(min([getattr(last, f), *(value(o, f) for o in found)]) for f in FLOORED))
             )
         return known[most]
 
@@ -1058,12 +881,12 @@ class Planner:
         )
 
 
-def _counts(chosen: Mapping[str, _Option]) -> dict[str, int]:
+def _counts(chosen: Mapping[str, Option]) -> dict[str, int]:
     """The sections of a plan's options in pipeline stages, with their stage counts."""
     return {s: len(o.parts) for s, o in chosen.items() if o.parts}
 
 
-def _memories(chosen: Mapping[str, _Option]) -> dict[str, dict[str, float]]:
+def _memories(chosen: Mapping[str, Option]) -> dict[str, dict[str, float]]:
     """The memory of a plan's sections by the plan's section names (a section in stages: each
     stage's under its own)."""
     out = {}
@@ -1073,47 +896,6 @@ def _memories(chosen: Mapping[str, _Option]) -> dict[str, dict[str, float]]:
         else:
             out[s] = o.memory
     return out
-
-
-def _chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:
-    """The paths of edges into the sink that the chain bound follows (`Planner._chain`), each as
-    (its sections, its edges, whether every sample the sink gets takes it whole, the producers on
-    it whose backward the sink's gradient reaches: trained, with only trained sections between
-    them and the sink, and a pivot or None). Kept when every batch has a sample that takes the
-    path whole (one with work in every section on it); once more per pivot: a frozen section
-    on it every sample of which has work in each section after it."""
-    paths: list[tuple[tuple[str, ...], tuple]] = []
-
-    def walk(section: str, sections: tuple[str, ...], edges: tuple) -> None:
-        if len(sections) > 1:
-            paths.append((sections, edges))
-        for e in spec.producers_of(section):
-            walk(e.src, (e.src, *sections), (e, *edges))
-
-    walk(spec.sink, (spec.sink,), ())
-    out = []
-    for sections, edges in paths:
-        takes = [[all(s in m.work for s in sections) for m in batch if spec.sink in m.work] for batch in metas]
-        if not all(any(t) for t in takes):
-            continue
-        back = set()
-        for s in reversed(sections[:-1]):
-            if not spec.sections[s].trained:
-                break
-            back.add(s)
-        out.append((sections, edges, all(all(t) for t in takes), frozenset(back), None))
-        for i, s in enumerate(sections[:-1]):
-            after = sections[i + 1 :]
-            if not spec.sections[s].trained and all(
-                all(a in m.work for a in after) for batch in metas for m in batch if s in m.work
-            ):
-                out.append((sections, edges, False, frozenset(back), s))
-    return out
-
-
-def _finite(x: float) -> float:
-    """A head or tail no sample defines (a section no planning sample has work in) bounds nothing."""
-    return 0.0 if math.isinf(x) else x
 
 
 def _ceil_significant(x: float, digits: int = 3) -> float:
