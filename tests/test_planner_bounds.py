@@ -60,15 +60,15 @@ def test_bounds_hold_and_bind(devices, run_ahead, every):
 
 def test_floors_bound_every_budget_share():
     """Where memory forces fsdp (the paper-scale VLM on 80 GB), a section sharing its devices picks
-    from more layouts (`_shared_options`, each at a share of the budget) than the full-budget
+    from more layouts (`SectionOptions.shared`, each at a share of the budget) than the full-budget
     options the floors are taken over: none of them goes below a floor."""
     p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 16, 80.0)
     fields = ("bound", "forward", "backward", "forwards", "backwards")
     forced, compared = False, 0
     for s in p.spec.order:
         for n in (4, 8, 16):
-            floor = p._floor(s, n, p.budget, False)
-            shared = [o for m in range(1, n + 1) for o in p._shared_options(s, m, p.budget, False, 2)]
+            floor = p.sections.floor(s, n, p.budget, False)
+            shared = [o for m in range(1, n + 1) for o in p.sections.shared(s, m, p.budget, False, 2)]
             if not shared:  # nothing fits on so few devices: the floor is infinite
                 assert math.isinf(floor.bound)
                 continue

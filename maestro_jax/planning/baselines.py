@@ -1,6 +1,6 @@
 """What users run today, priced beside the fair monolithic baseline, and the ceiling.
 
-The fair monolithic baseline (`Planner.monolithic_best`) gets everything maestro's sections get
+The fair monolithic baseline (`monolithic_best`) gets everything maestro's sections get
 but the sections: the same global length sort, dynamic shape buckets and padding, its best mesh,
 micro-batch and checkpointing. Trainers in use today do less, and these prices say how much
 less, each on the fair baseline's own layout (mesh, micro-batch, checkpointing, precision) and
@@ -27,7 +27,7 @@ Each entry has `step_time_s` and `samples_per_s_per_device`, averaged over the p
 as every other price is.
 
 Every baseline, these and the two layouts searched on their own (the fair monolithic,
-`Planner.monolithic_best`, and Megatron-LM's 1F1B pipeline, `pipeline.pipelined_best`), is a
+`monolithic_best`, and Megatron-LM's 1F1B pipeline, `pipeline.pipelined_best`), is a
 plug-in behind one protocol (`Baseline`: `price` and `lines`), listed once in `BASELINES` in the
 order they are priced (the users' baselines run on the fair monolithic one's layout, so after
 it), and priced into a typed `BaselineResult`. A new baseline is one class and one entry there;
@@ -105,7 +105,7 @@ def user_baselines(
     typical: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """`round_robin`, `static_padding`, `shared_recipe` (with a frozen section) and `ceiling` on
-    the fair monolithic baseline's `layout` (`Planner.monolithic_best`: mesh, micro-batch,
+    the fair monolithic baseline's `layout` (`monolithic_best`: mesh, micro-batch,
     checkpointing by section) over all `devices`, each as {step_time_s, samples_per_s_per_device}
     (the plug-ins' records; `BASELINES` prices them typed)."""
     on = OnLayout(spec, metas_all, layout, devices, global_batch, device, link_gbps, typical)
@@ -245,7 +245,7 @@ def _rate(planner, t: float) -> float:
 
 class FairMonolithic:
     """Every section on every device with one layout: the best mesh, micro-batch and per-section
-    checkpointing that fit (`Planner.monolithic_best`)."""
+    checkpointing that fit (`monolithic_best`)."""
 
     name = "monolithic"
 

@@ -36,7 +36,7 @@ class Option:
     forwards: float = 0.0  # the forwards' share of `bound` (the sink: its losses)
     backwards: float = 0.0  # the backwards' share of `bound`
     update: float = 0.0  # the rest of `bound`: its optimizer step (`SectionCost.update_s`)
-    parts: tuple = ()  # in pipeline stages: each stage's option, in order (`Planner._staged_options`)
+    parts: tuple = ()  # in pipeline stages: each stage's option, in order (`SectionOptions._staged_options`)
 
 
 FLOORED = ("bound", "forward", "backward", "forwards", "backwards")  # what a floor of options keeps, in order
@@ -198,12 +198,17 @@ class Bounds:
         return best
 
     def backs(self, section: str) -> bool:
-        """Whether `section` runs backwards (a trained producer)."""
-        return section != self.spec.sink and self.spec.sections[section].trained
+        """Whether `section` runs backwards (`backs`)."""
+        return backs(self.spec, section)
 
     def combine(self, bounds) -> float:
         """A plan's bound from its sections': their sum on a serial client, else the largest."""
         return sum(bounds) if self.serial else max(bounds, default=0.0)
+
+
+def backs(spec: WorkloadSpec, section: str) -> bool:
+    """Whether `section` runs backwards (a trained producer)."""
+    return section != spec.sink and spec.sections[section].trained
 
 
 def chains(spec: WorkloadSpec, metas: Sequence[Sequence]) -> list[tuple]:

@@ -399,7 +399,7 @@ def simulate_plan(
     """Naive, wavefront and monolithic step times of `plan` on `metas_all`, and what they imply;
     returns the report and the first batch's simulated wavefront timeline. The monolithic layout
     is `mono_sp` with each section's precision, and activation checkpointing by section from
-    `mono_remat` (`Planner.monolithic_best`'s), else `mono_sp.layer_remat` for every trained one."""
+    `mono_remat` (`baselines.monolithic_best`'s), else `mono_sp.layer_remat` for every trained one."""
     problem = spec.problem(plan, max_in_flight, run_ahead, balance_shards)
     cost = cost_model(spec, dict(plan.sections), metas_all, device, link_gbps)
     mono_plans = {
@@ -409,7 +409,7 @@ def simulate_plan(
             layer_remat=mono_remat[s] if mono_remat else mono_sp.layer_remat if sec.trained else "none",
         )
         for s, sec in spec.sections.items()
-    }  # each section's precision, as `Planner.monolithic_best`
+    }  # each section's precision, as `baselines.monolithic_best`
     mono_cost = cost_model(spec, mono_plans, metas_all, device, link_gbps, packed=False)
     devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}

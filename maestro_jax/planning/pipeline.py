@@ -2,7 +2,7 @@
 Megatron-LM runs it. Plain Python, no JAX.
 
 The paper we follow reports its gains against Megatron-LM, which pipelines the LLM rather than
-running every section on every device with one layout (`Planner.monolithic_best`). This module
+running every section on every device with one layout (`baselines.monolithic_best`). This module
 prices that layout with the same analytic cost and memory models, and searches it as
 `monolithic_best` searches its own:
 
@@ -597,7 +597,7 @@ def pipelined_best(planner: Search, stage_counts: Sequence[int] | None = None) -
     over the stage count (2 up to the sink's layers, dividing the devices; or `stage_counts`),
     the stage mesh (tensor, context, expert as `layout.mesh_degrees` offers them, the smallest fsdp
     that fits), the micro-batch and one `layer_remat` for every trained section, as
-    `Planner.monolithic_best` searches its layout. None when nothing fits (or the sink declares
+    `baselines.monolithic_best` searches its layout. None when nothing fits (or the sink declares
     too few layers to cut)."""
     spec, n = planner.spec, planner.devices
     layers = spec.sections[spec.sink].cost.layers

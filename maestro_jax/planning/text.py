@@ -42,7 +42,7 @@ def mesh_text(mesh: Mapping[str, int]) -> str:
 
 def layer_remat_text(remat: str | Mapping[str, str]) -> str:
     """A monolithic layout's activation checkpointing for a line of text: one policy, or each
-    section's (`Planner.monolithic_best` chooses per section)."""
+    section's (`baselines.monolithic_best` chooses per section)."""
     if isinstance(remat, str):
         return remat
     return ", ".join(f"{s} {r}" for s, r in remat.items())
