@@ -32,12 +32,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from maestro_jax.core.plan import (
     Plan,
-    PlanError,
-    SectionPlan,
-    mesh_shape,
 )
-from maestro_jax.core.stages import even_layers, stage_name
-from maestro_jax.planning.baselines import BaselineResult, baselines_json, monolithic_best, price_baselines
+from maestro_jax.core.stages import stage_name
+from maestro_jax.planning.baselines import monolithic_best, price_baselines
 from maestro_jax.planning.bounds import Bounds, Option
 from maestro_jax.planning.cost import DEVICES
 from maestro_jax.planning.layout import (
@@ -45,70 +42,13 @@ from maestro_jax.planning.layout import (
     peak_memory,
 )
 from maestro_jax.planning.options import SectionOptions, tiebreak_section
+from maestro_jax.planning.points import monolithic_point, pipelined_point
 from maestro_jax.planning.pricer import Pricer, plan_key
 from maestro_jax.planning.problem import PlanningProblem
+from maestro_jax.planning.report import Candidate, InfeasibleError, PlanReport, format_table  # noqa: F401 - their old home
 from maestro_jax.planning.simulator import DEVICE_TIME  # noqa: F401 - its old home (tools)
 from maestro_jax.planning.spec import SPLIT_COUNTS, WorkloadSpec
 from maestro_jax.planning.text import layer_remat_text  # noqa: F401 - its old home (cli, plug-ins)
-
-
-class InfeasibleError(ValueError):
-    """No plan fits the request; the message says the smallest request that would."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    plan: Plan
-    step_time_s: float
-    samples_per_s_per_device: float
-    memory_gb: dict[str, float]  # peak per device, by section
-    max_in_flight: int  # the stash bound it was scored with (`schedule.max_in_flight`)
-    peak_gb: float  # per device of the fullest device group (co-located sections add up)
-    run_ahead: int = 0  # whether frozen sections compute the next batch during the step (`schedule.run_ahead`)
-    stages: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # section -> its stages
-    # section -> its layers by stage, where not the even cut (`sections.<s>.stage_layers`)
-    cuts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-
-    def describe(self) -> dict:
-        return {
-            s: {
-                "devices": f"{sp.devices[0]}:{sp.devices[-1] + 1}",
-                "mesh": dict(sp.axis_sizes),
-                "micro_batch": sp.micro_batch,
-                "residuals": sp.residuals,
-                "layer_remat": sp.layer_remat,
-            }
-            for s, sp in self.plan.sections.items()
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanReport:
-    best: Candidate
-    top: list[Candidate]
-    considered: int  # candidate plans that pass every constraint
-    simulated: int  # that the bound did not rule out
-    # every baseline of `planning.baselines.BASELINES` on the same devices, by name (None: no layout
-    # fits): the fair monolithic, the 1F1B pipeline (Megatron-LM's), what users run today on the
-    # fair monolithic layout, and the ceiling; `baseline_lines` and `baselines_json` render them
-    baselines: Mapping[str, BaselineResult | None]
-    # where the best plan's device time goes (`Planner.device_time`: shares of DEVICE_TIME), in all
-    # and by section
-    device_time: dict | None = None
-    section_time: dict | None = None
-
-    # the records of 0.3.0's fields, for callers that read them by key (`plan --json` writes them)
-    @property
-    def monolithic(self) -> dict | None:
-        return baselines_json(self.baselines)["monolithic"]
-
-    @property
-    def pipelined(self) -> dict | None:
-        return baselines_json(self.baselines)["pipelined"]
-
-    @property
-    def user_baselines(self) -> dict | None:
-        return baselines_json(self.baselines)["user_baselines"]
 
 
 def _powers(limit: int) -> list[int]:
@@ -368,7 +308,10 @@ class Planner:
         priced = price_baselines(self)
         monolithic, pipelined = priced["monolithic"], priced["pipelined"]
         # both baselines' layouts are in the plan space: the search within `tolerance` never does worse
-        points = (self._monolithic_point(monolithic), self._pipelined_point(pipelined and pipelined.to_json()))
+        points = (
+            monolithic_point(self.pricer, monolithic),
+            pipelined_point(self.pricer, pipelined and pipelined.to_json()),
+        )
         scored += [p for p in points if p is not None]
         scored.sort(key=lambda c: (c.step_time_s, _tiebreak(c.plan)))  # stable: the configured settings first
         seen: set = set()  # a plan that fits under several bounds is listed once, at its fastest
@@ -384,52 +327,9 @@ class Planner:
         cut = self._of(self.spec.with_cuts(c.cuts), self.metas) if c.cuts else self
         return cut._with(self.devices, c.max_in_flight, c.run_ahead).device_time(c.plan)
 
-    def _monolithic_point(self, monolithic: BaselineResult | None) -> Candidate | None:
-        """The monolithic layout as a maestro plan: every section on all devices with its mesh,
-        micro-batch and checkpointing, one forward in flight (the monolithic step's memory), no
-        run-ahead; scored like any plan. None when there is no monolithic layout."""
-        if monolithic is None:
-            return None
-        sp = SectionPlan(tuple(range(self.devices)), mesh_shape(**monolithic.mesh), monolithic.micro_batch)
-        sections = {
-            s: dataclasses.replace(sp, precision=sec.precision, layer_remat=monolithic.layer_remat[s])
-            for s, sec in self.spec.sections.items()
-        }
-        plan = Plan(sections, {e.name: 1 for e in self.spec.edges}, self.global_batch)
-        return self._point(plan, 1)
-
     def _pipelined_point(self, pipelined: dict | None) -> Candidate | None:
-        """The pipelined baseline's layout (`pipeline.pipelined_best`) as a maestro plan: each
-        section it cuts into its P stages in P pipeline stages (`sections.<s>.stages`), stage i on
-        the i-th P-th of the devices, the stages of different sections co-located stage by stage
-        (a KD teacher's stage i beside the student's, as one Megatron stage holds both); a section
-        it runs whole in its first stage co-located with the first stages; every section with its
-        stage mesh and micro-batch, the trained ones with its checkpointing; P forwards in flight
-        (1F1B's first stage holds P). Scored like any plan, by maestro's own schedule, cut as the
-        baseline cuts it (`sections.<s>.stage_layers`) and evenly, the faster kept. None when
-        there is no pipelined layout, a section it cuts cannot take P stages
-        (`WorkloadSpec.splits`) or packs (the runtime's stages do not pack), or the plan breaks a
-        constraint."""
-        if pipelined is None:
-            return None
-        k, per = pipelined["stages"], pipelined["devices_per_stage"]
-        layers = {s: tuple(c) for s, c in pipelined["layers_per_stage"].items()}
-        if any(k not in self.spec.splits.get(s, {}) or s in self.spec.pack for s in layers):
-            return None  # a section that packs never runs in stages (`sections.<s>.stages`)
-        mesh = mesh_shape(**pipelined["mesh"])
-        sections = {}
-        for s, sec in self.spec.sections.items():
-            remat = pipelined["layer_remat"] if sec.trained else "none"
-            sp = SectionPlan((), mesh, pipelined["micro_batch"], precision=sec.precision, layer_remat=remat)
-            if s not in layers:
-                sections[s] = dataclasses.replace(sp, devices=tuple(range(per)))
-            for i in range(k) if s in layers else ():
-                sections[stage_name(s, i)] = dataclasses.replace(sp, devices=tuple(range(i * per, (i + 1) * per)))
-        edges = self.spec.staged(dict.fromkeys(layers, k)).edges
-        plan = Plan(sections, {e.name: sections[e.dst].dp // sections[e.src].dp for e in edges}, self.global_batch)
-        even = {s: tuple(even_layers(self.spec.sections[s].cost.layers, k)) for s in layers}
-        scored = [c for c in (self._cut_point(plan, k, layers), self._cut_point(plan, k, even)) if c is not None]
-        return min(scored, key=lambda c: c.step_time_s, default=None)
+        """The pipelined baseline's layout scored as a maestro plan (`points.pipelined_point`)."""
+        return pipelined_point(self.pricer, pipelined)
 
     def _of(self, spec: WorkloadSpec, metas: Sequence) -> Planner:
         """A planner of `spec` (this workload staged or cut otherwise) on `metas`, with this one's
@@ -437,37 +337,6 @@ class Planner:
         return Planner(
             self.problem.replace(spec=spec, metas=tuple(metas), run_ahead=0, stage_counts=()),
             tolerance=self.tolerance,
-        )
-
-    def _cut_point(self, plan: Plan, k: int, cuts: Mapping[str, tuple[int, ...]]) -> Candidate | None:
-        """`plan` (sections in `k` pipeline stages) scored with those sections cut as `cuts` give
-        (section -> its layers by stage), `k` forwards in flight; None where a section cannot be
-        cut so or the plan breaks a constraint. The even cut is recorded as none."""
-        spec = self.spec.with_cuts(cuts)
-        if spec is None:
-            return None
-        point = self._of(spec, self.metas)._point(plan, k)
-        uneven = {s: c for s, c in cuts.items() if list(c) != even_layers(self.spec.sections[s].cost.layers, k)}
-        return point and dataclasses.replace(point, cuts=uneven)
-
-    def _point(self, plan: Plan, max_in_flight: int) -> Candidate | None:
-        """A baseline's layout as a scored maestro plan with `max_in_flight` and no run-ahead;
-        None when it breaks a constraint."""
-        one = self._with(self.devices, max_in_flight, 0)
-        try:
-            mem = one.check(plan)
-        except PlanError:
-            return None
-        t = one.step_time(plan)
-        return Candidate(
-            plan,
-            t,
-            self.global_batch / t / self.devices,
-            {s: m["total"] / 2**30 for s, m in mem.items()},
-            max_in_flight,
-            peak_memory(plan, mem) / 2**30,
-            0,
-            self.spec.staged(self.pricer.stage_counts(plan)).stages,
         )
 
     def _search(self, top: int, incumbent: float = math.inf) -> tuple[list[Candidate], int, int]:
@@ -609,28 +478,3 @@ def _tiebreak(plan: Plan):
     """Equal predicted times: prefer fewer tensor, context and expert shards, then smaller
     micro-batches (less memory), then less recomputation."""
     return tuple(tiebreak_section(sp) for sp in plan.sections.values())
-
-
-def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:
-    lines = [
-        (
-            f"{'#':>2s}  {'step s':>10s}  {'samples/s/dev':>13s}  plan (devices mesh[data,fsdp,expert,context,tensor] "
-            f"micro-batch residuals layer-remat; fanouts; stash bound)  GB/device by section (co-located: they share)"
-        )
-    ]
-    for i, c in enumerate(rows or report.top):
-        parts = [
-            f"{s} {d['devices']} [{','.join(str(n) for n in d['mesh'].values())}] "
-            f"mb{d['micro_batch']}{' remat' if d['residuals'] == 'remat' else ''}"
-            f"{'' if d['layer_remat'] == 'none' else ' layers:' + d['layer_remat']}"
-            for s, d in c.describe().items()
-        ]
-        fan = ",".join(f"{e}={f}" for e, f in c.plan.fanout.items()) or "-"  # whole ones; the rest uneven
-        mem = " ".join(f"{s}={g:.3g}" for s, g in c.memory_gb.items())
-        cuts = "".join(f"; {s} layers {'/'.join(map(str, n))}" for s, n in c.cuts.items())
-        lines.append(
-            f"{i + 1:2d}  {c.step_time_s:10.4g}  {c.samples_per_s_per_device:13.4g}  "
-            f"{' | '.join(parts)}; fanouts {fan}{cuts}; in flight {c.max_in_flight}"
-            f"{'; run ahead' if c.run_ahead else ''}  {mem}"
-        )
-    return "\n".join(lines)
