@@ -111,22 +111,6 @@ def points() -> list[Point]:
     return out
 
 
-class _SplitPlanner(Planner):
-    """The planner restricted to plans whose sections each have their own devices (no
-    co-location): the disaggregated layout, for comparison."""
-
-    def placements(self):
-        return [p for p in super().placements() if len(p) == len(self.spec.order)]
-
-    def _with(self, *args, **kwargs):
-        other = super()._with(*args, **kwargs)
-        other.__class__ = _SplitPlanner
-        return other
-
-    def monolithic_best(self):
-        return None  # the main search reports it
-
-
 def short_plan(describe: dict, idle: frozenset = frozenset()) -> str:
     """`vision 0:64 d4 f4 c2 t2 mb1 dots; llm ...`: each section's devices, its mesh axes above 1
     (data, fsdp, expert, context, tensor), micro-batch, residuals and layer checkpointing; `idle`
@@ -217,8 +201,8 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
         "sections": sections,
     }
     if split:
-        sp = planner_for(cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas)
-        sp.__class__ = _SplitPlanner
+        # the disaggregated layout, for comparison: each section on devices of its own
+        sp = planner_for(cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas, colocate=False)
         try:
             s = sp.search(top=1).best
             row.update(split_step_s=s.step_time_s, split_plan_short=short_plan(s.describe(), idle))

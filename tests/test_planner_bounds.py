@@ -14,6 +14,7 @@ from conftest import ROOT
 
 import maestro_jax as mj
 from maestro_jax.config import load_config
+from maestro_jax.planning import search as plan_search
 from maestro_jax.planning.planner import InfeasibleError
 from maestro_jax.tools.plan import planner_for
 
@@ -94,7 +95,7 @@ def test_no_plan_at_all_is_said_before_any_pass(monkeypatch):
     pass after pass towards infinity (each pass finding nothing)."""
     planner = four_section_planner(64, tolerance=0.01)
     passes = []
-    monkeypatch.setattr(type(planner), "_scored_under", lambda self, *a: passes.append(a) or ([], 0))
+    monkeypatch.setattr(plan_search, "scored_under", lambda *a: passes.append(a) or ([], 0))
     with pytest.raises(InfeasibleError, match="global_batch=8"):
         planner.search(10)
     assert passes == []

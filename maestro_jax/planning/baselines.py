@@ -23,7 +23,7 @@ cost model, so that only the named difference changes:
   size, spread evenly over every device, no per-micro-step overhead, plus the optimizer steps.
   No schedule beats it on this cost model; `share` = ceiling time / a plan's time.
 
-Each entry has `step_time_s` and `samples_per_s_per_device`, averaged over the planner's batches
+Each entry has `step_time_s` and `samples_per_s_per_device`, averaged over the problem's batches
 as every other price is.
 
 Every baseline, these and the two layouts searched on their own (the fair monolithic,
@@ -118,7 +118,7 @@ def user_baselines(
 
 @dataclasses.dataclass(frozen=True)
 class BaselineResult:
-    """One baseline priced on the planner's devices: its step time and per-device rate (averaged
+    """One baseline priced on the problem's devices: its step time and per-device rate (averaged
     over the planning batches), the layout it runs where it has one of its own (mesh,
     micro-batch, checkpointing: one policy, or a policy a section), its peak memory where priced,
     the layout in words (`layout`), and `record`: the JSON object `plan --json` and `simulate`
@@ -224,13 +224,13 @@ def _monolithic_time(pricer: Pricer, sp: SectionPlan, remat: Mapping[str, str]) 
 
 
 class Baseline(Protocol):
-    """A way users train the workload today, priced on the planner's devices and cost model."""
+    """A way users train the workload today, priced on the problem's devices and cost model."""
 
     name: str
 
-    def price(self, planner, priced: Mapping[str, BaselineResult | None]) -> BaselineResult | None:
-        """The result on `planner`'s devices, memory budget and batches (None: no layout fits),
-        given the baselines priced before it (`priced`, by name)."""
+    def price(self, pricer: Pricer, priced: Mapping[str, BaselineResult | None]) -> BaselineResult | None:
+        """The result on `pricer`'s problem: its devices, memory budget and batches (None: no
+        layout fits), given the baselines priced before it (`priced`, by name)."""
 
     def lines(self, result: BaselineResult | None, maestro_s: float) -> list[str]:
         """What `plan` and `simulate` print of `result` beside maestro's step time `maestro_s`."""
@@ -239,19 +239,15 @@ class Baseline(Protocol):
         """The result whose `to_json` is `record`."""
 
 
-def _rate(planner, t: float) -> float:
-    return planner.global_batch / t / planner.devices
-
-
 class FairMonolithic:
     """Every section on every device with one layout: the best mesh, micro-batch and per-section
     checkpointing that fit (`monolithic_best`)."""
 
     name = "monolithic"
 
-    def price(self, planner, priced) -> BaselineResult | None:
-        best = planner.monolithic_best()  # its progress line, then `monolithic_best`
-        return None if best is None else dataclasses.replace(self.from_record(best), devices=planner.devices)
+    def price(self, pricer, priced) -> BaselineResult | None:
+        best = monolithic_best(pricer)
+        return None if best is None else dataclasses.replace(self.from_record(best), devices=pricer.devices)
 
     def from_record(self, record) -> BaselineResult:
         mesh, mb, remat = record["mesh"], record["micro_batch"], record["layer_remat"]
@@ -288,8 +284,8 @@ class Pipelined1F1B:
 
     name = "pipelined"
 
-    def price(self, planner, priced) -> BaselineResult | None:
-        best = pipelined_best(planner)
+    def price(self, pricer, priced) -> BaselineResult | None:
+        best = pipelined_best(pricer)
         return None if best is None else self.from_record(best)
 
     def from_record(self, record) -> BaselineResult:
@@ -363,27 +359,27 @@ class OnLayout:
         return BaselineResult(name, t, rate, record={"step_time_s": t, "samples_per_s_per_device": rate})
 
 
-_ON_LAYOUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # planner -> (its monolithic result, OnLayout)
+_ON_LAYOUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pricer -> (its monolithic result, OnLayout)
 
 
-def _on_layout(planner, mono: BaselineResult) -> OnLayout:
-    """The fair monolithic layout `mono` on `planner`, one per pair: the users' baselines priced
-    on it share its cost model."""
-    held = _ON_LAYOUT.get(planner)
+def _on_layout(pricer: Pricer, mono: BaselineResult) -> OnLayout:
+    """The fair monolithic layout `mono` on `pricer`'s problem, one per pair: the users'
+    baselines priced on it share its cost model."""
+    held = _ON_LAYOUT.get(pricer)
     if held is not None and held[0] is mono:
         return held[1]
     layout = {"mesh": mono.mesh, "micro_batch": mono.micro_batch, "layer_remat": mono.layer_remat}
     on = OnLayout(
-        planner.spec,
-        planner.metas,
+        pricer.spec,
+        pricer.metas,
         layout,
-        planner.devices,
-        planner.global_batch,
-        planner.device,
-        planner.link_gbps,
-        planner.typical_units,
+        pricer.devices,
+        pricer.global_batch,
+        pricer.device,
+        pricer.link_gbps,
+        pricer.typical_units,
     )
-    _ON_LAYOUT[planner] = (mono, on)
+    _ON_LAYOUT[pricer] = (mono, on)
     return on
 
 
@@ -394,11 +390,11 @@ class UsersBaseline:
     name = ""
     text = ""  # how `lines` names it
 
-    def price(self, planner, priced) -> BaselineResult | None:
+    def price(self, pricer, priced) -> BaselineResult | None:
         mono = priced.get("monolithic")
         if mono is None:
             return None
-        return self.price_on(_on_layout(planner, mono))
+        return self.price_on(_on_layout(pricer, mono))
 
     def price_on(self, on: OnLayout) -> BaselineResult | None:
         raise NotImplementedError
@@ -476,14 +472,16 @@ BASELINES: tuple[Baseline, ...] = (
 USERS = tuple(b.name for b in BASELINES if isinstance(b, UsersBaseline))
 
 
-def price_baselines(planner, names: Sequence[str] | None = None) -> dict[str, BaselineResult | None]:
+def price_baselines(pricer: Pricer, names: Sequence[str] | None = None) -> dict[str, BaselineResult | None]:
     """Every baseline of `BASELINES` (or those `names`, with what they are priced on) on
-    `planner`, in order: name -> result (None: no layout)."""
+    `pricer`'s problem, in order: name -> result (None: no layout). A `Planner` stands for its
+    pricer (0.3.0's callers)."""
+    pricer = getattr(pricer, "pricer", pricer)
     wanted = None if names is None else set(names) | _needs(names)
     priced: dict[str, BaselineResult | None] = {}
     for b in BASELINES:
         if wanted is None or b.name in wanted:
-            priced[b.name] = b.price(planner, priced)
+            priced[b.name] = b.price(pricer, priced)
     return priced
 
 

@@ -103,12 +103,13 @@ from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
 
 
 class Search(Protocol):
-    """What the baseline reads of the search it is priced beside (`planner.Planner` is one): the
-    same workload, samples, devices, budget and cost model, so the two compare like for like.
-    A protocol, not the planner's class: the planner calls this module, not the other way."""
+    """What the baseline reads of the problem the search beside it prices (`pricer.Pricer` is
+    one, `planner.Planner` too): the same workload, samples, devices, budget and cost model, so
+    the two compare like for like. A protocol, not the pricer's class: it keeps this module's
+    needs in one place."""
 
     spec: WorkloadSpec
-    metas: list  # the planning batches' sample metadata
+    metas: Sequence  # the planning batches' sample metadata
     devices: int
     global_batch: int
     budget: float  # bytes per device

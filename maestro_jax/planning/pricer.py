@@ -24,7 +24,7 @@ from maestro_jax.planning.cost import DEVICES, CostModel, SectionCost
 from maestro_jax.planning.layout import ShardedLeaves, section_memory
 from maestro_jax.planning.problem import PlanningProblem
 from maestro_jax.planning.simulator import DEVICE_TIME, device_time, section_time, simulate
-from maestro_jax.planning.spec import staged_metas
+from maestro_jax.planning.spec import WorkloadSpec, staged_metas
 from maestro_jax.schedule import wavefront
 from maestro_jax.schedule.ops import ahead_sections, delivered, pipeline_bounds
 from maestro_jax.schedule.packing import TokenBudget, slots
@@ -45,6 +45,44 @@ class Pricer:
         self._times: dict[tuple, float] = {}
         self._staged: dict[tuple, Pricer] = {}  # this problem in stages, by stage counts
         self._staged_twins: dict[tuple, Pricer] = {}  # any stash bound's: whose prices a new one shares
+
+    # what a baseline reads of the problem it is priced on (`pipeline.Search`): the same
+    # workload, batches, devices, budget and cost model as the search beside it
+    @property
+    def spec(self) -> WorkloadSpec:
+        return self.problem.spec
+
+    @property
+    def metas(self) -> tuple:
+        return self.problem.metas
+
+    @property
+    def devices(self) -> int:
+        return self.problem.devices
+
+    @property
+    def global_batch(self) -> int:
+        return self.problem.global_batch
+
+    @property
+    def budget(self) -> float:
+        return self.problem.budget_bytes
+
+    @property
+    def device(self) -> str:
+        return self.problem.device
+
+    @property
+    def link_gbps(self) -> float:
+        return self.problem.link_gbps
+
+    @property
+    def layer_remat(self) -> tuple[str, ...]:
+        return self.problem.layer_remat
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        return self.problem.contexts
 
     def for_problem(self, problem: PlanningProblem) -> Pricer:
         """A pricer of `problem` holding this one's answers that `problem` leaves valid: the

@@ -22,7 +22,8 @@ class PlanningProblem:
     `link_gbps` per device across nodes. The search space: `residuals`, `layer_remat`,
     `contexts`, `stage_counts` (pipeline stage counts a splitting section may also take; none by
     default), the stash bound `max_in_flight`, `run_ahead` of frozen sections and
-    `balance_shards`, as the config's `schedule` sets them."""
+    `balance_shards`, as the config's `schedule` sets them, and `colocate`: whether sections may
+    share devices (False: the disaggregated plans alone, each section on devices of its own)."""
 
     spec: WorkloadSpec
     metas: tuple
@@ -38,6 +39,7 @@ class PlanningProblem:
     run_ahead: int = 0
     balance_shards: bool = True
     stage_counts: tuple[int, ...] = ()
+    colocate: bool = True
 
     def __post_init__(self):
         for name in ("metas", "residuals", "layer_remat", "contexts", "stage_counts"):

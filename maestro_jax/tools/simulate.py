@@ -23,9 +23,9 @@ from maestro_jax.planning.baselines import (
 )
 from maestro_jax.planning.cluster import simulate_plan
 from maestro_jax.planning.cost import DEVICES
-from maestro_jax.planning.planner import Planner, layer_remat_text
+from maestro_jax.planning.pricer import Pricer
 from maestro_jax.planning.problem import PlanningProblem
-from maestro_jax.planning.text import digits, mesh_text, rate, seconds
+from maestro_jax.planning.text import digits, layer_remat_text, mesh_text, rate, seconds
 from maestro_jax.runtime.build import check_pack_budget
 
 
@@ -55,7 +55,7 @@ def monolithic_baseline(cfg: Config, problem: PlanningProblem | None) -> tuple[S
     policy for every trained section: None), and the label says which."""
     if problem is None:
         return cfg.monolithic_plan(), None, "config"
-    best = FairMonolithic().price(Planner(problem), {})
+    best = FairMonolithic().price(Pricer(problem), {})
     if best is None:  # said, never silent: the layout priced then is one that does not fit either
         return (
             cfg.monolithic_plan(),
@@ -70,7 +70,7 @@ def pipelined_baseline(problem: PlanningProblem | None) -> BaselineResult | None
     """The fastest 1F1B pipeline-parallel layout (Megatron-LM's, `planning.pipeline`) on the
     problem's devices within its memory budget; None without a budget (a CPU device) or when
     nothing fits."""
-    return None if problem is None else Pipelined1F1B().price(Planner(problem), {})
+    return None if problem is None else Pipelined1F1B().price(Pricer(problem), {})
 
 
 def simulate_config(
