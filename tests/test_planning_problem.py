@@ -94,3 +94,25 @@ def test_the_staged_pricer_prices_each_stage_as_a_section():
     planner = Planner(problem, pricer=base)
     plan = next(p for p, _, _ in planner.candidates() if base.stage_counts(p))
     assert base.step_time(plan) == staged.step_time(plan)
+
+
+def test_search_is_a_function_of_the_problem_and_colocate_keeps_sections_apart():
+    """`search(problem)` gives `Planner(problem).search()`'s report; a pricer of another problem
+    is refused; `colocate=False` searches plans whose sections each have devices of their own,
+    none faster than the best of the whole space (it holds them)."""
+    from maestro_jax.planning.search import search
+    from maestro_jax.planning.space import PlanSpace
+
+    problem = problem_for(load_config(KD, H100), 8, 1.0)
+    a, b = search(problem, top=3), Planner(problem).search(top=3)
+    assert [c.step_time_s for c in a.top] == [c.step_time_s for c in b.top]
+    assert a.best.plan == b.best.plan and a.baselines == b.baselines
+    with pytest.raises(ValueError, match="another problem"):
+        search(problem.replace(devices=4), Pricer(problem))
+    apart = problem.replace(colocate=False)
+    assert all(len(p) == len(problem.spec.order) for p in PlanSpace(Pricer(apart)).placements())
+    split = search(apart, top=3)
+    for c in split.top:
+        ranges = [set(sp.devices) for sp in c.plan.sections.values()]
+        assert all(not (x & y) for i, x in enumerate(ranges) for y in ranges[i + 1 :]), c.describe()
+    assert split.best.step_time_s >= a.best.step_time_s * (1 - 0.01)

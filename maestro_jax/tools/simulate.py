@@ -149,13 +149,14 @@ def teacher_cache_alternative(cfg: Config, source, devices: int) -> dict | None:
     if cfg.workload != "kd" or cfg.distill.cache is not None or len(teachers := kd.teachers_of(cfg)) != 1:
         return None
     k = cfg.distill.top_k or DEFAULT_K
-    from maestro_jax.tools.plan import planner_for
+    from maestro_jax.planning.search import search
+    from maestro_jax.tools.plan import problem_for
 
     memory_gb = cfg.device_memory_gb or DEVICES[cfg.simulate.device].get("memory_gb") or float("inf")
     graph = kd.student_alone(cfg, teachers[0], k)
-    planner = planner_for(cfg, devices, memory_gb, cfg.simulate.batches, graph=graph, source=source)
-    best = planner.search(top=1).best
-    positions = sum(m.work.get("student", 0) for batch in planner.metas for m in batch) / max(len(planner.metas), 1)
+    problem = problem_for(cfg, devices, memory_gb, cfg.simulate.batches, graph=graph, source=source)
+    best = search(problem, top=1).best
+    positions = sum(m.work.get("student", 0) for batch in problem.metas for m in batch) / max(len(problem.metas), 1)
     student = best.plan.sections["student"]
     return {
         "k": k,
