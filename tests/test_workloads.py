@@ -237,6 +237,8 @@ def test_one_build_checks_the_config_once(monkeypatch):
     from maestro_jax.runtime.build import build_runtime
 
     calls, check = [], workloads.check_config
-    monkeypatch.setattr(workloads, "check_config", lambda cfg: calls.append(cfg.workload) or check(cfg))
+    counted = lambda cfg: calls.append(cfg.workload) or check(cfg)
+    monkeypatch.setattr(workloads, "check_config", counted)
+    monkeypatch.setattr(workloads.checks, "check_config", counted)  # where the graph and source call it
     build_runtime(cfg_of("kd"))
     assert calls == ["kd"]
