@@ -305,6 +305,135 @@ def _shape_text(tree) -> str:
     return f"{tree.dtype}{list(tree.shape)}" if hasattr(tree, "shape") else type(tree).__name__
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as a function is
+class SectionFunctions:
+    """The functions a section's programs compile, from its `forward` (`fwd`): `diff_inputs`, the
+    in-edges whose producer is trained (their cotangents are returned), and `out_edges`, what a
+    producer must return; a forward that returns something else is a `GraphError` naming the
+    section, raised while tracing."""
+
+    name: str
+    fwd: Callable
+    out_edges: tuple[str, ...]
+    diff_inputs: tuple[str, ...]
+
+    def split_inputs(self, inputs):
+        diff = {k: v for k, v in inputs.items() if k in self.diff_inputs}
+        rest = {k: v for k, v in inputs.items() if k not in self.diff_inputs}
+        return diff, rest
+
+    def outputs(self, out):
+        """A producer returns one array per out-edge, by the edge's name."""
+        missing = sorted(set(self.out_edges) - set(out if isinstance(out, dict) else ()))
+        if missing:
+            got = sorted(out) if isinstance(out, dict) else type(out).__name__
+            raise GraphError(
+                f"error: section {self.name!r}: forward returns {got}, without its out-edge "
+                f"{missing[0]!r}; return {{edge name: array}} for each of {sorted(self.out_edges)}"
+            )
+        return out
+
+    def sink_result(self, out):
+        """The sink returns (its loss summed over the batch, {metric name: array})."""
+        if isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], Mapping):
+            return out
+        got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, tuple | list) else _value_text(out)
+        raise GraphError(
+            f"error: section {self.name!r}: forward returns {got}; the sink section returns (loss summed "
+            f"over the batch, {{metric name: array}}), an empty dict for no metrics"
+        )
+
+    def forward(self, variables, inputs, batch):
+        return self.outputs(self.fwd(variables, inputs, batch))
+
+    def vjp_of(self, variables, inputs, batch):
+        diff, rest = self.split_inputs(inputs)
+        return jax.vjp(
+            lambda p, d: self.outputs(self.fwd({**variables, "params": p}, {**rest, **d}, batch)),
+            variables["params"],
+            diff,
+        )
+
+    def forward_vjp(self, variables, inputs, batch):
+        out, vjp = self.vjp_of(variables, inputs, batch)
+        return out, vjp
+
+    @staticmethod
+    def backward(vjp, cotangent, acc):
+        grads, d_inputs = vjp(cotangent)
+        return tree_add(acc, grads), d_inputs
+
+    def backward_remat(self, variables, inputs, batch, cotangent, acc):
+        grads, d_inputs = self.vjp_of(variables, inputs, batch)[1](cotangent)
+        return tree_add(acc, grads), d_inputs
+
+    def loss_and_grad(self, variables, inputs, batch, norm, acc):
+        diff, rest = self.split_inputs(inputs)
+
+        def loss_fn(p, d):
+            loss_sum, metrics = self.sink_result(self.fwd({**variables, "params": p}, {**rest, **d}, batch))
+            return loss_sum / norm, metrics
+
+        (loss, metrics), (grads, d_inputs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+            variables["params"], diff
+        )
+        return loss, metrics, tree_add(acc, grads), d_inputs
+
+    def loss(self, variables, inputs, batch, norm):
+        loss_sum, metrics = self.sink_result(self.fwd(variables, inputs, batch))
+        return loss_sum / norm, metrics
+
+
+def zeros(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+
+def zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _program_kinds(
+    fns: SectionFunctions, mesh, p_sh, optimizer: optax.GradientTransformation, clip_norm, squared_norm: Callable
+) -> dict[str, tuple[Callable, tuple[int, ...], Callable]]:
+    """kind -> (function, donated arguments, out_shardings from the abstract arguments). Edge
+    arrays (out-edges, the cotangents of in-edges) are laid out by shape: a forward's are known
+    by tracing it for shapes first, the cotangents of inputs from the inputs; the params' layout
+    is `p_sh`, everything else small replicated."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    forward, split_inputs = fns.forward, fns.split_inputs
+
+    def edges(tree):
+        """Each edge array's layout (`edge_sharding`), from its abstract value."""
+        return jax.tree.map(lambda x: edge_sharding(mesh, x.shape), tree)
+
+    return {
+        "forward": (forward, (), lambda a: edges(jax.eval_shape(forward, *a))),
+        "forward_vjp": (fns.forward_vjp, (), lambda a: (edges(jax.eval_shape(forward, *a)), None)),
+        "backward": (fns.backward, (2,), lambda a: (p_sh, edges(jax.eval_shape(fns.backward, *a)[1]))),
+        "backward_remat": (fns.backward_remat, (4,), lambda a: (p_sh, edges(split_inputs(a[1])[0]))),
+        "loss_and_grad": (fns.loss_and_grad, (4,), lambda a: (rep, rep, p_sh, edges(split_inputs(a[1])[0]))),
+        "loss": (fns.loss, (), lambda a: (rep, rep)),
+        "forward_run": (
+            scanned_forward(forward),
+            (),
+            lambda a: (edges(jax.eval_shape(forward, a[0], a[1][0], a[2][0])),) * len(a[2]),
+        ),
+        "loss_and_grad_run": (
+            scanned_loss_and_grad(fns.loss_and_grad),
+            (4,),
+            lambda a: (rep, rep, p_sh, tuple(edges(split_inputs(i)[0]) for i in a[1])),
+        ),
+        # the updated state keeps the layout it came in with: the next update's signature
+        "update": (update_fn(optimizer, clip_norm), (0, 1), lambda a: (p_sh, _shardings_of(a[1]))),
+        "squared_norm": (squared_norm, (), lambda a: rep),
+        "zeros": (zeros, (), lambda a: p_sh),
+        "all_finite": (all_finite, (), lambda a: rep),
+        "init_opt": (optimizer.init, (), lambda a: None),
+        "add": (tree_add, (), lambda a: _shardings_of(a[0])),
+        "zeros_like": (zeros_like, (), lambda a: _shardings_of(a[0])),
+    }
+
+
 class SectionPrograms:
     def __init__(
         self,
@@ -340,112 +469,14 @@ class SectionPrograms:
         # not (callers there, tests, reuse a state after a step), but memory is measured as if it
         # did (`memory_analysis`).
         self.donate = mesh.devices.flat[0].platform != "cpu" if donate is None else donate
-        fwd = section.forward
-
-        def split_inputs(inputs):
-            diff = {k: v for k, v in inputs.items() if k in diff_inputs}
-            rest = {k: v for k, v in inputs.items() if k not in diff_inputs}
-            return diff, rest
-
-        def outputs(out):
-            """A producer returns one array per out-edge, by the edge's name."""
-            missing = sorted(set(out_edges) - set(out if isinstance(out, dict) else ()))
-            if missing:
-                got = sorted(out) if isinstance(out, dict) else type(out).__name__
-                raise GraphError(
-                    f"error: section {section.name!r}: forward returns {got}, without its out-edge "
-                    f"{missing[0]!r}; return {{edge name: array}} for each of {sorted(out_edges)}"
-                )
-            return out
-
-        def sink_result(out):
-            """The sink returns (its loss summed over the batch, {metric name: array})."""
-            if isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], Mapping):
-                return out
-            got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, tuple | list) else _value_text(out)
-            raise GraphError(
-                f"error: section {section.name!r}: forward returns {got}; the sink section returns (loss summed "
-                f"over the batch, {{metric name: array}}), an empty dict for no metrics"
-            )
-
-        def forward(variables, inputs, batch):
-            return outputs(fwd(variables, inputs, batch))
-
-        def vjp_of(variables, inputs, batch):
-            diff, rest = split_inputs(inputs)
-            return jax.vjp(
-                lambda p, d: outputs(fwd({**variables, "params": p}, {**rest, **d}, batch)), variables["params"], diff
-            )
-
-        def forward_vjp(variables, inputs, batch):
-            out, vjp = vjp_of(variables, inputs, batch)
-            return out, vjp
-
-        def backward(vjp, cotangent, acc):
-            grads, d_inputs = vjp(cotangent)
-            return tree_add(acc, grads), d_inputs
-
-        def backward_remat(variables, inputs, batch, cotangent, acc):
-            grads, d_inputs = vjp_of(variables, inputs, batch)[1](cotangent)
-            return tree_add(acc, grads), d_inputs
-
-        def loss_and_grad(variables, inputs, batch, norm, acc):
-            diff, rest = split_inputs(inputs)
-
-            def loss_fn(p, d):
-                loss_sum, metrics = sink_result(fwd({**variables, "params": p}, {**rest, **d}, batch))
-                return loss_sum / norm, metrics
-
-            (loss, metrics), (grads, d_inputs) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-                variables["params"], diff
-            )
-            return loss, metrics, tree_add(acc, grads), d_inputs
-
-        def loss(variables, inputs, batch, norm):
-            loss_sum, metrics = sink_result(fwd(variables, inputs, batch))
-            return loss_sum / norm, metrics
-
-        def zeros(params):
-            return jax.tree.map(jnp.zeros_like, params)
-
-        def zeros_like(tree):
-            return jax.tree.map(jnp.zeros_like, tree)
-
-        def edges(tree):
-            """Each edge array's layout (`edge_sharding`), from its abstract value."""
-            return jax.tree.map(lambda x: edge_sharding(mesh, x.shape), tree)
-
-        p_sh = var_shardings["params"]
-        rep = self.replicated
-        # kind -> (function, donated arguments, out_shardings from the abstract arguments). Edge
-        # arrays (out-edges, the cotangents of in-edges) are laid out by shape: a forward's are
-        # known by tracing it for shapes first, the cotangents of inputs from the inputs
-        self._kinds = {
-            "forward": (forward, (), lambda a: edges(jax.eval_shape(forward, *a))),
-            "forward_vjp": (forward_vjp, (), lambda a: (edges(jax.eval_shape(forward, *a)), None)),
-            "backward": (backward, (2,), lambda a: (p_sh, edges(jax.eval_shape(backward, *a)[1]))),
-            "backward_remat": (backward_remat, (4,), lambda a: (p_sh, edges(split_inputs(a[1])[0]))),
-            "loss_and_grad": (loss_and_grad, (4,), lambda a: (rep, rep, p_sh, edges(split_inputs(a[1])[0]))),
-            "loss": (loss, (), lambda a: (rep, rep)),
-            "forward_run": (
-                scanned_forward(forward),
-                (),
-                lambda a: (edges(jax.eval_shape(forward, a[0], a[1][0], a[2][0])),) * len(a[2]),
-            ),
-            "loss_and_grad_run": (
-                scanned_loss_and_grad(loss_and_grad),
-                (4,),
-                lambda a: (rep, rep, p_sh, tuple(edges(split_inputs(i)[0]) for i in a[1])),
-            ),
-            # the updated state keeps the layout it came in with: the next update's signature
-            "update": (update_fn(optimizer, clip_norm), (0, 1), lambda a: (p_sh, _shardings_of(a[1]))),
-            "squared_norm": (squared_norm, (), lambda a: rep),
-            "zeros": (zeros, (), lambda a: p_sh),
-            "all_finite": (all_finite, (), lambda a: rep),
-            "init_opt": (optimizer.init, (), lambda a: None),
-            "add": (tree_add, (), lambda a: _shardings_of(a[0])),
-            "zeros_like": (zeros_like, (), lambda a: _shardings_of(a[0])),
-        }
+        self._kinds = _program_kinds(
+            SectionFunctions(section.name, section.forward, tuple(out_edges), tuple(diff_inputs)),
+            mesh,
+            var_shardings["params"],
+            optimizer,
+            clip_norm,
+            squared_norm,
+        )
 
     # -- compiling --------------------------------------------------------------------------
 

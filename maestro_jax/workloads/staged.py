@@ -15,6 +15,7 @@ line up with its neighbour's: the edge routes them as any edge does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 
@@ -60,6 +61,40 @@ def decoder_stages(
       stage's `UnitCost` (the stage config's depth is its block count). layers: each stage's block
       count (`sections.<s>.stage_layers`), default as even as they come (`core.stages.layer_ranges`).
     ValueError naming the model setting when the decoder cannot be staged."""
+    _check_stageable(section, llm, k, layers, with_head)
+    ranges = layer_ranges(llm.depth, k, layers)
+    _check_deepstack(llm, ranges)
+    # an MoE balance loss: each stage's rows' terms travel on with the rows to the last stage
+    aux = bool(llm.experts and llm.router_aux_loss and section.trained)
+    body = _StageBody(llm, with_head, at, embed, finish, aux)
+
+    def stage(i: int) -> Section:
+        run = body.stage(section.name, ranges, i)
+        return Section(
+            stage_name(section.name, i),
+            trained=section.trained,
+            forward=run.forward,
+            host_batch=functools.partial(run.host_batch, section.host_batch),
+            activates=section.activates,
+            work=section.work,
+            cost=cost(dataclasses.replace(llm, depth=ranges[i][1] - ranges[i][0]), i == k - 1),
+            reads=section.reads,
+        )
+
+    return StageSplit(
+        sections=tuple(stage(i) for i in range(k)),
+        owner=functools.partial(_owner, ranges, (*_LAST, *last_keys)),
+        consumes=dict(consumes or {}),
+        bytes_per_unit=2 * llm.width,
+        # a stage runs its neighbour's micro-steps (the same rows, so the same bucket): the next
+        # stage takes the hidden states' position slices as they arrive (`mj.rows.gather`)
+        positions_per_unit=1.0,
+        aux=aux,
+    )
+
+
+def _check_stageable(section: Section, llm: LLMConfig, k: int, layers, with_head: bool) -> None:
+    """A ValueError naming the setting where the decoder cannot be cut into `k` stages."""
     if llm.scan_layers:
         raise ValueError(
             "the model's layers are scanned (scan_layers: true); a stage holds a run of unrolled layers; valid: 1, "
@@ -72,84 +107,102 @@ def decoder_stages(
             "the model ties its output layer to its embedding (tie_embeddings: true), which the first and the "
             "last stage would both train; valid: 1"
         )
-    # an MoE balance loss: each stage's rows' terms travel on with the rows to the last stage
-    aux = bool(llm.experts and llm.router_aux_loss and section.trained)
-    ranges = layer_ranges(llm.depth, k, layers)
-    if llm.deepstack_layers > ranges[0][1]:  # only the first stage receives the image features
+
+
+def _check_deepstack(llm: LLMConfig, ranges) -> None:
+    """Only the first stage receives the image features: it holds every DeepStack block."""
+    if llm.deepstack_layers > ranges[0][1]:
         raise ValueError(
             f"the model adds DeepStack image features in blocks 0..{llm.deepstack_layers - 1} (deepstack_layers: "
             f"{llm.deepstack_layers}) and the first stage, which alone receives the images, holds "
             f"{ranges[0][1]} blocks; valid: a first stage of at least {llm.deepstack_layers} blocks (stage_layers)"
         )
 
-    def owner(path: tuple[str, ...]) -> int | None:
-        for key in path:
-            if key == "embedding":
-                return 0
-            if key in ("final_norm", "lm_head", *last_keys):
-                return k - 1
-            block = re.fullmatch(r"block_(\d+)", key)
-            if block:
-                return next(i for i, (a, b) in enumerate(ranges) if a <= int(block[1]) < b)
-        return None
 
-    def stage(i: int) -> Section:
+_LAST = ("final_norm", "lm_head")  # the last stage's parameters besides the blocks (and `last_keys`)
+
+
+def _owner(ranges, last: tuple[str, ...], path: tuple[str, ...]) -> int | None:
+    """The stage that holds the parameter at `path`: the embedding the first, the final norm, the
+    output layer and `last` the last, a block the stage whose range holds it; None for others."""
+    for key in path:
+        if key == "embedding":
+            return 0
+        if key in last:
+            return len(ranges) - 1
+        block = re.fullmatch(r"block_(\d+)", key)
+        if block:
+            return next(i for i, (a, b) in enumerate(ranges) if a <= int(block[1]) < b)
+    return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as a function is
+class _StageBody:
+    """What every stage of one decoder shares: its config, whether it has an output layer, where
+    its parameters sit (`at`), the first stage's embedding, the last stage's `finish` and whether
+    MoE balance terms travel with the rows (`aux`)."""
+
+    llm: LLMConfig
+    with_head: bool
+    at: tuple[str, ...]
+    embed: Embed
+    finish: Finish
+    aux: bool
+
+    def stage(self, name: str, ranges, i: int) -> _Stage:
+        k = len(ranges)
         module = DecoderLM(
-            llm, with_head=with_head, layers=ranges[i], first=i == 0, last=i == k - 1, rows_from_zero=True
+            self.llm, with_head=self.with_head, layers=ranges[i], first=i == 0, last=i == k - 1, rows_from_zero=True
         )
-        prev = stage_edge(section.name, i - 1) if i else None
-        out = stage_edge(section.name, i) if i < k - 1 else None
-        prev_aux = stage_aux_edge(section.name, i - 1) if i else None
-        out_aux = stage_aux_edge(section.name, i) if i < k - 1 else None
+        return _Stage(
+            self,
+            module,
+            prev=stage_edge(name, i - 1) if i else None,
+            out=stage_edge(name, i) if i < k - 1 else None,
+            prev_aux=stage_aux_edge(name, i - 1) if i else None,
+            out_aux=stage_aux_edge(name, i) if i < k - 1 else None,
+        )
 
-        def host_batch(rows, routes):
-            batch = section.host_batch(rows, routes)
-            return batch if prev is None else {**batch, f"{prev}_row": R.route(routes, prev, rows)}
 
-        def forward(variables, inputs, batch):
-            v = variables
-            for key in at:
-                v = v[key]
-            v = {"params": v}
-            if prev is None:
-                x, deepstack = embed(module, v, inputs, batch)
-            else:
-                x = R.gather(inputs, prev, batch[f"{prev}_row"], length=batch["input_ids"].shape[1])
-                deepstack = None  # every DeepStack block sits in the first stage (checked above)
-            body = (batch["positions"], batch["valid"], None, batch.get("images"), deepstack)
-            if not aux:
-                h = module.apply(v, x, *body, method=DecoderLM.body)
-                if out is not None:
-                    return {out: h}
-                return finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
-            h, terms = apply_with_row_losses(module, v, x, *body, method=DecoderLM.body)
-            if prev is not None:  # the stages' before it, of the same rows (none on a padding row)
-                row = batch[f"{prev}_row"]
-                terms = terms + R.gather(inputs, prev_aux, row, length=1)[:, 0] * (row >= 0)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as a function is
+class _Stage:
+    """Stage i of a decoder: its `DecoderLM` over its blocks, the stage edges it reads (`prev`,
+    `prev_aux`; none for the first) and writes (`out`, `out_aux`; none for the last)."""
+
+    body: _StageBody
+    module: DecoderLM
+    prev: str | None
+    out: str | None
+    prev_aux: str | None
+    out_aux: str | None
+
+    def host_batch(self, section_batch, rows, routes):
+        """The section's own batch of the rows, and where each row's activations sit on `prev`."""
+        batch = section_batch(rows, routes)
+        return batch if self.prev is None else {**batch, f"{self.prev}_row": R.route(routes, self.prev, rows)}
+
+    def forward(self, variables, inputs, batch):
+        b, module, prev, out = self.body, self.module, self.prev, self.out
+        v = variables
+        for key in b.at:
+            v = v[key]
+        v = {"params": v}
+        if prev is None:
+            x, deepstack = b.embed(module, v, inputs, batch)
+        else:
+            x = R.gather(inputs, prev, batch[f"{prev}_row"], length=batch["input_ids"].shape[1])
+            deepstack = None  # every DeepStack block sits in the first stage (checked above)
+        body = (batch["positions"], batch["valid"], None, batch.get("images"), deepstack)
+        if not b.aux:
+            h = module.apply(v, x, *body, method=DecoderLM.body)
             if out is not None:
-                return {out: h, out_aux: terms[:, None]}
-            loss, metrics = finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
-            return loss + jnp.sum(terms), metrics
-
-        last = i == k - 1
-        return Section(
-            stage_name(section.name, i),
-            trained=section.trained,
-            forward=forward,
-            host_batch=host_batch,
-            activates=section.activates,
-            work=section.work,
-            cost=cost(dataclasses.replace(llm, depth=ranges[i][1] - ranges[i][0]), last),
-            reads=section.reads,
-        )
-
-    return StageSplit(
-        sections=tuple(stage(i) for i in range(k)),
-        owner=owner,
-        consumes=dict(consumes or {}),
-        bytes_per_unit=2 * llm.width,
-        # a stage runs its neighbour's micro-steps (the same rows, so the same bucket): the next
-        # stage takes the hidden states' position slices as they arrive (`mj.rows.gather`)
-        positions_per_unit=1.0,
-        aux=aux,
-    )
+                return {out: h}
+            return b.finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
+        h, terms = apply_with_row_losses(module, v, x, *body, method=DecoderLM.body)
+        if prev is not None:  # the stages' before it, of the same rows (none on a padding row)
+            row = batch[f"{prev}_row"]
+            terms = terms + R.gather(inputs, self.prev_aux, row, length=1)[:, 0] * (row >= 0)
+        if out is not None:
+            return {out: h, self.out_aux: terms[:, None]}
+        loss, metrics = b.finish(module, variables, v, inputs, batch, module.apply(v, h, method=DecoderLM.final))
+        return loss + jnp.sum(terms), metrics
