@@ -39,8 +39,9 @@ import jax
 import numpy as np
 
 from maestro_jax.core.graph import SectionGraph
-from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState, signature
-from maestro_jax.runtime.transfer import abstract_transfer, deliver_rows, return_rows, transfer
+from maestro_jax.runtime.issuer import Issuer, StepState
+from maestro_jax.runtime.moves import EdgeMoves
+from maestro_jax.runtime.programs import DryRun, SectionPrograms, SectionState
 from maestro_jax.schedule import Op, Problem, Schedule, required_ops
 from maestro_jax.schedule.dispatch import dispatch_order
 from maestro_jax.schedule.packing import Pack, packs
@@ -49,32 +50,6 @@ from maestro_jax.schedule.packing import Pack, packs
 # GPU client queues before it blocks the host (32, xla/pjrt/pjrt_stream_executor_client.cc), so
 # the transfers' cut and join programs and co-located sections still find room.
 LAUNCH_WINDOW = 16
-
-
-@dataclasses.dataclass
-class _StepState:
-    """Everything one step's operations read and write (device arrays keyed by op)."""
-
-    states: Mapping[str, SectionState]
-    schedule: Schedule
-    norm: np.float32
-    batches: dict
-    acc: dict
-    outputs: dict = dataclasses.field(default_factory=dict)
-    handles: dict = dataclasses.field(default_factory=dict)
-    moved: dict = dataclasses.field(default_factory=dict)
-    cotangents: dict = dataclasses.field(default_factory=dict)
-    moved_back: dict = dataclasses.field(default_factory=dict)
-    losses: list = dataclasses.field(default_factory=list)
-    metrics: list = dataclasses.field(default_factory=list)
-    in_flight_waits: int = 0
-    in_flight_wait_s: float = 0.0
-    transfer_issue_s: float = 0.0
-    launch_waits: int = 0
-    # with `scan`: per section that may scan, its forwards in issue order, and the results of
-    # those already issued inside an earlier micro-step's run (op -> what it produced)
-    forwards: dict | None = None
-    ran: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,23 +81,17 @@ class Executor:
         pack: Mapping[str, Pack] | None = None,
         dry: DryRun | None = None,
         scan: int = 1,
+        compiled: set | None = None,
     ):
         """`dry`: an abstract twin's dry run (`abstract`): transfers are recorded, not issued,
-        and nothing waits. `scan`: the most micro-steps one program runs (1: one each)."""
+        and nothing waits. `scan`: the most micro-steps one program runs (1: one each).
+        `compiled`: the keys of the transfers' programs compiled ahead (`EdgeMoves`)."""
         self.graph, self.problem, self.programs, self.dry = graph, problem, programs, dry
-        self.scan = scan
         # sections that pack sequences: samples per row or a token budget per row
         # (`schedule.packing`; their `problem.rows` count sample slots)
         self.pack = {s: p for s, p in (pack or {}).items() if packs(p)}
-        # per edge, how a producer micro-step reaches the consumer (each consumer shard gets its
-        # feeders' rows: any data-parallel degrees) and how its cotangent goes back (summed)
-        self.row_maps = {
-            e.name: tuple(
-                f(problem.dp[e.src], problem.dp[e.dst], problem.micro_batch(e.src)) for f in (deliver_rows, return_rows)
-            )
-            for e in problem.edges
-        }
-        self.compiled_transfers: set = set()  # keys of the cut and join programs compiled ahead
+        self.moves = EdgeMoves(problem, programs, dry, compiled)
+        self.issuer = Issuer(graph, problem, programs, self.moves, scan, dry)
         # None: the schedule's order as it is. On CPU (no such queue bound) and across processes
         # (each process must issue collective programs in the same order, and readiness is local)
         cpu = next(iter(programs.values())).mesh.devices.flat[0].platform == "cpu" if programs else True
@@ -134,9 +103,23 @@ class Executor:
         """This executor over the sections' abstract twins (`SectionPrograms.abstract(run)`): the
         same walk, every program call and transfer handed to `run`; the transfers it compiles
         are recorded in this executor's `compiled_transfers`."""
-        twin = Executor(self.graph, self.problem, programs, self.pack, dry=run, scan=self.scan)
-        twin.compiled_transfers = self.compiled_transfers
-        return twin
+        return Executor(
+            self.graph, self.problem, programs, self.pack, dry=run, scan=self.scan, compiled=self.compiled_transfers
+        )
+
+    @property
+    def scan(self) -> int:
+        """The most micro-steps one program runs (`Issuer.scan`)."""
+        return self.issuer.scan
+
+    @scan.setter
+    def scan(self, value: int) -> None:
+        self.issuer.scan = value
+
+    @property
+    def compiled_transfers(self) -> set:
+        """Keys of the transfers' cut and join programs compiled ahead (`EdgeMoves`)."""
+        return self.moves.compiled_transfers
 
     def host_batches(self, samples: Sequence, schedule: Schedule) -> dict[tuple[str, int], dict]:
         """Numpy inputs of every micro-step (host work, done before any dispatch)."""
@@ -152,12 +135,12 @@ class Executor:
                     out[(s, st.index)] = section.host_batch(row_samples, routes)
         return out
 
-    def _start(self, states, samples, schedule, host, norm, sections=None, grads: bool = True) -> _StepState:
+    def _start(self, states, samples, schedule, host, norm, sections=None, grads: bool = True) -> StepState:
         """`sections`: the sections whose inputs to put on their devices (default all); `grads`:
         start a grad accumulator for each trained one."""
         host = host if host is not None else self.host_batches(samples, schedule)
         norm = self.graph.loss_count(samples) if norm is None else norm
-        return _StepState(
+        return StepState(
             states=states,
             schedule=schedule,
             norm=np.float32(max(norm, 1)),
@@ -194,9 +177,9 @@ class Executor:
         self._at_step(step)
         ctx = self._start(states, samples, schedule, host, 0, sections=self.problem.ahead)
         ops = [op for op in schedule.ops if self.problem.is_ahead(op)]
-        ctx.forwards = self._scannable_forwards(ops)
+        ctx.forwards = self.issuer.scannable_forwards(ops)
         for op in ops:
-            self._execute(op, ctx)
+            self.issuer.execute(op, ctx)
         return Ahead(ctx.moved)
 
     def _summed(self, losses: list, metrics: list):
@@ -210,7 +193,7 @@ class Executor:
             total = sink.add(total, pair)
         return total
 
-    def _finish(self, ctx: _StepState) -> StepResult:
+    def _finish(self, ctx: StepState) -> StepResult:
         loss, summed = self._summed(ctx.losses, ctx.metrics)
         return StepResult(
             loss=loss,
@@ -221,29 +204,6 @@ class Executor:
             in_flight_wait_s=ctx.in_flight_wait_s,
             transfer_issue_s=ctx.transfer_issue_s,
             launch_waits=ctx.launch_waits,
-        )
-
-    def _move(self, x, dst, row_map=None):
-        """`transfer` (an abstract twin's: the abstract result, its cut and join programs recorded)."""
-        run = self.dry
-        if run is None:
-            return transfer(x, dst, row_map)
-        out, programs = abstract_transfer(x, dst, row_map)
-        for key, program in programs.items():
-            if key not in self.compiled_transfers:
-                run.transfers.setdefault(key, program)
-        return out
-
-    def _deliver(self, e, x):
-        """A producer micro-step's array of edge `e` onto its consumer's mesh (`deliver_rows`)."""
-        row_map = self.row_maps[e.name][0]
-        return self._move(x, self.programs[e.dst].edge_sharding((row_map.out_rows, *x.shape[1:])), row_map)
-
-    def _return(self, e, cotangent):
-        """The cotangent of edge `e`'s delivered array back onto its producer's mesh (`return_rows`)."""
-        row_map = self.row_maps[e.name][1]
-        return self._move(
-            cotangent, self.programs[e.src].edge_sharding((row_map.out_rows, *cotangent.shape[1:])), row_map
         )
 
     def run(
@@ -278,14 +238,14 @@ class Executor:
             ctx.moved.update(ahead.moved)
         ops = schedule.ops if ahead is None else [op for op in schedule.ops if not self.problem.is_ahead(op)]
         if record is None:
-            ctx.forwards = self._scannable_forwards(ops)
+            ctx.forwards = self.issuer.scannable_forwards(ops)
         if record is None and self.dry is None and self.launch_window is not None:
             self._issue(ops, ctx)
             return self._finish(ctx)
         t_origin = time.perf_counter()
         for op in ops:
             t_op = time.perf_counter()
-            produced = self._execute(op, ctx)
+            produced = self.issuer.execute(op, ctx)
             if record is not None:
                 # timed mode: wait for everything this op produced
                 t_dispatched = time.perf_counter()
@@ -296,7 +256,7 @@ class Executor:
     def _lane(self, op: Op):
         return self.lanes[self.graph.edge(op.edge).dst if op.kind == "XB" else op.section]
 
-    def _issue(self, ops: Sequence[Op], ctx: _StepState) -> None:
+    def _issue(self, ops: Sequence[Op], ctx: StepState) -> None:
         """Issue `ops` in `dispatch_order`, each lane's queue tracked by one output of every op
         issued on it (gone once ready, or once donated to a later program of the lane). Besides
         the schedule's dependencies, a backward goes after every transfer of its forward's
@@ -328,7 +288,7 @@ class Executor:
                 oldest.block_until_ready()
 
         for op in dispatch_order(ops, deps, self._lane, full, wait):
-            marker = _first_array(self._execute(op, ctx))
+            marker = _first_array(self.issuer.execute(op, ctx))
             if marker is not None:
                 queues[self._lane(op)].append(marker)
 
@@ -359,7 +319,7 @@ class Executor:
             prog = self.programs[op.section]
             if op.kind == "F":
                 step_ = schedule.steps[op.section][op.step]
-                inputs = self._inputs(op.section, step_, ctx)
+                inputs = self.issuer.inputs(op.section, step_, ctx)
                 batch = ctx.batches.pop((op.section, op.step))
                 if op.section == p.sink:
                     loss, m = prog.loss(ctx.states[op.section], inputs, batch, ctx.norm)
@@ -370,17 +330,11 @@ class Executor:
             elif op.kind == "X":
                 e = self.graph.edge(op.edge)
                 key = (e.src, op.step)
-                ctx.moved[(e.name, op.step)] = self._deliver(e, ctx.outputs[key][e.name])
+                ctx.moved[(e.name, op.step)] = self.moves.deliver(e, ctx.outputs[key][e.name])
                 uses[key] -= 1
                 if not uses[key]:
                     del ctx.outputs[key]  # every consumer has its copy
         return self._summed(ctx.losses, ctx.metrics)[0]
-
-    def _inputs(self, section: str, step, ctx: _StepState) -> dict:
-        return {
-            e.name: tuple(ctx.moved[(e.name, k)] for k in step.deps[e.name]) if e.name in step.deps else None
-            for e in self.problem.in_edges(section)
-        }
 
     def run_threaded(
         self, states: Mapping[str, SectionState], samples: Sequence, schedule: Schedule, record: list | None = None
@@ -410,7 +364,7 @@ class Executor:
                             if errors:
                                 return
                     t0 = time.perf_counter()
-                    jax.block_until_ready(self._execute(op, ctx))
+                    jax.block_until_ready(self.issuer.execute(op, ctx))
                     if record is not None:
                         record.append((op, t0 - t_origin, time.perf_counter() - t_origin, 0.0))
                     done[op].set()
@@ -425,155 +379,6 @@ class Executor:
         if errors:
             raise errors[0]
         return self._finish(ctx)
-
-    def _scannable_forwards(self, ops: Sequence[Op]) -> dict[str, list[Op]] | None:
-        """Per section whose forwards may scan (`scan` > 1; frozen producers and the sink), its
-        forwards among `ops` in their order; None without scanning."""
-        if self.scan < 2:
-            return None
-        p, out = self.problem, {}
-        for op in ops:
-            if op.kind == "F" and (op.section == p.sink or not p.needs_backward(op.section)):
-                out.setdefault(op.section, []).append(op)
-        return {s: f for s, f in out.items() if len(f) > 1}
-
-    def _ready_inputs(self, section: str, step, ctx: _StepState) -> dict | None:
-        """`_inputs`, issuing first the transfers still pending of producer micro-steps already
-        computed (each then skipped where the schedule has it); None while a producer micro-step
-        is not computed yet."""
-        edges = self.problem.in_edges(section)
-        wanted = [(e, k) for e in edges for k in step.deps.get(e.name, ()) if (e.name, k) not in ctx.moved]
-        if any((e.src, k) not in ctx.outputs for e, k in wanted):
-            return None
-        for e, k in wanted:
-            op = Op("X", e.src, k, e.name)
-            ctx.ran[op] = self._execute(op, ctx)
-        return self._inputs(section, step, ctx)
-
-    def _run_of(self, op: Op, ctx: _StepState) -> list[tuple[Op, dict, dict]]:
-        """`op` and the section's next forwards that may run in its program: (op, inputs,
-        batch) each, at most `scan`, up to the first one issued already, not ready, or of
-        another signature (nothing is taken out of order; an issued forward's batch is gone)."""
-        steps = ctx.schedule.steps[op.section]
-        first = (op, self._inputs(op.section, steps[op.step], ctx), ctx.batches[(op.section, op.step)])
-        run, forwards = [first], (ctx.forwards or {}).get(op.section, ())
-        if not forwards:
-            return run
-        key = signature(first[1:])
-        for later in forwards[forwards.index(op) + 1 :]:
-            if len(run) == self.scan:
-                break
-            inputs = self._ready_inputs(op.section, steps[later.step], ctx)
-            batch = ctx.batches.get((op.section, later.step))
-            if inputs is None or batch is None or signature((inputs, batch)) != key:
-                break
-            run.append((later, inputs, batch))
-        return run
-
-    def _forward_run(self, run: list[tuple[Op, dict, dict]], ctx: _StepState):
-        """A frozen producer's forwards of `run` in one program; each micro-step's outputs stored
-        as its own forward's would be."""
-        s = run[0][0].section
-        for op, _, _ in run:
-            del ctx.batches[(s, op.step)]
-        _, inputs_k, batches_k = (tuple(x) for x in zip(*run))
-        outs = self.programs[s].forward_run(ctx.states[s], inputs_k, batches_k)
-        for (op, _, _), out in zip(run, outs):
-            ctx.outputs[(s, op.step)] = out
-            ctx.ran[op] = out
-        return outs
-
-    def _loss_and_grad_run(self, run: list[tuple[Op, dict, dict]], ctx: _StepState):
-        """The sink's loss-and-grad of `run` in one program, the accumulator carried through;
-        losses, metrics and input cotangents recorded per micro-step, in order."""
-        s, prog = run[0][0].section, self.programs[run[0][0].section]
-        for op, _, _ in run:
-            del ctx.batches[(s, op.step)]
-        _, inputs_k, batches_k = (tuple(x) for x in zip(*run))
-        losses, metrics, ctx.acc[s], d_inputs = prog.loss_and_grad_run(
-            ctx.states[s], inputs_k, batches_k, ctx.norm, ctx.acc[s]
-        )
-        for (op, _, _), loss, m, d in zip(run, losses, metrics, d_inputs):
-            ctx.losses.append(loss)
-            ctx.metrics.append(m)
-            self._collect_cotangents(prog, ctx.schedule.steps[s][op.step], d, ctx.cotangents)
-            ctx.ran[op] = (loss, ctx.acc[s], d)
-        return losses, ctx.acc[s], d_inputs
-
-    def _execute(self, op: Op, ctx: _StepState):
-        """Dispatch one operation; returns what it produced (for callers that wait on it)."""
-        if op in ctx.ran:  # issued inside an earlier micro-step's run
-            return ctx.ran.pop(op)
-        p, g, prog = self.problem, self.graph, self.programs[op.section]
-        states, schedule = ctx.states, ctx.schedule
-        if op.kind == "F" and ctx.forwards and op.section in ctx.forwards:
-            run = self._run_of(op, ctx)
-            if len(run) > 1:
-                return self._loss_and_grad_run(run, ctx) if op.section == p.sink else self._forward_run(run, ctx)
-        if op.kind == "F":
-            step = schedule.steps[op.section][op.step]
-            inputs = self._inputs(op.section, step, ctx)
-            batch = ctx.batches.pop((op.section, op.step))
-            if op.section == p.sink:
-                loss, m, ctx.acc[op.section], d_inputs = prog.loss_and_grad(
-                    states[op.section], inputs, batch, ctx.norm, ctx.acc[op.section]
-                )
-                ctx.losses.append(loss)
-                ctx.metrics.append(m)
-                self._collect_cotangents(prog, step, d_inputs, ctx.cotangents)
-                return loss, ctx.acc[op.section], d_inputs
-            if p.needs_backward(op.section):
-                key = (op.section, op.step)
-                ctx.outputs[key], ctx.handles[key] = prog.forward_vjp(states[op.section], inputs, batch)
-                self._bound_in_flight(op.section, ctx)
-                return ctx.outputs[key], ctx.handles[key]
-            ctx.outputs[(op.section, op.step)] = prog.forward(states[op.section], inputs, batch)
-            return ctx.outputs[(op.section, op.step)]
-        if op.kind == "X":
-            e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved[(e.name, op.step)] = self._deliver(e, ctx.outputs[(e.src, op.step)][e.name])
-            ctx.transfer_issue_s += time.perf_counter() - t0
-            return ctx.moved[(e.name, op.step)]
-        if op.kind == "XB":
-            e, t0 = g.edge(op.edge), time.perf_counter()
-            ctx.moved_back[(op.edge, op.step)] = self._return(e, ctx.cotangents.pop((op.edge, op.step)))
-            ctx.transfer_issue_s += time.perf_counter() - t0
-            return ctx.moved_back[(op.edge, op.step)]
-        if op.kind == "B":
-            ct = {
-                e.name: ctx.moved_back.pop((e.name, op.step))
-                for e in p.out_edges(op.section)
-                if (e.name, op.step) in ctx.moved_back
-            }
-            out = ctx.outputs.pop((op.section, op.step))
-            ct = {k: ct[k] if k in ct else prog.zeros_like(v) for k, v in out.items()}  # zeros only if unused
-            ctx.acc[op.section], d_inputs = prog.backward(
-                states[op.section], ctx.handles.pop((op.section, op.step)), ct, ctx.acc[op.section]
-            )
-            self._collect_cotangents(prog, schedule.steps[op.section][op.step], d_inputs, ctx.cotangents)
-            return ctx.acc[op.section], d_inputs
-        return None  # U: applied by `update` after the step
-
-    @staticmethod
-    def _collect_cotangents(prog: SectionPrograms, step, d_inputs, cotangents) -> None:
-        """Sum each input cotangent into its producer micro-step's slot (still on this mesh)."""
-        for edge, parts in d_inputs.items():
-            if parts is None:  # no row of this micro-step used the edge
-                continue
-            for k, ct in zip(step.deps.get(edge, ()), parts):
-                key = (edge, k)
-                cotangents[key] = ct if key not in cotangents else prog.add(cotangents[key], ct)
-
-    def _bound_in_flight(self, section: str, ctx: _StepState) -> None:
-        """Bounded stash memory: past the bound, wait for the oldest stashed forward before
-        queuing more. The wavefront scheduler keeps the bound by construction, so this wait is
-        a safety net; each one is counted in the step's result (`in_flight_waits`)."""
-        stashed = [h for (s, _), h in ctx.handles.items() if s == section]
-        if len(stashed) > self.problem.in_flight(section) and self.dry is None:
-            t0 = time.perf_counter()
-            jax.block_until_ready(stashed[0])
-            ctx.in_flight_waits += 1
-            ctx.in_flight_wait_s += time.perf_counter() - t0
 
     def squared_norms(self, grads: Mapping[str, object]) -> dict[str, object]:
         """Each trained section's squared grad norm, a scalar on its own mesh."""
@@ -595,7 +400,7 @@ class Executor:
         new = dict(states)
         for s, gr in grads.items():
             prog = self.programs[s]
-            here = tuple(self._move(norms_sq[t], prog.replicated) for t in sorted(grads)) if clipped else ()
+            here = tuple(self.moves.move(norms_sq[t], prog.replicated) for t in sorted(grads)) if clipped else ()
             new[s] = prog.update(states[s], gr, here)
         return new
 
