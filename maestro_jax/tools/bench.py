@@ -80,152 +80,22 @@ def bench(
     packed vs unpacked sequences (`bench_packing`), with `stages` the plan with its decoder
     sections in pipeline stages vs without (`bench_stages`), with `balance` the wavefront with and
     without its producer-balancing variant (`bench_balance`), on the same batches."""
-    start = time.perf_counter()
-
-    def say(msg: str) -> None:
-        if progress is not None:
-            progress(f"bench [{time.perf_counter() - start:4.0f} s] {msg}")
-
+    say = _stopwatch(progress)
     if rt is None:
         say("building the runtime")
         rt = build_runtime(cfg)
     batches = [rt.batches()[i] for i in range(num_batches)]
-    samples_per_rep = sum(len(b) for b in batches)
-    tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
-    step, mono = rt.step, rt.monolithic.step  # the run's step on the plan, and the monolithic one
-    states = {m: step.init() for m in ("naive", "wavefront")}
-    mono_state = mono.init()
-
-    # calibrate the cost model on this machine (timed, serialised runs; also warms up naive)
-    say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
-    measured, states["naive"] = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
-    cost = calibrate.fit(rt, measured)  # this bench's own: not stored on `rt`
-    schedulers = {
-        "naive": lambda metas: naive(metas, rt.problem),
-        "wavefront": lambda metas: wavefront(metas, rt.problem, cost),
-    }
-
-    def maestro_step(mode, samples, stats):
-        t0 = time.perf_counter()
-        schedule = schedulers[mode](sample_metas(rt.graph, samples))
-        t1 = time.perf_counter()
-        states[mode], metrics = step(states[mode], StepBatch(samples, schedule))
-        t2 = time.perf_counter()
-        jax.block_until_ready((metrics.loss, states[mode]))  # end of step
-        t3 = time.perf_counter()
-        stats["schedule_s"].append(t1 - t0)
-        stats["dispatch_s"].append(t2 - t1)
-        stats["step_s"].append(t3 - t0)
-
-    orders = monolithic_orders(rt, cost)
-    ordered = {o: [orders[o](b) for b in batches] for o in ORDERS}  # each batch in each order, once
-    fair = ORDERS[0]  # the monolithic step's fastest order so far: what the text-only step uses
-
-    def mono_step(samples, stats):
-        nonlocal mono_state
-        t0 = time.perf_counter()
-        mono_state, metrics = mono(mono_state, samples)
-        jax.block_until_ready((metrics.loss, mono_state))
-        stats["step_s"].append(time.perf_counter() - t0)
-
-    timed = [*(f"monolithic:{o}" for o in ORDERS), "naive", "wavefront"]
-
-    def run(mode, j, stats):
-        if mode.startswith("monolithic:"):
-            mono_step(ordered[mode.split(":")[1]][j], stats)
-        else:
-            maestro_step(mode, batches[j], stats)
-
-    stats = {m: {"schedule_s": [], "dispatch_s": [], "step_s": []} for m in timed}
-    # warm-up: compile every bucket of every mode (each mode's states advance alone), over two
-    # steps at least: the monolithic step's second compiles again (its states, once updated,
-    # come in with the update's layouts), which one batch would leave to the first repetition
-    warm_up = list(range(len(batches))) * (1 if len(batches) > 1 else 2)
-    for mode in MODES:
-        each = f" in each of its orders ({', '.join(ORDERS)})" if mode == "monolithic" else ""
-        say(f"warm-up {mode}: {len(warm_up)} steps{each}, compiling every shape bucket")
-        for m in [t for t in timed if t.split(":")[0] == mode]:
-            for j in warm_up:
-                run(m, j, {"schedule_s": [], "dispatch_s": [], "step_s": []})
-    per_rep = {m: [] for m in timed}
+    timing = _Timing.calibrated(rt, batches, say)
+    timing.warm_up(say)
     for rep in range(reps):
-        for mode in timed:
-            first = len(stats[mode]["step_s"])
-            for j in range(len(batches)):
-                run(mode, j, stats[mode])
-            per_rep[mode].append(sum(stats[mode]["step_s"][first:]))
-        fair = min(ORDERS, key=lambda o: statistics.median(per_rep[f"monolithic:{o}"]))
-        per_rep["monolithic"], stats["monolithic"] = per_rep[f"monolithic:{fair}"], stats[f"monolithic:{fair}"]
-        say(
-            f"repetition {rep + 1}/{reps}: "
-            + ", ".join(f"{m} {seconds(per_rep[m][-1] / num_batches)}/step" for m in MODES)
-            + f" (monolithic in its fastest order so far, {fair})"
-        )
-
-    def summary(values):
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-    sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
-    by_order = {o: samples_per_rep / statistics.median(per_rep[f"monolithic:{o}"]) for o in ORDERS}
-    report = {
-        "config": {
-            "workload": cfg.workload,
-            "sections": list(rt.graph.names),
-            "global_batch": cfg.global_batch,
-            "batches": num_batches,
-            "reps": reps,
-            "devices": len(jax.devices()),
-            "platform": jax.devices()[0].platform,
-            "plan": {s: _layout(sp) for s, sp in rt.plan.sections.items()},
-            "monolithic": _layout(cfg.monolithic_plan()),
-        },
-        "samples_per_s": sps,
-        # the fair monolithic baseline is the fastest of its orders; each order's throughput
-        "monolithic_order": fair,
-        "monolithic_orders": by_order,
-        # what users run today, measured: the monolithic step in arrival order (Megatron-LM's data order)
-        "user_baselines": {"round_robin": {"samples_per_s": by_order["arrival"]}},
-        "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},
-        "step_time_s": {m: summary([t / num_batches for t in per_rep[m]]) for m in MODES},
-        "ratios": {
-            "wavefront_vs_monolithic": sps["wavefront"] / sps["monolithic"],
-            "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
-            "naive_vs_monolithic": sps["naive"] / sps["monolithic"],
-            "wavefront_vs_round_robin": sps["wavefront"] / by_order["arrival"],
-        },
-        "host_overhead_fraction": {
-            m: statistics.median(
-                [(a + b) / c for a, b, c in zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"])]
-            )
-            for m in ("naive", "wavefront")
-        },
-        "schedule_fraction": {
-            m: statistics.median([a / c for a, c in zip(stats[m]["schedule_s"], stats[m]["step_s"])])
-            for m in ("naive", "wavefront")
-        },
-        # per step, medians: scheduling, issuing every program (dispatch), and the host blocked
-        # waiting for the devices at the end of the step (the rest of the step's time)
-        "host_time_s": {
-            m: {
-                "schedule": statistics.median(stats[m]["schedule_s"]),
-                "dispatch": statistics.median(stats[m]["dispatch_s"]),
-                "blocked": statistics.median(
-                    [c - a - b for a, b, c in zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"])]
-                ),
-            }
-            for m in ("naive", "wavefront")
-        },
-    }
+        timing.repeat(rep, reps, say)
+    report = _report(cfg, timing)
     if any(s.items for b in batches for s in b):
-        text_only = _text_only_step_s(
-            batches, reps, maestro_step, lambda samples, st: mono_step(orders[fair](samples), st), say
-        )
+        text_only = _text_only_step_s(batches, reps, timing.maestro_step, timing.fair_mono_step, say)
         report["text_only_step_s"] = text_only
-        report["efficiency_vs_text_only"] = {
-            m: text_only[m] / (statistics.median(per_rep[m]) / num_batches) for m in text_only
-        }
-    report["mfu"] = _mfu(cfg, rt, batches, per_rep)
-    report["simulator"] = _prediction(rt, cost, batches, per_rep, num_batches)
+        report["efficiency_vs_text_only"] = {m: text_only[m] / timing.median_step_s(m) for m in text_only}
+    report["mfu"] = _mfu(cfg, rt, batches, timing.per_rep)
+    report["simulator"] = _prediction(rt, timing.cost, batches, timing.per_rep, num_batches)
     if pack is not None:
         report["packing"] = bench_packing(cfg, pack, rt, batches, reps, say)
     if stages is not None:
@@ -234,9 +104,199 @@ def bench(
         report["balance"] = bench_balance(cfg, rt, batches, reps, say)
     if trace_dir:
         say(f"writing traces to {trace_dir}")
-        report["traces"] = _traces(rt, cost, states["wavefront"], batches[0], trace_dir)
+        report["traces"] = _traces(rt, timing.cost, timing.states["wavefront"], batches[0], trace_dir)
     say("done")
     return report
+
+
+def _stopwatch(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+    """`say(msg)`: `msg` to `progress` (if any) with the seconds since the bench began."""
+    start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(f"bench [{time.perf_counter() - start:4.0f} s] {msg}")
+
+    return say
+
+
+def _no_stats() -> dict[str, list]:
+    return {"schedule_s": [], "dispatch_s": [], "step_s": []}
+
+
+@dataclasses.dataclass
+class _Timing:
+    """The timed steps of one bench on `batches`: maestro's step under each scheduler (naive, and
+    the wavefront on the bench's own calibrated `cost`) and the monolithic step in each of
+    `ORDERS`, each mode's state advancing alone. `stats`: each timed mode's per-step host times;
+    `per_rep`: each mode's time per repetition; `fair`: the monolithic step's fastest order."""
+
+    rt: object
+    step: object  # the run's step on the plan
+    mono: object  # the monolithic step (one object: its compiled programs are its own)
+    batches: list
+    cost: object
+    states: dict
+    mono_state: object
+    orders: dict
+    ordered: dict
+    stats: dict = dataclasses.field(default_factory=dict)
+    per_rep: dict = dataclasses.field(default_factory=dict)
+    fair: str = ORDERS[0]  # the monolithic step's fastest order so far: what the text-only step uses
+
+    @classmethod
+    def calibrated(cls, rt, batches, say) -> _Timing:
+        """Fresh states for every mode, the cost model calibrated on this machine (timed,
+        serialised runs; also warms up naive) and every batch put in each monolithic order."""
+        step, mono = rt.step, rt.monolithic.step
+        states = {m: step.init() for m in ("naive", "wavefront")}
+        mono_state = mono.init()
+        say(f"calibrating the cost model: timed runs of {len(batches[:2])} batch(es) (compiles the section programs)")
+        measured, states["naive"] = calibrate.measure(rt, states["naive"], batches[:2], repeats=1)
+        cost = calibrate.fit(rt, measured)  # this bench's own: not stored on `rt`
+        orders = monolithic_orders(rt, cost)
+        ordered = {o: [orders[o](b) for b in batches] for o in ORDERS}  # each batch in each order, once
+        timing = cls(rt, step, mono, batches, cost, states, mono_state, orders, ordered)
+        timing.stats = {m: _no_stats() for m in timing.timed}
+        timing.per_rep = {m: [] for m in timing.timed}
+        return timing
+
+    @property
+    def timed(self) -> list[str]:
+        return [*(f"monolithic:{o}" for o in ORDERS), "naive", "wavefront"]
+
+    def maestro_step(self, mode: str, samples, stats: dict) -> None:
+        """One maestro step under `mode`'s scheduler, its scheduling, dispatch and whole step timed."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        metas = sample_metas(rt.graph, samples)
+        schedule = naive(metas, rt.problem) if mode == "naive" else wavefront(metas, rt.problem, self.cost)
+        t1 = time.perf_counter()
+        self.states[mode], metrics = self.step(self.states[mode], StepBatch(samples, schedule))
+        t2 = time.perf_counter()
+        jax.block_until_ready((metrics.loss, self.states[mode]))  # end of step
+        t3 = time.perf_counter()
+        stats["schedule_s"].append(t1 - t0)
+        stats["dispatch_s"].append(t2 - t1)
+        stats["step_s"].append(t3 - t0)
+
+    def mono_step(self, samples, stats: dict) -> None:
+        """One monolithic step on `samples` as given, timed whole."""
+        t0 = time.perf_counter()
+        self.mono_state, metrics = self.mono(self.mono_state, samples)
+        jax.block_until_ready((metrics.loss, self.mono_state))
+        stats["step_s"].append(time.perf_counter() - t0)
+
+    def fair_mono_step(self, samples, stats: dict) -> None:
+        """The monolithic step on `samples` in its fastest order."""
+        self.mono_step(self.orders[self.fair](samples), stats)
+
+    def run(self, mode: str, j: int, stats: dict) -> None:
+        if mode.startswith("monolithic:"):
+            self.mono_step(self.ordered[mode.split(":")[1]][j], stats)
+        else:
+            self.maestro_step(mode, self.batches[j], stats)
+
+    def warm_up(self, say) -> None:
+        """Compile every bucket of every mode (each mode's states advance alone), over two steps
+        at least: the monolithic step's second compiles again (its states, once updated, come in
+        with the update's layouts), which one batch would leave to the first repetition."""
+        steps = list(range(len(self.batches))) * (1 if len(self.batches) > 1 else 2)
+        for mode in MODES:
+            each = f" in each of its orders ({', '.join(ORDERS)})" if mode == "monolithic" else ""
+            say(f"warm-up {mode}: {len(steps)} steps{each}, compiling every shape bucket")
+            for m in [t for t in self.timed if t.split(":")[0] == mode]:
+                for j in steps:
+                    self.run(m, j, _no_stats())
+
+    def repeat(self, rep: int, reps: int, say) -> None:
+        """Repetition `rep`: every timed mode over every batch, interleaved; the fair monolithic
+        order is the fastest so far."""
+        for mode in self.timed:
+            first = len(self.stats[mode]["step_s"])
+            for j in range(len(self.batches)):
+                self.run(mode, j, self.stats[mode])
+            self.per_rep[mode].append(sum(self.stats[mode]["step_s"][first:]))
+        self.fair = min(ORDERS, key=lambda o: statistics.median(self.per_rep[f"monolithic:{o}"]))
+        fair = f"monolithic:{self.fair}"
+        self.per_rep["monolithic"], self.stats["monolithic"] = self.per_rep[fair], self.stats[fair]
+        say(
+            f"repetition {rep + 1}/{reps}: "
+            + ", ".join(f"{m} {seconds(self.per_rep[m][-1] / len(self.batches))}/step" for m in MODES)
+            + f" (monolithic in its fastest order so far, {self.fair})"
+        )
+
+    def median_step_s(self, mode: str) -> float:
+        return statistics.median(self.per_rep[mode]) / len(self.batches)
+
+
+def _summary(values) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _report(cfg: Config, t: _Timing) -> dict:
+    """The bench's report of `t`'s repetitions: throughput, step times, ratios and host time by mode."""
+    batches, per_rep = t.batches, t.per_rep
+    samples_per_rep = sum(len(b) for b in batches)
+    tokens_per_rep = sum(len(s.tokens) - 1 for b in batches for s in b)
+    sps = {m: samples_per_rep / statistics.median(per_rep[m]) for m in MODES}
+    by_order = {o: samples_per_rep / statistics.median(per_rep[f"monolithic:{o}"]) for o in ORDERS}
+    return {
+        "config": _config_record(cfg, t.rt, len(batches), len(per_rep["naive"])),
+        "samples_per_s": sps,
+        # the fair monolithic baseline is the fastest of its orders; each order's throughput
+        "monolithic_order": t.fair,
+        "monolithic_orders": by_order,
+        # what users run today, measured: the monolithic step in arrival order (Megatron-LM's data order)
+        "user_baselines": {"round_robin": {"samples_per_s": by_order["arrival"]}},
+        "tokens_per_s": {m: tokens_per_rep / statistics.median(per_rep[m]) for m in MODES},
+        "step_time_s": {m: _summary([x / len(batches) for x in per_rep[m]]) for m in MODES},
+        "ratios": {
+            "wavefront_vs_monolithic": sps["wavefront"] / sps["monolithic"],
+            "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
+            "naive_vs_monolithic": sps["naive"] / sps["monolithic"],
+            "wavefront_vs_round_robin": sps["wavefront"] / by_order["arrival"],
+        },
+        **_host_time(t.stats),
+    }
+
+
+def _config_record(cfg: Config, rt, num_batches: int, reps: int) -> dict:
+    """What was benched: the workload, its sections, batches, devices and both layouts."""
+    return {
+        "workload": cfg.workload,
+        "sections": list(rt.graph.names),
+        "global_batch": cfg.global_batch,
+        "batches": num_batches,
+        "reps": reps,
+        "devices": len(jax.devices()),
+        "platform": jax.devices()[0].platform,
+        "plan": {s: _layout(sp) for s, sp in rt.plan.sections.items()},
+        "monolithic": _layout(cfg.monolithic_plan()),
+    }
+
+
+def _host_time(stats: dict) -> dict:
+    """Maestro's host time per step, medians: its share of the step (scheduling and dispatch),
+    scheduling's alone, and per step scheduling, issuing every program (dispatch) and the host
+    blocked waiting for the devices at the end of the step (the rest of the step's time)."""
+    modes = ("naive", "wavefront")
+
+    def per_step(m):
+        return list(zip(stats[m]["schedule_s"], stats[m]["dispatch_s"], stats[m]["step_s"]))
+
+    return {
+        "host_overhead_fraction": {m: statistics.median([(a + b) / c for a, b, c in per_step(m)]) for m in modes},
+        "schedule_fraction": {m: statistics.median([a / c for a, _, c in per_step(m)]) for m in modes},
+        "host_time_s": {
+            m: {
+                "schedule": statistics.median(stats[m]["schedule_s"]),
+                "dispatch": statistics.median(stats[m]["dispatch_s"]),
+                "blocked": statistics.median([c - a - b for a, b, c in per_step(m)]),
+            }
+            for m in modes
+        },
+    }
 
 
 def monolithic_orders(rt, cost) -> dict[str, Callable[[list], list]]:
