@@ -418,27 +418,12 @@ def _write_json(path: str | None, report: dict) -> None:
 
 
 def _bench(cfg, args) -> int:
-    from maestro_jax import workloads
-    from maestro_jax.tools.bench import MODES, bench, stageable
+    from maestro_jax.tools.bench import bench, format_report
 
-    if args.pack is not None:
-        packs = [s.name for s in workloads.build_graph(cfg).sections if s.packed_batch is not None]
-        if args.pack < 2 or not packs:
-            what = f"workload {cfg.workload!r} has no section that packs" if not packs else "must be 2 or more"
-            print(
-                f"error: --pack={args.pack}: {what}; valid: an integer >= 2 on vlm, omni, vlm_kd or kd", file=sys.stderr
-            )
-            return 2
-    if args.stages is not None:
-        staged = stageable(cfg, workloads.build_graph(cfg), args.stages)
-        if args.stages < 2 or not staged:
-            what = "must be 2 or more" if args.stages < 2 else "no section splits into that many stages here"
-            print(
-                f"error: --stages={args.stages}: {what}; valid: an integer >= 2 that divides the mesh's data axis of "
-                f"a section that splits (the LLM of vlm, omni, vlm_kd; teacher and student of kd, vlm_kd)",
-                file=sys.stderr,
-            )
-            return 2
+    refused = _bench_refusal(cfg, args)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
     r = bench(
         cfg,
         reps=args.reps,
@@ -449,64 +434,30 @@ def _bench(cfg, args) -> int:
         stages=args.stages,
         balance=args.balance,
     )
-    print(f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}")
-    for m in MODES:
-        t = r["step_time_s"][m]
-        print(
-            f"{m:12s} {r['samples_per_s'][m]:10.2f} {r['tokens_per_s'][m]:10.1f} {t['median']:14.4f} "
-            f"{t['min']:8.4f} {t['max']:8.4f}"
-        )
-    orders = ", ".join(f"{o} {v:.2f}" for o, v in r["monolithic_orders"].items())
-    print(f"monolithic: the fastest of its orders, {r['monolithic_order']} (samples/s by order: {orders})")
-    rr = r["user_baselines"]["round_robin"]["samples_per_s"]
-    print(f"users' baseline, Megatron-style data order (the monolithic step in arrival order): {rr:.2f} samples/s")
-    for k, v in r["ratios"].items():
-        print(f"{k}: {v:.3f}")
-    for m, v in r["host_overhead_fraction"].items():
-        print(f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})")
-    u = r["mfu"]
-    for m in MODES:
-        sections = ", ".join(f"{s} {v:.1%}" for s, v in u["by_section"].get(m, {}).items())
-        print(f"MFU {m}: {u[m]:.1%}" + (f" ({sections})" if sections else ""))
-    print(f"MFU against {u['peak'] / 1e12:.3g} TFLOP/s a device ({u['peak_source']})")
-    if "efficiency_vs_text_only" in r:
-        e = r["efficiency_vs_text_only"]
-        print(
-            f"efficiency relative to text-only (same token rows, modality items removed): "
-            f"wavefront {e['wavefront']:.1%}, monolithic {e['monolithic']:.1%}"
-        )
-    for m in ("naive", "wavefront"):
-        p = r["simulator"][m]
-        print(
-            f"simulator ({r['simulator']['cost_source']}, serial={r['simulator']['serial']}) {m}: predicted "
-            f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})"
-        )
-    if "packing" in r:
-        p = r["packing"]
-        print(
-            f"packing ({', '.join(p['sections'])} pack={p['pack']}, {p['scheduler']}): tokens/s packed "
-            f"{p['tokens_per_s']['packed']:.1f} vs unpacked {p['tokens_per_s']['unpacked']:.1f} "
-            f"({p['packed_vs_unpacked']:.3f}x); rows filled {p['row_fill']['packed']:.1%} vs "
-            f"{p['row_fill']['unpacked']:.1%}"
-        )
-    if "stages" in r:
-        p = r["stages"]
-        print(
-            f"pipeline stages ({', '.join(p['sections'])} stages={p['stages']}, {p['scheduler']}): tokens/s staged "
-            f"{p['tokens_per_s']['staged']:.1f} vs unstaged {p['tokens_per_s']['unstaged']:.1f} "
-            f"({p['staged_vs_unstaged']:.3f}x)"
-        )
-    if "balance" in r:
-        p = r["balance"]
-        units = ", ".join(
-            f"{s} {n} vs {p['padded_units']['unbalanced'][s]}" for s, n in p["padded_units"]["balanced"].items()
-        )
-        print(
-            f"balanced shards (wavefront): tokens/s balanced {p['tokens_per_s']['balanced']:.1f} vs unbalanced "
-            f"{p['tokens_per_s']['unbalanced']:.1f} ({p['balanced_vs_unbalanced']:.3f}x); padded work units {units}"
-        )
+    print(format_report(r))
     _write_json(args.json, r)
     return 0
+
+
+def _bench_refusal(cfg, args) -> str | None:
+    """The `error:` line for a `--pack` or `--stages` the workload cannot take (None: it can)."""
+    from maestro_jax import workloads
+    from maestro_jax.tools.bench import stageable
+
+    if args.pack is not None:
+        packs = [s.name for s in workloads.build_graph(cfg).sections if s.packed_batch is not None]
+        if args.pack < 2 or not packs:
+            what = f"workload {cfg.workload!r} has no section that packs" if not packs else "must be 2 or more"
+            return f"error: --pack={args.pack}: {what}; valid: an integer >= 2 on vlm, omni, vlm_kd or kd"
+    if args.stages is not None:
+        staged = stageable(cfg, workloads.build_graph(cfg), args.stages)
+        if args.stages < 2 or not staged:
+            what = "must be 2 or more" if args.stages < 2 else "no section splits into that many stages here"
+            return (
+                f"error: --stages={args.stages}: {what}; valid: an integer >= 2 that divides the mesh's data axis of "
+                f"a section that splits (the LLM of vlm, omni, vlm_kd; teacher and student of kd, vlm_kd)"
+            )
+    return None
 
 
 JSON = opt("--json", metavar="PATH", help="write the report as JSON here (default: not written)")

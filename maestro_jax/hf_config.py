@@ -308,27 +308,9 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
     """`llm_fields` of the config `hf`: a language model's, or a multimodal one's `text_config`."""
     kind = hf.get("model_type")
     if kind in QWEN_VL:
-        text = hf.get("text_config") or hf
-        tied = bool(hf.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
-        text = {**text, "model_type": QWEN_VL[kind], "tie_word_embeddings": tied}
-        qwen3 = kind == "qwen3_vl"
-        return {
-            **_text_fields(path, text),
-            "mrope_section": _mrope_section(path, text, kind),
-            # Qwen3-VL's text model interleaves its sections whatever `mrope_interleaved` says (transformers
-            # reads no flag), and adds one DeepStack feature set per tapped vision block
-            "mrope_interleaved": qwen3,
-            "deepstack_layers": len(_qwen3_vl_vision_config(hf)["deepstack_visual_indexes"]) if qwen3 else 0,
-            # get_rope_index's video positions: Qwen2.5-VL's step per second of video, Qwen3-VL's timestamps
-            **({"video_timestamps": True} if qwen3 else _tokens_per_second(path, hf)),
-        }
+        return _qwen_vl_text_fields(path, hf, kind)
     if kind in MULTIMODAL:
-        text = hf.get("text_config") or {}
-        if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
-            raise HFError(
-                f"{path}/config.json: text_config.model_type={text.get('model_type')!r}; a {kind} folder's is {MULTIMODAL[kind]!r}"
-            )
-        hf, kind = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}, MULTIMODAL[kind]
+        hf, kind = _multimodal_text(path, hf, kind)
     if kind not in ARCHITECTURES:
         raise HFError(
             f"{path}/config.json: model_type={kind!r}; supported: {sorted([*ARCHITECTURES, *MULTIMODAL, *QWEN_VL])}"
@@ -339,6 +321,46 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         return _gemma2_fields(path, hf)
     params = hf.get("rope_parameters") or {}
     rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
+    _check_swiglu_rope(path, hf, params)
+    fields = _llama_fields(hf, kind, params, rope_scaling)
+    if kind == "mixtral":
+        return {**fields, **_mixtral_experts(path, hf)}
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        return {**fields, **_qwen_moe_experts(path, hf, kind)}
+    return fields
+
+
+def _qwen_vl_text_fields(path: str | Path, hf: dict, kind: str) -> dict:
+    """A Qwen-VL folder's language model: its `text_config` (or the top level) as the Qwen text
+    model it is, with the multimodal RoPE sections, DeepStack taps and video positions."""
+    text = hf.get("text_config") or hf
+    tied = bool(hf.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
+    text = {**text, "model_type": QWEN_VL[kind], "tie_word_embeddings": tied}
+    qwen3 = kind == "qwen3_vl"
+    return {
+        **_text_fields(path, text),
+        "mrope_section": _mrope_section(path, text, kind),
+        # Qwen3-VL's text model interleaves its sections whatever `mrope_interleaved` says (transformers
+        # reads no flag), and adds one DeepStack feature set per tapped vision block
+        "mrope_interleaved": qwen3,
+        "deepstack_layers": len(_qwen3_vl_vision_config(hf)["deepstack_visual_indexes"]) if qwen3 else 0,
+        # get_rope_index's video positions: Qwen2.5-VL's step per second of video, Qwen3-VL's timestamps
+        **({"video_timestamps": True} if qwen3 else _tokens_per_second(path, hf)),
+    }
+
+
+def _multimodal_text(path: str | Path, hf: dict, kind: str) -> tuple[dict, str]:
+    """A multimodal folder's `text_config` and its model type (the one `MULTIMODAL` maps `kind` to)."""
+    text = hf.get("text_config") or {}
+    if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
+        raise HFError(
+            f"{path}/config.json: text_config.model_type={text.get('model_type')!r}; a {kind} folder's is {MULTIMODAL[kind]!r}"
+        )
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}, MULTIMODAL[kind]
+
+
+def _check_swiglu_rope(path: str | Path, hf: dict, params: dict) -> None:
+    """What the LLM is: SwiGLU without MLP biases, RoPE over whole heads, no Qwen2 sliding window."""
     if hf.get("mlp_bias") or hf.get("hidden_act", "silu") != "silu":
         raise HFError(
             f"{path}/config.json: hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')}; "
@@ -349,8 +371,12 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         raise HFError(f"{path}/config.json: partial_rotary_factor={partial}; valid: 1.0 (RoPE over the whole head)")
     if hf.get("use_sliding_window"):  # Qwen2's, with its per-layer max_window_layers
         raise HFError(f"{path}/config.json: use_sliding_window=true is not supported (Mistral's sliding_window is)")
+
+
+def _llama_fields(hf: dict, kind: str, params: dict, rope_scaling) -> dict:
+    """The fields of a Llama-family model of type `kind` (dense; its experts added by the caller)."""
     heads = hf["num_attention_heads"]
-    fields = {
+    return {
         "kind": "llm",
         "vocab": hf["vocab_size"],
         "width": hf["hidden_size"],
@@ -380,22 +406,22 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         "attn_softcap": None,
         "final_softcap": None,
     }
-    if kind == "mixtral":
-        return {**fields, **_mixtral_experts(path, hf)}
-    if kind in ("qwen3_moe", "qwen2_moe"):
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise HFError(
-                f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
-                f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer"
-            )
-        fields.update(
-            experts=hf.get("num_local_experts") or hf["num_experts"],
-            experts_per_token=hf["num_experts_per_tok"],
-            expert_mlp=hf["moe_intermediate_size"],
-            moe_renormalize=bool(hf.get("norm_topk_prob", False)),
-            shared_expert_mlp=hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0,
+
+
+def _qwen_moe_experts(path: str | Path, hf: dict, kind: str) -> dict:
+    """A Qwen2-MoE or Qwen3-MoE model's expert fields; every layer must be a mixture-of-experts one."""
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise HFError(
+            f"{path}/config.json: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+            f"{hf.get('mlp_only_layers')}; every layer must be a mixture-of-experts layer"
         )
-    return fields
+    return {
+        "experts": hf.get("num_local_experts") or hf["num_experts"],
+        "experts_per_token": hf["num_experts_per_tok"],
+        "expert_mlp": hf["moe_intermediate_size"],
+        "moe_renormalize": bool(hf.get("norm_topk_prob", False)),
+        "shared_expert_mlp": hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0,
+    }
 
 
 def _mixtral_experts(path, hf: dict) -> dict:

@@ -299,6 +299,85 @@ def _host_time(stats: dict) -> dict:
     }
 
 
+def format_report(r: dict) -> str:
+    """`bench`'s report as `maestro-jax bench` prints it: a table of throughput and step times by
+    mode, the monolithic orders and the users' baseline, ratios, host overhead, MFU, the
+    simulator's prediction and each variant benched (packing, stages, balance)."""
+    return "\n".join([*_throughput_lines(r), *_share_lines(r), *_variant_lines(r)])
+
+
+def _throughput_lines(r: dict) -> list[str]:
+    lines = [f"{'mode':12s} {'samples/s':>10s} {'tokens/s':>10s} {'step median s':>14s} {'min':>8s} {'max':>8s}"]
+    for m in MODES:
+        t = r["step_time_s"][m]
+        lines.append(
+            f"{m:12s} {r['samples_per_s'][m]:10.2f} {r['tokens_per_s'][m]:10.1f} {t['median']:14.4f} "
+            f"{t['min']:8.4f} {t['max']:8.4f}"
+        )
+    orders = ", ".join(f"{o} {v:.2f}" for o, v in r["monolithic_orders"].items())
+    rr = r["user_baselines"]["round_robin"]["samples_per_s"]
+    return [
+        *lines,
+        f"monolithic: the fastest of its orders, {r['monolithic_order']} (samples/s by order: {orders})",
+        f"users' baseline, Megatron-style data order (the monolithic step in arrival order): {rr:.2f} samples/s",
+        *(f"{k}: {v:.3f}" for k, v in r["ratios"].items()),
+    ]
+
+
+def _share_lines(r: dict) -> list[str]:
+    """Host overhead, MFU, the efficiency relative to text-only and the simulator's prediction."""
+    lines = [
+        f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})"
+        for m, v in r["host_overhead_fraction"].items()
+    ]
+    u = r["mfu"]
+    for m in MODES:
+        sections = ", ".join(f"{s} {v:.1%}" for s, v in u["by_section"].get(m, {}).items())
+        lines.append(f"MFU {m}: {u[m]:.1%}" + (f" ({sections})" if sections else ""))
+    lines.append(f"MFU against {u['peak'] / 1e12:.3g} TFLOP/s a device ({u['peak_source']})")
+    if "efficiency_vs_text_only" in r:
+        e = r["efficiency_vs_text_only"]
+        lines.append(
+            f"efficiency relative to text-only (same token rows, modality items removed): "
+            f"wavefront {e['wavefront']:.1%}, monolithic {e['monolithic']:.1%}"
+        )
+    sim = r["simulator"]
+    for m in ("naive", "wavefront"):
+        p = sim[m]
+        lines.append(
+            f"simulator ({sim['cost_source']}, serial={sim['serial']}) {m}: predicted "
+            f"{p['predicted_step_s']:.4f}s vs measured {p['measured_step_s']:.4f}s ({p['relative_error']:+.1%})"
+        )
+    return lines
+
+
+def _variant_lines(r: dict) -> list[str]:
+    """One line for each variant benched beside the run: packing, pipeline stages, balanced shards."""
+    lines = []
+    if p := r.get("packing"):
+        lines.append(
+            f"packing ({', '.join(p['sections'])} pack={p['pack']}, {p['scheduler']}): tokens/s packed "
+            f"{p['tokens_per_s']['packed']:.1f} vs unpacked {p['tokens_per_s']['unpacked']:.1f} "
+            f"({p['packed_vs_unpacked']:.3f}x); rows filled {p['row_fill']['packed']:.1%} vs "
+            f"{p['row_fill']['unpacked']:.1%}"
+        )
+    if p := r.get("stages"):
+        lines.append(
+            f"pipeline stages ({', '.join(p['sections'])} stages={p['stages']}, {p['scheduler']}): tokens/s staged "
+            f"{p['tokens_per_s']['staged']:.1f} vs unstaged {p['tokens_per_s']['unstaged']:.1f} "
+            f"({p['staged_vs_unstaged']:.3f}x)"
+        )
+    if p := r.get("balance"):
+        units = ", ".join(
+            f"{s} {n} vs {p['padded_units']['unbalanced'][s]}" for s, n in p["padded_units"]["balanced"].items()
+        )
+        lines.append(
+            f"balanced shards (wavefront): tokens/s balanced {p['tokens_per_s']['balanced']:.1f} vs unbalanced "
+            f"{p['tokens_per_s']['unbalanced']:.1f} ({p['balanced_vs_unbalanced']:.3f}x); padded work units {units}"
+        )
+    return lines
+
+
 def monolithic_orders(rt, cost) -> dict[str, Callable[[list], list]]:
     """`ORDERS`: how a monolithic trainer could feed the step a global batch, as the analytic fair
     baseline prices them (`planning.cluster.monolithic_time`): as it arrives, longest first by

@@ -71,87 +71,124 @@ def train(
     it is refused with a `DirectoryInUseError` (`dirlock`). Directories that cannot take the
     run's files are refused before anything compiles (`storage.check_directories`)."""
     coordinator = rt.coordinator if rt else Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s)
-    out_dir = Path(cfg.output_dir) if cfg.output_dir else None
-    keep = bool(out_dir and cfg.keep_checkpoints)
-    dirs = {"output_dir": cfg.output_dir, "checkpoint_dir": cfg.checkpoint_dir if keep else None}
     say = _Say(progress)
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(Preemption())
+        run = _RunDirs.checked(cfg, stack, coordinator, trackers, built=rt is not None)
+        cache = stack.enter_context(compile_cache.using(_cache_dir(cfg), _cache_max_bytes(cfg)))
+        if eval_source is None and cfg.eval is not None and cfg.eval.data is not None:
+            eval_source = held_out_source(cfg)  # its own files are checked before anything compiles
+        rt = rt or _build(cfg, coordinator, say)
+        state, data, ckpt = _starting_state(cfg, rt, stack, run, coordinator, say)
+        start = state.step
+        if start >= cfg.steps:
+            say(f"nothing to do: {run.out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
+            return []
+        evaluation = evaluation_for(cfg, rt, eval_source)
+        if cfg.compile.ahead:
+            _compile_ahead(cfg, rt, start, evaluation, cache, say)
+        if _preempted_in_startup(preemption, ckpt.directory if ckpt else run.out_dir, start):
+            return []
+        if run.out_dir and jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit
+            _write_config(cfg, run.out_dir)
+        step_log, window = _outputs(cfg, rt, stack, run.out_dir, start, trackers, evaluation, hooks, progress, say)
+        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(state)
+    skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
+    if skipped:
+        say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
+    return history
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunDirs:
+    """Where the run writes: `out_dir` (None: nowhere) and whether it keeps checkpoints (`keep`)."""
+
+    out_dir: Path | None
+    keep: bool
+
+    @classmethod
+    def checked(cls, cfg: Config, stack, coordinator: Coordinator, trackers, built: bool) -> _RunDirs:
+        """The run's directories checked and held (`stack` releases them), its trackers and start
+        points checked and, without a runtime `built` by the caller, its plan on this host's
+        devices: all before the compile cache opens (which logs what it moves aside)."""
+        out_dir = Path(cfg.output_dir) if cfg.output_dir else None
+        keep = bool(out_dir and cfg.keep_checkpoints)
+        dirs = {"output_dir": cfg.output_dir, "checkpoint_dir": cfg.checkpoint_dir if keep else None}
         check_directories({**dirs, **tracker_directories(cfg, out_dir)}, coordinator)
         check_trackers(cfg, trackers)
         check_start_points(cfg)
         stack.enter_context(hold_directories(dirs, coordinator))
         if out_dir and not keep:
             _refuse_unkept_checkpoints(cfg, out_dir, coordinator)
-        if rt is None:  # a plan on devices that do not exist or overlap: one error line, before the
-            check_resources(cfg.plan(), len(jax.devices()))  # compile cache opens (and logs what it moves aside)
-        cache = stack.enter_context(compile_cache.using(_cache_dir(cfg), _cache_max_bytes(cfg)))
-        if eval_source is None and cfg.eval is not None and cfg.eval.data is not None:
-            eval_source = held_out_source(cfg)  # its own files are checked before anything compiles
-        if rt is None:
-            devices = len({d for s in cfg.sections.values() for d in s.devices})
-            say(
-                f"building workload {cfg.workload}: {len(cfg.sections)} sections on {devices} devices, "
-                "initialising their states (each section's init compiles)"
-            )
-            rt = build_runtime(cfg, coordinator=coordinator)
-        step = rt.step
-        state = step.init()
-        bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
-        data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
-        ckpt, start = None, 0
-        if keep:
-            ckpt = stack.enter_context(
-                Checkpointer(
-                    cfg.checkpoint_dir or out_dir / "checkpoints",
-                    cfg.keep_checkpoints,
-                    cfg.async_checkpoint,
-                    coordinator=coordinator,
-                )
-            )
-            state = _resume(cfg, rt, ckpt, state, data, say)
-            start = state.step
-        if start == 0:  # a fresh run: sections that start from another run's checkpoint
-            start_from = functools.partial(start_from_checkpoints, cfg, coordinator=coordinator)
-            state = TrainState(0, rt.on_whole(state.sections, start_from))  # a staged section starts whole
-        if start >= cfg.steps:
-            say(f"nothing to do: {out_dir} holds a checkpoint at step {start}, at or beyond steps={cfg.steps}")
-            return []
-        evaluation = evaluation_for(cfg, rt, eval_source)
-        if cfg.compile.ahead:
-            step.compile(
-                range(start, cfg.steps),  # the batches of steps start+1..steps
-                say,
-                evaluate=evaluation.samples if evaluation else (),
-                max_batches=cfg.compile.max_batches,
-            )
-            if cache is not None:
-                cache.record()  # the new entries' checksums, now that no compile is in flight
-        if _preempted_in_startup(preemption, ckpt.directory if ckpt else out_dir, start):
-            return []
-        if out_dir and jax.process_index() == 0:  # only once the checkpoints (if any) are known to fit
-            _write_config(cfg, out_dir)
-        tracked = stack.enter_context(output_trackers(cfg, out_dir, start, trackers))
-        bar = stack.enter_context(
-            tqdm(
-                total=cfg.steps,
-                initial=start,
-                desc="train",
-                unit="step",
-                disable=not progress or jax.process_index() != 0,
+        if not built:  # a plan on devices that do not exist or overlap: one error line
+            check_resources(cfg.plan(), len(jax.devices()))
+        return cls(out_dir, keep)
+
+
+def _build(cfg: Config, coordinator: Coordinator, say) -> Runtime:
+    devices = len({d for s in cfg.sections.values() for d in s.devices})
+    say(
+        f"building workload {cfg.workload}: {len(cfg.sections)} sections on {devices} devices, "
+        "initialising their states (each section's init compiles)"
+    )
+    return build_runtime(cfg, coordinator=coordinator)
+
+
+def _starting_state(cfg: Config, rt: Runtime, stack, run: _RunDirs, coordinator: Coordinator, say):
+    """The state the run starts from (a fresh one, the newest checkpoint's, or sections started
+    from other runs' checkpoints), its data reader (positioned to match) and its checkpointer
+    (None without `keep`), both closed by `stack`."""
+    state = rt.step.init()
+    bad = BadSamples() if cfg.data.on_bad_sample == "skip" else None
+    data = stack.enter_context(contextlib.closing(Prefetcher(rt.reader(bad), rt.executor, bad)))
+    ckpt = None
+    if run.keep:
+        ckpt = stack.enter_context(
+            Checkpointer(
+                cfg.checkpoint_dir or run.out_dir / "checkpoints",
+                cfg.keep_checkpoints,
+                cfg.async_checkpoint,
+                coordinator=coordinator,
             )
         )
-        say.bar_open = True
-        window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
-        devices = {s: sp.devices for s, sp in rt.plan.sections.items()}
-        meter = MfuMeter.for_run(rt.graph, devices, cfg.peak_flops)
-        say(meter.describe())
-        step_log = _StepLog(tracked, bar, evaluation, rt.coordinator.fetch_all, hooks, meter)
-        history = _Loop(cfg, rt, data, ckpt, preemption, evaluation, step_log, say, window).run(state)
-    skipped = sum(len(rec.get("skipped_samples", ())) for rec in history)  # batches trained on, not read ahead
-    if skipped:
-        say(f"skipped {skipped} bad sample(s) (data.on_bad_sample=skip); metrics.jsonl lists them per step")
-    return history
+        state = _resume(cfg, rt, ckpt, state, data, say)
+    if state.step == 0:  # a fresh run: sections that start from another run's checkpoint
+        start_from = functools.partial(start_from_checkpoints, cfg, coordinator=coordinator)
+        state = TrainState(0, rt.on_whole(state.sections, start_from))  # a staged section starts whole
+    return state, data, ckpt
+
+
+def _compile_ahead(cfg: Config, rt: Runtime, start: int, evaluation, cache, say) -> None:
+    """Every program the batches of steps start+1..steps and the evaluations need, compiled."""
+    rt.step.compile(
+        range(start, cfg.steps),
+        say,
+        evaluate=evaluation.samples if evaluation else (),
+        max_batches=cfg.compile.max_batches,
+    )
+    if cache is not None:
+        cache.record()  # the new entries' checksums, now that no compile is in flight
+
+
+def _outputs(cfg: Config, rt: Runtime, stack, out_dir, start: int, trackers, evaluation, hooks, progress, say):
+    """The step log (trackers, progress bar, evaluation, hooks, MFU) and the profiler window,
+    both closed by `stack`."""
+    tracked = stack.enter_context(output_trackers(cfg, out_dir, start, trackers))
+    bar = stack.enter_context(
+        tqdm(
+            total=cfg.steps,
+            initial=start,
+            desc="train",
+            unit="step",
+            disable=not progress or jax.process_index() != 0,
+        )
+    )
+    say.bar_open = True
+    window = stack.enter_context(contextlib.closing(ProfileWindow(cfg.profile, out_dir)))
+    devices = {s: sp.devices for s, sp in rt.plan.sections.items()}
+    meter = MfuMeter.for_run(rt.graph, devices, cfg.peak_flops)
+    say(meter.describe())
+    return _StepLog(tracked, bar, evaluation, rt.coordinator.fetch_all, hooks, meter), window
 
 
 def _resume(cfg: Config, rt: Runtime, ckpt: Checkpointer, state: TrainState, data: Prefetcher, say) -> TrainState:
