@@ -408,6 +408,15 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
     placeholders (every such token would be read as an embedding slot)."""
     vocab = tok.tokenizer.get_vocab(with_added_tokens=True)
     own = _placeholder_tokens(tok, image_marker)
+    _check_markers(tok, target, vocab, own)
+    _check_vocabulary(tok, target, vocab)
+    _check_reserved_ids(tok, target, vocab, own)
+    _check_video_unit(tok, target)
+    _check_image_unit(tok, target)
+
+
+def _check_markers(tok: ChatTokenizer, target: Target, vocab: dict, own: dict[str, str]) -> None:
+    """Each modality the model takes has its marker as one token, on the config's placeholder id."""
     for name, marker in own.items():
         m = target.modality(name)
         if m is None:
@@ -428,6 +437,10 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"{marker!r} at id {marker_id}, and {name} tokens take the id of the tokenizer's marker; "
                 f"valid: workload_settings.{name}_token={marker_id}"
             )
+
+
+def _check_vocabulary(tok: ChatTokenizer, target: Target, vocab: dict) -> None:
+    """No id of the tokenizer at or beyond the model's vocabulary."""
     if vocab:
         top = max(vocab, key=vocab.get)
         if vocab[top] >= target.vocab:
@@ -436,6 +449,10 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"{vocab[top]} (token {top!r}); valid: a vocabulary of at least {vocab[top] + 1}, or a "
                 f"tokenizer of at most {target.vocab} tokens"
             )
+
+
+def _check_reserved_ids(tok: ChatTokenizer, target: Target, vocab: dict, own: dict[str, str]) -> None:
+    """No text token on an id the model reserves for a modality's placeholders."""
     for m in target.modalities:
         taken = sorted(t for t, i in vocab.items() if i == m.placeholder and t != own.get(m.name))
         if taken and m.name not in own:  # video: the converter writes no clips yet, so any id will do
@@ -450,6 +467,10 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
                 f"{target.workload} workload reserves for {m.name} placeholders; valid: a tokenizer whose id "
                 f"{m.placeholder} is its {own[m.name]!r} token or unused"
             )
+
+
+def _check_video_unit(tok: ChatTokenizer, target: Target) -> None:
+    """The tokenizer's video processor writes one token per the video unit the model takes."""
     video, sampling = target.modality("video"), tok.video
     if (
         video is not None
@@ -462,6 +483,10 @@ def check_tokenizer(tok: ChatTokenizer, target: Target, image_marker: str = IMAG
             f"* merge_size), but the model takes one per {'x'.join(map(str, video.unit))}; valid: the vision model of "
             f"that checkpoint (models.<vision>: {{hf: ...}})"
         )
+
+
+def _check_image_unit(tok: ChatTokenizer, target: Target) -> None:
+    """The tokenizer's image processor writes as many tokens for an image as the model takes."""
     image, sequence = target.modality("image"), tok.image_sequence
     if image is not None and sequence is not None and sequence.size is None:
         if tuple(image.unit) != (sequence.factor, sequence.factor):
@@ -694,12 +719,7 @@ class Converter:
 
     def _chat(self, index: int, record: dict) -> Sample:
         messages, refs = self._messages(record)
-        for name, items in refs.items():
-            if items and self.target.modality(name) is None:
-                takes = f"no {name}" if self.target.modalities else "text only"
-                raise BadRecord(
-                    f"has {len(items)} {NOUNS[name]}, but the {self.target.workload} workload takes {takes}"
-                )
+        self._check_taken(refs)
         image = self.target.modality("image")
         sequence = self.tok.image_sequence if image is not None else None
         # a family's own image tokens replace each marker before tokenising, as its processor does:
@@ -712,12 +732,49 @@ class Converter:
         if clips:
             start, _, end = QWEN_VL_TOKENS
             pieces[VIDEO_MARKER] = [self.tok.video.text(clip, start, QWEN_VIDEO_TOKEN, end) for _, clip in clips]
+        full, spans = self._assistant_spans(messages, pieces)
+        enc = self.tok.tokenizer.encode(full, add_special_tokens=False)
+        ids = np.asarray(enc.ids, np.int64)
+        starts = np.asarray([a for a, _ in enc.offsets], np.int64)
+        mask = np.zeros(len(ids), bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        repeat = np.ones(len(ids), np.int64)
+        items = {}
+        if clips:
+            self._check_clip_tokens(ids, [clip for _, clip in clips])
+            items["video"] = tuple(pixels for pixels, _ in clips)
+            mask[ids == self.tok.tokenizer.token_to_id(QWEN_VIDEO_TOKEN)] = False
+        items.update(self._placed_items(ids, refs, sequence, own_images, mask, repeat))
+        if not mask.any():
+            raise BadRecord("its assistant turns hold no token")
+        seconds = " ".join(repr(clip.seconds_per_patch) for _, clip in clips)
+        return Sample(
+            index,
+            np.repeat(ids, repeat).astype(np.int32),
+            items,
+            loss_mask=np.repeat(mask, repeat).astype(np.uint8),
+            tags={SECONDS_PER_PATCH: seconds} if clips else {},
+        )
+
+    def _check_taken(self, refs: dict) -> None:
+        """A record with items of a modality the workload does not take is a bad record."""
+        for name, items in refs.items():
+            if items and self.target.modality(name) is None:
+                takes = f"no {name}" if self.target.modalities else "text only"
+                raise BadRecord(
+                    f"has {len(items)} {NOUNS[name]}, but the {self.target.workload} workload takes {takes}"
+                )
+
+    def _assistant_spans(self, messages: list[dict], pieces: dict) -> tuple[str, list[tuple[int, int]]]:
+        """The chat rendered whole (each marker expanded to `pieces`), and each assistant turn's
+        characters in it: what it says and how it ends its turn."""
 
         def render(turns: list[dict], add_generation_prompt: bool) -> str:
             return _expand(self.tok.render(turns, add_generation_prompt), pieces)
 
         full = render(messages, add_generation_prompt=False)
-        spans = []  # each assistant turn's characters: what it says and how it ends its turn
+        spans = []
         for k, m in enumerate(messages):
             if m["role"] == "assistant":
                 before = render(messages[:k], add_generation_prompt=True)
@@ -730,19 +787,14 @@ class Converter:
                 spans.append((len(before), len(through)))
         if not spans:
             raise BadRecord("has no assistant turn: no token would carry loss")
-        enc = self.tok.tokenizer.encode(full, add_special_tokens=False)
-        ids = np.asarray(enc.ids, np.int64)
-        starts = np.asarray([a for a, _ in enc.offsets], np.int64)
-        mask = np.zeros(len(ids), bool)
-        for a, b in spans:
-            mask |= (starts >= a) & (starts < b)
-        repeat = np.ones(len(ids), np.int64)
+        return full, spans
+
+    def _placed_items(self, ids, refs: dict, sequence, own_images: tuple, mask, repeat) -> dict:
+        """Each image and audio item of the record, checked against its placeholders in `ids`
+        (a marker, or a run of the family's own image tokens): a marker repeated to its item's
+        token count (`repeat`), placeholders never carrying loss (`mask`)."""
         items = {}
         placeholders = _placeholder_tokens(self.tok, self.image_marker)
-        if clips:
-            self._check_clip_tokens(ids, [clip for _, clip in clips])
-            items["video"] = tuple(pixels for pixels, _ in clips)
-            mask[ids == self.tok.tokenizer.token_to_id(QWEN_VIDEO_TOKEN)] = False
         for name, marker in self._markers().items():
             m = self.target.modality(name)
             if m is None or name == "video":
@@ -762,16 +814,7 @@ class Converter:
             mask[found] = False
             if loaded:
                 items[name] = loaded
-        if not mask.any():
-            raise BadRecord("its assistant turns hold no token")
-        seconds = " ".join(repr(clip.seconds_per_patch) for _, clip in clips)
-        return Sample(
-            index,
-            np.repeat(ids, repeat).astype(np.int32),
-            items,
-            loss_mask=np.repeat(mask, repeat).astype(np.uint8),
-            tags={SECONDS_PER_PATCH: seconds} if clips else {},
-        )
+        return items
 
     def _load_clip(self, ref, record: dict) -> tuple[np.ndarray, Clip]:
         """A video as its sample holds it (`VideoSampling.pixels`: the frames the folder's video

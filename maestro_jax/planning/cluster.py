@@ -402,15 +402,7 @@ def simulate_plan(
     `mono_remat` (`baselines.monolithic_best`'s), else `mono_sp.layer_remat` for every trained one."""
     problem = spec.problem(plan, max_in_flight, run_ahead, balance_shards)
     cost = cost_model(spec, dict(plan.sections), metas_all, device, link_gbps)
-    mono_plans = {
-        s: dataclasses.replace(
-            mono_sp,
-            precision=sec.precision,
-            layer_remat=mono_remat[s] if mono_remat else mono_sp.layer_remat if sec.trained else "none",
-        )
-        for s, sec in spec.sections.items()
-    }  # each section's precision, as `baselines.monolithic_best`
-    mono_cost = cost_model(spec, mono_plans, metas_all, device, link_gbps, packed=False)
+    mono_cost = _monolithic_cost(spec, mono_sp, mono_remat, metas_all, device, link_gbps)
     devices = {s: len(plan.sections[s].devices) for s in spec.sections}
     runs = {"naive": [], "wavefront": [], "monolithic": []}
     sink_alone = []  # the monolithic layout running the sink's work only (the LLM on text alone)
@@ -426,28 +418,57 @@ def simulate_plan(
                 )
         runs["monolithic"].append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows))
         sink_alone.append(monolithic_time(spec, metas, mono_cost, mono_sp.micro_batch, mono_sp.rows, only=spec.sink))
-    n = plan.global_batch
-    sps = {k: n / statistics.mean(v) for k, v in runs.items()}
     maestro_devices = len({d for sp in plan.sections.values() for d in sp.devices})  # co-located count once
-    mono_devices = len(mono_sp.devices)
-    per_device = {
-        "monolithic": sps["monolithic"] / mono_devices,
-        "naive": sps["naive"] / maestro_devices,
-        "wavefront": sps["wavefront"] / maestro_devices,
-    }
-    bound = statistics.mean(t.lower_bound for t in timelines)
     report = {
         "workload": spec.name,
         "sections": list(spec.sections),
         "device": device,
         "cost_source": cost.source,
-        "devices": {"maestro": devices, "monolithic": mono_devices},
+        "devices": {"maestro": devices, "monolithic": len(mono_sp.devices)},
+        **_rates(runs, plan.global_batch, maestro_devices, len(mono_sp.devices)),
+        **_timeline_figures(spec, runs, sink_alone, timelines, spent),
+    }
+    return report, timelines[0]
+
+
+def _monolithic_cost(spec: WorkloadSpec, mono_sp: SectionPlan, mono_remat, metas_all, device: str, link_gbps: float):
+    """The cost model of the monolithic layout `mono_sp`, each section in its own precision and
+    checkpointing (`simulate_plan`), its sequences unpacked."""
+    mono_plans = {
+        s: dataclasses.replace(
+            mono_sp,
+            precision=sec.precision,
+            layer_remat=mono_remat[s] if mono_remat else mono_sp.layer_remat if sec.trained else "none",
+        )
+        for s, sec in spec.sections.items()
+    }  # each section's precision, as `baselines.monolithic_best`
+    return cost_model(spec, mono_plans, metas_all, device, link_gbps, packed=False)
+
+
+def _rates(runs: Mapping[str, list], global_batch: int, maestro_devices: int, mono_devices: int) -> dict:
+    """Throughput and step time by mode, per device, and the speedups they imply."""
+    sps = {k: global_batch / statistics.mean(v) for k, v in runs.items()}
+    per_device = {
+        "monolithic": sps["monolithic"] / mono_devices,
+        "naive": sps["naive"] / maestro_devices,
+        "wavefront": sps["wavefront"] / maestro_devices,
+    }
+    return {
         "samples_per_s": sps,
         "samples_per_s_per_device": per_device,
         "step_time_s": {k: statistics.mean(v) for k, v in runs.items()},
         "end_to_end_speedup": sps["wavefront"] / sps["monolithic"],
         "per_device_speedup": per_device["wavefront"] / per_device["monolithic"],
         "wavefront_vs_naive": sps["wavefront"] / sps["naive"],
+    }
+
+
+def _timeline_figures(spec: WorkloadSpec, runs, sink_alone, timelines, spent) -> dict:
+    """What the wavefront's simulated timelines say: the lower bound and the makespan over it, the
+    critical section alone, the sink's efficiency against running alone, bubbles, busy time and
+    where the device time goes."""
+    bound = statistics.mean(t.lower_bound for t in timelines)
+    return {
         "lower_bound_s": bound,
         "makespan_over_lower_bound": statistics.mean(runs["wavefront"]) / bound,
         "critical_section_alone_s": statistics.mean(t.busy[spec.sink] for t in timelines),
@@ -465,7 +486,6 @@ def simulate_plan(
             s: {k: statistics.mean(d[s][k] for _, d in spent) for k in DEVICE_TIME[:-1]} for s in spec.sections
         },
     }
-    return report, timelines[0]
 
 
 __all__ = ["DEVICES", "cost_model", "edge_positions", "monolithic_time", "simulate_plan", "transfer_s_per_unit"]
