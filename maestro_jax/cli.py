@@ -320,72 +320,64 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
 
 
 def _plan(cfg, args) -> int:
-    if args.devices < 1 or args.memory_gb <= 0:
-        print(f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive", file=sys.stderr)
-        return 2
-    if not 0 <= args.tolerance < 1:
-        print(f"error: --tolerance={args.tolerance}: must be in [0, 1)", file=sys.stderr)
+    if refused := _plan_refusal(args):
+        print(refused, file=sys.stderr)
         return 2
     if args.measure:
         _ensure_host_devices(args.devices)  # before JAX starts: --measure compiles on these devices
-    from maestro_jax.planning.baselines import baseline_lines, baselines_json
-    from maestro_jax.planning.planner import STAGE_COUNTS, InfeasibleError, format_table
-    from maestro_jax.tools.plan import PLANNING_BATCHES, planner_for, write_plan
+    from maestro_jax.planning.planner import STAGE_COUNTS
+    from maestro_jax.planning.report import InfeasibleError
+    from maestro_jax.planning.search import search
+    from maestro_jax.tools.plan import PLANNING_BATCHES, problem_for, write_plan
 
     def say(msg: str) -> None:  # on stdout: stderr holds nothing but a failure's `error:` line
         print(f"plan: {msg}", flush=True)
 
     say(f"describing workload {cfg.workload}: parameter shapes (jax.eval_shape) and {PLANNING_BATCHES} batches")
-    try:
-        planner = planner_for(
-            cfg,
-            args.devices,
-            args.memory_gb,
-            tolerance=args.tolerance,
-            progress=say,
-            stage_counts=STAGE_COUNTS if args.stages else (),
-        )
-        report = planner.search(top=args.top)
+    try:  # one planning problem per call: the search and every baseline price it
+        problem = problem_for(cfg, args.devices, args.memory_gb, stage_counts=STAGE_COUNTS if args.stages else ())
+        report = search(problem, top=args.top, tolerance=args.tolerance, progress=say)
     except InfeasibleError as err:
         print(_error_line(err), file=sys.stderr)
         return 2
-    print(
-        f"workload {cfg.workload}: sections {', '.join(best_sections(report))}; {report.considered} plans within "
-        f"the bound threshold pass every constraint; {report.simulated} simulated (the rest are ruled out by their "
-        f"lower bound); cost model: {cfg.simulate.device}"
-    )
-    print(format_table(report))
-    best = report.best
-    for line in baseline_lines(report.baselines, best.step_time_s):
-        print(line)
-    from maestro_jax.tools.simulate import device_time_line, empty_rows_note
-
-    if line := device_time_line(report.device_time):
-        print(line)
-    if line := empty_rows_note(report.section_time, best.plan, planner.spec.sink, cfg.global_batch):
-        print(line)
+    print("\n".join(_plan_lines(cfg, report, problem.spec.sink)))
     if args.write:
-        write_plan(args.config, args.overrides, best, args.memory_gb, args.write)
+        write_plan(args.config, args.overrides, report.best, args.memory_gb, args.write)
         print(f"wrote {args.write}: maestro-jax bench --config {args.write}")
     if args.measure:
         say(f"compiling the chosen plan on {args.devices} devices (--measure)")
-        _measure_plan(cfg, args, best)
-    _write_json(
-        args.json,
-        {
-            "best": best.describe(),
-            "stage_layers": {s: list(c) for s, c in best.cuts.items()},
-            "step_time_s": best.step_time_s,
-            "samples_per_s_per_device": best.samples_per_s_per_device,
-            "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb} for c in report.top],
-            **baselines_json(report.baselines),
-            "device_time": report.device_time,
-            "device_time_by_section": report.section_time,
-            "considered": report.considered,
-            "simulated": report.simulated,
-        },
-    )
+        _measure_plan(cfg, args, report.best)
+    _write_json(args.json, report.to_json())
     return 0
+
+
+def _plan_refusal(args) -> str | None:
+    """The `error:` line for `plan` arguments out of range (None: in range)."""
+    if args.devices < 1 or args.memory_gb <= 0:
+        return f"error: --devices={args.devices} --memory-gb={args.memory_gb}: both must be positive"
+    if not 0 <= args.tolerance < 1:
+        return f"error: --tolerance={args.tolerance}: must be in [0, 1)"
+    return None
+
+
+def _plan_lines(cfg, report, sink: str) -> list[str]:
+    """What `plan` prints of `report`: what it searched, the table of the best plans, every
+    baseline beside the best, and where the best plan's device time goes."""
+    from maestro_jax.planning.baselines import baseline_lines
+    from maestro_jax.planning.report import format_table
+    from maestro_jax.tools.simulate import device_time_line, empty_rows_note
+
+    best = report.best
+    lines = [
+        f"workload {cfg.workload}: sections {', '.join(best_sections(report))}; {report.considered} plans within "
+        f"the bound threshold pass every constraint; {report.simulated} simulated (the rest are ruled out by their "
+        f"lower bound); cost model: {cfg.simulate.device}",
+        format_table(report),
+        *baseline_lines(report.baselines, best.step_time_s),
+    ]
+    spent = device_time_line(report.device_time)
+    empty = empty_rows_note(report.section_time, best.plan, sink, cfg.global_batch)
+    return lines + [line for line in (spent, empty) if line]
 
 
 def best_sections(report) -> list[str]:

@@ -1,6 +1,6 @@
 """What a search reports: its candidates (a plan with its predicted time and memory), the best
-and runners-up with every baseline beside them, and the table `plan` prints. Plain values, no
-JAX; `planner.Planner.search` builds them."""
+and runners-up with every baseline beside them, the table `plan` prints and the JSON it writes.
+Plain values, no JAX; `search.search` builds them."""
 
 from __future__ import annotations
 
@@ -68,6 +68,24 @@ class PlanReport:
     @property
     def user_baselines(self) -> dict | None:
         return baselines_json(self.baselines)["user_baselines"]
+
+    def to_json(self) -> dict:
+        """The report as `plan --json` writes it: the best plan (its layers by stage where not the
+        even cut), its time and rate, the runners-up, every baseline (`baselines_json`), where the
+        best plan's device time goes, and how many plans were considered and simulated."""
+        best = self.best
+        return {
+            "best": best.describe(),
+            "stage_layers": {s: list(c) for s, c in best.cuts.items()},
+            "step_time_s": best.step_time_s,
+            "samples_per_s_per_device": best.samples_per_s_per_device,
+            "top": [{"plan": c.describe(), "step_time_s": c.step_time_s, "memory_gb": c.memory_gb} for c in self.top],
+            **baselines_json(self.baselines),
+            "device_time": self.device_time,
+            "device_time_by_section": self.section_time,
+            "considered": self.considered,
+            "simulated": self.simulated,
+        }
 
 
 def format_table(report: PlanReport, rows: Sequence[Candidate] | None = None) -> str:

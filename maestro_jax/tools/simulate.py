@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from maestro_jax import workloads
 from maestro_jax.config import Config
-from maestro_jax.core.plan import SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
+from maestro_jax.core.plan import Plan, SectionPlan, check_fanout, check_meshes, check_resources, mesh_shape
 from maestro_jax.planning.baselines import (
     BaselineResult,
     FairMonolithic,
@@ -84,10 +84,7 @@ def simulate_config(
     source = source if source is not None else workloads.source_from_config(cfg)
     check_pack_budget(cfg, source)  # a packed row prices its samples whole
     spec = workloads.describe(cfg, graph)
-    plan = cfg.plan()
-    check_resources(plan, max(d for sp in plan.sections.values() for d in sp.devices) + 1)
-    check_meshes(plan)
-    check_fanout(plan, spec.edges)
+    plan = _checked_plan(cfg, spec)
     metas = workloads.planning_batches(cfg, graph, cfg.simulate.batches, source)
     say("the fastest monolithic layout on the plan's devices")
     problem = baseline_problem(cfg, spec, plan, metas)  # one per call: both baselines read it
@@ -111,16 +108,7 @@ def simulate_config(
         "layer_remat": mono_remat or mono_sp.layer_remat,
         "chosen": baseline,
     }
-    remat = mono_remat or {s: mono_sp.layer_remat if sec.trained else "none" for s, sec in spec.sections.items()}
-    report["user_baselines"] = user_baselines(
-        spec,
-        metas,
-        {"mesh": dict(mono_sp.axis_sizes), "micro_batch": mono_sp.micro_batch, "layer_remat": remat},
-        len(mono_sp.devices),
-        cfg.global_batch,
-        cfg.simulate.device,
-        cfg.simulate.link_gbps,
-    )
+    report["user_baselines"] = _users_on(cfg, spec, metas, mono_sp, mono_remat)
     say("the fastest pipelined (1F1B) layout on the plan's devices")
     pipelined = pipelined_baseline(problem)
     report["pipelined"] = pipelined and pipelined.to_json()
@@ -135,6 +123,30 @@ def simulate_config(
         write_gantt(timeline.intervals, gantt, f"{spec.name} wavefront, simulated on {cfg.simulate.device}")
         report["gantt"] = gantt
     return report
+
+
+def _checked_plan(cfg: Config, spec) -> Plan:
+    """The config's plan, its devices, meshes and fanouts checked as the runtime would."""
+    plan = cfg.plan()
+    check_resources(plan, max(d for sp in plan.sections.values() for d in sp.devices) + 1)
+    check_meshes(plan)
+    check_fanout(plan, spec.edges)
+    return plan
+
+
+def _users_on(cfg: Config, spec, metas, mono_sp: SectionPlan, mono_remat: dict[str, str] | None) -> dict | None:
+    """The users' baselines (`planning.baselines.user_baselines`) on the monolithic layout
+    `mono_sp`, each trained section checkpointed as `mono_remat` says (else as `mono_sp`)."""
+    remat = mono_remat or {s: mono_sp.layer_remat if sec.trained else "none" for s, sec in spec.sections.items()}
+    return user_baselines(
+        spec,
+        metas,
+        {"mesh": dict(mono_sp.axis_sizes), "micro_batch": mono_sp.micro_batch, "layer_remat": remat},
+        len(mono_sp.devices),
+        cfg.global_batch,
+        cfg.simulate.device,
+        cfg.simulate.link_gbps,
+    )
 
 
 def teacher_cache_alternative(cfg: Config, source, devices: int) -> dict | None:
@@ -236,6 +248,18 @@ def teacher_cache_line(cached: dict, online_s: float) -> str:
     )
 
 
+def _mode_rows(r: dict, pipe: BaselineResult | None) -> list[tuple[str, float, float, float]]:
+    """(mode, step time, samples/s, per device) of each mode simulated, and of the 1F1B baseline."""
+    rows = [
+        (m, r["step_time_s"][m], r["samples_per_s"][m], r["samples_per_s_per_device"][m])
+        for m in ("monolithic", "naive", "wavefront")
+    ]
+    if pipe:
+        per_device = pipe.samples_per_s_per_device
+        rows.append(("pipelined (1F1B)", pipe.step_time_s, per_device * pipe.devices, per_device))
+    return rows
+
+
 def format_report(r: dict) -> str:
     """`simulate_config`'s report as `maestro-jax simulate` prints it: a table of step times and
     throughput per mode, then the layouts compared and the ratios."""
@@ -246,14 +270,8 @@ def format_report(r: dict) -> str:
         + f"; monolithic on {r['devices']['monolithic']}",
         f"{'mode':18s} {'step time':>10s} {'samples/s':>10s} {'per device':>11s}",
     ]
-    rows = [
-        (m, r["step_time_s"][m], r["samples_per_s"][m], r["samples_per_s_per_device"][m])
-        for m in ("monolithic", "naive", "wavefront")
-    ]
-    if pipe := result_of("pipelined", r.get("pipelined")):
-        per_device = pipe.samples_per_s_per_device
-        rows.append(("pipelined (1F1B)", pipe.step_time_s, per_device * pipe.devices, per_device))
-    lines += [f"{m:18s} {seconds(t):>10s} {rate(sps):>10s} {rate(per):>11s}" for m, t, sps, per in rows]
+    pipe = result_of("pipelined", r.get("pipelined"))
+    lines += [f"{m:18s} {seconds(t):>10s} {rate(sps):>10s} {rate(per):>11s}" for m, t, sps, per in _mode_rows(r, pipe)]
     lay = r["monolithic_layout"]
     lines.append(
         f"monolithic layout ({lay['chosen']}): mesh {mesh_text(lay['mesh'])}, micro_batch "
