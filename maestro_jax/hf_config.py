@@ -639,18 +639,10 @@ def _gemma3_projector(path, hf: dict) -> dict:
     return {"projector": "avg_pool", "merge": side // per_side, "out_width": text["hidden_size"]}
 
 
-def vit_fields(path: str | Path) -> dict:
-    """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
-    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`; a `gemma3` one's
-    with its projector, `_gemma3_projector`) or CLIP (a `clip_vision_model` config, a `clip` one's
-    `vision_config`, or a `llava` one's, with its `vision_feature_layer`) or Qwen2.5-VL's
-    (`_qwen2_5_vl_vision`) or Qwen3-VL's (`_qwen3_vl_vision`)."""
-    hf, extra = read_config(path), {}
-    kind = hf.get("model_type")
-    if kind == "qwen2_5_vl":
-        return _qwen2_5_vl_vision(path, hf)
-    if kind == "qwen3_vl":
-        return _qwen3_vl_vision(path, hf)
+def _vision_tower(path: str | Path, hf: dict, kind: str) -> tuple[dict, str, dict]:
+    """The SigLIP or CLIP tower's own config inside a folder's `hf` of type `kind`, its type, and
+    the fields the folder adds (LLaVA's feature layer, Gemma 3's projector)."""
+    extra = {}
     if kind == "llava":
         extra["feature_layer"] = _llava_feature_layer(path, hf)
         hf = hf.get("vision_config") or {}
@@ -672,6 +664,22 @@ def vit_fields(path: str | Path) -> dict:
             )
     elif kind not in VISION_TOWERS:
         raise HFError(f"{path}/config.json: model_type={kind!r}; a vision tower is one of {list(VISION_TOWERS)}")
+    return hf, kind, extra
+
+
+def vit_fields(path: str | Path) -> dict:
+    """The fields of the config's `models.<name>` entry (kind vit) that describe the vision tower at
+    `path`: SigLIP (a `siglip_vision_model` config, or a `siglip` one's `vision_config`; a `gemma3` one's
+    with its projector, `_gemma3_projector`) or CLIP (a `clip_vision_model` config, a `clip` one's
+    `vision_config`, or a `llava` one's, with its `vision_feature_layer`) or Qwen2.5-VL's
+    (`_qwen2_5_vl_vision`) or Qwen3-VL's (`_qwen3_vl_vision`)."""
+    hf = read_config(path)
+    kind = hf.get("model_type")
+    if kind == "qwen2_5_vl":
+        return _qwen2_5_vl_vision(path, hf)
+    if kind == "qwen3_vl":
+        return _qwen3_vl_vision(path, hf)
+    hf, kind, extra = _vision_tower(path, hf, kind)
     clip = kind.startswith("clip")
     c = _with_defaults(hf, CLIP_DEFAULTS if clip else SIGLIP_DEFAULTS)
     _check_act(path, "hidden_act", c["hidden_act"], VIT_ACTIVATIONS)

@@ -906,21 +906,7 @@ class Converter:
                 raise BadRecord(f"turn {k} is from {speaker!r}; valid: {', '.join(ROLES)}")
             content = turn.get("value", turn.get("content"))
             if isinstance(content, list):
-                text = ""
-                for part in content:
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    if kind == "text":
-                        text += str(part.get("text", ""))
-                    elif kind in ("image", "image_url", "audio", "input_audio", "video"):
-                        name = "image" if kind.startswith("image") else "video" if kind == "video" else "audio"
-                        own = _part_item(kind, part)
-                        refs[name].append(own if own is not None else next_listed(name))
-                        text += markers[name]
-                    else:
-                        raise BadRecord(
-                            f"turn {k} has a part of type {kind!r}; valid: text, image, image_url, audio, input_audio, video"
-                        )
-                content = text
+                content = _parts_text(k, content, markers, refs, next_listed)
             elif isinstance(content, str):
                 # markers in the order they appear, whatever their modality
                 found = sorted((i, n) for n, mk in markers.items() for i in _find_all(content, mk))
@@ -1029,6 +1015,26 @@ def _find_all(text: str, marker: str) -> list[int]:
         out.append(at)
         at = text.find(marker, at + len(marker))
     return out
+
+
+def _parts_text(k: int, parts: list, markers: dict[str, str], refs: dict[str, list], next_listed) -> str:
+    """Turn `k`'s content parts as text, each image, audio or video part as its modality's marker
+    and its item appended to `refs` (the part's own, else the record's next listed one)."""
+    text = ""
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text += str(part.get("text", ""))
+        elif kind in ("image", "image_url", "audio", "input_audio", "video"):
+            name = "image" if kind.startswith("image") else "video" if kind == "video" else "audio"
+            own = _part_item(kind, part)
+            refs[name].append(own if own is not None else next_listed(name))
+            text += markers[name]
+        else:
+            raise BadRecord(
+                f"turn {k} has a part of type {kind!r}; valid: text, image, image_url, audio, input_audio, video"
+            )
+    return text
 
 
 def _part_item(kind: str, part: dict):

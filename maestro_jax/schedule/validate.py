@@ -18,6 +18,25 @@ from maestro_jax.schedule.ops import (
 )
 
 
+def _check_rows(s: str, steps, sections: list, rows: int | None) -> None:
+    """Section `s`'s micro-steps have the plan's rows, and hold every sample that activates `s`
+    exactly once and no other."""
+    seen: Counter[int] = Counter()
+    for st in steps:
+        if len(st.positions) != rows:
+            raise ScheduleError(f"{s} micro-step {st.index} has {len(st.positions)} rows, plan says {rows}")
+        samples = st.samples
+        for x in samples:
+            if s not in sections[x]:
+                raise ScheduleError(f"sample {x} does not activate {s} but is in its micro-step {st.index}")
+        seen.update(samples)
+    expected = [i for i, secs in enumerate(sections) if s in secs]
+    if len(seen) != len(expected) or any(seen[i] != 1 for i in expected):
+        for i, secs in enumerate(sections):
+            if (s in secs) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
+                raise ScheduleError(f"sample {i} passes {seen.get(i, 0)} times through {s}; expected {int(s in secs)}")
+
+
 def validate(
     schedule: Schedule,
     metas: Sequence[SampleMeta],
@@ -33,24 +52,7 @@ def validate(
     the runtime needs (a consumer gathers its rows locally) and both schedulers keep."""
     steps, sections = schedule.steps, [m.sections for m in metas]
     for s in problem.order:
-        seen: Counter[int] = Counter()
-        for st in steps.get(s, ()):
-            if len(st.positions) != problem.rows[s]:
-                raise ScheduleError(
-                    f"{s} micro-step {st.index} has {len(st.positions)} rows, plan says {problem.rows[s]}"
-                )
-            samples = st.samples
-            for x in samples:
-                if s not in sections[x]:
-                    raise ScheduleError(f"sample {x} does not activate {s} but is in its micro-step {st.index}")
-            seen.update(samples)
-        expected = [i for i, secs in enumerate(sections) if s in secs]
-        if len(seen) != len(expected) or any(seen[i] != 1 for i in expected):
-            for i, secs in enumerate(sections):
-                if (s in secs) != (seen.get(i, 0) == 1) or seen.get(i, 0) > 1:
-                    raise ScheduleError(
-                        f"sample {i} passes {seen.get(i, 0)} times through {s}; expected {int(s in secs)}"
-                    )
+        _check_rows(s, steps.get(s, ()), sections, problem.rows.get(s))
     # every sample now sits in exactly one micro-step of each section it activates
     producers = {e.src for e in problem.edges}
     home = {s: {x: k for k, st in enumerate(steps[s]) for x in st.positions if x >= 0} for s in producers}

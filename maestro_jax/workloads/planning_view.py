@@ -18,32 +18,11 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
     precision, the edges' bytes per unit. A section that declares no cost (no FLOPs per work
     unit) is refused with a `GraphError` naming it: the planner and the simulator would price it
     free and credit every plan with time it does not save."""
-    import jax
-
-    from maestro_jax.core.graph import GraphError
     from maestro_jax.core.plan import EdgeInfo
-    from maestro_jax.planning.spec import SectionSpec, WorkloadSpec
-    from maestro_jax.workloads.params import param_infos
+    from maestro_jax.planning.spec import WorkloadSpec
 
     graph = graph or build_graph(cfg)
-    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
-    sections = {}
-    for s in graph.topological_order():
-        sec = graph.section(s)
-        if not (sec.cost.flops or sec.cost.attention_flops):
-            raise GraphError(
-                f"error: section {s!r}: declares no cost (Section.cost has no FLOPs per work unit), so plan and "
-                f"simulate would price it free; declare cost=mj.UnitCost(flops=<forward FLOPs per unit, 2 per "
-                f"weight>, ...) on the section"
-            )
-        sections[s] = SectionSpec(
-            s,
-            sec.trained,
-            tuple(param_infos(abstract[s]["params"])),
-            sec.cost,
-            tuple(param_infos(abstract[s]["consts"])),
-            cfg.section(s).precision if cfg.section_of(s) in cfg.sections else "float32",
-        )
+    sections = _section_specs(cfg, graph)
     # the planner cuts whole sections (a staged graph's stages are priced as its sections)
     stagers = {} if graph.staging else {s: _stager(graph.section(s), sections[s]) for s in graph.names}
     stagers = {s: stager for s, stager in stagers.items() if stager is not None}
@@ -65,6 +44,37 @@ def describe(cfg: Config, graph: SectionGraph | None = None):
         buckets_per_octave=cfg.compile.buckets_per_octave,
         edge_positions={e.name: e.positions_per_unit for e in graph.edges if e.positions_per_unit},
     )
+
+
+def _section_specs(cfg: Config, graph: SectionGraph) -> dict:
+    """Each section's `planning.spec.SectionSpec` in graph order: its parameter leaves from
+    `jax.eval_shape` of the graph's `init`, its declared cost (a GraphError where it declares
+    none) and its configured precision."""
+    import jax
+
+    from maestro_jax.core.graph import GraphError
+    from maestro_jax.planning.spec import SectionSpec
+    from maestro_jax.workloads.params import param_infos
+
+    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
+    sections = {}
+    for s in graph.topological_order():
+        sec = graph.section(s)
+        if not (sec.cost.flops or sec.cost.attention_flops):
+            raise GraphError(
+                f"error: section {s!r}: declares no cost (Section.cost has no FLOPs per work unit), so plan and "
+                f"simulate would price it free; declare cost=mj.UnitCost(flops=<forward FLOPs per unit, 2 per "
+                f"weight>, ...) on the section"
+            )
+        sections[s] = SectionSpec(
+            s,
+            sec.trained,
+            tuple(param_infos(abstract[s]["params"])),
+            sec.cost,
+            tuple(param_infos(abstract[s]["consts"])),
+            cfg.section(s).precision if cfg.section_of(s) in cfg.sections else "float32",
+        )
+    return sections
 
 
 def _stager(section, spec):

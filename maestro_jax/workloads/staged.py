@@ -67,22 +67,8 @@ def decoder_stages(
     # an MoE balance loss: each stage's rows' terms travel on with the rows to the last stage
     aux = bool(llm.experts and llm.router_aux_loss and section.trained)
     body = _StageBody(llm, with_head, at, embed, finish, aux)
-
-    def stage(i: int) -> Section:
-        run = body.stage(section.name, ranges, i)
-        return Section(
-            stage_name(section.name, i),
-            trained=section.trained,
-            forward=run.forward,
-            host_batch=functools.partial(run.host_batch, section.host_batch),
-            activates=section.activates,
-            work=section.work,
-            cost=cost(dataclasses.replace(llm, depth=ranges[i][1] - ranges[i][0]), i == k - 1),
-            reads=section.reads,
-        )
-
     return StageSplit(
-        sections=tuple(stage(i) for i in range(k)),
+        sections=tuple(body.section(section, ranges, i, cost) for i in range(k)),
         owner=functools.partial(_owner, ranges, (*_LAST, *last_keys)),
         consumes=dict(consumes or {}),
         bytes_per_unit=2 * llm.width,
@@ -148,6 +134,20 @@ class _StageBody:
     embed: Embed
     finish: Finish
     aux: bool
+
+    def section(self, section: Section, ranges, i: int, cost: Callable[[LLMConfig, bool], UnitCost]) -> Section:
+        """Stage i of `section` as a section of its own, priced by `cost` on its blocks."""
+        run = self.stage(section.name, ranges, i)
+        return Section(
+            stage_name(section.name, i),
+            trained=section.trained,
+            forward=run.forward,
+            host_batch=functools.partial(run.host_batch, section.host_batch),
+            activates=section.activates,
+            work=section.work,
+            cost=cost(dataclasses.replace(self.llm, depth=ranges[i][1] - ranges[i][0]), i == len(ranges) - 1),
+            reads=section.reads,
+        )
 
     def stage(self, name: str, ranges, i: int) -> _Stage:
         k = len(ranges)
