@@ -183,75 +183,92 @@ def _mapping(
 ) -> dict[tuple[str, ...], tuple[str, Callable]]:
     """Flax path -> (HF tensor name, HF array -> Flax array); `mixtral`: the experts under
     Mixtral's names; `fused`: Phi-3's fused projections, each path reading its rows of one tensor."""
-    h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
-    proj = lambda n: lambda w: w.T.reshape(d, n, k)
-    same = lambda w: w
-    gemma = c.get("post_norms", False)
-    norm = _norm_in if gemma else same
+    norm = _norm_in if c.get("post_norms", False) else _same
     out = {
-        ("embedding",): (f"{prefix}embed_tokens.weight", same),
+        ("embedding",): (f"{prefix}embed_tokens.weight", _same),
         ("final_norm", "scale"): (f"{prefix}norm.weight", norm),
     }
     for i in range(c["depth"]):
         b, hf = f"block_{i}", f"{prefix}layers.{i}"
-        if gemma:
-            out.update(
-                {
-                    (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", norm),
-                    (b, "post_attn_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", norm),
-                    (b, "mlp_norm", "scale"): (f"{hf}.pre_feedforward_layernorm.weight", norm),
-                    (b, "post_mlp_norm", "scale"): (f"{hf}.post_feedforward_layernorm.weight", norm),
-                }
-            )
-        else:
-            out.update(
-                {
-                    (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", same),
-                    (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", same),
-                }
-            )
-        out.update(
-            {
-                (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
-                (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
-                (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
-                (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
-            }
-        )
-        if fused:  # Phi-3: q, k and v are rows of one tensor
-            rows = {"q": (0, h * k), "k": (h * k, (h + g) * k), "v": ((h + g) * k, (h + 2 * g) * k)}
-            for name, (lo, hi) in rows.items():
-                n = h if name == "q" else g
-                out[(b, name, "kernel")] = (
-                    f"{hf}.self_attn.qkv_proj.weight",
-                    lambda w, lo=lo, hi=hi, n=n: proj(n)(w[lo:hi]),
-                )
-        if c.get("experts"):  # a trailing int: that expert's slice of the stacked leaf
-            moe, own = (f"{hf}.block_sparse_moe", MIXTRAL_EXPERTS) if mixtral else (f"{hf}.mlp", QWEN_EXPERTS)
-            out[(b, "moe", "router")] = (f"{moe}.gate.weight", np.transpose)
-            for j in range(c["experts"]):
-                for name in ("gate", "up", "down"):
-                    out[(b, "moe", name, j)] = (f"{moe}.experts.{j}.{own[name]}.weight", np.transpose)
-            if c.get("shared_expert_mlp"):
-                for name in ("gate", "up", "down"):
-                    out[(b, f"shared_{name}", "kernel")] = (f"{hf}.mlp.shared_expert.{name}_proj.weight", np.transpose)
-                out[(b, "shared_expert_gate", "kernel")] = (f"{hf}.mlp.shared_expert_gate.weight", np.transpose)
-        else:
-            out.update(
-                {(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose) for name in ("gate", "up", "down")}
-            )
-            if fused:  # Phi-3: the gate's rows, then the up projection's, of one tensor
-                f = c["mlp"]
-                out[(b, "gate", "kernel")] = (f"{hf}.mlp.gate_up_proj.weight", lambda w, f=f: w[:f].T)
-                out[(b, "up", "kernel")] = (f"{hf}.mlp.gate_up_proj.weight", lambda w, f=f: w[f:].T)
+        out.update(_norm_mapping(c, b, hf, norm))
+        out.update(_attention_mapping(c, b, hf, fused))
+        out.update(_mlp_mapping(c, b, hf, mixtral, fused))
         if c["qkv_bias"]:
+            h, g, k = c["heads"], c["kv_heads"], c["head_dim"]
             for name, n in (("q", h), ("k", g), ("v", g)):
-                out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n: w.reshape(n, k))
+                out[(b, name, "bias")] = (f"{hf}.self_attn.{name}_proj.bias", lambda w, n=n, k=k: w.reshape(n, k))
         if c["qk_norm"]:
             out[(b, "q_norm", "scale")] = (f"{hf}.self_attn.q_norm.weight", norm)
             out[(b, "k_norm", "scale")] = (f"{hf}.self_attn.k_norm.weight", norm)
     if with_head and not c["tie_embeddings"]:
         out[("lm_head",)] = (_head_name(prefix), np.transpose)
+    return out
+
+
+def _same(w):
+    return w
+
+
+def _norm_mapping(c: dict, b: str, hf: str, norm: Callable) -> dict:
+    """Block `b`'s norms: Gemma's four (`post_norms`), else the input and post-attention ones."""
+    if c.get("post_norms", False):
+        return {
+            (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", norm),
+            (b, "post_attn_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", norm),
+            (b, "mlp_norm", "scale"): (f"{hf}.pre_feedforward_layernorm.weight", norm),
+            (b, "post_mlp_norm", "scale"): (f"{hf}.post_feedforward_layernorm.weight", norm),
+        }
+    return {
+        (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", _same),
+        (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", _same),
+    }
+
+
+def _attention_mapping(c: dict, b: str, hf: str, fused: bool) -> dict:
+    """Block `b`'s q, k, v and o projections (`fused`: Phi-3's q, k and v as rows of one tensor)."""
+    h, g, k, d = c["heads"], c["kv_heads"], c["head_dim"], c["width"]
+
+    def proj(n):
+        return lambda w: w.T.reshape(d, n, k)
+
+    out = {
+        (b, "q", "kernel"): (f"{hf}.self_attn.q_proj.weight", proj(h)),
+        (b, "k", "kernel"): (f"{hf}.self_attn.k_proj.weight", proj(g)),
+        (b, "v", "kernel"): (f"{hf}.self_attn.v_proj.weight", proj(g)),
+        (b, "o", "kernel"): (f"{hf}.self_attn.o_proj.weight", lambda w: w.T.reshape(h, k, d)),
+    }
+    if fused:
+        rows = {"q": (0, h * k), "k": (h * k, (h + g) * k), "v": ((h + g) * k, (h + 2 * g) * k)}
+        for name, (lo, hi) in rows.items():
+            n = h if name == "q" else g
+            out[(b, name, "kernel")] = (
+                f"{hf}.self_attn.qkv_proj.weight",
+                lambda w, lo=lo, hi=hi, n=n: proj(n)(w[lo:hi]),
+            )
+    return out
+
+
+def _mlp_mapping(c: dict, b: str, hf: str, mixtral: bool, fused: bool) -> dict:
+    """Block `b`'s MLP: its experts (a trailing int: that expert's slice of the stacked leaf; under
+    Mixtral's names with `mixtral`) and any shared expert, else the dense gate, up and down
+    projections (`fused`: Phi-3's gate rows, then up rows, of one tensor)."""
+    out = {}
+    if c.get("experts"):
+        moe, own = (f"{hf}.block_sparse_moe", MIXTRAL_EXPERTS) if mixtral else (f"{hf}.mlp", QWEN_EXPERTS)
+        out[(b, "moe", "router")] = (f"{moe}.gate.weight", np.transpose)
+        for j in range(c["experts"]):
+            for name in ("gate", "up", "down"):
+                out[(b, "moe", name, j)] = (f"{moe}.experts.{j}.{own[name]}.weight", np.transpose)
+        if c.get("shared_expert_mlp"):
+            for name in ("gate", "up", "down"):
+                out[(b, f"shared_{name}", "kernel")] = (f"{hf}.mlp.shared_expert.{name}_proj.weight", np.transpose)
+            out[(b, "shared_expert_gate", "kernel")] = (f"{hf}.mlp.shared_expert_gate.weight", np.transpose)
+        return out
+    out.update({(b, name, "kernel"): (f"{hf}.mlp.{name}_proj.weight", np.transpose) for name in ("gate", "up", "down")})
+    if fused:
+        f = c["mlp"]
+        out[(b, "gate", "kernel")] = (f"{hf}.mlp.gate_up_proj.weight", lambda w, f=f: w[:f].T)
+        out[(b, "up", "kernel")] = (f"{hf}.mlp.gate_up_proj.weight", lambda w, f=f: w[f:].T)
     return out
 
 

@@ -537,9 +537,28 @@ def save_qwen_vl(
     the VLM was trained with (`image_token_id`), `video_token` its clips' (`video_token_id`; None:
     the VLM took no video, and the folder keeps transformers' default id); Qwen2.5-VL's
     `tokens_per_second` is the LLM's `video_tokens_per_second`."""
-    from maestro_jax.models.hf import llm_checkpoint
+    model_type = qwen_vl_type(vit_fields)
+    _check_qwen_vl_pair(model_type, vit_fields, llm_fields)
+    qwen3 = model_type == "qwen3_vl"
+    text, text_config = _qwen_vl_text(llm_params, llm_fields, model_type)
+    tower, vision = _qwen_vl_vision(vit_params, vit_fields, llm_fields, model_type)
+    config = {
+        "architectures": ["Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"],
+        "model_type": model_type,
+        "text_config": text_config,
+        "vision_config": vision,
+        "image_token_id": image_token,
+        **({} if video_token is None else {"video_token_id": video_token}),
+        "tie_word_embeddings": llm_fields["tie_embeddings"],
+        "torch_dtype": "float32",
+    }
+    _write(path, {**text, **tower}, config, max_shard_bytes)
 
-    model_type, f = qwen_vl_type(vit_fields), vit_fields
+
+def _check_qwen_vl_pair(model_type: str | None, vit_fields: dict, llm_fields: dict) -> None:
+    """A tower and language model that make a Qwen2.5-VL or a Qwen3-VL, else an HFError naming
+    the fields."""
+    f = vit_fields
     own = QWEN_VL_TYPES.get(model_type or "", {})
     qwen3 = model_type == "qwen3_vl"
     if (
@@ -560,6 +579,14 @@ def save_qwen_vl(
         )
     if f["out_width"] != llm_fields["width"]:
         raise HFError(f"the tower's out_width={f['out_width']} is not the LLM's width={llm_fields['width']}")
+
+
+def _qwen_vl_text(llm_params: dict, llm_fields: dict, model_type: str) -> tuple[dict, dict]:
+    """The language model's tensors under the family's names and its nested `text_config`, with
+    the family's M-RoPE."""
+    from maestro_jax.models.hf import llm_checkpoint
+
+    own, qwen3 = QWEN_VL_TYPES[model_type], model_type == "qwen3_vl"
     text, text_config = llm_checkpoint(
         llm_params, llm_fields, own["text"], prefix="model.language_model." if qwen3 else "model."
     )
@@ -578,6 +605,12 @@ def save_qwen_vl(
         }
     else:
         text_config |= {"model_type": "qwen2_5_vl_text", "rope_scaling": {"type": "mrope", "mrope_section": section}}
+    return text, text_config
+
+
+def _qwen_vl_vision(vit_params: dict, f: dict, llm_fields: dict, model_type: str) -> tuple[dict, dict]:
+    """The tower's tensors under the family's names and its `vision_config`."""
+    qwen3 = model_type == "qwen3_vl"
     vision = {
         "model_type": f"{model_type}_vision",
         "depth": vit_layers(f),
@@ -603,17 +636,7 @@ def save_qwen_vl(
         step = llm_fields.get("video_tokens_per_second", 4.0)  # an int in transformers' config class
         vision["tokens_per_second"] = int(step) if float(step).is_integer() else step
         tower = _tensors(vit_params, qwen_vit_mapping(f))
-    config = {
-        "architectures": ["Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"],
-        "model_type": model_type,
-        "text_config": text_config,
-        "vision_config": vision,
-        "image_token_id": image_token,
-        **({} if video_token is None else {"video_token_id": video_token}),
-        "tie_word_embeddings": llm_fields["tie_embeddings"],
-        "torch_dtype": "float32",
-    }
-    _write(path, {**text, **tower}, config, max_shard_bytes)
+    return tower, vision
 
 
 def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:
