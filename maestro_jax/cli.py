@@ -738,6 +738,15 @@ def _command(command: Command, args) -> int:
     added = set_gpu_flags(cfg.compile.gpu_flags, extra=_command_flags(command, cfg))  # before JAX starts
     if added:
         print(f"XLA GPU flags: {' '.join(added)} (compile.gpu_flags=false: none)", flush=True)
+    refused = _start_processes(cfg, args)
+    if refused is not None:
+        return refused
+    return _run_among_processes(command, cfg, args)
+
+
+def _start_processes(cfg, args) -> int | None:
+    """`jax.distributed` started where `--coordinator` asks for it (None), or the exit status of
+    why not: 2 for options that do not go together, 5 for a peer that did not come."""
     if args.coordinator and (args.num_processes is None or args.process_id is None):
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
         return 2
@@ -754,6 +763,12 @@ def _command(command: Command, args) -> int:
     except PeerError as err:
         print(_error_line(err), file=sys.stderr)
         return 5
+    return None
+
+
+def _run_among_processes(command: Command, cfg, args) -> int:
+    """The command, in a run of several processes ending a failed one at once, its failure
+    announced to its peers (one process: as any command)."""
     import jax
 
     from maestro_jax.runtime.distributed import announce_failure

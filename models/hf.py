@@ -516,6 +516,45 @@ def _checkpoint_tensors(params: dict, fields: dict, model_type: str, prefix: str
     return tensors
 
 
+def _gemma_config(fields: dict, model_type: str) -> dict:
+    """A Gemma 2 or 3 config's own keys: its activation, query scale, windowed and global layers
+    with their RoPE, and its softcaps."""
+    window, every = fields.get("sliding_window"), fields.get("global_every", 0)
+    windowed = [windowed_layer(i, window, every) for i in range(fields["depth"])]
+    global_rope = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
+    local_rope = {"rope_type": "default", "rope_theta": fields.get("rope_local_theta") or fields["rope_theta"]}
+    return dict(
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=fields.get("query_pre_attn_scalar") or fields["head_dim"],
+        sliding_window=fields.get("sliding_window") or 4096,
+        layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
+        rope_parameters=global_rope
+        if model_type == "gemma2"
+        else {"full_attention": global_rope, "sliding_attention": local_rope},
+        attention_bias=False,
+        attn_logit_softcapping=fields.get("attn_softcap"),
+        final_logit_softcapping=fields.get("final_softcap"),
+    )
+
+
+def _add_rope_scaling(config: dict, scaling: dict, model_type: str) -> None:
+    """`scaling` in `config` under transformers' own keys for its type, no others (it warns on
+    unknown ones): Gemma 3's global layers' (its windowed layers' RoPE is unscaled), Gemma 2's
+    RoPE, else `rope_scaling`."""
+    own = {
+        "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+        + (("attention_factor",) if scaling.get("attention_factor") is not None else ()),
+    }
+    keep = ("rope_type", "factor", *own.get(scaling["rope_type"], ()))
+    if model_type == "gemma3_text":
+        config["rope_parameters"]["full_attention"].update({k: scaling[k] for k in keep})
+    elif model_type == "gemma2":
+        config["rope_parameters"].update({k: scaling[k] for k in keep})
+    else:
+        config["rope_scaling"] = {k: scaling[k] for k in keep}
+
+
 def _checkpoint_config(fields: dict, model_type: str) -> dict:
     """`model_type`'s config.json for a model with `fields`."""
     h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
@@ -538,36 +577,9 @@ def _checkpoint_config(fields: dict, model_type: str) -> dict:
     }
     if model_type in GEMMAS:
         del config["hidden_act"], config["rope_theta"]
-        window, every = fields.get("sliding_window"), fields.get("global_every", 0)
-        windowed = [windowed_layer(i, window, every) for i in range(fields["depth"])]
-        global_rope = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
-        local_rope = {"rope_type": "default", "rope_theta": fields.get("rope_local_theta") or fields["rope_theta"]}
-        config.update(
-            hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=fields.get("query_pre_attn_scalar") or k,
-            sliding_window=fields.get("sliding_window") or 4096,
-            layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
-            rope_parameters=global_rope
-            if model_type == "gemma2"
-            else {"full_attention": global_rope, "sliding_attention": local_rope},
-            attention_bias=False,
-            attn_logit_softcapping=fields.get("attn_softcap"),
-            final_logit_softcapping=fields.get("final_softcap"),
-        )
-    scaling = fields.get("rope_scaling")
-    if scaling:  # transformers' own keys for the type, no others (it warns on unknown ones)
-        own = {
-            "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-            "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
-            + (("attention_factor",) if scaling.get("attention_factor") is not None else ()),
-        }
-        keep = ("rope_type", "factor", *own.get(scaling["rope_type"], ()))
-        if model_type == "gemma3_text":  # the global layers' (the windowed layers' RoPE is unscaled)
-            config["rope_parameters"]["full_attention"].update({k: scaling[k] for k in keep})
-        elif model_type == "gemma2":
-            config["rope_parameters"].update({k: scaling[k] for k in keep})
-        else:
-            config["rope_scaling"] = {k: scaling[k] for k in keep}
+        config.update(_gemma_config(fields, model_type))
+    if scaling := fields.get("rope_scaling"):
+        _add_rope_scaling(config, scaling, model_type)
     config.update(_moe_config(fields, model_type))
     if model_type in ("mistral", "mixtral", "phi3"):
         config["sliding_window"] = fields.get("sliding_window")

@@ -159,24 +159,7 @@ class Issuer:
             if len(run) > 1:
                 return self._loss_and_grad_run(run, ctx) if op.section == p.sink else self._forward_run(run, ctx)
         if op.kind == "F":
-            step = schedule.steps[op.section][op.step]
-            inputs = self.inputs(op.section, step, ctx)
-            batch = ctx.batches.pop((op.section, op.step))
-            if op.section == p.sink:
-                loss, m, ctx.acc[op.section], d_inputs = prog.loss_and_grad(
-                    states[op.section], inputs, batch, ctx.norm, ctx.acc[op.section]
-                )
-                ctx.losses.append(loss)
-                ctx.metrics.append(m)
-                self._collect_cotangents(prog, step, d_inputs, ctx.cotangents)
-                return loss, ctx.acc[op.section], d_inputs
-            if p.needs_backward(op.section):
-                key = (op.section, op.step)
-                ctx.outputs[key], ctx.handles[key] = prog.forward_vjp(states[op.section], inputs, batch)
-                self._bound_in_flight(op.section, ctx)
-                return ctx.outputs[key], ctx.handles[key]
-            ctx.outputs[(op.section, op.step)] = prog.forward(states[op.section], inputs, batch)
-            return ctx.outputs[(op.section, op.step)]
+            return self._forward(op, ctx)
         if op.kind == "X":
             e, t0 = g.edge(op.edge), time.perf_counter()
             ctx.moved[(e.name, op.step)] = self.moves.deliver(e, ctx.outputs[(e.src, op.step)][e.name])
@@ -201,6 +184,27 @@ class Issuer:
             self._collect_cotangents(prog, schedule.steps[op.section][op.step], d_inputs, ctx.cotangents)
             return ctx.acc[op.section], d_inputs
         return None  # U: applied by `update` after the step
+
+    def _forward(self, op: Op, ctx: StepState):
+        """One micro-step's forward: the sink's loss-and-grad, a trained producer's forward with
+        what its backward needs (within the stash bound), or a frozen producer's outputs."""
+        p, prog, s = self.problem, self.programs[op.section], op.section
+        step = ctx.schedule.steps[s][op.step]
+        inputs = self.inputs(s, step, ctx)
+        batch = ctx.batches.pop((s, op.step))
+        if s == p.sink:
+            loss, m, ctx.acc[s], d_inputs = prog.loss_and_grad(ctx.states[s], inputs, batch, ctx.norm, ctx.acc[s])
+            ctx.losses.append(loss)
+            ctx.metrics.append(m)
+            self._collect_cotangents(prog, step, d_inputs, ctx.cotangents)
+            return loss, ctx.acc[s], d_inputs
+        key = (s, op.step)
+        if p.needs_backward(s):
+            ctx.outputs[key], ctx.handles[key] = prog.forward_vjp(ctx.states[s], inputs, batch)
+            self._bound_in_flight(s, ctx)
+            return ctx.outputs[key], ctx.handles[key]
+        ctx.outputs[key] = prog.forward(ctx.states[s], inputs, batch)
+        return ctx.outputs[key]
 
     @staticmethod
     def _collect_cotangents(prog: SectionPrograms, step, d_inputs, cotangents) -> None:
