@@ -533,18 +533,8 @@ def attention_implementations(dry_run: bool, repeats: int | None = None) -> list
     dtype = jnp.float32 if dry_run else jnp.bfloat16
     repeats = repeats or (3 if dry_run else 5)
     min_sample_s = 0.002 if dry_run else 0.01
-    # (name, rows, length, heads, kv_heads, head_dim, causal)
-    shapes = (
-        [("causal", 2, 128, 4, 2, 16, True)]
-        if dry_run
-        else [
-            ("llama8b_causal", 2, 4096, 32, 8, 128, True),
-            ("long_causal", 1, 8192, 16, 4, 128, True),
-            ("siglip_full", 8, 1024, 16, 16, 72, False),
-        ]
-    )
     out = []
-    for name, b, length, h, g, k, causal in shapes:
+    for name, b, length, h, g, k, causal in ATTENTION_SHAPES[dry_run]:
         keys = jax.random.split(jax.random.key(1), 3)
         q = jax.random.normal(keys[0], (b, length, h, k), dtype)
         kk = jax.random.normal(keys[1], (b, length, g, k), dtype)
@@ -575,32 +565,83 @@ def attention_implementations(dry_run: bool, repeats: int | None = None) -> list
                         "dtype": jnp.dtype(dtype).name,
                         "flops": fwd_flops * (1.0 if pass_name == "forward" else 1.0 + BACKWARD_FACTOR),
                     }
-                    try:
-                        compiled = compile_program(f, (q, kk, v), dry_run)
-                        measured, inner = time_program(compiled, (q, kk, v), repeats, min_sample_s)
-                        diff = None
-                        if pass_name == "forward":
-                            y = np.asarray(compiled(q, kk, v), np.float32)
-                            reference = y if impl == "xla" else reference
-                            if reference is not None:
-                                diff = float(np.max(np.abs(y - reference)))
-                        row |= {
-                            "available": True,
-                            "measured_s": measured,
-                            "achieved_flops_per_s": row["flops"] / measured,
-                            "inner": inner,
-                            "max_abs_diff_vs_xla": diff,
-                        }
-                    except Exception as e:  # noqa: BLE001 - cuDNN is absent on CPU and refuses some shapes: say so, go on
-                        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-                        row |= {"available": False, "error": f"{type(e).__name__}: {msg}"}
-                        if jax.default_backend() == "cpu":
-                            row["error"] = f"cuDNN is unavailable on the {jax.default_backend()} backend ({msg})"
+                    reference = _timed_attention(row, f, (q, kk, v), reference, dry_run, repeats, min_sample_s)
                     out.append(row)
     return out
 
 
+# (name, rows, length, heads, kv_heads, head_dim, causal) `attention_implementations` times, by dry run
+ATTENTION_SHAPES = {
+    True: [("causal", 2, 128, 4, 2, 16, True)],
+    False: [
+        ("llama8b_causal", 2, 4096, 32, 8, 128, True),
+        ("long_causal", 1, 8192, 16, 4, 128, True),
+        ("siglip_full", 8, 1024, 16, 16, 72, False),
+    ],
+}
+
+
+def _timed_attention(row: dict, f, args: tuple, reference, dry_run: bool, repeats: int, min_sample_s: float):
+    """`row` filled with `f`'s time on `args` (and, for a forward, its largest difference from
+    XLA's output, which an XLA forward becomes: the `reference` returned), or with why it does
+    not run (cuDNN is absent on CPU and refuses some shapes: said, and the caller goes on)."""
+    try:
+        compiled = compile_program(f, args, dry_run)
+        measured, inner = time_program(compiled, args, repeats, min_sample_s)
+        diff = None
+        if row["pass"] == "forward":
+            y = np.asarray(compiled(*args), np.float32)
+            reference = y if row["implementation"] == "xla" else reference
+            if reference is not None:
+                diff = float(np.max(np.abs(y - reference)))
+        row |= {
+            "available": True,
+            "measured_s": measured,
+            "achieved_flops_per_s": row["flops"] / measured,
+            "inner": inner,
+            "max_abs_diff_vs_xla": diff,
+        }
+    except Exception as e:  # noqa: BLE001 - cuDNN is absent on CPU and refuses some shapes: say so, go on
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        row |= {"available": False, "error": f"{type(e).__name__}: {msg}"}
+        if jax.default_backend() == "cpu":
+            row["error"] = f"cuDNN is unavailable on the {jax.default_backend()} backend ({msg})"
+    return reference
+
+
 # ---- compiled memory against the measured peak -----------------------------------------------
+
+
+def _memory_shapes(dry_run: bool) -> list[Shape]:
+    """The decoder-block shapes `memory_rows` measures."""
+    if dry_run:
+        return [Shape("decoder", DRY_ARCHS["decoder", 128], 2, 128, 128)]
+    a2, a4 = GPU_ARCHS["decoder", 2048], GPU_ARCHS["decoder", 4096]
+    return [
+        Shape("decoder", a2, 1, 4096, 2048),
+        Shape("decoder", a4, 1, 4096, 2048),
+        Shape("decoder", a4, 1, 8192, 2048),
+    ]
+
+
+def _compiled_blocks(dry_run: bool, dtype) -> list[tuple]:
+    """Each shape's passes compiled, with their `memory_analysis()` and its total (arguments +
+    outputs + temporaries - aliased; None where the backend has none): (total or 0, shape, pass,
+    kernel, compiled, analysis, total) each."""
+    plans = []
+    for shape in _memory_shapes(dry_run):
+        kernel = _builder(shape, dtype)
+        diff, const = kernel.abstract_arguments(dtype)
+        for name, f in passes(kernel.fn, kernel.n_diff).items():
+            compiled = compile_program(f, (*diff, *const), dry_run)
+            m = compiled.memory_analysis()
+            total = (
+                None
+                if m is None
+                else m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+            )
+            plans.append((total or 0, shape, name, kernel, compiled, m, total))
+    return plans
 
 
 def memory_rows(dry_run: bool) -> list[dict]:
@@ -615,29 +656,8 @@ def memory_rows(dry_run: bool) -> list[dict]:
     resident) when the run raised the peak, None when it did not (not attributable). Call this
     before `measure` in a fresh process, which leaves larger peaks behind."""
     dtype = jnp.float32 if dry_run else jnp.bfloat16
-    if dry_run:
-        shapes = [Shape("decoder", DRY_ARCHS["decoder", 128], 2, 128, 128)]
-    else:
-        a2, a4 = GPU_ARCHS["decoder", 2048], GPU_ARCHS["decoder", 4096]
-        shapes = [
-            Shape("decoder", a2, 1, 4096, 2048),
-            Shape("decoder", a4, 1, 4096, 2048),
-            Shape("decoder", a4, 1, 8192, 2048),
-        ]
     dev = jax.devices()[0]
-    plans = []
-    for shape in shapes:
-        kernel = _builder(shape, dtype)
-        diff, const = kernel.abstract_arguments(dtype)
-        for name, f in passes(kernel.fn, kernel.n_diff).items():
-            compiled = compile_program(f, (*diff, *const), dry_run)
-            m = compiled.memory_analysis()
-            total = (
-                None
-                if m is None
-                else m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-            )
-            plans.append((total or 0, shape, name, kernel, compiled, m, total))
+    plans = _compiled_blocks(dry_run, dtype)
     out = []
     for _, shape, name, kernel, compiled, m, total in sorted(plans, key=lambda p: p[0]):
         diff, const = kernel.arguments(dtype, dry_run)
