@@ -117,6 +117,11 @@ class Executor:
         self.issuer.scan = value
 
     @property
+    def row_maps(self) -> dict:
+        """Each edge's (deliver, return) row maps (`EdgeMoves.row_maps`; 0.3.0's attribute)."""
+        return self.moves.row_maps
+
+    @property
     def compiled_transfers(self) -> set:
         """Keys of the transfers' cut and join programs compiled ahead (`EdgeMoves`)."""
         return self.moves.compiled_transfers
