@@ -50,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 from maestro_jax.config import load_config
 from maestro_jax.planning.baselines import BaselineResult
 from maestro_jax.planning.planner import InfeasibleError, Planner
-from maestro_jax.tools.plan import planner_for
+from maestro_jax.planning.search import search
+from maestro_jax.tools.plan import planner_for, problem_for
 
 VLM = "configs/vlm_paper_scale.yaml"
 VLM_HIGHRES = "configs/vlm_highres_paper_scale.yaml"
@@ -201,10 +202,11 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
         "sections": sections,
     }
     if split:
-        # the disaggregated layout, for comparison: each section on devices of its own
-        sp = planner_for(cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas, colocate=False)
+        # the disaggregated layout, for comparison: each section on devices of its own (the
+        # baselines are the main search's, priced above)
+        apart = problem_for(cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas, colocate=False)
         try:
-            s = sp.search(top=1).best
+            s = search(apart, top=1, baselines=()).best
             row.update(split_step_s=s.step_time_s, split_plan_short=short_plan(s.describe(), idle))
         except InfeasibleError:
             row.update(split_step_s=None, split_plan_short="no split plan fits")

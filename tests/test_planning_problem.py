@@ -111,7 +111,8 @@ def test_search_is_a_function_of_the_problem_and_colocate_keeps_sections_apart()
         search(problem.replace(devices=4), Pricer(problem))
     apart = problem.replace(colocate=False)
     assert all(len(p) == len(problem.spec.order) for p in PlanSpace(Pricer(apart)).placements())
-    split = search(apart, top=3)
+    split = search(apart, top=3, baselines=())  # none priced: the disaggregated plans alone, as the sweep asks
+    assert split.baselines == {} and split.monolithic is None
     for c in split.top:
         ranges = [set(sp.devices) for sp in c.plan.sections.values()]
         assert all(not (x & y) for i, x in enumerate(ranges) for y in ranges[i + 1 :]), c.describe()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from maestro_jax.core.plan import Plan
 from maestro_jax.planning.baselines import price_baselines
@@ -48,6 +48,7 @@ def search(
     tolerance: float = TOLERANCE,
     progress: Progress | None = None,
     space: PlanSpace | None = None,
+    baselines: Sequence[str] | None = None,
 ) -> PlanReport:
     """The best plan of `problem` and the `top` runners-up by simulated step time, over the stash
     bound too: `max_in_flight` as configured and each smaller power of two (a smaller bound holds
@@ -55,7 +56,9 @@ def search(
     devices lose no overlap by it), and, with `run_ahead`, without it too (its stash may not fit
     where the plan without it does). Ties keep the configured settings. `pricer`: the problem's
     (one of another problem's `for_problem` keeps its prices); `progress` receives one line per
-    pass and one before the baselines; `space`: the problem's plan space, when one is at hand."""
+    pass and one before the baselines; `space`: the problem's plan space, when one is at hand;
+    `baselines`: the names of those to price beside (`baselines.BASELINES`; None: all, and both
+    layouts scored as plans; `()`: none, where a caller has priced them already)."""
     space = space or PlanSpace(pricer or Pricer(problem))
     if space.problem is not problem:
         raise ValueError("search(problem, ...): the pricer or space prices another problem")
@@ -68,9 +71,10 @@ def search(
             here = space if same else space.with_problem(problem.replace(max_in_flight=f, run_ahead=ahead))
             found, count, ran = best_plans(here, top, _kth(scored, top), tolerance, progress)
             scored, considered, simulated = scored + found, considered + count, simulated + ran
-    progress(f"baselines on {problem.devices} devices: the monolithic layout and the pipelined (1F1B) one")
-    priced = price_baselines(space.pricer)
-    monolithic, pipelined = priced["monolithic"], priced["pipelined"]
+    if baselines is None or baselines:
+        progress(f"baselines on {problem.devices} devices: the monolithic layout and the pipelined (1F1B) one")
+    priced = price_baselines(space.pricer, baselines)
+    monolithic, pipelined = priced.get("monolithic"), priced.get("pipelined")
     # both baselines' layouts are in the plan space (where sections may share devices: both
     # co-locate them): the search within `tolerance` never does worse
     points = (
