@@ -162,3 +162,32 @@ def test_a_steps_metrics_are_read_in_one_transfer(kd, monkeypatch):
     by_value = twin.read(kd.coordinator.fetch)  # 0.3.0's read: one value at a time
     assert by_value.keys() == record.keys()
     assert all(by_value[k] == record[k] for k in record if not k.endswith("_s")), (by_value, record)
+
+
+def test_each_section_starts_from_the_graphs_init_traced_once(kd):
+    """`runtime.initial.TracedInit`: the graph's `init` is traced once; each section's program (and
+    the monolithic reference's one program for all) evaluates that trace. Every variable equals
+    `graph.init`'s own, run eagerly, on both sides (to float rounding: XLA may fuse the compiled
+    programs' arithmetic otherwise; bit for bit on jax 0.12), and so do the shapes it reports."""
+    import flax.linen as nn
+
+    key = jax.random.key(kd.cfg.seed)
+    eager = nn.meta.unbox(kd.graph.init(key))
+    sectioned, monolithic = kd.init_states(), kd.monolithic.init_states()
+    assert set(sectioned) == set(monolithic) == set(eager) == set(kd.graph.names)
+    for s in kd.graph.names:
+        for state in (sectioned[s], monolithic[s]):
+            got_tree = {"params": state.params, "consts": state.consts}
+            assert jax.tree.structure(got_tree) == jax.tree.structure(eager[s])
+            for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(eager[s]), strict=True):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+    shapes = jax.eval_shape(kd.graph.init, key)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), kd.traced_init.abstract
+    )
+    assert monolithic["teacher"].opt_state is None  # frozen: no optimizer state on either side
+    assert sectioned["teacher"].opt_state is None
+    for got, want in zip(
+        jax.tree.leaves(monolithic["student"].opt_state), jax.tree.leaves(sectioned["student"].opt_state), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)

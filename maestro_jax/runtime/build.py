@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 
 from maestro_jax.config import Config, ConfigError, PackTokens
@@ -22,6 +21,7 @@ from maestro_jax.data.sources import SyntheticSource
 from maestro_jax.runtime import ahead as ahead_lib
 from maestro_jax.runtime.distributed import Coordinator
 from maestro_jax.runtime.executor import Executor
+from maestro_jax.runtime.initial import TracedInit
 from maestro_jax.runtime.monolithic import Monolithic
 from maestro_jax.runtime.optimizer import check_sections, section_optimizer, section_squared_norm
 from maestro_jax.runtime.precision import with_precision
@@ -50,6 +50,7 @@ class Runtime:
     info_check: object = None  # info_check(SampleInfo): metadata validation (raises DataError), or None
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
     coordinator: Coordinator = dataclasses.field(default_factory=Coordinator)  # exchanges between processes
+    traced_init: TracedInit | None = None  # `graph`'s init traced once (`runtime.initial`); build_runtime's
 
     def init_states(self, seed: int | None = None, optimizer: bool = True) -> dict[str, SectionState]:
         """Each section initialises straight into its own sharding (never a full copy on one
@@ -59,7 +60,13 @@ class Runtime:
         forwards (`teacher-cache`), which then never holds a trained section's moments."""
         key = jax.random.key(self.cfg.seed if seed is None else seed)
         states = {
-            s: _init_section(self.graph, s, self.meshes[s], self.shardings[s], self.programs[s], key, optimizer)
+            s: _init_section(
+                self.traced_init.section(s),
+                self.meshes[s],
+                self.shardings[s],
+                self.programs[s] if optimizer and self.graph.section(s).trained else None,
+                key,
+            )
             for s in self.graph.names
         }
         for s, sc in self.cfg.sections.items():
@@ -167,11 +174,12 @@ class Runtime:
         return build_monolithic(self)
 
 
-def _init_section(graph, name, mesh, shardings, programs, key, optimizer: bool = True) -> SectionState:
-    init = jax.jit(lambda k: nn.meta.unbox(graph.init(k)[name]), out_shardings=shardings)
+def _init_section(init, mesh, shardings, programs, key) -> SectionState:
+    """`init(key)` (one section's, `TracedInit.section`) straight into its sharding; with
+    `programs` (a section that trains and wants one), its optimizer state too."""
     with jax.set_mesh(mesh):
-        v = init(key)
-    opt = programs.init_optimizer(v["params"]) if optimizer and graph.section(name).trained else None
+        v = jax.jit(init, out_shardings=shardings)(key)
+    opt = programs.init_optimizer(v["params"]) if programs is not None else None
     return SectionState(v["params"], v["consts"], opt)
 
 
@@ -286,7 +294,7 @@ def build_runtime(
     a token list instead of an array, placeholders that do not match the items, items of an
     undeclared modality, ids beyond the vocabulary, a malformed loss mask), so that no graph
     trains silently on what its sections cannot read. In named steps: the workload's parts
-    (`_workload_parts`), the sections' abstract state (`_abstract_state`), the plan checked against
+    (`_workload_parts`), the graph's init traced once with its shapes (`_traced_init`), the plan checked against
     them (`_check_whole_plan`), then each section's mesh, shardings and programs
     (`_section_programs`) and the executor's problem (`_executor_problem`)."""
     parts = _workload_parts(cfg, graph, source, check, modalities, vocab)
@@ -296,7 +304,8 @@ def build_runtime(
     packing = _packing(cfg)
     plan = cfg.plan()
     graph = with_precision(graph, {s: sp.precision for s, sp in plan.sections.items()})
-    abstract = _abstract_state(cfg, graph)
+    traced = _traced_init(graph)
+    abstract = traced.abstract
     _check_whole_plan(cfg, graph, plan, abstract, source)
     meshes = {s: section_mesh(plan.sections[s]) for s in graph.names}
     shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
@@ -317,6 +326,7 @@ def build_runtime(
         parts.info_check,
         dict(parts.pretrained),
         coordinator=coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s),
+        traced_init=traced,
     )
 
 
@@ -373,10 +383,11 @@ def _workload_parts(cfg: Config, graph, source, check, modalities, vocab) -> _Wo
     return _WorkloadParts(graph, source, check, info_check)
 
 
-def _abstract_state(cfg: Config, graph: SectionGraph) -> dict:
-    """Every section's params and constants as shapes (traced only: nothing compiles), each
-    section's entry checked to hold both."""
-    abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
+def _traced_init(graph: SectionGraph) -> TracedInit:
+    """The graph's init traced once (nothing compiles): every section's params and constants as
+    shapes, each section's entry checked to hold both, and the trace each section's init runs."""
+    traced = TracedInit.of(graph.init)
+    abstract = traced.abstract
     for s in graph.names:
         entry = abstract.get(s) if isinstance(abstract, dict) else None
         if not (isinstance(entry, dict) and {"params", "consts"} <= set(entry)):
@@ -385,7 +396,7 @@ def _abstract_state(cfg: Config, graph: SectionGraph) -> dict:
                 f"error: section {s!r}: the graph's init returns {got} for it; return "
                 f'{{"{s}": {{"params": ..., "consts": ...}}}} for every section (empty dicts where it has none)'
             )
-    return abstract
+    return traced
 
 
 def _check_whole_plan(cfg: Config, graph: SectionGraph, plan, abstract: dict, source) -> None:
@@ -524,6 +535,7 @@ class MonolithicRuntime:
     graph: SectionGraph
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader (Runtime's)
     hf_paths: dict = dataclasses.field(default_factory=dict)  # section -> its `init.hf_path`
+    traced_init: TracedInit | None = None  # `graph`'s init traced once (`runtime.initial`)
 
     @property
     def step(self) -> MonolithicStep:
@@ -534,15 +546,14 @@ class MonolithicRuntime:
         """The sections' initial states on the monolithic mesh: the runtime's initialisation, the
         sections with `init.hf_path` then loaded from their checkpoints by the runtime's own
         loaders, so the reference starts where the sectioned step does."""
-        graph = self.graph
         key = jax.random.key(self.cfg.seed if seed is None else seed)
-        out = {}
-        for s in graph.names:
-            init = jax.jit(lambda k, s=s: nn.meta.unbox(graph.init(k)[s]), out_shardings=self.shardings[s])
-            with jax.set_mesh(self.mesh):
-                v = init(key)
-                opt = jax.jit(self.model.optimizers[s].init)(v["params"]) if graph.section(s).trained else None
-            out[s] = SectionState(v["params"], v["consts"], opt)
+        names, optimizers = self.graph.names, self.model.optimizers
+        with jax.set_mesh(self.mesh):  # every section on the one mesh: one program for all
+            v = jax.jit(self.traced_init.sections(names), out_shardings=self.shardings)(key)
+            opt = jax.jit(lambda p: {s: optimizers[s].init(p[s]) for s in optimizers})(
+                {s: v[s]["params"] for s in optimizers}
+            )
+        out = {s: SectionState(v[s]["params"], v[s]["consts"], opt.get(s)) for s in names}
         programs = {s: _OptimizerInit(opt.init, self.mesh) for s, opt in self.model.optimizers.items()}
         for s, path in self.hf_paths.items():
             out = self.pretrained[s](s, path, out, programs)
@@ -562,10 +573,11 @@ class _OptimizerInit:
 
 
 def build_monolithic(rt: Runtime) -> MonolithicRuntime:
-    cfg, graph, abstract = rt.cfg, rt.graph, rt.abstract
+    cfg, graph, traced = rt.cfg, rt.graph, rt.traced_init
     if graph.staging is not None:
         graph = with_precision(graph.staging.whole, {s: sc.precision for s, sc in cfg.sections.items()})
-        abstract = jax.eval_shape(lambda: graph.init(jax.random.key(cfg.seed)))
+        traced = TracedInit.of(graph.init)
+    abstract = traced.abstract
     sp = cfg.monolithic_plan()
     mono_plan = plan_lib.Plan(dict.fromkeys(graph.names, sp), {}, cfg.global_batch)
     infos = {s: param_infos(abstract[s]) for s in graph.names}
@@ -591,4 +603,5 @@ def build_monolithic(rt: Runtime) -> MonolithicRuntime:
         graph,
         rt.pretrained,
         hf_paths,
+        traced,
     )
