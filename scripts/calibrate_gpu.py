@@ -298,7 +298,7 @@ def per_kind_report(rows: list[dict], device: str) -> dict:
 
 def per_kind_table(rep: dict) -> list[str]:
     lines = [
-        "| kernels | n | one curve (cost.py): median (max) abs log error | per kind, held out: median (max) |",
+        "| kernels | n | one curve (cost.efficiency): median (max) abs log error | per kind, held out: median (max) |",
         "| --- | --- | --- | --- |",
     ]
     for k, e in sorted(rep["per_kind"]["held_out"].items(), key=lambda kv: (kv[0] != "all", kv[0])):
@@ -445,7 +445,7 @@ def markdown(rep: dict) -> str:
         f"({1e6 * rep['per_kind']['model']['launch_s']:.1f} us: launch-bound small programs) and a rate factor per kind ("
         + ", ".join(f"{k} {v:.3g}" for k, v in rep["per_kind"]["model"]["factors"].items())
         + "), fitted to every kernel row; the errors are leave-one-out (each row predicted by the fit to the "
-        "others). The attention rows are the mask path's. cost.py prices with one curve until this is applied.",
+        "others). The attention rows are the mask path's. cost.py applies the factors of the section kinds whose held-out error they lower (`cost.KIND_RATE`: decoder_moe, vit), not the floor (a section's micro-step carries its own overhead) nor attention's (no section is attention alone).",
         "",
         *per_kind_table(rep),
         "",

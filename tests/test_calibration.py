@@ -11,6 +11,7 @@ import pytest
 from maestro_jax.planning import cost
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "calibrate_published.py"
+ROOT_BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,49 @@ def test_prediction_runs_cost_py_unpatched(cal):
     r = cal.ROWS[0]
     assert cal.predict(r, (0.5, 1.0, 1.0)) == pytest.approx(2 * cal.predict(r, (0.25, 1.0, 1.0)), rel=1e-3)
     assert cost.efficiency.__defaults__ == before
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kind_rates_are_the_held_out_better_per_kind_fit_of_the_stored_gpu_rows(cal):
+    """`cost.KIND_RATE` is scripts/calibrate_gpu.py's per-kind fit of the stored H200 kernel rows
+    (benchmarks/gpu_check_h200.json), refitted here, to 3 significant figures; a kind other than
+    the dense decoder gets a factor only where, held out (leave-one-out), the per-kind model's
+    median error on its rows is below the one curve's; every kind a section can declare
+    (`core.graph.RATE_KINDS`) has one, and both GPUs price with them."""
+    from maestro_jax.core.graph import RATE_KINDS
+
+    gpu = _load_script("calibrate_gpu")
+    device, _, rows = gpu.load(ROOT_BENCH / "gpu_check_h200.json", allow_cpu=False)
+    report = gpu.per_kind_report(rows, device)
+    assert set(cost.KIND_RATE) == set(RATE_KINDS)
+    assert cost.KIND_RATE["decoder"] == 1.0
+    for kind, rate in cost.KIND_RATE.items():
+        fitted = report["model"]["factors"][kind]
+        assert rate == pytest.approx(fitted, rel=5e-3), kind
+        held = report["held_out"][kind]
+        if kind != "decoder":
+            assert held["per_kind"]["median_abs_log_error"] < held["one_curve"]["median_abs_log_error"], kind
+    assert cost.DEVICES["h100"]["kind_rate"] is cost.KIND_RATE is cost.DEVICES["h200"]["kind_rate"]
+
+
+def test_a_section_is_priced_at_its_kinds_rate_on_a_gpu_and_the_dense_curve_on_the_cpu():
+    """The same FLOPs on a mixture-of-experts decoder take 1/KIND_RATE as long as on a dense one
+    on an H100; the CPU entry (rough magnitudes, never measured per kind) prices every kind alike.
+    An unknown kind is refused where the cost is declared, naming the field."""
+    from maestro_jax.core.graph import GraphError, UnitCost
+
+    def per_unit(kind, device):
+        return cost.analytic_section(1e9, 1e4, 4, 1, 512, device=device, rate_kind=kind).per_unit_s
+
+    for kind in ("decoder_moe", "vit"):
+        assert per_unit(kind, "h100") == pytest.approx(per_unit("decoder", "h100") / cost.KIND_RATE[kind])
+        assert per_unit(kind, "cpu") == per_unit("decoder", "cpu")
+    with pytest.raises(GraphError, match=r"UnitCost.rate_kind='encoder': unknown; valid: decoder, decoder_moe, vit"):
+        UnitCost(flops=1.0, rate_kind="encoder")

@@ -186,3 +186,21 @@ def test_the_planner_credits_the_split_only_to_edges_that_take_slices_whose_buck
         assert staged.edge_positions == {stage: 1.0}
         assert edge_positions(staged, stage, 256) == 256
         assert edge_positions(dataclasses.replace(staged, edge_positions={stage: 0.25}), stage, 2) == 0
+
+
+def test_the_built_in_sections_declare_the_kind_of_layer_they_run():
+    """The paper VLM's tower is priced at the ViT block's measured rate and its mixture-of-experts
+    LLM at the MoE decoder's; the KD paper config's dense teacher and student at the dense
+    curve's (`UnitCost.rate_kind`, `cost.KIND_RATE`): from the same cost functions the planner reads."""
+    from maestro_jax.workloads import describe
+
+    kinds = {}
+    for name in ("vlm", "kd"):
+        spec = describe(load_config(ROOT / f"configs/{name}_paper_scale.yaml"))
+        kinds |= {f"{name}.{s}": spec.sections[s].cost.rate_kind for s in spec.sections}
+    assert kinds == {
+        "vlm.vision": "vit",
+        "vlm.llm": "decoder_moe",
+        "kd.teacher": "decoder",
+        "kd.student": "decoder",
+    }

@@ -66,6 +66,10 @@ class Edge:
     positions_per_unit: float = 0.0
 
 
+# the kinds of layer the cost model prices at rates of their own (`UnitCost.rate_kind`)
+RATE_KINDS = ("decoder", "decoder_moe", "vit")
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitCost:
     """What one work unit (token, patch, frame) of a section costs, declared by whoever writes
@@ -85,6 +89,10 @@ class UnitCost:
       context parallelism gathers per layer (0: no attention to split).
     routed_width: features each unit sends to each of its experts per mixture-of-experts layer
       (experts_per_token x width; 0 for dense layers): what expert parallelism exchanges.
+    rate_kind: the kind of layer the FLOPs run in, which sets the rate the analytic cost model
+      prices them at (`planning.cost.KIND_RATE`, each kind's measured rate beside the dense
+      decoder's): `decoder` (a dense decoder; also any layer no GPU row has measured, priced by
+      the dense curve), `decoder_moe` (a mixture-of-experts decoder) or `vit` (a vision tower's block).
     """
 
     flops: float
@@ -97,6 +105,11 @@ class UnitCost:
     logits: int = 0
     kv_width: int = 0
     routed_width: int = 0
+    rate_kind: str = "decoder"
+
+    def __post_init__(self):
+        if self.rate_kind not in RATE_KINDS:
+            raise GraphError(f"error: UnitCost.rate_kind={self.rate_kind!r}: unknown; valid: {', '.join(RATE_KINDS)}")
 
     def forward_flops(self, units: float) -> float:
         """Forward FLOPs of a sample's `units` units: the per-unit work plus attention over the

@@ -85,6 +85,7 @@ def section_cost(
         width_per_device=c.width / tensor,
         context=context,
         precision=sp.precision,
+        rate_kind=c.rate_kind,
     )
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0

@@ -29,6 +29,22 @@ from collections.abc import Mapping, Sequence
 
 from maestro_jax.core.buckets import PER_OCTAVE, bucket
 
+# The rate of each kind of layer (`UnitCost.rate_kind`) as a factor on the dense curve's
+# (`efficiency`): what one NVIDIA H200 measured per kind, the project's own blocks timed alone in
+# bfloat16 (scripts/gpu_check.sh's kernels step, 2026-11-27, benchmarks/gpu_check_h200.json) and
+# fitted by scripts/calibrate_gpu.py's per-kind model (benchmarks/calibration_gpu.{md,json},
+# `per_kind.model.factors`): a mixture-of-experts decoder layer (width 2048, 128 experts, top 8)
+# ran at 0.25 of the dense curve's rate and a ViT block (SigLIP's, width 1152) at 0.648. Applied
+# because, held out (leave-one-out), it lowers the median |log error| of those rows from 1.368 to
+# 0.214 (MoE, 2 rows) and from 0.454 to 0.086 (ViT, 2 rows); the dense decoder's 34 rows and the
+# published training runs (dense decoders) keep the dense curve (factor 1: the fit's own). Where
+# the rows fall short: they ran attention through cuDNN with an explicit mask (the path the
+# attention chooser has left since for causal and padded attention, `models.attention`), which
+# the ViT block's factor prices in; two rows a kind. The next GPU check's kernel rows (prepared:
+# the fast forms and every MoE dispatch) refit them. The attention rows' own factor (0.25) is not
+# applied: no section is attention alone, and a decoder's layers include theirs.
+KIND_RATE = {"decoder": 1.0, "decoder_moe": 0.25, "vit": 0.648}
+
 DEVICES = {
     # peak dense bf16 FLOP/s and HBM bandwidth of one device; interconnect bytes/s per device (one
     # direction) inside a node. Sources (quoted in benchmarks/calibration.md):
@@ -61,6 +77,7 @@ DEVICES = {
         "link": 450e9,
         "memory_gb": 80.0,
         "relative_peak": {"float32": 0.5, "fp8": 1.49},
+        "kind_rate": KIND_RATE,  # measured on the H200, whose compute is the H100's (above)
     },
     "h200": {
         "flops": 989e12,
@@ -68,6 +85,7 @@ DEVICES = {
         "link": 450e9,
         "memory_gb": 141.0,
         "relative_peak": {"float32": 0.5, "fp8": 1.49},
+        "kind_rate": KIND_RATE,
     },
     # this kind of 2-core CI machine (XLA's CPU client runs programs one at a time: simulate serially);
     # not a measurement: rough magnitudes for simulating the CPU test configs
@@ -192,11 +210,15 @@ def analytic_section(
     overhead_s: float = 2e-4,
     context: int = 1,
     precision: str = "bfloat16",
+    rate_kind: str = "decoder",
 ) -> SectionCost:
     """Coefficients from FLOPs: tensor parallelism splits a row's FLOPs over `tensor` devices,
     context parallelism its positions over `context` devices (without thinning the weights). The
     section's compute `precision` scales the device's peak (`DEVICES[...]["relative_peak"]`: a
-    float32 section runs at TF32's on a GPU, an fp8 one at 1.49 times bf16's, a measured ratio).
+    float32 section runs at TF32's on a GPU, an fp8 one at 1.49 times bf16's, a measured ratio),
+    and so does the kind of layer its FLOPs run in (the device's `kind_rate`, `KIND_RATE` on a
+    GPU: a mixture-of-experts decoder or a ViT block at its measured share of the dense curve's
+    rate; the CPU entry's magnitudes are not measured, so there every kind takes the dense curve).
 
     Efficiency is evaluated at the section's typical work per device per micro-step, so a
     micro-batch too small for the layout (or a model sliced too thin by tensor parallelism)
@@ -205,6 +227,7 @@ def analytic_section(
     peak = DEVICES[device]["flops"] * DEVICES[device].get("relative_peak", {}).get(precision, 1.0)
     overhead_s = DEVICES[device].get("overhead_s", overhead_s)
     eff = efficiency(micro_batch * typical_units / (tensor * context), width_per_device)
+    eff *= DEVICES[device].get("kind_rate", {}).get(rate_kind, 1.0)
     rate = peak * eff * tensor * context
     return SectionCost(
         per_unit_s=flops_per_unit / rate,

@@ -43,6 +43,7 @@ def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0) -> UnitCost:
         logits=c.vocab if head else 0,
         kv_width=2 * c.kv_heads * c.head_dim,
         routed_width=c.experts_per_token * c.width if moe else 0,
+        rate_kind="decoder_moe" if moe else "decoder",
     )
 
 
@@ -66,12 +67,14 @@ def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
         layer_bytes_sharded=3 * c.mlp * F32,
         layers=c.layers,
         kv_width=2 * c.width,
+        rate_kind="vit",
     )
 
 
 def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
     """An audio token (a group of frames); attention runs within each clip. Whisper's conv stem
-    runs its first kernel-3 convolution on each of the token's 2 frames, its second once."""
+    runs its first kernel-3 convolution on each of the token's 2 frames, its second once. Priced
+    at the dense curve's rate (`rate_kind` decoder): no GPU row has timed an audio block."""
     stem = 2 * 3 * (2 * c.mel + c.width) * c.width if c.stem == "conv" else 2 * c.token_features * c.width
     linear = stem + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
     return UnitCost(
