@@ -6,9 +6,11 @@ turns its report into one line naming the key, the value and what would be valid
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,6 +24,8 @@ from maestro_jax.core.buckets import VALID as BUCKET_GRANULARITIES
 from maestro_jax.core.plan import Plan, SectionPlan
 from maestro_jax.core.stages import stage_name
 from maestro_jax.meshes import MESH_AXES
+from maestro_jax.models.configs import AudioConfig, ViTConfig
+from maestro_jax.models.schema import SECTION_FIELDS, Rule
 
 
 class ConfigError(ValueError):
@@ -239,97 +243,64 @@ class _FromFolder(_Frozen):
         return self
 
 
-class ViTModelConfig(_FromFolder):
-    kind: Literal["vit"]
-    scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
-    patch: PositiveInt
-    channels: PositiveInt = 3
-    width: PositiveInt
-    depth: PositiveInt
-    heads: PositiveInt
-    mlp: PositiveInt
-    out_width: PositiveInt
-    merge: PositiveInt = 2
-    max_grid: PositiveInt = 64
-    # frames one patch spans in time (Qwen-VL's temporal_patch_size; read from its folder): a still image is
-    # its frame repeated, a video clip's temporal patch its own frames (models/vit.py)
-    frames: PositiveInt = 1
-    # row_col: learned row and column embeddings; table: one per grid cell (SigLIP's layout, models/vit.py);
-    # rope2d: no learned positions, a 2-D rotary embedding of each patch's row and column (Qwen2.5-VL's);
-    # table_rope2d: a learned table of table_grid x table_grid resampled to each image's grid, and rope2d (Qwen3-VL's)
-    pos_embed: Literal["row_col", "table", "rope2d", "table_rope2d"] = "row_col"
-    table_grid: int = Field(0, ge=0)  # pos_embed table_rope2d: the learned table's side (num_position_embeddings**0.5)
-    # layernorm: LayerNorm and GELU-MLP blocks (SigLIP, CLIP, Qwen3-VL's); rmsnorm_glu: RMSNorm and gated-MLP
-    # blocks with biases (Qwen2.5-VL's, with pos_embed rope2d and projector patch_merger)
-    block: Literal["layernorm", "rmsnorm_glu"] = "layernorm"
-    rope_theta: float = Field(10000.0, gt=0.0)  # pos_embed rope2d / table_rope2d: the rotary base
-    window: int = Field(0, ge=0)  # > 0: blocks attend within windows of this many patches a side (Qwen2.5-VL)
-    full_layers: tuple[NonNegativeInt, ...] = ()  # with window: the blocks that attend over whole images
-    norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
-    # the blocks' MLP activation (HF's names; quick_gelu: CLIP's, silu: Qwen2.5-VL's gated MLP)
-    act: Literal["gelu_pytorch_tanh", "gelu", "quick_gelu", "silu"] = "gelu_pytorch_tanh"
-    # CLIP's layout (LLaVA's tower): a class token per image, dropped before the merger (models/vit.py)
-    class_token: bool = False
-    # the hidden state the merger reads, HF's numbering (LLaVA's vision_feature_layer, e.g. -2);
-    # the blocks after it are not held
-    feature_layer: int = -1
-    # what maps each merge x merge window to the LLM width: merger (an MLP over the concatenated
-    # window, Qwen2-VL's) or avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's) or
-    # patch_merger (Qwen2.5-VL's: RMSNorm per patch, an MLP width * merge**2 wide with an exact GELU)
-    projector: Literal["merger", "avg_pool", "patch_merger"] = "merger"
-    # Qwen3-VL's DeepStack (deepstack_visual_indexes): blocks whose outputs go, each through a merger of its
-    # own, to the LLM beside the image tokens (models/vit.py); the LLM's deepstack_layers counts them
-    deepstack_layers: tuple[NonNegativeInt, ...] = ()
+def _rule_validator(rule: Rule):
+    """A `models.schema.Rule` as a pydantic validator: of its field (the error names that key and
+    the value written), or of the whole entry."""
+    if rule.field is None:
+
+        def whole(self):
+            message = rule.check(dict(self))
+            if message:
+                raise ValueError(message)
+            return self
+
+        return pydantic.model_validator(mode="after")(whole)
+
+    def one(cls, value, info):
+        message = rule.check({**info.data, rule.field: value})
+        if message:
+            raise ValueError(message)
+        return value
+
+    return pydantic.field_validator(rule.field)(classmethod(one))
+
+
+def model_schema(name: str, module_config: type, kind: str, base: type[BaseModel], **extra) -> type[BaseModel]:
+    """`models.<name>` of a built-in `kind`, generated from the model's own config dataclass (its
+    one schema, `models.schema`): every field but the section's (`SECTION_FIELDS`) with its type,
+    constraints and default, each of its `RULES` a validator; `extra`: the config's own fields
+    beside them, as pydantic field definitions (type, default)."""
+    hints = typing.get_type_hints(module_config, include_extras=True)
+    fields: dict[str, Any] = {"kind": (Literal[kind], ...)}
+    for f in dataclasses.fields(module_config):
+        if f.name in SECTION_FIELDS:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else ...
+        if f.default_factory is not dataclasses.MISSING:
+            default = Field(default_factory=f.default_factory)
+        fields[f.name] = (hints[f.name], default)
+    validators = {f"_rule_{i}": _rule_validator(rule) for i, rule in enumerate(module_config.RULES)}
+    return pydantic.create_model(name, __base__=base, __module__=__name__, __validators__=validators, **fields, **extra)
+
+
+class _ViTEntry(_FromFolder):
+    """A `models.<name>` of kind vit; its fields are `models.configs.ViTConfig`'s (`model_schema`)."""
 
     @classmethod
     def folder_fields(cls, path: str) -> dict:
         return hf_config.vit_fields(path)
 
-    @pydantic.field_validator("class_token")
-    @classmethod
-    def _class_token_needs_table(cls, v, info):
-        if v and info.data.get("pos_embed") != "table":
-            raise ValueError(f"CLIP's layout needs pos_embed='table', not {info.data.get('pos_embed')!r}")
-        return v
 
-    @pydantic.field_validator("feature_layer")
-    @classmethod
-    def _a_block_output(cls, v, info):
-        depth = info.data.get("depth")
-        if depth is not None and not (-depth <= v <= depth and v != 0):
-            raise ValueError(f"a tower of depth {depth} has block outputs -{depth}..-1 or 1..{depth}")
-        return v
-
-
-class AudioModelConfig(_FromFolder):
-    kind: Literal["audio"]
-    scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
-    mel: PositiveInt = 16  # features per frame
-    frames_per_token: PositiveInt = 4  # frames grouped into one audio token
-    width: PositiveInt
-    depth: PositiveInt
-    heads: PositiveInt
-    mlp: PositiveInt
-    out_width: PositiveInt
-    max_tokens: PositiveInt = 1500  # the longest clip, in tokens
-    # dense: a linear map per frame group; conv: Whisper's two convolutions over time (models/audio.py)
-    stem: Literal["dense", "conv"] = "dense"
-    norm_eps: float = Field(1e-6, gt=0.0)  # every LayerNorm's epsilon
-    act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"  # the blocks' MLP activation (HF's names)
+class _AudioEntry(_FromFolder):
+    """A `models.<name>` of kind audio; its fields are `models.configs.AudioConfig`'s (`model_schema`)."""
 
     @classmethod
     def folder_fields(cls, path: str) -> dict:
         return hf_config.audio_fields(path)
 
-    @pydantic.field_validator("stem")
-    @classmethod
-    def _two_frames(cls, v, info):
-        frames = info.data.get("frames_per_token")
-        if v == "conv" and frames != 2:
-            raise ValueError(
-                f"Whisper's stem makes one token of 2 frames (stride 2); set frames_per_token=2, not {frames}"
-            )
-        return v
+
+ViTModelConfig = model_schema("ViTModelConfig", ViTConfig, "vit", _ViTEntry)
+AudioModelConfig = model_schema("AudioModelConfig", AudioConfig, "audio", _AudioEntry)
 
 
 class RopeScalingConfig(_Frozen):

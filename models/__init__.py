@@ -12,20 +12,31 @@ Shape-suffix glossary used across `models/` and `maestro_jax/`:
   J  DeepStack feature sets (Qwen3-VL's image features from intermediate vision blocks)
 """
 
-from maestro_jax.models.audio import AudioConfig, AudioEncoder
-from maestro_jax.models.layers import RopeScaling, apply_with_losses, apply_with_row_losses
-from maestro_jax.models.llm import DecoderLM, LLMConfig, softcap
-from maestro_jax.models.vit import VisionEncoder, ViTConfig
+import importlib
 
-__all__ = [
-    "AudioConfig",
-    "AudioEncoder",
-    "DecoderLM",
-    "LLMConfig",
-    "RopeScaling",
-    "ViTConfig",
-    "VisionEncoder",
-    "apply_with_losses",
-    "apply_with_row_losses",
-    "softcap",
-]
+# name -> the module that defines it, imported when the name is first read: the configs
+# (`models.configs`, JAX-free) can be read by the launch config without importing Flax
+_HOME = {
+    "AudioConfig": "configs",
+    "AudioEncoder": "audio",
+    "DecoderLM": "llm",
+    "LLMConfig": "llm",
+    "RopeScaling": "layers",
+    "ViTConfig": "configs",
+    "VisionEncoder": "vit",
+    "apply_with_losses": "layers",
+    "apply_with_row_losses": "layers",
+    "softcap": "llm",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_HOME])

@@ -16,40 +16,12 @@ Two stems turn a group into a token (`stem`):
 Positions are a learned table, one row per token (Whisper stores its sinusoids the same way).
 """
 
-import dataclasses
-
 import flax.linen as nn
 import jax.numpy as jnp
+from maestro_jax.models.configs import AudioConfig
 from maestro_jax.models.layers import ACTIVATIONS, Dense, EncoderBlock, item_mask, layer_stack, partitioned
 
 _init = nn.initializers.normal(0.02)
-
-
-@dataclasses.dataclass(frozen=True)
-class AudioConfig:
-    mel: int  # features per frame
-    frames_per_token: int
-    width: int
-    depth: int
-    heads: int
-    mlp: int
-    out_width: int  # the consumer's width (audio tokens enter the LLM)
-    max_tokens: int = 1500  # learned positions: the longest clip, in tokens
-    stem: str = "dense"  # dense | conv (Whisper): see the module docstring
-    norm_eps: float = 1e-6  # every LayerNorm's epsilon (Whisper: 1e-5)
-    act: str = "gelu_pytorch_tanh"  # the blocks' (and conv stem's) activation: a key of layers.ACTIVATIONS
-    remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
-    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
-
-    def __post_init__(self):
-        if self.stem == "conv" and self.frames_per_token != 2:
-            raise ValueError(
-                f"stem='conv' makes one token of 2 frames (stride 2); frames_per_token={self.frames_per_token}"
-            )
-
-    @property
-    def token_features(self) -> int:
-        return self.frames_per_token * self.mel
 
 
 def _neighbour(x_BNX, same_BN, step: int):

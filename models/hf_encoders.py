@@ -93,8 +93,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from maestro_jax.models.configs import held_layers
 from maestro_jax.models.hf import _at, _put, _scanned_path, _set, _Tensors, llm_tensors, write_weights
-from maestro_jax.models.vit import held_layers
 
 from maestro_jax.hf_config import VIT_ACTIVATIONS, WHISPER_LAYER_NORM_EPS, HFError
 from maestro_jax.hf_config import audio_fields as audio_fields  # the folder's fields: this module's API too

@@ -57,12 +57,11 @@ before, k > 0 the k-th block's. The blocks after it are neither held nor run (`l
 `depth`), so none sits idle in the optimizer.
 """
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from maestro_jax.models.attention import Mask
+from maestro_jax.models.configs import ViTConfig
 from maestro_jax.models.layers import (
     ACTIVATIONS,
     Dense,
@@ -80,64 +79,6 @@ from maestro_jax.models.layers import (
 )
 
 _init = nn.initializers.normal(0.02)
-
-
-@dataclasses.dataclass(frozen=True)
-class ViTConfig:
-    patch: int
-    channels: int
-    width: int
-    depth: int
-    heads: int
-    mlp: int
-    out_width: int
-    merge: int = 2
-    max_grid: int = 64
-    # frames one patch spans in time (Qwen-VL's temporal_patch_size, 2; 1 elsewhere): a patch's features
-    # are `frames` frames of it, a still image's frame repeated (workloads.vlm.patchify), a clip's its own
-    frames: int = 1
-    # row_col | table (SigLIP) | rope2d (Qwen2.5-VL) | table_rope2d (Qwen3-VL): see the module docstring
-    pos_embed: str = "row_col"
-    block: str = "layernorm"  # layernorm (SigLIP, CLIP, Qwen3-VL) | rmsnorm_glu (Qwen2.5-VL): see the module docstring
-    rope_theta: float = 10000.0  # pos_embed rope2d / table_rope2d: the rotary base
-    table_grid: int = 0  # pos_embed table_rope2d: the learned table's side, resampled to each image's grid
-    window: int = 0  # > 0: the side, in patches, of the windows the blocks attend within (Qwen2.5-VL)
-    full_layers: tuple[int, ...] = ()  # with window: the blocks that attend over whole images
-    norm_eps: float = 1e-6  # every LayerNorm's epsilon (SigLIP: layer_norm_eps)
-    act: str = "gelu_pytorch_tanh"  # the blocks' MLP activation: a key of layers.ACTIVATIONS
-    class_token: bool = False  # CLIP's layout: see the module docstring
-    feature_layer: int = -1  # the hidden state the merger reads (HF's numbering): see the module docstring
-    # merger | avg_pool (Gemma 3) | patch_merger (Qwen2.5-VL, Qwen3-VL): see the module docstring
-    projector: str = "merger"
-    deepstack_layers: tuple[int, ...] = ()  # Qwen3-VL's DeepStack: the blocks merged on their own (module docstring)
-    remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
-    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
-
-    @property
-    def patch_features(self) -> int:
-        """A patch's input features: `frames` x patch x patch x channels, in that order."""
-        return self.frames * self.patch * self.patch * self.channels
-
-    @property
-    def token_width(self) -> int:
-        """The width of each image token the tower sends: `out_width`, and as much again for each
-        DeepStack block."""
-        return self.out_width * (1 + len(self.deepstack_layers))
-
-    @property
-    def layers(self) -> int:
-        """The blocks held and run: those up to `feature_layer`."""
-        return held_layers(self.depth, self.feature_layer)
-
-
-def held_layers(depth: int, feature_layer: int) -> int:
-    """The blocks up to hidden state `feature_layer` (HF's numbering) of a `depth`-block tower."""
-    n = depth + 1 + feature_layer if feature_layer < 0 else feature_layer
-    if not 1 <= n <= depth:
-        raise ValueError(
-            f"feature_layer={feature_layer}: a tower of depth {depth} has block outputs -{depth}..-1 or 1..{depth}"
-        )
-    return n
 
 
 class VisionEncoder(nn.Module):

@@ -28,7 +28,18 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("planning", ("maestro_jax.planning",)),
     # the typed config, and a Hugging Face folder's config.json read as its fields (JAX-free)
     # and the fast paths' defaults as a table decided by GPU measurement (plain values)
-    ("config", ("maestro_jax.config", "maestro_jax.hf_config", "maestro_jax.fast_paths")),
+    # and the built-in models' configs, each model's one schema, which the config's models.<name>
+    # entries are generated from (models/configs.py and models/schema.py: JAX-free, beside the models)
+    (
+        "config",
+        (
+            "maestro_jax.config",
+            "maestro_jax.hf_config",
+            "maestro_jax.fast_paths",
+            "maestro_jax.models.configs",
+            "maestro_jax.models.schema",
+        ),
+    ),
     ("data", ("maestro_jax.data",)),
     ("models", ("maestro_jax.models",)),  # Flax: above the JAX-free half, below everything that runs them
     ("workloads", ("maestro_jax.workloads",)),
@@ -233,9 +244,18 @@ def test_models_and_meshes_import_nothing_from_maestro_jax():
     """...but two plain-value modules the config reads too, so they cannot sit in models/:
     `hf_config`, a Hugging Face folder's config.json read as fields (JSON only; `models.<s>: {hf:
     DIR}`), and `fast_paths`, the fast paths' defaults (the attention chooser's and the MoE's, and
-    `compile.*` defaults)."""
+    `compile.*` defaults); and the models' own configs (`models/configs.py`, `models/schema.py`),
+    which sit in models/ beside the modules but in the config's layer, JAX-free, because the
+    config's `models.<name>` entries are generated from them."""
     may_import = {"meshes": {"meshes"}, "models": {"meshes", "models"}}
-    modules = {"models": {"maestro_jax.hf_config", "maestro_jax.fast_paths"}}
+    modules = {
+        "models": {
+            "maestro_jax.hf_config",
+            "maestro_jax.fast_paths",
+            "maestro_jax.models.configs",
+            "maestro_jax.models.schema",
+        }
+    }
     bad = [
         f"{where(m, line)}: {m} imports {t}"
         for m, imports in GRAPH.items()
