@@ -24,7 +24,7 @@ from maestro_jax.core.buckets import VALID as BUCKET_GRANULARITIES
 from maestro_jax.core.plan import Plan, SectionPlan
 from maestro_jax.core.stages import stage_name
 from maestro_jax.meshes import MESH_AXES
-from maestro_jax.models.configs import AudioConfig, ViTConfig
+from maestro_jax.models.configs import AudioConfig, LLMConfig, ViTConfig
 from maestro_jax.models.schema import SECTION_FIELDS, Rule
 
 
@@ -234,7 +234,7 @@ class _FromFolder(_Frozen):
             return self
         for k, theirs in self._read(self.hf).items():
             mine = getattr(self, k)
-            mine = mine.model_dump() if isinstance(mine, BaseModel) else mine
+            mine = dataclasses.asdict(mine) if dataclasses.is_dataclass(mine) else mine
             if mine != theirs:
                 raise ValueError(
                     f"{k}={mine!r}: the checkpoint {self.hf} has {k}={theirs!r}; leave {k} out (hf fills "
@@ -272,12 +272,15 @@ def model_schema(name: str, module_config: type, kind: str, base: type[BaseModel
     beside them, as pydantic field definitions (type, default)."""
     hints = typing.get_type_hints(module_config, include_extras=True)
     fields: dict[str, Any] = {"kind": (Literal[kind], ...)}
+    ruled = {rule.field for rule in module_config.RULES}
     for f in dataclasses.fields(module_config):
         if f.name in SECTION_FIELDS:
             continue
         default = f.default if f.default is not dataclasses.MISSING else ...
         if f.default_factory is not dataclasses.MISSING:
             default = Field(default_factory=f.default_factory)
+        elif f.name in ruled:  # a rule holds for a value left out too (experts_per_token: 0 with experts)
+            default = Field(default, validate_default=True)
         fields[f.name] = (hints[f.name], default)
     validators = {f"_rule_{i}": _rule_validator(rule) for i, rule in enumerate(module_config.RULES)}
     return pydantic.create_model(name, __base__=base, __module__=__name__, __validators__=validators, **fields, **extra)
@@ -303,130 +306,24 @@ ViTModelConfig = model_schema("ViTModelConfig", ViTConfig, "vit", _ViTEntry)
 AudioModelConfig = model_schema("AudioModelConfig", AudioConfig, "audio", _AudioEntry)
 
 
-class RopeScalingConfig(_Frozen):
-    """`models.<s>.rope_scaling`: Hugging Face's `rope_scaling` block, under its own names (copy it
-    from config.json, or let `models.<s>.hf` fill it in); what each type computes:
-    `models.layers.RopeScaling`."""
-
-    rope_type: Literal[hf_config.ROPE_SCALINGS]
-    factor: float = Field(gt=0)
-    low_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["low_freq_factor"], gt=0)
-    high_freq_factor: float = Field(hf_config.ROPE_DEFAULTS["high_freq_factor"], gt=0)
-    original_max_position_embeddings: PositiveInt = hf_config.ROPE_DEFAULTS["original_max_position_embeddings"]
-    beta_fast: float = Field(hf_config.ROPE_DEFAULTS["beta_fast"], gt=0)  # yarn's
-    beta_slow: float = Field(hf_config.ROPE_DEFAULTS["beta_slow"], gt=0)
-    attention_factor: float | None = Field(hf_config.ROPE_DEFAULTS["attention_factor"], gt=0)
-    truncate: bool = hf_config.ROPE_DEFAULTS["truncate"]
-
-    @pydantic.model_validator(mode="after")
-    def _band(self):
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                f"llama3: high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
-                f"{self.low_freq_factor} (the band blended between them)"
-            )
-        return self
-
-
-class LLMModelConfig(_FromFolder):
-    kind: Literal["llm"]
-    scan_layers: bool = False  # layers under nn.scan: parameters stacked, compile time flat in depth
-    vocab: PositiveInt
-    width: PositiveInt
-    depth: PositiveInt
-    heads: PositiveInt
-    kv_heads: PositiveInt
-    head_dim: PositiveInt
-    mlp: PositiveInt
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig | None = None  # Llama 3.1+: {rope_type: llama3, factor: 8, ...}
-    sliding_window: PositiveInt | None = None  # Mistral's: each position attends to this many, its own included
-    # with sliding_window: every global_every-th layer attends to every position (Gemma 3: 6);
-    # 0: every layer is windowed (Mistral)
-    global_every: int = Field(0, ge=0)
-    rope_local_theta: float | None = Field(None, gt=0)  # the windowed layers' RoPE base (Gemma 3: 10000)
-    act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
-    post_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
-    embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
-    query_pre_attn_scalar: PositiveInt | None = None  # Gemma: scores times this ** -0.5, not head_dim's
-    attn_softcap: float | None = Field(None, gt=0)  # Gemma 2: attention scores capped as c * tanh(s / c)
-    final_softcap: float | None = Field(None, gt=0)  # Gemma 2: output logits capped as c * tanh(z / c)
-    # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens (models/llm.py, body)
-    bidirectional_images: bool = False
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3
-    # Qwen2.5-VL's M-RoPE: each head's rotated pairs in three sections (temporal, row, column), each
-    # turned by its own position axis; image tokens take their grid's (models/llm.py, mrope_positions)
-    mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
-    # Qwen3-VL's: the three sections' frequencies interleaved (row, column every third), not in runs
-    mrope_interleaved: bool = False
-    # Qwen3-VL's DeepStack: the image tokens carry this many more feature sets (models.vision.deepstack_layers),
-    # the j-th added to the image positions after block j
-    deepstack_layers: int = Field(0, ge=0)
-    # A video clip's M-RoPE temporal positions (models/llm.py, mrope_positions): Qwen2.5-VL's temporal
-    # patch f sits at f * video_tokens_per_second * its seconds per patch (vision_config.tokens_per_second,
-    # transformers' default 4); with video_timestamps (Qwen3-VL, whose text stamps each temporal patch) each patch starts afresh
-    video_tokens_per_second: float = Field(4.0, gt=0)
-    video_timestamps: bool = False
-    # Mixture of experts: `experts` > 0 replaces every block's FFN by top-k routed experts.
-    experts: int = Field(0, ge=0)
-    experts_per_token: int = Field(0, ge=0, validate_default=True)
-    expert_mlp: int = Field(0, ge=0, validate_default=True)
-    router_aux_loss: float = Field(0.001, ge=0.0)  # load-balancing loss weight (Qwen3-MoE's default)
-    # the router's top-k weights renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob, Mixtral's);
-    # false: the softmax's own weights (Qwen2-MoE's default)
-    moe_renormalize: bool = True
-    # > 0: a dense SwiGLU expert of this width beside the routed ones, behind a sigmoid gate (Qwen2-MoE)
-    shared_expert_mlp: int = Field(0, ge=0)
-    # what each computes: models.llm.MoE; auto: the fastest measured on the backend that builds the
-    # workload (models.llm.AUTO_DISPATCH: sparse on an NVIDIA GPU, dense elsewhere)
-    moe_dispatch: Literal["auto", "dense", "ragged", "sparse", "grouped"] = "auto"
-    # grouped where its kernel is missing here (no NVIDIA Hopper GPU, jax < 0.11.1, no tokamax) runs
-    # sparse, the same dispatch without the kernel, said in one log line; true: refused instead
-    moe_dispatch_strict: bool = False
-    # Attention over a `context` split: ring (keys and values pass round the devices, causal
-    # work balanced, empty blocks skipped) or gather (one all-gather of keys and values).
-    context_attention: Literal["ring", "gather"] = "ring"
+class _LLMEntry(_FromFolder):
+    """A `models.<name>` of kind llm; its fields are `models.configs.LLMConfig`'s (`model_schema`),
+    and `moe_dispatch_strict`, how the config resolves `moe_dispatch` (no part of the model)."""
 
     @classmethod
     def folder_fields(cls, path: str) -> dict:
         return hf_config.llm_fields(path)
 
-    @pydantic.field_validator("kv_heads")
-    @classmethod
-    def _groups(cls, v, info):
-        heads = info.data.get("heads")
-        if heads is not None and heads % v:
-            raise ValueError(f"must divide heads={heads} (each key/value head serves heads/kv_heads query heads)")
-        return v
 
-    @pydantic.model_validator(mode="after")
-    def _window_pattern(self):
-        if self.global_every and self.sliding_window is None:
-            raise ValueError(f"global_every={self.global_every} needs a sliding_window (the other layers' window)")
-        if self.rope_local_theta is not None and not self.global_every:
-            raise ValueError(
-                f"rope_local_theta={self.rope_local_theta} is the windowed layers' RoPE base beside global ones; "
-                f"it needs global_every > 0 (with every layer windowed, set rope_theta)"
-            )
-        return self
-
-    @pydantic.field_validator("experts_per_token")
-    @classmethod
-    def _top_k(cls, v, info):
-        experts = info.data.get("experts") or 0
-        if experts and not 1 <= v <= experts:
-            raise ValueError(f"with experts={experts} each token goes to 1..{experts} experts")
-        return v
-
-    @pydantic.field_validator("expert_mlp")
-    @classmethod
-    def _expert_width(cls, v, info):
-        if (info.data.get("experts") or 0) and v <= 0:
-            raise ValueError("a mixture-of-experts model needs its experts' hidden width (> 0)")
-        return v
+LLMModelConfig = model_schema(
+    "LLMModelConfig",
+    LLMConfig,
+    "llm",
+    _LLMEntry,
+    # grouped where its kernel is missing here (no NVIDIA Hopper GPU, jax < 0.11.1, no tokamax) runs
+    # sparse, the same dispatch without the kernel, said in one log line; true: refused instead
+    moe_dispatch_strict=(bool, False),
+)
 
 
 class PluginModelConfig(BaseModel):

@@ -8,9 +8,16 @@ from them without importing JAX, which is why they live in their own module besi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import ClassVar, Literal
 
-from maestro_jax.models.schema import NonNegativeInt, PositiveFloat, PositiveInt, Rule, enforce
+from maestro_jax.models.schema import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Rule, enforce
+
+from maestro_jax import fast_paths
+from maestro_jax.hf_config import ROPE_DEFAULTS, ROPE_SCALINGS
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,3 +163,207 @@ class AudioConfig:
     @property
     def token_features(self) -> int:
         return self.frames_per_token * self.mel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE's frequencies stretched past the pretraining context, Hugging Face's `rope_scaling`
+    (`rope_parameters`) block under its own names (`models.<s>.rope_scaling`: copy it from
+    config.json, or let `models.<s>.hf` fill it in). `linear`: every frequency divided by
+    `factor`. `llama3` (Llama 3.1 and later): frequencies whose wavelength exceeds
+    `original_max_position_embeddings / low_freq_factor` divided by `factor`, those under
+    `original_max_position_embeddings / high_freq_factor` kept, and the band between blended
+    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`). `yarn`
+    (Qwen2.5/Qwen3 long context, DeepSeek): each frequency blends its original value and its value
+    divided by `factor` along a linear ramp over the dimensions whose rotations in
+    `original_max_position_embeddings` lie between `beta_slow` and `beta_fast`, and cos/sin are
+    scaled by `attention_factor` (transformers' `_compute_yarn_parameters`). Defaults:
+    `hf_config.ROPE_DEFAULTS`, transformers' own."""
+
+    rope_type: Literal[ROPE_SCALINGS]
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat = ROPE_DEFAULTS["low_freq_factor"]
+    high_freq_factor: PositiveFloat = ROPE_DEFAULTS["high_freq_factor"]
+    original_max_position_embeddings: PositiveInt = ROPE_DEFAULTS["original_max_position_embeddings"]
+    beta_fast: PositiveFloat = ROPE_DEFAULTS["beta_fast"]  # yarn's: the ramp between extrapolated and interpolated
+    beta_slow: PositiveFloat = ROPE_DEFAULTS["beta_slow"]
+    attention_factor: PositiveFloat | None = ROPE_DEFAULTS[
+        "attention_factor"
+    ]  # yarn's cos/sin scale; None: 0.1 ln(factor) + 1
+    truncate: bool = ROPE_DEFAULTS["truncate"]  # yarn's ramp ends rounded to whole dimensions
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "high_freq_factor",
+            lambda v: (
+                v["rope_type"] == "llama3"
+                and v["high_freq_factor"] <= v["low_freq_factor"]
+                and (
+                    f"llama3: high_freq_factor={v['high_freq_factor']} must exceed low_freq_factor="
+                    f"{v['low_freq_factor']} (the band blended between them)"
+                )
+            ),
+        ),
+    )
+
+    def __post_init__(self):
+        enforce(self)
+
+
+# What `moe_dispatch: auto` runs on each backend. On an NVIDIA GPU the fast-path table's choice
+# (`maestro_jax.fast_paths`, "moe_dispatch auto (NVIDIA)": `sparse` until a GPU check times `grouped` at
+# 1.1x it; `ragged` is XLA:GPU's dense expansion of ragged_dot, 128x the FLOPs there, xla
+# ragged_dot_rewriter.cc; `dense` computes every expert). Elsewhere `dense`: exact, and on the
+# CPU's small test models the simplest program. (`models.llm` exports it too.)
+AUTO_DISPATCH = dict.fromkeys(("gpu", "cuda"), fast_paths.default("moe_dispatch auto (NVIDIA)"))
+
+
+def moe_dispatch_for(requested: str, platform: str) -> str:
+    """The dispatch that runs: `requested`, or for `auto` this backend's entry of AUTO_DISPATCH
+    (`dense` where it has none), logged once."""
+    choice = requested if requested != "auto" else AUTO_DISPATCH.get(platform, "dense")
+    _log_dispatch(requested, platform, choice)
+    return choice
+
+
+@functools.cache
+def _log_dispatch(requested: str, platform: str, choice: str) -> None:
+    if requested == "auto":
+        log.info("moe_dispatch auto on %s: %s (models.llm.AUTO_DISPATCH)", platform, choice)
+
+
+def _divides_heads(v) -> str | None:
+    heads = v.get("heads")
+    if heads is not None and heads % v["kv_heads"]:
+        return f"must divide heads={heads} (each key/value head serves heads/kv_heads query heads)"
+    return None
+
+
+def _window_pattern(v) -> str | None:
+    if v["global_every"] and v["sliding_window"] is None:
+        return f"global_every={v['global_every']} needs a sliding_window (the other layers' window)"
+    if v["rope_local_theta"] is not None and not v["global_every"]:
+        return (
+            f"rope_local_theta={v['rope_local_theta']} is the windowed layers' RoPE base beside global ones; "
+            f"it needs global_every > 0 (with every layer windowed, set rope_theta)"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LLMConfig:
+    """The decoder's one schema (`models.schema`): the launch config's `models.<name>` of kind
+    `llm` is generated from these fields, their types, defaults and `RULES`."""
+
+    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
+    vocab: PositiveInt
+    width: PositiveInt
+    depth: PositiveInt
+    heads: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    mlp: PositiveInt
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # Llama 3.1+: {rope_type: llama3, factor: 8, ...}
+    # Mistral's: each position attends to itself and the window - 1 before it
+    sliding_window: PositiveInt | None = None
+    # with sliding_window: every global_every-th layer (the last of each group of that many)
+    # attends to every position, the others through the window (Gemma 3: 6, Gemma 2: 2); 0:
+    # every layer is windowed (Mistral)
+    global_every: NonNegativeInt = 0
+    # the windowed layers' RoPE base, unscaled (Gemma 3's 10000); None: as the global layers'
+    rope_local_theta: PositiveFloat | None = None
+    act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
+    post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
+    embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
+    query_pre_attn_scalar: PositiveInt | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
+    attn_softcap: PositiveFloat | None = None  # Gemma 2: attention scores capped as c * tanh(s / c), before the mask
+    final_softcap: PositiveFloat | None = None  # Gemma 2: output logits capped as c * tanh(z / c)
+    # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens, later ones too (`body`)
+    bidirectional_images: bool = False
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    # Qwen2.5-VL's M-RoPE: each head's rotated pairs in three sections (temporal, row, column), each
+    # turned by its own position axis; positions are then `B x L x 4` (`DecoderLM.body`, `mrope_positions`)
+    mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's: the sections' frequencies interleaved (layers.mrope_axes)
+    # Qwen3-VL's DeepStack: image tokens arrive with this many more feature sets (the tower's
+    # deepstack_layers), the j-th added to the image positions' hidden states after block j
+    deepstack_layers: NonNegativeInt = 0
+    # a video's M-RoPE temporal step (`mrope_positions`): Qwen2.5-VL's patch f sits at
+    # f * video_tokens_per_second * its seconds per patch (vision_config.tokens_per_second,
+    # transformers' default 4); Qwen3-VL (`video_timestamps`, whose text stamps each temporal patch)
+    # positions each temporal patch afresh after its timestamp
+    video_tokens_per_second: PositiveFloat = 4.0
+    video_timestamps: bool = False
+    experts: NonNegativeInt = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
+    experts_per_token: NonNegativeInt = 0
+    expert_mlp: NonNegativeInt = 0
+    router_aux_loss: NonNegativeFloat = 0.001  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE's)
+    # the router's top-k weights renormalised to sum to 1 (Qwen3-MoE's `norm_topk_prob`, Mixtral's);
+    # False: the softmax's own weights (Qwen2-MoE's default)
+    moe_renormalize: bool = True
+    # > 0: beside the routed experts, a dense SwiGLU expert of this width every token takes, its output
+    # scaled by sigmoid(h @ shared_expert_gate) (Qwen2-MoE's shared expert)
+    shared_expert_mlp: NonNegativeInt = 0
+    # what each computes: models.llm.MoE; auto: resolved when the model config is built, for the
+    # backend that builds it (AUTO_DISPATCH: sparse on an NVIDIA GPU, dense elsewhere), so every
+    # built config holds the dispatch that runs (the cost model reads it)
+    moe_dispatch: Literal["auto", "dense", "ragged", "sparse", "grouped"] = "auto"
+    # per-layer activation checkpointing (layers.remat_layer): the config sets it from the section's
+    # layer_remat (`schema.SECTION_FIELDS`)
+    remat: Literal["none", "full", "dots"] = "none"
+    # attention over a `context` split: ring (keys and values pass round the devices, causal work
+    # balanced, empty blocks skipped) or gather (one all-gather of keys and values)
+    context_attention: Literal["ring", "gather"] = "ring"
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule("kv_heads", _divides_heads),
+        Rule(None, _window_pattern),
+        Rule(
+            "experts_per_token",
+            lambda v: (
+                v.get("experts")
+                and not 1 <= v["experts_per_token"] <= v["experts"]
+                and f"with experts={v['experts']} each token goes to 1..{v['experts']} experts"
+            ),
+        ),
+        Rule(
+            "expert_mlp",
+            lambda v: (
+                v.get("experts")
+                and v["expert_mlp"] <= 0
+                and "a mixture-of-experts model needs its experts' hidden width (> 0)"
+            ),
+        ),
+    )
+
+    def __post_init__(self):
+        enforce(self)
+        if self.moe_dispatch == "auto":  # every config holds the dispatch that runs: the cost model reads it
+            import jax  # only where a model is built: the config's schema needs no JAX
+
+            object.__setattr__(self, "moe_dispatch", moe_dispatch_for("auto", jax.default_backend()))
+
+    @classmethod
+    def from_fields(cls, fields: dict, **extra) -> LLMConfig:
+        """From `models.<s>`'s fields as plain data (the config's dump, `hf_config.llm_fields`):
+        `kind` and `hf` dropped, and `moe_dispatch_strict` (how the config resolves `moe_dispatch`,
+        no part of the model), `rope_scaling` as the frozen `RopeScaling`."""
+        own = {k: v for k, v in fields.items() if k not in ("kind", "hf", "moe_dispatch_strict")} | extra
+        scaling, section = own.get("rope_scaling"), own.get("mrope_section")
+        if isinstance(scaling, dict):
+            scaling = RopeScaling(**scaling)
+        return cls(**own | {"rope_scaling": scaling, "mrope_section": section and tuple(section)})
+
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return windowed_layer(layer, self.sliding_window, self.global_every)
+
+
+def windowed_layer(layer: int, sliding_window: int | None, global_every: int) -> bool:
+    """Whether `layer` attends through `sliding_window`: every layer (global_every 0), or all but
+    every `global_every`-th (Gemma's pattern); none without a window."""
+    return sliding_window is not None and (not global_every or (layer + 1) % global_every != 0)

@@ -3,7 +3,6 @@ embeddings, attention."""
 
 import contextlib
 import contextvars
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from maestro_jax.models import fp8
 from maestro_jax.models.attention import Mask, fast_attention, kernel_for
+from maestro_jax.models.configs import RopeScaling
 
 from maestro_jax.hf_config import ROPE_SCALINGS, yarn_mscale
 
@@ -149,30 +149,6 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale).astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE's frequencies stretched past the pretraining context, Hugging Face's `rope_scaling`
-    (`rope_parameters`) block under its own names. `linear`: every frequency divided by
-    `factor`. `llama3` (Llama 3.1 and later): frequencies whose wavelength exceeds
-    `original_max_position_embeddings / low_freq_factor` divided by `factor`, those under
-    `original_max_position_embeddings / high_freq_factor` kept, and the band between blended
-    linearly in `original / wavelength` (transformers' `_compute_llama3_parameters`). `yarn`
-    (Qwen2.5/Qwen3 long context, DeepSeek): each frequency blends its original value and its value
-    divided by `factor` along a linear ramp over the dimensions whose rotations in
-    `original_max_position_embeddings` lie between `beta_slow` and `beta_fast`, and cos/sin are
-    scaled by `attention_factor` (transformers' `_compute_yarn_parameters`)."""
-
-    rope_type: str  # one of ROPE_SCALINGS
-    factor: float
-    low_freq_factor: float  # the config's defaults: hf_config.ROPE_DEFAULTS
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0  # yarn's: the ramp between extrapolated and interpolated frequencies
-    beta_slow: float = 1.0
-    attention_factor: float | None = None  # yarn's cos/sin scale; None: 0.1 ln(factor) + 1
-    truncate: bool = True  # yarn's ramp ends rounded to whole dimensions
 
 
 def rope_frequencies(half: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:

@@ -1,7 +1,6 @@
 """Decoder-only LLM in the Llama/Qwen/Mistral/Gemma 3 family: RMSNorm, RoPE, grouped-query
 attention, a gated MLP (SwiGLU, or Gemma's GeGLU), sliding windows on all or some layers."""
 
-import dataclasses
 import functools
 import logging
 import math
@@ -12,13 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from maestro_jax.models.attention import Mask
+from maestro_jax.models.configs import (  # noqa: F401  the config and its dispatch choice, exported here too
+    AUTO_DISPATCH,
+    LLMConfig,
+    RopeScaling,
+    _log_dispatch,
+    moe_dispatch_for,
+    windowed_layer,
+)
 from maestro_jax.models.layers import (
     _ACTIVATION_RULES,
     ACTIVATIONS,
     Dense,
     DenseGeneral,
     RMSNorm,
-    RopeScaling,
     attention,
     balanced_order,
     constrain,
@@ -29,94 +35,9 @@ from maestro_jax.models.layers import (
     shard_sequence,
 )
 
-from maestro_jax import fast_paths
-
 log = logging.getLogger(__name__)
 
 _init = nn.initializers.normal(0.02)
-
-
-@dataclasses.dataclass(frozen=True)
-class LLMConfig:
-    vocab: int
-    width: int
-    depth: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp: int
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None  # Llama 3.1+'s `llama3`, or `linear`
-    sliding_window: int | None = None  # Mistral's: a position attends to itself and the window - 1 before it
-    # with sliding_window: every global_every-th layer (the last of each group of that many)
-    # attends to every position, the others through the window (Gemma 3: 6, Gemma 2: 2); 0:
-    # every layer is windowed (Mistral)
-    global_every: int = 0
-    rope_local_theta: float | None = None  # the windowed layers' RoPE base, unscaled (Gemma 3's 10000); None: as global
-    act: str = "silu"  # the gated MLP's activation (layers.ACTIVATIONS): or Gemma's gelu_pytorch_tanh
-    post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
-    embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
-    query_pre_attn_scalar: int | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
-    attn_softcap: float | None = None  # Gemma 2: attention scores capped as c * tanh(s / c), before the mask
-    final_softcap: float | None = None  # Gemma 2: output logits capped as c * tanh(z / c)
-    # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens, later ones too (`body`)
-    bidirectional_images: bool = False
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
-    # Qwen2.5-VL's M-RoPE: the sections of each head's rotated pairs turned by the temporal, row and
-    # column position; positions are then `B x L x 4` (`DecoderLM.body`, `mrope_positions`)
-    mrope_section: tuple[int, ...] | None = None
-    mrope_interleaved: bool = False  # Qwen3-VL's: the sections' frequencies interleaved (layers.mrope_axes)
-    # Qwen3-VL's DeepStack: image tokens arrive with this many more feature sets, the j-th added to the
-    # image positions' hidden states after block j (`DecoderLM.body`)
-    deepstack_layers: int = 0
-    # a video's M-RoPE temporal step (`mrope_positions`): Qwen2.5-VL's positions per second of video;
-    # Qwen3-VL (`video_timestamps`) positions each temporal patch on its own after its text timestamp
-    video_tokens_per_second: float = 4.0
-    video_timestamps: bool = False
-    experts: int = 0  # > 0: a mixture-of-experts FFN in every block instead of the dense one
-    # the router's top-k weights renormalised to sum to 1 (Qwen3-MoE's `norm_topk_prob`, Mixtral's);
-    # False: the softmax's own weights (Qwen2-MoE's default)
-    moe_renormalize: bool = True
-    # > 0: beside the routed experts, a dense SwiGLU expert of this width every token takes, its output
-    # scaled by sigmoid(h @ shared_expert_gate) (Qwen2-MoE's shared expert)
-    shared_expert_mlp: int = 0
-    experts_per_token: int = 0
-    expert_mlp: int = 0
-    router_aux_loss: float = 0.001  # weight of the load-balancing loss each MoE layer adds (Qwen3-MoE's default)
-    moe_dispatch: str = (
-        "auto"  # auto (resolved at construction, `moe_dispatch_for`) | dense | ragged | sparse | grouped: see MoE
-    )
-    remat: str = "none"  # per-layer activation checkpointing: none | full | dots (layers.remat_layer)
-    scan_layers: bool = False  # layers under nn.scan: stacked parameters, compile time flat in depth
-    context_attention: str = "ring"  # over a `context` split: ring (balanced, skips masked blocks) | gather
-
-    def __post_init__(self):
-        if self.moe_dispatch == "auto":  # every config holds the dispatch that runs: the cost model reads it
-            object.__setattr__(self, "moe_dispatch", moe_dispatch_for("auto", jax.default_backend()))
-
-    @classmethod
-    def from_fields(cls, fields: dict, **extra) -> "LLMConfig":
-        """From `models.<s>`'s fields as plain data (the config's dump, `hf_config.llm_fields`):
-        `kind` and `hf` dropped, and `moe_dispatch_strict` (how the config resolves `moe_dispatch`,
-        no part of the model), `rope_scaling` as the frozen `RopeScaling`."""
-        own = {k: v for k, v in fields.items() if k not in ("kind", "hf", "moe_dispatch_strict")} | extra
-        scaling, section = own.get("rope_scaling"), own.get("mrope_section")
-        return cls(
-            **own | {"rope_scaling": scaling and RopeScaling(**scaling), "mrope_section": section and tuple(section)}
-        )
-
-    def windowed(self, layer: int) -> bool:
-        """Whether `layer` attends through the sliding window."""
-        return windowed_layer(layer, self.sliding_window, self.global_every)
-
-
-def windowed_layer(layer: int, sliding_window: int | None, global_every: int) -> bool:
-    """Whether `layer` attends through `sliding_window`: every layer (global_every 0), or all but
-    every `global_every`-th (Gemma's pattern); none without a window."""
-    return sliding_window is not None and (not global_every or (layer + 1) % global_every != 0)
 
 
 class MoE(nn.Module):
@@ -257,28 +178,6 @@ def grouped_gemm_missing(platform: str, compute_capability: float, jax_version: 
     if importlib.util.find_spec("tokamax") is None:
         return "tokamax (pip install 'maestro-jax[gpu]')"
     return None
-
-
-# What `moe_dispatch: auto` runs on each backend. On an NVIDIA GPU the fast-path table's choice
-# (`maestro_jax.fast_paths`, "moe_dispatch auto (NVIDIA)": `sparse` until a GPU check times `grouped` at
-# 1.1x it; `ragged` is XLA:GPU's dense expansion of ragged_dot, 128x the FLOPs there, xla
-# ragged_dot_rewriter.cc; `dense` computes every expert). Elsewhere `dense`: exact, and on the
-# CPU's small test models the simplest program.
-AUTO_DISPATCH = dict.fromkeys(("gpu", "cuda"), fast_paths.default("moe_dispatch auto (NVIDIA)"))
-
-
-def moe_dispatch_for(requested: str, platform: str) -> str:
-    """The dispatch that runs: `requested`, or for `auto` this backend's entry of AUTO_DISPATCH
-    (`dense` where it has none), logged once."""
-    choice = requested if requested != "auto" else AUTO_DISPATCH.get(platform, "dense")
-    _log_dispatch(requested, platform, choice)
-    return choice
-
-
-@functools.cache
-def _log_dispatch(requested: str, platform: str, choice: str) -> None:
-    if requested == "auto":
-        log.info("moe_dispatch auto on %s: %s (models.llm.AUTO_DISPATCH)", platform, choice)
 
 
 def ragged_experts(

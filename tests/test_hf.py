@@ -175,7 +175,9 @@ def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
 
 GEMMA3_FEATURES = {  # each of Gemma 3's departures from Llama, turned off
     "window": {"sliding_window": None, "global_every": 0, "rope_local_theta": None},
-    "global layer": {"global_every": 0},
+    # every layer windowed at the local base, unscaled: what global_every 0 computed beside
+    # rope_local_theta before the model refused that pair (the config always did)
+    "global layer": {"global_every": 0, "rope_local_theta": None, "rope_theta": 100.0, "rope_scaling": None},
     "local RoPE base": {"rope_local_theta": None},
     "RoPE scaling": {"rope_scaling": None},
     "query scalar": {"query_pre_attn_scalar": None},

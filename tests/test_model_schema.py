@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import pytest
 from conftest import ROOT
-from maestro_jax.models.configs import AudioConfig, ViTConfig
+from maestro_jax.models.configs import AudioConfig, LLMConfig, ViTConfig
 from maestro_jax.models.schema import SECTION_FIELDS
 from pydantic import Field
 from pydantic.fields import FieldInfo
@@ -17,19 +17,28 @@ from pydantic.fields import FieldInfo
 from maestro_jax import hf_config
 from maestro_jax.config import MODEL_KINDS, ConfigError, _FromFolder, load_config, model_schema
 
-SCHEMAS = {"vit": ViTConfig, "audio": AudioConfig}
-FOLDERS = {"vit": ("siglip", "clip", "qwen2_5_vl", "qwen3_vl", "gemma3_vlm"), "audio": ("whisper",)}
+SCHEMAS = {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}
+CONFIG_ONLY = {"llm": {"moe_dispatch_strict"}}  # how the config resolves a field, no part of the model
+FOLDERS = {
+    "vit": ("siglip", "clip", "qwen2_5_vl", "qwen3_vl", "gemma3_vlm"),
+    "audio": ("whisper",),
+    "llm": tuple(
+        p.name
+        for p in sorted((ROOT / "tests/fixtures/hf").iterdir())
+        if p.name not in ("siglip", "clip", "whisper", "whisper_features", "qwen_video")
+    ),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(SCHEMAS))
 def test_the_config_entry_is_the_models_dataclass_field_for_field(kind):
     """Every field of the dataclass but the section's (`remat`) is a key of `models.<name>` with
     the same type (bounds and choices included) and the same default; the entry adds only
-    `kind` and `hf`."""
+    `kind` and `hf` (and for the LLM `moe_dispatch_strict`, how the config resolves `moe_dispatch`)."""
     module, entry = SCHEMAS[kind], MODEL_KINDS[kind]
     hints = typing.get_type_hints(module, include_extras=True)
     own = {f.name: f for f in dataclasses.fields(module) if f.name not in SECTION_FIELDS}
-    assert set(entry.model_fields) == {*own, "kind", "hf"}
+    assert set(entry.model_fields) == {*own, "kind", "hf", *CONFIG_ONLY.get(kind, ())}
     for name, f in own.items():
         field = entry.model_fields[name]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -80,6 +89,9 @@ def test_a_field_added_to_the_dataclass_reaches_the_config_entry_with_its_bounds
         ),
         ("models.vision.pos_embed=grid", "error: models.vision.pos_embed='grid'"),
         ("models.vision.norm_eps=0", "error: models.vision.norm_eps=0"),
+        ("models.llm.kv_heads=4", "error: models.llm.kv_heads=4: must divide heads=6"),
+        ("models.llm.experts=4", "error: models.llm.experts_per_token=0: with experts=4 each token goes to 1..4"),
+        ("models.llm.moe_dispatch=fast", "error: models.llm.moe_dispatch='fast'"),
     ],
 )
 def test_a_rule_or_bound_of_the_dataclass_is_one_config_error_naming_the_key(override, message):
@@ -94,10 +106,13 @@ def test_every_field_a_hugging_face_folder_gives_is_a_field_of_the_schema(kind):
     """`hf_config`'s mapping of each stored fixture folder writes only the dataclass's fields
     (and `kind`), and the dataclass takes them as they are (with `out_width`, the consuming LLM's
     width, which no tower's folder holds)."""
-    read = {"vit": hf_config.vit_fields, "audio": hf_config.audio_fields}[kind]
+    read = {"vit": hf_config.vit_fields, "audio": hf_config.audio_fields, "llm": hf_config.llm_fields}[kind]
     module = SCHEMAS[kind]
     names = {f.name for f in dataclasses.fields(module)}
     for folder in FOLDERS[kind]:
         fields = read(ROOT / "tests/fixtures/hf" / folder)
         assert set(fields) - {"kind"} <= names, (folder, set(fields) - names - {"kind"})
-        module(**{"out_width": 16, **{k: v for k, v in fields.items() if k != "kind"}})
+        if kind == "llm":
+            module.from_fields(fields)
+        else:
+            module(**{"out_width": 16, **{k: v for k, v in fields.items() if k != "kind"}})
