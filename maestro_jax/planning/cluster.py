@@ -67,26 +67,10 @@ def section_cost(
     `per_octave`: the shape buckets its micro-steps are padded to (the `WorkloadSpec`'s
     `buckets_per_octave`, `SectionCost.padded`)."""
     c = spec.cost
-    linear, attn = c.flops, c.attention_flops
-    if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
-        linear, attn = linear + attn * c.attention_span, 0.0
     if typical is None:
         typical = typical_units(spec.name, metas_all)
-    tensor, context = sp.axis_sizes["tensor"], sp.axis_sizes["context"]
     rows, row_units = row_shape(sp.micro_batch, typical, pack)
-    a = analytic_section(
-        linear,
-        attn,
-        rows,
-        tensor,
-        int(row_units),
-        device=device,
-        trained_sink=is_sink and spec.trained,
-        width_per_device=c.width / tensor,
-        context=context,
-        precision=sp.precision,
-        rate_kind=c.rate_kind,
-    )
+    a = _compute_coefficients(spec, sp, rows, int(row_units), device, is_sink and spec.trained)
     layer = recompute_share(spec, sp, typical)
     section = 1.0 if sp.residuals == "remat" and not is_sink else 0.0
     cost = SectionCost(
@@ -103,6 +87,32 @@ def section_cost(
     backward = cost.sink_factor - 1.0 if is_sink else cost.backward_factor
     hidden = cost.forward_s(int(row_units), rows) * backward
     return dataclasses.replace(cost, update_s=update_time(spec, sp, device, link_gbps, hidden))
+
+
+def _compute_coefficients(
+    spec: SectionSpec, sp: SectionPlan, rows: int, row_units: int, device: str, trained_sink: bool
+):
+    """`analytic_section` of the section's declared FLOPs under its layout: attention within
+    fixed windows (`attention_span`) is a per-unit cost; the rate is rated at `rows` rows of
+    `row_units` units, the tensor slice's width, the compute precision and the kind of layer."""
+    c = spec.cost
+    linear, attn = c.flops, c.attention_flops
+    if c.attention_span is not None:  # attention within fixed windows: a per-unit (linear) cost
+        linear, attn = linear + attn * c.attention_span, 0.0
+    tensor = sp.axis_sizes["tensor"]
+    return analytic_section(
+        linear,
+        attn,
+        rows,
+        tensor,
+        row_units,
+        device=device,
+        trained_sink=trained_sink,
+        width_per_device=c.width / tensor,
+        context=sp.axis_sizes["context"],
+        precision=sp.precision,
+        rate_kind=c.rate_kind,
+    )
 
 
 def recompute_share(spec: SectionSpec, sp: SectionPlan, typical_units: float) -> float:

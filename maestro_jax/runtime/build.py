@@ -311,21 +311,12 @@ def build_runtime(
     shardings = {s: variable_shardings(abstract[s], meshes[s], plan.sections[s].rules) for s in graph.names}
     programs = _section_programs(cfg, graph, plan, abstract, meshes, shardings)
     problem = _executor_problem(cfg, graph, plan, packing)
+    executor = Executor(graph, problem, programs, problem.pack, scan=cfg.compile.scan_micro_steps)
+    coordinator = coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s)
     return Runtime(
-        cfg,
-        graph,
-        plan,
-        problem,
-        meshes,
-        shardings,
-        programs,
-        Executor(graph, problem, programs, problem.pack, scan=cfg.compile.scan_micro_steps),
-        abstract,
-        source,
-        parts.check,
-        parts.info_check,
-        dict(parts.pretrained),
-        coordinator=coordinator or Coordinator(cfg.distributed.timeout_s, cfg.distributed.startup_timeout_s),
+        *(cfg, graph, plan, problem, meshes, shardings, programs, executor, abstract, source),
+        *(parts.check, parts.info_check, dict(parts.pretrained)),
+        coordinator=coordinator,
         traced_init=traced,
     )
 

@@ -214,16 +214,23 @@ def grid(dry_run: bool) -> list[Shape]:
     def add(kind: str, width: int, tensor: int, tokens: int, tier: int, seq: int) -> None:
         shapes.append(Shape(kind, archs[kind, width], tensor, tokens, min(tokens, seq), tier))
 
-    if dry_run:  # 8 shapes: compiles (a few seconds each on 2 CPU cores) are its time
-        for t in (1, 2, 4):
-            add("decoder", 128, t, 256, 0, 128)
-        add("decoder", 128, 1, 64, 1, 128)
-        add("decoder", 128, 1, 512, 1, 128)
-        add("decoder_moe", 64, 1, 256, 0, 128)
-        add("vit", 64, 1, 256, 0, 64)
-        add("attention", 128, 1, 256, 0, 128)
-        return sorted(shapes, key=lambda s: s.tier)
+    (_dry_run_grid if dry_run else _gpu_grid)(add)
+    return sorted(shapes, key=lambda s: s.tier)  # stable: within a tier, the order they were added
 
+
+def _dry_run_grid(add: Callable) -> None:
+    """`grid`'s dry run: 8 shapes, compiles (a few seconds each on 2 CPU cores) are its time."""
+    for t in (1, 2, 4):
+        add("decoder", 128, t, 256, 0, 128)
+    add("decoder", 128, 1, 64, 1, 128)
+    add("decoder", 128, 1, 512, 1, 128)
+    add("decoder_moe", 64, 1, 256, 0, 128)
+    add("vit", 64, 1, 256, 0, 64)
+    add("attention", 128, 1, 256, 0, 128)
+
+
+def _gpu_grid(add: Callable) -> None:
+    """`grid` on an accelerator (its docstring says which shapes, by tier)."""
     for w in (2048, 4096):
         for t in (1, 2, 4, 8):
             for tokens, tier in ((4096, 0), (256, 1), (16384, 1), (1024, 2)):
@@ -241,7 +248,6 @@ def grid(dry_run: bool) -> list[Shape]:
     for t in (1, 8):
         add("attention", 4096, t, 4096, 0, 4096)
         add("attention", 4096, t, 16384, 1, 4096)
-    return sorted(shapes, key=lambda s: s.tier)  # stable: within a tier, the order above
 
 
 def estimate_bytes(shape: Shape, itemsize: int) -> int:
