@@ -191,3 +191,23 @@ def test_each_section_starts_from_the_graphs_init_traced_once(kd):
         jax.tree.leaves(monolithic["student"].opt_state), jax.tree.leaves(sectioned["student"].opt_state), strict=True
     ):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+
+
+def test_the_sectioned_step_holds_a_frozen_view_of_its_runtime_not_the_runtime(kd):
+    """`SectionedStep` keeps a `RuntimeView` (the graph, programs, executor, coordinator, shapes,
+    layouts and the runtime's four functions it calls), frozen, and never the `Runtime` itself;
+    a step built from the view alone gives the runtime's step's loss to the bit, and `rt` still
+    reads (as the view) for a version."""
+    from maestro_jax.runtime.step import RuntimeView
+
+    step = kd.step
+    assert isinstance(step.view, RuntimeView) and step.rt is step.view
+    assert not any(value is kd for value in vars(step).values())
+    assert not any(value is kd for value in vars(step.view).values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.view.programs = {}
+    assert (step.view.graph, step.view.executor, step.view.programs) == (kd.graph, kd.executor, kd.programs)
+    batch = kd.batches()[0]
+    state = kd.step.init()
+    alone = SectionedStep(RuntimeView.of(kd))
+    assert float(alone.gradients(state, batch)[0]) == float(step.gradients(state, batch)[0])

@@ -44,7 +44,7 @@ CACHE_HIT = "/jax/compilation_cache/cache_hits"  # jax.monitoring's event for a 
 
 
 def abstract_states(rt, programs) -> dict[str, SectionState]:
-    """Each section's state as abstract values in its own layout; the optimizer state comes from
+    """`rt`: a `Runtime` or a step's `RuntimeView` (graph, abstract, shardings). Each section's state as abstract values in its own layout; the optimizer state comes from
     its `init_opt` program, called on `programs` (the sections' abstract twins: traced or
     compiled, `SectionPrograms.abstract`)."""
     import flax.linen as nn
@@ -137,7 +137,7 @@ def trace_batches(step, batches: Iterable[Sequence], evaluate: Iterable[Sequence
             continue
         seen.add(shapes)
         before = (len(tracer.new), len(tracer.transfers))
-        prepared = _prepare(step.rt, batch, ev)
+        prepared = _prepare(step.view, batch, ev)
         _walk(twin, twin.abstract_state(), prepared)
         if replay_all or (len(tracer.new), len(tracer.transfers)) != before:
             replay.append(prepared)
@@ -159,7 +159,7 @@ def compile_batches(
     compiled at once (default `default_threads()`; 1: one after the other). `step`: a
     `runtime.step.SectionedStep`."""
     say = say or (lambda _: None)
-    rt = step.rt
+    rt = step.view
     t0 = time.perf_counter()
     loaded: list[None] = []  # one per program jax's persistent cache held (list.append: thread-safe)
 

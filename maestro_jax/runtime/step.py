@@ -182,19 +182,52 @@ class StepMetrics:
         return rec
 
 
+@dataclasses.dataclass(frozen=True)
+class RuntimeView:
+    """What a sectioned step reads of its runtime, and nothing else of it: the graph (its sink,
+    its sections' roles), the sections' programs and shapes and layouts, the executor, the
+    coordinator that reads values across processes, and four of the runtime's functions (its
+    initial state, the schedule of a batch, the metadata of the training stream's batches).
+    `of(rt)` takes a `runtime.build.Runtime`'s."""
+
+    graph: object  # core.graph.SectionGraph
+    on_nonfinite: str  # the config's default: stop | skip
+    programs: Mapping  # section -> runtime.programs.SectionPrograms
+    executor: object  # runtime.executor.Executor
+    coordinator: object  # runtime.distributed.Coordinator
+    abstract: Mapping  # section -> its variables' shapes, boxed with their logical axes
+    shardings: Mapping  # section -> its variables' shardings
+    init_states: Callable  # (seed) -> {section: SectionState}
+    schedule: Callable  # (samples) -> Schedule
+    batch_infos: Callable  # (steps) -> [[SampleInfo]]
+
+    @classmethod
+    def of(cls, rt) -> RuntimeView:
+        return cls(
+            *(rt.graph, rt.cfg.on_nonfinite, rt.programs, rt.executor, rt.coordinator, rt.abstract, rt.shardings),
+            *(rt.init_states, rt.schedule, rt.batch_infos),
+        )
+
+
 class SectionedStep:
     """The plan's step: each section's programs on its own mesh, in the schedule's order."""
 
     def __init__(self, rt, on_nonfinite: str | None = None, *, programs=None, executor=None):
-        """`rt`: a `runtime.build.Runtime`. `on_nonfinite` (default the config's): "stop" issues
+        """`rt`: a `runtime.build.Runtime`, of which the step keeps only a `RuntimeView` (or that
+        view itself). `on_nonfinite` (default the config's): "stop" issues
         the update at once and a non-finite step raises when read; "skip" reads the step's
         finiteness before issuing its update, and a bad step leaves every section's params and
         optimizer state as they were. `programs` and `executor`: other than the runtime's only
         in the step's abstract twin (`abstract`)."""
-        self.rt = rt
-        self.on_nonfinite = on_nonfinite or rt.cfg.on_nonfinite
-        self.programs = rt.programs if programs is None else programs
-        self.executor = rt.executor if executor is None else executor
+        self.view = rt if isinstance(rt, RuntimeView) else RuntimeView.of(rt)
+        self.on_nonfinite = on_nonfinite or self.view.on_nonfinite
+        self.programs = self.view.programs if programs is None else programs
+        self.executor = self.view.executor if executor is None else executor
+
+    @property
+    def rt(self) -> RuntimeView:
+        """The runtime's view (`view`), read as `rt` before the view existed: kept for a version."""
+        return self.view
 
     def abstract(self, run: DryRun) -> SectionedStep:
         """This step over abstract values: every program call and transfer it makes is handed to
@@ -202,15 +235,15 @@ class SectionedStep:
         nothing runs or waits. `compile` walks it over the run's batches."""
         programs = {s: prog.abstract(run) for s, prog in self.programs.items()}
         twin = self.executor.abstract(programs, run)
-        return SectionedStep(self.rt, "stop", programs=programs, executor=twin)  # "stop": nothing is read
+        return SectionedStep(self.view, "stop", programs=programs, executor=twin)  # "stop": nothing is read
 
     def init(self, seed: int | None = None) -> TrainState:
         """Step 0: each section initialised into its own sharding, pretrained ones loaded
         (`Runtime.init_states`)."""
-        return TrainState(0, self.rt.init_states(seed))
+        return TrainState(0, self.view.init_states(seed))
 
     def schedule(self, batch: StepBatch):
-        return batch.schedule if batch.schedule is not None else self.rt.schedule(batch.samples)
+        return batch.schedule if batch.schedule is not None else self.view.schedule(batch.samples)
 
     def gradients(self, state: TrainState, batch) -> tuple[object, dict, StepResult]:
         """The batch's loss, each trained section's accumulated gradients (on its mesh) and the
@@ -239,12 +272,12 @@ class SectionedStep:
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, StepMetrics]:
         """Issue one optimizer step without waiting for it (under `on_nonfinite: skip`, after
         reading the step's finiteness, which the update then depends on)."""
-        rt = self.rt
+        view = self.view
         t0 = time.perf_counter()
         loss, grads, result = self.gradients(state, batch)
         metrics = StepMetrics(
             step=state.step + 1,
-            sink=rt.graph.sink,
+            sink=view.graph.sink,
             loss=loss,
             finite={s: self.programs[s].all_finite(g) for s, g in grads.items()},
             norms_sq=self.squared_norms(grads),
@@ -259,7 +292,7 @@ class SectionedStep:
         )
         if self.on_nonfinite == "skip":
             metrics.host["wait_reason"] = "on_nonfinite=skip"
-            if metrics.nonfinite(rt.coordinator.fetch):
+            if metrics.nonfinite(view.coordinator.fetch):
                 metrics.host["dispatch_s"] = time.perf_counter() - t0
                 return TrainState(state.step + 1, state.sections), metrics
         new = self.apply(state, grads, metrics.norms_sq)
@@ -269,7 +302,7 @@ class SectionedStep:
 
     def read(self, metrics: StepMetrics) -> dict:
         """`metrics.read` through this runtime's `Coordinator.fetch_all`."""
-        return metrics.read(fetch_all=self.rt.coordinator.fetch_all)
+        return metrics.read(fetch_all=self.view.coordinator.fetch_all)
 
     def run_ahead(self, state: TrainState, batch):
         """Issue `batch`'s ahead work (frozen sections reading only data) before the step that
@@ -310,17 +343,16 @@ class SectionedStep:
         has is compiled when it first appears, with a warning naming the section and step.
         Compiling only: nothing runs on the devices. `threads`: programs compiled at once
         (default `ahead.default_threads()`)."""
-        rt = self.rt
-        infos = rt.batch_infos(ahead.bounded(steps, max_batches))
+        infos = self.view.batch_infos(ahead.bounded(steps, max_batches))
         report = ahead.compile_batches(self, infos, evaluate, say, threads=threads)
-        for prog in rt.programs.values():
+        for prog in self.view.programs.values():
             prog.compiled_ahead = True
         return report.count
 
     def abstract_state(self) -> TrainState:
         """`init`'s result as abstract values in each section's layout, the optimizer state's
         from its `init_opt` program (traced or compiled by an abstract twin's run)."""
-        return TrainState(0, ahead.abstract_states(self.rt, self.programs))
+        return TrainState(0, ahead.abstract_states(self.view, self.programs))
 
     def memory_analysis(self) -> dict[str, dict[str, int]]:
         """Each section's compiled programs' device memory (XLA's `memory_analysis`), by section."""
