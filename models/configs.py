@@ -81,12 +81,7 @@ class ViTConfig:
             ),
         ),
         Rule(
-            "feature_layer",
-            lambda v: (
-                v.get("depth") is not None
-                and not (-v["depth"] <= v["feature_layer"] <= v["depth"] and v["feature_layer"] != 0)
-                and f"a tower of depth {v['depth']} has block outputs -{v['depth']}..-1 or 1..{v['depth']}"
-            ),
+            "feature_layer", lambda v: v.get("depth") is not None and _no_block_output(v["depth"], v["feature_layer"])
         ),
     )
 
@@ -110,14 +105,18 @@ class ViTConfig:
         return held_layers(self.depth, self.feature_layer)
 
 
+def _no_block_output(depth: int, feature_layer: int) -> str | None:
+    """What is wrong with `feature_layer` (HF's numbering) in a `depth`-block tower, or None."""
+    n = depth + 1 + feature_layer if feature_layer < 0 else feature_layer
+    return None if 1 <= n <= depth else f"a tower of depth {depth} has block outputs -{depth}..-1 or 1..{depth}"
+
+
 def held_layers(depth: int, feature_layer: int) -> int:
     """The blocks up to hidden state `feature_layer` (HF's numbering) of a `depth`-block tower."""
-    n = depth + 1 + feature_layer if feature_layer < 0 else feature_layer
-    if not 1 <= n <= depth:
-        raise ValueError(
-            f"feature_layer={feature_layer}: a tower of depth {depth} has block outputs -{depth}..-1 or 1..{depth}"
-        )
-    return n
+    problem = _no_block_output(depth, feature_layer)
+    if problem:
+        raise ValueError(f"feature_layer={feature_layer}: {problem}")
+    return depth + 1 + feature_layer if feature_layer < 0 else feature_layer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
