@@ -35,25 +35,48 @@ import tempfile
 
 import jax
 import pytest
+from jax._src import lru_cache
 
 # Tests build many runtimes with identical programs; XLA's persistent cache compiles each once.
-# One cache per test process (xdist worker): a worker runs its tests one at a time, so no entry
-# is read while another process writes it. Training runs (`train`, the CLI, every subprocess)
-# use `runs/`, named by JAX_COMPILATION_CACHE_DIR, which `train` honours and the subprocesses
-# inherit; a run moves aside the entries it cannot check (training/loop.py), so programs this
-# process compiles outside a run (builds, verify) go to `jit/`, where no run looks. The cache is
-# this process's temporary folder, removed when it exits (a run of the suite leaves no cache
-# behind in /tmp); MAESTRO_TEST_CACHE names a folder to keep and reuse across runs instead.
+# Programs this process compiles outside a training run (builds, verify) go to `jit/`, one folder
+# that every test process (xdist worker) of the session shares, so a program both workers need
+# compiles once. jax writes an entry in place (jax/_src/lru_cache.py; its size cap adds a lock
+# but rereads every entry's time stamp on each write, which made the quick tier twice as slow),
+# so here each entry is written whole to a temporary name and renamed (`_write_whole`): a worker
+# reads an entry whole or not at all. Training runs (`train`, the CLI, every subprocess) use
+# `runs/<worker>`, named by JAX_COMPILATION_CACHE_DIR, which `train` honours and the subprocesses
+# inherit, one per worker: a run writes as jax does and moves aside the entries it cannot check
+# (runtime/compile_cache.py), so no run looks in `jit/`. The cache is the session's temporary
+# folder, made by the first process (the controller, whose environment the workers inherit) and
+# removed when it exits, so a run of the suite leaves no cache behind in /tmp; MAESTRO_TEST_CACHE
+# names a folder to keep and reuse across runs instead.
 if os.environ.get("MAESTRO_TEST_CACHE"):
     _ROOT_CACHE = pathlib.Path(os.environ["MAESTRO_TEST_CACHE"])
+elif os.environ.get("_MAESTRO_SESSION_CACHE"):  # a worker: the controller's folder
+    _ROOT_CACHE = pathlib.Path(os.environ["_MAESTRO_SESSION_CACHE"])
 else:
     _ROOT_CACHE = pathlib.Path(tempfile.mkdtemp("-xla"))
+    os.environ["_MAESTRO_SESSION_CACHE"] = str(_ROOT_CACHE)
     atexit.register(shutil.rmtree, _ROOT_CACHE, ignore_errors=True)
-_CACHE = str(_ROOT_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main") / "jit")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_ROOT_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main") / "runs")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_ROOT_CACHE / "runs" / os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-jax.config.update("jax_compilation_cache_dir", _CACHE)
+
+
+def _write_whole(cache, key: str, value: bytes) -> None:
+    """jax's `LRUCache.put` without a size cap, written to a temporary name and renamed, which is
+    atomic on one filesystem; with a cap (a run's `compile.cache_max_gb`), jax's own."""
+    path = cache.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+    if cache.eviction_enabled:
+        _jax_put(cache, key, value)
+    elif not path.exists():
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_bytes(value)
+        os.replace(partial, path)
+
+
+_jax_put, lru_cache.LRUCache.put = lru_cache.LRUCache.put, _write_whole
+jax.config.update("jax_compilation_cache_dir", str(_ROOT_CACHE / "jit"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -229,9 +252,6 @@ SLOW_VARIANTS = {
     "tests/test_workloads.py::test_llm_declared_flops_match_xla[128]",
     "tests/test_workloads.py::test_moe_declared_flops_match_xla[128-dense]",
     "tests/test_workloads.py::test_moe_declared_flops_match_xla[128-sparse]",
-    # [unrolled]: the same weights, the layers scanned
-    "tests/test_qwen_vl.py::test_tower_equals_transformers_on_two_images_of_different_sizes[scan]",
-    "tests/test_qwen_vl.py::test_qwen3_vl_language_model_with_interleaved_mrope_and_deepstack_equals_transformers[scan]",
     # [kd_tiny.yaml-tiny0]: the executor's threads on the other workload
     "tests/test_executor.py::test_threaded_equals_sequential[vlm_tiny.yaml-tiny1]",
     # [vlm_paper_scale.yaml-overrides1]: the balanced cut at paper scale

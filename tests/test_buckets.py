@@ -143,6 +143,7 @@ def test_every_built_in_section_pads_at_the_configs_buckets(config):
 QUICK_START_PROGRAMS = 35
 
 
+@pytest.mark.slow  # compiles the quick start's steps; the quick tier's bucket contract: test_the_runtime_packs_batches_to_the_configs_buckets
 def test_the_quick_start_compiles_at_most_its_measured_program_count():
     """The README's first command (`train --config configs/vlm_tiny.yaml`): the programs its
     steps need, counted by tracing them as `train` does before compiling (its "compiling N

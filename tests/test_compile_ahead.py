@@ -17,7 +17,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_VLM, TINY_VLM_KD, compiles
+from conftest import ROOT, TINY_KD, TINY_VLM, TINY_VLM_KD, compiles
 
 from maestro_jax.config import load_config
 from maestro_jax.data.samples import Sample
@@ -29,6 +29,7 @@ from maestro_jax.training.loop import train
 TRANSFER_PROGRAMS = ("_cut_pieces", "_join_pieces")
 STEPS = 3
 CONFIGS = {
+    "kd": ("kd_tiny.yaml", TINY_KD),
     "vlm": ("vlm_tiny.yaml", TINY_VLM),
     # wavefront, a frozen teacher and a trained ViT feeding the student, run-ahead, global-norm
     # clipping (norms moved between meshes), edges that join pieces of several shards
@@ -42,10 +43,9 @@ def is_transfer(name: str) -> bool:
     return any(t in name for t in TRANSFER_PROGRAMS)
 
 
-# vlm_kd (three sections) is slow; vlm keeps the contract in the quick tier
-@pytest.fixture(
-    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "vlm_kd" else n for n in CONFIGS]
-)
+# vlm (many shape buckets, 14 s on 2 cores) and vlm_kd (three sections) are slow; kd keeps the
+# contract in the quick tier
+@pytest.fixture(scope="module", params=[n if n == "kd" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def ahead(request):
     path, overrides = CONFIGS[request.param]
     cfg = load_config(ROOT / "configs" / path, overrides + [f"steps={STEPS}"])
@@ -210,7 +210,6 @@ def test_a_garbled_cache_entry_is_moved_aside_and_compiled_again(tmp_path, caplo
     """Every entry of a populated cache garbled inside a valid compressed stream (a disk or copy
     fault; XLA crashes deserialising such an entry): the next run moves each aside with one
     warning line, compiles those programs again and trains bit-identical losses."""
-    from conftest import TINY_KD
     from jax._src.compilation_cache import compress_executable, decompress_executable
 
     cache = tmp_path / "cache"

@@ -4,6 +4,7 @@ as the layout divides the tokens (`cluster.exchange_s_per_unit`); the monolithic
 pipeline stage pay them by the same rule as maestro's sections."""
 
 import dataclasses
+import functools
 
 import pytest
 from conftest import ROOT
@@ -26,6 +27,15 @@ from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.tools.plan import planner_for
 
 VLM = ROOT / "configs/vlm_tiny.yaml"
+
+
+@functools.cache
+def paper_spec(name: str):
+    """The paper-scale config's planning view, as the planner reads it (`workloads.describe`):
+    traced once for this file's tests (a paper-scale graph's init takes seconds to trace)."""
+    from maestro_jax.workloads import describe
+
+    return describe(load_config(ROOT / f"configs/{name}_paper_scale.yaml"))
 
 
 def layout(devices: int, **mesh) -> SectionPlan:
@@ -178,7 +188,7 @@ def test_the_planner_credits_the_split_only_to_edges_that_take_slices_whose_buck
     (the student joins teacher micro-steps of other lengths); a declared fraction of a position
     per bucket credits nothing."""
     for config, edge in (("vlm", "image_embeds"), ("kd", "teacher_hidden")):
-        spec = planner_for(load_config(ROOT / f"configs/{config}_paper_scale.yaml"), 64, 80.0).spec
+        spec = paper_spec(config)
         assert spec.edge_positions == {}
         assert edge_positions(spec, edge, 256) == 0
         staged = spec.staged({spec.sink: 2})
@@ -192,11 +202,9 @@ def test_the_built_in_sections_declare_the_kind_of_layer_they_run():
     """The paper VLM's tower is priced at the ViT block's measured rate and its mixture-of-experts
     LLM at the MoE decoder's; the KD paper config's dense teacher and student at the dense
     curve's (`UnitCost.rate_kind`, `cost.KIND_RATE`): from the same cost functions the planner reads."""
-    from maestro_jax.workloads import describe
-
     kinds = {}
     for name in ("vlm", "kd"):
-        spec = describe(load_config(ROOT / f"configs/{name}_paper_scale.yaml"))
+        spec = paper_spec(name)
         kinds |= {f"{name}.{s}": spec.sections[s].cost.rate_kind for s in spec.sections}
     assert kinds == {
         "vlm.vision": "vit",

@@ -51,6 +51,8 @@ def rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.abs(np.asarray(b)).max())
 
 
+# slow: the quick tier's test_the_whole_model_on_text_an_image_and_a_clip_equals_transformers checks the tower and LLM end to end
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_tower_equals_transformers_on_two_images_of_different_sizes(tmp_path, scan):
     """The Qwen2.5-VL tower (2-D rotary, RMSNorm and gated-MLP blocks, window attention in blocks 0
@@ -162,6 +164,8 @@ def test_qwen3_vl_video_positions_are_its_get_rope_index_frame_by_frame():
     np.testing.assert_array_equal(got[:, 1:].T, want[:, 0].numpy())
 
 
+# slow: the quick tier's test_the_whole_model_on_text_an_image_and_a_clip_equals_transformers checks the M-RoPE language model end to end
+@pytest.mark.slow
 def test_language_model_with_mrope_equals_transformers(tmp_path):
     """The folder's language model (Qwen2 with M-RoPE, sections 2+3+3) with the tower's image tokens
     spliced in gives transformers' logits on a row of text and two images of different grids;
@@ -373,6 +377,8 @@ def test_check_hf_fails_when_maestro_holds_a_weight_transformers_does_not(monkey
     assert tuple(line.rsplit(" ", 1)[-1] for line in lines) == verdicts, lines
 
 
+# slow: the quick tier's test_the_whole_model_on_text_an_image_and_a_clip_equals_transformers checks Qwen3-VL's tower and DeepStack end to end
+@pytest.mark.slow
 def test_qwen3_vl_tower_equals_transformers_with_its_deepstack_features(tmp_path):
     """The Qwen3-VL tower (LayerNorm and GELU blocks with 2-D rotary, a 4x4 position table
     resampled to an 8x12-patch and a 6x4-patch image packed in one row, the LayerNorm merger) gives
@@ -392,6 +398,8 @@ def test_qwen3_vl_tower_equals_transformers_with_its_deepstack_features(tmp_path
     assert rel_err(unplaced[:, :32], want[0]) > 10 * RTOL
 
 
+# slow: the quick tier's test_the_whole_model_on_text_an_image_and_a_clip_equals_transformers checks Qwen3-VL's language model end to end
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_qwen3_vl_language_model_with_interleaved_mrope_and_deepstack_equals_transformers(tmp_path, scan):
     """The Qwen3-VL folder's language model (Qwen3 with query/key norms, M-RoPE sections 4+2+2
@@ -521,6 +529,8 @@ def test_a_qwen3_vl_llm_whose_deepstack_does_not_fit_is_refused_in_one_line(tmp_
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+# slow: the quick tier's test_the_whole_model_on_text_an_image_and_a_clip_equals_transformers checks each family's tower on a clip end to end
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
 def test_the_tower_on_a_clip_equals_transformers_video_features(tmp_path, name):
     """A 5-frame clip through the folder's tower, each temporal patch a segment of its own (as

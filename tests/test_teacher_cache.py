@@ -180,7 +180,10 @@ def cache(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("scheduler", ["wavefront", pytest.param("naive", marks=pytest.mark.slow)])
+# slow: the quick tier's test_the_cached_step_matches_the_monolithic_step and
+# test_the_cache_holds_each_samples_top_k_of_the_teacher hold the step and the cache it reads
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["wavefront", "naive"])
 def test_training_from_the_cache_is_the_online_top_k_run(cache, scheduler):
     """`distill.cache` (no teacher section: the student alone, on its own devices) trains 3
     steps with the per-step losses of the online run of `distill.top_k: 8` (equal to float

@@ -324,7 +324,9 @@ def test_export_of_a_frozen_teacher_is_refused(tmp_path, capsys, config, section
     assert "trained sections: ['student']" in err and not out.exists()
 
 
-@pytest.mark.parametrize("scheduler", ["wavefront", pytest.param("naive", marks=pytest.mark.slow)])
+# slow: the quick tier's test_a_routed_sample_learns_from_its_teacher_alone checks the routed sectioned step sample by sample
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["wavefront", "naive"])
 def test_routed_teachers_match_the_monolithic_step(scheduler):
     """`mode: route`: each sample's teacher is the one its `task` tag routes to; the sectioned
     step (each teacher's section running only its own samples) equals the monolithic one."""

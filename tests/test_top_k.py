@@ -32,6 +32,9 @@ def test_sparse_kl_is_the_kl_over_k_plus_one_outcomes_and_at_most_the_full_one()
     np.testing.assert_allclose(np.exp(tail), 1 - np.sort(p, -1)[:, -4:].sum(-1), rtol=1e-4)
 
 
+# slow: its parts stay quick, test_a_top_k_step_matches_the_monolithic_step and
+# test_teachers.py::test_the_loss_is_the_weighted_mean_of_the_teachers_distributions_by_hand
+@pytest.mark.slow
 def test_the_top_k_loss_of_two_mixed_teachers_is_the_one_by_hand():
     """`distill.top_k: 8` with two teachers mixed 2:1: the step's loss is the one computed by hand
     from whole models, the KL over the mixture's 8 likeliest tokens and the rest, and it is below the

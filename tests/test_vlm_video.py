@@ -131,7 +131,10 @@ def test_a_clip_is_its_temporal_patches_as_images():
     assert abs(losses[2] - losses[0]) > 1e-4
 
 
-@pytest.mark.parametrize("scheduler", ["naive", pytest.param("wavefront", marks=pytest.mark.slow)])
+# slow: the quick tier holds its parts, test_a_clip_is_its_temporal_patches_as_images (temporal patches in the
+# monolithic step) and test_workloads.py::test_each_workload_matches_the_monolithic_step[wavefront-vlm] (clips verified)
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["naive", "wavefront"])
 def test_a_batch_of_text_images_and_clips_verifies(scheduler):
     """`verify` on a batch mixing text-only samples, images and clips of 2 and 4 frames under a
     tower of temporal patches (Qwen-VL's layout): the sectioned step is the monolithic one."""

@@ -40,8 +40,10 @@ class TracedInit:
 
     @classmethod
     def of(cls, init: Callable, seed: int = 0) -> TracedInit:
-        """Trace `init` (nothing is computed); the key's value is an input, not part of the trace."""
-        jaxpr, abstract = jax.make_jaxpr(init, return_shape=True)(jax.random.key(seed))
+        """Trace `init` (nothing is computed or compiled: the key is abstract, so that a plan refused
+        after the trace has compiled nothing); the key's value is an input, not part of the trace."""
+        key = jax.eval_shape(jax.random.key, seed)
+        jaxpr, abstract = jax.make_jaxpr(init, return_shape=True)(key)
         return cls(jaxpr, abstract)
 
     def sections(self, names) -> Callable:
