@@ -193,6 +193,34 @@ def test_each_section_starts_from_the_graphs_init_traced_once(kd):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
 
 
+def test_the_reference_starts_from_the_sectioned_steps_own_weights(kd):
+    """`MonolithicStep.start_from` (what `verify` starts the reference from): each section's params
+    and constants are the sectioned state's values, now on the monolithic mesh in the reference's
+    own shardings, and a trained section's optimizer state is the one `init` gives there; moved
+    weights that differ from the initialisation (as pretrained ones do) are kept, not drawn again."""
+    from maestro_jax.runtime.stages import whole_states
+
+    sectioned = kd.step.init()
+    moved = jax.tree.map(lambda x: x + 1.0, sectioned.sections["student"].params)  # not what init draws
+    sections = dict(sectioned.sections, student=dataclasses.replace(sectioned.sections["student"], params=moved))
+    state = kd.monolithic.step.start_from(whole_states(kd.graph, kd.programs, sections))
+    fresh = kd.monolithic.step.init()
+    assert state.step == 0 and set(state.sections) == set(kd.graph.names)
+    for s in kd.graph.names:
+        got, want = state.sections[s], sections[s]
+        for a, b in zip(jax.tree.leaves(got.variables), jax.tree.leaves(want.variables), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got.variables), jax.tree.leaves(fresh.sections[s].variables), strict=True):
+            assert a.sharding == b.sharding
+    for a, b in zip(
+        jax.tree.leaves(state.sections["student"].opt_state),
+        jax.tree.leaves(fresh.sections["student"].opt_state),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert state.sections["teacher"].opt_state is None
+
+
 def test_the_sectioned_step_holds_a_frozen_view_of_its_runtime_not_the_runtime(kd):
     """`SectionedStep` keeps a `RuntimeView` (the graph, programs, executor, coordinator, shapes,
     layouts and the runtime's four functions it calls), frozen, and never the `Runtime` itself;

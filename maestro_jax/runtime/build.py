@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
@@ -538,17 +538,32 @@ class MonolithicRuntime:
         sections with `init.hf_path` then loaded from their checkpoints by the runtime's own
         loaders, so the reference starts where the sectioned step does."""
         key = jax.random.key(self.cfg.seed if seed is None else seed)
-        names, optimizers = self.graph.names, self.model.optimizers
         with jax.set_mesh(self.mesh):  # every section on the one mesh: one program for all
-            v = jax.jit(self.traced_init.sections(names), out_shardings=self.shardings)(key)
-            opt = jax.jit(lambda p: {s: optimizers[s].init(p[s]) for s in optimizers})(
-                {s: v[s]["params"] for s in optimizers}
-            )
-        out = {s: SectionState(v[s]["params"], v[s]["consts"], opt.get(s)) for s in names}
+            v = jax.jit(self.traced_init.sections(self.graph.names), out_shardings=self.shardings)(key)
+        out = self._with_optimizer(v)
         programs = {s: _OptimizerInit(opt.init, self.mesh) for s, opt in self.model.optimizers.items()}
         for s, path in self.hf_paths.items():
             out = self.pretrained[s](s, path, out, programs)
         return out
+
+    def states_from(self, whole: Mapping[str, SectionState]) -> dict[str, SectionState]:
+        """Step-0 states on the monolithic mesh from the sectioned step's step-0 states (sections
+        whole, `runtime.stages.whole_states`): params and constants moved as they are (pretrained
+        weights included), fresh optimizer state from them, as `init_states` gives. The reference
+        then starts from the very weights the sectioned step holds, and no second init of the
+        whole graph compiles (`verify`)."""
+        variables = {s: {"params": whole[s].params, "consts": whole[s].consts} for s in self.graph.names}
+        return self._with_optimizer(jax.device_put(variables, self.shardings))
+
+    def _with_optimizer(self, variables: dict) -> dict[str, SectionState]:
+        """Each section's state from its variables on the monolithic mesh, a trained section's
+        optimizer state initialised there (one program for all)."""
+        optimizers = self.model.optimizers
+        with jax.set_mesh(self.mesh):
+            opt = jax.jit(lambda p: {s: optimizers[s].init(p[s]) for s in optimizers})(
+                {s: variables[s]["params"] for s in optimizers}
+            )
+        return {s: SectionState(v["params"], v["consts"], opt.get(s)) for s, v in variables.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -372,6 +372,12 @@ class MonolithicStep:
         weights (`MonolithicRuntime.init_states`)."""
         return TrainState(0, self.mono.init_states(seed))
 
+    def start_from(self, whole: Mapping[str, SectionState]) -> TrainState:
+        """Step 0 on the monolithic mesh from the sectioned step's step-0 states (sections whole,
+        `runtime.stages.whole_states`): the same weights moved, not initialised again
+        (`MonolithicRuntime.states_from`)."""
+        return TrainState(0, self.mono.states_from(whole))
+
     def gradients(self, state: TrainState, batch) -> tuple[object, dict, StepResult]:
         """(loss, grads, result) as `SectionedStep.gradients`: `result.metrics`, the sink's
         metrics summed over the batch; `result.norm`, the loss normaliser (one program: no host

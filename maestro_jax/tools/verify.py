@@ -12,7 +12,7 @@ import numpy as np
 from maestro_jax.config import Config
 from maestro_jax.runtime.ahead import trace_batches
 from maestro_jax.runtime.build import Runtime, build_runtime
-from maestro_jax.runtime.stages import whole_params
+from maestro_jax.runtime.stages import whole_params, whole_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _verify(cfg: Config, rt: Runtime | None, step: int, say: Callable[[str], Non
 
     say("the monolithic step on the same batch: compiling its program, then running")
     mono = rt.monolithic.step
-    m_state = mono.init()
+    m_state = mono.start_from(whole_states(rt.graph, rt.programs, state.sections))  # the same weights
     m_loss, m_grads, _ = mono.gradients(m_state, samples)
     m_norms = mono.squared_norms(m_grads)
     m_updated = mono.apply(m_state, m_grads)
