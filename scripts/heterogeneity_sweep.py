@@ -204,7 +204,9 @@ def run_point(p: Point, batches: int, split: bool) -> dict:
     if split:
         # the disaggregated layout, for comparison: each section on devices of its own (the
         # baselines are the main search's, priced above)
-        apart = problem_for(cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas, colocate=False)
+        apart = problem_for(
+            cfg, p.devices, p.memory_gb, batches=batches, metas=planner.metas, spec=planner.spec, colocate=False
+        )
         try:
             s = search(apart, top=1, baselines=()).best
             row.update(split_step_s=s.step_time_s, split_plan_short=short_plan(s.describe(), idle))

@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import functools
 import importlib.metadata
 import os
 import shutil
@@ -151,6 +152,17 @@ TINY_VLM_KD = [
     "sections.teacher.micro_batch=2",
     "data.modalities.image.sizes=[[8,8],[16,8]]",
 ]
+
+
+@functools.cache
+def paper_spec(name: str):
+    """`configs/<name>_paper_scale.yaml`'s planning view (`workloads.describe`), traced once per
+    test process: describing a paper-scale graph traces its whole init (seconds), and many
+    planner tests price it at several sizes (`planner_for(..., spec=paper_spec(name))`)."""
+    from maestro_jax.config import load_config
+    from maestro_jax.workloads import describe
+
+    return describe(load_config(ROOT / "configs" / f"{name}_paper_scale.yaml"))
 
 
 @pytest.fixture

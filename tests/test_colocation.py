@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM, paper_spec
 
 from maestro_jax.config import load_config
 from maestro_jax.core.plan import (
@@ -112,7 +112,7 @@ def test_simulator_runs_co_located_sections_one_at_a_time():
 def test_planner_searches_co_location_and_never_loses_to_the_monolithic_layout():
     """At paper scale the fair monolithic layout (its micro-batches packed its best way) is one
     point of maestro's space: both sections on all devices, with the monolithic mesh."""
-    p = planner_for(load_config(ROOT / "configs/kd_paper_scale.yaml"), 64, 80.0)
+    p = planner_for(load_config(ROOT / "configs/kd_paper_scale.yaml"), 64, 80.0, spec=paper_spec("kd"))
     placements = p.placements()
     assert (("student",), ("teacher",)) in placements and (("student", "teacher"),) in placements
     report = p.search(top=3)

@@ -11,7 +11,7 @@ import random
 import statistics
 
 import pytest
-from conftest import ROOT, TINY_KD
+from conftest import ROOT, TINY_KD, paper_spec
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
@@ -112,7 +112,9 @@ def stage_flops(spec, metas, slices) -> list[float]:
 def test_the_balanced_cut_evens_the_stages_work(config, overrides):
     """The balanced cut of the sink's layers leaves the busiest stage no more FLOPs than the even
     cut does (the first stage runs the encoders, the last the heads), and the search tries it."""
-    p = planner_for(load_config(ROOT / "configs" / config, overrides), 64, 80.0)
+    name = config.removesuffix("_paper_scale.yaml")
+    spec = paper_spec(name) if name != config and not overrides else None
+    p = planner_for(load_config(ROOT / "configs" / config, overrides), 64, 80.0, spec=spec)
     layers = p.spec.sections[p.spec.sink].cost.layers
     for stages in (2, 4, 8):
         even, *others = sink_cuts(p.spec, p.metas, stages)

@@ -8,7 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, TINY_KD, TINY_VLM
+from conftest import ROOT, TINY_KD, TINY_VLM, paper_spec
 
 from maestro_jax import cli
 from maestro_jax.config import load_config
@@ -235,7 +235,7 @@ def test_tensor_parallelism_stays_within_a_node():
     tensor parallelism's per-layer all-reduces only within a node (the calibration's published
     runs, TP 1-8, over NVLink): the planner offers no tensor degree beyond `NODE_DEVICES`, for
     the sections and for the monolithic baseline alike."""
-    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 64, 80.0)
+    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 64, 80.0, spec=paper_spec("vlm"))
     sections = list(p.spec.sections.values())
     every = SectionSpec("all", True, tuple(q for sec in sections for q in sec.leaves), sections[0].cost)
     for sec in [*sections, every]:
@@ -304,7 +304,7 @@ def test_infeasible_requests_name_the_smallest_feasible_one():
 def test_paper_scale_vlm_plans_on_80gb_devices_with_few_simulations():
     """The 30B-A3B MoE VLM at 32K tokens on 72 x 80 GB: bf16, checkpointing, expert and context
     parallelism are in the search, and a plan fits."""
-    planner = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 72, 80.0)
+    planner = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 72, 80.0, spec=paper_spec("vlm"))
     report = planner.search()
     # what any search in order of the bound must simulate: the plans under the K-th best time, at
     # each stash bound the search tries
@@ -438,7 +438,7 @@ def test_monolithic_checkpoints_each_section_its_own_way():
     program can checkpoint its ViT and not its LLM): never slower than the best single policy
     for all, frozen sections never checkpointed, and where memory is tight (the paper VLM on 16
     devices of 80 GB) it mixes policies and beats every single one."""
-    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml", []), 16, 80.0)
+    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 16, 80.0, spec=paper_spec("vlm"))
     best = p.monolithic_best()
     assert set(best["layer_remat"]) == set(p.spec.sections)
     assert all(r == "none" for s, r in best["layer_remat"].items() if not p.spec.sections[s].trained)

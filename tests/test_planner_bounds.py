@@ -10,7 +10,7 @@ import math
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, paper_spec
 
 import maestro_jax as mj
 from maestro_jax.config import load_config
@@ -63,7 +63,7 @@ def test_floors_bound_every_budget_share():
     """Where memory forces fsdp (the paper-scale VLM on 80 GB), a section sharing its devices picks
     from more layouts (`SectionOptions.shared`, each at a share of the budget) than the full-budget
     options the floors are taken over: none of them goes below a floor."""
-    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 16, 80.0)
+    p = planner_for(load_config(ROOT / "configs/vlm_paper_scale.yaml"), 16, 80.0, spec=paper_spec("vlm"))
     fields = ("bound", "forward", "backward", "forwards", "backwards")
     forced, compared = False, 0
     for s in p.spec.order:

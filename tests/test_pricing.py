@@ -4,10 +4,9 @@ as the layout divides the tokens (`cluster.exchange_s_per_unit`); the monolithic
 pipeline stage pay them by the same rule as maestro's sections."""
 
 import dataclasses
-import functools
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, paper_spec
 
 from maestro_jax.config import load_config
 from maestro_jax.core.graph import UnitCost
@@ -27,15 +26,6 @@ from maestro_jax.planning.spec import SectionSpec
 from maestro_jax.tools.plan import planner_for
 
 VLM = ROOT / "configs/vlm_tiny.yaml"
-
-
-@functools.cache
-def paper_spec(name: str):
-    """The paper-scale config's planning view, as the planner reads it (`workloads.describe`):
-    traced once for this file's tests (a paper-scale graph's init takes seconds to trace)."""
-    from maestro_jax.workloads import describe
-
-    return describe(load_config(ROOT / f"configs/{name}_paper_scale.yaml"))
 
 
 def layout(devices: int, **mesh) -> SectionPlan:

@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from conftest import ROOT, TINY_KD
+from conftest import ROOT, TINY_KD, paper_spec
 
 from maestro_jax.config import load_config
 from maestro_jax.tools.simulate import seconds, simulate_config
@@ -55,9 +55,8 @@ def test_simulate_cli_json(tmp_path, capsys):
 @pytest.mark.slow
 def test_moe_planning_reads_the_expert_weights():
     """The paper-scale MoE LLM is described by its own Flax model: 128 experts' weights, not a dense FFN."""
-    from maestro_jax import workloads
 
-    spec = workloads.describe(load_config(ROOT / "configs/vlm_paper_scale.yaml", []))
+    spec = paper_spec("vlm")
     llm = spec.sections["llm"]
     experts = [p for p in llm.params if "moe" in p.path and p.path.endswith("['gate']")]
     assert len(experts) == 48 and experts[0].shape == (128, 2048, 768)

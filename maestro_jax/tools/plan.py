@@ -26,18 +26,22 @@ def problem_for(
     graph=None,
     source=None,
     metas=None,
+    spec=None,
     **settings,
 ) -> PlanningProblem:
     """The planning question of `cfg`'s workload (or of a user's `graph` and `source`) on
     `devices` devices of `memory_gb` each: its spec, `batches` planning batches (or `metas`), and
     the config's global batch, cost model device, links and schedule settings; `settings`: other
-    `PlanningProblem` fields (`stage_counts`, ...)."""
+    `PlanningProblem` fields (`stage_counts`, ...). `spec`: the workload's planning view
+    (`workloads.describe(cfg)`, whole sections) where the caller holds it already: describing
+    traces the whole graph's init (seconds at paper scale), so a sweep over device counts or
+    memories describes its workload once."""
     graph = graph or workloads.build_graph(cfg)
     if graph.staging is not None:  # the planner chooses the stages itself: it plans the whole sections
         graph = graph.staging.whole
     source = source if source is not None else workloads.source_from_config(cfg)
     check_pack_budget(cfg, source)  # a packed row prices its samples whole
-    spec = workloads.describe(cfg, graph)
+    spec = spec or workloads.describe(cfg, graph)
     metas = metas or workloads.planning_batches(cfg, graph, batches, source)
     return PlanningProblem.of(
         spec,
