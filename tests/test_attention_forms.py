@@ -197,6 +197,10 @@ def test_xlas_fast_forms_give_the_mask_paths_loss_and_gradients(cfg):
     assert not np.allclose(np.asarray(h1)[2], np.asarray(h2)[2], atol=1e-3)  # the empty row: another path ran
 
 
+# slow: the quick tier's test_the_padded_and_packed_forms_mean_the_towers_mask_on_image_rows holds the
+# padded form's meaning (the tower's mask) and test_xlas_fast_forms_give_the_mask_paths_loss_and_gradients[causal]
+# the XLA form's numbers
+@pytest.mark.slow
 def test_xlas_padded_form_gives_the_towers_mask_path_features_and_gradients():
     vit = ViTConfig(patch=2, channels=3, width=16, depth=2, heads=2, mlp=32, out_width=16)
     rng = np.random.default_rng(2)

@@ -152,6 +152,10 @@ def test_logged_rates_and_norms_follow_the_schedule(tmp_path):
         assert h["train/grad_norm"] == pytest.approx(parts, rel=1e-6) and h["train/grad_norm"] > CLIP
 
 
+# slow: a 6-step run; the quick tier holds its parts, test_schedules_by_kind (the same rates from the
+# schedule) and test_step.py::test_the_sectioned_and_the_monolithic_step_are_one_interface_with_one_answer
+# (KD's kl and ce logged by the step)
+@pytest.mark.slow
 def test_kd_logs_its_distillation_metrics_and_the_readmes_schedule(tmp_path):
     """kd_tiny, 6 steps under docs/configuration.md's cosine example: `train/lr/student` is 0.005, 0.01,
     0.00868, 0.0055, 0.00232, 0.001 (the peak once, the final rate at update decay_steps), and
