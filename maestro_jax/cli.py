@@ -601,6 +601,7 @@ COMMANDS: dict[str, Command] = {
                     "qwen2_moe",
                     "mixtral",
                     "phi3",
+                    "olmo2",
                     "gemma2",
                     "gemma3_text",
                     "siglip",
@@ -611,7 +612,7 @@ COMMANDS: dict[str, Command] = {
                     "qwen3_vl",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
-                "Gemma's block; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
+                "Gemma's block, olmo2 for OLMo 2's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
                 "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's)",
             ),
             opt(

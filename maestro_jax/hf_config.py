@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
@@ -327,6 +328,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         return {**fields, **_mixtral_experts(path, hf)}
     if kind in ("qwen3_moe", "qwen2_moe"):
         return {**fields, **_qwen_moe_experts(path, hf, kind)}
+    if kind == "olmo2":  # norms after the attention and the MLP only; q and k normed over the whole projection
+        return {**fields, "pre_norms": False, "post_norms": True, "qk_norm": True, "qk_norm_over": "projection"}
     return fields
 
 
@@ -401,6 +404,8 @@ def _llama_fields(hf: dict, kind: str, params: dict, rope_scaling) -> dict:
         "rope_local_theta": None,
         "act": "silu",
         "post_norms": False,
+        "pre_norms": True,
+        "qk_norm_over": "head",
         "embed_scale": False,
         "query_pre_attn_scalar": None,
         "attn_softcap": None,

@@ -274,6 +274,9 @@ class LLMConfig:
     rope_local_theta: PositiveFloat | None = None
     act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
     post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs before each residual add
+    # RMSNorm on the attention's and the MLP's inputs; False (OLMo 2): the blocks norm only their
+    # outputs (`post_norms`)
+    pre_norms: bool = True
     embed_scale: bool = False  # Gemma: token embeddings times sqrt(width)
     query_pre_attn_scalar: PositiveInt | None = None  # Gemma: scores times this ** -0.5 (None: head_dim ** -0.5)
     attn_softcap: PositiveFloat | None = None  # Gemma 2: attention scores capped as c * tanh(s / c), before the mask
@@ -284,6 +287,9 @@ class LLMConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    # what each query and key norm spans: each head (Qwen3, Gemma 3) or the whole projection, every
+    # head at once, as OLMo 2's q_norm and k_norm do
+    qk_norm_over: Literal["head", "projection"] = "head"
     # Qwen2.5-VL's M-RoPE: each head's rotated pairs in three sections (temporal, row, column), each
     # turned by its own position axis; positions are then `B x L x 4` (`DecoderLM.body`, `mrope_positions`)
     mrope_section: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
@@ -321,6 +327,22 @@ class LLMConfig:
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("kv_heads", _divides_heads),
         Rule(None, _window_pattern),
+        Rule(
+            "pre_norms",
+            lambda v: (
+                not v.get("pre_norms", True)
+                and not v.get("post_norms")
+                and "a block without norms before its attention and MLP norms their outputs: set post_norms: true"
+            ),
+        ),
+        Rule(
+            "qk_norm_over",
+            lambda v: (
+                v.get("qk_norm_over", "head") != "head"
+                and not v.get("qk_norm")
+                and "qk_norm_over says what the query and key norms span: set qk_norm: true with it"
+            ),
+        ),
         Rule(
             "experts_per_token",
             lambda v: (

@@ -48,6 +48,11 @@ model here scales by `scale`, so a norm imports as `weight + 1` and exports as `
   layers.i.post_attention_layernorm               -> block_i.post_attn_norm.scale
   layers.i.pre_feedforward_layernorm              -> block_i.mlp_norm.scale
   layers.i.post_feedforward_layernorm             -> block_i.post_mlp_norm.scale
+OLMo 2 (`olmo2`) norms only each block's attention output and MLP output (weights as they are),
+and its query and key norms span the whole projection (`qk_norm_over: projection`):
+  layers.i.post_attention_layernorm               -> block_i.post_attn_norm.scale
+  layers.i.post_feedforward_layernorm             -> block_i.post_mlp_norm.scale
+  layers.i.self_attn.{q,k}_norm.weight [H*K]      -> block_i.{q,k}_norm.scale [H*K]
 A scanned model (`scan_layers`) stacks every `block_i` leaf on a leading layer axis under
 `blocks/layer`.
 """
@@ -183,7 +188,7 @@ def _mapping(
 ) -> dict[tuple[str, ...], tuple[str, Callable]]:
     """Flax path -> (HF tensor name, HF array -> Flax array); `mixtral`: the experts under
     Mixtral's names; `fused`: Phi-3's fused projections, each path reading its rows of one tensor."""
-    norm = _norm_in if c.get("post_norms", False) else _same
+    norm = _norm_in if _gemma_norms(c) else _same
     out = {
         ("embedding",): (f"{prefix}embed_tokens.weight", _same),
         ("final_norm", "scale"): (f"{prefix}norm.weight", norm),
@@ -209,8 +214,20 @@ def _same(w):
     return w
 
 
+def _gemma_norms(c: dict) -> bool:
+    """Gemma's four norms a block (before and after its attention and MLP), each scaling by
+    1 + weight; OLMo 2's two after them scale by the weight, as every other family's do."""
+    return c.get("post_norms", False) and c.get("pre_norms", True)
+
+
 def _norm_mapping(c: dict, b: str, hf: str, norm: Callable) -> dict:
-    """Block `b`'s norms: Gemma's four (`post_norms`), else the input and post-attention ones."""
+    """Block `b`'s norms: Gemma's four (`post_norms`), OLMo 2's two after the attention and the MLP
+    (`pre_norms: false`), else the input and post-attention ones."""
+    if not c.get("pre_norms", True):
+        return {
+            (b, "post_attn_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", norm),
+            (b, "post_mlp_norm", "scale"): (f"{hf}.post_feedforward_layernorm.weight", norm),
+        }
     if c.get("post_norms", False):
         return {
             (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", norm),
@@ -471,7 +488,9 @@ def _check_exportable(fields: dict, model_type: str) -> None:
     differs = {k: fields.get(k) for k, v in gemma.items() if fields.get(k, False if v is not None else None) != v}
     if model_type in GEMMAS and differs:
         raise HFError(f"a {model_type} checkpoint has {gemma}; this model has {differs}")
-    own = ("post_norms", "embed_scale", "global_every", "attn_softcap", "final_softcap")
+    _check_olmo2(fields, model_type)
+    own = ("embed_scale", "global_every", "attn_softcap", "final_softcap")
+    own = own if model_type == "olmo2" else ("post_norms", *own)
     if model_type not in GEMMAS and any(fields.get(k) for k in own):
         raise HFError(
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
@@ -484,6 +503,24 @@ def _check_exportable(fields: dict, model_type: str) -> None:
         )
     if not fields["qkv_bias"] and model_type == "qwen2":
         raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
+
+
+def _check_olmo2(fields: dict, model_type: str) -> None:
+    """OLMo 2's block (norms after the attention and the MLP only, query and key norms over the
+    whole projection) exports as `olmo2`, and `olmo2` holds only that block."""
+    olmo2 = {"pre_norms": False, "post_norms": True, "qk_norm": True, "qk_norm_over": "projection", "qkv_bias": False}
+    defaults = {"pre_norms": True, "post_norms": False, "qk_norm": False, "qk_norm_over": "head", "qkv_bias": False}
+    got = {k: fields.get(k, defaults[k]) for k in olmo2}
+    if model_type == "olmo2" and (got != olmo2 or fields.get("experts") or fields.get("sliding_window")):
+        raise HFError(
+            f"an olmo2 checkpoint has {olmo2}, no experts and no sliding window; this model has {got}, "
+            f"experts={fields.get('experts')}, sliding_window={fields.get('sliding_window')}"
+        )
+    if model_type != "olmo2" and (not got["pre_norms"] or got["qk_norm_over"] != "head"):
+        raise HFError(
+            f"pre_norms={got['pre_norms']}, qk_norm_over={got['qk_norm_over']!r}: OLMo 2's block exports as "
+            f"model_type='olmo2'"
+        )
 
 
 def _checkpoint_tensors(params: dict, fields: dict, model_type: str, prefix: str) -> dict[str, np.ndarray]:
@@ -585,6 +622,6 @@ def _checkpoint_config(fields: dict, model_type: str) -> dict:
         config["sliding_window"] = fields.get("sliding_window")
     if model_type == "phi3":
         config["pad_token_id"] = None  # Phi3Config's default (32000) is past a smaller vocabulary's embedding
-    if model_type == "llama":
+    if model_type in ("llama", "olmo2"):
         config["attention_bias"] = fields["qkv_bias"]
     return config

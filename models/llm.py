@@ -320,6 +320,16 @@ def balance_loss_sum(probs_BLE, chosen_BLE, valid_BL, k: int, segments_BL=None):
     return jnp.sum(balance_loss_rows(probs_BLE, chosen_BLE, valid_BL, k, segments_BL))
 
 
+def _qk_norm(c: LLMConfig, name: str) -> Callable:
+    """The query or key norm (`B x L x heads x head_dim` in and out): over each head, or over the
+    whole projection at once (`qk_norm_over: projection`, OLMo 2's: one scale per projected
+    feature, heads x head_dim of them)."""
+    norm = RMSNorm(c.norm_eps, name=name)
+    if c.qk_norm_over == "head":
+        return norm
+    return lambda t: norm(t.reshape(*t.shape[:-2], -1)).reshape(t.shape)
+
+
 class DecoderBlock(nn.Module):
     cfg: LLMConfig
 
@@ -338,7 +348,7 @@ class DecoderBlock(nn.Module):
             mask = mask.windowed(window_BLL, c.sliding_window) if windowed else mask
         else:
             mask = mask.windowed_where(windowed, window_BLL)
-        h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD)
+        h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD) if c.pre_norms else x_BLD
         q = DenseGeneral(
             (c.heads, c.head_dim),
             use_bias=c.qkv_bias,
@@ -361,8 +371,7 @@ class DecoderBlock(nn.Module):
             bias_init=partitioned(nn.initializers.zeros, "kv_heads", "head_dim"),
         )(h)
         if c.qk_norm:
-            q = RMSNorm(c.norm_eps, name="q_norm")(q)
-            k = RMSNorm(c.norm_eps, name="k_norm")(k)
+            q, k = (_qk_norm(c, name)(t) for name, t in (("q_norm", q), ("k_norm", k)))
         q, k = (self._rope(t, positions_BL, windowed) for t in (q, k))
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         o = attention(q, k, v, mask, ring=c.context_attention == "ring", scale=scale, softcap=c.attn_softcap)
@@ -374,7 +383,7 @@ class DecoderBlock(nn.Module):
             kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
         )(o)
         x_BLD = x_BLD + (RMSNorm(c.norm_eps, name="post_attn_norm")(o) if c.post_norms else o)
-        h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD)
+        h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD) if c.pre_norms else x_BLD
         if c.experts:
             y = MoE(c, name="moe")(h, valid_BL, segments_BL)
             if c.shared_expert_mlp:  # Qwen2-MoE: a dense SwiGLU expert every token takes, behind a sigmoid gate

@@ -141,6 +141,13 @@ LLM_CASES = {
         "Phi3ForCausalLM",
         {"tie_word_embeddings": False, "sliding_window": 4, "pad_token_id": 0},
     ),
+    # OLMo 2: norms after the attention and the MLP only, query and key norms over the whole
+    # projection (32 and 16 scales), untied; pad and end ids inside the small vocabulary
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        {"tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1},
+    ),
     # Qwen2-MoE (Qwen1.5-MoE): 4 experts of 16, top 2 without renormalising, a shared expert of 24
     # behind its sigmoid gate, Qwen2's q/k/v biases
     "qwen2_moe": (

@@ -34,6 +34,7 @@ TIED = {
     "qwen3": False,
     "qwen3_moe": False,
     "phi3": False,  # Phi-3: fused qkv_proj and gate_up_proj, a sliding window of 4
+    "olmo2": False,  # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection
     "qwen2_moe": False,  # Qwen2-MoE: top 2 of 4 not renormalised, a shared expert behind its gate, q/k/v biases
     "mixtral": False,  # Mixtral: 4 experts, top 2, the Hub's block_sparse_moe / w1 w2 w3 names
     "qwen3_yarn": False,  # YaRN: frequencies kept, blended and divided; cos/sin scaled
@@ -312,6 +313,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("mixtral", "mixtral", False),
         ("qwen2_moe", "qwen2_moe", True),
         ("phi3", "phi3", False),
+        ("olmo2", "olmo2", True),
         ("qwen3_yarn", "qwen3", False),
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
@@ -328,7 +330,12 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     np.testing.assert_allclose(torch_logits(back), ours, atol=1e-4, rtol=0)
     np.testing.assert_allclose(torch_logits(back), reference, atol=1e-4, rtol=0)
-    if model_type in ("mixtral", "qwen2_moe", "phi3"):  # the export under the Hub's names, as check-hf reads it
+    if model_type in (
+        "mixtral",
+        "qwen2_moe",
+        "phi3",
+        "olmo2",
+    ):  # the export under the Hub's names, as check-hf reads it
         from maestro_jax import cli
 
         assert cli.main(["check-hf", "--hf", str(out)]) == 0
@@ -692,7 +699,8 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
 
 @pytest.mark.reference
 @pytest.mark.parametrize(
-    "case", ["llama3_rope", "mistral_window", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma2"]
+    "case",
+    ["llama3_rope", "mistral_window", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma2"],
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
@@ -763,11 +771,11 @@ def test_an_export_owns_its_folder(tmp_path, capsys):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("case", ["mixtral", "phi3"])
+@pytest.mark.parametrize("case", ["mixtral", "phi3", "olmo2"])
 def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, capsys, case):
     """One weight moved on maestro's side only (after its import of the folder: a Mixtral expert's,
-    the up projection Phi-3 fuses with its gate): the logits differ from transformers' and check-hf
-    exits 1."""
+    the up projection Phi-3 fuses with its gate, OLMo 2's query-norm scale of a feature past the
+    first head): the logits differ from transformers' and check-hf exits 1."""
     live_transformers()
     from maestro_jax import cli
 
@@ -778,6 +786,8 @@ def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, c
         block = params["block_1"]
         if case == "mixtral":
             return {**params, "block_1": {**block, "moe": {**block["moe"], "up": block["moe"]["up"].at[3].add(0.05)}}}
+        if case == "olmo2":
+            return {**params, "block_1": {**block, "q_norm": {"scale": block["q_norm"]["scale"].at[20].add(0.5)}}}
         return {**params, "block_1": {**block, "up": {"kernel": block["up"]["kernel"].at[0].add(0.05)}}}
 
     monkeypatch.setattr(hf, "load_llm", moved)
@@ -824,6 +834,40 @@ def test_a_mixtral_teacher_with_its_experts_on_the_expert_axis_verifies(tmp_path
     diffs = verify(cfg, rt)
     assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
     assert all(d.max_rel <= 1e-5 for d in diffs), diffs
+
+
+def test_an_olmo2_folder_norms_its_blocks_outputs_and_whole_projections(tmp_path):
+    """OLMo 2: each block norms only its attention's and its MLP's outputs (`pre_norms: false`, the
+    weights as they are, not Gemma's 1 + weight), and its query and key norms span the whole
+    projection (`qk_norm_over: projection`: one scale per projected feature); export writes
+    olmo2's tensors and reloads to the same logits. Another type refuses the block in one line,
+    and olmo2 refuses a block that is not OLMo 2's."""
+    from safetensors.numpy import load_file
+
+    from maestro_jax.tools.hf import export_type
+
+    reference, path = make_hf(tmp_path, "olmo2")
+    ours, params, fields = flax_logits(path)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    assert (fields["pre_norms"], fields["post_norms"], fields["qk_norm_over"]) == (False, True, "projection")
+    block = params["block_0"]
+    assert block["q_norm"]["scale"].shape == (4 * 8,) and block["k_norm"]["scale"].shape == (2 * 8,)
+    assert not {"attn_norm", "mlp_norm"} & set(block)
+    assert export_type(fields, None) == "olmo2"
+    out = tmp_path / "exported"
+    hf.save_llm(out, params, fields, model_type="olmo2")
+    names = set(load_file(out / "model.safetensors"))
+    assert "model.layers.1.post_feedforward_layernorm.weight" in names
+    assert not any("input_layernorm" in n or "pre_feedforward" in n for n in names)
+    back, _, _ = flax_logits(out)
+    np.testing.assert_allclose(back, ours, rtol=0, atol=1e-6)
+    with pytest.raises(hf.HFError, match="OLMo 2's block exports as model_type='olmo2'"):
+        hf.save_llm(tmp_path / "as_llama", params, fields, model_type="llama")
+    with pytest.raises(hf.HFError, match=r"does not export as it; valid: \['olmo2'\]"):
+        export_type(fields, "llama")
+    _, llama_params, llama_fields = flax_logits(FIXTURES / "llama_untied")
+    with pytest.raises(hf.HFError, match="an olmo2 checkpoint has"):
+        hf.save_llm(tmp_path / "as_olmo2", llama_params, llama_fields, model_type="olmo2")
 
 
 def test_a_phi3_folder_fuses_its_projections_and_refuses_partial_rotary(tmp_path):

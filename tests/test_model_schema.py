@@ -92,6 +92,12 @@ def test_a_field_added_to_the_dataclass_reaches_the_config_entry_with_its_bounds
         ("models.llm.kv_heads=4", "error: models.llm.kv_heads=4: must divide heads=6"),
         ("models.llm.experts=4", "error: models.llm.experts_per_token=0: with experts=4 each token goes to 1..4"),
         ("models.llm.moe_dispatch=fast", "error: models.llm.moe_dispatch='fast'"),
+        (
+            "models.llm.pre_norms=false",
+            "error: models.llm.pre_norms=False: a block without norms before its attention and MLP norms their "
+            "outputs: set post_norms: true",
+        ),
+        ("models.llm.qk_norm_over=projection", "error: models.llm.qk_norm_over='projection': qk_norm_over says"),
     ],
 )
 def test_a_rule_or_bound_of_the_dataclass_is_one_config_error_naming_the_key(override, message):

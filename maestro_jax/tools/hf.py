@@ -50,7 +50,8 @@ EXPORT_TYPES = {
 def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> str:
     """The Hugging Face type a model with `fields` (the `models.<section>` entry) exports as:
     `model_type` if given and fitting, else the model's own (an LLM: llama, mistral with a
-    sliding window, gemma3_text or gemma2 with Gemma's block, qwen3_moe or mixtral with experts;
+    sliding window, gemma3_text or gemma2 with Gemma's block, olmo2 with OLMo 2's, qwen3_moe or
+    mixtral with experts;
     a tower: its layout).
     Raises HFError with the `error:` line, before any weight is read, for a combination no
     exporter writes."""
@@ -74,6 +75,8 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
             f"error: {where}.mrope_section={list(fields['mrope_section'])}: no Hugging Face language model alone has "
             f"M-RoPE; export it with its tower as one qwen2_5_vl or qwen3_vl folder (--section vision,llm)"
         )
+    elif not fields.get("pre_norms", True):  # norms after the attention and the MLP only: OLMo 2's block
+        own = "olmo2"
     elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
         own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
     elif fields.get("experts"):  # a mixture of experts: Qwen3-MoE's (query and key norms), Qwen2-MoE's (a
@@ -83,7 +86,7 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
         own = "mistral"
     else:
         own = "llama"
-    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text"))
+    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text", "olmo2"))
     fits = llama_like if kind == "llm" and own == "llama" else ("mistral", "phi3") if own == "mistral" else (own,)
     if model_type is not None and model_type not in fits:
         raise HFError(
