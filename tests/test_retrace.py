@@ -43,8 +43,12 @@ def test_no_step_after_the_first_traces_or_compiles(config, overrides, scheduler
     misses, jax_log = _Misses(), logging.getLogger("jax")
     before = jax_log.level
     jax_log.addHandler(misses)
-    jax_log.setLevel(logging.DEBUG)
+    # every miss is logged at WARNING (tracing and persistent-cache misses with
+    # jax_explain_cache_misses, each compile with jax_log_compiles): at DEBUG, jax would also format
+    # a line for every trace, lowering and cache hit of the steps
+    jax_log.setLevel(logging.WARNING)
     jax.config.update("jax_explain_cache_misses", True)
+    jax.config.update("jax_log_compiles", True)
     try:
         step.compile(range(cfg.steps), say=lambda _: None)
         state, marks = step.init(), []
@@ -54,6 +58,7 @@ def test_no_step_after_the_first_traces_or_compiles(config, overrides, scheduler
             jax.block_until_ready((metrics.loss, state))
     finally:
         jax.config.update("jax_explain_cache_misses", False)
+        jax.config.update("jax_log_compiles", False)
         jax_log.removeHandler(misses)
         jax_log.setLevel(before)
     assert marks[0] > 0, "the check sees the ahead compiles (the log is wired)"
