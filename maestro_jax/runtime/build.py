@@ -30,6 +30,7 @@ from maestro_jax.runtime.sharding import param_infos, rows_by_process, section_m
 from maestro_jax.runtime.stages import on_whole, stage_states, whole_params, whole_states
 from maestro_jax.runtime.step import MonolithicStep, SectionedStep
 from maestro_jax.schedule import Problem, Schedule, naive, sample_metas, wavefront
+from maestro_jax.schedule.memo import ScheduleMemo
 from maestro_jax.schedule.ops import pipeline_bounds
 from maestro_jax.schedule.packing import slots
 
@@ -51,6 +52,9 @@ class Runtime:
     pretrained: dict = dataclasses.field(default_factory=dict)  # section -> Hugging Face loader
     coordinator: Coordinator = dataclasses.field(default_factory=Coordinator)  # exchanges between processes
     traced_init: TracedInit | None = None  # `graph`'s init traced once (`runtime.initial`); build_runtime's
+    # the schedules of earlier steps by their samples' signature (`schedule.memo`), for this
+    # runtime's scheduler and problem
+    _schedules: ScheduleMemo | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def init_states(self, seed: int | None = None, optimizer: bool = True) -> dict[str, SectionState]:
         """Each section initialises straight into its own sharding (never a full copy on one
@@ -76,7 +80,14 @@ class Runtime:
         return states
 
     def schedule(self, samples) -> Schedule:
-        metas = sample_metas(self.graph, samples)
+        """The batch's schedule under the config's scheduler; a batch whose samples ask what an
+        earlier one's asked gets that one's (`schedule.memo`: the scheduler would compute it again)."""
+        memo, scheduler = self._schedules, self.cfg.schedule.scheduler
+        if memo is None or memo.scheduler != scheduler or memo.problem is not self.problem:
+            memo = self._schedules = ScheduleMemo(self._scheduled, scheduler, self.problem)
+        return memo(sample_metas(self.graph, samples))
+
+    def _scheduled(self, metas) -> Schedule:
         if self.cfg.schedule.scheduler == "wavefront":
             return wavefront(metas, self.problem)  # ordered by work units (no cost model at run time)
         return naive(metas, self.problem)
