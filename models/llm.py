@@ -349,6 +349,23 @@ class DecoderBlock(nn.Module):
         else:
             mask = mask.windowed_where(windowed, window_BLL)
         h = RMSNorm(c.norm_eps, name="attn_norm")(x_BLD) if c.pre_norms else x_BLD
+        o = self._attention(h, positions_BL, mask, windowed)
+        x_BLD = x_BLD + (RMSNorm(c.norm_eps, name="post_attn_norm")(o) if c.post_norms else o)
+        h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD) if c.pre_norms else x_BLD
+        y = self._feed_forward(h, valid_BL, segments_BL)
+        y = RMSNorm(c.norm_eps, name="post_mlp_norm")(y) if c.post_norms else y
+        x_BLD = x_BLD + y
+        j = 0 if deepstack_JBLD is None else deepstack_JBLD.shape[0]
+        if isinstance(layer, int) and layer < j:  # DeepStack: features zero at text positions
+            x_BLD = x_BLD + deepstack_JBLD[layer].astype(x_BLD.dtype)
+        elif j and not isinstance(layer, int):
+            x_BLD = x_BLD + jnp.where(layer < j, deepstack_JBLD[jnp.minimum(layer, j - 1)], 0).astype(x_BLD.dtype)
+        return x_BLD if c.experts else shard_sequence(x_BLD)
+
+    def _attention(self, h, positions_BL, mask: Mask, windowed):
+        """The attention of `h` (the block's input, normed where `pre_norms`), through its output
+        projection: q, k and v (their norms where `qk_norm`), RoPE, then the attention chooser."""
+        c = self.cfg
         q = DenseGeneral(
             (c.heads, c.head_dim),
             use_bias=c.qkv_bias,
@@ -382,8 +399,11 @@ class DecoderBlock(nn.Module):
             name="o",
             kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
         )(o)
-        x_BLD = x_BLD + (RMSNorm(c.norm_eps, name="post_attn_norm")(o) if c.post_norms else o)
-        h = RMSNorm(c.norm_eps, name="mlp_norm")(x_BLD) if c.pre_norms else x_BLD
+        return o
+
+    def _feed_forward(self, h, valid_BL, segments_BL):
+        """The MLP of `h`: the routed experts (and Qwen2-MoE's shared one), or the gated MLP."""
+        c = self.cfg
         if c.experts:
             y = MoE(c, name="moe")(h, valid_BL, segments_BL)
             if c.shared_expert_mlp:  # Qwen2-MoE: a dense SwiGLU expert every token takes, behind a sigmoid gate
@@ -402,14 +422,7 @@ class DecoderBlock(nn.Module):
             up = Dense(c.mlp, use_bias=False, name="up", kernel_init=partitioned(_init, "embed", "mlp"))(h)
             down = Dense(c.width, use_bias=False, name="down", kernel_init=partitioned(_init, "mlp", "embed"))
             y = down(ACTIVATIONS[c.act](gate) * up)
-        y = RMSNorm(c.norm_eps, name="post_mlp_norm")(y) if c.post_norms else y
-        x_BLD = x_BLD + y
-        j = 0 if deepstack_JBLD is None else deepstack_JBLD.shape[0]
-        if isinstance(layer, int) and layer < j:  # DeepStack: features zero at text positions
-            x_BLD = x_BLD + deepstack_JBLD[layer].astype(x_BLD.dtype)
-        elif j and not isinstance(layer, int):
-            x_BLD = x_BLD + jnp.where(layer < j, deepstack_JBLD[jnp.minimum(layer, j - 1)], 0).astype(x_BLD.dtype)
-        return x_BLD if c.experts else shard_sequence(x_BLD)
+        return y
 
     def _rope(self, x_BLHK, positions_BL, windowed):
         """RoPE at the global layers' base and scaling, or the windowed layers' own base."""
