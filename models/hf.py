@@ -59,12 +59,14 @@ A scanned model (`scan_layers`) stacks every `block_i` leaf on a leading layer a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
+from maestro_jax.models.configs import LLMConfig
 from maestro_jax.models.fp8 import Fp8Weight, quantize
 from maestro_jax.models.llm import windowed_layer
 
@@ -509,7 +511,7 @@ def _check_olmo2(fields: dict, model_type: str) -> None:
     """OLMo 2's block (norms after the attention and the MLP only, query and key norms over the
     whole projection) exports as `olmo2`, and `olmo2` holds only that block."""
     olmo2 = {"pre_norms": False, "post_norms": True, "qk_norm": True, "qk_norm_over": "projection", "qkv_bias": False}
-    defaults = {"pre_norms": True, "post_norms": False, "qk_norm": False, "qk_norm_over": "head", "qkv_bias": False}
+    defaults = {f.name: f.default for f in dataclasses.fields(LLMConfig)}  # where `fields` omits a key
     got = {k: fields.get(k, defaults[k]) for k in olmo2}
     if model_type == "olmo2" and (got != olmo2 or fields.get("experts") or fields.get("sliding_window")):
         raise HFError(
