@@ -824,3 +824,35 @@ def test_one_row_columns_are_the_heaps_columns():
         fast = _columns(ordered, functools.partial(_OneRowColumn, sections, "vision", fanout, mb_v, dp_v * fanout))
         weight = [m.work.get("llm", 0) for m in metas].__getitem__
         assert fast == _columns(ordered, functools.partial(_Column, problem, metas, weight, caps))
+
+
+def test_shared_candidate_work_leaves_the_schedules_as_they_were():
+    """The wavefront with its per-candidate work shared (each candidate's op graph built once for
+    its list schedules and its naive order's makespan, the naive orders checked only until one
+    wins, candidates whose busiest device group alone outlasts the best skipped, ops as named
+    tuples) returns, op by op and row by row, what it returned before (`wavefront_previous.py`,
+    the scheduler at 45843ff), producer-balancing included, on every reference case under unit
+    costs and a cost model, and on the paper's VLM shape at 144 samples. Where no sample of a
+    batch reaches the sink it failed (IndexError, dealing no columns); it now schedules it."""
+    import wavefront_previous as previous
+
+    rng = random.Random(13)
+    cases = reference_cases()
+    paper = vlm_problem(dp_v=8, fanout=2, mb_v=1, mb_l=1)
+    cases.append((lambda r: random_batch(r, 144, r.choice([0.3, 0.5, 0.8])), paper))
+    compared = fixed = 0
+    for make, problem in cases:
+        for _ in range(3):
+            metas = make(rng)
+            for cost in (None, DAG_COST) if set(problem.order) <= set(DAG_COST.sections) else (None,):
+                new = wavefront(metas, problem, cost)
+                try:
+                    old = previous.wavefront(metas, problem, cost)
+                except IndexError:  # it failed on a batch none of whose samples reach the sink
+                    assert not any(problem.sink in m.sections for m in metas)
+                    validate(new, metas, problem, in_flight=True, block_map=True)
+                    fixed += 1
+                    continue
+                assert (new.ops, new.steps) == (old.ops, old.steps)
+                compared += 1
+    assert compared > 100 and fixed

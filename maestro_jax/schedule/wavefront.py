@@ -78,6 +78,17 @@ class _Batch:
         # (`_balanced`)
         self.producing = [sum(t for s, t in one if s != problem.sink) for one in singles]
         self._placed: dict[tuple[str, tuple[int, ...]], list[list[int]]] = {}
+        self._graphs: dict[int, tuple[object, _OpGraph]] = {}
+
+    def graph(self, steps) -> _OpGraph:
+        """The ops of micro-steps `steps` with their dependencies, devices and durations, once per
+        steps object: a candidate's are read by its list schedules (one per priority) and by its
+        naive order's makespan. Keyed by identity (the steps object is kept alive beside its
+        entry, so its id is never reused)."""
+        entry = self._graphs.get(id(steps))
+        if entry is None:
+            entry = self._graphs[id(steps)] = steps, _OpGraph(self, steps)
+        return entry[1]
 
     def duration(self, op: Op, steps) -> float:
         rows = steps[op.section][op.step].positions if op.kind != "U" else ()
@@ -116,6 +127,26 @@ class _Batch:
         return self._placed[key]
 
 
+class _OpGraph:
+    """Every op micro-steps require (`ops.required_ops`), as parallel lists by op index: what it
+    waits on and what waits on it, the device group or link it occupies and its duration. What
+    list scheduling and the makespan read per op, computed once however many orders of the same
+    micro-steps are timed."""
+
+    def __init__(self, batch: _Batch, steps):
+        problem = batch.problem
+        self.req = required_ops(Schedule(steps, (), len(batch.metas)), problem)
+        self.ops = list(self.req)
+        self.index = {op: i for i, op in enumerate(self.ops)}
+        self.dependents: list[list[int]] = [[] for _ in self.ops]
+        for i, op in enumerate(self.ops):
+            for d in self.req[op]:
+                self.dependents[self.index[d]].append(i)
+        self.waits = [len(self.req[op]) for op in self.ops]
+        self.resource = [resource_of(op, problem) for op in self.ops]
+        self.duration = [batch.duration(op, steps) for op in self.ops]
+
+
 def _longest_first(items: Iterable[int], weight) -> list[int]:
     """Items by decreasing weight, ties by increasing index: the order every packing takes them
     in. Two stable sorts keyed on `weight` alone (a list lookup in C for work weights) cost far
@@ -150,13 +181,14 @@ def _balanced(batch: _Batch, columns: Rows) -> Rows | None:
     group of sink rows, one group a shard of the finest such producer, whose producer work so far
     (over the columns before too) is least and that has a free row; samples no producer reads
     fill the rows left, in order. None where nothing can be balanced so: no producer's degree
-    divides the sink's (and exceeds 1), or the sink packs (a row's samples share it)."""
+    divides the sink's (and exceeds 1), the sink packs (a row's samples share it), or no sample
+    reaches the sink."""
     problem = batch.problem
     sink = problem.sink
     dp_sink = problem.dp[sink]
     degrees = [problem.dp[s] for s in problem.order if s != sink and 1 < problem.dp[s] and dp_sink % problem.dp[s] == 0]
-    if not degrees or packs(problem.pack.get(sink, 1)):
-        return None
+    if not degrees or not columns or packs(problem.pack.get(sink, 1)):
+        return None  # (no columns: no sample of the batch reaches the sink)
     bins = max(degrees)
     span = len(columns[0]) // bins  # sink rows per group (a producer shard of the finest degree)
     weight = batch.producing.__getitem__
@@ -401,21 +433,45 @@ def wavefront(metas: Sequence[SampleMeta], problem: Problem, cost=None) -> Sched
                 if d != problem.sink and problem.dp[problem.sink] % problem.dp[d] == 0:
                     candidates += _producer_first(batch, d, longest_first, search)
     candidates = [c for c in candidates + sink_first if c is not None]
-    steps_seen = []
-    arrival = [(_arrival(metas, problem), 0.0)] if _naive_keeps_bound(batch) else []
-    for sched, _ in list(candidates) + arrival:
+    return _fastest(batch, candidates + _naive_orders(batch, candidates, search))
+
+
+def _naive_orders(batch: _Batch, candidates: list, search: _Search) -> list:
+    """The naive operation order (`_phased`) over each candidate's micro-steps and over the
+    arrival-order ones, each once, with its makespan, those that must be checked (`validate`)
+    before they may win marked so. Left out: an order that would stash more forwards than the
+    bound (it runs all of a section's forwards before its first backward) and one whose sink
+    forwards alone outlast the best list schedule (`_Search.hopeless`: it comes after every list
+    schedule on ties, so it cannot win)."""
+    problem, steps_seen, out = batch.problem, [], []
+    arrival = [(_arrival(batch.metas, problem), 0.0)] if _naive_keeps_bound(batch) else []
+    for sched, _ in candidates + arrival:
         if any(sched.steps == s for s in steps_seen):
             continue
         steps_seen.append(sched.steps)
         if any(len(sched.steps[s]) > problem.in_flight(s) for s in problem.order if problem.needs_backward(s)):
             continue  # the naive order stashes all of a section's forwards before its first backward
-        phased = _phased(problem, sched.steps, len(metas))
+        if search.hopeless([st.positions for st in sched.steps[problem.sink]]):
+            continue
+        phased = _phased(problem, sched.steps, len(batch.metas))
+        out.append((phased, _makespan(phased, batch), True))
+    return out
+
+
+def _fastest(batch: _Batch, candidates: list) -> Schedule:
+    """The candidate of least makespan, the earliest on ties, among those that hold the bound and
+    the placement rule: `(schedule, makespan)` pairs are list schedules, which keep both by
+    construction; `(schedule, makespan, True)` ones are checked (`validate`), in the order they
+    would win, until one passes (one check, usually, instead of one each)."""
+    for _, _, c in sorted((c[1], i, c) for i, c in enumerate(candidates)):
+        if len(c) == 2:
+            return c[0]
         try:
-            validate(phased, metas, problem, in_flight=True, block_map=True)
+            validate(c[0], batch.metas, batch.problem, in_flight=True, block_map=True)
         except ScheduleError:
             continue
-        candidates.append((phased, _makespan(phased, batch)))
-    return min(candidates, key=lambda c: c[1])[0]
+        return c[0]
+    raise ScheduleError("no candidate schedule keeps the in-flight bound and the placement rule")
 
 
 def _arrival(metas: Sequence[SampleMeta], problem: Problem) -> Schedule:
@@ -450,14 +506,13 @@ def _phased(problem: Problem, steps, n: int) -> Schedule:
 
 def _makespan(schedule: Schedule, batch: _Batch) -> float:
     """The step's simulated time (in steady state under run-ahead: `steady_order`)."""
-    problem = batch.problem
-    req = required_ops(schedule, problem)
+    problem, graph = batch.problem, batch.graph(schedule.steps)
+    req, index = graph.req, graph.index
     finish, following, free = {op: 0.0 for op in schedule.ops if problem.is_ahead(op)}, {}, {}
     for op, next_batch in steady_order(schedule.ops, problem):
-        res, done = resource_of(op, problem), following if next_batch else finish
-        done[op] = free[res] = max([free.get(res, 0.0)] + [done[d] for d in req[op]]) + batch.duration(
-            op, schedule.steps
-        )
+        i, done = index[op], following if next_batch else finish
+        res = graph.resource[i]
+        done[op] = free[res] = max([free.get(res, 0.0)] + [done[d] for d in req[op]]) + graph.duration[i]
     return max([*finish.values(), *following.values()], default=0.0)
 
 
@@ -742,12 +797,31 @@ class _Search:
         busy = sum(self.time("F", sink, c) for c in columns)
         return busy > self.best * (1 + 1e-9)
 
+    def outlasts(self, rows: dict[str, Rows]) -> bool:
+        """Whether some device group's work over the micro-steps `rows` alone (the forwards,
+        backwards and update of every section on it) takes longer than the best makespan so far:
+        a group runs one op at a time in the list schedule and in the naive order's makespan
+        alike, so neither can win, or tie (`hopeless`'s margin)."""
+        problem, time, busy = self.batch.problem, self.time, Counter()
+        for s in problem.order:
+            work = sum(time("F", s, r) for r in rows[s])
+            if problem.needs_backward(s):
+                work += sum(time("B", s, r) for r in rows[s])
+            if s in problem.trained:
+                work += self.batch.duration(Op("U", s), {})
+            busy[problem.group(s)] += work
+        return max(busy.values(), default=0.0) > self.best * (1 + 1e-9)
+
     def finish(self, rows: dict[str, Rows]) -> tuple[Schedule, float] | None:
-        """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot hold."""
+        """List-schedule the micro-steps (memoised on them); None when the in-flight bound cannot
+        hold, or when some device group's work alone outlasts the best so far (`outlasts`)."""
         batch, problem = self.batch, self.batch.problem
         key = tuple(tuple(rows[s]) for s in problem.order)
         if key in self.seen:
             return self.seen[key]
+        if self.outlasts(rows):
+            self.seen[key] = None
+            return None
         steps = link(problem, {s: rows[s] for s in problem.order})
         found = []
         for priority in ("earliest", "oldest", "1f1b") if problem.bounds else ("earliest",):  # pipeline stages
@@ -802,20 +876,16 @@ def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tu
     forward of an earlier micro-step, which the stages after it wait on); "1f1b", the op
     earliest in 1F1B's sequence (`_one_f_one_b_age`: a first stage's last forward, which every
     later stage waits on, no longer waits behind the backwards of earlier micro-steps)."""
-    problem = batch.problem
-    req = required_ops(Schedule(steps, (), len(batch.metas)), problem)
-    ops = list(req)
-    index = {op: i for i, op in enumerate(ops)}
-    dependents: list[list[int]] = [[] for _ in ops]
-    pending = [len(req[op]) for op in ops]
-    for i, op in enumerate(ops):
-        for d in req[op]:
-            dependents[index[d]].append(i)
+    problem, graph = batch.problem, batch.graph(steps)
+    ops, resource, duration, dependents = graph.ops, graph.resource, graph.duration, graph.dependents
+    pending = list(graph.waits)
     finish = [0.0] * len(ops)
     dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
     free: dict[str, float] = {}
     next_f = dict.fromkeys(problem.order, 0)
     stashed = dict.fromkeys(problem.order, 0)
+    # per section: how many forwards it may stash (None: unbounded, it keeps none)
+    bound = {s: problem.in_flight(s) if problem.needs_backward(s) else None for s in problem.order}
     ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of (step) for ready backwards
     ready_other: set[int] = {i for i, op in enumerate(ops) if op.kind in ("X", "XB", "U") and pending[i] == 0}
     for i, op in enumerate(ops):
@@ -828,23 +898,20 @@ def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tu
     ages = {"earliest": lambda op: 0, "oldest": lambda op: op.step}.get(priority) or functools.partial(
         _one_f_one_b_age, problem=problem
     )
-    age = [ages(op) for op in ops]
-    left = Counter(resource_of(op, problem) for op in ops if staged and op.kind in ("F", "B"))  # by device group
+    # ties among ops that could start at once: by age, the sink's first, forwards first, op index
+    rank = [(ages(op), op.section != problem.sink, op.kind == "B", i) for i, op in enumerate(ops)]
+    left = Counter(resource[i] for i, op in enumerate(ops) if staged and op.kind in ("F", "B"))  # by device group
 
     def start_of(i):
-        return max(free.get(resource_of(ops[i], problem), 0.0), dep_done[i])
+        return max(free.get(resource[i], 0.0), dep_done[i])
 
     def candidates() -> list[int]:
-        out = [i for i in ready_other if ops[i].kind != "U" or not left[resource_of(ops[i], problem)]]
+        out = [i for i in ready_other if ops[i].kind != "U" or not left[resource[i]]]
         for s in problem.order:
             if ready_b[s]:
                 out.append(b_index[(s, ready_b[s][0])])
             i = f_index.get((s, next_f[s]))
-            if (
-                i is not None
-                and pending[i] == 0
-                and (not problem.needs_backward(s) or stashed[s] < problem.in_flight(s))
-            ):
+            if i is not None and pending[i] == 0 and (bound[s] is None or stashed[s] < bound[s]):
                 out.append(i)
         return out
 
@@ -856,15 +923,14 @@ def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tu
                 f"bounds {problem.max_in_flight} (and {dict(problem.bounds) or 'no stage bounds'}) hold back (or a "
                 "dependency cycle)"
             )
-        i = min(cands, key=lambda j: (start_of(j), age[j], ops[j].section != problem.sink, ops[j].kind == "B", j))
+        t0, *_, i = min((start_of(j), *rank[j]) for j in cands)
         op = ops[i]
-        t0 = start_of(i)
-        finish[i] = t0 + batch.duration(op, steps)
-        free[resource_of(op, problem)] = finish[i]
-        left[resource_of(op, problem)] -= staged and op.kind in ("F", "B")
+        finish[i] = t0 + duration[i]
+        free[resource[i]] = finish[i]
+        left[resource[i]] -= staged and op.kind in ("F", "B")
         if op.kind == "F":
             next_f[op.section] += 1
-            stashed[op.section] += problem.needs_backward(op.section)
+            stashed[op.section] += bound[op.section] is not None
         elif op.kind == "B":
             heapq.heappop(ready_b[op.section])
             stashed[op.section] -= 1
