@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 from maestro_jax.core.graph import ask, sample_view
 from maestro_jax.core.plan import EdgeInfo
@@ -174,12 +173,8 @@ class MicroStep:
         return tuple(filter((0).__le__, self.positions))
 
 
-class Op(NamedTuple):
-    """One operation of a schedule (see the module's docstring). A named tuple: the schedulers
-    hash and compare ops by the hundred thousand a call, which a tuple does in C (a frozen
-    dataclass's `__hash__` and `__eq__` are Python functions, 15% of a wavefront call on the tiny
-    configs)."""
-
+@dataclasses.dataclass(frozen=True)
+class Op:
     kind: str  # F, X, XB, B, U
     section: str
     step: int = -1
