@@ -270,7 +270,14 @@ class Check:
             row = {"config": config, "status": status, "seconds": round(seconds, 1)}
             if path.exists():
                 r = json.loads(path.read_text())
-                keep = ("samples_per_s", "tokens_per_s", "ratios", "host_overhead_fraction", "host_time_s")
+                keep = (
+                    "samples_per_s",
+                    "tokens_per_s",
+                    "ratios",
+                    "host_overhead_fraction",
+                    "host_time_s",
+                    "host_per_op",
+                )
                 row.update({k: r[k] for k in keep if k in r})
                 row["step_time_s"] = {m: t["median"] for m, t in r.get("step_time_s", {}).items()}
             self.report["bench"].append(row)

@@ -59,6 +59,16 @@ def test_bench_json_contract(tmp_path, capsys, config="omni_tiny.yaml", override
     assert set(r["ratios"]) >= {"wavefront_vs_monolithic", "wavefront_vs_naive"}
     assert abs(r["ratios"]["wavefront_vs_naive"] - r["samples_per_s"]["wavefront"] / r["samples_per_s"]["naive"]) < 1e-9
     assert 0 < r["host_overhead_fraction"]["wavefront"] < 1
+    # host time per launched op beside one op's device time (issue 77 part 3): omni's programs
+    # and its two edges' transfers every step, each op kind timed in the calibration
+    per_op = r["host_per_op"]
+    for m in ("naive", "wavefront"):
+        assert per_op[m]["programs"] > 0 and per_op[m]["transfers"] > 0
+        assert all(per_op[m][k] >= 0 for k in ("schedule_s", "dispatch_s", "transfer_issue_s", "wait_s"))
+        assert per_op[m]["dispatch_s"] > 0 and per_op[m]["schedule_s"] > 0
+        assert f"host per op ({m}, " in said.out
+    assert {"F", "B", "X", "XB"} <= set(per_op["device_s"]) and all(v > 0 for v in per_op["device_s"].values())
+    assert "device time per op (calibration, each op waited for): F " in said.out
     assert r["simulator"]["cost_source"] == "calibrated"
     # MFU per mode, maestro's by section too: the same FLOPs over each mode's devices and time
     u = r["mfu"]
@@ -153,3 +163,41 @@ def test_the_monolithic_orders_are_sorts_of_one_batch_with_one_loss():
         assert other_loss == pytest.approx(loss, rel=1e-5), name
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(other_grads)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_host_per_op_divides_each_host_time_by_what_it_launched():
+    """`bench`'s host time per op from each step's timings: a program's dispatch is the step's
+    dispatch less its transfers' issue and the in-flight bound's waits, over its programs; a
+    transfer's issue over its transfers; scheduling and the waits over every op; medians over
+    steps; the calibration's device time per op kind beside them."""
+    from maestro_jax.schedule import Op, Schedule
+    from maestro_jax.tools.bench import _device_time_by_kind, _host_per_op, _launches, _no_stats
+
+    ops = (Op("F", "vision", 0), Op("X", "vision", 0, "img"), Op("F", "llm", 0), Op("XB", "vision", 0, "img"))
+    ops += (Op("B", "vision", 0), Op("U", "vision"), Op("U", "llm"))
+    assert _launches(Schedule({}, ops, 1)) == (5, 2)
+    stats = {m: _no_stats() for m in ("naive", "wavefront")}
+    for m, scale in (("naive", 1.0), ("wavefront", 2.0)):
+        for step in range(3):  # the middle step is each median
+            grow = 1 + step / 10
+            for k, v in dict(
+                schedule_s=0.7, dispatch_s=9.0, step_s=30.0, transfer_issue_s=2.0, in_flight_wait_s=1.0
+            ).items():
+                stats[m][k].append(v * scale * grow)
+            stats[m]["programs"].append(5)
+            stats[m]["transfers"].append(2)
+    measured = [(Op("F", "llm", 0), None, None, (4.0, 0.1)), (Op("F", "vision", 0), None, None, (2.0, 0.1))]
+    measured += [(Op("X", "vision", 0, "img"), None, None, (0.5, 0.2)), (("update", "llm"), None, None, 9.0)]
+    per_op = _host_per_op(stats, _device_time_by_kind(measured))
+    g = 1.1 * 2.0  # the wavefront's middle step
+    assert per_op["wavefront"] == pytest.approx(
+        {
+            "programs": 5,
+            "transfers": 2,
+            "schedule_s": 0.7 * g / 7,
+            "dispatch_s": (9.0 - 2.0 - 1.0) * g / 5,
+            "transfer_issue_s": 2.0 * g / 2,
+            "wait_s": (1.0 + 30.0 - 0.7 - 9.0) * g / 7,
+        }
+    )
+    assert per_op["device_s"] == {"F": 3.0, "X": 0.5}  # medians by kind; the update's row is not an op

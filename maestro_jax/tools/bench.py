@@ -121,7 +121,22 @@ def _stopwatch(progress: Callable[[str], None] | None) -> Callable[[str], None]:
 
 
 def _no_stats() -> dict[str, list]:
-    return {"schedule_s": [], "dispatch_s": [], "step_s": []}
+    return {
+        "schedule_s": [],
+        "dispatch_s": [],
+        "step_s": [],
+        "transfer_issue_s": [],
+        "in_flight_wait_s": [],
+        "programs": [],
+        "transfers": [],
+    }
+
+
+def _launches(schedule) -> tuple[int, int]:
+    """(programs, transfers) a step launches for `schedule`: a program per forward, backward and
+    update, a transfer per edge crossing (X) and per cotangent sent back (XB)."""
+    transfers = sum(op.kind in ("X", "XB") for op in schedule.ops)
+    return len(schedule.ops) - transfers, transfers
 
 
 @dataclasses.dataclass
@@ -143,6 +158,7 @@ class _Timing:
     stats: dict = dataclasses.field(default_factory=dict)
     per_rep: dict = dataclasses.field(default_factory=dict)
     fair: str = ORDERS[0]  # the monolithic step's fastest order so far: what the text-only step uses
+    device_s: dict = dataclasses.field(default_factory=dict)  # `_device_time_by_kind` of the calibration
 
     @classmethod
     def calibrated(cls, rt, batches, say) -> _Timing:
@@ -157,6 +173,7 @@ class _Timing:
         orders = monolithic_orders(rt, cost)
         ordered = {o: [orders[o](b) for b in batches] for o in ORDERS}  # each batch in each order, once
         timing = cls(rt, step, mono, batches, cost, states, mono_state, orders, ordered)
+        timing.device_s = _device_time_by_kind(measured)
         timing.stats = {m: _no_stats() for m in timing.timed}
         timing.per_rep = {m: [] for m in timing.timed}
         return timing
@@ -179,6 +196,11 @@ class _Timing:
         stats["schedule_s"].append(t1 - t0)
         stats["dispatch_s"].append(t2 - t1)
         stats["step_s"].append(t3 - t0)
+        stats["transfer_issue_s"].append(metrics.host["transfer_issue_s"])
+        stats["in_flight_wait_s"].append(metrics.host["in_flight_wait_s"])
+        programs, transfers = _launches(schedule)
+        stats["programs"].append(programs)
+        stats["transfers"].append(transfers)
 
     def mono_step(self, samples, stats: dict) -> None:
         """One monolithic step on `samples` as given, timed whole."""
@@ -258,6 +280,7 @@ def _report(cfg: Config, t: _Timing) -> dict:
             "wavefront_vs_round_robin": sps["wavefront"] / by_order["arrival"],
         },
         **_host_time(t.stats),
+        "host_per_op": _host_per_op(t.stats, t.device_s),
     }
 
 
@@ -299,11 +322,71 @@ def _host_time(stats: dict) -> dict:
     }
 
 
+def _device_time_by_kind(measured) -> dict[str, float]:
+    """Median device time of one op of each kind (F, B, X, XB), from the calibration's serialised
+    runs (`calibrate.measure`: each op waited for, its issue time taken off)."""
+    by_kind: dict[str, list[float]] = {}
+    for op, *_, t in measured:
+        if isinstance(t, tuple):  # a timed op: (device seconds, issue seconds)
+            by_kind.setdefault(op.kind, []).append(t[0])
+    order = ["F", "B", "X", "XB", "U"]  # a schedule's kinds, in its own order
+    return {k: statistics.median(by_kind[k]) for k in sorted(by_kind, key=order.index)}
+
+
+def _host_per_op(stats: dict, device_s: dict[str, float]) -> dict:
+    """Each maestro mode's host time per launched op, medians over steps: what a step launches
+    (`_launches`), scheduling per op, the issue of a program (dispatch less the transfers' issue
+    and the in-flight bound's waits) per program, a transfer's issue per transfer, and the host's
+    wait (the in-flight bound's and the end of the step's) per op; beside it, the device time of
+    one op of each kind (`device_s`, serialised calibration runs). Whether a small step is
+    host-bound reads off the two: host time per op against device time per op."""
+    out = {}
+    for m in ("naive", "wavefront"):
+        st = stats[m]
+        steps = [
+            {
+                "programs": p,
+                "transfers": n,
+                "schedule_s": sched / (p + n),
+                "dispatch_s": max(dispatch - issue - waited, 0.0) / p,
+                "transfer_issue_s": issue / n if n else 0.0,
+                "wait_s": (waited + step - sched - dispatch) / (p + n),
+            }
+            for sched, dispatch, step, issue, waited, p, n in zip(
+                st["schedule_s"],
+                st["dispatch_s"],
+                st["step_s"],
+                st["transfer_issue_s"],
+                st["in_flight_wait_s"],
+                st["programs"],
+                st["transfers"],
+            )
+        ]
+        out[m] = {k: statistics.median([row[k] for row in steps]) for k in steps[0]}
+    out["device_s"] = dict(device_s)
+    return out
+
+
 def format_report(r: dict) -> str:
     """`bench`'s report as `maestro-jax bench` prints it: a table of throughput and step times by
     mode, the monolithic orders and the users' baseline, ratios, host overhead, MFU, the
     simulator's prediction and each variant benched (packing, stages, balance)."""
     return "\n".join([*_throughput_lines(r), *_share_lines(r), *_variant_lines(r)])
+
+
+def _per_op_lines(per_op: dict) -> list[str]:
+    """Host time per launched op by mode, then the device time of one op of each kind."""
+    lines = []
+    for m in ("naive", "wavefront"):
+        h = per_op[m]
+        lines.append(
+            f"host per op ({m}, {h['programs']:.0f} programs and {h['transfers']:.0f} transfers a step): "
+            f"scheduling {seconds(h['schedule_s'])}, dispatch {seconds(h['dispatch_s'])} a program, "
+            f"transfer issue {seconds(h['transfer_issue_s'])} a transfer, wait {seconds(h['wait_s'])}"
+        )
+    device = ", ".join(f"{k} {seconds(v)}" for k, v in per_op["device_s"].items())
+    lines.append(f"device time per op (calibration, each op waited for): {device or 'none measured'}")
+    return lines
 
 
 def _throughput_lines(r: dict) -> list[str]:
@@ -330,6 +413,7 @@ def _share_lines(r: dict) -> list[str]:
         f"host overhead ({m}): {v:.1%} of step time (scheduling {r['schedule_fraction'][m]:.1%})"
         for m, v in r["host_overhead_fraction"].items()
     ]
+    lines += _per_op_lines(r["host_per_op"])
     u = r["mfu"]
     for m in MODES:
         sections = ", ".join(f"{s} {v:.1%}" for s, v in u["by_section"].get(m, {}).items())
@@ -554,11 +638,11 @@ def _text_only_step_s(batches, reps, maestro_step, mono_step, say) -> dict:
     say("text-only (modality items removed) warm-up: monolithic and wavefront, compiling the text-only buckets")
     for samples in text:  # warm-up: the text-only buckets
         mono_step(samples, {"step_s": []})
-        maestro_step("wavefront", samples, {"schedule_s": [], "dispatch_s": [], "step_s": []})
+        maestro_step("wavefront", samples, _no_stats())
     alone = {"monolithic": [], "wavefront": []}
     for rep in range(reps):
         for mode, times in alone.items():
-            stats = {"schedule_s": [], "dispatch_s": [], "step_s": []}
+            stats = _no_stats()
             for samples in text:
                 mono_step(samples, stats) if mode == "monolithic" else maestro_step(mode, samples, stats)
             times.append(sum(stats["step_s"]))
