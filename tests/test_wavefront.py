@@ -856,3 +856,21 @@ def test_shared_candidate_work_leaves_the_schedules_as_they_were():
                 assert (new.ops, new.steps) == (old.ops, old.steps)
                 compared += 1
     assert compared > 100 and fixed
+
+
+def test_schedule_tiny_script_times_both_schedulers_on_the_same_schedules(tmp_path):
+    """`scripts/schedule_tiny.py` (RESULTS' tiny-config scheduling figures) times today's
+    wavefront and the previous one on a config's batches, both ways it is called, and exits 0
+    only when their schedules are the same."""
+    import json
+
+    out = tmp_path / "tiny.json"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "schedule_tiny.py"
+    args = [sys.executable, str(script), "--batches", "2", "--configs", "kd_tiny", "--json", str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["config"] == "kd_tiny" and row["identical"] is True
+    for way in ("training", "bench"):
+        assert row[f"{way}_previous_ms"] > 0 and row[f"{way}_today_ms"] > 0
+        assert row[f"{way}_ratio"] == row[f"{way}_previous_ms"] / row[f"{way}_today_ms"]

@@ -138,11 +138,12 @@ class _OpGraph:
         self.req = required_ops(Schedule(steps, (), len(batch.metas)), problem)
         self.ops = list(self.req)
         self.index = {op: i for i, op in enumerate(self.ops)}
+        self.deps = [[self.index[d] for d in self.req[op]] for op in self.ops]
         self.dependents: list[list[int]] = [[] for _ in self.ops]
-        for i, op in enumerate(self.ops):
-            for d in self.req[op]:
-                self.dependents[self.index[d]].append(i)
-        self.waits = [len(self.req[op]) for op in self.ops]
+        for i, ds in enumerate(self.deps):
+            for d in ds:
+                self.dependents[d].append(i)
+        self.waits = [len(ds) for ds in self.deps]
         self.resource = [resource_of(op, problem) for op in self.ops]
         self.duration = [batch.duration(op, steps) for op in self.ops]
 
@@ -507,13 +508,19 @@ def _phased(problem: Problem, steps, n: int) -> Schedule:
 def _makespan(schedule: Schedule, batch: _Batch) -> float:
     """The step's simulated time (in steady state under run-ahead: `steady_order`)."""
     problem, graph = batch.problem, batch.graph(schedule.steps)
-    req, index = graph.req, graph.index
-    finish, following, free = {op: 0.0 for op in schedule.ops if problem.is_ahead(op)}, {}, {}
+    index, deps, resource, duration = graph.index, graph.deps, graph.resource, graph.duration
+    # each op's finish, this batch's and (under run-ahead) the next batch's; None: not run
+    finish: list[float | None] = [None] * len(graph.ops)
+    following: list[float | None] = [None] * len(graph.ops)
+    for op in schedule.ops:
+        if problem.is_ahead(op):
+            finish[index[op]] = 0.0  # ran during the previous step
+    free: dict[str, float] = {}
     for op, next_batch in steady_order(schedule.ops, problem):
         i, done = index[op], following if next_batch else finish
-        res = graph.resource[i]
-        done[op] = free[res] = max([free.get(res, 0.0)] + [done[d] for d in req[op]]) + graph.duration[i]
-    return max([*finish.values(), *following.values()], default=0.0)
+        res = resource[i]
+        done[i] = free[res] = max([free.get(res, 0.0)] + [done[d] for d in deps[i]]) + duration[i]
+    return max([t for t in finish + following if t is not None], default=0.0)
 
 
 def _producer_first(batch: _Batch, d: str, longest_first: bool, search: _Search) -> list:
@@ -881,19 +888,15 @@ def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tu
     pending = list(graph.waits)
     finish = [0.0] * len(ops)
     dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
+    done = [False] * len(ops)
     free: dict[str, float] = {}
     next_f = dict.fromkeys(problem.order, 0)
     stashed = dict.fromkeys(problem.order, 0)
     # per section: how many forwards it may stash (None: unbounded, it keeps none)
     bound = {s: problem.in_flight(s) if problem.needs_backward(s) else None for s in problem.order}
     ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of (step) for ready backwards
-    ready_other: set[int] = {i for i, op in enumerate(ops) if op.kind in ("X", "XB", "U") and pending[i] == 0}
-    for i, op in enumerate(ops):
-        if op.kind == "B" and pending[i] == 0:
-            heapq.heappush(ready_b[op.section], op.step)
     f_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "F"}
     b_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "B"}
-    order: list[tuple[float, int, Op]] = []
     staged = priority != "earliest"
     ages = {"earliest": lambda op: 0, "oldest": lambda op: op.step}.get(priority) or functools.partial(
         _one_f_one_b_age, problem=problem
@@ -901,48 +904,80 @@ def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tu
     # ties among ops that could start at once: by age, the sink's first, forwards first, op index
     rank = [(ages(op), op.section != problem.sink, op.kind == "B", i) for i, op in enumerate(ops)]
     left = Counter(resource[i] for i, op in enumerate(ops) if staged and op.kind in ("F", "B"))  # by device group
+    updates: dict[str, list[int]] = {}  # device group -> its updates (they wait for `left` to reach 0)
+    for i, op in enumerate(ops):
+        if op.kind == "U":
+            updates.setdefault(resource[i], []).append(i)
 
-    def start_of(i):
-        return max(free.get(resource[i], 0.0), dep_done[i])
+    def startable(i: int) -> bool:
+        """Whether op i may start now: its dependencies done, and for a forward its section's
+        next within the stash bound, for a backward its section's oldest ready one, for an
+        update (staged) every forward and backward of its device group done."""
+        if done[i] or pending[i]:
+            return False
+        op = ops[i]
+        if op.kind == "F":
+            s = op.section
+            return next_f[s] == op.step and (bound[s] is None or stashed[s] < bound[s])
+        if op.kind == "B":
+            return ready_b[op.section][0] == op.step
+        return op.kind != "U" or not left[resource[i]]
 
-    def candidates() -> list[int]:
-        out = [i for i in ready_other if ops[i].kind != "U" or not left[resource[i]]]
-        for s in problem.order:
-            if ready_b[s]:
-                out.append(b_index[(s, ready_b[s][0])])
-            i = f_index.get((s, next_f[s]))
-            if i is not None and pending[i] == 0 and (bound[s] is None or stashed[s] < bound[s]):
-                out.append(i)
-        return out
+    # The startable ops in a heap on (planned start, rank), each entry's start as of its push:
+    # starts only grow (devices and dependencies finish later, never earlier), so an entry whose
+    # start has grown goes back with its new one, and the first entry that is startable and still
+    # current is the op `min` over every startable op's (start, rank) would take.
+    heap: list[tuple] = []
 
+    def offer(i: int | None) -> None:
+        if i is not None and startable(i):
+            heapq.heappush(heap, (max(free.get(resource[i], 0.0), dep_done[i]), *rank[i]))
+
+    for i, op in enumerate(ops):
+        if op.kind == "B" and pending[i] == 0:
+            heapq.heappush(ready_b[op.section], op.step)
+    for i in range(len(ops)):
+        offer(i)
+    order: list[tuple[float, int, Op]] = []
     while len(order) < len(ops):
-        cands = candidates()
-        if not cands:
+        if not heap:
             raise ScheduleError(
                 "list scheduling is stuck: stashed forwards wait on forwards the in-flight "
                 f"bounds {problem.max_in_flight} (and {dict(problem.bounds) or 'no stage bounds'}) hold back (or a "
                 "dependency cycle)"
             )
-        t0, *_, i = min((start_of(j), *rank[j]) for j in cands)
-        op = ops[i]
+        entry = heapq.heappop(heap)
+        i = entry[-1]
+        if not startable(i):
+            continue
+        t0 = max(free.get(resource[i], 0.0), dep_done[i])
+        if t0 > entry[0]:
+            heapq.heappush(heap, (t0, *rank[i]))
+            continue
+        op, s = ops[i], ops[i].section
+        done[i] = True
         finish[i] = t0 + duration[i]
         free[resource[i]] = finish[i]
-        left[resource[i]] -= staged and op.kind in ("F", "B")
         if op.kind == "F":
-            next_f[op.section] += 1
-            stashed[op.section] += bound[op.section] is not None
+            next_f[s] += 1
+            stashed[s] += bound[s] is not None
         elif op.kind == "B":
-            heapq.heappop(ready_b[op.section])
-            stashed[op.section] -= 1
-        else:
-            ready_other.discard(i)
+            heapq.heappop(ready_b[s])
+            stashed[s] -= 1
+            offer(b_index[(s, ready_b[s][0])] if ready_b[s] else None)
+        if op.kind in ("F", "B"):
+            offer(f_index.get((s, next_f[s])))
+            if staged:
+                left[resource[i]] -= 1
+                if not left[resource[i]]:
+                    for u in updates.get(resource[i], ()):
+                        offer(u)
         for j in dependents[i]:
             pending[j] -= 1
             dep_done[j] = max(dep_done[j], finish[i])
+            if pending[j] == 0 and ops[j].kind == "B":
+                heapq.heappush(ready_b[ops[j].section], ops[j].step)
             if pending[j] == 0:
-                if ops[j].kind == "B":
-                    heapq.heappush(ready_b[ops[j].section], ops[j].step)
-                elif ops[j].kind in ("X", "XB", "U"):
-                    ready_other.add(j)
+                offer(j)
         order.append((t0, len(order), op))
     return tuple(op for _, _, op in sorted(order)), max(finish, default=0.0)
