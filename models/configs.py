@@ -249,6 +249,22 @@ def _window_pattern(v) -> str | None:
     return None
 
 
+def _gpt_oss_experts(v, key: str) -> str | None:
+    """GPT-OSS's expert biases and clamped SwiGLU: only in a mixture of experts, and (so far) only
+    on the dense dispatch (`auto` resolves to it for them)."""
+    if not v.get(key):
+        return None
+    if not v.get("experts"):
+        return "GPT-OSS's expert biases and clamped SwiGLU are a mixture of experts' (set experts > 0)"
+    dispatch = v.get("moe_dispatch", "auto")
+    if dispatch not in ("auto", "dense"):
+        return (
+            f"runs on moe_dispatch: dense only so far (moe_dispatch={dispatch}'s grouped products take no biases "
+            f"or clamp yet); set moe_dispatch: dense or auto"
+        )
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LLMConfig:
     """The decoder's one schema (`models.schema`): the launch config's `models.<name>` of kind
@@ -286,6 +302,10 @@ class LLMConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    out_bias: bool = False  # GPT-OSS: a bias on the attention's output projection too
+    # GPT-OSS: one learned logit per query head that every row's softmax also runs over (a key that
+    # takes weight and adds no value: `layers.attention`'s sinks)
+    attention_sinks: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
     # what each query and key norm spans: each head (Qwen3, Gemma 3) or the whole projection, every
     # head at once, as OLMo 2's q_norm and k_norm do
@@ -317,6 +337,13 @@ class LLMConfig:
     # backend that builds it (AUTO_DISPATCH: sparse on an NVIDIA GPU, dense elsewhere), so every
     # built config holds the dispatch that runs (the cost model reads it)
     moe_dispatch: Literal["auto", "dense", "ragged", "sparse", "grouped"] = "auto"
+    # GPT-OSS (after moe_dispatch, which their rule reads): biases on the router's logits and on
+    # every expert's gate, up and down projections
+    expert_bias: bool = False
+    # GPT-OSS's clamped SwiGLU in the experts: gate clamped above at this limit, up to [-limit,
+    # limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: silu(gate) * up
+    swiglu_limit: PositiveFloat | None = None
+    swiglu_alpha: PositiveFloat = 1.702
     # per-layer activation checkpointing (layers.remat_layer): the config sets it from the section's
     # layer_remat (`schema.SECTION_FIELDS`)
     remat: Literal["none", "full", "dots"] = "none"
@@ -351,6 +378,8 @@ class LLMConfig:
                 and f"with experts={v['experts']} each token goes to 1..{v['experts']} experts"
             ),
         ),
+        Rule("expert_bias", lambda v: _gpt_oss_experts(v, "expert_bias")),
+        Rule("swiglu_limit", lambda v: _gpt_oss_experts(v, "swiglu_limit")),
         Rule(
             "expert_mlp",
             lambda v: (
@@ -363,6 +392,8 @@ class LLMConfig:
 
     def __post_init__(self):
         enforce(self)
+        if self.moe_dispatch == "auto" and (self.expert_bias or self.swiglu_limit is not None):
+            object.__setattr__(self, "moe_dispatch", "dense")  # GPT-OSS's experts run there only (`_gpt_oss_experts`)
         if self.moe_dispatch == "auto":  # every config holds the dispatch that runs: the cost model reads it
             import jax  # only where a model is built: the config's schema needs no JAX
 

@@ -297,12 +297,21 @@ def balanced_order(length: int, split: int) -> np.ndarray | None:
 
 
 def attention(
-    q_BLHK, k_BLGK, v_BLGK, mask: Mask | jax.Array, ring: bool = False, scale: float | None = None, softcap=None
+    q_BLHK,
+    k_BLGK,
+    v_BLGK,
+    mask: Mask | jax.Array,
+    ring: bool = False,
+    scale: float | None = None,
+    softcap=None,
+    sinks_H=None,
 ):
     """Grouped-query attention (each of G key/value heads serves H/G query heads); scores are
     scaled by `scale` (default 1/sqrt(head_dim)) and, with `softcap` (Gemma 2's), capped as
-    softcap * tanh(s / softcap) before the mask, which no fused kernel does: XLA's einsums then,
-    the softmax in float32 as transformers' eager attention takes it.
+    softcap * tanh(s / softcap) before the mask; with `sinks_H` (GPT-OSS's attention sinks, one
+    learned logit per query head) each row's softmax also runs over its head's sink, a key that
+    takes weight but adds no value, so a row may attend to nothing. No fused kernel does either:
+    XLA's einsums then, the softmax in float32 as transformers' eager attention takes it.
 
     `mask`: a `models.attention.Mask` (the dense mask and, where the rows have one, the structure
     a fused kernel takes without it) or a bare B x Q x K boolean array. Without context
@@ -325,12 +334,12 @@ def attention(
     mask = Mask.of(mask)
     split = context_split()
     if ring and split > 1 and q_BLHK.shape[1] % split == 0:
-        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask.dense, scale, softcap)
+        return ring_attention(q_BLHK, k_BLGK, v_BLGK, mask.dense, scale, softcap, sinks_H)
     q_BLHK = constrain(q_BLHK, ("batch", "length", "heads", None))
     k_BLGK, v_BLGK = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k_BLGK, v_BLGK))
-    if softcap is not None:
+    if softcap is not None or sinks_H is not None:
         dense = constrain(rows_with_keys(mask.dense), ("batch", "length", None))
-        out = _capped_attention(q_BLHK, k_BLGK, v_BLGK, dense, scale, softcap)
+        out = _explicit_attention(q_BLHK, k_BLGK, v_BLGK, dense, scale, softcap, sinks_H)
         return constrain(out, ("batch", "length", "heads", None))
     kernel = kernel_for(q_BLHK, k_BLGK, mask, split)
     if kernel.form != "mask":
@@ -353,19 +362,27 @@ def rows_with_keys(mask_BQL):
 _MASKED = -0.7 * float(np.finfo(np.float32).max)  # jax.nn.dot_product_attention's mask value
 
 
-def _capped_attention(q_BLHK, k_BSGK, v_BSGK, mask_BQS, scale: float | None, softcap: float):
-    """`attention` with soft-capped scores, spelled out."""
+def _explicit_attention(q_BLHK, k_BSGK, v_BSGK, mask_BQS, scale: float | None, softcap: float | None, sinks_H=None):
+    """`attention` with soft-capped scores and/or attention sinks, spelled out: query head
+    g * (H/G) + r reads key/value head g (transformers' `repeat_kv`), whose sink is `sinks_H` at
+    that query head; the sink joins the softmax as one more column and is dropped after it."""
     b, lq, h, d = q_BLHK.shape
     g = k_BSGK.shape[2]
     q_BLGRK = q_BLHK.reshape(b, lq, g, h // g, d)
     s = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK).astype(jnp.float32)
     s = s * (d**-0.5 if scale is None else scale)
-    s = jnp.where(mask_BQS[:, None, None], softcap * jnp.tanh(s / softcap), _MASKED)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BSGK.dtype)
-    return jnp.einsum("bgrls,bsgk->blgrk", p, v_BSGK).reshape(b, lq, h, d)
+    s = jnp.where(mask_BQS[:, None, None], s if softcap is None else softcap * jnp.tanh(s / softcap), _MASKED)
+    if sinks_H is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, g, h // g, 1, 1), (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bgrls,bsgk->blgrk", p.astype(v_BSGK.dtype), v_BSGK).reshape(b, lq, h, d)
 
 
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None, softcap: float | None = None):
+def ring_attention(
+    q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None, softcap: float | None = None, sinks_H=None
+):
     """Context-parallel attention as a ring: each device keeps its slice of queries, and the
     slices of keys and values pass round the `context` devices (one `ppermute` per step, which
     XLA can overlap with the step's compute), so no device holds the whole sequence's K and V.
@@ -374,7 +391,8 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None,
     quarter blocks whose mask is not empty (`lax.cond`, decided per device). Softmax runs
     online in float32 (flash-attention style): running max, running sum, rescaled output.
     Rows with nothing to attend (padding) output zeros instead of the gather path's mean of
-    the values; no valid position reads them, so loss and gradients are the same."""
+    the values; no valid position reads them, so loss and gradients are the same. A head's sink
+    (`sinks_H`) joins each of its rows' softmax sums at the end: exp(sink - running max)."""
     rules = _ACTIVATION_RULES.get()
 
     def spec(*names):
@@ -384,7 +402,7 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None,
     split = context_split()
     q_spec, kv_spec = spec("batch", "length", "heads", None), spec("batch", "length", "kv_heads", None)
 
-    def local(q_BQHK, k_BSGK, v_BSGK, mask_BQL):
+    def local(q_BQHK, k_BSGK, v_BSGK, mask_BQL, sinks_H):
         b, lq, h, d = q_BQHK.shape
         g = k_BSGK.shape[2]
         parts = 2 if lq % 2 == 0 else 1
@@ -432,13 +450,18 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, mask_BQL, scale: float | None = None,
                 perm = [(i, (i + 1) % split) for i in range(split)]
                 k_BSGK, v_BSGK = (jax.lax.ppermute(t, ring_axes, perm) for t in (k_BSGK, v_BSGK))
         outs = []
-        for _, total, out in acc:
+        for m, total, out in acc:
+            if sinks_H is not None:  # the sink's weight beside the keys', on the same running max
+                total = total + jnp.exp(sinks_H.astype(jnp.float32).reshape(1, g, h // g, 1) - m)
             total = jnp.moveaxis(total, -1, 1)[..., None]
             outs.append(jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0))
         return jnp.concatenate(outs, axis=1).reshape(b, lq, h, d).astype(q_BQHK.dtype)
 
-    run = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, spec("batch", "length", None)), out_specs=q_spec)
-    return run(q_BLHK, k_BLGK, v_BLGK, mask_BQL)
+    sinks_spec = None if sinks_H is None else spec("heads")  # each device's query heads' sinks
+    run = jax.shard_map(
+        local, in_specs=(q_spec, kv_spec, kv_spec, spec("batch", "length", None), sinks_spec), out_specs=q_spec
+    )
+    return run(q_BLHK, k_BLGK, v_BLGK, mask_BQL, sinks_H)
 
 
 _init = nn.initializers.normal(0.02)

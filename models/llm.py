@@ -79,7 +79,12 @@ class MoE(nn.Module):
         gate = self.param("gate", partitioned(_init, "expert", "embed", "mlp"), (c.experts, c.width, c.expert_mlp))
         up = self.param("up", partitioned(_init, "expert", "embed", "mlp"), (c.experts, c.width, c.expert_mlp))
         down = self.param("down", partitioned(_init, "expert", "mlp", "embed"), (c.experts, c.expert_mlp, c.width))
-        probs_BLE = jax.nn.softmax((h_BLD @ router).astype(jnp.float32), axis=-1)
+        logits_BLE = h_BLD @ router
+        if c.expert_bias:
+            logits_BLE = logits_BLE + self.param(
+                "router_bias", partitioned(nn.initializers.zeros, "expert"), (c.experts,)
+            )
+        probs_BLE = jax.nn.softmax(logits_BLE.astype(jnp.float32), axis=-1)
         top, index = jax.lax.top_k(probs_BLE, c.experts_per_token)
         weights = top / jnp.sum(top, axis=-1, keepdims=True) if c.moe_renormalize else top
         chosen_BLE = jnp.sum(jax.nn.one_hot(index, c.experts), axis=-2)
@@ -99,9 +104,30 @@ class MoE(nn.Module):
         group = ("expert_batch", "length", "act_embed")
         h_BLD = constrain(h_BLD, group)
         combine_BLE = constrain(combine_BLE, ("expert_batch", "length", "expert"))
-        act = nn.silu(jnp.einsum("bld,edf->blef", h_BLD, gate)) * jnp.einsum("bld,edf->blef", h_BLD, up)
-        act = constrain(act, ("expert_batch", "length", "expert", "mlp"))
-        return shard_sequence(jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE))
+        g, u = jnp.einsum("bld,edf->blef", h_BLD, gate), jnp.einsum("bld,edf->blef", h_BLD, up)
+        if c.expert_bias:
+            g, u = g + self._bias("gate_bias", "mlp"), u + self._bias("up_bias", "mlp")
+        act = constrain(expert_glu(c, g, u), ("expert_batch", "length", "expert", "mlp"))
+        y = jnp.einsum("blef,efd,ble->bld", act, down, combine_BLE)
+        if c.expert_bias:  # each chosen expert's down bias, by its router weight
+            y = y + jnp.einsum("ble,ed->bld", combine_BLE, self._bias("down_bias", "embed"))
+        return shard_sequence(y)
+
+    def _bias(self, name: str, axis: str):
+        """An expert's bias over `axis` (`mlp`: its gate or up projection's; `embed`: its down's)."""
+        c = self.cfg
+        size = c.expert_mlp if axis == "mlp" else c.width
+        return self.param(name, partitioned(nn.initializers.zeros, "expert", axis), (c.experts, size))
+
+
+def expert_glu(c: LLMConfig, gate, up):
+    """An expert's gated activation: silu(gate) * up, or GPT-OSS's clamped SwiGLU (`swiglu_limit`:
+    the gate clamped above at the limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha *
+    gate)), computed as transformers' GptOssExperts does."""
+    if c.swiglu_limit is None:
+        return nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, c.swiglu_limit), jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
 
 
 GroupedFFN = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -391,13 +417,16 @@ class DecoderBlock(nn.Module):
             q, k = (_qk_norm(c, name)(t) for name, t in (("q_norm", q), ("k_norm", k)))
         q, k = (self._rope(t, positions_BL, windowed) for t in (q, k))
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-        o = attention(q, k, v, mask, ring=c.context_attention == "ring", scale=scale, softcap=c.attn_softcap)
+        sinks = self.param("sinks", partitioned(_init, "heads"), (c.heads,)) if c.attention_sinks else None
+        ring = c.context_attention == "ring"
+        o = attention(q, k, v, mask, ring=ring, scale=scale, softcap=c.attn_softcap, sinks_H=sinks)
         o = DenseGeneral(
             c.width,
             axis=(-2, -1),
-            use_bias=False,
+            use_bias=c.out_bias,
             name="o",
             kernel_init=partitioned(_init, "heads", "head_dim", "embed"),
+            bias_init=partitioned(nn.initializers.zeros, "embed"),
         )(o)
         return o
 

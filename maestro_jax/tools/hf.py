@@ -47,6 +47,11 @@ EXPORT_TYPES = {
 }
 
 
+# The LLM fields only GPT-OSS has (its attention sinks and output bias, its experts' biases and
+# clamped SwiGLU): a model with one exports as no type yet (`export_type`)
+GPT_OSS_FIELDS = ("attention_sinks", "out_bias", "expert_bias", "swiglu_limit")
+
+
 def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> str:
     """The Hugging Face type a model with `fields` (the `models.<section>` entry) exports as:
     `model_type` if given and fitting, else the model's own (an LLM: llama, mistral with a
@@ -70,6 +75,12 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
                 f"an encoder with stem='conv' exports as Whisper"
             )
         own = "whisper"
+    elif gpt_oss := [k for k in GPT_OSS_FIELDS if fields.get(k)]:
+        k = gpt_oss[0]
+        raise HFError(
+            f"error: {where}.{k}={fields[k]}: GPT-OSS's attention sinks, output bias and expert biases and clamp "
+            f"do not export yet (no gpt_oss writer; issue 78): no Hugging Face type here holds them"
+        )
     elif fields.get("mrope_section"):
         raise HFError(
             f"error: {where}.mrope_section={list(fields['mrope_section'])}: no Hugging Face language model alone has "
