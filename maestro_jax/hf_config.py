@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # model types whose language model imports from the `text_config` (its tensors under a prefix,
 # `models.hf`); a Gemma 3 of 4B or more is one, its vision tower beside the LLM
@@ -328,6 +329,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         return {**fields, **_mixtral_experts(path, hf)}
     if kind in ("qwen3_moe", "qwen2_moe"):
         return {**fields, **_qwen_moe_experts(path, hf, kind)}
+    if kind == "gpt_oss":
+        return {**fields, **_gpt_oss_fields(path, hf)}
     if kind == "olmo2":  # norms after the attention and the MLP only; q and k normed over the whole projection
         return {**fields, "pre_norms": False, "post_norms": True, "qk_norm": True, "qk_norm_over": "projection"}
     return fields
@@ -442,6 +445,40 @@ def _mixtral_experts(path, hf: dict) -> dict:
         "experts": hf.get("num_local_experts", 8),
         "experts_per_token": hf.get("num_experts_per_tok", 2),
         "expert_mlp": hf["intermediate_size"],
+    }
+
+
+def _gpt_oss_fields(path, hf: dict) -> dict:
+    """GPT-OSS's block: attention sinks, biases on q, k, v and o (`attention_bias`), windowed and
+    full layers (`layer_types`), every layer `num_local_experts` experts of `intermediate_size`
+    with biases, top `num_experts_per_tok` softmaxed over their logits (the renormalised top k of
+    the softmax), the clamped SwiGLU. The Hub's MXFP4-quantized experts are refused (no
+    dequantizing loader yet): a bfloat16 copy of the weights loads."""
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise HFError(
+            f"{path}/config.json: quantization_config.quant_method={method!r}; GPT-OSS loads from unquantized "
+            f"weights only (dequantize the MXFP4 experts to bfloat16 first)"
+        )
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])
+    ]
+    every = _global_every(path, types)
+    windowed = every != 1 and hf.get("sliding_window") is not None
+    bias = bool(hf.get("attention_bias", True))
+    return {
+        "qkv_bias": bias,
+        "out_bias": bias,
+        "attention_sinks": True,
+        "sliding_window": hf["sliding_window"] if windowed else None,
+        "global_every": every if windowed else 0,
+        "experts": hf.get("num_local_experts", 128),
+        "experts_per_token": hf.get("num_experts_per_tok", 4),
+        "expert_mlp": hf["intermediate_size"],
+        "expert_bias": True,
+        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+        "moe_dispatch": "dense",
     }
 
 

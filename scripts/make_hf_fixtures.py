@@ -176,6 +176,32 @@ LLM_CASES = {
             "sliding_window": None,
         },
     ),
+    # GPT-OSS: attention sinks, q/k/v/o biases, windowed and full layers alternating (a window of
+    # 4, shorter than TOKENS' 12), 4 experts of 16 with biases, top 2, the clamped SwiGLU at a
+    # limit low enough to bite on these weights, YaRN without truncation (GPT-OSS's own RoPE)
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 16,
+            "sliding_window": 4,
+            "swiglu_limit": 0.1,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+            "attn_implementation": "eager",  # the sinks run in transformers' eager attention
+        },
+    ),
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 

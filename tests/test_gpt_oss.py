@@ -194,3 +194,32 @@ def test_a_model_with_gpt_oss_pieces_is_refused_by_export_in_one_line(key, value
 
     with pytest.raises(HFError, match=rf"^error: models.teacher.{key}={value}: GPT-OSS's .* do not export yet"):
         export_type({"kind": "llm", "experts": 4, key: value}, None, "teacher")
+
+
+def test_a_gpt_oss_folder_describes_its_model_and_mxfp4_weights_are_refused(tmp_path):
+    """`models.<s>: {hf: DIR}` of a GPT-OSS folder: every GPT-OSS piece from config.json (its
+    `layer_types` as a window every other layer); the Hub's MXFP4-quantized folders are refused in
+    one line naming `quantization_config`; export refuses the model, and a llama as gpt_oss."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from maestro_jax.hf_config import HFError, llm_fields
+    from maestro_jax.tools.hf import export_type
+
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "gpt_oss"
+    fields = llm_fields(fixture)
+    keys = [k for k in GPT_OSS if k != "router_aux_loss"]  # the fixture's shape is GPT_OSS's, its limit 0.1
+    assert {k: fields[k] for k in keys} == {**{k: GPT_OSS[k] for k in keys}, "swiglu_limit": 0.1}
+    assert fields["swiglu_alpha"] == 1.702 and fields["moe_dispatch"] == "dense"
+    with pytest.raises(HFError, match=r"^error: models.<s>.attention_sinks=True: GPT-OSS's"):
+        export_type(fields, None)
+    with pytest.raises(HFError, match=r"--model-type=gpt_oss: .* does not export as it"):
+        export_type(llm_fields(fixture.parent / "llama_untied"), "gpt_oss")
+    quantized = tmp_path / "mxfp4"
+    shutil.copytree(fixture, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(HFError) as err:
+        llm_fields(quantized)
+    assert "quantization_config.quant_method='mxfp4'" in str(err.value) and "\n" not in str(err.value)

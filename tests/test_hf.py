@@ -41,6 +41,9 @@ TIED = {
     "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
     "gemma3_tied": True,  # both layers windowed (the default pattern of 6), one key/value head
     "gemma2": True,  # Gemma 2: every other layer windowed, attention scores and logits soft-capped
+    # GPT-OSS: sinks, q/k/v/o biases, window 4 and full layers alternating, 4 experts with biases
+    # and the clamped SwiGLU (limit 0.1: it bites), YaRN without truncation
+    "gpt_oss": False,
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -700,7 +703,18 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
 @pytest.mark.reference
 @pytest.mark.parametrize(
     "case",
-    ["llama3_rope", "mistral_window", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma2"],
+    [
+        "llama3_rope",
+        "mistral_window",
+        "phi3",
+        "olmo2",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "gemma3_text",
+        "gemma2",
+        "gpt_oss",
+    ],
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
     """`maestro-jax check-hf --hf DIR`: rows of different lengths, longer than Mistral's window;
@@ -771,11 +785,12 @@ def test_an_export_owns_its_folder(tmp_path, capsys):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("case", ["mixtral", "phi3", "olmo2"])
+@pytest.mark.parametrize("case", ["mixtral", "phi3", "olmo2", "gpt_oss"])
 def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, capsys, case):
     """One weight moved on maestro's side only (after its import of the folder: a Mixtral expert's,
     the up projection Phi-3 fuses with its gate, OLMo 2's query-norm scale of a feature past the
-    first head): the logits differ from transformers' and check-hf exits 1."""
+    first head, a GPT-OSS head's attention sink): the logits differ from transformers' and check-hf
+    exits 1."""
     live_transformers()
     from maestro_jax import cli
 
@@ -788,6 +803,8 @@ def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, c
             return {**params, "block_1": {**block, "moe": {**block["moe"], "up": block["moe"]["up"].at[3].add(0.05)}}}
         if case == "olmo2":
             return {**params, "block_1": {**block, "q_norm": {"scale": block["q_norm"]["scale"].at[20].add(0.5)}}}
+        if case == "gpt_oss":
+            return {**params, "block_1": {**block, "sinks": block["sinks"].at[3].add(0.5)}}
         return {**params, "block_1": {**block, "up": {"kernel": block["up"]["kernel"].at[0].add(0.05)}}}
 
     monkeypatch.setattr(hf, "load_llm", moved)
