@@ -600,6 +600,7 @@ COMMANDS: dict[str, Command] = {
                     "qwen3_moe",
                     "qwen2_moe",
                     "mixtral",
+                    "gpt_oss",
                     "phi3",
                     "olmo2",
                     "gemma2",
@@ -612,7 +613,7 @@ COMMANDS: dict[str, Command] = {
                     "qwen3_vl",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
-                "Gemma's block, olmo2 for OLMo 2's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
+                "Gemma's block, olmo2 for OLMo 2's, gpt_oss for GPT-OSS's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
                 "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's)",
             ),
             opt(

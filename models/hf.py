@@ -174,7 +174,7 @@ def _prefix_in(tensors: _Tensors, path) -> str:
 
 QWEN_EXPERTS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # an expert's tensors, by family
 MIXTRAL_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")  # the model types a mixture-of-experts model exports as
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # the model types a mixture-of-experts model exports as
 
 
 def _head_name(prefix: str) -> str:
@@ -436,6 +436,15 @@ def _moe_config(fields: dict, model_type: str) -> dict:
         )
     if model_type == "qwen2_moe":
         config.update(shared_expert_intermediate_size=fields["shared_expert_mlp"], qkv_bias=True)
+    if model_type == "gpt_oss":
+        config.update(
+            num_local_experts=fields["experts"],
+            num_experts_per_tok=fields["experts_per_token"],
+            intermediate_size=fields["expert_mlp"],
+            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
+            swiglu_limit=fields["swiglu_limit"],
+            swiglu_alpha=fields.get("swiglu_alpha", 1.702),
+        )
     if model_type == "mixtral":
         config.update(
             num_local_experts=fields["experts"],
@@ -484,8 +493,15 @@ def _check_exportable(fields: dict, model_type: str) -> None:
     is read (a window, experts, a shared expert, biases, norms or Gemma's block it lacks)."""
     if model_type not in ARCHITECTURES:
         raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    if (model_type == "gpt_oss") != bool(fields.get("attention_sinks")):
+        raise HFError(
+            f"attention_sinks={fields.get('attention_sinks', False)}: a gpt_oss checkpoint has attention sinks, "
+            f"and only gpt_oss has them"
+        )
     if model_type == "gpt_oss":
-        raise HFError("model_type='gpt_oss' loads but does not export yet (no gpt_oss writer; issue 78)")
+        _check_gpt_oss(fields)
+    elif extra := {k: fields[k] for k in ("out_bias", "expert_bias", "swiglu_limit") if fields.get(k)}:
+        raise HFError(f"{extra}: only a gpt_oss checkpoint has GPT-OSS's output bias, expert biases and clamp")
     if fields.get("experts") and model_type not in MOE_TYPES:
         raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as {' or '.join(MOE_TYPES)}")
     if bool(fields.get("shared_expert_mlp")) != (model_type == "qwen2_moe") or (
@@ -502,7 +518,13 @@ def _check_exportable(fields: dict, model_type: str) -> None:
             f"experts={fields.get('experts')}, qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}: a mixtral "
             f"checkpoint has experts and neither q/k/v biases nor query/key norms"
         )
-    if fields.get("sliding_window") is not None and model_type not in ("mistral", "mixtral", "phi3", *GEMMAS):
+    if fields.get("sliding_window") is not None and model_type not in (
+        "mistral",
+        "mixtral",
+        "phi3",
+        "gpt_oss",
+        *GEMMAS,
+    ):
         raise HFError(
             f"model_type={model_type!r}: a model with a sliding_window exports as 'mistral' (or Gemma's as 'gemma2' "
             f"or 'gemma3_text')"
@@ -518,6 +540,7 @@ def _check_exportable(fields: dict, model_type: str) -> None:
     _check_olmo2(fields, model_type)
     own = ("embed_scale", "global_every", "attn_softcap", "final_softcap")
     own = own if model_type == "olmo2" else ("post_norms", *own)
+    own = tuple(k for k in own if k != "global_every") if model_type == "gpt_oss" else own  # its layer_types
     if model_type not in GEMMAS and any(fields.get(k) for k in own):
         raise HFError(
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
@@ -530,6 +553,31 @@ def _check_exportable(fields: dict, model_type: str) -> None:
         )
     if not fields["qkv_bias"] and model_type == "qwen2":
         raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
+
+
+def _check_gpt_oss(fields: dict) -> None:
+    """A gpt_oss checkpoint's block: sinks, biases on q, k, v and o, experts with biases and the
+    clamped SwiGLU, renormalised top k, norms before the attention and MLP only."""
+    want = {
+        "qkv_bias": True,
+        "out_bias": True,
+        "expert_bias": True,
+        "moe_renormalize": True,
+        "pre_norms": True,
+        "post_norms": False,
+        "qk_norm": False,
+        "shared_expert_mlp": 0,
+        "embed_scale": False,
+        "attn_softcap": None,
+        "final_softcap": None,
+        "rope_local_theta": None,
+    }
+    wrong = {k: fields.get(k) for k, v in want.items() if fields.get(k, v) != v}
+    if not fields.get("experts") or fields.get("swiglu_limit") is None:
+        wrong.update(experts=fields.get("experts"), swiglu_limit=fields.get("swiglu_limit"))
+    if wrong:
+        shown = ", ".join(f"{k}={v}" for k, v in wrong.items())
+        raise HFError(f"{shown}: a gpt_oss checkpoint has GPT-OSS's block (want {want}, experts > 0 and swiglu_limit)")
 
 
 def _check_olmo2(fields: dict, model_type: str) -> None:
@@ -555,8 +603,14 @@ def _checkpoint_tensors(params: dict, fields: dict, model_type: str, prefix: str
     h, g, k, d = fields["heads"], fields["kv_heads"], fields["head_dim"], fields["width"]
     unproj = {"q": h, "k": g, "v": g}
     tensors = {}
+    halves: dict[str, dict[str, np.ndarray]] = {}  # GPT-OSS's gate_up_proj (and bias): gate and up, to interleave
     scanned = "blocks" in params
     for flax_path, (name, _) in _mapping(fields, True, prefix, model_type == "mixtral").items():
+        if name.endswith((".gate_up_proj", ".gate_up_proj_bias")):
+            where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
+            w = np.asarray(jax.device_get(_at(params, where)), np.float32)
+            halves.setdefault(name, {})[flax_path[-1].removesuffix("_bias")] = w if layer is None else w[layer]
+            continue
         expert = flax_path[-1] if isinstance(flax_path[-1], int) else None
         flax_path = flax_path[:-1] if expert is not None else flax_path
         where, layer = _scanned_path(flax_path) if scanned else (flax_path, None)
@@ -577,6 +631,10 @@ def _checkpoint_tensors(params: dict, fields: dict, model_type: str, prefix: str
         elif flax_path[-1] == "scale" and model_type in GEMMAS:
             w = w - np.float32(1)  # Gemma's norms scale by 1 + weight
         tensors[name] = np.ascontiguousarray(w)
+    for name, half in halves.items():  # gate the even columns, up the odd (`_gpt_oss_experts`)
+        both = np.empty((*half["gate"].shape[:-1], 2 * half["gate"].shape[-1]), np.float32)
+        both[..., ::2], both[..., 1::2] = half["gate"], half["up"]
+        tensors[name] = both
     return tensors
 
 
@@ -649,6 +707,21 @@ def _checkpoint_config(fields: dict, model_type: str) -> dict:
         config["sliding_window"] = fields.get("sliding_window")
     if model_type == "phi3":
         config["pad_token_id"] = None  # Phi3Config's default (32000) is past a smaller vocabulary's embedding
-    if model_type in ("llama", "olmo2"):
+    if model_type in ("llama", "olmo2", "gpt_oss"):
         config["attention_bias"] = fields["qkv_bias"]
+    if model_type == "gpt_oss":
+        config.update(_gpt_oss_layers(fields, config.pop("rope_scaling", None), config.pop("rope_theta")))
     return config
+
+
+def _gpt_oss_layers(fields: dict, scaling: dict | None, theta: float) -> dict:
+    """A gpt_oss config.json's attention pattern and RoPE: `layer_types` (windowed and full, from
+    `global_every`), the window, and `rope_parameters` written whole (GptOssConfig fills in its own
+    YaRN where none is given)."""
+    window, every = fields.get("sliding_window"), fields.get("global_every", 0)
+    types = [
+        "sliding_attention" if window is not None and (not every or (i + 1) % every) else "full_attention"
+        for i in range(fields["depth"])
+    ]
+    rope = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+    return {"layer_types": types, "sliding_window": window, "rope_parameters": rope}

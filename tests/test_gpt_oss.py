@@ -187,19 +187,20 @@ def test_sinks_under_ring_attention_equal_one_device():
 @pytest.mark.parametrize(
     "key, value", [("attention_sinks", True), ("out_bias", True), ("expert_bias", True), ("swiglu_limit", 7.0)]
 )
-def test_a_model_with_gpt_oss_pieces_is_refused_by_export_in_one_line(key, value):
-    """No exporter writes GPT-OSS's pieces yet: `export` refuses such a section before reading a
-    weight, naming the field, rather than write a folder without them."""
+def test_a_model_with_some_gpt_oss_pieces_is_refused_by_export_in_one_line(key, value):
+    """Only gpt_oss holds GPT-OSS's pieces, and only together (sinks and expert biases): `export`
+    refuses a section with one alone before reading a weight, naming the field, rather than write
+    a folder without it."""
     from maestro_jax.tools.hf import HFError, export_type
 
-    with pytest.raises(HFError, match=rf"^error: models.teacher.{key}={value}: GPT-OSS's .* do not export yet"):
+    with pytest.raises(HFError, match=rf"^error: models.teacher.{key}={value}: only GPT-OSS's block .* holds it"):
         export_type({"kind": "llm", "experts": 4, key: value}, None, "teacher")
 
 
 def test_a_gpt_oss_folder_describes_its_model_and_mxfp4_weights_are_refused(tmp_path):
     """`models.<s>: {hf: DIR}` of a GPT-OSS folder: every GPT-OSS piece from config.json (its
     `layer_types` as a window every other layer); the Hub's MXFP4-quantized folders are refused in
-    one line naming `quantization_config`; export refuses the model, and a llama as gpt_oss."""
+    one line naming `quantization_config`; it exports as gpt_oss, and a llama does not."""
     import json
     import shutil
     from pathlib import Path
@@ -212,8 +213,7 @@ def test_a_gpt_oss_folder_describes_its_model_and_mxfp4_weights_are_refused(tmp_
     keys = [k for k in GPT_OSS if k != "router_aux_loss"]  # the fixture's shape is GPT_OSS's, its limit 0.1
     assert {k: fields[k] for k in keys} == {**{k: GPT_OSS[k] for k in keys}, "swiglu_limit": 0.1}
     assert fields["swiglu_alpha"] == 1.702 and fields["moe_dispatch"] == "dense"
-    with pytest.raises(HFError, match=r"^error: models.<s>.attention_sinks=True: GPT-OSS's"):
-        export_type(fields, None)
+    assert export_type(fields, None) == "gpt_oss"
     with pytest.raises(HFError, match=r"--model-type=gpt_oss: .* does not export as it"):
         export_type(llm_fields(fixture.parent / "llama_untied"), "gpt_oss")
     quantized = tmp_path / "mxfp4"
@@ -223,3 +223,76 @@ def test_a_gpt_oss_folder_describes_its_model_and_mxfp4_weights_are_refused(tmp_
     with pytest.raises(HFError) as err:
         llm_fields(quantized)
     assert "quantization_config.quant_method='mxfp4'" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_gpt_oss_export_holds_the_folders_tensors_and_reloads_to_its_logits(tmp_path, scan):
+    """Export of the GPT-OSS fixture (unrolled or scanned layers): the same tensor names and
+    shapes as transformers wrote, gate and up interleaved back into gate_up_proj exactly, the
+    config's layer_types, window and RoPE as the folder's; reloaded, the same logits."""
+    import json
+    from pathlib import Path
+
+    from maestro_jax.models import hf
+    from safetensors.numpy import load_file
+    from test_hf import flax_logits
+
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "gpt_oss"
+    ours, params, fields = flax_logits(fixture, scan=scan)
+    out = tmp_path / "exported"
+    hf.save_llm(out, params, fields, model_type="gpt_oss")
+    stored, written = load_file(fixture / "model.safetensors"), load_file(out / "model.safetensors")
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in stored.items()}
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj_bias"):
+        np.testing.assert_array_equal(written[name], stored[name].astype(np.float32))
+    config, theirs = (json.loads((p / "config.json").read_text()) for p in (out, fixture))
+    assert config["model_type"] == "gpt_oss" and config["architectures"] == ["GptOssForCausalLM"]
+    for key in ("layer_types", "sliding_window", "num_local_experts", "intermediate_size", "swiglu_limit"):
+        assert config[key] == theirs[key], key
+    assert config["rope_parameters"] == theirs["rope_parameters"]
+    back, _, _ = flax_logits(out, scan=scan)
+    np.testing.assert_allclose(back, ours, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # two sections and the monolithic step compiled
+def test_a_gpt_oss_teacher_with_its_experts_on_the_expert_axis_verifies():
+    """`models.teacher: {hf: <a GPT-OSS folder>}` beside kd_tiny's student, the teacher on data 2 x
+    expert 2 (two of the four experts of every layer, and their biases, on each device): the
+    sectioned step equals the monolithic one (data 2 x expert 2 x fsdp 2)."""
+    from pathlib import Path
+
+    from test_hf import _from_folder
+
+    from maestro_jax.runtime.build import build_runtime
+    from maestro_jax.tools.verify import verify
+
+    path = Path(__file__).parent / "fixtures" / "hf" / "gpt_oss"
+    cfg = _from_folder(
+        path,
+        f"{{hf: {path}}}",
+        "models.student.vocab=96",
+        "sections.teacher.mesh={data: 2, expert: 2}",
+        "monolithic.mesh={data: 2, expert: 2, fsdp: 2}",
+    )
+    assert cfg.models["teacher"].attention_sinks and cfg.models["teacher"].experts == 4
+    rt = build_runtime(cfg)
+    moe = rt.step.init()["teacher"].consts["llm"]["block_0"]["moe"]
+    for name in ("up", "up_bias", "down_bias"):
+        assert moe[name].sharding.shard_shape(moe[name].shape)[0] == 2, f"two experts' {name} a device"
+    diffs = verify(cfg, rt)
+    assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
+    assert all(d.max_rel <= 1e-5 for d in diffs), diffs
+
+
+def test_export_offers_every_type_an_exporter_writes():
+    """`maestro-jax export --model-type` offers each LLM, tower and whole-VLM type an exporter
+    writes (`tools.hf.EXPORT_TYPES`, gpt_oss among them), and no other."""
+    from maestro_jax.cli import _parser
+    from maestro_jax.tools.hf import EXPORT_TYPES
+
+    parser = _parser()
+    export = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" export"))
+    (model_type,) = [a for a in export._actions if "--model-type" in a.option_strings]
+    whole_vlms = {"gemma3", "qwen2_5_vl", "qwen3_vl"}
+    assert set(model_type.choices) == {*(t for types in EXPORT_TYPES.values() for t in types), *whole_vlms}
+    assert "gpt_oss" in model_type.choices

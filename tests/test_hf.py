@@ -321,6 +321,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
         ("gemma2", "gemma2", True),
+        ("gpt_oss", "gpt_oss", True),
     ],
 )
 def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
@@ -338,6 +339,7 @@ def test_export_round_trip_in_transformers(tmp_path, case, model_type, scan):
         "qwen2_moe",
         "phi3",
         "olmo2",
+        "gpt_oss",
     ):  # the export under the Hub's names, as check-hf reads it
         from maestro_jax import cli
 

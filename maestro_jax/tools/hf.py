@@ -41,22 +41,23 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.ind
 
 # model kind -> the Hugging Face model types a section of that kind exports as (the first: the default)
 EXPORT_TYPES = {
-    "llm": ("llama", *sorted(set(ARCHITECTURES) - {"llama", "gpt_oss"})),  # gpt_oss: loads, no writer yet
+    "llm": ("llama", *sorted(set(ARCHITECTURES) - {"llama"})),
     "vit": ("siglip", "clip"),
     "audio": ("whisper",),
 }
 
 
 # The LLM fields only GPT-OSS has (its attention sinks and output bias, its experts' biases and
-# clamped SwiGLU): a model with one exports as no type yet (`export_type`)
+# clamped SwiGLU): a model with sinks and expert biases exports as gpt_oss, one with some of them
+# only as no type (`export_type`)
 GPT_OSS_FIELDS = ("attention_sinks", "out_bias", "expert_bias", "swiglu_limit")
 
 
 def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> str:
     """The Hugging Face type a model with `fields` (the `models.<section>` entry) exports as:
     `model_type` if given and fitting, else the model's own (an LLM: llama, mistral with a
-    sliding window, gemma3_text or gemma2 with Gemma's block, olmo2 with OLMo 2's, qwen3_moe or
-    mixtral with experts;
+    sliding window, gemma3_text or gemma2 with Gemma's block, olmo2 with OLMo 2's, gpt_oss with
+    GPT-OSS's sinks and expert biases, qwen3_moe or mixtral with experts;
     a tower: its layout).
     Raises HFError with the `error:` line, before any weight is read, for a combination no
     exporter writes."""
@@ -75,11 +76,13 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
                 f"an encoder with stem='conv' exports as Whisper"
             )
         own = "whisper"
+    elif fields.get("attention_sinks") and fields.get("expert_bias"):  # GPT-OSS's block
+        own = "gpt_oss"
     elif gpt_oss := [k for k in GPT_OSS_FIELDS if fields.get(k)]:
         k = gpt_oss[0]
         raise HFError(
-            f"error: {where}.{k}={fields[k]}: GPT-OSS's attention sinks, output bias and expert biases and clamp "
-            f"do not export yet (no gpt_oss writer; issue 78): no Hugging Face type here holds them"
+            f"error: {where}.{k}={fields[k]}: only GPT-OSS's block (attention sinks and experts with biases "
+            f"together) holds it; no Hugging Face type holds this model"
         )
     elif fields.get("mrope_section"):
         raise HFError(
@@ -97,7 +100,7 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
         own = "mistral"
     else:
         own = "llama"
-    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text", "olmo2"))
+    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text", "olmo2", "gpt_oss"))
     fits = llama_like if kind == "llm" and own == "llama" else ("mistral", "phi3") if own == "mistral" else (own,)
     if model_type is not None and model_type not in fits:
         raise HFError(
