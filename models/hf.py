@@ -493,15 +493,7 @@ def _check_exportable(fields: dict, model_type: str) -> None:
     is read (a window, experts, a shared expert, biases, norms or Gemma's block it lacks)."""
     if model_type not in ARCHITECTURES:
         raise HFError(f"model_type={model_type!r}; supported: {sorted(ARCHITECTURES)}")
-    if (model_type == "gpt_oss") != bool(fields.get("attention_sinks")):
-        raise HFError(
-            f"attention_sinks={fields.get('attention_sinks', False)}: a gpt_oss checkpoint has attention sinks, "
-            f"and only gpt_oss has them"
-        )
-    if model_type == "gpt_oss":
-        _check_gpt_oss(fields)
-    elif extra := {k: fields[k] for k in ("out_bias", "expert_bias", "swiglu_limit") if fields.get(k)}:
-        raise HFError(f"{extra}: only a gpt_oss checkpoint has GPT-OSS's output bias, expert biases and clamp")
+    _check_gpt_oss(fields, model_type)
     if fields.get("experts") and model_type not in MOE_TYPES:
         raise HFError(f"model_type={model_type!r}: a mixture-of-experts model exports as {' or '.join(MOE_TYPES)}")
     if bool(fields.get("shared_expert_mlp")) != (model_type == "qwen2_moe") or (
@@ -555,9 +547,19 @@ def _check_exportable(fields: dict, model_type: str) -> None:
         raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
 
 
-def _check_gpt_oss(fields: dict) -> None:
-    """A gpt_oss checkpoint's block: sinks, biases on q, k, v and o, experts with biases and the
-    clamped SwiGLU, renormalised top k, norms before the attention and MLP only."""
+def _check_gpt_oss(fields: dict, model_type: str) -> None:
+    """GPT-OSS's pieces only in a gpt_oss checkpoint, and its whole block there: sinks, biases on
+    q, k, v and o, experts with biases and the clamped SwiGLU, renormalised top k, norms before
+    the attention and MLP only, one RoPE."""
+    if (model_type == "gpt_oss") != bool(fields.get("attention_sinks")):
+        raise HFError(
+            f"attention_sinks={fields.get('attention_sinks', False)}: a gpt_oss checkpoint has attention sinks, "
+            f"and only gpt_oss has them"
+        )
+    if model_type != "gpt_oss":
+        if extra := {k: fields[k] for k in ("out_bias", "expert_bias", "swiglu_limit") if fields.get(k)}:
+            raise HFError(f"{extra}: only a gpt_oss checkpoint has GPT-OSS's output bias, expert biases and clamp")
+        return
     want = {
         "qkv_bias": True,
         "out_bias": True,

@@ -411,18 +411,7 @@ def ring_attention(
         q_BQGRK = q_BQGRK / math.sqrt(d) if scale is None else q_BQGRK * scale
         me = jax.lax.axis_index(ring_axes)
         varying = tuple(jax.sharding.get_abstract_mesh().axis_names)  # each device's own running state
-        acc = [
-            jax.lax.pcast(
-                (
-                    jnp.full((b, g, h // g, qh), _MASKED, jnp.float32),
-                    jnp.zeros((b, g, h // g, qh), jnp.float32),
-                    jnp.zeros((b, qh, g, h // g, d), jnp.float32),
-                ),
-                varying,
-                to="varying",
-            )
-            for _ in range(parts)
-        ]
+        acc = [jax.lax.pcast(_ring_start(b, g, h // g, qh, d), varying, to="varying") for _ in range(parts)]
 
         def block(state, qb, kb, vb, mb):
             m, total, out = state
@@ -449,12 +438,7 @@ def ring_attention(
             if step < split - 1:
                 perm = [(i, (i + 1) % split) for i in range(split)]
                 k_BSGK, v_BSGK = (jax.lax.ppermute(t, ring_axes, perm) for t in (k_BSGK, v_BSGK))
-        outs = []
-        for m, total, out in acc:
-            if sinks_H is not None:  # the sink's weight beside the keys', on the same running max
-                total = total + jnp.exp(sinks_H.astype(jnp.float32).reshape(1, g, h // g, 1) - m)
-            total = jnp.moveaxis(total, -1, 1)[..., None]
-            outs.append(jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0))
+        outs = [_ring_output(*state, sinks_H) for state in acc]
         return jnp.concatenate(outs, axis=1).reshape(b, lq, h, d).astype(q_BQHK.dtype)
 
     sinks_spec = None if sinks_H is None else spec("heads")  # each device's query heads' sinks
@@ -462,6 +446,26 @@ def ring_attention(
         local, in_specs=(q_spec, kv_spec, kv_spec, spec("batch", "length", None), sinks_spec), out_specs=q_spec
     )
     return run(q_BLHK, k_BLGK, v_BLGK, mask_BQL, sinks_H)
+
+
+def _ring_start(b: int, g: int, r: int, q: int, d: int):
+    """A ring's running softmax state before any key: (max, sum of weights, weighted values)."""
+    return (
+        jnp.full((b, g, r, q), _MASKED, jnp.float32),
+        jnp.zeros((b, g, r, q), jnp.float32),
+        jnp.zeros((b, q, g, r, d), jnp.float32),
+    )
+
+
+def _ring_output(m_BGRQ, total_BGRQ, out_BQGRK, sinks_H=None):
+    """A ring's running softmax state as its output: the weighted values over the weights' sum,
+    a head's sink (`sinks_H`) adding its weight exp(sink - running max) to the sum; zeros for a
+    row with nothing to attend."""
+    if sinks_H is not None:
+        g, r = m_BGRQ.shape[1:3]
+        total_BGRQ = total_BGRQ + jnp.exp(sinks_H.astype(jnp.float32).reshape(1, g, r, 1) - m_BGRQ)
+    total = jnp.moveaxis(total_BGRQ, -1, 1)[..., None]
+    return jnp.where(total > 0, out_BQGRK / jnp.where(total > 0, total, 1.0), 0.0)
 
 
 _init = nn.initializers.normal(0.02)

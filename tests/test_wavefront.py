@@ -858,6 +858,7 @@ def test_shared_candidate_work_leaves_the_schedules_as_they_were():
     assert compared > 100 and fixed
 
 
+@pytest.mark.slow  # a subprocess importing jax; the schedules' equality is quick-tier in the test above
 def test_schedule_tiny_script_times_both_schedulers_on_the_same_schedules(tmp_path):
     """`scripts/schedule_tiny.py` (RESULTS' tiny-config scheduling figures) times today's
     wavefront and the previous one on a config's batches, both ways it is called, and exits 0

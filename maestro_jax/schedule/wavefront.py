@@ -883,101 +883,121 @@ def _list_schedule(batch: _Batch, steps, priority: str = "earliest") -> tuple[tu
     forward of an earlier micro-step, which the stages after it wait on); "1f1b", the op
     earliest in 1F1B's sequence (`_one_f_one_b_age`: a first stage's last forward, which every
     later stage waits on, no longer waits behind the backwards of earlier micro-steps)."""
-    problem, graph = batch.problem, batch.graph(steps)
-    ops, resource, duration, dependents = graph.ops, graph.resource, graph.duration, graph.dependents
-    pending = list(graph.waits)
-    finish = [0.0] * len(ops)
-    dep_done = [0.0] * len(ops)  # latest finish among an op's dependencies
-    done = [False] * len(ops)
-    free: dict[str, float] = {}
-    next_f = dict.fromkeys(problem.order, 0)
-    stashed = dict.fromkeys(problem.order, 0)
-    # per section: how many forwards it may stash (None: unbounded, it keeps none)
-    bound = {s: problem.in_flight(s) if problem.needs_backward(s) else None for s in problem.order}
-    ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of (step) for ready backwards
-    f_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "F"}
-    b_index = {(op.section, op.step): i for i, op in enumerate(ops) if op.kind == "B"}
-    staged = priority != "earliest"
-    ages = {"earliest": lambda op: 0, "oldest": lambda op: op.step}.get(priority) or functools.partial(
-        _one_f_one_b_age, problem=problem
-    )
-    # ties among ops that could start at once: by age, the sink's first, forwards first, op index
-    rank = [(ages(op), op.section != problem.sink, op.kind == "B", i) for i, op in enumerate(ops)]
-    left = Counter(resource[i] for i, op in enumerate(ops) if staged and op.kind in ("F", "B"))  # by device group
-    updates: dict[str, list[int]] = {}  # device group -> its updates (they wait for `left` to reach 0)
-    for i, op in enumerate(ops):
-        if op.kind == "U":
-            updates.setdefault(resource[i], []).append(i)
+    return _ListSchedule(batch, steps, priority).run()
 
-    def startable(i: int) -> bool:
+
+class _ListSchedule:
+    """One list schedule of micro-steps (`_list_schedule`): the startable ops in a heap on (planned
+    start, rank), each entry's start as of its push. Starts only grow (devices and dependencies
+    finish later, never earlier), so an entry whose start has grown goes back with its new one,
+    and the first entry that is startable and still current is the op a `min` over every startable
+    op's (start, rank) would take: O(log n) an op."""
+
+    def __init__(self, batch: _Batch, steps, priority: str):
+        problem, graph = batch.problem, batch.graph(steps)
+        self.problem, self.ops, self.resource = problem, graph.ops, graph.resource
+        self.duration, self.dependents = graph.duration, graph.dependents
+        n = len(self.ops)
+        self.pending, self.finish, self.dep_done, self.done = list(graph.waits), [0.0] * n, [0.0] * n, [False] * n
+        self.free: dict[str, float] = {}
+        self.next_f, self.stashed = dict.fromkeys(problem.order, 0), dict.fromkeys(problem.order, 0)
+        # per section: how many forwards it may stash (None: unbounded, it keeps none)
+        self.bound = {s: problem.in_flight(s) if problem.needs_backward(s) else None for s in problem.order}
+        self.ready_b: dict[str, list[int]] = {s: [] for s in problem.order}  # heaps of ready backwards' steps
+        self.f_index = {(op.section, op.step): i for i, op in enumerate(self.ops) if op.kind == "F"}
+        self.b_index = {(op.section, op.step): i for i, op in enumerate(self.ops) if op.kind == "B"}
+        self.staged = priority != "earliest"
+        ages = {"earliest": lambda op: 0, "oldest": lambda op: op.step}.get(priority) or functools.partial(
+            _one_f_one_b_age, problem=problem
+        )
+        # ties among ops that could start at once: by age, the sink's first, forwards first, op index
+        self.rank = [(ages(op), op.section != problem.sink, op.kind == "B", i) for i, op in enumerate(self.ops)]
+        # by device group: its forwards and backwards left (an update waits for none, when staged)
+        self.left = Counter(self.resource[i] for i, op in enumerate(self.ops) if self.staged and op.kind in ("F", "B"))
+        self.updates: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
+            if op.kind == "U":
+                self.updates.setdefault(self.resource[i], []).append(i)
+        self.heap: list[tuple] = []
+
+    def startable(self, i: int) -> bool:
         """Whether op i may start now: its dependencies done, and for a forward its section's
         next within the stash bound, for a backward its section's oldest ready one, for an
         update (staged) every forward and backward of its device group done."""
-        if done[i] or pending[i]:
+        if self.done[i] or self.pending[i]:
             return False
-        op = ops[i]
+        op = self.ops[i]
         if op.kind == "F":
             s = op.section
-            return next_f[s] == op.step and (bound[s] is None or stashed[s] < bound[s])
+            return self.next_f[s] == op.step and (self.bound[s] is None or self.stashed[s] < self.bound[s])
         if op.kind == "B":
-            return ready_b[op.section][0] == op.step
-        return op.kind != "U" or not left[resource[i]]
+            return self.ready_b[op.section][0] == op.step
+        return op.kind != "U" or not self.left[self.resource[i]]
 
-    # The startable ops in a heap on (planned start, rank), each entry's start as of its push:
-    # starts only grow (devices and dependencies finish later, never earlier), so an entry whose
-    # start has grown goes back with its new one, and the first entry that is startable and still
-    # current is the op `min` over every startable op's (start, rank) would take.
-    heap: list[tuple] = []
+    def start_of(self, i: int) -> float:
+        return max(self.free.get(self.resource[i], 0.0), self.dep_done[i])
 
-    def offer(i: int | None) -> None:
-        if i is not None and startable(i):
-            heapq.heappush(heap, (max(free.get(resource[i], 0.0), dep_done[i]), *rank[i]))
+    def offer(self, i: int | None) -> None:
+        if i is not None and self.startable(i):
+            heapq.heappush(self.heap, (self.start_of(i), *self.rank[i]))
 
-    for i, op in enumerate(ops):
-        if op.kind == "B" and pending[i] == 0:
-            heapq.heappush(ready_b[op.section], op.step)
-    for i in range(len(ops)):
-        offer(i)
-    order: list[tuple[float, int, Op]] = []
-    while len(order) < len(ops):
-        if not heap:
-            raise ScheduleError(
-                "list scheduling is stuck: stashed forwards wait on forwards the in-flight "
-                f"bounds {problem.max_in_flight} (and {dict(problem.bounds) or 'no stage bounds'}) hold back (or a "
-                "dependency cycle)"
-            )
-        entry = heapq.heappop(heap)
-        i = entry[-1]
-        if not startable(i):
-            continue
-        t0 = max(free.get(resource[i], 0.0), dep_done[i])
-        if t0 > entry[0]:
-            heapq.heappush(heap, (t0, *rank[i]))
-            continue
-        op, s = ops[i], ops[i].section
-        done[i] = True
-        finish[i] = t0 + duration[i]
-        free[resource[i]] = finish[i]
+    def run(self) -> tuple[tuple[Op, ...], float]:
+        """The ops by planned start time and the planned makespan."""
+        for i, op in enumerate(self.ops):
+            if op.kind == "B" and self.pending[i] == 0:
+                heapq.heappush(self.ready_b[op.section], op.step)
+        for i in range(len(self.ops)):
+            self.offer(i)
+        order: list[tuple[float, int, Op]] = []
+        while len(order) < len(self.ops):
+            i, t0 = self.next_op()
+            self.start(i, t0)
+            order.append((t0, len(order), self.ops[i]))
+        return tuple(op for _, _, op in sorted(order)), max(self.finish, default=0.0)
+
+    def next_op(self) -> tuple[int, float]:
+        """The startable op of least (start, rank), and its start."""
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            i = entry[-1]
+            if not self.startable(i):
+                continue
+            t0 = self.start_of(i)
+            if t0 > entry[0]:
+                heapq.heappush(self.heap, (t0, *self.rank[i]))
+                continue
+            return i, t0
+        problem = self.problem
+        raise ScheduleError(
+            "list scheduling is stuck: stashed forwards wait on forwards the in-flight "
+            f"bounds {problem.max_in_flight} (and {dict(problem.bounds) or 'no stage bounds'}) hold back (or a "
+            "dependency cycle)"
+        )
+
+    def start(self, i: int, t0: float) -> None:
+        """Run op i from t0: its device busy till it ends, its section's stash and next forward
+        moved on, and the ops it unblocks offered."""
+        op, s, res = self.ops[i], self.ops[i].section, self.resource[i]
+        self.done[i] = True
+        self.finish[i] = self.free[res] = t0 + self.duration[i]
         if op.kind == "F":
-            next_f[s] += 1
-            stashed[s] += bound[s] is not None
+            self.next_f[s] += 1
+            self.stashed[s] += self.bound[s] is not None
         elif op.kind == "B":
-            heapq.heappop(ready_b[s])
-            stashed[s] -= 1
-            offer(b_index[(s, ready_b[s][0])] if ready_b[s] else None)
+            heapq.heappop(self.ready_b[s])
+            self.stashed[s] -= 1
+            self.offer(self.b_index[(s, self.ready_b[s][0])] if self.ready_b[s] else None)
         if op.kind in ("F", "B"):
-            offer(f_index.get((s, next_f[s])))
-            if staged:
-                left[resource[i]] -= 1
-                if not left[resource[i]]:
-                    for u in updates.get(resource[i], ()):
-                        offer(u)
-        for j in dependents[i]:
-            pending[j] -= 1
-            dep_done[j] = max(dep_done[j], finish[i])
-            if pending[j] == 0 and ops[j].kind == "B":
-                heapq.heappush(ready_b[ops[j].section], ops[j].step)
-            if pending[j] == 0:
-                offer(j)
-        order.append((t0, len(order), op))
-    return tuple(op for _, _, op in sorted(order)), max(finish, default=0.0)
+            self.offer(self.f_index.get((s, self.next_f[s])))
+            if self.staged:
+                self.left[res] -= 1
+                if not self.left[res]:
+                    for u in self.updates.get(res, ()):
+                        self.offer(u)
+        for j in self.dependents[i]:
+            self.pending[j] -= 1
+            self.dep_done[j] = max(self.dep_done[j], self.finish[i])
+            if self.pending[j] == 0:
+                if self.ops[j].kind == "B":
+                    heapq.heappush(self.ready_b[self.ops[j].section], self.ops[j].step)
+                self.offer(j)
