@@ -48,7 +48,9 @@ ARCHITECTURES = {
 }
 # model types whose language model imports from the `text_config` (its tensors under a prefix,
 # `models.hf`); a Gemma 3 of 4B or more is one, its vision tower beside the LLM
-MULTIMODAL = {"gemma3": "gemma3_text"}
+MULTIMODAL = {"gemma3": "gemma3_text", "qwen2_audio": "qwen2"}
+# where such a folder's config.json says nothing of tied embeddings: its class's default
+MULTIMODAL_TIED = {"gemma3": True, "qwen2_audio": False}
 # VLM folders whose language model is Qwen2's with multimodal RoPE (M-RoPE): the Hub's config.json keeps its
 # text fields at the top level, transformers 5 saves them under `text_config`
 QWEN_VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
@@ -362,7 +364,7 @@ def _multimodal_text(path: str | Path, hf: dict, kind: str) -> tuple[dict, str]:
         raise HFError(
             f"{path}/config.json: text_config.model_type={text.get('model_type')!r}; a {kind} folder's is {MULTIMODAL[kind]!r}"
         )
-    return {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}, MULTIMODAL[kind]
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", MULTIMODAL_TIED[kind]), **text}, MULTIMODAL[kind]
 
 
 def _check_swiglu_rope(path: str | Path, hf: dict, params: dict) -> None:
@@ -752,6 +754,11 @@ def audio_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind audio) that describe the Whisper
     encoder at `path`."""
     hf = read_config(path)
+    if hf.get("model_type") == "qwen2_audio":  # issue 79: its encoder pools pairs of tokens, which the rows do not yet
+        raise HFError(
+            f"{path}/config.json: model_type='qwen2_audio': its audio encoder (Whisper's, its tokens pooled in "
+            f"pairs) does not load yet; kind: llm takes its language model"
+        )
     if hf.get("model_type") != "whisper":
         raise HFError(f"{path}/config.json: model_type={hf.get('model_type')!r}; an audio encoder is 'whisper'")
     c = _with_defaults(hf, WHISPER_DEFAULTS)
@@ -777,7 +784,12 @@ def audio_fields(path: str | Path) -> dict:
 
 
 # Folders that hold more than one model: a config entry names the one it takes with `kind`
-MULTI_MODEL = {"gemma3": ("llm", "vit"), "qwen2_5_vl": ("llm", "vit"), "qwen3_vl": ("llm", "vit")}
+MULTI_MODEL = {
+    "gemma3": ("llm", "vit"),
+    "qwen2_5_vl": ("llm", "vit"),
+    "qwen3_vl": ("llm", "vit"),
+    "qwen2_audio": ("llm", "audio"),
+}
 
 
 def kind_of(path: str | Path) -> str:

@@ -539,6 +539,26 @@ def whisper_features(out: Path) -> None:
     np.savez_compressed(folder / "reference.npz", samples=samples, **features)
 
 
+def qwen2_audio(out: Path) -> None:
+    """A whole Qwen2-Audio folder (Whisper-style encoder, its projector, a Qwen2 language model);
+    `logits` are the model's on TOKENS alone (no audio): what its language model computes."""
+    torch.manual_seed(6)
+    audio = transformers.Qwen2AudioEncoderConfig(
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        max_source_positions=8,
+    )
+    text = transformers.Qwen2Config(**{**LLM_BASE, "tie_word_embeddings": False})
+    config = transformers.Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=95)
+    model = _perturbed(transformers.Qwen2AudioForConditionalGeneration(config))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(TOKENS)).logits.float().numpy()
+    _save(model, out / "qwen2_audio", tokens=TOKENS, logits=logits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "hf")
@@ -550,6 +570,7 @@ def main() -> None:
         "gemma3_vlm": gemma3_vlm,
         "qwen2_5_vl": qwen2_5_vl,
         "qwen3_vl": qwen3_vl,
+        "qwen2_audio": qwen2_audio,
     }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()

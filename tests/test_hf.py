@@ -44,6 +44,8 @@ TIED = {
     # GPT-OSS: sinks, q/k/v/o biases, window 4 and full layers alternating, 4 experts with biases
     # and the clamped SwiGLU (limit 0.1: it bites), YaRN without truncation
     "gpt_oss": False,
+    # a whole Qwen2-Audio folder's language model (Qwen2's, under language_model.): its text logits
+    "qwen2_audio": False,
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -716,6 +718,7 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
         "gemma3_text",
         "gemma2",
         "gpt_oss",
+        "qwen2_audio",  # its language model, through the whole Qwen2-Audio model on text
     ],
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
@@ -910,3 +913,23 @@ def test_a_phi3_folder_fuses_its_projections_and_refuses_partial_rotary(tmp_path
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(hf.HFError, match=r"config.json: partial_rotary_factor=0.5; valid: 1.0"):
         hf.llm_fields(path)
+
+
+def test_a_qwen2_audio_folder_gives_its_language_model_and_refuses_its_encoder_for_now():
+    """`models.<s>: {hf: <a Qwen2-Audio folder>, kind: llm}` takes its Qwen2 language model (the
+    import test above checks its logits); without `kind` the folder's two models are named, and
+    `kind: audio` is refused in one line until the rows take its pooled encoder (issue 79)."""
+    from maestro_jax.hf_config import audio_fields, kind_of
+
+    path = FIXTURES / "qwen2_audio"
+    fields = hf.llm_fields(path)
+    assert (fields["qkv_bias"], fields["tie_embeddings"], fields["vocab"]) == (True, False, 96)
+    with pytest.raises(
+        hf.HFError, match=r"holds a model of each kind \['llm', 'audio'\]; write kind: llm or kind: audio"
+    ):
+        kind_of(path)
+    with pytest.raises(hf.HFError) as err:
+        audio_fields(path)
+    assert "its audio encoder (Whisper's, its tokens pooled in pairs) does not load yet" in str(err.value)
+    cfg = _from_folder(path, f"{{hf: {path}, kind: llm}}", "models.student.vocab=96")
+    assert cfg.models["teacher"].qkv_bias and cfg.sections["teacher"].init.hf_path == str(path)

@@ -105,7 +105,7 @@ def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
 
     model_type = read_config(path).get("model_type")
     whole = {"gemma3": check_gemma3_vlm, **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl)}.get(model_type)
-    kinds = ("llm", "vit") if whole else (kind_of(path),)  # a whole VLM: a decoder and a tower
+    kinds = ("llm", "vit") if whole else ("llm",) if model_type in LANGUAGE_MODEL_ONLY else (kind_of(path),)
     check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kinds[0]]
     weight_files(path)  # the model type first: a folder of an unsupported one is named as such
     _require_tensors(path, kinds)
@@ -506,9 +506,17 @@ def _reference_modules():
     return torch, transformers
 
 
+# Whole multimodal folders of which check-hf compares the language model alone (the whole model
+# on text), by the transformers class that holds it: a Qwen2-Audio folder's encoder does not load
+# yet (issue 79)
+LANGUAGE_MODEL_ONLY = {"qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+
+
 def _transformers_logits(path: Path, ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
     torch, transformers = _reference_modules()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    whole = LANGUAGE_MODEL_ONLY.get(read_config(path).get("model_type"))
+    cls = getattr(transformers, whole) if whole else transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(valid.astype(np.int64)))
     return out.logits.float().numpy()
