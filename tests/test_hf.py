@@ -790,12 +790,12 @@ def test_an_export_owns_its_folder(tmp_path, capsys):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("case", ["mixtral", "phi3", "olmo2", "gpt_oss"])
+@pytest.mark.parametrize("case", ["mixtral", "phi3", "olmo2", "gpt_oss", "qwen2_audio"])
 def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, capsys, case):
     """One weight moved on maestro's side only (after its import of the folder: a Mixtral expert's,
     the up projection Phi-3 fuses with its gate, OLMo 2's query-norm scale of a feature past the
-    first head, a GPT-OSS head's attention sink): the logits differ from transformers' and check-hf
-    exits 1."""
+    first head, a GPT-OSS head's attention sink, a query bias of a Qwen2-Audio folder's language
+    model): the logits differ from transformers' and check-hf exits 1."""
     live_transformers()
     from maestro_jax import cli
 
@@ -810,6 +810,8 @@ def test_check_hf_fails_a_folder_whose_weight_maestro_reads_moved(monkeypatch, c
             return {**params, "block_1": {**block, "q_norm": {"scale": block["q_norm"]["scale"].at[20].add(0.5)}}}
         if case == "gpt_oss":
             return {**params, "block_1": {**block, "sinks": block["sinks"].at[3].add(0.5)}}
+        if case == "qwen2_audio":  # a query bias of its language model's fourth head
+            return {**params, "block_1": {**block, "q": {**block["q"], "bias": block["q"]["bias"].at[3, 5].add(0.5)}}}
         return {**params, "block_1": {**block, "up": {"kernel": block["up"]["kernel"].at[0].add(0.05)}}}
 
     monkeypatch.setattr(hf, "load_llm", moved)
