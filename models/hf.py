@@ -436,23 +436,17 @@ def _moe_config(fields: dict, model_type: str) -> dict:
         )
     if model_type == "qwen2_moe":
         config.update(shared_expert_intermediate_size=fields["shared_expert_mlp"], qkv_bias=True)
-    if model_type == "gpt_oss":
+    if model_type in ("mixtral", "gpt_oss"):  # both name their experts alike
         config.update(
             num_local_experts=fields["experts"],
             num_experts_per_tok=fields["experts_per_token"],
             intermediate_size=fields["expert_mlp"],
             router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
-            swiglu_limit=fields["swiglu_limit"],
-            swiglu_alpha=fields.get("swiglu_alpha", 1.702),
         )
-    if model_type == "mixtral":
-        config.update(
-            num_local_experts=fields["experts"],
-            num_experts_per_tok=fields["experts_per_token"],
-            intermediate_size=fields["expert_mlp"],
-            router_aux_loss_coef=fields.get("router_aux_loss", 0.001),
-            router_jitter_noise=0.0,
-        )
+        own = {"router_jitter_noise": 0.0}
+        if model_type == "gpt_oss":
+            own = {"swiglu_limit": fields["swiglu_limit"], "swiglu_alpha": fields.get("swiglu_alpha", 1.702)}
+        config.update(own)
     return config
 
 
