@@ -177,6 +177,7 @@ def test_host_per_op_divides_each_host_time_by_what_it_launched():
     steps; the calibration's device time per op kind beside them."""
     from maestro_jax.schedule import Op, Schedule
     from maestro_jax.tools.bench import _device_time_by_kind, _host_per_op, _launches, _no_stats
+    from maestro_jax.tools.calibrate import UpdateWork
 
     ops = (Op("F", "vision", 0), Op("X", "vision", 0, "img"), Op("F", "llm", 0), Op("XB", "vision", 0, "img"))
     ops += (Op("B", "vision", 0), Op("U", "vision"), Op("U", "llm"))
@@ -192,7 +193,7 @@ def test_host_per_op_divides_each_host_time_by_what_it_launched():
             stats[m]["programs"].append(5)
             stats[m]["transfers"].append(2)
     measured = [(Op("F", "llm", 0), None, None, (4.0, 0.1)), (Op("F", "vision", 0), None, None, (2.0, 0.1))]
-    measured += [(Op("X", "vision", 0, "img"), None, None, (0.5, 0.2)), (("update", "llm"), None, None, 9.0)]
+    measured += [(Op("X", "vision", 0, "img"), None, None, (0.5, 0.2)), (UpdateWork("llm"), None, None, 9.0)]
     per_op = _host_per_op(stats, _device_time_by_kind(measured))
     g = 1.1 * 2.0  # the wavefront's middle step
     assert per_op["wavefront"] == pytest.approx(

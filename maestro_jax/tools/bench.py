@@ -32,7 +32,7 @@ from maestro_jax.planning.simulator import simulate
 from maestro_jax.runtime.build import build_runtime
 from maestro_jax.runtime.mfu import peak_of
 from maestro_jax.runtime.step import StepBatch
-from maestro_jax.schedule import naive, sample_metas, wavefront
+from maestro_jax.schedule import Op, naive, sample_metas, wavefront
 from maestro_jax.tools import calibrate
 from maestro_jax.tools.simulate import seconds
 
@@ -327,7 +327,7 @@ def _device_time_by_kind(measured) -> dict[str, float]:
     runs (`calibrate.measure`: each op waited for, its issue time taken off)."""
     by_kind: dict[str, list[float]] = {}
     for op, *_, t in measured:
-        if isinstance(t, tuple):  # a timed op: (device seconds, issue seconds)
+        if isinstance(op, Op):  # a timed op: (device seconds, issue seconds); else a host row
             by_kind.setdefault(op.kind, []).append(t[0])
     order = ["F", "B", "X", "XB", "U"]  # a schedule's kinds, in its own order
     return {k: statistics.median(by_kind[k]) for k in sorted(by_kind, key=order.index)}

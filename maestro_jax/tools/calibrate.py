@@ -20,6 +20,20 @@ from maestro_jax.runtime.step import StepBatch, TrainState
 from maestro_jax.schedule import sample_metas
 
 
+@dataclasses.dataclass(frozen=True)
+class HostWork:
+    """`measure`'s row of the host's packing of a batch of `samples` (its time: seconds)."""
+
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateWork:
+    """`measure`'s row of `section`'s optimizer update (its time: seconds)."""
+
+    section: str
+
+
 def measure(rt, state, batches, repeats: int = 2) -> tuple[list[tuple], TrainState]:
     """(op, schedule, metas, seconds) for every op of `batches`, best of `repeats` (after a warm-up),
     from the step's measured timeline (`SectionedStep.timeline`) starting at `state` (a
@@ -27,8 +41,9 @@ def measure(rt, state, batches, repeats: int = 2) -> tuple[list[tuple], TrainSta
     (with `compile.donate`, as on accelerators, it consumes its input's buffers, so the caller
     goes on from the returned state, never the one it passed in).
 
-    Host work is measured too: ("host", n_samples, seconds) for packing a batch's micro-steps,
-    and ("update", section, seconds) for each optimizer update.
+    Host work is measured too, in rows of its own kind (never an op): `HostWork(n_samples)` for
+    packing a batch's micro-steps and `UpdateWork(section)` for each optimizer update, each with
+    its seconds. An op's time is (device seconds, issue seconds).
     """
     out = []
     for samples in batches:
@@ -46,11 +61,11 @@ def measure(rt, state, batches, repeats: int = 2) -> tuple[list[tuple], TrainSta
                 sections[s] = rt.programs[s].update(sections[s], g)
                 jax.block_until_ready(sections[s].params)
                 if i:
-                    best[("update", s)] = min(best.get(("update", s), np.inf), time.perf_counter() - t0)
+                    best[UpdateWork(s)] = min(best.get(UpdateWork(s), np.inf), time.perf_counter() - t0)
             state = dataclasses.replace(state, sections=sections)
             if i == 0:
                 continue  # compiles
-            best[("host", len(samples))] = min(best.get(("host", len(samples)), np.inf), t_host)
+            best[HostWork(len(samples))] = min(best.get(HostWork(len(samples)), np.inf), t_host)
             for op, t0, t1, issue in record:
                 # device time = waited time - host time to issue; both are fitted separately
                 prev = best.get(op, (np.inf, np.inf))
@@ -78,15 +93,14 @@ def fit(rt, measurements) -> CostModel:
     host, updates, dispatch = [], defaultdict(list), defaultdict(list)
     per_octave = rt.cfg.compile.buckets_per_octave  # the buckets the measured steps ran at
     for op, schedule, metas, t in measurements:
-        if not isinstance(op, tuple):
-            t, issue = t
-            dispatch[op.kind].append(issue)
-        if isinstance(op, tuple):
-            if op[0] == "host":
-                host.append(t / op[1])
-            else:
-                updates[op[1]].append(t)
+        if isinstance(op, HostWork):
+            host.append(t / op.samples)
             continue
+        if isinstance(op, UpdateWork):
+            updates[op.section].append(t)
+            continue
+        t, issue = t
+        dispatch[op.kind].append(issue)
         if op.kind == "U":
             continue
         st = schedule.steps[op.section][op.step]
