@@ -86,6 +86,25 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.pop(int(np.argmin(sol)))
 
 
+def _section_cost(s: str, sink: bool, coefs: dict, points: dict, per_octave: int) -> SectionCost:
+    """Section `s`'s fitted forward (the sink's loss-and-grad) coefficients, and its backward's
+    cost relative to the forward from the fitted totals at a typical bucket (2 where unmeasured)."""
+    base_kind = "L" if sink else "F"
+    o, u, u2 = coefs.get((s, base_kind), (0.0, 0.0, 0.0))
+    back = coefs.get((s, "B"))
+    typical = np.mean([r[1] for r in points.get((s, base_kind), [(0, 1, 1, 0)])])
+    fwd_t = o + u * typical
+    factor = float((back[0] + back[1] * typical) / fwd_t) if back is not None and fwd_t > 0 else 2.0
+    return SectionCost(
+        per_unit_s=float(u),
+        per_unit2_s=float(u2),
+        overhead_s=float(o),
+        backward_factor=factor,
+        sink_factor=1.0,
+        per_octave=per_octave,
+    )
+
+
 def fit(rt, measurements) -> CostModel:
     p = rt.problem
     points = defaultdict(list)
@@ -116,23 +135,7 @@ def fit(rt, measurements) -> CostModel:
     for key, rows in points.items():
         a = np.asarray(rows)
         coefs[key] = _nnls(a[:, :3], a[:, 3])
-    sections = {}
-    for s in p.order:
-        base_kind = "L" if s == p.sink else "F"
-        o, u, u2 = coefs.get((s, base_kind), (0.0, 0.0, 0.0))
-        back = coefs.get((s, "B"))
-        # backward cost relative to forward, from the fitted totals at a typical bucket
-        typical = np.mean([r[1] for r in points.get((s, base_kind), [(0, 1, 1, 0)])])
-        fwd_t = o + u * typical
-        factor = float((back[0] + back[1] * typical) / fwd_t) if back is not None and fwd_t > 0 else 2.0
-        sections[s] = SectionCost(
-            per_unit_s=float(u),
-            per_unit2_s=float(u2),
-            overhead_s=float(o),
-            backward_factor=factor,
-            sink_factor=1.0,
-            per_octave=per_octave,
-        )
+    sections = {s: _section_cost(s, s == p.sink, coefs, points, per_octave) for s in p.order}
     per_unit, overhead = {}, []
     for edge, rows in transfers.items():
         a = np.asarray(rows, dtype=float)
