@@ -217,10 +217,11 @@ class RopeScaling:
 AUTO_DISPATCH = dict.fromkeys(("gpu", "cuda"), fast_paths.default("moe_dispatch auto (NVIDIA)"))
 
 
-def moe_dispatch_for(requested: str, platform: str) -> str:
+def moe_dispatch_for(requested: str, platform: str, dense_only: bool = False) -> str:
     """The dispatch that runs: `requested`, or for `auto` this backend's entry of AUTO_DISPATCH
-    (`dense` where it has none), logged once."""
-    choice = requested if requested != "auto" else AUTO_DISPATCH.get(platform, "dense")
+    (`dense` where it has none, or where the experts run on it alone, `dense_only`: GPT-OSS's
+    biases and clamp), logged once."""
+    choice = requested if requested != "auto" else "dense" if dense_only else AUTO_DISPATCH.get(platform, "dense")
     _log_dispatch(requested, platform, choice)
     return choice
 
@@ -392,12 +393,11 @@ class LLMConfig:
 
     def __post_init__(self):
         enforce(self)
-        if self.moe_dispatch == "auto" and (self.expert_bias or self.swiglu_limit is not None):
-            object.__setattr__(self, "moe_dispatch", "dense")  # GPT-OSS's experts run there only (`_gpt_oss_experts`)
         if self.moe_dispatch == "auto":  # every config holds the dispatch that runs: the cost model reads it
             import jax  # only where a model is built: the config's schema needs no JAX
 
-            object.__setattr__(self, "moe_dispatch", moe_dispatch_for("auto", jax.default_backend()))
+            dense_only = self.expert_bias or self.swiglu_limit is not None  # `_gpt_oss_experts`
+            object.__setattr__(self, "moe_dispatch", moe_dispatch_for("auto", jax.default_backend(), dense_only))
 
     @classmethod
     def from_fields(cls, fields: dict, **extra) -> LLMConfig:

@@ -277,7 +277,7 @@ def _mlp_mapping(c: dict, b: str, hf: str, mixtral: bool, fused: bool) -> dict:
     projections (`fused`: Phi-3's gate rows, then up rows, of one tensor)."""
     out = {}
     if c.get("experts") and c.get("expert_bias"):
-        return _gpt_oss_experts(b, hf)
+        return _gpt_oss_expert_tensors(b, hf)
     if c.get("experts"):
         moe, own = (f"{hf}.block_sparse_moe", MIXTRAL_EXPERTS) if mixtral else (f"{hf}.mlp", QWEN_EXPERTS)
         out[(b, "moe", "router")] = (f"{moe}.gate.weight", np.transpose)
@@ -297,7 +297,7 @@ def _mlp_mapping(c: dict, b: str, hf: str, mixtral: bool, fused: bool) -> dict:
     return out
 
 
-def _gpt_oss_experts(b: str, hf: str) -> dict:
+def _gpt_oss_expert_tensors(b: str, hf: str) -> dict:
     """Block `b`'s GPT-OSS experts, stored stacked: the router's weight and bias, `gate_up_proj`
     ([experts, width, 2 x expert_mlp], gate and up interleaved: gate the even columns, up the odd)
     with its bias, `down_proj` ([experts, expert_mlp, width], already the Flax layout) with its."""
@@ -525,8 +525,11 @@ def _check_exportable(fields: dict, model_type: str) -> None:
         raise HFError(f"a {model_type} checkpoint has {gemma}; this model has {differs}")
     _check_olmo2(fields, model_type)
     own = ("embed_scale", "global_every", "attn_softcap", "final_softcap")
-    own = own if model_type == "olmo2" else ("post_norms", *own)
-    own = tuple(k for k in own if k != "global_every") if model_type == "gpt_oss" else own  # its layer_types
+    # Gemma's fields another type may hold: OLMo 2 its norms after the blocks' parts, GPT-OSS its
+    # window every other layer (layer_types)
+    own = {"olmo2": own, "gpt_oss": ("post_norms", "embed_scale", "attn_softcap", "final_softcap")}.get(
+        model_type, ("post_norms", *own)
+    )
     if model_type not in GEMMAS and any(fields.get(k) for k in own):
         raise HFError(
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
@@ -568,7 +571,7 @@ def _check_gpt_oss(fields: dict, model_type: str) -> None:
         "final_softcap": None,
         "rope_local_theta": None,
     }
-    wrong = {k: fields.get(k) for k, v in want.items() if fields.get(k, v) != v}
+    wrong = {k: _field(fields, k) for k, v in want.items() if _field(fields, k) != v}
     if not fields.get("experts") or fields.get("swiglu_limit") is None:
         wrong.update(experts=fields.get("experts"), swiglu_limit=fields.get("swiglu_limit"))
     if wrong:
@@ -576,12 +579,19 @@ def _check_gpt_oss(fields: dict, model_type: str) -> None:
         raise HFError(f"{shown}: a gpt_oss checkpoint has GPT-OSS's block (want {want}, experts > 0 and swiglu_limit)")
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LLMConfig)}
+
+
+def _field(fields: dict, key: str):
+    """`fields[key]`, or LLMConfig's default where `fields` omits it."""
+    return fields.get(key, _DEFAULTS[key])
+
+
 def _check_olmo2(fields: dict, model_type: str) -> None:
     """OLMo 2's block (norms after the attention and the MLP only, query and key norms over the
     whole projection) exports as `olmo2`, and `olmo2` holds only that block."""
     olmo2 = {"pre_norms": False, "post_norms": True, "qk_norm": True, "qk_norm_over": "projection", "qkv_bias": False}
-    defaults = {f.name: f.default for f in dataclasses.fields(LLMConfig)}  # where `fields` omits a key
-    got = {k: fields.get(k, defaults[k]) for k in olmo2}
+    got = {k: _field(fields, k) for k in olmo2}
     if model_type == "olmo2" and (got != olmo2 or fields.get("experts") or fields.get("sliding_window")):
         raise HFError(
             f"an olmo2 checkpoint has {olmo2}, no experts and no sliding window; this model has {got}, "

@@ -2,6 +2,8 @@
 experts' biases and clamped SwiGLU, each against a reference written from transformers'
 GptOssAttention / GptOssExperts / GptOssTopKRouter (transformers 5.25), and their refusals."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -155,34 +157,11 @@ def test_gpt_oss_experts_are_refused_where_they_cannot_run(fields, message):
 def test_sinks_under_ring_attention_equal_one_device():
     """A GPT-OSS decoder on context 2 x tensor 2 (ring attention, each device's query heads' sinks
     sharded with them) gives one device's loss and gradients, sinks' included."""
-    from maestro_jax.core.plan import SectionPlan, mesh_shape
-    from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, variable_shardings
+    from test_layers import ring_against_one_device
 
     c = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, **GPT_OSS)
-    model = DecoderLM(c)
-    rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, c.vocab, (4, 16)), jnp.int32)
-    valid = jnp.asarray(np.arange(16)[None] < np.array([[16], [11], [5], [1]]))
-    positions = jnp.where(valid, jnp.arange(16)[None], 0)
-    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, positions, valid))
-    params = nn.meta.unbox(model.init(jax.random.key(0), ids, positions, valid)["params"])
-    params = jax.tree.map(lambda a: a + 0.3 if a.ndim == 1 else a, params)  # sinks and biases away from 0
-
-    def loss(p, ids, positions, valid):
-        logp = jax.nn.log_softmax(model.apply({"params": p}, ids, positions, valid))
-        return -jnp.sum(jnp.take_along_axis(logp, ids[..., None], -1)[..., 0] * valid)
-
-    ref_loss, ref_grads = jax.value_and_grad(loss)(params, ids, positions, valid)
-    mesh = section_mesh(SectionPlan((0, 1, 2, 3), mesh_shape(context=2, tensor=2), 1))
-    shard, rows = variable_shardings(boxed, mesh, "default")["params"], row_sharding(mesh)
-    step = jax.jit(jax.value_and_grad(loss), in_shardings=(shard, rows, rows, rows))
-    with on_mesh(mesh, "default"):
-        placed = jax.device_put(params, shard)
-        got_loss, got_grads = step(placed, ids, positions, valid)
-        hlo = step.lower(placed, ids, positions, valid).compile().as_text()
-    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    away = functools.partial(jax.tree.map, lambda a: a + 0.3 if a.ndim == 1 else a)  # sinks, biases off 0
+    hlo = ring_against_one_device(c, dict(context=2, tensor=2), length=16, lengths=(16, 11, 5, 1), shift=away)
     assert "collective-permute" in hlo, "the ring ran"
 
 
@@ -254,36 +233,6 @@ def test_a_gpt_oss_export_holds_the_folders_tensors_and_reloads_to_its_logits(tm
     assert config["rope_parameters"] == theirs["rope_parameters"]
     back, _, _ = flax_logits(out, scan=scan)
     np.testing.assert_allclose(back, ours, rtol=0, atol=1e-6)
-
-
-@pytest.mark.slow  # two sections and the monolithic step compiled
-def test_a_gpt_oss_teacher_with_its_experts_on_the_expert_axis_verifies():
-    """`models.teacher: {hf: <a GPT-OSS folder>}` beside kd_tiny's student, the teacher on data 2 x
-    expert 2 (two of the four experts of every layer, and their biases, on each device): the
-    sectioned step equals the monolithic one (data 2 x expert 2 x fsdp 2)."""
-    from pathlib import Path
-
-    from test_hf import _from_folder
-
-    from maestro_jax.runtime.build import build_runtime
-    from maestro_jax.tools.verify import verify
-
-    path = Path(__file__).parent / "fixtures" / "hf" / "gpt_oss"
-    cfg = _from_folder(
-        path,
-        f"{{hf: {path}}}",
-        "models.student.vocab=96",
-        "sections.teacher.mesh={data: 2, expert: 2}",
-        "monolithic.mesh={data: 2, expert: 2, fsdp: 2}",
-    )
-    assert cfg.models["teacher"].attention_sinks and cfg.models["teacher"].experts == 4
-    rt = build_runtime(cfg)
-    moe = rt.step.init()["teacher"].consts["llm"]["block_0"]["moe"]
-    for name in ("up", "up_bias", "down_bias"):
-        assert moe[name].sharding.shard_shape(moe[name].shape)[0] == 2, f"two experts' {name} a device"
-    diffs = verify(cfg, rt)
-    assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
-    assert all(d.max_rel <= 1e-5 for d in diffs), diffs
 
 
 def test_export_offers_every_type_an_exporter_writes():

@@ -836,14 +836,15 @@ def test_a_mixtral_whose_router_adds_noise_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.slow  # two sections and the monolithic step compiled
-def test_a_mixtral_teacher_with_its_experts_on_the_expert_axis_verifies(tmp_path):
-    """`models.teacher: {hf: <a Mixtral folder>}` beside a Llama-style student, the teacher on
-    data 2 x expert 2 (each device holding 2 of the 4 experts of every layer): the teacher starts
-    from the folder (its experts split over the expert axis) and the sectioned step equals the
-    monolithic one (data 2 x expert 2 x fsdp 2)."""
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_an_moe_teacher_with_its_experts_on_the_expert_axis_verifies(case):
+    """`models.teacher: {hf: <a Mixtral or GPT-OSS folder>}` beside a Llama-style student, the
+    teacher on data 2 x expert 2 (each device holding 2 of the 4 experts of every layer, and
+    GPT-OSS's their biases): the teacher starts from the folder (its experts split over the expert
+    axis) and the sectioned step equals the monolithic one (data 2 x expert 2 x fsdp 2)."""
     from maestro_jax.tools.verify import verify
 
-    path = FIXTURES / "mixtral"
+    path = FIXTURES / case
     cfg = _from_folder(
         path,
         f"{{hf: {path}}}",
@@ -852,9 +853,11 @@ def test_a_mixtral_teacher_with_its_experts_on_the_expert_axis_verifies(tmp_path
         "monolithic.mesh={data: 2, expert: 2, fsdp: 2}",
     )
     assert cfg.models["teacher"].experts == 4 and cfg.sections["teacher"].init.hf_path == str(path)
+    assert cfg.models["teacher"].attention_sinks == (case == "gpt_oss")
     rt = build_runtime(cfg)
-    up = rt.step.init()["teacher"].consts["llm"]["block_0"]["moe"]["up"]
-    assert up.shape[0] == 4 and up.sharding.shard_shape(up.shape)[0] == 2, "two experts a device"
+    moe = rt.step.init()["teacher"].consts["llm"]["block_0"]["moe"]
+    for name in ("up", "up_bias", "down_bias") if case == "gpt_oss" else ("up",):
+        assert moe[name].shape[0] == 4 and moe[name].sharding.shard_shape(moe[name].shape)[0] == 2, name
     diffs = verify(cfg, rt)
     assert [d.name for d in diffs] == ["loss", "grad_norm", "student/grads", "student/params_after_update"]
     assert all(d.max_rel <= 1e-5 for d in diffs), diffs

@@ -145,22 +145,32 @@ def test_ring_attention_equals_one_device_and_passes_keys_round_the_ring(axes):
     collective-permutes, not an all-gather of the whole sequence. With tensor parallelism the
     scores are soft-capped too (Gemma 2's `attn_softcap`, low enough to bend them): the ring caps
     each block's scores as the one-device path caps them all."""
+    from maestro_jax.models import LLMConfig
+
+    cap = 0.05 if "tensor" in axes else None
+    cfg = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, attn_softcap=cap)
+    hlo = ring_against_one_device(cfg, axes, length=32, lengths=(32, 20, 9, 1))
+    assert "collective-permute" in hlo and "conditional" in hlo
+
+
+def ring_against_one_device(cfg, axes: dict, length: int, lengths, shift=None) -> str:
+    """`cfg`'s decoder on 4 devices of mesh `axes` against one device: the loss and gradients of
+    rows of `lengths` valid tokens (padded to `length`) equal; returns the 4-device program's HLO.
+    `shift(params)`: the parameters moved off their init first (a bias or sink left at 0 hides)."""
     import flax.linen as nn
-    from maestro_jax.models import DecoderLM, LLMConfig
+    from maestro_jax.models import DecoderLM
 
     from maestro_jax.core.plan import SectionPlan, mesh_shape
     from maestro_jax.runtime.sharding import on_mesh, row_sharding, section_mesh, variable_shardings
 
-    cap = 0.05 if "tensor" in axes else None
-    cfg = LLMConfig(vocab=64, width=32, depth=2, heads=4, kv_heads=2, head_dim=8, mlp=64, attn_softcap=cap)
     model = DecoderLM(cfg)
     rng = np.random.default_rng(0)
-    rows, length = 4, 32
-    ids = jnp.asarray(rng.integers(0, cfg.vocab, (rows, length)), jnp.int32)
-    valid = jnp.asarray(np.arange(length)[None] < np.array([[32], [20], [9], [1]]))
+    ids = jnp.asarray(rng.integers(0, cfg.vocab, (len(lengths), length)), jnp.int32)
+    valid = jnp.asarray(np.arange(length)[None] < np.array(lengths)[:, None])
     positions = jnp.where(valid, jnp.arange(length)[None], 0)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, positions, valid))
     params = nn.meta.unbox(model.init(jax.random.key(0), ids, positions, valid)["params"])
+    params = params if shift is None else shift(params)
 
     def loss(p, ids, positions, valid):
         logp = jax.nn.log_softmax(model.apply({"params": p}, ids, positions, valid))
@@ -177,4 +187,4 @@ def test_ring_attention_equals_one_device_and_passes_keys_round_the_ring(axes):
     np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
-    assert "collective-permute" in hlo and "conditional" in hlo
+    return hlo
