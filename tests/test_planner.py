@@ -522,3 +522,21 @@ def test_plan_reproduces_the_stored_paper_plans(tmp_path, capsys, workload, devi
     )
     assert got["best"] == want["best"] and got["step_time_s"] == want["step_time_s"]
     assert not _same_record(got, want), _same_record(got, want)[:5]
+
+
+@pytest.mark.slow
+def test_plan_puts_a_mixtral_style_teacher_on_the_expert_axis(tmp_path, capsys):
+    """`configs/kd_moe_paper_scale.yaml` (a Mixtral-8x7B-style teacher, a Mistral-7B-style student,
+    64 H100s): the exact search (`--tolerance 0`) places the frozen MoE teacher with expert
+    parallelism, and its best plan is the one the config ships (devices, mesh, micro-batch,
+    fanout). The exact optimum, not a pick among near ties: every dense-teacher plan (expert 1) is
+    priced slower by the same cost model."""
+    config, out = ROOT / "configs/kd_moe_paper_scale.yaml", tmp_path / "planned.yaml"
+    argv = ["plan", "--config", str(config), "--devices", "64", "--memory-gb", "80", "--top", "1", "--tolerance", "0"]
+    assert cli.main([*argv, "--write", str(out)]) == 0, capsys.readouterr().err
+    planned, shipped = load_config(out), load_config(config)
+    assert planned.sections["teacher"].mesh.expert > 1, planned.sections["teacher"]
+    for s in ("teacher", "student"):
+        got, want = planned.sections[s], shipped.sections[s]
+        assert (got.devices, got.mesh, got.micro_batch) == (want.devices, want.mesh, want.micro_batch), s
+    assert planned.edges == shipped.edges
