@@ -14,6 +14,10 @@ Two stems turn a group into a token (`stem`):
     length (2 x `max_tokens` frames, 30 s) gets exactly Whisper's features; a shorter one is
     encoded without Whisper's padding to 30 s.
 Positions are a learned table, one row per token (Whisper stores its sinusoids the same way).
+With `pool` > 1 every `pool` consecutive tokens are averaged after the last block, before
+`out_norm` (Qwen2-Audio's encoder: Whisper's with `AvgPool1d(2, 2)` there): a row of N tokens
+leaves as N / pool. Clips hold a multiple of `pool` tokens and are packed from the row's start, so
+each run of `pool` lies within one clip and pooled token j of the row is the clip's own.
 """
 
 import flax.linen as nn
@@ -29,6 +33,15 @@ def _neighbour(x_BNX, same_BN, step: int):
     that neighbour belongs to another clip or is padding: a convolution's zero padding at the
     clip's edges. (`roll` wraps round the row; the row's first and last tokens are masked.)"""
     return jnp.where(same_BN[..., None], jnp.roll(x_BNX, -step, axis=1), 0)
+
+
+def _pooled(x_BNW, pool: int):
+    """Each run of `pool` tokens averaged (a row's padding to a multiple of `pool` pools apart)."""
+    if pool == 1:
+        return x_BNW
+    b, n, w = x_BNW.shape
+    x_BNW = jnp.pad(x_BNW, ((0, 0), (0, -n % pool), (0, 0)))
+    return x_BNW.reshape(b, -1, pool, w).mean(axis=2)
 
 
 class ConvStem(nn.Module):
@@ -85,13 +98,13 @@ class AudioEncoder(nn.Module):
         )
 
     def features(self, frames_BNF, segments_BN, positions_BN1, segment_lengths_BM=None):
-        """Frame groups -> the last block's output through `out_norm`, `B x N x width` (Whisper's
-        `last_hidden_state`); `segment_lengths_BM`: the host's per-clip token counts
-        (`models.attention.segment_lengths`), where it sent them."""
+        """Frame groups -> the last block's output, pooled, through `out_norm`, `B x N / pool x
+        width` (Whisper's and Qwen2-Audio's `last_hidden_state`); `segment_lengths_BM`: the host's
+        per-clip token counts (`models.attention.segment_lengths`), where it sent them."""
         x = self.stem(frames_BNF, segments_BN) if self.cfg.stem == "conv" else self.frame_embed(frames_BNF)
         x = x + jnp.take(self.pos, positions_BN1[..., 0], axis=0)
-        return self.out_norm(self.blocks(x, item_mask(segments_BN, segment_lengths_BM)))
+        return self.out_norm(_pooled(self.blocks(x, item_mask(segments_BN, segment_lengths_BM)), self.cfg.pool))
 
     def __call__(self, frames_BNF, segments_BN, positions_BN1, segment_lengths_BM=None):
-        """Frame groups -> audio tokens `B x N x out_width`."""
+        """Frame groups -> audio tokens `B x N / pool x out_width`."""
         return self.out_proj(self.features(frames_BNF, segments_BN, positions_BN1, segment_lengths_BM))

@@ -133,6 +133,9 @@ class AudioConfig:
     mlp: PositiveInt
     out_width: PositiveInt  # the consumer's width (audio tokens enter the LLM)
     max_tokens: PositiveInt = 1500  # learned positions: the longest clip, in tokens
+    # > 1: after the last block, each run of `pool` tokens of a clip averaged into one (Qwen2-Audio's
+    # avg_pooler: 2) before out_norm and out_proj; a clip then enters the LLM as tokens / pool
+    pool: PositiveInt = 1
     # dense: a linear map per frame group; conv: Whisper's two convolutions over time (module docstring)
     stem: Literal["dense", "conv"] = "dense"
     norm_eps: PositiveFloat = 1e-6  # every LayerNorm's epsilon (Whisper: 1e-5)
@@ -162,6 +165,12 @@ class AudioConfig:
     @property
     def token_features(self) -> int:
         return self.frames_per_token * self.mel
+
+    @property
+    def frames_per_output(self) -> int:
+        """Frames per token the encoder sends on (one placeholder each): a clip's frame count is
+        a multiple of it, so no pooled token straddles two clips packed in a row."""
+        return self.frames_per_token * self.pool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

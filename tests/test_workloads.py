@@ -14,6 +14,7 @@ from maestro_jax.config import ConfigError, load_config
 from maestro_jax.tools.verify import verify
 from maestro_jax.training.loop import train
 from maestro_jax.workloads.costs import audio_cost, llm_cost, vit_cost
+from maestro_jax.workloads.omni import frame_groups
 
 CONFIGS = {
     "vlm": ("vlm_tiny.yaml", TINY_VLM),
@@ -154,6 +155,61 @@ def test_omni_batches_mix_every_modality_combination():
     for section, modality in (("vision", "image"), ("audio", "audio")):
         held = {x for st in schedule.steps[section] for x in st.samples}
         assert held == {i for i, s in enumerate(samples) if s.has(modality)}, "an encoder runs only for its samples"
+
+
+def test_pooled_audio_tokens_are_each_clips_own_runs_averaged():
+    """`models.audio.pool: 2` (Qwen2-Audio's avg_pooler): two clips packed in one row leave the
+    encoder as half their tokens each, token j of a clip the mean of its blocks' outputs 2j and
+    2j + 1 (the same encoder unpooled, clip by clip), then out_norm and out_proj; the omni
+    workload asks one placeholder per pooled token."""
+    from maestro_jax.models.layers import item_mask
+
+    from maestro_jax.workloads.omni import audio_modality
+
+    fields = dict(mel=4, frames_per_token=2, stem="conv", width=16, depth=1, heads=2, mlp=32, out_width=8)
+    pooled, plain = AudioEncoder(AudioConfig(**fields, pool=2)), AudioEncoder(AudioConfig(**fields))
+    clips = [np.random.default_rng(i).normal(size=(t, 4)).astype(np.float32) for i, t in enumerate((8, 14))]
+    groups = [frame_groups(c, 2, pool=2) for c in clips]
+    assert [len(t) for t, _ in groups] == [4, 6], "whole pooled tokens: 14 frames keep 12"
+    n = 16  # 4 + 6 tokens, then padding
+    frames, segments, positions = (
+        np.zeros((1, n, 8), np.float32),
+        np.zeros((1, n), np.int32),
+        np.zeros((1, n, 1), np.int32),
+    )
+    off = 0
+    for i, (tokens, pos) in enumerate(groups):
+        frames[0, off : off + len(tokens)], segments[0, off : off + len(tokens)] = tokens, i + 1
+        positions[0, off : off + len(tokens)] = pos
+        off += len(tokens)
+    params = pooled.init(jax.random.key(0), frames, segments, positions)
+    got = np.asarray(pooled.apply(params, frames, segments, positions))
+    assert got.shape == (1, n // 2, 8)
+
+    def blocks(m, frames, segments, positions):
+        x = m.stem(frames, segments) + jnp.take(m.pos, positions[..., 0], axis=0)
+        return m.blocks(x, item_mask(segments))
+
+    off = 0
+    for tokens, pos in groups:
+        alone = plain.apply(params, tokens[None], np.ones((1, len(tokens)), np.int32), pos[None], method=blocks)
+        pairs = np.asarray(alone)[0].reshape(-1, 2, 16).mean(axis=1)
+        want = plain.apply(params, pairs, method=lambda m, x: m.out_proj(m.out_norm(x)))
+        np.testing.assert_allclose(got[0, off // 2 : off // 2 + len(pairs)], want, atol=2e-6)
+        off += len(tokens)
+
+    audio = audio_modality(cfg_of("omni", "models.audio.pool=2"))
+    assert audio.unit == (8,) and audio.tokens((16,)) == audio.tokens((23,)) == 2, "4 frames a token x pool 2"
+
+
+@pytest.mark.slow  # the unpooled omni verify above holds the path; this adds the pooled rows' sizes
+def test_omni_with_a_pooled_audio_encoder_matches_the_monolithic_step():
+    """Qwen2-Audio's shape of encoder (`pool: 2`) in the omni workload: the LLM's placeholders
+    take half the encoder's tokens, sectioned and monolithic alike."""
+    diffs = verify(cfg_of("omni", "models.audio.pool=2"))
+    assert {d.name.split("/")[0] for d in diffs} == {"loss", "grad_norm", "vision", "audio", "llm"}
+    for d in diffs:
+        assert d.max_rel < 1e-5, d
 
 
 @pytest.mark.slow

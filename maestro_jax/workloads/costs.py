@@ -76,7 +76,7 @@ def audio_cost(c: AudioConfig, mean_tokens_per_clip: float) -> UnitCost:
     runs its first kernel-3 convolution on each of the token's 2 frames, its second once. Priced
     at the dense curve's rate (`rate_kind` decoder): no GPU row has timed an audio block."""
     stem = 2 * 3 * (2 * c.mel + c.width) * c.width if c.stem == "conv" else 2 * c.token_features * c.width
-    linear = stem + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width
+    linear = stem + c.depth * _encoder_layer(c.width, c.mlp) + 2 * c.width * c.out_width / c.pool  # pooled out
     return UnitCost(
         flops=float(linear),
         attention_flops=float(c.depth * 2 * 2 * c.width),

@@ -42,17 +42,25 @@ class OmniSettings(VLMSettings):
 
 
 def audio_modality(cfg: Config) -> Modality:
-    """Clips as the config's audio encoder (`models.audio`) takes them, on the configured placeholder id."""
+    """Clips as the config's audio encoder (`models.audio`) takes them, on the configured
+    placeholder id: one placeholder per token it sends on (`frames_per_output`: pooled tokens)."""
     a = model(cfg, "audio", "audio")
     return Modality(
-        "audio", settings(cfg).audio_token, (a.frames_per_token,), a.mel, (a.max_tokens * a.frames_per_token,)
+        "audio", settings(cfg).audio_token, (a.frames_per_output,), a.mel, (a.max_tokens * a.frames_per_token,)
     )
 
 
-def frame_groups(clip: np.ndarray, frames_per_token: int) -> tuple[np.ndarray, np.ndarray]:
-    """A clip T x mel -> (tokens N x frames_per_token*mel, positions N x 1)."""
-    n = clip.shape[0] // frames_per_token
+def frame_groups(clip: np.ndarray, frames_per_token: int, pool: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """A clip T x mel -> (tokens N x frames_per_token*mel, positions N x 1): whole pooled tokens
+    only (N a multiple of `pool`, the frames after them left out, as the placeholders count them:
+    `Modality.tokens` of `audio_modality`), so no pooled token takes the next clip's."""
+    n = clip.shape[0] // (frames_per_token * pool) * pool
     return clip[: n * frames_per_token].reshape(n, -1), np.arange(n)[:, None]
+
+
+def encoder_tokens(a: AudioConfig, frames: int) -> int:
+    """The tokens the encoder's blocks run on for a clip of `frames` (`frame_groups`)."""
+    return frames // a.frames_per_output * a.pool
 
 
 def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float, *, per_octave: int) -> Section:
@@ -64,7 +72,11 @@ def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float, *, per_oct
 
     def host_batch(rows, routes):
         b = R.pack_items(
-            rows, "audio", lambda clip: frame_groups(clip, a.frames_per_token), a.token_features, per_octave=per_octave
+            rows,
+            "audio",
+            lambda clip: frame_groups(clip, a.frames_per_token, a.pool),
+            a.token_features,
+            per_octave=per_octave,
         )
         out = {"frames": b["pieces"], "segments": b["segments"], "positions": b["positions"]}
         return {**out, "segment_lengths": b["segment_lengths"]} if "segment_lengths" in b else out
@@ -86,7 +98,7 @@ def audio_section(a: AudioConfig, llm_width: int, mean_tokens: float, *, per_oct
         forward=forward,
         host_batch=host_batch,
         activates=lambda s: s.has("audio"),
-        work=lambda s: sum(t // a.frames_per_token for t, _ in s.shapes("audio")),
+        work=lambda s: sum(encoder_tokens(a, t) for t, _ in s.shapes("audio")),
         cost=audio_cost(a, mean_tokens),
         reads=("audio",),
     )
@@ -110,7 +122,7 @@ def build(cfg: Config) -> SectionGraph:
             "llm": {"params": init_llm(llm, kl)["params"], "consts": {}},
         }
 
-    mean_tokens = mean_item_units(cfg, "audio", lambda t: t[0] // aud.frames_per_token, aud.max_tokens / 4)
+    mean_tokens = mean_item_units(cfg, "audio", lambda t: encoder_tokens(aud, t[0]), aud.max_tokens / 4)
     per_octave = cfg.compile.buckets_per_octave
     return SectionGraph(
         sections=(
@@ -120,7 +132,7 @@ def build(cfg: Config) -> SectionGraph:
         ),
         edges=(
             Edge(IMAGES, "vision", "llm", bytes_per_unit=image_bytes_per_patch(vit)),
-            Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width),
+            Edge(AUDIO, "audio", "llm", bytes_per_unit=2 * llm.width / aud.pool),  # a unit: a token before pooling
         ),
         init=init,
         loss_count=R.loss_tokens(modalities),
