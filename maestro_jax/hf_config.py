@@ -750,18 +750,44 @@ def vit_fields(path: str | Path) -> dict:
     }
 
 
+# Qwen2AudioEncoderConfig's defaults (transformers 5.25), for fields its `audio_config` leaves out
+QWEN2_AUDIO_DEFAULTS = {
+    "num_mel_bins": 128,
+    "d_model": 1280,
+    "encoder_layers": 32,
+    "encoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "max_source_positions": 1500,
+    "activation_function": "gelu",
+}
+QWEN2_AUDIO_POOL = 2  # Qwen2AudioEncoder's avg_pooler: AvgPool1d(2, stride=2) after the last layer
+
+
 def audio_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind audio) that describe the Whisper
-    encoder at `path`."""
+    encoder at `path`, or a Qwen2-Audio folder's encoder (Whisper's, its tokens pooled in pairs
+    before its final norm) with its projector onto the language model's width (`out_proj`)."""
     hf = read_config(path)
-    if hf.get("model_type") == "qwen2_audio":  # issue 79: its encoder pools pairs of tokens, which the rows do not yet
-        raise HFError(
-            f"{path}/config.json: model_type='qwen2_audio': its audio encoder (Whisper's, its tokens pooled in "
-            f"pairs) does not load yet; kind: llm takes its language model"
-        )
+    if hf.get("model_type") == "qwen2_audio":
+        audio = hf.get("audio_config") or {}
+        if audio.get("model_type", "qwen2_audio_encoder") != "qwen2_audio_encoder":
+            raise HFError(
+                f"{path}/config.json: audio_config.model_type={audio.get('model_type')!r}; a Qwen2-Audio encoder "
+                f"imports as 'qwen2_audio_encoder'"
+            )
+        width = llm_fields(path)["width"]  # the projector's output: the language model's hidden size
+        encoder = _whisper_layout(path, _with_defaults(audio, QWEN2_AUDIO_DEFAULTS))
+        return {**encoder, "pool": QWEN2_AUDIO_POOL, "out_width": width}
     if hf.get("model_type") != "whisper":
-        raise HFError(f"{path}/config.json: model_type={hf.get('model_type')!r}; an audio encoder is 'whisper'")
-    c = _with_defaults(hf, WHISPER_DEFAULTS)
+        raise HFError(
+            f"{path}/config.json: model_type={hf.get('model_type')!r}; an audio encoder is 'whisper' or "
+            f"'qwen2_audio' (its encoder)"
+        )
+    return _whisper_layout(path, _with_defaults(hf, WHISPER_DEFAULTS))
+
+
+def _whisper_layout(path: str | Path, c: dict) -> dict:
+    """A Whisper-layout encoder's fields from its config `c` (defaults filled in)."""
     _check_act(path, "activation_function", c["activation_function"])
     if c["d_model"] % c["encoder_attention_heads"]:
         raise HFError(

@@ -51,6 +51,11 @@ That is exact whatever its trained value: a key bias adds the same q.b to every 
 query's row, which the softmax cancels (its gradient is zero too). Whisper keeps its sinusoidal
 positions frozen; here `pos` is an ordinary parameter and trains with the tower.
 
+Qwen2-Audio (a `Qwen2AudioForConditionalGeneration` folder: the encoder under `audio_tower.`, or
+`model.audio_tower.`) is Whisper's encoder with its tokens average-pooled in pairs before
+`layer_norm` (`pool: 2`, models/audio.py), and its projector onto the language model's width:
+  multi_modal_projector.linear.{weight, bias}     -> out_proj.{kernel, bias}
+
 Qwen2.5-VL (a `Qwen2_5_VLForConditionalGeneration` folder: the tower under `visual.`, as the Hub
 and transformers 5.24 save it, or `model.visual.`, transformers 5's module names) loads into the
 `rmsnorm_glu` / `rope2d` / `patch_merger` layout (models/vit.py), T = temporal_patch_size:
@@ -157,6 +162,9 @@ SIGLIP_PREFIXES = (
 # CLIP's own and a LLaVA checkpoint's (transformers >= 4.52 writes `model.vision_tower.`)
 CLIP_PREFIXES = ("vision_model.", "model.vision_tower.vision_model.", "vision_tower.vision_model.", "")
 WHISPER_PREFIXES = ("model.encoder.", "encoder.", "")
+# A Qwen2-Audio checkpoint's encoder: `audio_tower.` (the Hub's; transformers 5 saves it so),
+# `model.audio_tower.` (transformers 5's module names); its projector beside it
+QWEN2_AUDIO_PREFIXES = ("audio_tower.", "model.audio_tower.")
 
 
 def vit_layers(f: dict) -> int:
@@ -290,8 +298,12 @@ def gemma3_projector_prefix(tower_prefix: str) -> str | None:
     return None
 
 
-def audio_mapping(f: dict, prefix: str = "") -> dict[tuple[str, ...], tuple[str | None, Layout]]:
-    """Flax path -> (HF tensor name, layouts) of a Whisper encoder with fields `f`."""
+def audio_mapping(
+    f: dict, prefix: str = "", projector: str | None = None
+) -> dict[tuple[str, ...], tuple[str | None, Layout]]:
+    """Flax path -> (HF tensor name, layouts) of a Whisper encoder with fields `f`; with
+    `projector` (the prefix of a Qwen2-Audio checkpoint's `multi_modal_projector.`) its linear
+    projection onto the language model's width as `out_proj`."""
     m = {
         ("stem", "conv1_kernel"): (f"{prefix}conv1.weight", _CONV1D),
         ("stem", "conv1_bias"): (f"{prefix}conv1.bias", _SAME),
@@ -303,7 +315,19 @@ def audio_mapping(f: dict, prefix: str = "") -> dict[tuple[str, ...], tuple[str 
     }
     names = {"attn_norm": "self_attn_layer_norm", "mlp_norm": "final_layer_norm", "fc1": "fc1", "fc2": "fc2"}
     names.update({x: f"self_attn.{x}_proj" for x in "qkv"}, o="self_attn.out_proj")
+    if projector is not None:
+        _linear(m, ("out_proj",), f"{projector}linear")
     return m | _blocks(f, f["depth"], lambda i: f"{prefix}layers.{i}", names, key_bias=False)
+
+
+def _audio_mapping(path: Path, tensors: _Tensors, fields: dict) -> dict:
+    """What `load_audio` reads: a Whisper encoder's tensors under the prefix the folder saved them
+    with; a Qwen2-Audio folder's encoder (`audio_tower.`) and its projector."""
+    prefix = _prefix(path, tensors, "conv1.weight", WHISPER_PREFIXES + QWEN2_AUDIO_PREFIXES)
+    projector = None
+    if prefix in QWEN2_AUDIO_PREFIXES:
+        projector = prefix.removesuffix("audio_tower.") + "multi_modal_projector."
+    return audio_mapping(fields, prefix, projector)
 
 
 def _load(path: Path, tensors: _Tensors, target: dict, mapping: dict) -> dict:
@@ -393,15 +417,14 @@ def tensors_read(kind: str, path: str | Path, fields: dict, model: dict | None =
 def audio_tensors(path: str | Path, fields: dict) -> list[str | None]:
     """The tensors `load_audio` reads from the folder."""
     path = Path(path)
-    prefix = _prefix(path, _Tensors(path), "conv1.weight", WHISPER_PREFIXES)
-    return [name for name, _ in audio_mapping(fields, prefix).values()]
+    return [name for name, _ in _audio_mapping(path, _Tensors(path), fields).values()]
 
 
 def load_audio(path: str | Path, target: dict, fields: dict) -> dict:
-    """The Whisper encoder's weights in `target`, the `AudioEncoder` params (shaped and sharded)."""
+    """The Whisper (or Qwen2-Audio) encoder's weights in `target`, the `AudioEncoder` params
+    (shaped and sharded); a Qwen2-Audio folder's projector too."""
     path, tensors = Path(path), _Tensors(Path(path))
-    prefix = _prefix(path, tensors, "conv1.weight", WHISPER_PREFIXES)
-    return _load(path, tensors, target, audio_mapping(fields, prefix))
+    return _load(path, tensors, target, _audio_mapping(path, tensors, fields))
 
 
 def _tensors(params: dict, mapping: dict) -> dict[str, np.ndarray]:

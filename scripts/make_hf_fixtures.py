@@ -541,7 +541,10 @@ def whisper_features(out: Path) -> None:
 
 def qwen2_audio(out: Path) -> None:
     """A whole Qwen2-Audio folder (Whisper-style encoder, its projector, a Qwen2 language model);
-    `logits` are the model's on TOKENS alone (no audio): what its language model computes."""
+    `logits` are the model's on TOKENS alone (no audio): what its language model computes;
+    `features` [2, mel, 16] two full-length clips, `last_hidden_state` [2, 4, d_model] the audio
+    tower's (pooled in pairs, through its layer_norm) and `audio_features` [2, 4, hidden] the same
+    through the projector: what the language model's audio placeholders take."""
     torch.manual_seed(6)
     audio = transformers.Qwen2AudioEncoderConfig(
         num_mel_bins=8,
@@ -554,9 +557,20 @@ def qwen2_audio(out: Path) -> None:
     text = transformers.Qwen2Config(**{**LLM_BASE, "tie_word_embeddings": False})
     config = transformers.Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=95)
     model = _perturbed(transformers.Qwen2AudioForConditionalGeneration(config))
+    features = torch.randn(2, audio.num_mel_bins, 2 * audio.max_source_positions)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(TOKENS)).logits.float().numpy()
-    _save(model, out / "qwen2_audio", tokens=TOKENS, logits=logits)
+        hidden = model.model.audio_tower(features).last_hidden_state
+        projected = model.model.multi_modal_projector(hidden)
+    _save(
+        model,
+        out / "qwen2_audio",
+        tokens=TOKENS,
+        logits=logits,
+        features=features,
+        last_hidden_state=hidden,
+        audio_features=projected,
+    )
 
 
 def main() -> None:

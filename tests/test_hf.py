@@ -718,7 +718,6 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
         "gemma3_text",
         "gemma2",
         "gpt_oss",
-        "qwen2_audio",  # its language model, through the whole Qwen2-Audio model on text
     ],
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
@@ -920,10 +919,11 @@ def test_a_phi3_folder_fuses_its_projections_and_refuses_partial_rotary(tmp_path
         hf.llm_fields(path)
 
 
-def test_a_qwen2_audio_folder_gives_its_language_model_and_refuses_its_encoder_for_now():
+def test_a_qwen2_audio_folder_gives_its_language_model_and_its_pooled_encoder():
     """`models.<s>: {hf: <a Qwen2-Audio folder>, kind: llm}` takes its Qwen2 language model (the
-    import test above checks its logits); without `kind` the folder's two models are named, and
-    `kind: audio` is refused in one line until the rows take its pooled encoder (issue 79)."""
+    import test above checks its logits); without `kind` the folder's two models are named;
+    `kind: audio` takes its Whisper-style encoder, pooled in pairs, with its projector onto the
+    language model's width (tests/test_hf_encoders.py checks its features)."""
     from maestro_jax.hf_config import audio_fields, kind_of
 
     path = FIXTURES / "qwen2_audio"
@@ -933,8 +933,14 @@ def test_a_qwen2_audio_folder_gives_its_language_model_and_refuses_its_encoder_f
         hf.HFError, match=r"holds a model of each kind \['llm', 'audio'\]; write kind: llm or kind: audio"
     ):
         kind_of(path)
-    with pytest.raises(hf.HFError) as err:
-        audio_fields(path)
-    assert "its audio encoder (Whisper's, its tokens pooled in pairs) does not load yet" in str(err.value)
+    audio = audio_fields(path)
+    assert {k: audio[k] for k in ("pool", "out_width", "mel", "max_tokens", "stem", "frames_per_token")} == {
+        "pool": 2,
+        "out_width": 32,
+        "mel": 8,
+        "max_tokens": 8,
+        "stem": "conv",
+        "frames_per_token": 2,
+    }
     cfg = _from_folder(path, f"{{hf: {path}, kind: llm}}", "models.student.vocab=96")
     assert cfg.models["teacher"].qkv_bias and cfg.sections["teacher"].init.hf_path == str(path)

@@ -115,6 +115,23 @@ def test_whisper_matches_transformers(tmp_path, scan):
     assert max_err(out, ref["last_hidden_state"]) < ATOL
 
 
+def test_qwen2_audio_encoder_and_projector_match_transformers(tmp_path):
+    """A Qwen2-Audio folder's encoder (`kind: audio`): two full clips packed in one row leave as
+    half their tokens each (pooled in pairs, `pool: 2`), equal to its `audio_tower`'s
+    `last_hidden_state`, and through `out_proj` (its `multi_modal_projector`, loaded) to the
+    audio features its language model's placeholders take."""
+    path, ref = fixture(tmp_path, "qwen2_audio")
+    fields = hf_encoders.audio_fields(path)
+    model = model_of("audio", fields)
+    inputs = whisper_inputs(ref["features"])
+    params = hf_encoders.load_audio(path, placed_params(model, inputs), fields)
+    hidden = model.apply({"params": params}, *inputs, method=AudioEncoder.features)
+    assert hidden.shape == (1, 8, 32), "16 two-frame tokens pooled to 8"
+    assert max_err(np.asarray(hidden[0]).reshape(2, 4, 32), ref["last_hidden_state"]) < ATOL
+    projected = model.apply({"params": params}, *inputs)
+    assert max_err(np.asarray(projected[0]).reshape(2, 4, 32), ref["audio_features"]) < ATOL
+
+
 @pytest.mark.slow
 def test_towers_load_sharded_slices(tmp_path):
     """Into a 2x2 (fsdp x tensor) sharding on devices 4-7 each device holds its slice of a weight,
@@ -500,6 +517,60 @@ def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "(gemma3): 2 images of 16x16; image tokens" in lines[0] and lines[0].endswith("PASS"), lines
     assert "2 images of 16x16 in a row of 29 tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
+
+
+@pytest.mark.slow  # the pooled omni verify (tests/test_workloads.py) and the folder's features hold each half
+def test_an_omni_config_from_a_qwen2_audio_folder_verifies(tmp_path):
+    """`models.audio: {hf: DIR, kind: audio}` and `models.llm: {hf: DIR, kind: llm}` on one
+    Qwen2-Audio folder (the vision section a tiny random ViT): the encoder pools in pairs and
+    projects onto the language model's width, the folder's audio_token_index is the workload's
+    audio placeholder, both sections start from the folder and the sectioned step equals the
+    monolithic one."""
+    from maestro_jax.config import load_config
+    from maestro_jax.tools.verify import verify
+    from maestro_jax.workloads import settings
+
+    path, _ = fixture(tmp_path, "qwen2_audio")
+    overrides = [
+        *TINY_OMNI,
+        f"models.audio={{hf: {path}, kind: audio}}",
+        f"models.llm={{hf: {path}, kind: llm}}",
+        "models.vision.out_width=32",
+        "data.modalities.audio.sizes=[[16],[8]]",
+    ]
+    cfg = load_config(ROOT / "configs/omni_tiny.yaml", overrides)
+    assert (cfg.models["audio"].pool, cfg.models["audio"].out_width, settings(cfg).audio_token) == (2, 32, 95)
+    assert cfg.sections["audio"].init.hf_path == cfg.sections["llm"].init.hf_path == str(path)
+    diffs = verify(cfg)
+    assert {d.name for d in diffs} >= {"loss", "audio/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
+
+
+@pytest.mark.reference
+def test_check_hf_compares_a_qwen2_audio_folders_text_audio_tokens_and_logits(monkeypatch, capsys):
+    """`check-hf` on a Qwen2-Audio folder: its language model on text, its audio tokens (encoder,
+    pooling, projector) and the logits of a row holding both clips' tokens, a line each, within
+    the tolerance; a projector bias moved on maestro's side fails the audio tokens and the row."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax import cli
+
+    path = str(FIXTURES / "qwen2_audio")
+    assert cli.main(["check-hf", "--hf", path]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert "(qwen2_audio): 3 rows of [24, 19, 13] tokens; logits" in lines[0], lines
+    assert "2 clips of 16 frames; audio tokens" in lines[1], lines
+    assert "2 clips of 16 frames in a row of 29 tokens; logits" in lines[2], lines
+    assert all(line.endswith("PASS") for line in lines), lines
+    load = hf_encoders.load_audio
+
+    def moved(*args, **kwargs):
+        params = load(*args, **kwargs)
+        return {**params, "out_proj": {**params["out_proj"], "bias": params["out_proj"]["bias"].at[5].add(0.05)}}
+
+    monkeypatch.setattr(hf_encoders, "load_audio", moved)
+    assert cli.main(["check-hf", "--hf", path]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert [line.endswith("PASS") for line in lines] == [True, False, False], lines
 
 
 def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree():

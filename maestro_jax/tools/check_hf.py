@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maestro_jax.hf_config import HFError, audio_fields, kind_of, llm_fields, read_config, vit_fields
+from maestro_jax.hf_config import MULTI_MODEL, HFError, audio_fields, kind_of, llm_fields, read_config, vit_fields
 
 DEFAULT_TOLERANCE = 1e-4  # float32 on both sides: rounding of different summation orders
 
@@ -98,14 +98,19 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
 
 def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
-    Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits. A folder whose weights are
+    Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits, a Qwen2-Audio folder's text
+    logits, audio tokens and logits. A folder whose weights are
     missing, cut short, unreadable or short of a tensor the model reads is an `HFError` naming the
     file, before anything runs."""
     from maestro_jax.models.hf import weight_files
 
     model_type = read_config(path).get("model_type")
-    whole = {"gemma3": check_gemma3_vlm, **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl)}.get(model_type)
-    kinds = ("llm", "vit") if whole else ("llm",) if model_type in LANGUAGE_MODEL_ONLY else (kind_of(path),)
+    whole = {
+        "gemma3": check_gemma3_vlm,
+        "qwen2_audio": check_qwen2_audio,
+        **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl),
+    }.get(model_type)
+    kinds = MULTI_MODEL[model_type] if whole else (kind_of(path),)
     check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kinds[0]]
     weight_files(path)  # the model type first: a folder of an unsupported one is named as such
     _require_tensors(path, kinds)
@@ -440,23 +445,30 @@ def packed_images(pixels: np.ndarray, cfg) -> tuple[tuple, tuple[np.ndarray, np.
     return inputs, (segment - 1, grid[:, 0] * cfg.max_grid + grid[:, 1])
 
 
+def packed_clips(clips: np.ndarray, cfg) -> tuple:
+    """Clips ([mel, frames] each, as Whisper takes them) packed into one row of the encoder's
+    tokens: (frames, segments, positions), a batch of one."""
+    from maestro_jax.workloads.omni import frame_groups
+
+    tokens, positions, segments = [], [], []
+    for i, clip in enumerate(clips):
+        t, p = frame_groups(clip.T, cfg.frames_per_token, cfg.pool)
+        tokens.append(t)
+        positions.append(p)
+        segments.append(np.full(len(t), i + 1, np.int32))
+    return tuple(jnp.asarray(np.concatenate(x))[None] for x in (tokens, segments, positions))
+
+
 def check_audio(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> CheckResult:
     """The encoder output of the Whisper folder at `path` on two random clips of its length."""
     from maestro_jax.models import AudioConfig, AudioEncoder, hf_encoders
-    from maestro_jax.workloads.omni import frame_groups
 
     path = Path(path)
     fields = audio_fields(path)
     cfg = AudioConfig(**{k: v for k, v in fields.items() if k != "kind"}, out_width=fields["width"])
     frames = 2 * cfg.max_tokens
     features = np.random.default_rng(seed).standard_normal((2, cfg.mel, frames)).astype(np.float32)
-    tokens, positions, segments = [], [], []
-    for i, clip in enumerate(features):
-        t, p = frame_groups(clip.T, cfg.frames_per_token)
-        tokens.append(t)
-        positions.append(p)
-        segments.append(np.full(len(t), i + 1, np.int32))
-    inputs = tuple(jnp.asarray(np.concatenate(x))[None] for x in (tokens, segments, positions))
+    inputs = packed_clips(features, cfg)
     model = AudioEncoder(cfg)
     params = hf_encoders.load_audio(path, _placed(model, inputs), fields)
     ours = np.asarray(model.apply({"params": params}, *inputs, method=AudioEncoder.features)[0])
@@ -506,15 +518,71 @@ def _reference_modules():
     return torch, transformers
 
 
-# Whole multimodal folders of which check-hf compares the language model alone (the whole model
-# on text), by the transformers class that holds it: a Qwen2-Audio folder's encoder does not load
-# yet (issue 79)
-LANGUAGE_MODEL_ONLY = {"qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+# Whole multimodal folders whose language model check-hf also compares on text alone, by the
+# transformers class that holds it
+LANGUAGE_MODEL_IN = {"qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+QWEN2_AUDIO_TOKEN = 151646  # Qwen2AudioConfig's default audio_token_index
+
+
+def check_qwen2_audio(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """A Qwen2-Audio folder: its language model on rows of text (`check_llm`); two random clips of
+    its length (2 x max_source_positions frames: 30 s for the Hub's, which its processor pads every
+    clip to) through the encoder, pooled in pairs, and the projector (transformers' `audio_tower`
+    and `multi_modal_projector`); then one row of random text holding both clips' tokens (one
+    audio token per pooled token, as its processor expands them) through the whole model. The
+    text logits, the audio tokens and the row's logits compared, a line each."""
+    from maestro_jax.models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, hf, hf_encoders
+
+    path = Path(path)
+    config, afields, lfields = read_config(path), audio_fields(path), llm_fields(path)
+    acfg = AudioConfig(**{k: v for k, v in afields.items() if k != "kind"})
+    rng = np.random.default_rng(seed)
+    frames = 2 * acfg.max_tokens
+    clips = rng.standard_normal((2, acfg.mel, frames)).astype(np.float32)
+    inputs = packed_clips(clips, acfg)
+    encoder = AudioEncoder(acfg)
+    features = encoder.apply({"params": hf_encoders.load_audio(path, _placed(encoder, inputs), afields)}, *inputs)[0]
+    audio_token, per_clip = config.get("audio_token_index", QWEN2_AUDIO_TOKEN), len(features) // 2
+    text = [t for t in range(lfields["vocab"]) if t != audio_token]
+    pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
+    row = np.concatenate([pieces[0], [audio_token] * per_clip, pieces[1], [audio_token] * per_clip, pieces[2]])
+    ids = jnp.asarray(row[None], jnp.int32)
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    pos, valid = jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
+    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
+    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, np.flatnonzero(row == audio_token)].set(features)
+    logits = np.asarray(
+        decoder.apply(v, decoder.apply(v, x, pos, valid, method=DecoderLM.hidden), method=DecoderLM.logits)
+    )
+    torch, transformers = _reference_modules()
+    model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want_features = model.model.multi_modal_projector(
+            model.model.audio_tower(torch.tensor(clips)).last_hidden_state
+        )
+        want_logits = model(
+            input_ids=torch.tensor(row[None].astype(np.int64)),
+            input_features=torch.tensor(clips),
+            feature_attention_mask=torch.ones((2, frames), dtype=torch.int64),
+        ).logits.float()
+    audio = f"2 clips of {frames} frames"
+    return [
+        check_llm(path, tolerance, seed),
+        _result(
+            path,
+            audio,
+            "audio tokens",
+            np.asarray(features),
+            want_features.float().numpy().reshape(features.shape),
+            tolerance,
+        ),
+        _result(path, f"{audio} in a row of {len(row)} tokens", "logits", logits, want_logits.numpy(), tolerance),
+    ]
 
 
 def _transformers_logits(path: Path, ids: np.ndarray, valid: np.ndarray) -> np.ndarray:
     torch, transformers = _reference_modules()
-    whole = LANGUAGE_MODEL_ONLY.get(read_config(path).get("model_type"))
+    whole = LANGUAGE_MODEL_IN.get(read_config(path).get("model_type"))
     cls = getattr(transformers, whole) if whole else transformers.AutoModelForCausalLM
     model = cls.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():

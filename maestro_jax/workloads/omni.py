@@ -8,6 +8,8 @@ into one section: the shape of Qwen2.5-Omni-style training.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,13 @@ IMAGES, AUDIO = "image_embeds", "audio_embeds"
 
 
 class OmniSettings(VLMSettings):
-    """`workload_settings:` of omni: the image and the audio placeholder ids."""
+    """`workload_settings:` of omni: the image and the audio placeholder ids; a Qwen2-Audio folder
+    (`models.<s>: {hf: PATH}`) fills in `audio_token` from its `audio_token_index`."""
+
+    checkpoint_fields: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        **VLMSettings.checkpoint_fields,
+        "audio_token": ("audio_token_index", "audio_token_id"),
+    }
 
     audio_token: PositiveInt = AUDIO_TOKEN  # the LLM input id of an audio token: the tokenizer's `<audio>` id
 
