@@ -279,6 +279,33 @@ def _export(cfg, args) -> int:
     return 0
 
 
+def _export_audio_llm(cfg, args, names: list[str], kinds: dict[str, str]) -> int:
+    """`--section audio,llm`: an audio LLM's encoder and language model as one Qwen2-Audio folder."""
+    from maestro_jax.tools import hf
+    from maestro_jax.workloads import settings
+
+    if len(names) != 2 or set(kinds) != {"audio", "llm"} or args.model_type not in (None, "qwen2_audio"):
+        print(
+            f"error: --section={args.section!r} --model-type={args.model_type}: a whole audio LLM folder is one audio "
+            f"and one llm section (e.g. --section audio,llm), written as qwen2_audio",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
+        states, step = _latest_states(cfg)
+        audio, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("audio", "llm"))
+        hf.export_qwen2_audio(args.out, audio, llm, settings(cfg).audio_token, args.overwrite)
+    except hf.HFError as err:
+        print(
+            _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),
+            file=sys.stderr,
+        )
+        return 2
+    print(f"wrote {args.out}: sections {kinds['audio']!r} and {kinds['llm']!r} at step {step} (qwen2_audio)")
+    return 0
+
+
 def _export_vlm(cfg, args, names: list[str]) -> int:
     """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder, or a
     Qwen2.5-VL or Qwen3-VL one where the tower is of that layout (`hf_encoders.qwen_vl_type`)."""
@@ -287,6 +314,8 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
     from maestro_jax.workloads import settings
 
     kinds = {cfg.models[n].kind: n for n in names}
+    if "audio" in kinds:
+        return _export_audio_llm(cfg, args, names, kinds)
     qwen = qwen_vl_type(cfg.models[kinds["vit"]].model_dump()) if "vit" in kinds else None
     model_type = qwen or "gemma3"
     if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, model_type):
@@ -586,7 +615,8 @@ COMMANDS: dict[str, Command] = {
                 "--section",
                 required=True,
                 help="a section with a model: an LLM (student, llm), vision or audio; or a VLM's vision and llm "
-                "sections, comma-separated (vision,llm), written as one Gemma 3 VLM folder",
+                "sections, comma-separated (vision,llm), written as one Gemma 3 VLM folder; or an omni model's audio "
+                "and llm sections (audio,llm), as one Qwen2-Audio folder",
             ),
             opt("--out", required=True, metavar="DIR", help="the Hugging Face folder to write"),
             opt(
@@ -611,10 +641,12 @@ COMMANDS: dict[str, Command] = {
                     "gemma3",
                     "qwen2_5_vl",
                     "qwen3_vl",
+                    "qwen2_audio",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
                 "Gemma's block, olmo2 for OLMo 2's, gpt_oss for GPT-OSS's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
-                "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's)",
+                "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's, qwen2_audio for an audio "
+                "encoder pooled in pairs and its LLM)",
             ),
             opt(
                 "--overwrite",

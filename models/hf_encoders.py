@@ -665,14 +665,70 @@ def _qwen_vl_vision(vit_params: dict, f: dict, llm_fields: dict, model_type: str
 def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: int = 4 << 30) -> None:
     """Write a Whisper-layout `AudioEncoder` (`stem: conv`) as a folder that
     `transformers.WhisperEncoder` loads; `out_proj` is not part of Whisper and is left out."""
-    if fields.get("stem") != "conv" or fields.get("norm_eps") != WHISPER_LAYER_NORM_EPS:
+    _check_whisper_layout(fields, "Whisper")
+    if fields.get("pool", 1) != 1:
         raise HFError(
-            f"stem={fields.get('stem')!r}, norm_eps={fields.get('norm_eps')!r}: only a Whisper-layout encoder "
-            f"(stem='conv', norm_eps={WHISPER_LAYER_NORM_EPS}) exports as Whisper"
+            f"pool={fields['pool']}: Whisper's encoder does not pool its tokens; a pool of 2 exports with its "
+            f"language model as one qwen2_audio folder (--section audio,llm)"
         )
     config = {
         "architectures": ["WhisperEncoder"],
         "model_type": "whisper",
+        **_whisper_config(fields),
+        "torch_dtype": "float32",
+    }
+    _write(path, _tensors(params, audio_mapping(fields)), config, max_shard_bytes)
+
+
+def _check_whisper_layout(fields: dict, what: str) -> None:
+    if fields.get("stem") != "conv" or fields.get("norm_eps") != WHISPER_LAYER_NORM_EPS:
+        raise HFError(
+            f"stem={fields.get('stem')!r}, norm_eps={fields.get('norm_eps')!r}: only a Whisper-layout encoder "
+            f"(stem='conv', norm_eps={WHISPER_LAYER_NORM_EPS}) exports as {what}"
+        )
+
+
+def save_qwen2_audio(
+    path: str | Path,
+    audio_params: dict,
+    audio_fields: dict,
+    llm_params: dict,
+    llm_fields: dict,
+    audio_token: int,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write an audio LLM's encoder (Whisper's layout, `pool: 2`, its `out_proj` the projector) and
+    language model (Qwen2's) as one `Qwen2AudioForConditionalGeneration` folder, with the Hub's
+    tensor names: `audio_tower.`, `multi_modal_projector.linear.`, `language_model.model.` (and
+    `language_model.lm_head.` when untied). `audio_token` is the placeholder id the model was
+    trained with (`audio_token_index`)."""
+    from maestro_jax.models.hf import llm_checkpoint
+
+    from maestro_jax.hf_config import QWEN2_AUDIO_POOL
+
+    _check_whisper_layout(audio_fields, "Qwen2-Audio's encoder")
+    if audio_fields.get("pool", 1) != QWEN2_AUDIO_POOL:
+        raise HFError(f"pool={audio_fields.get('pool', 1)}: Qwen2-Audio's encoder pools pairs of tokens (pool=2)")
+    if audio_fields["out_width"] != llm_fields["width"]:
+        raise HFError(
+            f"the encoder's out_width={audio_fields['out_width']} is not the LLM's width={llm_fields['width']}"
+        )
+    text, text_config = llm_checkpoint(llm_params, llm_fields, "qwen2", prefix="language_model.model.")
+    encoder = _tensors(audio_params, audio_mapping(audio_fields, "audio_tower.", "multi_modal_projector."))
+    config = {
+        "architectures": ["Qwen2AudioForConditionalGeneration"],
+        "model_type": "qwen2_audio",
+        "audio_config": {"model_type": "qwen2_audio_encoder", **_whisper_config(audio_fields)},
+        "text_config": {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")},
+        "audio_token_index": audio_token,
+        "torch_dtype": "float32",
+    }
+    _write(path, {**text, **encoder}, config, max_shard_bytes)
+
+
+def _whisper_config(fields: dict) -> dict:
+    """A Whisper-layout encoder's config.json fields."""
+    return {
         "num_mel_bins": fields["mel"],
         "d_model": fields["width"],
         "encoder_layers": fields["depth"],
@@ -680,6 +736,4 @@ def save_audio(path: str | Path, params: dict, fields: dict, max_shard_bytes: in
         "encoder_ffn_dim": fields["mlp"],
         "max_source_positions": fields["max_tokens"],
         "activation_function": fields["act"],
-        "torch_dtype": "float32",
     }
-    _write(path, _tensors(params, audio_mapping(fields)), config, max_shard_bytes)

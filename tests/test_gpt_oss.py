@@ -236,7 +236,7 @@ def test_a_gpt_oss_export_holds_the_folders_tensors_and_reloads_to_its_logits(tm
 
 
 def test_export_offers_every_type_an_exporter_writes():
-    """`maestro-jax export --model-type` offers each LLM, tower and whole-VLM type an exporter
+    """`maestro-jax export --model-type` offers each LLM, tower and whole-model type an exporter
     writes (`tools.hf.EXPORT_TYPES`, gpt_oss among them), and no other."""
     from maestro_jax.cli import _parser
     from maestro_jax.tools.hf import EXPORT_TYPES
@@ -244,6 +244,6 @@ def test_export_offers_every_type_an_exporter_writes():
     parser = _parser()
     export = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" export"))
     (model_type,) = [a for a in export._actions if "--model-type" in a.option_strings]
-    whole_vlms = {"gemma3", "qwen2_5_vl", "qwen3_vl"}
-    assert set(model_type.choices) == {*(t for types in EXPORT_TYPES.values() for t in types), *whole_vlms}
+    whole_models = {"gemma3", "qwen2_5_vl", "qwen3_vl", "qwen2_audio"}  # two sections each (--section a,b)
+    assert set(model_type.choices) == {*(t for types in EXPORT_TYPES.values() for t in types), *whole_models}
     assert "gpt_oss" in model_type.choices

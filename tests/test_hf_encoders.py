@@ -3,6 +3,7 @@ Whisper's encoder against transformers' own float32 outputs, stored by scripts/m
 tests/fixtures/hf/{siglip,clip,whisper}/reference.npz (no torch needed); the export round trip through
 `from_pretrained` runs only where torch and transformers are installed."""
 
+import json
 import re
 import shutil
 
@@ -519,6 +520,78 @@ def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     assert "2 images of 16x16 in a row of 29 tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
 
 
+def _qwen2_audio_overrides(path) -> list[str]:
+    return [
+        *TINY_OMNI,
+        f"models.audio={{hf: {path}, kind: audio}}",
+        f"models.llm={{hf: {path}, kind: llm}}",
+        "models.vision.out_width=32",
+        "data.modalities.audio.sizes=[[16],[8]]",
+    ]
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_qwen2_audio_exports_whole_and_reimports(tmp_path, capsys):
+    """`maestro-jax export --section audio,llm` writes an omni model trained from a Qwen2-Audio
+    folder back as one Qwen2-Audio folder (the checkpoint's weights, moved off the folder's): the
+    same architecture and audio token read back, the tensors are the folder's by name, the weights
+    import back equal, and (with transformers) check-hf passes on it. A section pair that is not
+    one audio and one llm, or the pooled encoder alone as Whisper, is refused in one line."""
+    import dataclasses
+    import importlib.util
+
+    from maestro_jax.models import hf
+    from safetensors import safe_open
+
+    from maestro_jax import cli
+    from maestro_jax.training.checkpoint import Checkpointer
+
+    path, _ = fixture(tmp_path, "qwen2_audio")
+    out = tmp_path / "run"
+    overrides = [*_qwen2_audio_overrides(path), f"output_dir={out}"]
+    config = ROOT / "configs/omni_tiny.yaml"
+    initial = build_runtime(load_config(config, overrides)).init_states()
+    # every weight moved by its own amount: one shift of +0.25 for all drives the encoder's
+    # activations to ~150 before its final norm, where the two sides' float32 rounding (3e-5 of
+    # that, measured) exceeds check-hf's 1e-4 once the norm divides by a token's small spread
+    moved = {
+        s: jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size).reshape(x.shape)), initial[s].params)
+        for s in ("audio", "llm")
+    }
+    ckpt = Checkpointer(out / "checkpoints")
+    ckpt.save(1, {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}, {}, {})
+    ckpt.close()
+
+    def export(section, *extra):
+        argv = ["export", "--config", str(config), "--section", section, "--out", str(tmp_path / "back")]
+        return cli.main([*argv, *extra, *overrides])
+
+    assert export("audio,llm") == 0 and "sections 'audio' and 'llm' at step 1 (qwen2_audio)" in capsys.readouterr().out
+    back = tmp_path / "back"
+    assert hf_encoders.audio_fields(back) == hf_encoders.audio_fields(path)
+    assert hf.llm_fields(back) == hf.llm_fields(path)
+    assert json.loads((back / "config.json").read_text())["audio_token_index"] == 95
+    names = [set(safe_open(str(f), "np").keys()) for f in (path / "model.safetensors", back / "model.safetensors")]
+    assert names[0] == names[1]
+    audio = hf_encoders.load_audio(back, initial["audio"].params, hf_encoders.audio_fields(back))
+    llm = hf.load_llm(back, initial["llm"].params, hf.llm_fields(back))
+    for got, want, keyless in ((audio, moved["audio"], True), (llm, moved["llm"], False)):
+        for (where, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+            keys = tuple(k.key for k in where)
+            if keyless and keys[-2:] == ("k", "bias"):  # Whisper's key has no bias: none written, zeros read
+                assert not np.any(a), keys
+            else:
+                assert np.allclose(a, b, atol=1e-6), keys
+    assert export("audio,vision", "--overwrite") == 2
+    assert "a whole audio LLM folder is one audio and one llm section" in capsys.readouterr().err
+    assert export("audio", "--overwrite") == 2, "a pooled encoder alone is no Whisper folder"
+    assert "pool=2: Whisper's encoder does not pool its tokens" in capsys.readouterr().err
+    if importlib.util.find_spec("torch") is not None:  # check-hf runs transformers (the reference extra)
+        assert cli.main(["check-hf", "--hf", str(back)]) == 0
+        assert capsys.readouterr().out.count("PASS") == 3
+
+
 @pytest.mark.slow  # the pooled omni verify (tests/test_workloads.py) and the folder's features hold each half
 def test_an_omni_config_from_a_qwen2_audio_folder_verifies(tmp_path):
     """`models.audio: {hf: DIR, kind: audio}` and `models.llm: {hf: DIR, kind: llm}` on one
@@ -531,14 +604,7 @@ def test_an_omni_config_from_a_qwen2_audio_folder_verifies(tmp_path):
     from maestro_jax.workloads import settings
 
     path, _ = fixture(tmp_path, "qwen2_audio")
-    overrides = [
-        *TINY_OMNI,
-        f"models.audio={{hf: {path}, kind: audio}}",
-        f"models.llm={{hf: {path}, kind: llm}}",
-        "models.vision.out_width=32",
-        "data.modalities.audio.sizes=[[16],[8]]",
-    ]
-    cfg = load_config(ROOT / "configs/omni_tiny.yaml", overrides)
+    cfg = load_config(ROOT / "configs/omni_tiny.yaml", _qwen2_audio_overrides(path))
     assert (cfg.models["audio"].pool, cfg.models["audio"].out_width, settings(cfg).audio_token) == (2, 32, 95)
     assert cfg.sections["audio"].init.hf_path == cfg.sections["llm"].init.hf_path == str(path)
     diffs = verify(cfg)

@@ -5,7 +5,8 @@ or Gemma 3 (`--model-type`; one with a `sliding_window` as Mistral only, one wit
 a vision section as SigLIP or CLIP (the layout its model has: `class_token` is CLIP's), an audio
 section as Whisper's encoder; a VLM's vision and llm sections together as one Gemma 3 VLM folder
 (`gemma3`: a SigLIP tower with `projector: avg_pool` and a Gemma 3 language model), or one
-Qwen2.5-VL or Qwen3-VL folder (`qwen2_5_vl`, `qwen3_vl`: the tower's layout says which).
+Qwen2.5-VL or Qwen3-VL folder (`qwen2_5_vl`, `qwen3_vl`: the tower's layout says which); an
+omni model's audio and llm sections as one Qwen2-Audio folder (`qwen2_audio`).
 
 The weight mappings themselves (import and export) live beside the models they convert, in
 `models/hf.py` and `models/hf_encoders.py`; the workloads' `init.hf_path` loaders import them from
@@ -19,13 +20,14 @@ import shutil
 from pathlib import Path
 
 from maestro_jax.models.hf import ARCHITECTURES, HFError, save_llm
-from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_qwen_vl, save_vit
+from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_qwen2_audio, save_qwen_vl, save_vit
 
 __all__ = [
     "EXPORT_TYPES",
     "HFError",
     "check_export_folder",
     "export_gemma3_vlm",
+    "export_qwen2_audio",
     "export_qwen_vl",
     "export_section",
     "export_type",
@@ -160,6 +162,14 @@ def export_qwen_vl(
     """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one
     Qwen2.5-VL or Qwen3-VL folder, as its tower is (`save_qwen_vl`), owning the folder (`_export_into`)."""
     _export_into(path, lambda staging: save_qwen_vl(staging, *vision, *llm, image_token, video_token), overwrite)
+
+
+def export_qwen2_audio(
+    path: str | Path, audio: tuple[dict, dict], llm: tuple[dict, dict], audio_token: int, overwrite: bool = False
+) -> None:
+    """An audio LLM's audio and llm sections (each `(params, fields)`) written into `path` as one
+    Qwen2-Audio folder (`save_qwen2_audio`), owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_qwen2_audio(staging, *audio, *llm, audio_token), overwrite)
 
 
 def _export_into(path: str | Path, write, overwrite: bool) -> None:
