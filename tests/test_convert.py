@@ -516,6 +516,121 @@ def test_conversations_with_audio_become_samples(tokenizer, images, tmp_path):
         C.convert([path], tmp_path / "strict.array_record", C.Converter(tok, omni, images, 8), strict=True)
 
 
+# Qwen2-Audio's chat template, as Qwen/Qwen2-Audio-7B-Instruct ships it (chat_template.json)
+QWEN2_AUDIO_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|>"
+    "<|audio_eos|>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_AUDIO_SPECIALS = [
+    "<|endoftext|>",
+    "<image>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|audio_bos|>",
+    "<|AUDIO|>",
+    "<|audio_eos|>",
+]
+# omni_tiny with Qwen2-Audio's encoder shape (two frames a token, pooled in pairs: a token per 4 frames), <|AUDIO|> id 5
+QWEN2_AUDIO_OMNI = [
+    *TINY_OMNI,
+    "models.audio.mel=8",
+    "models.audio.frames_per_token=2",
+    "models.audio.stem=conv",
+    "models.audio.pool=2",
+    "workload_settings.audio_token=5",
+]
+
+
+def make_qwen2_audio_folder(folder):
+    """A Qwen2-Audio checkpoint's tokenizer files: a byte-level BPE trained on CORPUS with its
+    audio tokens, its chat template in chat_template.json, config.json naming the model."""
+    make_tokenizer(folder, QWEN2_AUDIO_SPECIALS)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN2_AUDIO_TEMPLATE}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_audio"}))
+    return folder
+
+
+def _qwen2_audio_record(images):
+    """Two clips in one user turn (the fixture's 0.55 s clip, and its first 8801 samples: 56
+    frames by the processor's count, 55 by the front end's) between text parts."""
+    import shutil
+
+    shutil.copy(FRONT_END / "clip.wav", images / "clip.wav")
+    _wav(images / "cut.wav", np.load(FRONT_END / "reference.npz")["samples"][:8801])
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "audio", "audio": "clip.wav"},
+                    {"type": "text", "text": "and"},
+                    {"type": "audio", "audio": "cut.wav"},
+                    {"type": "text", "text": "what is said?"},
+                ],
+            },
+            {"role": "assistant", "content": "the cat."},
+        ]
+    }
+
+
+def test_a_qwen2_audio_folder_writes_its_audio_lines_and_counts(images, tmp_path):
+    """From a Qwen2-Audio folder each clip becomes its template's line, `Audio k: <|audio_bos|>`,
+    one <|AUDIO|> per token its encoder gives (the processor's count: 55 frames give 14, one frame
+    of log-mel floor added for the model's 4 frames a token), `<|audio_eos|>` and a newline; the
+    clip's frames are the front end's; placeholders carry no loss. A folder of that model whose
+    tokenizer lacks the audio tokens is refused in one line."""
+    folder = make_qwen2_audio_folder(tmp_path / "qwen2_audio")
+    tok = C.ChatTokenizer.load(folder)
+    omni = target("omni_tiny.yaml", QWEN2_AUDIO_OMNI)
+    converter = C.Converter(tok, omni, images)
+    s = converter.sample(0, _qwen2_audio_record(images))
+    clips = s.of("audio")
+    assert [len(x) for x in clips] == [56, 56]
+    ref = np.load(FRONT_END / "reference.npz")["mel8"].T  # [55, 8]
+    assert float(np.max(np.abs(clips[0][:55] - ref))) < 1e-4
+    np.testing.assert_allclose(clips[0][55], np.full(8, clips[0].max() - 2.0))
+    assert [b - a for a, b in runs(s.tokens == 5)] == [14, 14]
+    text = tok.tokenizer.decode(s.tokens.tolist(), skip_special_tokens=False)
+    line = "Audio {k}: <|audio_bos|>" + "<|AUDIO|>" * 14 + "<|audio_eos|>\n"
+    assert f"<|im_start|>user\n{line.format(k=1)}and{line.format(k=2)}what is said?<|im_end|>" in text
+    assert not s.loss_mask.astype(bool)[s.tokens == 5].any()
+    other = make_tokenizer(tmp_path / "other")  # a Qwen2-Audio config.json beside a tokenizer without its tokens
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2_audio"}))
+    with pytest.raises(C.ConvertError, match=r"a Qwen2-Audio checkpoint's folder whose tokenizer has no '<\|audio_bos"):
+        C.ChatTokenizer.load(other)
+
+
+@pytest.mark.reference
+def test_qwen2_audio_conversations_are_written_as_its_processor_writes_them(images, tmp_path):
+    """The token ids equal transformers' `Qwen2AudioProcessor` (the folder's tokenizer, Whisper's
+    feature extractor at 8 mel bins) on the same conversation as OpenAI-style parts through its
+    chat template, each clip's <|AUDIO|> repeated to its count."""
+    pytest.importorskip("torch", reason="transformers' processors need torch (the `reference` extra)")
+    import transformers
+    from transformers import AutoTokenizer
+
+    from maestro_jax.data.audio import read_audio
+
+    folder = make_qwen2_audio_folder(tmp_path / "qwen2_audio")
+    record = _qwen2_audio_record(images)
+    s = C.Converter(C.ChatTokenizer.load(folder), target("omni_tiny.yaml", QWEN2_AUDIO_OMNI), images).sample(0, record)
+    processor = transformers.Qwen2AudioProcessor(
+        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=8),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        chat_template=QWEN2_AUDIO_TEMPLATE,
+    )
+    text = processor.apply_chat_template(record["messages"], tokenize=False)
+    clips = [read_audio(images / name) for name in ("clip.wav", "cut.wav")]
+    want = processor(text=text, audio=clips, sampling_rate=16000, return_tensors="np")
+    np.testing.assert_array_equal(s.tokens, want["input_ids"][0])
+
+
 def test_long_samples_are_truncated_between_items_or_skipped(tokenizer, images):
     """`on_long: truncate` cuts a sample over max_tokens at the limit, or, where that would split
     an image's placeholder run, before the run (the image goes too); the loss mask is cut alike.

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maestro_jax.data.audio import AudioError, log_mel, read_audio
+from maestro_jax.data.audio import HOP, AudioError, log_mel, read_audio
 from maestro_jax.data.samples import DataError, Modality, Sample, encode_sample, validate_sample
 from maestro_jax.data.sources import write_index
 from maestro_jax.data.video import FAMILIES as VIDEO_FAMILIES
@@ -158,6 +158,57 @@ class ImageSequence:
         return self.before + self.token * count + self.after
 
 
+QWEN2_AUDIO_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioSequence:
+    """How Qwen2-Audio's processor writes a clip into its token stream (its chat template's
+    `Audio k: <|audio_bos|><|AUDIO|><|audio_eos|>` line, k counting the conversation's clips from
+    1, the `<|AUDIO|>` then repeated by `Qwen2AudioProcessor` once per token its encoder gives).
+    A clip of L mel frames (one per started hop of 160 samples, as the processor's attention mask
+    counts them) gives `(L - 1) // 2 + 1` tokens after the encoder's stride-2
+    convolution and `(that - 2) // 2 + 1` after pooling pairs; the model takes one per `unit`
+    frames (4), so a clip keeps that many whole units of frames, one frame of silence (the
+    log-mel floor the processor pads with) added where the count rounds up."""
+
+    token: str = QWEN2_AUDIO_TOKENS[1]
+
+    @staticmethod
+    def tokens(frames: int) -> int:
+        return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+    def text(self, k: int, count: int) -> str:
+        bos, _, eos = QWEN2_AUDIO_TOKENS
+        return f"Audio {k}: {bos}{self.token * count}{eos}\n"
+
+    def frames(self, mel: np.ndarray, unit: int, length: int) -> np.ndarray:
+        """The clip's frames for its tokens: `tokens(length) * unit` of them (`length`: the frames
+        the processor counts, one per started hop of samples), cut or padded with the log-mel floor
+        (`data.audio.log_mel`: 2 below the clip's largest value)."""
+        n = self.tokens(length) * unit
+        if n <= len(mel):
+            return mel[:n]
+        return np.concatenate([mel, np.full((n - len(mel), mel.shape[1]), mel.max() - 2.0, mel.dtype)])
+
+
+def _qwen2_audio_sequence(folder: Path, tok) -> AudioSequence | None:
+    """Qwen2-Audio's audio tokens, for a folder of its checkpoint (config.json's model_type, or a
+    processor_config.json naming `Qwen2AudioProcessor`) whose tokenizer holds them; None otherwise."""
+    model_type = _read_json(folder, "config.json").get("model_type")
+    processor = _read_json(folder, "processor_config.json").get("processor_class")
+    if model_type != "qwen2_audio" and processor != "Qwen2AudioProcessor":
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    missing = [t for t in QWEN2_AUDIO_TOKENS if t not in vocab]
+    if missing:
+        raise ConvertError(
+            f"error: --tokenizer={folder}: a Qwen2-Audio checkpoint's folder whose tokenizer has no {missing[0]!r}; "
+            f"valid: the checkpoint's own tokenizer, which holds {list(QWEN2_AUDIO_TOKENS)}"
+        )
+    return AudioSequence()
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's image processor's size for an image of `height` x `width` (transformers'
     `smart_resize`, the same arithmetic): each side rounded to a multiple of `factor`, then both
@@ -182,6 +233,7 @@ class ChatTokenizer:
     special: dict[str, str]
     image_sequence: ImageSequence | None = None
     video: VideoSampling | None = None  # a Qwen2.5-VL / Qwen3-VL folder's video processor (`_qwen_video`)
+    audio_sequence: AudioSequence | None = None  # a Qwen2-Audio folder's (`_qwen2_audio_sequence`)
 
     @classmethod
     def load(cls, folder: str | Path) -> ChatTokenizer:
@@ -222,7 +274,7 @@ class ChatTokenizer:
         template = None if source is None else _compile_template(folder, source)
         sequence = _qwen_vl_sequence(folder, tok) or _image_sequence(folder, special)
         video = _qwen_video(folder, tok) if sequence is not None and sequence.family == "qwen_vl" else None
-        return cls(folder, tok, template, special, sequence, video)
+        return cls(folder, tok, template, special, sequence, video, _qwen2_audio_sequence(folder, tok))
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -510,9 +562,11 @@ def _check_image_unit(tok: ChatTokenizer, target: Target) -> None:
 
 def _placeholder_tokens(tok: ChatTokenizer, image_marker: str) -> dict[str, str]:
     """The token each modality's placeholders are: the image marker itself, or the family's own
-    image token where it has one (`ChatTokenizer.image_sequence`); `<audio>` for audio."""
+    image token where it has one (`ChatTokenizer.image_sequence`); `<audio>` for audio, or the
+    family's own audio token (`ChatTokenizer.audio_sequence`)."""
     image = image_marker if tok.image_sequence is None else tok.image_sequence.token
-    return {"image": image, "audio": AUDIO_MARKER, **({"video": QWEN_VIDEO_TOKEN} if tok.video else {})}
+    audio = AUDIO_MARKER if tok.audio_sequence is None else tok.audio_sequence.token
+    return {"image": image, "audio": audio, **({"video": QWEN_VIDEO_TOKEN} if tok.video else {})}
 
 
 def load_image(image, unit: int, max_side: int) -> np.ndarray:
@@ -729,6 +783,10 @@ class Converter:
         pieces = (
             {self.image_marker: [sequence.text(sequence.tokens(*x.shape[:2])) for x in own_images]} if sequence else {}
         )
+        audio, spoken = self.target.modality("audio"), self.tok.audio_sequence
+        own_clips = tuple(self._load("audio", audio, r) for r in refs["audio"]) if audio and spoken else ()
+        if own_clips:
+            pieces[AUDIO_MARKER] = [spoken.text(k + 1, len(x) // audio.unit[0]) for k, x in enumerate(own_clips)]
         if clips:
             start, _, end = QWEN_VL_TOKENS
             pieces[VIDEO_MARKER] = [self.tok.video.text(clip, start, QWEN_VIDEO_TOKEN, end) for _, clip in clips]
@@ -745,7 +803,7 @@ class Converter:
             self._check_clip_tokens(ids, [clip for _, clip in clips])
             items["video"] = tuple(pixels for pixels, _ in clips)
             mask[ids == self.tok.tokenizer.token_to_id(QWEN_VIDEO_TOKEN)] = False
-        items.update(self._placed_items(ids, refs, sequence, own_images, mask, repeat))
+        items.update(self._placed_items(ids, refs, {"image": own_images, "audio": own_clips}, mask, repeat))
         if not mask.any():
             raise BadRecord("its assistant turns hold no token")
         seconds = " ".join(repr(clip.seconds_per_patch) for _, clip in clips)
@@ -789,26 +847,29 @@ class Converter:
             raise BadRecord("has no assistant turn: no token would carry loss")
         return full, spans
 
-    def _placed_items(self, ids, refs: dict, sequence, own_images: tuple, mask, repeat) -> dict:
+    def _placed_items(self, ids, refs: dict, owned: dict[str, tuple], mask, repeat) -> dict:
         """Each image and audio item of the record, checked against its placeholders in `ids`
-        (a marker, or a run of the family's own image tokens): a marker repeated to its item's
-        token count (`repeat`), placeholders never carrying loss (`mask`)."""
+        (a marker, or a run of the family's own image or audio tokens, for the items in `owned`,
+        already loaded): a marker repeated to its item's token count (`repeat`), placeholders
+        never carrying loss (`mask`)."""
         items = {}
         placeholders = _placeholder_tokens(self.tok, self.image_marker)
+        families = {"image": self.tok.image_sequence, "audio": self.tok.audio_sequence}
         for name, marker in self._markers().items():
             m = self.target.modality(name)
             if m is None or name == "video":
                 continue
-            own = sequence if name == "image" else None
+            own = families[name]
             found = ids == self.tok.tokenizer.token_to_id(placeholders[name])  # the placeholder id (`check_tokenizer`)
             at = [a for a, _ in _runs(found)] if own else np.flatnonzero(found)
             if len(at) != len(refs[name]):
                 what = f"runs of {own.token}" if own else f"{marker} markers"
                 raise BadRecord(f"has {len(at)} {what} after its chat template, but {len(refs[name])} {NOUNS[name]}")
-            counts = [own.tokens(*x.shape[:2]) for x in own_images] if own else []
+            # an image as its family's processor counts it; a clip's frames are already its tokens' (`AudioSequence`)
+            counts = [own.tokens(*x.shape[:2]) if name == "image" else m.tokens(x.shape[:1]) for x in owned[name]]
             if own and [b - a for a, b in _runs(found)] != counts:
-                raise BadRecord(f"holds {own.token} tokens of its own beside its images' {counts}")
-            loaded = own_images if own else tuple(self._load(name, m, r) for r in refs[name])
+                raise BadRecord(f"holds {own.token} tokens of its own beside its {NOUNS[name]}' {counts}")
+            loaded = owned[name] if own else tuple(self._load(name, m, r) for r in refs[name])
             for pos, x in zip(at, loaded) if not own else ():  # the marker stands for its item's tokens
                 repeat[pos] = m.tokens(x.shape[: len(m.unit)])
             mask[found] = False
@@ -868,9 +929,12 @@ class Converter:
             return load_image(self._resolve(ref), m.unit[0], self._side(m))
         try:
             source = self._resolve(ref, "audio clip")
-            frames = log_mel(read_audio(source, None if isinstance(ref, str) else "its input_audio data"), m.channels)
+            samples = read_audio(source, None if isinstance(ref, str) else "its input_audio data")
+            frames = log_mel(samples, m.channels)
         except AudioError as err:
             raise BadRecord(str(err)) from None
+        if self.tok.audio_sequence is not None:  # as many frames as its processor writes tokens
+            frames = self.tok.audio_sequence.frames(frames, m.unit[0], -(-len(samples) // HOP))
         n = len(frames) - len(frames) % m.unit[0]
         if not n:
             raise BadRecord(f"audio clip {ref}: {len(frames)} frames, fewer than one token's {m.unit[0]}")
