@@ -48,9 +48,9 @@ ARCHITECTURES = {
 }
 # model types whose language model imports from the `text_config` (its tensors under a prefix,
 # `models.hf`); a Gemma 3 of 4B or more is one, its vision tower beside the LLM
-MULTIMODAL = {"gemma3": "gemma3_text", "qwen2_audio": "qwen2"}
+MULTIMODAL = {"gemma3": "gemma3_text", "qwen2_audio": "qwen2", "paligemma": "gemma2"}
 # where such a folder's config.json says nothing of tied embeddings: its class's default
-MULTIMODAL_TIED = {"gemma3": True, "qwen2_audio": False}
+MULTIMODAL_TIED = {"gemma3": True, "qwen2_audio": False, "paligemma": True}
 # VLM folders whose language model is Qwen2's with multimodal RoPE (M-RoPE): the Hub's config.json keeps its
 # text fields at the top level, transformers 5 saves them under `text_config`
 QWEN_VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
@@ -282,6 +282,11 @@ def llm_fields(path: str | Path) -> dict:
     kind = hf.get("model_type")
     if kind == "gemma3":  # its image tokens attend to their whole image (models/llm.py, body)
         return {**_text_fields(path, hf), "bidirectional_images": True}
+    if kind == "paligemma":  # issue 80: its prefix (image and prompt) attends bidirectionally, which the rows do not yet
+        raise HFError(
+            f"{path}/config.json: model_type='paligemma': its language model attends bidirectionally over each "
+            f"sample's image and prompt (prefix-LM), which the rows do not place yet; kind: vit takes its tower"
+        )
     return _text_fields(path, hf)
 
 
@@ -706,6 +711,21 @@ def _vision_tower(path: str | Path, hf: dict, kind: str) -> tuple[dict, str, dic
                 f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a Gemma 3 vision tower "
                 f"imports as 'siglip_vision_model'"
             )
+    elif kind == "paligemma":  # PaliGemma's tower: SigLIP and the checkpoint's linear projector, a token a patch
+        vision = hf.get("vision_config") or {}
+        width = (
+            hf.get("projection_dim")
+            or vision.get("projection_dim")
+            or _multimodal_text(path, hf, kind)[0]["hidden_size"]
+        )
+        extra = {"projector": "linear", "merge": 1, "out_width": width}
+        hf = vision
+        if hf.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+            raise HFError(
+                f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a PaliGemma vision tower "
+                f"imports as 'siglip_vision_model'"
+            )
+        kind = "siglip"
     elif kind not in VISION_TOWERS:
         raise HFError(f"{path}/config.json: model_type={kind!r}; a vision tower is one of {list(VISION_TOWERS)}")
     return hf, kind, extra
@@ -815,6 +835,7 @@ MULTI_MODEL = {
     "qwen2_5_vl": ("llm", "vit"),
     "qwen3_vl": ("llm", "vit"),
     "qwen2_audio": ("llm", "audio"),
+    "paligemma": ("llm", "vit"),
 }
 
 

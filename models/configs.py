@@ -62,8 +62,9 @@ class ViTConfig:
     feature_layer: int = -1
     # what maps each merge x merge window to the LLM width: merger (an MLP over the concatenated window,
     # Qwen2-VL's), avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's) or patch_merger
-    # (Qwen2.5-VL's and Qwen3-VL's: RMSNorm per patch, an MLP width * merge**2 wide, exact GELU)
-    projector: Literal["merger", "avg_pool", "patch_merger"] = "merger"
+    # (Qwen2.5-VL's and Qwen3-VL's: RMSNorm per patch, an MLP width * merge**2 wide, exact GELU) or
+    # linear (one projection with a bias of the concatenated window: PaliGemma's, merge 1)
+    projector: Literal["merger", "avg_pool", "patch_merger", "linear"] = "merger"
     # Qwen3-VL's DeepStack (deepstack_visual_indexes): blocks whose outputs go, each through a merger
     # of its own, to the LLM beside the image tokens; the LLM's deepstack_layers counts them
     deepstack_layers: tuple[NonNegativeInt, ...] = ()

@@ -176,8 +176,9 @@ def vit_mapping(
     f: dict, prefix: str = "vision_model.", projector: str | None = None
 ) -> dict[tuple[str, ...], tuple[str | None, Layout]]:
     """Flax path -> (HF tensor name, layouts) of a SigLIP vision tower with fields `f`, or a CLIP one
-    (`class_token`); with `projector` (the prefix of a Gemma 3 checkpoint's `multi_modal_projector`)
-    its average-pooling projector's too."""
+    (`class_token`); with `projector` (the prefix of a Gemma 3 or PaliGemma checkpoint's
+    `multi_modal_projector`) its average-pooling projector's (`projector: avg_pool`) or its linear
+    one's (`projector: linear`) too."""
     p, c, d = f["patch"], f["channels"], f["width"]
     patch: Layout = (
         lambda w: w.transpose(2, 3, 1, 0).reshape(p * p * c, d),  # conv [D, C, p, p] -> rows in patchify's (y, x, c)
@@ -195,7 +196,9 @@ def vit_mapping(
         m[("pre_norm", "bias")] = (f"{prefix}pre_layrnorm.bias", _SAME)
     else:
         m[("patch_embed", "bias")] = (f"{prefix}embeddings.patch_embedding.bias", _SAME)
-    if projector is not None:
+    if projector is not None and f.get("projector") == "linear":  # PaliGemma's
+        _linear(m, ("proj",), f"{projector}linear")
+    elif projector is not None:
         m[("proj_norm", "scale")] = (f"{projector}mm_soft_emb_norm.weight", _GEMMA_NORM)
         m[("proj", "kernel")] = (f"{projector}mm_input_projection_weight", _SAME)  # [vision width, text width]
     names = {"attn_norm": "layer_norm1", "mlp_norm": "layer_norm2", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
@@ -393,7 +396,7 @@ def _tower_mapping(path: Path, tensors: _Tensors, fields: dict, held: int) -> di
         return mapping({**fields, "feature_layer": held}, prefix)
     prefixes = CLIP_PREFIXES if fields.get("class_token") else SIGLIP_PREFIXES
     prefix = _prefix(path, tensors, "embeddings.patch_embedding.weight", prefixes)
-    projector = gemma3_projector_prefix(prefix) if fields.get("projector") == "avg_pool" else None
+    projector = gemma3_projector_prefix(prefix) if fields.get("projector") in ("avg_pool", "linear") else None
     return vit_mapping({**fields, "feature_layer": held}, prefix, projector)
 
 

@@ -6,7 +6,8 @@ row with a segment id per image, and attention is block-diagonal over segments. 
 to the LLM width reads each window (`projector`): `merger` concatenates the window's patches and
 runs a two-layer MLP (Qwen2-VL's merger); `avg_pool` averages them, RMS-normalises and projects
 without a bias (Gemma 3's `multi_modal_projector`: its average pool of kernel `merge` over the
-patch grid, its `mm_soft_emb_norm` and `mm_input_projection_weight`).
+patch grid, its `mm_soft_emb_norm` and `mm_input_projection_weight`); `linear` projects the
+window with a bias (PaliGemma's `multi_modal_projector.linear`, one patch a token: merge 1).
 
 Position embeddings come in two layouts (`pos_embed`):
   row_col: a learned row table and a learned column table, added (any aspect ratio up to
@@ -156,6 +157,12 @@ class VisionEncoder(nn.Module):
         if c.projector == "avg_pool":
             self.proj_norm = RMSNorm(c.norm_eps)
             self.proj = Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))
+        elif c.projector == "linear":
+            self.proj = Dense(
+                c.out_width,
+                kernel_init=partitioned(_init, "mlp", "embed"),
+                bias_init=partitioned(nn.initializers.zeros, "embed"),
+            )
         elif c.projector in ("merger", "patch_merger"):
             self.merger_fc1 = Dense(
                 c.out_width * 2 if c.projector == "merger" else c.width * c.merge * c.merge,
@@ -168,7 +175,7 @@ class VisionEncoder(nn.Module):
                 bias_init=partitioned(nn.initializers.zeros, "embed"),
             )
         else:
-            raise ValueError(f"projector={c.projector!r}: one of 'merger', 'avg_pool', 'patch_merger'")
+            raise ValueError(f"projector={c.projector!r}: one of 'merger', 'avg_pool', 'patch_merger', 'linear'")
 
     def features(self, patches_BPC, segments_BP, grid_BP2, class_segments_BK=None, segment_lengths_BM=None):
         """patches -> (hidden state `feature_layer`, that state through `merge_norm`), `B x P x width`
@@ -228,6 +235,8 @@ class VisionEncoder(nn.Module):
         if c.projector == "avg_pool":
             pooled = x.reshape(b, p // window, window, d).astype(jnp.float32).mean(axis=2).astype(x.dtype)
             return self.proj(self.proj_norm(pooled))
+        if c.projector == "linear":
+            return self.proj(x.reshape(b, p // window, window * d))
         h = self.merger_fc1(x.reshape(b, p // window, window * d))
         tokens = self.merger_fc2(nn.gelu(h, approximate=c.projector == "merger"))
         if not taps:

@@ -328,6 +328,49 @@ def gemma3_vlm(out: Path) -> None:
     _save(model, out / "gemma3_vlm", pixels=pixels, tokens=GEMMA3_TOKENS, image_features=features, logits=logits)
 
 
+# A PaliGemma 2 row: one image (16 tokens of id 95) and a prompt (the prefix, bidirectional), then the
+# answer (the suffix, causal)
+PALIGEMMA_IMAGE_TOKEN = 95
+PALIGEMMA_PREFIX = [PALIGEMMA_IMAGE_TOKEN] * 16 + [2, 17, 41, 9, 3]
+PALIGEMMA_TOKENS = np.array([PALIGEMMA_PREFIX + [60, 33, 71, 12, 1]], np.int64)
+
+
+def paligemma2(out: Path) -> None:
+    """A whole PaliGemma 2 folder (`PaliGemmaForConditionalGeneration`: a SigLIP tower, its linear
+    projector, a Gemma 2 language model): pixels [2, C, 16, 16]; `image_features` [2, 16, text
+    width] (`get_image_features`: the projector's output); `logits` of TOKENS alone (text, causal)
+    and `prefix_logits` of PALIGEMMA_TOKENS with the first image and `token_type_ids` 0 over the
+    prefix (image and prompt, attending bidirectionally) and 1 over the suffix."""
+    torch.manual_seed(7)
+    text = transformers.Gemma2Config(**{**LLM_BASE, **LLM_CASES["gemma2"][2]})
+    config = transformers.PaliGemmaConfig(
+        text_config=text,
+        vision_config=transformers.SiglipVisionConfig(**SIGLIP, vision_use_head=False),
+        image_token_index=PALIGEMMA_IMAGE_TOKEN,
+        projection_dim=text.hidden_size,
+    )
+    config.vision_config.projection_dim = text.hidden_size
+    model = _perturbed(transformers.PaliGemmaForConditionalGeneration(config))
+    pixels = torch.randn(2, SIGLIP["num_channels"], SIGLIP["image_size"], SIGLIP["image_size"])
+    row = torch.tensor(PALIGEMMA_TOKENS)
+    types = torch.tensor([[0] * len(PALIGEMMA_PREFIX) + [1] * (row.shape[1] - len(PALIGEMMA_PREFIX))])
+    with torch.no_grad():
+        features = model.get_image_features(pixels).pooler_output
+        logits = model(input_ids=torch.tensor(TOKENS)).logits
+        prefix_logits = model(input_ids=row, pixel_values=pixels[:1], token_type_ids=types).logits
+    _save(
+        model,
+        out / "paligemma2",
+        pixels=pixels,
+        image_features=features,
+        tokens=TOKENS,
+        logits=logits,
+        prefix_tokens=PALIGEMMA_TOKENS,
+        token_type_ids=types,
+        prefix_logits=prefix_logits,
+    )
+
+
 # A Qwen2.5-VL: a three-block tower (head 16, window attention in blocks 0 and 2, block 1 over whole
 # images) on patches of 2 px merged 2x2, windows of 8 px (4x4 patches); a two-layer Qwen2 text model with
 # M-RoPE (one key/value head of 16, sections 2+3+3 of its 8 frequencies)
@@ -585,6 +628,7 @@ def main() -> None:
         "qwen2_5_vl": qwen2_5_vl,
         "qwen3_vl": qwen3_vl,
         "qwen2_audio": qwen2_audio,
+        "paligemma2": paligemma2,
     }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()

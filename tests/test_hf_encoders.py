@@ -639,6 +639,31 @@ def test_check_hf_compares_a_qwen2_audio_folders_text_audio_tokens_and_logits(mo
     assert [line.endswith("PASS") for line in lines] == [True, False, False], lines
 
 
+def test_a_paligemma2_folder_gives_its_tower_with_its_linear_projector():
+    """`models.vision: {hf: <a PaliGemma 2 folder>, kind: vit}`: SigLIP with `projector: linear`
+    (merge 1: a token a patch) onto the language model's width; two 16x16 images packed in one row
+    give transformers' `get_image_features` (the projector's output) patch for patch. Its language
+    model (prefix-LM) is refused in one line until the rows place its prefix."""
+    from maestro_jax.hf_config import llm_fields
+
+    path = FIXTURES / "paligemma2"
+    ref = dict(np.load(path / "reference.npz"))
+    fields = hf_encoders.vit_fields(path)
+    assert (fields["projector"], fields["merge"], fields["out_width"], fields["pos_embed"]) == (
+        "linear",
+        1,
+        32,
+        "table",
+    )
+    model = model_of("vit", fields)
+    inputs, where = siglip_inputs(ref["pixels"], model.cfg)
+    params = hf_encoders.load_vit(path, placed_params(model, inputs), fields)
+    tokens = np.asarray(model.apply({"params": params}, *inputs)[0])
+    assert max_err(tokens, ref["image_features"][where]) < ATOL
+    with pytest.raises(HFError, match=r"model_type='paligemma': its language model attends bidirectionally"):
+        llm_fields(path)
+
+
 def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree():
     """The folder's `image_token_index` is the workload's `image_token` (as its architecture fields
     are the models'); a value written beside it that differs is refused naming both, before

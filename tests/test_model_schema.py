@@ -20,12 +20,13 @@ from maestro_jax.config import MODEL_KINDS, ConfigError, _FromFolder, load_confi
 SCHEMAS = {"vit": ViTConfig, "audio": AudioConfig, "llm": LLMConfig}
 CONFIG_ONLY = {"llm": {"moe_dispatch_strict"}}  # how the config resolves a field, no part of the model
 FOLDERS = {
-    "vit": ("siglip", "clip", "qwen2_5_vl", "qwen3_vl", "gemma3_vlm"),
-    "audio": ("whisper",),
+    "vit": ("siglip", "clip", "qwen2_5_vl", "qwen3_vl", "gemma3_vlm", "paligemma2"),
+    "audio": ("whisper", "qwen2_audio"),
     "llm": tuple(
         p.name
         for p in sorted((ROOT / "tests/fixtures/hf").iterdir())
-        if p.name not in ("siglip", "clip", "whisper", "whisper_features", "qwen_video")
+        # paligemma2's language model is refused until the rows place its prefix (issue 80)
+        if p.name not in ("siglip", "clip", "whisper", "whisper_features", "qwen_video", "paligemma2")
     ),
 }
 

@@ -49,11 +49,14 @@ def llm_cost(c: LLMConfig, head: bool, extra_flops: float = 0.0) -> UnitCost:
 
 def vit_cost(c: ViTConfig, mean_patches_per_image: float) -> UnitCost:
     """A patch: the patch embedding, the blocks and its share of the projector (the merger's two
-    layers over a concatenated window, or the average pool's one projection; each DeepStack merger
+    layers over a concatenated window, the average pool's one projection, or the linear one of
+    each window's patches; each DeepStack merger
     as much again); attention runs within each image, so its context is the mean image's patch count."""
     window = c.merge * c.merge
     if c.projector == "avg_pool":
         projector = 2 * c.width * c.out_width / window
+    elif c.projector == "linear":
+        projector = 2 * c.width * c.out_width
     else:
         projector = (2 * window * c.width * 2 * c.out_width + 2 * 2 * c.out_width * c.out_width) / window
     projector *= 1 + len(c.deepstack_layers)
