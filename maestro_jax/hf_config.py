@@ -282,11 +282,9 @@ def llm_fields(path: str | Path) -> dict:
     kind = hf.get("model_type")
     if kind == "gemma3":  # its image tokens attend to their whole image (models/llm.py, body)
         return {**_text_fields(path, hf), "bidirectional_images": True}
-    if kind == "paligemma":  # issue 80: its prefix (image and prompt) attends bidirectionally, which the rows do not yet
-        raise HFError(
-            f"{path}/config.json: model_type='paligemma': its language model attends bidirectionally over each "
-            f"sample's image and prompt (prefix-LM), which the rows do not place yet; kind: vit takes its tower"
-        )
+    if kind == "paligemma":  # its image and prompt attend to each other (PaliGemmaModel's mask, not the text model's)
+        text = {k: v for k, v in (hf.get("text_config") or {}).items() if k != "use_bidirectional_attention"}
+        return {**_text_fields(path, {**hf, "text_config": text}), "prefix_lm": True}
     return _text_fields(path, hf)
 
 

@@ -310,6 +310,10 @@ class LLMConfig:
     final_softcap: PositiveFloat | None = None  # Gemma 2: output logits capped as c * tanh(z / c)
     # Gemma 3's VLMs: each image's tokens attend to all of that image's tokens, later ones too (`body`)
     bidirectional_images: bool = False
+    # PaliGemma's prefix-LM: each sample's prefix (its image and prompt: the positions up to the
+    # first whose target carries loss) attends bidirectionally within itself, the rest causally;
+    # the rows give the prefix as one block (`workloads.vlm.with_prefix_blocks`, `body`'s images_BL)
+    prefix_lm: bool = False
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
@@ -364,6 +368,14 @@ class LLMConfig:
 
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("kv_heads", _divides_heads),
+        Rule(
+            "prefix_lm",
+            lambda v: (
+                v.get("prefix_lm")
+                and v.get("bidirectional_images")
+                and "a prefix-LM's prefix holds its images: set bidirectional_images=false"
+            ),
+        ),
         Rule(None, _window_pattern),
         Rule(
             "pre_norms",

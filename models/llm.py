@@ -525,6 +525,9 @@ class DecoderLM(nn.Module):
         image tokens in the row, `image_blocks`) an image token also attends to the later tokens
         of its own image, as Gemma 3's VLMs do: global layers see causal OR same image, windowed
         ones window AND (causal OR same image), the window bounding only how far back a key lies.
+        With `prefix_lm` the block is each sample's prefix (PaliGemma's image and prompt,
+        `workloads.vlm.with_prefix_blocks`), and windowed layers see (window AND causal) OR same
+        block, as transformers' PaliGemma 2 does.
 
         With `sliding_window` a position attends to the `sliding_window` positions ending at its
         own (Mistral's window), counted in positions, so packed samples keep their own windows;
@@ -571,6 +574,7 @@ class DecoderLM(nn.Module):
             segment_lengths_BM,
             plain=order is None,
             from_zero=self.rows_from_zero,
+            blocks_past_window=self.cfg.prefix_lm,
         )
         # the MoE balancing loss is per sample (segments); DeepStack's features after them
         extra = (segments_BL,) if segments_BL is not None else ()
@@ -616,20 +620,26 @@ def decoder_mask(
     segment_lengths_BM=None,
     plain=True,
     from_zero=False,
+    blocks_past_window=False,
 ) -> tuple[Mask, jax.Array]:
     """The decoder's attention mask and its windowed layers' window (`DecoderLM.body`): causal in
     `order_BL` (each position's place in its sample), image blocks bidirectional, padding keys
     masked, each packed sample to itself; with the rows' structure (`models.attention.Mask`)
     where no image blocks are given and the positions are in their own order (`plain`): the
     host's segment lengths of packed rows, or, for rows of one sample each laid from position 0
-    (`from_zero`: `DecoderLM.rows_from_zero`), each row's length (its valid positions)."""
+    (`from_zero`: `DecoderLM.rows_from_zero`), each row's length (its valid positions). With
+    `blocks_past_window` (`prefix_lm`: PaliGemma 2's windowed layers, transformers' sliding causal
+    mask OR its blocks) a block's keys are in every windowed layer's reach, however far back;
+    otherwise (Gemma 3's) the window bounds how far back any key lies."""
     behind_BLL = order_BL[:, :, None] - order_BL[:, None, :]  # how far each key lies back
     mask_BLL = behind_BLL >= 0
-    if images_BL is not None:
-        mask_BLL = mask_BLL | ((images_BL[:, :, None] == images_BL[:, None, :]) & (images_BL[:, :, None] > 0))
-    mask_BLL = mask_BLL & valid_BL[:, None, :]
     window = sliding_window or behind_BLL.shape[-1]  # transformers' `kv_idx > q_idx - sliding_window`
     window_BLL = behind_BLL < window  # applied by each windowed layer (DecoderBlock)
+    if images_BL is not None:
+        block_BLL = (images_BL[:, :, None] == images_BL[:, None, :]) & (images_BL[:, :, None] > 0)
+        mask_BLL = mask_BLL | block_BLL
+        window_BLL = window_BLL | block_BLL if blocks_past_window else window_BLL
+    mask_BLL = mask_BLL & valid_BL[:, None, :]
     if segments_BL is not None:
         mask_BLL = mask_BLL & (segments_BL[:, :, None] == segments_BL[:, None, :])
     if not plain or images_BL is not None or (segments_BL is None and not from_zero):

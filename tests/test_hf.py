@@ -46,6 +46,8 @@ TIED = {
     "gpt_oss": False,
     # a whole Qwen2-Audio folder's language model (Qwen2's, under language_model.): its text logits
     "qwen2_audio": False,
+    # a whole PaliGemma 2 folder's language model (Gemma 2's, under language_model.): text alone, causal
+    "paligemma2": True,
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 

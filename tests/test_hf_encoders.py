@@ -642,10 +642,7 @@ def test_check_hf_compares_a_qwen2_audio_folders_text_audio_tokens_and_logits(mo
 def test_a_paligemma2_folder_gives_its_tower_with_its_linear_projector():
     """`models.vision: {hf: <a PaliGemma 2 folder>, kind: vit}`: SigLIP with `projector: linear`
     (merge 1: a token a patch) onto the language model's width; two 16x16 images packed in one row
-    give transformers' `get_image_features` (the projector's output) patch for patch. Its language
-    model (prefix-LM) is refused in one line until the rows place its prefix."""
-    from maestro_jax.hf_config import llm_fields
-
+    give transformers' `get_image_features` (the projector's output) patch for patch."""
     path = FIXTURES / "paligemma2"
     ref = dict(np.load(path / "reference.npz"))
     fields = hf_encoders.vit_fields(path)
@@ -660,8 +657,107 @@ def test_a_paligemma2_folder_gives_its_tower_with_its_linear_projector():
     params = hf_encoders.load_vit(path, placed_params(model, inputs), fields)
     tokens = np.asarray(model.apply({"params": params}, *inputs)[0])
     assert max_err(tokens, ref["image_features"][where]) < ATOL
-    with pytest.raises(HFError, match=r"model_type='paligemma': its language model attends bidirectionally"):
-        llm_fields(path)
+
+
+def test_a_paligemma2_row_attends_bidirectionally_over_its_prefix_as_transformers_does():
+    """`kind: llm` of a PaliGemma 2 folder has `prefix_lm`: the rows mark each sample's prefix
+    (its image's 16 tokens and the prompt: the positions up to the first whose target carries
+    loss) as one block (`workloads.vlm.with_prefix_blocks`), and the decoder's logits on a row
+    holding the tower's image tokens equal transformers' with `token_type_ids` 0 over that prefix
+    and 1 over the answer (its prefix-LM mask); one block short, they do not."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+
+    from maestro_jax.workloads.vlm import with_prefix_blocks
+
+    path = FIXTURES / "paligemma2"
+    ref = dict(np.load(path / "reference.npz"))
+    vfields, lfields = hf_encoders.vit_fields(path), hf.llm_fields(path)
+    assert lfields["prefix_lm"] and not lfields.get("bidirectional_images")
+    tower = model_of("vit", vfields)
+    inputs, where = siglip_inputs(ref["pixels"][:1], tower.cfg)
+    image = np.asarray(
+        tower.apply({"params": hf_encoders.load_vit(path, placed_params(tower, inputs), vfields)}, *inputs)[0]
+    )
+    row = ref["prefix_tokens"]
+    prefix = int((ref["token_type_ids"] == 0).sum())
+    loss = (np.arange(row.shape[1]) >= prefix - 1)[None].astype(
+        np.float32
+    )  # the answer's targets, from position prefix - 1
+    blocks = with_prefix_blocks({"loss_mask": loss, "valid": np.ones(row.shape, bool)})["images"]
+    np.testing.assert_array_equal(blocks[0], [1] * prefix + [0] * (row.shape[1] - prefix))
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    ids, pos, valid = jnp.asarray(row, jnp.int32), jnp.arange(row.shape[1])[None], jnp.ones(row.shape, bool)
+    v = {"params": hf.load_llm(path, placed_params(decoder, (ids, pos, valid)), lfields)}
+    x = (
+        decoder.apply(v, ids, method=DecoderLM.embed)
+        .at[0, np.flatnonzero(row[0] == 95)]
+        .set(image[np.argsort(where[1])])
+    )
+
+    def logits(images):
+        h = decoder.apply(v, x, pos, valid, None, jnp.asarray(images), method=DecoderLM.hidden)
+        return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+    assert max_err(logits(blocks), ref["prefix_logits"]) < ATOL
+    short = np.where(np.arange(row.shape[1]) < prefix - 1, blocks, 0)
+    assert max_err(logits(short), ref["prefix_logits"]) > 1e-3
+
+
+@pytest.mark.reference
+def test_check_hf_compares_a_paligemma2_folders_image_tokens_and_prefix_lm_logits(monkeypatch, capsys):
+    """`check-hf` on a PaliGemma 2 folder: its image tokens, and the logits of a row holding the
+    first image, a prompt and an answer with transformers' prefix-LM mask, a line each, within the
+    tolerance; a projector bias moved on maestro's side fails both."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax import cli
+
+    path = str(FIXTURES / "paligemma2")
+    assert cli.main(["check-hf", "--hf", path]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "(paligemma): 2 images of 16x16; image tokens" in lines[0], lines
+    assert "the first in a row of" in lines[1] and "its prefix 21; logits" in lines[1], lines
+    assert all(line.endswith("PASS") for line in lines), lines
+    load = hf_encoders.load_vit
+
+    def moved(*args, **kwargs):
+        params = load(*args, **kwargs)
+        return {**params, "proj": {**params["proj"], "bias": params["proj"]["bias"].at[3].add(0.05)}}
+
+    monkeypatch.setattr(hf_encoders, "load_vit", moved)
+    assert cli.main(["check-hf", "--hf", path]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert [line.endswith("PASS") for line in lines] == [False, False], lines
+
+
+@pytest.mark.slow  # the prefix-LM logits against transformers (above) hold the mask; this the whole step
+def test_a_paligemma2_vlm_verifies_with_its_prefix_blocks(tmp_path):
+    """`models.vision` and `models.llm` from one PaliGemma 2 folder: the llm's rows carry each
+    sample's prefix block (image and prompt), sectioned and monolithic alike, and the sectioned
+    step equals the monolithic one (the folder's image_token_index the workload's image token)."""
+    from maestro_jax.config import load_config
+    from maestro_jax.tools.verify import verify
+    from maestro_jax.workloads import settings
+
+    path, _ = fixture(tmp_path, "paligemma2")
+    cfg = load_config(
+        ROOT / "configs/vlm_tiny.yaml",
+        [
+            "global_batch=8",
+            "data.text_len=[6,14]",
+            f"models.vision={{hf: {path}, kind: vit}}",
+            f"models.llm={{hf: {path}, kind: llm}}",
+            "data.modalities.image.sizes=[[16,16],[8,16]]",
+            "data.modalities.video.sizes=[[2,16,16]]",  # vlm_tiny's clips, each frame an image of the tower's size
+            "sections.llm.mesh={data: 3, tensor: 2}",
+        ],
+    )
+    assert cfg.models["llm"].prefix_lm and settings(cfg).image_token == 95
+    rt = build_runtime(cfg)
+    host = next(s for s in rt.graph.sections if s.name == "llm").host_batch(rt.batches()[0], {})
+    assert (host["images"][host["valid"][:, 0], 0] == 1).all(), "every sample starts with its prefix block"
+    diffs = verify(cfg, rt)
+    assert {d.name for d in diffs} >= {"loss", "vision/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
 
 
 def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree():

@@ -25,8 +25,7 @@ FOLDERS = {
     "llm": tuple(
         p.name
         for p in sorted((ROOT / "tests/fixtures/hf").iterdir())
-        # paligemma2's language model is refused until the rows place its prefix (issue 80)
-        if p.name not in ("siglip", "clip", "whisper", "whisper_features", "qwen_video", "paligemma2")
+        if p.name not in ("siglip", "clip", "whisper", "whisper_features", "qwen_video")
     ),
 }
 

@@ -202,6 +202,29 @@ def test_pooled_audio_tokens_are_each_clips_own_runs_averaged():
     assert audio.unit == (8,) and audio.tokens((16,)) == audio.tokens((23,)) == 2, "4 frames a token x pool 2"
 
 
+def test_each_packed_samples_prefix_is_its_own_block():
+    """`prefix_lm` rows (`with_prefix_blocks`): in a row packing two samples, each sample's
+    positions up to the first whose target carries loss are one block numbered by its segment, the
+    rest of it and the padding 0; a sample that carries no loss is prefix whole."""
+    from maestro_jax.workloads.vlm import with_prefix_blocks
+
+    segments = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+    loss = np.array([[0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], np.float32)
+    got = with_prefix_blocks({"loss_mask": loss, "valid": segments > 0, "segments": segments})["images"]
+    np.testing.assert_array_equal(got, [[1, 1, 1, 0, 0, 2, 2, 2, 2, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+    one = with_prefix_blocks({"loss_mask": loss[:1, :5], "valid": segments[:1, :5] > 0})["images"]
+    np.testing.assert_array_equal(one, [[1, 1, 1, 0, 0]])
+
+
+def test_a_prefix_lm_in_text_only_rows_is_refused():
+    """kd's rows are text only and place no prefix: a `prefix_lm` teacher or student (a PaliGemma
+    language model) is refused naming the key, before anything is built."""
+    from maestro_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"error: models\.teacher\.prefix_lm=true: kd's text rows for it place no"):
+        workloads.build_graph(cfg_of("kd", "models.teacher.prefix_lm=true"))
+
+
 @pytest.mark.slow  # the unpooled omni verify above holds the path; this adds the pooled rows' sizes
 def test_omni_with_a_pooled_audio_encoder_matches_the_monolithic_step():
     """Qwen2-Audio's shape of encoder (`pool: 2`) in the omni workload: the LLM's placeholders

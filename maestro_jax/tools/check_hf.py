@@ -108,6 +108,7 @@ def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
     whole = {
         "gemma3": check_gemma3_vlm,
         "qwen2_audio": check_qwen2_audio,
+        "paligemma": check_paligemma,
         **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl),
     }.get(model_type)
     kinds = MULTI_MODEL[model_type] if whole else (kind_of(path),)
@@ -166,6 +167,55 @@ def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, see
         _result(path, images, "image tokens", np.asarray(features), want_features.reshape(features.shape), tolerance),
         _result(path, f"{images} in a row of {len(row)} tokens", "logits", logits, want_logits.numpy(), tolerance),
     ]
+
+
+def check_paligemma(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """A PaliGemma 2 folder: two random images of its size through the tower and the linear
+    projector (transformers' `get_image_features`), then one row through the whole model: the
+    first image's tokens and a random prompt (the prefix, `token_type_ids` 0: attending
+    bidirectionally, `workloads.vlm.with_prefix_blocks` on our side) and a random answer (the
+    suffix, 1: causal); the image tokens and the logits compared."""
+    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
+    from maestro_jax.workloads.vlm import with_prefix_blocks
+
+    path = Path(path)
+    config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
+    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
+    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
+    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
+    inputs, (image, cell) = packed_images(pixels, vcfg)
+    tower = VisionEncoder(vcfg)
+    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    image_token, per_image = config.get("image_token_index", PALIGEMMA_IMAGE_TOKEN), len(features) // 2
+    text = [t for t in range(lfields["vocab"]) if t != image_token]
+    prompt, answer = rng.choice(text, 5), rng.choice(text, _lengths(lfields)[-1])
+    row = np.concatenate([[image_token] * per_image, prompt, answer])
+    prefix = per_image + len(prompt)
+    loss = (np.arange(len(row)) >= prefix - 1)[None].astype(np.float32)  # the answer's targets
+    blocks = with_prefix_blocks({"loss_mask": loss, "valid": np.ones((1, len(row)), bool)})["images"]
+    ids, pos, valid = jnp.asarray(row[None], jnp.int32), jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
+    first = np.asarray(features)[:per_image][np.argsort(cell[:per_image])]  # the first image's, in its grid's order
+    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, :per_image].set(first)
+    h = decoder.apply(v, x, pos, valid, None, jnp.asarray(blocks), method=DecoderLM.hidden)
+    logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+    torch, transformers = _reference_modules()
+    model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
+    types = torch.tensor((np.arange(len(row)) >= prefix)[None].astype(np.int64))
+    with torch.no_grad():
+        want_features = model.get_image_features(torch.tensor(pixels)).pooler_output.float().numpy()
+        tokens = torch.tensor(row[None].astype(np.int64))
+        want_logits = model(input_ids=tokens, pixel_values=torch.tensor(pixels[:1]), token_type_ids=types).logits
+    images = f"2 images of {size}x{size}"
+    prefixed = f"the first in a row of {len(row)} tokens, its prefix {prefix}"
+    return [
+        _result(path, images, "image tokens", np.asarray(features), want_features[image, cell], tolerance),
+        _result(path, prefixed, "logits", logits, want_logits.float().numpy(), tolerance),
+    ]
+
+
+PALIGEMMA_IMAGE_TOKEN = 257152  # PaliGemmaConfig's default image_token_index
 
 
 # the Qwen-VL folders check-hf runs whole, by model_type: transformers' class of each

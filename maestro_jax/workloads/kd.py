@@ -376,6 +376,18 @@ def shared_vocab(cfg: Config) -> int:
     return check_vocab(teachers_of(cfg), model(cfg, "student", "llm"))
 
 
+def refuse_prefix_lm(models: dict[str, LLMConfig], workload: str) -> None:
+    """Text rows place no prefix (a PaliGemma language model's image and prompt): a model with
+    `prefix_lm` there would run causally, not as it was trained; refused naming it."""
+    for name, m in models.items():
+        if m.prefix_lm:
+            raise ConfigError(
+                f"error: models.{name}.prefix_lm=true: {workload}'s text rows for it place no prefix (a PaliGemma "
+                f"language model's image and prompt); valid: false, or the model as the LLM of vlm or the student "
+                f"of vlm_kd, whose rows place it"
+            )
+
+
 def check_vocab(teachers: tuple[Teacher, ...], student: LLMConfig) -> int:
     """Distillation compares the models' logits token by token: one vocabulary (`teachers_of`
     has held the teachers to the first one's)."""
@@ -411,6 +423,7 @@ def build(cfg: Config) -> SectionGraph:
     if cfg.distill.cache is not None:
         return build_cached(cfg)
     teachers, student, routing = teachers_of(cfg), model(cfg, "student", "llm"), routing_of(cfg)
+    refuse_prefix_lm({**{t.name: t.model for t in teachers}, "student": student}, "kd")
     check_top_k(cfg.distill.top_k, check_vocab(teachers, student))
     alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
     top_k = cfg.distill.top_k
@@ -466,6 +479,7 @@ def build_cached(cfg: Config) -> SectionGraph:
     """The student alone, its loss the top-k one over each row's cached teacher outputs
     (`kd_cached`: the cache's checks and the rows' layout)."""
     teacher = kd_cached.one_teacher(cfg, teachers_of(cfg))
+    refuse_prefix_lm({"student": model(cfg, "student", "llm")}, "kd")
     check_vocab((teacher,), model(cfg, "student", "llm"))
     kd_cached.check_student_layout(cfg)
     return student_alone(cfg, teacher, kd_cached.checked_manifest(cfg, teacher).identity.k)

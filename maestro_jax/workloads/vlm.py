@@ -291,14 +291,16 @@ def multimodal_rows(
     positions: R.Positions | None = None,
     *,
     per_octave: int,
+    prefix: bool = False,
 ) -> dict:
     """Text rows with placeholder indices per modality, and a route per spliced edge; with
-    `images` (the LLM's `bidirectional_images`), each token's image block (`with_image_blocks`);
+    `images` (the LLM's `bidirectional_images`), each token's image block (`with_image_blocks`),
+    with `prefix` (its `prefix_lm`) each sample's prefix block (`with_prefix_blocks`);
     with `positions` (`sample_positions`), each sample's own. Lengths bucketed at `per_octave`
     (`R.text_rows`)."""
     text = R.text_rows(rows, tuple(spliced.values()), positions, per_octave=per_octave)
     out = {**text, **{f"{e}_row": R.route(routes, e, rows) for e in spliced}}
-    return with_image_blocks(out) if images else out
+    return _with_blocks(out, images, prefix)
 
 
 def packed_multimodal_rows(
@@ -312,6 +314,7 @@ def packed_multimodal_rows(
     positions: R.Positions | None = None,
     *,
     per_octave: int,
+    prefix: bool = False,
 ) -> dict:
     """`multimodal_rows` with sequence packing (`rows.packed_text_rows`): each position routes to
     its own sample's producer row, on every spliced edge and every edge in `gathered`; each
@@ -320,7 +323,31 @@ def packed_multimodal_rows(
     out = R.packed_text_rows(
         rows, edges, shards, pack, tuple(spliced.values()), positions=positions, per_octave=per_octave
     )
-    return with_image_blocks(out) if images else out
+    return _with_blocks(out, images, prefix)
+
+
+def _with_blocks(batch: dict, images: bool, prefix: bool) -> dict:
+    """`batch` with the LLM's attention blocks: its images' (`bidirectional_images`) or each
+    sample's prefix (`prefix_lm`), or as it is."""
+    return with_prefix_blocks(batch) if prefix else with_image_blocks(batch) if images else batch
+
+
+def with_prefix_blocks(batch: dict) -> dict:
+    """`batch` with `images` marking each sample's prefix as one block (an LLM with `prefix_lm`,
+    PaliGemma's): its positions up to the first whose target carries loss (the image and the
+    prompt; a sample with no such position is prefix whole), numbered by the sample's segment
+    (packed rows) or 1, 0 elsewhere: `body`'s causal OR same block is then the prefix-LM mask."""
+    loss, valid = batch["loss_mask"] > 0, batch["valid"]
+    samples = batch.get("segments", valid.astype(np.int32))
+    blocks = np.zeros(samples.shape, np.int32)
+    for r, s in zip(*np.nonzero(np.diff(samples, prepend=0, axis=1) != 0)):
+        sample = samples[r, s]
+        if sample == 0:
+            continue
+        end = s + int(np.argmin(samples[r, s:] == sample)) if (samples[r, s:] != sample).any() else samples.shape[1]
+        first = np.flatnonzero(loss[r, s:end])
+        blocks[r, s : s + (first[0] + 1 if len(first) else end - s)] = sample
+    return {**batch, "images": blocks}
 
 
 def with_image_blocks(batch: dict) -> dict:
@@ -420,7 +447,7 @@ def llm_section(
         trained=True,
         forward=forward,
         host_batch=lambda rows, routes: multimodal_rows(
-            rows, routes, spliced, llm.bidirectional_images, positions, per_octave=per_octave
+            rows, routes, spliced, llm.bidirectional_images, positions, per_octave=per_octave, prefix=llm.prefix_lm
         ),
         packed_batch=lambda rows, routes, shards, pack: packed_multimodal_rows(
             rows,
@@ -431,6 +458,7 @@ def llm_section(
             images=llm.bidirectional_images,
             positions=positions,
             per_octave=per_octave,
+            prefix=llm.prefix_lm,
         ),
         activates=lambda s: True,
         work=R.next_token_units,

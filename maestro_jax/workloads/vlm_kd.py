@@ -27,6 +27,7 @@ from maestro_jax.workloads.kd import (
     head_flops,
     init_teachers,
     loaders,
+    refuse_prefix_lm,
     routing_of,
     sample_rule,
     shared_vocab,
@@ -56,6 +57,7 @@ IMAGES = "image_embeds"
 
 def build(cfg: Config) -> SectionGraph:
     teachers, vit, student = teachers_of(cfg), model(cfg, "vision", "vit"), model(cfg, "student", "llm")
+    refuse_prefix_lm({t.name: t.model for t in teachers}, "vlm_kd")
     check_top_k(cfg.distill.top_k, check_vocab(teachers, student))
     image, routing = image_modality(cfg), routing_of(cfg)
     alpha, temperature, routed = cfg.distill.alpha, cfg.distill.temperature, routing is not None
@@ -63,7 +65,9 @@ def build(cfg: Config) -> SectionGraph:
     per_octave = cfg.compile.buckets_per_octave
 
     def student_batch(rows, routes):
-        rows_ = multimodal_rows(rows, routes, {IMAGES: image}, student.bidirectional_images, per_octave=per_octave)
+        rows_ = multimodal_rows(
+            rows, routes, {IMAGES: image}, student.bidirectional_images, per_octave=per_octave, prefix=student.prefix_lm
+        )
         return {**rows_, **teacher_rows(routes, rows, teachers)}
 
     def student_packed_batch(rows, routes, shards, pack):
@@ -76,6 +80,7 @@ def build(cfg: Config) -> SectionGraph:
             gathered=tuple(t.edge for t in teachers),
             images=student.bidirectional_images,
             per_octave=per_octave,
+            prefix=student.prefix_lm,
         )
 
     def student_forward(variables, inputs, batch):
