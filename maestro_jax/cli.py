@@ -317,12 +317,13 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
     if "audio" in kinds:
         return _export_audio_llm(cfg, args, names, kinds)
     qwen = qwen_vl_type(cfg.models[kinds["vit"]].model_dump()) if "vit" in kinds else None
-    model_type = qwen or "gemma3"
+    linear = "vit" in kinds and cfg.models[kinds["vit"]].projector == "linear"
+    model_type = qwen or ("paligemma" if linear else "gemma3")
     if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, model_type):
         print(
             f"error: --section={args.section!r} --model-type={args.model_type}: a whole VLM folder is one vit and one "
             f"llm section (e.g. --section vision,llm), written as {model_type} (gemma3; qwen2_5_vl or qwen3_vl for a "
-            f"Qwen2.5-VL or Qwen3-VL tower)",
+            f"Qwen2.5-VL or Qwen3-VL tower; paligemma for a tower with projector: linear)",
             file=sys.stderr,
         )
         return 2
@@ -336,6 +337,8 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
         if qwen:  # the clips' placeholder too, where the VLM took video
             video_token = getattr(settings(cfg), "video_token", None)
             hf.export_qwen_vl(args.out, vision, llm, image_token, args.overwrite, video_token=video_token)
+        elif linear:
+            hf.export_paligemma(args.out, vision, llm, image_token, args.overwrite)
         else:
             hf.export_gemma3_vlm(args.out, vision, llm, image_token, args.overwrite)
     except hf.HFError as err:
@@ -642,10 +645,12 @@ COMMANDS: dict[str, Command] = {
                     "qwen2_5_vl",
                     "qwen3_vl",
                     "qwen2_audio",
+                    "paligemma",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
                 "Gemma's block, olmo2 for OLMo 2's, gpt_oss for GPT-OSS's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
-                "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's, qwen2_audio for an audio "
+                "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's, paligemma for a tower with a linear projector "
+                "and a prefix-LM, qwen2_audio for an audio "
                 "encoder pooled in pairs and its LLM)",
             ),
             opt(

@@ -529,6 +529,52 @@ def save_gemma3_vlm(
     _write(path, {**text, **tower}, config, max_shard_bytes)
 
 
+def save_paligemma(
+    path: str | Path,
+    vit_params: dict,
+    vit_fields: dict,
+    llm_params: dict,
+    llm_fields: dict,
+    image_token: int,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write a VLM's tower (SigLIP with `projector: linear`, merge 1) and language model (Gemma 2's
+    with `prefix_lm`) as one PaliGemma 2 folder (`PaliGemmaForConditionalGeneration`), with the
+    Hub's tensor names: `vision_tower.vision_model.`, `multi_modal_projector.linear.`,
+    `language_model.model.`. `image_token` is the placeholder id the VLM was trained with
+    (`image_token_index`)."""
+    from maestro_jax.models.hf import llm_checkpoint
+
+    if vit_fields.get("projector") != "linear" or vit_fields.get("merge") != 1 or vit_fields.get("class_token"):
+        raise HFError(
+            f"projector={vit_fields.get('projector')!r}, merge={vit_fields.get('merge')}, class_token="
+            f"{vit_fields.get('class_token', False)}: a PaliGemma tower is SigLIP's with projector='linear' and merge=1"
+        )
+    if not llm_fields.get("prefix_lm") or vit_fields["out_width"] != llm_fields["width"]:
+        raise HFError(
+            f"prefix_lm={llm_fields.get('prefix_lm', False)}, the tower's out_width={vit_fields['out_width']}, the "
+            f"LLM's width={llm_fields['width']}: a PaliGemma language model is a prefix-LM of the tower's width"
+        )
+    text, text_config = llm_checkpoint(llm_params, llm_fields, "gemma2", prefix="language_model.model.")
+    tower = _tensors(vit_params, vit_mapping(vit_fields, "vision_tower.vision_model.", "multi_modal_projector."))
+    vision = {k: v for k, v in _vit_config(vit_fields).items() if k not in ("architectures", "torch_dtype")}
+    grid = vit_fields["max_grid"]
+    config = {
+        "architectures": ["PaliGemmaForConditionalGeneration"],
+        "model_type": "paligemma",
+        "text_config": {
+            **{k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")},
+            "num_image_tokens": grid * grid,
+        },
+        "vision_config": {**vision, "projection_dim": llm_fields["width"]},
+        "projection_dim": llm_fields["width"],
+        "image_token_index": image_token,
+        "tie_word_embeddings": llm_fields["tie_embeddings"],
+        "torch_dtype": "float32",
+    }
+    _write(path, {**text, **tower}, config, max_shard_bytes)
+
+
 # what each Qwen-VL folder's architecture is: its tower's block and position layout, its text model
 QWEN_VL_TYPES = {
     "qwen2_5_vl": {"block": "rmsnorm_glu", "pos_embed": "rope2d", "text": "qwen2", "interleaved": False},

@@ -729,6 +729,63 @@ def test_check_hf_compares_a_paligemma2_folders_image_tokens_and_prefix_lm_logit
     assert [line.endswith("PASS") for line in lines] == [False, False], lines
 
 
+def _paligemma2_overrides(path) -> list[str]:
+    return [
+        "global_batch=8",
+        "data.text_len=[6,14]",
+        f"models.vision={{hf: {path}, kind: vit}}",
+        f"models.llm={{hf: {path}, kind: llm}}",
+        "data.modalities.image.sizes=[[16,16],[8,16]]",
+        "data.modalities.video.sizes=[[2,16,16]]",  # vlm_tiny's clips, each frame an image of the tower's size
+        "sections.llm.mesh={data: 3, tensor: 2}",
+    ]
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
+    """`maestro-jax export --section vision,llm` writes a VLM trained from a PaliGemma 2 folder back
+    as one PaliGemma 2 folder (the checkpoint's weights, moved off the folder's): the same
+    architecture, image token and tensor names read back, the weights import back equal, and
+    (with transformers) check-hf passes on it."""
+    import dataclasses
+    import importlib.util
+
+    from maestro_jax.models import hf
+    from safetensors import safe_open
+
+    from maestro_jax import cli
+    from maestro_jax.training.checkpoint import Checkpointer
+
+    path, _ = fixture(tmp_path, "paligemma2")
+    out = tmp_path / "run"
+    overrides = [*_paligemma2_overrides(path), f"output_dir={out}"]
+    config = ROOT / "configs/vlm_tiny.yaml"
+    initial = build_runtime(load_config(config, overrides)).init_states()
+    moved = {
+        s: jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size).reshape(x.shape)), initial[s].params)
+        for s in ("vision", "llm")
+    }
+    ckpt = Checkpointer(out / "checkpoints")
+    ckpt.save(1, {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}, {}, {})
+    ckpt.close()
+    argv = ["export", "--config", str(config), "--section", "vision,llm", "--out", str(tmp_path / "back")]
+    assert cli.main([*argv, *overrides]) == 0 and "(paligemma)" in capsys.readouterr().out
+    back = tmp_path / "back"
+    assert hf_encoders.vit_fields(back) == hf_encoders.vit_fields(path)
+    assert hf.llm_fields(back) == hf.llm_fields(path)
+    assert json.loads((back / "config.json").read_text())["image_token_index"] == 95
+    names = [set(safe_open(str(f), "np").keys()) for f in (path / "model.safetensors", back / "model.safetensors")]
+    assert {n.replace("vision_tower.", "vision_tower.vision_model.", 1) for n in names[0]} == names[1]
+    vision = hf_encoders.load_vit(back, initial["vision"].params, hf_encoders.vit_fields(back))
+    llm = hf.load_llm(back, initial["llm"].params, hf.llm_fields(back))
+    for got, want in ((vision, moved["vision"]), (llm, moved["llm"])):
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), got, want))
+    if importlib.util.find_spec("torch") is not None:  # check-hf runs transformers (the reference extra)
+        assert cli.main(["check-hf", "--hf", str(back)]) == 0
+        assert capsys.readouterr().out.count("PASS") == 2
+
+
 @pytest.mark.slow  # the prefix-LM logits against transformers (above) hold the mask; this the whole step
 def test_a_paligemma2_vlm_verifies_with_its_prefix_blocks(tmp_path):
     """`models.vision` and `models.llm` from one PaliGemma 2 folder: the llm's rows carry each
@@ -739,18 +796,7 @@ def test_a_paligemma2_vlm_verifies_with_its_prefix_blocks(tmp_path):
     from maestro_jax.workloads import settings
 
     path, _ = fixture(tmp_path, "paligemma2")
-    cfg = load_config(
-        ROOT / "configs/vlm_tiny.yaml",
-        [
-            "global_batch=8",
-            "data.text_len=[6,14]",
-            f"models.vision={{hf: {path}, kind: vit}}",
-            f"models.llm={{hf: {path}, kind: llm}}",
-            "data.modalities.image.sizes=[[16,16],[8,16]]",
-            "data.modalities.video.sizes=[[2,16,16]]",  # vlm_tiny's clips, each frame an image of the tower's size
-            "sections.llm.mesh={data: 3, tensor: 2}",
-        ],
-    )
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _paligemma2_overrides(path))
     assert cfg.models["llm"].prefix_lm and settings(cfg).image_token == 95
     rt = build_runtime(cfg)
     host = next(s for s in rt.graph.sections if s.name == "llm").host_batch(rt.batches()[0], {})

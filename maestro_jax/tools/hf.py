@@ -20,13 +20,21 @@ import shutil
 from pathlib import Path
 
 from maestro_jax.models.hf import ARCHITECTURES, HFError, save_llm
-from maestro_jax.models.hf_encoders import save_audio, save_gemma3_vlm, save_qwen2_audio, save_qwen_vl, save_vit
+from maestro_jax.models.hf_encoders import (
+    save_audio,
+    save_gemma3_vlm,
+    save_paligemma,
+    save_qwen2_audio,
+    save_qwen_vl,
+    save_vit,
+)
 
 __all__ = [
     "EXPORT_TYPES",
     "HFError",
     "check_export_folder",
     "export_gemma3_vlm",
+    "export_paligemma",
     "export_qwen2_audio",
     "export_qwen_vl",
     "export_section",
@@ -149,6 +157,14 @@ def export_gemma3_vlm(
     """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one Gemma 3
     VLM folder (`save_gemma3_vlm`), owning the folder (`_export_into`)."""
     _export_into(path, lambda staging: save_gemma3_vlm(staging, *vision, *llm, image_token), overwrite)
+
+
+def export_paligemma(
+    path: str | Path, vision: tuple[dict, dict], llm: tuple[dict, dict], image_token: int, overwrite: bool = False
+) -> None:
+    """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one
+    PaliGemma 2 folder (`save_paligemma`), owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_paligemma(staging, *vision, *llm, image_token), overwrite)
 
 
 def export_qwen_vl(
