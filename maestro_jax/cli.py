@@ -291,24 +291,21 @@ def _export_audio_llm(cfg, args, names: list[str], kinds: dict[str, str]) -> int
             file=sys.stderr,
         )
         return 2
-    try:
-        hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
-        states, step = _latest_states(cfg)
-        audio, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("audio", "llm"))
-        hf.export_qwen2_audio(args.out, audio, llm, settings(cfg).audio_token, args.overwrite)
-    except hf.HFError as err:
-        print(
-            _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),
-            file=sys.stderr,
-        )
-        return 2
-    print(f"wrote {args.out}: sections {kinds['audio']!r} and {kinds['llm']!r} at step {step} (qwen2_audio)")
-    return 0
+    audio_token = settings(cfg).audio_token
+    return _export_pair(
+        cfg,
+        args,
+        kinds,
+        ("audio", "llm"),
+        "qwen2_audio",
+        lambda audio, llm: hf.export_qwen2_audio(args.out, audio, llm, audio_token, args.overwrite),
+    )
 
 
 def _export_vlm(cfg, args, names: list[str]) -> int:
     """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder, or a
-    Qwen2.5-VL or Qwen3-VL one where the tower is of that layout (`hf_encoders.qwen_vl_type`)."""
+    Qwen2.5-VL or Qwen3-VL one where the tower is of that layout (`hf_encoders.qwen_vl_type`), or a
+    PaliGemma 2 one where its projector is linear."""
     from maestro_jax.models.hf_encoders import qwen_vl_type
     from maestro_jax.tools import hf
     from maestro_jax.workloads import settings
@@ -328,26 +325,33 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
         )
         return 2
     image_token = getattr(settings(cfg), "image_token", None)
+    if image_token is None:
+        print(f"error: workload={cfg.workload!r}: has no workload_settings.image_token; a VLM's has", file=sys.stderr)
+        return 2
+    video_token = getattr(settings(cfg), "video_token", None)  # the clips' placeholder, where a Qwen-VL took video
+    write = {
+        "paligemma": lambda v, t: hf.export_paligemma(args.out, v, t, image_token, args.overwrite),
+        "gemma3": lambda v, t: hf.export_gemma3_vlm(args.out, v, t, image_token, args.overwrite),
+    }.get(model_type, lambda v, t: hf.export_qwen_vl(args.out, v, t, image_token, args.overwrite, video_token))
+    return _export_pair(cfg, args, kinds, ("vit", "llm"), model_type, write)
+
+
+def _export_pair(cfg, args, kinds: dict[str, str], pair: tuple[str, str], model_type: str, write) -> int:
+    """Two sections (`pair`: their model kinds) from the latest checkpoint in `output_dir`, each as
+    `(params, fields)`, written as one folder by `write`; an HFError is one `error:` line, status 2."""
+    from maestro_jax.tools import hf
+
     try:
-        if image_token is None:
-            raise hf.HFError(f"error: workload={cfg.workload!r}: has no workload_settings.image_token; a VLM's has")
         hf.check_export_folder(args.out, args.overwrite)  # before any weight is read
         states, step = _latest_states(cfg)
-        vision, llm = ((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in ("vit", "llm"))
-        if qwen:  # the clips' placeholder too, where the VLM took video
-            video_token = getattr(settings(cfg), "video_token", None)
-            hf.export_qwen_vl(args.out, vision, llm, image_token, args.overwrite, video_token=video_token)
-        elif linear:
-            hf.export_paligemma(args.out, vision, llm, image_token, args.overwrite)
-        else:
-            hf.export_gemma3_vlm(args.out, vision, llm, image_token, args.overwrite)
+        write(*((states[kinds[k]].params, cfg.models[kinds[k]].model_dump()) for k in pair))
     except hf.HFError as err:
         print(
             _error_line(err if str(err).startswith("error:") else f"error: --section={args.section}: {err}"),
             file=sys.stderr,
         )
         return 2
-    print(f"wrote {args.out}: sections {kinds['vit']!r} and {kinds['llm']!r} at step {step} ({model_type})")
+    print(f"wrote {args.out}: sections {kinds[pair[0]]!r} and {kinds[pair[1]]!r} at step {step} ({model_type})")
     return 0
 
 

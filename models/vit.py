@@ -154,6 +154,11 @@ class VisionEncoder(nn.Module):
                 bias_init=partitioned(nn.initializers.zeros, "norm"),
             )
         self.deepstack = tuple(DeepstackMerger(c, name=f"deepstack_{j}") for j in range(len(taps)))
+        self._setup_projector()
+
+    def _setup_projector(self):
+        """The projector's layers (`projector`), set up with the rest (called from `setup`)."""
+        c = self.cfg
         if c.projector == "avg_pool":
             self.proj_norm = RMSNorm(c.norm_eps)
             self.proj = Dense(c.out_width, use_bias=False, kernel_init=partitioned(_init, "mlp", "embed"))

@@ -4,6 +4,7 @@ tests/fixtures/hf/{siglip,clip,whisper}/reference.npz (no torch needed); the exp
 `from_pretrained` runs only where torch and transformers are installed."""
 
 import json
+import pathlib
 import re
 import shutil
 
@@ -520,6 +521,27 @@ def test_check_hf_compares_a_gemma3_vlms_image_tokens_and_logits(capsys):
     assert "2 images of 16x16 in a row of 29 tokens; logits" in lines[1] and lines[1].endswith("PASS"), lines
 
 
+def _saved_moved(cfg, sections: tuple[str, ...]) -> tuple[dict, dict]:
+    """The config's initial states, and `sections`' params each weight moved by its own amount,
+    saved as step 1 in `output_dir` (what an export reads): (initial states, moved params). One
+    shift for every weight (+0.25) drives Qwen2-Audio's encoder activations to ~150 before its
+    final norm, where the two sides' float32 rounding (3e-5 of that, measured) exceeds check-hf's
+    1e-4 once the norm divides by a token's small spread."""
+    import dataclasses
+
+    from maestro_jax.training.checkpoint import Checkpointer
+
+    initial = build_runtime(cfg).init_states()
+    moved = {
+        s: jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size).reshape(x.shape)), initial[s].params)
+        for s in sections
+    }
+    ckpt = Checkpointer(pathlib.Path(cfg.output_dir) / "checkpoints")
+    ckpt.save(1, {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}, {}, {})
+    ckpt.close()
+    return initial, moved
+
+
 def _qwen2_audio_overrides(path) -> list[str]:
     return [
         *TINY_OMNI,
@@ -538,30 +560,17 @@ def test_qwen2_audio_exports_whole_and_reimports(tmp_path, capsys):
     same architecture and audio token read back, the tensors are the folder's by name, the weights
     import back equal, and (with transformers) check-hf passes on it. A section pair that is not
     one audio and one llm, or the pooled encoder alone as Whisper, is refused in one line."""
-    import dataclasses
     import importlib.util
 
     from maestro_jax.models import hf
     from safetensors import safe_open
 
     from maestro_jax import cli
-    from maestro_jax.training.checkpoint import Checkpointer
 
     path, _ = fixture(tmp_path, "qwen2_audio")
-    out = tmp_path / "run"
-    overrides = [*_qwen2_audio_overrides(path), f"output_dir={out}"]
+    overrides = [*_qwen2_audio_overrides(path), f"output_dir={tmp_path / 'run'}"]
     config = ROOT / "configs/omni_tiny.yaml"
-    initial = build_runtime(load_config(config, overrides)).init_states()
-    # every weight moved by its own amount: one shift of +0.25 for all drives the encoder's
-    # activations to ~150 before its final norm, where the two sides' float32 rounding (3e-5 of
-    # that, measured) exceeds check-hf's 1e-4 once the norm divides by a token's small spread
-    moved = {
-        s: jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size).reshape(x.shape)), initial[s].params)
-        for s in ("audio", "llm")
-    }
-    ckpt = Checkpointer(out / "checkpoints")
-    ckpt.save(1, {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}, {}, {})
-    ckpt.close()
+    initial, moved = _saved_moved(load_config(config, overrides), ("audio", "llm"))
 
     def export(section, *extra):
         argv = ["export", "--config", str(config), "--section", section, "--out", str(tmp_path / "back")]
@@ -748,27 +757,17 @@ def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
     as one PaliGemma 2 folder (the checkpoint's weights, moved off the folder's): the same
     architecture, image token and tensor names read back, the weights import back equal, and
     (with transformers) check-hf passes on it."""
-    import dataclasses
     import importlib.util
 
     from maestro_jax.models import hf
     from safetensors import safe_open
 
     from maestro_jax import cli
-    from maestro_jax.training.checkpoint import Checkpointer
 
     path, _ = fixture(tmp_path, "paligemma2")
-    out = tmp_path / "run"
-    overrides = [*_paligemma2_overrides(path), f"output_dir={out}"]
+    overrides = [*_paligemma2_overrides(path), f"output_dir={tmp_path / 'run'}"]
     config = ROOT / "configs/vlm_tiny.yaml"
-    initial = build_runtime(load_config(config, overrides)).init_states()
-    moved = {
-        s: jax.tree.map(lambda x: x + 0.05 * jnp.cos(jnp.arange(x.size).reshape(x.shape)), initial[s].params)
-        for s in ("vision", "llm")
-    }
-    ckpt = Checkpointer(out / "checkpoints")
-    ckpt.save(1, {**initial, **{s: dataclasses.replace(initial[s], params=p) for s, p in moved.items()}}, {}, {})
-    ckpt.close()
+    initial, moved = _saved_moved(load_config(config, overrides), ("vision", "llm"))
     argv = ["export", "--config", str(config), "--section", "vision,llm", "--out", str(tmp_path / "back")]
     assert cli.main([*argv, *overrides]) == 0 and "(paligemma)" in capsys.readouterr().out
     back = tmp_path / "back"
