@@ -371,6 +371,24 @@ def paligemma2(out: Path) -> None:
     )
 
 
+def llava_onevision(out: Path) -> None:
+    """A whole LLaVA-OneVision folder (a SigLIP tower, its two-layer projector, the image newline,
+    a Qwen2 language model); `logits` are the model's on TOKENS alone (no image): what its
+    language model computes."""
+    torch.manual_seed(8)
+    text = transformers.Qwen2Config(**{**LLM_BASE, "tie_word_embeddings": False})
+    config = transformers.LlavaOnevisionConfig(
+        text_config=text,
+        vision_config=transformers.SiglipVisionConfig(**SIGLIP, vision_use_head=False),
+        image_token_index=95,
+        video_token_index=94,
+    )
+    model = _perturbed(transformers.LlavaOnevisionForConditionalGeneration(config))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(TOKENS)).logits.float().numpy()
+    _save(model, out / "llava_onevision", tokens=TOKENS, logits=logits)
+
+
 # A Qwen2.5-VL: a three-block tower (head 16, window attention in blocks 0 and 2, block 1 over whole
 # images) on patches of 2 px merged 2x2, windows of 8 px (4x4 patches); a two-layer Qwen2 text model with
 # M-RoPE (one key/value head of 16, sections 2+3+3 of its 8 frequencies)
@@ -629,6 +647,7 @@ def main() -> None:
         "qwen3_vl": qwen3_vl,
         "qwen2_audio": qwen2_audio,
         "paligemma2": paligemma2,
+        "llava_onevision": llava_onevision,
     }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()

@@ -111,7 +111,7 @@ def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
         "paligemma": check_paligemma,
         **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl),
     }.get(model_type)
-    kinds = MULTI_MODEL[model_type] if whole else (kind_of(path),)
+    kinds = MULTI_MODEL[model_type] if whole else ("llm",) if model_type in LANGUAGE_MODEL_IN else (kind_of(path),)
     check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kinds[0]]
     weight_files(path)  # the model type first: a folder of an unsupported one is named as such
     _require_tensors(path, kinds)
@@ -570,7 +570,11 @@ def _reference_modules():
 
 # Whole multimodal folders whose language model check-hf also compares on text alone, by the
 # transformers class that holds it
-LANGUAGE_MODEL_IN = {"qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+LANGUAGE_MODEL_IN = {
+    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+    # its tower does not load yet (any-resolution tiles): check-hf compares its language model alone
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+}
 QWEN2_AUDIO_TOKEN = 151646  # Qwen2AudioConfig's default audio_token_index
 
 
