@@ -48,9 +48,23 @@ ARCHITECTURES = {
 }
 # model types whose language model imports from the `text_config` (its tensors under a prefix,
 # `models.hf`); a Gemma 3 of 4B or more is one, its vision tower beside the LLM
-MULTIMODAL = {"gemma3": "gemma3_text", "qwen2_audio": "qwen2", "paligemma": "gemma2", "llava_onevision": "qwen2"}
+MULTIMODAL = {
+    "gemma3": "gemma3_text",
+    "qwen2_audio": "qwen2",
+    "paligemma": "gemma2",
+    "llava_onevision": "qwen2",
+    "smolvlm": "llama",
+    "idefics3": "llama",
+}
 # where such a folder's config.json says nothing of tied embeddings: its class's default
-MULTIMODAL_TIED = {"gemma3": True, "qwen2_audio": False, "paligemma": True, "llava_onevision": False}
+MULTIMODAL_TIED = {
+    "gemma3": True,
+    "qwen2_audio": False,
+    "paligemma": True,
+    "llava_onevision": False,
+    "smolvlm": False,
+    "idefics3": False,
+}
 # VLM folders whose language model is Qwen2's with multimodal RoPE (M-RoPE): the Hub's config.json keeps its
 # text fields at the top level, transformers 5 saves them under `text_config`
 QWEN_VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
@@ -714,6 +728,11 @@ def _vision_tower(path: str | Path, hf: dict, kind: str) -> tuple[dict, str, dic
             f"{path}/config.json: model_type='llava_onevision': its vision tower (SigLIP over any-resolution tiles, "
             f"with an image newline token per row) does not load yet; kind: llm takes its language model"
         )
+    elif kind in ("smolvlm", "idefics3"):  # issue 80: its split images and pixel-shuffle connector are not placed yet
+        raise HFError(
+            f"{path}/config.json: model_type={kind!r}: its vision tower (images split into tiles, a pixel-shuffle "
+            f"connector) does not load yet; kind: llm takes its language model"
+        )
     elif kind == "paligemma":  # PaliGemma's tower: SigLIP and the checkpoint's linear projector, a token a patch
         vision = hf.get("vision_config") or {}
         width = (
@@ -840,6 +859,8 @@ MULTI_MODEL = {
     "qwen2_audio": ("llm", "audio"),
     "paligemma": ("llm", "vit"),
     "llava_onevision": ("llm", "vit"),
+    "smolvlm": ("llm", "vit"),
+    "idefics3": ("llm", "vit"),
 }
 
 

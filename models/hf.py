@@ -154,7 +154,8 @@ class _Tensors:
         return self._where[key].get_tensor(key)
 
 
-PREFIXES = ("model.", "model.language_model.", "language_model.model.")  # where a folder's LLM tensors sit
+# where a folder's LLM tensors sit (SmolVLM and Idefics3 keep theirs under `model.text_model.`)
+PREFIXES = ("model.", "model.language_model.", "language_model.model.", "model.text_model.")
 
 
 def text_prefix(path: str | Path) -> str:

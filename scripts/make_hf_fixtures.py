@@ -389,6 +389,24 @@ def llava_onevision(out: Path) -> None:
     _save(model, out / "llava_onevision", tokens=TOKENS, logits=logits)
 
 
+def smolvlm(out: Path) -> None:
+    """A whole SmolVLM folder (`SmolVLMForConditionalGeneration`: a SigLIP-style tower, its
+    pixel-shuffle connector, a Llama language model under `model.text_model.`); `logits` are the
+    model's on TOKENS alone (no image): what its language model computes."""
+    torch.manual_seed(9)
+    vision = {k: v for k, v in SIGLIP.items()}
+    config = transformers.SmolVLMConfig(
+        text_config=transformers.LlamaConfig(**{**LLM_BASE, "tie_word_embeddings": False}),
+        vision_config=transformers.SmolVLMVisionConfig(**vision),
+        image_token_id=95,
+        scale_factor=2,
+    )
+    model = _perturbed(transformers.SmolVLMForConditionalGeneration(config))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(TOKENS)).logits.float().numpy()
+    _save(model, out / "smolvlm", tokens=TOKENS, logits=logits)
+
+
 # A Qwen2.5-VL: a three-block tower (head 16, window attention in blocks 0 and 2, block 1 over whole
 # images) on patches of 2 px merged 2x2, windows of 8 px (4x4 patches); a two-layer Qwen2 text model with
 # M-RoPE (one key/value head of 16, sections 2+3+3 of its 8 frequencies)
@@ -648,6 +666,7 @@ def main() -> None:
         "qwen2_audio": qwen2_audio,
         "paligemma2": paligemma2,
         "llava_onevision": llava_onevision,
+        "smolvlm": smolvlm,
     }
     parser.add_argument("--cases", nargs="*", choices=[*LLM_CASES, *towers], help="only these (default: all)")
     args = parser.parse_args()

@@ -50,6 +50,8 @@ TIED = {
     "paligemma2": True,
     # a whole LLaVA-OneVision folder's language model (Qwen2's, under language_model.): its text logits
     "llava_onevision": False,
+    # a whole SmolVLM folder's language model (Llama's, under model.text_model.): its text logits
+    "smolvlm": False,
 }
 TOKENS = np.array([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 4]], np.int64)
 
@@ -723,6 +725,7 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
         "gemma2",
         "gpt_oss",
         "llava_onevision",  # its language model, through the whole LLaVA-OneVision model on text
+        "smolvlm",  # likewise through the whole SmolVLM model
     ],
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):
@@ -924,23 +927,29 @@ def test_a_phi3_folder_fuses_its_projections_and_refuses_partial_rotary(tmp_path
         hf.llm_fields(path)
 
 
-def test_a_llava_onevision_folder_gives_its_language_model_and_refuses_its_tower_for_now():
-    """`models.<s>: {hf: <a LLaVA-OneVision folder>, kind: llm}` takes its Qwen2 language model (the
-    import test above checks its logits); without `kind` the folder's two models are named, and
-    `kind: vit` is refused in one line until the rows place its any-resolution tiles (issue 80)."""
+@pytest.mark.parametrize(
+    "case,qkv_bias,tower",
+    [
+        ("llava_onevision", True, r"its vision tower \(SigLIP over any-resolution"),
+        ("smolvlm", False, r"its vision tower \(images split into tiles"),
+    ],
+)
+def test_a_vlm_folder_gives_its_language_model_and_refuses_its_tower_for_now(case, qkv_bias, tower):
+    """`models.<s>: {hf: <a LLaVA-OneVision or SmolVLM folder>, kind: llm}` takes its Qwen2 or Llama
+    language model (the import test above checks its logits); without `kind` the folder's two
+    models are named, and `kind: vit` is refused in one line until the rows place its
+    any-resolution tiles or split images (issue 80)."""
     from maestro_jax.hf_config import kind_of, vit_fields
 
-    path = FIXTURES / "llava_onevision"
+    path = FIXTURES / case
     fields = hf.llm_fields(path)
-    assert (fields["qkv_bias"], fields["tie_embeddings"], fields["vocab"]) == (True, False, 96)
+    assert (fields["qkv_bias"], fields["tie_embeddings"], fields["vocab"]) == (qkv_bias, False, 96)
     with pytest.raises(hf.HFError, match=r"holds a model of each kind \['llm', 'vit'\]; write kind: llm or kind: vit"):
         kind_of(path)
-    with pytest.raises(
-        hf.HFError, match=r"model_type='llava_onevision': its vision tower \(SigLIP over any-resolution"
-    ):
+    with pytest.raises(hf.HFError, match=rf"model_type='{case}': {tower}"):
         vit_fields(path)
     cfg = _from_folder(path, f"{{hf: {path}, kind: llm}}", "models.student.vocab=96")
-    assert cfg.models["teacher"].qkv_bias and cfg.sections["teacher"].init.hf_path == str(path)
+    assert cfg.models["teacher"].qkv_bias == qkv_bias and cfg.sections["teacher"].init.hf_path == str(path)
 
 
 def test_a_qwen2_audio_folder_gives_its_language_model_and_its_pooled_encoder():

@@ -572,8 +572,10 @@ def _reference_modules():
 # transformers class that holds it
 LANGUAGE_MODEL_IN = {
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-    # its tower does not load yet (any-resolution tiles): check-hf compares its language model alone
+    # their towers do not load yet (any-resolution tiles, split images): check-hf compares the language model alone
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
 }
 QWEN2_AUDIO_TOKEN = 151646  # Qwen2AudioConfig's default audio_token_index
 
