@@ -490,7 +490,7 @@ def test_a_gemma3_vlm_folder_gives_both_sections_and_verifies(tmp_path):
     from maestro_jax.tools.verify import verify
 
     path, _ = fixture(tmp_path, "gemma3_vlm")
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _gemma3_vlm_overrides(path))
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _vlm_folder_overrides(path))
     assert cfg.models["vision"].projector == "avg_pool" and cfg.models["llm"].bidirectional_images
     with pytest.raises(
         ConfigError, match=r"model_type='gemma3' holds a model of each kind \['llm', 'vit'\]; write kind"
@@ -738,18 +738,6 @@ def test_check_hf_compares_a_paligemma2_folders_image_tokens_and_prefix_lm_logit
     assert [line.endswith("PASS") for line in lines] == [False, False], lines
 
 
-def _paligemma2_overrides(path) -> list[str]:
-    return [
-        "global_batch=8",
-        "data.text_len=[6,14]",
-        f"models.vision={{hf: {path}, kind: vit}}",
-        f"models.llm={{hf: {path}, kind: llm}}",
-        "data.modalities.image.sizes=[[16,16],[8,16]]",
-        "data.modalities.video.sizes=[[2,16,16]]",  # vlm_tiny's clips, each frame an image of the tower's size
-        "sections.llm.mesh={data: 3, tensor: 2}",
-    ]
-
-
 @pytest.mark.reference
 @pytest.mark.slow
 def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
@@ -765,7 +753,7 @@ def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
     from maestro_jax import cli
 
     path, _ = fixture(tmp_path, "paligemma2")
-    overrides = [*_paligemma2_overrides(path), f"output_dir={tmp_path / 'run'}"]
+    overrides = [*_vlm_folder_overrides(path), f"output_dir={tmp_path / 'run'}"]
     config = ROOT / "configs/vlm_tiny.yaml"
     initial, moved = _saved_moved(load_config(config, overrides), ("vision", "llm"))
     argv = ["export", "--config", str(config), "--section", "vision,llm", "--out", str(tmp_path / "back")]
@@ -795,7 +783,7 @@ def test_a_paligemma2_vlm_verifies_with_its_prefix_blocks(tmp_path):
     from maestro_jax.workloads import settings
 
     path, _ = fixture(tmp_path, "paligemma2")
-    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _paligemma2_overrides(path))
+    cfg = load_config(ROOT / "configs/vlm_tiny.yaml", _vlm_folder_overrides(path))
     assert cfg.models["llm"].prefix_lm and settings(cfg).image_token == 95
     rt = build_runtime(cfg)
     host = next(s for s in rt.graph.sections if s.name == "llm").host_batch(rt.batches()[0], {})
@@ -812,7 +800,7 @@ def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree(
     from maestro_jax.config import load_config
     from maestro_jax.workloads import check_config, modalities_of, settings
 
-    overrides = _gemma3_vlm_overrides(FIXTURES / "gemma3_vlm")
+    overrides = _vlm_folder_overrides(FIXTURES / "gemma3_vlm")
     cfg = load_config(ROOT / "configs/vlm_tiny.yaml", overrides)
     assert settings(cfg).image_token == 7 and modalities_of(cfg)[0].placeholder == 7
     assert settings(load_config(ROOT / "configs/vlm_tiny.yaml", [*overrides, "workload_settings.image_token=7"]))
@@ -825,7 +813,8 @@ def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree(
     )
 
 
-def _gemma3_vlm_overrides(path) -> list[str]:
+def _vlm_folder_overrides(path) -> list[str]:
+    """vlm_tiny with both sections from one whole VLM folder (Gemma 3's, PaliGemma 2's)."""
     return [
         "global_batch=8",
         "data.text_len=[6,14]",
@@ -854,7 +843,7 @@ def test_gemma3_vlm_exports_whole_and_reimports(tmp_path, capsys):
 
     path, _ = fixture(tmp_path, "gemma3_vlm")
     out = tmp_path / "run"
-    overrides = [*_gemma3_vlm_overrides(path), f"output_dir={out}"]
+    overrides = [*_vlm_folder_overrides(path), f"output_dir={out}"]
     config = ROOT / "configs/vlm_tiny.yaml"
     cfg = load_config(config, overrides)
     initial = build_runtime(cfg).init_states()
