@@ -484,6 +484,12 @@ def _vit_config(fields: dict) -> dict:
     }
 
 
+def _nested(config: dict) -> dict:
+    """A model's config.json as a whole model's `text_config` / `vision_config`: without the
+    top-level keys (`architectures`, `torch_dtype`) the whole folder's config holds."""
+    return {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
+
+
 def save_gemma3_vlm(
     path: str | Path,
     vit_params: dict,
@@ -517,10 +523,8 @@ def save_gemma3_vlm(
     config = {
         "architectures": ["Gemma3ForConditionalGeneration"],
         "model_type": "gemma3",
-        "text_config": {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")},
-        "vision_config": {
-            k: v for k, v in _vit_config(vit_fields).items() if k not in ("architectures", "torch_dtype")
-        },
+        "text_config": _nested(text_config),
+        "vision_config": _nested(_vit_config(vit_fields)),
         "mm_tokens_per_image": side * side,
         "image_token_index": image_token,
         "tie_word_embeddings": llm_fields["tie_embeddings"],
@@ -557,13 +561,13 @@ def save_paligemma(
         )
     text, text_config = llm_checkpoint(llm_params, llm_fields, "gemma2", prefix="language_model.model.")
     tower = _tensors(vit_params, vit_mapping(vit_fields, "vision_tower.vision_model.", "multi_modal_projector."))
-    vision = {k: v for k, v in _vit_config(vit_fields).items() if k not in ("architectures", "torch_dtype")}
+    vision = _nested(_vit_config(vit_fields))
     grid = vit_fields["max_grid"]
     config = {
         "architectures": ["PaliGemmaForConditionalGeneration"],
         "model_type": "paligemma",
         "text_config": {
-            **{k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")},
+            **_nested(text_config),
             "num_image_tokens": grid * grid,
         },
         "vision_config": {**vision, "projection_dim": llm_fields["width"]},
@@ -768,7 +772,7 @@ def save_qwen2_audio(
         "architectures": ["Qwen2AudioForConditionalGeneration"],
         "model_type": "qwen2_audio",
         "audio_config": {"model_type": "qwen2_audio_encoder", **_whisper_config(audio_fields)},
-        "text_config": {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")},
+        "text_config": _nested(text_config),
         "audio_token_index": audio_token,
         "torch_dtype": "float32",
     }

@@ -394,10 +394,9 @@ def smolvlm(out: Path) -> None:
     pixel-shuffle connector, a Llama language model under `model.text_model.`); `logits` are the
     model's on TOKENS alone (no image): what its language model computes."""
     torch.manual_seed(9)
-    vision = {k: v for k, v in SIGLIP.items()}
     config = transformers.SmolVLMConfig(
         text_config=transformers.LlamaConfig(**{**LLM_BASE, "tie_word_embeddings": False}),
-        vision_config=transformers.SmolVLMVisionConfig(**vision),
+        vision_config=transformers.SmolVLMVisionConfig(**SIGLIP),
         image_token_id=95,
         scale_factor=2,
     )

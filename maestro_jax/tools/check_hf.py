@@ -128,12 +128,26 @@ def _require_tensors(path: str | Path, kinds: tuple[str, ...]) -> None:
         hf.require_tensors(path, hf_encoders.tensors_read(kind, path, fields_of[kind](path)))
 
 
+def _spliced_logits(path: Path, lfields: dict, row: np.ndarray, at: np.ndarray, tokens, blocks=None) -> np.ndarray:
+    """The folder's language model on one row of ids, `tokens` (an encoder's) in place of the
+    embeddings at positions `at`, with `blocks` (`DecoderLM.body`'s images_BL) where given: its logits."""
+    from maestro_jax.models import DecoderLM, LLMConfig, hf
+
+    ids, pos, valid = jnp.asarray(row[None], jnp.int32), jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
+    decoder = DecoderLM(LLMConfig.from_fields(lfields))
+    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
+    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, at].set(tokens)
+    images = None if blocks is None else jnp.asarray(blocks)
+    h = decoder.apply(v, x, pos, valid, None, images, method=DecoderLM.hidden)
+    return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+
+
 def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """A Gemma 3 VLM folder: two random images of its size through the tower and the projector
     (transformers' `get_image_features`), then one row of random text holding both images'
     tokens (each image its own block, attending to itself) through the whole model; the image
     tokens and the logits compared."""
-    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
+    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
     from maestro_jax.models.llm import image_blocks
 
     path = Path(path)
@@ -148,13 +162,8 @@ def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, see
     text = [t for t in range(lfields["vocab"]) if t != image_token]
     pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
     row = np.concatenate([pieces[0], [image_token] * per_image, pieces[1], [image_token] * per_image, pieces[2]])
-    ids, is_image = jnp.asarray(row[None], jnp.int32), row[None] == image_token
-    decoder = DecoderLM(LLMConfig.from_fields(lfields))
-    pos, valid = jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
-    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
-    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, np.flatnonzero(is_image[0])].set(features)
-    h = decoder.apply(v, x, pos, valid, None, jnp.asarray(image_blocks(is_image)), method=DecoderLM.hidden)
-    logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+    is_image = row[None] == image_token
+    logits = _spliced_logits(path, lfields, row, np.flatnonzero(is_image[0]), features, image_blocks(is_image))
     torch, transformers = _reference_modules()
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -175,7 +184,7 @@ def check_paligemma(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed
     first image's tokens and a random prompt (the prefix, `token_type_ids` 0: attending
     bidirectionally, `workloads.vlm.with_prefix_blocks` on our side) and a random answer (the
     suffix, 1: causal); the image tokens and the logits compared."""
-    from maestro_jax.models import DecoderLM, LLMConfig, VisionEncoder, ViTConfig, hf, hf_encoders
+    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
     from maestro_jax.workloads.vlm import with_prefix_blocks
 
     path = Path(path)
@@ -193,13 +202,8 @@ def check_paligemma(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed
     prefix = per_image + len(prompt)
     loss = (np.arange(len(row)) >= prefix - 1)[None].astype(np.float32)  # the answer's targets
     blocks = with_prefix_blocks({"loss_mask": loss, "valid": np.ones((1, len(row)), bool)})["images"]
-    ids, pos, valid = jnp.asarray(row[None], jnp.int32), jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
-    decoder = DecoderLM(LLMConfig.from_fields(lfields))
-    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
     first = np.asarray(features)[:per_image][np.argsort(cell[:per_image])]  # the first image's, in its grid's order
-    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, :per_image].set(first)
-    h = decoder.apply(v, x, pos, valid, None, jnp.asarray(blocks), method=DecoderLM.hidden)
-    logits = np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
+    logits = _spliced_logits(path, lfields, row, np.arange(per_image), first, blocks)
     torch, transformers = _reference_modules()
     model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
     types = torch.tensor((np.arange(len(row)) >= prefix)[None].astype(np.int64))
@@ -587,7 +591,7 @@ def check_qwen2_audio(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, se
     and `multi_modal_projector`); then one row of random text holding both clips' tokens (one
     audio token per pooled token, as its processor expands them) through the whole model. The
     text logits, the audio tokens and the row's logits compared, a line each."""
-    from maestro_jax.models import AudioConfig, AudioEncoder, DecoderLM, LLMConfig, hf, hf_encoders
+    from maestro_jax.models import AudioConfig, AudioEncoder, hf_encoders
 
     path = Path(path)
     config, afields, lfields = read_config(path), audio_fields(path), llm_fields(path)
@@ -602,14 +606,7 @@ def check_qwen2_audio(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, se
     text = [t for t in range(lfields["vocab"]) if t != audio_token]
     pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
     row = np.concatenate([pieces[0], [audio_token] * per_clip, pieces[1], [audio_token] * per_clip, pieces[2]])
-    ids = jnp.asarray(row[None], jnp.int32)
-    decoder = DecoderLM(LLMConfig.from_fields(lfields))
-    pos, valid = jnp.arange(len(row))[None], jnp.ones((1, len(row)), bool)
-    v = {"params": hf.load_llm(path, _placed(decoder, (ids, pos, valid)), lfields)}
-    x = decoder.apply(v, ids, method=DecoderLM.embed).at[0, np.flatnonzero(row == audio_token)].set(features)
-    logits = np.asarray(
-        decoder.apply(v, decoder.apply(v, x, pos, valid, method=DecoderLM.hidden), method=DecoderLM.logits)
-    )
+    logits = _spliced_logits(path, lfields, row, np.flatnonzero(row == audio_token), features)
     torch, transformers = _reference_modules()
     model = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():

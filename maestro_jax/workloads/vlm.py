@@ -337,16 +337,13 @@ def with_prefix_blocks(batch: dict) -> dict:
     PaliGemma's): its positions up to the first whose target carries loss (the image and the
     prompt; a sample with no such position is prefix whole), numbered by the sample's segment
     (packed rows) or 1, 0 elsewhere: `body`'s causal OR same block is then the prefix-LM mask."""
-    loss, valid = batch["loss_mask"] > 0, batch["valid"]
-    samples = batch.get("segments", valid.astype(np.int32))
+    samples = batch.get("segments", batch["valid"].astype(np.int32))
+    loss = batch["loss_mask"] > 0
     blocks = np.zeros(samples.shape, np.int32)
-    for r, s in zip(*np.nonzero(np.diff(samples, prepend=0, axis=1) != 0)):
-        sample = samples[r, s]
-        if sample == 0:
-            continue
-        end = s + int(np.argmin(samples[r, s:] == sample)) if (samples[r, s:] != sample).any() else samples.shape[1]
-        first = np.flatnonzero(loss[r, s:end])
-        blocks[r, s : s + (first[0] + 1 if len(first) else end - s)] = sample
+    for sample in np.unique(samples[samples > 0]):
+        own = samples == sample
+        before = np.cumsum(loss & own, axis=1) - (loss & own)  # the sample's loss positions before each
+        blocks = np.where(own & (before == 0), sample, blocks)
     return {**batch, "images": blocks}
 
 
