@@ -817,6 +817,81 @@ def test_a_gemma3_folder_the_model_cannot_take_is_refused_in_one_line(images, tm
         assert message in str(err.value), str(err.value)
 
 
+PALIGEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]  # <image> on id 4
+
+
+def make_paligemma_folder(folder, size=16, count=4, **preprocessor):
+    """A PaliGemma checkpoint's tokenizer and processor files as Google ships them (no chat
+    template; preprocessor_config naming PaliGemmaProcessor, with SigLIP's size, bicubic filter,
+    normalisation and the image_seq_length), with a byte-level BPE trained on CORPUS."""
+    from transformers import PreTrainedTokenizerFast
+
+    make_tokenizer(folder, PALIGEMMA_SPECIALS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    (folder / "tokenizer_config.json").unlink()
+    tok.save_pretrained(folder)
+    pre = {"image_processor_type": "SiglipImageProcessor", "processor_class": "PaliGemmaProcessor", "resample": 3}
+    pre |= {"size": {"height": size, "width": size}, "image_seq_length": count, "image_mean": [0.5] * 3}
+    (folder / "preprocessor_config.json").write_text(json.dumps({**pre, "image_std": [0.5] * 3, **preprocessor}))
+    return folder
+
+
+PALIGEMMA_VLM = target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=4"])
+
+
+@pytest.mark.reference
+def test_paligemma_records_are_written_as_its_processor_writes_them(images, tmp_path):
+    """From a PaliGemma folder, `{image, prefix, suffix}` and a user-then-assistant conversation
+    become image_seq_length `<image>`s per image, bos, the prefix and "\\n", then the suffix and
+    eos: ids and pixels equal transformers' PaliGemmaProcessor(images, text, suffix), and the loss
+    mask is its token_type_ids (the suffix: its labels). A prompt holding `<image>` markers keeps
+    its text before the last one ahead of the bos, as the processor does; three turns are refused."""
+    pytest.importorskip("torch", reason="transformers' processors need torch (the `reference` extra)")
+    from transformers import AutoTokenizer, PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    folder = make_paligemma_folder(tmp_path / "paligemma")
+    tok = C.ChatTokenizer.load(folder)
+    assert tok.image_sequence == C.ImageSequence("paligemma", "", "<image>", "", (16, 16), 4, resample="bicubic")
+    converter = C.Converter(tok, PALIGEMMA_VLM, images)
+    processor = PaliGemmaProcessor(
+        image_processor=SiglipImageProcessorPil(size={"height": 16, "width": 16}, image_seq_length=4, resample=3),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+    )
+    opened = {name: Image.open(images / name).convert("RGB") for name in ("im1.png", "im2.png", "im3.png")}
+    chat = {"image": "im3.png", "conversations": [{"from": "human", "value": "what is in the picture?"}]}
+    chat["conversations"].append({"from": "gpt", "value": "a cat sits on a mat."})
+    chat["conversations"][0]["value"] = "<image>" + chat["conversations"][0]["value"]
+    cases = [  # (record, the processor's images, text and suffix)
+        ({"image": "im1.png", "prefix": "caption en", "suffix": "a red square."}, ["im1.png"], "caption en"),
+        ({"images": ["im1.png", "im2.png"], "prefix": "compare", "suffix": "two dogs."}, ["im1.png", "im2.png"], None),
+        ({"image": "im2.png", "prefix": "<image>what is it?", "suffix": "a dog."}, ["im2.png"], None),
+        (chat, ["im3.png"], "<image>what is in the picture?"),
+    ]
+    for record, names, text in cases:
+        suffix = record.get("suffix", "a cat sits on a mat.")
+        prompt = record.get("prefix", text) if text is None else text
+        want = processor(images=[[opened[n] for n in names]], text=[prompt], suffix=[suffix], return_tensors="np")
+        s = converter.sample(0, record)
+        np.testing.assert_array_equal(s.tokens, want["input_ids"][0])
+        np.testing.assert_array_equal(s.loss_mask, want["token_type_ids"][0])
+        pixels = np.stack(s.items["image"]).transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(pixels, want["pixel_values"], atol=1e-5)
+    three = {"image": "im1.png", "conversations": [*chat["conversations"], {"from": "human", "value": "and?"}]}
+    three["conversations"][0] = {"from": "human", "value": "<image>what?"}
+    with pytest.raises(C.BadRecord, match="valid: a user turn, then an assistant turn"):
+        converter.sample(0, three)
+    with pytest.raises(C.BadRecord, match="has no suffix text"):
+        converter.sample(0, {"image": "im1.png", "prefix": "caption en"})
+
+
 # Qwen2.5-VL's chat template, as Qwen/Qwen2.5-VL-7B-Instruct ships it (chat_template.json)
 QWEN_VL_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"

@@ -13,6 +13,8 @@ Records are read one at a time and written as they come (a dataset never sits in
                  Qwen2.5-VL or Qwen3-VL folder, `<video>` markers (`video` lists, `video` parts)
                  become its processor's clip tokens and the clip its sampled frames (`data.video`);
   plain text     `{"text": ...}`: every token carries loss (the KD teacher and student read text).
+  prefix/suffix  PaliGemma's `{"image", "prefix", "suffix"}` with a PaliGemma folder's tokenizer, as its
+                 processor writes them (`Converter._prefix_suffix`): loss on the suffix only.
 from JSONL, a JSON array (streamed), or a Hugging Face `datasets` dataset saved to disk.
 
 The tokenizer is a Hugging Face tokenizer folder (`tokenizer.json`, `tokenizer_config.json` with
@@ -272,7 +274,9 @@ class ChatTokenizer:
             if key.endswith("_token") and (isinstance(value, str) or (isinstance(value, dict) and "content" in value))
         }
         template = None if source is None else _compile_template(folder, source)
-        sequence = _qwen_vl_sequence(folder, tok) or _image_sequence(folder, special)
+        sequence = (
+            _qwen_vl_sequence(folder, tok) or _paligemma_sequence(folder, tok) or _image_sequence(folder, special)
+        )
         video = _qwen_video(folder, tok) if sequence is not None and sequence.family == "qwen_vl" else None
         return cls(folder, tok, template, special, sequence, video, _qwen2_audio_sequence(folder, tok))
 
@@ -368,6 +372,49 @@ def _image_sequence(folder: Path, special: dict[str, str]) -> ImageSequence | No
         (size["height"], size["width"]),
         int(count),
     )
+
+
+PALIGEMMA_IMAGE_TOKEN = "<image>"  # PaliGemmaProcessor's IMAGE_TOKEN (and LLaVA's marker)
+PIL_FILTERS = {2: "bilinear", 3: "bicubic"}  # preprocessor_config.json's resample (PIL's numbers) by name
+
+
+def _paligemma_sequence(folder: Path, tok) -> ImageSequence | None:
+    """PaliGemma's (1 and 2) image tokens, for a folder of its checkpoint (config.json's
+    model_type, or `PaliGemmaProcessor` named in processor_config.json or
+    preprocessor_config.json, as Google's folders name it); None otherwise. Each image is
+    `<image>` image_seq_length times (preprocessor_config.json's), resized to its `size` with its
+    `resample` (SigLIP's bicubic) and normalised by its mean and std; where they go in a sample and
+    what follows them is `Converter._prefix_and_suffix`'s."""
+    pre = _read_json(folder, "preprocessor_config.json")
+    named = {_read_json(folder, "processor_config.json").get("processor_class"), pre.get("processor_class")}
+    if _read_json(folder, "config.json").get("model_type") != "paligemma" and "PaliGemmaProcessor" not in named:
+        return None
+    if PALIGEMMA_IMAGE_TOKEN not in tok.get_vocab(with_added_tokens=True):
+        raise ConvertError(
+            f"error: --tokenizer={folder}: a PaliGemma checkpoint's folder whose tokenizer has no "
+            f"{PALIGEMMA_IMAGE_TOKEN!r}; valid: the checkpoint's own tokenizer, which holds it"
+        )
+    size, count, resample = pre.get("size") or {}, pre.get("image_seq_length"), pre.get("resample", 3)
+    if not (isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int)):
+        bad = ("size", size, "{height, width} in pixels")
+    elif not (isinstance(count, int) and count > 0):
+        bad = ("image_seq_length", count, "a positive integer: the image tokens a PaliGemma image is written as")
+    elif resample not in PIL_FILTERS:
+        bad = ("resample", resample, f"one of {sorted(PIL_FILTERS)} (PIL's {', '.join(PIL_FILTERS.values())})")
+    else:
+        return ImageSequence(
+            "paligemma",
+            "",
+            PALIGEMMA_IMAGE_TOKEN,
+            "",
+            (size["height"], size["width"]),
+            count,
+            resample=PIL_FILTERS[resample],
+            mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+            std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+        )
+    key, value, valid = bad
+    raise ConvertError(f"error: --tokenizer={folder}: preprocessor_config.json {key}={value!r}; valid: {valid}")
 
 
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -751,7 +798,10 @@ class Converter:
         BadRecord saying why not."""
         if not isinstance(record, dict):
             raise BadRecord(f"is a JSON {type(record).__name__}, not an object")
-        if "conversations" in record or "messages" in record:
+        sequence = self.tok.image_sequence
+        if sequence is not None and sequence.family == "paligemma" and "text" not in record:
+            sample = self._prefix_suffix(index, record)
+        elif "conversations" in record or "messages" in record:
             sample = self._chat(index, record)
         elif "text" in record:
             if not isinstance(record["text"], str):
@@ -814,6 +864,62 @@ class Converter:
             loss_mask=np.repeat(mask, repeat).astype(np.uint8),
             tags={SECONDS_PER_PATCH: seconds} if clips else {},
         )
+
+    def _prefix_suffix(self, index: int, record: dict) -> Sample:
+        """A PaliGemma sample as `PaliGemmaProcessor(images, text=prefix, suffix=suffix)` writes it:
+        the prefix (the images' tokens, the tokenizer's bos, the prompt and "\\n"; a prompt holding
+        `<image>` markers keeps its text up to the last one before the bos, as the processor does),
+        then the suffix and eos, the only tokens carrying loss (the processor's labels: its
+        token_type_ids 1). The prefix is what `models.<llm>.prefix_lm` reads bidirectionally."""
+        prefix, suffix, refs = self._prefix_and_suffix(record)
+        self._check_taken(refs)
+        sequence, marker = self.tok.image_sequence, PALIGEMMA_IMAGE_TOKEN
+        images = tuple(self._load("image", self.target.modality("image"), r) for r in refs["image"])
+        bos, eos = self.tok.special.get("bos_token", ""), self.tok.special.get("eos_token", "")
+        if marker in prefix:
+            cut = prefix.rfind(marker) + len(marker)
+            head = prefix[:cut] + bos + prefix[cut:] + "\n"
+        else:
+            head = marker * len(images) + bos + prefix + "\n"
+        head = head.replace(marker, sequence.token * sequence.count)
+        encode = self.tok.tokenizer.encode
+        read, said = encode(head, add_special_tokens=False).ids, encode(suffix + eos, add_special_tokens=False).ids
+        ids = np.asarray(read + said, np.int32)
+        found = int(np.count_nonzero(ids == self.tok.tokenizer.token_to_id(sequence.token)))
+        if found != sequence.count * len(images):
+            raise BadRecord(
+                f"holds {found} {sequence.token} tokens, but its {len(images)} image(s) are "
+                f"{sequence.count * len(images)} (is {sequence.token!r} in its suffix?)"
+            )
+        if not said:
+            raise BadRecord("its suffix holds no token")
+        mask = np.concatenate([np.zeros(len(read), np.uint8), np.ones(len(said), np.uint8)])
+        return Sample(index, ids, {"image": images} if images else {}, loss_mask=mask)
+
+    def _prefix_and_suffix(self, record: dict) -> tuple[str, str, dict[str, list]]:
+        """A PaliGemma record's prefix, suffix and items: big_vision's fields (`prefix`, `suffix`,
+        `image`/`images`) or a conversation of one user turn and one assistant turn (its markers
+        and image parts as `<image>` in the prefix)."""
+        if "conversations" in record or "messages" in record:
+            messages, refs = self._messages(record)
+            if [m["role"] for m in messages] != ["user", "assistant"]:
+                raise BadRecord(
+                    f"has turns {[m['role'] for m in messages]}; PaliGemma's processor writes one prefix and one "
+                    f"suffix: valid: a user turn, then an assistant turn"
+                )
+            return messages[0]["content"], messages[1]["content"], refs
+        for key in ("prefix", "suffix"):
+            if not isinstance(record.get(key), str):
+                raise BadRecord(
+                    f"has no {key} text (got {type(record.get(key)).__name__}); a PaliGemma tokenizer's records "
+                    f"are {{image, prefix, suffix}}, a user and an assistant turn, or text"
+                )
+        given = record.get("image", record.get("images"))
+        listed = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+        markers = record["prefix"].count(PALIGEMMA_IMAGE_TOKEN)
+        if markers not in (0, len(listed)):
+            raise BadRecord(f"its prefix holds {markers} {PALIGEMMA_IMAGE_TOKEN} markers for {len(listed)} image(s)")
+        return record["prefix"], record["suffix"], {"image": listed, "audio": [], "video": []}
 
     def _check_taken(self, refs: dict) -> None:
         """A record with items of a modality the workload does not take is a bad record."""
