@@ -700,6 +700,32 @@ def _gemma3_projector(path, hf: dict) -> dict:
     return {"projector": "avg_pool", "merge": side // per_side, "out_width": text["hidden_size"]}
 
 
+# SmolVLMVisionConfig's and Idefics3VisionConfig's defaults (transformers 5.25), for fields a folder leaves out
+IDEFICS3_VISION_DEFAULTS = {
+    **SIGLIP_DEFAULTS,
+    "hidden_size": 1152,
+    "num_attention_heads": 16,
+    "patch_size": 32,
+}
+IDEFICS3_SCALE_FACTOR = 2  # SmolVLMConfig's and Idefics3Config's default scale_factor
+
+
+def _pixel_shuffle_connector(path, hf: dict, kind: str) -> dict:
+    """A SmolVLM or Idefics3 connector as a tower's fields: its pixel shuffle of `scale_factor`
+    concatenates each scale x scale window of patches (the merge window), and its
+    `modality_projection.proj` (no bias) lands on the language model's width."""
+    vision = _with_defaults(hf.get("vision_config") or {}, IDEFICS3_VISION_DEFAULTS)
+    side, scale = vision["image_size"] // vision["patch_size"], hf.get("scale_factor", IDEFICS3_SCALE_FACTOR)
+    if not isinstance(scale, int) or scale < 1 or side % scale:
+        raise HFError(
+            f"{path}/config.json: scale_factor={scale!r}; its pixel shuffle cuts the tower's {side}x{side} patches "
+            f"into scale x scale windows: valid: a positive integer dividing {side}"
+        )
+    text = _multimodal_text(path, hf, kind)[0]
+    width = text.get("hidden_size", 4096)  # LlamaConfig's default
+    return {"projector": "linear", "projector_bias": False, "merge": scale, "out_width": width}
+
+
 def _vision_tower(path: str | Path, hf: dict, kind: str) -> tuple[dict, str, dict]:
     """The SigLIP or CLIP tower's own config inside a folder's `hf` of type `kind`, its type, and
     the fields the folder adds (LLaVA's feature layer, Gemma 3's projector)."""
@@ -728,11 +754,15 @@ def _vision_tower(path: str | Path, hf: dict, kind: str) -> tuple[dict, str, dic
             f"{path}/config.json: model_type='llava_onevision': its vision tower (SigLIP over any-resolution tiles, "
             f"with an image newline token per row) does not load yet; kind: llm takes its language model"
         )
-    elif kind in ("smolvlm", "idefics3"):  # issue 80: its split images and pixel-shuffle connector are not placed yet
-        raise HFError(
-            f"{path}/config.json: model_type={kind!r}: its vision tower (images split into tiles, a pixel-shuffle "
-            f"connector) does not load yet; kind: llm takes its language model"
-        )
+    elif kind in ("smolvlm", "idefics3"):  # SigLIP's layout, its pixel-shuffle connector a bias-free linear projector
+        extra = _pixel_shuffle_connector(path, hf, kind)
+        hf = _with_defaults(hf.get("vision_config") or {}, IDEFICS3_VISION_DEFAULTS)
+        if hf.get("model_type", f"{kind}_vision") != f"{kind}_vision":
+            raise HFError(
+                f"{path}/config.json: vision_config.model_type={hf.get('model_type')!r}; a {kind} vision tower "
+                f"imports as '{kind}_vision'"
+            )
+        kind = "siglip"
     elif kind == "paligemma":  # PaliGemma's tower: SigLIP and the checkpoint's linear projector, a token a patch
         vision = hf.get("vision_config") or {}
         width = (

@@ -63,8 +63,10 @@ class ViTConfig:
     # what maps each merge x merge window to the LLM width: merger (an MLP over the concatenated window,
     # Qwen2-VL's), avg_pool (the window's mean, RMSNorm, a projection: Gemma 3's) or patch_merger
     # (Qwen2.5-VL's and Qwen3-VL's: RMSNorm per patch, an MLP width * merge**2 wide, exact GELU) or
-    # linear (one projection with a bias of the concatenated window: PaliGemma's, merge 1)
+    # linear (one projection of the concatenated window: PaliGemma's, merge 1, with a bias; SmolVLM's and
+    # Idefics3's connector, its pixel shuffle of scale_factor as merge, without)
     projector: Literal["merger", "avg_pool", "patch_merger", "linear"] = "merger"
+    projector_bias: bool = True  # projector linear: whether its projection has a bias
     # Qwen3-VL's DeepStack (deepstack_visual_indexes): blocks whose outputs go, each through a merger
     # of its own, to the LLM beside the image tokens; the LLM's deepstack_layers counts them
     deepstack_layers: tuple[NonNegativeInt, ...] = ()
@@ -83,6 +85,14 @@ class ViTConfig:
         ),
         Rule(
             "feature_layer", lambda v: v.get("depth") is not None and _no_block_output(v["depth"], v["feature_layer"])
+        ),
+        Rule(
+            "projector_bias",
+            lambda v: (
+                not v["projector_bias"]
+                and v.get("projector", "merger") != "linear"
+                and f"only projector='linear' goes without a bias, not {v.get('projector', 'merger')!r}"
+            ),
         ),
     )
 

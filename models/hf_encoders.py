@@ -157,6 +157,7 @@ SIGLIP_PREFIXES = (
     "vision_tower.vision_model.",
     "model.vision_tower.",
     "vision_tower.",
+    "model.vision_model.",  # a SmolVLM or Idefics3 checkpoint's
     "",
 )
 # CLIP's own and a LLaVA checkpoint's (transformers >= 4.52 writes `model.vision_tower.`)
@@ -196,7 +197,9 @@ def vit_mapping(
         m[("pre_norm", "bias")] = (f"{prefix}pre_layrnorm.bias", _SAME)
     else:
         m[("patch_embed", "bias")] = (f"{prefix}embeddings.patch_embedding.bias", _SAME)
-    if projector is not None and f.get("projector") == "linear":  # PaliGemma's
+    if projector is not None and f.get("projector") == "linear" and not f.get("projector_bias", True):
+        m[("proj", "kernel")] = (f"{projector}proj.weight", _LINEAR)  # SmolVLM's and Idefics3's connector
+    elif projector is not None and f.get("projector") == "linear":  # PaliGemma's
         _linear(m, ("proj",), f"{projector}linear")
     elif projector is not None:
         m[("proj_norm", "scale")] = (f"{projector}mm_soft_emb_norm.weight", _GEMMA_NORM)
@@ -293,8 +296,11 @@ def qwen3_vit_mapping(f: dict, prefix: str = "model.visual.") -> dict[tuple[str,
 
 
 def gemma3_projector_prefix(tower_prefix: str) -> str | None:
-    """Where a Gemma 3 checkpoint keeps the projector, given where it keeps the tower (None: a
-    tower's own checkpoint, which holds no projector)."""
+    """Where a Gemma 3 or PaliGemma checkpoint keeps the projector (a SmolVLM or Idefics3 one its
+    connector's projection), given where it keeps the tower (None: a tower's own checkpoint, which
+    holds no projector)."""
+    if tower_prefix == "model.vision_model.":
+        return "model.connector.modality_projection."
     for tower in ("vision_tower.vision_model.", "vision_tower."):
         if tower_prefix.endswith(tower):
             return tower_prefix.removesuffix(tower) + "multi_modal_projector."

@@ -7,7 +7,10 @@ to the LLM width reads each window (`projector`): `merger` concatenates the wind
 runs a two-layer MLP (Qwen2-VL's merger); `avg_pool` averages them, RMS-normalises and projects
 without a bias (Gemma 3's `multi_modal_projector`: its average pool of kernel `merge` over the
 patch grid, its `mm_soft_emb_norm` and `mm_input_projection_weight`); `linear` projects the
-window with a bias (PaliGemma's `multi_modal_projector.linear`, one patch a token: merge 1).
+window, with a bias (PaliGemma's `multi_modal_projector.linear`, one patch a token: merge 1) or
+without (`projector_bias: false`: SmolVLM's and Idefics3's connector, whose pixel shuffle of
+`scale_factor` concatenates each scale x scale window row by row, as the window order here does,
+before `modality_projection.proj`).
 
 Position embeddings come in two layouts (`pos_embed`):
   row_col: a learned row table and a learned column table, added (any aspect ratio up to
@@ -165,6 +168,7 @@ class VisionEncoder(nn.Module):
         elif c.projector == "linear":
             self.proj = Dense(
                 c.out_width,
+                use_bias=c.projector_bias,
                 kernel_init=partitioned(_init, "mlp", "embed"),
                 bias_init=partitioned(nn.initializers.zeros, "embed"),
             )

@@ -392,7 +392,9 @@ def llava_onevision(out: Path) -> None:
 def smolvlm(out: Path) -> None:
     """A whole SmolVLM folder (`SmolVLMForConditionalGeneration`: a SigLIP-style tower, its
     pixel-shuffle connector, a Llama language model under `model.text_model.`); `logits` are the
-    model's on TOKENS alone (no image): what its language model computes."""
+    model's on TOKENS alone (no image): what its language model computes; pixels [2, C, 16, 16]
+    (two whole tiles) and `image_features` [2, 4, text width] (`get_image_features`: the connector's
+    output, a token per 2x2 window of patches)."""
     torch.manual_seed(9)
     config = transformers.SmolVLMConfig(
         text_config=transformers.LlamaConfig(**{**LLM_BASE, "tie_word_embeddings": False}),
@@ -401,9 +403,13 @@ def smolvlm(out: Path) -> None:
         scale_factor=2,
     )
     model = _perturbed(transformers.SmolVLMForConditionalGeneration(config))
+    pixels = torch.randn(2, SIGLIP["num_channels"], SIGLIP["image_size"], SIGLIP["image_size"])
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(TOKENS)).logits.float().numpy()
-    _save(model, out / "smolvlm", tokens=TOKENS, logits=logits)
+        features = torch.stack(model.get_image_features(pixels[None]).pooler_output)
+    tokens_per_image = (SIGLIP["image_size"] // SIGLIP["patch_size"] // 2) ** 2
+    features = features.reshape(2, tokens_per_image, -1)
+    _save(model, out / "smolvlm", tokens=TOKENS, logits=logits, pixels=pixels, image_features=features)
 
 
 # A Qwen2.5-VL: a three-block tower (head 16, window attention in blocks 0 and 2, block 1 over whole

@@ -668,6 +668,32 @@ def test_a_paligemma2_folder_gives_its_tower_with_its_linear_projector():
     assert max_err(tokens, ref["image_features"][where]) < ATOL
 
 
+def test_a_smolvlm_folder_gives_its_tower_with_its_pixel_shuffle_connector(tmp_path):
+    """`models.vision: {hf: <a SmolVLM folder>, kind: vit}`: SigLIP's layout under
+    `model.vision_model.`, its connector's pixel shuffle of `scale_factor` 2 as the merge window and
+    `modality_projection.proj` as a bias-free linear projector onto the language model's width;
+    two whole 16x16 tiles packed in one row give transformers' `get_image_features` token for token
+    (a token per 2x2 window, the windows row by row). A scale_factor that does not divide the
+    tower's grid is refused naming it."""
+    path = FIXTURES / "smolvlm"
+    ref = dict(np.load(path / "reference.npz"))
+    fields = hf_encoders.vit_fields(path)
+    got = tuple(fields[k] for k in ("projector", "projector_bias", "merge", "out_width", "pos_embed", "max_grid"))
+    assert got == ("linear", False, 2, 32, "table", 4)
+    model = model_of("vit", fields)
+    inputs, _ = siglip_inputs(ref["pixels"], model.cfg)
+    params = hf_encoders.load_vit(path, placed_params(model, inputs), fields)
+    assert "bias" not in params["proj"]
+    tokens = np.asarray(model.apply({"params": params}, *inputs)[0])
+    assert tokens.shape == (8, 32)
+    assert max_err(tokens, ref["image_features"].reshape(8, 32)) < ATOL
+    bad = fixture(tmp_path, "smolvlm")[0]
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "scale_factor": 3}))
+    with pytest.raises(HFError, match=r"config.json: scale_factor=3; .* valid: a positive integer dividing 4"):
+        hf_encoders.vit_fields(bad)
+
+
 def test_a_paligemma2_row_attends_bidirectionally_over_its_prefix_as_transformers_does():
     """`kind: llm` of a PaliGemma 2 folder has `prefix_lm`: the rows mark each sample's prefix
     (its image's 16 tokens and the prompt: the positions up to the first whose target carries

@@ -88,6 +88,10 @@ def test_a_field_added_to_the_dataclass_reaches_the_config_entry_with_its_bounds
             "error: models.vision.class_token=True: CLIP's layout needs pos_embed='table'",
         ),
         ("models.vision.pos_embed=grid", "error: models.vision.pos_embed='grid'"),
+        (
+            "models.vision.projector_bias=false",
+            "error: models.vision.projector_bias=False: only projector='linear' goes without a bias, not 'merger'",
+        ),
         ("models.vision.norm_eps=0", "error: models.vision.norm_eps=0"),
         ("models.llm.kv_heads=4", "error: models.llm.kv_heads=4: must divide heads=6"),
         ("models.llm.experts=4", "error: models.llm.experts_per_token=0: with experts=4 each token goes to 1..4"),
