@@ -725,7 +725,6 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
         "gemma2",
         "gpt_oss",
         "llava_onevision",  # its language model, through the whole LLaVA-OneVision model on text
-        "smolvlm",  # likewise through the whole SmolVLM model
     ],
 )
 def test_check_hf_compares_a_folder_through_transformers_and_maestro(tmp_path, case, capsys):

@@ -739,6 +739,32 @@ def test_a_paligemma2_row_attends_bidirectionally_over_its_prefix_as_transformer
 
 
 @pytest.mark.reference
+def test_check_hf_compares_a_smolvlm_folders_image_tokens_and_logits(monkeypatch, capsys):
+    """`check-hf` on a SmolVLM folder: two whole tiles' image tokens, and the logits of a row of
+    text holding both, a line each, within the tolerance; a connector weight moved on maestro's
+    side fails both."""
+    pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
+    from maestro_jax import cli
+
+    path = str(FIXTURES / "smolvlm")
+    assert cli.main(["check-hf", "--hf", path]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "(smolvlm): 2 tiles of 16x16; image tokens" in lines[0], lines
+    assert "2 tiles of 16x16 in a row of" in lines[1] and "logits" in lines[1], lines
+    assert all(line.endswith("PASS") for line in lines), lines
+    load = hf_encoders.load_vit
+
+    def moved(*args, **kwargs):
+        params = load(*args, **kwargs)
+        return {**params, "proj": {"kernel": params["proj"]["kernel"].at[3, 1].add(0.05)}}
+
+    monkeypatch.setattr(hf_encoders, "load_vit", moved)
+    assert cli.main(["check-hf", "--hf", path]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert [line.endswith("PASS") for line in lines] == [False, False], lines
+
+
+@pytest.mark.reference
 def test_check_hf_compares_a_paligemma2_folders_image_tokens_and_prefix_lm_logits(monkeypatch, capsys):
     """`check-hf` on a PaliGemma 2 folder: its image tokens, and the logits of a row holding the
     first image, a prompt and an answer with transformers' prefix-LM mask, a line each, within the

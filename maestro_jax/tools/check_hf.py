@@ -98,7 +98,7 @@ def _result(path: Path, inputs: str, compared: str, ours: np.ndarray, reference:
 
 def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """The folder at `path` checked by its kind: a decoder's logits, a tower's features; a whole
-    Gemma 3, Qwen2.5-VL or Qwen3-VL VLM's image tokens and logits, a Qwen2-Audio folder's text
+    Gemma 3, PaliGemma, Qwen2.5-VL, Qwen3-VL, SmolVLM or Idefics3 VLM's image tokens and logits, a Qwen2-Audio folder's text
     logits, audio tokens and logits. A folder whose weights are
     missing, cut short, unreadable or short of a tensor the model reads is an `HFError` naming the
     file, before anything runs."""
@@ -110,6 +110,7 @@ def check_folder(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: i
         "qwen2_audio": check_qwen2_audio,
         "paligemma": check_paligemma,
         **dict.fromkeys(QWEN_VL_MODELS, check_qwen_vl),
+        **dict.fromkeys(SPLIT_IMAGE_MODELS, check_split_image_vlm),
     }.get(model_type)
     kinds = MULTI_MODEL[model_type] if whole else ("llm",) if model_type in LANGUAGE_MODEL_IN else (kind_of(path),)
     check = whole or {"llm": check_llm, "vit": check_vision, "audio": check_audio}[kinds[0]]
@@ -220,6 +221,48 @@ def check_paligemma(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed
 
 
 PALIGEMMA_IMAGE_TOKEN = 257152  # PaliGemmaConfig's default image_token_index
+
+# the SmolVLM / Idefics3 folders check-hf runs whole, by model_type: transformers' class of each
+SPLIT_IMAGE_MODELS = {
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+}
+IDEFICS3_IMAGE_TOKEN = 128257  # Idefics3Config's and SmolVLMConfig's default image_token_id
+
+
+def check_split_image_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
+    """A SmolVLM or Idefics3 folder: two random whole tiles through the tower and the pixel-shuffle
+    connector (transformers' `get_image_features`: a token per scale x scale window, the windows
+    row by row), then one row of random text holding both tiles' tokens through the whole model
+    (causal: these models give image tokens no mask of their own); the image tokens and the logits
+    compared."""
+    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
+
+    path = Path(path)
+    config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
+    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
+    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
+    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
+    inputs, _ = packed_images(pixels, vcfg)
+    tower = VisionEncoder(vcfg)
+    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    image_token, per_image = config.get("image_token_id", IDEFICS3_IMAGE_TOKEN), len(features) // 2
+    text = [t for t in range(lfields["vocab"]) if t != image_token]
+    pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
+    row = np.concatenate([pieces[0], [image_token] * per_image, pieces[1], [image_token] * per_image, pieces[2]])
+    logits = _spliced_logits(path, lfields, row, np.flatnonzero(row == image_token), features)
+    torch, transformers = _reference_modules()
+    cls = getattr(transformers, SPLIT_IMAGE_MODELS[config["model_type"]])
+    model = cls.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want_features = torch.cat(model.get_image_features(torch.tensor(pixels[None])).pooler_output).numpy()
+        tokens = torch.tensor(row[None].astype(np.int64))
+        want_logits = model(input_ids=tokens, pixel_values=torch.tensor(pixels[None])).logits.float().numpy()
+    tiles = f"2 tiles of {size}x{size}"
+    return [
+        _result(path, tiles, "image tokens", np.asarray(features), want_features.reshape(features.shape), tolerance),
+        _result(path, f"{tiles} in a row of {len(row)} tokens", "logits", logits, want_logits, tolerance),
+    ]
 
 
 # the Qwen-VL folders check-hf runs whole, by model_type: transformers' class of each
@@ -576,10 +619,8 @@ def _reference_modules():
 # transformers class that holds it
 LANGUAGE_MODEL_IN = {
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-    # their towers do not load yet (any-resolution tiles, split images): check-hf compares the language model alone
+    # its tower does not load yet (any-resolution tiles): check-hf compares the language model alone
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-    "smolvlm": "SmolVLMForConditionalGeneration",
-    "idefics3": "Idefics3ForConditionalGeneration",
 }
 QWEN2_AUDIO_TOKEN = 151646  # Qwen2AudioConfig's default audio_token_index
 
