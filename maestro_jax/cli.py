@@ -305,7 +305,7 @@ def _export_audio_llm(cfg, args, names: list[str], kinds: dict[str, str]) -> int
 def _export_vlm(cfg, args, names: list[str]) -> int:
     """`--section vision,llm`: a VLM's tower and language model as one Gemma 3 VLM folder, or a
     Qwen2.5-VL or Qwen3-VL one where the tower is of that layout (`hf_encoders.qwen_vl_type`), or a
-    PaliGemma 2 one where its projector is linear."""
+    PaliGemma 2 one where its projector is linear, or a SmolVLM one where that has no bias."""
     from maestro_jax.models.hf_encoders import qwen_vl_type
     from maestro_jax.tools import hf
     from maestro_jax.workloads import settings
@@ -314,13 +314,14 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
     if "audio" in kinds:
         return _export_audio_llm(cfg, args, names, kinds)
     qwen = qwen_vl_type(cfg.models[kinds["vit"]].model_dump()) if "vit" in kinds else None
-    linear = "vit" in kinds and cfg.models[kinds["vit"]].projector == "linear"
-    model_type = qwen or ("paligemma" if linear else "gemma3")
+    tower = cfg.models[kinds["vit"]] if "vit" in kinds else None
+    linear = tower is not None and tower.projector == "linear"
+    model_type = qwen or (("paligemma" if tower.projector_bias else "smolvlm") if linear else "gemma3")
     if len(names) != 2 or set(kinds) != {"vit", "llm"} or args.model_type not in (None, model_type):
         print(
             f"error: --section={args.section!r} --model-type={args.model_type}: a whole VLM folder is one vit and one "
             f"llm section (e.g. --section vision,llm), written as {model_type} (gemma3; qwen2_5_vl or qwen3_vl for a "
-            f"Qwen2.5-VL or Qwen3-VL tower; paligemma for a tower with projector: linear)",
+            f"Qwen2.5-VL or Qwen3-VL tower; paligemma for a tower with projector: linear; smolvlm for one without its bias)",
             file=sys.stderr,
         )
         return 2
@@ -331,6 +332,7 @@ def _export_vlm(cfg, args, names: list[str]) -> int:
     video_token = getattr(settings(cfg), "video_token", None)  # the clips' placeholder, where a Qwen-VL took video
     write = {
         "paligemma": lambda v, t: hf.export_paligemma(args.out, v, t, image_token, args.overwrite),
+        "smolvlm": lambda v, t: hf.export_smolvlm(args.out, v, t, image_token, args.overwrite),
         "gemma3": lambda v, t: hf.export_gemma3_vlm(args.out, v, t, image_token, args.overwrite),
     }.get(model_type, lambda v, t: hf.export_qwen_vl(args.out, v, t, image_token, args.overwrite, video_token))
     return _export_pair(cfg, args, kinds, ("vit", "llm"), model_type, write)
@@ -650,11 +652,12 @@ COMMANDS: dict[str, Command] = {
                     "qwen3_vl",
                     "qwen2_audio",
                     "paligemma",
+                    "smolvlm",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
                 "Gemma's block, olmo2 for OLMo 2's, gpt_oss for GPT-OSS's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
                 "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's, paligemma for a tower with a linear projector "
-                "and a prefix-LM, qwen2_audio for an audio "
+                "and a prefix-LM, smolvlm for a tower with a bias-free linear projector (its connector), qwen2_audio for an audio "
                 "encoder pooled in pairs and its LLM)",
             ),
             opt(

@@ -585,6 +585,52 @@ def save_paligemma(
     _write(path, {**text, **tower}, config, max_shard_bytes)
 
 
+def save_smolvlm(
+    path: str | Path,
+    vit_params: dict,
+    vit_fields: dict,
+    llm_params: dict,
+    llm_fields: dict,
+    image_token: int,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write a VLM's tower (SigLIP's layout with `projector: linear`, `projector_bias: false`: the
+    connector, its merge window the pixel shuffle's `scale_factor`) and language model (Llama's) as
+    one `SmolVLMForConditionalGeneration` folder, with the Hub's tensor names:
+    `model.vision_model.`, `model.connector.modality_projection.proj`, `model.text_model.`,
+    `lm_head`. `image_token` is the placeholder id the VLM was trained with (`image_token_id`)."""
+    from maestro_jax.models.hf import llm_checkpoint
+
+    if (
+        vit_fields.get("projector") != "linear"
+        or vit_fields.get("projector_bias", True)
+        or vit_fields.get("class_token")
+        or vit_fields["max_grid"] % vit_fields["merge"]
+    ):
+        raise HFError(
+            f"projector={vit_fields.get('projector')!r}, projector_bias={vit_fields.get('projector_bias', True)}, "
+            f"class_token={vit_fields.get('class_token', False)}, max_grid={vit_fields['max_grid']}, merge="
+            f"{vit_fields['merge']}: a SmolVLM tower is SigLIP's with projector='linear', projector_bias=false and a "
+            f"merge that divides max_grid"
+        )
+    if vit_fields["out_width"] != llm_fields["width"]:
+        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
+    text, text_config = llm_checkpoint(llm_params, llm_fields, "llama", prefix="model.text_model.")
+    tower = _tensors(vit_params, vit_mapping(vit_fields, "model.vision_model.", "model.connector.modality_projection."))
+    vision = {k: v for k, v in _nested(_vit_config(vit_fields)).items() if k != "vision_use_head"}
+    config = {
+        "architectures": ["SmolVLMForConditionalGeneration"],
+        "model_type": "smolvlm",
+        "text_config": _nested(text_config),
+        "vision_config": {**vision, "model_type": "smolvlm_vision"},
+        "scale_factor": vit_fields["merge"],
+        "image_token_id": image_token,
+        "tie_word_embeddings": llm_fields["tie_embeddings"],
+        "torch_dtype": "float32",
+    }
+    _write(path, {**text, **tower}, config, max_shard_bytes)
+
+
 # what each Qwen-VL folder's architecture is: its tower's block and position layout, its text model
 QWEN_VL_TYPES = {
     "qwen2_5_vl": {"block": "rmsnorm_glu", "pos_embed": "rope2d", "text": "qwen2", "interleaved": False},

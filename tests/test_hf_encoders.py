@@ -825,6 +825,49 @@ def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
         assert capsys.readouterr().out.count("PASS") == 2
 
 
+@pytest.mark.reference
+@pytest.mark.slow
+def test_smolvlm_exports_whole_verifies_and_reimports(tmp_path, capsys):
+    """A vlm config from one SmolVLM folder verifies (the sectioned step is the monolithic one, the
+    folder's image_token_id the workload's image token); `maestro-jax export --section vision,llm`
+    writes it back as one SmolVLM folder (the checkpoint's weights, moved off the folder's): the
+    same architecture and tensor names read back, the weights import back equal, and (with
+    transformers) check-hf passes on it."""
+    import importlib.util
+
+    from maestro_jax.models import hf
+    from safetensors import safe_open
+
+    from maestro_jax import cli
+    from maestro_jax.tools.verify import verify
+    from maestro_jax.workloads import settings
+
+    path, _ = fixture(tmp_path, "smolvlm")
+    overrides = [*_vlm_folder_overrides(path), f"output_dir={tmp_path / 'run'}"]
+    config = ROOT / "configs/vlm_tiny.yaml"
+    cfg = load_config(config, overrides)
+    assert settings(cfg).image_token == 95 and not cfg.models["vision"].projector_bias
+    diffs = verify(cfg, build_runtime(cfg))
+    assert {d.name for d in diffs} >= {"loss", "vision/grads", "llm/grads"}
+    assert all(d.max_rel <= 1e-4 for d in diffs), diffs
+    initial, moved = _saved_moved(cfg, ("vision", "llm"))
+    argv = ["export", "--config", str(config), "--section", "vision,llm", "--out", str(tmp_path / "back")]
+    assert cli.main([*argv, *overrides]) == 0 and "(smolvlm)" in capsys.readouterr().out
+    back = tmp_path / "back"
+    assert hf_encoders.vit_fields(back) == hf_encoders.vit_fields(path)
+    assert hf.llm_fields(back) == hf.llm_fields(path)
+    assert json.loads((back / "config.json").read_text())["image_token_id"] == 95
+    names = [set(safe_open(str(f), "np").keys()) for f in (path / "model.safetensors", back / "model.safetensors")]
+    assert names[0] == names[1]
+    vision = hf_encoders.load_vit(back, initial["vision"].params, hf_encoders.vit_fields(back))
+    llm = hf.load_llm(back, initial["llm"].params, hf.llm_fields(back))
+    for got, want in ((vision, moved["vision"]), (llm, moved["llm"])):
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.allclose(a, b, atol=1e-6)), got, want))
+    if importlib.util.find_spec("torch") is not None:  # check-hf runs transformers (the reference extra)
+        assert cli.main(["check-hf", "--hf", str(back)]) == 0
+        assert capsys.readouterr().out.count("PASS") == 2
+
+
 @pytest.mark.slow  # the prefix-LM logits against transformers (above) hold the mask; this the whole step
 def test_a_paligemma2_vlm_verifies_with_its_prefix_blocks(tmp_path):
     """`models.vision` and `models.llm` from one PaliGemma 2 folder: the llm's rows carry each
@@ -866,7 +909,7 @@ def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree(
 
 
 def _vlm_folder_overrides(path) -> list[str]:
-    """vlm_tiny with both sections from one whole VLM folder (Gemma 3's, PaliGemma 2's)."""
+    """vlm_tiny with both sections from one whole VLM folder (Gemma 3's, PaliGemma 2's, SmolVLM's)."""
     return [
         "global_batch=8",
         "data.text_len=[6,14]",

@@ -26,6 +26,7 @@ from maestro_jax.models.hf_encoders import (
     save_paligemma,
     save_qwen2_audio,
     save_qwen_vl,
+    save_smolvlm,
     save_vit,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "export_qwen2_audio",
     "export_qwen_vl",
     "export_section",
+    "export_smolvlm",
     "export_type",
     "save_audio",
     "save_llm",
@@ -165,6 +167,14 @@ def export_paligemma(
     """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one
     PaliGemma 2 folder (`save_paligemma`), owning the folder (`_export_into`)."""
     _export_into(path, lambda staging: save_paligemma(staging, *vision, *llm, image_token), overwrite)
+
+
+def export_smolvlm(
+    path: str | Path, vision: tuple[dict, dict], llm: tuple[dict, dict], image_token: int, overwrite: bool = False
+) -> None:
+    """A VLM's vision and llm sections (each `(params, fields)`) written into `path` as one SmolVLM
+    folder (`save_smolvlm`), owning the folder (`_export_into`)."""
+    _export_into(path, lambda staging: save_smolvlm(staging, *vision, *llm, image_token), overwrite)
 
 
 def export_qwen_vl(
