@@ -892,6 +892,109 @@ def test_paligemma_records_are_written_as_its_processor_writes_them(images, tmp_
         converter.sample(0, {"image": "im1.png", "prefix": "caption en"})
 
 
+# SmolVLM's chat template, as HuggingFaceTB/SmolVLM-256M-Instruct ships it: it reads content parts only
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+SMOLVLM_SPECIALS = [
+    "<pad>",
+    "<|im_start|>",
+    "<end_of_utterance>",
+    "<image>",  # id 3: the model's image token
+    "<fake_token_around_image>",
+    "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in (1, 2, 3) for c in (1, 2, 3)),
+]
+
+
+def make_smolvlm_folder(folder, **preprocessor):
+    """A SmolVLM checkpoint's tokenizer and processor files (its image tokens as special tokens; a
+    preprocessor_config resizing each image's longest side to 48 and cutting it into tiles of 16;
+    a processor_config of 4 tokens a tile), with a byte-level BPE trained on CORPUS."""
+    make_tokenizer(folder, SMOLVLM_SPECIALS)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<end_of_utterance>", "pad_token": "<pad>"}))
+    (folder / "chat_template.jinja").write_text(SMOLVLM_TEMPLATE)
+    pre = {"image_processor_type": "SmolVLMImageProcessor", "size": {"longest_edge": 48}, "resample": 1}
+    pre |= {"max_image_size": {"longest_edge": 16}, "do_image_splitting": True, **preprocessor}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre))
+    (folder / "processor_config.json").write_text(
+        json.dumps({"image_seq_len": 4, "processor_class": "SmolVLMProcessor"})
+    )
+    return folder
+
+
+SMOLVLM_VLM = target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=3"])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("splitting", [True, False])
+def test_smolvlm_conversations_are_written_as_its_processor_writes_them(images, tmp_path, splitting):
+    """From a SmolVLM folder each image is resized (its longest side 48), cut into 16x16 tiles and a
+    global view, and written as `<fake_token_around_image><row_r_col_c>` and 4 `<image>`s a tile, a
+    newline a row, then the global view's tokens (without splitting: the global view alone); the
+    chat is rendered through its template as content parts: ids and pixels equal transformers'
+    Idefics3Processor (SmolVLM's processor writes the same strings; its video processor needs
+    torchvision), and only the model's turns carry loss."""
+    pytest.importorskip("torch", reason="transformers' processors need torch (the `reference` extra)")
+    from transformers import AutoTokenizer, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    folder = make_smolvlm_folder(tmp_path / "smolvlm", do_image_splitting=splitting)
+    tok = C.ChatTokenizer.load(folder)
+    assert (tok.image_sequence.family, tok.image_sequence.size, tok.image_sequence.split) == (
+        "smolvlm",
+        (16, 16),
+        splitting,
+    )
+    assert tok.image_sequence.split_text(2, 3) == get_image_prompt_string(
+        2, 3, 4, "<fake_token_around_image>", "<image>", "<global-img>"
+    )
+    converter = C.Converter(tok, SMOLVLM_VLM, images)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(
+            size={"longest_edge": 48}, max_image_size={"longest_edge": 16}, resample=1, do_image_splitting=splitting
+        ),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        image_seq_len=4,
+        chat_template=SMOLVLM_TEMPLATE,
+    )
+    opened = {name: Image.open(images / name).convert("RGB") for name in ("im0.png", "im1.png", "im3.png")}
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "im3.png"},
+                    {"type": "text", "text": "compare it with"},
+                    {"type": "image", "image": "im1.png"},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "the first shows a red square."}]},
+            {"role": "user", "content": [{"type": "text", "text": "and this?"}, {"type": "image", "image": "im0.png"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a cat."}]},
+        ]
+    }
+    reference = [
+        {**m, "content": [{**p, "image": opened[p["image"]]} if p["type"] == "image" else p for p in m["content"]]}
+        for m in parts["messages"]
+    ]
+    want = processor.apply_chat_template(reference, tokenize=True, return_dict=True, return_tensors="np")
+    s = converter.sample(0, parts)
+    np.testing.assert_array_equal(s.tokens, want["input_ids"][0])
+    pixels = np.stack(s.items["image"]).transpose(0, 3, 1, 2)  # (views, h, w, 3) -> the processor's layout
+    np.testing.assert_allclose(pixels, want["pixel_values"][0], atol=1e-5)
+    views = (6 + 1) + (6 + 1) + (9 + 1) if splitting else 3
+    assert len(s.items["image"]) == views and [b - a for a, b in runs(s.tokens == 3)] == [4] * views
+    mask = s.loss_mask.astype(bool)
+    decoded = [tok.tokenizer.decode(s.tokens[a:b].tolist(), skip_special_tokens=True) for a, b in runs(mask)]
+    assert decoded == [" the first shows a red square.\n", " a cat.\n"]  # after "Assistant:" (the prompt)
+
+
 # Qwen2.5-VL's chat template, as Qwen/Qwen2.5-VL-7B-Instruct ships it (chat_template.json)
 QWEN_VL_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"

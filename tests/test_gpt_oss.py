@@ -244,6 +244,13 @@ def test_export_offers_every_type_an_exporter_writes():
     parser = _parser()
     export = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" export"))
     (model_type,) = [a for a in export._actions if "--model-type" in a.option_strings]
-    whole_models = {"gemma3", "qwen2_5_vl", "qwen3_vl", "qwen2_audio", "paligemma", "smolvlm"}  # two sections each (--section a,b)
+    whole_models = {
+        "gemma3",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen2_audio",
+        "paligemma",
+        "smolvlm",
+    }  # two sections each (--section a,b)
     assert set(model_type.choices) == {*(t for types in EXPORT_TYPES.values() for t in types), *whole_models}
     assert "gpt_oss" in model_type.choices

@@ -8,7 +8,8 @@ Records are read one at a time and written as they come (a dataset never sits in
                  chat template, each image marker replaced by that image's placeholder tokens
                  (single, several, interleaved; the marker's token id is the config's image
                  placeholder id, `workload_settings.image_token`; a Gemma 3 or Qwen-VL checkpoint's
-                 folder: its own image tokens, `ImageSequence`), loss only on the assistant's turns
+                 folder: its own image tokens, `ImageSequence`; a SmolVLM one: each image's tiles and
+                 global view, `split_image`), loss only on the assistant's turns
                  (`Sample.loss_mask`), so the model learns to answer, not to write prompts; with a
                  Qwen2.5-VL or Qwen3-VL folder, `<video>` markers (`video` lists, `video` parts)
                  become its processor's clip tokens and the clip its sampled frames (`data.video`);
@@ -147,6 +148,11 @@ class ImageSequence:
     resample: str = "bilinear"
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # SmolVLM's and Idefics3's (family "smolvlm"): each image's longest side first resized to
+    # `longest` (0: not resized), then, with `split`, cut into tiles of `size` and a global view
+    # (`split_image`), each tile `count` tokens (`split_text`)
+    longest: int = 0
+    split: bool = False
 
     def fit(self, height: int, width: int) -> tuple[int, int]:
         """The size (height, width) the processor resizes an image of `height` x `width` to."""
@@ -159,7 +165,17 @@ class ImageSequence:
     def text(self, count: int) -> str:
         return self.before + self.token * count + self.after
 
+    def split_text(self, rows: int, cols: int) -> str:
+        """What SmolVLM's (and Idefics3's) processor writes for an image cut into `rows` x `cols`
+        tiles and its global view (0 x 0: the image alone, as its global view)."""
+        fake, image = IDEFICS3_TOKENS[0], self.token * self.count
+        tiles = "".join(
+            "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n" for r in range(rows)
+        )
+        return tiles + ("\n" if rows else "") + f"{fake}{IDEFICS3_TOKENS[1]}{image}{fake}"
 
+
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<global-img>")  # SmolVLM's and Idefics3's, around each image's tokens
 QWEN2_AUDIO_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
 
 
@@ -275,7 +291,10 @@ class ChatTokenizer:
         }
         template = None if source is None else _compile_template(folder, source)
         sequence = (
-            _qwen_vl_sequence(folder, tok) or _paligemma_sequence(folder, tok) or _image_sequence(folder, special)
+            _qwen_vl_sequence(folder, tok)
+            or _paligemma_sequence(folder, tok)
+            or _split_image_sequence(folder, tok)
+            or _image_sequence(folder, special)
         )
         video = _qwen_video(folder, tok) if sequence is not None and sequence.family == "qwen_vl" else None
         return cls(folder, tok, template, special, sequence, video, _qwen2_audio_sequence(folder, tok))
@@ -375,7 +394,7 @@ def _image_sequence(folder: Path, special: dict[str, str]) -> ImageSequence | No
 
 
 PALIGEMMA_IMAGE_TOKEN = "<image>"  # PaliGemmaProcessor's IMAGE_TOKEN (and LLaVA's marker)
-PIL_FILTERS = {2: "bilinear", 3: "bicubic"}  # preprocessor_config.json's resample (PIL's numbers) by name
+PIL_FILTERS = {1: "lanczos", 2: "bilinear", 3: "bicubic"}  # preprocessor_config.json's resample (PIL's numbers) by name
 
 
 def _paligemma_sequence(folder: Path, tok) -> ImageSequence | None:
@@ -415,6 +434,69 @@ def _paligemma_sequence(folder: Path, tok) -> ImageSequence | None:
         )
     key, value, valid = bad
     raise ConvertError(f"error: --tokenizer={folder}: preprocessor_config.json {key}={value!r}; valid: {valid}")
+
+
+SPLIT_IMAGE_FAMILY = {  # SmolVLM's and Idefics3's: config.json's model_type, or the processor their files name
+    "models": ("smolvlm", "idefics3"),
+    "processors": ("SmolVLMProcessor", "Idefics3Processor", "SmolVLMImageProcessor", "Idefics3ImageProcessor"),
+}
+# their image processors' defaults (transformers 5.25), where preprocessor_config.json leaves a field out
+IDEFICS3_DEFAULTS = {"longest_edge": 4 * 364, "max_image_size": 364, "resample": 1, "image_seq_len": 169}
+
+
+def _split_image_sequence(folder: Path, tok) -> ImageSequence | None:
+    """SmolVLM's or Idefics3's image tokens, for a folder of such a checkpoint; None otherwise. Its
+    image processor resizes each image's longest side to `size.longest_edge`, then (with
+    `do_image_splitting`) to multiples of `max_image_size.longest_edge` and cuts it into tiles of
+    that side and a global view (`split_image`), LANCZOS; its processor writes each tile's
+    image_seq_len `<image>`s after `<fake_token_around_image><row_r_col_c>` and the global view's
+    between `<fake_token_around_image><global-img>` and `<fake_token_around_image>`
+    (`ImageSequence.split_text`)."""
+    pre = _read_json(folder, "preprocessor_config.json")
+    named = {
+        _read_json(folder, "processor_config.json").get("processor_class"),
+        pre.get("processor_class"),
+        pre.get("image_processor_type"),
+    }
+    model_type = _read_json(folder, "config.json").get("model_type")
+    if model_type not in SPLIT_IMAGE_FAMILY["models"] and not named & set(SPLIT_IMAGE_FAMILY["processors"]):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    missing = [t for t in (PALIGEMMA_IMAGE_TOKEN, *IDEFICS3_TOKENS) if t not in vocab]
+    if missing:
+        raise ConvertError(
+            f"error: --tokenizer={folder}: a SmolVLM or Idefics3 checkpoint's folder whose tokenizer has no "
+            f"{missing[0]!r}; valid: the checkpoint's own tokenizer, which holds it"
+        )
+    fields = {
+        "longest_edge": (pre.get("size") or {}).get("longest_edge", IDEFICS3_DEFAULTS["longest_edge"]),
+        "max_image_size": (pre.get("max_image_size") or {}).get("longest_edge", IDEFICS3_DEFAULTS["max_image_size"]),
+        "image_seq_len": _read_json(folder, "processor_config.json").get(
+            "image_seq_len", IDEFICS3_DEFAULTS["image_seq_len"]
+        ),
+    }
+    bad = next((k for k, v in fields.items() if not (isinstance(v, int) and v > 0)), None)
+    resample = pre.get("resample", IDEFICS3_DEFAULTS["resample"])
+    if bad or resample not in PIL_FILTERS:
+        key, value = (bad, fields[bad]) if bad else ("resample", resample)
+        raise ConvertError(
+            f"error: --tokenizer={folder}: {key}={value!r} (preprocessor_config.json or processor_config.json); "
+            f"valid: a positive integer{'' if bad else f', or resample one of {sorted(PIL_FILTERS)}'}"
+        )
+    side = fields["max_image_size"]
+    return ImageSequence(
+        "smolvlm",
+        "",
+        PALIGEMMA_IMAGE_TOKEN,
+        "",
+        (side, side),
+        fields["image_seq_len"],
+        resample=PIL_FILTERS[resample],
+        mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+        std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+        longest=fields["longest_edge"] if pre.get("do_resize", True) else 0,
+        split=bool(pre.get("do_image_splitting", True)),
+    )
 
 
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -630,7 +712,7 @@ def load_image(image, unit: int, max_side: int) -> np.ndarray:
     return pixels / 127.5 - 1.0
 
 
-RESAMPLE = {"bilinear": 2, "bicubic": 3}  # PIL's filters by name (Image.BILINEAR, Image.BICUBIC)
+RESAMPLE = {"lanczos": 1, "bilinear": 2, "bicubic": 3}  # PIL's filters by name (Image.LANCZOS, ...)
 
 
 def load_image_as(image, sequence: ImageSequence) -> np.ndarray:
@@ -642,6 +724,68 @@ def load_image_as(image, sequence: ImageSequence) -> np.ndarray:
     height, width = sequence.fit(img.size[1], img.size[0])
     pixels = np.asarray(img.resize((width, height), RESAMPLE[sequence.resample]), np.float32) / 255.0
     return ((pixels - np.float32(sequence.mean)) / np.float32(sequence.std)).astype(np.float32)
+
+
+MAX_IMAGE_SIDE = 4096  # SmolVLM's and Idefics3's image processors' MAX_IMAGE_SIZE
+
+
+def split_image(image, sequence: ImageSequence) -> tuple[list[np.ndarray], int, int]:
+    """An image as SmolVLM's (Idefics3's) image processor cuts it: its longest side resized to
+    `sequence.longest` (the other keeping the aspect, rounded up to even, within 4096), then to
+    multiples of the tile side and cut into rows x cols tiles, row by row, and the whole resized to
+    one tile (the global view, last); an image of one tile is itself alone (0 rows, 0 cols). Each
+    normalised as `load_image_as` normalises. Returns (tiles, rows, cols)."""
+    img, filt, side = _rgb(image), RESAMPLE[sequence.resample], sequence.size[0]
+    if sequence.longest:
+        img = img.resize(_longest_to(img.size, sequence.longest), filt)
+    if not sequence.split:
+        views, rows, cols = [img.resize((side, side), filt)], 0, 0
+    else:
+        img = img.resize(_tile_multiples(img.size, side), filt)
+        rows, cols = (img.size[1] - side) // side + 1, (img.size[0] - side) // side + 1
+        if rows * cols == 1:
+            views, rows, cols = [img], 0, 0
+        else:
+            crops = [
+                img.crop((c * side, r * side, (c + 1) * side, (r + 1) * side)) for r in range(rows) for c in range(cols)
+            ]
+            views = [*crops, img.resize((side, side), filt)]
+    mean, std = np.float32(sequence.mean), np.float32(sequence.std)
+    return [((np.asarray(v, np.float32) / 255.0 - mean) / std).astype(np.float32) for v in views], rows, cols
+
+
+def _longest_to(size: tuple[int, int], longest: int) -> tuple[int, int]:
+    """(width, height) with the longest side `longest`, as the processor's arithmetic gives it."""
+    width, height = size
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    width, height = max(width, 1), max(height, 1)
+    aspect = width / height
+    if width >= height and width > MAX_IMAGE_SIDE:
+        width, height = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE / aspect)
+    elif height > width and height > MAX_IMAGE_SIDE:
+        height, width = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE * aspect)
+    return max(width, 1), max(height, 1)
+
+
+def _tile_multiples(size: tuple[int, int], side: int) -> tuple[int, int]:
+    """(width, height) rounded up to whole tiles of `side`, as `resize_for_vision_encoder` does."""
+    import math
+
+    width, height = size
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / side) * side
+        height = math.ceil(int(width / aspect) / side) * side
+    else:
+        height = math.ceil(height / side) * side
+        width = math.ceil(int(height * aspect) / side) * side
+    return width, height
 
 
 def _rgb(image):
@@ -828,11 +972,8 @@ class Converter:
         sequence = self.tok.image_sequence if image is not None else None
         # a family's own image tokens replace each marker before tokenising, as its processor does:
         # as many as the processor writes for the image as it resizes it; a clip's likewise
-        own_images = tuple(self._load("image", image, r) for r in refs["image"]) if sequence else ()
+        own_images, pieces = self._own_images(sequence, refs["image"])
         clips = [self._load_clip(r, record) for r in refs["video"]]
-        pieces = (
-            {self.image_marker: [sequence.text(sequence.tokens(*x.shape[:2])) for x in own_images]} if sequence else {}
-        )
         audio, spoken = self.target.modality("audio"), self.tok.audio_sequence
         own_clips = tuple(self._load("audio", audio, r) for r in refs["audio"]) if audio and spoken else ()
         if own_clips:
@@ -921,6 +1062,18 @@ class Converter:
             raise BadRecord(f"its prefix holds {markers} {PALIGEMMA_IMAGE_TOKEN} markers for {len(listed)} image(s)")
         return record["prefix"], record["suffix"], {"image": listed, "audio": [], "video": []}
 
+    def _own_images(self, sequence: ImageSequence | None, refs: list) -> tuple[tuple, dict[str, list[str]]]:
+        """A family's own images, loaded as its processor sends them (SmolVLM's: each image's tiles
+        and global view, `split_image`), and what each image marker becomes (its tokens)."""
+        if sequence is None:
+            return (), {}
+        if sequence.family == "smolvlm":
+            split = [split_image(self._resolve(r), sequence) for r in refs]
+            views = tuple(v for tiles, _, _ in split for v in tiles)
+            return views, {self.image_marker: [sequence.split_text(rows, cols) for _, rows, cols in split]}
+        images = tuple(self._load("image", self.target.modality("image"), r) for r in refs)
+        return images, {self.image_marker: [sequence.text(sequence.tokens(*x.shape[:2])) for x in images]}
+
     def _check_taken(self, refs: dict) -> None:
         """A record with items of a modality the workload does not take is a bad record."""
         for name, items in refs.items():
@@ -934,7 +1087,12 @@ class Converter:
         """The chat rendered whole (each marker expanded to `pieces`), and each assistant turn's
         characters in it: what it says and how it ends its turn."""
 
+        sequence = self.tok.image_sequence
+        as_parts = sequence is not None and sequence.family == "smolvlm"  # its template reads content parts only
+
         def render(turns: list[dict], add_generation_prompt: bool) -> str:
+            if as_parts:
+                turns = [{**m, "content": _content_parts(m["content"], self.image_marker)} for m in turns]
             return _expand(self.tok.render(turns, add_generation_prompt), pieces)
 
         full = render(messages, add_generation_prompt=False)
@@ -968,9 +1126,13 @@ class Converter:
             own = families[name]
             found = ids == self.tok.tokenizer.token_to_id(placeholders[name])  # the placeholder id (`check_tokenizer`)
             at = [a for a, _ in _runs(found)] if own else np.flatnonzero(found)
-            if len(at) != len(refs[name]):
+            wanted = len(owned[name]) if own else len(refs[name])  # an own family's views (SmolVLM: tiles)
+            if len(at) != wanted:
                 what = f"runs of {own.token}" if own else f"{marker} markers"
-                raise BadRecord(f"has {len(at)} {what} after its chat template, but {len(refs[name])} {NOUNS[name]}")
+                views = f" ({wanted} views)" if wanted != len(refs[name]) else ""
+                raise BadRecord(
+                    f"has {len(at)} {what} after its chat template, but {len(refs[name])} {NOUNS[name]}{views}"
+                )
             # an image as its family's processor counts it; a clip's frames are already its tokens' (`AudioSequence`)
             counts = [own.tokens(*x.shape[:2]) if name == "image" else m.tokens(x.shape[:1]) for x in owned[name]]
             if own and [b - a for a, b in _runs(found)] != counts:
@@ -1177,6 +1339,19 @@ def _expand(text: str, pieces: dict[str, list[str]]) -> str:
         return pieces[marker][used[marker] - 1]
 
     return re.sub("|".join(re.escape(m) for m in pieces), piece, text)
+
+
+def _content_parts(text: str, marker: str) -> list[dict]:
+    """A turn's text as content parts, as a chat template that reads only parts (SmolVLM's) takes
+    it: each image marker an `{"type": "image"}` part, the text between them text parts (none
+    empty)."""
+    parts = []
+    for k, piece in enumerate(text.split(marker)):
+        if k:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def _find_all(text: str, marker: str) -> list[int]:
