@@ -642,6 +642,7 @@ COMMANDS: dict[str, Command] = {
                     "gpt_oss",
                     "phi3",
                     "olmo2",
+                    "gemma",
                     "gemma2",
                     "gemma3_text",
                     "siglip",
@@ -655,7 +656,7 @@ COMMANDS: dict[str, Command] = {
                     "smolvlm",
                 ),
                 help="the Hugging Face architecture to write (default: llama for an LLM, gemma3_text or gemma2 for "
-                "Gemma's block, olmo2 for OLMo 2's, gpt_oss for GPT-OSS's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
+                "Gemma's block, gemma for Gemma 1's, olmo2 for OLMo 2's, gpt_oss for GPT-OSS's; a vision or audio tower's own layout: siglip, clip (class_token) or whisper; gemma3 for a "
                 "VLM's two sections, qwen2_5_vl or qwen3_vl for a Qwen2.5-VL's or Qwen3-VL's, paligemma for a tower with a linear projector "
                 "and a prefix-LM, smolvlm for a tower with a bias-free linear projector (its connector), qwen2_audio for an audio "
                 "encoder pooled in pairs and its LLM)",

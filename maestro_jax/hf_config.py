@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -56,6 +57,8 @@ MULTIMODAL = {
     "smolvlm": "llama",
     "idefics3": "llama",
 }
+# the other language models such a folder may hold (PaliGemma 1's is Gemma's)
+MULTIMODAL_ALSO = {"paligemma": ("gemma",)}
 # where such a folder's config.json says nothing of tied embeddings: its class's default
 MULTIMODAL_TIED = {
     "gemma3": True,
@@ -94,6 +97,20 @@ GEMMA3_DEFAULTS = {
 
 
 # Gemma2Config's defaults (transformers), which a config.json saving only what differs leaves out
+# GemmaConfig's defaults (transformers 5.25), for fields a Gemma (1) config.json leaves out
+GEMMA_DEFAULTS = {
+    "vocab_size": 256000,
+    "hidden_size": 3072,
+    "intermediate_size": 24576,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0,
+    "tie_word_embeddings": True,
+}
 GEMMA2_DEFAULTS = {
     "vocab_size": 256000,
     "hidden_size": 2304,
@@ -289,6 +306,35 @@ def _gemma2_fields(path, hf: dict) -> dict:
     }
 
 
+def _gemma1_fields(path, hf: dict) -> dict:
+    """A Gemma (1) model's config (PaliGemma 1's language model) as `models.<s>`'s fields: Gemma's
+    scaled embeddings and norms scaling by 1 + weight, but a norm only before the attention and the
+    MLP, no soft-caps, no window, the query scaled by head_dim; GeGLU with the tanh GELU, which
+    transformers 5 runs for the Hub's legacy `hidden_act: gelu` too (GemmaConfig rewrites it)."""
+    c = _with_defaults(hf, GEMMA_DEFAULTS)
+    params = hf.get("rope_parameters") or {}
+    scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
+    if c["hidden_act"] not in ("gelu_pytorch_tanh", "gelu"):
+        raise HFError(f"{path}/config.json: hidden_act={c['hidden_act']!r}; Gemma's is 'gelu_pytorch_tanh' (or 'gelu')")
+    own = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 0}  # Gemma 2's keys, unread here
+    block = _gemma_block(
+        path, hf, {**c, **own, "attn_logit_softcapping": None, "final_logit_softcapping": None}, "Gemma"
+    )
+    return {
+        **block,
+        "post_norms": False,
+        "query_pre_attn_scalar": None,
+        "attn_softcap": None,
+        "final_softcap": None,
+        "rope_theta": float(params.get("rope_theta", c["rope_theta"])),
+        "rope_scaling": scaling,
+        "sliding_window": None,
+        "global_every": 0,
+        "rope_local_theta": None,
+        "qk_norm": False,
+    }
+
+
 def llm_fields(path: str | Path) -> dict:
     """The fields of the config's `models.<name>` entry (kind llm; `LLMConfig`'s fields plus `kind`)
     that describe the checkpoint at `path` (of a multimodal folder, its language model)."""
@@ -340,6 +386,8 @@ def _text_fields(path: str | Path, hf: dict) -> dict:
         return _gemma3_fields(path, hf)
     if kind == "gemma2":
         return _gemma2_fields(path, hf)
+    if kind == "gemma":
+        return _gemma1_fields(path, hf)
     params = hf.get("rope_parameters") or {}
     rope_scaling = _rope_scaling(path, hf.get("rope_scaling") or params, hf.get("max_position_embeddings"))
     _check_swiglu_rope(path, hf, params)
@@ -377,11 +425,13 @@ def _qwen_vl_text_fields(path: str | Path, hf: dict, kind: str) -> dict:
 def _multimodal_text(path: str | Path, hf: dict, kind: str) -> tuple[dict, str]:
     """A multimodal folder's `text_config` and its model type (the one `MULTIMODAL` maps `kind` to)."""
     text = hf.get("text_config") or {}
-    if text.get("model_type", MULTIMODAL[kind]) != MULTIMODAL[kind]:
+    own = text.get("model_type", MULTIMODAL[kind])
+    if own not in (MULTIMODAL[kind], *MULTIMODAL_ALSO.get(kind, ())):
         raise HFError(
-            f"{path}/config.json: text_config.model_type={text.get('model_type')!r}; a {kind} folder's is {MULTIMODAL[kind]!r}"
+            f"{path}/config.json: text_config.model_type={own!r}; a {kind} folder's is "
+            f"{' or '.join(repr(t) for t in (MULTIMODAL[kind], *MULTIMODAL_ALSO.get(kind, ())))}"
         )
-    return {"tie_word_embeddings": hf.get("tie_word_embeddings", MULTIMODAL_TIED[kind]), **text}, MULTIMODAL[kind]
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings", MULTIMODAL_TIED[kind]), **text}, own
 
 
 def _check_swiglu_rope(path: str | Path, hf: dict, params: dict) -> None:

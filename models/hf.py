@@ -74,7 +74,9 @@ from maestro_jax.hf_config import ARCHITECTURES, HFError
 from maestro_jax.hf_config import llm_fields as llm_fields  # the folder's fields: this module's API too
 from maestro_jax.hf_config import read_config as read_config
 
-GEMMAS = ("gemma2", "gemma3_text")  # Gemma's decoders: norms scale by 1 + weight, post-norms, scaled embeddings
+# Gemma's decoders: norms scale by 1 + weight, scaled embeddings; Gemma 2's and 3's norms after the attention
+# and the MLP too (post-norms), Gemma (1)'s only before them
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -222,9 +224,9 @@ def _same(w):
 
 
 def _gemma_norms(c: dict) -> bool:
-    """Gemma's four norms a block (before and after its attention and MLP), each scaling by
-    1 + weight; OLMo 2's two after them scale by the weight, as every other family's do."""
-    return c.get("post_norms", False) and c.get("pre_norms", True)
+    """Gemma's norms (its scaled embeddings say the family: Gemma 2's and 3's four a block, Gemma
+    1's two) each scale by 1 + weight; OLMo 2's and every other family's by the weight."""
+    return bool(c.get("embed_scale", False))
 
 
 def _norm_mapping(c: dict, b: str, hf: str, norm: Callable) -> dict:
@@ -243,8 +245,8 @@ def _norm_mapping(c: dict, b: str, hf: str, norm: Callable) -> dict:
             (b, "post_mlp_norm", "scale"): (f"{hf}.post_feedforward_layernorm.weight", norm),
         }
     return {
-        (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", _same),
-        (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", _same),
+        (b, "attn_norm", "scale"): (f"{hf}.input_layernorm.weight", norm),
+        (b, "mlp_norm", "scale"): (f"{hf}.post_attention_layernorm.weight", norm),
     }
 
 
@@ -518,8 +520,12 @@ def _check_exportable(fields: dict, model_type: str) -> None:
         )
     if model_type == "mistral" and fields["qkv_bias"]:
         raise HFError("a mistral checkpoint has no q/k/v biases; export this model with model_type='llama'")
-    gemma = {"post_norms": True, "embed_scale": True, "act": "gelu_pytorch_tanh", "qkv_bias": False}
+    gemma = {"post_norms": model_type != "gemma", "embed_scale": True, "qkv_bias": False}
+    gemma |= {"act": "gelu_pytorch_tanh"}
     gemma |= {"qk_norm": model_type == "gemma3_text"}
+    if model_type == "gemma":  # no window, soft-caps or query scale of its own
+        gemma |= {"sliding_window": None, "global_every": 0, "attn_softcap": None, "final_softcap": None}
+        gemma |= {"query_pre_attn_scalar": None}
     gemma |= {"rope_local_theta": None} if model_type == "gemma2" else {}
     differs = {k: fields.get(k) for k, v in gemma.items() if fields.get(k, False if v is not None else None) != v}
     if model_type in GEMMAS and differs:
@@ -704,7 +710,9 @@ def _checkpoint_config(fields: dict, model_type: str) -> dict:
         "max_position_embeddings": 32768,
         "torch_dtype": "float32",
     }
-    if model_type in GEMMAS:
+    if model_type == "gemma":
+        config.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
+    elif model_type in GEMMAS:
         del config["hidden_act"], config["rope_theta"]
         config.update(_gemma_config(fields, model_type))
     if scaling := fields.get("rope_scaling"):

@@ -548,8 +548,8 @@ def save_paligemma(
     image_token: int,
     max_shard_bytes: int = 4 << 30,
 ) -> None:
-    """Write a VLM's tower (SigLIP with `projector: linear`, merge 1) and language model (Gemma 2's
-    with `prefix_lm`) as one PaliGemma 2 folder (`PaliGemmaForConditionalGeneration`), with the
+    """Write a VLM's tower (SigLIP with `projector: linear`, merge 1) and language model (Gemma 2's,
+    or Gemma 1's for PaliGemma 1, with `prefix_lm`) as one PaliGemma folder (`PaliGemmaForConditionalGeneration`), with the
     Hub's tensor names: `vision_tower.vision_model.`, `multi_modal_projector.linear.`,
     `language_model.model.`. `image_token` is the placeholder id the VLM was trained with
     (`image_token_index`)."""
@@ -565,7 +565,8 @@ def save_paligemma(
             f"prefix_lm={llm_fields.get('prefix_lm', False)}, the tower's out_width={vit_fields['out_width']}, the "
             f"LLM's width={llm_fields['width']}: a PaliGemma language model is a prefix-LM of the tower's width"
         )
-    text, text_config = llm_checkpoint(llm_params, llm_fields, "gemma2", prefix="language_model.model.")
+    text_type = "gemma2" if llm_fields.get("post_norms") else "gemma"  # PaliGemma 2's, or PaliGemma 1's
+    text, text_config = llm_checkpoint(llm_params, llm_fields, text_type, prefix="language_model.model.")
     tower = _tensors(vit_params, vit_mapping(vit_fields, "vision_tower.vision_model.", "multi_modal_projector."))
     vision = _nested(_vit_config(vit_fields))
     grid = vit_fields["max_grid"]

@@ -97,6 +97,9 @@ LLM_CASES = {
     ),
     # Gemma 2: every other layer windowed (4), one RoPE base, no query/key norms, and both caps low
     # enough that the tanh bends these scores and logits
+    # Gemma (1), PaliGemma 1's language model: Gemma's norms and scaled embeddings, no post-norms, soft-caps or
+    # window; `hidden_act: gelu` as the Hub's Gemma checkpoints say it (GemmaConfig rewrites it to the tanh GELU)
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"tie_word_embeddings": True, "head_dim": 16, "hidden_act": "gelu"}),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
@@ -335,14 +338,20 @@ PALIGEMMA_PREFIX = [PALIGEMMA_IMAGE_TOKEN] * 16 + [2, 17, 41, 9, 3]
 PALIGEMMA_TOKENS = np.array([PALIGEMMA_PREFIX + [60, 33, 71, 12, 1]], np.int64)
 
 
-def paligemma2(out: Path) -> None:
+def paligemma1(out: Path) -> None:
+    """A whole PaliGemma (1) folder: PaliGemma 2's case (`paligemma2`) with a Gemma (1) language model."""
+    paligemma2(out, "gemma", "paligemma1")
+
+
+def paligemma2(out: Path, text_case: str = "gemma2", name: str = "paligemma2") -> None:
     """A whole PaliGemma 2 folder (`PaliGemmaForConditionalGeneration`: a SigLIP tower, its linear
     projector, a Gemma 2 language model): pixels [2, C, 16, 16]; `image_features` [2, 16, text
-    width] (`get_image_features`: the projector's output); `logits` of TOKENS alone (text, causal)
+    width] (`get_image_features`: the projector's output); `logits` of TOKENS alone (text, causal: one suffix)
     and `prefix_logits` of PALIGEMMA_TOKENS with the first image and `token_type_ids` 0 over the
     prefix (image and prompt, attending bidirectionally) and 1 over the suffix."""
     torch.manual_seed(7)
-    text = transformers.Gemma2Config(**{**LLM_BASE, **LLM_CASES["gemma2"][2]})
+    config_cls, _, extra = LLM_CASES[text_case]
+    text = getattr(transformers, config_cls)(**{**LLM_BASE, **extra})
     config = transformers.PaliGemmaConfig(
         text_config=text,
         vision_config=transformers.SiglipVisionConfig(**SIGLIP, vision_use_head=False),
@@ -356,11 +365,14 @@ def paligemma2(out: Path) -> None:
     types = torch.tensor([[0] * len(PALIGEMMA_PREFIX) + [1] * (row.shape[1] - len(PALIGEMMA_PREFIX))])
     with torch.no_grad():
         features = model.get_image_features(pixels).pooler_output
-        logits = model(input_ids=torch.tensor(TOKENS)).logits
+        # text alone as one suffix (token_type_ids 1: causal); with no mask at all, transformers' sdpa path
+        # lets PaliGemma 1's Gemma attend both ways (its text config's use_bidirectional_attention)
+        text_row = torch.tensor(TOKENS)
+        logits = model(input_ids=text_row, token_type_ids=torch.ones_like(text_row)).logits
         prefix_logits = model(input_ids=row, pixel_values=pixels[:1], token_type_ids=types).logits
     _save(
         model,
-        out / "paligemma2",
+        out / name,
         pixels=pixels,
         image_features=features,
         tokens=TOKENS,
@@ -669,6 +681,7 @@ def main() -> None:
         "qwen2_5_vl": qwen2_5_vl,
         "qwen3_vl": qwen3_vl,
         "qwen2_audio": qwen2_audio,
+        "paligemma1": paligemma1,
         "paligemma2": paligemma2,
         "llava_onevision": llava_onevision,
         "smolvlm": smolvlm,

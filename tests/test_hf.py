@@ -41,6 +41,8 @@ TIED = {
     "gemma3_text": False,  # Gemma 3: window 4 on layers 0 and 2, layer 1 global with linear scaling
     "gemma3_tied": True,  # both layers windowed (the default pattern of 6), one key/value head
     "gemma2": True,  # Gemma 2: every other layer windowed, attention scores and logits soft-capped
+    # Gemma (1): Gemma's norms (1 + weight) and scaled embeddings, a norm only before the attention and the MLP
+    "gemma": True,
     # GPT-OSS: sinks, q/k/v/o biases, window 4 and full layers alternating, 4 experts with biases
     # and the clamped SwiGLU (limit 0.1: it bites), YaRN without truncation
     "gpt_oss": False,
@@ -48,6 +50,8 @@ TIED = {
     "qwen2_audio": False,
     # a whole PaliGemma 2 folder's language model (Gemma 2's, under language_model.): text alone, causal
     "paligemma2": True,
+    # a whole PaliGemma (1) folder's language model (Gemma's): text alone, causal
+    "paligemma1": True,
     # a whole LLaVA-OneVision folder's language model (Qwen2's, under language_model.): its text logits
     "llava_onevision": False,
     # a whole SmolVLM folder's language model (Llama's, under model.text_model.): its text logits
@@ -183,6 +187,19 @@ def test_mistral_window_binds_and_exports_as_mistral_only(tmp_path):
         export_type(fields, "llama")
     with pytest.raises(hf.HFError, match="a model with a sliding_window exports as 'mistral'"):
         hf.save_llm(tmp_path / "out", params, fields, model_type="llama")
+
+
+def test_gemma_exports_as_gemma_only(tmp_path):
+    """A Gemma (1) folder's model (Gemma's norms and scaled embeddings, no post-norms) exports as
+    `gemma` by default and is refused as Llama or Gemma 2 (whose blocks it is not)."""
+    from maestro_jax.tools.hf import export_type
+
+    fields = hf.llm_fields(FIXTURES / "gemma")
+    assert (fields["embed_scale"], fields["post_norms"], fields["act"]) == (True, False, "gelu_pytorch_tanh")
+    assert export_type(fields, None) == "gemma"
+    for other in ("llama", "gemma2"):
+        with pytest.raises(hf.HFError, match=r"does not export as it; valid: \['gemma'\]"):
+            export_type(fields, other)
 
 
 GEMMA3_FEATURES = {  # each of Gemma 3's departures from Llama, turned off
@@ -329,6 +346,7 @@ def test_import_places_each_shard_only(tmp_path, scan):
         ("gemma3_text", "gemma3_text", True),
         ("gemma3_tied", "gemma3_text", False),
         ("gemma2", "gemma2", True),
+        ("gemma", "gemma", False),
         ("gpt_oss", "gpt_oss", True),
     ],
 )
@@ -723,6 +741,7 @@ def test_a_folder_of_another_kind_than_its_model_is_named(tmp_path, capsys, conf
         "mixtral",
         "gemma3_text",
         "gemma2",
+        "gemma",
         "gpt_oss",
         "llava_onevision",  # its language model, through the whole LLaVA-OneVision model on text
     ],

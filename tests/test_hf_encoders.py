@@ -694,7 +694,8 @@ def test_a_smolvlm_folder_gives_its_tower_with_its_pixel_shuffle_connector(tmp_p
         hf_encoders.vit_fields(bad)
 
 
-def test_a_paligemma2_row_attends_bidirectionally_over_its_prefix_as_transformers_does():
+@pytest.mark.parametrize("case", ["paligemma1", "paligemma2"])
+def test_a_paligemma_row_attends_bidirectionally_over_its_prefix_as_transformers_does(case):
     """`kind: llm` of a PaliGemma 2 folder has `prefix_lm`: the rows mark each sample's prefix
     (its image's 16 tokens and the prompt: the positions up to the first whose target carries
     loss) as one block (`workloads.vlm.with_prefix_blocks`), and the decoder's logits on a row
@@ -704,7 +705,7 @@ def test_a_paligemma2_row_attends_bidirectionally_over_its_prefix_as_transformer
 
     from maestro_jax.workloads.vlm import with_prefix_blocks
 
-    path = FIXTURES / "paligemma2"
+    path = FIXTURES / case
     ref = dict(np.load(path / "reference.npz"))
     vfields, lfields = hf_encoders.vit_fields(path), hf.llm_fields(path)
     assert lfields["prefix_lm"] and not lfields.get("bidirectional_images")
@@ -765,14 +766,15 @@ def test_check_hf_compares_a_smolvlm_folders_image_tokens_and_logits(monkeypatch
 
 
 @pytest.mark.reference
-def test_check_hf_compares_a_paligemma2_folders_image_tokens_and_prefix_lm_logits(monkeypatch, capsys):
+@pytest.mark.parametrize("case", ["paligemma1", "paligemma2"])
+def test_check_hf_compares_a_paligemma_folders_image_tokens_and_prefix_lm_logits(monkeypatch, capsys, case):
     """`check-hf` on a PaliGemma 2 folder: its image tokens, and the logits of a row holding the
     first image, a prompt and an answer with transformers' prefix-LM mask, a line each, within the
     tolerance; a projector bias moved on maestro's side fails both."""
     pytest.importorskip("torch", reason="check-hf runs transformers (the reference extra)")
     from maestro_jax import cli
 
-    path = str(FIXTURES / "paligemma2")
+    path = str(FIXTURES / case)
     assert cli.main(["check-hf", "--hf", path]) == 0
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "(paligemma): 2 images of 16x16; image tokens" in lines[0], lines
@@ -792,7 +794,8 @@ def test_check_hf_compares_a_paligemma2_folders_image_tokens_and_prefix_lm_logit
 
 @pytest.mark.reference
 @pytest.mark.slow
-def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
+@pytest.mark.parametrize("case", ["paligemma1", "paligemma2"])
+def test_paligemma_exports_whole_and_reimports(tmp_path, capsys, case):
     """`maestro-jax export --section vision,llm` writes a VLM trained from a PaliGemma 2 folder back
     as one PaliGemma 2 folder (the checkpoint's weights, moved off the folder's): the same
     architecture, image token and tensor names read back, the weights import back equal, and
@@ -804,7 +807,7 @@ def test_paligemma2_exports_whole_and_reimports(tmp_path, capsys):
 
     from maestro_jax import cli
 
-    path, _ = fixture(tmp_path, "paligemma2")
+    path, _ = fixture(tmp_path, case)
     overrides = [*_vlm_folder_overrides(path), f"output_dir={tmp_path / 'run'}"]
     config = ROOT / "configs/vlm_tiny.yaml"
     initial, moved = _saved_moved(load_config(config, overrides), ("vision", "llm"))

@@ -68,7 +68,7 @@ GPT_OSS_FIELDS = ("attention_sinks", "out_bias", "expert_bias", "swiglu_limit")
 def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> str:
     """The Hugging Face type a model with `fields` (the `models.<section>` entry) exports as:
     `model_type` if given and fitting, else the model's own (an LLM: llama, mistral with a
-    sliding window, gemma3_text or gemma2 with Gemma's block, olmo2 with OLMo 2's, gpt_oss with
+    sliding window, gemma3_text or gemma2 with Gemma's block (gemma with Gemma 1's), olmo2 with OLMo 2's, gpt_oss with
     GPT-OSS's sinks and expert biases, qwen3_moe or mixtral with experts;
     a tower: its layout).
     Raises HFError with the `error:` line, before any weight is read, for a combination no
@@ -105,6 +105,8 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
         own = "olmo2"
     elif fields.get("post_norms"):  # Gemma's block (its norms, GeGLU, scaled embeddings): Gemma 3's, or 2's
         own = "gemma3_text" if fields.get("qk_norm") else "gemma2"
+    elif fields.get("embed_scale"):  # Gemma's norms and scaled embeddings without its post-norms: Gemma 1's
+        own = "gemma"
     elif fields.get("experts"):  # a mixture of experts: Qwen3-MoE's (query and key norms), Qwen2-MoE's (a
         # shared expert) or Mixtral's block
         own = "qwen3_moe" if fields.get("qk_norm") else "qwen2_moe" if fields.get("shared_expert_mlp") else "mixtral"
@@ -112,7 +114,9 @@ def export_type(fields: dict, model_type: str | None, section: str = "<s>") -> s
         own = "mistral"
     else:
         own = "llama"
-    llama_like = tuple(t for t in EXPORT_TYPES["llm"] if t not in ("gemma2", "gemma3_text", "olmo2", "gpt_oss"))
+    llama_like = tuple(
+        t for t in EXPORT_TYPES["llm"] if t not in ("gemma", "gemma2", "gemma3_text", "olmo2", "gpt_oss")
+    )
     fits = llama_like if kind == "llm" and own == "llama" else ("mistral", "phi3") if own == "mistral" else (own,)
     if model_type is not None and model_type not in fits:
         raise HFError(
