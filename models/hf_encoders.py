@@ -98,7 +98,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from maestro_jax.models.configs import held_layers
+from maestro_jax.models.configs import ViTConfig, held_layers
 from maestro_jax.models.hf import _at, _put, _scanned_path, _set, _Tensors, llm_tensors, write_weights
 
 from maestro_jax.hf_config import VIT_ACTIVATIONS, WHISPER_LAYER_NORM_EPS, HFError
@@ -496,6 +496,20 @@ def _nested(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
 
 
+def _check_vlm_tower(vit_fields: dict, llm_fields: dict, folder: str, **wanted) -> None:
+    """The tower a whole VLM folder holds: SigLIP's (no class token) with the `wanted` fields, a merge
+    that divides `max_grid`, and image tokens of the language model's width; HFError naming them."""
+    got = {k: vit_fields.get(k, ViTConfig.__dataclass_fields__[k].default) for k in (*wanted, "class_token")}
+    if got != {**wanted, "class_token": False} or vit_fields["max_grid"] % vit_fields["merge"]:
+        said = ", ".join(f"{k}={v!r}" for k, v in got.items())
+        raise HFError(
+            f"{said}, max_grid={vit_fields['max_grid']}, merge={vit_fields['merge']}: {folder} tower is SigLIP's "
+            f"with {', '.join(f'{k}={v!r}' for k, v in wanted.items())} and a merge that divides max_grid"
+        )
+    if vit_fields["out_width"] != llm_fields["width"]:
+        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
+
+
 def save_gemma3_vlm(
     path: str | Path,
     vit_params: dict,
@@ -512,18 +526,7 @@ def save_gemma3_vlm(
     from maestro_jax.models.hf import llm_checkpoint
 
     side = vit_fields["max_grid"] // vit_fields["merge"]
-    if (
-        vit_fields.get("projector") != "avg_pool"
-        or vit_fields.get("class_token")
-        or vit_fields["max_grid"] % vit_fields["merge"]
-    ):
-        raise HFError(
-            f"projector={vit_fields.get('projector')!r}, class_token={vit_fields.get('class_token', False)}, "
-            f"max_grid={vit_fields['max_grid']}, merge={vit_fields['merge']}: a Gemma 3 VLM's tower is SigLIP's "
-            f"with projector='avg_pool' and a merge that divides max_grid"
-        )
-    if vit_fields["out_width"] != llm_fields["width"]:
-        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
+    _check_vlm_tower(vit_fields, llm_fields, "a Gemma 3 VLM's", projector="avg_pool")
     text, text_config = llm_checkpoint(llm_params, llm_fields, "gemma3_text", prefix="language_model.model.")
     tower = _tensors(vit_params, vit_mapping(vit_fields, "vision_tower.vision_model.", "multi_modal_projector."))
     config = {
@@ -602,20 +605,7 @@ def save_smolvlm(
     `lm_head`. `image_token` is the placeholder id the VLM was trained with (`image_token_id`)."""
     from maestro_jax.models.hf import llm_checkpoint
 
-    if (
-        vit_fields.get("projector") != "linear"
-        or vit_fields.get("projector_bias", True)
-        or vit_fields.get("class_token")
-        or vit_fields["max_grid"] % vit_fields["merge"]
-    ):
-        raise HFError(
-            f"projector={vit_fields.get('projector')!r}, projector_bias={vit_fields.get('projector_bias', True)}, "
-            f"class_token={vit_fields.get('class_token', False)}, max_grid={vit_fields['max_grid']}, merge="
-            f"{vit_fields['merge']}: a SmolVLM tower is SigLIP's with projector='linear', projector_bias=false and a "
-            f"merge that divides max_grid"
-        )
-    if vit_fields["out_width"] != llm_fields["width"]:
-        raise HFError(f"the tower's out_width={vit_fields['out_width']} is not the LLM's width={llm_fields['width']}")
+    _check_vlm_tower(vit_fields, llm_fields, "a SmolVLM", projector="linear", projector_bias=False)
     text, text_config = llm_checkpoint(llm_params, llm_fields, "llama", prefix="model.text_model.")
     tower = _tensors(vit_params, vit_mapping(vit_fields, "model.vision_model.", "model.connector.modality_projection."))
     vision = {k: v for k, v in _nested(_vit_config(vit_fields)).items() if k != "vision_use_head"}

@@ -891,6 +891,24 @@ def test_a_paligemma2_vlm_verifies_with_its_prefix_blocks(tmp_path):
     assert all(d.max_rel <= 1e-4 for d in diffs), diffs
 
 
+def test_a_whole_vlm_folder_refuses_a_tower_it_cannot_hold(tmp_path):
+    """A SmolVLM or Gemma 3 VLM folder holds its own projector: a PaliGemma tower (a linear projector
+    with a bias, merge 1) is refused naming the fields, before any weight is read or written."""
+    from maestro_jax.models import hf
+
+    tower, llm = hf_encoders.vit_fields(FIXTURES / "paligemma2"), hf.llm_fields(FIXTURES / "smolvlm")
+    said = "projector='linear', projector_bias=True, class_token=False, max_grid=4, merge=1: "
+    with pytest.raises(
+        HFError, match=re.escape(said + "a SmolVLM tower is SigLIP's with projector='linear', projector_bias=False")
+    ):
+        hf_encoders.save_smolvlm(tmp_path / "s", {}, tower, {}, llm, 95)
+    with pytest.raises(
+        HFError, match=re.escape("merge=1: a Gemma 3 VLM's tower is SigLIP's with projector='avg_pool'")
+    ):
+        hf_encoders.save_gemma3_vlm(tmp_path / "g", {}, tower, {}, llm, 95)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "g").exists()
+
+
 def test_a_gemma3_vlm_folder_gives_the_image_token_and_a_written_one_must_agree():
     """The folder's `image_token_index` is the workload's `image_token` (as its architecture fields
     are the models'); a value written beside it that differs is refused naming both, before

@@ -143,26 +143,40 @@ def _spliced_logits(path: Path, lfields: dict, row: np.ndarray, at: np.ndarray, 
     return np.asarray(decoder.apply(v, h, method=DecoderLM.logits))
 
 
+def _tower_on_two_images(path: Path, vfields: dict, seed: int) -> tuple:
+    """Two random images of the tower's size packed in one row through the folder's tower and
+    projector: (pixels, image tokens, each patch's (image, cell) as `packed_images` gives them,
+    the side in pixels, the generator the checks draw their text from next)."""
+    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
+
+    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
+    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
+    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
+    inputs, where = packed_images(pixels, vcfg)
+    tower = VisionEncoder(vcfg)
+    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    return pixels, features, where, size, rng
+
+
+def _row_with_two_images(rng, lfields: dict, image_token: int, per_image: int) -> np.ndarray:
+    """A row of random text (no image token) holding two images' `per_image` tokens apart."""
+    text = [t for t in range(lfields["vocab"]) if t != image_token]
+    pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
+    return np.concatenate([pieces[0], [image_token] * per_image, pieces[1], [image_token] * per_image, pieces[2]])
+
+
 def check_gemma3_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0) -> list[CheckResult]:
     """A Gemma 3 VLM folder: two random images of its size through the tower and the projector
     (transformers' `get_image_features`), then one row of random text holding both images'
     tokens (each image its own block, attending to itself) through the whole model; the image
     tokens and the logits compared."""
-    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
     from maestro_jax.models.llm import image_blocks
 
     path = Path(path)
     config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
-    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
-    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
-    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
-    inputs, _ = packed_images(pixels, vcfg)
-    tower = VisionEncoder(vcfg)
-    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    pixels, features, _, size, rng = _tower_on_two_images(path, vfields, seed)
     image_token, per_image = config.get("image_token_index", 262144), len(features) // 2
-    text = [t for t in range(lfields["vocab"]) if t != image_token]
-    pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
-    row = np.concatenate([pieces[0], [image_token] * per_image, pieces[1], [image_token] * per_image, pieces[2]])
+    row = _row_with_two_images(rng, lfields, image_token, per_image)
     is_image = row[None] == image_token
     logits = _spliced_logits(path, lfields, row, np.flatnonzero(is_image[0]), features, image_blocks(is_image))
     torch, transformers = _reference_modules()
@@ -185,17 +199,11 @@ def check_paligemma(path: str | Path, tolerance: float = DEFAULT_TOLERANCE, seed
     first image's tokens and a random prompt (the prefix, `token_type_ids` 0: attending
     bidirectionally, `workloads.vlm.with_prefix_blocks` on our side) and a random answer (the
     suffix, 1: causal); the image tokens and the logits compared."""
-    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
     from maestro_jax.workloads.vlm import with_prefix_blocks
 
     path = Path(path)
     config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
-    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
-    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
-    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
-    inputs, (image, cell) = packed_images(pixels, vcfg)
-    tower = VisionEncoder(vcfg)
-    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    pixels, features, (image, cell), size, rng = _tower_on_two_images(path, vfields, seed)
     image_token, per_image = config.get("image_token_index", PALIGEMMA_IMAGE_TOKEN), len(features) // 2
     text = [t for t in range(lfields["vocab"]) if t != image_token]
     prompt, answer = rng.choice(text, 5), rng.choice(text, _lengths(lfields)[-1])
@@ -236,20 +244,11 @@ def check_split_image_vlm(path: str | Path, tolerance: float = DEFAULT_TOLERANCE
     row by row), then one row of random text holding both tiles' tokens through the whole model
     (causal: these models give image tokens no mask of their own); the image tokens and the logits
     compared."""
-    from maestro_jax.models import VisionEncoder, ViTConfig, hf_encoders
-
     path = Path(path)
     config, vfields, lfields = read_config(path), vit_fields(path), llm_fields(path)
-    vcfg = ViTConfig(**{k: v for k, v in vfields.items() if k != "kind"})
-    size, rng = vcfg.max_grid * vcfg.patch, np.random.default_rng(seed)
-    pixels = rng.standard_normal((2, vcfg.channels, size, size)).astype(np.float32)
-    inputs, _ = packed_images(pixels, vcfg)
-    tower = VisionEncoder(vcfg)
-    features = tower.apply({"params": hf_encoders.load_vit(path, _placed(tower, inputs), vfields)}, *inputs)[0]
+    pixels, features, _, size, rng = _tower_on_two_images(path, vfields, seed)
     image_token, per_image = config.get("image_token_id", IDEFICS3_IMAGE_TOKEN), len(features) // 2
-    text = [t for t in range(lfields["vocab"]) if t != image_token]
-    pieces = [rng.choice(text, n) for n in (_lengths(lfields)[-1], 3, 5)]
-    row = np.concatenate([pieces[0], [image_token] * per_image, pieces[1], [image_token] * per_image, pieces[2]])
+    row = _row_with_two_images(rng, lfields, image_token, per_image)
     logits = _spliced_logits(path, lfields, row, np.flatnonzero(row == image_token), features)
     torch, transformers = _reference_modules()
     cls = getattr(transformers, SPLIT_IMAGE_MODELS[config["model_type"]])
