@@ -520,9 +520,22 @@ def _check_exportable(fields: dict, model_type: str) -> None:
         )
     if model_type == "mistral" and fields["qkv_bias"]:
         raise HFError("a mistral checkpoint has no q/k/v biases; export this model with model_type='llama'")
+    _check_olmo2(fields, model_type)
+    _check_gemma(fields, model_type)
+    if model_type == "phi3" and (fields["qkv_bias"] or fields["qk_norm"] or fields.get("experts")):
+        raise HFError(
+            f"qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}, experts={fields.get('experts')}: a phi3 "
+            f"checkpoint has no q/k/v biases, query/key norms or experts"
+        )
+    if not fields["qkv_bias"] and model_type == "qwen2":
+        raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
+
+
+def _check_gemma(fields: dict, model_type: str) -> None:
+    """Gemma's block in a Gemma checkpoint only, and whole there: Gemma 2's and 3's post-norms,
+    Gemma 1's none, its window, soft-caps and query scale only in Gemma 2 and 3."""
     gemma = {"post_norms": model_type != "gemma", "embed_scale": True, "qkv_bias": False}
-    gemma |= {"act": "gelu_pytorch_tanh"}
-    gemma |= {"qk_norm": model_type == "gemma3_text"}
+    gemma |= {"act": "gelu_pytorch_tanh", "qk_norm": model_type == "gemma3_text"}
     if model_type == "gemma":  # no window, soft-caps or query scale of its own
         gemma |= {"sliding_window": None, "global_every": 0, "attn_softcap": None, "final_softcap": None}
         gemma |= {"query_pre_attn_scalar": None}
@@ -530,7 +543,6 @@ def _check_exportable(fields: dict, model_type: str) -> None:
     differs = {k: fields.get(k) for k, v in gemma.items() if fields.get(k, False if v is not None else None) != v}
     if model_type in GEMMAS and differs:
         raise HFError(f"a {model_type} checkpoint has {gemma}; this model has {differs}")
-    _check_olmo2(fields, model_type)
     own = ("embed_scale", "global_every", "attn_softcap", "final_softcap")
     # Gemma's fields another type may hold: OLMo 2 its norms after the blocks' parts, GPT-OSS its
     # window every other layer (layer_types)
@@ -540,15 +552,8 @@ def _check_exportable(fields: dict, model_type: str) -> None:
     if model_type not in GEMMAS and any(fields.get(k) for k in own):
         raise HFError(
             f"model_type={model_type!r}: a model with Gemma's post_norms, embed_scale, global_every or soft-capping "
-            f"exports as 'gemma2' or 'gemma3_text'"
+            f"exports as 'gemma', 'gemma2' or 'gemma3_text'"
         )
-    if model_type == "phi3" and (fields["qkv_bias"] or fields["qk_norm"] or fields.get("experts")):
-        raise HFError(
-            f"qkv_bias={fields['qkv_bias']}, qk_norm={fields['qk_norm']}, experts={fields.get('experts')}: a phi3 "
-            f"checkpoint has no q/k/v biases, query/key norms or experts"
-        )
-    if not fields["qkv_bias"] and model_type == "qwen2":
-        raise HFError("a qwen2 checkpoint has q/k/v biases; export this model with model_type='llama'")
 
 
 def _check_gpt_oss(fields: dict, model_type: str) -> None:
