@@ -695,14 +695,12 @@ GEMMA3_SPECIALS = [
 ]
 
 
-def make_gemma3_folder(folder, size=16, count=4, **preprocessor):
-    """A Gemma 3 checkpoint's tokenizer and processor files as Google ships them (tokenizer_config
-    declaring boi, eoi and image tokens; processor_config's image_seq_length; preprocessor_config's
-    size and normalisation), with a byte-level BPE trained on CORPUS."""
+def make_gemma_tokenizer(folder, specials, images: dict[str, str]) -> None:
+    """A byte-level BPE trained on CORPUS saved as Gemma's tokenizers are (transformers'
+    tokenizer_config: bos, eos, pad and unk, and the family's image tokens as named specials)."""
     from transformers import PreTrainedTokenizerFast
 
-    make_tokenizer(folder, GEMMA3_SPECIALS)
-    images = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    make_tokenizer(folder, specials)
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(folder / "tokenizer.json"),
         bos_token="<bos>",
@@ -713,6 +711,14 @@ def make_gemma3_folder(folder, size=16, count=4, **preprocessor):
     )
     (folder / "tokenizer_config.json").unlink()
     tok.save_pretrained(folder)
+
+
+def make_gemma3_folder(folder, size=16, count=4, **preprocessor):
+    """A Gemma 3 checkpoint's tokenizer and processor files as Google ships them (tokenizer_config
+    declaring boi, eoi and image tokens; processor_config's image_seq_length; preprocessor_config's
+    size and normalisation), with a byte-level BPE trained on CORPUS."""
+    images = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    make_gemma_tokenizer(folder, GEMMA3_SPECIALS, images)
     (folder / "chat_template.jinja").write_text(GEMMA3_TEMPLATE)
     pre = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": size, "width": size}, "resample": 2}
     pre |= {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": None, **preprocessor}
@@ -824,19 +830,7 @@ def make_paligemma_folder(folder, size=16, count=4, **preprocessor):
     """A PaliGemma checkpoint's tokenizer and processor files as Google ships them (no chat
     template; preprocessor_config naming PaliGemmaProcessor, with SigLIP's size, bicubic filter,
     normalisation and the image_seq_length), with a byte-level BPE trained on CORPUS."""
-    from transformers import PreTrainedTokenizerFast
-
-    make_tokenizer(folder, PALIGEMMA_SPECIALS)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_file=str(folder / "tokenizer.json"),
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        extra_special_tokens={"image_token": "<image>"},
-    )
-    (folder / "tokenizer_config.json").unlink()
-    tok.save_pretrained(folder)
+    make_gemma_tokenizer(folder, PALIGEMMA_SPECIALS, {"image_token": "<image>"})
     pre = {"image_processor_type": "SiglipImageProcessor", "processor_class": "PaliGemmaProcessor", "resample": 3}
     pre |= {"size": {"height": size, "width": size}, "image_seq_length": count, "image_mean": [0.5] * 3}
     (folder / "preprocessor_config.json").write_text(json.dumps({**pre, "image_std": [0.5] * 3, **preprocessor}))
@@ -925,6 +919,24 @@ def make_smolvlm_folder(folder, **preprocessor):
         json.dumps({"image_seq_len": 4, "processor_class": "SmolVLMProcessor"})
     )
     return folder
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    ("processor", "family"), [("PaliGemmaProcessor", "PaliGemma"), ("SmolVLMProcessor", "SmolVLM")]
+)
+def test_a_family_folder_whose_tokenizer_lacks_its_image_tokens_is_refused(tmp_path, processor, family):
+    """A folder naming PaliGemma's or SmolVLM's processor whose tokenizer lacks `<image>` (here
+    Gemma 3's tokenizer) is refused in one line naming the token, before any record is read."""
+    pytest.importorskip(
+        "transformers", reason="the folders' tokenizers are written with transformers (the `reference` extra)"
+    )
+    folder = make_gemma3_folder(tmp_path / "f")
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+    with pytest.raises(C.ConvertError) as err:
+        C.ChatTokenizer.load(folder)
+    assert str(err.value).startswith(f"error: --tokenizer={folder}: a {family}") and "\n" not in str(err.value)
+    assert "whose tokenizer has no '<image>'" in str(err.value), str(err.value)
 
 
 SMOLVLM_VLM = target("vlm_tiny.yaml", [*TINY_VLM, "workload_settings.image_token=3"])

@@ -213,17 +213,9 @@ class AudioSequence:
 def _qwen2_audio_sequence(folder: Path, tok) -> AudioSequence | None:
     """Qwen2-Audio's audio tokens, for a folder of its checkpoint (config.json's model_type, or a
     processor_config.json naming `Qwen2AudioProcessor`) whose tokenizer holds them; None otherwise."""
-    model_type = _read_json(folder, "config.json").get("model_type")
-    processor = _read_json(folder, "processor_config.json").get("processor_class")
-    if model_type != "qwen2_audio" and processor != "Qwen2AudioProcessor":
+    if not _folder_of(folder, ("qwen2_audio",), ("Qwen2AudioProcessor",)):
         return None
-    vocab = tok.get_vocab(with_added_tokens=True)
-    missing = [t for t in QWEN2_AUDIO_TOKENS if t not in vocab]
-    if missing:
-        raise ConvertError(
-            f"error: --tokenizer={folder}: a Qwen2-Audio checkpoint's folder whose tokenizer has no {missing[0]!r}; "
-            f"valid: the checkpoint's own tokenizer, which holds {list(QWEN2_AUDIO_TOKENS)}"
-        )
+    _require_tokens(folder, tok, QWEN2_AUDIO_TOKENS, "Qwen2-Audio")
     return AudioSequence()
 
 
@@ -352,6 +344,30 @@ def _read_json(folder: Path, name: str) -> dict:
         raise ConvertError(f"error: --tokenizer={folder}: {name} cannot be read ({err})") from None
 
 
+def _folder_of(folder: Path, model_types: tuple[str, ...], processors: tuple[str, ...]) -> bool:
+    """Whether `folder` is a checkpoint of a family: config.json's model_type one of `model_types`,
+    or a processor or image processor of `processors` named in processor_config.json or
+    preprocessor_config.json (as the Hub's folders name them)."""
+    pre = _read_json(folder, "preprocessor_config.json")
+    named = {
+        _read_json(folder, "processor_config.json").get("processor_class"),
+        pre.get("processor_class"),
+        pre.get("image_processor_type"),
+    }
+    return _read_json(folder, "config.json").get("model_type") in model_types or bool(named & set(processors))
+
+
+def _require_tokens(folder: Path, tok, tokens: tuple[str, ...], family: str) -> None:
+    """A `family` checkpoint's tokenizer holds its own `tokens`; else one `error:` line naming the first missing."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ConvertError(
+            f"error: --tokenizer={folder}: a {family} checkpoint's folder whose tokenizer has no {missing[0]!r}; "
+            f"valid: the checkpoint's own tokenizer, which holds {list(tokens)}"
+        )
+
+
 def _image_sequence(folder: Path, special: dict[str, str]) -> ImageSequence | None:
     """The folder's own image tokens, where its family has them (None: the LLaVA marker alone).
 
@@ -404,15 +420,10 @@ def _paligemma_sequence(folder: Path, tok) -> ImageSequence | None:
     `<image>` image_seq_length times (preprocessor_config.json's), resized to its `size` with its
     `resample` (SigLIP's bicubic) and normalised by its mean and std; where they go in a sample and
     what follows them is `Converter._prefix_and_suffix`'s."""
-    pre = _read_json(folder, "preprocessor_config.json")
-    named = {_read_json(folder, "processor_config.json").get("processor_class"), pre.get("processor_class")}
-    if _read_json(folder, "config.json").get("model_type") != "paligemma" and "PaliGemmaProcessor" not in named:
+    if not _folder_of(folder, ("paligemma",), ("PaliGemmaProcessor",)):
         return None
-    if PALIGEMMA_IMAGE_TOKEN not in tok.get_vocab(with_added_tokens=True):
-        raise ConvertError(
-            f"error: --tokenizer={folder}: a PaliGemma checkpoint's folder whose tokenizer has no "
-            f"{PALIGEMMA_IMAGE_TOKEN!r}; valid: the checkpoint's own tokenizer, which holds it"
-        )
+    _require_tokens(folder, tok, (PALIGEMMA_IMAGE_TOKEN,), "PaliGemma")
+    pre = _read_json(folder, "preprocessor_config.json")
     size, count, resample = pre.get("size") or {}, pre.get("image_seq_length"), pre.get("resample", 3)
     if not (isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int)):
         bad = ("size", size, "{height, width} in pixels")
@@ -452,22 +463,10 @@ def _split_image_sequence(folder: Path, tok) -> ImageSequence | None:
     image_seq_len `<image>`s after `<fake_token_around_image><row_r_col_c>` and the global view's
     between `<fake_token_around_image><global-img>` and `<fake_token_around_image>`
     (`ImageSequence.split_text`)."""
-    pre = _read_json(folder, "preprocessor_config.json")
-    named = {
-        _read_json(folder, "processor_config.json").get("processor_class"),
-        pre.get("processor_class"),
-        pre.get("image_processor_type"),
-    }
-    model_type = _read_json(folder, "config.json").get("model_type")
-    if model_type not in SPLIT_IMAGE_FAMILY["models"] and not named & set(SPLIT_IMAGE_FAMILY["processors"]):
+    if not _folder_of(folder, SPLIT_IMAGE_FAMILY["models"], SPLIT_IMAGE_FAMILY["processors"]):
         return None
-    vocab = tok.get_vocab(with_added_tokens=True)
-    missing = [t for t in (PALIGEMMA_IMAGE_TOKEN, *IDEFICS3_TOKENS) if t not in vocab]
-    if missing:
-        raise ConvertError(
-            f"error: --tokenizer={folder}: a SmolVLM or Idefics3 checkpoint's folder whose tokenizer has no "
-            f"{missing[0]!r}; valid: the checkpoint's own tokenizer, which holds it"
-        )
+    _require_tokens(folder, tok, (PALIGEMMA_IMAGE_TOKEN, *IDEFICS3_TOKENS), "SmolVLM or Idefics3")
+    pre = _read_json(folder, "preprocessor_config.json")
     fields = {
         "longest_edge": (pre.get("size") or {}).get("longest_edge", IDEFICS3_DEFAULTS["longest_edge"]),
         "max_image_size": (pre.get("max_image_size") or {}).get("longest_edge", IDEFICS3_DEFAULTS["max_image_size"]),
@@ -529,13 +528,7 @@ def _qwen_vl_sequence(folder: Path, tok) -> ImageSequence | None:
         (folder / "config.json").is_file() and _read_json(folder, "config.json").get("model_type") in QWEN_VL_MODELS
     ):
         return None
-    vocab = tok.get_vocab(with_added_tokens=True)
-    missing = [t for t in QWEN_VL_TOKENS if t not in vocab]
-    if missing:
-        raise ConvertError(
-            f"error: --tokenizer={folder}: a Qwen-VL checkpoint's folder whose tokenizer has no {missing[0]!r}; "
-            f"valid: the checkpoint's own tokenizer (it holds {', '.join(QWEN_VL_TOKENS)})"
-        )
+    _require_tokens(folder, tok, QWEN_VL_TOKENS, "Qwen-VL")
     size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
     fields = {
         **QWEN_VL_DEFAULTS,
